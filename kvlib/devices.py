@@ -1,0 +1,46 @@
+"""Device and dtype handling for kvlib, kept in one place so it can be checked.
+
+Bookkeeping (block tables, lengths, reference counts, free lists) lives on the CPU as int64
+tensors; page arenas live on the pool's device. Index tensors cross from the CPU to the arena's
+device only through :func:`to_arena_device`, and data is validated against the store's device
+and dtype only through :func:`check_tensor`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+CPU = torch.device("cpu")
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """Return a concrete ``torch.device`` (``"cuda"`` becomes ``cuda:<current>``)."""
+    if device is None:
+        return CPU
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def to_arena_device(index: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Move a CPU index tensor to an arena's device.
+
+    On CUDA the copy is issued ``non_blocking``: it is ordered on the current stream before any
+    kernel that uses the result, so it is safe without a synchronisation.
+    """
+    if index.device == device:
+        return index
+    if device.type == "cuda" and index.device.type == "cpu":
+        return index.pin_memory().to(device, non_blocking=True)
+    return index.to(device)
+
+
+def check_tensor(name: str, tensor: torch.Tensor, dtype: torch.dtype, device: torch.device) -> None:
+    """Raise ``ValueError`` unless ``tensor`` has the store's dtype and device."""
+    if not isinstance(tensor, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dtype != dtype:
+        raise ValueError(f"{name} has dtype {tensor.dtype}, but the store holds {dtype}")
+    if tensor.device != device:
+        raise ValueError(f"{name} is on {tensor.device}, but the store lives on {device}")

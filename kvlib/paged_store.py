@@ -1,0 +1,418 @@
+"""The paged KV store: per-layer page pools, block tables, positions, fork and compaction.
+
+A *sequence* is an integer id (a row of every layer's :class:`~kvlib.block_table.BlockTable`).
+Each layer has its own :class:`~kvlib.storage.PagePool`; a head's tokens sit in its own pages, so
+heads may keep different numbers of tokens and the pages they drop are really freed.
+
+Invariants (after every public call; ``tests/kvlib/test_store_state_machine.py`` checks them):
+
+- a page's reference count equals the number of block-table entries, over all live sequences,
+  that name it; free pages are referenced by no table;
+- reading a sequence returns the tokens appended minus those compacted away, in order, with
+  their original positions;
+- pages referenced more than once are never written: appends copy a shared open page first
+  (copy-on-write), compaction writes kept tokens to fresh pages;
+- a call that fails validation (or finds a fixed pool too small) changes nothing.
+
+All operations are vectorized over batch and heads: no Python loop runs per token or per head.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kvlib.block_table import BlockTable
+from kvlib.devices import check_tensor, resolve_device
+from kvlib.errors import PoolExhaustedError
+from kvlib.read_cache import DenseReadCache, LayerRead
+from kvlib.storage.page_pool import PagePool
+
+SequenceIds = Sequence[int] | torch.Tensor
+
+
+class PagedStore:
+    """Paged KV store for the attention layers of one model.
+
+    Args:
+        num_layers: attention layers stored.
+        num_kv_heads: KV heads per layer (an int, or one per layer).
+        head_dim: key channels per head (an int, or one per layer).
+        value_dim: value channels per head; defaults to ``head_dim``.
+        page_size: tokens per page.
+        dtype: compute dtype of keys and values.
+        device: where the page arenas live.
+        pages_per_layer: initial arena capacity in pages (the capacity, if ``fixed_capacity``).
+        fixed_capacity: never grow the arenas; appends that do not fit raise
+            :class:`~kvlib.errors.PoolExhaustedError` and change nothing.
+        read_cache: keep a dense per-layer mirror of the last batch read so decode steps copy
+            only new tokens (see :mod:`kvlib.read_cache`); its bytes are reported separately.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int | Sequence[int],
+        head_dim: int | Sequence[int],
+        *,
+        value_dim: int | Sequence[int] | None = None,
+        page_size: int = 16,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device | None = None,
+        pages_per_layer: int = 64,
+        fixed_capacity: bool = False,
+        read_cache: bool = True,
+    ) -> None:
+        if not isinstance(num_layers, int) or num_layers < 1:
+            raise ValueError(f"num_layers must be a positive int, got {num_layers!r}")
+        if not isinstance(page_size, int) or page_size < 1:
+            raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+        heads = _per_layer("num_kv_heads", num_kv_heads, num_layers)
+        keys_dim = _per_layer("head_dim", head_dim, num_layers)
+        values_dim = keys_dim if value_dim is None else _per_layer("value_dim", value_dim, num_layers)
+        self.num_layers = num_layers
+        self.page_size = page_size
+        self.dtype = dtype
+        self.device = resolve_device(device)
+        self.use_read_cache = read_cache
+        self.pools = [
+            PagePool(page_size, keys_dim[i], values_dim[i], dtype, self.device, pages_per_layer, fixed_capacity)
+            for i in range(num_layers)
+        ]
+        self.tables = [BlockTable(heads[i], page_size) for i in range(num_layers)]
+        self._read_caches: list[DenseReadCache | None] = [None] * num_layers
+        self._live: set[int] = set()
+        self._free_rows: list[int] = []
+        self._next_row = 0
+
+    # -- sequences -----------------------------------------------------------------------------
+
+    @property
+    def sequences(self) -> list[int]:
+        """Live sequence ids, ascending."""
+        return sorted(self._live)
+
+    def new_sequence(self) -> int:
+        """Create an empty sequence and return its id."""
+        if self._free_rows:
+            row = self._free_rows.pop()
+        else:
+            row = self._next_row
+            self._next_row += 1
+            for table in self.tables:
+                table.ensure_rows(self._next_row)
+        self._live.add(row)
+        return row
+
+    def fork(self, seq: int) -> int:
+        """A new sequence sharing every page of ``seq`` by reference (copy-on-write on change)."""
+        source = self._rows([seq])
+        row = self.new_sequence()
+        for pool, table in zip(self.pools, self.tables):
+            table.copy_row(int(source[0]), row)
+            pool.incref(table.referenced_pages(torch.tensor([row])))
+        return row
+
+    def release(self, seqs: SequenceIds) -> None:
+        """Drop sequences: their page references are released and their ids may be reused."""
+        rows = self._rows(seqs)
+        for layer, (pool, table) in enumerate(zip(self.pools, self.tables)):
+            pool.decref(table.referenced_pages(rows))
+            table.clear(rows)
+            self._drop_read_cache(layer, rows)
+        for row in rows.tolist():
+            self._live.discard(row)
+            self._free_rows.append(row)
+
+    def logical_lengths(self, layer: int, seqs: SequenceIds) -> torch.Tensor:
+        """Tokens each sequence has seen in ``layer``: int64 ``[batch]`` (a copy)."""
+        return self.tables[self._layer(layer)].logical[self._rows(seqs)]
+
+    def physical_lengths(self, layer: int, seqs: SequenceIds) -> torch.Tensor:
+        """Tokens stored per head in ``layer``: int64 ``[batch, kv_heads]`` (a copy)."""
+        return self.tables[self._layer(layer)].lengths[self._rows(seqs)]
+
+    # -- append --------------------------------------------------------------------------------
+
+    def append(
+        self,
+        layer: int,
+        seqs: SequenceIds,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        positions: torch.Tensor | None = None,
+    ) -> None:
+        """Append a step's tokens to every head of ``seqs`` in ``layer``.
+
+        Args:
+            keys: ``[batch, kv_heads, new_tokens, head_dim]`` in the store's dtype and device.
+            values: ``[batch, kv_heads, new_tokens, value_dim]``.
+            positions: original absolute positions of the new tokens, int ``[batch, new_tokens]``
+                or ``[new_tokens]``; by default they continue from each sequence's logical length.
+        """
+        layer = self._layer(layer)
+        rows = self._rows(seqs)
+        pool, table = self.pools[layer], self.tables[layer]
+        batch, heads, steps = self._check_step(layer, rows, keys, values)
+        positions = self._step_positions(table, rows, positions, batch, heads, steps)
+        if steps == 0:
+            return
+        lengths = table.lengths[rows]
+        new_lengths = lengths + steps
+        have, need = table.pages_used(lengths), table.pages_used(new_lengths)
+        table.ensure_pages(int(need.max()))
+
+        # Copy-on-write: a partly filled last page shared with another sequence is copied first.
+        open_index = lengths // self.page_size
+        is_open = lengths % self.page_size != 0
+        open_pages = table.pages[rows].gather(2, torch.where(is_open, open_index, 0).unsqueeze(-1)).squeeze(-1)
+        shared = is_open.clone()
+        shared[is_open] = pool.refcount[open_pages[is_open]] > 1
+        new_page_counts = (need - have).flatten()
+        copies = int(shared.sum())
+        fresh = int(new_page_counts.sum())
+        if not pool.can_allocate(copies + fresh):
+            raise PoolExhaustedError(
+                f"layer {layer}: append needs {copies + fresh} pages, {pool.free_pages} free"
+            )
+        if copies:
+            b, h = shared.nonzero(as_tuple=True)
+            copied = pool.allocate(copies)
+            pool.copy_pages(open_pages[b, h], copied)
+            pool.decref(open_pages[b, h])
+            table.pages[rows[b], h, open_index[b, h]] = copied
+        if fresh:
+            b, h, j = _page_coordinates(have, new_page_counts, heads)
+            table.pages[rows[b], h, j] = pool.allocate(fresh)
+
+        token_index = lengths.unsqueeze(-1) + torch.arange(steps)
+        slots = table.flat_slots(rows, token_index)
+        pool.write(
+            slots.flatten(),
+            keys.reshape(-1, pool.head_dim),
+            values.reshape(-1, pool.value_dim),
+            positions.reshape(-1),
+        )
+        table.lengths[rows] = new_lengths
+        table.logical[rows] += steps
+
+        cache = self._read_caches[layer]
+        if cache is not None and cache.rows == tuple(rows.tolist()):
+            cache.append(keys, values, positions)
+        else:
+            self._drop_read_cache(layer, rows)
+
+    # -- read ----------------------------------------------------------------------------------
+
+    def read(self, layer: int, seqs: SequenceIds) -> LayerRead:
+        """``seqs``' stored tokens of ``layer`` in dense form (see :class:`~kvlib.read_cache.LayerRead`).
+
+        With the read cache on, the result is a view of a dense mirror that later appends extend
+        in place: use it before the next change to the store.
+        """
+        layer = self._layer(layer)
+        rows = self._rows(seqs)
+        key = tuple(rows.tolist())
+        cache = self._read_caches[layer]
+        if cache is not None and cache.rows == key:
+            return cache.view()
+        lengths = self.tables[layer].lengths[rows]
+        longest = int(lengths.max()) if lengths.numel() else 0
+        if not self.use_read_cache:
+            return self._gather(layer, rows, longest)
+        headroom = max(self.page_size, longest // 4)
+        capacity = -(-(longest + headroom) // self.page_size) * self.page_size
+        self._drop_read_cache(layer, rows)
+        cache = DenseReadCache(key, self._gather(layer, rows, capacity), lengths, self.page_size)
+        self._read_caches[layer] = cache
+        return cache.view()
+
+    def _gather(self, layer: int, rows: torch.Tensor, size: int) -> LayerRead:
+        """Gather ``rows`` from the pages into fresh dense tensors with ``size`` slots per head."""
+        pool, table = self.pools[layer], self.tables[layer]
+        lengths = table.lengths[rows]
+        batch, heads = lengths.shape
+        token_index = torch.arange(size).expand(batch, heads, size)
+        valid = token_index < lengths.unsqueeze(-1)
+        slots = table.flat_slots(rows, torch.where(valid, token_index, 0))[valid]
+        keys, values, positions = pool.gather(slots)
+        valid_on_device = valid.to(self.device)
+        out_keys = torch.zeros(batch, heads, size, pool.head_dim, dtype=self.dtype, device=self.device)
+        out_values = torch.zeros(batch, heads, size, pool.value_dim, dtype=self.dtype, device=self.device)
+        out_positions = torch.full((batch, heads, size), -1, dtype=torch.int64, device=self.device)
+        out_keys[valid_on_device] = keys
+        out_values[valid_on_device] = values
+        out_positions[valid_on_device] = positions
+        return LayerRead(out_keys, out_values, out_positions, valid_on_device)
+
+    # -- compaction ----------------------------------------------------------------------------
+
+    def compact(self, layer: int, seqs: SequenceIds, keep: torch.Tensor) -> None:
+        """Keep only the given stored tokens of each (sequence, head) of ``layer``; free the rest.
+
+        Args:
+            keep: int ``[batch, kv_heads, k]`` indices into each head's stored tokens (physical
+                slots, ``0 <= i < physical length``), in any order, no repeats; ``-1`` pads heads
+                that keep fewer. Kept tokens stay in their original order.
+
+        Full leading pages whose tokens all stay in place are kept as they are; the rest of a
+        changed head is written to fresh pages and its old pages are released, so pages shared
+        with other sequences are never modified.
+        """
+        layer = self._layer(layer)
+        rows = self._rows(seqs)
+        pool, table = self.pools[layer], self.tables[layer]
+        lengths = table.lengths[rows]
+        kept = _sorted_keep(keep, lengths)
+        new_lengths = (kept >= 0).sum(-1)
+        changed = new_lengths != lengths
+        if not bool(changed.any()):
+            return
+        width = kept.shape[-1]
+        slot = torch.arange(width)
+        in_place = (kept == slot).long().cumprod(-1).sum(-1)
+        first_page = in_place // self.page_size
+        start = first_page * self.page_size
+        rewrite = changed.unsqueeze(-1) & (slot >= start.unsqueeze(-1)) & (slot < new_lengths.unsqueeze(-1))
+
+        old_pages_used, new_pages_used = table.pages_used(lengths), table.pages_used(new_lengths)
+        page_slot = torch.arange(table.pages.shape[2])
+        drop_page = changed.unsqueeze(-1) & (page_slot >= first_page.unsqueeze(-1)) & (
+            page_slot < old_pages_used.unsqueeze(-1)
+        )
+        dropped = table.pages[rows][drop_page]
+        new_page_counts = torch.where(changed, new_pages_used - first_page, 0).flatten()
+        needed = int(new_page_counts.sum())
+        unique, counts = torch.unique(dropped, return_counts=True)
+        freed = int((pool.refcount[unique] == counts).sum())
+        if not pool.can_allocate(needed - freed):
+            raise PoolExhaustedError(f"layer {layer}: compaction needs {needed} pages, {pool.free_pages + freed} free")
+
+        source = table.flat_slots(rows, kept.clamp(min=0))[rewrite]
+        moved_keys, moved_values, moved_positions = pool.gather(source)
+        pool.decref(dropped)
+        b, h, j = drop_page.nonzero(as_tuple=True)
+        table.pages[rows[b], h, j] = -1
+        if needed:
+            b, h, j = _page_coordinates(first_page, new_page_counts, lengths.shape[1])
+            table.pages[rows[b], h, j] = pool.allocate(needed)
+        target = table.flat_slots(rows, slot.expand_as(kept))[rewrite]
+        pool.write(target, moved_keys, moved_values, moved_positions)
+        table.lengths[rows] = new_lengths
+        self._drop_read_cache(layer, rows)
+
+    # -- memory --------------------------------------------------------------------------------
+
+    def bytes_in_use(self) -> int:
+        """Bytes held by pages in use across all layers (keys, values, positions)."""
+        return sum(pool.bytes_in_use() for pool in self.pools)
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes held, by component: ``pages`` (keys and values of pages in use), ``positions``,
+        ``tables`` (block tables and lengths), ``read_cache`` (dense mirrors) and ``reserved``
+        (whole arenas, free pages included)."""
+        tables = sum(
+            sum(t.numel() * t.element_size() for t in (table.pages, table.lengths, table.logical))
+            for table in self.tables
+        )
+        return {
+            "pages": sum(pool.pages_in_use * pool.kv_page_bytes for pool in self.pools),
+            "positions": sum(pool.pages_in_use * pool.position_page_bytes for pool in self.pools),
+            "tables": tables,
+            "read_cache": sum(cache.nbytes() for cache in self._read_caches if cache is not None),
+            "reserved": sum(pool.bytes_reserved() for pool in self.pools),
+        }
+
+    # -- validation helpers ----------------------------------------------------------------------
+
+    def _layer(self, layer: int) -> int:
+        if not isinstance(layer, int) or not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer must be an int in [0, {self.num_layers}), got {layer!r}")
+        return layer
+
+    def _rows(self, seqs: SequenceIds) -> torch.Tensor:
+        ids = seqs.tolist() if isinstance(seqs, torch.Tensor) else list(seqs)
+        if not ids:
+            raise ValueError("at least one sequence id is needed")
+        unknown = [s for s in ids if not isinstance(s, int) or s not in self._live]
+        if unknown:
+            raise ValueError(f"unknown or released sequence ids {unknown}; live ids: {self.sequences}")
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"sequence ids repeat in one batch: {ids}")
+        return torch.tensor(ids, dtype=torch.int64)
+
+    def _check_step(
+        self, layer: int, rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+    ) -> tuple[int, int, int]:
+        pool, heads = self.pools[layer], self.tables[layer].num_heads
+        check_tensor("keys", keys, self.dtype, self.device)
+        check_tensor("values", values, self.dtype, self.device)
+        expect_k = (len(rows), heads, keys.shape[2] if keys.dim() == 4 else -1, pool.head_dim)
+        if keys.dim() != 4 or tuple(keys.shape) != expect_k:
+            raise ValueError(
+                f"layer {layer}: keys must be [batch={len(rows)}, kv_heads={heads}, tokens, head_dim={pool.head_dim}],"
+                f" got {list(keys.shape)}"
+            )
+        expect_v = (*expect_k[:3], pool.value_dim)
+        if values.dim() != 4 or tuple(values.shape) != expect_v:
+            raise ValueError(f"layer {layer}: values must be {list(expect_v)}, got {list(values.shape)}")
+        return len(rows), heads, keys.shape[2]
+
+    def _step_positions(
+        self,
+        table: BlockTable,
+        rows: torch.Tensor,
+        positions: torch.Tensor | None,
+        batch: int,
+        heads: int,
+        steps: int,
+    ) -> torch.Tensor:
+        """Positions of a step as int64 ``[batch, heads, steps]`` on the store's device."""
+        if positions is None:
+            positions = table.logical[rows].unsqueeze(-1) + torch.arange(steps)
+        if not isinstance(positions, torch.Tensor) or positions.dtype.is_floating_point or positions.dtype == torch.bool:
+            raise ValueError("positions must be an integer tensor of shape [batch, tokens] or [tokens]")
+        if positions.dim() == 1:
+            positions = positions.unsqueeze(0).expand(batch, steps)
+        if tuple(positions.shape) != (batch, steps):
+            raise ValueError(f"positions must have shape [{batch}, {steps}] or [{steps}], got {list(positions.shape)}")
+        return positions.to(self.device, torch.int64).unsqueeze(1).expand(batch, heads, steps)
+
+    def _drop_read_cache(self, layer: int, rows: torch.Tensor) -> None:
+        cache = self._read_caches[layer]
+        if cache is not None and not set(cache.rows).isdisjoint(rows.tolist()):
+            self._read_caches[layer] = None
+
+
+def _per_layer(name: str, value: int | Sequence[int], num_layers: int) -> list[int]:
+    values = [value] * num_layers if isinstance(value, int) else list(value)
+    if len(values) != num_layers or not all(isinstance(v, int) and v > 0 for v in values):
+        raise ValueError(f"{name} must be a positive int or {num_layers} positive ints, got {value!r}")
+    return values
+
+
+def _page_coordinates(first: torch.Tensor, counts: torch.Tensor, heads: int) -> tuple[torch.Tensor, ...]:
+    """Table coordinates ``(batch, head, page_index)`` of ``counts[b*heads+h]`` new pages per
+    head, numbered from ``first[b, h]`` on, in (batch, head, page) order."""
+    total = int(counts.sum())
+    group = torch.repeat_interleave(torch.arange(counts.numel()), counts)
+    group_start = torch.repeat_interleave(counts.cumsum(0) - counts, counts)
+    page_index = first.flatten()[group] + torch.arange(total) - group_start
+    return group // heads, group % heads, page_index
+
+
+def _sorted_keep(keep: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Validate ``keep`` against ``lengths [batch, heads]``; return it sorted with -1 padding last."""
+    if not isinstance(keep, torch.Tensor) or keep.dtype.is_floating_point or keep.dtype == torch.bool:
+        raise ValueError("keep must be an integer tensor [batch, kv_heads, k] of token indices (-1 pads)")
+    keep = keep.to("cpu", torch.int64)
+    if keep.dim() != 3 or tuple(keep.shape[:2]) != tuple(lengths.shape):
+        raise ValueError(f"keep must have shape [{lengths.shape[0]}, {lengths.shape[1]}, k], got {list(keep.shape)}")
+    if bool(((keep < -1) | (keep >= lengths.unsqueeze(-1))).any()):
+        raise ValueError("keep indices must be -1 (padding) or in [0, physical length) of their head")
+    past_end = torch.iinfo(torch.int64).max
+    ordered = torch.where(keep >= 0, keep, past_end).sort(dim=-1).values
+    if bool(((ordered[..., 1:] == ordered[..., :-1]) & (ordered[..., 1:] != past_end)).any()):
+        raise ValueError("keep indices repeat within a head")
+    return torch.where(ordered == past_end, -1, ordered)

@@ -1,0 +1,93 @@
+"""Typed, validated strategy parameters, driven by a dataclass field's type annotation.
+
+Supported annotations: ``int``, ``float`` (ints are widened), ``bool``, ``str``,
+``Literal[...]``, ``X | None``, ``tuple[X, ...]`` and strategy classes (a strategy given as an
+object, or as a one-strategy spec string such as ``"snapkv(window=16)"``).
+"""
+
+from __future__ import annotations
+
+import types
+import typing
+from typing import Any, Literal, Union
+
+from kvlib.errors import SpecError
+
+
+def describe(annotation: Any) -> str:
+    """A short human name for a parameter type (``int``, ``float | None``, ``'a' | 'b'``)."""
+    origin = typing.get_origin(annotation)
+    if origin is Literal:
+        return " | ".join(repr(v) for v in typing.get_args(annotation))
+    if origin in (Union, types.UnionType):
+        return " | ".join(describe(a) for a in typing.get_args(annotation))
+    if origin is tuple:
+        return f"tuple[{describe(typing.get_args(annotation)[0])}, ...]"
+    if annotation is type(None):
+        return "None"
+    return getattr(annotation, "__name__", str(annotation))
+
+
+def coerce(owner: str, name: str, annotation: Any, value: Any) -> Any:
+    """Return ``value`` converted to ``annotation``; raise :class:`SpecError` naming the problem."""
+    try:
+        return _coerce(annotation, value)
+    except (TypeError, ValueError) as exc:
+        detail = f" ({exc})" if str(exc) else ""
+        raise SpecError(
+            f"{owner}: parameter {name!r} must be {describe(annotation)}, got {value!r}"
+            f" ({type(value).__name__}){detail}"
+        ) from None
+
+
+def _coerce(annotation: Any, value: Any) -> Any:
+    from kvlib.strategy import Strategy
+
+    origin = typing.get_origin(annotation)
+    if annotation is Any:
+        return value
+    if origin in (Union, types.UnionType):
+        for option in typing.get_args(annotation):
+            try:
+                return _coerce(option, value)
+            except (TypeError, ValueError):
+                continue
+        raise TypeError("")
+    if origin is Literal:
+        if value in typing.get_args(annotation) and not isinstance(value, bool):
+            return value
+        raise ValueError("")
+    if origin is tuple:
+        item = typing.get_args(annotation)[0]
+        if not isinstance(value, (tuple, list)):
+            raise TypeError("")
+        return tuple(_coerce(item, v) for v in value)
+    if annotation is type(None):
+        if value is None:
+            return None
+        raise TypeError("")
+    if annotation is bool:
+        if isinstance(value, bool):
+            return value
+        raise TypeError("")
+    if annotation is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise TypeError("")
+    if annotation is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise TypeError("")
+    if annotation is str:
+        if isinstance(value, str):
+            return value
+        raise TypeError("")
+    if isinstance(annotation, type) and issubclass(annotation, Strategy):
+        if isinstance(value, str):
+            from kvlib.spec import parse_strategy
+
+            value = parse_strategy(value)
+        if isinstance(value, annotation):
+            return value
+        raise TypeError(f"expected a {annotation.kind} strategy")
+    raise TypeError(f"unsupported parameter annotation {annotation!r}")

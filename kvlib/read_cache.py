@@ -1,0 +1,112 @@
+"""Dense, incrementally maintained view of one layer for one batch of sequences.
+
+Attention kernels want ``[batch, kv_heads, tokens, head_dim]``. Gathering that from pages on
+every decode step would copy the whole cache per step (what ``torch.cat`` does in
+``DynamicCache``). A :class:`DenseReadCache` is filled once from the pages and then kept in step
+by the store's appends (write-through), so a decode step writes only the new tokens. Any other
+change to its sequences in that layer (compaction, release) drops it, and the next read rebuilds
+it from the pages.
+
+Invariant: for batch row ``b``, head ``h`` and ``i < lengths[b, h]``, slot ``i`` holds the
+``i``-th stored token of that head; slots at or past ``lengths[b, h]`` hold zero keys and values,
+position ``-1`` and ``valid == False`` (zeros, not garbage, so masked scores stay finite).
+Its bytes are a workspace beside the pages and are reported as such by the store.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from kvlib.devices import to_arena_device
+
+
+class LayerRead(NamedTuple):
+    """One layer of a batch of sequences in dense form (physical slots, padded at the end).
+
+    keys: ``[batch, kv_heads, max_len, head_dim]``; values: ``[batch, kv_heads, max_len, value_dim]``;
+    positions: int64 ``[batch, kv_heads, max_len]``, original absolute positions, ``-1`` where
+    invalid; valid: bool ``[batch, kv_heads, max_len]``.
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    positions: torch.Tensor
+    valid: torch.Tensor
+
+
+class DenseReadCache:
+    """Dense mirror of one layer for the batch of sequence ids ``rows`` (in that order)."""
+
+    growth = 1.25
+    """Capacity grows by this factor (amortized O(1) copies per appended token)."""
+
+    def __init__(self, rows: tuple[int, ...], read: LayerRead, lengths: torch.Tensor, align: int) -> None:
+        self.rows = rows
+        self.align = align
+        self.lengths = lengths.clone()
+        self.keys = read.keys
+        self.values = read.values
+        self.positions = read.positions
+        self.valid = read.valid
+
+    @property
+    def capacity(self) -> int:
+        return self.keys.shape[2]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.keys, self.values, self.positions, self.valid))
+
+    def view(self) -> LayerRead:
+        """The current contents, narrowed to the longest head (views, valid until the next write)."""
+        length = int(self.lengths.max()) if self.lengths.numel() else 0
+        return LayerRead(
+            self.keys[:, :, :length],
+            self.values[:, :, :length],
+            self.positions[:, :, :length],
+            self.valid[:, :, :length],
+        )
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
+        """Mirror an append of ``keys [B, H, T, D]`` (positions ``[B, H, T]``) after each head's end."""
+        steps = keys.shape[2]
+        start = self.lengths
+        self._ensure_capacity(int(start.max()) + steps)
+        first = int(start[0, 0])
+        if bool((start == first).all()):
+            end = first + steps
+            self.keys[:, :, first:end] = keys
+            self.values[:, :, first:end] = values
+            self.positions[:, :, first:end] = positions
+            self.valid[:, :, first:end] = True
+        else:
+            batch, heads = start.shape
+            b = torch.arange(batch).view(batch, 1, 1).expand(batch, heads, steps)
+            h = torch.arange(heads).view(1, heads, 1).expand(batch, heads, steps)
+            t = start.unsqueeze(-1) + torch.arange(steps)
+            index = tuple(to_arena_device(i, self.keys.device) for i in (b, h, t))
+            self.keys[index] = keys
+            self.values[index] = values
+            self.positions[index] = positions
+            self.valid[index] = True
+        self.lengths = start + steps
+
+    def _ensure_capacity(self, needed: int) -> None:
+        if needed <= self.capacity:
+            return
+        size = max(needed, int(self.capacity * self.growth))
+        size = -(-size // self.align) * self.align
+        self.keys = _pad_tokens(self.keys, size, 0)
+        self.values = _pad_tokens(self.values, size, 0)
+        self.positions = _pad_tokens(self.positions, size, -1)
+        self.valid = _pad_tokens(self.valid, size, False)
+
+
+def _pad_tokens(tensor: torch.Tensor, size: int, fill: int | bool) -> torch.Tensor:
+    """A copy of ``tensor`` with dim 2 extended to ``size``, new slots set to ``fill``."""
+    shape = list(tensor.shape)
+    shape[2] = size
+    out = torch.full(shape, fill, dtype=tensor.dtype, device=tensor.device)
+    out[:, :, : tensor.shape[2]] = tensor
+    return out

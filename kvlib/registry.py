@@ -1,0 +1,106 @@
+"""The strategy registry: names to strategy classes, by kind, with entry-point plugins.
+
+Built-in strategies live in :mod:`kvlib.policies` and register on import. Third-party
+strategies register with the same decorator, or are advertised in the ``kvlib.policies``
+entry-point group: each entry point names a module (whose import registers its strategies) or a
+strategy class (registered under the entry point's name). Built-ins and plugins load lazily on
+the first look-up. Names are unique across kinds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib
+import re
+import warnings
+from collections.abc import Callable
+from importlib.metadata import entry_points
+
+from kvlib.errors import SpecError
+from kvlib.strategy import KIND_BASES, NEEDS, Eviction, Strategy
+
+ENTRY_POINT_GROUP = "kvlib.policies"
+_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
+
+_registry: dict[str, type[Strategy]] = {}
+_loaded = False
+
+
+def register(name: str) -> Callable[[type[Strategy]], type[Strategy]]:
+    """Class decorator: register a strategy dataclass under ``name`` (its kind comes from its base).
+
+    Raises ``ValueError`` for a malformed name, a class that is not a dataclass subclassing one
+    of the kind bases, unknown ``needs``, or a name already taken by another class.
+    """
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise ValueError(f"strategy name must match {_NAME.pattern} (lowercase, digits, _), got {name!r}")
+
+    def decorate(cls: type[Strategy]) -> type[Strategy]:
+        _check_class(name, cls)
+        existing = _registry.get(name)
+        if existing is not None and _qualname(existing) != _qualname(cls):
+            raise ValueError(
+                f"strategy name {name!r} is taken by {_qualname(existing)}; choose another name for {_qualname(cls)}"
+            )
+        cls.name = name
+        _registry[name] = cls
+        return cls
+
+    return decorate
+
+
+def available_policies() -> dict[str, list[str]]:
+    """Registered strategy names by kind (every kind present, names sorted), plugins included."""
+    _load()
+    by_kind: dict[str, list[str]] = {kind: [] for kind in KIND_BASES}
+    for name, cls in _registry.items():
+        by_kind[cls.kind].append(name)
+    return {kind: sorted(names) for kind, names in by_kind.items()}
+
+
+def get_policy(name: str) -> type[Strategy]:
+    """The strategy class registered under ``name``; ``SpecError`` listing valid names if none."""
+    _load()
+    if name in _registry:
+        return _registry[name]
+    close = difflib.get_close_matches(name, list(_registry), n=3)
+    hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+    listing = "; ".join(f"{kind}: {', '.join(names) or '(none)'}" for kind, names in available_policies().items())
+    raise SpecError(f"unknown strategy {name!r}.{hint} Valid strategies by kind: {listing}")
+
+
+def _check_class(name: str, cls: type) -> None:
+    if not isinstance(cls, type) or not issubclass(cls, Strategy) or cls.kind not in KIND_BASES:
+        kinds = ", ".join(base.__name__ for base in KIND_BASES.values())
+        raise ValueError(f"strategy {name!r} must subclass one of kvlib's kind bases ({kinds})")
+    if not dataclasses.is_dataclass(cls):
+        raise ValueError(f"strategy {name!r} must be a @dataclass (its fields are its parameters)")
+    if issubclass(cls, Eviction):
+        unknown = set(cls.needs) - NEEDS
+        if unknown:
+            raise ValueError(f"strategy {name!r} needs unknown inputs {sorted(unknown)}; valid: {sorted(NEEDS)}")
+
+
+def _qualname(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _load() -> None:
+    """Import the built-in strategies and the entry-point plugins, once."""
+    global _loaded
+    if _loaded:
+        return
+    _loaded = True
+    importlib.import_module("kvlib.policies")
+    for entry in entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            loaded = entry.load()
+            if isinstance(loaded, type) and loaded not in _registry.values():
+                register(entry.name)(loaded)
+        except Exception as exc:  # a broken plugin must not take kvlib down with it
+            warnings.warn(
+                f"kvlib: plugin {entry.name!r} ({entry.value}) from group {ENTRY_POINT_GROUP!r} failed to load: {exc}",
+                RuntimeWarning,
+                stacklevel=2,
+            )

@@ -1,0 +1,37 @@
+"""StreamingLLM: attention sinks plus a recent window."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvlib.registry import register
+from kvlib.strategy import Eviction, LayerView
+
+
+@register("streaming_llm")
+@dataclass
+class StreamingLLM(Eviction):
+    """StreamingLLM (Xiao et al., 2023, "Efficient Streaming Language Models with Attention Sinks").
+
+    Keeps the first ``sinks`` stored tokens of each head (the attention sinks that absorb
+    surplus attention) and the most recent tokens; the recent window is whatever the budget
+    leaves after the sinks. Needs nothing from attention, so it costs no extra compute.
+
+    Args:
+        sinks: initial tokens always kept (the paper finds 4 enough). Counts toward the budget.
+    """
+
+    sinks: int = 4
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.sinks < 0:
+            raise ValueError(f"sinks must be >= 0, got {self.sinks}")
+
+    def score(self, view: LayerView) -> torch.Tensor:
+        """Recency rank among valid slots; sinks score +inf, invalid slots -inf."""
+        rank = (view.valid.long().cumsum(-1) - 1).to(torch.float32)
+        score = torch.where(rank < self.sinks, torch.inf, rank)
+        return torch.where(view.valid, score, -torch.inf)
