@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import torch
 
 from kvlib.block_table import BlockTable
-from kvlib.devices import check_tensor, resolve_device
+from kvlib.devices import check_tensor, resolve_device, to_arena_device
 from kvlib.errors import PoolExhaustedError
 from kvlib.read_cache import DenseReadCache, LayerRead
 from kvlib.storage.page_pool import PagePool
@@ -229,22 +229,37 @@ class PagedStore:
         return cache.view()
 
     def _gather(self, layer: int, rows: torch.Tensor, size: int) -> LayerRead:
-        """Gather ``rows`` from the pages into fresh dense tensors with ``size`` slots per head."""
+        """Gather ``rows`` from the pages into fresh dense tensors with ``size`` slots per head.
+
+        Whole pages are gathered (one ``index_select`` of contiguous page rows per tensor); slots
+        past each head's length are then zeroed and marked invalid.
+        """
         pool, table = self.pools[layer], self.tables[layer]
         lengths = table.lengths[rows]
         batch, heads = lengths.shape
-        token_index = torch.arange(size).expand(batch, heads, size)
-        valid = token_index < lengths.unsqueeze(-1)
-        slots = table.flat_slots(rows, torch.where(valid, token_index, 0))[valid]
-        keys, values, positions = pool.gather(slots)
-        valid_on_device = valid.to(self.device)
-        out_keys = torch.zeros(batch, heads, size, pool.head_dim, dtype=self.dtype, device=self.device)
-        out_values = torch.zeros(batch, heads, size, pool.value_dim, dtype=self.dtype, device=self.device)
-        out_positions = torch.full((batch, heads, size), -1, dtype=torch.int64, device=self.device)
-        out_keys[valid_on_device] = keys
-        out_values[valid_on_device] = values
-        out_positions[valid_on_device] = positions
-        return LayerRead(out_keys, out_values, out_positions, valid_on_device)
+        valid = torch.arange(size) < lengths.unsqueeze(-1)
+        if pool.pages_in_use == 0:  # nothing stored: no page to gather from
+            return LayerRead(
+                torch.zeros(batch, heads, size, pool.head_dim, dtype=self.dtype, device=self.device),
+                torch.zeros(batch, heads, size, pool.value_dim, dtype=self.dtype, device=self.device),
+                torch.full((batch, heads, size), -1, dtype=torch.int64, device=self.device),
+                valid.to(self.device),
+            )
+        pages = -(-size // self.page_size)
+        page_ids = table.pages[rows][:, :, :pages]
+        if page_ids.shape[2] < pages:
+            page_ids = torch.nn.functional.pad(page_ids, (0, pages - page_ids.shape[2]), value=-1)
+        index = to_arena_device(page_ids.clamp(min=0).flatten(), self.device)
+        slots = pages * self.page_size
+        keys = pool.keys.index_select(0, index).view(batch, heads, slots, pool.head_dim)[:, :, :size]
+        values = pool.values.index_select(0, index).view(batch, heads, slots, pool.value_dim)[:, :, :size]
+        positions = pool.positions.index_select(0, index).view(batch, heads, slots)[:, :, :size]
+        if not bool(valid.all()):
+            invalid = to_arena_device(~valid, self.device)
+            keys.masked_fill_(invalid.unsqueeze(-1), 0)
+            values.masked_fill_(invalid.unsqueeze(-1), 0)
+            positions.masked_fill_(invalid, -1)
+        return LayerRead(keys, values, positions, to_arena_device(valid, self.device))
 
     # -- compaction ----------------------------------------------------------------------------
 
@@ -297,7 +312,7 @@ class PagedStore:
         if needed:
             b, h, j = _page_coordinates(first_page, new_page_counts, lengths.shape[1])
             table.pages[rows[b], h, j] = pool.allocate(needed)
-        target = table.flat_slots(rows, slot.expand_as(kept))[rewrite]
+        target = table.flat_slots(rows, torch.where(rewrite, slot, 0))[rewrite]
         pool.write(target, moved_keys, moved_values, moved_positions)
         table.lengths[rows] = new_lengths
         self._drop_read_cache(layer, rows)

@@ -1,12 +1,13 @@
 """Typed, validated strategy parameters, driven by a dataclass field's type annotation.
 
-Supported annotations: ``int``, ``float`` (ints are widened), ``bool``, ``str``,
-``Literal[...]``, ``X | None``, ``tuple[X, ...]`` and strategy classes (a strategy given as an
+Supported annotations: ``int``, ``float`` (ints are widened; finite only), ``bool``, ``str``,
+``Literal[...]`` (matched by type and value), ``X | None``, ``tuple[X, ...]`` and strategy classes (a strategy given as an
 object, or as a one-strategy spec string such as ``"snapkv(window=16)"``).
 """
 
 from __future__ import annotations
 
+import math
 import types
 import typing
 from typing import Any, Literal, Union
@@ -22,7 +23,10 @@ def describe(annotation: Any) -> str:
     if origin in (Union, types.UnionType):
         return " | ".join(describe(a) for a in typing.get_args(annotation))
     if origin is tuple:
-        return f"tuple[{describe(typing.get_args(annotation)[0])}, ...]"
+        args = typing.get_args(annotation)
+        if len(args) == 2 and args[1] is Ellipsis:
+            return f"tuple[{describe(args[0])}, ...]"
+        return f"tuple[{', '.join(describe(a) for a in args)}]"
     if annotation is type(None):
         return "None"
     return getattr(annotation, "__name__", str(annotation))
@@ -40,6 +44,14 @@ def coerce(owner: str, name: str, annotation: Any, value: Any) -> Any:
         ) from None
 
 
+def _homogeneous_tuple_item(annotation: Any) -> Any:
+    """``X`` of ``tuple[X, ...]``; other tuple forms are not supported parameter types."""
+    args = typing.get_args(annotation)
+    if len(args) == 2 and args[1] is Ellipsis:
+        return args[0]
+    raise TypeError(f"unsupported parameter annotation {describe(annotation)}: use tuple[X, ...]")
+
+
 def _coerce(annotation: Any, value: Any) -> Any:
     from kvlib.strategy import Strategy
 
@@ -54,11 +66,11 @@ def _coerce(annotation: Any, value: Any) -> Any:
                 continue
         raise TypeError("")
     if origin is Literal:
-        if value in typing.get_args(annotation) and not isinstance(value, bool):
+        if any(type(value) is type(option) and value == option for option in typing.get_args(annotation)):
             return value
         raise ValueError("")
     if origin is tuple:
-        item = typing.get_args(annotation)[0]
+        item = _homogeneous_tuple_item(annotation)
         if not isinstance(value, (tuple, list)):
             raise TypeError("")
         return tuple(_coerce(item, v) for v in value)
@@ -76,6 +88,8 @@ def _coerce(annotation: Any, value: Any) -> Any:
         raise TypeError("")
     if annotation is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if not math.isfinite(value):
+                raise ValueError("must be finite")
             return float(value)
         raise TypeError("")
     if annotation is str:

@@ -38,6 +38,9 @@ def register(name: str) -> Callable[[type[Strategy]], type[Strategy]]:
 
     def decorate(cls: type[Strategy]) -> type[Strategy]:
         _check_class(name, cls)
+        own = registered_name(cls)
+        if own and own != name and _registry.get(own) is cls:
+            raise ValueError(f"{_qualname(cls)} is already registered as {own!r}; a class has one name")
         existing = _registry.get(name)
         if existing is not None and _qualname(existing) != _qualname(cls):
             raise ValueError(
@@ -48,6 +51,11 @@ def register(name: str) -> Callable[[type[Strategy]], type[Strategy]]:
         return cls
 
     return decorate
+
+
+def registered_name(cls: type[Strategy]) -> str:
+    """The name ``cls`` itself was registered under, or ``""`` (a subclass does not inherit it)."""
+    return cls.__dict__.get("name", "")
 
 
 def available_policies() -> dict[str, list[str]]:

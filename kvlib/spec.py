@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from kvlib.errors import SpecError
 from kvlib.params import describe
-from kvlib.registry import get_policy
+from kvlib.registry import get_policy, registered_name
 from kvlib.strategy import (
     MAX_PER_SPEC,
     Budget,
@@ -92,7 +92,7 @@ def parse_strategy(text: str) -> Strategy:
 def _compose(strategies: list[Strategy]) -> Spec:
     by_kind: dict[str, list[Strategy]] = {kind: [] for kind in MAX_PER_SPEC}
     for strategy in strategies:
-        if not strategy.name:
+        if not registered_name(type(strategy)):
             raise SpecError(f"{type(strategy).__name__} is not registered; decorate it with @kvlib.register(name)")
         by_kind[strategy.kind].append(strategy)
     for kind, found in by_kind.items():
@@ -145,9 +145,11 @@ def _build(term: ast.expr, text: str) -> Strategy:
         for keyword in term.keywords:
             if keyword.arg is None:
                 raise SpecError(f"{name}: '**' is not allowed in a spec")
+            if keyword.arg in kwargs:
+                raise SpecError(f"{name}: parameter {keyword.arg!r} is given twice in {text!r}")
             try:
                 kwargs[keyword.arg] = ast.literal_eval(keyword.value)
-            except ValueError:
+            except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
                 raise SpecError(
                     f"{name}: value of {keyword.arg!r} must be a literal (number, string, True/False, None, tuple),"
                     f" got {ast.unparse(keyword.value)!r}"

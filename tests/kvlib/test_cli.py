@@ -1,0 +1,103 @@
+"""Tests for the ``kvlib`` command line (kvlib.cli)."""
+
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import pytest
+
+from kvlib import cli, registry
+from kvlib.errors import SpecError
+from kvlib.strategy import KIND_BASES, Quantization
+
+KINDS = ("eviction", "budget", "quantization", "lowrank", "reuse", "tiering")
+
+
+@dataclass
+class MyTestCliQuant(Quantization):
+    """Test-only quantization codec shown by kvlib list.
+
+    Second docstring line, not shown.
+    """
+
+    bits: int = 2
+
+
+def check_listing(out: str) -> None:
+    lines = out.splitlines()
+    kind_lines = [line for line in lines if not line.startswith(" ")]
+    assert kind_lines == [f"{kind}:" for kind in KINDS]
+    assert any(line.startswith("  streaming_llm: StreamingLLM (Xiao et al., 2023") for line in lines)
+    assert "      parameters: sinks (int, default 4)" in lines
+
+
+def test_list_prints_every_kind_and_streaming_llm(capsys):
+    assert cli.main(["list"]) == 0
+    captured = capsys.readouterr()
+    check_listing(captured.out)
+    assert captured.err == ""
+
+
+def test_list_shows_empty_kinds_and_registered_plugins(capsys, monkeypatch):
+    registry.available_policies()
+    monkeypatch.setattr(registry, "_registry", {"streaming_llm": registry._registry["streaming_llm"]})
+    registry.register("mytest_cli_quant")(MyTestCliQuant)
+
+    assert cli.main(["list"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+
+    assert "  mytest_cli_quant: Test-only quantization codec shown by kvlib list." in lines
+    assert "      parameters: bits (int, default 2)" in lines
+    assert "Second docstring line" not in "\n".join(lines)
+    quant = lines.index("quantization:")
+    assert lines[quant + 1] == "  mytest_cli_quant: Test-only quantization codec shown by kvlib list."
+    for kind in ("budget", "lowrank", "reuse", "tiering"):
+        assert lines[lines.index(f"{kind}:") + 1] == "  (none yet)"
+
+
+def test_list_policies_matches_main_output(capsys):
+    text = cli.list_policies()
+    cli.main(["list"])
+    assert capsys.readouterr().out == text + "\n"
+    assert len(KIND_BASES) == len(KINDS)
+
+
+def test_no_command_prints_help(capsys):
+    assert cli.main([]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: kvlib")
+    assert "list" in out
+    assert "list registered strategies by kind" in out
+
+
+def test_help_exits_zero(capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--help"])
+    assert info.value.code == 0
+    assert "usage: kvlib" in capsys.readouterr().out
+
+
+def test_unknown_command_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["frobnicate"])
+    assert info.value.code == 2
+    assert "invalid choice: 'frobnicate'" in capsys.readouterr().err
+
+
+def test_list_error_is_reported_with_exit_code_2(capsys, monkeypatch):
+    def broken():
+        raise SpecError("registry on fire")
+
+    monkeypatch.setattr(cli, "list_policies", broken)
+    assert cli.main(["list"]) == 2
+    captured = capsys.readouterr()
+    assert captured.err == "kvlib: error: registry on fire\n"
+    assert captured.out == ""
+
+
+def test_module_entry_point_runs_list():
+    result = subprocess.run(
+        [sys.executable, "-m", "kvlib.cli", "list"], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    check_listing(result.stdout)
