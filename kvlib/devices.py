@@ -26,14 +26,13 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
 def to_arena_device(index: torch.Tensor, device: torch.device) -> torch.Tensor:
     """Move a CPU index tensor to an arena's device.
 
-    On CUDA the copy is issued ``non_blocking``: it is ordered on the current stream before any
-    kernel that uses the result, so it is safe without a synchronisation.
+    The copy is issued ``non_blocking``: it is ordered on the current stream before any kernel
+    that uses the result, so it needs no synchronisation. Index tensors are small and built
+    fresh per call, so they are not pinned (pinning costs more than it saves at this size).
     """
     if index.device == device:
         return index
-    if device.type == "cuda" and index.device.type == "cpu":
-        return index.pin_memory().to(device, non_blocking=True)
-    return index.to(device)
+    return index.to(device, non_blocking=True)
 
 
 def check_tensor(name: str, tensor: torch.Tensor, dtype: torch.dtype, device: torch.device) -> None:
