@@ -161,7 +161,6 @@ class PagedStore:
         lengths = table.lengths[rows]
         new_lengths = lengths + steps
         have, need = table.pages_used(lengths), table.pages_used(new_lengths)
-        table.ensure_pages(int(need.max()))
 
         # Copy-on-write: a partly filled last page shared with another sequence is copied first.
         open_index = lengths // self.page_size
@@ -169,15 +168,16 @@ class PagedStore:
         open_pages = table.pages[rows].gather(2, torch.where(is_open, open_index, 0).unsqueeze(-1)).squeeze(-1)
         shared = is_open.clone()
         shared[is_open] = pool.refcount[open_pages[is_open]] > 1
+        b, h = _heads_to_copy(pool, open_pages, shared)
         new_page_counts = (need - have).flatten()
-        copies = int(shared.sum())
+        copies = b.numel()
         fresh = int(new_page_counts.sum())
         if not pool.can_allocate(copies + fresh):
             raise PoolExhaustedError(
                 f"layer {layer}: append needs {copies + fresh} pages, {pool.free_pages} free"
             )
+        table.ensure_pages(int(need.max()))
         if copies:
-            b, h = shared.nonzero(as_tuple=True)
             copied = pool.allocate(copies)
             pool.copy_pages(open_pages[b, h], copied)
             pool.decref(open_pages[b, h])
@@ -388,7 +388,7 @@ class PagedStore:
             positions = table.logical[rows].unsqueeze(-1) + torch.arange(steps)
         if not isinstance(positions, torch.Tensor) or positions.dtype.is_floating_point or positions.dtype == torch.bool:
             raise ValueError("positions must be an integer tensor of shape [batch, tokens] or [tokens]")
-        if positions.dim() == 1:
+        if positions.dim() == 1 and positions.shape[0] == steps:
             positions = positions.unsqueeze(0).expand(batch, steps)
         if tuple(positions.shape) != (batch, steps):
             raise ValueError(f"positions must have shape [{batch}, {steps}] or [{steps}], got {list(positions.shape)}")
@@ -405,6 +405,24 @@ def _per_layer(name: str, value: int | Sequence[int], num_layers: int) -> list[i
     if len(values) != num_layers or not all(isinstance(v, int) and v > 0 for v in values):
         raise ValueError(f"{name} must be a positive int or {num_layers} positive ints, got {value!r}")
     return values
+
+
+def _heads_to_copy(pool: PagePool, open_pages: torch.Tensor, shared: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(batch, head)`` of the shared open pages that must be copied before an append.
+
+    When every reference to a shared page is in this append's batch, its first holder keeps
+    the original (it is the last owner once the others have their copies): no copy is wasted.
+    """
+    b, h = shared.nonzero(as_tuple=True)
+    if b.numel() == 0:
+        return b, h
+    pages = open_pages[b, h]
+    unique, inverse, counts = torch.unique(pages, return_inverse=True, return_counts=True)
+    order = torch.arange(pages.numel())
+    first = torch.full_like(unique, pages.numel()).scatter_reduce(0, inverse, order, "amin")
+    keeps = torch.zeros(pages.numel(), dtype=torch.bool)
+    keeps[first[pool.refcount[unique] == counts]] = True
+    return b[~keeps], h[~keeps]
 
 
 def _page_coordinates(first: torch.Tensor, counts: torch.Tensor, heads: int) -> tuple[torch.Tensor, ...]:

@@ -165,7 +165,7 @@ class PagePool:
         self.positions = _extend(self.positions, new, -1)
         self.refcount = _extend(self.refcount, new, 0)
         stack = torch.empty(new, dtype=torch.int64)
-        # New ids go below the existing free ids so the lowest new id is handed out last.
+        # New ids go below the existing free ids: those are handed out first, then the new ids, lowest first.
         added = torch.arange(new - 1, old - 1, -1, dtype=torch.int64)
         stack[: added.numel()] = added
         stack[added.numel() : added.numel() + self._free_top] = self._free_stack[: self._free_top]

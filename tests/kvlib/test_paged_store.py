@@ -127,6 +127,29 @@ def test_fixed_capacity_append_and_compaction_fail_without_changes() -> None:
     assert_same(before, snapshot(store))
 
 
+def test_failed_append_does_not_widen_the_block_table() -> None:
+    store = PagedStore(1, 1, 4, page_size=1, pages_per_layer=1, fixed_capacity=True)
+    seq = store.new_sequence()
+    before = snapshot(store)
+    with pytest.raises(PoolExhaustedError):
+        store.append(0, [seq], step(1, 1, 5), step(1, 1, 5))
+    assert_same(before, snapshot(store))
+    assert store.tables[0].pages.shape == (1, 1, 1)
+
+
+def test_sharers_appending_together_copy_only_what_they_must() -> None:
+    """A forked open page appended by both sharers in one batch needs one copy, not two."""
+    store = PagedStore(1, 1, 4, page_size=4, pages_per_layer=2, fixed_capacity=True)
+    parent = store.new_sequence()
+    store.append(0, [parent], step(1, 1, 2), step(1, 1, 2))
+    child = store.fork(parent)
+    store.append(0, [parent, child], step(2, 1, 1, seed=1), step(2, 1, 1, seed=1))
+    assert store.pools[0].pages_in_use == 2 and store.pools[0].refcount.tolist() == [1, 1]
+    read = store.read(0, [parent, child])
+    assert torch.equal(read.keys[:, :, 2], step(2, 1, 1, seed=1)[:, :, 0])
+    assert torch.equal(read.keys[0, :, :2], read.keys[1, :, :2])
+
+
 def test_per_layer_shapes() -> None:
     store = PagedStore(2, [1, 3], [2, 5], value_dim=[4, 1])
     seq = store.new_sequence()
@@ -145,6 +168,8 @@ def test_per_layer_shapes() -> None:
         (torch.zeros(1, 2, 1, 4), torch.zeros(1, 2, 2, 4), None, "values must be"),
         (torch.zeros(1, 2, 2, 4), torch.zeros(1, 2, 2, 4), torch.zeros(1, 3, dtype=torch.long), "shape"),
         (torch.zeros(1, 2, 1, 4), torch.zeros(1, 2, 1, 4), torch.zeros(1, 1), "integer tensor"),
+        (torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, 4), torch.tensor([7]), "shape"),
+        (torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, 4), torch.tensor([7, 8, 9, 10]), "shape"),
         ([0.0], torch.zeros(1, 2, 1, 4), None, "must be a torch.Tensor"),
     ],
 )
