@@ -114,7 +114,7 @@ def run(argv: Sequence[str] | None = None) -> dict:
     ]
     result = {
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "machine": f"{platform.machine()} {platform.processor() or ''} torch {torch.__version__}, {torch.get_num_threads()} threads",
+        "machine": f"{platform.machine()}, torch {torch.__version__}, {torch.get_num_threads()} threads",
         "rows": [
             {
                 "name": name,
