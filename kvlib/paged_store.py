@@ -223,7 +223,6 @@ class PagedStore:
             return self._gather(layer, rows, longest)
         headroom = max(self.page_size, longest // 4)
         capacity = -(-(longest + headroom) // self.page_size) * self.page_size
-        self._drop_read_cache(layer, rows)
         cache = DenseReadCache(key, self._gather(layer, rows, capacity), lengths, self.page_size)
         self._read_caches[layer] = cache
         return cache.view()
