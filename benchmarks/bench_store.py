@@ -113,7 +113,7 @@ def run(argv: Sequence[str] | None = None) -> dict:
         ("paged store, no read cache", lean_times, lean_memory["pages"] + lean_memory["positions"], 0),
     ]
     result = {
-        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "config": {k: v for k, v in vars(args).items() if k != "out"},
         "machine": f"{platform.machine()}, torch {torch.__version__}, {torch.get_num_threads()} threads",
         "rows": [
             {
@@ -137,7 +137,7 @@ def run(argv: Sequence[str] | None = None) -> dict:
 def _markdown(result: dict) -> str:
     c = result["config"]
     lines = [
-        f"# bench_store: one decode step (append 1 token + read, every layer)",
+        "# bench_store: one decode step (append 1 token + read, every layer)",
         "",
         f"{c['tokens']} tokens x {c['layers']} layers x {c['heads']} KV heads x head_dim {c['head_dim']}, "
         f"batch {c['batch']}, page {c['page_size']}, fp32 on {c['device']}; median of {c['steps']} steps. "

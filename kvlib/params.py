@@ -1,8 +1,9 @@
 """Typed, validated strategy parameters, driven by a dataclass field's type annotation.
 
 Supported annotations: ``int``, ``float`` (ints are widened; finite only), ``bool``, ``str``,
-``Literal[...]`` (matched by type and value), ``X | None``, ``tuple[X, ...]`` and strategy classes (a strategy given as an
-object, or as a one-strategy spec string such as ``"snapkv(window=16)"``).
+``Literal[...]`` (matched by type and value), ``X | None``, ``tuple[X, ...]`` and strategy
+classes (a strategy given as an object, or as a one-strategy spec string such as
+``"snapkv(window=16)"``).
 """
 
 from __future__ import annotations
