@@ -1,5 +1,12 @@
-"""Adapters that put the paged store to work: the transformers cache and the scheduler.
+"""Adapters that put the paged store to work: the transformers cache (and, as it lands, the scheduler).
 
-They land with their own issues; the package exists so that ``kvlib.adapters`` is the stable
-import path they will have.
+- :func:`make_cache` builds a :class:`KVCache`, a drop-in ``transformers`` cache for
+  ``model.generate``;
+- :func:`attach` routes a model's attention through kvlib (``make_cache`` calls it).
 """
+
+from kvlib.adapters.attention import attach
+from kvlib.adapters.make_cache import make_cache
+from kvlib.adapters.transformers_cache import KVCache
+
+__all__ = ["KVCache", "attach", "make_cache"]

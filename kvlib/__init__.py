@@ -1,10 +1,12 @@
 """kvlib: pluggable KV-cache management for transformer inference.
 
 One paged KV store (:class:`PagedStore`), a registry of strategies (:func:`register`,
-:func:`available_policies`, :func:`parse_spec`) and, as they land, adapters that put them to
-work in ``model.generate`` and in a continuous-batching scheduler.
+:func:`available_policies`, :func:`parse_spec`) and adapters that put them to work:
+:func:`make_cache` gives ``model.generate`` a :class:`KVCache` (a continuous-batching scheduler
+lands with its own issue).
 """
 
+from kvlib.adapters import KVCache, attach, make_cache
 from kvlib.errors import PoolExhaustedError, SpecError
 from kvlib.paged_store import PagedStore
 from kvlib.read_cache import LayerRead
@@ -17,6 +19,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Budget",
     "Eviction",
+    "KVCache",
     "LayerRead",
     "LayerView",
     "LowRank",
@@ -28,8 +31,10 @@ __all__ = [
     "SpecError",
     "Strategy",
     "Tiering",
+    "attach",
     "available_policies",
     "get_policy",
+    "make_cache",
     "parse_spec",
     "parse_strategy",
     "register",

@@ -20,6 +20,7 @@ All operations are vectorized over batch and heads: no Python loop runs per toke
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -82,6 +83,9 @@ class PagedStore:
         ]
         self.tables = [BlockTable(heads[i], page_size) for i in range(num_layers)]
         self._read_caches: list[DenseReadCache | None] = [None] * num_layers
+        self._open_pages: list[_OpenPages | None] = [None] * num_layers
+        self._last_rows: tuple[tuple[int, ...], torch.Tensor] | None = None
+        """The last batch of ids validated and its row tensor (read-only; reset when ids are released)."""
         self._live: set[int] = set()
         self._free_rows: list[int] = []
         self._next_row = 0
@@ -109,6 +113,7 @@ class PagedStore:
         """A new sequence sharing every page of ``seq`` by reference (copy-on-write on change)."""
         source = self._rows([seq])
         row = self.new_sequence()
+        self._open_pages = [None] * self.num_layers  # the source's open pages become shared
         for pool, table in zip(self.pools, self.tables):
             table.copy_row(int(source[0]), row)
             pool.incref(table.referenced_pages(torch.tensor([row])))
@@ -117,6 +122,7 @@ class PagedStore:
     def release(self, seqs: SequenceIds) -> None:
         """Drop sequences: their page references are released and their ids may be reused."""
         rows = self._rows(seqs)
+        self._open_pages = [None] * self.num_layers
         for layer, (pool, table) in enumerate(zip(self.pools, self.tables)):
             pool.decref(table.referenced_pages(rows))
             table.clear(rows)
@@ -124,6 +130,7 @@ class PagedStore:
         for row in rows.tolist():
             self._live.discard(row)
             self._free_rows.append(row)
+        self._last_rows = None
 
     def logical_lengths(self, layer: int, seqs: SequenceIds) -> torch.Tensor:
         """Tokens each sequence has seen in ``layer``: int64 ``[batch]`` (a copy)."""
@@ -155,6 +162,10 @@ class PagedStore:
         rows = self._rows(seqs)
         pool, table = self.pools[layer], self.tables[layer]
         batch, heads, steps = self._check_step(layer, rows, keys, values)
+        open_pages = self._open_pages[layer]
+        if positions is None and open_pages is not None and open_pages.fits(rows, steps):
+            self._append_in_open_pages(layer, rows, open_pages, keys, values)
+            return
         positions = self._step_positions(table, rows, positions, batch, heads, steps)
         if steps == 0:
             return
@@ -196,9 +207,32 @@ class PagedStore:
         )
         table.lengths[rows] = new_lengths
         table.logical[rows] += steps
+        self._open_pages[layer] = _OpenPages.after_append(self, layer, rows)
 
         cache = self._read_caches[layer]
         if cache is not None and cache.rows == tuple(rows.tolist()):
+            cache.append(keys, values, positions)
+        else:
+            self._drop_read_cache(layer, rows)
+
+    def _append_in_open_pages(
+        self, layer: int, rows: torch.Tensor, open_pages: _OpenPages, keys: torch.Tensor, values: torch.Tensor
+    ) -> None:
+        """Fast path of :meth:`append`: every head's open page has room and is this batch's own,
+        so the step is a write at known slots plus length updates (no allocation, no copy)."""
+        pool, table = self.pools[layer], self.tables[layer]
+        batch, heads, steps = keys.shape[:3]
+        slots, positions = open_pages.take(steps)
+        pool.write(slots.reshape(-1), keys.reshape(-1, pool.head_dim), values.reshape(-1, pool.value_dim), positions.reshape(-1))
+        if open_pages.row_range is not None:
+            first, end = open_pages.row_range
+            table.lengths[first:end] += steps
+            table.logical[first:end] += steps
+        else:
+            table.lengths[rows] += steps
+            table.logical[rows] += steps
+        cache = self._read_caches[layer]
+        if cache is not None and cache.rows == open_pages.rows:
             cache.append(keys, values, positions)
         else:
             self._drop_read_cache(layer, rows)
@@ -314,7 +348,62 @@ class PagedStore:
         target = table.flat_slots(rows, torch.where(rewrite, slot, 0))[rewrite]
         pool.write(target, moved_keys, moved_values, moved_positions)
         table.lengths[rows] = new_lengths
+        self._open_pages[layer] = None
         self._drop_read_cache(layer, rows)
+
+    # -- truncation ----------------------------------------------------------------------------
+
+    def truncate(self, layer: int, seqs: SequenceIds, length: int) -> None:
+        """Forget every stored token of ``layer`` whose position is ``>= length``; set the logical
+        length of ``seqs`` to at most ``length`` (what rolling back rejected draft tokens needs).
+
+        The tokens dropped must be a suffix of each head (positions ascending, as appends give
+        them); otherwise nothing changes and ``ValueError`` is raised. No token moves: pages past
+        the new end are released, a partly kept page stays as it is (shared or not).
+        """
+        layer = self._layer(layer)
+        rows = self._rows(seqs)
+        if not isinstance(length, int) or isinstance(length, bool) or length < 0:
+            raise ValueError(f"length must be an int >= 0, got {length!r}")
+        pool, table = self.pools[layer], self.tables[layer]
+        lengths = table.lengths[rows]
+        positions = self.stored_positions(layer, rows)
+        slot = torch.arange(positions.shape[-1])
+        stored = slot < lengths.unsqueeze(-1)
+        kept = stored & (positions < length)
+        new_lengths = kept.sum(-1)
+        if not bool((kept == (slot < new_lengths.unsqueeze(-1))).all()):
+            raise ValueError(f"layer {layer}: tokens at positions >= {length} are not a suffix of every head")
+        page_slot = torch.arange(table.pages.shape[2])
+        drop = (page_slot >= table.pages_used(new_lengths).unsqueeze(-1)) & (
+            page_slot < table.pages_used(lengths).unsqueeze(-1)
+        )
+        pool.decref(table.pages[rows][drop])
+        b, h, j = drop.nonzero(as_tuple=True)
+        table.pages[rows[b], h, j] = -1
+        table.lengths[rows] = new_lengths
+        table.logical[rows] = table.logical[rows].clamp(max=length)
+        self._open_pages[layer] = None
+        cache = self._read_caches[layer]
+        if cache is not None and cache.rows == tuple(rows.tolist()):
+            cache.truncate(new_lengths)
+        else:
+            self._drop_read_cache(layer, rows)
+
+    def stored_positions(self, layer: int, seqs: SequenceIds) -> torch.Tensor:
+        """Positions of the stored tokens of ``seqs``: int64 ``[batch, heads, longest]`` on the CPU,
+        -1 past each head's length (read from the arena without touching keys or values)."""
+        layer = self._layer(layer)
+        rows = self._rows(seqs)
+        table = self.tables[layer]
+        lengths = table.lengths[rows]
+        longest = int(lengths.max()) if lengths.numel() else 0
+        token_index = torch.arange(longest).expand(*lengths.shape, longest)
+        stored = token_index < lengths.unsqueeze(-1)
+        slots = torch.where(stored, table.flat_slots(rows, token_index), 0)
+        flat = self.pools[layer].positions.view(-1)
+        positions = flat[to_arena_device(slots, self.device)].cpu() if longest else slots
+        return torch.where(stored, positions, -1)
 
     # -- memory --------------------------------------------------------------------------------
 
@@ -346,15 +435,19 @@ class PagedStore:
         return layer
 
     def _rows(self, seqs: SequenceIds) -> torch.Tensor:
-        ids = seqs.tolist() if isinstance(seqs, torch.Tensor) else list(seqs)
+        ids = tuple(seqs.tolist() if isinstance(seqs, torch.Tensor) else seqs)
+        if self._last_rows is not None and ids == self._last_rows[0]:
+            return self._last_rows[1]
         if not ids:
             raise ValueError("at least one sequence id is needed")
         unknown = [s for s in ids if not isinstance(s, int) or s not in self._live]
         if unknown:
-            raise ValueError(f"unknown or released sequence ids {unknown}; live ids: {self.sequences}")
+            raise ValueError(f"unknown or released sequence ids {list(unknown)}; live ids: {self.sequences}")
         if len(set(ids)) != len(ids):
-            raise ValueError(f"sequence ids repeat in one batch: {ids}")
-        return torch.tensor(ids, dtype=torch.int64)
+            raise ValueError(f"sequence ids repeat in one batch: {list(ids)}")
+        rows = torch.tensor(ids, dtype=torch.int64)
+        self._last_rows = (ids, rows)
+        return rows
 
     def _check_step(
         self, layer: int, rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
@@ -448,3 +541,54 @@ def _sorted_keep(keep: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     if bool(((ordered[..., 1:] == ordered[..., :-1]) & (ordered[..., 1:] != past_end)).any()):
         raise ValueError("keep indices repeat within a head")
     return torch.where(ordered == past_end, -1, ordered)
+
+
+@dataclass
+class _OpenPages:
+    """Where the next tokens of one batch go in one layer while no head needs a new page.
+
+    Valid only while every head of ``rows`` has free slots left in its last page and that page
+    is referenced by this batch alone; the store drops it on any change that could break this
+    (fork, release, compaction, truncation, a slow-path append).
+    """
+
+    rows: tuple[int, ...]
+    slots: torch.Tensor
+    """int64 ``[batch, heads, room]`` on the arena device: arena slots of each head's next tokens."""
+    positions: torch.Tensor
+    """int64 ``[batch, heads, room]`` on the arena device: positions those tokens get by default."""
+    row_range: tuple[int, int] | None
+    """``(first, end)`` when ``rows`` are consecutive ids (length updates then use a slice)."""
+    used: int = 0
+    """Slots of ``slots`` already written."""
+
+    @classmethod
+    def after_append(cls, store: PagedStore, layer: int, rows: torch.Tensor) -> _OpenPages | None:
+        table = store.tables[layer]
+        lengths = table.lengths[rows]
+        room = int(((-lengths) % store.page_size).min())
+        if room == 0:
+            return None
+        ahead = torch.arange(room)
+        slots = table.flat_slots(rows, lengths.unsqueeze(-1) + ahead)
+        positions = (table.logical[rows].view(-1, 1, 1) + ahead).expand(slots.shape)
+        ids = tuple(rows.tolist())
+        consecutive = ids == tuple(range(ids[0], ids[0] + len(ids)))
+        return cls(
+            ids,
+            to_arena_device(slots, store.device),
+            to_arena_device(positions, store.device),
+            (ids[0], ids[0] + len(ids)) if consecutive else None,
+        )
+
+    def fits(self, rows: torch.Tensor, steps: int) -> bool:
+        return (
+            self.used + steps <= self.slots.shape[-1]
+            and rows.shape[0] == len(self.rows)
+            and tuple(rows.tolist()) == self.rows
+        )
+
+    def take(self, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slots and positions ``[batch, heads, steps]`` of the next ``steps`` tokens (views)."""
+        start, self.used = self.used, self.used + steps
+        return self.slots[:, :, start : self.used], self.positions[:, :, start : self.used]

@@ -45,7 +45,7 @@ class DenseReadCache:
     def __init__(self, rows: tuple[int, ...], read: LayerRead, lengths: torch.Tensor, align: int) -> None:
         self.rows = rows
         self.align = align
-        self.lengths = lengths.clone()
+        self._set_lengths(lengths.clone())
         self.keys = read.keys
         self.values = read.values
         self.positions = read.positions
@@ -58,9 +58,15 @@ class DenseReadCache:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.keys, self.values, self.positions, self.valid))
 
+    def _set_lengths(self, lengths: torch.Tensor) -> None:
+        """Set per-head lengths; ``longest`` and ``uniform`` (every head equally long) follow."""
+        self.lengths = lengths
+        self.longest = int(lengths.max()) if lengths.numel() else 0
+        self.uniform = bool((lengths == self.longest).all())
+
     def view(self) -> LayerRead:
         """The current contents, narrowed to the longest head (views, valid until the next write)."""
-        length = int(self.lengths.max()) if self.lengths.numel() else 0
+        length = self.longest
         return LayerRead(
             self.keys[:, :, :length],
             self.values[:, :, :length],
@@ -71,26 +77,37 @@ class DenseReadCache:
     def append(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
         """Mirror an append of ``keys [B, H, T, D]`` (positions ``[B, H, T]``) after each head's end."""
         steps = keys.shape[2]
-        start = self.lengths
-        self._ensure_capacity(int(start.max()) + steps)
-        first = int(start[0, 0])
-        if bool((start == first).all()):
-            end = first + steps
+        self._ensure_capacity(self.longest + steps)
+        if self.uniform:
+            first, end = self.longest, self.longest + steps
             self.keys[:, :, first:end] = keys
             self.values[:, :, first:end] = values
             self.positions[:, :, first:end] = positions
             self.valid[:, :, first:end] = True
-        else:
-            batch, heads = start.shape
-            b = torch.arange(batch).view(batch, 1, 1).expand(batch, heads, steps)
-            h = torch.arange(heads).view(1, heads, 1).expand(batch, heads, steps)
-            t = start.unsqueeze(-1) + torch.arange(steps)
-            index = tuple(to_arena_device(i, self.keys.device) for i in (b, h, t))
-            self.keys[index] = keys
-            self.values[index] = values
-            self.positions[index] = positions
-            self.valid[index] = True
-        self.lengths = start + steps
+            self.lengths += steps
+            self.longest = end
+            return
+        start = self.lengths
+        batch, heads = start.shape
+        b = torch.arange(batch).view(batch, 1, 1).expand(batch, heads, steps)
+        h = torch.arange(heads).view(1, heads, 1).expand(batch, heads, steps)
+        t = start.unsqueeze(-1) + torch.arange(steps)
+        index = tuple(to_arena_device(i, self.keys.device) for i in (b, h, t))
+        self.keys[index] = keys
+        self.values[index] = values
+        self.positions[index] = positions
+        self.valid[index] = True
+        self._set_lengths(start + steps)
+
+    def truncate(self, new_lengths: torch.Tensor) -> None:
+        """Mirror a truncation: each head keeps its first ``new_lengths [B, H]`` slots (no more than
+        it had); the slots after them return to zeros, position -1 and invalid."""
+        gone = to_arena_device(torch.arange(self.capacity) >= new_lengths.unsqueeze(-1), self.keys.device)
+        self.keys.masked_fill_(gone.unsqueeze(-1), 0)
+        self.values.masked_fill_(gone.unsqueeze(-1), 0)
+        self.positions.masked_fill_(gone, -1)
+        self.valid.masked_fill_(gone, False)
+        self._set_lengths(new_lengths.clone())
 
     def _ensure_capacity(self, needed: int) -> None:
         if needed <= self.capacity:

@@ -1,0 +1,87 @@
+"""``make_cache``: the entry point that turns a model and a spec into a ``KVCache``."""
+
+from __future__ import annotations
+
+import torch
+
+from kvlib.adapters.attention import attach
+from kvlib.adapters.compressor import Compressor
+from kvlib.adapters.model_shape import kv_shape
+from kvlib.adapters.transformers_cache import KVCache
+from kvlib.spec import Spec, SpecLike, parse_spec
+
+CACHE_OPTIONS = {
+    "page_size": "tokens per page (int >= 1, default 16)",
+    "read_cache": "keep a dense read mirror per layer for fast decoding (bool, default True)",
+}
+"""Keyword options of :func:`make_cache` and what each one takes."""
+
+_NOT_YET_APPLIED = ("budget", "quantization", "lowrank", "reuse", "tiering")
+
+
+def make_cache(
+    model: torch.nn.Module,
+    spec: SpecLike | None = None,
+    *,
+    budget: int | float | None = None,
+    **options: object,
+) -> KVCache:
+    """A ``transformers`` cache for ``model`` backed by kvlib's paged store.
+
+    With no spec the cache is exact: ``generate`` gives what it gives with ``DynamicCache``. With
+    an eviction strategy, ``budget`` is how much each (layer, KV head) keeps: a token count
+    (``int >= 1``, held at all times) or a fraction of the prompt (``float`` in (0, 1],
+    applied once to the prompt).
+
+    Everything is checked before the model runs: the model must be a decoder with attention KV,
+    the spec valid (``ValueError`` lists what is registered), the budget in range, the options
+    known. The model's attention is routed through kvlib (:func:`kvlib.attach`).
+
+    Example: ``model.generate(ids, past_key_values=kvlib.make_cache(model, "streaming_llm", budget=64))``.
+    """
+    shape = kv_shape(model)
+    parsed = parse_spec(spec)
+    unsupported = [kind for kind in _NOT_YET_APPLIED if getattr(parsed, kind)]
+    if unsupported:
+        raise ValueError(
+            f"make_cache applies eviction strategies only so far; this spec also has {', '.join(unsupported)}"
+            f" ({parsed})"
+        )
+    _check_budget(budget, parsed)
+    page_size, read_cache = _options(options)
+    compressor = Compressor(parsed.eviction, budget, shape.num_layers) if parsed.eviction is not None else None
+    attach(model)
+    return KVCache(shape, compressor, page_size=page_size, read_cache=read_cache)
+
+
+def _check_budget(budget: int | float | None, spec: Spec) -> None:
+    if spec.eviction is None:
+        if budget is not None:
+            raise ValueError(f"budget={budget!r} needs an eviction strategy in the spec (e.g. 'streaming_llm')")
+        return
+    name = spec.eviction.spec()
+    if budget is None:
+        raise ValueError(
+            f"{name} needs a budget: a token count per layer and head (int >= 1) or a fraction of the prompt"
+            " (float in (0, 1])"
+        )
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)):
+        raise ValueError(f"budget must be an int >= 1 or a float in (0, 1], got {budget!r}")
+    if isinstance(budget, int) and budget < 1:
+        raise ValueError(f"budget as a token count must be >= 1, got {budget}")
+    if isinstance(budget, float) and not 0.0 < budget <= 1.0:
+        raise ValueError(f"budget as a fraction of the prompt must be in (0, 1], got {budget}")
+
+
+def _options(options: dict[str, object]) -> tuple[int, bool]:
+    unknown = sorted(set(options) - set(CACHE_OPTIONS))
+    if unknown:
+        valid = "; ".join(f"{name}: {what}" for name, what in CACHE_OPTIONS.items())
+        raise ValueError(f"unknown make_cache options {unknown}; valid options are {valid}")
+    page_size = options.get("page_size", 16)
+    read_cache = options.get("read_cache", True)
+    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
+        raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
+    if not isinstance(read_cache, bool):
+        raise ValueError(f"read_cache must be a bool, got {read_cache!r}")
+    return page_size, read_cache

@@ -1,0 +1,69 @@
+"""What a `transformers` model stores per token: attention layers, KV heads and head sizes.
+
+:func:`kv_shape` reads it from the model's (text) config and rejects, with a message naming the
+problem, models kvlib cannot cache: no attention KV (state-space and linear-attention layers),
+encoder-decoder models, models whose attention does not go through ``AttentionInterface``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_NON_ATTENTION_LAYER_TYPES = frozenset({"linear_attention", "mamba", "conv", "recurrent", "ssm"})
+
+
+@dataclass(frozen=True)
+class KVShape:
+    """Per-token KV layout of a decoder.
+
+    Attributes:
+        num_layers: attention layers (each calls ``cache.update`` with its ``layer_idx``).
+        num_kv_heads: key/value heads per layer.
+        num_query_heads: query heads per layer (a multiple of ``num_kv_heads``).
+        head_dim: channels per key head; ``value_dim`` per value head.
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    num_query_heads: int
+    head_dim: int
+    value_dim: int
+
+
+def kv_shape(model: torch.nn.Module) -> KVShape:
+    """The KV layout of ``model``; ``ValueError`` (before any model work) if it has none kvlib can hold."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(model, "set_attn_implementation"):
+        raise ValueError(
+            f"kvlib caches `transformers` PreTrainedModel decoders; got {type(model).__name__}, which has no config"
+            " or no set_attn_implementation"
+        )
+    if getattr(config, "is_encoder_decoder", False):
+        raise ValueError(f"{type(model).__name__} is an encoder-decoder model; kvlib caches decoder-only models")
+    text = config.get_text_config(decoder=True)
+    layers = getattr(text, "num_hidden_layers", None)
+    heads = getattr(text, "num_attention_heads", None)
+    if not isinstance(layers, int) or not isinstance(heads, int) or layers < 1 or heads < 1:
+        raise ValueError(
+            f"{type(model).__name__} has no attention KV to cache: its config lacks num_hidden_layers /"
+            " num_attention_heads (state-space and other attention-free models are not supported)"
+        )
+    layer_types = getattr(text, "layer_types", None) or ()
+    other = sorted(set(layer_types) & _NON_ATTENTION_LAYER_TYPES)
+    if other:
+        raise ValueError(
+            f"{type(model).__name__} has non-attention layers ({', '.join(other)}); kvlib caches models whose every"
+            " layer is attention"
+        )
+    if not type(model)._can_set_attn_implementation():
+        raise ValueError(
+            f"{type(model).__name__} does not route attention through transformers' AttentionInterface, so kvlib"
+            " cannot attach its attention function"
+        )
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    if heads % kv_heads:
+        raise ValueError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
+    return KVShape(layers, kv_heads, heads, head_dim, head_dim)

@@ -1,0 +1,289 @@
+"""``KVCache``: a `transformers` ``Cache`` backed by the paged store.
+
+Each batch row is a store sequence. ``update`` appends a layer's new keys and values, reads the
+layer back in dense form (physical slots) and publishes a :class:`~kvlib.adapters.layer_step.LayerStep`
+for the kvlib attention function, which masks by stored positions and, after attention, calls
+:meth:`KVCache.after_attention` so the spec's eviction strategy can drop tokens.
+
+Lengths: ``get_seq_length`` is the logical length (tokens seen, padding included, as in
+``DynamicCache``) so models place new tokens at their true positions after eviction; masks are
+built over logical positions (``get_mask_sizes``) and translated to the stored slots.
+
+Batch operations (``reorder_cache`` for beam search, ``batch_repeat_interleave``,
+``batch_select_indices``) fork store sequences: rows that share a history share its pages by
+reference, copy-on-write.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from kvlib.adapters import layer_step
+from kvlib.adapters.compressor import AttentionInputs, Compressor
+from kvlib.adapters.layer_step import LayerStep
+from kvlib.adapters.model_shape import KVShape
+from kvlib.paged_store import PagedStore
+
+
+class KVCacheLayer(CacheLayerMixin):
+    """One layer of a :class:`KVCache`, as `transformers` inspects it; the cache does the work."""
+
+    is_sliding = False
+    is_compileable = False
+
+    def __init__(self, cache: KVCache, layer_idx: int) -> None:
+        self.keys = self.values = None
+        self._cache = cache
+        self.layer_idx = layer_idx
+
+    @property
+    def is_initialized(self) -> bool:
+        return self._cache.batch_size > 0
+
+    @property
+    def is_croppable(self) -> bool:
+        return self._cache.compressor is None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Nothing to do: the cache creates its store on the first update."""
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._cache.update(key_states, value_states, self.layer_idx)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self._cache.get_seq_length(self.layer_idx) + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self._cache.get_seq_length(self.layer_idx)
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class KVCache(Cache):
+    """A drop-in ``transformers`` cache over kvlib's paged store; build it with :func:`kvlib.make_cache`.
+
+    Args:
+        shape: the model's KV layout.
+        compressor: eviction to run after each layer's attention, or None (exact cache).
+        page_size: tokens per page.
+        read_cache: keep a dense mirror of each layer so decode steps copy only new tokens
+            (faster decoding; its bytes are reported as ``read_cache``).
+    """
+
+    def __init__(self, shape: KVShape, compressor: Compressor | None = None, *, page_size: int = 16, read_cache: bool = True) -> None:
+        super().__init__(layers=[KVCacheLayer(self, i) for i in range(shape.num_layers)])
+        self.shape = shape
+        self.compressor = compressor
+        self.page_size = page_size
+        self.read_cache = read_cache
+        self.store: PagedStore | None = None
+        self._rows: list[int] = []
+        self._padding = torch.zeros(0, dtype=torch.int64)
+        self._identity = [True] * shape.num_layers
+        self._seen = [0] * shape.num_layers
+        self._pending: LayerStep | None = None
+        self._hidden_states: dict[int, torch.Tensor] = {}
+
+    # -- what generate and the model call -----------------------------------------------------
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store a layer call's new keys and values; return all the layer's stored ones (dense)."""
+        if self._pending is not None and self.compressor is not None:
+            raise RuntimeError(
+                f"layer {self._pending.layer_idx}'s attention did not run through kvlib, so its eviction cannot run:"
+                " call kvlib.attach(model) (make_cache does) and keep attn_implementation on kvlib_sdpa / kvlib_eager"
+            )
+        batch = key_states.shape[0]
+        self.check_batch(batch)
+        if self.store is None:
+            self.store = self._new_store(key_states)
+        if not self._rows:
+            self._rows = [self.store.new_sequence() for _ in range(batch)]
+            self._padding = torch.zeros(batch, dtype=torch.int64)
+        offset = self._seen[layer_idx]
+        self.store.append(layer_idx, self._rows, key_states, value_states)
+        self._seen[layer_idx] += key_states.shape[2]
+        read = self.store.read(layer_idx, self._rows)
+        step = LayerStep(self, layer_idx, read, offset, key_states.shape[2], self._identity[layer_idx])
+        self._pending = step
+        layer_step.publish(step)
+        return read.keys, read.values
+
+    def check_batch(self, batch: int) -> None:
+        """``ValueError`` unless a batch of ``batch`` rows may use this cache (it is empty, or holds that many)."""
+        if self._rows and batch != len(self._rows):
+            raise ValueError(
+                f"this cache holds a batch of {len(self._rows)} sequences but got a batch of {batch}; call cache.reset()"
+                " before reusing it for another batch"
+            )
+
+    def after_attention(
+        self,
+        step: LayerStep,
+        *,
+        query: torch.Tensor,
+        mask: torch.Tensor | None,
+        weights: torch.Tensor | None,
+        real_new: torch.Tensor | None,
+        scaling: float | None,
+    ) -> None:
+        """Called by the kvlib attention function once the layer's attention has run: records
+        padding and lets the compressor drop tokens."""
+        self._pending = None
+        if step.layer_idx == 0 and real_new is not None:
+            self._padding += (~real_new).sum(-1).cpu()
+        if self.compressor is None:
+            return
+        inputs = AttentionInputs(query, mask, weights, scaling, real_new, self._hidden_states.pop(step.layer_idx, None))
+        keep = self.compressor.keep(step, inputs, self._padding)
+        if keep is not None:
+            self.store.compact(step.layer_idx, self._rows, keep)
+            self._identity[step.layer_idx] = False
+
+    def record_hidden_states(self, layer_idx: int, hidden_states: torch.Tensor) -> None:
+        """Keep a layer's attention input for a strategy that needs ``hidden_states``."""
+        if self.compressor is not None and "hidden_states" in self.compressor.strategy.needs:
+            self._hidden_states[layer_idx] = hidden_states
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Tokens seen (logical length, padding included) by ``layer_idx``."""
+        return self._seen[layer_idx]
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        """Masks span every logical position (kv length = seen + new, offset 0)."""
+        return self.get_seq_length(layer_idx) + query_length, 0
+
+    @property
+    def batch_size(self) -> int:
+        """Rows held, or -1 before the first update."""
+        return len(self._rows) or -1
+
+    # -- batch operations -----------------------------------------------------------------------
+
+    def reset(self) -> None:
+        """Forget every stored token (pages go back to the pool); the next update starts a new batch."""
+        if self._rows:
+            self.store.release(self._rows)
+        self._rows = []
+        self._padding = torch.zeros(0, dtype=torch.int64)
+        self._identity = [True] * self.shape.num_layers
+        self._seen = [0] * self.shape.num_layers
+        self._pending = None
+        self._hidden_states.clear()
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Row ``i`` becomes a copy of old row ``beam_idx[i]`` (beam search)."""
+        self._select_rows(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Each row repeated ``repeats`` times in place (``[a, b] -> [a, a, b, b]``)."""
+        if not isinstance(repeats, int) or repeats < 1:
+            raise ValueError(f"repeats must be a positive int, got {repeats!r}")
+        self._select_rows(torch.arange(max(len(self._rows), 0)).repeat_interleave(repeats))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep the rows at ``indices`` (in that order; repeats allowed)."""
+        self._select_rows(indices)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last ``-tokens_to_remove`` tokens seen (``tokens_to_remove <= 0``, as in ``DynamicCache``).
+
+        Rolling back is exact for the tokens themselves; tokens an eviction already dropped to
+        make room for them stay dropped (``is_croppable`` is False when the spec evicts).
+        """
+        if not isinstance(tokens_to_remove, int) or tokens_to_remove > 0:
+            raise ValueError(
+                f"crop takes a negative int, the number of tokens to remove (0 does nothing); got {tokens_to_remove!r}"
+            )
+        if tokens_to_remove == 0 or not self._rows:
+            return
+        for layer in range(self.shape.num_layers):
+            length = max(self._seen[layer] + tokens_to_remove, 0)
+            self.store.truncate(layer, self._rows, length)
+            self._seen[layer] = min(self._seen[layer], length)
+
+    def _select_rows(self, index: torch.Tensor) -> None:
+        if not self._rows:
+            return
+        index = torch.as_tensor(index).to("cpu", torch.int64).flatten()
+        if bool(((index < 0) | (index >= len(self._rows))).any()):
+            raise ValueError(f"row indices must be in [0, {len(self._rows)}), got {index.tolist()}")
+        if index.tolist() == list(range(len(self._rows))):
+            return
+        old = self._rows
+        self._rows = [self.store.fork(old[i]) for i in index.tolist()]
+        self.store.release(old)
+        self._padding = self._padding[index]
+
+    # -- inspection -----------------------------------------------------------------------------
+
+    def kept_positions(self, layer_idx: int) -> torch.Tensor:
+        """Original positions of the tokens ``layer_idx`` stores: int64 ``[batch, kv_heads, max_kept]``,
+        ascending, padded with -1 (CPU).
+
+        Positions count from each row's first real token (left padding excluded), as if the
+        row had been run alone.
+        """
+        self._check_layer(layer_idx)
+        if not self._rows:
+            raise ValueError("the cache holds no tokens yet: run the model with it first")
+        stored = self.store.stored_positions(layer_idx, self._rows)
+        positions = stored - self._padding.view(-1, 1, 1)
+        real = (stored >= 0) & (positions >= 0)
+        order = torch.sort((~real).to(torch.int8), dim=-1, stable=True).indices
+        kept = torch.where(real, positions, -1).gather(-1, order)
+        return kept[..., : int(real.sum(-1).max())]
+
+    def memory_report(self) -> dict:
+        """Bytes this cache holds, and what a full cache in the compute dtype would hold.
+
+        Keys: ``total_bytes``; ``by_tier`` (``device``: the store's device, ``host``, ``disk``);
+        ``by_component`` (``pages``: keys and values of pages in use, ``positions``,
+        ``codec_metadata``, ``tables``: block tables and lengths, ``read_cache``: the dense read
+        mirror); ``reserved_bytes``: whole arenas, free pages included; ``full_equivalent_bytes``:
+        keys and values of every logical token of every layer, uncompressed; ``stored_tokens`` and
+        ``logical_tokens``, summed over layers, rows and KV heads.
+        """
+        components = {"pages": 0, "positions": 0, "codec_metadata": 0, "tables": 0, "read_cache": 0}
+        report = {"reserved_bytes": 0, "full_equivalent_bytes": 0, "stored_tokens": 0, "logical_tokens": 0}
+        if self.store is not None:
+            held = self.store.memory_bytes()
+            for name in ("pages", "positions", "tables", "read_cache"):
+                components[name] = held[name]
+            report["reserved_bytes"] = held["reserved"]
+        if self._rows:
+            shape = self.shape
+            for layer in range(shape.num_layers):
+                report["stored_tokens"] += int(self.store.physical_lengths(layer, self._rows).sum())
+                report["logical_tokens"] += int(self.store.logical_lengths(layer, self._rows).sum()) * shape.num_kv_heads
+            element = torch.empty((), dtype=self.store.dtype).element_size()
+            report["full_equivalent_bytes"] = report["logical_tokens"] * (shape.head_dim + shape.value_dim) * element
+        total = sum(components.values())
+        return {"total_bytes": total, "by_tier": {"device": total, "host": 0, "disk": 0}, "by_component": components, **report}
+
+    # -- helpers --------------------------------------------------------------------------------
+
+    def _new_store(self, key_states: torch.Tensor) -> PagedStore:
+        shape = self.shape
+        return PagedStore(
+            shape.num_layers,
+            shape.num_kv_heads,
+            shape.head_dim,
+            value_dim=shape.value_dim,
+            page_size=self.page_size,
+            dtype=key_states.dtype,
+            device=key_states.device,
+            read_cache=self.read_cache,
+        )
+
+    def _check_layer(self, layer_idx: int) -> None:
+        if not isinstance(layer_idx, int) or not 0 <= layer_idx < self.shape.num_layers:
+            raise ValueError(f"layer_idx must be an int in [0, {self.shape.num_layers}), got {layer_idx!r}")
+
+    def __repr__(self) -> str:
+        spec = "exact" if self.compressor is None else f"{self.compressor.strategy.spec()}, budget={self.compressor.budget}"
+        return f"KVCache({spec}, layers={self.shape.num_layers}, batch={len(self._rows)})"

@@ -1,0 +1,67 @@
+"""Models for the adapter tests: small random-weight configs of the required families, and the
+trained stories260K (real weights, GQA, RoPE) from ../shared/models."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+STORIES = Path(__file__).resolve().parents[2].parent / "shared" / "models" / "stories260K"
+VOCAB = 97
+PAD = 0
+
+
+def build_model(family: str, attn_implementation: str = "sdpa") -> torch.nn.Module:
+    """A fresh, seeded, eval-mode model of ``family`` (llama, mistral, qwen2, gpt2, stories)."""
+    torch.manual_seed(0)
+    if family == "stories":
+        return AutoModelForCausalLM.from_pretrained(STORIES, attn_implementation=attn_implementation).eval()
+    common = {"vocab_size": VOCAB, "pad_token_id": PAD, "bos_token_id": 1, "eos_token_id": 2}
+    if family == "gpt2":
+        config = GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=128, **common)
+        model = GPT2LMHeadModel(config)
+    else:
+        sizes = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+        if family == "llama":
+            model = LlamaForCausalLM(LlamaConfig(**sizes, **common))
+        elif family == "mistral":
+            model = MistralForCausalLM(MistralConfig(**sizes, sliding_window=8, **common))
+        elif family == "qwen2":
+            model = Qwen2ForCausalLM(Qwen2Config(**sizes, **common))
+        else:
+            raise ValueError(family)
+    model.set_attn_implementation(attn_implementation)
+    return model.eval()
+
+
+FAMILIES = ["llama", "mistral", "qwen2", "gpt2", "stories"]
+
+
+@pytest.fixture(params=FAMILIES)
+def family(request) -> str:
+    return request.param
+
+
+def left_padded(lengths: list[int], seed: int = 0, vocab: int = VOCAB) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch of random prompts of ``lengths``, left-padded: ``(input_ids, attention_mask)``."""
+    generator = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.full((len(lengths), width), PAD, dtype=torch.long)
+    mask = torch.zeros(len(lengths), width, dtype=torch.long)
+    for row, length in enumerate(lengths):
+        ids[row, width - length :] = torch.randint(3, vocab, (length,), generator=generator)
+        mask[row, width - length :] = 1
+    return ids, mask

@@ -1,0 +1,185 @@
+"""Eviction through generate: streaming_llm against a hand-written reference, padding, needs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import kvlib
+from kvlib import registry
+from kvlib.strategy import Eviction, LayerView
+from tests.adapters.conftest import PAD, build_model, left_padded
+
+SINKS, BUDGET = 4, 16
+
+
+def _keep_sinks_and_window(cache: DynamicCache) -> None:
+    for layer in cache.layers:
+        if layer.keys.shape[-2] > BUDGET:
+            window = BUDGET - SINKS
+            layer.keys = torch.cat([layer.keys[..., :SINKS, :], layer.keys[..., -window:, :]], dim=-2)
+            layer.values = torch.cat([layer.values[..., :SINKS, :], layer.values[..., -window:, :]], dim=-2)
+
+
+def reference_streaming(model, ids: torch.Tensor, new_tokens: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """StreamingLLM by hand: a DynamicCache cut to sinks + window after every forward, with the
+    true positions passed explicitly. Returns the greedy tokens and the logits of each step."""
+    cache = DynamicCache(config=model.config)
+    tokens, logits = [], []
+    with torch.no_grad():
+        out = model(input_ids=ids, past_key_values=cache)
+        _keep_sinks_and_window(cache)
+        position = ids.shape[1]
+        for _ in range(new_tokens):
+            logits.append(out.logits[:, -1])
+            token = out.logits[:, -1].argmax(-1, keepdim=True)
+            tokens.append(token)
+            out = model(input_ids=token, past_key_values=cache, position_ids=torch.tensor([[position]]))
+            _keep_sinks_and_window(cache)
+            position += 1
+    return torch.cat(tokens, dim=1), logits
+
+
+@pytest.mark.parametrize("family", ["stories", "llama", "gpt2"])
+def test_streaming_llm_generate_equals_the_reference_loop(family):
+    model = build_model(family)
+    ids, _ = left_padded([40], seed=11)
+    expected, expected_logits = reference_streaming(model, ids, new_tokens=20)
+    cache = kvlib.make_cache(model, f"streaming_llm(sinks={SINKS})", budget=BUDGET)
+    out = model.generate(
+        ids, past_key_values=cache, do_sample=False, max_new_tokens=20, pad_token_id=PAD,
+        return_dict_in_generate=True, output_logits=True,
+    )
+    assert torch.equal(out.sequences[:, ids.shape[1] :], expected)
+    for ours, theirs in zip(out.logits, expected_logits):
+        assert torch.allclose(ours, theirs, atol=1e-5, rtol=0)
+    logical = ids.shape[1] + 20 - 1
+    window = list(range(SINKS)) + list(range(logical - (BUDGET - SINKS), logical))
+    for layer in range(cache.shape.num_layers):
+        kept = cache.kept_positions(layer)
+        assert kept.shape == (1, cache.shape.num_kv_heads, BUDGET)
+        assert (kept == torch.tensor(window)).all()
+    assert cache.get_seq_length() == logical
+
+
+def test_left_padded_batch_equals_each_prompt_alone():
+    model = build_model("stories")
+    lengths = [24, 31, 38]
+    ids, mask = left_padded(lengths, seed=12)
+    batched_cache = kvlib.make_cache(model, "streaming_llm", budget=BUDGET)
+    batched = model.generate(
+        ids, attention_mask=mask, past_key_values=batched_cache, do_sample=False, max_new_tokens=12, pad_token_id=PAD
+    )
+    for row, length in enumerate(lengths):
+        alone_ids = ids[row : row + 1, ids.shape[1] - length :]
+        alone_cache = kvlib.make_cache(model, "streaming_llm", budget=BUDGET)
+        alone = model.generate(alone_ids, past_key_values=alone_cache, do_sample=False, max_new_tokens=12, pad_token_id=PAD)
+        assert torch.equal(batched[row, ids.shape[1] :], alone[0, length:])
+        for layer in range(batched_cache.shape.num_layers):
+            assert torch.equal(batched_cache.kept_positions(layer)[row], alone_cache.kept_positions(layer)[0])
+        assert (batched_cache.kept_positions(0)[row, 0, :SINKS] == torch.arange(SINKS)).all()
+
+
+def test_rows_under_budget_keep_all_real_tokens_and_drop_padding():
+    model = build_model("llama")
+    lengths = [6, 14, 30]  # the first two fit the budget: different physical lengths per row
+    ids, mask = left_padded(lengths, seed=13)
+    cache = kvlib.make_cache(model, "streaming_llm", budget=20)
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, past_key_values=cache)
+    kept = cache.kept_positions(0)
+    assert ((kept >= 0).sum(-1) == torch.tensor([[6, 6], [14, 14], [20, 20]])).all()
+    assert torch.equal(kept[0, 0, :6], torch.arange(6))
+    assert cache.store.physical_lengths(0, cache._rows).tolist() == [[6, 6], [14, 14], [20, 20]]
+    batched = model.generate(ids, attention_mask=mask, past_key_values=kvlib.make_cache(model, "streaming_llm", budget=20),
+                             do_sample=False, max_new_tokens=6, pad_token_id=PAD)
+    for row, length in enumerate(lengths):
+        alone = model.generate(ids[row : row + 1, ids.shape[1] - length :],
+                               past_key_values=kvlib.make_cache(model, "streaming_llm", budget=20),
+                               do_sample=False, max_new_tokens=6, pad_token_id=PAD)
+        assert torch.equal(batched[row, ids.shape[1] :], alone[0, length:])
+
+
+def test_fraction_budget_compresses_the_prompt_once():
+    model = build_model("stories")
+    ids, _ = left_padded([40], seed=14)
+    cache = kvlib.make_cache(model, "streaming_llm", budget=0.25)
+    model.generate(ids, past_key_values=cache, do_sample=False, max_new_tokens=8, pad_token_id=PAD)
+    kept = cache.kept_positions(0)[0, 0]
+    prompt_kept = list(range(SINKS)) + list(range(40 - (10 - SINKS), 40))
+    assert kept.tolist() == prompt_kept + list(range(40, 47))
+    report = cache.memory_report()
+    assert report["stored_tokens"] < report["logical_tokens"]
+
+
+@dataclass
+class Probe(Eviction):
+    """Test strategy: records what the engine hands it and keeps the most recent tokens."""
+
+    needs: ClassVar[frozenset[str]] = frozenset()
+    seen: ClassVar[list[LayerView]] = []
+
+    def score(self, view: LayerView) -> torch.Tensor:
+        type(self).seen.append(view)
+        return view.positions.to(torch.float32)
+
+
+@dataclass
+class NeedyProbe(Probe):
+    """Probe that declares every need."""
+
+    needs: ClassVar[frozenset[str]] = frozenset({"queries", "window_queries", "attention", "hidden_states"})
+
+
+@pytest.fixture
+def probes(monkeypatch):
+    monkeypatch.setattr(registry, "_registry", dict(registry._registry))
+    registry.register("probe")(Probe)
+    registry.register("needy_probe")(NeedyProbe)
+    Probe.seen = []
+    NeedyProbe.seen = []
+    return Probe, NeedyProbe
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_strategies_get_exactly_what_they_need(probes, attn):
+    probe, needy = probes
+    model = build_model("llama", attn_implementation=attn)
+    ids, mask = left_padded([10, 14], seed=15)
+    for cls in (probe, needy):
+        cache = kvlib.make_cache(model, cls(), budget=8)
+        with torch.no_grad():
+            model(input_ids=ids, attention_mask=mask, past_key_values=cache, output_attentions=attn == "eager")
+    plain, rich = probe.seen[0], needy.seen[0]
+    assert plain.queries is None and plain.attention is None and plain.hidden_states is None
+    assert rich.queries.shape == (2, 4, 14, 8) and rich.window_queries is rich.queries
+    assert rich.hidden_states.shape == (2, 14, 32)
+    attention = rich.attention
+    assert attention.shape == (2, 4, 14, 14)
+    real = mask.bool()
+    assert torch.allclose(attention[1].sum(-1), torch.ones(4, 14), atol=1e-5)
+    assert torch.allclose(attention[0][:, real[0]].sum(-1), torch.ones(4, 10), atol=1e-5)
+    assert (attention[0][:, real[0]][..., ~real[0]] == 0).all()  # real queries give padding no weight
+    assert not rich.valid[0, :, :4].any() and rich.valid[0, :, 4:].all()
+    assert torch.equal(rich.positions[0, 0, 4:], torch.arange(10))
+
+
+def test_a_score_of_the_wrong_shape_is_a_clear_error(probes, monkeypatch):
+    probe, _ = probes
+    monkeypatch.setattr(probe, "score", lambda self, view: torch.zeros(3))
+    model = build_model("llama")
+    cache = kvlib.make_cache(model, probe(), budget=4)
+    with pytest.raises(ValueError, match="must return a tensor of shape"), torch.no_grad():
+        model(input_ids=torch.tensor([[5, 6, 7, 8, 9, 10]]), past_key_values=cache)
+
+
+def test_eviction_without_kvlib_attention_is_refused():
+    model = build_model("llama")
+    cache = kvlib.make_cache(model, "streaming_llm", budget=4)
+    model.set_attn_implementation("sdpa")
+    with pytest.raises(RuntimeError, match="kvlib.attach"), torch.no_grad():
+        model(input_ids=torch.tensor([[5, 6, 7, 8, 9, 10]]), past_key_values=cache)

@@ -1,0 +1,93 @@
+"""make_cache: bad input gets a clear error before any model work, and loses nothing stored."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+from transformers import MambaConfig, MambaForCausalLM
+
+import kvlib
+from kvlib import registry
+from kvlib.strategy import Quantization
+from tests.adapters.conftest import PAD, build_model, left_padded
+
+
+def test_models_without_attention_kv_are_refused():
+    mamba = MambaForCausalLM(MambaConfig(vocab_size=64, hidden_size=16, state_size=4, num_hidden_layers=2))
+    with pytest.raises(ValueError, match="no attention KV"):
+        kvlib.make_cache(mamba)
+    with pytest.raises(ValueError, match="PreTrainedModel"):
+        kvlib.make_cache(torch.nn.Linear(4, 4))
+
+
+@pytest.mark.parametrize(
+    ("spec", "budget", "options", "message"),
+    [
+        ("no_such_policy", None, {}, "no_such_policy"),
+        ("streaming_llm(window=3)", 8, {}, "window"),
+        ("streaming_llm", None, {}, "needs a budget"),
+        ("streaming_llm", 0, {}, ">= 1"),
+        ("streaming_llm", -5, {}, ">= 1"),
+        ("streaming_llm", 0.0, {}, r"\(0, 1\]"),
+        ("streaming_llm", 1.5, {}, r"\(0, 1\]"),
+        ("streaming_llm", True, {}, "int >= 1 or a float"),
+        ("streaming_llm", "64", {}, "int >= 1 or a float"),
+        (None, 64, {}, "needs an eviction strategy"),
+        (None, None, {"pagesize": 8}, "unknown make_cache options"),
+        (None, None, {"page_size": 0}, "page_size"),
+        (None, None, {"read_cache": "yes"}, "read_cache"),
+    ],
+)
+def test_bad_arguments_fail_before_the_model_is_touched(spec, budget, options, message):
+    model = build_model("llama")
+    with pytest.raises(ValueError, match=message):
+        kvlib.make_cache(model, spec, budget=budget, **options)
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_unknown_spec_lists_what_is_registered():
+    with pytest.raises(ValueError, match="streaming_llm"):
+        kvlib.make_cache(build_model("llama"), "snapkvv")
+
+
+def test_kinds_the_cache_does_not_apply_yet_are_refused(monkeypatch):
+    monkeypatch.setattr(registry, "_registry", dict(registry._registry))
+
+    @registry.register("test_int3")
+    @dataclass
+    class Int3(Quantization):
+        """Test-only quantization strategy."""
+
+    with pytest.raises(ValueError, match="quantization"):
+        kvlib.make_cache(build_model("llama"), "streaming_llm+test_int3", budget=8)
+
+
+def test_reusing_a_cache_with_another_batch_size_needs_reset_and_keeps_what_is_stored():
+    model = build_model("stories")
+    cache = kvlib.make_cache(model, "streaming_llm", budget=8)
+    ids, _ = left_padded([12], seed=20)
+    model.generate(ids, past_key_values=cache, do_sample=False, max_new_tokens=4, pad_token_id=PAD)
+    before = [cache.kept_positions(layer) for layer in range(cache.shape.num_layers)]
+    report = cache.memory_report()
+    wider, mask = left_padded([5, 7], seed=21)
+    with pytest.raises(ValueError, match=r"batch of 1 .* got a batch of 2; call cache.reset\(\)"):
+        model.generate(wider, attention_mask=mask, past_key_values=cache, do_sample=False, max_new_tokens=2, pad_token_id=PAD)
+    assert all(torch.equal(old, cache.kept_positions(layer)) for layer, old in enumerate(before))
+    assert cache.memory_report() == report
+    cache.reset()
+    model.generate(wider, attention_mask=mask, past_key_values=cache, do_sample=False, max_new_tokens=2, pad_token_id=PAD)
+    assert cache.batch_size == 2
+
+
+def test_kept_positions_checks_its_layer_and_needs_tokens():
+    model = build_model("llama")
+    cache = kvlib.make_cache(model)
+    with pytest.raises(ValueError, match="holds no tokens"):
+        cache.kept_positions(0)
+    with torch.no_grad():
+        model(input_ids=torch.tensor([[4, 5, 6]]), past_key_values=cache)
+    with pytest.raises(ValueError, match=r"layer_idx must be an int in \[0, 2\)"):
+        cache.kept_positions(2)
+    assert cache.kept_positions(1).tolist() == [[[0, 1, 2], [0, 1, 2]]]
