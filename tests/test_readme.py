@@ -9,15 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from kvlib import registry
-
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
 
 
 @pytest.mark.parametrize("block", re.findall(r"```python\n(.*?)```", README, re.S))
-def test_python_examples_run(block: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(registry, "_registry", dict(registry._registry))  # examples may register plugins
+def test_python_examples_run(block: str, monkeypatch: pytest.MonkeyPatch, scratch_registry) -> None:
+    """Examples may register plugins: they do so in a scratch registry."""
     module = types.ModuleType("readme_example")  # dataclasses look their module up in sys.modules
     monkeypatch.setitem(sys.modules, module.__name__, module)
     exec(compile(block, "README.md", "exec"), module.__dict__)

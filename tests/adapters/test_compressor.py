@@ -136,8 +136,7 @@ class NeedyProbe(Probe):
 
 
 @pytest.fixture
-def probes(monkeypatch):
-    monkeypatch.setattr(registry, "_registry", dict(registry._registry))
+def probes(scratch_registry):
     registry.register("probe")(Probe)
     registry.register("needy_probe")(NeedyProbe)
     Probe.seen = []

@@ -52,9 +52,7 @@ def test_unknown_spec_lists_what_is_registered():
         kvlib.make_cache(build_model("llama"), "snapkvv")
 
 
-def test_kinds_the_cache_does_not_apply_yet_are_refused(monkeypatch):
-    monkeypatch.setattr(registry, "_registry", dict(registry._registry))
-
+def test_kinds_the_cache_does_not_apply_yet_are_refused(scratch_registry):
     @registry.register("test_int3")
     @dataclass
     class Int3(Quantization):

@@ -47,14 +47,6 @@ class MyTestModuleReuse(Reuse):
     """A test-only reuse strategy registered by a fake plugin module on import."""
 
 
-@pytest.fixture
-def scratch_registry(monkeypatch):
-    """Give each test a private copy of the registry (built-ins loaded), restored afterwards."""
-    available_policies()  # load the built-ins into the real registry first
-    monkeypatch.setattr(registry, "_registry", dict(registry._registry))
-    return registry._registry
-
-
 class FakeEntryPoint:
     """Quacks like importlib.metadata.EntryPoint: name, value, load()."""
 
