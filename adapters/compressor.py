@@ -53,7 +53,7 @@ class Compressor:
     def keep(self, step: LayerStep, inputs: AttentionInputs, real_offsets: torch.Tensor) -> torch.Tensor | None:
         """Slot indices ``[batch, heads, k]`` (-1 padded) each head keeps, or None if all stay.
 
-        ``real_offsets [batch]`` (CPU) is each row's count of padding tokens before its first real
+        ``real_offsets [batch]`` (on the store's device) is each row's count of padding tokens before its first real
         one: subtracted from stored positions, it gives the positions strategies see.
         """
         read = step.read

@@ -103,7 +103,7 @@ class KVCache(Cache):
             self.store = self._new_store(key_states)
         if not self._rows:
             self._rows = [self.store.new_sequence() for _ in range(batch)]
-            self._padding = torch.zeros(batch, dtype=torch.int64)
+            self._padding = torch.zeros(batch, dtype=torch.int64, device=self.store.device)
         offset = self._seen[layer_idx]
         self.store.append(layer_idx, self._rows, key_states, value_states)
         self._seen[layer_idx] += key_states.shape[2]
@@ -132,10 +132,10 @@ class KVCache(Cache):
         scaling: float | None,
     ) -> None:
         """Called by the kvlib attention function once the layer's attention has run: records
-        padding and lets the compressor drop tokens."""
+        padding (counted per row, on the device) and lets the compressor drop tokens."""
         self._pending = None
         if step.layer_idx == 0 and real_new is not None:
-            self._padding += (~real_new).sum(-1).cpu()
+            self._padding += (~real_new).sum(-1)  # stays on the device: no sync per step
         if self.compressor is None:
             return
         inputs = AttentionInputs(query, mask, weights, scaling, real_new, self._hidden_states.pop(step.layer_idx, None))
@@ -217,7 +217,7 @@ class KVCache(Cache):
         old = self._rows
         self._rows = [self.store.fork(old[i]) for i in index.tolist()]
         self.store.release(old)
-        self._padding = self._padding[index]
+        self._padding = self._padding[index.to(self._padding.device)]
 
     # -- inspection -----------------------------------------------------------------------------
 
@@ -232,7 +232,7 @@ class KVCache(Cache):
         if not self._rows:
             raise ValueError("the cache holds no tokens yet: run the model with it first")
         stored = self.store.stored_positions(layer_idx, self._rows)
-        positions = stored - self._padding.view(-1, 1, 1)
+        positions = stored - self._padding.cpu().view(-1, 1, 1)
         real = (stored >= 0) & (positions >= 0)
         order = torch.sort((~real).to(torch.int8), dim=-1, stable=True).indices
         kept = torch.where(real, positions, -1).gather(-1, order)

@@ -520,10 +520,10 @@ def _heads_to_copy(pool: PagePool, open_pages: torch.Tensor, shared: torch.Tenso
 def _page_coordinates(first: torch.Tensor, counts: torch.Tensor, heads: int) -> tuple[torch.Tensor, ...]:
     """Table coordinates ``(batch, head, page_index)`` of ``counts[b*heads+h]`` new pages per
     head, numbered from ``first[b, h]`` on, in (batch, head, page) order."""
-    total = int(counts.sum())
-    group = torch.repeat_interleave(torch.arange(counts.numel()), counts)
-    group_start = torch.repeat_interleave(counts.cumsum(0) - counts, counts)
-    page_index = first.flatten()[group] + torch.arange(total) - group_start
+    # (nonzero of a [groups, max count] grid rather than repeat_interleave with tensor repeats,
+    # which costs milliseconds per call on multi-threaded CPU torch)
+    group, offset = (torch.arange(int(counts.max()) if counts.numel() else 0) < counts.unsqueeze(-1)).nonzero(as_tuple=True)
+    page_index = first.flatten()[group] + offset
     return group // heads, group % heads, page_index
 
 
