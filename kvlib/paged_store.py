@@ -436,7 +436,7 @@ class PagedStore:
 
     def _rows(self, seqs: SequenceIds) -> torch.Tensor:
         ids = tuple(seqs.tolist() if isinstance(seqs, torch.Tensor) else seqs)
-        if self._last_rows is not None and ids == self._last_rows[0]:
+        if self._last_rows is not None and ids == self._last_rows[0] and all(type(s) is int for s in ids):
             return self._last_rows[1]
         if not ids:
             raise ValueError("at least one sequence id is needed")

@@ -216,9 +216,481 @@ def test_bad_sequence_and_layer_ids(store: PagedStore) -> None:
         store.fork(seq)
 
 
+@pytest.mark.parametrize("bad", [[1.0], (1.0,), torch.tensor([1.0])])
+def test_float_ids_are_rejected_even_after_the_same_batch(store: PagedStore, bad) -> None:
+    store.new_sequence()
+    seq = store.new_sequence()
+    with pytest.raises(ValueError, match="unknown or released"):
+        store.read(0, bad)  # rejected: 1.0 is not an int id
+    store.read(0, [seq])
+    with pytest.raises(ValueError, match="unknown or released"):
+        store.read(0, bad)
+
+
 @pytest.mark.parametrize("bad", [{"num_layers": 0}, {"page_size": 0}, {"num_kv_heads": [1]}, {"head_dim": 0}])
 def test_bad_store_arguments(bad: dict) -> None:
     args = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 4}
     args.update(bad)
     with pytest.raises(ValueError):
         PagedStore(**args)
+
+
+# -- truncate ------------------------------------------------------------------------------------
+
+
+def full_state(store: PagedStore) -> list:
+    """Tables, reference counts, free lists and the arenas' contents (what a failed call must not change)."""
+    return [
+        (*layer, pool.keys.clone(), pool.values.clone(), pool.positions.clone())
+        for layer, pool in zip(snapshot(store), store.pools)
+    ]
+
+
+def assert_reads_equal(got, expected) -> None:
+    assert got.keys.shape == expected.keys.shape
+    for a, b in zip(got, expected):
+        assert torch.equal(a, b)
+
+
+def test_truncate_drops_the_suffix_and_releases_its_pages(store: PagedStore) -> None:
+    seq = store.new_sequence()
+    keys = step(1, 2, 10)
+    store.append(0, [seq], keys, -keys)
+    store.append(1, [seq], keys, -keys)
+    bytes_before = store.bytes_in_use()
+    assert store.pools[0].pages_in_use == 6
+    store.truncate(0, [seq], 5)
+    assert store.pools[0].pages_in_use == 4  # each head keeps page 0 and the partly kept page 1
+    assert store.bytes_in_use() == bytes_before - 2 * store.pools[0].page_bytes
+    assert store.physical_lengths(0, [seq]).tolist() == [[5, 5]]
+    assert store.logical_lengths(0, [seq]).tolist() == [5]
+    assert store.stored_positions(0, [seq]).tolist() == [[list(range(5))] * 2]
+    read = store.read(0, [seq])
+    assert torch.equal(read.keys, keys[:, :, :5]) and torch.equal(read.values, -keys[:, :, :5])
+    assert read.positions.tolist() == [[list(range(5))] * 2]
+    # the other layer is untouched
+    assert store.physical_lengths(1, [seq]).tolist() == [[10, 10]] and store.pools[1].pages_in_use == 6
+    assert torch.equal(store.read(1, [seq]).keys, keys)
+
+
+def test_appends_after_truncate_continue_at_the_new_end(store: PagedStore) -> None:
+    seq = store.new_sequence()
+    keys = step(1, 2, 10)
+    store.append(0, [seq], keys, -keys)
+    store.truncate(0, [seq], 6)
+    new = step(1, 2, 5, seed=1)
+    store.append(0, [seq], new[:, :, :1], -new[:, :, :1])  # overwrites the stale slot 6 in the kept page
+    store.append(0, [seq], new[:, :, 1:], -new[:, :, 1:])  # fills that page, then a fresh one
+    expect = torch.cat([keys[:, :, :6], new], 2)
+    read = store.read(0, [seq])
+    assert torch.equal(read.keys, expect) and torch.equal(read.values, -expect)
+    assert read.positions.tolist() == [[list(range(11))] * 2]
+    assert store.logical_lengths(0, [seq]).tolist() == [11]
+    assert store.pools[0].pages_in_use == 6
+
+
+def test_truncate_to_zero_frees_every_page(store: PagedStore) -> None:
+    seq = store.new_sequence()
+    store.append(0, [seq], step(1, 2, 7), step(1, 2, 7))
+    store.truncate(0, [seq], 0)
+    assert store.pools[0].pages_in_use == 0 and store.bytes_in_use() == 0
+    assert store.physical_lengths(0, [seq]).tolist() == [[0, 0]]
+    assert store.logical_lengths(0, [seq]).tolist() == [0]
+    assert store.stored_positions(0, [seq]).shape == (1, 2, 0)
+    assert (store.tables[0].pages[seq] == -1).all()
+    store.append(0, [seq], step(1, 2, 2, seed=1), step(1, 2, 2, seed=1))
+    assert store.read(0, [seq]).positions.tolist() == [[[0, 1], [0, 1]]]
+
+
+def test_truncate_beyond_the_end_only_lowers_the_logical_length(store: PagedStore) -> None:
+    seq = store.new_sequence()
+    store.append(0, [seq], step(1, 2, 6), step(1, 2, 6))
+    store.compact(0, [seq], torch.tensor([[[0, 1], [1, 2]]]))  # positions [0, 1] and [1, 2]
+    before = snapshot(store)
+    store.truncate(0, [seq], 9)  # above the logical length: nothing at all changes
+    assert_same(before, snapshot(store))
+    store.truncate(0, [seq], 4)  # no stored token is dropped, but the logical length falls to 4
+    assert store.physical_lengths(0, [seq]).tolist() == [[2, 2]]
+    assert store.logical_lengths(0, [seq]).tolist() == [4]
+    store.append(0, [seq], step(1, 2, 1), step(1, 2, 1))
+    assert store.read(0, [seq]).positions.tolist() == [[[0, 1, 4], [1, 2, 4]]]
+
+
+def test_truncate_heads_and_sequences_of_different_lengths(store: PagedStore) -> None:
+    a, b = store.new_sequence(), store.new_sequence()
+    store.append(0, [a], step(1, 2, 9), step(1, 2, 9))
+    store.append(0, [b], step(1, 2, 3, seed=1), step(1, 2, 3, seed=1))
+    store.compact(0, [a], torch.tensor([[[0, 4, 5, 8], [1, 2, 3, 6]]]))
+    store.truncate(0, [a, b], 4)
+    assert store.physical_lengths(0, [a, b]).tolist() == [[1, 3], [3, 3]]
+    assert store.logical_lengths(0, [a, b]).tolist() == [4, 3]
+    assert store.stored_positions(0, [a, b]).tolist() == [[[0, -1, -1], [1, 2, 3]], [[0, 1, 2], [0, 1, 2]]]
+    assert store.pools[0].pages_in_use == 4
+
+
+def test_truncate_of_a_forked_sequence_keeps_the_sharer_and_copies_on_write(store: PagedStore) -> None:
+    parent = store.new_sequence()
+    keys = step(1, 2, 7)
+    store.append(0, [parent], keys, -keys)
+    child = store.fork(parent)
+    store.truncate(0, [child], 2)
+    assert store.pools[0].pages_in_use == 4  # the dropped page is still the parent's
+    assert store.pools[0].refcount[store.tables[0].pages[child, :, 0]].tolist() == [2, 2]
+    assert torch.equal(store.read(0, [parent]).keys, keys)
+    assert torch.equal(store.read(0, [child]).keys, keys[:, :, :2])
+    new = step(1, 2, 3, seed=1)
+    store.append(0, [child], new, -new)  # the partly kept page is shared: copied, not written
+    assert store.pools[0].pages_in_use == 8  # parent 2 pages per head; child a copy and a fresh page per head
+    parent_read = store.read(0, [parent])
+    assert torch.equal(parent_read.keys, keys) and torch.equal(parent_read.values, -keys)
+    assert parent_read.positions.tolist() == [[list(range(7))] * 2]
+    child_read = store.read(0, [child])
+    assert torch.equal(child_read.keys, torch.cat([keys[:, :, :2], new], 2))
+    assert child_read.positions.tolist() == [[list(range(5))] * 2]
+    store.truncate(0, [parent], 1)
+    assert torch.equal(store.read(0, [child]).keys, torch.cat([keys[:, :, :2], new], 2))
+    store.release([parent, child])
+    assert store.pools[0].pages_in_use == 0
+
+
+def test_truncate_of_a_non_suffix_changes_nothing(store: PagedStore) -> None:
+    a, b = store.new_sequence(), store.new_sequence()
+    store.append(0, [a, b], step(2, 2, 3), step(2, 2, 3))
+    store.append(0, [b], step(1, 2, 2, seed=1), step(1, 2, 2, seed=1), torch.tensor([9, 1]))  # b: 0 1 2 9 1
+    store.read(0, [a, b])
+    before = full_state(store)
+    for length in (2, 3, 5, 9):  # a alone could be truncated, but b keeps its last token (1): the batch fails
+        with pytest.raises(ValueError, match="not a suffix"):
+            store.truncate(0, [a, b], length)
+        assert_same(before, full_state(store))
+    read = store.read(0, [a, b])
+    assert read.positions[:, 0].tolist() == [[0, 1, 2, -1, -1], [0, 1, 2, 9, 1]]
+    store.truncate(0, [a, b], 10)  # drops nothing stored and leaves the logical lengths (3 and 5)
+    assert store.logical_lengths(0, [a, b]).tolist() == [3, 5]
+    assert_same(before, full_state(store))
+    store.truncate(0, [b], 1)  # positions >= 1 are slots 1..4 of b: a suffix
+    assert store.physical_lengths(0, [b]).tolist() == [[1, 1]]
+    assert store.logical_lengths(0, [a, b]).tolist() == [3, 1]
+
+
+@pytest.mark.parametrize("length", [-1, True, False, 2.0, None, "2", torch.tensor(2)])
+def test_truncate_rejects_bad_lengths_without_changes(store: PagedStore, length) -> None:
+    seq = store.new_sequence()
+    store.append(0, [seq], step(1, 2, 5), step(1, 2, 5))
+    before = full_state(store)
+    with pytest.raises(ValueError, match="length must be an int"):
+        store.truncate(0, [seq], length)
+    assert_same(before, full_state(store))
+
+
+def test_truncate_rejects_bad_layers_and_ids(store: PagedStore) -> None:
+    seq = store.new_sequence()
+    store.append(0, [seq], step(1, 2, 5), step(1, 2, 5))
+    before = full_state(store)
+    with pytest.raises(ValueError, match="layer must be"):
+        store.truncate(2, [seq], 1)
+    with pytest.raises(ValueError, match="unknown or released"):
+        store.truncate(0, [seq + 1], 1)
+    with pytest.raises(ValueError, match="repeat"):
+        store.truncate(0, [seq, seq], 1)
+    assert_same(before, full_state(store))
+
+
+def build_twins() -> tuple[PagedStore, PagedStore]:
+    """A store with the read mirror and one without, for comparing reads."""
+    return tuple(PagedStore(1, 2, 4, page_size=4, pages_per_layer=2, read_cache=flag) for flag in (True, False))
+
+
+@pytest.mark.parametrize("lengths", [(5, 5), (8, 3), (0, 2), (4, 4), (20, 20)])
+def test_truncate_keeps_the_read_mirror_in_step(lengths: tuple[int, int]) -> None:
+    stores = build_twins()
+    for store in stores:
+        a, b = store.new_sequence(), store.new_sequence()
+        store.append(0, [a, b], step(2, 2, 9), -step(2, 2, 9))
+        store.compact(0, [a, b], torch.tensor([[[0, 1, 2, 3, 4, 5, 6, 7, 8], [0, 2, 3, 5, 7, 8, -1, -1, -1]]] * 2))
+    mirrored, plain = stores
+    first = mirrored.read(0, [a, b])
+    for length in lengths:
+        for store in stores:
+            store.truncate(0, [a, b], length)
+        got = mirrored.read(0, [a, b])
+        assert got.keys.untyped_storage().data_ptr() == first.keys.untyped_storage().data_ptr()  # in place
+        assert_reads_equal(got, plain.read(0, [a, b]))
+        assert_reads_equal(got, mirrored._gather(0, torch.tensor([a, b]), got.keys.shape[2]))
+    for tokens in (1, 3, 1, 6):  # appends after the truncation extend the mirror correctly
+        keys = step(2, 2, tokens, seed=tokens)
+        for store in stores:
+            store.append(0, [a, b], keys, -keys)
+        assert_reads_equal(mirrored.read(0, [a, b]), plain.read(0, [a, b]))
+
+
+def test_truncate_drops_the_mirror_of_another_batch() -> None:
+    mirrored, plain = build_twins()
+    for store in (mirrored, plain):
+        a, b = store.new_sequence(), store.new_sequence()
+        store.append(0, [a, b], step(2, 2, 6), step(2, 2, 6))
+    mirrored.read(0, [a, b])
+    for store in (mirrored, plain):
+        store.truncate(0, [b], 3)
+    assert mirrored._read_caches[0] is None
+    assert_reads_equal(mirrored.read(0, [a, b]), plain.read(0, [a, b]))
+    assert_reads_equal(mirrored.read(0, [b, a]), plain.read(0, [b, a]))
+
+
+def test_stored_positions_shape_padding_and_device(store: PagedStore) -> None:
+    a, b = store.new_sequence(), store.new_sequence()
+    assert store.stored_positions(0, [a, b]).shape == (2, 2, 0)
+    store.append(0, [a, b], step(2, 2, 3), step(2, 2, 3), torch.tensor([[4, 5, 6], [7, 8, 9]]))
+    store.compact(0, [a, b], torch.tensor([[[0, 2], [1, -1]], [[0, 1], [0, 1]]]))
+    positions = store.stored_positions(0, [b, a])
+    assert positions.dtype == torch.int64 and positions.device.type == "cpu"
+    assert positions.tolist() == [[[7, 8], [7, 8]], [[4, 6], [5, -1]]]
+    assert torch.equal(positions, store.read(0, [b, a]).positions)
+
+
+# -- append fast path (tokens written straight into the batch's open pages) ----------------------
+
+
+class Twin:
+    """The store under test, appended with default positions (so the fast path runs where it
+    applies), and a reference store given the same positions explicitly (always the slow path,
+    no read mirror). Every operation goes to both; ``check`` compares them."""
+
+    def __init__(self, read_cache: bool = True, layers: int = 1, heads: int = 2, **kwargs) -> None:
+        kwargs = {"page_size": 4, "pages_per_layer": 1, **kwargs}
+        self.store = PagedStore(layers, heads, 4, read_cache=read_cache, **kwargs)
+        self.reference = PagedStore(layers, heads, 4, read_cache=False, **kwargs)
+        self.heads = heads
+        self.seed = 0
+
+    def both(self, method: str, *args):
+        result = getattr(self.store, method)(*args)
+        assert getattr(self.reference, method)(*args) == result
+        return result
+
+    def append(self, layer: int, seqs: list[int], tokens: int) -> torch.Tensor:
+        self.seed += 1
+        keys = step(len(seqs), self.heads, tokens, seed=self.seed)
+        positions = self.reference.logical_lengths(layer, seqs).unsqueeze(-1) + torch.arange(tokens)
+        self.store.append(layer, seqs, keys, -keys)
+        self.reference.append(layer, seqs, keys, -keys, positions)
+        return keys
+
+    def check(self, layer: int, seqs: list[int]) -> None:
+        """The batch reads the same through ``read`` (the mirror, if on); every live sequence and
+        every page count agree too."""
+        assert_reads_equal(self.store.read(layer, seqs), self.reference.read(layer, seqs))
+        live = torch.tensor(self.store.sequences)
+        for ours, theirs in zip(self.store.tables, self.reference.tables):
+            assert torch.equal(ours.lengths[live], theirs.lengths[live])
+            assert torch.equal(ours.logical[live], theirs.logical[live])
+        for ours, theirs in zip(self.store.pools, self.reference.pools):
+            assert ours.pages_in_use == theirs.pages_in_use
+        for layer_ in range(len(self.store.tables)):
+            for seq in self.store.sequences:
+                rows = torch.tensor([seq])
+                size = int(self.store.physical_lengths(layer_, [seq]).max())
+                assert_reads_equal(self.store._gather(layer_, rows, size), self.reference._gather(layer_, rows, size))
+
+
+@pytest.fixture
+def fast_steps(monkeypatch: pytest.MonkeyPatch) -> list[tuple[tuple[int, ...], int]]:
+    """(batch, tokens) of every append that took the fast path."""
+    calls = []
+    original = PagedStore._append_in_open_pages
+
+    def spy(self, layer, rows, open_pages, keys, values):
+        calls.append((tuple(rows.tolist()), keys.shape[2]))
+        return original(self, layer, rows, open_pages, keys, values)
+
+    monkeypatch.setattr(PagedStore, "_append_in_open_pages", spy)
+    return calls
+
+
+@pytest.mark.parametrize("read_cache", [True, False])
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_one_token_steps_across_page_boundaries(fast_steps: list, read_cache: bool, batch_size: int) -> None:
+    twin = Twin(read_cache)
+    batch = [twin.both("new_sequence") for _ in range(batch_size)]
+    appended = []
+    for _ in range(13):
+        appended.append(twin.append(0, batch, 1))
+        twin.check(0, batch)
+    assert len(fast_steps) == 9  # slow at lengths 0, 4, 8, 12 (a new page), fast in between
+    read = twin.store.read(0, batch)
+    assert torch.equal(read.keys, torch.cat(appended, 2))
+    assert read.positions[:, 0].tolist() == [list(range(13))] * batch_size
+    assert twin.store.pools[0].pages_in_use == 4 * 2 * batch_size
+
+
+@pytest.mark.parametrize("read_cache", [True, False])
+def test_several_token_steps_that_fill_the_open_page(fast_steps: list, read_cache: bool) -> None:
+    twin = Twin(read_cache)
+    a, b = twin.both("new_sequence"), twin.both("new_sequence")
+    for tokens in (1, 3, 2, 2, 0, 1, 1, 4, 3, 1):
+        twin.append(0, [a, b], tokens)
+        twin.check(0, [a, b])
+    # page_size 4: after 1 token, 3 exactly fill the page; after 6, 2 fill it; after 9, 1 fits; ...
+    assert [tokens for _, tokens in fast_steps] == [3, 2, 0, 1, 1]
+    assert twin.store.physical_lengths(0, [a, b]).tolist() == [[18, 18]] * 2
+
+
+def test_heads_of_different_lengths_on_the_fast_path(fast_steps: list) -> None:
+    twin = Twin(heads=3)
+    a, b = twin.both("new_sequence"), twin.both("new_sequence")
+    twin.append(0, [a, b], 6)
+    keep = torch.tensor([[[0, 1, 2, 3, 4], [0, -1, -1, -1, -1], [1, 2, -1, -1, -1]], [[0, 1, 2, 3, 4]] * 3])
+    twin.both("compact", 0, [a, b], keep)  # lengths [5, 1, 2] and [5, 5, 5]
+    for _ in range(9):
+        twin.append(0, [a, b], 1)
+        twin.check(0, [a, b])
+    assert fast_steps  # the shortest room decides how far the fast path goes
+
+
+def test_fork_in_the_middle_never_writes_a_shared_page(fast_steps: list) -> None:
+    twin = Twin()
+    parent = twin.both("new_sequence")
+    prefix = torch.cat([twin.append(0, [parent], 1) for _ in range(2)], 2)  # the second is a fast step
+    assert len(fast_steps) == 1
+    child = twin.both("fork", parent)
+    pool, table = twin.store.pools[0], twin.store.tables[0]
+    shared = table.pages[child, :, 0].clone()
+    contents = [t[shared].clone() for t in (pool.keys, pool.values, pool.positions)]
+    parent_step = twin.append(0, [parent], 1)  # its open pages are shared now: copied first
+    assert len(fast_steps) == 1
+    assert all(torch.equal(t[shared], c) for t, c in zip((pool.keys, pool.values, pool.positions), contents))
+    twin.check(0, [parent])
+    child_steps = [twin.append(0, [child], 1) for _ in range(3)]
+    twin.check(0, [child])
+    parent_read, child_read = twin.store.read(0, [parent]), twin.store.read(0, [child])
+    assert torch.equal(parent_read.keys, torch.cat([prefix, parent_step], 2))
+    assert torch.equal(child_read.keys, torch.cat([prefix, *child_steps], 2))
+    for _ in range(6):  # then both together and each alone again
+        twin.append(0, [parent, child], 1)
+        twin.check(0, [parent, child])
+        twin.append(0, [child], 1)
+        twin.check(0, [child])
+    assert torch.equal(twin.store.read(0, [parent, child]).keys[:, :, :2], torch.cat([prefix, prefix]))
+
+
+def test_fork_of_a_sequence_outside_the_batch(fast_steps: list) -> None:
+    twin = Twin()
+    a, b, c = (twin.both("new_sequence") for _ in range(3))
+    twin.append(0, [c], 3)
+    twin.append(0, [a, b], 1)
+    child = twin.both("fork", b)
+    for _ in range(5):
+        twin.append(0, [a, b], 1)
+        twin.check(0, [a, b])
+        twin.check(0, [child])
+
+
+@pytest.mark.parametrize(
+    "batches",
+    [
+        [[0, 1], [2]],  # disjoint
+        [[0, 1], [1]],  # overlapping
+        [[0, 1], [1, 0]],  # the same ids in another order
+        [[3, 0], [0, 2, 1], [2, 3]],  # ids not consecutive
+    ],
+)
+@pytest.mark.parametrize("run", [1, 3])
+def test_batches_taking_turns_in_one_layer(fast_steps: list, batches: list, run: int) -> None:
+    twin = Twin()
+    for _ in range(4):
+        twin.both("new_sequence")
+    for _ in range(5):
+        for batch in batches:
+            for _ in range(run):
+                twin.append(0, batch, 1)
+                twin.check(0, batch)
+    if run > 1:
+        assert fast_steps
+
+
+def test_work_on_another_layer_keeps_the_fast_path_correct(fast_steps: list) -> None:
+    twin = Twin(layers=2)
+    a, b = twin.both("new_sequence"), twin.both("new_sequence")
+    twin.append(1, [a, b], 6)
+    for i in range(8):
+        twin.append(0, [a, b], 1)
+        if i == 2:
+            twin.both("compact", 1, [a, b], torch.tensor([[[0, 5], [1, 2]]] * 2))
+        if i == 4:
+            twin.both("truncate", 1, [b], 1)
+        if i == 5:
+            twin.append(1, [b, a], 2)
+        twin.check(0, [a, b])
+        twin.check(1, [a, b])
+    assert len(fast_steps) >= 4
+
+
+@pytest.mark.parametrize("batch", [[0, 1], [1]])
+def test_compaction_in_the_middle(fast_steps: list, batch: list[int]) -> None:
+    twin = Twin()
+    a, b = twin.both("new_sequence"), twin.both("new_sequence")
+    twin.append(0, [a, b], 5)
+    twin.append(0, [a, b], 1)  # fast: open pages of [a, b] at slot 6
+    keep = torch.tensor([[[0, 2, 5], [1, 3, 4]]] * len(batch))
+    twin.both("compact", 0, batch, keep)  # the slots of [a, b]'s next tokens move
+    for _ in range(7):
+        twin.append(0, [a, b], 1)
+        twin.check(0, [a, b])
+    assert len(fast_steps) > 1
+
+
+@pytest.mark.parametrize("batch", [[0, 1], [1]])
+@pytest.mark.parametrize("length", [0, 2, 4, 5])
+def test_truncation_in_the_middle(fast_steps: list, batch: list[int], length: int) -> None:
+    twin = Twin()
+    a, b = twin.both("new_sequence"), twin.both("new_sequence")
+    twin.append(0, [a, b], 5)
+    twin.append(0, [a, b], 1)
+    twin.store.read(0, [a, b])
+    twin.both("truncate", 0, batch, length)
+    for _ in range(7):
+        twin.append(0, [a, b], 1)
+        twin.check(0, [a, b])
+
+
+def test_explicit_positions_always_take_the_slow_path(fast_steps: list, store: PagedStore) -> None:
+    seq = store.new_sequence()
+    store.append(0, [seq], step(1, 2, 1), step(1, 2, 1))
+    store.append(0, [seq], step(1, 2, 1), step(1, 2, 1), torch.tensor([100]))
+    assert fast_steps == []
+    store.append(0, [seq], step(1, 2, 1), step(1, 2, 1))  # fast again, continuing the logical length
+    store.append(0, [seq], step(1, 2, 1), step(1, 2, 1), torch.tensor([[7]]))
+    assert len(fast_steps) == 1
+    assert store.read(0, [seq]).positions.tolist() == [[[0, 100, 2, 7]] * 2]
+
+
+def test_release_and_reuse_in_the_middle(fast_steps: list) -> None:
+    twin = Twin()
+    a, b, c = (twin.both("new_sequence") for _ in range(3))
+    twin.append(0, [a, b], 1)
+    twin.append(0, [a, b], 1)  # fast; the open pages of [a, b] keep room for 2 more tokens
+    twin.both("release", [c])
+    twin.append(0, [a, b], 1)
+    twin.check(0, [a, b])
+    twin.both("release", [b])
+    reused = twin.both("new_sequence")
+    assert reused == b
+    for _ in range(6):
+        twin.append(0, [a, b], 1)
+        twin.check(0, [a, b])
+    assert len(fast_steps) > 1
+
+
+def test_fast_path_in_a_full_fixed_pool(fast_steps: list) -> None:
+    store = PagedStore(1, 2, 4, page_size=4, pages_per_layer=2, fixed_capacity=True)
+    seq = store.new_sequence()
+    keys = step(1, 2, 5)
+    store.append(0, [seq], keys[:, :, :1], -keys[:, :, :1])
+    store.append(0, [seq], keys[:, :, 1:3], -keys[:, :, 1:3])  # no free page left, but room in the open ones
+    store.append(0, [seq], keys[:, :, 3:4], -keys[:, :, 3:4])
+    assert len(fast_steps) == 2
+    before = full_state(store)
+    with pytest.raises(PoolExhaustedError):
+        store.append(0, [seq], keys[:, :, 4:], -keys[:, :, 4:])
+    assert_same(before, full_state(store))
+    assert torch.equal(store.read(0, [seq]).keys, keys[:, :, :4])

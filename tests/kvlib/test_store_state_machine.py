@@ -1,15 +1,20 @@
 """Stateful property test of the page pool and paged store against a plain Python model.
 
-Random appends (varied batches, token counts, explicit or default positions), compactions with
-random keep sets, forks, writes to forked sequences, decode-style append+read loops through the
-read cache, and releases. After every step: no page leaked or freed twice, reference counts equal
-block-table references, ``bytes_in_use`` equals pages in use times page bytes, and every live
-sequence reads back exactly its model: the tokens appended minus those compacted away, in order,
-with their positions (so a write or compaction never changes what a sharing sequence reads).
+Random appends (varied batches, token counts, explicit or default positions; many one-token
+steps, so that the append fast path into a batch's open pages runs between forks, compactions,
+truncations and other batches' appends), compactions with random keep sets, truncations (valid or
+not, with or without a read mirror of the batch), forks, writes to forked sequences, decode-style
+append+read loops through the read cache, and releases. After every step: no page leaked or freed
+twice, reference counts equal block-table references, ``bytes_in_use`` equals pages in use times
+page bytes, a page shared before and after the step was not written, and every live sequence
+reads back exactly its model: the tokens appended minus those compacted or truncated away, in
+order, with their positions (so a write, compaction or truncation never changes what a sharing
+sequence reads).
 """
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -42,10 +47,22 @@ class StoreMachine(RuleBasedStateMachine):
         self.model: dict[int, list[list[list[Token]]]] = {}  # seq -> layer -> head -> tokens
         self.logical: dict[int, list[int]] = {}
         self.next_token = 0
+        self.shared: dict[int, list[torch.Tensor]] = {}  # layer -> [page ids, keys, values, positions]
+        self.last_append: tuple[int, list[int]] | None = None  # (layer, batch) of the last append
 
     # -- helpers -------------------------------------------------------------------------------
 
+    def last_batch(self) -> list[int] | None:
+        """The batch of the last append while all of it is live (the one the fast path may serve)."""
+        if self.last_append and all(seq in self.model for seq in self.last_append[1]):
+            return list(self.last_append[1])
+        return None
+
     def draw_batch(self, data: st.DataObject) -> list[int]:
+        """Often the last appended batch (so operations land between fast-path appends), else any."""
+        last = self.last_batch()
+        if last and data.draw(st.booleans()):
+            return last
         return data.draw(st.lists(st.sampled_from(sorted(self.model)), min_size=1, max_size=3, unique=True))
 
     def append(self, layer: int, batch: list[int], steps: int, positions: list[list[int]] | None) -> None:
@@ -64,6 +81,7 @@ class StoreMachine(RuleBasedStateMachine):
             self.logical[seq][layer] += steps
         given = torch.tensor(positions, dtype=torch.int64) if positions else None
         self.store.append(layer, batch, keys, values, given)
+        self.last_append = (layer, batch)
 
     def check_read(self, layer: int, batch: list[int], read) -> None:
         kd, vd = KEY_DIMS[layer], VALUE_DIMS[layer]
@@ -89,7 +107,12 @@ class StoreMachine(RuleBasedStateMachine):
         self.logical[seq] = [0] * len(HEADS)
 
     @precondition(lambda self: self.model)
-    @rule(data=st.data(), layer=st.integers(0, len(HEADS) - 1), steps=st.integers(0, 12), explicit=st.booleans())
+    @rule(
+        data=st.data(),
+        layer=st.integers(0, len(HEADS) - 1),
+        steps=st.one_of(st.integers(1, 2), st.integers(0, 12)),
+        explicit=st.sampled_from([False, False, True]),
+    )
     def append_tokens(self, data: st.DataObject, layer: int, steps: int, explicit: bool) -> None:
         batch = self.draw_batch(data)
         positions = None
@@ -105,6 +128,57 @@ class StoreMachine(RuleBasedStateMachine):
         self.check_read(layer, batch, self.store.read(layer, batch))
         for _ in range(steps):
             self.append(layer, batch, 1, None)
+            self.check_read(layer, batch, self.store.read(layer, batch))
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data(), layer=st.integers(0, len(HEADS) - 1), steps=st.integers(1, 6))
+    def one_token_steps(self, data: st.DataObject, layer: int, steps: int) -> None:
+        """One-token appends with default positions and no reads (the fast path without a mirror)."""
+        batch = self.draw_batch(data)
+        for _ in range(steps):
+            self.append(layer, batch, 1, None)
+
+    @precondition(lambda self: self.last_batch())
+    @rule(steps=st.integers(1, 3), reverse=st.sampled_from([False, False, True]))
+    def append_to_the_last_batch(self, steps: int, reverse: bool) -> None:
+        """The batch of the last append again (default positions): a fast-path candidate after
+        whatever ran in between (fork, compaction, truncation, release, other layers); sometimes
+        the same ids in reverse order, which is another batch."""
+        layer, batch = self.last_append[0], self.last_batch()
+        self.append(layer, batch[::-1] if reverse else batch, steps, None)
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data(), layer=st.integers(0, len(HEADS) - 1), mirror=st.booleans())
+    def truncate(self, data: st.DataObject, layer: int, mirror: bool) -> None:
+        batch = self.draw_batch(data)
+        heads = [self.model[seq][layer][h] for seq in batch for h in range(HEADS[layer])]
+        stored = sorted({p for tokens in heads for _, p in tokens})
+        longest = max(self.logical[seq][layer] for seq in batch)
+        lengths = st.integers(0, longest + 1)
+        if stored:  # a stored position or one past it: cuts that often split heads with explicit positions
+            lengths = st.one_of(lengths, st.sampled_from(stored), st.sampled_from(stored).map(lambda p: p + 1))
+        length = data.draw(lengths)
+        if mirror:
+            self.check_read(layer, batch, self.store.read(layer, batch))
+        kept = [[p < length for _, p in tokens] for tokens in heads]
+        if not all(k == sorted(k, reverse=True) for k in kept):  # dropped tokens not a suffix of a head
+            before = [
+                (t.pages.clone(), t.lengths.clone(), t.logical.clone(), p.refcount.clone(), p.free_page_ids())
+                for t, p in zip(self.store.tables, self.store.pools)
+            ]
+            with pytest.raises(ValueError, match="not a suffix"):
+                self.store.truncate(layer, batch, length)
+            after = [
+                (t.pages.clone(), t.lengths.clone(), t.logical.clone(), p.refcount.clone(), p.free_page_ids())
+                for t, p in zip(self.store.tables, self.store.pools)
+            ]
+            assert all(torch.equal(x, y) for a, b in zip(before, after) for x, y in zip(a, b))
+            return
+        self.store.truncate(layer, batch, length)
+        for seq in batch:
+            self.model[seq][layer] = [[t for t in tokens if t[1] < length] for tokens in self.model[seq][layer]]
+            self.logical[seq][layer] = min(self.logical[seq][layer], length)
+        if mirror:
             self.check_read(layer, batch, self.store.read(layer, batch))
 
     @precondition(lambda self: self.model)
@@ -127,13 +201,19 @@ class StoreMachine(RuleBasedStateMachine):
         self.store.compact(layer, batch, keep)
 
     @precondition(lambda self: self.model and len(self.model) < 6)
-    @rule(data=st.data())
-    def fork(self, data: st.DataObject) -> None:
-        source = data.draw(st.sampled_from(sorted(self.model)))
+    @rule(data=st.data(), then_append=st.booleans())
+    def fork(self, data: st.DataObject, then_append: bool) -> None:
+        """Fork (often a sequence of the last appended batch); then, maybe, append one token to
+        that batch again, as decoding goes on after a beam is split."""
+        last = self.last_batch()
+        source = data.draw(st.sampled_from(sorted(self.model) + (last or [])))
         child = self.store.fork(source)
         assert child not in self.model
         self.model[child] = [[list(head) for head in layer] for layer in self.model[source]]
         self.logical[child] = list(self.logical[source])
+        if then_append and last:
+            self.shared_pages_are_never_written()  # note the pages the fork shares: the append must not write them
+            self.append(self.last_append[0], last, 1, None)
 
     @precondition(lambda self: self.model)
     @rule(data=st.data())
@@ -174,6 +254,23 @@ class StoreMachine(RuleBasedStateMachine):
                 assert self.store.logical_lengths(layer, [seq]).tolist() == [self.logical[seq][layer]]
                 lengths = [len(h) for h in self.model[seq][layer]]
                 assert self.store.physical_lengths(layer, [seq]).tolist() == [lengths]
+                positions = self.store.stored_positions(layer, [seq])
+                assert positions.shape == (1, HEADS[layer], longest)
+                assert positions[0].tolist() == [[p for _, p in h] + [-1] * (longest - len(h)) for h in self.model[seq][layer]]
+
+    @invariant()
+    def shared_pages_are_never_written(self) -> None:
+        """A page referenced more than once before and after a step kept its contents."""
+        for layer, pool in enumerate(self.store.pools):
+            shared = (pool.refcount > 1).nonzero().flatten()
+            contents = [shared, pool.keys[shared].clone(), pool.values[shared].clone(), pool.positions[shared].clone()]
+            if layer in self.shared:
+                ids, *before = self.shared[layer]
+                still = torch.isin(ids, shared)
+                index = torch.searchsorted(shared, ids[still])  # ``shared`` is ascending
+                for old, new in zip(before, contents[1:]):
+                    assert torch.equal(old[still], new[index]), "a shared page was written"
+            self.shared[layer] = contents
 
 
 StoreMachine.TestCase.settings = settings(
