@@ -1,0 +1,262 @@
+"""Decode tokens/s of ``kvlib.make_cache(model)`` (exact, no spec) against ``DynamicCache``, in one run.
+
+Each run drives the model by hand under ``torch.inference_mode()``: one forward over the prompt
+with a fresh cache (timed as prefill; ``logits_to_keep=1``), then ``--new-tokens`` single-token
+greedy forwards feeding ``past_key_values=cache`` (timed as decode). Decode tokens/s is
+``batch * new_tokens / decode_seconds``.
+
+Fairness: ``kvlib.attach(model)`` runs once before anything is measured, so both caches go
+through the same attention function (``kvlib_sdpa``; for a cache that is not a kvlib cache it
+calls plain SDPA unchanged). Runs are interleaved (DynamicCache, kvlib, DynamicCache, kvlib, ...
+for ``--repeats`` rounds, after one small untimed warm-up of each) and the medians are compared.
+Every run's greedy tokens must equal the first DynamicCache run's (asserted after the report is
+written). Memory at the end of decode: kvlib's ``memory_report()["total_bytes"]`` (pages,
+positions, tables and the dense read mirror) and the DynamicCache's keys and values bytes.
+
+Models: ``stories`` (the trained stories260K checkpoint at ``--stories-path``, resolved against
+the repository root) and ``llama100m`` (a seeded random-weight ``LlamaForCausalLM``: hidden 768,
+12 layers, 12 heads, 4 KV heads, MLP 2048, vocab 32000, tied embeddings: ~100M parameters, fp32).
+Prompts are random token ids (seeded).
+
+Usage (defaults: both models, prompt 2048, 256 new tokens, batch 1 and 8, 3 repeats):
+
+    python benchmarks/bench_generate.py [--models stories,llama100m] [--batch-sizes 1,8]
+        [--prompt-len 2048] [--new-tokens 256] [--repeats 3] [--threads N] [--out benchmarks/results]
+    python benchmarks/bench_generate.py --quick --out /tmp/x   # stories, prompt 32, 8 tokens, batch 1,2, 1 repeat
+
+Writes ``bench_generate.md`` and ``bench_generate.json`` to ``--out``. Target: kvlib / DynamicCache >= 0.9.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+import kvlib
+
+REPO = Path(__file__).resolve().parents[1]
+MODELS = ("stories", "llama100m")
+FULL = {"models": "stories,llama100m", "batch_sizes": "1,8", "prompt_len": 2048, "new_tokens": 256, "repeats": 3}
+QUICK = {"models": "stories", "batch_sizes": "1,2", "prompt_len": 32, "new_tokens": 8, "repeats": 1}
+CACHES = ("dynamic", "kvlib")
+
+
+def load_model(name: str, stories_path: Path) -> torch.nn.Module:
+    if name == "stories":
+        model = LlamaForCausalLM.from_pretrained(stories_path, dtype=torch.float32)
+    elif name == "llama100m":
+        torch.manual_seed(0)
+        config = LlamaConfig(
+            hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
+            intermediate_size=2048, vocab_size=32000, max_position_embeddings=4096, tie_word_embeddings=True,
+            dtype=torch.float32,
+        )
+        model = LlamaForCausalLM(config).to(torch.float32)
+    else:
+        raise ValueError(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
+    return model.eval()
+
+
+def new_cache(kind: str, model: torch.nn.Module):
+    return DynamicCache(config=model.config) if kind == "dynamic" else kvlib.make_cache(model)
+
+
+def cache_bytes(cache) -> int:
+    if isinstance(cache, kvlib.KVCache):
+        return cache.memory_report()["total_bytes"]
+    return sum(t.nbytes for layer in cache.layers for t in (layer.keys, layer.values) if t is not None)
+
+
+def generate_once(model: torch.nn.Module, kind: str, prompt: torch.Tensor, new_tokens: int) -> dict:
+    """Prefill + ``new_tokens`` greedy single-token forwards with a fresh cache of ``kind``."""
+    gc.collect()
+    cache = new_cache(kind, model)
+    with torch.inference_mode():
+        start = time.perf_counter()
+        out = model(input_ids=prompt, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        token = out.logits[:, -1].argmax(-1, keepdim=True)
+        prefill = time.perf_counter() - start
+        tokens = [token]
+        start = time.perf_counter()
+        for _ in range(new_tokens):
+            out = model(input_ids=token, past_key_values=cache, use_cache=True)
+            token = out.logits[:, -1].argmax(-1, keepdim=True)
+            tokens.append(token)
+        decode = time.perf_counter() - start
+    assert cache.get_seq_length() == prompt.shape[1] + new_tokens, (kind, cache.get_seq_length())
+    result = {
+        "prefill_s": prefill,
+        "decode_s": decode,
+        "decode_tok_s": prompt.shape[0] * new_tokens / decode,
+        "cache_bytes": cache_bytes(cache),
+        "tokens": torch.cat(tokens, dim=1),
+    }
+    del cache, out
+    return result
+
+
+def bench_case(model: torch.nn.Module, vocab: int, batch: int, args: argparse.Namespace, repeats: int) -> dict:
+    generator = torch.Generator().manual_seed(1000 + batch)
+    prompt = torch.randint(0, vocab, (batch, args.prompt_len), generator=generator)
+    for kind in CACHES:  # untimed warm-up (first-call allocations, kernel selection)
+        generate_once(model, kind, prompt[:, : min(args.prompt_len, 16)], min(args.new_tokens, 2))
+    runs: dict[str, list[dict]] = {kind: [] for kind in CACHES}
+    for _ in range(repeats):
+        for kind in CACHES:
+            runs[kind].append(generate_once(model, kind, prompt, args.new_tokens))
+    reference = runs["dynamic"][0]["tokens"]
+    tokens_match = all(torch.equal(run["tokens"], reference) for kind in CACHES for run in runs[kind])
+    row = {"batch": batch, "repeats": repeats, "tokens_match": tokens_match}
+    for kind in CACHES:
+        row[kind] = {
+            "decode_tok_s": statistics.median(run["decode_tok_s"] for run in runs[kind]),
+            "decode_s": statistics.median(run["decode_s"] for run in runs[kind]),
+            "prefill_s": statistics.median(run["prefill_s"] for run in runs[kind]),
+            "cache_bytes": runs[kind][-1]["cache_bytes"],
+            "all_decode_tok_s": [run["decode_tok_s"] for run in runs[kind]],
+            "all_prefill_s": [run["prefill_s"] for run in runs[kind]],
+        }
+    row["ratio"] = row["kvlib"]["decode_tok_s"] / row["dynamic"]["decode_tok_s"]
+    return row
+
+
+def _git_revision() -> str:
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True, text=True)
+        return head.stdout.strip() + (" (with uncommitted changes)" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def run(argv: Sequence[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", help=f"comma-separated, from {','.join(MODELS)} (default {FULL['models']})")
+    parser.add_argument("--batch-sizes", help=f"comma-separated (default {FULL['batch_sizes']})")
+    parser.add_argument("--prompt-len", type=int, help=f"prompt tokens (default {FULL['prompt_len']})")
+    parser.add_argument("--new-tokens", type=int, help=f"decode steps (default {FULL['new_tokens']})")
+    parser.add_argument("--repeats", type=int, help=f"interleaved rounds per case (default {FULL['repeats']})")
+    parser.add_argument(
+        "--repeats-llama100m", type=int, default=None, help="rounds for llama100m only (default: --repeats)"
+    )
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch.set_num_threads")
+    parser.add_argument("--stories-path", type=Path, default=Path("../shared/models/stories260K"),
+                        help="stories260K checkpoint; a relative path is resolved against the repository root")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes for a smoke test: " + str(QUICK))
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    args = parser.parse_args(argv)
+    for name, default in (QUICK if args.quick else FULL).items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    unknown = sorted(set(models) - set(MODELS))
+    if unknown:
+        parser.error(f"unknown models {unknown}; choose from {', '.join(MODELS)}")
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    stories_path = args.stories_path if args.stories_path.is_absolute() else REPO / args.stories_path
+
+    torch.set_num_threads(args.threads)
+    rows = []
+    for name in models:
+        model = load_model(name, stories_path)
+        kvlib.attach(model)  # both caches measured on the same attention function (kvlib_sdpa)
+        repeats = args.repeats_llama100m if name == "llama100m" and args.repeats_llama100m else args.repeats
+        for batch in batch_sizes:
+            load_before = os.getloadavg()[0]
+            row = {"model": name, "params": sum(p.numel() for p in model.parameters()),
+                   "attn_implementation": model.config._attn_implementation,
+                   **bench_case(model, model.config.vocab_size, batch, args, repeats)}
+            row["load_avg_1min"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
+            rows.append(row)
+            print(_row_line(row), flush=True)
+        del model
+        gc.collect()
+
+    config = {k: v for k, v in vars(args).items() if k not in ("out", "stories_path")}
+    config["stories_path"] = str(args.stories_path)  # as given (relative to the repo root by default)
+    result = {
+        "config": config,
+        "machine": f"{platform.machine()}, torch {torch.__version__}, {torch.get_num_threads()} threads",
+        "git": _git_revision(),
+        "rows": rows,
+        "all_tokens_match": all(row["tokens_match"] for row in rows),
+    }
+    report = _markdown(result, argv)
+    print(report)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "bench_generate.md").write_text(report + "\n")
+    (args.out / "bench_generate.json").write_text(json.dumps(result, indent=2) + "\n")
+    mismatched = [(row["model"], row["batch"]) for row in rows if not row["tokens_match"]]
+    assert not mismatched, f"kvlib and DynamicCache greedy tokens differ for {mismatched}"
+    return result
+
+
+def _row_line(row: dict) -> str:
+    return (
+        f"{row['model']} batch {row['batch']}: DynamicCache {row['dynamic']['decode_tok_s']:.1f} tok/s, "
+        f"kvlib {row['kvlib']['decode_tok_s']:.1f} tok/s, ratio {row['ratio']:.3f}, tokens match {row['tokens_match']}"
+    )
+
+
+def _no_machine_path(arg: str) -> str:
+    """An absolute path (e.g. a tmp ``--out``) becomes ``<path>``, so reports name no machine path."""
+    flag, eq, value = arg.partition("=")
+    if eq and Path(value).is_absolute():
+        return f"{flag}=<path>"
+    return "<path>" if Path(arg).is_absolute() else arg
+
+
+def _markdown(result: dict, argv: Sequence[str] | None) -> str:
+    c = result["config"]
+    given = list(sys.argv[1:] if argv is None else argv)
+    given = [_no_machine_path(a) for a in given]
+    command = shlex.join(["python", "benchmarks/bench_generate.py", *given])
+    mib = 2**20
+    lines = [
+        "# bench_generate: decode tokens/s, kvlib.make_cache(model) vs DynamicCache",
+        "",
+        f"Command: `{command}`",
+        "",
+        f"Prompt {c['prompt_len']} random token ids, {c['new_tokens']} greedy decode steps (single-token forwards), fp32, "
+        f"CPU. Machine: {result['machine']}. Library revision: {result['git']}.",
+        "",
+        "Prefill (one forward over the prompt) and decode are timed separately; decode tok/s = batch x new tokens / "
+        "decode seconds (the machine's 1-minute load average before and after each case is listed: other processes "
+        "on this machine skew absolute figures; interleaving keeps the ratio fairer). `kvlib.attach(model)` runs before any measurement, so both caches run through the same "
+        "attention function (`kvlib_sdpa`, which calls plain SDPA for a DynamicCache). Runs are interleaved "
+        "(DynamicCache, kvlib, ...) after one small untimed warm-up each; figures are medians over the rounds, ratio = "
+        "median kvlib / median DynamicCache (target >= 0.9). Memory: at the end of decode, kvlib "
+        "`memory_report()['total_bytes']` (pages, positions, tables and the dense read mirror) and the DynamicCache's "
+        "keys + values bytes.",
+        "",
+        "| model | batch | rounds | DynamicCache tok/s | kvlib tok/s | ratio | prefill DynamicCache (s) | prefill kvlib (s) "
+        "| DynamicCache memory (MiB) | kvlib memory (MiB) | tokens match | load avg (before, after) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
+    ]
+    for row in result["rows"]:
+        d, k = row["dynamic"], row["kvlib"]
+        lines.append(
+            f"| {row['model']} ({row['params'] / 1e6:.2f}M params) | {row['batch']} | {row['repeats']} | "
+            f"{d['decode_tok_s']:.1f} | {k['decode_tok_s']:.1f} | {row['ratio']:.3f} | {d['prefill_s']:.2f} | "
+            f"{k['prefill_s']:.2f} | {d['cache_bytes'] / mib:.1f} | {k['cache_bytes'] / mib:.1f} | "
+            f"{'yes' if row['tokens_match'] else '**NO**'} | {row['load_avg_1min'][0]:.1f}, {row['load_avg_1min'][1]:.1f} |"
+        )
+    lines += ["", f"Greedy tokens identical in every run: {'yes' if result['all_tokens_match'] else '**NO**'}."]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    run()
