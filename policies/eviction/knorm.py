@@ -1,0 +1,24 @@
+"""KNorm: keep the keys with the lowest L2 norm."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvlib.registry import register
+from kvlib.strategy import Eviction, LayerView
+
+
+@register("knorm")
+@dataclass
+class KNorm(Eviction):
+    """KNorm (Devoto et al., 2024, "A Simple and Effective L2 Norm-Based Strategy for KV Cache
+    Compression"): keys with a low L2 norm draw high attention, so the lowest-norm keys are kept.
+
+    Attention-free: needs nothing beyond the stored keys. No parameters.
+    """
+
+    def score(self, view: LayerView) -> torch.Tensor:
+        """Minus each key's L2 norm (computed in float32)."""
+        return -view.keys.float().norm(dim=-1)

@@ -1,0 +1,36 @@
+"""Every registered eviction strategy runs through generate, meets its budget exactly, frees pages,
+and (when its scores do not depend on the batch) gives a left-padded row what it gives alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvlib
+from tests.adapters.conftest import PAD, build_model, left_padded
+
+BUDGET = 12
+BATCH_INDEPENDENT = {"streaming_llm", "knorm", "keydiff", "tova"}
+
+
+@pytest.mark.parametrize("family", ["stories", "gpt2"])
+@pytest.mark.parametrize("name", kvlib.available_policies()["eviction"])
+def test_strategy_through_generate(family, name):
+    model = build_model(family)
+    lengths = [20, 27, 33]
+    ids, mask = left_padded(lengths, seed=40)
+    cache = kvlib.make_cache(model, name, budget=BUDGET)
+    batched = model.generate(ids, attention_mask=mask, past_key_values=cache, do_sample=False, max_new_tokens=8, pad_token_id=PAD)
+    for layer in range(cache.shape.num_layers):
+        assert ((cache.kept_positions(layer) >= 0).sum(-1) == BUDGET).all()
+    full = kvlib.make_cache(model)
+    model.generate(ids, attention_mask=mask, past_key_values=full, do_sample=False, max_new_tokens=8, pad_token_id=PAD)
+    assert cache.memory_report()["by_component"]["pages"] < full.memory_report()["by_component"]["pages"]
+    if name not in BATCH_INDEPENDENT:
+        return
+    for row, length in enumerate(lengths):
+        alone_cache = kvlib.make_cache(model, name, budget=BUDGET)
+        alone = model.generate(ids[row : row + 1, ids.shape[1] - length :], past_key_values=alone_cache,
+                               do_sample=False, max_new_tokens=8, pad_token_id=PAD)
+        assert torch.equal(batched[row, ids.shape[1] :], alone[0, length:])
+        assert torch.equal(cache.kept_positions(0)[row], alone_cache.kept_positions(0)[0])
