@@ -2,8 +2,10 @@
 
 The budget is a token count per (layer, head) or a fraction of the prompt:
 
-- ``int``: a cap held at all times. After every layer call (prefill and each decode step) a
-  head holding more real tokens than the cap keeps its ``cap`` best-scored ones.
+- ``int``: a cap held at all times. After a layer call (prefill or a decode step) in which a
+  head holds more than ``budget + slack`` real tokens, it keeps its ``budget`` best-scored ones
+  (``slack`` 0: every step; larger: compaction every ``slack + 1`` decode steps, at the cost of
+  up to ``slack`` extra tokens).
 - ``float`` in (0, 1]: the prompt is compressed once, in the call that fills an empty cache, to
   ``ceil(budget * real prompt tokens)`` per head; later tokens are all kept.
 
@@ -49,6 +51,7 @@ class Compressor:
     strategy: Eviction
     budget: int | float
     num_layers: int
+    slack: int = 0
 
     def keep(self, step: LayerStep, inputs: AttentionInputs, real_offsets: torch.Tensor) -> torch.Tensor | None:
         """Slot indices ``[batch, heads, k]`` (-1 padded) each head keeps, or None if all stay.
@@ -61,7 +64,7 @@ class Compressor:
         counts = candidates.sum(-1).cpu()
         stored = read.valid.sum(-1).cpu()
         caps = self._caps(step, counts)
-        within = caps is None or bool((counts <= caps).all())
+        within = caps is None or bool((counts <= caps + self.slack).all())
         if within and bool((counts == stored).all()):
             return None
         if caps is None:

@@ -13,6 +13,7 @@ from kvlib.spec import Spec, SpecLike, parse_spec
 CACHE_OPTIONS = {
     "page_size": "tokens per page (int >= 1, default 16)",
     "read_cache": "keep a dense read mirror per layer for fast decoding (bool, default True)",
+    "slack": "extra tokens a head may hold over an int budget before it is compacted back (int >= 0, default 0)",
 }
 """Keyword options of :func:`make_cache` and what each one takes."""
 
@@ -48,8 +49,10 @@ def make_cache(
             f" ({parsed})"
         )
     _check_budget(budget, parsed)
-    page_size, read_cache = _options(options)
-    compressor = Compressor(parsed.eviction, budget, shape.num_layers) if parsed.eviction is not None else None
+    page_size, read_cache, slack = _options(options)
+    if slack and not isinstance(budget, int):
+        raise ValueError(f"slack applies to an int budget (a token count), not to budget={budget!r}")
+    compressor = Compressor(parsed.eviction, budget, shape.num_layers, slack) if parsed.eviction is not None else None
     attach(model)
     return KVCache(shape, compressor, page_size=page_size, read_cache=read_cache)
 
@@ -73,7 +76,7 @@ def _check_budget(budget: int | float | None, spec: Spec) -> None:
         raise ValueError(f"budget as a fraction of the prompt must be in (0, 1], got {budget}")
 
 
-def _options(options: dict[str, object]) -> tuple[int, bool]:
+def _options(options: dict[str, object]) -> tuple[int, bool, int]:
     unknown = sorted(set(options) - set(CACHE_OPTIONS))
     if unknown:
         valid = "; ".join(f"{name}: {what}" for name, what in CACHE_OPTIONS.items())
@@ -84,4 +87,7 @@ def _options(options: dict[str, object]) -> tuple[int, bool]:
         raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
     if not isinstance(read_cache, bool):
         raise ValueError(f"read_cache must be a bool, got {read_cache!r}")
-    return page_size, read_cache
+    slack = options.get("slack", 0)
+    if isinstance(slack, bool) or not isinstance(slack, int) or slack < 0:
+        raise ValueError(f"slack must be an int >= 0, got {slack!r}")
+    return page_size, read_cache, slack

@@ -182,3 +182,18 @@ def test_eviction_without_kvlib_attention_is_refused():
     model.set_attn_implementation("sdpa")
     with pytest.raises(RuntimeError, match="kvlib.attach"), torch.no_grad():
         model(input_ids=torch.tensor([[5, 6, 7, 8, 9, 10]]), past_key_values=cache)
+
+
+def test_slack_lets_heads_grow_past_the_budget_then_compacts_back():
+    model = build_model("llama")
+    ids, _ = left_padded([30], seed=16)
+    cache = kvlib.make_cache(model, "streaming_llm", budget=BUDGET, slack=3)
+    held = []
+    with torch.no_grad():
+        out = model(input_ids=ids, past_key_values=cache)
+        held.append(int(cache.store.physical_lengths(0, cache._rows).max()))
+        for _ in range(8):
+            out = model(input_ids=out.logits[:, -1:].argmax(-1), past_key_values=cache)
+            held.append(int(cache.store.physical_lengths(0, cache._rows).max()))
+    assert held == [16, 17, 18, 19, 16, 17, 18, 19, 16]
+    assert cache.kept_positions(0)[0, 0].tolist() == list(range(SINKS)) + list(range(38 - (BUDGET - SINKS), 38))

@@ -38,6 +38,8 @@ def test_models_without_attention_kv_are_refused():
         (None, None, {"pagesize": 8}, "unknown make_cache options"),
         (None, None, {"page_size": 0}, "page_size"),
         (None, None, {"read_cache": "yes"}, "read_cache"),
+        ("streaming_llm", 8, {"slack": -1}, "slack"),
+        ("streaming_llm", 0.5, {"slack": 4}, "slack applies to an int budget"),
     ],
 )
 def test_bad_arguments_fail_before_the_model_is_touched(spec, budget, options, message):
