@@ -122,8 +122,10 @@ def test_infinity_is_kept_before_the_largest_finite_scores(dtype: torch.dtype, b
 # -- property test against a per-head Python reference ------------------------------------------
 
 SPECIAL = st.sampled_from([INF, -INF, NAN])
-# Finite float32 scores well inside its range.
-FINITE = st.floats(-(2.0**100), 2.0**100, width=32)
+FINITE = {  # every finite value of the dtype, its largest included (it must still rank below +inf)
+    torch.float32: st.floats(allow_nan=False, allow_infinity=False, width=32),
+    torch.float64: st.floats(allow_nan=False, allow_infinity=False),
+}
 
 
 def rank(score: float) -> tuple[int, float]:
@@ -138,11 +140,16 @@ def rank(score: float) -> tuple[int, float]:
 @st.composite
 def problems(draw: st.DrawFn) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     batch, heads, slots = draw(st.integers(1, 3)), draw(st.integers(1, 3)), draw(st.integers(0, 7))
-    values = draw(st.lists(st.one_of(FINITE, SPECIAL, st.sampled_from([0.0, 1.0, -1.0])), min_size=batch * heads * slots, max_size=batch * heads * slots))
+    dtype = draw(st.sampled_from([torch.float32, torch.float64]))
+    score = st.one_of(FINITE[dtype], SPECIAL, st.sampled_from([0.0, 1.0, -1.0]))  # small values tie often
+    values = draw(st.lists(score, min_size=batch * heads * slots, max_size=batch * heads * slots))
+    if dtype == torch.float64 and values and draw(st.booleans()):  # neighbours that float32 would merge
+        values[0] = 1.0
+        values[-1] = 1.0 + 2.0**-40
     flags = draw(st.lists(st.booleans(), min_size=batch * heads * slots, max_size=batch * heads * slots))
     caps = draw(st.lists(st.integers(0, slots + 2), min_size=batch * heads, max_size=batch * heads))
     return (
-        torch.tensor(values, dtype=torch.float32).view(batch, heads, slots),
+        torch.tensor(values, dtype=dtype).view(batch, heads, slots),
         torch.tensor(flags, dtype=torch.bool).view(batch, heads, slots),
         torch.tensor(caps, dtype=torch.int64).view(batch, heads),
     )

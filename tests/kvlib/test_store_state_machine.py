@@ -65,6 +65,20 @@ class StoreMachine(RuleBasedStateMachine):
             return last
         return data.draw(st.lists(st.sampled_from(sorted(self.model)), min_size=1, max_size=3, unique=True))
 
+    def layer_and_batch(self, data: st.DataObject, layer: int) -> tuple[int, list[int]]:
+        """Often the layer and batch of the last append, else ``layer`` and a drawn batch."""
+        last = self.last_batch()
+        if last and data.draw(st.booleans()):
+            return self.last_append[0], last
+        return layer, self.draw_batch(data)
+
+    def continue_last_batch(self) -> None:
+        """One more token for the last appended batch (default positions), if it is live: decoding
+        going on right after a fork, compaction, truncation or release."""
+        last = self.last_batch()
+        if last:
+            self.append(self.last_append[0], last, 1, None)
+
     def append(self, layer: int, batch: list[int], steps: int, positions: list[list[int]] | None) -> None:
         heads, kd, vd = HEADS[layer], KEY_DIMS[layer], VALUE_DIMS[layer]
         keys = torch.zeros(len(batch), heads, steps, kd)
@@ -148,9 +162,9 @@ class StoreMachine(RuleBasedStateMachine):
         self.append(layer, batch[::-1] if reverse else batch, steps, None)
 
     @precondition(lambda self: self.model)
-    @rule(data=st.data(), layer=st.integers(0, len(HEADS) - 1), mirror=st.booleans())
-    def truncate(self, data: st.DataObject, layer: int, mirror: bool) -> None:
-        batch = self.draw_batch(data)
+    @rule(data=st.data(), layer=st.integers(0, len(HEADS) - 1), mirror=st.booleans(), then_append=st.booleans())
+    def truncate(self, data: st.DataObject, layer: int, mirror: bool, then_append: bool) -> None:
+        layer, batch = self.layer_and_batch(data, layer)
         heads = [self.model[seq][layer][h] for seq in batch for h in range(HEADS[layer])]
         stored = sorted({p for tokens in heads for _, p in tokens})
         longest = max(self.logical[seq][layer] for seq in batch)
@@ -180,11 +194,13 @@ class StoreMachine(RuleBasedStateMachine):
             self.logical[seq][layer] = min(self.logical[seq][layer], length)
         if mirror:
             self.check_read(layer, batch, self.store.read(layer, batch))
+        if then_append:
+            self.continue_last_batch()
 
     @precondition(lambda self: self.model)
-    @rule(data=st.data(), layer=st.integers(0, len(HEADS) - 1))
-    def compact(self, data: st.DataObject, layer: int) -> None:
-        batch = self.draw_batch(data)
+    @rule(data=st.data(), layer=st.integers(0, len(HEADS) - 1), then_append=st.booleans())
+    def compact(self, data: st.DataObject, layer: int, then_append: bool) -> None:
+        layer, batch = self.layer_and_batch(data, layer)
         per_head = []
         for seq in batch:
             for h in range(HEADS[layer]):
@@ -199,6 +215,8 @@ class StoreMachine(RuleBasedStateMachine):
             tokens = self.model[batch[b]][layer][h]
             self.model[batch[b]][layer][h] = [tokens[j] for j in sorted(kept)]
         self.store.compact(layer, batch, keep)
+        if then_append:
+            self.continue_last_batch()
 
     @precondition(lambda self: self.model and len(self.model) < 6)
     @rule(data=st.data(), then_append=st.booleans())
@@ -211,17 +229,22 @@ class StoreMachine(RuleBasedStateMachine):
         assert child not in self.model
         self.model[child] = [[list(head) for head in layer] for layer in self.model[source]]
         self.logical[child] = list(self.logical[source])
-        if then_append and last:
+        if then_append:
             self.shared_pages_are_never_written()  # note the pages the fork shares: the append must not write them
-            self.append(self.last_append[0], last, 1, None)
+            self.continue_last_batch()
 
     @precondition(lambda self: self.model)
-    @rule(data=st.data())
-    def release(self, data: st.DataObject) -> None:
+    @rule(data=st.data(), reuse=st.booleans())
+    def release(self, data: st.DataObject, reuse: bool) -> None:
+        """Release a batch; maybe give a released id straight to a new sequence and go on
+        decoding the last batch (live again if that id was in it)."""
         batch = self.draw_batch(data)
         self.store.release(batch)
         for seq in batch:
             del self.model[seq], self.logical[seq]
+        if reuse:
+            self.new_sequence()
+            self.continue_last_batch()
 
     # -- invariants ----------------------------------------------------------------------------
 
