@@ -363,8 +363,8 @@ class PagedStore:
         """
         layer = self._layer(layer)
         rows = self._rows(seqs)
-        if not isinstance(length, int) or isinstance(length, bool) or length < 0:
-            raise ValueError(f"length must be an int >= 0, got {length!r}")
+        if not isinstance(length, int) or isinstance(length, bool) or not 0 <= length < 2**63:
+            raise ValueError(f"length must be an int in [0, 2**63), got {length!r}")
         pool, table = self.pools[layer], self.tables[layer]
         lengths = table.lengths[rows]
         positions = self.stored_positions(layer, rows)
@@ -440,7 +440,7 @@ class PagedStore:
             return self._last_rows[1]
         if not ids:
             raise ValueError("at least one sequence id is needed")
-        unknown = [s for s in ids if not isinstance(s, int) or s not in self._live]
+        unknown = [s for s in ids if type(s) is not int or s not in self._live]
         if unknown:
             raise ValueError(f"unknown or released sequence ids {list(unknown)}; live ids: {self.sequences}")
         if len(set(ids)) != len(ids):

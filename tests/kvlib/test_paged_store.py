@@ -694,3 +694,15 @@ def test_fast_path_in_a_full_fixed_pool(fast_steps: list) -> None:
         store.append(0, [seq], keys[:, :, 4:], -keys[:, :, 4:])
     assert_same(before, full_state(store))
     assert torch.equal(store.read(0, [seq]).keys, keys[:, :, :4])
+
+
+def test_huge_truncate_lengths_and_bool_ids_are_rejected(store: PagedStore) -> None:
+    seq = store.new_sequence()
+    store.append(0, [seq], torch.zeros(1, store.tables[0].num_heads, 3, store.pools[0].head_dim),
+                 torch.zeros(1, store.tables[0].num_heads, 3, store.pools[0].value_dim))
+    with pytest.raises(ValueError, match=r"length must be an int in \[0, 2\*\*63\)"):
+        store.truncate(0, [seq], 2**63)
+    assert store.logical_lengths(0, [seq]).tolist() == [3]
+    assert store.new_sequence() == 1
+    with pytest.raises(ValueError, match="unknown or released"):
+        store.read(0, [True])  # a bool is not a sequence id, though True == 1
