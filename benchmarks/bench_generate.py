@@ -21,7 +21,8 @@ Prompts are random token ids (seeded).
 Usage (defaults: both models, prompt 2048, 256 new tokens, batch 1 and 8, 3 repeats):
 
     python benchmarks/bench_generate.py [--models stories,llama100m] [--batch-sizes 1,8]
-        [--prompt-len 2048] [--new-tokens 256] [--repeats 3] [--threads N] [--out benchmarks/results]
+        [--prompt-len 2048] [--new-tokens 256] [--repeats 3] [--repeats-llama100m N] [--threads N]
+        [--stories-path ../shared/models/stories260K] [--out benchmarks/results]
     python benchmarks/bench_generate.py --quick --out /tmp/x   # stories, prompt 32, 8 tokens, batch 1,2, 1 repeat
 
 Writes ``bench_generate.md`` and ``bench_generate.json`` to ``--out``. Target: kvlib / DynamicCache >= 0.9.
@@ -52,6 +53,7 @@ MODELS = ("stories", "llama100m")
 FULL = {"models": "stories,llama100m", "batch_sizes": "1,8", "prompt_len": 2048, "new_tokens": 256, "repeats": 3}
 QUICK = {"models": "stories", "batch_sizes": "1,2", "prompt_len": 32, "new_tokens": 8, "repeats": 1}
 CACHES = ("dynamic", "kvlib")
+LIBRARY_DIRS = ("kvlib", "adapters", "policies", "storage")  # what the revision in the report describes
 
 
 def load_model(name: str, stories_path: Path) -> torch.nn.Module:
@@ -74,10 +76,12 @@ def new_cache(kind: str, model: torch.nn.Module):
     return DynamicCache(config=model.config) if kind == "dynamic" else kvlib.make_cache(model)
 
 
-def cache_bytes(cache) -> int:
+def cache_bytes(cache) -> tuple[int, dict[str, int]]:
+    """Total bytes held and, for a kvlib cache, the ``memory_report`` components."""
     if isinstance(cache, kvlib.KVCache):
-        return cache.memory_report()["total_bytes"]
-    return sum(t.nbytes for layer in cache.layers for t in (layer.keys, layer.values) if t is not None)
+        report = cache.memory_report()
+        return report["total_bytes"], report["by_component"]
+    return sum(t.nbytes for layer in cache.layers for t in (layer.keys, layer.values) if t is not None), {}
 
 
 def generate_once(model: torch.nn.Module, kind: str, prompt: torch.Tensor, new_tokens: int) -> dict:
@@ -97,11 +101,13 @@ def generate_once(model: torch.nn.Module, kind: str, prompt: torch.Tensor, new_t
             tokens.append(token)
         decode = time.perf_counter() - start
     assert cache.get_seq_length() == prompt.shape[1] + new_tokens, (kind, cache.get_seq_length())
+    held, components = cache_bytes(cache)
     result = {
         "prefill_s": prefill,
         "decode_s": decode,
         "decode_tok_s": prompt.shape[0] * new_tokens / decode,
-        "cache_bytes": cache_bytes(cache),
+        "cache_bytes": held,
+        "cache_components": components,
         "tokens": torch.cat(tokens, dim=1),
     }
     del cache, out
@@ -126,6 +132,7 @@ def bench_case(model: torch.nn.Module, vocab: int, batch: int, args: argparse.Na
             "decode_s": statistics.median(run["decode_s"] for run in runs[kind]),
             "prefill_s": statistics.median(run["prefill_s"] for run in runs[kind]),
             "cache_bytes": runs[kind][-1]["cache_bytes"],
+            "cache_components": runs[kind][-1]["cache_components"],
             "all_decode_tok_s": [run["decode_tok_s"] for run in runs[kind]],
             "all_prefill_s": [run["prefill_s"] for run in runs[kind]],
         }
@@ -134,10 +141,13 @@ def bench_case(model: torch.nn.Module, vocab: int, batch: int, args: argparse.Na
 
 
 def _git_revision() -> str:
+    """HEAD, flagged when the library's code differs from it (benchmark and test edits do not count)."""
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True, text=True)
-        return head.stdout.strip() + (" (with uncommitted changes)" if dirty.stdout.strip() else "")
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", *LIBRARY_DIRS], cwd=REPO, capture_output=True, text=True
+        )
+        return head.stdout.strip() + (" (with uncommitted library changes)" if dirty.stdout.strip() else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
@@ -235,16 +245,25 @@ def _markdown(result: dict, argv: Sequence[str] | None) -> str:
         "",
         "Prefill (one forward over the prompt) and decode are timed separately; decode tok/s = batch x new tokens / "
         "decode seconds (the machine's 1-minute load average before and after each case is listed: other processes "
-        "on this machine skew absolute figures; interleaving keeps the ratio fairer). `kvlib.attach(model)` runs before any measurement, so both caches run through the same "
-        "attention function (`kvlib_sdpa`, which calls plain SDPA for a DynamicCache). Runs are interleaved "
+        "on this machine skew absolute figures; interleaving keeps the ratio fairer). `kvlib.attach(model)` runs "
+        "before any measurement, so both caches run through the same attention function (`kvlib_sdpa`, which calls plain SDPA for a DynamicCache). Runs are interleaved "
         "(DynamicCache, kvlib, ...) after one small untimed warm-up each; figures are medians over the rounds, ratio = "
         "median kvlib / median DynamicCache (target >= 0.9). Memory: at the end of decode, kvlib "
-        "`memory_report()['total_bytes']` (pages, positions, tables and the dense read mirror) and the DynamicCache's "
-        "keys + values bytes.",
+        "`memory_report()['total_bytes']` (pages, positions, tables and the dense read mirror; the read mirror's "
+        "share is listed) and the DynamicCache's keys + values bytes.",
         "",
+    ]
+    if c.get("repeats_llama100m") and c["repeats_llama100m"] != c["repeats"]:
+        lines += [
+            f"llama100m ran {c['repeats_llama100m']} rounds (`--repeats-llama100m`) instead of {c['repeats']}, to bound "
+            "the run time.",
+            "",
+        ]
+    lines += [
         "| model | batch | rounds | DynamicCache tok/s | kvlib tok/s | ratio | prefill DynamicCache (s) | prefill kvlib (s) "
-        "| DynamicCache memory (MiB) | kvlib memory (MiB) | tokens match | load avg (before, after) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
+        "| DynamicCache memory (MiB) | kvlib memory (MiB) | of which read mirror (MiB) | tokens match "
+        "| load avg (before, after) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
     ]
     for row in result["rows"]:
         d, k = row["dynamic"], row["kvlib"]
@@ -252,6 +271,7 @@ def _markdown(result: dict, argv: Sequence[str] | None) -> str:
             f"| {row['model']} ({row['params'] / 1e6:.2f}M params) | {row['batch']} | {row['repeats']} | "
             f"{d['decode_tok_s']:.1f} | {k['decode_tok_s']:.1f} | {row['ratio']:.3f} | {d['prefill_s']:.2f} | "
             f"{k['prefill_s']:.2f} | {d['cache_bytes'] / mib:.1f} | {k['cache_bytes'] / mib:.1f} | "
+            f"{k['cache_components'].get('read_cache', 0) / mib:.1f} | "
             f"{'yes' if row['tokens_match'] else '**NO**'} | {row['load_avg_1min'][0]:.1f}, {row['load_avg_1min'][1]:.1f} |"
         )
     lines += ["", f"Greedy tokens identical in every run: {'yes' if result['all_tokens_match'] else '**NO**'}."]
