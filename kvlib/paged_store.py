@@ -553,6 +553,8 @@ class _OpenPages:
     """
 
     rows: tuple[int, ...]
+    row_tensor: torch.Tensor
+    """The row tensor ``rows`` was validated as (``PagedStore._rows`` returns it again for them)."""
     slots: torch.Tensor
     """int64 ``[batch, heads, room]`` on the arena device: arena slots of each head's next tokens."""
     positions: torch.Tensor
@@ -576,17 +578,17 @@ class _OpenPages:
         consecutive = ids == tuple(range(ids[0], ids[0] + len(ids)))
         return cls(
             ids,
+            rows,
             to_arena_device(slots, store.device),
             to_arena_device(positions, store.device),
             (ids[0], ids[0] + len(ids)) if consecutive else None,
         )
 
     def fits(self, rows: torch.Tensor, steps: int) -> bool:
-        return (
-            self.used + steps <= self.slots.shape[-1]
-            and rows.shape[0] == len(self.rows)
-            and tuple(rows.tolist()) == self.rows
-        )
+        if self.used + steps > self.slots.shape[-1]:
+            return False
+        # ``_rows`` hands back the same tensor for the batch it validated last: no list rebuild then.
+        return rows is self.row_tensor or tuple(rows.tolist()) == self.rows
 
     def take(self, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Slots and positions ``[batch, heads, steps]`` of the next ``steps`` tokens (views)."""
