@@ -1,29 +1,33 @@
 """Eviction after a layer's attention: which stored tokens each head keeps within its budget.
 
-The budget is a token count per (layer, head) or a fraction of the prompt:
+The spec's budget is a token count per (layer, head) on average, or a fraction of the prompt:
 
-- ``int``: a cap held at all times. After a layer call (prefill or a decode step) in which a
-  head holds more than ``budget + slack`` real tokens, it keeps its ``budget`` best-scored ones
-  (``slack`` 0: every step; larger: compaction every ``slack + 1`` decode steps, at the cost of
-  up to ``slack`` extra tokens).
-- ``float`` in (0, 1]: the prompt is compressed once, in the call that fills an empty cache, to
-  ``ceil(budget * real prompt tokens)`` per head; later tokens are all kept.
+- ``int``: a cap held at all times (prefill, prefill chunks, decoding). After a layer call in
+  which a head holds more than its cap + ``slack`` real tokens, it keeps its cap best-scored
+  ones; decode steps (one new token) check only every ``interval``-th step. Peak memory of a
+  chunked prefill is therefore cap + chunk tokens per head.
+- ``float`` in (0, 1]: prompt compression. After each call with more than one new token (a
+  prompt, or a chunk of one under chunked prefill) each head keeps ``ceil(budget * real tokens
+  seen)``; decode steps keep every new token.
 
-Padding tokens (left padding of a batch) are never kept once a strategy runs, so a padded row
-holds what it would hold alone. Strategies get exactly the extras they declare in ``needs``;
-for one that needs nothing, nothing beyond the scores is computed.
+How the per-call budget splits over layers and heads is the allocation's job (a
+:class:`~kvlib.strategy.Budget`; uniform unless the spec or the eviction strategy says
+otherwise). Padding tokens (left padding of a batch) are never kept once a strategy runs, so a
+padded row holds what it would hold alone. Strategies get exactly the extras they declare in
+``needs``; for one that needs nothing, nothing beyond the scores is computed.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from kvlib.adapters.attention_weights import attention_blocks
 from kvlib.adapters.layer_step import LayerStep
-from kvlib.adapters.masks import allowed, physical_mask
+from kvlib.policies.budget.uniform import Uniform
 from kvlib.selection import select_keep
-from kvlib.strategy import Eviction, LayerView
+from kvlib.strategy import Budget, BudgetRequest, Eviction, LayerView, Rope
 
 
 @dataclass
@@ -46,64 +50,170 @@ class AttentionInputs:
 
 @dataclass
 class Compressor:
-    """Applies ``strategy`` within ``budget`` (see the module docstring for the budget forms)."""
+    """Applies ``strategy`` within ``budget`` (see the module docstring for the budget forms).
+
+    State: per layer, the attention each stored token has accumulated (only for strategies that
+    need ``accumulated_attention``), aligned with the layer's stored slots; the cache keeps it in
+    step with its rows (:meth:`select_rows`, :meth:`reset`, :meth:`crop`).
+    """
 
     strategy: Eviction
     budget: int | float
     num_layers: int
+    allocation: Budget = field(default_factory=Uniform)
     slack: int = 0
+    interval: int = 1
+    rope: Rope | None = None
+    _accumulated: dict[int, torch.Tensor] = field(default_factory=dict, init=False, repr=False)
+    _decode_steps: dict[int, int] = field(default_factory=dict, init=False, repr=False)
 
     def keep(self, step: LayerStep, inputs: AttentionInputs, real_offsets: torch.Tensor) -> torch.Tensor | None:
         """Slot indices ``[batch, heads, k]`` (-1 padded) each head keeps, or None if all stay.
 
-        ``real_offsets [batch]`` (on the store's device) is each row's count of padding tokens before its first real
-        one: subtracted from stored positions, it gives the positions strategies see.
+        ``real_offsets [batch]`` (on the store's device) is each row's count of padding tokens
+        before its first real one: subtracted from stored positions, it gives the positions
+        strategies see.
         """
         read = step.read
+        accumulated = None
+        if "accumulated_attention" in self.strategy.needs:
+            accumulated = self._accumulated[step.layer_idx] = self._accumulate(step, inputs)
+        tokens = self._tokens(step, real_offsets)
         candidates = read.valid & ~_padding_slots(step, inputs.real_new)
-        counts = candidates.sum(-1).cpu()
-        stored = read.valid.sum(-1).cpu()
-        caps = self._caps(step, counts)
-        within = caps is None or bool((counts <= caps + self.slack).all())
-        if within and bool((counts == stored).all()):
+        if tokens is None and inputs.real_new is None:
             return None
-        if caps is None:
-            caps = counts
-        offsets = real_offsets.to(read.positions.device).view(-1, 1, 1)
+        counts = candidates.sum(-1)
+        request = BudgetRequest(step.layer_idx, self.num_layers, tokens if tokens is not None else counts.max(-1).values, counts)
+        over = self._over_budget(request) if tokens is not None else torch.zeros_like(counts, dtype=torch.bool)
+        if not bool(over.any()) and bool((counts == read.valid.sum(-1)).all()):
+            return None
         view = LayerView(
             layer_idx=step.layer_idx,
             num_layers=self.num_layers,
             keys=read.keys,
             values=read.values,
-            positions=torch.where(candidates, read.positions - offsets, -1),
+            positions=torch.where(candidates, read.positions - real_offsets.to(read.positions.device).view(-1, 1, 1), -1),
             valid=candidates,
+            accumulated_attention=accumulated,
         )
-        self._fill_needs(view, step, inputs)
+        self._fill_needs(view, step, inputs, real_offsets)
         scores = self.strategy.score(view)
         if not isinstance(scores, torch.Tensor) or scores.shape != candidates.shape:
             raise ValueError(
                 f"{type(self.strategy).__name__}.score must return a tensor of shape {list(candidates.shape)}, got"
                 f" {getattr(scores, 'shape', type(scores).__name__)}"
             )
-        return select_keep(scores, candidates, caps)
+        if self.allocation.needs_scores:
+            request.scores, request.candidates = scores, candidates
+        caps = torch.where(over, self.allocation.caps(request).to(counts.device), counts) if tokens is not None else counts
+        keep = select_keep(scores, candidates, caps)
+        if accumulated is not None:
+            self._accumulated[step.layer_idx] = _gather_kept(accumulated, keep)
+        return keep
 
-    def _caps(self, step: LayerStep, counts: torch.Tensor) -> torch.Tensor | None:
-        if isinstance(self.budget, int):
-            return torch.full_like(counts, self.budget)
-        if step.query_offset != 0:
-            return None
-        prompt = counts.max(dim=-1, keepdim=True).values.to(torch.float64)
-        return (prompt * self.budget).ceil().clamp(min=1).to(torch.int64).expand_as(counts)
+    # -- state kept in step with the cache's rows -----------------------------------------------
 
-    def _fill_needs(self, view: LayerView, step: LayerStep, inputs: AttentionInputs) -> None:
+    def select_rows(self, index: torch.Tensor) -> None:
+        """Row ``i`` of the state becomes old row ``index[i]``."""
+        for layer, state in self._accumulated.items():
+            self._accumulated[layer] = state[index.to(state.device)]
+
+    def crop(self, layer: int, lengths: torch.Tensor) -> None:
+        """Forget state beyond each head's new physical length (``lengths [batch, heads]``)."""
+        state = self._accumulated.get(layer)
+        if state is not None:
+            slots = torch.arange(state.shape[-1], device=state.device)
+            self._accumulated[layer] = state * (slots < lengths.to(state.device).unsqueeze(-1))
+
+    def reset(self) -> None:
+        """Forget all state (the cache starts a new batch)."""
+        self._accumulated.clear()
+        self._decode_steps.clear()
+
+    # -- helpers --------------------------------------------------------------------------------
+
+    def _tokens(self, step: LayerStep, real_offsets: torch.Tensor) -> torch.Tensor | None:
+        """int64 ``[batch]``: this call's budget per head on average, or None if it compresses nothing."""
+        batch = step.read.valid.shape[0]
+        device = step.read.valid.device
+        if isinstance(self.budget, float):
+            if step.query_length == 1:
+                return None
+            seen = step.query_offset + step.query_length - real_offsets.to(device)
+            return (seen.to(torch.float64) * self.budget).ceil().clamp(min=1).to(torch.int64)
+        if step.query_length == 1:
+            done = self._decode_steps.get(step.layer_idx, 0) + 1
+            self._decode_steps[step.layer_idx] = done
+            if done % self.interval:
+                return None
+        return torch.full((batch,), self.budget, dtype=torch.int64, device=device)
+
+    def _over_budget(self, request: BudgetRequest) -> torch.Tensor:
+        """Bool ``[batch, heads]``: heads to compact (all heads of a row, for score-based allocations)."""
+        counts = request.counts
+        if self.allocation.needs_scores:
+            limit = self.allocation.layer_tokens(request).to(counts.device) + self.slack * counts.shape[1]
+            return (counts.sum(-1) > limit).unsqueeze(-1).expand_as(counts)
+        return counts > self.allocation.caps(request).to(counts.device) + self.slack
+
+    def _fill_needs(self, view: LayerView, step: LayerStep, inputs: AttentionInputs, real_offsets: torch.Tensor) -> None:
         needs = self.strategy.needs
-        if "queries" in needs or "window_queries" in needs:
+        total = inputs.query.shape[2]
+        observed = min(self.strategy.observed_queries() or total, total)
+        if "queries" in needs:
             view.queries = inputs.query
-            view.window_queries = inputs.query
+            view.query_positions = _query_positions(step, inputs.real_new, real_offsets)
+        if "window_queries" in needs:
+            view.window_queries = inputs.query[:, :, total - observed :]
         if "hidden_states" in needs:
             view.hidden_states = inputs.hidden_states
+        if "rope" in needs:
+            view.rope = self.rope
         if "attention" in needs:
-            view.attention = inputs.weights if inputs.weights is not None else _attention_weights(step, inputs)
+            if inputs.weights is not None:
+                weights = inputs.weights[:, :, total - observed :].float()
+                if inputs.real_new is not None:
+                    weights = weights * inputs.real_new[:, total - observed :].view(weights.shape[0], 1, -1, 1)
+                view.attention = weights
+            else:
+                blocks = attention_blocks(step, inputs.query, inputs.mask, inputs.real_new, inputs.scaling, total - observed)
+                view.attention = torch.cat([weights for _, weights in blocks], dim=2)
+
+    def _accumulate(self, step: LayerStep, inputs: AttentionInputs) -> torch.Tensor:
+        """Add this call's attention to each stored token's running sum; returns ``[batch, kv_heads, slots]``."""
+        valid = step.read.valid
+        batch, heads, slots = valid.shape
+        total = torch.zeros(batch, heads, slots, dtype=torch.float32, device=valid.device)
+        previous = self._accumulated.get(step.layer_idx)
+        if previous is not None:
+            width = min(previous.shape[-1], slots)
+            total[..., :width] = previous[..., :width]
+        if inputs.weights is not None:
+            weights = inputs.weights.float()
+            if inputs.real_new is not None:
+                weights = weights * inputs.real_new.view(batch, 1, -1, 1)
+            received = weights.sum(2)
+        else:
+            blocks = attention_blocks(step, inputs.query, inputs.mask, inputs.real_new, inputs.scaling, 0)
+            received = sum(weights.sum(2) for _, weights in blocks)
+        total += received.view(batch, heads, -1, slots).mean(2)
+        return total.masked_fill_(~valid, 0.0)
+
+
+def _gather_kept(state: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """``state`` of the kept slots, in stored (ascending slot) order as the store compacts them."""
+    keep = keep.to(state.device)
+    ordered = torch.sort(torch.where(keep < 0, state.shape[-1], keep), dim=-1).values
+    kept = ordered < state.shape[-1]
+    return state.gather(-1, ordered.clamp(max=state.shape[-1] - 1)) * kept
+
+
+def _query_positions(step: LayerStep, real_new: torch.Tensor | None, real_offsets: torch.Tensor) -> torch.Tensor:
+    """int64 ``[batch, query_length]``: each query's position from its row's first real token, -1 for padding."""
+    device = step.read.positions.device
+    logical = step.query_offset + torch.arange(step.query_length, device=device)
+    positions = logical.unsqueeze(0) - real_offsets.to(device).view(-1, 1)
+    return positions if real_new is None else torch.where(real_new.to(device), positions, -1)
 
 
 def _padding_slots(step: LayerStep, real_new: torch.Tensor | None) -> torch.Tensor:
@@ -116,19 +226,3 @@ def _padding_slots(step: LayerStep, real_new: torch.Tensor | None) -> torch.Tens
     batch = torch.arange(read.valid.shape[0], device=read.valid.device).view(-1, 1, 1)
     real = real_new[batch, new_index.clamp(0, step.query_length - 1)]
     return is_new & ~real
-
-
-def _attention_weights(step: LayerStep, inputs: AttentionInputs) -> torch.Tensor:
-    """Softmax attention weights ``[batch, query_heads, query_length, slots]`` of this call.
-
-    Only computed for strategies that need them when the inner attention (SDPA) returned none.
-    """
-    query, keys = inputs.query, step.read.keys
-    groups = query.shape[1] // keys.shape[1]
-    scale = inputs.scaling if inputs.scaling is not None else query.shape[-1] ** -0.5
-    logits = torch.matmul(query, keys.repeat_interleave(groups, dim=1).transpose(-1, -2)).float() * scale
-    mask = inputs.mask
-    visible = physical_mask(None, step, query.shape[1], None) if mask is None else allowed(mask)
-    logits = logits.masked_fill(~visible, -torch.inf)
-    return torch.softmax(logits, dim=-1).nan_to_num(0.0).to(query.dtype)
-

@@ -6,18 +6,20 @@ import torch
 
 from kvlib.adapters.attention import attach
 from kvlib.adapters.compressor import Compressor
-from kvlib.adapters.model_shape import kv_shape
+from kvlib.adapters.model_shape import kv_shape, rope_of
 from kvlib.adapters.transformers_cache import KVCache
+from kvlib.policies.budget.uniform import Uniform
 from kvlib.spec import Spec, SpecLike, parse_spec
 
 CACHE_OPTIONS = {
     "page_size": "tokens per page (int >= 1, default 16)",
     "read_cache": "keep a dense read mirror per layer for fast decoding (bool, default True)",
     "slack": "extra tokens a head may hold over an int budget before it is compacted back (int >= 0, default 0)",
+    "interval": "with an int budget, decode steps compact only every this many steps (int >= 1, default 1)",
 }
 """Keyword options of :func:`make_cache` and what each one takes."""
 
-_NOT_YET_APPLIED = ("budget", "quantization", "lowrank", "reuse", "tiering")
+_NOT_YET_APPLIED = ("quantization", "lowrank", "reuse", "tiering")
 
 
 def make_cache(
@@ -30,9 +32,11 @@ def make_cache(
     """A ``transformers`` cache for ``model`` backed by kvlib's paged store.
 
     With no spec the cache is exact: ``generate`` gives what it gives with ``DynamicCache``. With
-    an eviction strategy, ``budget`` is how much each (layer, KV head) keeps: a token count
-    (``int >= 1``, held at all times) or a fraction of the prompt (``float`` in (0, 1],
-    applied once to the prompt).
+    an eviction strategy, ``budget`` is how much each (layer, KV head) keeps on average: a token
+    count (``int >= 1``, held at all times) or a fraction of the prompt (``float`` in (0, 1],
+    applied to the prompt, chunk by chunk under ``generate(..., prefill_chunk_size=N)``). A budget
+    strategy in the spec (``"snapkv+adaptive"``) splits it over layers and heads; without one the
+    eviction strategy's own default applies (``pyramidkv``: pyramid), else uniform.
 
     Everything is checked before the model runs: the model must be a decoder with attention KV,
     the spec valid (``ValueError`` lists what is registered), the budget in range, the options
@@ -49,15 +53,20 @@ def make_cache(
             f" ({parsed})"
         )
     _check_budget(budget, parsed)
-    page_size, read_cache, slack = _options(options)
-    if slack and not isinstance(budget, int):
-        raise ValueError(f"slack applies to an int budget (a token count), not to budget={budget!r}")
-    compressor = Compressor(parsed.eviction, budget, shape.num_layers, slack) if parsed.eviction is not None else None
+    page_size, read_cache, slack, interval = _options(options)
+    if (slack or interval != 1) and not isinstance(budget, int):
+        raise ValueError(f"slack and interval apply to an int budget (a token count), not to budget={budget!r}")
+    compressor = None
+    if parsed.eviction is not None:
+        allocation = parsed.budget or parsed.eviction.default_budget() or Uniform()
+        compressor = Compressor(parsed.eviction, budget, shape.num_layers, allocation, slack, interval, rope_of(model))
     attach(model)
     return KVCache(shape, compressor, page_size=page_size, read_cache=read_cache)
 
 
 def _check_budget(budget: int | float | None, spec: Spec) -> None:
+    if spec.eviction is None and spec.budget is not None:
+        raise ValueError(f"budget strategy {spec.budget.spec()} splits an eviction budget; add an eviction strategy")
     if spec.eviction is None:
         if budget is not None:
             raise ValueError(f"budget={budget!r} needs an eviction strategy in the spec (e.g. 'streaming_llm')")
@@ -76,7 +85,7 @@ def _check_budget(budget: int | float | None, spec: Spec) -> None:
         raise ValueError(f"budget as a fraction of the prompt must be in (0, 1], got {budget}")
 
 
-def _options(options: dict[str, object]) -> tuple[int, bool, int]:
+def _options(options: dict[str, object]) -> tuple[int, bool, int, int]:
     unknown = sorted(set(options) - set(CACHE_OPTIONS))
     if unknown:
         valid = "; ".join(f"{name}: {what}" for name, what in CACHE_OPTIONS.items())
@@ -90,4 +99,7 @@ def _options(options: dict[str, object]) -> tuple[int, bool, int]:
     slack = options.get("slack", 0)
     if isinstance(slack, bool) or not isinstance(slack, int) or slack < 0:
         raise ValueError(f"slack must be an int >= 0, got {slack!r}")
-    return page_size, read_cache, slack
+    interval = options.get("interval", 1)
+    if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
+        raise ValueError(f"interval must be an int >= 1, got {interval!r}")
+    return page_size, read_cache, slack, interval

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvlib.strategy import Rope
+
 _NON_ATTENTION_LAYER_TYPES = frozenset({"linear_attention", "mamba", "conv", "recurrent", "ssm"})
 
 
@@ -67,3 +69,12 @@ def kv_shape(model: torch.nn.Module) -> KVShape:
     if heads % kv_heads:
         raise ValueError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
     return KVShape(layers, kv_heads, heads, head_dim, head_dim)
+
+
+def rope_of(model: torch.nn.Module) -> Rope | None:
+    """The model's rotary embedding (its first module with an ``inv_freq`` buffer), or None without RoPE."""
+    for module in model.modules():
+        inv_freq = getattr(module, "inv_freq", None)
+        if isinstance(inv_freq, torch.Tensor):
+            return Rope(inv_freq.detach().float(), float(getattr(module, "attention_scaling", 1.0)))
+    return None

@@ -168,12 +168,15 @@ class KVCache(Cache):
         """Forget every stored token (pages go back to the pool); the next update starts a new batch."""
         if self._rows:
             self.store.release(self._rows)
+            self.store.peak_pages = self.store.memory_bytes()["pages"]
         self._rows = []
         self._padding = torch.zeros(0, dtype=torch.int64)
         self._identity = [True] * self.shape.num_layers
         self._seen = [0] * self.shape.num_layers
         self._pending = None
         self._hidden_states.clear()
+        if self.compressor is not None:
+            self.compressor.reset()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Row ``i`` becomes a copy of old row ``beam_idx[i]`` (beam search)."""
@@ -205,6 +208,8 @@ class KVCache(Cache):
             length = max(self._seen[layer] + tokens_to_remove, 0)
             self.store.truncate(layer, self._rows, length)
             self._seen[layer] = min(self._seen[layer], length)
+            if self.compressor is not None:
+                self.compressor.crop(layer, self.store.physical_lengths(layer, self._rows))
 
     def _select_rows(self, index: torch.Tensor) -> None:
         if not self._rows:
@@ -218,6 +223,8 @@ class KVCache(Cache):
         self._rows = [self.store.fork(old[i]) for i in index.tolist()]
         self.store.release(old)
         self._padding = self._padding[index.to(self._padding.device)]
+        if self.compressor is not None:
+            self.compressor.select_rows(index)
 
     # -- inspection -----------------------------------------------------------------------------
 
@@ -244,17 +251,20 @@ class KVCache(Cache):
         Keys: ``total_bytes``; ``by_tier`` (``device``: the store's device, ``host``, ``disk``);
         ``by_component`` (``pages``: keys and values of pages in use, ``positions``,
         ``codec_metadata``, ``tables``: block tables and lengths, ``read_cache``: the dense read
-        mirror); ``reserved_bytes``: whole arenas, free pages included; ``full_equivalent_bytes``:
+        mirror); ``reserved_bytes``: whole arenas, free pages included; ``peak_pages_bytes``: the
+        most ``pages`` bytes held at any moment since the store was created (between a layer's
+        append and its compaction included: the peak of a prefill); ``full_equivalent_bytes``:
         keys and values of every logical token of every layer, uncompressed; ``stored_tokens`` and
         ``logical_tokens``, summed over layers, rows and KV heads.
         """
         components = {"pages": 0, "positions": 0, "codec_metadata": 0, "tables": 0, "read_cache": 0}
-        report = {"reserved_bytes": 0, "full_equivalent_bytes": 0, "stored_tokens": 0, "logical_tokens": 0}
+        report = {"reserved_bytes": 0, "peak_pages_bytes": 0, "full_equivalent_bytes": 0, "stored_tokens": 0, "logical_tokens": 0}
         if self.store is not None:
             held = self.store.memory_bytes()
             for name in ("pages", "positions", "tables", "read_cache"):
                 components[name] = held[name]
             report["reserved_bytes"] = held["reserved"]
+            report["peak_pages_bytes"] = self.store.peak_pages
         if self._rows:
             shape = self.shape
             for layer in range(shape.num_layers):

@@ -85,6 +85,8 @@ class PagedStore:
         self._read_caches: list[DenseReadCache | None] = [None] * num_layers
         self._open_pages: list[_OpenPages | None] = [None] * num_layers
         self._last_rows: tuple[tuple[int, ...], torch.Tensor] | None = None
+        self.peak_pages = 0
+        """High-water mark of ``memory_bytes()["pages"]`` (updated whenever an append allocates pages)."""
         """The last batch of ids validated and its row tensor (read-only; reset when ids are released)."""
         self._live: set[int] = set()
         self._free_rows: list[int] = []
@@ -208,6 +210,7 @@ class PagedStore:
         table.lengths[rows] = new_lengths
         table.logical[rows] += steps
         self._open_pages[layer] = _OpenPages.after_append(self, layer, rows)
+        self.peak_pages = max(self.peak_pages, self._page_bytes())
 
         cache = self._read_caches[layer]
         if cache is not None and cache.rows == tuple(rows.tolist()):
@@ -420,12 +423,15 @@ class PagedStore:
             for table in self.tables
         )
         return {
-            "pages": sum(pool.pages_in_use * pool.kv_page_bytes for pool in self.pools),
+            "pages": self._page_bytes(),
             "positions": sum(pool.pages_in_use * pool.position_page_bytes for pool in self.pools),
             "tables": tables,
             "read_cache": sum(cache.nbytes() for cache in self._read_caches if cache is not None),
             "reserved": sum(pool.bytes_reserved() for pool in self.pools),
         }
+
+    def _page_bytes(self) -> int:
+        return sum(pool.pages_in_use * pool.kv_page_bytes for pool in self.pools)
 
     # -- validation helpers ----------------------------------------------------------------------
 

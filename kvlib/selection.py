@@ -21,15 +21,39 @@ def select_keep(scores: torch.Tensor, candidates: torch.Tensor, caps: torch.Tens
     """
     if scores.shape != candidates.shape:
         raise ValueError(f"scores must have shape {list(candidates.shape)}, got {list(scores.shape)}")
-    if not scores.dtype.is_floating_point:
-        scores = scores.to(torch.float64)
-    # Rank by class first (+inf, then finite, then NaN / -inf; non-candidates last), then by score.
-    rank_class = torch.where(scores == torch.inf, 2, torch.where(torch.isfinite(scores), 1, 0))
-    rank_class = rank_class.masked_fill(~candidates, -1)
-    by_score = torch.sort(scores.nan_to_num(nan=-torch.inf), dim=-1, descending=True, stable=True).indices
-    by_class = torch.sort(rank_class.gather(-1, by_score), dim=-1, descending=True, stable=True).indices
-    order = by_score.gather(-1, by_class)
+    order = rank_order(scores, candidates)
     kept = torch.minimum(caps.to("cpu", torch.int64), candidates.sum(-1).cpu())
     width = int(kept.max()) if kept.numel() else 0
     top = order[..., :width].cpu()
     return torch.where(torch.arange(width) < kept.unsqueeze(-1), top, -1)
+
+
+def rank_order(scores: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+    """Indices sorting the last axis best first: candidates with ``+inf``, then finite scores
+    descending, then NaN and ``-inf``, then non-candidates; ties keep slot order (stable)."""
+    if not scores.dtype.is_floating_point:
+        scores = scores.to(torch.float64)
+    rank_class = torch.where(scores == torch.inf, 2, torch.where(torch.isfinite(scores), 1, 0))
+    rank_class = rank_class.masked_fill(~candidates, -1)
+    by_score = torch.sort(scores.nan_to_num(nan=-torch.inf), dim=-1, descending=True, stable=True).indices
+    by_class = torch.sort(rank_class.gather(-1, by_score), dim=-1, descending=True, stable=True).indices
+    return by_score.gather(-1, by_class)
+
+
+def apportion(totals: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Split each of ``totals`` (int ``[batch]``) into integer parts proportional to ``weights``.
+
+    ``weights``: non-negative floats ``[parts]`` with a positive sum. Returns int64
+    ``[batch, parts]`` whose rows sum exactly to ``totals``: each part gets the floor of its
+    share, and the leftover units go to the largest remainders (ties: lower index first).
+    """
+    weights = weights.to(torch.float64)
+    if weights.ndim != 1 or bool((weights < 0).any()) or not float(weights.sum()) > 0:
+        raise ValueError(f"weights must be a 1-D tensor of non-negative numbers with a positive sum, got {weights}")
+    totals = totals.to(torch.int64)
+    shares = totals.unsqueeze(-1).to(torch.float64) * (weights / weights.sum())
+    parts = shares.floor().to(torch.int64)
+    leftover = totals - parts.sum(-1)
+    order = torch.sort(shares - parts, dim=-1, descending=True, stable=True).indices
+    bonus = (torch.arange(weights.numel(), device=totals.device) < leftover.unsqueeze(-1)).to(torch.int64)
+    return parts + torch.zeros_like(parts).scatter(-1, order, bonus)

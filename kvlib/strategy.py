@@ -31,14 +31,33 @@ import torch
 
 from kvlib.params import coerce
 
-NEEDS = frozenset({"queries", "window_queries", "attention", "hidden_states"})
-"""What an eviction strategy may ask the engine for in ``needs``:
+NEEDS = frozenset({"queries", "window_queries", "attention", "accumulated_attention", "hidden_states", "rope"})
+"""What an eviction strategy may ask the engine for in ``needs`` (the :class:`LayerView` fields it fills):
 
-- ``queries``: the current step's queries ``[batch, heads, q_len, head_dim]``;
-- ``window_queries``: the last prompt queries (observation window) at prefill;
-- ``attention``: attention weights of the current step ``[batch, heads, q_len, kv_len]``;
-- ``hidden_states``: the layer's input hidden states.
+- ``queries``: the current call's queries ``[batch, query_heads, q_len, head_dim]`` (after RoPE)
+  and ``query_positions`` int64 ``[batch, q_len]`` (-1 for padding);
+- ``window_queries``: the last ``observed_queries()`` of them (the observation window);
+- ``attention``: softmax attention weights of those last queries over the stored slots,
+  float32 ``[batch, query_heads, observed, slots]``, 0 where the mask forbids;
+- ``accumulated_attention``: float32 ``[batch, kv_heads, slots]``, the attention each stored token
+  has received from every query since it was stored (prefill and decoding, this call included),
+  summed over queries and averaged over the query heads of its KV group;
+- ``hidden_states``: the attention module's input ``[batch, q_len, hidden]``;
+- ``rope``: the model's rotary embedding as a :class:`Rope` (None for a model without RoPE).
 """
+
+
+@dataclass(frozen=True)
+class Rope:
+    """A model's rotary position embedding (Llama-family "rotate half" layout).
+
+    ``inv_freq`` float32 ``[head_dim // 2]``: radians per position of channel pair ``i`` (channel
+    ``i`` pairs with ``i + head_dim // 2``); ``scaling``: the factor on cos and sin. A query at
+    position ``p`` is ``R(p) q`` with ``R`` rotating each pair by ``p * inv_freq[i]``.
+    """
+
+    inv_freq: torch.Tensor
+    scaling: float = 1.0
 
 
 class Strategy:
@@ -50,6 +69,8 @@ class Strategy:
     def __post_init__(self) -> None:
         hints = typing.get_type_hints(type(self))
         for field in dataclasses.fields(self):
+            if not field.init:  # internal state, not a parameter
+                continue
             value = coerce(self.name or type(self).__name__, field.name, hints[field.name], getattr(self, field.name))
             object.__setattr__(self, field.name, value)
 
@@ -78,10 +99,12 @@ def field_default(field: dataclasses.Field) -> object:
 class LayerView:
     """What an eviction strategy sees of one layer of a batch (physical slots, padded).
 
-    keys ``[batch, kv_heads, slots, head_dim]``, values ``[batch, kv_heads, slots, value_dim]``,
-    positions int64 ``[batch, kv_heads, slots]`` (original absolute positions, -1 where invalid),
-    valid bool ``[batch, kv_heads, slots]``. The optional fields are filled only for strategies
-    that declare them in ``needs``.
+    keys ``[batch, kv_heads, slots, head_dim]`` (after RoPE), values ``[batch, kv_heads, slots,
+    value_dim]``, positions int64 ``[batch, kv_heads, slots]`` (original positions counted from the
+    row's first real token, -1 where invalid), valid bool ``[batch, kv_heads, slots]`` (the tokens
+    the strategy chooses among; padding is never valid). Slots of a head are in stored order
+    (ascending positions); invalid slots sit at the end. The optional fields are filled only for
+    strategies that declare them in ``needs`` (see :data:`NEEDS`).
     """
 
     layer_idx: int
@@ -91,9 +114,12 @@ class LayerView:
     positions: torch.Tensor
     valid: torch.Tensor
     queries: torch.Tensor | None = None
+    query_positions: torch.Tensor | None = None
     window_queries: torch.Tensor | None = None
     attention: torch.Tensor | None = None
+    accumulated_attention: torch.Tensor | None = None
     hidden_states: torch.Tensor | None = None
+    rope: Rope | None = None
 
 
 class Eviction(Strategy, abc.ABC):
@@ -110,11 +136,50 @@ class Eviction(Strategy, abc.ABC):
     def score(self, view: LayerView) -> torch.Tensor:
         """Keep-scores ``[batch, kv_heads, slots]`` (float) for the tokens of ``view``."""
 
+    def observed_queries(self) -> int | None:
+        """How many of a call's last queries ``window_queries`` and ``attention`` cover (None: all)."""
+        return None
 
-class Budget(Strategy):
-    """Splits a token budget over layers and heads."""
+    def default_budget(self) -> Budget | None:
+        """The budget allocation this strategy comes with when the spec names none (None: uniform)."""
+        return None
+
+
+@dataclass
+class BudgetRequest:
+    """What a budget allocation sees of one layer call that is to be compacted.
+
+    ``tokens`` int64 ``[batch]``: the spec's budget for this call, in tokens per (layer, head)
+    on average (so ``tokens * kv_heads * num_layers`` for a whole row); ``counts`` int64
+    ``[batch, kv_heads]``: the tokens each head may keep from (its candidates). ``scores`` and
+    ``candidates`` (``[batch, kv_heads, slots]``) are given to allocations with ``needs_scores``.
+    """
+
+    layer_idx: int
+    num_layers: int
+    tokens: torch.Tensor
+    counts: torch.Tensor
+    scores: torch.Tensor | None = None
+    candidates: torch.Tensor | None = None
+
+
+class Budget(Strategy, abc.ABC):
+    """Splits a token budget over layers and heads: how many tokens each head of a layer keeps.
+
+    ``caps`` returns int64 ``[batch, kv_heads]``; the engine clamps each to the head's candidate
+    count. Allocations that need the eviction scores (one top-k across heads) set ``needs_scores``.
+    """
 
     kind = "budget"
+    needs_scores: ClassVar[bool] = False
+
+    def layer_tokens(self, request: BudgetRequest) -> torch.Tensor:
+        """int64 ``[batch]``: tokens this layer keeps in all its heads together (default: ``tokens * heads``)."""
+        return request.tokens * request.counts.shape[1]
+
+    @abc.abstractmethod
+    def caps(self, request: BudgetRequest) -> torch.Tensor:
+        """int64 ``[batch, kv_heads]``: tokens each head keeps, summing to ``layer_tokens`` where counts allow."""
 
 
 class Quantization(Strategy):

@@ -1,5 +1,19 @@
-"""Every built-in strategy, one per file, grouped by kind. Importing this registers them."""
+"""Every built-in strategy, one module per strategy, in one package per kind. Importing this
+registers them all: adding a strategy is adding one file."""
 
-from kvlib.policies import eviction
+import importlib
+import pkgutil
+from collections.abc import Iterable
 
-__all__ = ["eviction"]
+KIND_PACKAGES = ("eviction", "budget")
+"""Subpackages of built-in strategies, one per kind that has any."""
+
+
+def import_modules(package: str, path: Iterable[str]) -> None:
+    """Import every module of ``package`` (found on ``path``), registering the strategies they define."""
+    for module in sorted(pkgutil.iter_modules(path), key=lambda found: found.name):
+        importlib.import_module(f"{package}.{module.name}")
+
+
+for _kind in KIND_PACKAGES:
+    importlib.import_module(f"{__name__}.{_kind}")

@@ -1,9 +1,6 @@
-"""Eviction strategies: which stored tokens to drop."""
+"""Eviction strategies: which stored tokens to drop. One module per strategy; importing this
+package imports (and so registers) every module in it."""
 
-from kvlib.policies.eviction.keydiff import KeyDiff
-from kvlib.policies.eviction.knorm import KNorm
-from kvlib.policies.eviction.random import Random
-from kvlib.policies.eviction.streaming_llm import StreamingLLM
-from kvlib.policies.eviction.tova import TOVA
+from kvlib.policies import import_modules
 
-__all__ = ["KNorm", "KeyDiff", "Random", "StreamingLLM", "TOVA"]
+import_modules(__name__, __path__)

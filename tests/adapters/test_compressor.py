@@ -11,7 +11,7 @@ from transformers import DynamicCache
 
 import kvlib
 from kvlib import registry
-from kvlib.strategy import Eviction, LayerView
+from kvlib.strategy import NEEDS, Eviction, LayerView
 from tests.adapters.conftest import PAD, build_model, left_padded
 
 SINKS, BUDGET = 4, 16
@@ -132,7 +132,7 @@ class Probe(Eviction):
 class NeedyProbe(Probe):
     """Probe that declares every need."""
 
-    needs: ClassVar[frozenset[str]] = frozenset({"queries", "window_queries", "attention", "hidden_states"})
+    needs: ClassVar[frozenset[str]] = NEEDS
 
 
 @pytest.fixture
@@ -155,14 +155,21 @@ def test_strategies_get_exactly_what_they_need(probes, attn):
             model(input_ids=ids, attention_mask=mask, past_key_values=cache, output_attentions=attn == "eager")
     plain, rich = probe.seen[0], needy.seen[0]
     assert plain.queries is None and plain.attention is None and plain.hidden_states is None
-    assert rich.queries.shape == (2, 4, 14, 8) and rich.window_queries is rich.queries
+    assert rich.queries.shape == (2, 4, 14, 8) and torch.equal(rich.window_queries, rich.queries)
+    assert torch.equal(rich.query_positions[0], torch.cat([torch.full((4,), -1), torch.arange(10)]))
+    assert torch.equal(rich.query_positions[1], torch.arange(14))
     assert rich.hidden_states.shape == (2, 14, 32)
+    assert torch.equal(rich.rope.inv_freq, model.model.rotary_emb.inv_freq.float())
     attention = rich.attention
     assert attention.shape == (2, 4, 14, 14)
     real = mask.bool()
     assert torch.allclose(attention[1].sum(-1), torch.ones(4, 14), atol=1e-5)
     assert torch.allclose(attention[0][:, real[0]].sum(-1), torch.ones(4, 10), atol=1e-5)
     assert (attention[0][:, real[0]][..., ~real[0]] == 0).all()  # real queries give padding no weight
+    assert (attention[0][:, ~real[0]] == 0).all()  # padding queries give nothing
+    groups = attention.shape[1] // rich.keys.shape[1]
+    expected = attention.sum(2).view(2, rich.keys.shape[1], groups, 14).mean(2)
+    assert torch.allclose(rich.accumulated_attention, expected.masked_fill(~rich.valid, 0), atol=1e-6)
     assert not rich.valid[0, :, :4].any() and rich.valid[0, :, 4:].all()
     assert torch.equal(rich.positions[0, 0, 4:], torch.arange(10))
 

@@ -39,7 +39,12 @@ def test_models_without_attention_kv_are_refused():
         (None, None, {"page_size": 0}, "page_size"),
         (None, None, {"read_cache": "yes"}, "read_cache"),
         ("streaming_llm", 8, {"slack": -1}, "slack"),
-        ("streaming_llm", 0.5, {"slack": 4}, "slack applies to an int budget"),
+        ("streaming_llm", 0.5, {"slack": 4}, "slack and interval apply to an int budget"),
+        ("streaming_llm", 8, {"interval": 0}, "interval must be an int >= 1"),
+        ("streaming_llm", 0.5, {"interval": 4}, "slack and interval apply to an int budget"),
+        ("uniform", None, {}, "add an eviction strategy"),
+        ("streaming_llm+pyramid(beta=0)", 8, {}, "beta"),
+        ("streaming_llm+head_importance(profile='/nonexistent.json')", 8, {}, "cannot read head_importance profile"),
     ],
 )
 def test_bad_arguments_fail_before_the_model_is_touched(spec, budget, options, message):

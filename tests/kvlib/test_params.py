@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from kvlib.errors import SpecError
 from kvlib.params import coerce, describe
-from kvlib.policies.eviction import StreamingLLM
+from kvlib.policies.eviction.streaming_llm import StreamingLLM
 from kvlib.strategy import Budget, Eviction
 
 

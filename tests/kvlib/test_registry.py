@@ -10,7 +10,7 @@ import torch
 
 import kvlib
 from kvlib import registry
-from kvlib.policies.eviction import StreamingLLM
+from kvlib.policies.eviction.streaming_llm import StreamingLLM
 from kvlib.registry import ENTRY_POINT_GROUP, available_policies, get_policy, register
 from kvlib.strategy import KIND_BASES, Budget, Eviction, Reuse, Strategy
 
@@ -41,6 +41,9 @@ class MyTestPluginBudget(Budget):
     """A test-only budget strategy, advertised by a fake entry point."""
 
     fraction: float = 0.5
+
+    def caps(self, request):
+        return request.tokens.unsqueeze(-1).expand_as(request.counts)
 
 
 @dataclass
@@ -92,7 +95,7 @@ def test_register_rejects_non_string_names(name):
         register(name)
 
 
-@pytest.mark.parametrize("name", ["a", "snapkv", "h2o", "streaming_llm2", "x_1_y"])
+@pytest.mark.parametrize("name", ["a", "snap_kv_test", "h2o_test", "streaming_llm2", "x_1_y"])
 def test_register_accepts_well_formed_names(scratch_registry, name):
     cls = register(name)(MyTestEvict)
     assert cls is MyTestEvict
@@ -235,7 +238,7 @@ def test_get_policy_unknown_name_lists_kinds_and_suggests():
     assert "Valid strategies by kind" in message
     for kind in ALL_KINDS:
         assert f"{kind}:" in message
-    assert re.search(r"eviction: [a-z_, ]*streaming_llm", message)
+    assert re.search(r"eviction: [a-z0-9_, ]*streaming_llm", message)
 
 
 def test_get_policy_unknown_name_without_close_match_has_no_hint():
