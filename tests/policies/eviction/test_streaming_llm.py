@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 import kvlib
 from kvlib import LayerView
-from kvlib.policies.eviction import StreamingLLM
+from kvlib.policies.eviction.streaming_llm import StreamingLLM
 from kvlib.strategy import Eviction
 
 BATCH, HEADS, SLOTS, DIM = 2, 3, 10, 4
