@@ -25,6 +25,7 @@ import torch
 
 from kvlib.adapters.attention_weights import attention_blocks
 from kvlib.adapters.layer_step import LayerStep
+from kvlib.adapters.merge import merged_values
 from kvlib.policies.budget.uniform import Uniform
 from kvlib.selection import select_keep
 from kvlib.strategy import Budget, BudgetRequest, Eviction, LayerView, Rope
@@ -49,6 +50,15 @@ class AttentionInputs:
 
 
 @dataclass
+class Compaction:
+    """What a layer keeps: ``keep`` int64 ``[batch, heads, k]`` kept slots, ascending, -1 last;
+    ``values``: their new values when evicted tokens were merged in, else None."""
+
+    keep: torch.Tensor
+    values: torch.Tensor | None = None
+
+
+@dataclass
 class Compressor:
     """Applies ``strategy`` within ``budget`` (see the module docstring for the budget forms).
 
@@ -64,11 +74,12 @@ class Compressor:
     slack: int = 0
     interval: int = 1
     rope: Rope | None = None
+    merge: bool = False
     _accumulated: dict[int, torch.Tensor] = field(default_factory=dict, init=False, repr=False)
     _decode_steps: dict[int, int] = field(default_factory=dict, init=False, repr=False)
 
-    def keep(self, step: LayerStep, inputs: AttentionInputs, real_offsets: torch.Tensor) -> torch.Tensor | None:
-        """Slot indices ``[batch, heads, k]`` (-1 padded) each head keeps, or None if all stay.
+    def compaction(self, step: LayerStep, inputs: AttentionInputs, real_offsets: torch.Tensor) -> Compaction | None:
+        """What each head keeps after this layer call, or None if every stored token stays.
 
         ``real_offsets [batch]`` (on the store's device) is each row's count of padding tokens
         before its first real one: subtracted from stored positions, it gives the positions
@@ -106,10 +117,11 @@ class Compressor:
         if self.allocation.needs_scores:
             request.scores, request.candidates = scores, candidates
         caps = torch.where(over, self.allocation.caps(request).to(counts.device), counts) if tokens is not None else counts
-        keep = select_keep(scores, candidates, caps)
+        keep = _ascending(select_keep(scores, candidates, caps).to(read.valid.device))
         if accumulated is not None:
-            self._accumulated[step.layer_idx] = _gather_kept(accumulated, keep)
-        return keep
+            self._accumulated[step.layer_idx] = accumulated.gather(-1, keep.clamp(min=0)) * (keep >= 0)
+        values = merged_values(read.keys, read.values, candidates, keep) if self.merge else None
+        return Compaction(keep, values)
 
     # -- state kept in step with the cache's rows -----------------------------------------------
 
@@ -200,12 +212,11 @@ class Compressor:
         return total.masked_fill_(~valid, 0.0)
 
 
-def _gather_kept(state: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """``state`` of the kept slots, in stored (ascending slot) order as the store compacts them."""
-    keep = keep.to(state.device)
-    ordered = torch.sort(torch.where(keep < 0, state.shape[-1], keep), dim=-1).values
-    kept = ordered < state.shape[-1]
-    return state.gather(-1, ordered.clamp(max=state.shape[-1] - 1)) * kept
+def _ascending(keep: torch.Tensor) -> torch.Tensor:
+    """``keep`` sorted ascending per head with its -1 padding last (the store's compacted order)."""
+    past_end = torch.iinfo(torch.int64).max
+    ordered = torch.sort(torch.where(keep < 0, past_end, keep), dim=-1).values
+    return torch.where(ordered == past_end, -1, ordered)
 
 
 def _query_positions(step: LayerStep, real_new: torch.Tensor | None, real_offsets: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,7 @@ CACHE_OPTIONS = {
     "read_cache": "keep a dense read mirror per layer for fast decoding (bool, default True)",
     "slack": "extra tokens a head may hold over an int budget before it is compacted back (int >= 0, default 0)",
     "interval": "with an int budget, decode steps compact only every this many steps (int >= 1, default 1)",
+    "merge": "fold each evicted value into the most similar kept token instead of dropping it (bool, default False)",
 }
 """Keyword options of :func:`make_cache` and what each one takes."""
 
@@ -49,17 +50,19 @@ def make_cache(
     unsupported = [kind for kind in _NOT_YET_APPLIED if getattr(parsed, kind)]
     if unsupported:
         raise ValueError(
-            f"make_cache applies eviction strategies only so far; this spec also has {', '.join(unsupported)}"
+            f"make_cache applies eviction and budget strategies so far; this spec also has {', '.join(unsupported)}"
             f" ({parsed})"
         )
     _check_budget(budget, parsed)
-    page_size, read_cache, slack, interval = _options(options)
+    page_size, read_cache, slack, interval, merge = _options(options)
     if (slack or interval != 1) and not isinstance(budget, int):
         raise ValueError(f"slack and interval apply to an int budget (a token count), not to budget={budget!r}")
     compressor = None
     if parsed.eviction is not None:
         allocation = parsed.budget or parsed.eviction.default_budget() or Uniform()
-        compressor = Compressor(parsed.eviction, budget, shape.num_layers, allocation, slack, interval, rope_of(model))
+        compressor = Compressor(parsed.eviction, budget, shape.num_layers, allocation, slack, interval, rope_of(model, shape.head_dim), merge)
+    elif merge:
+        raise ValueError("merge=True folds evicted tokens into kept ones; it needs an eviction strategy in the spec")
     attach(model)
     return KVCache(shape, compressor, page_size=page_size, read_cache=read_cache)
 
@@ -85,7 +88,7 @@ def _check_budget(budget: int | float | None, spec: Spec) -> None:
         raise ValueError(f"budget as a fraction of the prompt must be in (0, 1], got {budget}")
 
 
-def _options(options: dict[str, object]) -> tuple[int, bool, int, int]:
+def _options(options: dict[str, object]) -> tuple[int, bool, int, int, bool]:
     unknown = sorted(set(options) - set(CACHE_OPTIONS))
     if unknown:
         valid = "; ".join(f"{name}: {what}" for name, what in CACHE_OPTIONS.items())
@@ -102,4 +105,7 @@ def _options(options: dict[str, object]) -> tuple[int, bool, int, int]:
     interval = options.get("interval", 1)
     if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
         raise ValueError(f"interval must be an int >= 1, got {interval!r}")
-    return page_size, read_cache, slack, interval
+    merge = options.get("merge", False)
+    if not isinstance(merge, bool):
+        raise ValueError(f"merge must be a bool, got {merge!r}")
+    return page_size, read_cache, slack, interval, merge

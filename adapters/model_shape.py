@@ -71,10 +71,14 @@ def kv_shape(model: torch.nn.Module) -> KVShape:
     return KVShape(layers, kv_heads, heads, head_dim, head_dim)
 
 
-def rope_of(model: torch.nn.Module) -> Rope | None:
-    """The model's rotary embedding (its first module with an ``inv_freq`` buffer), or None without RoPE."""
+def rope_of(model: torch.nn.Module, head_dim: int) -> Rope | None:
+    """The model's rotary embedding (its first module with an ``inv_freq`` buffer), or None
+    without RoPE. Partial rotary embeddings (``inv_freq`` covering fewer than ``head_dim``
+    channels) are reported as None too: :class:`Rope` describes whole-head rotations only."""
     for module in model.modules():
         inv_freq = getattr(module, "inv_freq", None)
         if isinstance(inv_freq, torch.Tensor):
+            if 2 * inv_freq.numel() != head_dim:
+                return None
             return Rope(inv_freq.detach().float(), float(getattr(module, "attention_scaling", 1.0)))
     return None

@@ -139,9 +139,9 @@ class KVCache(Cache):
         if self.compressor is None:
             return
         inputs = AttentionInputs(query, mask, weights, scaling, real_new, self._hidden_states.pop(step.layer_idx, None))
-        keep = self.compressor.keep(step, inputs, self._padding)
-        if keep is not None:
-            self.store.compact(step.layer_idx, self._rows, keep)
+        compaction = self.compressor.compaction(step, inputs, self._padding)
+        if compaction is not None:
+            self.store.compact(step.layer_idx, self._rows, compaction.keep, compaction.values)
             self._identity[step.layer_idx] = False
 
     def record_hidden_states(self, layer_idx: int, hidden_states: torch.Tensor) -> None:

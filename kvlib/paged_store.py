@@ -299,17 +299,20 @@ class PagedStore:
 
     # -- compaction ----------------------------------------------------------------------------
 
-    def compact(self, layer: int, seqs: SequenceIds, keep: torch.Tensor) -> None:
+    def compact(self, layer: int, seqs: SequenceIds, keep: torch.Tensor, values: torch.Tensor | None = None) -> None:
         """Keep only the given stored tokens of each (sequence, head) of ``layer``; free the rest.
 
         Args:
             keep: int ``[batch, kv_heads, k]`` indices into each head's stored tokens (physical
                 slots, ``0 <= i < physical length``), in any order, no repeats; ``-1`` pads heads
                 that keep fewer. Kept tokens stay in their original order.
+            values: optional new values of the kept tokens of heads that drop any,
+                ``[batch, kv_heads, k, value_dim]`` aligned with ``keep`` sorted ascending (-1
+                last), in the store's dtype (merging strategies fold dropped values into kept ones).
 
-        Full leading pages whose tokens all stay in place are kept as they are; the rest of a
-        changed head is written to fresh pages and its old pages are released, so pages shared
-        with other sequences are never modified.
+        Full leading pages whose tokens all stay in place are kept as they are (with ``values``:
+        only in heads that drop nothing); the rest of a changed head is written to fresh pages and
+        its old pages are released, so pages shared with other sequences are never modified.
         """
         layer = self._layer(layer)
         rows = self._rows(seqs)
@@ -318,11 +321,15 @@ class PagedStore:
         kept = _sorted_keep(keep, lengths)
         new_lengths = (kept >= 0).sum(-1)
         changed = new_lengths != lengths
+        if values is not None and tuple(values.shape) != (*kept.shape, pool.value_dim):
+            raise ValueError(f"values must have shape {[*kept.shape, pool.value_dim]}, got {list(values.shape)}")
         if not bool(changed.any()):
             return
         width = kept.shape[-1]
         slot = torch.arange(width)
         in_place = (kept == slot).long().cumprod(-1).sum(-1)
+        if values is not None:  # every kept value of a changed head may differ: rewrite it whole
+            in_place = torch.zeros_like(in_place)
         first_page = in_place // self.page_size
         start = first_page * self.page_size
         rewrite = changed.unsqueeze(-1) & (slot >= start.unsqueeze(-1)) & (slot < new_lengths.unsqueeze(-1))
@@ -342,6 +349,8 @@ class PagedStore:
 
         source = table.flat_slots(rows, kept.clamp(min=0))[rewrite]
         moved_keys, moved_values, moved_positions = pool.gather(source)
+        if values is not None:
+            moved_values = values.to(pool.values.device, pool.values.dtype)[rewrite.to(values.device)]
         pool.decref(dropped)
         b, h, j = drop_page.nonzero(as_tuple=True)
         table.pages[rows[b], h, j] = -1

@@ -103,7 +103,9 @@ class LayerView:
     value_dim]``, positions int64 ``[batch, kv_heads, slots]`` (original positions counted from the
     row's first real token, -1 where invalid), valid bool ``[batch, kv_heads, slots]`` (the tokens
     the strategy chooses among; padding is never valid). Slots of a head are in stored order
-    (ascending positions); invalid slots sit at the end. The optional fields are filled only for
+    (ascending positions). Invalid slots may sit anywhere: a left-padded row's padding comes
+    before its real tokens at prefill, and a head holding fewer tokens than others ends in
+    invalid slots; count ranks among valid slots, not slot indices. The optional fields are filled only for
     strategies that declare them in ``needs`` (see :data:`NEEDS`).
     """
 

@@ -204,3 +204,82 @@ def test_slack_lets_heads_grow_past_the_budget_then_compacts_back():
             held.append(int(cache.store.physical_lengths(0, cache._rows).max()))
     assert held == [16, 17, 18, 19, 16, 17, 18, 19, 16]
     assert cache.kept_positions(0)[0, 0].tolist() == list(range(SINKS)) + list(range(38 - (BUDGET - SINKS), 38))
+
+
+def test_interval_compacts_every_nth_decode_step():
+    model = build_model("llama")
+    ids, _ = left_padded([30], seed=16)
+    cache = kvlib.make_cache(model, "streaming_llm", budget=BUDGET, interval=4)
+    held = []
+    with torch.no_grad():
+        out = model(input_ids=ids, past_key_values=cache)
+        held.append(int(cache.store.physical_lengths(0, cache._rows).max()))
+        for _ in range(8):
+            out = model(input_ids=out.logits[:, -1:].argmax(-1), past_key_values=cache)
+            held.append(int(cache.store.physical_lengths(0, cache._rows).max()))
+    assert held == [16, 17, 18, 19, 16, 17, 18, 19, 16]
+
+
+@pytest.mark.parametrize("budget", [0.25, 40])
+def test_chunked_prefill_bounds_peak_pages_by_budget_plus_chunk(budget):
+    model = build_model("stories")
+    shape = kvlib.adapters.model_shape.kv_shape(model)
+    ids = torch.randint(1, 90, (1, 400), generator=torch.Generator().manual_seed(17))
+    chunk, page = 32, 16
+    caches = {}
+    for chunk_size in (None, chunk):
+        cache = caches[chunk_size] = kvlib.make_cache(model, "streaming_llm", budget=budget, read_cache=False)
+        model.generate(ids, past_key_values=cache, do_sample=False, max_new_tokens=4, pad_token_id=PAD,
+                       prefill_chunk_size=chunk_size)
+    kept_tokens = 100 if isinstance(budget, float) else budget
+    page_bytes = page * (shape.head_dim + shape.value_dim) * 4
+    bound = shape.num_layers * shape.num_kv_heads * -(-(kept_tokens + chunk) // page) * page_bytes
+    chunked, whole = caches[chunk].memory_report(), caches[None].memory_report()
+    assert chunked["peak_pages_bytes"] <= bound < whole["peak_pages_bytes"]
+    assert whole["peak_pages_bytes"] < whole["full_equivalent_bytes"]  # layers compact one after another
+    for layer in range(shape.num_layers):
+        assert torch.equal(caches[chunk].kept_positions(layer), caches[None].kept_positions(layer))
+
+
+@dataclass
+class AccumulatingProbe(Probe):
+    """Probe that needs accumulated attention (the engine keeps it even when nothing is evicted)."""
+
+    needs: ClassVar[frozenset[str]] = frozenset({"accumulated_attention"})
+
+
+def test_accumulated_attention_sums_every_query_over_prefill_and_decoding(scratch_registry):
+    registry.register("accumulating_probe")(AccumulatingProbe)
+    model = build_model("llama", attn_implementation="eager")
+    ids, _ = left_padded([12], seed=18)
+    cache = kvlib.make_cache(model, AccumulatingProbe(), budget=64)
+    reference = DynamicCache(config=model.config)
+    expected = None
+    with torch.no_grad():
+        inputs = ids
+        for _ in range(4):
+            ours = model(input_ids=inputs, past_key_values=cache)
+            theirs = model(input_ids=inputs, past_key_values=reference, output_attentions=True)
+            received = [a.sum(2) for a in theirs.attentions]  # [batch, query_heads, slots] per layer
+            if expected is None:
+                expected = received
+            else:
+                expected = [torch.nn.functional.pad(e, (0, r.shape[-1] - e.shape[-1])) + r for e, r in zip(expected, received)]
+            inputs = ours.logits[:, -1:].argmax(-1)
+    kv_heads = cache.shape.num_kv_heads
+    for layer, total in enumerate(expected):
+        grouped = total.view(1, kv_heads, -1, total.shape[-1]).mean(2)
+        assert torch.allclose(cache.compressor._accumulated[layer], grouped, atol=1e-5)
+
+
+def test_accumulated_attention_follows_beam_reordering(scratch_registry):
+    registry.register("accumulating_probe")(AccumulatingProbe)
+    model = build_model("llama")
+    ids, _ = left_padded([12], seed=19)
+    cache = kvlib.make_cache(model, AccumulatingProbe(), budget=8)
+    model.generate(ids, past_key_values=cache, num_beams=3, do_sample=False, max_new_tokens=5, pad_token_id=PAD)
+    for layer in range(cache.shape.num_layers):
+        state = cache.compressor._accumulated[layer]
+        lengths = cache.store.physical_lengths(layer, cache._rows)
+        assert state.shape[0] == 3 and (lengths == 8).all()
+        assert (state[..., :8] > 0).all() and (state[..., 8:] == 0).all()

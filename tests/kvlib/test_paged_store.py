@@ -70,6 +70,32 @@ def test_compaction_frees_pages_and_reports_bytes(store: PagedStore) -> None:
     assert store.bytes_in_use() == memory["pages"] + memory["positions"]
 
 
+def test_compaction_with_new_values_rewrites_changed_heads_and_spares_shared_pages() -> None:
+    store = PagedStore(1, 2, 4, page_size=4)
+    seq = store.new_sequence()
+    keys, values = step(1, 2, 10), step(1, 2, 10, seed=1)
+    store.append(0, [seq], keys, values)
+    other = store.fork(seq)
+    keep = torch.tensor([[[0, 1, 2, 3, 4, 5, 6, 7, 8, 9], [0, 1, 2, 3, 9, -1, -1, -1, -1, -1]]])
+    new_values = torch.full((1, 2, 10, 4), 7.0)
+    store.compact(0, [seq], keep, new_values)
+    read = store.read(0, [seq])
+    assert torch.equal(read.values[0, 0], values[0, 0])  # head 0 dropped nothing: untouched
+    assert torch.equal(read.values[0, 1, :5], torch.full((5, 4), 7.0))
+    assert torch.equal(read.keys[0, 1, :5], keys[0, 1, [0, 1, 2, 3, 9]])
+    assert torch.equal(store.read(0, [other]).values, values)  # the fork's shared pages are unchanged
+    with pytest.raises(ValueError, match="values must have shape"):
+        store.compact(0, [other], keep[..., :5], torch.zeros(1, 2, 4, 4))
+
+
+def test_peak_pages_records_the_high_water_mark(store: PagedStore) -> None:
+    seq = store.new_sequence()
+    store.append(0, [seq], step(1, 2, 16), step(1, 2, 16))
+    peak = store.memory_bytes()["pages"]
+    store.compact(0, [seq], torch.tensor([[[0], [1]]]))
+    assert store.peak_pages == peak > store.memory_bytes()["pages"]
+
+
 def test_read_cache_is_extended_in_place_by_appends(store: PagedStore) -> None:
     a, b = store.new_sequence(), store.new_sequence()
     store.append(0, [a, b], step(2, 2, 3), step(2, 2, 3))
