@@ -60,6 +60,7 @@ def make_cache(
     compressor = None
     if parsed.eviction is not None:
         allocation = parsed.budget or parsed.eviction.default_budget() or Uniform()
+        allocation.check_model(shape.num_layers, shape.num_kv_heads)
         compressor = Compressor(parsed.eviction, budget, shape.num_layers, allocation, slack, interval, rope_of(model, shape.head_dim), merge)
     elif merge:
         raise ValueError("merge=True folds evicted tokens into kept ones; it needs an eviction strategy in the spec")

@@ -35,7 +35,9 @@ def rank_order(scores: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
         scores = scores.to(torch.float64)
     rank_class = torch.where(scores == torch.inf, 2, torch.where(torch.isfinite(scores), 1, 0))
     rank_class = rank_class.masked_fill(~candidates, -1)
-    by_score = torch.sort(scores.nan_to_num(nan=-torch.inf), dim=-1, descending=True, stable=True).indices
+    by_score = torch.sort(
+        scores.nan_to_num(nan=-torch.inf, posinf=torch.inf, neginf=-torch.inf), dim=-1, descending=True, stable=True
+    ).indices
     by_class = torch.sort(rank_class.gather(-1, by_score), dim=-1, descending=True, stable=True).indices
     return by_score.gather(-1, by_class)
 
@@ -43,13 +45,14 @@ def rank_order(scores: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
 def apportion(totals: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """Split each of ``totals`` (int ``[batch]``) into integer parts proportional to ``weights``.
 
-    ``weights``: non-negative floats ``[parts]`` with a positive sum. Returns int64
+    ``weights``: finite non-negative floats ``[parts]`` with a positive sum. Returns int64
     ``[batch, parts]`` whose rows sum exactly to ``totals``: each part gets the floor of its
     share, and the leftover units go to the largest remainders (ties: lower index first).
     """
     weights = weights.to(torch.float64)
-    if weights.ndim != 1 or bool((weights < 0).any()) or not float(weights.sum()) > 0:
-        raise ValueError(f"weights must be a 1-D tensor of non-negative numbers with a positive sum, got {weights}")
+    if weights.ndim != 1 or not bool(torch.isfinite(weights).all()) or bool((weights < 0).any()) or not float(weights.sum()) > 0:
+        raise ValueError(f"weights must be a 1-D tensor of finite, non-negative numbers with a positive sum, got {weights}")
+    weights = weights / weights.max()  # in [0, 1]: the sum cannot overflow
     totals = totals.to(torch.int64)
     shares = totals.unsqueeze(-1).to(torch.float64) * (weights / weights.sum())
     parts = shares.floor().to(torch.int64)

@@ -175,6 +175,9 @@ class Budget(Strategy, abc.ABC):
     kind = "budget"
     needs_scores: ClassVar[bool] = False
 
+    def check_model(self, num_layers: int, kv_heads: int) -> None:
+        """``ValueError`` if this allocation cannot serve a model of this shape (checked before any model work)."""
+
     def layer_tokens(self, request: BudgetRequest) -> torch.Tensor:
         """int64 ``[batch]``: tokens this layer keeps in all its heads together (default: ``tokens * heads``)."""
         return request.tokens * request.counts.shape[1]

@@ -46,17 +46,21 @@ class HeadImportance(Budget):
             raise ValueError(f"floor must be in [0, 1], got {self.floor}")
         self.weights = load_profile(self.profile)
 
+    def check_model(self, num_layers: int, kv_heads: int) -> None:
+        layers, heads = self.weights.shape
+        if (num_layers, kv_heads) != (layers, heads):
+            raise ValueError(
+                f"head_importance profile {self.profile!r} is for {layers} layers x {heads} KV heads, but the model has"
+                f" {num_layers} x {kv_heads}: calibrate a profile for this model"
+            )
+
     def layer_tokens(self, request: BudgetRequest) -> torch.Tensor:
         return self.caps(request).sum(-1)
 
     def caps(self, request: BudgetRequest) -> torch.Tensor:
         """Each head's floor plus its importance share of the rest of the model-wide budget."""
         layers, heads = self.weights.shape
-        if (request.num_layers, request.counts.shape[1]) != (layers, heads):
-            raise ValueError(
-                f"head_importance profile {self.profile!r} is for {layers} layers x {heads} KV heads, but the model has"
-                f" {request.num_layers} x {request.counts.shape[1]}: calibrate a profile for this model"
-            )
+        self.check_model(request.num_layers, request.counts.shape[1])
         tokens = request.tokens.cpu()
         base = (tokens.to(torch.float64) * self.floor).floor().to(torch.int64)
         rest = tokens * layers * heads - base * layers * heads
@@ -76,7 +80,13 @@ def load_profile(path: str) -> torch.Tensor:
     rows = weights if isinstance(weights, list) and weights and all(isinstance(r, list) for r in weights) else None
     if rows is None or len({len(r) for r in rows}) != 1 or not rows[0]:
         raise ValueError(f"{path!r}: weights must be a non-empty [num_layers][kv_heads] list of numbers")
-    if not all(isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w) and w >= 0 for r in rows for w in r):
+    try:
+        numbers = all(
+            isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w) and w >= 0 for r in rows for w in r
+        )
+    except OverflowError:  # an integer too large for a float
+        numbers = False
+    if not numbers:
         raise ValueError(f"{path!r}: weights must be finite numbers >= 0")
     tensor = torch.tensor(rows, dtype=torch.float64)
     if not float(tensor.sum()) > 0:

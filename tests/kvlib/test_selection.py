@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvlib.selection import select_keep
+from kvlib.selection import apportion, rank_order, select_keep
 
 INF, NAN = math.inf, math.nan
 
@@ -175,3 +176,149 @@ def test_select_keep_matches_a_per_head_reference(problem) -> None:
             pool = sorted((rank(float(scores[b, h, i])) for i in range(scores.shape[2]) if candidates[b, h, i]), reverse=True)
             got = sorted((rank(float(scores[b, h, i])) for i in kept), reverse=True)
             assert got == pool[:count], "the kept scores are not the best ones"
+
+
+# -- rank_order: the full order select_keep takes its prefix from -------------------------------
+
+
+@settings(max_examples=150, deadline=None)
+@given(problems())
+def test_rank_order_sorts_candidates_by_documented_rank_with_stable_ties(problem) -> None:
+    scores, candidates, caps = problem
+    order = rank_order(scores, candidates)
+    batch, heads, slots = scores.shape
+    assert order.shape == scores.shape and order.dtype == torch.int64
+    for b in range(batch):
+        for h in range(heads):
+            ranked = order[b, h].tolist()
+            assert sorted(ranked) == list(range(slots)), "not a permutation of the slots"
+            flags = candidates[b, h].tolist()
+            count = sum(flags)
+            assert all(flags[i] for i in ranked[:count]) and not any(flags[i] for i in ranked[count:])
+            keys = [(rank(float(scores[b, h, i])), -i) for i in ranked[:count]]  # -i: ties keep slot order
+            finite_first = [key for key in keys if key[0][0] > 0]  # NaN and -inf: last, in either order
+            assert finite_first == sorted(finite_first, reverse=True) and keys[: len(finite_first)] == finite_first
+
+
+@settings(max_examples=150, deadline=None)
+@given(problems())
+def test_select_keep_is_the_prefix_of_rank_order(problem) -> None:
+    scores, candidates, caps = problem
+    order = rank_order(scores, candidates)
+    out = select_keep(scores, candidates, caps)
+    for b in range(scores.shape[0]):
+        for h in range(scores.shape[1]):
+            count = min(int(caps[b, h]), int(candidates[b, h].sum()))
+            assert out[b, h, :count].tolist() == order[b, h, :count].tolist()
+
+
+def test_rank_order_ties_nan_with_minus_infinity_and_keeps_slot_order() -> None:
+    # documented: "+inf, then finite scores descending, then NaN and -inf ...; ties keep slot order".
+    # NaN is mapped to -inf to tie with it, but nan_to_num also maps -inf itself to the lowest finite
+    # float, so every -inf ranks before every NaN whatever their slots.
+    scores = torch.tensor([[[NAN, 2.0, -INF, INF, 2.0, NAN, INF, -0.5]]])
+    candidates = torch.tensor([[[True, True, True, True, True, True, True, False]]])
+    assert rank_order(scores, candidates)[0, 0].tolist() == [3, 6, 1, 4, 0, 2, 5, 7]
+
+
+def test_rank_order_accepts_integer_scores() -> None:
+    scores = torch.tensor([[[3, 1, 2, 3]]])
+    assert rank_order(scores, torch.ones(1, 1, 4, dtype=torch.bool))[0, 0].tolist() == [0, 3, 2, 1]
+
+
+# -- apportion: integer shares proportional to weights -----------------------------------------
+
+
+def exact_shares(total: int, weights: list[float]) -> list[Fraction]:
+    """Each part's exact share of ``total`` for the float ``weights`` (no rounding anywhere)."""
+    exact = [Fraction(w) for w in weights]
+    whole = sum(exact)
+    return [Fraction(total) * w / whole for w in exact]
+
+
+WEIGHT = st.one_of(
+    st.just(0.0),
+    st.integers(1, 6).map(float),  # equal weights tie; small integers give exact and repeated shares
+    st.floats(min_value=1e-6, max_value=1e6, allow_nan=False, allow_infinity=False),
+    st.floats(min_value=1e-300, max_value=1e-290),
+)
+
+
+@st.composite
+def apportion_problems(draw: st.DrawFn) -> tuple[list[int], list[float]]:
+    weights = draw(st.lists(WEIGHT, min_size=1, max_size=9).filter(lambda w: sum(w) > 0))
+    totals = draw(st.lists(st.one_of(st.integers(0, 40), st.integers(0, 2**31)), min_size=1, max_size=4))
+    return totals, weights
+
+
+@settings(max_examples=300, deadline=None)
+@given(apportion_problems())
+def test_apportion_rows_sum_to_totals_and_parts_round_their_exact_share(problem) -> None:
+    totals, weights = problem
+    out = apportion(torch.tensor(totals), torch.tensor(weights, dtype=torch.float64))
+    assert out.dtype == torch.int64 and out.shape == (len(totals), len(weights))
+    for total, row in zip(totals, out.tolist()):
+        assert sum(row) == total
+        shares = exact_shares(total, weights)
+        for part, share in zip(row, shares):
+            assert math.floor(share) <= part <= math.ceil(share), (part, share)
+        for i, w in enumerate(weights):
+            if w == 0.0:
+                assert row[i] == 0, "a zero weight got a unit"
+        # the leftover units go to the largest remainders (within float error); equal weights: lower index first
+        raised = [i for i, (p, s) in enumerate(zip(row, shares)) if p > math.floor(s)]
+        left = [i for i, (p, s) in enumerate(zip(row, shares)) if p == math.floor(s) and s != math.floor(s)]
+        tolerance = 1e-9 + total * 1e-14
+        for i in raised:
+            for j in left:
+                assert shares[i] - math.floor(shares[i]) >= shares[j] - math.floor(shares[j]) - tolerance
+        for i in range(len(weights)):
+            for j in range(i + 1, len(weights)):
+                if weights[i] == weights[j]:
+                    assert row[i] >= row[j] and row[i] - row[j] <= 1
+
+
+def test_apportion_worked_examples() -> None:
+    assert apportion(torch.tensor([10]), torch.tensor([1.0, 1.0, 1.0])).tolist() == [[4, 3, 3]]
+    assert apportion(torch.tensor([2]), torch.tensor([1.0, 1.0, 1.0])).tolist() == [[1, 1, 0]]
+    out = apportion(torch.tensor([7, 0, 1]), torch.tensor([0.0, 3.0, 1.0]))
+    assert out.tolist() == [[0, 5, 2], [0, 0, 0], [0, 1, 0]]
+    # 15.6, 11.8, 8, 4.2, 0.4: floors sum to 38, the two largest remainders (0.8, 0.6) get the rest
+    pyramid = torch.tensor([1.95, 1.475, 1.0, 0.525, 0.05], dtype=torch.float64)
+    assert apportion(torch.tensor([40]), pyramid).tolist() == [[16, 12, 8, 4, 0]]
+
+
+def test_apportion_accepts_other_weight_dtypes_and_scales() -> None:
+    half = torch.tensor([0.25, 0.75], dtype=torch.float16)
+    for weights in (torch.tensor([1, 3]), half, torch.tensor([1e-30, 3e-30])):
+        assert apportion(torch.tensor([8]), weights).tolist() == [[2, 6]]
+
+
+@pytest.mark.parametrize(
+    "weights",
+    [
+        [1.0, -0.5],
+        [0.0, 0.0],
+        [],
+        [NAN, 1.0],
+        [[1.0, 2.0]],
+    ],
+    ids=["negative", "all-zero", "empty", "nan", "2-D"],
+)
+def test_apportion_rejects_bad_weights(weights: list) -> None:
+    with pytest.raises(ValueError, match="non-negative numbers with a positive sum"):
+        apportion(torch.tensor([5]), torch.tensor(weights, dtype=torch.float64))
+
+
+def test_apportion_rejects_an_infinite_weight() -> None:
+    # an infinite weight has no proportional share: inf / inf is NaN and the parts are garbage
+    with pytest.raises(ValueError, match="weights"):
+        apportion(torch.tensor([10]), torch.tensor([1.0, INF], dtype=torch.float64))
+
+
+def test_apportion_sums_to_totals_when_the_weight_sum_overflows() -> None:
+    # each weight is finite and non-negative, as documented; only their float sum overflows to inf
+    big = torch.finfo(torch.float64).max / 2
+    out = apportion(torch.tensor([10, 7]), torch.tensor([big, big, big], dtype=torch.float64))
+    assert out.sum(-1).tolist() == [10, 7]
+    assert out.tolist() == [[4, 3, 3], [3, 2, 2]]
