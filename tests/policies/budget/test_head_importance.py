@@ -16,7 +16,7 @@ from tokenizers import Tokenizer
 import kvlib
 from kvlib.adapters.model_shape import kv_shape
 from kvlib.policies.budget.head_importance import PROFILE_FORMAT, HeadImportance, calibrate, load_profile
-from tests.adapters.conftest import PAD, STORIES, build_model, left_padded
+from tests.adapters.conftest import STORIES, build_model, left_padded
 from tests.policies.budget.conftest import check_memory, kept_counts, make_request, needs_stories, run, run_alone
 
 STORY = (
