@@ -10,7 +10,8 @@ def select_keep(scores: torch.Tensor, candidates: torch.Tensor, caps: torch.Tens
 
     Args:
         scores: keep-scores ``[batch, heads, slots]`` (higher means keep): ``+inf`` before every
-            finite score, then finite scores in order (any float dtype), NaN and ``-inf`` last.
+            finite score (later slots first among them), then finite scores in order (any float
+            dtype), NaN and ``-inf`` last.
         candidates: bool ``[batch, heads, slots]``, the slots that may be kept (stored tokens that
             are not padding); no other slot is ever selected.
         caps: int ``[batch, heads]``, tokens each head may keep.
@@ -29,12 +30,15 @@ def select_keep(scores: torch.Tensor, candidates: torch.Tensor, caps: torch.Tens
 
 
 def rank_order(scores: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
-    """Indices sorting the last axis best first: candidates with ``+inf``, then finite scores
-    descending, then NaN and ``-inf``, then non-candidates; ties keep slot order (stable)."""
+    """Indices sorting the last axis best first: candidates with ``+inf`` (later slots first: a
+    protected window larger than the budget keeps its newest tokens), then finite scores
+    descending, then NaN and ``-inf``, then non-candidates; other ties keep slot order (stable)."""
     if not scores.dtype.is_floating_point:
         scores = scores.to(torch.float64)
-    rank_class = torch.where(scores == torch.inf, 2, torch.where(torch.isfinite(scores), 1, 0))
-    rank_class = rank_class.masked_fill(~candidates, -1)
+    slots = scores.shape[-1]
+    newest_first = 2.0 + torch.arange(1, slots + 1, dtype=torch.float64, device=scores.device) / (slots + 1)
+    rank_class = torch.where(scores == torch.inf, newest_first, torch.where(torch.isfinite(scores), 1.0, 0.0))
+    rank_class = rank_class.masked_fill(~candidates, -1.0)
     by_score = torch.sort(
         scores.nan_to_num(nan=-torch.inf, posinf=torch.inf, neginf=-torch.inf), dim=-1, descending=True, stable=True
     ).indices

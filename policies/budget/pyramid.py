@@ -24,17 +24,24 @@ class Pyramid(Budget):
     arithmetic sequence). Per-layer counts are rounded so that they sum to exactly ``L * B``
     per head; every head of a layer keeps the same count.
 
+    With ``reserved`` tokens (PyramidKV's observation window, kept in every layer), each layer
+    gets ``min(reserved, B)`` first and the pyramid splits the rest, as the official code does.
+
     Args:
         beta: ratio of the mean budget to the last layer's budget (the paper's default 20); >= 1.
             ``beta = 1`` is the uniform allocation.
+        reserved: tokens per head every layer keeps before the pyramid split (>= 0).
     """
 
     beta: int = 20
+    reserved: int = 0
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.beta < 1:
             raise ValueError(f"beta must be an int >= 1, got {self.beta}")
+        if self.reserved < 0:
+            raise ValueError(f"reserved must be an int >= 0, got {self.reserved}")
 
     def layer_tokens(self, request: BudgetRequest) -> torch.Tensor:
         """This layer's share of ``L * tokens`` (per head) times the head count."""
@@ -48,8 +55,10 @@ class Pyramid(Budget):
         layers = request.num_layers
         if layers == 1:
             return request.tokens.clone()
+        tokens = request.tokens.cpu()
+        reserved = tokens.clamp(max=self.reserved)
         top, bottom = 2.0 - 1.0 / self.beta, 1.0 / self.beta
         depth = torch.arange(layers, dtype=torch.float64) / (layers - 1)
         weights = top + (bottom - top) * depth
-        per_layer = apportion(request.tokens.cpu() * layers, weights)
+        per_layer = reserved.unsqueeze(-1) + apportion((tokens - reserved) * layers, weights)
         return per_layer[:, request.layer_idx].to(request.tokens.device)

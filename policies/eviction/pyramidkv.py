@@ -25,7 +25,8 @@ class PyramidKV(SnapKV):
         window, kernel, pooling: as in :class:`SnapKV`.
         beta: steepness of the pyramid, handed to :class:`Pyramid`: with a mean budget of ``B``
             tokens per head, the last layer keeps ``B / beta`` and the first ``2B - B / beta``,
-            linear in between; ``>= 1`` (1: uniform). The paper uses 20.
+            linear in between; ``>= 1`` (1: uniform). The paper uses 20. As in the official
+            code, the pyramid splits the budget left after the ``window`` tokens every layer keeps.
     """
 
     beta: int = 20
@@ -36,5 +37,5 @@ class PyramidKV(SnapKV):
             raise ValueError(f"beta must be >= 1, got {self.beta}")
 
     def default_budget(self) -> Pyramid:
-        """A :class:`Pyramid` allocation with this ``beta``."""
-        return Pyramid(beta=self.beta)
+        """A :class:`Pyramid` allocation with this ``beta``, the observation window reserved in every layer."""
+        return Pyramid(beta=self.beta, reserved=self.window)

@@ -138,6 +138,11 @@ def rank(score: float) -> tuple[int, float]:
     return (1, score)
 
 
+def tie_key(score: float, slot: int) -> int:
+    """Ties: +inf scores rank later slots first (the newest of a protected window); others keep slot order."""
+    return slot if score == INF else -slot
+
+
 @st.composite
 def problems(draw: st.DrawFn) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     batch, heads, slots = draw(st.integers(1, 3)), draw(st.integers(1, 3)), draw(st.integers(0, 7))
@@ -195,7 +200,7 @@ def test_rank_order_sorts_candidates_by_documented_rank_with_stable_ties(problem
             flags = candidates[b, h].tolist()
             count = sum(flags)
             assert all(flags[i] for i in ranked[:count]) and not any(flags[i] for i in ranked[count:])
-            keys = [(rank(float(scores[b, h, i])), -i) for i in ranked[:count]]  # -i: ties keep slot order
+            keys = [(rank(float(scores[b, h, i])), tie_key(float(scores[b, h, i]), i)) for i in ranked[:count]]
             finite_first = [key for key in keys if key[0][0] > 0]  # NaN and -inf: last, in either order
             assert finite_first == sorted(finite_first, reverse=True) and keys[: len(finite_first)] == finite_first
 
@@ -213,12 +218,13 @@ def test_select_keep_is_the_prefix_of_rank_order(problem) -> None:
 
 
 def test_rank_order_ties_nan_with_minus_infinity_and_keeps_slot_order() -> None:
-    # documented: "+inf, then finite scores descending, then NaN and -inf ...; ties keep slot order".
+    # documented: "+inf (later slots first), then finite scores descending, then NaN and -inf ...;
+    # other ties keep slot order".
     # NaN is mapped to -inf to tie with it, but nan_to_num also maps -inf itself to the lowest finite
     # float, so every -inf ranks before every NaN whatever their slots.
     scores = torch.tensor([[[NAN, 2.0, -INF, INF, 2.0, NAN, INF, -0.5]]])
     candidates = torch.tensor([[[True, True, True, True, True, True, True, False]]])
-    assert rank_order(scores, candidates)[0, 0].tolist() == [3, 6, 1, 4, 0, 2, 5, 7]
+    assert rank_order(scores, candidates)[0, 0].tolist() == [6, 3, 1, 4, 0, 2, 5, 7]
 
 
 def test_rank_order_accepts_integer_scores() -> None:

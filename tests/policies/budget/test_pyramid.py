@@ -149,3 +149,19 @@ def test_through_generate_a_fraction_budget_splits_each_rows_prompt_budget():
         expected = [count + new_tokens - 1 for count in per_layer]  # ... and decoding keeps every new token
         assert counts[:, row].tolist() == [[count] * 4 for count in expected]
     check_memory(cache, counts)
+
+
+@pytest.mark.parametrize(("tokens", "reserved"), [(100, 32), (20, 32), (33, 32), (64, 0)])
+def test_reserved_tokens_go_to_every_layer_before_the_pyramid_split(tokens, reserved):
+    layers, beta = 5, 20
+    first_reserved = min(tokens, reserved)
+    rest = tokens - first_reserved
+    shares = [Fraction(rest) * (Fraction(2) - Fraction(1, beta) - Fraction(l, layers - 1) * (2 - Fraction(2, beta)))
+              for l in range(layers)]
+    caps = [int(Pyramid(beta=beta, reserved=reserved).caps(make_request(l, layers, [tokens], [[10_000]]))[0, 0])
+            for l in range(layers)]
+    assert sum(caps) == layers * tokens
+    for cap, share in zip(caps, shares):
+        assert cap - first_reserved in (math.floor(share), math.ceil(share))
+    with pytest.raises(ValueError, match="reserved"):
+        Pyramid(reserved=-1)

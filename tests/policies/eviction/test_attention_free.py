@@ -51,4 +51,17 @@ def test_random_is_reproducible_per_seed_and_layer_and_uniform():
     assert torch.equal(first, again)
     assert not torch.equal(first, Random(seed=4).score(view))
     assert not torch.equal(first, Random(seed=3).score(_view(layer=1)))
-    assert ((first >= 0) & (first < 1)).all()
+    assert ((first[view.valid] >= 0) & (first[view.valid] < 1)).all() and (first[~view.valid] == -torch.inf).all()
+
+
+def test_random_scores_follow_tokens_not_slots():
+    """A token keeps its score while stored (so decode-time eviction keeps a random subset, not
+    fixed slots), and the scores are spread uniformly."""
+    view = _view()
+    scores = Random().score(view)
+    shifted = LayerView(0, 4, view.keys[..., 1:, :], view.values[..., 1:, :], view.positions[..., 1:], view.valid[..., 1:])
+    assert torch.equal(Random().score(shifted), scores[..., 1:])
+    positions = torch.arange(20_000).view(1, 1, -1)
+    many = LayerView(0, 1, torch.zeros(1, 1, 20_000, 2), torch.zeros(1, 1, 20_000, 2), positions, positions >= 0)
+    histogram = torch.histc(Random().score(many).float(), bins=10, min=0, max=1)
+    assert (histogram - 2000).abs().max() < 200

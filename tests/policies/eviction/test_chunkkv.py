@@ -192,7 +192,7 @@ def test_needs_observed_queries_and_default_budget_come_from_the_inner():
     assert ChunkKV(inner="snapkv(window=8)").observed_queries() == 8
     assert ChunkKV(inner="knorm").observed_queries() is None
     assert ChunkKV().default_budget() is None
-    assert ChunkKV(inner="pyramidkv(beta=7)").default_budget() == Pyramid(beta=7)
+    assert ChunkKV(inner="pyramidkv(beta=7)").default_budget() == Pyramid(beta=7, reserved=32)
 
 
 def test_registration_spec_round_trip_and_state_outside_equality():

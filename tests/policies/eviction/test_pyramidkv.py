@@ -27,7 +27,8 @@ def test_scores_are_snapkv_scores(pooling):
 def test_default_budget_is_a_pyramid_with_the_same_beta(beta):
     budget = PyramidKV(beta=beta).default_budget()
     assert isinstance(budget, Pyramid) and budget.beta == beta
-    assert PyramidKV().default_budget() == Pyramid(beta=20)
+    assert PyramidKV().default_budget() == Pyramid(beta=20, reserved=32)
+    assert PyramidKV(window=8).default_budget().reserved == 8
     assert SnapKV().default_budget() is None
 
 

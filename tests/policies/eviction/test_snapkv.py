@@ -115,6 +115,17 @@ def test_window_tokens_are_always_kept():
             assert len(positions) == 6
 
 
+def test_a_budget_below_the_window_keeps_the_newest_window_tokens():
+    view = make_view(seed=7)
+    scores = SnapKV(window=4).score(view)
+    kept = select_keep(scores, view.valid, torch.full((BATCH, KV_HEADS), 2))
+    for b in range(BATCH):
+        for h in range(KV_HEADS):
+            positions = {int(view.positions[b, h, s]) for s in kept[b, h].tolist() if s >= 0}
+            newest = int(view.positions[b, h].max())
+            assert positions == {newest - 1, newest}
+
+
 def test_decode_step_protects_only_the_new_token():
     view = make_view(seed=9, queries=1)
     scores = SnapKV(window=32).score(view)

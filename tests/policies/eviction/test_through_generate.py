@@ -11,7 +11,7 @@ from kvlib.strategy import BudgetRequest
 from tests.adapters.conftest import PAD, build_model, left_padded
 
 BUDGET = 12
-BATCH_INDEPENDENT = {"streaming_llm", "knorm", "keydiff", "tova", "expected_attention", "lagkv", "h2o", "vatp"}
+BATCH_INDEPENDENT = {"streaming_llm", "knorm", "keydiff", "tova", "expected_attention", "lagkv", "h2o", "vatp", "random"}
 
 
 @pytest.mark.parametrize("family", ["stories", "gpt2"])
