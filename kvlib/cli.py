@@ -11,8 +11,17 @@ from kvlib.registry import available_policies, get_policy
 from kvlib.spec import parameters_help
 
 
-def _first_line(doc: str | None) -> str:
-    return (doc or "").strip().splitlines()[0] if doc and doc.strip() else ""
+SUMMARY_CHARS = 160
+"""Longest one-line summary ``kvlib list`` prints (cut at a word, with "...")."""
+
+
+def summary(doc: str | None) -> str:
+    """A docstring's first paragraph on one line, at most :data:`SUMMARY_CHARS` characters."""
+    paragraph = (doc or "").strip().split("\n\n")[0]
+    text = " ".join(paragraph.split())
+    if len(text) <= SUMMARY_CHARS:
+        return text
+    return text[: text.rfind(" ", 0, SUMMARY_CHARS - 3)] + "..."
 
 
 def list_policies() -> str:
@@ -24,7 +33,7 @@ def list_policies() -> str:
             lines.append("  (none yet)")
         for name in names:
             cls = get_policy(name)
-            lines.append(f"  {name}: {_first_line(cls.__doc__)}")
+            lines.append(f"  {name}: {summary(cls.__doc__)}")
             lines.append(f"      parameters: {parameters_help(cls)}")
     return "\n".join(lines)
 

@@ -101,3 +101,10 @@ def test_module_entry_point_runs_list():
     )
     assert result.returncode == 0, result.stderr
     check_listing(result.stdout)
+
+
+def test_summary_joins_the_first_paragraph_and_cuts_long_ones_at_a_word():
+    assert cli.summary("One line\n    continued here.\n\n    Details.") == "One line continued here."
+    long = cli.summary("word " * 100)
+    assert len(long) <= cli.SUMMARY_CHARS and long.endswith("word...")
+    assert cli.summary(None) == "" and cli.summary("   ") == ""
