@@ -37,7 +37,6 @@ import os
 import platform
 import shlex
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -48,12 +47,14 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 import kvlib
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or loaded by path
+from provenance import LLAMA100M, git_revision, no_machine_path  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
 MODELS = ("stories", "llama100m")
 FULL = {"models": "stories,llama100m", "batch_sizes": "1,8", "prompt_len": 2048, "new_tokens": 256, "repeats": 3}
 QUICK = {"models": "stories", "batch_sizes": "1,2", "prompt_len": 32, "new_tokens": 8, "repeats": 1}
 CACHES = ("dynamic", "kvlib")
-LIBRARY_DIRS = ("kvlib", "adapters", "policies", "storage")  # what the revision in the report describes
 
 
 def load_model(name: str, stories_path: Path) -> torch.nn.Module:
@@ -61,11 +62,7 @@ def load_model(name: str, stories_path: Path) -> torch.nn.Module:
         model = LlamaForCausalLM.from_pretrained(stories_path, dtype=torch.float32)
     elif name == "llama100m":
         torch.manual_seed(0)
-        config = LlamaConfig(
-            hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
-            intermediate_size=2048, vocab_size=32000, max_position_embeddings=4096, tie_word_embeddings=True,
-            dtype=torch.float32,
-        )
+        config = LlamaConfig(**LLAMA100M, max_position_embeddings=4096, tie_word_embeddings=True, dtype=torch.float32)
         model = LlamaForCausalLM(config).to(torch.float32)
     else:
         raise ValueError(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
@@ -140,16 +137,6 @@ def bench_case(model: torch.nn.Module, vocab: int, batch: int, args: argparse.Na
     return row
 
 
-def _git_revision() -> str:
-    """HEAD, flagged when the library's code differs from it (benchmark and test edits do not count)."""
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True)
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--", *LIBRARY_DIRS], cwd=REPO, capture_output=True, text=True
-        )
-        return head.stdout.strip() + (" (with uncommitted library changes)" if dirty.stdout.strip() else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def run(argv: Sequence[str] | None = None) -> dict:
@@ -200,7 +187,7 @@ def run(argv: Sequence[str] | None = None) -> dict:
     result = {
         "config": config,
         "machine": f"{platform.machine()}, torch {torch.__version__}, {torch.get_num_threads()} threads",
-        "git": _git_revision(),
+        "git": git_revision(),
         "rows": rows,
         "all_tokens_match": all(row["tokens_match"] for row in rows),
     }
@@ -221,18 +208,12 @@ def _row_line(row: dict) -> str:
     )
 
 
-def _no_machine_path(arg: str) -> str:
-    """An absolute path (e.g. a tmp ``--out``) becomes ``<path>``, so reports name no machine path."""
-    flag, eq, value = arg.partition("=")
-    if eq and Path(value).is_absolute():
-        return f"{flag}=<path>"
-    return "<path>" if Path(arg).is_absolute() else arg
 
 
 def _markdown(result: dict, argv: Sequence[str] | None) -> str:
     c = result["config"]
     given = list(sys.argv[1:] if argv is None else argv)
-    given = [_no_machine_path(a) for a in given]
+    given = [no_machine_path(a) for a in given]
     command = shlex.join(["python", "benchmarks/bench_generate.py", *given])
     mib = 2**20
     lines = [

@@ -51,7 +51,6 @@ import math
 import os
 import platform
 import shlex
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -62,6 +61,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 import kvlib
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or loaded by path
+from provenance import git_revision, no_machine_path  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
 FULL = {"contexts": 8, "context_len": 400, "new_tokens": 100, "continuation_len": 100,
         "budgets": "0.25,0.5", "float_budgets": "0.25,0.5"}
@@ -69,7 +71,6 @@ QUICK = {"contexts": 2, "context_len": 48, "new_tokens": 8, "continuation_len": 
          "budgets": "0.25", "float_budgets": "0.25"}
 PROMPT = "Once upon a time"
 BOS = 1
-LIBRARY_DIRS = ("kvlib", "adapters", "policies", "storage")  # what the revision in the report describes
 
 
 def sample_texts(model, tokenizer, count: int, length: int, seed: int, temperature: float) -> torch.Tensor:
@@ -236,7 +237,7 @@ def run(argv: Sequence[str] | None = None) -> dict:
     result = {
         "config": config,
         "machine": f"{platform.machine()}, torch {torch.__version__}, {torch.get_num_threads()} threads",
-        "git": _git_revision(),
+        "git": git_revision(),
         "load_avg_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)],
         "seconds": round(time.perf_counter() - started, 1),
         "sample_text": tokenizer.decode(texts[0]),
@@ -265,29 +266,13 @@ def _row_line(row: dict) -> str:
             f"{row['first_divergence']:.1f}, ppl {row['ppl']:.3f}, KL {row['kl']:.4f}")
 
 
-def _git_revision() -> str:
-    """HEAD, flagged when the library's code differs from it (benchmark and test edits do not count)."""
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                              check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", *LIBRARY_DIRS], cwd=REPO, capture_output=True,
-                               text=True)
-        return head.stdout.strip() + (" (with uncommitted library changes)" if dirty.stdout.strip() else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
-def _no_machine_path(arg: str) -> str:
-    """An absolute path (e.g. a tmp ``--out``) becomes ``<path>``, so reports name no machine path."""
-    flag, eq, value = arg.partition("=")
-    if eq and Path(value).is_absolute():
-        return f"{flag}=<path>"
-    return "<path>" if Path(arg).is_absolute() else arg
 
 
 def _markdown(result: dict, argv: Sequence[str] | None) -> str:
     c = result["config"]
-    given = [_no_machine_path(a) for a in (sys.argv[1:] if argv is None else argv)]
+    given = [no_machine_path(a) for a in (sys.argv[1:] if argv is None else argv)]
     command = shlex.join(["python", "benchmarks/eviction_quality.py", *given])
     full = result["rows"][0]
     lines = [

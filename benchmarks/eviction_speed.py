@@ -63,7 +63,6 @@ import os
 import platform
 import shlex
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -74,15 +73,14 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 import kvlib
 
-REPO = Path(__file__).resolve().parents[1]
-LLAMA100M = {"hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12, "num_key_value_heads": 4,
-             "intermediate_size": 2048, "vocab_size": 32000}
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or loaded by path
+from provenance import LLAMA100M, git_revision, no_machine_path  # noqa: E402
+
 TINY = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
         "intermediate_size": 128, "vocab_size": 512}
 FULL = {"model": "llama100m", "prompt_len": 4096, "chunk": 512, "new_tokens": 64, "interval": 64, "repeats": 3}
 QUICK = {"model": "tiny", "prompt_len": 64, "chunk": 16, "new_tokens": 4, "interval": 4, "repeats": 1}
 BASELINES = ("dynamic", "kvlib")
-LIBRARY_DIRS = ("kvlib", "adapters", "policies", "storage")  # what the revision in the report describes
 
 
 def load_model(name: str, positions: int) -> LlamaForCausalLM:
@@ -219,7 +217,7 @@ def run(argv: Sequence[str] | None = None) -> dict:
         "params": sum(p.numel() for p in model.parameters()),
         "machine": f"{platform.machine()}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
                    f"{os.cpu_count()} CPUs",
-        "git": _git_revision(),
+        "git": git_revision(),
         "load_avg_1min_per_round": loads,
         "seconds": round(time.perf_counter() - started, 1),
         "exact_tokens_match": all(r["tokens"] == reference for kind in BASELINES for r in runs[kind]),
@@ -233,24 +231,8 @@ def run(argv: Sequence[str] | None = None) -> dict:
     return result
 
 
-def _git_revision() -> str:
-    """HEAD, flagged when the library's code differs from it (benchmark and test edits do not count)."""
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                              check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", *LIBRARY_DIRS], cwd=REPO, capture_output=True,
-                               text=True)
-        return head.stdout.strip() + (" (with uncommitted library changes)" if dirty.stdout.strip() else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
-def _no_machine_path(arg: str) -> str:
-    """An absolute path (e.g. a tmp ``--out``) becomes ``<path>``, so reports name no machine path."""
-    flag, eq, value = arg.partition("=")
-    if eq and Path(value).is_absolute():
-        return f"{flag}=<path>"
-    return "<path>" if Path(arg).is_absolute() else arg
 
 
 def _label(kind: str, budget: int, interval: int) -> str:
@@ -265,7 +247,7 @@ def _label(kind: str, budget: int, interval: int) -> str:
 
 def _markdown(result: dict, argv: Sequence[str] | None) -> str:
     c = result["config"]
-    given = [_no_machine_path(a) for a in (sys.argv[1:] if argv is None else argv)]
+    given = [no_machine_path(a) for a in (sys.argv[1:] if argv is None else argv)]
     command = shlex.join(["python", "benchmarks/eviction_speed.py", *given])
     mib = 2**20
     loads = "; ".join(f"{a}, {b}" for a, b in result["load_avg_1min_per_round"])
