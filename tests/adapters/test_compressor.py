@@ -191,10 +191,12 @@ def test_eviction_without_kvlib_attention_is_refused():
         model(input_ids=torch.tensor([[5, 6, 7, 8, 9, 10]]), past_key_values=cache)
 
 
-def test_slack_lets_heads_grow_past_the_budget_then_compacts_back():
+@pytest.mark.parametrize("options", [{"slack": 3}, {"interval": 4}], ids=["slack", "interval"])
+def test_heads_grow_past_the_budget_then_compact_back(options):
+    """slack 3: compact once a head holds more than budget + 3; interval 4: every 4th decode step."""
     model = build_model("llama")
     ids, _ = left_padded([30], seed=16)
-    cache = kvlib.make_cache(model, "streaming_llm", budget=BUDGET, slack=3)
+    cache = kvlib.make_cache(model, "streaming_llm", budget=BUDGET, **options)
     held = []
     with torch.no_grad():
         out = model(input_ids=ids, past_key_values=cache)
@@ -204,20 +206,6 @@ def test_slack_lets_heads_grow_past_the_budget_then_compacts_back():
             held.append(int(cache.store.physical_lengths(0, cache._rows).max()))
     assert held == [16, 17, 18, 19, 16, 17, 18, 19, 16]
     assert cache.kept_positions(0)[0, 0].tolist() == list(range(SINKS)) + list(range(38 - (BUDGET - SINKS), 38))
-
-
-def test_interval_compacts_every_nth_decode_step():
-    model = build_model("llama")
-    ids, _ = left_padded([30], seed=16)
-    cache = kvlib.make_cache(model, "streaming_llm", budget=BUDGET, interval=4)
-    held = []
-    with torch.no_grad():
-        out = model(input_ids=ids, past_key_values=cache)
-        held.append(int(cache.store.physical_lengths(0, cache._rows).max()))
-        for _ in range(8):
-            out = model(input_ids=out.logits[:, -1:].argmax(-1), past_key_values=cache)
-            held.append(int(cache.store.physical_lengths(0, cache._rows).max()))
-    assert held == [16, 17, 18, 19, 16, 17, 18, 19, 16]
 
 
 @pytest.mark.parametrize("budget", [0.25, 40])
