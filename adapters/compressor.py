@@ -90,12 +90,12 @@ class Compressor:
         if "accumulated_attention" in self.strategy.needs:
             accumulated = self._accumulated[step.layer_idx] = self._accumulate(step, inputs)
         tokens = self._tokens(step, real_offsets)
-        candidates = read.valid & ~_padding_slots(step, inputs.real_new)
         if tokens is None and inputs.real_new is None:
             return None
+        candidates = read.valid & ~_padding_slots(step, inputs.real_new)
         counts = candidates.sum(-1)
-        request = BudgetRequest(step.layer_idx, self.num_layers, tokens if tokens is not None else counts.max(-1).values, counts)
-        over = self._over_budget(request) if tokens is not None else torch.zeros_like(counts, dtype=torch.bool)
+        request = None if tokens is None else BudgetRequest(step.layer_idx, self.num_layers, tokens, counts)
+        caps, over = self._caps_and_over(request, counts)
         if not bool(over.any()) and bool((counts == read.valid.sum(-1)).all()):
             return None
         view = LayerView(
@@ -114,10 +114,10 @@ class Compressor:
                 f"{type(self.strategy).__name__}.score must return a tensor of shape {list(candidates.shape)}, got"
                 f" {getattr(scores, 'shape', type(scores).__name__)}"
             )
-        if self.allocation.needs_scores:
+        if caps is None:  # a score-based allocation splits the layer once the scores are known
             request.scores, request.candidates = scores, candidates
-        caps = torch.where(over, self.allocation.caps(request).to(counts.device), counts) if tokens is not None else counts
-        keep = _ascending(select_keep(scores, candidates, caps).to(read.valid.device))
+            caps = self.allocation.caps(request).to(counts.device)
+        keep = _ascending(select_keep(scores, candidates, torch.where(over, caps, counts)).to(read.valid.device))
         if accumulated is not None:
             self._accumulated[step.layer_idx] = accumulated.gather(-1, keep.clamp(min=0)) * (keep >= 0)
         values = merged_values(read.keys, read.values, candidates, keep) if self.merge else None
@@ -160,13 +160,17 @@ class Compressor:
                 return None
         return torch.full((batch,), self.budget, dtype=torch.int64, device=device)
 
-    def _over_budget(self, request: BudgetRequest) -> torch.Tensor:
-        """Bool ``[batch, heads]``: heads to compact (all heads of a row, for score-based allocations)."""
-        counts = request.counts
+    def _caps_and_over(self, request: BudgetRequest | None, counts: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Per-head caps (None until the scores are known, for score-based allocations) and bool
+        ``[batch, heads]``: the heads to compact (all heads of a row, for score-based allocations).
+        Without a request (a call that only drops padding) each head keeps all its candidates."""
+        if request is None:
+            return counts, torch.zeros_like(counts, dtype=torch.bool)
         if self.allocation.needs_scores:
             limit = self.allocation.layer_tokens(request).to(counts.device) + self.slack * counts.shape[1]
-            return (counts.sum(-1) > limit).unsqueeze(-1).expand_as(counts)
-        return counts > self.allocation.caps(request).to(counts.device) + self.slack
+            return None, (counts.sum(-1) > limit).unsqueeze(-1).expand_as(counts)
+        caps = self.allocation.caps(request).to(counts.device)
+        return caps, counts > caps + self.slack
 
     def _fill_needs(self, view: LayerView, step: LayerStep, inputs: AttentionInputs, real_offsets: torch.Tensor) -> None:
         needs = self.strategy.needs
@@ -183,10 +187,7 @@ class Compressor:
             view.rope = self.rope
         if "attention" in needs:
             if inputs.weights is not None:
-                weights = inputs.weights[:, :, total - observed :].float()
-                if inputs.real_new is not None:
-                    weights = weights * inputs.real_new[:, total - observed :].view(weights.shape[0], 1, -1, 1)
-                view.attention = weights
+                view.attention = _returned_weights(inputs, total - observed)
             else:
                 blocks = attention_blocks(step, inputs.query, inputs.mask, inputs.real_new, inputs.scaling, total - observed)
                 view.attention = torch.cat([weights for _, weights in blocks], dim=2)
@@ -201,15 +202,20 @@ class Compressor:
             width = min(previous.shape[-1], slots)
             total[..., :width] = previous[..., :width]
         if inputs.weights is not None:
-            weights = inputs.weights.float()
-            if inputs.real_new is not None:
-                weights = weights * inputs.real_new.view(batch, 1, -1, 1)
-            received = weights.sum(2)
+            received = _returned_weights(inputs, 0).sum(2)
         else:
             blocks = attention_blocks(step, inputs.query, inputs.mask, inputs.real_new, inputs.scaling, 0)
             received = sum(weights.sum(2) for _, weights in blocks)
         total += received.view(batch, heads, -1, slots).mean(2)
         return total.masked_fill_(~valid, 0.0)
+
+
+def _returned_weights(inputs: AttentionInputs, first: int) -> torch.Tensor:
+    """The inner attention's weights of queries ``first..``, float32, with padding queries' rows zeroed."""
+    weights = inputs.weights[:, :, first:].float()
+    if inputs.real_new is not None:
+        weights = weights * inputs.real_new[:, first:].view(weights.shape[0], 1, -1, 1)
+    return weights
 
 
 def _ascending(keep: torch.Tensor) -> torch.Tensor:
