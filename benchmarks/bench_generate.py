@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import platform
 import shlex
@@ -48,7 +47,14 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 import kvlib
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or loaded by path
-from provenance import LLAMA100M, git_revision, no_machine_path  # noqa: E402
+from provenance import (  # noqa: E402
+    LLAMA100M,
+    add_run_arguments,
+    git_revision,
+    no_machine_path,
+    parse_run_arguments,
+    write_report,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 MODELS = ("stories", "llama100m")
@@ -149,15 +155,8 @@ def run(argv: Sequence[str] | None = None) -> dict:
     parser.add_argument(
         "--repeats-llama100m", type=int, default=None, help="rounds for llama100m only (default: --repeats)"
     )
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch.set_num_threads")
-    parser.add_argument("--stories-path", type=Path, default=Path("../shared/models/stories260K"),
-                        help="stories260K checkpoint; a relative path is resolved against the repository root")
-    parser.add_argument("--quick", action="store_true", help="tiny sizes for a smoke test: " + str(QUICK))
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
-    args = parser.parse_args(argv)
-    for name, default in (QUICK if args.quick else FULL).items():
-        if getattr(args, name) is None:
-            setattr(args, name, default)
+    add_run_arguments(parser, QUICK, stories=True)
+    args = parse_run_arguments(parser, argv, QUICK, FULL)
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     unknown = sorted(set(models) - set(MODELS))
     if unknown:
@@ -165,7 +164,6 @@ def run(argv: Sequence[str] | None = None) -> dict:
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     stories_path = args.stories_path if args.stories_path.is_absolute() else REPO / args.stories_path
 
-    torch.set_num_threads(args.threads)
     rows = []
     for name in models:
         model = load_model(name, stories_path)
@@ -192,10 +190,7 @@ def run(argv: Sequence[str] | None = None) -> dict:
         "all_tokens_match": all(row["tokens_match"] for row in rows),
     }
     report = _markdown(result, argv)
-    print(report)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "bench_generate.md").write_text(report + "\n")
-    (args.out / "bench_generate.json").write_text(json.dumps(result, indent=2) + "\n")
+    write_report(args.out, "bench_generate", report, result)
     mismatched = [(row["model"], row["batch"]) for row in rows if not row["tokens_match"]]
     assert not mismatched, f"kvlib and DynamicCache greedy tokens differ for {mismatched}"
     return result

@@ -46,7 +46,6 @@ Writes ``eviction_quality.md`` and ``eviction_quality.json`` to ``--out``.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import platform
@@ -62,7 +61,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 import kvlib
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or loaded by path
-from provenance import git_revision, no_machine_path  # noqa: E402
+from provenance import (  # noqa: E402
+    add_run_arguments,
+    git_revision,
+    no_machine_path,
+    parse_run_arguments,
+    write_report,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 FULL = {"contexts": 8, "context_len": 400, "new_tokens": 100, "continuation_len": 100,
@@ -179,15 +184,8 @@ def run(argv: Sequence[str] | None = None) -> dict:
                         help=f"fractions passed as float budgets; '' for none (default {FULL['float_budgets']})")
     parser.add_argument("--seed", type=int, default=0, help="context i is sampled with seed + i")
     parser.add_argument("--temperature", type=float, default=0.8, help="sampling temperature of the texts")
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch.set_num_threads")
-    parser.add_argument("--stories-path", type=Path, default=Path("../shared/models/stories260K"),
-                        help="stories260K checkpoint; a relative path is resolved against the repository root")
-    parser.add_argument("--quick", action="store_true", help="tiny sizes for a smoke test: " + str(QUICK))
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
-    args = parser.parse_args(argv)
-    for name, default in (QUICK if args.quick else FULL).items():
-        if getattr(args, name) is None:
-            setattr(args, name, default)
+    add_run_arguments(parser, QUICK, stories=True)
+    args = parse_run_arguments(parser, argv, QUICK, FULL)
     registered = kvlib.available_policies()["eviction"]
     strategies = registered if args.strategies == "all" else [s.strip() for s in args.strategies.split(",")
                                                                if s.strip()]
@@ -198,7 +196,6 @@ def run(argv: Sequence[str] | None = None) -> dict:
     budgets += _fractions(args.float_budgets)
     stories_path = args.stories_path if args.stories_path.is_absolute() else REPO / args.stories_path
     steps = max(args.new_tokens, args.continuation_len)
-    torch.set_num_threads(args.threads)
 
     model = AutoModelForCausalLM.from_pretrained(stories_path, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(stories_path)
@@ -244,10 +241,7 @@ def run(argv: Sequence[str] | None = None) -> dict:
         "rows": rows,
     }
     report = _markdown(result, argv)
-    print(report)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "eviction_quality.md").write_text(report + "\n")
-    (args.out / "eviction_quality.json").write_text(json.dumps(result, indent=2) + "\n")
+    write_report(args.out, "eviction_quality", report, result)
     return result
 
 

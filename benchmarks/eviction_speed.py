@@ -58,7 +58,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import platform
 import shlex
@@ -74,7 +73,14 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 import kvlib
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or loaded by path
-from provenance import LLAMA100M, git_revision, no_machine_path  # noqa: E402
+from provenance import (  # noqa: E402
+    LLAMA100M,
+    add_run_arguments,
+    git_revision,
+    no_machine_path,
+    parse_run_arguments,
+    write_report,
+)
 
 TINY = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
         "intermediate_size": 128, "vocab_size": 512}
@@ -154,13 +160,8 @@ def run(argv: Sequence[str] | None = None) -> dict:
     parser.add_argument("--interval", type=int,
                         help=f"compaction interval of the extra variants; 1: none (default {FULL['interval']})")
     parser.add_argument("--repeats", type=int, help=f"interleaved rounds (default {FULL['repeats']})")
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch.set_num_threads")
-    parser.add_argument("--quick", action="store_true", help="tiny sizes for a smoke test: " + str(QUICK))
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
-    args = parser.parse_args(argv)
-    for name, default in (QUICK if args.quick else FULL).items():
-        if getattr(args, name) is None:
-            setattr(args, name, default)
+    add_run_arguments(parser, QUICK)
+    args = parse_run_arguments(parser, argv, QUICK, FULL)
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
     registered = kvlib.available_policies()["eviction"]
     unknown = sorted(set(strategies) - set(registered))
@@ -169,7 +170,6 @@ def run(argv: Sequence[str] | None = None) -> dict:
     budget = max(1, int(args.budget * args.prompt_len))
     variants = ("", "+mirror", "+interval", "+mirror+interval") if args.interval > 1 else ("", "+mirror")
     kinds = [*BASELINES, *(s + variant for s in strategies for variant in variants)]
-    torch.set_num_threads(args.threads)
 
     model = load_model(args.model, args.prompt_len + args.new_tokens + 1)
     kvlib.attach(model)
@@ -224,10 +224,7 @@ def run(argv: Sequence[str] | None = None) -> dict:
         "rows": rows,
     }
     report = _markdown(result, argv)
-    print(report)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "eviction_speed.md").write_text(report + "\n")
-    (args.out / "eviction_speed.json").write_text(json.dumps(result, indent=2) + "\n")
+    write_report(args.out, "eviction_speed", report, result)
     return result
 
 

@@ -1,10 +1,16 @@
-"""What every benchmark report records about where it ran: the library revision, the command
-line without machine paths, and the ~100M random-weight Llama the speed benchmarks share."""
+"""What the benchmarks share: the options every one takes, how a report is written, what it
+records about where it ran (library revision, command line without machine paths), and the
+~100M random-weight Llama the speed benchmarks use."""
 
 from __future__ import annotations
 
+import argparse
+import json
 import subprocess
+from collections.abc import Sequence
 from pathlib import Path
+
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 LIBRARY_DIRS = ("kvlib", "adapters", "policies", "storage")
@@ -33,3 +39,32 @@ def no_machine_path(arg: str) -> str:
     if eq and Path(value).is_absolute():
         return f"{flag}=<path>"
     return "<path>" if Path(arg).is_absolute() else arg
+
+
+def add_run_arguments(parser: argparse.ArgumentParser, quick: dict, *, stories: bool = False) -> None:
+    """The options every benchmark takes: ``--threads``, ``--quick`` (the sizes in ``quick``),
+    ``--out`` and, for those that load it, ``--stories-path``."""
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch.set_num_threads")
+    if stories:
+        parser.add_argument("--stories-path", type=Path, default=Path("../shared/models/stories260K"),
+                            help="stories260K checkpoint; a relative path is resolved against the repository root")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes for a smoke test: " + str(quick))
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+
+
+def parse_run_arguments(parser: argparse.ArgumentParser, argv: Sequence[str] | None, quick: dict, full: dict) -> argparse.Namespace:
+    """Parse ``argv``; options left unset take their ``quick`` or ``full`` default; threads are applied."""
+    args = parser.parse_args(argv)
+    for name, default in (quick if args.quick else full).items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+    torch.set_num_threads(args.threads)
+    return args
+
+
+def write_report(out: Path, name: str, report: str, result: dict) -> None:
+    """Print ``report`` and write it as ``out/name.md`` beside ``result`` as ``out/name.json``."""
+    print(report)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.md").write_text(report + "\n")
+    (out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
