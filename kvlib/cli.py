@@ -1,11 +1,27 @@
-"""The ``kvlib`` command line. ``kvlib list`` shows every registered strategy (plugins included)."""
+"""The ``kvlib`` command line.
+
+- ``kvlib compare``: the policy comparison (:mod:`kvlib.eval.compare`) with a progress bar, a
+  markdown table in the terminal, and JSON, CSV and one PNG per task in ``--out``;
+- ``kvlib list``: every registered strategy (plugins included) by kind;
+- ``kvlib bench``: runs the benchmark scripts of a source checkout into ``benchmarks/results/``.
+
+Any error the user can fix (a bad spec, an unknown task, a model that cannot be loaded, a bad
+option) is one line on stderr and exit code 2.
+"""
 
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
+import time
+import typing
 from collections.abc import Sequence
+from pathlib import Path
 
+import torch
+
+import kvlib
 from kvlib.errors import SpecError
 from kvlib.registry import available_policies, get_policy
 from kvlib.spec import parameters_help
@@ -38,24 +54,157 @@ def list_policies() -> str:
     return "\n".join(lines)
 
 
+DEFAULT_POLICIES = "streaming_llm,h2o,snapkv,pyramidkv,tova"
+DEFAULT_BUDGETS = "0.125,0.25,0.5"
+DEFAULT_TASKS = "needle,perplexity,agreement"
+DEFAULT_OUT = "kvlib-compare"
+BENCHMARKS_DIR = Path(__file__).resolve().parents[1] / "benchmarks"
+"""Where a source checkout keeps the benchmark scripts (``kvlib bench``)."""
+
+
+class UsageError(Exception):
+    """A command-line mistake: printed as one line, exit code 2."""
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line (no usage dump), exit code 2."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        raise UsageError(message)
+
+
+def _fractions(text: str) -> list[float]:
+    try:
+        return [float(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise UsageError(f"--budgets takes comma-separated fractions such as 0.125,0.25, got {text!r}") from None
+
+
+def _policies(text: str) -> list[str]:
+    """Split a policy list on commas outside parentheses (``kivi(bits=4,group=32)`` stays whole)."""
+    policies, depth, current = [], 0, ""
+    for char in text:
+        depth += {"(": 1, ")": -1}.get(char, 0)
+        if char == "," and depth == 0:
+            policies.append(current.strip())
+            current = ""
+        else:
+            current += char
+    return [p for p in policies + [current.strip()] if p]
+
+
+def run_compare(args: argparse.Namespace) -> int:
+    import transformers
+
+    from kvlib.eval import compare, load_model, parse_tasks
+    from kvlib.eval.plots import write_plots
+    from kvlib.eval.report import markdown_table, write_results
+
+    policies, budgets = _policies(args.policies), _fractions(args.budgets)
+    for policy in policies:  # spec errors before the model loads
+        kvlib.parse_spec(policy)
+    if args.context is not None and args.context < 64:
+        raise UsageError(f"--context must be >= 64 tokens, got {args.context}")
+    if args.samples is not None and args.samples < 1:
+        raise UsageError(f"--samples must be >= 1, got {args.samples}")
+    tasks_context = args.context or DEFAULT_CONTEXT
+    tasks = parse_tasks(args.tasks, context=tasks_context, samples=args.samples, seed=args.seed)
+    transformers.utils.logging.disable_progress_bar()  # this process's own bar is the comparison's
+    loaded = load_model(args.model)
+    if args.context is None and loaded.context < tasks_context:
+        tasks_context = loaded.context
+        tasks = parse_tasks(args.tasks, context=tasks_context, samples=args.samples, seed=args.seed)
+    started = time.perf_counter()
+    runs = compare(loaded, policies, budgets, tasks, context=tasks_context, progress=not args.quiet)
+    meta = {
+        "model": loaded.name,
+        "policies": policies,
+        "budgets": budgets,
+        "tasks": [t.name for t in tasks],
+        "context": tasks_context,
+        "seconds": round(time.perf_counter() - started, 1),
+        "kvlib": kvlib.__version__,
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+    }
+    out = Path(args.out)
+    paths = write_results(runs, out, meta)
+    plots = write_plots(runs, out, loaded.name)
+    print(markdown_table(runs))
+    print(f"\n{len(runs)} configurations x {len(tasks)} tasks in {meta['seconds']} s; wrote "
+          + ", ".join(str(p) for p in [*paths.values(), *plots]))
+    return 1 if all(run.error for run in runs[1:]) else 0
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    folder = Path(args.dir) if args.dir else BENCHMARKS_DIR
+    scripts = sorted(p for p in folder.glob("*.py") if p.stem not in BENCH_HELPERS) if folder.is_dir() else []
+    if not scripts:
+        raise UsageError(f"no benchmark scripts in {folder} (kvlib bench needs a source checkout; pass --dir)")
+    names = [p.stem for p in scripts]
+    chosen = [n.strip() for n in args.only.split(",") if n.strip()] if args.only else names
+    unknown = sorted(set(chosen) - set(names))
+    if unknown:
+        raise UsageError(f"unknown benchmarks {unknown}; available: {', '.join(names)}")
+    failed = []
+    for script in (p for p in scripts if p.stem in chosen):
+        command = [sys.executable, str(script)] + (["--quick"] if args.quick else []) + (["--out", args.out] if args.out else [])
+        print(f"kvlib bench: {' '.join(command[1:])}", flush=True)
+        if subprocess.run(command).returncode != 0:
+            failed.append(script.stem)
+    if failed:
+        print(f"kvlib bench: failed: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+BENCH_HELPERS = frozenset({"provenance"})
+"""Modules in ``benchmarks/`` that are imported by the scripts, not run."""
+
+DEFAULT_CONTEXT = 1024
+"""Task context when ``--context`` is not given (or the model's, when shorter)."""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="kvlib",
         description="kvlib: pluggable KV-cache management for transformer inference.",
     )
-    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineParser)
     commands.add_parser("list", help="list registered strategies by kind, with parameters and defaults")
+    comp = commands.add_parser("compare", help="compare policies and budgets on tasks: table, JSON, CSV, PNGs")
+    comp.add_argument("--model", default="default",
+                      help="'default' (the embedded byte-level Llama), a local folder or a hub id")
+    comp.add_argument("--policies", default=DEFAULT_POLICIES, help=f"comma-separated specs (default {DEFAULT_POLICIES})")
+    comp.add_argument("--budgets", default=DEFAULT_BUDGETS,
+                      help=f"fractions of the full cache, comma-separated (default {DEFAULT_BUDGETS})")
+    comp.add_argument("--tasks", default=DEFAULT_TASKS,
+                      help=f"comma-separated: needle, perplexity, agreement, jsonl:PATH (default {DEFAULT_TASKS})")
+    comp.add_argument("--out", default=DEFAULT_OUT, help=f"output folder (default {DEFAULT_OUT})")
+    comp.add_argument("--context", type=int,
+                      help=f"tokens per task sequence (default {DEFAULT_CONTEXT}, or the model's context if shorter)")
+    comp.add_argument("--samples", type=int, help="samples per task (default: each task's own)")
+    comp.add_argument("--seed", type=int, default=0, help="seed of the task data")
+    comp.add_argument("--quiet", action="store_true", help="no progress bar")
+    bench = commands.add_parser("bench", help="run the benchmark scripts (source checkout) into benchmarks/results/")
+    bench.add_argument("--only", help="comma-separated script names (default: all)")
+    bench.add_argument("--quick", action="store_true", help="each script's small sizes")
+    bench.add_argument("--out", help="results folder (default: each script's, benchmarks/results/)")
+    bench.add_argument("--dir", help=f"benchmark scripts folder (default {BENCHMARKS_DIR})")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
     try:
+        args = parser.parse_args(argv)
         if args.command == "list":
             print(list_policies())
             return 0
-    except (SpecError, ValueError) as exc:
+        if args.command == "compare":
+            return run_compare(args)
+        if args.command == "bench":
+            return run_bench(args)
+    except (UsageError, SpecError, ValueError, FileNotFoundError) as exc:
         print(f"kvlib: error: {exc}", file=sys.stderr)
         return 2
     parser.print_help()

@@ -1,0 +1,134 @@
+"""The policy comparison: every (policy, budget) pair, plus the full cache, on every task.
+
+A budget is a fraction ``f`` of the tokens a task's sequences see; each run gets
+``kvlib.make_cache(model, policy, budget=max(1, round(f * tokens)))``, an int token cap per layer
+and KV head held at every forward call, so KV bytes stay near ``f`` of the full cache's throughout
+(prefill, streaming and decoding alike). The full cache is ``kvlib.make_cache(model)`` (exact).
+Decode speed is measured per configuration on one ``context``-token prompt of the evaluation text:
+``speed_steps`` greedy single-token steps after a prefill and two warm-up steps.
+
+Everything that can be checked is checked before the first run: specs parse, every policy builds a
+cache for the model, every task fits the model's context, budgets are in (0, 1]. A strategy that
+raises while running is recorded with its error and the comparison goes on.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+import kvlib
+from kvlib.eval.models import LoadedModel
+from kvlib.eval.task import CacheFactory, Task, TaskResult, kv_bytes
+from kvlib.eval.texts import text_ids, windows
+
+FULL = "full"
+"""The policy name of the uncompressed reference."""
+
+
+@dataclass
+class CompareRun:
+    """One configuration's results: per task, plus decode speed and KV bytes in the speed run."""
+
+    policy: str
+    budget: float | None
+    results: dict[str, TaskResult] = field(default_factory=dict)
+    decode_tokens_per_s: float | None = None
+    kv_bytes: int = 0
+    full_bytes: int = 0
+    error: str | None = None
+
+    @property
+    def kv_fraction(self) -> float | None:
+        """KV bytes over the full cache's at the end of the speed run."""
+        return self.kv_bytes / self.full_bytes if self.full_bytes else None
+
+    @property
+    def label(self) -> str:
+        return self.policy if self.budget is None else f"{self.policy} @ {self.budget:g}"
+
+
+def cache_factory(model: torch.nn.Module, policy: str, budget: float | None) -> CacheFactory:
+    """Caches for one configuration: a token cap of ``round(budget * tokens)``, or exact for full."""
+    if policy == FULL:
+        return lambda tokens: kvlib.make_cache(model)
+    return lambda tokens: kvlib.make_cache(model, policy, budget=max(1, round(budget * tokens)))
+
+
+def check_inputs(loaded: LoadedModel, policies: Sequence[str], budgets: Sequence[float], tasks: Sequence[Task]) -> None:
+    """Raise ``ValueError`` (one line) for anything that would fail later; runs nothing heavy."""
+    if not policies:
+        raise ValueError("no policies given")
+    if not budgets:
+        raise ValueError("no budgets given")
+    bad = [b for b in budgets if not 0.0 < b <= 1.0]
+    if bad:
+        raise ValueError(f"budgets are fractions of the full cache in (0, 1], got {bad}")
+    for policy in policies:
+        if policy == FULL:
+            raise ValueError(f"{FULL!r} is always run as the reference; leave it out of the policies")
+        spec = kvlib.parse_spec(policy)
+        if not spec.strategies():
+            raise ValueError(f"policy {policy!r} has no strategy")
+        kvlib.make_cache(loaded.model, spec, budget=1)
+    for task in tasks:
+        task.check(loaded.model, loaded.tokenizer, loaded.context)
+
+
+def decode_speed(model: torch.nn.Module, make_cache: CacheFactory, prompt: torch.Tensor, steps: int) -> tuple[float, object]:
+    """Greedy decode tokens/s over ``steps`` single-token steps after a prefill and 2 warm-up steps,
+    and the cache at the end."""
+    cache = make_cache(prompt.shape[1] + steps + 2)
+    with torch.inference_mode():
+        token = model(input_ids=prompt, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
+        for step in range(steps + 2):
+            if step == 2:
+                started = time.perf_counter()
+            token = model(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+        elapsed = time.perf_counter() - started
+    return steps * prompt.shape[0] / elapsed, cache
+
+
+def compare(
+    loaded: LoadedModel,
+    policies: Sequence[str],
+    budgets: Sequence[float],
+    tasks: Sequence[Task],
+    *,
+    context: int,
+    speed_steps: int = 32,
+    progress: bool = True,
+) -> list[CompareRun]:
+    """Run the full cache and every (policy, budget) on every task; see the module docstring."""
+    from tqdm.auto import tqdm
+
+    check_inputs(loaded, policies, budgets, tasks)
+    model, tokenizer = loaded.model, loaded.tokenizer
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    speed_prompt = torch.tensor(
+        [bos + windows(text_ids(tokenizer), context - speed_steps - 2 - len(bos), 1, seed=2)[0]],
+        device=next(model.parameters()).device,
+    )
+    configs = [(FULL, None)] + [(p, b) for p in policies for b in budgets]
+    runs = []
+    with tqdm(total=len(configs) * (len(tasks) + 1), desc="kvlib compare", unit="run", disable=not progress) as bar:
+        for policy, budget in configs:
+            run = CompareRun(policy, budget)
+            runs.append(run)
+            make = cache_factory(model, policy, budget)
+            try:
+                for task in tasks:
+                    bar.set_postfix_str(f"{run.label}: {task.name}")
+                    run.results[task.name] = task.run(model, tokenizer, make)
+                    bar.update()
+                bar.set_postfix_str(f"{run.label}: decode speed")
+                run.decode_tokens_per_s, cache = decode_speed(model, make, speed_prompt, speed_steps)
+                run.kv_bytes, run.full_bytes = kv_bytes(cache)
+                bar.update()
+            except Exception as exc:  # noqa: BLE001 - a failing strategy is reported, the rest still run
+                run.error = f"{type(exc).__name__}: {exc}".splitlines()[0]
+                bar.update(len(tasks) + 1 - len(run.results) - (run.decode_tokens_per_s is not None))
+    return runs

@@ -1,0 +1,94 @@
+"""Loading the model a comparison runs on: the embedded default, a local folder or a hub id."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+DEFAULT_MODEL = "default"
+"""The name that selects kvlib's embedded model (:mod:`kvlib.default_model`)."""
+
+
+class ModelLoadError(ValueError):
+    """The model or its tokenizer could not be loaded; the message is one line."""
+
+
+class TextTokenizer(Protocol):
+    """What tasks need from a tokenizer."""
+
+    bos_token_id: int | None
+    eos_token_id: int | None
+    pad_token_id: int | None
+
+    def encode(self, text: str, *, bos: bool = False) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+
+@dataclass(frozen=True)
+class HFTokenizer:
+    """A ``transformers`` tokenizer behind the :class:`TextTokenizer` interface."""
+
+    tokenizer: object
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self.tokenizer.bos_token_id
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.tokenizer.eos_token_id
+
+    @property
+    def pad_token_id(self) -> int | None:
+        pad = self.tokenizer.pad_token_id
+        return pad if pad is not None else self.tokenizer.eos_token_id
+
+    def encode(self, text: str, *, bos: bool = False) -> list[int]:
+        ids = list(self.tokenizer(text, add_special_tokens=False).input_ids)
+        return ([self.bos_token_id] if bos and self.bos_token_id is not None else []) + ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """A causal LM in eval mode, its tokenizer, the name it was loaded by and its context length."""
+
+    model: torch.nn.Module
+    tokenizer: TextTokenizer
+    name: str
+    context: int
+
+
+def load_model(name: str | None = None, dtype: torch.dtype = torch.float32) -> LoadedModel:
+    """``name``: ``None`` or ``"default"`` (the embedded model), a local folder, or a hub id.
+
+    A folder written by :mod:`kvlib.default_model.train` gets the byte tokenizer; anything else
+    loads with ``AutoModelForCausalLM`` and ``AutoTokenizer``.
+
+    Raises :class:`ModelLoadError` with one line naming the model and the cause.
+    """
+    from kvlib.default_model.files import MODEL_DIR, is_byte_model, load_default_model
+
+    name = name or DEFAULT_MODEL
+    folder = Path(name).expanduser()
+    if name.startswith(("/", "./", "../", "~")) and not folder.is_dir():
+        raise ModelLoadError(f"cannot load model {name!r}: no such folder")
+    try:
+        if name == DEFAULT_MODEL or is_byte_model(folder):
+            model, tokenizer = load_default_model(dtype, MODEL_DIR if name == DEFAULT_MODEL else folder)
+        else:
+            from transformers import AutoModelForCausalLM, AutoTokenizer
+
+            model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype).eval()
+            tokenizer = HFTokenizer(AutoTokenizer.from_pretrained(name))
+    except Exception as exc:  # noqa: BLE001 - any loading failure becomes one clear line
+        cause = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelLoadError(f"cannot load model {name!r}: {cause}") from exc
+    context = int(getattr(model.config, "max_position_embeddings", 0) or 0) or 2048
+    return LoadedModel(model, tokenizer, name, context)

@@ -1,0 +1,103 @@
+"""``kvlib compare`` end to end on a tiny byte model, the report files, and the Pareto front."""
+
+import csv
+import json
+
+import pytest
+
+from kvlib import cli
+from kvlib.eval.plots import pareto_front
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def compared(byte_model_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("compare")
+    argv = ["compare", "--model", str(byte_model_dir), "--context", "128", "--samples", "1",
+            "--policies", "streaming_llm,snapkv(window=8)", "--budgets", "0.25,0.5", "--out", str(out), "--quiet"]
+    return out, argv
+
+
+def test_writes_a_consistent_table_json_csv_and_one_png_per_task(compared, capsys):
+    out, argv = compared
+    assert cli.main(argv) == 0
+    printed = capsys.readouterr().out
+    record = json.loads((out / "compare.json").read_text())
+    runs = record["runs"]
+    assert [(r["policy"], r["budget"]) for r in runs] == [
+        ("full", None), ("streaming_llm", 0.25), ("streaming_llm", 0.5), ("snapkv(window=8)", 0.25), ("snapkv(window=8)", 0.5)]
+    assert record["tasks"] == ["needle", "perplexity", "agreement"] and record["context"] == 128
+    assert all(r["error"] is None and set(r["tasks"]) == set(record["tasks"]) for r in runs)
+
+    table = (out / "compare.md").read_text().splitlines()
+    assert table[0] == "| policy | budget | needle accuracy ↑ | perplexity ↓ | agreement ↑ | KV bytes vs full | decode tok/s |"
+    assert table == printed.splitlines()[: len(table)]
+    for line, run in zip(table[2:], runs):
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        assert cells[0] == run["policy"]
+        assert float(cells[3]) == pytest.approx(run["tasks"]["perplexity"]["score"], rel=1e-2)
+        assert float(cells[5]) == pytest.approx(run["kv_fraction"], rel=1e-2)
+        assert float(cells[6]) > 0
+
+    rows = list(csv.DictReader((out / "compare.csv").open()))
+    assert len(rows) == len(runs) * 3
+    for row in rows:
+        run = next(r for r in runs if r["policy"] == row["policy"] and str(r["budget"] or "") == row["budget"])
+        assert float(row["score"]) == pytest.approx(run["tasks"][row["task"]]["score"])
+        assert float(row["task_kv_fraction"]) == pytest.approx(run["tasks"][row["task"]]["kv_fraction"])
+
+    full = runs[0]
+    assert full["tasks"]["agreement"]["score"] == 1.0 and full["kv_fraction"] >= 1.0
+    for run in runs[1:]:  # a token cap of budget x tokens, whole pages: bytes track the budget
+        assert run["kv_fraction"] < run["budget"] + 0.3
+        assert run["tasks"]["perplexity"]["kv_fraction"] < run["budget"] + 0.3
+    for task in ("needle", "perplexity", "agreement"):
+        png = (out / f"{task}.png").read_bytes()
+        assert png.startswith(PNG_SIGNATURE) and len(png) > 5_000
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--tasks", "needle,bogus"], "unknown task 'bogus'"),
+        (["--policies", "snapkv(windw=3)"], "snapkv has no parameter 'windw'"),
+        (["--policies", "nosuch"], "unknown strategy"),
+        (["--budgets", "0.5,2"], "budgets are fractions of the full cache in (0, 1], got [2.0]"),
+        (["--budgets", "half"], "--budgets takes comma-separated fractions"),
+        (["--context", "100000"], "needs"),
+        (["--tasks", "jsonl:/no/such.jsonl"], "jsonl file not found"),
+    ],
+)
+def test_mistakes_are_one_line_and_exit_2(compared, capsys, extra, message):
+    _, argv = compared
+    assert cli.main(argv + extra) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvlib: error: ") and message in err and err.count("\n") == 1
+
+
+def test_a_model_that_cannot_be_loaded_is_one_line(capsys, tmp_path):
+    assert cli.main(["compare", "--model", str(tmp_path / "missing"), "--quiet"]) == 2
+    assert capsys.readouterr().err == f"kvlib: error: cannot load model '{tmp_path / 'missing'}': no such folder\n"
+    assert cli.main(["compare", "--model", str(tmp_path), "--quiet"]) == 2  # a folder with no model
+    err = capsys.readouterr().err
+    assert err.startswith(f"kvlib: error: cannot load model '{tmp_path}': ") and err.count("\n") == 1
+
+
+def test_unknown_option_is_one_line(capsys):
+    assert cli.main(["compare", "--bogus"]) == 2
+    assert capsys.readouterr().err == "kvlib: error: unrecognized arguments: --bogus\n"
+
+
+def test_policies_split_on_commas_outside_parentheses():
+    assert cli._policies("snapkv(window=8,kernel=3), h2o ,,streaming_llm") == [
+        "snapkv(window=8,kernel=3)", "h2o", "streaming_llm"]
+
+
+@pytest.mark.parametrize("higher", [True, False])
+def test_pareto_front(higher):
+    points = [(0.5, 0.9), (0.25, 0.5), (0.25, 0.7), (0.5, 0.6), (1.0, 0.95), (0.1, 0.1)]
+    if higher:
+        assert pareto_front(points, True) == [(0.1, 0.1), (0.25, 0.7), (0.5, 0.9), (1.0, 0.95)]
+    else:  # lower is better: only ever-lower scores as bytes grow
+        assert pareto_front(points, False) == [(0.1, 0.1)]
