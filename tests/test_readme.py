@@ -1,4 +1,4 @@
-"""The README's Python examples run, and its test command is what CI runs."""
+"""The README's and docs/' Python examples run, and the README's test command is what CI runs."""
 
 from __future__ import annotations
 
@@ -11,14 +11,22 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
+DOCUMENTS = ["README.md", *sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").glob("*.md"))]
+BLOCKS = [
+    pytest.param(name, block, id=f"{name}-{index}")
+    for name in DOCUMENTS
+    for index, block in enumerate(re.findall(r"```python\n(.*?)```", (ROOT / name).read_text(), re.S))
+]
 
 
-@pytest.mark.parametrize("block", re.findall(r"```python\n(.*?)```", README, re.S))
-def test_python_examples_run(block: str, monkeypatch: pytest.MonkeyPatch, scratch_registry) -> None:
-    """Examples may register plugins: they do so in a scratch registry."""
+@pytest.mark.parametrize("name, block", BLOCKS)
+def test_python_examples_run(name: str, block: str, monkeypatch: pytest.MonkeyPatch, scratch_registry) -> None:
+    """Every Python block of the README and docs/ runs on its own. Examples may register plugins:
+    they do so in a scratch registry."""
     module = types.ModuleType("readme_example")  # dataclasses look their module up in sys.modules
     monkeypatch.setitem(sys.modules, module.__name__, module)
-    exec(compile(block, "README.md", "exec"), module.__dict__)
+    monkeypatch.chdir(ROOT)  # examples name ../shared relative to the repository root
+    exec(compile(block, name, "exec"), module.__dict__)
 
 
 def test_ci_runs_the_readme_test_command() -> None:
