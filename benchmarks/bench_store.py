@@ -24,6 +24,7 @@ import argparse
 import json
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -31,6 +32,9 @@ from pathlib import Path
 import torch
 
 from kvlib import PagedStore
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or loaded by path
+from provenance import add_run_arguments, parse_run_arguments  # noqa: E402
 
 
 def _time_steps(step: Callable[[int], None], steps: int, device: torch.device) -> list[float]:
@@ -84,18 +88,17 @@ def bench_paged(
     return times, store.memory_bytes()
 
 
+FULL = {"tokens": 4096, "layers": 32, "heads": 8, "head_dim": 128, "batch": 1, "steps": 32, "page_size": 16}
+QUICK = {"tokens": 64, "layers": 2, "heads": 2, "head_dim": 16, "batch": 1, "steps": 4, "page_size": 16}
+
+
 def run(argv: Sequence[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tokens", type=int, default=4096)
-    parser.add_argument("--layers", type=int, default=32)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--steps", type=int, default=32)
-    parser.add_argument("--page-size", type=int, default=16)
+    for name in FULL:
+        parser.add_argument(f"--{name.replace('_', '-')}", type=int, help=f"default {FULL[name]}")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
-    args = parser.parse_args(argv)
+    add_run_arguments(parser, QUICK)
+    args = parse_run_arguments(parser, argv, QUICK, FULL)
 
     device = torch.device(args.device)
     generator = torch.Generator().manual_seed(0)
@@ -113,7 +116,7 @@ def run(argv: Sequence[str] | None = None) -> dict:
         ("paged store, no read cache", lean_times, lean_memory["pages"] + lean_memory["positions"], 0),
     ]
     result = {
-        "config": {k: v for k, v in vars(args).items() if k != "out"},
+        "config": {k: v for k, v in vars(args).items() if k not in ("out", "quick")},
         "machine": f"{platform.machine()}, torch {torch.__version__}, {torch.get_num_threads()} threads",
         "rows": [
             {

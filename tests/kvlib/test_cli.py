@@ -77,11 +77,10 @@ def test_help_exits_zero(capsys):
     assert "usage: kvlib" in capsys.readouterr().out
 
 
-def test_unknown_command_is_a_usage_error(capsys):
-    with pytest.raises(SystemExit) as info:
-        cli.main(["frobnicate"])
-    assert info.value.code == 2
-    assert "invalid choice: 'frobnicate'" in capsys.readouterr().err
+def test_unknown_command_is_one_line_and_exit_2(capsys):
+    assert cli.main(["frobnicate"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvlib: error: argument COMMAND: invalid choice: 'frobnicate'") and err.count("\n") == 1
 
 
 def test_list_error_is_reported_with_exit_code_2(capsys, monkeypatch):
@@ -108,3 +107,27 @@ def test_summary_joins_the_first_paragraph_and_cuts_long_ones_at_a_word():
     long = cli.summary("word " * 100)
     assert len(long) <= cli.SUMMARY_CHARS and long.endswith("word...")
     assert cli.summary(None) == "" and cli.summary("   ") == ""
+
+
+def test_bench_runs_each_script_with_quick_and_out_and_reports_failures(tmp_path, capsys):
+    scripts = tmp_path / "benchmarks"
+    scripts.mkdir()
+    (scripts / "provenance.py").write_text("raise SystemExit('a helper, never run')\n")
+    (scripts / "good.py").write_text(
+        "import sys, pathlib\nout = pathlib.Path(sys.argv[sys.argv.index('--out') + 1])\n"
+        "out.mkdir(exist_ok=True)\n(out / 'good.md').write_text(' '.join(sys.argv[1:]))\n"
+    )
+    (scripts / "bad.py").write_text("raise SystemExit(3)\n")
+    out = tmp_path / "results"
+    assert cli.main(["bench", "--dir", str(scripts), "--only", "good", "--quick", "--out", str(out)]) == 0
+    assert (out / "good.md").read_text() == f"--quick --out {out}"
+    assert cli.main(["bench", "--dir", str(scripts), "--out", str(out)]) == 1
+    assert "kvlib bench: failed: bad" in capsys.readouterr().err
+
+
+def test_bench_mistakes_are_one_line(tmp_path, capsys):
+    assert cli.main(["bench", "--dir", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.startswith(f"kvlib: error: no benchmark scripts in {tmp_path}")
+    (tmp_path / "a.py").write_text("")
+    assert cli.main(["bench", "--dir", str(tmp_path), "--only", "b"]) == 2
+    assert capsys.readouterr().err == "kvlib: error: unknown benchmarks ['b']; available: a\n"
