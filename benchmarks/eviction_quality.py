@@ -59,6 +59,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 import kvlib
+from kvlib.eval.agreement import agreement_metrics, greedy_reference, teacher_forced_logits
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or loaded by path
 from provenance import (  # noqa: E402
@@ -95,52 +96,21 @@ def sample_texts(model, tokenizer, count: int, length: int, seed: int, temperatu
     return tokens
 
 
-def stream(model, cache, context: torch.Tensor, fed: torch.Tensor) -> torch.Tensor:
-    """Float32 logits ``[batch, steps, vocab]``: prefill ``context``, then feed ``fed[:, :-1]`` one
-    token at a time; step ``t`` predicts ``fed[:, t]``."""
-    with torch.inference_mode():
-        out = model(input_ids=context, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        logits = [out.logits[:, -1].float()]
-        for t in range(fed.shape[1] - 1):
-            out = model(input_ids=fed[:, t : t + 1], past_key_values=cache, use_cache=True)
-            logits.append(out.logits[:, -1].float())
-    return torch.stack(logits, dim=1)
-
-
-def greedy(model, context: torch.Tensor, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The full cache's greedy tokens ``[batch, steps]`` and their step logits ``[batch, steps, vocab]``."""
-    cache = kvlib.make_cache(model)
-    with torch.inference_mode():
-        out = model(input_ids=context, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        logits = [out.logits[:, -1].float()]
-        tokens = [logits[-1].argmax(-1, keepdim=True)]
-        for _ in range(steps - 1):
-            out = model(input_ids=tokens[-1], past_key_values=cache, use_cache=True)
-            logits.append(out.logits[:, -1].float())
-            tokens.append(logits[-1].argmax(-1, keepdim=True))
-    return torch.cat(tokens, dim=1), torch.stack(logits, dim=1)
-
-
 def evaluate(model, make, context, greedy_tokens, full_logits, continuation) -> dict:
     """Agreement, first divergence, KL and perplexity for caches built by ``make()``; memory at the end."""
-    logits = stream(model, make(), context, greedy_tokens)
-    match = logits.argmax(-1) == greedy_tokens
-    steps = match.shape[1]
-    first = torch.where(match.all(-1), steps, (~match).int().argmax(-1))
-    full_logp = torch.log_softmax(full_logits, -1)
-    kl = (full_logp.exp() * (full_logp - torch.log_softmax(logits, -1))).sum(-1)
+    agreement = agreement_metrics(greedy_tokens, full_logits, teacher_forced_logits(model, make(), context, greedy_tokens))
     cache = make()
-    logp = torch.log_softmax(stream(model, cache, context, continuation), -1)
+    logp = torch.log_softmax(teacher_forced_logits(model, cache, context, continuation), -1)
     nll = -logp.gather(-1, continuation.unsqueeze(-1)).squeeze(-1)
     report = cache.memory_report()
     return {
         **kept_profile(cache, cache.get_seq_length()),
-        "agreement": match.float().mean().item(),
-        "agreement_per_context": match.float().mean(-1).tolist(),
-        "first_divergence": first.float().mean().item(),
-        "first_divergence_per_context": first.tolist(),
-        "kl": kl.mean().item(),
-        "kl_per_context": kl.mean(-1).tolist(),
+        "agreement": agreement["agreement"],
+        "agreement_per_context": agreement["agreement_per_row"],
+        "first_divergence": agreement["first_divergence"],
+        "first_divergence_per_context": agreement["first_divergence_per_row"],
+        "kl": agreement["kl"],
+        "kl_per_context": agreement["kl_per_row"],
         "ppl": math.exp(nll.mean().item()),
         "ppl_per_context": nll.mean(-1).exp().tolist(),
         "total_bytes": report["total_bytes"],
@@ -208,7 +178,7 @@ def run(argv: Sequence[str] | None = None) -> dict:
     texts = sample_texts(model, tokenizer, args.contexts, length, args.seed, args.temperature)
     context, continuation = texts[:, : args.context_len], texts[:, args.context_len :]
     kvlib.attach(model)
-    greedy_tokens, full_logits = greedy(model, context, args.new_tokens)
+    greedy_tokens, full_logits = greedy_reference(model, kvlib.make_cache(model), context, args.new_tokens)
 
     rows = []
     full = evaluate(model, lambda: kvlib.make_cache(model), context, greedy_tokens, full_logits, continuation)

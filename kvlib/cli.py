@@ -97,12 +97,12 @@ def run_compare(args: argparse.Namespace) -> int:
     import transformers
 
     from kvlib.eval import compare, load_model, parse_tasks
+    from kvlib.eval.compare import check_policies_and_budgets
     from kvlib.eval.plots import write_plots
     from kvlib.eval.report import markdown_table, write_results
 
     policies, budgets = _policies(args.policies), _fractions(args.budgets)
-    for policy in policies:  # spec errors before the model loads
-        kvlib.parse_spec(policy)
+    check_policies_and_budgets(policies, budgets)  # before the model loads
     if args.context is not None and args.context < 64:
         raise UsageError(f"--context must be >= 64 tokens, got {args.context}")
     if args.samples is not None and args.samples < 1:

@@ -68,8 +68,8 @@ class AgreementTask:
     """Greedy agreement and KL against the full cache over ``steps`` decoded tokens."""
 
     context: int = 1024
-    samples: int = 4
-    steps: int = 32
+    samples: int = 8
+    steps: int = 48
     seed: int = 0
     text: str | None = None
     name: str = "agreement"

@@ -58,8 +58,8 @@ def cache_factory(model: torch.nn.Module, policy: str, budget: float | None) -> 
     return lambda tokens: kvlib.make_cache(model, policy, budget=max(1, round(budget * tokens)))
 
 
-def check_inputs(loaded: LoadedModel, policies: Sequence[str], budgets: Sequence[float], tasks: Sequence[Task]) -> None:
-    """Raise ``ValueError`` (one line) for anything that would fail later; runs nothing heavy."""
+def check_policies_and_budgets(policies: Sequence[str], budgets: Sequence[float]) -> None:
+    """Raise ``ValueError`` (one line) for a bad policy list or budget; needs no model."""
     if not policies:
         raise ValueError("no policies given")
     if not budgets:
@@ -70,10 +70,15 @@ def check_inputs(loaded: LoadedModel, policies: Sequence[str], budgets: Sequence
     for policy in policies:
         if policy == FULL:
             raise ValueError(f"{FULL!r} is always run as the reference; leave it out of the policies")
-        spec = kvlib.parse_spec(policy)
-        if not spec.strategies():
+        if not kvlib.parse_spec(policy).strategies():
             raise ValueError(f"policy {policy!r} has no strategy")
-        kvlib.make_cache(loaded.model, spec, budget=1)
+
+
+def check_inputs(loaded: LoadedModel, policies: Sequence[str], budgets: Sequence[float], tasks: Sequence[Task]) -> None:
+    """Raise ``ValueError`` (one line) for anything that would fail later; runs nothing heavy."""
+    check_policies_and_budgets(policies, budgets)
+    for policy in policies:
+        kvlib.make_cache(loaded.model, policy, budget=1)
     for task in tasks:
         task.check(loaded.model, loaded.tokenizer, loaded.context)
 

@@ -1,8 +1,8 @@
 """The ``needle`` task: a passkey hidden at a chosen depth of a long filler text, asked for at the end.
 
-Each case is ``BOS + filler[:cut] + needle line + filler[cut:] + question`` of exactly ``context``
-tokens (:mod:`kvlib.eval.needle_format` gives the wording). The filler is a window of the
-evaluation text (:mod:`kvlib.eval.texts`) that ends a line; ``cut`` is the first line start at or
+Each case is ``BOS + filler[:cut] + needle line + filler[cut:] + question``: ``context`` tokens
+minus room for the answer (``key_digits + 2``), so prompt and answer fit the context
+(:mod:`kvlib.eval.needle_format` gives the wording). The filler is a window of the evaluation text (:mod:`kvlib.eval.texts`) that ends a line; ``cut`` is the first line start at or
 after ``depth`` x filler length (depth 0: right after BOS, 1: right before the question). Keys
 are random ``key_digits``-digit numbers. The model decodes greedily; a case is right when the
 first number it writes is exactly the key (:func:`kvlib.eval.scoring.passkey_match`). Score:
@@ -27,7 +27,7 @@ DEPTHS = tuple(round(0.1 * i, 1) for i in range(11))
 
 @dataclass(frozen=True)
 class NeedleCase:
-    """One prompt (``context`` ids, BOS first), the key it hides and the needle's depth."""
+    """One prompt (BOS first), the key it hides and the needle's depth."""
 
     ids: tuple[int, ...]
     key: str
@@ -38,7 +38,7 @@ class NeedleCase:
 class NeedleTask:
     """Passkey retrieval at every depth in ``depths`` (fractions of the filler), ``samples`` keys each.
 
-    ``context``: prompt length in tokens; ``batch_size``: cases per ``generate`` call;
+    ``context``: prompt plus answer, in tokens; ``batch_size``: cases per ``generate`` call;
     ``text``: a filler text file (default: the evaluation text).
     """
 
@@ -60,8 +60,13 @@ class NeedleTask:
             raise ValueError("needle samples, key_digits and batch_size must be >= 1")
 
     def check(self, model: torch.nn.Module, tokenizer, context: int) -> None:
-        check_context(self.name, self.context + self.key_digits + 2, context)
+        check_context(self.name, self.context, context)
         self.cases(tokenizer)
+
+    @property
+    def answer_room(self) -> int:
+        """Tokens left after the prompt for the answer: the key's digits and two more."""
+        return self.key_digits + 2
 
     def cases(self, tokenizer) -> list[NeedleCase]:
         """Every (depth, sample) case, in depth order; the same for the same settings."""
@@ -69,14 +74,14 @@ class NeedleTask:
 
     def run(self, model: torch.nn.Module, tokenizer, make_cache: CacheFactory) -> TaskResult:
         cases = self.cases(tokenizer)
-        new_tokens = max(len(tokenizer.encode(c.key)) for c in cases) + 2
+        new_tokens = self.answer_room
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         device = next(model.parameters()).device
         correct, held, full = [], 0, 0
         for start in range(0, len(cases), self.batch_size):
             chunk = cases[start : start + self.batch_size]
             ids = torch.tensor([c.ids for c in chunk], device=device)
-            cache = make_cache(self.context)
+            cache = make_cache(ids.shape[1])
             with torch.inference_mode():
                 out = model.generate(
                     ids,
@@ -109,7 +114,8 @@ def _cases(task: NeedleTask, tokenizer) -> list[NeedleCase]:
         for _ in range(task.samples):
             key = str(int(rng.integers(10 ** (task.key_digits - 1), 10**task.key_digits)))
             needle = tokenizer.encode(needle_line(key))
-            length = task.context - 1 - len(needle) - len(question)
+            prompt = task.context - task.answer_room
+            length = prompt - 1 - len(needle) - len(question)
             if length < 1 or len(filler_ids) < length + 1:
                 raise ValueError(
                     f"needle context {task.context} leaves no room for filler around the needle and question"
@@ -119,7 +125,7 @@ def _cases(task: NeedleTask, tokenizer) -> list[NeedleCase]:
             cut = _line_start_at(tokenizer, filler, round(depth * length))
             ids = [tokenizer.bos_token_id] * (tokenizer.bos_token_id is not None)
             ids += filler[:cut] + needle + filler[cut:] + question
-            cases.append(NeedleCase(tuple(ids[-task.context :]), key, depth))
+            cases.append(NeedleCase(tuple(ids[-prompt:]), key, depth))
     return cases
 
 

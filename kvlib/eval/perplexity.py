@@ -24,7 +24,7 @@ class PerplexityTask:
     """Streaming perplexity over ``samples`` windows of ``context`` tokens, ``chunk`` tokens per call."""
 
     context: int = 1024
-    samples: int = 4
+    samples: int = 8
     chunk: int = 16
     seed: int = 0
     text: str | None = None

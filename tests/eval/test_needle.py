@@ -12,7 +12,7 @@ def test_cases_have_the_context_length_bos_needle_at_a_line_start_and_question_l
     cases = task.cases(tokenizer)
     assert len(cases) == 9 and [c.depth for c in cases] == [0.0] * 3 + [0.5] * 3 + [1.0] * 3
     for case in cases:
-        assert len(case.ids) == 300 and case.ids[0] == tokenizer.bos_token_id
+        assert len(case.ids) == 300 - task.answer_room and case.ids[0] == tokenizer.bos_token_id
         text = tokenizer.decode(list(case.ids))
         needle = needle_line(case.key)
         assert text.endswith(QUESTION) and text.count(needle) == 1
@@ -42,10 +42,10 @@ def test_bad_settings_are_refused(kwargs):
 
 
 def test_too_long_for_the_model_or_too_short_for_the_needle_is_refused(byte_model, tokenizer):
-    with pytest.raises(ValueError, match="needs 1031 tokens but the model's context is 256"):
+    with pytest.raises(ValueError, match="needs 1024 tokens but the model's context is 256"):
         NeedleTask(context=1024).check(byte_model, tokenizer, 256)
-    with pytest.raises(ValueError, match="needle context 90 leaves no room for filler"):
-        NeedleTask(context=90).check(byte_model, tokenizer, 256)
+    with pytest.raises(ValueError, match="needle context 100 leaves no room for filler"):
+        NeedleTask(context=100).check(byte_model, tokenizer, 256)
 
 
 
