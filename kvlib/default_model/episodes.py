@@ -2,13 +2,13 @@
 
 An episode is filler text with facts hidden at random line starts and questions about them at the
 end, so that the model learns to find and copy a fact from anywhere in its context (retrieval
-heads), which is what makes eviction strategies differ on it. Three kinds, equally likely:
+heads), which is what makes eviction strategies differ on it. Three kinds:
 
-- passkey: one :func:`kvlib.eval.needle_format.needle_line` with a 4-7 digit key, asked by
+- passkey (half of the episodes): one :func:`kvlib.eval.needle_format.needle_line` with a 4-7 digit key, asked by
   :data:`~kvlib.eval.needle_format.QUESTION`;
-- recall: 1-6 (at most one per 128 bytes of episode) ``# remember: name = value`` lines, then ``# recall: name = value`` for a random
+- recall (a quarter): 1-6 (at most one per 128 bytes of episode) ``# remember: name = value`` lines, then ``# recall: name = value`` for a random
   subset of them in random order;
-- repeat: a ``# copy: `` line of 16-64 random letters and digits, repeated verbatim at the end
+- repeat (a quarter): a ``# copy: `` line of 16-64 random letters and digits, repeated verbatim at the end
   (the plainest induction signal: every byte after the first is predictable by copying).
 
 :func:`episode` returns the bytes and a mask of the answer bytes (the trainer adds a loss term
@@ -35,10 +35,10 @@ def random_word(rng: np.random.Generator, alphabet: np.ndarray, low: int, high: 
 def facts_and_questions(rng: np.random.Generator, max_facts: int) -> tuple[list[bytes], bytes, list[tuple[int, int]]]:
     """Needle lines, the question text, and the (start, end) byte spans of answers in it."""
     kind = rng.random()
-    if kind < 1 / 3:
+    if kind < 1 / 4:
         line = f"# copy: {random_word(rng, ALPHANUMERIC, 16, 64)}\n".encode()
         return [line], line, [(len("# copy: "), len(line) - 1)]
-    if kind < 2 / 3:
+    if kind < 3 / 4:
         key = str(int(rng.integers(10 ** (n := int(rng.integers(4, 8))) // 10, 10**n)))
         question = f"{QUESTION}{key}.\n".encode()
         start = len(QUESTION)
