@@ -84,7 +84,7 @@ class AgreementTask:
         check_context(self.name, self.context, context)
 
     def run(self, model: torch.nn.Module, tokenizer, make_cache: CacheFactory) -> TaskResult:
-        bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+        bos = tokenizer.encode("", bos=True)
         length = self.context - self.steps - len(bos)
         prompts = [bos + w for w in windows(text_ids(tokenizer, self.text), length, self.samples, self.seed + 1)]
         prompt = torch.tensor(prompts, device=next(model.parameters()).device)

@@ -112,7 +112,7 @@ def compare(
 
     check_inputs(loaded, policies, budgets, tasks)
     model, tokenizer = loaded.model, loaded.tokenizer
-    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    bos = tokenizer.encode("", bos=True)
     speed_prompt = torch.tensor(
         [bos + windows(text_ids(tokenizer), context - speed_steps - 2 - len(bos), 1, seed=2)[0]],
         device=next(model.parameters()).device,

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from kvlib.eval.scoring import SCORERS
-from kvlib.eval.task import CacheFactory, TaskResult, check_context, kv_bytes
+from kvlib.eval.task import CacheFactory, TaskResult, check_context, kv_bytes, pad_id
 
 ANSWER_FIELDS = ("answers", "outputs", "answer")
 QUESTION_FIELDS = ("input", "question", "query")
@@ -95,7 +95,7 @@ class JsonlTask:
 
     def prompt_ids(self, tokenizer, example: JsonlExample) -> list[int]:
         """The example's prompt, BOS first, middle-truncated to ``context`` tokens."""
-        bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+        bos = tokenizer.encode("", bos=True)
         ids = tokenizer.encode(self.template.format(context=example.context, question=example.question))
         room = self.context - len(bos)
         if len(ids) > room:
@@ -105,7 +105,7 @@ class JsonlTask:
     def run(self, model: torch.nn.Module, tokenizer, make_cache: CacheFactory) -> TaskResult:
         examples = load_jsonl(self.path)[: self.samples]
         score = SCORERS[self.scorer]
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        pad = pad_id(tokenizer)
         device = next(model.parameters()).device
         scores, predictions, held, full = [], [], 0, 0
         for example in examples:

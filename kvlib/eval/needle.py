@@ -19,7 +19,7 @@ import torch
 
 from kvlib.eval.needle_format import QUESTION, needle_line
 from kvlib.eval.scoring import passkey_match
-from kvlib.eval.task import CacheFactory, TaskResult, check_context, kv_bytes
+from kvlib.eval.task import CacheFactory, TaskResult, check_context, kv_bytes, pad_id
 from kvlib.eval.texts import text_ids
 
 DEPTHS = tuple(round(0.1 * i, 1) for i in range(11))
@@ -75,7 +75,7 @@ class NeedleTask:
     def run(self, model: torch.nn.Module, tokenizer, make_cache: CacheFactory) -> TaskResult:
         cases = self.cases(tokenizer)
         new_tokens = self.answer_room
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        pad = pad_id(tokenizer)
         device = next(model.parameters()).device
         correct, held, full = [], 0, 0
         for start in range(0, len(cases), self.batch_size):
@@ -123,7 +123,7 @@ def _cases(task: NeedleTask, tokenizer) -> list[NeedleCase]:
                 )
             filler = _filler(tokenizer, filler_ids, length, int(rng.integers(0, len(filler_ids) - length)))
             cut = _line_start_at(tokenizer, filler, round(depth * length))
-            ids = [tokenizer.bos_token_id] * (tokenizer.bos_token_id is not None)
+            ids = tokenizer.encode("", bos=True)
             ids += filler[:cut] + needle + filler[cut:] + question
             cases.append(NeedleCase(tuple(ids[-prompt:]), key, depth))
     return cases

@@ -40,7 +40,7 @@ class PerplexityTask:
         check_context(self.name, self.context, context)
 
     def run(self, model: torch.nn.Module, tokenizer, make_cache: CacheFactory) -> TaskResult:
-        bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+        bos = tokenizer.encode("", bos=True)
         rows = [bos + w for w in windows(text_ids(tokenizer, self.text), self.context - len(bos), self.samples, self.seed)]
         ids = torch.tensor(rows, device=next(model.parameters()).device)
         cache = make_cache(self.context)

@@ -59,6 +59,11 @@ def kv_bytes(cache) -> tuple[int, int]:
     return held, report["full_equivalent_bytes"]
 
 
+def pad_id(tokenizer) -> int:
+    """The id ``generate`` pads finished rows with: the tokenizer's pad id, else 0."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+
+
 def check_context(task: str, needed: int, context: int) -> None:
     """Refuse a task whose sequences are longer than the model's context."""
     if needed > context:
