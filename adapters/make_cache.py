@@ -8,19 +8,20 @@ from kvlib.adapters.attention import attach
 from kvlib.adapters.compressor import Compressor
 from kvlib.adapters.model_shape import kv_shape, rope_of
 from kvlib.adapters.transformers_cache import KVCache
+from kvlib.codec import Codec, layer_shapes
 from kvlib.policies.budget.uniform import Uniform
 from kvlib.spec import Spec, SpecLike, parse_spec
 
 CACHE_OPTIONS = {
     "page_size": "tokens per page (int >= 1, default 16)",
-    "read_cache": "keep a dense read mirror per layer for fast decoding (bool, default True)",
+    "read_cache": "keep a dense read mirror per layer for fast decoding (bool; default True, False with a codec)",
     "slack": "extra tokens a head may hold over an int budget before it is compacted back (int >= 0, default 0)",
     "interval": "with an int budget, decode steps compact only every this many steps (int >= 1, default 1)",
     "merge": "fold each evicted value into the most similar kept token instead of dropping it (bool, default False)",
 }
 """Keyword options of :func:`make_cache` and what each one takes."""
 
-_NOT_YET_APPLIED = ("quantization", "lowrank", "reuse", "tiering")
+_NOT_YET_APPLIED = ("reuse", "tiering")
 
 
 def make_cache(
@@ -39,6 +40,11 @@ def make_cache(
     strategy in the spec (``"snapkv+adaptive"``) splits it over layers and heads; without one the
     eviction strategy's own default applies (``pyramidkv``: pyramid), else uniform.
 
+    A quantization or low-rank strategy in the spec (``"snapkv+kivi(bits=2)"``, ``"svd"``) encodes
+    every sealed page (full pages, after the layer's attention); the open page of each head stays
+    in the compute dtype. With a codec the read mirror is off by default (a dense mirror would
+    hold every token uncompressed): each read decodes the layer's pages.
+
     Everything is checked before the model runs: the model must be a decoder with attention KV,
     the spec valid (``ValueError`` lists what is registered), the budget in range, the options
     known. The model's attention is routed through kvlib (:func:`kvlib.attach`).
@@ -50,11 +56,17 @@ def make_cache(
     unsupported = [kind for kind in _NOT_YET_APPLIED if getattr(parsed, kind)]
     if unsupported:
         raise ValueError(
-            f"make_cache applies eviction and budget strategies so far; this spec also has {', '.join(unsupported)}"
-            f" ({parsed})"
+            f"make_cache applies eviction, budget, quantization and low-rank strategies so far; this spec also has"
+            f" {', '.join(unsupported)} ({parsed})"
         )
     _check_budget(budget, parsed)
-    page_size, read_cache, slack, interval, merge = _options(options)
+    codec = _codec(parsed)
+    page_size, read_cache, slack, interval, merge = _options(options, codec is not None)
+    if codec is not None:
+        parameter = next(model.parameters(), None)
+        dtype = parameter.dtype if parameter is not None else torch.float32
+        device = parameter.device if parameter is not None else torch.device("cpu")
+        codec.check_shape(layer_shapes(shape.num_layers, shape.num_kv_heads, shape.head_dim, shape.value_dim, page_size, dtype, device))
     if (slack or interval != 1) and not isinstance(budget, int):
         raise ValueError(f"slack and interval apply to an int budget (a token count), not to budget={budget!r}")
     compressor = None
@@ -65,7 +77,17 @@ def make_cache(
     elif merge:
         raise ValueError("merge=True folds evicted tokens into kept ones; it needs an eviction strategy in the spec")
     attach(model)
-    return KVCache(shape, compressor, page_size=page_size, read_cache=read_cache)
+    return KVCache(shape, compressor, page_size=page_size, read_cache=read_cache, codec=codec)
+
+
+def _codec(spec: Spec) -> Codec | None:
+    """The spec's codec strategy (quantization or low-rank), or None; ``ValueError`` for both."""
+    if spec.quantization is not None and spec.lowrank is not None:
+        raise ValueError(
+            f"one codec per cache: {spec.quantization.spec()} and {spec.lowrank.spec()} both encode sealed pages;"
+            " keep one of them"
+        )
+    return spec.quantization or spec.lowrank
 
 
 def _check_budget(budget: int | float | None, spec: Spec) -> None:
@@ -89,13 +111,13 @@ def _check_budget(budget: int | float | None, spec: Spec) -> None:
         raise ValueError(f"budget as a fraction of the prompt must be in (0, 1], got {budget}")
 
 
-def _options(options: dict[str, object]) -> tuple[int, bool, int, int, bool]:
+def _options(options: dict[str, object], has_codec: bool) -> tuple[int, bool, int, int, bool]:
     unknown = sorted(set(options) - set(CACHE_OPTIONS))
     if unknown:
         valid = "; ".join(f"{name}: {what}" for name, what in CACHE_OPTIONS.items())
         raise ValueError(f"unknown make_cache options {unknown}; valid options are {valid}")
     page_size = options.get("page_size", 16)
-    read_cache = options.get("read_cache", True)
+    read_cache = options.get("read_cache", not has_codec)
     if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
         raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
     if not isinstance(read_cache, bool):

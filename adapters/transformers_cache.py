@@ -23,6 +23,7 @@ from kvlib.adapters import layer_step
 from kvlib.adapters.compressor import AttentionInputs, Compressor
 from kvlib.adapters.layer_step import LayerStep
 from kvlib.adapters.model_shape import KVShape
+from kvlib.codec import Codec, FitSample, PageCodec, layer_shapes
 from kvlib.paged_store import PagedStore
 
 
@@ -70,14 +71,27 @@ class KVCache(Cache):
         page_size: tokens per page.
         read_cache: keep a dense mirror of each layer so decode steps copy only new tokens
             (faster decoding; its bytes are reported as ``read_cache``).
+        codec: the quantization or low-rank strategy that encodes sealed pages, or None. Its
+            per-layer codecs are built with the store (first update; fitted codecs learn from
+            each layer's first call), and full pages are sealed after each layer's attention.
     """
 
-    def __init__(self, shape: KVShape, compressor: Compressor | None = None, *, page_size: int = 16, read_cache: bool = True) -> None:
+    def __init__(
+        self,
+        shape: KVShape,
+        compressor: Compressor | None = None,
+        *,
+        page_size: int = 16,
+        read_cache: bool = True,
+        codec: Codec | None = None,
+    ) -> None:
         super().__init__(layers=[KVCacheLayer(self, i) for i in range(shape.num_layers)])
         self.shape = shape
         self.compressor = compressor
         self.page_size = page_size
         self.read_cache = read_cache
+        self.codec = codec
+        self.codecs: list[PageCodec] | None = None
         self.store: PagedStore | None = None
         self._rows: list[int] = []
         self._padding = torch.zeros(0, dtype=torch.int64)
@@ -92,9 +106,9 @@ class KVCache(Cache):
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store a layer call's new keys and values; return all the layer's stored ones (dense)."""
-        if self._pending is not None and self.compressor is not None:
+        if self._pending is not None and (self.compressor is not None or self.codec is not None):
             raise RuntimeError(
-                f"layer {self._pending.layer_idx}'s attention did not run through kvlib, so its eviction cannot run:"
+                f"layer {self._pending.layer_idx}'s attention did not run through kvlib, so its eviction or codec cannot run:"
                 " call kvlib.attach(model) (make_cache does) and keep attn_implementation on kvlib_sdpa / kvlib_eager"
             )
         batch = key_states.shape[0]
@@ -132,17 +146,32 @@ class KVCache(Cache):
         scaling: float | None,
     ) -> None:
         """Called by the kvlib attention function once the layer's attention has run: records
-        padding (counted per row, on the device) and lets the compressor drop tokens."""
+        padding (counted per row, on the device), lets a fitted codec learn from the layer's first
+        call, lets the compressor drop tokens, then seals the layer's full pages."""
         self._pending = None
         if step.layer_idx == 0 and real_new is not None:
             self._padding += (~real_new).sum(-1)  # stays on the device: no sync per step
-        if self.compressor is None:
-            return
-        inputs = AttentionInputs(query, mask, weights, scaling, real_new, self._hidden_states.pop(step.layer_idx, None))
-        compaction = self.compressor.compaction(step, inputs, self._padding)
-        if compaction is not None:
-            self.store.compact(step.layer_idx, self._rows, compaction.keep, compaction.values)
-            self._identity[step.layer_idx] = False
+        sealing = [step.layer_idx]
+        if self.codecs is not None and not self.codecs[step.layer_idx].ready:
+            self.codecs[step.layer_idx].observe(self._fit_sample(step, query, real_new))
+            if self.codecs[step.layer_idx].ready:  # a cross-layer fit readies earlier layers too
+                sealing = list(range(step.layer_idx + 1))
+        if self.compressor is not None:
+            inputs = AttentionInputs(query, mask, weights, scaling, real_new, self._hidden_states.pop(step.layer_idx, None))
+            compaction = self.compressor.compaction(step, inputs, self._padding)
+            if compaction is not None:
+                self.store.compact(step.layer_idx, self._rows, compaction.keep, compaction.values)
+                self._identity[step.layer_idx] = False
+        if self.codecs is not None:
+            for layer in sealing:
+                self.store.seal(layer, self._rows)
+
+    def _fit_sample(self, step: LayerStep, query: torch.Tensor, real_new: torch.Tensor | None) -> FitSample:
+        """The layer's stored tokens and this call's queries, padding marked invalid."""
+        read = step.read
+        real = read.valid & (read.positions >= self._padding.view(-1, 1, 1))
+        query_valid = real_new if real_new is not None else torch.ones(query.shape[0], query.shape[2], dtype=torch.bool, device=query.device)
+        return FitSample(step.layer_idx, read.keys, read.values, real, query, query_valid)
 
     def record_hidden_states(self, layer_idx: int, hidden_states: torch.Tensor) -> None:
         """Keep a layer's attention input for a strategy that needs ``hidden_states``."""
@@ -166,7 +195,9 @@ class KVCache(Cache):
 
     def reset(self) -> None:
         """Forget every stored token (pages go back to the pool); the next update starts a new batch."""
-        if self._rows:
+        if self.codecs is not None:  # fitted codecs belong to the old prompt: start a new store
+            self.store = self.codecs = None
+        elif self._rows:
             self.store.release(self._rows)
             self.store.peak_pages = self.store.memory_bytes()["pages"]
         self._rows = []
@@ -261,7 +292,7 @@ class KVCache(Cache):
         report = {"reserved_bytes": 0, "peak_pages_bytes": 0, "full_equivalent_bytes": 0, "stored_tokens": 0, "logical_tokens": 0}
         if self.store is not None:
             held = self.store.memory_bytes()
-            for name in ("pages", "positions", "tables", "read_cache"):
+            for name in ("pages", "positions", "codec_metadata", "tables", "read_cache"):
                 components[name] = held[name]
             report["reserved_bytes"] = held["reserved"]
             report["peak_pages_bytes"] = self.store.peak_pages
@@ -279,6 +310,13 @@ class KVCache(Cache):
 
     def _new_store(self, key_states: torch.Tensor) -> PagedStore:
         shape = self.shape
+        if self.codec is not None:
+            self.codecs = self.codec.layer_codecs(
+                layer_shapes(
+                    shape.num_layers, shape.num_kv_heads, shape.head_dim, shape.value_dim, self.page_size,
+                    key_states.dtype, key_states.device,
+                )
+            )
         return PagedStore(
             shape.num_layers,
             shape.num_kv_heads,
@@ -288,6 +326,7 @@ class KVCache(Cache):
             dtype=key_states.dtype,
             device=key_states.device,
             read_cache=self.read_cache,
+            codecs=self.codecs,
         )
 
     def _check_layer(self, layer_idx: int) -> None:
@@ -296,4 +335,6 @@ class KVCache(Cache):
 
     def __repr__(self) -> str:
         spec = "exact" if self.compressor is None else f"{self.compressor.strategy.spec()}, budget={self.compressor.budget}"
+        if self.codec is not None:
+            spec += f", codec={self.codec.spec()}"
         return f"KVCache({spec}, layers={self.shape.num_layers}, batch={len(self._rows)})"

@@ -4,7 +4,10 @@ All tensors are int64 on the CPU (bookkeeping never waits on the accelerator):
 
 - ``pages[row, head, j]``: id of the ``j``-th page of that head, ``-1`` past the last page;
 - ``lengths[row, head]``: physical length, tokens stored for that head;
-- ``logical[row]``: logical length, tokens the sequence has seen in this layer.
+- ``logical[row]``: logical length, tokens the sequence has seen in this layer;
+- ``sealed[row, head]``: leading pages of that head known to be sealed (encoded by the layer's
+  codec; always 0 in a store without codecs). Pages past it may be sealed too (a page shared
+  with a sequence that sealed it); pages before it are.
 
 Invariant: for every live ``(row, head)``, ``pages[row, head, j] >= 0`` exactly for
 ``j < ceil(lengths[row, head] / page_size)``. Rows of released sequences are all ``-1`` / 0.
@@ -25,6 +28,7 @@ class BlockTable:
         self.pages = torch.full((rows, num_heads, max_pages), -1, dtype=torch.int64)
         self.lengths = torch.zeros(rows, num_heads, dtype=torch.int64)
         self.logical = torch.zeros(rows, dtype=torch.int64)
+        self.sealed = torch.zeros(rows, num_heads, dtype=torch.int64)
 
     @property
     def num_heads(self) -> int:
@@ -39,6 +43,7 @@ class BlockTable:
         self.pages = _grow_dim(self.pages, 0, new, -1)
         self.lengths = _grow_dim(self.lengths, 0, new, 0)
         self.logical = _grow_dim(self.logical, 0, new, 0)
+        self.sealed = _grow_dim(self.sealed, 0, new, 0)
 
     def ensure_pages(self, max_pages: int) -> None:
         """Grow (doubling) so that every head can hold ``max_pages`` pages."""
@@ -69,11 +74,13 @@ class BlockTable:
         self.pages[rows] = -1
         self.lengths[rows] = 0
         self.logical[rows] = 0
+        self.sealed[rows] = 0
 
     def copy_row(self, source: int, target: int) -> None:
         self.pages[target] = self.pages[source]
         self.lengths[target] = self.lengths[source]
         self.logical[target] = self.logical[source]
+        self.sealed[target] = self.sealed[source]
 
 
 def _grow_dim(tensor: torch.Tensor, dim: int, size: int, fill: int) -> torch.Tensor:

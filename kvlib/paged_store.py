@@ -12,7 +12,10 @@ Invariants (after every public call; ``tests/kvlib/test_store_state_machine.py``
   their original positions;
 - pages referenced more than once are never written: appends copy a shared open page first
   (copy-on-write), compaction writes kept tokens to fresh pages;
-- a call that fails validation (or finds a fixed pool too small) changes nothing.
+- a call that fails validation (or finds a fixed pool too small) changes nothing;
+- with codecs, a sealed page is full and immutable; pages are sealed only by :meth:`seal`
+  (the transformers cache calls it after each layer's attention), so a call's attention always
+  sees its own new tokens exact.
 
 All operations are vectorized over batch and heads: no Python loop runs per token or per head.
 """
@@ -25,9 +28,11 @@ from dataclasses import dataclass
 import torch
 
 from kvlib.block_table import BlockTable
+from kvlib.codec import PageCodec
 from kvlib.devices import check_tensor, resolve_device, to_arena_device
 from kvlib.errors import PoolExhaustedError
 from kvlib.read_cache import DenseReadCache, LayerRead
+from kvlib.storage.coded_pool import CodedPagePool
 from kvlib.storage.page_pool import PagePool
 
 SequenceIds = Sequence[int] | torch.Tensor
@@ -49,6 +54,8 @@ class PagedStore:
             :class:`~kvlib.errors.PoolExhaustedError` and change nothing.
         read_cache: keep a dense per-layer mirror of the last batch read so decode steps copy
             only new tokens (see :mod:`kvlib.read_cache`); its bytes are reported separately.
+        codecs: one :class:`~kvlib.codec.PageCodec` per layer to encode sealed pages with
+            (see :meth:`seal`), or None to keep every page in ``dtype``.
     """
 
     def __init__(
@@ -64,6 +71,7 @@ class PagedStore:
         pages_per_layer: int = 64,
         fixed_capacity: bool = False,
         read_cache: bool = True,
+        codecs: Sequence[PageCodec] | None = None,
     ) -> None:
         if not isinstance(num_layers, int) or num_layers < 1:
             raise ValueError(f"num_layers must be a positive int, got {num_layers!r}")
@@ -77,8 +85,12 @@ class PagedStore:
         self.dtype = dtype
         self.device = resolve_device(device)
         self.use_read_cache = read_cache
-        self.pools = [
+        if codecs is not None and len(codecs) != num_layers:
+            raise ValueError(f"codecs must name one codec per layer ({num_layers}), got {len(codecs)}")
+        self.pools: list[PagePool] = [
             PagePool(page_size, keys_dim[i], values_dim[i], dtype, self.device, pages_per_layer, fixed_capacity)
+            if codecs is None
+            else CodedPagePool(page_size, keys_dim[i], values_dim[i], dtype, self.device, codecs[i], pages_per_layer, fixed_capacity)
             for i in range(num_layers)
         ]
         self.tables = [BlockTable(heads[i], page_size) for i in range(num_layers)]
@@ -191,13 +203,13 @@ class PagedStore:
             )
         table.ensure_pages(int(need.max()))
         if copies:
-            copied = pool.allocate(copies)
+            copied = pool.allocate(copies, h)
             pool.copy_pages(open_pages[b, h], copied)
             pool.decref(open_pages[b, h])
             table.pages[rows[b], h, open_index[b, h]] = copied
         if fresh:
             b, h, j = _page_coordinates(have, new_page_counts, heads)
-            table.pages[rows[b], h, j] = pool.allocate(fresh)
+            table.pages[rows[b], h, j] = pool.allocate(fresh, h)
 
         token_index = lengths.unsqueeze(-1) + torch.arange(steps)
         slots = table.flat_slots(rows, token_index)
@@ -285,11 +297,12 @@ class PagedStore:
         page_ids = table.pages[rows][:, :, :pages]
         if page_ids.shape[2] < pages:
             page_ids = torch.nn.functional.pad(page_ids, (0, pages - page_ids.shape[2]), value=-1)
-        index = to_arena_device(page_ids.clamp(min=0).flatten(), self.device)
+        ids = page_ids.clamp(min=0).flatten()
         slots = pages * self.page_size
-        keys = pool.keys.index_select(0, index).view(batch, heads, slots, pool.head_dim)[:, :, :size]
-        values = pool.values.index_select(0, index).view(batch, heads, slots, pool.value_dim)[:, :, :size]
-        positions = pool.positions.index_select(0, index).view(batch, heads, slots)[:, :, :size]
+        keys, values = pool.read_pages(ids)
+        keys = keys.view(batch, heads, slots, pool.head_dim)[:, :, :size]
+        values = values.view(batch, heads, slots, pool.value_dim)[:, :, :size]
+        positions = pool.positions.index_select(0, to_arena_device(ids, self.device)).view(batch, heads, slots)[:, :, :size]
         if not bool(valid.all()):
             invalid = to_arena_device(~valid, self.device)
             keys.masked_fill_(invalid.unsqueeze(-1), 0)
@@ -350,16 +363,17 @@ class PagedStore:
         source = table.flat_slots(rows, kept.clamp(min=0))[rewrite]
         moved_keys, moved_values, moved_positions = pool.gather(source)
         if values is not None:
-            moved_values = values.to(pool.values.device, pool.values.dtype)[rewrite.to(values.device)]
+            moved_values = values.to(pool.device, pool.dtype)[rewrite.to(values.device)]
         pool.decref(dropped)
         b, h, j = drop_page.nonzero(as_tuple=True)
         table.pages[rows[b], h, j] = -1
         if needed:
             b, h, j = _page_coordinates(first_page, new_page_counts, lengths.shape[1])
-            table.pages[rows[b], h, j] = pool.allocate(needed)
+            table.pages[rows[b], h, j] = pool.allocate(needed, h)
         target = table.flat_slots(rows, torch.where(rewrite, slot, 0))[rewrite]
         pool.write(target, moved_keys, moved_values, moved_positions)
         table.lengths[rows] = new_lengths
+        table.sealed[rows] = torch.where(changed, table.sealed[rows].clamp(max=first_page), table.sealed[rows])
         self._open_pages[layer] = None
         self._drop_read_cache(layer, rows)
 
@@ -395,12 +409,61 @@ class PagedStore:
         table.pages[rows[b], h, j] = -1
         table.lengths[rows] = new_lengths
         table.logical[rows] = table.logical[rows].clamp(max=length)
+        table.sealed[rows] = table.sealed[rows].clamp(max=new_lengths // self.page_size)
+        if isinstance(pool, CodedPagePool):
+            self._reopen_partial_pages(layer, rows)
         self._open_pages[layer] = None
         cache = self._read_caches[layer]
         if cache is not None and cache.rows == tuple(rows.tolist()):
             cache.truncate(new_lengths)
         else:
             self._drop_read_cache(layer, rows)
+
+    def _reopen_partial_pages(self, layer: int, rows: torch.Tensor) -> None:
+        """Give each head a truncation left in the middle of a sealed or shared page an open,
+        private copy of it (the original is released), so that appends can write after it and a
+        sharer for which the page is still full may seal it without sealing a partial page."""
+        pool, table = self.pools[layer], self.tables[layer]
+        lengths = table.lengths[rows]
+        partial = lengths % self.page_size != 0
+        last_index = torch.where(partial, lengths // self.page_size, 0)
+        last = table.pages[rows].gather(2, last_index.unsqueeze(-1)).squeeze(-1)
+        partial[partial.clone()] = pool.sealed[last[partial]] | (pool.refcount[last[partial]] > 1)
+        b, h = partial.nonzero(as_tuple=True)
+        if b.numel() == 0:
+            return
+        old = last[b, h]
+        new = pool.allocate(b.numel(), h)
+        pool.open_copies(old, new)
+        pool.decref(old)
+        table.pages[rows[b], h, lengths[b, h] // self.page_size] = new
+
+    # -- sealing -------------------------------------------------------------------------------
+
+    def seal(self, layer: int, seqs: SequenceIds) -> int:
+        """Encode every full, open page of ``seqs`` in ``layer`` with the layer's codec; returns
+        how many pages were sealed (0 without codecs, or while the codec is not yet fitted).
+
+        Sealed pages then hold only the codec's fields; later reads decode them.
+        """
+        layer = self._layer(layer)
+        rows = self._rows(seqs)
+        pool, table = self.pools[layer], self.tables[layer]
+        if not isinstance(pool, CodedPagePool) or not pool.codec.ready:
+            return 0
+        full = table.lengths[rows] // self.page_size
+        done = table.sealed[rows]
+        if not bool((full > done).any()):
+            return 0
+        page_slot = torch.arange(table.pages.shape[2])
+        candidate = (page_slot >= done.unsqueeze(-1)) & (page_slot < full.unsqueeze(-1))
+        ids = torch.unique(table.pages[rows][candidate])
+        ids = ids[~pool.sealed[ids]]
+        pool.seal(ids)
+        table.sealed[rows] = full
+        if ids.numel():
+            self._drop_read_cache(layer, rows)
+        return int(ids.numel())
 
     def stored_positions(self, layer: int, seqs: SequenceIds) -> torch.Tensor:
         """Positions of the stored tokens of ``seqs``: int64 ``[batch, heads, longest]`` on the CPU,
@@ -424,7 +487,9 @@ class PagedStore:
         return sum(pool.bytes_in_use() for pool in self.pools)
 
     def memory_bytes(self) -> dict[str, int]:
-        """Bytes held, by component: ``pages`` (keys and values of pages in use), ``positions``,
+        """Bytes held, by component: ``pages`` (keys and values of pages in use: compute dtype for
+        open pages, the codec's payload for sealed ones), ``positions``, ``codec_metadata`` (scales,
+        zero points and fitted codec state),
         ``tables`` (block tables and lengths), ``read_cache`` (dense mirrors) and ``reserved``
         (whole arenas, free pages included)."""
         tables = sum(
@@ -434,13 +499,14 @@ class PagedStore:
         return {
             "pages": self._page_bytes(),
             "positions": sum(pool.pages_in_use * pool.position_page_bytes for pool in self.pools),
+            "codec_metadata": sum(pool.metadata_bytes() for pool in self.pools),
             "tables": tables,
             "read_cache": sum(cache.nbytes() for cache in self._read_caches if cache is not None),
             "reserved": sum(pool.bytes_reserved() for pool in self.pools),
         }
 
     def _page_bytes(self) -> int:
-        return sum(pool.pages_in_use * pool.kv_page_bytes for pool in self.pools)
+        return sum(pool.data_bytes() for pool in self.pools)
 
     # -- validation helpers ----------------------------------------------------------------------
 

@@ -29,6 +29,7 @@ from typing import ClassVar
 
 import torch
 
+from kvlib.codec import Codec
 from kvlib.params import coerce
 
 NEEDS = frozenset({"queries", "window_queries", "attention", "accumulated_attention", "hidden_states", "rope"})
@@ -187,14 +188,14 @@ class Budget(Strategy, abc.ABC):
         """int64 ``[batch, kv_heads]``: tokens each head keeps, summing to ``layer_tokens`` where counts allow."""
 
 
-class Quantization(Strategy):
-    """A codec for sealed pages that stores them in fewer bits."""
+class Quantization(Strategy, Codec):
+    """A codec for sealed pages that stores them in fewer bits (see :mod:`kvlib.codec`)."""
 
     kind = "quantization"
 
 
-class LowRank(Strategy):
-    """A codec or transform that stores pages in a lower-rank space."""
+class LowRank(Strategy, Codec):
+    """A codec that stores sealed pages in a lower-rank space (see :mod:`kvlib.codec`)."""
 
     kind = "lowrank"
 

@@ -5,7 +5,7 @@ import importlib
 import pkgutil
 from collections.abc import Iterable
 
-KIND_PACKAGES = ("eviction", "budget")
+KIND_PACKAGES = ("eviction", "budget", "quantization", "lowrank")
 """Subpackages of built-in strategies, one per kind that has any."""
 
 

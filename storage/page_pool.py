@@ -12,8 +12,8 @@ Invariants (checked by ``tests/kvlib/test_store_state_machine.py`` after every s
   exactly once) or *in use* (reference count >= 1, not on the free stack);
 - ``bytes_in_use() == pages_in_use * page_bytes``.
 
-Allocation pops from and release pushes onto a tensor-backed stack, so both cost O(1) per page
-and are vectorized over many pages. A growable pool doubles its capacity when it runs out
+Allocation pops from and release pushes onto a :class:`~kvlib.storage.free_stack.FreeStack`, so
+both cost O(1) per page and are vectorized over many pages. A growable pool doubles its capacity when it runs out
 (amortized O(1) per page); a fixed pool raises :class:`~kvlib.errors.PoolExhaustedError`
 before changing anything.
 """
@@ -24,6 +24,7 @@ import torch
 
 from kvlib.devices import to_arena_device
 from kvlib.errors import PoolExhaustedError
+from kvlib.storage.free_stack import FreeStack
 
 _POSITION_DTYPE = torch.int64
 
@@ -62,28 +63,30 @@ class PagePool:
         self.dtype = dtype
         self.device = device
         self.fixed = fixed
-        self.keys = torch.zeros(capacity, page_size, head_dim, dtype=dtype, device=device)
-        self.values = torch.zeros(capacity, page_size, value_dim, dtype=dtype, device=device)
         self.positions = torch.full((capacity, page_size), -1, dtype=_POSITION_DTYPE, device=device)
         self.refcount = torch.zeros(capacity, dtype=torch.int64)
-        # Free stack: ids in [0, _free_top) are free; the top of the stack is the lowest id.
-        self._free_stack = torch.arange(capacity - 1, -1, -1, dtype=torch.int64)
-        self._free_top = capacity
+        self._free = FreeStack(capacity)
+        self._init_data(capacity)
+
+    def _init_data(self, capacity: int) -> None:
+        """Create the key and value arenas for ``capacity`` pages."""
+        self.keys = torch.zeros(capacity, self.page_size, self.head_dim, dtype=self.dtype, device=self.device)
+        self.values = torch.zeros(capacity, self.page_size, self.value_dim, dtype=self.dtype, device=self.device)
 
     # -- sizes ---------------------------------------------------------------------------------
 
     @property
     def capacity(self) -> int:
         """Pages in the arena, free or in use."""
-        return self.keys.shape[0]
+        return self.refcount.shape[0]
 
     @property
     def free_pages(self) -> int:
-        return self._free_top
+        return self._free.free
 
     @property
     def pages_in_use(self) -> int:
-        return self.capacity - self._free_top
+        return self.capacity - self._free.free
 
     @property
     def kv_page_bytes(self) -> int:
@@ -103,7 +106,15 @@ class PagePool:
 
     def bytes_in_use(self) -> int:
         """Bytes held by pages in use (keys, values, positions); free pages are not counted."""
-        return self.pages_in_use * self.page_bytes
+        return self.data_bytes() + self.metadata_bytes() + self.pages_in_use * self.position_page_bytes
+
+    def data_bytes(self) -> int:
+        """Bytes of keys and values (payload) held by pages in use."""
+        return self.pages_in_use * self.kv_page_bytes
+
+    def metadata_bytes(self) -> int:
+        """Bytes of codec metadata (scales, zero points, fitted state) held; none without a codec."""
+        return 0
 
     def bytes_reserved(self) -> int:
         """Bytes of the whole arena, free pages included."""
@@ -111,28 +122,37 @@ class PagePool:
 
     def free_page_ids(self) -> torch.Tensor:
         """The free stack's contents (a copy), for checks and debugging."""
-        return self._free_stack[: self._free_top].clone()
+        return self._free.contents()
 
     # -- allocation ----------------------------------------------------------------------------
 
     def can_allocate(self, count: int) -> bool:
-        return not self.fixed or count <= self._free_top
+        return not self.fixed or count <= self._free.free
 
-    def allocate(self, count: int) -> torch.Tensor:
-        """Take ``count`` free pages (reference count 1 each); returns their ids, int64 on CPU."""
+    def allocate(self, count: int, heads: torch.Tensor | None = None) -> torch.Tensor:
+        """Take ``count`` free pages (reference count 1 each); returns their ids, int64 on CPU.
+
+        ``heads`` (int64 ``[count]``, optional) names the KV head each page will hold, for codecs
+        with per-head state; pages allocated without it are taken to hold head 0.
+        """
         if count < 0:
             raise ValueError(f"cannot allocate a negative number of pages ({count})")
-        if count > self._free_top:
+        if count > self._free.free:
             if self.fixed:
                 raise PoolExhaustedError(
-                    f"page pool is full: {count} pages requested, {self._free_top} free of {self.capacity}"
+                    f"page pool is full: {count} pages requested, {self._free.free} free of {self.capacity}"
                 )
             self._grow(self.pages_in_use + count)
-        top = self._free_top
-        ids = self._free_stack[top - count : top].flip(0)
-        self._free_top = top - count
+        ids = self._free.pop(count)
         self.refcount[ids] = 1
+        self._on_allocate(ids, heads)
         return ids
+
+    def _on_allocate(self, ids: torch.Tensor, heads: torch.Tensor | None) -> None:
+        """Hook: pages ``ids`` were just taken. Nothing to do without a codec."""
+
+    def _on_free(self, ids: torch.Tensor) -> None:
+        """Hook: pages ``ids`` just returned to the free stack. Nothing to do without a codec."""
 
     def incref(self, ids: torch.Tensor) -> None:
         """Add one reference per occurrence of each id; every id must be in use."""
@@ -152,25 +172,21 @@ class PagePool:
             raise RuntimeError("page released more often than referenced: double free")
         self.refcount[unique] = remaining
         freed = unique[remaining == 0]
-        top = self._free_top
-        self._free_stack[top : top + freed.numel()] = freed.flip(0)
-        self._free_top = top + freed.numel()
+        self._free.push(freed)
+        self._on_free(freed)
 
     def _grow(self, min_capacity: int) -> None:
         """Double the arena (at least to ``min_capacity``); existing page ids stay valid."""
-        old = self.capacity
-        new = max(2 * old, min_capacity, 1)
-        self.keys = _extend(self.keys, new, 0)
-        self.values = _extend(self.values, new, 0)
-        self.positions = _extend(self.positions, new, -1)
-        self.refcount = _extend(self.refcount, new, 0)
-        stack = torch.empty(new, dtype=torch.int64)
-        # New ids go below the existing free ids: those are handed out first, then the new ids, lowest first.
-        added = torch.arange(new - 1, old - 1, -1, dtype=torch.int64)
-        stack[: added.numel()] = added
-        stack[added.numel() : added.numel() + self._free_top] = self._free_stack[: self._free_top]
-        self._free_stack = stack
-        self._free_top += added.numel()
+        new = max(2 * self.capacity, min_capacity, 1)
+        self._grow_data(new)
+        self.positions = extend_rows(self.positions, new, -1)
+        self.refcount = extend_rows(self.refcount, new, 0)
+        self._free.grow(new)
+
+    def _grow_data(self, capacity: int) -> None:
+        """Extend the key and value arenas to ``capacity`` pages."""
+        self.keys = extend_rows(self.keys, capacity, 0)
+        self.values = extend_rows(self.values, capacity, 0)
 
     # -- data ----------------------------------------------------------------------------------
 
@@ -195,6 +211,12 @@ class PagePool:
             self.positions.view(-1).index_select(0, index),
         )
 
+    def read_pages(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Whole pages ``ids`` (int64 on CPU) in the compute dtype: ``(keys [n, page_size, head_dim],
+        values [n, page_size, value_dim])``."""
+        index = to_arena_device(ids, self.device)
+        return self.keys.index_select(0, index), self.values.index_select(0, index)
+
     def copy_pages(self, source: torch.Tensor, target: torch.Tensor) -> None:
         """Copy whole pages ``source[i]`` onto ``target[i]`` (copy-on-write)."""
         src = to_arena_device(source, self.device)
@@ -204,7 +226,7 @@ class PagePool:
         self.positions.index_copy_(0, dst, self.positions.index_select(0, src))
 
 
-def _extend(tensor: torch.Tensor, rows: int, fill: int) -> torch.Tensor:
+def extend_rows(tensor: torch.Tensor, rows: int, fill: int) -> torch.Tensor:
     """A copy of ``tensor`` with ``rows`` rows along dim 0, new rows set to ``fill``."""
     out = torch.full((rows, *tensor.shape[1:]), fill, dtype=tensor.dtype, device=tensor.device)
     out[: tensor.shape[0]] = tensor

@@ -10,7 +10,7 @@ from transformers import MambaConfig, MambaForCausalLM
 
 import kvlib
 from kvlib import registry
-from kvlib.strategy import Quantization
+from kvlib.strategy import Reuse
 from tests.adapters.conftest import PAD, build_model, left_padded
 
 
@@ -60,13 +60,13 @@ def test_unknown_spec_lists_what_is_registered():
 
 
 def test_kinds_the_cache_does_not_apply_yet_are_refused(scratch_registry):
-    @registry.register("test_int3")
+    @registry.register("test_share")
     @dataclass
-    class Int3(Quantization):
-        """Test-only quantization strategy."""
+    class Share(Reuse):
+        """Test-only reuse strategy."""
 
-    with pytest.raises(ValueError, match="quantization"):
-        kvlib.make_cache(build_model("llama"), "streaming_llm+test_int3", budget=8)
+    with pytest.raises(ValueError, match="reuse"):
+        kvlib.make_cache(build_model("llama"), "streaming_llm+test_share", budget=8)
 
 
 def test_reusing_a_cache_with_another_batch_size_needs_reset_and_keeps_what_is_stored():

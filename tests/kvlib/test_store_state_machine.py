@@ -10,6 +10,11 @@ page bytes, a page shared before and after the step was not written, and every l
 reads back exactly its model: the tokens appended minus those compacted or truncated away, in
 order, with their positions (so a write, compaction or truncation never changes what a sharing
 sequence reads).
+
+``CodedStoreMachine`` runs the same rules on a store whose pools encode sealed pages with a
+lossless codec that is not the identity (it stores each page's tokens reversed and negated), plus
+a rule that seals: the same invariants must hold whatever mix of open and sealed pages the
+operations meet, and sealed pages are full, never written, and counted at the codec's bytes.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvlib import PagedStore
+from kvlib.codec import Field, PageCodec, TensorCodec, TensorShape, layer_shapes
+from kvlib.storage.coded_pool import CodedPagePool
 
 HEADS = (2, 3)
 KEY_DIMS = (2, 3)
@@ -37,11 +44,45 @@ def value_of(token: int, dim: int) -> torch.Tensor:
     return -(torch.arange(dim, dtype=torch.float32) + 10.0 * token)
 
 
+class ReversingCodec(TensorCodec):
+    """Lossless, but not the identity: a page is stored with its tokens reversed and negated, in
+    float64 (so reading a sealed page without decoding it would give wrong tokens)."""
+
+    @property
+    def fields(self) -> dict[str, Field]:
+        return {"reversed": Field((self.shape.page_size, self.shape.dim), torch.float64), "marks": Field((1,), torch.int8, True)}
+
+    def encode(self, block: torch.Tensor, heads: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"reversed": -block.flip(1).double(), "marks": torch.ones(block.shape[0], 1, dtype=torch.int8)}
+
+    def decode(self, encoded: dict[str, torch.Tensor], heads: torch.Tensor) -> torch.Tensor:
+        assert bool((encoded["marks"] == 1).all()), "decoded a page that was never encoded"
+        return (-encoded["reversed"].flip(1)).to(self.shape.dtype)
+
+
+def reversing_codecs(page_size: int) -> list[PageCodec]:
+    return [
+        PageCodec(ReversingCodec(key), ReversingCodec(value), "reversing")
+        for key, value in (
+            (layer_shapes(len(HEADS), HEADS[i], KEY_DIMS[i], VALUE_DIMS[i], page_size, torch.float32, torch.device("cpu"))[i])
+            for i in range(len(HEADS))
+        )
+    ]
+
+
 class StoreMachine(RuleBasedStateMachine):
+    coded = False
+
     @initialize(page_size=st.integers(1, 5), pages=st.integers(0, 3))
     def setup(self, page_size: int, pages: int) -> None:
         self.store = PagedStore(
-            len(HEADS), list(HEADS), list(KEY_DIMS), value_dim=list(VALUE_DIMS), page_size=page_size, pages_per_layer=pages
+            len(HEADS),
+            list(HEADS),
+            list(KEY_DIMS),
+            value_dim=list(VALUE_DIMS),
+            page_size=page_size,
+            pages_per_layer=pages,
+            codecs=reversing_codecs(page_size) if self.coded else None,
         )
         self.page_size = page_size
         self.model: dict[int, list[list[list[Token]]]] = {}  # seq -> layer -> head -> tokens
@@ -234,6 +275,17 @@ class StoreMachine(RuleBasedStateMachine):
             self.continue_last_batch()
 
     @precondition(lambda self: self.model)
+    @rule(data=st.data(), layer=st.integers(0, len(HEADS) - 1), then_append=st.booleans())
+    def seal(self, data: st.DataObject, layer: int, then_append: bool) -> None:
+        """Seal a batch's full pages (a no-op without codecs); maybe go on appending."""
+        layer, batch = self.layer_and_batch(data, layer)
+        sealed = self.store.seal(layer, batch)
+        if not self.coded:
+            assert sealed == 0
+        if then_append:
+            self.continue_last_batch()
+
+    @precondition(lambda self: self.model)
     @rule(data=st.data(), reuse=st.booleans())
     def release(self, data: st.DataObject, reuse: bool) -> None:
         """Release a batch; maybe give a released id straight to a new sequence and go on
@@ -260,7 +312,22 @@ class StoreMachine(RuleBasedStateMachine):
             free = pool.free_page_ids()
             assert free.unique().numel() == free.numel(), "a page is on the free list twice"
             assert sorted(free.tolist()) == (references == 0).nonzero().flatten().tolist(), "leaked or lost page"
-            assert pool.bytes_in_use() == int((references > 0).sum()) * pool.page_bytes
+            in_use = int((references > 0).sum())
+            if isinstance(pool, CodedPagePool):
+                sealed = int(pool.sealed.sum())
+                assert not bool(pool.sealed[references == 0].any()) and bool((pool.raw_row[references == 0] == -1).all())
+                assert torch.equal(pool.raw_row[references > 0] >= 0, ~pool.sealed[references > 0]), "open xor sealed"
+                coded = sealed * pool.codec.page_bytes() if sealed else 0
+                expected = (in_use - sealed) * pool.kv_page_bytes + coded + in_use * pool.position_page_bytes
+                assert pool.bytes_in_use() == expected
+                if len(live):  # a sealed page is always full: it sits before each referencing head's last full page
+                    pages = table.pages[live]
+                    full = torch.arange(pages.shape[2]) < (table.lengths[live] // self.page_size).unsqueeze(-1)
+                    sealed_here = torch.zeros_like(full)
+                    sealed_here[pages >= 0] = pool.sealed[pages[pages >= 0]]
+                    assert bool(full[sealed_here].all()), "a sealed page is not full"
+            else:
+                assert pool.bytes_in_use() == in_use * pool.page_bytes
             if len(live):
                 pages_used = table.pages_used(table.lengths[live])
                 have = table.pages[live] >= 0
@@ -286,7 +353,7 @@ class StoreMachine(RuleBasedStateMachine):
         """A page referenced more than once before and after a step kept its contents."""
         for layer, pool in enumerate(self.store.pools):
             shared = (pool.refcount > 1).nonzero().flatten()
-            contents = [shared, pool.keys[shared].clone(), pool.values[shared].clone(), pool.positions[shared].clone()]
+            contents = [shared, *pool.read_pages(shared), pool.positions[shared].clone()]
             if layer in self.shared:
                 ids, *before = self.shared[layer]
                 still = torch.isin(ids, shared)
@@ -300,3 +367,11 @@ StoreMachine.TestCase.settings = settings(
     max_examples=60, stateful_step_count=30, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 TestStoreMachine = StoreMachine.TestCase
+
+
+class CodedStoreMachine(StoreMachine):
+    coded = True
+
+
+CodedStoreMachine.TestCase.settings = StoreMachine.TestCase.settings
+TestCodedStoreMachine = CodedStoreMachine.TestCase

@@ -1,0 +1,204 @@
+"""The page codec contract: how sealed pages of one layer are stored.
+
+A page is *sealed* once it is full and its layer's attention has run over it; only then is it
+encoded. Open pages (each head's last, partly filled page) stay in the compute dtype: that is
+KIVI's full-precision residual window, given by the paging. A sealed page is immutable and
+always full (``page_size`` tokens).
+
+A :class:`PageCodec` pairs a :class:`TensorCodec` for keys with one for values. A tensor codec
+turns blocks ``[pages, page_size, dim]`` into fixed-size per-page *fields* (packed codes,
+scales, coefficients) and back. Every field has the same shape for every page of the layer, so
+a pool stores each field as one arena ``[capacity, *shape]``: the bytes held are real and equal
+``sealed pages * sum(field bytes)``, which :meth:`PageCodec.page_bytes` states.
+
+Fitted codecs (low-rank bases, pruned channels) learn from a layer's first attention call
+(:class:`FitSample`); until :attr:`TensorCodec.ready` they cannot encode, and the layer's full
+pages wait open. Per-layer state they learn (bases) is reported by :meth:`TensorCodec.state_bytes`.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Field:
+    """One per-page field of an encoded page: ``shape`` per page, ``dtype``, and whether it is
+    codec metadata (scales, zero points: ``metadata=True``) or payload (codes, coefficients)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    metadata: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of this field in one page."""
+        count = 1
+        for size in self.shape:
+            count *= size
+        return count * torch.empty((), dtype=self.dtype).element_size()
+
+
+@dataclass(frozen=True)
+class TensorShape:
+    """What a tensor codec encodes: blocks ``[pages, page_size, dim]`` of one layer's keys or
+    values in ``dtype`` (the compute dtype), for ``kv_heads`` heads, on ``device``."""
+
+    layer_idx: int
+    num_layers: int
+    kv_heads: int
+    page_size: int
+    dim: int
+    dtype: torch.dtype
+    device: torch.device
+
+
+@dataclass
+class FitSample:
+    """A layer's first attention call, for codecs that fit to data.
+
+    ``keys`` ``[batch, kv_heads, tokens, head_dim]`` and ``values`` (after RoPE, as stored),
+    ``valid`` bool ``[batch, kv_heads, tokens]`` (False for padding), ``queries``
+    ``[batch, query_heads, q_len, head_dim]`` of the call (after RoPE), ``query_valid`` bool
+    ``[batch, q_len]`` (False for padding queries).
+    """
+
+    layer_idx: int
+    keys: torch.Tensor
+    values: torch.Tensor
+    valid: torch.Tensor
+    queries: torch.Tensor
+    query_valid: torch.Tensor
+
+
+class TensorCodec(abc.ABC):
+    """Encodes one stored tensor (keys or values) of a layer's sealed pages.
+
+    Invariant: ``decode(encode(x, heads), heads)`` has ``x``'s shape and the compute dtype;
+    ``encode`` returns exactly the tensors :attr:`fields` names, each ``[pages, *field.shape]``.
+    """
+
+    def __init__(self, shape: TensorShape) -> None:
+        self.shape = shape
+
+    @property
+    @abc.abstractmethod
+    def fields(self) -> dict[str, Field]:
+        """Per-page fields, by name."""
+
+    @abc.abstractmethod
+    def encode(self, block: torch.Tensor, heads: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Encode ``block [pages, page_size, dim]``; ``heads`` int64 ``[pages]`` (each page's KV head)."""
+
+    @abc.abstractmethod
+    def decode(self, encoded: dict[str, torch.Tensor], heads: torch.Tensor) -> torch.Tensor:
+        """Decode fields of ``pages`` pages back to ``[pages, page_size, dim]`` in the compute dtype."""
+
+    @property
+    def ready(self) -> bool:
+        """Whether the codec can encode (fitted codecs: once their fit has run)."""
+        return True
+
+    def observe(self, sample: FitSample, part: str) -> None:
+        """Learn from a layer's first call; ``part`` is ``"keys"`` or ``"values"``. Default: nothing."""
+
+    def state_bytes(self) -> int:
+        """Bytes of per-layer state this codec holds (bases, channel lists); counted once per layer."""
+        return 0
+
+
+class IdentityCodec(TensorCodec):
+    """Stores the tensor as it is, in the compute dtype (for the side a codec leaves alone)."""
+
+    @property
+    def fields(self) -> dict[str, Field]:
+        return {"data": Field((self.shape.page_size, self.shape.dim), self.shape.dtype)}
+
+    def encode(self, block: torch.Tensor, heads: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"data": block}
+
+    def decode(self, encoded: dict[str, torch.Tensor], heads: torch.Tensor) -> torch.Tensor:
+        return encoded["data"]
+
+
+class PageCodec:
+    """The codec of one layer's sealed pages: one tensor codec for keys, one for values.
+
+    Field names are prefixed ``key.`` and ``value.``.
+    """
+
+    def __init__(self, key: TensorCodec, value: TensorCodec, name: str) -> None:
+        self.key = key
+        self.value = value
+        self.name = name
+
+    @property
+    def fields(self) -> dict[str, Field]:
+        """Per-page fields of keys and values (known once :attr:`ready`)."""
+        return {f"key.{n}": f for n, f in self.key.fields.items()} | {f"value.{n}": f for n, f in self.value.fields.items()}
+
+    @property
+    def ready(self) -> bool:
+        return self.key.ready and self.value.ready
+
+    def observe(self, sample: FitSample) -> None:
+        """Hand a layer's first call to both tensor codecs (fitted codecs learn from it)."""
+        self.key.observe(sample, "keys")
+        self.value.observe(sample, "values")
+
+    def encode(self, keys: torch.Tensor, values: torch.Tensor, heads: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Fields of pages ``keys [n, page_size, head_dim]``, ``values [n, page_size, value_dim]``."""
+        encoded = {f"key.{n}": t for n, t in self.key.encode(keys, heads).items()}
+        encoded.update({f"value.{n}": t for n, t in self.value.encode(values, heads).items()})
+        return encoded
+
+    def decode(self, encoded: dict[str, torch.Tensor], heads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(keys, values)`` of the pages whose fields are ``encoded``."""
+        keys = self.key.decode({n[4:]: t for n, t in encoded.items() if n.startswith("key.")}, heads)
+        values = self.value.decode({n[6:]: t for n, t in encoded.items() if n.startswith("value.")}, heads)
+        return keys, values
+
+    def page_bytes(self, metadata: bool | None = None) -> int:
+        """Bytes one sealed page holds: all fields, or only metadata (True) or payload (False)."""
+        return sum(f.nbytes for f in self.fields.values() if metadata is None or f.metadata == metadata)
+
+    def state_bytes(self) -> int:
+        return self.key.state_bytes() + self.value.state_bytes()
+
+
+def layer_shapes(
+    num_layers: int,
+    kv_heads: int,
+    head_dim: int,
+    value_dim: int,
+    page_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> list[tuple[TensorShape, TensorShape]]:
+    """``(key shape, value shape)`` of every layer of a model with one KV layout."""
+    return [
+        (
+            TensorShape(layer, num_layers, kv_heads, page_size, head_dim, dtype, device),
+            TensorShape(layer, num_layers, kv_heads, page_size, value_dim, dtype, device),
+        )
+        for layer in range(num_layers)
+    ]
+
+
+class Codec(abc.ABC):
+    """A strategy that stores sealed pages through codecs (quantization and low-rank kinds).
+
+    ``check_shape`` raises ``ValueError`` before any model work if the codec cannot serve a
+    layout; ``layer_codecs`` builds one :class:`PageCodec` per layer (codecs of different layers
+    may share state, as cross-layer bases do).
+    """
+
+    def check_shape(self, shapes: list[tuple[TensorShape, TensorShape]]) -> None:
+        """``ValueError`` if this codec cannot encode these (key, value) shapes. Default: any."""
+
+    @abc.abstractmethod
+    def layer_codecs(self, shapes: list[tuple[TensorShape, TensorShape]]) -> list[PageCodec]:
+        """One codec per layer, for ``shapes[layer] = (key shape, value shape)``."""

@@ -1,0 +1,240 @@
+"""Page arena whose sealed pages are held encoded by a :class:`~kvlib.codec.PageCodec`.
+
+A page in use is either
+
+- *open*: its keys and values sit in the compute dtype in a raw arena sized for open pages
+  only (``raw_row[page]`` is its row there), and it may be written; or
+- *sealed*: it is full, its keys and values exist only as the codec's fields
+  (``encoded[name][page]``), and it is never written again (appends go to open pages,
+  compaction and copy-on-write write fresh pages).
+
+Positions of every page stay int64 in ``positions`` (they are bookkeeping, never encoded).
+
+Invariants (beside :class:`~kvlib.storage.PagePool`'s): a page in use has ``raw_row >= 0``
+exactly when it is not sealed; free pages are neither sealed nor hold a raw row; the raw rows
+held are distinct. ``data_bytes()`` counts open pages at the compute dtype and sealed pages at
+the codec's payload bytes; ``metadata_bytes()`` counts sealed pages' scales and zero points and
+the codec's fitted state. The raw arena grows on demand and shrinks again once sealing leaves
+it mostly empty (a prefill's pages are raw only between the layer's append and its seal).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvlib.codec import PageCodec
+from kvlib.devices import to_arena_device
+from kvlib.storage.free_stack import FreeStack
+from kvlib.storage.page_pool import PagePool, extend_rows
+
+_MIN_RAW_PAGES = 16
+
+
+class CodedPagePool(PagePool):
+    """A :class:`PagePool` that encodes sealed pages with ``codec`` (see the module docstring)."""
+
+    def __init__(
+        self,
+        page_size: int,
+        head_dim: int,
+        value_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        codec: PageCodec,
+        capacity: int = 64,
+        fixed: bool = False,
+    ) -> None:
+        self.codec = codec
+        super().__init__(page_size, head_dim, value_dim, dtype, device, capacity, fixed)
+
+    def _init_data(self, capacity: int) -> None:
+        self.encoded: dict[str, torch.Tensor] = {}
+        """Field arenas ``[capacity, *field.shape]``, created at the first seal (a fitted codec
+        knows its fields only once fitted)."""
+        self.sealed = torch.zeros(capacity, dtype=torch.bool)
+        self.raw_row = torch.full((capacity,), -1, dtype=torch.int64)
+        self.page_heads = torch.zeros(capacity, dtype=torch.int64)
+        raw = _MIN_RAW_PAGES
+        self.keys = torch.zeros(raw, self.page_size, self.head_dim, dtype=self.dtype, device=self.device)
+        self.values = torch.zeros(raw, self.page_size, self.value_dim, dtype=self.dtype, device=self.device)
+        self._raw_free = FreeStack(raw)
+
+    # -- sizes ---------------------------------------------------------------------------------
+
+    @property
+    def sealed_pages(self) -> int:
+        return int(self.sealed.sum())
+
+    @property
+    def open_pages(self) -> int:
+        return self.pages_in_use - self.sealed_pages
+
+    def data_bytes(self) -> int:
+        sealed = self.sealed_pages
+        coded = sealed * self.codec.page_bytes(metadata=False) if sealed else 0
+        return (self.pages_in_use - sealed) * self.kv_page_bytes + coded
+
+    def metadata_bytes(self) -> int:
+        sealed = self.sealed_pages
+        return (sealed * self.codec.page_bytes(metadata=True) if sealed else 0) + self.codec.state_bytes()
+
+    def bytes_reserved(self) -> int:
+        raw = self.keys.shape[0] * self.kv_page_bytes
+        encoded = sum(t.numel() * t.element_size() for t in self.encoded.values())
+        return raw + encoded + self.capacity * self.position_page_bytes
+
+    # -- allocation hooks ----------------------------------------------------------------------
+
+    def _on_allocate(self, ids: torch.Tensor, heads: torch.Tensor | None) -> None:
+        if self._raw_free.free < ids.numel():
+            self._resize_raw(max(2 * self.keys.shape[0], self.keys.shape[0] - self._raw_free.free + ids.numel()))
+        self.raw_row[ids] = self._raw_free.pop(ids.numel())
+        self.sealed[ids] = False
+        self.page_heads[ids] = 0 if heads is None else heads
+
+    def _on_free(self, ids: torch.Tensor) -> None:
+        held = self.raw_row[ids]
+        self._raw_free.push(held[held >= 0])
+        self.raw_row[ids] = -1
+        self.sealed[ids] = False
+
+    def _grow_data(self, capacity: int) -> None:
+        self.encoded = {name: extend_rows(t, capacity, 0) for name, t in self.encoded.items()}
+        self.sealed = extend_rows(self.sealed, capacity, False)
+        self.raw_row = extend_rows(self.raw_row, capacity, -1)
+        self.page_heads = extend_rows(self.page_heads, capacity, 0)
+
+    def _resize_raw(self, rows: int) -> None:
+        """Give the raw arena ``rows`` rows, moving the rows in use to the front."""
+        held = (self.raw_row >= 0).nonzero().squeeze(-1)
+        old_rows = self.raw_row[held]
+        keys = torch.zeros(rows, self.page_size, self.head_dim, dtype=self.dtype, device=self.device)
+        values = torch.zeros(rows, self.page_size, self.value_dim, dtype=self.dtype, device=self.device)
+        source = to_arena_device(old_rows, self.device)
+        keys[: held.numel()] = self.keys.index_select(0, source)
+        values[: held.numel()] = self.values.index_select(0, source)
+        self.keys, self.values = keys, values
+        self.raw_row[held] = torch.arange(held.numel())
+        self._raw_free = FreeStack(rows)
+        self._raw_free.pop(held.numel())
+
+    # -- data ----------------------------------------------------------------------------------
+
+    def _raw_slots(self, slots: torch.Tensor) -> torch.Tensor:
+        pages = slots // self.page_size
+        if bool(self.sealed[pages].any()):
+            raise RuntimeError("write to a sealed page: sealed pages are immutable (the store and the pool disagree)")
+        return self.raw_row[pages] * self.page_size + slots % self.page_size
+
+    def write(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
+        index = to_arena_device(self._raw_slots(slots), self.device)
+        self.keys.view(-1, self.head_dim).index_copy_(0, index, keys)
+        self.values.view(-1, self.value_dim).index_copy_(0, index, values)
+        self.positions.view(-1).index_copy_(0, to_arena_device(slots, self.device), positions.to(self.device, torch.int64))
+
+    def gather(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        pages, inverse = torch.unique(slots // self.page_size, return_inverse=True)
+        keys, values = self.read_pages(pages)
+        index = to_arena_device(inverse * self.page_size + slots % self.page_size, self.device)
+        positions = self.positions.view(-1).index_select(0, to_arena_device(slots, self.device))
+        return keys.view(-1, self.head_dim)[index], values.view(-1, self.value_dim)[index], positions
+
+    def read_pages(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Whole pages in the compute dtype: sealed pages decoded, open pages copied, free pages zero."""
+        sealed = self.sealed[ids]
+        rows = self.raw_row[ids]
+        if not bool(sealed.any()):
+            index = to_arena_device(rows.clamp(min=0), self.device)
+            keys, values = self.keys.index_select(0, index), self.values.index_select(0, index)
+            if bool((rows < 0).any()):
+                free = to_arena_device(rows < 0, self.device).view(-1, 1, 1)
+                keys, values = keys.masked_fill(free, 0), values.masked_fill(free, 0)
+            return keys, values
+        keys = torch.zeros(ids.numel(), self.page_size, self.head_dim, dtype=self.dtype, device=self.device)
+        values = torch.zeros(ids.numel(), self.page_size, self.value_dim, dtype=self.dtype, device=self.device)
+        where = sealed.nonzero().squeeze(-1)
+        decoded_keys, decoded_values = self.decode_pages(ids[where])
+        where = to_arena_device(where, self.device)
+        keys.index_copy_(0, where, decoded_keys)
+        values.index_copy_(0, where, decoded_values)
+        opened = (rows >= 0).nonzero().squeeze(-1)
+        if opened.numel():
+            source = to_arena_device(rows[opened], self.device)
+            target = to_arena_device(opened, self.device)
+            keys.index_copy_(0, target, self.keys.index_select(0, source))
+            values.index_copy_(0, target, self.values.index_select(0, source))
+        return keys, values
+
+    def decode_pages(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decode sealed pages ``ids``: ``(keys, values)`` ``[n, page_size, dim]``."""
+        index = to_arena_device(ids, self.device)
+        fields = self.codec.fields
+        encoded = {name: t.index_select(0, index).view(fields[name].dtype) for name, t in self.encoded.items()}
+        return self.codec.decode(encoded, to_arena_device(self.page_heads[ids], self.device))
+
+    def copy_pages(self, source: torch.Tensor, target: torch.Tensor) -> None:
+        """Copy pages onto freshly allocated ``target`` pages: a sealed source stays sealed in its
+        copy (its fields are copied), an open one is copied raw."""
+        sealed = self.sealed[source]
+        self.positions.index_copy_(0, to_arena_device(target, self.device), self.positions.index_select(0, to_arena_device(source, self.device)))
+        self.page_heads[target] = self.page_heads[source]
+        if bool(sealed.any()):
+            src, dst = source[sealed], target[sealed]
+            src_index, dst_index = to_arena_device(src, self.device), to_arena_device(dst, self.device)
+            for t in self.encoded.values():
+                t.index_copy_(0, dst_index, t.index_select(0, src_index))
+            self._raw_free.push(self.raw_row[dst])
+            self.raw_row[dst] = -1
+            self.sealed[dst] = True
+        if not bool(sealed.all()):
+            src = to_arena_device(self.raw_row[source[~sealed]], self.device)
+            dst = to_arena_device(self.raw_row[target[~sealed]], self.device)
+            self.keys.index_copy_(0, dst, self.keys.index_select(0, src))
+            self.values.index_copy_(0, dst, self.values.index_select(0, src))
+
+    def open_copies(self, source: torch.Tensor, target: torch.Tensor) -> None:
+        """Write the decoded contents of pages ``source`` into freshly allocated open ``target``
+        pages (to append after a truncation that left a sealed page partly kept)."""
+        keys, values = self.read_pages(source)
+        rows = to_arena_device(self.raw_row[target], self.device)
+        self.keys.index_copy_(0, rows, keys)
+        self.values.index_copy_(0, rows, values)
+        self.positions.index_copy_(0, to_arena_device(target, self.device), self.positions.index_select(0, to_arena_device(source, self.device)))
+        self.page_heads[target] = self.page_heads[source]
+
+    def seal(self, ids: torch.Tensor) -> None:
+        """Encode open, full pages ``ids`` (distinct, in use) and release their raw rows."""
+        if ids.numel() == 0:
+            return
+        rows = self.raw_row[ids]
+        if bool((rows < 0).any()):
+            raise RuntimeError("seal of a page that is sealed or free: the store and the pool disagree")
+        source = to_arena_device(rows, self.device)
+        encoded = self.codec.encode(
+            self.keys.index_select(0, source),
+            self.values.index_select(0, source),
+            to_arena_device(self.page_heads[ids], self.device),
+        )
+        target = to_arena_device(ids, self.device)
+        if not self.encoded:
+            self.encoded = {
+                name: torch.zeros(self.capacity, *field.shape, dtype=_arena_dtype(field.dtype), device=self.device)
+                for name, field in self.codec.fields.items()
+            }
+        fields = self.codec.fields
+        for name, t in encoded.items():
+            arena = self.encoded[name]
+            field = t.to(fields[name].dtype)
+            arena.index_copy_(0, target, field.view(arena.dtype) if field.dtype != arena.dtype else field)
+        self._raw_free.push(rows)
+        self.raw_row[ids] = -1
+        self.sealed[ids] = True
+        held = self.keys.shape[0] - self._raw_free.free
+        if self.keys.shape[0] > _MIN_RAW_PAGES and 4 * held < self.keys.shape[0]:
+            self._resize_raw(max(_MIN_RAW_PAGES, 2 * held))
+
+
+def _arena_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a field's arena is held in: one-byte floats (float8) as uint8 bytes, viewed back
+    on read (torch's index kernels do not take float8); every other dtype as it is."""
+    return torch.uint8 if dtype.is_floating_point and dtype.itemsize == 1 else dtype

@@ -1,0 +1,52 @@
+"""A tensor-backed stack of free ids: O(1) per id to take or return, vectorized over many ids.
+
+Ids in ``[0, capacity)``; ``contents()[:free]`` are free. Taking pops from the top, and the
+top of a fresh stack is the lowest id, so ids are handed out lowest first. Growing adds the new
+ids below the existing free ones: existing free ids go first, then the new ids, lowest first.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class FreeStack:
+    """Free ids of an arena of ``capacity`` rows (all free at first)."""
+
+    def __init__(self, capacity: int) -> None:
+        self._stack = torch.arange(capacity - 1, -1, -1, dtype=torch.int64)
+        self._top = capacity
+        self.capacity = capacity
+
+    @property
+    def free(self) -> int:
+        """Ids on the stack."""
+        return self._top
+
+    def pop(self, count: int) -> torch.Tensor:
+        """Take ``count`` ids (``count <= free``), int64 on the CPU."""
+        top = self._top
+        ids = self._stack[top - count : top].flip(0)
+        self._top = top - count
+        return ids
+
+    def push(self, ids: torch.Tensor) -> None:
+        """Return ids (each taken, none repeated)."""
+        top = self._top
+        self._stack[top : top + ids.numel()] = ids.flip(0)
+        self._top = top + ids.numel()
+
+    def grow(self, capacity: int) -> None:
+        """Add ids ``[old capacity, capacity)`` as free."""
+        old = self.capacity
+        stack = torch.empty(capacity, dtype=torch.int64)
+        added = torch.arange(capacity - 1, old - 1, -1, dtype=torch.int64)
+        stack[: added.numel()] = added
+        stack[added.numel() : added.numel() + self._top] = self._stack[: self._top]
+        self._stack = stack
+        self._top += added.numel()
+        self.capacity = capacity
+
+    def contents(self) -> torch.Tensor:
+        """The free ids (a copy), top of the stack last."""
+        return self._stack[: self._top].clone()
