@@ -97,6 +97,17 @@ class TensorCodec(abc.ABC):
     def decode(self, encoded: dict[str, torch.Tensor], heads: torch.Tensor) -> torch.Tensor:
         """Decode fields of ``pages`` pages back to ``[pages, page_size, dim]`` in the compute dtype."""
 
+    def decode_into(
+        self, arenas: dict[str, torch.Tensor], pages: torch.Tensor, heads: torch.Tensor, out: torch.Tensor, rows: torch.Tensor
+    ) -> None:
+        """Decode arena rows ``pages`` (int64, CPU) into ``out[rows]`` (``out`` ``[m, page_size, dim]``
+        contiguous, compute dtype; ``rows`` int64 on the CPU). ``arenas`` hold each field for
+        every page of the pool (``[capacity, *shape]``). Default: gather, :meth:`decode`, copy;
+        codecs with fused kernels override it to skip the copies."""
+        index = pages.to(out.device, non_blocking=True)
+        encoded = {name: arena.index_select(0, index) for name, arena in arenas.items()}
+        out.index_copy_(0, rows.to(out.device, non_blocking=True), self.decode(encoded, heads))
+
     @property
     def ready(self) -> bool:
         """Whether the codec can encode (fitted codecs: once their fit has run)."""
@@ -154,6 +165,13 @@ class PageCodec:
         encoded = {f"key.{n}": t for n, t in self.key.encode(keys, heads).items()}
         encoded.update({f"value.{n}": t for n, t in self.value.encode(values, heads).items()})
         return encoded
+
+    def decode_into(
+        self, arenas: dict[str, torch.Tensor], pages: torch.Tensor, heads: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor
+    ) -> None:
+        """Decode arena rows ``pages`` into ``keys[rows]`` and ``values[rows]`` (see :meth:`TensorCodec.decode_into`)."""
+        self.key.decode_into({n[4:]: t for n, t in arenas.items() if n.startswith("key.")}, pages, heads, keys, rows)
+        self.value.decode_into({n[6:]: t for n, t in arenas.items() if n.startswith("value.")}, pages, heads, values, rows)
 
     def decode(self, encoded: dict[str, torch.Tensor], heads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(keys, values)`` of the pages whose fields are ``encoded``."""

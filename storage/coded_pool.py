@@ -150,13 +150,16 @@ class CodedPagePool(PagePool):
                 free = to_arena_device(rows < 0, self.device).view(-1, 1, 1)
                 keys, values = keys.masked_fill(free, 0), values.masked_fill(free, 0)
             return keys, values
-        keys = torch.zeros(ids.numel(), self.page_size, self.head_dim, dtype=self.dtype, device=self.device)
-        values = torch.zeros(ids.numel(), self.page_size, self.value_dim, dtype=self.dtype, device=self.device)
+        keys = torch.empty(ids.numel(), self.page_size, self.head_dim, dtype=self.dtype, device=self.device)
+        values = torch.empty(ids.numel(), self.page_size, self.value_dim, dtype=self.dtype, device=self.device)
         where = sealed.nonzero().squeeze(-1)
-        decoded_keys, decoded_values = self.decode_pages(ids[where])
-        where = to_arena_device(where, self.device)
-        keys.index_copy_(0, where, decoded_keys)
-        values.index_copy_(0, where, decoded_values)
+        pages = ids[where]
+        self.codec.decode_into(self._arenas(), pages, to_arena_device(self.page_heads[pages], self.device), keys, values, where)
+        free = (~sealed & (rows < 0)).nonzero().squeeze(-1)
+        if free.numel():
+            index = to_arena_device(free, self.device)
+            keys.index_fill_(0, index, 0)
+            values.index_fill_(0, index, 0)
         opened = (rows >= 0).nonzero().squeeze(-1)
         if opened.numel():
             source = to_arena_device(rows[opened], self.device)
@@ -165,12 +168,10 @@ class CodedPagePool(PagePool):
             values.index_copy_(0, target, self.values.index_select(0, source))
         return keys, values
 
-    def decode_pages(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Decode sealed pages ``ids``: ``(keys, values)`` ``[n, page_size, dim]``."""
-        index = to_arena_device(ids, self.device)
+    def _arenas(self) -> dict[str, torch.Tensor]:
+        """The field arenas viewed in their fields' dtypes (float8 arenas are held as bytes)."""
         fields = self.codec.fields
-        encoded = {name: t.index_select(0, index).view(fields[name].dtype) for name, t in self.encoded.items()}
-        return self.codec.decode(encoded, to_arena_device(self.page_heads[ids], self.device))
+        return {name: t.view(fields[name].dtype) for name, t in self.encoded.items()}
 
     def copy_pages(self, source: torch.Tensor, target: torch.Tensor) -> None:
         """Copy pages onto freshly allocated ``target`` pages: a sealed source stays sealed in its

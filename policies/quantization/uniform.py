@@ -7,15 +7,22 @@ is within half a step (``scale / 2``) of its decoded value (before the decoded v
 to the compute dtype). Codes are packed (:mod:`kvlib.storage.packing`); scales and minima are
 metadata, stored in fp16 (bf16 for a bf16 compute dtype, whose range fp16 lacks).
 
+On the CPU the group quantizer runs fused numba kernels (:mod:`.kernels`); elsewhere the torch
+code here, which is also their reference.
+
 Symmetric absmax quantization (int8): ``scale = max|x| / 127`` rounded up, codes
 ``round(x / scale)`` in ``[-127, 127]``; same half-step bound.
 """
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import torch
 
 from kvlib.codec import Field, TensorCodec, TensorShape
+from kvlib.policies.quantization import kernels
 from kvlib.storage.packing import pack, packed_size, unpack
 
 
@@ -36,15 +43,22 @@ def round_up(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.where(y.float() < x, torch.nextafter(y, torch.full_like(y, float("inf"))), y)
 
 
+def grid(low: torch.Tensor, high: torch.Tensor, bits: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(scale, minimum)`` in ``dtype`` of groups spanning float32 ``[low, high]``: the grid
+    ``minimum + scale * [0, 2**bits)`` covers the span."""
+    minimum = round_down(low, dtype)
+    span = (high - minimum.float()) / ((1 << bits) - 1)
+    return round_up(torch.nextafter(span, torch.full_like(span, float("inf"))), dtype), minimum
+
+
 def quantize_min_max(x: torch.Tensor, bits: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Quantize groups along the last dim of float32 ``x``: ``(codes uint8, scale, minimum)``,
     scale and minimum ``x.shape[:-1]`` in ``dtype``."""
     levels = (1 << bits) - 1
-    minimum = round_down(x.amin(-1), dtype)
-    span = (x.amax(-1) - minimum.float()) / levels
-    scale = round_up(torch.nextafter(span, torch.full_like(span, float("inf"))), dtype)
+    scale, minimum = grid(x.amin(-1), x.amax(-1), bits, dtype)
     step = scale.float().unsqueeze(-1)
-    codes = ((x - minimum.float().unsqueeze(-1)) / torch.where(step > 0, step, 1.0)).round_().clamp_(0, levels)
+    inverse = torch.where(step > 0, 1.0 / step, 0.0)
+    codes = ((x - minimum.float().unsqueeze(-1)) * inverse).round_().clamp_(0, levels)
     return codes.to(torch.uint8), scale, minimum
 
 
@@ -58,7 +72,8 @@ class GroupQuantizer(TensorCodec):
 
     ``per_channel=True``: each channel is one group across the page's tokens (KIVI's keys: the
     page is the token group). ``per_channel=False``: each token's channels split into groups of
-    ``group`` (KIVI's values); ``group`` is clamped to ``dim`` and must then divide it.
+    ``group`` (KIVI's values); ``group`` is clamped to ``dim`` and must then divide it. Codes are
+    packed in the page's token-major element order whatever the grouping.
     """
 
     def __init__(self, shape: TensorShape, bits: int, *, per_channel: bool, group: int = 0) -> None:
@@ -69,8 +84,10 @@ class GroupQuantizer(TensorCodec):
         if not per_channel and shape.dim % self.group:
             raise ValueError(f"group {group} does not divide head_dim {shape.dim}; valid groups: {divisors(shape.dim)}")
         self.meta = metadata_dtype(shape.dtype)
-        groups = (shape.dim,) if per_channel else (shape.page_size, shape.dim // self.group)
         self._count = shape.page_size * shape.dim
+        self._kernels = kernels.fits(bits, self._count)
+        """Whether the fused CPU kernels serve this layout (a page's codes fill whole bytes)."""
+        groups = (shape.dim,) if per_channel else (shape.page_size, shape.dim // self.group)
         self._fields = {
             "codes": Field((packed_size(self._count, bits),), torch.uint8),
             "scale": Field(groups, self.meta, metadata=True),
@@ -81,26 +98,62 @@ class GroupQuantizer(TensorCodec):
     def fields(self) -> dict[str, Field]:
         return self._fields
 
-    def _grouped(self, block: torch.Tensor) -> torch.Tensor:
-        """``block [n, page_size, dim]`` as float32 groups ``[n, *groups, group]``."""
-        n, size, dim = block.shape
-        if self.per_channel:
-            return block.float().transpose(1, 2)
-        return block.float().view(n, size, dim // self.group, self.group)
-
     def encode(self, block: torch.Tensor, heads: torch.Tensor) -> dict[str, torch.Tensor]:
-        codes, scale, minimum = quantize_min_max(self._grouped(block), self.bits, self.meta)
-        return {"codes": pack(codes.reshape(block.shape[0], -1), self.bits), "scale": scale, "minimum": minimum}
+        n = block.shape[0]
+        groups = self._fields["scale"].shape
+        if block.device.type == "cpu" and self._kernels:
+            x = block.float().reshape(n, -1).contiguous().numpy()
+            low = np.empty((n, math.prod(groups)), dtype=np.float32)
+            high = np.empty_like(low)
+            if self.per_channel:
+                kernels.min_max_cols(x, self.shape.dim, low, high)
+            else:
+                kernels.min_max_rows(x, self.group, low, high)
+            scale, minimum = grid(torch.from_numpy(low), torch.from_numpy(high), self.bits, self.meta)
+            codes = np.empty((n, self._fields["codes"].shape[0]), dtype=np.uint8)
+            kernels.quantize_pack(self.bits, self.per_channel)(x, scale.float().numpy(), minimum.float().numpy(), self.shape.dim, codes)
+            return {"codes": torch.from_numpy(codes), "scale": scale.view(n, *groups), "minimum": minimum.view(n, *groups)}
+        x = block.float()
+        if self.per_channel:  # groups along the tokens: quantize the transposed page, keep codes token-major
+            codes, scale, minimum = quantize_min_max(x.transpose(1, 2), self.bits, self.meta)
+            codes = codes.transpose(1, 2)
+        else:
+            codes, scale, minimum = quantize_min_max(x.view(n, self.shape.page_size, -1, self.group), self.bits, self.meta)
+        return {"codes": pack(codes.reshape(n, -1), self.bits), "scale": scale, "minimum": minimum}
 
     def decode(self, encoded: dict[str, torch.Tensor], heads: torch.Tensor) -> torch.Tensor:
         n = encoded["codes"].shape[0]
         size, dim = self.shape.page_size, self.shape.dim
+        if encoded["codes"].device.type == "cpu" and self._kernels:
+            out = torch.empty(n, size, dim, dtype=self.shape.dtype)
+            rows = torch.arange(n)
+            self.decode_into(encoded, rows, heads, out, rows)
+            return out
         codes = unpack(encoded["codes"], self.bits, self._count)
         if self.per_channel:
-            values = dequantize_min_max(codes.view(n, dim, size), encoded["scale"], encoded["minimum"]).transpose(1, 2)
+            values = dequantize_min_max(codes.view(n, size, dim).transpose(1, 2), encoded["scale"], encoded["minimum"]).transpose(1, 2)
         else:
             values = dequantize_min_max(codes.view(n, size, dim // self.group, self.group), encoded["scale"], encoded["minimum"])
         return values.reshape(n, size, dim).to(self.shape.dtype)
+
+    def decode_into(
+        self, arenas: dict[str, torch.Tensor], pages: torch.Tensor, heads: torch.Tensor, out: torch.Tensor, rows: torch.Tensor
+    ) -> None:
+        """On the CPU one fused kernel reads the codes where they are stored and writes ``out[rows]``."""
+        if out.device.type != "cpu" or not self._kernels:
+            super().decode_into(arenas, pages, heads, out, rows)
+            return
+        m = pages.numel()
+        scale = arenas["scale"].index_select(0, pages).float().reshape(m, -1).numpy()
+        minimum = arenas["minimum"].index_select(0, pages).float().reshape(m, -1).numpy()
+        kernel = kernels.unpack_dequantize(self.bits, self.per_channel)
+        codes = arenas["codes"].numpy()
+        if out.dtype == torch.float32:
+            kernel(codes, pages.numpy(), scale, minimum, out.view(out.shape[0], -1).numpy(), rows.numpy())
+            return
+        decoded = np.empty((m, self._count), dtype=np.float32)
+        kernel(codes, pages.numpy(), scale, minimum, decoded, np.arange(m))
+        out.index_copy_(0, rows, torch.from_numpy(decoded).view(m, *out.shape[1:]).to(out.dtype))
 
 
 class AbsmaxInt8(TensorCodec):

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvlib import PagedStore
-from kvlib.codec import Field, PageCodec, TensorCodec, TensorShape, layer_shapes
+from kvlib.codec import Field, PageCodec, TensorCodec, layer_shapes
 from kvlib.storage.coded_pool import CodedPagePool
 
 HEADS = (2, 3)

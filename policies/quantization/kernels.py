@@ -1,0 +1,133 @@
+"""Fused CPU kernels (numba) for the group quantizers: a min/max pass and a quantize-and-pack pass
+to encode; one gather-unpack-dequantize-scatter pass to decode, over pages in parallel. The torch
+code in :mod:`~kvlib.policies.quantization.uniform` is the reference (and the path on other
+devices); ``tests/policies/quantization/test_kernels.py`` checks that both agree.
+
+Pages are float32 ``[n, page_size * dim]`` (token-major). Codes are packed in that same element
+order, little end first, ``8 // bits`` per byte (as :mod:`kvlib.storage.packing` packs them). The
+group of element ``i`` (token ``t = i // dim``, channel ``c = i % dim``) is:
+
+- ``rows`` (values, per token): ``i // group`` (``group`` consecutive channels of a token);
+- ``cols`` (keys, per channel): ``c`` (one channel across the page's tokens).
+
+Kernels are built per bit width (a closure constant), so shifts and masks are constants.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import numba
+import numpy as np
+
+
+@numba.njit(parallel=True, cache=True)
+def min_max_rows(x: np.ndarray, group: int, low: np.ndarray, high: np.ndarray) -> None:
+    """``low``/``high`` ``[n, groups]``: extremes of each run of ``group`` elements of ``x [n, count]``."""
+    n, count = x.shape
+    for p in numba.prange(n):
+        for g in range(count // group):
+            lo = x[p, g * group]
+            hi = lo
+            for k in range(1, group):
+                v = x[p, g * group + k]
+                lo = min(lo, v)
+                hi = max(hi, v)
+            low[p, g] = lo
+            high[p, g] = hi
+
+
+@numba.njit(parallel=True, cache=True)
+def min_max_cols(x: np.ndarray, dim: int, low: np.ndarray, high: np.ndarray) -> None:
+    """``low``/``high`` ``[n, dim]``: extremes of each channel of ``x [n, tokens * dim]`` over its tokens."""
+    n, count = x.shape
+    for p in numba.prange(n):
+        for c in range(dim):
+            low[p, c] = x[p, c]
+            high[p, c] = x[p, c]
+        for t in range(1, count // dim):
+            for c in range(dim):
+                v = x[p, t * dim + c]
+                low[p, c] = min(low[p, c], v)
+                high[p, c] = max(high[p, c], v)
+
+
+@functools.cache
+def quantize_pack(bits: int, cols: bool) -> Callable[..., None]:
+    """Kernel ``(x, scale, minimum, dim, out)``: codes ``rint((x - minimum) * (1 / scale))``
+    clamped to ``[0, 2**bits)`` (0 where ``scale == 0``), packed into ``out`` uint8 ``[n, bytes]``."""
+    per_byte = 8 // bits
+    levels = np.float32((1 << bits) - 1)
+    zero = np.float32(0.0)
+    one = np.float32(1.0)
+
+    @numba.njit(parallel=True, cache=True)
+    def kernel(x: np.ndarray, scale: np.ndarray, minimum: np.ndarray, dim: int, out: np.ndarray) -> None:
+        n, count = x.shape
+        groups = scale.shape[1]
+        group = count // groups
+        codes = np.empty((n, count), dtype=np.uint8)
+        for p in numba.prange(n):
+            inverse = np.empty(groups, dtype=np.float32)
+            for g in range(groups):
+                inverse[g] = one / scale[p, g] if scale[p, g] > zero else zero
+            if cols:
+                for t in range(count // dim):
+                    for c in range(dim):
+                        q = np.rint((x[p, t * dim + c] - minimum[p, c]) * inverse[c])
+                        codes[p, t * dim + c] = np.uint8(min(max(q, zero), levels))
+            else:
+                for g in range(groups):
+                    m = minimum[p, g]
+                    v = inverse[g]
+                    for k in range(group):
+                        q = np.rint((x[p, g * group + k] - m) * v)
+                        codes[p, g * group + k] = np.uint8(min(max(q, zero), levels))
+            for j in range(count // per_byte):
+                acc = codes[p, j * per_byte]
+                for k in range(1, per_byte):
+                    acc |= codes[p, j * per_byte + k] << (bits * k)
+                out[p, j] = acc
+
+    return kernel
+
+
+@functools.cache
+def unpack_dequantize(bits: int, cols: bool) -> Callable[..., None]:
+    """Kernel ``(packed, sources, scale, minimum, out, targets)``: for each ``p``, row
+    ``out[targets[p]]`` (float32 ``[count]``) becomes ``minimum + scale * code`` of the codes in
+    ``packed[sources[p]]``; ``scale``/``minimum`` ``[len(sources), groups]`` float32."""
+    per_byte = 8 // bits
+    shift = per_byte.bit_length() - 1
+    mask = (1 << bits) - 1
+
+    @numba.njit(parallel=True, fastmath=True, cache=True)
+    def kernel(packed: np.ndarray, sources: np.ndarray, scale: np.ndarray, minimum: np.ndarray, out: np.ndarray, targets: np.ndarray) -> None:
+        count = out.shape[1]
+        groups = scale.shape[1]
+        for p in numba.prange(sources.shape[0]):
+            src = sources[p]
+            dst = targets[p]
+            if cols:
+                for t in range(count // groups):
+                    for c in range(groups):
+                        i = t * groups + c
+                        code = (packed[src, i >> shift] >> ((i & (per_byte - 1)) * bits)) & mask
+                        out[dst, i] = minimum[p, c] + scale[p, c] * np.float32(code)
+            else:
+                group = count // groups
+                for g in range(groups):
+                    s = scale[p, g]
+                    m = minimum[p, g]
+                    for k in range(group):
+                        i = g * group + k
+                        code = (packed[src, i >> shift] >> ((i & (per_byte - 1)) * bits)) & mask
+                        out[dst, i] = m + s * np.float32(code)
+
+    return kernel
+
+
+def fits(bits: int, count: int) -> bool:
+    """Whether the kernels serve pages of ``count`` elements at ``bits`` (whole bytes per page)."""
+    return count % (8 // bits) == 0
