@@ -115,6 +115,8 @@ def evaluate(model, make, context, greedy_tokens, full_logits, continuation) -> 
         "ppl_per_context": nll.mean(-1).exp().tolist(),
         "total_bytes": report["total_bytes"],
         "pages_bytes": report["by_component"]["pages"],
+        "codec_metadata_bytes": report["by_component"]["codec_metadata"],
+        "positions_bytes": report["by_component"]["positions"],
         "stored_tokens": report["stored_tokens"],
         "logical_tokens": report["logical_tokens"],
     }

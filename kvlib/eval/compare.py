@@ -4,6 +4,8 @@ A budget is a fraction ``f`` of the tokens a task's sequences see; each run gets
 ``kvlib.make_cache(model, policy, budget=max(1, round(f * tokens)))``, an int token cap per layer
 and KV head held at every forward call, so KV bytes stay near ``f`` of the full cache's throughout
 (prefill, streaming and decoding alike). The full cache is ``kvlib.make_cache(model)`` (exact).
+A policy with no eviction strategy (a codec alone, ``"kivi(bits=4)"``) keeps every token, so it
+runs once, with no budget; with one (``"snapkv+kivi(bits=4)"``) it runs at every budget.
 Decode speed is measured per configuration on one ``context``-token prompt of the evaluation text:
 ``speed_steps`` greedy single-token steps after a prefill and two warm-up steps.
 
@@ -51,10 +53,23 @@ class CompareRun:
         return self.policy if self.budget is None else f"{self.policy} @ {self.budget:g}"
 
 
+def evicts(policy: str) -> bool:
+    """Whether ``policy`` drops tokens (has an eviction strategy), so that it takes budgets."""
+    return policy != FULL and kvlib.parse_spec(policy).eviction is not None
+
+
+def configurations(policies: Sequence[str], budgets: Sequence[float]) -> list[tuple[str, float | None]]:
+    """The full cache, then every policy at every budget (once, with no budget, if it does not evict)."""
+    return [(FULL, None)] + [(p, b) for p in policies for b in (budgets if evicts(p) else [None])]
+
+
 def cache_factory(model: torch.nn.Module, policy: str, budget: float | None) -> CacheFactory:
-    """Caches for one configuration: a token cap of ``round(budget * tokens)``, or exact for full."""
+    """Caches for one configuration: a token cap of ``round(budget * tokens)``; exact for full; the
+    policy as it is when it takes no budget."""
     if policy == FULL:
         return lambda tokens: kvlib.make_cache(model)
+    if budget is None:
+        return lambda tokens: kvlib.make_cache(model, policy)
     return lambda tokens: kvlib.make_cache(model, policy, budget=max(1, round(budget * tokens)))
 
 
@@ -78,7 +93,7 @@ def check_inputs(loaded: LoadedModel, policies: Sequence[str], budgets: Sequence
     """Raise ``ValueError`` (one line) for anything that would fail later; runs nothing heavy."""
     check_policies_and_budgets(policies, budgets)
     for policy in policies:
-        kvlib.make_cache(loaded.model, policy, budget=1)
+        kvlib.make_cache(loaded.model, policy, budget=1 if evicts(policy) else None)
     for task in tasks:
         task.check(loaded.model, loaded.tokenizer, loaded.context)
 
@@ -117,7 +132,7 @@ def compare(
         [bos + windows(text_ids(tokenizer), context - speed_steps - 2 - len(bos), 1, seed=2)[0]],
         device=next(model.parameters()).device,
     )
-    configs = [(FULL, None)] + [(p, b) for p in policies for b in budgets]
+    configs = configurations(policies, budgets)
     runs = []
     with tqdm(total=len(configs) * (len(tasks) + 1), desc="kvlib compare", unit="run", disable=not progress) as bar:
         for policy, budget in configs:

@@ -131,3 +131,39 @@ def unpack_dequantize(bits: int, cols: bool) -> Callable[..., None]:
 def fits(bits: int, count: int) -> bool:
     """Whether the kernels serve pages of ``count`` elements at ``bits`` (whole bytes per page)."""
     return count % (8 // bits) == 0
+
+
+@numba.njit(parallel=True, fastmath=True, cache=True)
+def scaled_lookup(codes: np.ndarray, sources: np.ndarray, table: np.ndarray, scale: np.ndarray, out: np.ndarray, targets: np.ndarray) -> None:
+    """``out[targets[p], i] = table[codes[sources[p], i]] * scale[p, i // (count // scale.shape[1])]``:
+    decoding of one-byte codes through a 256-entry table (fp8 bit patterns to float32) with
+    ``scale.shape[1]`` scales per row (one per page, or one per token)."""
+    count = out.shape[1]
+    run = count // scale.shape[1]
+    for p in numba.prange(sources.shape[0]):
+        src = sources[p]
+        dst = targets[p]
+        for g in range(scale.shape[1]):
+            s = scale[p, g]
+            for k in range(run):
+                out[dst, g * run + k] = table[codes[src, g * run + k]] * s
+
+
+@numba.njit(parallel=True, cache=True)
+def row_absmax(x: np.ndarray, out: np.ndarray) -> None:
+    """``out[r] = max |x[r]|`` for ``x`` float32 ``[rows, dim]``."""
+    for r in numba.prange(x.shape[0]):
+        m = np.float32(0.0)
+        for c in range(x.shape[1]):
+            m = max(m, abs(x[r, c]))
+        out[r] = m
+
+
+@numba.njit(parallel=True, cache=True)
+def quantize_symmetric(x: np.ndarray, scale: np.ndarray, out: np.ndarray) -> None:
+    """``out[r, c] = rint(x[r, c] * (1 / scale[r]))`` clamped to ``[-127, 127]`` (0 where ``scale[r] == 0``), int8."""
+    limit = np.float32(127.0)
+    for r in numba.prange(x.shape[0]):
+        inverse = np.float32(1.0) / scale[r] if scale[r] > 0 else np.float32(0.0)
+        for c in range(x.shape[1]):
+            out[r, c] = np.int8(min(max(np.rint(x[r, c] * inverse), -limit), limit))

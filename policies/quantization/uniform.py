@@ -153,7 +153,7 @@ class GroupQuantizer(TensorCodec):
             return
         decoded = np.empty((m, self._count), dtype=np.float32)
         kernel(codes, pages.numpy(), scale, minimum, decoded, np.arange(m))
-        out.index_copy_(0, rows, torch.from_numpy(decoded).view(m, *out.shape[1:]).to(out.dtype))
+        write_rows(out, rows, torch.from_numpy(decoded).view(m, *out.shape[1:]))
 
 
 class AbsmaxInt8(TensorCodec):
@@ -172,14 +172,67 @@ class AbsmaxInt8(TensorCodec):
         return self._fields
 
     def encode(self, block: torch.Tensor, heads: torch.Tensor) -> dict[str, torch.Tensor]:
+        if block.device.type == "cpu":
+            x = block.float().reshape(-1, self.shape.dim).contiguous().numpy()
+            absmax = np.empty(x.shape[0], dtype=np.float32)
+            kernels.row_absmax(x, absmax)
+            scale = round_up(torch.from_numpy(absmax) / 127, self.meta)
+            codes = np.empty(x.shape, dtype=np.int8)
+            kernels.quantize_symmetric(x, scale.float().numpy(), codes)
+            return {"codes": torch.from_numpy(codes).view(block.shape), "scale": scale.view(block.shape[:2])}
         x = block.float()
         scale = round_up(x.abs().amax(-1) / 127, self.meta)
         step = scale.float().unsqueeze(-1)
-        codes = (x / torch.where(step > 0, step, 1.0)).round_().clamp_(-127, 127)
+        inverse = torch.where(step > 0, 1.0 / step, 0.0)
+        codes = (x * inverse).round_().clamp_(-127, 127)
         return {"codes": codes.to(torch.int8), "scale": scale}
 
     def decode(self, encoded: dict[str, torch.Tensor], heads: torch.Tensor) -> torch.Tensor:
         return (encoded["codes"].float() * encoded["scale"].float().unsqueeze(-1)).to(self.shape.dtype)
+
+    def decode_into(
+        self, arenas: dict[str, torch.Tensor], pages: torch.Tensor, heads: torch.Tensor, out: torch.Tensor, rows: torch.Tensor
+    ) -> None:
+        """On the CPU one fused kernel (codes through a table of the 256 int8 values, times each token's scale)."""
+        if out.device.type != "cpu":
+            super().decode_into(arenas, pages, heads, out, rows)
+            return
+        scale = arenas["scale"].index_select(0, pages).float().numpy()
+        lookup_rows(arenas["codes"].view(torch.uint8), pages, INT8_TABLE, scale, out, rows)
+
+
+INT8_TABLE = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.int8).float().numpy()
+"""float32 value of every int8 bit pattern, indexed by the pattern as a byte."""
+
+
+def lookup_rows(
+    codes: torch.Tensor, pages: torch.Tensor, table: np.ndarray, scale: np.ndarray, out: torch.Tensor, rows: torch.Tensor
+) -> None:
+    """``out[rows]`` = ``table[byte] * scale`` for the one-byte codes of arena rows ``pages``
+    (CPU; ``scale`` float32 ``[pages, groups]``, each group a run of equal length)."""
+    flat_codes = codes.reshape(codes.shape[0], -1).numpy()
+    m, count = pages.numel(), flat_codes.shape[1]
+    if out.dtype == torch.float32:
+        kernels.scaled_lookup(flat_codes, pages.numpy(), table, scale, out.view(out.shape[0], -1).numpy(), rows.numpy())
+        return
+    decoded = np.empty((m, count), dtype=np.float32)
+    kernels.scaled_lookup(flat_codes, pages.numpy(), table, scale, decoded, np.arange(m))
+    write_rows(out, rows, torch.from_numpy(decoded).view(m, *out.shape[1:]))
+
+
+def write_rows(out: torch.Tensor, rows: torch.Tensor, decoded: torch.Tensor) -> None:
+    """``out[rows] = decoded`` converting to ``out``'s dtype in the same pass: each run of
+    consecutive rows (a head's pages, in a read) is one ``copy_``."""
+    if rows.numel() == 0:
+        return
+    breaks = (rows[1:] != rows[:-1] + 1).nonzero().squeeze(-1) + 1
+    if breaks.numel() > 64:  # scattered rows: one conversion, one indexed copy
+        out.index_copy_(0, rows, decoded.to(out.dtype))
+        return
+    starts = [0, *breaks.tolist(), rows.numel()]
+    first_rows = rows[starts[:-1]].tolist()
+    for begin, end, row in zip(starts[:-1], starts[1:], first_rows):
+        out[row : row + end - begin].copy_(decoded[begin:end])
 
 
 def divisors(n: int) -> list[int]:

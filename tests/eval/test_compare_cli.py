@@ -101,3 +101,16 @@ def test_pareto_front(higher):
         assert pareto_front(points, True) == [(0.1, 0.1), (0.25, 0.7), (0.5, 0.9), (1.0, 0.95)]
     else:  # lower is better: only ever-lower scores as bytes grow
         assert pareto_front(points, False) == [(0.1, 0.1)]
+
+
+def test_codecs_run_alone_once_and_with_eviction_at_every_budget(byte_model_dir, tmp_path):
+    argv = ["compare", "--model", str(byte_model_dir), "--context", "128", "--samples", "1", "--tasks", "perplexity",
+            "--policies", "kivi(bits=4),streaming_llm+int8", "--budgets", "0.25,0.5", "--out", str(tmp_path), "--quiet"]
+    assert cli.main(argv) == 0
+    runs = json.loads((tmp_path / "compare.json").read_text())["runs"]
+    assert [(r["policy"], r["budget"]) for r in runs] == [
+        ("full", None), ("kivi(bits=4)", None), ("streaming_llm+int8", 0.25), ("streaming_llm+int8", 0.5)]
+    assert all(r["error"] is None for r in runs)
+    kivi, int8_quarter = runs[1], runs[2]
+    assert kivi["kv_fraction"] < 0.6  # 4-bit codes + scales, open pages in fp32
+    assert int8_quarter["kv_fraction"] < 0.25

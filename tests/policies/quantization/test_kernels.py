@@ -3,12 +3,14 @@ and decode_into writes only the rows it names."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvlib.codec import TensorShape
-from kvlib.policies.quantization.uniform import GroupQuantizer
+from kvlib.policies.quantization.fp8 import PageScaledFP8
+from kvlib.policies.quantization.uniform import AbsmaxInt8, GroupQuantizer, round_up
 
 
 def codec_pair(page_size: int, dim: int, bits: int, per_channel: bool, group: int, dtype: torch.dtype):
@@ -54,3 +56,32 @@ def test_decode_into_writes_only_the_named_rows() -> None:
     full = fused.decode(arenas, heads)
     assert torch.equal(out[2], full[5]) and torch.equal(out[0], full[1])
     assert bool((out[1] == 7).all()) and bool((out[3] == 7).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("codec_class", [AbsmaxInt8, PageScaledFP8])
+def test_table_kernels_match_the_torch_decode(codec_class, dtype: torch.dtype) -> None:
+    codec = codec_class(TensorShape(0, 1, 2, 16, 32, dtype, torch.device("cpu")))
+    x = (torch.randn(5, 16, 32, generator=torch.Generator().manual_seed(3)) * 4).to(dtype)
+    heads = torch.zeros(5, dtype=torch.int64)
+    arenas = codec.encode(x, heads)
+    arenas = {name: t.clone() for name, t in arenas.items()}
+    expected = codec.decode(arenas, heads)
+    out = torch.full((7, 16, 32), 9.0, dtype=dtype)
+    rows = torch.tensor([6, 0, 1, 2, 4])  # runs and gaps, as a read's rows have
+    codec.decode_into(arenas, torch.tensor([4, 0, 1, 2, 3]), heads, out, rows)
+    assert torch.allclose(out[rows].float(), expected[[4, 0, 1, 2, 3]].float(), rtol=1e-6, atol=0)
+    assert bool((out[[3, 5]] == 9).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_int8_kernel_encode_matches_the_torch_reference(dtype: torch.dtype) -> None:
+    codec = AbsmaxInt8(TensorShape(0, 1, 2, 16, 32, dtype, torch.device("cpu")))
+    x = (torch.randn(5, 16, 32, generator=torch.Generator().manual_seed(4)) * 7).to(dtype)
+    x[1, 3] = 0  # an all-zero token
+    heads = torch.zeros(5, dtype=torch.int64)
+    fused = codec.encode(x, heads)
+    step = fused["scale"].float().unsqueeze(-1)
+    expected = (x.float() * torch.where(step > 0, 1.0 / step, 0.0)).round().clamp(-127, 127).to(torch.int8)
+    assert torch.equal(fused["codes"], expected)
+    assert torch.equal(fused["scale"], round_up(x.float().abs().amax(-1) / 127, fused["scale"].dtype))

@@ -1,0 +1,396 @@
+"""Page codecs in one run: bytes held, encode/decode throughput against a plain copy, decode speed
+on the ~100M random Llama, and quality on stories260K (alone, and beside eviction at equal bytes).
+
+Sections (``--sections``, all by default):
+
+- ``bytes``: bytes one sealed page holds (codes plus scales, zero points and fitted state shared
+  per page) over the same tokens' keys and values in fp16, for head_dim 128, value group 32, at
+  page sizes ``--page-sizes``. KIVI's per-channel key scales are shared by a page's tokens, so
+  their cost per token falls as pages grow. Targets (at ``--target-page-size``): int4 <= 0.30,
+  int2 <= 0.18, int8 <= 0.55.
+- ``throughput``: ``--throughput-mib`` MiB of keys and values in the compute dtype (head_dim 128,
+  16-token pages, random normal data with per-channel offsets) encoded in batches of 1024 pages
+  (as sealing does) and decoded back into a dense buffer with ``decode_into`` (as a read does);
+  GB/s of uncompressed bytes, beside ``torch.Tensor.copy_`` of the same bytes in the same run (the
+  memory bandwidth limit). Medians of ``--repeats``. Targets: encode >= 10%, decode >= 20% of copy.
+- ``decode``: greedy decode tokens/s of the ~100M random Llama (``--decode-model``) after a
+  ``--prompt-len`` prompt, batch 1, ``--new-tokens`` steps, with ``kvlib.make_cache(model)`` (no
+  codec: exact, with its read mirror) and with each of ``--decode-specs`` (no mirror: every read
+  decodes the pages), runs interleaved for ``--repeats`` rounds after an untimed warm-up that
+  also compiles the numba kernels; medians. Target: ``kivi(bits=4)`` >= 0.7x the exact cache.
+- ``quality``: stories260K, as ``eviction_quality.py`` measures it (model-sampled stories; greedy
+  agreement and KL(full || compressed) over ``--new-tokens-quality`` teacher-forced steps;
+  perplexity of a held-out continuation), for each codec of ``--codecs`` alone, then at equal
+  bytes: for each target fraction in ``--byte-budgets`` of the full cache's KV bytes and each
+  eviction strategy of ``--evictions``, the strategy alone at that fraction of the tokens, and
+  with each codec keeping ``fraction / (codec's bytes ratio)`` of the tokens (when that is <= 1).
+  KV bytes are pages + codec metadata + positions at the end of the perplexity pass (what each
+  stored token costs; block tables and read mirrors excluded).
+
+Usage:
+
+    python benchmarks/codec_bench.py [--sections bytes,throughput,decode,quality] [--threads N]
+        [--throughput-mib 512] [--repeats 3] [--prompt-len 2048] [--new-tokens 64]
+        [--stories-path ../shared/models/stories260K] [--out benchmarks/results]
+    python benchmarks/codec_bench.py --quick --out /tmp/x   # tiny sizes, stories only
+
+Writes ``codec_bench.md`` and ``codec_bench.json`` to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+import kvlib
+from kvlib.codec import FitSample, PageCodec, layer_shapes
+from kvlib.spec import parse_spec
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or loaded by path
+from eviction_quality import evaluate, sample_texts  # noqa: E402
+from provenance import (  # noqa: E402
+    LLAMA100M,
+    add_run_arguments,
+    git_revision,
+    no_machine_path,
+    parse_run_arguments,
+    write_report,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+SECTIONS = ("bytes", "throughput", "decode", "quality")
+BYTE_CODECS = ("int8", "fp8", "kivi(bits=8)", "kivi(bits=4)", "kivi(bits=2)", "kv_bits(key_bits=4, value_bits=2)",
+               "svd(rank=32)", "think(keep=0.5)")
+THROUGHPUT_CODECS = ("int8", "fp8", "kivi(bits=8)", "kivi(bits=4)", "kivi(bits=2)", "kv_bits(key_bits=4, value_bits=2)")
+QUALITY_CODECS = ("int8", "fp8", "kivi(bits=8)", "kivi(bits=4)", "kivi(bits=2)", "kv_bits(key_bits=4, value_bits=2)",
+                  "kv_bits(key_bits=2, value_bits=4)", "svd", "svd(rank=4)", "xkv(rank=4)", "think(keep=0.5)")
+PAIR_CODECS = ("int8", "kivi(bits=4)", "kivi(bits=2)", "kv_bits(key_bits=4, value_bits=2)")
+TARGETS = {"int8": 0.55, "kivi(bits=4)": 0.30, "kivi(bits=2)": 0.18}
+FULL = {"sections": ",".join(SECTIONS), "page_sizes": "16,32,64,128", "target_page_size": 64, "throughput_mib": 512,
+        "repeats": 3, "decode_model": "llama100m", "prompt_len": 2048, "new_tokens": 64,
+        "decode_specs": "kivi(bits=4);kivi(bits=2);int8;fp8", "contexts": 8, "context_len": 400,
+        "new_tokens_quality": 100, "continuation_len": 100, "codecs": ";".join(QUALITY_CODECS),
+        "pair_codecs": ";".join(PAIR_CODECS), "evictions": "snapkv,streaming_llm", "byte_budgets": "0.25,0.125"}
+QUICK = {"sections": ",".join(SECTIONS), "page_sizes": "16,64", "target_page_size": 64, "throughput_mib": 4,
+         "repeats": 1, "decode_model": "stories", "prompt_len": 64, "new_tokens": 4, "decode_specs": "kivi(bits=4)",
+         "contexts": 2, "context_len": 48, "new_tokens_quality": 8, "continuation_len": 8,
+         "codecs": "int8;kivi(bits=4);svd(rank=4)", "pair_codecs": "kivi(bits=4)", "evictions": "streaming_llm",
+         "byte_budgets": "0.25"}
+HEAD_DIM = 128
+VALUE_GROUP = 32
+BATCH_PAGES = 1024
+
+
+def layer_codec(spec: str, page_size: int, dtype: torch.dtype, heads: int = 1) -> PageCodec:
+    """The codec ``spec`` builds for one layer (head_dim 128), fitted on random data if it fits."""
+    strategy = parse_spec(spec).quantization or parse_spec(spec).lowrank
+    shapes = layer_shapes(1, heads, HEAD_DIM, HEAD_DIM, page_size, dtype, torch.device("cpu"))
+    codec = strategy.layer_codecs(shapes)[0]
+    if not codec.ready:
+        generator = torch.Generator().manual_seed(0)
+        keys = torch.randn(1, heads, 256, HEAD_DIM, generator=generator).to(dtype)
+        valid = torch.ones(1, heads, 256, dtype=torch.bool)
+        codec.observe(FitSample(0, keys, keys, valid, keys, torch.ones(1, 256, dtype=torch.bool)))
+    return codec
+
+
+def bytes_section(page_sizes: list[int]) -> list[dict]:
+    rows = []
+    for spec in BYTE_CODECS:
+        row = {"codec": spec, "ratio": {}}
+        for size in page_sizes:
+            codec = layer_codec(spec, size, torch.float16)
+            fp16 = 2 * size * HEAD_DIM * 2
+            row["ratio"][size] = (codec.page_bytes() + codec.state_bytes() / 1e9) / fp16  # state: per layer, ~0 per page
+            row.setdefault("metadata_share", {})[size] = codec.page_bytes(metadata=True) / codec.page_bytes()
+        rows.append(row)
+    return rows
+
+
+def _median_seconds(action, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        action()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def throughput_section(mib: int, repeats: int) -> list[dict]:
+    rows = []
+    for dtype in (torch.float32, torch.float16):
+        element = torch.empty((), dtype=dtype).element_size()
+        pages = max(1, mib * 2**20 // (2 * 16 * HEAD_DIM * element))  # keys + values
+        generator = torch.Generator().manual_seed(1)
+        offsets = torch.randn(HEAD_DIM, generator=generator) * 4
+        keys = (torch.randn(pages, 16, HEAD_DIM, generator=generator) + offsets).to(dtype)
+        values = torch.randn(pages, 16, HEAD_DIM, generator=generator).to(dtype)
+        uncompressed = 2 * keys.numel() * element
+        out_keys, out_values = torch.empty_like(keys), torch.empty_like(values)
+        out_keys.copy_(keys), out_values.copy_(values)  # touch the pages once
+        copy = _median_seconds(lambda: (out_keys.copy_(keys), out_values.copy_(values)), repeats)
+        for spec in THROUGHPUT_CODECS:
+            codec = layer_codec(spec, 16, dtype)
+            heads = torch.zeros(pages, dtype=torch.int64)
+            arenas = {name: torch.empty(pages, *field.shape, dtype=field.dtype) for name, field in codec.fields.items()}
+
+            def encode() -> None:
+                for first in range(0, pages, BATCH_PAGES):
+                    chunk = slice(first, min(first + BATCH_PAGES, pages))
+                    for name, t in codec.encode(keys[chunk], values[chunk], heads[chunk]).items():
+                        arenas[name][chunk] = t
+
+            def decode() -> None:
+                for first in range(0, pages, BATCH_PAGES):
+                    ids = torch.arange(first, min(first + BATCH_PAGES, pages))
+                    codec.decode_into(arenas, ids, heads[ids], out_keys, out_values, ids)
+
+            encode(), decode()  # warm-up: compiles the kernels
+            encode_s, decode_s = _median_seconds(encode, repeats), _median_seconds(decode, repeats)
+            error = max(float((out_keys.float() - keys.float()).abs().max()), float((out_values.float() - values.float()).abs().max()))
+            rows.append({
+                "codec": spec, "dtype": str(dtype).removeprefix("torch."), "uncompressed_bytes": uncompressed,
+                "copy_gb_s": uncompressed / copy / 1e9, "encode_gb_s": uncompressed / encode_s / 1e9,
+                "decode_gb_s": uncompressed / decode_s / 1e9, "encode_vs_copy": copy / encode_s,
+                "decode_vs_copy": copy / decode_s, "max_abs_error": error,
+            })
+            print(f"throughput {spec} {dtype}: encode {rows[-1]['encode_vs_copy']:.0%} decode {rows[-1]['decode_vs_copy']:.0%} of copy", flush=True)
+        del keys, values, out_keys, out_values
+        gc.collect()
+    return rows
+
+
+def decode_model(name: str, stories_path: Path) -> torch.nn.Module:
+    if name == "stories":
+        return AutoModelForCausalLM.from_pretrained(stories_path, dtype=torch.float32).eval()
+    torch.manual_seed(0)
+    config = LlamaConfig(**LLAMA100M, max_position_embeddings=4096, tie_word_embeddings=True, dtype=torch.float32)
+    return LlamaForCausalLM(config).to(torch.float32).eval()
+
+
+def decode_once(model: torch.nn.Module, spec: str | None, prompt: torch.Tensor, new_tokens: int) -> dict:
+    gc.collect()
+    cache = kvlib.make_cache(model) if spec is None else kvlib.make_cache(model, spec)
+    with torch.inference_mode():
+        out = model(input_ids=prompt, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        token = out.logits[:, -1].argmax(-1, keepdim=True)
+        start = time.perf_counter()
+        for _ in range(new_tokens):
+            token = model(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+        seconds = time.perf_counter() - start
+    report = cache.memory_report()
+    return {"tok_s": new_tokens / seconds, "total_bytes": report["total_bytes"], "by_component": report["by_component"]}
+
+
+def decode_section(args: argparse.Namespace, stories_path: Path) -> list[dict]:
+    model = decode_model(args.decode_model, stories_path)
+    kvlib.attach(model)
+    specs: list[str | None] = [None, *[s.strip() for s in args.decode_specs.split(";") if s.strip()]]
+    prompt = torch.randint(0, model.config.vocab_size, (1, args.prompt_len), generator=torch.Generator().manual_seed(2))
+    for spec in specs:  # warm-up: allocations, kernel compilation
+        decode_once(model, spec, prompt[:, :64], 2)
+    runs: dict[str | None, list[dict]] = {spec: [] for spec in specs}
+    for _ in range(args.repeats):
+        for spec in specs:
+            runs[spec].append(decode_once(model, spec, prompt, args.new_tokens))
+            print(f"decode {spec or 'exact'}: {runs[spec][-1]['tok_s']:.1f} tok/s", flush=True)
+    exact = statistics.median(r["tok_s"] for r in runs[None])
+    return [
+        {"spec": spec or "exact", "tok_s": statistics.median(r["tok_s"] for r in runs[spec]),
+         "all_tok_s": [r["tok_s"] for r in runs[spec]],
+         "vs_exact": statistics.median(r["tok_s"] for r in runs[spec]) / exact,
+         "total_bytes": runs[spec][-1]["total_bytes"], "by_component": runs[spec][-1]["by_component"]}
+        for spec in specs
+    ]
+
+
+def kv_bytes(row: dict) -> int:
+    return row["pages_bytes"] + row["codec_metadata_bytes"] + row["positions_bytes"]
+
+
+def quality_section(args: argparse.Namespace, stories_path: Path) -> dict:
+    model = AutoModelForCausalLM.from_pretrained(stories_path, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(stories_path)
+    texts = sample_texts(model, tokenizer, args.contexts, args.context_len + args.continuation_len, 0, 0.8)
+    context, continuation = texts[:, : args.context_len], texts[:, args.context_len :]
+    kvlib.attach(model)
+    from kvlib.eval.agreement import greedy_reference
+
+    tokens, logits = greedy_reference(model, kvlib.make_cache(model), context, args.new_tokens_quality)
+
+    def measure(label: str, spec: str | None, budget: int | None, **extra) -> dict:
+        make = (lambda: kvlib.make_cache(model)) if spec is None else (lambda: kvlib.make_cache(model, spec, budget=budget))
+        row = {"label": label, "spec": spec or "full", "budget": budget, **extra}
+        try:
+            row.update(evaluate(model, make, context, tokens, logits, continuation))
+            row["kv_bytes"] = kv_bytes(row)
+        except Exception as error:  # one failing configuration must not stop the others
+            row["error"] = f"{type(error).__name__}: {error}"
+        print(f"quality {label}: " + (row.get("error") or f"agreement {row['agreement']:.3f} KL {row['kl']:.4f} ppl {row['ppl']:.3f}"), flush=True)
+        return row
+
+    full = measure("full", None, None)
+    codecs = [measure(spec, spec, None) for spec in args.codecs.split(";") if spec.strip()]
+    for row in codecs:
+        if "error" not in row:
+            row["bytes_vs_full"] = row["kv_bytes"] / full["kv_bytes"]
+    ratio = {row["spec"]: row["bytes_vs_full"] for row in codecs if "error" not in row}
+
+    def at_bytes(spec: str, fraction: float, share: float) -> dict:
+        """``spec`` keeping ``share`` of the context's tokens, corrected once toward ``fraction`` of
+        the full cache's bytes (open pages and per-page scales make bytes per token depend on it)."""
+        for attempt in range(2):
+            tokens_kept = max(1, min(args.context_len, int(share * args.context_len)))
+            row = measure(f"{spec} @ {fraction:g}", spec, tokens_kept, target=fraction,
+                          token_fraction=tokens_kept / args.context_len)
+            if "error" in row:
+                return row
+            row["bytes_vs_full"] = row["kv_bytes"] / full["kv_bytes"]
+            if attempt or abs(row["bytes_vs_full"] / fraction - 1) <= 0.05:
+                return row
+            share *= fraction / row["bytes_vs_full"]
+        return row
+
+    pairs = []
+    for fraction in [float(f) for f in args.byte_budgets.split(",") if f.strip()]:
+        for eviction in [e.strip() for e in args.evictions.split(",") if e.strip()]:
+            pairs.append(at_bytes(eviction, fraction, fraction))
+            for codec in [c.strip() for c in args.pair_codecs.split(";") if c.strip()]:
+                if codec not in ratio:
+                    ratio[codec] = measure(codec, codec, None)["kv_bytes"] / full["kv_bytes"]
+                if fraction / ratio[codec] <= 1:
+                    pairs.append(at_bytes(f"{eviction}+{codec}", fraction, fraction / ratio[codec]))
+    return {"full": full, "codecs": codecs, "pairs": pairs}
+
+
+def run(argv: Sequence[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sections", help=f"comma-separated, from {','.join(SECTIONS)} (default all)")
+    parser.add_argument("--page-sizes", help=f"bytes section (default {FULL['page_sizes']})")
+    parser.add_argument("--target-page-size", type=int, help="page size the byte targets are checked at (default 64)")
+    parser.add_argument("--throughput-mib", type=int, help=f"MiB of keys + values (default {FULL['throughput_mib']})")
+    parser.add_argument("--repeats", type=int, help=f"timed repeats (default {FULL['repeats']})")
+    parser.add_argument("--decode-model", choices=["llama100m", "stories"], help="decode section model (default llama100m)")
+    parser.add_argument("--prompt-len", type=int, help=f"decode section prompt (default {FULL['prompt_len']})")
+    parser.add_argument("--new-tokens", type=int, help=f"decode steps timed (default {FULL['new_tokens']})")
+    parser.add_argument("--decode-specs", help=f"';'-separated codecs timed (default {FULL['decode_specs']})")
+    parser.add_argument("--contexts", type=int, help=f"quality: contexts (default {FULL['contexts']})")
+    parser.add_argument("--context-len", type=int, help=f"quality: context tokens (default {FULL['context_len']})")
+    parser.add_argument("--new-tokens-quality", type=int, help=f"quality: greedy steps (default {FULL['new_tokens_quality']})")
+    parser.add_argument("--continuation-len", type=int, help=f"quality: held-out tokens (default {FULL['continuation_len']})")
+    parser.add_argument("--codecs", help="quality: ';'-separated codecs measured alone")
+    parser.add_argument("--pair-codecs", help="quality: ';'-separated codecs paired with eviction at equal bytes")
+    parser.add_argument("--evictions", help=f"quality: eviction strategies paired (default {FULL['evictions']})")
+    parser.add_argument("--byte-budgets", help=f"quality: KV byte fractions of the full cache (default {FULL['byte_budgets']})")
+    add_run_arguments(parser, QUICK, stories=True)
+    args = parse_run_arguments(parser, argv, QUICK, FULL)
+    sections = [s.strip() for s in args.sections.split(",") if s.strip()]
+    unknown = sorted(set(sections) - set(SECTIONS))
+    if unknown:
+        parser.error(f"unknown sections {unknown}; choose from {', '.join(SECTIONS)}")
+    stories_path = args.stories_path if args.stories_path.is_absolute() else REPO / args.stories_path
+    page_sizes = [int(p) for p in args.page_sizes.split(",") if p.strip()]
+    if args.target_page_size not in page_sizes:
+        parser.error(f"--target-page-size {args.target_page_size} must be one of --page-sizes {page_sizes}")
+    load_before = os.getloadavg()[0]
+    started = time.perf_counter()
+    result: dict = {}
+    if "bytes" in sections:
+        result["bytes"] = bytes_section(page_sizes)
+    if "throughput" in sections:
+        result["throughput"] = throughput_section(args.throughput_mib, args.repeats)
+    if "decode" in sections:
+        result["decode"] = decode_section(args, stories_path)
+    if "quality" in sections:
+        result["quality"] = quality_section(args, stories_path)
+    config = {k: v for k, v in vars(args).items() if k not in ("out", "stories_path")}
+    config["stories_path"] = str(args.stories_path)
+    result.update(
+        config=config,
+        machine=f"{platform.machine()}, torch {torch.__version__}, {torch.get_num_threads()} threads",
+        git=git_revision(),
+        load_avg_1min=[round(load_before, 2), round(os.getloadavg()[0], 2)],
+        seconds=round(time.perf_counter() - started, 1),
+    )
+    write_report(args.out, "codec_bench", _markdown(result, argv), result)
+    return result
+
+
+def _markdown(result: dict, argv: Sequence[str] | None) -> str:
+    c = result["config"]
+    given = [no_machine_path(a) for a in (sys.argv[1:] if argv is None else argv)]
+    lines = [
+        "# codec_bench: page codecs (bytes, throughput, decode speed, quality)",
+        "",
+        f"Command: `{shlex.join(['python', 'benchmarks/codec_bench.py', *given])}`",
+        "",
+        f"Machine: {result['machine']}; 1-minute load {result['load_avg_1min'][0]} before, "
+        f"{result['load_avg_1min'][1]} after; {result['seconds']} s. Library revision: {result['git']}.",
+    ]
+    if "bytes" in result:
+        sizes = list(result["bytes"][0]["ratio"])
+        target_size = c["target_page_size"]
+        lines += ["", "## Bytes per token relative to fp16 (head_dim 128, value group 32; scales and zero points included)",
+                  "", "| codec | " + " | ".join(f"page {s}" for s in sizes) + f" | target (page {target_size}) |",
+                  "|---|" + "---:|" * len(sizes) + "---|"]
+        for row in result["bytes"]:
+            target = TARGETS.get(row["codec"])
+            verdict = "-" if target is None else f"<= {target}: {'met' if row['ratio'][target_size] <= target else 'MISSED'}"
+            lines.append(f"| {row['codec']} | " + " | ".join(f"{row['ratio'][s]:.3f}" for s in sizes) + f" | {verdict} |")
+    if "throughput" in result:
+        lines += ["", f"## Encode and decode throughput ({c['throughput_mib']} MiB of keys + values, head_dim 128, 16-token pages, batches of {BATCH_PAGES} pages)",
+                  "", "GB/s of uncompressed bytes in the compute dtype; copy: `copy_` of the same bytes in the same run.",
+                  "", "| codec | dtype | copy GB/s | encode GB/s | encode / copy | decode GB/s | decode / copy | max abs error |",
+                  "|---|---|---:|---:|---:|---:|---:|---:|"]
+        for r in result["throughput"]:
+            lines.append(f"| {r['codec']} | {r['dtype']} | {r['copy_gb_s']:.2f} | {r['encode_gb_s']:.2f} | {r['encode_vs_copy']:.0%} "
+                         f"| {r['decode_gb_s']:.2f} | {r['decode_vs_copy']:.0%} | {r['max_abs_error']:.3g} |")
+        lines += ["", "Targets: encode >= 10% and decode >= 20% of copy."]
+    if "decode" in result:
+        lines += ["", f"## Decode speed ({c['decode_model']}, prompt {c['prompt_len']}, {c['new_tokens']} greedy steps, batch 1, median of {c['repeats']})",
+                  "", "| cache | tok/s | vs exact | bytes held | pages + codec metadata | read mirror |", "|---|---:|---:|---:|---:|---:|"]
+        for r in result["decode"]:
+            b = r["by_component"]
+            lines.append(f"| {r['spec']} | {r['tok_s']:.1f} | {r['vs_exact']:.2f} | {r['total_bytes'] / 2**20:.1f} MiB "
+                         f"| {(b['pages'] + b['codec_metadata']) / 2**20:.1f} MiB | {b['read_cache'] / 2**20:.1f} MiB |")
+        lines += ["", "Target: kivi(bits=4) >= 0.7x exact. The exact cache decodes from its dense read mirror; codec caches keep no mirror, so every read decodes the pages."]
+    if "quality" in result:
+        q = result["quality"]
+        full = q["full"]
+        lines += ["", f"## Quality on stories260K ({c['contexts']} contexts of {c['context_len']} tokens, {c['new_tokens_quality']} greedy steps, {c['continuation_len']}-token continuation)",
+                  "", f"Full cache: perplexity {full['ppl']:.3f}. KV bytes: pages + codec metadata + positions.",
+                  "", "| codec | KV bytes vs full | greedy agreement | KL (nats) | perplexity | ppl / full |", "|---|---:|---:|---:|---:|---:|"]
+        for r in q["codecs"]:
+            lines.append(_quality_line(r, full, r["spec"]))
+        lines += ["", "### Eviction and codecs at equal bytes", "",
+                  "| target bytes | configuration | tokens kept | KV bytes vs full | greedy agreement | KL (nats) | perplexity | ppl / full |",
+                  "|---:|---|---:|---:|---:|---:|---:|---:|"]
+        for r in q["pairs"]:
+            if "error" in r:
+                lines.append(f"| {r['target']:g} | {r['label']} | error: {r['error'][:100]} | | | | | |")
+                continue
+            lines.append(f"| {r['target']:g} | {r['spec']} | {r['token_fraction']:.0%} | {r['bytes_vs_full']:.3f} | {r['agreement']:.3f} "
+                         f"| {r['kl']:.4f} | {r['ppl']:.3f} | {r['ppl'] / full['ppl']:.3f} |")
+    return "\n".join(lines)
+
+
+def _quality_line(r: dict, full: dict, label: str) -> str:
+    if "error" in r:
+        return f"| {label} | error: {r['error'][:100]} | | | | |"
+    return f"| {label} | {r['bytes_vs_full']:.3f} | {r['agreement']:.3f} | {r['kl']:.4f} | {r['ppl']:.3f} | {r['ppl'] / full['ppl']:.3f} |"
+
+
+if __name__ == "__main__":
+    run()
