@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import math
 import os
 import platform
 import shlex
@@ -167,7 +166,6 @@ def throughput_section(mib: int, repeats: int) -> list[dict]:
                 "decode_vs_copy": copy / decode_s, "max_abs_error": error,
             })
             print(f"throughput {spec} {dtype}: encode {rows[-1]['encode_vs_copy']:.0%} decode {rows[-1]['decode_vs_copy']:.0%} of copy", flush=True)
-        del keys, values, out_keys, out_values
         gc.collect()
     return rows
 
