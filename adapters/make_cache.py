@@ -15,7 +15,8 @@ from kvlib.spec import Spec, SpecLike, parse_spec
 CACHE_OPTIONS = {
     "page_size": "tokens per page (int >= 1, default 16)",
     "read_cache": "keep a dense read mirror per layer for fast decoding (bool; default True, False with a codec)",
-    "slack": "extra tokens a head may hold over an int budget before it is compacted back (int >= 0, default 0)",
+    "slack": "extra tokens a head may hold over an int budget before it is compacted back (int >= 0; default 0,"
+    " page_size with a codec)",
     "interval": "with an int budget, decode steps compact only every this many steps (int >= 1, default 1)",
     "merge": "fold each evicted value into the most similar kept token instead of dropping it (bool, default False)",
 }
@@ -43,7 +44,10 @@ def make_cache(
     A quantization or low-rank strategy in the spec (``"snapkv+kivi(bits=2)"``, ``"svd"``) encodes
     every sealed page (full pages, after the layer's attention); the open page of each head stays
     in the compute dtype. With a codec the read mirror is off by default (a dense mirror would
-    hold every token uncompressed): each read decodes the layer's pages.
+    hold every token uncompressed): each read decodes the layer's pages. Compaction re-encodes the
+    tokens it moves (those after the first dropped one), and lossy codes re-encoded drift, so with a
+    codec and an int budget ``slack`` defaults to ``page_size``: a head is compacted once it holds a
+    page more than its budget, not at every decode step.
 
     Everything is checked before the model runs: the model must be a decoder with attention KV,
     the spec valid (``ValueError`` lists what is registered), the budget in range, the options
@@ -62,6 +66,8 @@ def make_cache(
     _check_budget(budget, parsed)
     codec = _codec(parsed)
     page_size, read_cache, slack, interval, merge = _options(options, codec is not None)
+    if codec is not None and "slack" not in options and isinstance(budget, int) and not isinstance(budget, bool):
+        slack = page_size
     if codec is not None:
         parameter = next(model.parameters(), None)
         dtype = parameter.dtype if parameter is not None else torch.float32

@@ -7,6 +7,7 @@ lands with its own issue).
 """
 
 from kvlib.adapters import KVCache, attach, make_cache
+from kvlib.codec import Field, FitSample, PageCodec, TensorCodec, TensorShape
 from kvlib.errors import PoolExhaustedError, SpecError
 from kvlib.paged_store import PagedStore
 from kvlib.read_cache import LayerRead
@@ -19,10 +20,13 @@ __version__ = "0.1.0"
 __all__ = [
     "Budget",
     "Eviction",
+    "Field",
+    "FitSample",
     "KVCache",
     "LayerRead",
     "LayerView",
     "LowRank",
+    "PageCodec",
     "PagedStore",
     "PoolExhaustedError",
     "Quantization",
@@ -30,6 +34,8 @@ __all__ = [
     "Spec",
     "SpecError",
     "Strategy",
+    "TensorCodec",
+    "TensorShape",
     "Tiering",
     "attach",
     "available_policies",

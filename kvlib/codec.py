@@ -102,10 +102,12 @@ class TensorCodec(abc.ABC):
     ) -> None:
         """Decode arena rows ``pages`` (int64, CPU) into ``out[rows]`` (``out`` ``[m, page_size, dim]``
         contiguous, compute dtype; ``rows`` int64 on the CPU). ``arenas`` hold each field for
-        every page of the pool (``[capacity, *shape]``). Default: gather, :meth:`decode`, copy;
+        every page of the pool (``[capacity, *shape]``; one-byte float fields as uint8 bytes, which
+        torch's index kernels take on every device). Default: gather, :meth:`decode`, copy;
         codecs with fused kernels override it to skip the copies."""
         index = pages.to(out.device, non_blocking=True)
-        encoded = {name: arena.index_select(0, index) for name, arena in arenas.items()}
+        fields = self.fields
+        encoded = {name: arena.index_select(0, index).view(fields[name].dtype) for name, arena in arenas.items()}
         out.index_copy_(0, rows.to(out.device, non_blocking=True), self.decode(encoded, heads))
 
     @property

@@ -237,7 +237,7 @@ class PagedStore:
         so the step is a write at known slots plus length updates (no allocation, no copy)."""
         pool, table = self.pools[layer], self.tables[layer]
         batch, heads, steps = keys.shape[:3]
-        slots, positions = open_pages.take(steps)
+        slots, positions = open_pages.take(steps, cpu=isinstance(pool, CodedPagePool))
         pool.write(slots.reshape(-1), keys.reshape(-1, pool.head_dim), values.reshape(-1, pool.value_dim), positions.reshape(-1))
         if open_pages.row_range is not None:
             first, end = open_pages.row_range
@@ -404,14 +404,23 @@ class PagedStore:
         drop = (page_slot >= table.pages_used(new_lengths).unsqueeze(-1)) & (
             page_slot < table.pages_used(lengths).unsqueeze(-1)
         )
-        pool.decref(table.pages[rows][drop])
+        dropped = table.pages[rows][drop]
+        reopen = self._pages_to_reopen(layer, rows, new_lengths)
+        if reopen is not None:
+            unique, counts = torch.unique(dropped, return_counts=True)
+            freed = int((pool.refcount[unique] == counts).sum())
+            if not pool.can_allocate(int(reopen.sum()) - freed):
+                raise PoolExhaustedError(
+                    f"layer {layer}: truncation needs {int(reopen.sum())} pages to reopen, {pool.free_pages + freed} free"
+                )
+        pool.decref(dropped)
         b, h, j = drop.nonzero(as_tuple=True)
         table.pages[rows[b], h, j] = -1
         table.lengths[rows] = new_lengths
         table.logical[rows] = table.logical[rows].clamp(max=length)
         table.sealed[rows] = table.sealed[rows].clamp(max=new_lengths // self.page_size)
-        if isinstance(pool, CodedPagePool):
-            self._reopen_partial_pages(layer, rows)
+        if reopen is not None:
+            self._reopen(layer, rows, reopen)
         self._open_pages[layer] = None
         cache = self._read_caches[layer]
         if cache is not None and cache.rows == tuple(rows.tolist()):
@@ -419,20 +428,28 @@ class PagedStore:
         else:
             self._drop_read_cache(layer, rows)
 
-    def _reopen_partial_pages(self, layer: int, rows: torch.Tensor) -> None:
-        """Give each head a truncation left in the middle of a sealed or shared page an open,
-        private copy of it (the original is released), so that appends can write after it and a
-        sharer for which the page is still full may seal it without sealing a partial page."""
+    def _pages_to_reopen(self, layer: int, rows: torch.Tensor, new_lengths: torch.Tensor) -> torch.Tensor | None:
+        """bool ``[batch, heads]``: heads a truncation to ``new_lengths`` leaves in the middle of a
+        sealed or shared page (None without a codec). Such a head gets an open, private copy of
+        that page, so that appends can write after it and a sharer for which the page is still
+        full may seal it without sealing a partial page."""
         pool, table = self.pools[layer], self.tables[layer]
-        lengths = table.lengths[rows]
-        partial = lengths % self.page_size != 0
-        last_index = torch.where(partial, lengths // self.page_size, 0)
+        if not isinstance(pool, CodedPagePool):
+            return None
+        partial = new_lengths % self.page_size != 0
+        last_index = torch.where(partial, new_lengths // self.page_size, 0)
         last = table.pages[rows].gather(2, last_index.unsqueeze(-1)).squeeze(-1)
         partial[partial.clone()] = pool.sealed[last[partial]] | (pool.refcount[last[partial]] > 1)
-        b, h = partial.nonzero(as_tuple=True)
+        return partial
+
+    def _reopen(self, layer: int, rows: torch.Tensor, reopen: torch.Tensor) -> None:
+        """Replace the last page of each head in ``reopen`` by an open, private copy (see :meth:`_pages_to_reopen`)."""
+        pool, table = self.pools[layer], self.tables[layer]
+        lengths = table.lengths[rows]
+        b, h = reopen.nonzero(as_tuple=True)
         if b.numel() == 0:
             return
-        old = last[b, h]
+        old = table.pages[rows[b], h, lengths[b, h] // self.page_size]
         new = pool.allocate(b.numel(), h)
         pool.open_copies(old, new)
         pool.decref(old)
@@ -493,7 +510,7 @@ class PagedStore:
         ``tables`` (block tables and lengths), ``read_cache`` (dense mirrors) and ``reserved``
         (whole arenas, free pages included)."""
         tables = sum(
-            sum(t.numel() * t.element_size() for t in (table.pages, table.lengths, table.logical))
+            sum(t.numel() * t.element_size() for t in (table.pages, table.lengths, table.logical, table.sealed))
             for table in self.tables
         )
         return {
@@ -638,6 +655,8 @@ class _OpenPages:
     """The row tensor ``rows`` was validated as (``PagedStore._rows`` returns it again for them)."""
     slots: torch.Tensor
     """int64 ``[batch, heads, room]`` on the arena device: arena slots of each head's next tokens."""
+    cpu_slots: torch.Tensor
+    """The same slots on the CPU (coded pools look each page's state up in CPU bookkeeping)."""
     positions: torch.Tensor
     """int64 ``[batch, heads, room]`` on the arena device: positions those tokens get by default."""
     row_range: tuple[int, int] | None
@@ -661,6 +680,7 @@ class _OpenPages:
             ids,
             rows,
             to_arena_device(slots, store.device),
+            slots,
             to_arena_device(positions, store.device),
             (ids[0], ids[0] + len(ids)) if consecutive else None,
         )
@@ -671,7 +691,9 @@ class _OpenPages:
         # ``_rows`` hands back the same tensor for the batch it validated last: no list rebuild then.
         return rows is self.row_tensor or tuple(rows.tolist()) == self.rows
 
-    def take(self, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Slots and positions ``[batch, heads, steps]`` of the next ``steps`` tokens (views)."""
+    def take(self, steps: int, cpu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slots (on the CPU if ``cpu``, else the arena device) and positions ``[batch, heads, steps]``
+        of the next ``steps`` tokens (views)."""
         start, self.used = self.used, self.used + steps
-        return self.slots[:, :, start : self.used], self.positions[:, :, start : self.used]
+        slots = self.cpu_slots if cpu else self.slots
+        return slots[:, :, start : self.used], self.positions[:, :, start : self.used]

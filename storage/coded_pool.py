@@ -121,6 +121,7 @@ class CodedPagePool(PagePool):
     # -- data ----------------------------------------------------------------------------------
 
     def _raw_slots(self, slots: torch.Tensor) -> torch.Tensor:
+        """Raw-arena slots of arena ``slots`` (int64 on the CPU: page state is CPU bookkeeping)."""
         pages = slots // self.page_size
         if bool(self.sealed[pages].any()):
             raise RuntimeError("write to a sealed page: sealed pages are immutable (the store and the pool disagree)")
@@ -169,9 +170,8 @@ class CodedPagePool(PagePool):
         return keys, values
 
     def _arenas(self) -> dict[str, torch.Tensor]:
-        """The field arenas viewed in their fields' dtypes (float8 arenas are held as bytes)."""
-        fields = self.codec.fields
-        return {name: t.view(fields[name].dtype) for name, t in self.encoded.items()}
+        """The field arenas as held: float8 fields as uint8 bytes (codecs view them back after gathering)."""
+        return self.encoded
 
     def copy_pages(self, source: torch.Tensor, target: torch.Tensor) -> None:
         """Copy pages onto freshly allocated ``target`` pages: a sealed source stays sealed in its

@@ -5,7 +5,8 @@ minimum rounded *down* to the metadata dtype, ``scale`` its range over ``2**bits
 *up*, so the grid ``minimum + scale * [0, 2**bits)`` covers the whole group and every element
 is within half a step (``scale / 2``) of its decoded value (before the decoded value is rounded
 to the compute dtype). Codes are packed (:mod:`kvlib.storage.packing`); scales and minima are
-metadata, stored in fp16 (bf16 for a bf16 compute dtype, whose range fp16 lacks).
+metadata, stored in fp16 (bf16 for a bf16 compute dtype, whose range fp16 lacks); a float32
+model's keys or values beyond fp16's range (|x| > 65504, which do not occur in practice) saturate.
 
 On the CPU the group quantizer runs fused numba kernels (:mod:`.kernels`); elsewhere the torch
 code here, which is also their reference.
@@ -32,15 +33,18 @@ def metadata_dtype(compute: torch.dtype) -> torch.dtype:
 
 
 def round_down(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The largest ``dtype`` value ``<= x`` (elementwise; ``x`` float32)."""
+    """The largest ``dtype`` value ``<= x`` (elementwise; ``x`` float32), saturating at ``dtype``'s
+    finite range (values beyond it, which fp16 metadata cannot hold, decode clamped, not inf)."""
     y = x.to(dtype)
-    return torch.where(y.float() > x, torch.nextafter(y, torch.full_like(y, float("-inf"))), y)
+    y = torch.where(y.float() > x, torch.nextafter(y, torch.full_like(y, float("-inf"))), y)
+    return y.clamp(torch.finfo(dtype).min, torch.finfo(dtype).max)
 
 
 def round_up(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The smallest ``dtype`` value ``>= x`` (elementwise; ``x`` float32)."""
+    """The smallest ``dtype`` value ``>= x`` (elementwise; ``x`` float32), saturating like :func:`round_down`."""
     y = x.to(dtype)
-    return torch.where(y.float() < x, torch.nextafter(y, torch.full_like(y, float("inf"))), y)
+    y = torch.where(y.float() < x, torch.nextafter(y, torch.full_like(y, float("inf"))), y)
+    return y.clamp(torch.finfo(dtype).min, torch.finfo(dtype).max)
 
 
 def grid(low: torch.Tensor, high: torch.Tensor, bits: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -732,3 +732,26 @@ def test_huge_truncate_lengths_and_bool_ids_are_rejected(store: PagedStore) -> N
     assert store.new_sequence() == 1
     with pytest.raises(ValueError, match="unknown or released"):
         store.read(0, [True])  # a bool is not a sequence id, though True == 1
+
+
+def test_a_truncation_a_full_fixed_pool_cannot_serve_changes_nothing() -> None:
+    from kvlib.codec import PageCodec, layer_shapes
+    from kvlib.errors import PoolExhaustedError
+    from kvlib.policies.quantization.int8 import Int8
+
+    shapes = layer_shapes(1, 1, 4, 4, 4, torch.float32, torch.device("cpu"))
+    codecs: list[PageCodec] = Int8().layer_codecs(shapes)
+    store = PagedStore(1, 1, 4, page_size=4, pages_per_layer=2, fixed_capacity=True, codecs=codecs)
+    seq = store.new_sequence()
+    store.append(0, [seq], torch.randn(1, 1, 8, 4), torch.randn(1, 1, 8, 4))
+    assert store.seal(0, [seq]) == 2
+    before = store.read(0, [seq])
+    before = [t.clone() for t in before]
+    with pytest.raises(PoolExhaustedError, match="reopen"):
+        store.truncate(0, [seq], 7)  # the second sealed page would need an open copy: no page is free
+    after = store.read(0, [seq])
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+    assert store.physical_lengths(0, [seq]).tolist() == [[8]]
+    store.truncate(0, [seq], 4)  # at a page boundary nothing needs reopening
+    store.append(0, [seq], torch.randn(1, 1, 2, 4), torch.randn(1, 1, 2, 4))
+    assert store.physical_lengths(0, [seq]).tolist() == [[6]]

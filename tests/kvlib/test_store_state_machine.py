@@ -46,17 +46,19 @@ def value_of(token: int, dim: int) -> torch.Tensor:
 
 class ReversingCodec(TensorCodec):
     """Lossless, but not the identity: a page is stored with its tokens reversed and negated, in
-    float64 (so reading a sealed page without decoding it would give wrong tokens)."""
+    float64 (so reading a sealed page without decoding it would give wrong tokens), and marked
+    with the head it was encoded for (checked on decode, as per-head codecs need)."""
 
     @property
     def fields(self) -> dict[str, Field]:
         return {"reversed": Field((self.shape.page_size, self.shape.dim), torch.float64), "marks": Field((1,), torch.int8, True)}
 
     def encode(self, block: torch.Tensor, heads: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {"reversed": -block.flip(1).double(), "marks": torch.ones(block.shape[0], 1, dtype=torch.int8)}
+        return {"reversed": -block.flip(1).double(), "marks": (heads + 1).to(torch.int8).view(-1, 1)}
 
     def decode(self, encoded: dict[str, torch.Tensor], heads: torch.Tensor) -> torch.Tensor:
-        assert bool((encoded["marks"] == 1).all()), "decoded a page that was never encoded"
+        """Checks that the page is decoded as the head it was encoded for (0 marks: never encoded)."""
+        assert torch.equal(encoded["marks"].view(-1).long(), heads + 1), "a page decoded with the wrong head (or never encoded)"
         return (-encoded["reversed"].flip(1)).to(self.shape.dtype)
 
 

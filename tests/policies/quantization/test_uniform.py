@@ -115,3 +115,14 @@ def test_group_larger_than_the_head_dim_is_clamped() -> None:
 def test_a_group_that_does_not_divide_the_head_dim_is_rejected() -> None:
     with pytest.raises(ValueError, match="valid groups"):
         GroupQuantizer(shape_of(16, 12), 4, per_channel=False, group=8)
+
+
+@pytest.mark.parametrize("per_channel", [True, False])
+def test_values_beyond_the_metadata_range_saturate_instead_of_turning_inf(per_channel: bool) -> None:
+    codec = GroupQuantizer(shape_of(4, 8), 4, per_channel=per_channel, group=8)
+    x = torch.randn(2, 4, 8)
+    x[0, 1, 2] = -7e4  # below fp16's finite range (float32 model, fp16 scales and minima)
+    heads = torch.zeros(2, dtype=torch.int64)
+    decoded = codec.decode(codec.encode(x, heads), heads)
+    assert bool(torch.isfinite(decoded).all())
+    assert torch.allclose(decoded[1], x[1], atol=1.0)  # other pages untouched
