@@ -20,6 +20,8 @@ it mostly empty (a prefill's pages are raw only between the layer's append and i
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from kvlib.codec import PageCodec
@@ -58,6 +60,9 @@ class CodedPagePool(PagePool):
         self.keys = torch.zeros(raw, self.page_size, self.head_dim, dtype=self.dtype, device=self.device)
         self.values = torch.zeros(raw, self.page_size, self.value_dim, dtype=self.dtype, device=self.device)
         self._raw_free = FreeStack(raw)
+        self._version = 0
+        """Bumped whenever a page changes state (allocated, freed, sealed) or raw rows move."""
+        self._plan: _ReadPlan | None = None
 
     # -- sizes ---------------------------------------------------------------------------------
 
@@ -86,6 +91,7 @@ class CodedPagePool(PagePool):
     # -- allocation hooks ----------------------------------------------------------------------
 
     def _on_allocate(self, ids: torch.Tensor, heads: torch.Tensor | None) -> None:
+        self._version += 1
         if self._raw_free.free < ids.numel():
             self._resize_raw(max(2 * self.keys.shape[0], self.keys.shape[0] - self._raw_free.free + ids.numel()))
         self.raw_row[ids] = self._raw_free.pop(ids.numel())
@@ -93,6 +99,7 @@ class CodedPagePool(PagePool):
         self.page_heads[ids] = 0 if heads is None else heads
 
     def _on_free(self, ids: torch.Tensor) -> None:
+        self._version += 1
         held = self.raw_row[ids]
         self._raw_free.push(held[held >= 0])
         self.raw_row[ids] = -1
@@ -106,6 +113,7 @@ class CodedPagePool(PagePool):
 
     def _resize_raw(self, rows: int) -> None:
         """Give the raw arena ``rows`` rows, moving the rows in use to the front."""
+        self._version += 1
         held = (self.raw_row >= 0).nonzero().squeeze(-1)
         old_rows = self.raw_row[held]
         keys = torch.zeros(rows, self.page_size, self.head_dim, dtype=self.dtype, device=self.device)
@@ -141,37 +149,26 @@ class CodedPagePool(PagePool):
         return keys.view(-1, self.head_dim)[index], values.view(-1, self.value_dim)[index], positions
 
     def read_pages(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Whole pages in the compute dtype: sealed pages decoded, open pages copied, free pages zero."""
-        sealed = self.sealed[ids]
-        rows = self.raw_row[ids]
-        if not bool(sealed.any()):
-            index = to_arena_device(rows.clamp(min=0), self.device)
-            keys, values = self.keys.index_select(0, index), self.values.index_select(0, index)
-            if bool((rows < 0).any()):
-                free = to_arena_device(rows < 0, self.device).view(-1, 1, 1)
-                keys, values = keys.masked_fill(free, 0), values.masked_fill(free, 0)
-            return keys, values
+        """Whole pages in the compute dtype: sealed pages decoded, open pages copied, free pages zero.
+
+        Where each page is read from (a :class:`_ReadPlan`) is worked out once and reused while
+        the same ids are read and no page changed state: a decode step reads the same pages as
+        the step before it until one fills.
+        """
+        plan = self._plan
+        if plan is None or plan.version != self._version or plan.ids.shape != ids.shape or not torch.equal(plan.ids, ids):
+            plan = self._plan = _ReadPlan.of(self, ids)
         keys = torch.empty(ids.numel(), self.page_size, self.head_dim, dtype=self.dtype, device=self.device)
         values = torch.empty(ids.numel(), self.page_size, self.value_dim, dtype=self.dtype, device=self.device)
-        where = sealed.nonzero().squeeze(-1)
-        pages = ids[where]
-        self.codec.decode_into(self._arenas(), pages, to_arena_device(self.page_heads[pages], self.device), keys, values, where)
-        free = (~sealed & (rows < 0)).nonzero().squeeze(-1)
-        if free.numel():
-            index = to_arena_device(free, self.device)
-            keys.index_fill_(0, index, 0)
-            values.index_fill_(0, index, 0)
-        opened = (rows >= 0).nonzero().squeeze(-1)
-        if opened.numel():
-            source = to_arena_device(rows[opened], self.device)
-            target = to_arena_device(opened, self.device)
-            keys.index_copy_(0, target, self.keys.index_select(0, source))
-            values.index_copy_(0, target, self.values.index_select(0, source))
+        if plan.pages.numel():
+            self.codec.decode_into(self.encoded, plan.pages, plan.heads, keys, values, plan.sealed_rows)
+        if plan.free is not None:
+            keys.index_fill_(0, plan.free, 0)
+            values.index_fill_(0, plan.free, 0)
+        if plan.open_source is not None:
+            keys.index_copy_(0, plan.open_target, self.keys.index_select(0, plan.open_source))
+            values.index_copy_(0, plan.open_target, self.values.index_select(0, plan.open_source))
         return keys, values
-
-    def _arenas(self) -> dict[str, torch.Tensor]:
-        """The field arenas as held: float8 fields as uint8 bytes (codecs view them back after gathering)."""
-        return self.encoded
 
     def copy_pages(self, source: torch.Tensor, target: torch.Tensor) -> None:
         """Copy pages onto freshly allocated ``target`` pages: a sealed source stays sealed in its
@@ -187,6 +184,7 @@ class CodedPagePool(PagePool):
             self._raw_free.push(self.raw_row[dst])
             self.raw_row[dst] = -1
             self.sealed[dst] = True
+            self._version += 1
         if not bool(sealed.all()):
             src = to_arena_device(self.raw_row[source[~sealed]], self.device)
             dst = to_arena_device(self.raw_row[target[~sealed]], self.device)
@@ -230,9 +228,47 @@ class CodedPagePool(PagePool):
         self._raw_free.push(rows)
         self.raw_row[ids] = -1
         self.sealed[ids] = True
+        self._version += 1
         held = self.keys.shape[0] - self._raw_free.free
         if self.keys.shape[0] > _MIN_RAW_PAGES and 4 * held < self.keys.shape[0]:
             self._resize_raw(max(_MIN_RAW_PAGES, 2 * held))
+
+
+@dataclass
+class _ReadPlan:
+    """Where :meth:`CodedPagePool.read_pages` reads each of ``ids`` from, valid for one pool
+    ``version``: ``sealed_rows`` (CPU) of the output are decoded from arena ``pages`` (CPU) with
+    ``heads`` (device); ``free`` output rows (device) are zeroed; ``open_target`` rows are copied
+    from raw rows ``open_source`` (device)."""
+
+    ids: torch.Tensor
+    version: int
+    sealed_rows: torch.Tensor
+    pages: torch.Tensor
+    heads: torch.Tensor
+    free: torch.Tensor | None
+    open_target: torch.Tensor | None
+    open_source: torch.Tensor | None
+
+    @classmethod
+    def of(cls, pool: CodedPagePool, ids: torch.Tensor) -> _ReadPlan:
+        sealed = pool.sealed[ids]
+        rows = pool.raw_row[ids]
+        sealed_rows = sealed.nonzero().squeeze(-1)
+        pages = ids[sealed_rows]
+        free = (~sealed & (rows < 0)).nonzero().squeeze(-1)
+        opened = (rows >= 0).nonzero().squeeze(-1)
+        device = pool.device
+        return cls(
+            ids.clone(),
+            pool._version,
+            sealed_rows,
+            pages,
+            to_arena_device(pool.page_heads[pages], device),
+            to_arena_device(free, device) if free.numel() else None,
+            to_arena_device(opened, device) if opened.numel() else None,
+            to_arena_device(rows[opened], device) if opened.numel() else None,
+        )
 
 
 def _arena_dtype(dtype: torch.dtype) -> torch.dtype:
