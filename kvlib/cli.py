@@ -54,7 +54,7 @@ def list_policies() -> str:
     return "\n".join(lines)
 
 
-DEFAULT_POLICIES = "streaming_llm,h2o,snapkv,pyramidkv,tova"
+DEFAULT_POLICIES = "streaming_llm,h2o,snapkv,pyramidkv,tova,kivi(bits=4),h2o+kivi(bits=4)"
 DEFAULT_BUDGETS = "0.125,0.25,0.5"
 DEFAULT_TASKS = "needle,perplexity,agreement"
 DEFAULT_OUT = "kvlib-compare"
