@@ -36,6 +36,12 @@ def fit_basis(rows: torch.Tensor, rank: int, energy: float) -> tuple[torch.Tenso
     return basis, singular
 
 
+def enough_rows(valid: torch.Tensor, dim: int) -> bool:
+    """Whether every head of ``valid [batch, heads, tokens]`` has at least ``dim`` real tokens to
+    fit a basis of ``dim`` channels on (fewer leave directions the basis never saw)."""
+    return bool((valid.sum((0, 2)) >= dim).all())
+
+
 def head_rows(tensor: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """``tensor [batch, heads, tokens, dim]`` as float32 ``[heads, batch * tokens, dim]``, invalid rows zeroed."""
     rows = tensor.float() * valid.unsqueeze(-1)

@@ -5,13 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvlib.codec import FitSample, IdentityCodec, PageCodec, TensorCodec, TensorShape
-from kvlib.policies.lowrank.basis import BasisCodec, fit_basis, head_rows
+from kvlib.policies.lowrank.basis import BasisCodec, enough_rows, fit_basis, head_rows
 from kvlib.registry import register
 from kvlib.strategy import LowRank
 
 
 class FittedBasisCodec(BasisCodec):
-    """A :class:`BasisCodec` that fits its basis on the first call of its own layer."""
+    """A :class:`BasisCodec` that fits its basis on its layer's first call that holds at least
+    ``dim`` real tokens per head (all the layer's stored tokens then)."""
 
     def __init__(self, shape: TensorShape, rank: int, energy: float) -> None:
         super().__init__(shape)
@@ -20,6 +21,8 @@ class FittedBasisCodec(BasisCodec):
 
     def observe(self, sample: FitSample, part: str) -> None:
         tensor = sample.keys if part == "keys" else sample.values
+        if not enough_rows(sample.valid, self.shape.dim):
+            return
         basis, _ = fit_basis(head_rows(tensor, sample.valid), self.fit_rank, self.energy)
         self.set_basis(basis)
 
@@ -30,8 +33,8 @@ class SVD(LowRank):
     """Per-layer, per-head low-rank KV (as in Eigen Attention, Saxena et al., 2024, and Palu,
     Chang et al., 2024, here on the stored post-RoPE keys): each head's basis is the top right
     singular vectors of the layer's prefill keys (and values), and sealed pages store each
-    token's coefficients in it. Pages sealed before the fit wait open until it runs (after the
-    layer's first attention call).
+    token's coefficients in it. The fit runs after the layer's first attention call that holds at
+    least ``head_dim`` real tokens per head (the prompt, usually); full pages wait open until then.
 
     Args:
         rank: basis size per head; 0 means choose it by ``energy``.

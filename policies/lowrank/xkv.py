@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from kvlib.codec import FitSample, IdentityCodec, PageCodec, TensorCodec, TensorShape
-from kvlib.policies.lowrank.basis import BasisCodec, fit_basis, head_rows
+from kvlib.policies.lowrank.basis import BasisCodec, enough_rows, fit_basis, head_rows
 from kvlib.policies.lowrank.svd import check_rank_energy
 from kvlib.registry import register
 from kvlib.strategy import LowRank
@@ -44,7 +44,8 @@ class SharedBasisCodec(BasisCodec):
 
     def observe(self, sample: FitSample, part: str) -> None:
         tensor = sample.keys if part == "keys" else sample.values
-        self.group.add(self.shape.layer_idx, head_rows(tensor, sample.valid))
+        if enough_rows(sample.valid, self.shape.dim):
+            self.group.add(self.shape.layer_idx, head_rows(tensor, sample.valid))
 
     def state_bytes(self) -> int:
         return super().state_bytes() if self.shape.layer_idx == self.group.layers[0] else 0
@@ -56,8 +57,9 @@ class XKV(LowRank):
     """Cross-layer low-rank KV (after xKV, Chang et al., 2025, "xKV: Cross-Layer SVD for KV-Cache
     Compression"): the dominant singular vectors of adjacent layers' KV are well aligned, so
     groups of ``layers`` adjacent layers share one basis per head, fitted by SVD on all their
-    prefill tokens stacked; each layer stores its tokens' coefficients in it. A group's pages wait
-    open until its last layer has run its first call.
+    prefill tokens stacked; each layer stores its tokens' coefficients in it. A layer contributes
+    its first call holding at least ``head_dim`` real tokens per head; a group's pages wait open
+    until all its layers have.
 
     xKV proper also shares the token-side factor across the group (one coefficient set for all
     its layers); pages here are per layer, so each layer keeps its own coefficients and the

@@ -154,3 +154,17 @@ def test_bad_codec_specs_fail_before_any_model_work(spec: str, message: str) -> 
     model = build_model("stories")
     with pytest.raises(ValueError, match=message):
         kvlib.make_cache(model, spec)
+
+
+def test_a_fitted_codec_waits_for_enough_tokens_before_fitting() -> None:
+    """Fed one token at a time, SVD fits once a layer holds head_dim (8) real tokens per head;
+    the pages filled before then are sealed as soon as it has."""
+    model = build_model("stories")
+    cache = kvlib.make_cache(model, "svd(rank=4)")
+    tokens = torch.randint(3, 500, (1, 20), generator=torch.Generator().manual_seed(5))
+    with torch.inference_mode():
+        for t in range(20):
+            model(input_ids=tokens[:, t : t + 1], past_key_values=cache, use_cache=True)
+            assert cache.codecs[0].ready == (t + 1 >= 8)
+    assert int(cache.store.pools[0].sealed.sum()) == cache.shape.num_kv_heads  # 20 tokens: one full page per head
+    held_bytes_follow_the_layout(cache)

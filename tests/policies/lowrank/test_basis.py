@@ -32,7 +32,7 @@ def sample(layer: int, batch: int, heads: int, tokens: int, dim: int, seed: int,
 @given(
     heads=st.integers(1, 3),
     page_size=st.sampled_from([1, 4, 8]),
-    pages=st.integers(1, 4),
+    pages=st.integers(1, 6),
     dim=st.sampled_from([2, 4, 8, 16]),
     rank=st.integers(1, 16),
     seed=st.integers(0, 2**16),
@@ -43,6 +43,9 @@ def test_reconstruction_error_is_the_discarded_energy(heads: int, page_size: int
     fit.valid[:] = True
     codec = SVD(rank=rank).layer_codecs([(TensorShape(0, 1, heads, page_size, dim, torch.float32, CPU),) * 2])[0]
     codec.observe(fit)
+    if tokens < dim:  # too few tokens to see every direction: the codec waits for more
+        assert not codec.ready
+        return
     rows = head_rows(fit.keys, fit.valid)
     _, singular = fit_basis(rows, rank, 1.0)
     block = fit.keys[0].reshape(heads * pages, page_size, dim)
