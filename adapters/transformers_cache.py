@@ -91,7 +91,7 @@ class KVCache(Cache):
         self.page_size = page_size
         self.read_cache = read_cache
         self.codec = codec
-        self.codecs: list[PageCodec] | None = None
+        self.codecs: list[PageCodec | None] | None = None
         self.store: PagedStore | None = None
         self._rows: list[int] = []
         self._padding = torch.zeros(0, dtype=torch.int64)
@@ -152,9 +152,10 @@ class KVCache(Cache):
         if step.layer_idx == 0 and real_new is not None:
             self._padding += (~real_new).sum(-1)  # stays on the device: no sync per step
         sealing = [step.layer_idx]
-        if self.codecs is not None and not self.codecs[step.layer_idx].ready:
-            self.codecs[step.layer_idx].observe(self._fit_sample(step, query, real_new))
-            if self.codecs[step.layer_idx].ready:  # a cross-layer fit readies earlier layers too
+        codec = self.codecs[step.layer_idx] if self.codecs is not None else None
+        if codec is not None and codec.learns and not codec.ready:
+            codec.observe(self._fit_sample(step, query, real_new))
+            if codec.ready:  # a cross-layer fit readies earlier layers too
                 sealing = list(range(step.layer_idx + 1))
         if self.compressor is not None:
             inputs = AttentionInputs(query, mask, weights, scaling, real_new, self._hidden_states.pop(step.layer_idx, None))

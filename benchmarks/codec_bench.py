@@ -74,7 +74,8 @@ BYTE_CODECS = ("int8", "fp8", "kivi(bits=8)", "kivi(bits=4)", "kivi(bits=2)", "k
                "svd(rank=32)", "think(keep=0.5)")
 THROUGHPUT_CODECS = ("int8", "fp8", "kivi(bits=8)", "kivi(bits=4)", "kivi(bits=2)", "kv_bits(key_bits=4, value_bits=2)")
 QUALITY_CODECS = ("int8", "fp8", "kivi(bits=8)", "kivi(bits=4)", "kivi(bits=2)", "kv_bits(key_bits=4, value_bits=2)",
-                  "kv_bits(key_bits=2, value_bits=4)", "svd", "svd(rank=4)", "xkv(rank=4)", "think(keep=0.5)")
+                  "kv_bits(key_bits=2, value_bits=4)", "svd", "svd(rank=4)", "xkv(rank=4)", "think(keep=0.5)",
+                  "minicache", "minicache(start=0.0)")
 PAIR_CODECS = ("int8", "kivi(bits=4)", "kivi(bits=2)", "kv_bits(key_bits=4, value_bits=2)")
 TARGETS = {"int8": 0.55, "kivi(bits=4)": 0.30, "kivi(bits=2)": 0.18}
 FULL = {"sections": ",".join(SECTIONS), "page_sizes": "16,32,64,128", "target_page_size": 64, "throughput_mib": 512,

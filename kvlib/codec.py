@@ -81,6 +81,9 @@ class TensorCodec(abc.ABC):
     ``encode`` returns exactly the tensors :attr:`fields` names, each ``[pages, *field.shape]``.
     """
 
+    learns: bool = False
+    """Whether the codec fits to data (:meth:`observe`) before it is :attr:`ready`."""
+
     def __init__(self, shape: TensorShape) -> None:
         self.shape = shape
 
@@ -157,6 +160,11 @@ class PageCodec:
     def ready(self) -> bool:
         return self.key.ready and self.value.ready
 
+    @property
+    def learns(self) -> bool:
+        """Whether either tensor codec fits to a layer's first calls (see :class:`FitSample`)."""
+        return self.key.learns or self.value.learns
+
     def observe(self, sample: FitSample) -> None:
         """Hand a layer's first call to both tensor codecs (fitted codecs learn from it)."""
         self.key.observe(sample, "keys")
@@ -220,5 +228,7 @@ class Codec(abc.ABC):
         """``ValueError`` if this codec cannot encode these (key, value) shapes. Default: any."""
 
     @abc.abstractmethod
-    def layer_codecs(self, shapes: list[tuple[TensorShape, TensorShape]]) -> list[PageCodec]:
-        """One codec per layer, for ``shapes[layer] = (key shape, value shape)``."""
+    def layer_codecs(self, shapes: list[tuple[TensorShape, TensorShape]]) -> list[PageCodec | None]:
+        """One codec per layer, for ``shapes[layer] = (key shape, value shape)``; None keeps a
+        layer in the compute dtype. A codec with a ``partner_layer`` attribute is the deeper
+        layer of a cross-layer pair (see :class:`~kvlib.storage.partnered_pool.PartneredPagePool`)."""

@@ -34,6 +34,7 @@ from kvlib.errors import PoolExhaustedError
 from kvlib.read_cache import DenseReadCache, LayerRead
 from kvlib.storage.coded_pool import CodedPagePool
 from kvlib.storage.page_pool import PagePool
+from kvlib.storage.partnered_pool import PartneredPagePool
 
 SequenceIds = Sequence[int] | torch.Tensor
 
@@ -55,7 +56,10 @@ class PagedStore:
         read_cache: keep a dense per-layer mirror of the last batch read so decode steps copy
             only new tokens (see :mod:`kvlib.read_cache`); its bytes are reported separately.
         codecs: one :class:`~kvlib.codec.PageCodec` per layer to encode sealed pages with
-            (see :meth:`seal`), or None to keep every page in ``dtype``.
+            (see :meth:`seal`; None for a layer kept in ``dtype``), or None to keep every page
+            in ``dtype``. A codec with a ``partner_layer`` (a cross-layer codec's deeper layer)
+            gets a :class:`~kvlib.storage.partnered_pool.PartneredPagePool` leaning on that
+            earlier layer's pool.
     """
 
     def __init__(
@@ -87,12 +91,23 @@ class PagedStore:
         self.use_read_cache = read_cache
         if codecs is not None and len(codecs) != num_layers:
             raise ValueError(f"codecs must name one codec per layer ({num_layers}), got {len(codecs)}")
-        self.pools: list[PagePool] = [
-            PagePool(page_size, keys_dim[i], values_dim[i], dtype, self.device, pages_per_layer, fixed_capacity)
-            if codecs is None
-            else CodedPagePool(page_size, keys_dim[i], values_dim[i], dtype, self.device, codecs[i], pages_per_layer, fixed_capacity)
-            for i in range(num_layers)
-        ]
+        self.pools: list[PagePool] = []
+        self.partners: dict[int, int] = {}
+        """Deeper layer -> the earlier layer its pages lean on (cross-layer codecs)."""
+        for i in range(num_layers):
+            codec = None if codecs is None else codecs[i]
+            shape = (page_size, keys_dim[i], values_dim[i], dtype, self.device)
+            if codec is None:
+                pool: PagePool = PagePool(*shape, pages_per_layer, fixed_capacity)
+            elif getattr(codec, "partner_layer", None) is not None:
+                partner = codec.partner_layer
+                if not 0 <= partner < i or not isinstance(self.pools[partner], CodedPagePool):
+                    raise ValueError(f"layer {i}'s codec leans on layer {partner}, which must be an earlier coded layer")
+                pool = PartneredPagePool(*shape, codec, self.pools[partner], pages_per_layer, fixed_capacity)
+                self.partners[i] = partner
+            else:
+                pool = CodedPagePool(*shape, codec, pages_per_layer, fixed_capacity)
+            self.pools.append(pool)
         self.tables = [BlockTable(heads[i], page_size) for i in range(num_layers)]
         self._read_caches: list[DenseReadCache | None] = [None] * num_layers
         self._open_pages: list[_OpenPages | None] = [None] * num_layers
@@ -466,6 +481,8 @@ class PagedStore:
         layer = self._layer(layer)
         rows = self._rows(seqs)
         pool, table = self.pools[layer], self.tables[layer]
+        if isinstance(pool, PartneredPagePool):
+            return self._seal_pairs(layer, rows)
         if not isinstance(pool, CodedPagePool) or not pool.codec.ready:
             return 0
         full = table.lengths[rows] // self.page_size
@@ -480,6 +497,43 @@ class PagedStore:
         table.sealed[rows] = full
         if ids.numel():
             self._drop_read_cache(layer, rows)
+        return int(ids.numel())
+
+    def _seal_pairs(self, deep: int, rows: torch.Tensor) -> int:
+        """Seal the full pages of layer ``deep`` together with the pages of its partner layer that
+        hold the same tokens (same page index and positions, both open); each pair is encoded by
+        the deep layer's codec at once. Pages without such a partner stay open. Returns the pairs
+        sealed. ``sealed`` counters of ``deep`` then mean "considered", not "sealed"."""
+        shallow = self.partners[deep]
+        pool, partner_pool = self.pools[deep], self.pools[shallow]
+        table, partner_table = self.tables[deep], self.tables[shallow]
+        full = torch.minimum(table.lengths[rows], partner_table.lengths[rows]) // self.page_size
+        done = table.sealed[rows]
+        if not bool((full > done).any()):
+            return 0
+        width = min(table.pages.shape[2], partner_table.pages.shape[2])
+        page_slot = torch.arange(width)
+        candidate = (page_slot >= done.unsqueeze(-1)) & (page_slot < full.unsqueeze(-1))
+        ids = table.pages[rows][:, :, :width][candidate]
+        partner_ids = partner_table.pages[rows][:, :, :width][candidate]
+        table.sealed[rows] = torch.maximum(done, full)
+        open_pair = ~pool.sealed[ids] & ~partner_pool.sealed[partner_ids]
+        ids, partner_ids = ids[open_pair], partner_ids[open_pair]
+        if ids.numel() == 0:
+            return 0
+        same = (pool.positions[to_arena_device(ids, self.device)] == partner_pool.positions[to_arena_device(partner_ids, self.device)]).all(-1)
+        ids, partner_ids = ids[same.cpu()], partner_ids[same.cpu()]
+        _, first = _first_occurrences(ids)
+        ids, partner_ids = ids[first], partner_ids[first]
+        _, first = _first_occurrences(partner_ids)  # a page pairs with one partner only
+        ids, partner_ids = ids[first], partner_ids[first]
+        if ids.numel() == 0:
+            return 0
+        shallow_fields, deep_fields = pool.codec.merge(partner_pool.raw_pages(partner_ids), pool.raw_pages(ids))
+        partner_pool.seal(partner_ids, shallow_fields)
+        pool.seal_pairs(ids, partner_ids, deep_fields)
+        self._drop_read_cache(deep, rows)
+        self._drop_read_cache(shallow, rows)
         return int(ids.numel())
 
     def stored_positions(self, layer: int, seqs: SequenceIds) -> torch.Tensor:
@@ -613,6 +667,13 @@ def _heads_to_copy(pool: PagePool, open_pages: torch.Tensor, shared: torch.Tenso
     keeps = torch.zeros(pages.numel(), dtype=torch.bool)
     keeps[first[pool.refcount[unique] == counts]] = True
     return b[~keeps], h[~keeps]
+
+
+def _first_occurrences(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(unique ids, index of each one's first occurrence in ids)``."""
+    unique, inverse = torch.unique(ids, return_inverse=True)
+    first = torch.full((unique.numel(),), ids.numel(), dtype=torch.int64).scatter_reduce(0, inverse, torch.arange(ids.numel()), "amin")
+    return unique, first
 
 
 def _page_coordinates(first: torch.Tensor, counts: torch.Tensor, heads: int) -> tuple[torch.Tensor, ...]:

@@ -161,7 +161,7 @@ class CodedPagePool(PagePool):
         keys = torch.empty(ids.numel(), self.page_size, self.head_dim, dtype=self.dtype, device=self.device)
         values = torch.empty(ids.numel(), self.page_size, self.value_dim, dtype=self.dtype, device=self.device)
         if plan.pages.numel():
-            self.codec.decode_into(self.encoded, plan.pages, plan.heads, keys, values, plan.sealed_rows)
+            self._decode_sealed(plan.pages, plan.heads, keys, values, plan.sealed_rows)
         if plan.free is not None:
             keys.index_fill_(0, plan.free, 0)
             values.index_fill_(0, plan.free, 0)
@@ -169,6 +169,10 @@ class CodedPagePool(PagePool):
             keys.index_copy_(0, plan.open_target, self.keys.index_select(0, plan.open_source))
             values.index_copy_(0, plan.open_target, self.values.index_select(0, plan.open_source))
         return keys, values
+
+    def _decode_sealed(self, pages: torch.Tensor, heads: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor) -> None:
+        """Decode sealed ``pages`` into ``keys[rows]`` and ``values[rows]``."""
+        self.codec.decode_into(self.encoded, pages, heads, keys, values, rows)
 
     def copy_pages(self, source: torch.Tensor, target: torch.Tensor) -> None:
         """Copy pages onto freshly allocated ``target`` pages: a sealed source stays sealed in its
@@ -201,19 +205,25 @@ class CodedPagePool(PagePool):
         self.positions.index_copy_(0, to_arena_device(target, self.device), self.positions.index_select(0, to_arena_device(source, self.device)))
         self.page_heads[target] = self.page_heads[source]
 
-    def seal(self, ids: torch.Tensor) -> None:
-        """Encode open, full pages ``ids`` (distinct, in use) and release their raw rows."""
+    def raw_pages(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of open pages ``ids`` (copies, ``[n, page_size, dim]``)."""
+        rows = self.raw_row[ids]
+        if bool((rows < 0).any()):
+            raise RuntimeError("raw read of a page that is sealed or free: the store and the pool disagree")
+        source = to_arena_device(rows, self.device)
+        return self.keys.index_select(0, source), self.values.index_select(0, source)
+
+    def seal(self, ids: torch.Tensor, encoded: dict[str, torch.Tensor] | None = None) -> None:
+        """Encode open, full pages ``ids`` (distinct, in use) and release their raw rows;
+        ``encoded`` gives their fields when a codec spanning two layers computed them."""
         if ids.numel() == 0:
             return
         rows = self.raw_row[ids]
         if bool((rows < 0).any()):
             raise RuntimeError("seal of a page that is sealed or free: the store and the pool disagree")
-        source = to_arena_device(rows, self.device)
-        encoded = self.codec.encode(
-            self.keys.index_select(0, source),
-            self.values.index_select(0, source),
-            to_arena_device(self.page_heads[ids], self.device),
-        )
+        if encoded is None:
+            keys, values = self.raw_pages(ids)
+            encoded = self.codec.encode(keys, values, to_arena_device(self.page_heads[ids], self.device))
         target = to_arena_device(ids, self.device)
         if not self.encoded:
             self.encoded = {

@@ -14,6 +14,8 @@ class FittedBasisCodec(BasisCodec):
     """A :class:`BasisCodec` that fits its basis on its layer's first call that holds at least
     ``dim`` real tokens per head (all the layer's stored tokens then)."""
 
+    learns = True
+
     def __init__(self, shape: TensorShape, rank: int, energy: float) -> None:
         super().__init__(shape)
         self.fit_rank = rank

@@ -15,6 +15,8 @@ class ChannelPruner(TensorCodec):
     """Keeps ``kept`` key channels per head (chosen at the layer's first call); pruned channels
     read back as zero, so ``q . k`` over the kept channels is exact for them."""
 
+    learns = True
+
     def __init__(self, shape: TensorShape, keep: float, window: int) -> None:
         super().__init__(shape)
         self.kept = max(1, round(keep * shape.dim))

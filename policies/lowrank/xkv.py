@@ -37,6 +37,8 @@ class SharedBasisCodec(BasisCodec):
     """One layer's view of a :class:`LayerGroup`'s shared basis (its state bytes are counted
     once, by the group's first layer)."""
 
+    learns = True
+
     def __init__(self, shape: TensorShape, group: LayerGroup) -> None:
         super().__init__(shape)
         self.group = group

@@ -10,28 +10,36 @@ import torch
 import kvlib
 from kvlib.eval.agreement import agreement_metrics, greedy_reference, teacher_forced_logits
 from kvlib.storage.coded_pool import CodedPagePool
+from kvlib.storage.partnered_pool import PARTNER_ID_BYTES, PartneredPagePool
 from tests.adapters.conftest import PAD, build_model, left_padded
 
-CODECS = kvlib.available_policies()["quantization"] + kvlib.available_policies()["lowrank"]
+CODECS = [
+    "minicache(start=0.0)" if name == "minicache" else name  # the GPT-2 config has 2 layers: one pair from layer 0
+    for name in kvlib.available_policies()["quantization"] + kvlib.available_policies()["lowrank"]
+]
 INT8_KL_BOUND = 0.002
 """Mean KL(full || int8) of stories260K's next-token distributions, nats (measured ~0.0003)."""
 
 
 def test_every_codec_kind_is_registered() -> None:
     assert {"kivi", "int8", "kv_bits", "fp8"} <= set(kvlib.available_policies()["quantization"])
-    assert {"svd", "xkv", "think"} <= set(kvlib.available_policies()["lowrank"])
+    assert {"svd", "xkv", "think", "minicache"} <= set(kvlib.available_policies()["lowrank"])
 
 
 def held_bytes_follow_the_layout(cache) -> None:
     """``pages`` and ``codec_metadata`` equal what the pools' open and sealed pages hold."""
     pages = metadata = sealed_total = 0
     for pool in cache.store.pools:
-        assert isinstance(pool, CodedPagePool)
+        if not isinstance(pool, CodedPagePool):  # a layer the codec leaves alone (MiniCache's first layers)
+            pages += pool.pages_in_use * pool.kv_page_bytes
+            continue
         sealed = int(pool.sealed.sum())
         sealed_total += sealed
         open_pages = pool.pages_in_use - sealed
         pages += open_pages * pool.kv_page_bytes + (sealed * pool.codec.page_bytes(metadata=False) if sealed else 0)
         metadata += (sealed * pool.codec.page_bytes(metadata=True) if sealed else 0) + pool.codec.state_bytes()
+        if isinstance(pool, PartneredPagePool):
+            metadata += sealed * PARTNER_ID_BYTES
     report = cache.memory_report()["by_component"]
     assert report["pages"] == pages and report["codec_metadata"] == metadata
     assert report["read_cache"] == 0  # no dense mirror by default with a codec
@@ -69,7 +77,7 @@ def test_codecs_compose_with_every_eviction_strategy(eviction: str, codec: str) 
             assert int((cache.kept_positions(layer) >= 0).sum(-1).max()) <= most
 
 
-@pytest.mark.parametrize("spec", ["svd(rank=8)", "xkv(rank=8)", "think(keep=1.0)"])
+@pytest.mark.parametrize("spec", ["svd(rank=8)", "xkv(rank=8)", "think(keep=1.0)", "minicache(start=0.2, retain=0.99)"])
 def test_full_rank_low_rank_codecs_change_nothing(spec: str) -> None:
     model = build_model("stories")
     ids, mask = left_padded([50, 41], seed=9, vocab=500)
@@ -148,6 +156,7 @@ def test_a_reset_cache_refits_its_codec() -> None:
         ("kivi+svd", "one codec per cache"),
         ("svd(energy=1.5)", "energy must be in"),
         ("think(keep=0)", "keep must be in"),
+        ("minicache(start=0.9)", "no pair to merge"),
     ],
 )
 def test_bad_codec_specs_fail_before_any_model_work(spec: str, message: str) -> None:

@@ -1,0 +1,89 @@
+"""A coded pool whose sealed pages each lean on a *partner* page of another layer's pool.
+
+Cross-layer codecs (MiniCache) store what two layers share once: the shallower layer's sealed
+page holds the shared part (merged directions), the deeper layer's page holds the rest
+(magnitudes, tokens kept unmerged) and the id of its partner page in the shallower pool. Decoding
+a deep page reads its partner's fields.
+
+Invariants (beside :class:`~kvlib.storage.coded_pool.CodedPagePool`'s): a sealed page of this
+pool has a partner page in ``partner_pool`` (``partner[page] >= 0``), on which it holds one
+reference, so the partner outlives it whatever the shallower layer's table does (eviction,
+truncation, release); the reference is returned when the page is freed. Open pages have no
+partner. ``partner_pool``'s reference counts therefore count table references plus partner
+references.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvlib.codec import PageCodec
+from kvlib.devices import to_arena_device
+from kvlib.storage.coded_pool import CodedPagePool
+from kvlib.storage.page_pool import extend_rows
+
+PARTNER_ID_BYTES = 8
+"""Bytes of the partner page id each sealed page holds (int64), counted as codec metadata."""
+
+
+class PartneredPagePool(CodedPagePool):
+    """A :class:`CodedPagePool` for the deeper layer of a cross-layer codec (see the module docstring).
+
+    ``codec`` must implement ``decode_with_partner(own, partner, heads) -> (keys, values)``
+    (``own``/``partner``: field dicts of the pages and of their partners).
+    """
+
+    def __init__(
+        self,
+        page_size: int,
+        head_dim: int,
+        value_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        codec: PageCodec,
+        partner_pool: CodedPagePool,
+        capacity: int = 64,
+        fixed: bool = False,
+    ) -> None:
+        self.partner_pool = partner_pool
+        super().__init__(page_size, head_dim, value_dim, dtype, device, codec, capacity, fixed)
+
+    def _init_data(self, capacity: int) -> None:
+        super()._init_data(capacity)
+        self.partner = torch.full((capacity,), -1, dtype=torch.int64)
+
+    def _grow_data(self, capacity: int) -> None:
+        super()._grow_data(capacity)
+        self.partner = extend_rows(self.partner, capacity, -1)
+
+    def metadata_bytes(self) -> int:
+        return super().metadata_bytes() + self.sealed_pages * PARTNER_ID_BYTES
+
+    def _on_free(self, ids: torch.Tensor) -> None:
+        partners = self.partner[ids]
+        self.partner[ids] = -1
+        super()._on_free(ids)
+        self.partner_pool.decref(partners[partners >= 0])
+
+    def copy_pages(self, source: torch.Tensor, target: torch.Tensor) -> None:
+        super().copy_pages(source, target)
+        partners = self.partner[source]
+        self.partner[target] = partners
+        self.partner_pool.incref(partners[partners >= 0])
+
+    def seal_pairs(self, ids: torch.Tensor, partners: torch.Tensor, encoded: dict[str, torch.Tensor]) -> None:
+        """Seal open pages ``ids`` with their fields ``encoded``, each leaning on page ``partners[i]``
+        of the partner pool (sealed there by the caller), on which it takes a reference."""
+        self.seal(ids, encoded)
+        self.partner[ids] = partners
+        self.partner_pool.incref(partners)
+
+    def _decode_sealed(self, pages: torch.Tensor, heads: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor) -> None:
+        index = to_arena_device(pages, self.device)
+        partner_index = to_arena_device(self.partner[pages], self.device)
+        own = {name: t.index_select(0, index) for name, t in self.encoded.items()}
+        partner = {name: t.index_select(0, partner_index) for name, t in self.partner_pool.encoded.items()}
+        decoded_keys, decoded_values = self.codec.decode_with_partner(own, partner, heads)
+        target = to_arena_device(rows, self.device)
+        keys.index_copy_(0, target, decoded_keys)
+        values.index_copy_(0, target, decoded_values)
