@@ -51,16 +51,16 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import kvlib
 from kvlib.codec import FitSample, PageCodec, layer_shapes
 from kvlib.spec import parse_spec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or loaded by path
+from bench_generate import load_model  # noqa: E402
 from eviction_quality import evaluate, sample_texts  # noqa: E402
 from provenance import (  # noqa: E402
-    LLAMA100M,
     add_run_arguments,
     git_revision,
     no_machine_path,
@@ -171,14 +171,6 @@ def throughput_section(mib: int, repeats: int) -> list[dict]:
     return rows
 
 
-def decode_model(name: str, stories_path: Path) -> torch.nn.Module:
-    if name == "stories":
-        return AutoModelForCausalLM.from_pretrained(stories_path, dtype=torch.float32).eval()
-    torch.manual_seed(0)
-    config = LlamaConfig(**LLAMA100M, max_position_embeddings=4096, tie_word_embeddings=True, dtype=torch.float32)
-    return LlamaForCausalLM(config).to(torch.float32).eval()
-
-
 def decode_once(model: torch.nn.Module, spec: str | None, prompt: torch.Tensor, new_tokens: int) -> dict:
     gc.collect()
     cache = kvlib.make_cache(model) if spec is None else kvlib.make_cache(model, spec)
@@ -194,7 +186,7 @@ def decode_once(model: torch.nn.Module, spec: str | None, prompt: torch.Tensor, 
 
 
 def decode_section(args: argparse.Namespace, stories_path: Path) -> list[dict]:
-    model = decode_model(args.decode_model, stories_path)
+    model = load_model(args.decode_model, stories_path)
     kvlib.attach(model)
     specs: list[str | None] = [None, *[s.strip() for s in args.decode_specs.split(";") if s.strip()]]
     prompt = torch.randint(0, model.config.vocab_size, (1, args.prompt_len), generator=torch.Generator().manual_seed(2))
