@@ -51,7 +51,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 import kvlib
 from kvlib.codec import FitSample, PageCodec, layer_shapes
@@ -233,6 +233,7 @@ def quality_section(args: argparse.Namespace, stories_path: Path) -> dict:
         return row
 
     full = measure("full", None, None)
+    adjacent = adjacent_cosines(model, context)
     codecs = [measure(spec, spec, None) for spec in args.codecs.split(";") if spec.strip()]
     for row in codecs:
         if "error" not in row:
@@ -263,7 +264,24 @@ def quality_section(args: argparse.Namespace, stories_path: Path) -> dict:
                     ratio[codec] = measure(codec, codec, None)["kv_bytes"] / full["kv_bytes"]
                 if fraction / ratio[codec] <= 1:
                     pairs.append(at_bytes(f"{eviction}+{codec}", fraction, fraction / ratio[codec]))
-    return {"full": full, "codecs": codecs, "pairs": pairs}
+    return {"full": full, "codecs": codecs, "pairs": pairs, "adjacent_cosine": adjacent}
+
+
+def adjacent_cosines(model: torch.nn.Module, context: torch.Tensor) -> list[dict]:
+    """Mean cosine between each token's keys (and values) in adjacent layers, per KV head: how
+    much MiniCache's merge has to work with (it assumes deep layers point alike)."""
+    cache = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        model(input_ids=context, past_key_values=cache, use_cache=True)
+    rows = []
+    for layer in range(len(cache.layers) - 1):
+        a, b = cache.layers[layer], cache.layers[layer + 1]
+        rows.append({
+            "layers": [layer, layer + 1],
+            "keys": torch.nn.functional.cosine_similarity(a.keys, b.keys, dim=-1).mean().item(),
+            "values": torch.nn.functional.cosine_similarity(a.values, b.values, dim=-1).mean().item(),
+        })
+    return rows
 
 
 def run(argv: Sequence[str] | None = None) -> dict:
@@ -365,6 +383,8 @@ def _markdown(result: dict, argv: Sequence[str] | None) -> str:
                   "", "| codec | KV bytes vs full | greedy agreement | KL (nats) | perplexity | ppl / full |", "|---|---:|---:|---:|---:|---:|"]
         for r in q["codecs"]:
             lines.append(_quality_line(r, full, r["spec"]))
+        cosines = ", ".join(f"{r['layers'][0]}-{r['layers'][1]}: {r['keys']:.2f} / {r['values']:.2f}" for r in q["adjacent_cosine"])
+        lines += ["", f"Mean cosine of adjacent layers' keys / values per token (what MiniCache merges): {cosines}."]
         lines += ["", "### Eviction and codecs at equal bytes", "",
                   "| target bytes | configuration | tokens kept | KV bytes vs full | greedy agreement | KL (nats) | perplexity | ppl / full |",
                   "|---:|---|---:|---:|---:|---:|---:|---:|"]
