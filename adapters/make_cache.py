@@ -9,6 +9,7 @@ from kvlib.adapters.compressor import Compressor
 from kvlib.adapters.model_shape import kv_shape, rope_of
 from kvlib.adapters.transformers_cache import KVCache
 from kvlib.codec import Codec, layer_shapes
+from kvlib.prefix_store import PrefixStore, model_fingerprint
 from kvlib.policies.budget.uniform import Uniform
 from kvlib.spec import Spec, SpecLike, parse_spec
 
@@ -30,6 +31,9 @@ def make_cache(
     spec: SpecLike | None = None,
     *,
     budget: int | float | None = None,
+    reuse: PrefixStore | None = None,
+    prompt: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
     **options: object,
 ) -> KVCache:
     """A ``transformers`` cache for ``model`` backed by kvlib's paged store.
@@ -52,6 +56,13 @@ def make_cache(
     Everything is checked before the model runs: the model must be a decoder with attention KV,
     the spec valid (``ValueError`` lists what is registered), the budget in range, the options
     known. The model's attention is routed through kvlib (:func:`kvlib.attach`).
+
+    With ``reuse=kvlib.PrefixStore(model, capacity_bytes=...)`` the cache lives in that store's
+    pages: given ``prompt`` (the ids ``generate`` will get; ``attention_mask`` if padded), it
+    starts holding the longest cached prefix of it, so ``generate`` computes only the rest, and it
+    indexes the prompt's pages for later calls (see :mod:`kvlib.prefix_store`). Reuse needs every
+    prompt token stored as computed: no eviction strategy, and no codec that learns from the
+    prompt (quantization codecs are fine; their pages are keyed by the spec).
 
     Example: ``model.generate(ids, past_key_values=kvlib.make_cache(model, "streaming_llm", budget=64))``.
     """
@@ -82,8 +93,35 @@ def make_cache(
         compressor = Compressor(parsed.eviction, budget, shape.num_layers, allocation, slack, interval, rope_of(model, shape.head_dim), merge)
     elif merge:
         raise ValueError("merge=True folds evicted tokens into kept ones; it needs an eviction strategy in the spec")
+    parameter = next(model.parameters(), None)
+    home = (parameter.dtype, parameter.device) if parameter is not None else (torch.float32, torch.device("cpu"))
+    _check_reuse(model, parsed, codec, reuse, prompt)
     attach(model)
-    return KVCache(shape, compressor, page_size=page_size, read_cache=read_cache, codec=codec)
+    cache = KVCache(
+        shape, compressor, page_size=page_size, read_cache=read_cache, codec=codec, reuse=reuse,
+        spec="" if not parsed.strategies() else str(parsed), home=home,
+    )
+    if prompt is not None:
+        cache.prime(prompt, attention_mask)
+    return cache
+
+
+def _check_reuse(model: torch.nn.Module, spec: Spec, codec: Codec | None, reuse: PrefixStore | None, prompt: object) -> None:
+    if reuse is None:
+        if prompt is not None:
+            raise ValueError("prompt= primes a cache from a PrefixStore; pass reuse=kvlib.PrefixStore(model, ...) too")
+        return
+    if not isinstance(reuse, PrefixStore):
+        raise ValueError(f"reuse must be a kvlib.PrefixStore, got {type(reuse).__name__}")
+    if spec.eviction is not None:
+        raise ValueError(
+            f"prefix reuse needs every prompt token stored; {spec.eviction.spec()} drops tokens. Use reuse with an exact"
+            " or quantized cache"
+        )
+    if codec is not None and spec.lowrank is not None:
+        raise ValueError(f"prefix reuse works with quantization codecs; {spec.lowrank.spec()} fits itself to each prompt")
+    if reuse.fingerprint != model_fingerprint(model):
+        raise ValueError("this PrefixStore was built for another model (config or weights differ)")
 
 
 def _codec(spec: Spec) -> Codec | None:

@@ -23,8 +23,10 @@ from kvlib.adapters import layer_step
 from kvlib.adapters.compressor import AttentionInputs, Compressor
 from kvlib.adapters.layer_step import LayerStep
 from kvlib.adapters.model_shape import KVShape
+from kvlib.adapters.prefix_session import PrefixSession
 from kvlib.codec import Codec, FitSample, PageCodec, layer_shapes
 from kvlib.paged_store import PagedStore
+from kvlib.prefix_store import PrefixStore
 
 
 class KVCacheLayer(CacheLayerMixin):
@@ -74,6 +76,9 @@ class KVCache(Cache):
         codec: the quantization or low-rank strategy that encodes sealed pages, or None. Its
             per-layer codecs are built with the store (first update; fitted codecs learn from
             each layer's first call), and full pages are sealed after each layer's attention.
+        reuse: a :class:`~kvlib.PrefixStore` whose paged store this cache lives in (see :meth:`prime`).
+        spec: the spec string that keys this cache's pages in ``reuse`` (``""``: exact).
+        home: the model's ``(dtype, device)``, where a primed cache's pages live before any update.
     """
 
     def __init__(
@@ -84,6 +89,9 @@ class KVCache(Cache):
         page_size: int = 16,
         read_cache: bool = True,
         codec: Codec | None = None,
+        reuse: PrefixStore | None = None,
+        spec: str = "",
+        home: tuple[torch.dtype, torch.device] = (torch.float32, torch.device("cpu")),
     ) -> None:
         super().__init__(layers=[KVCacheLayer(self, i) for i in range(shape.num_layers)])
         self.shape = shape
@@ -92,6 +100,10 @@ class KVCache(Cache):
         self.read_cache = read_cache
         self.codec = codec
         self.codecs: list[PageCodec | None] | None = None
+        self.reuse = reuse
+        self.spec = spec
+        self.home = home
+        self._session: PrefixSession | None = None
         self.store: PagedStore | None = None
         self._rows: list[int] = []
         self._padding = torch.zeros(0, dtype=torch.int64)
@@ -116,7 +128,11 @@ class KVCache(Cache):
         if self.store is None:
             self.store = self._new_store(key_states)
         if not self._rows:
-            self._rows = [self.store.new_sequence() for _ in range(batch)]
+            if self.reuse is not None:  # rows in the PrefixStore's store: a session gives them back
+                namespace = self.reuse.namespace(self.spec, key_states.dtype, key_states.device, self.page_size)
+                self._session = PrefixSession.start(self, self.reuse, namespace, self.store, self._rows, None, batch)
+            else:
+                self._rows.extend(self.store.new_sequence() for _ in range(batch))
             self._padding = torch.zeros(batch, dtype=torch.int64, device=self.store.device)
         offset = self._seen[layer_idx]
         self.store.append(layer_idx, self._rows, key_states, value_states)
@@ -166,6 +182,34 @@ class KVCache(Cache):
         if self.codecs is not None:
             for layer in sealing:
                 self.store.seal(layer, self._rows)
+        if self._session is not None and step.layer_idx == self.shape.num_layers - 1:
+            self._session.index(self._seen[step.layer_idx])
+
+    def prime(self, prompt: torch.Tensor, attention_mask: torch.Tensor | None = None) -> int:
+        """Start this (empty) cache from the longest prefix of ``prompt`` (int ``[batch, tokens]``)
+        cached in its :class:`~kvlib.PrefixStore`, and index the prompt's full pages once computed.
+
+        Returns the tokens reused: whole pages common to every row, never the prompt's last token.
+        ``generate(prompt, past_key_values=cache)`` then runs the model on the rest only. Prime
+        with the rows ``generate`` runs (beam search: each prompt ``num_beams`` times). A
+        left-padded ``attention_mask`` (any zero) disables reuse: padded pages depend on the mask.
+        """
+        if self.reuse is None:
+            raise ValueError("prime needs a cache made with reuse=PrefixStore(...)")
+        if self._rows or any(self._seen):
+            raise ValueError("prime needs an empty cache: call reset() first")
+        if not isinstance(prompt, torch.Tensor) or prompt.dim() != 2 or prompt.dtype.is_floating_point or prompt.shape[1] < 1:
+            raise ValueError("prompt must be an integer tensor [batch, tokens] with at least one token")
+        if attention_mask is not None and not bool(attention_mask.all()):
+            return 0
+        dtype, device = self.home
+        self.store = self._shared_store(dtype, device)
+        namespace = self.reuse.namespace(self.spec, dtype, device, self.page_size)
+        self._session = PrefixSession.start(self, self.reuse, namespace, self.store, self._rows, prompt.cpu(), prompt.shape[0])
+        reused = self._session.reused_tokens
+        self._seen = [reused] * self.shape.num_layers
+        self._padding = torch.zeros(prompt.shape[0], dtype=torch.int64, device=self.store.device)
+        return reused
 
     def _fit_sample(self, step: LayerStep, query: torch.Tensor, real_new: torch.Tensor | None) -> FitSample:
         """The layer's stored tokens and this call's queries, padding marked invalid."""
@@ -196,12 +240,15 @@ class KVCache(Cache):
 
     def reset(self) -> None:
         """Forget every stored token (pages go back to the pool); the next update starts a new batch."""
-        if self.codecs is not None:  # fitted codecs belong to the old prompt: start a new store
+        if self._session is not None:  # the store is the PrefixStore's: give back what this cache held
+            self._session.close()
+            self._session = None
+        elif self.codecs is not None:  # fitted codecs belong to the old prompt: start a new store
             self.store = self.codecs = None
         elif self._rows:
             self.store.release(self._rows)
             self.store.peak_pages = self.store.memory_bytes()["pages"]
-        self._rows = []
+        self._rows.clear()
         self._padding = torch.zeros(0, dtype=torch.int64)
         self._identity = [True] * self.shape.num_layers
         self._seen = [0] * self.shape.num_layers
@@ -251,8 +298,8 @@ class KVCache(Cache):
             raise ValueError(f"row indices must be in [0, {len(self._rows)}), got {index.tolist()}")
         if index.tolist() == list(range(len(self._rows))):
             return
-        old = self._rows
-        self._rows = [self.store.fork(old[i]) for i in index.tolist()]
+        old = list(self._rows)
+        self._rows[:] = [self.store.fork(old[i]) for i in index.tolist()]  # in place: a prefix session shares the list
         self.store.release(old)
         self._padding = self._padding[index.to(self._padding.device)]
         if self.compressor is not None:
@@ -310,12 +357,25 @@ class KVCache(Cache):
     # -- helpers --------------------------------------------------------------------------------
 
     def _new_store(self, key_states: torch.Tensor) -> PagedStore:
+        if self.reuse is not None:  # unprimed: live in the PrefixStore's store, index nothing
+            return self._shared_store(key_states.dtype, key_states.device)
+        return self._build_store(key_states.dtype, key_states.device)
+
+    def _shared_store(self, dtype: torch.dtype, device: torch.device) -> PagedStore:
+        """The PrefixStore's paged store for this cache's namespace (its codecs are the store's)."""
+        namespace = self.reuse.namespace(self.spec, dtype, device, self.page_size)
+        store = self.reuse.paged_store(namespace, lambda: self._build_store(dtype, device))
+        if self.codec is not None:
+            self.codecs = [getattr(pool, "codec", None) for pool in store.pools]
+        return store
+
+    def _build_store(self, dtype: torch.dtype, device: torch.device) -> PagedStore:
         shape = self.shape
         if self.codec is not None:
             self.codecs = self.codec.layer_codecs(
                 layer_shapes(
                     shape.num_layers, shape.num_kv_heads, shape.head_dim, shape.value_dim, self.page_size,
-                    key_states.dtype, key_states.device,
+                    dtype, device,
                 )
             )
         return PagedStore(
@@ -324,8 +384,8 @@ class KVCache(Cache):
             shape.head_dim,
             value_dim=shape.value_dim,
             page_size=self.page_size,
-            dtype=key_states.dtype,
-            device=key_states.device,
+            dtype=dtype,
+            device=device,
             read_cache=self.read_cache,
             codecs=self.codecs,
         )

@@ -10,6 +10,7 @@ from kvlib.adapters import KVCache, attach, make_cache
 from kvlib.codec import Field, FitSample, PageCodec, TensorCodec, TensorShape
 from kvlib.errors import PoolExhaustedError, SpecError
 from kvlib.paged_store import PagedStore
+from kvlib.prefix_store import PrefixStore
 from kvlib.read_cache import LayerRead
 from kvlib.registry import available_policies, get_policy, register
 from kvlib.spec import Spec, parse_spec, parse_strategy
@@ -28,6 +29,7 @@ __all__ = [
     "LowRank",
     "PageCodec",
     "PagedStore",
+    "PrefixStore",
     "PoolExhaustedError",
     "Quantization",
     "Reuse",

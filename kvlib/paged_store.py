@@ -148,6 +148,25 @@ class PagedStore:
             pool.incref(table.referenced_pages(torch.tensor([row])))
         return row
 
+    def attach_prefix(self, layer: int, seq: int, pages: torch.Tensor) -> None:
+        """Give the empty sequence ``seq`` the full pages ``pages`` (int64 ``[kv_heads, n]``, in
+        use) of ``layer`` as its first ``n * page_size`` tokens, by reference (prefix reuse)."""
+        layer = self._layer(layer)
+        rows = self._rows([seq])
+        pool, table = self.pools[layer], self.tables[layer]
+        if int(table.lengths[rows].sum()) or int(table.logical[rows].sum()):
+            raise ValueError(f"attach_prefix needs an empty sequence; {seq} holds tokens in layer {layer}")
+        if pages.dim() != 2 or pages.shape[0] != table.num_heads:
+            raise ValueError(f"pages must be [kv_heads={table.num_heads}, n], got {list(pages.shape)}")
+        count = pages.shape[1]
+        pool.incref(pages.flatten())
+        table.ensure_pages(count)
+        table.pages[rows, :, :count] = pages
+        table.lengths[rows] = count * self.page_size
+        table.logical[rows] = count * self.page_size
+        self._open_pages[layer] = None
+        self._drop_read_cache(layer, rows)
+
     def release(self, seqs: SequenceIds) -> None:
         """Drop sequences: their page references are released and their ids may be reused."""
         rows = self._rows(seqs)

@@ -74,6 +74,11 @@ class CodedPagePool(PagePool):
     def open_pages(self) -> int:
         return self.pages_in_use - self.sealed_pages
 
+    def page_footprint(self) -> int:
+        if not self.codec.ready and not self.encoded:  # fields unknown until fitted
+            return self.page_bytes
+        return self.codec.page_bytes() + self.position_page_bytes
+
     def data_bytes(self) -> int:
         sealed = self.sealed_pages
         coded = sealed * self.codec.page_bytes(metadata=False) if sealed else 0

@@ -104,6 +104,10 @@ class PagePool:
         """All bytes one page holds: keys, values and positions."""
         return self.kv_page_bytes + self.position_page_bytes
 
+    def page_footprint(self) -> int:
+        """Bytes one full page of this pool holds (keys, values, positions; a sealed page with a codec)."""
+        return self.page_bytes
+
     def bytes_in_use(self) -> int:
         """Bytes held by pages in use (keys, values, positions); free pages are not counted."""
         return self.data_bytes() + self.metadata_bytes() + self.pages_in_use * self.position_page_bytes

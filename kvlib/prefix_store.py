@@ -1,0 +1,148 @@
+"""``PrefixStore``: prompt prefixes computed once and reused across ``generate`` calls.
+
+A ``PrefixStore`` outlives the caches that use it. It owns the paged stores their sequences
+live in (one per *namespace*: compute dtype, device, page size and the spec that produced the
+pages) and a :class:`~kvlib.prefix_index.PrefixIndex` of full prompt pages. A cache made with
+``kvlib.make_cache(model, reuse=store, prompt=ids)`` starts holding, by reference, the longest
+cached prefix of ``ids`` (whole pages, and never the prompt's last token, whose logits the model
+must compute); ``generate`` then runs the model on the rest only. After its prefill the cache
+indexes the prompt's full pages it computed, so later prompts reuse them.
+
+What is reusable: pages of exact caches, and pages of caches with a codec (keyed by the codec's
+spec: a lossless request never meets lossy pages, and two codecs never share). Caches that evict
+index nothing: after eviction a page no longer holds a run of consecutive prompt tokens.
+
+Memory: every indexed page holds one reference from the index; pages a live cache uses hold its
+references too. Entries no cache uses sit in an LRU and are evicted, least recently used first,
+while the index holds more than ``capacity_bytes``; their pages are freed once no sequence holds
+them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+
+import torch
+
+from kvlib.paged_store import PagedStore
+from kvlib.prefix_index import Entry, PrefixIndex
+
+
+def model_fingerprint(model: torch.nn.Module) -> bytes:
+    """A digest of the model's config and of a sample of every parameter (shape, dtype, first
+    and last values): models that differ in weights do not share pages."""
+    digest = hashlib.blake2b(digest_size=16)
+    config = getattr(model, "config", None)
+    digest.update((config.to_json_string(use_diff=False) if config is not None else type(model).__name__).encode())
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            flat = parameter.detach().reshape(-1)
+            sample = torch.cat([flat[:8], flat[-8:]]).float().cpu()
+            digest.update(f"{name}{tuple(parameter.shape)}{parameter.dtype}".encode())
+            digest.update(sample.numpy().tobytes())
+    return digest.digest()
+
+
+class PrefixStore:
+    """Prompt prefixes of one model, reused across caches and ``generate`` calls.
+
+    Args:
+        model: the model whose caches use this store (its fingerprint keys every page).
+        capacity_bytes: bytes of indexed pages kept once no cache uses them (LRU beyond that).
+        salt: mixed into every key (separate tenants that must never share pages).
+    """
+
+    def __init__(self, model: torch.nn.Module, capacity_bytes: int, *, salt: str = "") -> None:
+        if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes < 0:
+            raise ValueError(f"capacity_bytes must be an int >= 0, got {capacity_bytes!r}")
+        if not isinstance(salt, str):
+            raise ValueError(f"salt must be a str, got {salt!r}")
+        self.fingerprint = model_fingerprint(model)
+        self.salt = salt
+        self.index = PrefixIndex(capacity_bytes, self._evicted)
+        self.stores: dict[str, PagedStore] = {}
+        """Paged stores by namespace (see :meth:`namespace`)."""
+        self._closing: list = []
+        """Sessions of caches garbage-collected since the last use (closed by :meth:`collect`)."""
+
+    def defer_close(self, session: object) -> None:
+        """Close ``session`` at the next use of this store (called from a cache's finalizer)."""
+        self._closing.append(session)
+
+    def collect(self) -> None:
+        """Release what garbage-collected caches held (their sequences and index entries)."""
+        while self._closing:
+            self._closing.pop().close()
+
+    def namespace(self, spec: str, dtype: torch.dtype, device: torch.device, page_size: int) -> str:
+        """The name of the pages a cache of ``spec`` (``""``: exact) produces in ``dtype`` on ``device``."""
+        return f"{spec}|{dtype}|{device}|{page_size}|{self.salt}"
+
+    def paged_store(self, namespace: str, build: Callable[[], PagedStore]) -> PagedStore:
+        """The paged store of ``namespace``, built by ``build()`` the first time."""
+        self.collect()
+        if namespace not in self.stores:
+            self.stores[namespace] = build()
+        return self.stores[namespace]
+
+    def _key_space(self, namespace: str) -> bytes:
+        return self.fingerprint + namespace.encode()
+
+    def lookup(self, namespace: str, blocks: list[list[int]]) -> list[Entry]:
+        """Cached entries of the leading ``blocks`` of a prompt (verified), most recently used now."""
+        self.collect()
+        return self.index.lookup(blocks, self._key_space(namespace))
+
+    def attach(self, namespace: str, seq: int, entries: list[Entry]) -> None:
+        """Give empty sequence ``seq`` the pages of ``entries`` (by reference) and acquire them."""
+        store = self.stores[namespace]
+        if entries:
+            pages = torch.stack([entry.pages[1] for entry in entries], dim=-1)  # [layers, heads, blocks]
+            for layer in range(store.num_layers):
+                store.attach_prefix(layer, seq, pages[layer])
+        self.index.acquire(entries)
+
+    def insert(self, namespace: str, seq: int, blocks: list[list[int]], first: int) -> list[Entry]:
+        """Index blocks ``first..`` of ``seq`` (its full pages holding ``blocks``' tokens); the
+        index takes a reference on their pages. Returns the entries, acquired for the caller."""
+        store = self.stores[namespace]
+        keys = self.index.keys(blocks, self._key_space(namespace))
+        held = []
+        for block in range(first, len(blocks)):
+            pages = torch.stack([store.tables[layer].pages[seq, :, block] for layer in range(store.num_layers)])
+            nbytes = sum(store.pools[layer].page_footprint() for layer in range(store.num_layers)) * pages.shape[1]
+            parent = keys[block - 1] if block else b""
+            entry = self.index.insert(keys[block], parent, blocks[block], (namespace, pages), nbytes)
+            if entry is None:  # a colliding key: this block and the ones after it stay uncached
+                break
+            if entry.pages[1] is pages:  # a new entry: the index holds the pages from now on
+                for layer in range(store.num_layers):
+                    store.pools[layer].incref(pages[layer])
+            held.append(entry)
+        return held
+
+    def release(self, entries: list[Entry]) -> None:
+        """A cache stops using ``entries`` (they may now be evicted)."""
+        self.index.release(entries)
+
+    def _evicted(self, entry: Entry) -> None:
+        namespace, pages = entry.pages
+        store = self.stores[namespace]
+        for layer in range(store.num_layers):
+            store.pools[layer].decref(pages[layer])
+
+    def stats(self) -> dict[str, int]:
+        """Hits and misses (blocks), evictions, collisions, entries and bytes indexed (after
+        releasing what garbage-collected caches held)."""
+        self.collect()
+        index = self.index
+        return {
+            "hits": index.hits,
+            "misses": index.misses,
+            "evictions": index.evictions,
+            "collisions": index.collisions,
+            "entries": len(index.entries),
+            "bytes": index.nbytes,
+            "unused_entries": len(index.lru),
+        }

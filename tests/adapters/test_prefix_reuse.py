@@ -1,0 +1,187 @@
+"""Prefix reuse across generate calls: identical outputs, only the suffix computed, pages shared
+by reference, lossless and lossy pages kept apart, LRU eviction that frees pages, bad input."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+import kvlib
+from tests.adapters.conftest import PAD, build_model, left_padded
+
+
+def prompts(vocab: int, shared: int = 70, tails: tuple[int, ...] = (9, 13), seed: int = 0) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    system = torch.randint(3, vocab, (1, shared), generator=generator)
+    return [torch.cat([system, torch.randint(3, vocab, (1, tail), generator=generator)], 1) for tail in tails]
+
+
+def tokens_computed(model: torch.nn.Module) -> tuple[list[int], object]:
+    """Per forward call, the tokens the model ran on (a hook on the input embeddings)."""
+    calls: list[int] = []
+    handle = model.get_input_embeddings().register_forward_hook(lambda module, args, out: calls.append(args[0].shape[1]))
+    return calls, handle
+
+
+@pytest.mark.parametrize("family", ["stories", "llama", "gpt2"])
+def test_reuse_computes_only_the_suffix_and_changes_no_output(family: str) -> None:
+    model = build_model(family)
+    vocab = min(model.config.vocab_size, 500)
+    store = kvlib.PrefixStore(model, capacity_bytes=2**24)
+    calls, handle = tokens_computed(model)
+    first, second = prompts(vocab)
+    for prompt, reused in ((first, 0), (second, 64), (second, 80)):  # 16-token pages; never the last token
+        reference = model.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=PAD)
+        calls.clear()
+        cache = kvlib.make_cache(model, reuse=store, prompt=prompt)
+        assert cache.get_seq_length() == reused
+        out = model.generate(prompt, past_key_values=cache, max_new_tokens=12, do_sample=False, pad_token_id=PAD)
+        assert torch.equal(out, reference)
+        assert calls[0] == prompt.shape[1] - reused  # the prefill ran on the suffix only
+    handle.remove()
+    assert store.stats()["hits"] == 4 + 5
+
+
+def test_pages_are_shared_by_reference_and_released_when_caches_go() -> None:
+    model = build_model("stories")
+    store = kvlib.PrefixStore(model, capacity_bytes=2**24)
+    prompt = prompts(500, shared=64, tails=(1,))[0]  # 65 tokens: 4 full pages, the 5th computed
+    warm = kvlib.make_cache(model, reuse=store, prompt=prompt)
+    model.generate(prompt, past_key_values=warm, max_new_tokens=2, do_sample=False, pad_token_id=PAD)
+    paged = next(iter(store.stores.values()))
+    heads, layers = model.config.num_key_value_heads, model.config.num_hidden_layers
+    caches = [kvlib.make_cache(model, reuse=store, prompt=prompt) for _ in range(8)]
+    for cache in caches:
+        model.generate(prompt, past_key_values=cache, max_new_tokens=2, do_sample=False, pad_token_id=PAD)
+    pool = paged.pools[0]
+    assert pool.pages_in_use == 4 * heads + 9 * heads  # the prefix once, plus each cache's own last page
+    assert bool((pool.refcount[paged.tables[0].pages[caches[0]._rows[0], :, :4]] == 1 + 9).all())  # the index + 9 caches
+    del warm, caches, cache
+    gc.collect()
+    store.collect()  # what the dropped caches held goes back at the store's next use
+    assert all(p.pages_in_use == 4 * heads for p in paged.pools)  # only the index's pages remain
+    assert store.stats()["unused_entries"] == 4 and len(paged.sequences) == 0
+    store.index.clear()
+    assert all(p.pages_in_use == 0 for p in paged.pools) and layers == len(paged.pools)
+
+
+def test_capacity_evicts_least_recently_used_unused_prefixes() -> None:
+    model = build_model("stories")
+    heads, layers = model.config.num_key_value_heads, model.config.num_hidden_layers
+    page = 16 * (2 * 8 * 4 + 8)  # keys + values float32 (head_dim 8) + int64 positions
+    store = kvlib.PrefixStore(model, capacity_bytes=4 * layers * heads * page)  # four blocks
+    for seed in range(3):  # three prompts of 4 full pages each: 12 blocks through a 4-block cache
+        prompt = prompts(500, shared=64, tails=(1,), seed=seed)[0]
+        cache = kvlib.make_cache(model, reuse=store, prompt=prompt)
+        model.generate(prompt, past_key_values=cache, max_new_tokens=2, do_sample=False, pad_token_id=PAD)
+        cache.reset()
+    stats = store.stats()
+    assert stats["entries"] == 4 and stats["evictions"] == 8 and stats["bytes"] <= store.index.capacity_bytes
+    paged = next(iter(store.stores.values()))
+    assert all(p.pages_in_use == 4 * heads for p in paged.pools)
+    newest = prompts(500, shared=64, tails=(1,), seed=2)[0]
+    assert kvlib.make_cache(model, reuse=store, prompt=newest).get_seq_length() == 64  # the last prompt survived
+
+
+def test_lossless_and_lossy_pages_are_never_mixed() -> None:
+    model = build_model("stories")
+    store = kvlib.PrefixStore(model, capacity_bytes=2**24)
+    prompt = prompts(500, shared=64, tails=(5,))[0]
+    exact = model.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=PAD)
+    quantized = kvlib.make_cache(model, "kivi(bits=2)", reuse=store, prompt=prompt)
+    lossy = model.generate(prompt, past_key_values=quantized, max_new_tokens=8, do_sample=False, pad_token_id=PAD)
+    lossless = kvlib.make_cache(model, reuse=store, prompt=prompt)
+    assert lossless.get_seq_length() == 0  # the kivi pages are not for an exact cache
+    assert torch.equal(model.generate(prompt, past_key_values=lossless, max_new_tokens=8, do_sample=False, pad_token_id=PAD), exact)
+    again = kvlib.make_cache(model, "kivi(bits=2)", reuse=store, prompt=prompt)
+    assert again.get_seq_length() == 64  # the same codec shares them
+    # (not token-equal to the first kivi run: there the prompt attended to its own tokens before they
+    # were sealed; reused, the suffix attends to the 2-bit pages)
+    reused = model.generate(prompt, past_key_values=again, max_new_tokens=8, do_sample=False, pad_token_id=PAD)
+    assert reused.shape == lossy.shape
+    other = kvlib.make_cache(model, "kivi(bits=4)", reuse=store, prompt=prompt)
+    assert other.get_seq_length() == 0
+    salted = kvlib.PrefixStore(model, capacity_bytes=2**24, salt="tenant b")
+    assert salted.namespace("", torch.float32, torch.device("cpu"), 16) != store.namespace("", torch.float32, torch.device("cpu"), 16)
+
+
+def test_a_batch_reuses_the_prefix_common_to_its_rows_and_beams_work() -> None:
+    model = build_model("stories")
+    store = kvlib.PrefixStore(model, capacity_bytes=2**24)
+    first, second = prompts(500, shared=48, tails=(20, 20))
+    batch = torch.cat([first, second])
+    warm = kvlib.make_cache(model, reuse=store, prompt=first)
+    model.generate(first, past_key_values=warm, max_new_tokens=1, do_sample=False, pad_token_id=PAD)
+    cache = kvlib.make_cache(model, reuse=store, prompt=batch)
+    assert cache.get_seq_length() == 48  # row 0 has 4 cached pages, row 1 shares 3
+    reference = model.generate(batch, max_new_tokens=10, do_sample=False, pad_token_id=PAD, num_beams=2)
+    beams = kvlib.make_cache(model, reuse=store, prompt=batch.repeat_interleave(2, dim=0))  # the rows beam search runs
+    out = model.generate(batch, past_key_values=beams, max_new_tokens=10, do_sample=False, pad_token_id=PAD, num_beams=2)
+    assert torch.equal(out, reference)
+
+
+def test_padding_disables_reuse_and_keeps_outputs() -> None:
+    model = build_model("stories")
+    store = kvlib.PrefixStore(model, capacity_bytes=2**24)
+    ids, mask = left_padded([40, 33], seed=3, vocab=500)
+    cache = kvlib.make_cache(model, reuse=store, prompt=ids, attention_mask=mask)
+    assert cache.get_seq_length() == 0
+    out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=6, do_sample=False, pad_token_id=PAD)
+    assert torch.equal(out, model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=PAD))
+    assert store.stats()["entries"] == 0
+
+
+def test_a_forced_hash_collision_reuses_nothing_wrong() -> None:
+    model = build_model("stories")
+    store = kvlib.PrefixStore(model, capacity_bytes=2**24)
+    store.index.hash_function = lambda parent, tokens, namespace: b"one key for every block"
+    first, second = prompts(500, shared=0, tails=(40, 40))  # nothing in common
+    cache = kvlib.make_cache(model, reuse=store, prompt=first)
+    model.generate(first, past_key_values=cache, max_new_tokens=2, do_sample=False, pad_token_id=PAD)
+    cache = kvlib.make_cache(model, reuse=store, prompt=second)
+    assert cache.get_seq_length() == 0 and store.stats()["collisions"] >= 1
+    out = model.generate(second, past_key_values=cache, max_new_tokens=8, do_sample=False, pad_token_id=PAD)
+    assert torch.equal(out, model.generate(second, max_new_tokens=8, do_sample=False, pad_token_id=PAD))
+
+
+@pytest.mark.parametrize(
+    ("spec", "kwargs", "message"),
+    [
+        ("streaming_llm", {"budget": 16}, "needs every prompt token stored"),
+        ("svd", {}, "fits itself to each prompt"),
+        (None, {"reuse": "a store"}, "reuse must be a kvlib.PrefixStore"),
+    ],
+)
+def test_bad_reuse_is_refused_before_any_model_work(spec, kwargs, message) -> None:
+    model = build_model("stories")
+    kwargs = {"reuse": kvlib.PrefixStore(model, capacity_bytes=1024), **kwargs}
+    with pytest.raises(ValueError, match=message):
+        kvlib.make_cache(model, spec, **kwargs)
+
+
+def test_a_store_of_another_model_and_a_prompt_without_store_are_refused() -> None:
+    stories, llama = build_model("stories"), build_model("llama")
+    with pytest.raises(ValueError, match="another model"):
+        kvlib.make_cache(llama, reuse=kvlib.PrefixStore(stories, capacity_bytes=1024))
+    with pytest.raises(ValueError, match="pass reuse="):
+        kvlib.make_cache(stories, prompt=torch.ones(1, 4, dtype=torch.long))
+    cache = kvlib.make_cache(stories, reuse=kvlib.PrefixStore(stories, capacity_bytes=1024), prompt=torch.ones(1, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match="empty cache"):
+        cache.prime(torch.ones(1, 4, dtype=torch.long))
+
+
+def test_an_unprimed_cache_in_a_prefix_store_gives_its_rows_back() -> None:
+    model = build_model("stories")
+    store = kvlib.PrefixStore(model, capacity_bytes=2**24)
+    prompt = prompts(500, shared=40, tails=(1,))[0]
+    cache = kvlib.make_cache(model, reuse=store)  # no prompt: nothing reused or indexed
+    out = model.generate(prompt, past_key_values=cache, max_new_tokens=4, do_sample=False, pad_token_id=PAD)
+    assert torch.equal(out, model.generate(prompt, max_new_tokens=4, do_sample=False, pad_token_id=PAD))
+    paged = next(iter(store.stores.values()))
+    assert paged.pools[0].pages_in_use > 0 and store.stats()["entries"] == 0
+    del cache
+    gc.collect()
+    store.collect()
+    assert all(p.pages_in_use == 0 for p in paged.pools) and not paged.sequences
