@@ -8,7 +8,14 @@ and dtype only through :func:`check_tensor`.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+from typing import ParamSpec, TypeVar
+
 import torch
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 CPU = torch.device("cpu")
 
@@ -43,3 +50,22 @@ def check_tensor(name: str, tensor: torch.Tensor, dtype: torch.dtype, device: to
         raise ValueError(f"{name} has dtype {tensor.dtype}, but the store holds {dtype}")
     if tensor.device != device:
         raise ValueError(f"{name} is on {tensor.device}, but the store lives on {device}")
+
+
+def outside_inference_mode(method: Callable[P, R]) -> Callable[P, R]:
+    """Run ``method`` with inference mode off (a no-op when it is off already).
+
+    The store's bookkeeping and arenas outlive a forward pass: tensors made inside
+    ``torch.inference_mode()`` could never be updated in place outside it (a cache reset, or a
+    prefix store used by the next call). Store methods therefore make and update their tensors
+    as normal tensors whatever mode the model runs in; inputs made in inference mode are only read.
+    """
+
+    @functools.wraps(method)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        if not torch.is_inference_mode_enabled():
+            return method(*args, **kwargs)
+        with torch.inference_mode(False):
+            return method(*args, **kwargs)
+
+    return wrapper

@@ -29,7 +29,7 @@ import torch
 
 from kvlib.block_table import BlockTable
 from kvlib.codec import PageCodec
-from kvlib.devices import check_tensor, resolve_device, to_arena_device
+from kvlib.devices import check_tensor, outside_inference_mode, resolve_device, to_arena_device
 from kvlib.errors import PoolExhaustedError
 from kvlib.read_cache import DenseReadCache, LayerRead
 from kvlib.storage.coded_pool import CodedPagePool
@@ -62,6 +62,7 @@ class PagedStore:
             earlier layer's pool.
     """
 
+    @outside_inference_mode
     def __init__(
         self,
         num_layers: int,
@@ -126,6 +127,7 @@ class PagedStore:
         """Live sequence ids, ascending."""
         return sorted(self._live)
 
+    @outside_inference_mode
     def new_sequence(self) -> int:
         """Create an empty sequence and return its id."""
         if self._free_rows:
@@ -138,6 +140,7 @@ class PagedStore:
         self._live.add(row)
         return row
 
+    @outside_inference_mode
     def fork(self, seq: int) -> int:
         """A new sequence sharing every page of ``seq`` by reference (copy-on-write on change)."""
         source = self._rows([seq])
@@ -148,6 +151,7 @@ class PagedStore:
             pool.incref(table.referenced_pages(torch.tensor([row])))
         return row
 
+    @outside_inference_mode
     def attach_prefix(self, layer: int, seq: int, pages: torch.Tensor) -> None:
         """Give the empty sequence ``seq`` the full pages ``pages`` (int64 ``[kv_heads, n]``, in
         use) of ``layer`` as its first ``n * page_size`` tokens, by reference (prefix reuse)."""
@@ -167,6 +171,7 @@ class PagedStore:
         self._open_pages[layer] = None
         self._drop_read_cache(layer, rows)
 
+    @outside_inference_mode
     def release(self, seqs: SequenceIds) -> None:
         """Drop sequences: their page references are released and their ids may be reused."""
         rows = self._rows(seqs)
@@ -190,6 +195,7 @@ class PagedStore:
 
     # -- append --------------------------------------------------------------------------------
 
+    @outside_inference_mode
     def append(
         self,
         layer: int,
@@ -288,6 +294,7 @@ class PagedStore:
 
     # -- read ----------------------------------------------------------------------------------
 
+    @outside_inference_mode
     def read(self, layer: int, seqs: SequenceIds) -> LayerRead:
         """``seqs``' stored tokens of ``layer`` in dense form (see :class:`~kvlib.read_cache.LayerRead`).
 
@@ -346,6 +353,7 @@ class PagedStore:
 
     # -- compaction ----------------------------------------------------------------------------
 
+    @outside_inference_mode
     def compact(self, layer: int, seqs: SequenceIds, keep: torch.Tensor, values: torch.Tensor | None = None) -> None:
         """Keep only the given stored tokens of each (sequence, head) of ``layer``; free the rest.
 
@@ -413,6 +421,7 @@ class PagedStore:
 
     # -- truncation ----------------------------------------------------------------------------
 
+    @outside_inference_mode
     def truncate(self, layer: int, seqs: SequenceIds, length: int) -> None:
         """Forget every stored token of ``layer`` whose position is ``>= length``; set the logical
         length of ``seqs`` to at most ``length`` (what rolling back rejected draft tokens needs).
@@ -491,6 +500,7 @@ class PagedStore:
 
     # -- sealing -------------------------------------------------------------------------------
 
+    @outside_inference_mode
     def seal(self, layer: int, seqs: SequenceIds) -> int:
         """Encode every full, open page of ``seqs`` in ``layer`` with the layer's codec; returns
         how many pages were sealed (0 without codecs, or while the codec is not yet fitted).
@@ -555,6 +565,7 @@ class PagedStore:
         self._drop_read_cache(shallow, rows)
         return int(ids.numel())
 
+    @outside_inference_mode
     def stored_positions(self, layer: int, seqs: SequenceIds) -> torch.Tensor:
         """Positions of the stored tokens of ``seqs``: int64 ``[batch, heads, longest]`` on the CPU,
         -1 past each head's length (read from the arena without touching keys or values)."""

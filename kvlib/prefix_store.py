@@ -25,6 +25,7 @@ from collections.abc import Callable
 
 import torch
 
+from kvlib.devices import outside_inference_mode
 from kvlib.paged_store import PagedStore
 from kvlib.prefix_index import Entry, PrefixIndex
 
@@ -70,6 +71,7 @@ class PrefixStore:
         """Close ``session`` at the next use of this store (called from a cache's finalizer)."""
         self._closing.append(session)
 
+    @outside_inference_mode
     def collect(self) -> None:
         """Release what garbage-collected caches held (their sequences and index entries)."""
         while self._closing:
@@ -94,6 +96,7 @@ class PrefixStore:
         self.collect()
         return self.index.lookup(blocks, self._key_space(namespace))
 
+    @outside_inference_mode
     def attach(self, namespace: str, seq: int, entries: list[Entry]) -> None:
         """Give empty sequence ``seq`` the pages of ``entries`` (by reference) and acquire them."""
         store = self.stores[namespace]
@@ -103,6 +106,7 @@ class PrefixStore:
                 store.attach_prefix(layer, seq, pages[layer])
         self.index.acquire(entries)
 
+    @outside_inference_mode
     def insert(self, namespace: str, seq: int, blocks: list[list[int]], first: int) -> list[Entry]:
         """Index blocks ``first..`` of ``seq`` (its full pages holding ``blocks``' tokens); the
         index takes a reference on their pages. Returns the entries, acquired for the caller."""
@@ -122,6 +126,7 @@ class PrefixStore:
             held.append(entry)
         return held
 
+    @outside_inference_mode
     def release(self, entries: list[Entry]) -> None:
         """A cache stops using ``entries`` (they may now be evicted)."""
         self.index.release(entries)

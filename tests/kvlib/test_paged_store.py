@@ -755,3 +755,16 @@ def test_a_truncation_a_full_fixed_pool_cannot_serve_changes_nothing() -> None:
     store.truncate(0, [seq], 4)  # at a page boundary nothing needs reopening
     store.append(0, [seq], torch.randn(1, 1, 2, 4), torch.randn(1, 1, 2, 4))
     assert store.physical_lengths(0, [seq]).tolist() == [[6]]
+
+
+def test_a_store_used_under_inference_mode_can_be_changed_outside_it() -> None:
+    store = PagedStore(2, 2, 4, page_size=4)
+    with torch.inference_mode():
+        seq = store.new_sequence()
+        for layer in range(2):
+            store.append(layer, [seq], torch.randn(1, 2, 9, 4), torch.randn(1, 2, 9, 4))
+            store.read(layer, [seq])
+    store.append(0, [seq], torch.randn(1, 2, 1, 4), torch.randn(1, 2, 1, 4))  # outside: no inference tensor to update
+    store.compact(0, [seq], torch.tensor([[[0, 1, 9], [2, 3, 4]]]))
+    store.release([seq])
+    assert all(pool.pages_in_use == 0 for pool in store.pools)
