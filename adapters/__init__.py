@@ -2,11 +2,13 @@
 
 - :func:`make_cache` builds a :class:`KVCache`, a drop-in ``transformers`` cache for
   ``model.generate``;
-- :func:`attach` routes a model's attention through kvlib (``make_cache`` calls it).
+- :func:`attach` routes a model's attention through kvlib (``make_cache`` calls it);
+- :func:`blend_cache` assembles a prompt's cache from chunks computed on their own (CacheBlend).
 """
 
 from kvlib.adapters.attention import attach
+from kvlib.adapters.blend import blend_cache
 from kvlib.adapters.make_cache import make_cache
 from kvlib.adapters.transformers_cache import KVCache
 
-__all__ = ["KVCache", "attach", "make_cache"]
+__all__ = ["KVCache", "attach", "blend_cache", "make_cache"]

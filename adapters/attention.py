@@ -123,7 +123,7 @@ def _kvlib_attention(inner: str) -> Callable:
             query=query,
             mask=mask,
             weights=weights,
-            real_new=real_new_tokens(attention_mask, step),
+            real_new=real_new_tokens(attention_mask, step) if step.query_positions is None else None,
             scaling=kwargs.get("scaling"),
         )
         return output, weights

@@ -34,6 +34,10 @@ class LayerStep:
         query_length: new tokens in this call (the query length).
         identity: every stored token of every row and head sits at the slot equal to its
             logical position (nothing was ever dropped), so the model's mask applies as it is.
+        query_positions: int64 ``[query_length]``, the true positions of a call whose queries
+            are scattered tokens already stored (a selective recompute); each attends to the
+            stored tokens at or before its position, and the model's mask is not used. None
+            for an ordinary call (queries at ``query_offset + i``).
     """
 
     cache: KVCache
@@ -42,6 +46,7 @@ class LayerStep:
     query_offset: int
     query_length: int
     identity: bool
+    query_positions: torch.Tensor | None = None
 
 
 _active_step: ContextVar[LayerStep | None] = ContextVar("kvlib_active_step", default=None)

@@ -71,8 +71,9 @@ def make_cache(
     unsupported = [kind for kind in _NOT_YET_APPLIED if getattr(parsed, kind)]
     if unsupported:
         raise ValueError(
-            f"make_cache applies eviction, budget, quantization and low-rank strategies so far; this spec also has"
-            f" {', '.join(unsupported)} ({parsed})"
+            f"make_cache applies eviction, budget, quantization and low-rank strategies; this spec also has"
+            f" {', '.join(unsupported)} ({parsed}). Reuse works through make_cache(reuse=kvlib.PrefixStore(...)) and"
+            " kvlib.blend_cache(model, chunks, kvlib.ChunkStore(...), strategy)"
         )
     _check_budget(budget, parsed)
     codec = _codec(parsed)

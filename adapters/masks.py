@@ -40,13 +40,15 @@ def physical_mask(mask: torch.Tensor | None, step: LayerStep, query_heads: int, 
     ``float_dtype`` when given (eager attention). Slot ``s`` of (row, head) is visible to query
     ``i`` iff it is valid and the model's mask allows query ``i`` to see the stored token's
     logical position. With no model mask (SDPA's causal shortcut), visibility is causal in the
-    logical positions.
+    logical positions; with ``step.query_positions``, causal in those true positions.
     """
     read = step.read
     batch, heads, slots = read.valid.shape
     queries = step.query_length
     stored = read.valid.unsqueeze(2)
-    if mask is None:
+    if step.query_positions is not None:  # scattered queries: causal in their true positions
+        visible = (read.positions.unsqueeze(2) <= step.query_positions.to(read.positions.device).view(1, 1, -1, 1)) & stored
+    elif mask is None:
         query_positions = step.query_offset + torch.arange(queries, device=read.positions.device)
         visible = (read.positions.unsqueeze(2) <= query_positions.view(1, 1, -1, 1)) & stored
     else:

@@ -16,6 +16,9 @@ reference, copy-on-write.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
@@ -104,6 +107,7 @@ class KVCache(Cache):
         self.spec = spec
         self.home = home
         self._session: PrefixSession | None = None
+        self._recompute: torch.Tensor | None = None
         self.store: PagedStore | None = None
         self._rows: list[int] = []
         self._padding = torch.zeros(0, dtype=torch.int64)
@@ -125,6 +129,8 @@ class KVCache(Cache):
             )
         batch = key_states.shape[0]
         self.check_batch(batch)
+        if self._recompute is not None:
+            return self._overwrite(key_states, value_states, layer_idx)
         if self.store is None:
             self.store = self._new_store(key_states)
         if not self._rows:
@@ -142,6 +148,45 @@ class KVCache(Cache):
         self._pending = step
         layer_step.publish(step)
         return read.keys, read.values
+
+    def _overwrite(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`update` inside :meth:`recomputing`: the call's tokens are stored ones, rewritten."""
+        positions = self._recompute
+        self.store.overwrite(layer_idx, self._rows, positions, key_states, value_states)
+        read = self.store.read(layer_idx, self._rows)
+        step = LayerStep(self, layer_idx, read, self._seen[layer_idx], key_states.shape[2], False, positions.to(read.positions.device))
+        self._pending = step
+        layer_step.publish(step)
+        return read.keys, read.values
+
+    def load(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+        """Fill this empty cache with precomputed keys (after RoPE) and values of every layer,
+        ``[batch, kv_heads, tokens, dim]`` each, as tokens at positions ``0 .. tokens - 1``."""
+        if self._rows or any(self._seen):
+            raise ValueError("load needs an empty cache: call reset() first")
+        if len(keys) != self.shape.num_layers or len(values) != self.shape.num_layers:
+            raise ValueError(f"load takes keys and values for each of the {self.shape.num_layers} layers")
+        if self.store is None:
+            self.store = self._new_store(keys[0])
+        self._rows.extend(self.store.new_sequence() for _ in range(keys[0].shape[0]))
+        for layer, (k, v) in enumerate(zip(keys, values)):
+            self.store.append(layer, self._rows, k, v)
+            self._seen[layer] = k.shape[2]
+        self._padding = torch.zeros(keys[0].shape[0], dtype=torch.int64, device=self.store.device)
+
+    @contextlib.contextmanager
+    def recomputing(self, positions: torch.Tensor) -> Iterator[None]:
+        """Forward calls inside recompute stored tokens at ``positions`` (int ``[tokens]``, ascending,
+        the order of the call's inputs): each layer overwrites their keys and values with the new
+        ones, and their queries attend causally by these positions (CacheBlend's selective
+        recompute). Pass ``position_ids=positions[None]`` to the model."""
+        if not self._rows:
+            raise ValueError("recomputing needs a cache holding the tokens (load() or a prefill first)")
+        self._recompute = torch.as_tensor(positions, dtype=torch.int64).cpu()
+        try:
+            yield
+        finally:
+            self._recompute = None
 
     def check_batch(self, batch: int) -> None:
         """``ValueError`` unless a batch of ``batch`` rows may use this cache (it is empty, or holds that many)."""

@@ -6,7 +6,8 @@ One paged KV store (:class:`PagedStore`), a registry of strategies (:func:`regis
 lands with its own issue).
 """
 
-from kvlib.adapters import KVCache, attach, make_cache
+from kvlib.adapters import KVCache, attach, blend_cache, make_cache
+from kvlib.chunk_store import ChunkStore
 from kvlib.codec import Field, FitSample, PageCodec, TensorCodec, TensorShape
 from kvlib.errors import PoolExhaustedError, SpecError
 from kvlib.paged_store import PagedStore
@@ -20,6 +21,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Budget",
+    "ChunkStore",
     "Eviction",
     "Field",
     "FitSample",
@@ -41,6 +43,7 @@ __all__ = [
     "Tiering",
     "attach",
     "available_policies",
+    "blend_cache",
     "get_policy",
     "make_cache",
     "parse_spec",

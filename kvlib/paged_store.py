@@ -351,6 +351,33 @@ class PagedStore:
             positions.masked_fill_(invalid, -1)
         return LayerRead(keys, values, positions, to_arena_device(valid, self.device))
 
+    @outside_inference_mode
+    def overwrite(self, layer: int, seqs: SequenceIds, token_index: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Replace the keys and values of stored tokens ``token_index`` (int ``[tokens]``, the same
+        slots in every head, each below every head's length) of ``seqs`` in ``layer``; positions
+        stay. For a selective recompute. The pages written must be open (not sealed) and held by
+        these sequences alone.
+
+        Args:
+            keys: ``[batch, kv_heads, tokens, head_dim]``; values: ``[..., value_dim]``.
+        """
+        layer = self._layer(layer)
+        rows = self._rows(seqs)
+        pool, table = self.pools[layer], self.tables[layer]
+        batch, heads, steps = self._check_step(layer, rows, keys, values)
+        index = torch.as_tensor(token_index, dtype=torch.int64).cpu()
+        if index.dim() != 1 or index.numel() != steps:
+            raise ValueError(f"token_index must be [tokens={steps}], got {list(index.shape)}")
+        if steps and bool(((index < 0) | (index >= table.lengths[rows].min())).any()):
+            raise ValueError("token_index must name stored tokens of every head")
+        slots = table.flat_slots(rows, index.expand(batch, heads, steps))
+        pages = torch.unique(slots // self.page_size)
+        if bool((pool.refcount[pages] > 1).any()) or (isinstance(pool, CodedPagePool) and bool(pool.sealed[pages].any())):
+            raise ValueError("overwrite needs pages held by these sequences alone and not sealed")
+        positions = pool.positions.view(-1)[to_arena_device(slots.flatten(), self.device)]
+        pool.write(slots.flatten(), keys.reshape(-1, pool.head_dim), values.reshape(-1, pool.value_dim), positions)
+        self._drop_read_cache(layer, rows)
+
     # -- compaction ----------------------------------------------------------------------------
 
     @outside_inference_mode

@@ -768,3 +768,21 @@ def test_a_store_used_under_inference_mode_can_be_changed_outside_it() -> None:
     store.compact(0, [seq], torch.tensor([[[0, 1, 9], [2, 3, 4]]]))
     store.release([seq])
     assert all(pool.pages_in_use == 0 for pool in store.pools)
+
+
+def test_overwrite_rewrites_stored_tokens_and_refuses_shared_pages() -> None:
+    store = PagedStore(1, 2, 4, page_size=4)
+    seq = store.new_sequence()
+    keys, values = torch.randn(1, 2, 10, 4), torch.randn(1, 2, 10, 4)
+    store.append(0, [seq], keys, values)
+    new_keys, new_values = torch.randn(1, 2, 2, 4), torch.randn(1, 2, 2, 4)
+    store.overwrite(0, [seq], torch.tensor([3, 7]), new_keys, new_values)
+    read = store.read(0, [seq])
+    keys[:, :, [3, 7]], values[:, :, [3, 7]] = new_keys, new_values
+    assert torch.equal(read.keys, keys) and torch.equal(read.values, values)
+    assert read.positions[0, 0].tolist() == list(range(10))
+    store.fork(seq)
+    with pytest.raises(ValueError, match="held by these sequences alone"):
+        store.overwrite(0, [seq], torch.tensor([1]), new_keys[:, :, :1], new_values[:, :, :1])
+    with pytest.raises(ValueError, match="name stored tokens"):
+        store.overwrite(0, [seq], torch.tensor([10]), new_keys[:, :, :1], new_values[:, :, :1])

@@ -1,0 +1,59 @@
+"""``ChunkStore``: the KV of text chunks computed on their own, for position-independent reuse.
+
+A chunk (a RAG passage, a document) is run through the model alone, at positions ``0 ..
+len - 1``, once; its keys (after RoPE) and values per layer are kept, keyed by the model's
+fingerprint and the chunk's token ids. :func:`kvlib.blend_cache` assembles prompts from them in
+any order. Entries are evicted least recently used first beyond ``capacity_bytes``.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+
+from kvlib.devices import outside_inference_mode
+from kvlib.prefix_store import model_fingerprint
+
+
+class ChunkStore:
+    """Per-chunk keys and values ``[kv_heads, tokens, dim]`` per layer, for one model."""
+
+    def __init__(self, model: torch.nn.Module, capacity_bytes: int) -> None:
+        if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes < 0:
+            raise ValueError(f"capacity_bytes must be an int >= 0, got {capacity_bytes!r}")
+        self.fingerprint = model_fingerprint(model)
+        self.capacity_bytes = capacity_bytes
+        self.entries: OrderedDict[tuple[int, ...], tuple[list[torch.Tensor], list[torch.Tensor]]] = OrderedDict()
+        self.nbytes = 0
+        self.hits = 0
+        self.misses = 0
+
+    @outside_inference_mode
+    def kv(self, model: torch.nn.Module, chunk: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Keys and values of ``chunk`` (int ``[tokens]``) computed alone, per layer."""
+        if model_fingerprint(model) != self.fingerprint:
+            raise ValueError("this ChunkStore was built for another model (config or weights differ)")
+        key = tuple(torch.as_tensor(chunk).reshape(-1).tolist())
+        if not key:
+            raise ValueError("a chunk needs at least one token")
+        if key in self.entries:
+            self.hits += 1
+            self.entries.move_to_end(key)
+            return self.entries[key]
+        self.misses += 1
+        from kvlib.adapters import make_cache
+
+        cache = make_cache(model)
+        ids = torch.tensor([key], device=next(model.parameters()).device)
+        with torch.no_grad():
+            model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        reads = [cache.store.read(layer, cache._rows) for layer in range(cache.shape.num_layers)]
+        keys = [read.keys[0].clone() for read in reads]
+        values = [read.values[0].clone() for read in reads]
+        self.entries[key] = (keys, values)
+        self.nbytes += sum(t.numel() * t.element_size() for t in keys + values)
+        while self.nbytes > self.capacity_bytes and len(self.entries) > 1:
+            _, (old_keys, old_values) = self.entries.popitem(last=False)
+            self.nbytes -= sum(t.numel() * t.element_size() for t in old_keys + old_values)
+        return keys, values
