@@ -17,10 +17,11 @@ token ids (seeded): a ``--prefix-len`` shared prefix (a system prompt, a documen
 
 Chunk reuse (CacheBlend, ``kvlib.blend_cache``):
 
-- quality on stories260K against full recomputation: ``--chunk-contexts`` prompts, each three
-  model-sampled stories of ``--chunk-len`` tokens as chunks plus a 16-token question (the start of
-  a fourth); KL(full || blended) and greedy agreement over 32 teacher-forced steps, for recompute
-  shares 0, 0.15, 0.3 and 1 (KV-deviation rule) and 0.15 with the ``first`` and ``random`` rules;
+- quality on stories260K against full recomputation: ``--chunk-contexts`` model-sampled stories,
+  each cut into three consecutive ``--chunk-len``-token chunks (computed alone, so a chunk misses
+  the story so far) and the next 16 tokens as the question; KL(full || blended) and greedy
+  agreement over 32 teacher-forced steps, for recompute shares 0, 0.15, 0.3 and 1 (KV-deviation
+  rule) and 0.15 with the ``first`` and ``random`` rules;
 - time to first token on the benchmark model: three ``--prefix-len / 3``-token chunks already in
   the ChunkStore plus a ``--tail-len`` question, ``blend_cache`` + the question's forward pass,
   against a full prefill of the same prompt.
@@ -150,13 +151,13 @@ def chunk_quality(stories_path: Path, contexts: int, length: int) -> list[dict]:
     from kvlib.policies.reuse.cacheblend import CacheBlend
 
     model = AutoModelForCausalLM.from_pretrained(stories_path, dtype=torch.float32).eval()
-    texts = sample_texts(model, AutoTokenizer.from_pretrained(stories_path), 4 * contexts, length, 100, 0.8)
+    texts = sample_texts(model, AutoTokenizer.from_pretrained(stories_path), contexts, 3 * length + 16, 100, 0.8)
     kvlib.attach(model)
     store = kvlib.ChunkStore(model, capacity_bytes=2**30)
     rows = {rule_share: {"kl": [], "agreement": []} for rule_share in BLENDS}
-    for context in range(contexts):
-        chunks = [texts[4 * context + i] for i in range(3)]
-        question = texts[4 * context + 3][None, :16]
+    for story in texts:
+        chunks = [story[i * length : (i + 1) * length] for i in range(3)]
+        question = story[None, 3 * length :]
         prompt = torch.cat([torch.cat(chunks)[None], question], 1)
         tokens, reference = greedy_reference(model, kvlib.make_cache(model), prompt, 32)
         for rule, share in BLENDS:
@@ -271,7 +272,7 @@ def _markdown(result: dict, argv: Sequence[str] | None) -> str:
         "",
         f"Index counters at the end: {result['stats']}.",
         "",
-        f"## Chunk reuse (CacheBlend) on stories260K: {c['chunk_contexts']} prompts of three {c['chunk_len']}-token chunks + a 16-token question",
+        f"## Chunk reuse (CacheBlend) on stories260K: {c['chunk_contexts']} stories cut into three {c['chunk_len']}-token chunks + the next 16 tokens",
         "",
         "Against full recomputation, over 32 teacher-forced greedy steps.",
         "",
