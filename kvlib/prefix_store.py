@@ -16,6 +16,12 @@ Memory: every indexed page holds one reference from the index; pages a live cach
 references too. Entries no cache uses sit in an LRU and are evicted, least recently used first,
 while the index holds more than ``capacity_bytes``; their pages are freed once no sequence holds
 them.
+
+Disk (``disk=DiskTier(path, capacity_bytes)`` or a path): every block indexed from an exact
+cache is also written to an lmdb page record (write-through), keyed by the namespace's digest
+and the chain key; a lookup that runs out of blocks in memory goes on on disk, loading verified
+records into fresh pages. A new process with the same model thus reuses prefixes an earlier one
+computed. Codec namespaces stay in memory only.
 """
 
 from __future__ import annotations
@@ -25,9 +31,12 @@ from collections.abc import Callable
 
 import torch
 
-from kvlib.devices import outside_inference_mode
+from kvlib.devices import outside_inference_mode, to_arena_device
 from kvlib.paged_store import PagedStore
 from kvlib.prefix_index import Entry, PrefixIndex
+from kvlib.storage.coded_pool import CodedPagePool
+from kvlib.storage.disk_tier import DiskTier
+from kvlib.storage.page_record import Block, Layout, decode, encode
 
 
 def model_fingerprint(model: torch.nn.Module) -> bytes:
@@ -54,7 +63,7 @@ class PrefixStore:
         salt: mixed into every key (separate tenants that must never share pages).
     """
 
-    def __init__(self, model: torch.nn.Module, capacity_bytes: int, *, salt: str = "") -> None:
+    def __init__(self, model: torch.nn.Module, capacity_bytes: int, *, salt: str = "", disk: DiskTier | str | None = None) -> None:
         if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes < 0:
             raise ValueError(f"capacity_bytes must be an int >= 0, got {capacity_bytes!r}")
         if not isinstance(salt, str):
@@ -64,6 +73,11 @@ class PrefixStore:
         self.index = PrefixIndex(capacity_bytes, self._evicted)
         self.stores: dict[str, PagedStore] = {}
         """Paged stores by namespace (see :meth:`namespace`)."""
+        if isinstance(disk, (str, bytes)) or hasattr(disk, "__fspath__"):
+            disk = DiskTier(disk, capacity_bytes=max(capacity_bytes, 1) * 4)
+        if disk is not None and not isinstance(disk, DiskTier):
+            raise ValueError(f"disk must be a DiskTier, a path or None, got {type(disk).__name__}")
+        self.disk = disk
         self._closing: list = []
         """Sessions of caches garbage-collected since the last use (closed by :meth:`collect`)."""
 
@@ -92,9 +106,58 @@ class PrefixStore:
         return self.fingerprint + namespace.encode()
 
     def lookup(self, namespace: str, blocks: list[list[int]]) -> list[Entry]:
-        """Cached entries of the leading ``blocks`` of a prompt (verified), most recently used now."""
+        """Cached entries of the leading ``blocks`` of a prompt (verified), most recently used now;
+        blocks found on disk past those in memory are loaded into fresh pages and indexed."""
         self.collect()
-        return self.index.lookup(blocks, self._key_space(namespace))
+        found = self.index.lookup(blocks, self._key_space(namespace))
+        layout = self._disk_layout(namespace)
+        if layout is not None and len(found) < len(blocks):
+            found += self._load(namespace, layout, blocks, len(found))
+        return found
+
+    @outside_inference_mode
+    def _load(self, namespace: str, layout: Layout, blocks: list[list[int]], first: int) -> list[Entry]:
+        """Entries for ``blocks[first:]`` read from disk while their records check out."""
+        store = self.stores[namespace]
+        keys = self.index.keys(blocks, self._key_space(namespace))
+        loaded = []
+        for index in range(first, len(blocks)):
+            parent = keys[index - 1] if index else b""
+            block = self.disk.get(layout.namespace + keys[index], lambda record: decode(layout, record))
+            if block is None or block.key != keys[index] or block.parent != parent or block.tokens != list(blocks[index]):
+                break
+            pages = []
+            positions = torch.arange(index * store.page_size, (index + 1) * store.page_size)
+            for layer, pool in enumerate(store.pools):
+                ids = pool.allocate(layout.heads, torch.arange(layout.heads))
+                slots = (ids.unsqueeze(-1) * store.page_size + torch.arange(store.page_size)).flatten()
+                pool.write(slots, block.keys[layer].reshape(-1, layout.head_dim).to(store.device),
+                           block.values[layer].reshape(-1, layout.value_dim).to(store.device),
+                           to_arena_device(positions.repeat(layout.heads), store.device))
+                pages.append(ids)
+            pages = torch.stack(pages)
+            nbytes = sum(pool.page_footprint() for pool in store.pools) * layout.heads
+            entry = self.index.insert(keys[index], parent, blocks[index], (namespace, pages), nbytes)
+            if entry is None or entry.pages[1] is not pages:  # a collision, or another holder: keep memory's
+                for layer, pool in enumerate(store.pools):
+                    pool.decref(pages[layer])
+                if entry is not None:
+                    self.index.release([entry])
+                break
+            self.index.release([entry])  # found, not yet attached: evictable like any unused entry
+            if self.index.entries.get(entry.key) is not entry:  # the capacity could not keep it
+                break
+            loaded.append(entry)
+        return loaded
+
+    def _disk_layout(self, namespace: str) -> Layout | None:
+        """The record layout of ``namespace``, or None when its pages do not go to disk."""
+        store = self.stores.get(namespace)
+        if self.disk is None or store is None or any(isinstance(pool, CodedPagePool) for pool in store.pools):
+            return None
+        pool = store.pools[0]
+        digest = hashlib.blake2b(self._key_space(namespace), digest_size=16).digest()
+        return Layout(digest, store.num_layers, store.tables[0].num_heads, store.page_size, pool.head_dim, pool.value_dim, store.dtype)
 
     @outside_inference_mode
     def attach(self, namespace: str, seq: int, entries: list[Entry]) -> None:
@@ -123,10 +186,21 @@ class PrefixStore:
             if entry.pages[1] is pages:  # a new entry: the index holds the pages from now on
                 for layer in range(store.num_layers):
                     store.pools[layer].incref(pages[layer])
+                self._persist(namespace, entry)
             held.append(entry)
         return held
 
     @outside_inference_mode
+    def _persist(self, namespace: str, entry: Entry) -> None:
+        """Write ``entry``'s block to the disk tier (exact namespaces only)."""
+        layout = self._disk_layout(namespace)
+        if layout is None:
+            return
+        store, pages = self.stores[namespace], entry.pages[1]
+        reads = [pool.read_pages(pages[layer]) for layer, pool in enumerate(store.pools)]
+        block = Block(entry.key, entry.parent, list(entry.tokens), torch.stack([k for k, _ in reads]), torch.stack([v for _, v in reads]))
+        self.disk.put(layout.namespace + entry.key, encode(layout, block))
+
     def release(self, entries: list[Entry]) -> None:
         """A cache stops using ``entries`` (they may now be evicted)."""
         self.index.release(entries)

@@ -1,0 +1,189 @@
+"""The disk tier: page records in an lmdb environment, bounded in bytes, safe across processes.
+
+Keys are ``namespace digest + chain key`` (32 bytes), so a directory written by another model,
+dtype, codec or salt never answers for this one. Values are :mod:`~kvlib.storage.page_record`
+records (header, raw bytes, checksum; never pickled).
+
+Guarantees, from lmdb and this module:
+
+- a write is one lmdb transaction: a process killed (even by SIGKILL) mid-write leaves the last
+  committed state, never a partial record;
+- a record whose header or checksum fails is a miss: counted (``corrupt``), deleted, never
+  returned;
+- the records' bytes stay within ``capacity_bytes``: the least recently read or written records
+  are evicted first; the map grows as needed up to that budget; when lmdb reports the disk or
+  map full, writing stops with one warning and generation goes on;
+- several processes may use one directory: lmdb serialises writers and lets readers run.
+
+Bookkeeping lives in named databases beside the records: ``atime`` (key -> u64 access clock)
+and ``meta`` (total record bytes, the clock).
+"""
+
+from __future__ import annotations
+
+import struct
+import warnings
+from pathlib import Path
+
+import lmdb
+
+_U64 = struct.Struct("<Q")
+_OVERHEAD = 2.0
+"""Map size over record bytes: lmdb's pages, free lists and the bookkeeping databases."""
+_MIN_MAP = 1 << 24
+
+
+class DiskTier:
+    """Page records in the lmdb environment at ``path`` (created if missing), at most
+    ``capacity_bytes`` of record bytes."""
+
+    def __init__(self, path: str | Path, capacity_bytes: int) -> None:
+        if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes < 1:
+            raise ValueError(f"capacity_bytes must be an int >= 1, got {capacity_bytes!r}")
+        self.path = Path(path)
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.capacity_bytes = capacity_bytes
+        self.limit = max(_MIN_MAP, int(capacity_bytes * _OVERHEAD))
+        self.env = lmdb.open(str(self.path), map_size=min(self.limit, _MIN_MAP), max_dbs=3, subdir=True)
+        self.records = self.env.open_db(b"records")
+        self.atime = self.env.open_db(b"atime")
+        self.meta = self.env.open_db(b"meta")
+        self.reads = self.writes = self.misses = self.corrupt = self.evictions = 0
+        self.stopped = False
+        """True once a full disk stopped writing (warned once)."""
+
+    # -- reading -------------------------------------------------------------------------------
+
+    def get(self, key: bytes, check) -> object | None:
+        """``check(record bytes)`` of the record under ``key``, or None if absent or if ``check``
+        raises ``ValueError`` (a corrupt or foreign record: counted and deleted)."""
+        with self.env.begin(db=self.records) as txn:
+            record = txn.get(key)
+            record = bytes(record) if record is not None else None
+        if record is None:
+            self.misses += 1
+            return None
+        try:
+            value = check(record)
+        except ValueError:
+            self.corrupt += 1
+            self._delete(key)
+            return None
+        self.reads += 1
+        self._touch(key)
+        return value
+
+    def keys(self) -> list[bytes]:
+        """Every stored key (for checks and clean-up)."""
+        with self.env.begin(db=self.records) as txn:
+            return [bytes(k) for k, _ in txn.cursor()]
+
+    def raw(self, key: bytes) -> bytes | None:
+        """The stored bytes under ``key`` unchecked (tests and tools only)."""
+        with self.env.begin(db=self.records) as txn:
+            value = txn.get(key)
+            return bytes(value) if value is not None else None
+
+    @property
+    def nbytes(self) -> int:
+        """Record bytes stored."""
+        with self.env.begin(db=self.meta) as txn:
+            return _get_u64(txn, b"bytes")
+
+    # -- writing -------------------------------------------------------------------------------
+
+    def put(self, key: bytes, record: bytes) -> bool:
+        """Store ``record`` under ``key`` (replacing it), evicting least recently used records to
+        stay within capacity. False (and nothing changed) when it cannot: larger than the
+        capacity, or the disk or map is full (then writing stops, with one warning)."""
+        if self.stopped or len(record) > self.capacity_bytes:
+            return False
+        for _ in range(2):
+            try:
+                self._put(key, record)
+                self.writes += 1
+                return True
+            except lmdb.MapFullError:
+                if not self._grow():
+                    break
+            except lmdb.Error as error:  # disk full or unwritable: stop writing, go on without the tier
+                self._stop(f"{type(error).__name__}: {error}")
+                return False
+        self._stop("the lmdb map is full at the byte budget")
+        return False
+
+    def _put(self, key: bytes, record: bytes) -> None:
+        with self.env.begin(write=True) as txn:
+            total = _get_u64(txn, b"bytes", self.meta)
+            old = txn.get(key, db=self.records)
+            if old is not None:
+                total -= len(old)
+            need = total + len(record) - self.capacity_bytes
+            if need > 0:
+                total -= self._evict(txn, need, keep=key)
+            txn.put(key, record, db=self.records)
+            clock = _get_u64(txn, b"clock", self.meta) + 1
+            txn.put(key, _U64.pack(clock), db=self.atime)
+            txn.put(b"clock", _U64.pack(clock), db=self.meta)
+            txn.put(b"bytes", _U64.pack(total + len(record)), db=self.meta)
+
+    def _evict(self, txn: lmdb.Transaction, need: int, keep: bytes) -> int:
+        """Delete least recently used records (not ``keep``) until ``need`` bytes are free; returns the bytes freed."""
+        order = sorted((_U64.unpack(v)[0], bytes(k)) for k, v in txn.cursor(db=self.atime))
+        freed = 0
+        for _, key in order:
+            if freed >= need:
+                break
+            if key == keep:
+                continue
+            value = txn.get(key, db=self.records)
+            if value is not None:
+                freed += len(value)
+                txn.delete(key, db=self.records)
+            txn.delete(key, db=self.atime)
+            self.evictions += 1
+        return freed
+
+    def _delete(self, key: bytes) -> None:
+        try:
+            with self.env.begin(write=True) as txn:
+                value = txn.get(key, db=self.records)
+                if value is not None:
+                    txn.delete(key, db=self.records)
+                    txn.put(b"bytes", _U64.pack(max(0, _get_u64(txn, b"bytes", self.meta) - len(value))), db=self.meta)
+                txn.delete(key, db=self.atime)
+        except lmdb.Error:
+            pass
+
+    def _touch(self, key: bytes) -> None:
+        try:
+            with self.env.begin(write=True) as txn:
+                clock = _get_u64(txn, b"clock", self.meta) + 1
+                txn.put(key, _U64.pack(clock), db=self.atime)
+                txn.put(b"clock", _U64.pack(clock), db=self.meta)
+        except lmdb.Error:
+            pass
+
+    def _grow(self) -> bool:
+        size = self.env.info()["map_size"]
+        if size >= self.limit:
+            return False
+        self.env.set_mapsize(min(self.limit, 2 * size))
+        return True
+
+    def _stop(self, why: str) -> None:
+        if not self.stopped:
+            warnings.warn(f"kvlib disk tier at {self.path}: stopped writing ({why}); generation goes on without it", stacklevel=3)
+        self.stopped = True
+
+    def stats(self) -> dict[str, int]:
+        return {"reads": self.reads, "writes": self.writes, "misses": self.misses, "corrupt": self.corrupt,
+                "evictions": self.evictions, "bytes": self.nbytes}
+
+    def close(self) -> None:
+        self.env.close()
+
+
+def _get_u64(txn: lmdb.Transaction, key: bytes, db=None) -> int:
+    value = txn.get(key, db=db) if db is not None else txn.get(key)
+    return _U64.unpack(value)[0] if value is not None else 0

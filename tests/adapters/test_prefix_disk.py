@@ -1,0 +1,56 @@
+"""The persistent prefix cache: a second process reuses the prefixes a first one wrote to the
+lmdb disk tier, with identical output; a corrupted record is recomputed; another model's
+directory is never mistaken for this one's."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from kvlib.storage.disk_tier import DiskTier
+
+REPO = Path(__file__).resolve().parents[2]
+PROCESS = """
+import json, sys, torch
+sys.path.insert(0, {repo!r})
+import kvlib
+from tests.adapters.conftest import build_model, PAD
+model = build_model(sys.argv[2])
+prompt = torch.randint(3, 60, (1, 70), generator=torch.Generator().manual_seed(0))
+store = kvlib.PrefixStore(model, capacity_bytes=2**24, disk=sys.argv[1])
+cache = kvlib.make_cache(model, reuse=store, prompt=prompt)
+reused = cache.get_seq_length()
+out = model.generate(prompt, past_key_values=cache, max_new_tokens=8, do_sample=False, pad_token_id=PAD)
+same = torch.equal(out, model.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=PAD))
+print(json.dumps({{"reused": reused, "same": same, "disk": store.disk.stats()}}))
+"""
+
+
+def run(directory: Path, family: str = "stories") -> dict:
+    result = subprocess.run([sys.executable, "-c", PROCESS.format(repo=str(REPO)), str(directory), family],
+                            capture_output=True, text=True, check=True, cwd=REPO)
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_a_new_process_reuses_what_an_earlier_one_persisted(tmp_path: Path) -> None:
+    first = run(tmp_path)
+    assert first == {"reused": 0, "same": True, "disk": first["disk"]} and first["disk"]["writes"] == 4
+    second = run(tmp_path)
+    assert second["reused"] == 64 and second["same"] and second["disk"]["reads"] == 4 and second["disk"]["writes"] == 0
+
+
+def test_a_corrupted_record_is_recomputed_and_another_models_directory_is_ignored(tmp_path: Path) -> None:
+    run(tmp_path)
+    tier = DiskTier(tmp_path, capacity_bytes=2**26)
+    keys = sorted(tier.keys(), key=lambda key: len(tier.raw(key)))
+    record = bytearray(tier.raw(keys[0]))
+    record[len(record) // 2] ^= 0xFF  # a flipped byte in the page data
+    with tier.env.begin(write=True) as txn:
+        txn.put(keys[0], bytes(record), db=tier.records)
+    tier.close()
+    damaged = run(tmp_path)
+    assert damaged["same"] and damaged["disk"]["corrupt"] == 1 and damaged["reused"] < 64
+    other = run(tmp_path, family="llama")  # same directory, another model: nothing found
+    assert other["reused"] == 0 and other["same"] and other["disk"]["reads"] == 0

@@ -1,0 +1,94 @@
+"""The lmdb disk tier: LRU within a byte budget, corrupt records are misses, a full map stops
+writing with one warning, and a writer killed at random moments leaves no corrupt entry."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kvlib.storage.disk_tier import DiskTier
+
+DISK_TIER = Path(__file__).resolve().parents[2] / "storage" / "disk_tier.py"
+
+
+def checked(record: bytes) -> bytes:
+    """A test record: payload + blake2b(payload); ValueError if they disagree."""
+    payload, digest = record[:-16], record[-16:]
+    if hashlib.blake2b(payload, digest_size=16).digest() != digest:
+        raise ValueError("checksum")
+    return payload
+
+
+def record(payload: bytes) -> bytes:
+    return payload + hashlib.blake2b(payload, digest_size=16).digest()
+
+
+def test_put_get_and_lru_within_the_budget(tmp_path: Path) -> None:
+    tier = DiskTier(tmp_path, capacity_bytes=3 * 1016)
+    for name in (b"a", b"b", b"c"):
+        assert tier.put(name.ljust(32, b"."), record(name * 1000))
+    assert tier.get(b"a".ljust(32, b"."), checked) == b"a" * 1000  # a is now the most recent
+    assert tier.put(b"d".ljust(32, b"."), record(b"d" * 1000))  # over budget: b (least recent) goes
+    assert sorted(k[:1] for k in tier.keys()) == [b"a", b"c", b"d"]
+    assert tier.nbytes <= tier.capacity_bytes and tier.evictions == 1
+    assert tier.get(b"b".ljust(32, b"."), checked) is None and tier.misses == 1
+    assert not tier.put(b"e".ljust(32, b"."), record(b"e" * 5000))  # larger than the budget: refused
+
+
+def test_a_corrupt_record_is_a_counted_miss_and_is_removed(tmp_path: Path) -> None:
+    tier = DiskTier(tmp_path, capacity_bytes=1 << 20)
+    key = b"k".ljust(32, b".")
+    tier.put(key, record(b"x" * 100))
+    data = bytearray(tier.raw(key))
+    data[10] ^= 0x40
+    with tier.env.begin(write=True) as txn:
+        txn.put(key, bytes(data), db=tier.records)
+    assert tier.get(key, checked) is None
+    assert tier.corrupt == 1 and tier.raw(key) is None
+
+
+def test_a_full_map_stops_writing_with_one_warning(tmp_path: Path) -> None:
+    tier = DiskTier(tmp_path, capacity_bytes=40 << 20)
+    tier.limit = tier.env.info()["map_size"]  # pretend the disk cannot give the map more room
+    with pytest.warns(UserWarning, match="stopped writing") as caught:
+        for i in range(40):
+            tier.put(i.to_bytes(32, "little"), record(os.urandom(1 << 20)))
+    assert len(caught) == 1 and tier.stopped
+    assert not tier.put(b"late".ljust(32, b"."), record(b"y"))
+
+
+WRITER = f"""
+import hashlib, importlib.util, os, random, sys
+spec = importlib.util.spec_from_file_location("disk_tier", {str(DISK_TIER)!r})
+module = importlib.util.module_from_spec(spec); spec.loader.exec_module(module)
+tier = module.DiskTier(sys.argv[1], capacity_bytes=2 << 20)
+rng = random.Random(int(sys.argv[2]))
+print("ready", flush=True)
+while True:
+    payload = os.urandom(rng.randint(1, 64) * 1024)
+    tier.put(rng.randbytes(8).ljust(32, b"."), payload + hashlib.blake2b(payload, digest_size=16).digest())
+"""
+
+
+def test_a_writer_killed_at_random_moments_leaves_no_corrupt_entry(tmp_path: Path) -> None:
+    rng = random.Random(0)
+    for run in range(20):
+        writer = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path), str(run)], stdout=subprocess.PIPE)
+        assert writer.stdout.readline().strip() == b"ready"
+        time.sleep(rng.uniform(0.01, 0.3))
+        writer.send_signal(signal.SIGKILL)
+        writer.wait()
+    tier = DiskTier(tmp_path, capacity_bytes=2 << 20)
+    keys = tier.keys()
+    assert keys, "the writers stored something"
+    assert all(tier.get(key, checked) is not None for key in keys)
+    assert tier.corrupt == 0 and tier.nbytes <= tier.capacity_bytes
+    assert tier.nbytes == sum(len(tier.raw(key)) for key in keys)  # the byte count commits with the records

@@ -1,0 +1,51 @@
+"""Page records: exact round trips, and every corrupted byte or foreign layout is refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvlib.storage.page_record import Block, Layout, RecordError, decode, encode
+
+LAYOUT = Layout(b"n" * 16, layers=2, heads=3, page_size=4, head_dim=5, value_dim=6, dtype=torch.float32)
+
+
+def block(seed: int = 0, dtype: torch.dtype = torch.float32) -> Block:
+    generator = torch.Generator().manual_seed(seed)
+    keys = torch.randn(2, 3, 4, 5, generator=generator).to(dtype)
+    values = torch.randn(2, 3, 4, 6, generator=generator).to(dtype)
+    return Block(b"k" * 16, b"", [7, 8, 9, 10], keys, values)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_round_trip_is_exact(dtype: torch.dtype) -> None:
+    layout = Layout(LAYOUT.namespace, 2, 3, 4, 5, 6, dtype)
+    original = block(dtype=dtype)
+    decoded = decode(layout, encode(layout, original))
+    assert decoded.key == original.key and decoded.parent == b"" and decoded.tokens == original.tokens
+    assert torch.equal(decoded.keys, original.keys) and torch.equal(decoded.values, original.values)
+
+
+@settings(max_examples=300, deadline=None)
+@given(position=st.floats(0, 1, exclude_max=True), bit=st.integers(0, 7))
+def test_any_flipped_bit_is_detected(position: float, bit: int) -> None:
+    record = bytearray(encode(LAYOUT, block()))
+    record[int(position * len(record))] ^= 1 << bit
+    with pytest.raises(RecordError):
+        decode(LAYOUT, bytes(record))
+
+
+def test_truncated_foreign_and_misshaped_records_are_refused() -> None:
+    record = encode(LAYOUT, block())
+    with pytest.raises(RecordError, match="checksum"):
+        decode(LAYOUT, record[:-1] + b"x")
+    with pytest.raises(RecordError):
+        decode(LAYOUT, record[:20])
+    other_model = Layout(b"m" * 16, 2, 3, 4, 5, 6, torch.float32)
+    with pytest.raises(RecordError, match="another model"):
+        decode(other_model, record)
+    other_dtype = Layout(LAYOUT.namespace, 2, 3, 4, 5, 6, torch.float16)
+    with pytest.raises(RecordError, match="shape or dtype"):
+        decode(other_dtype, record)
