@@ -49,28 +49,36 @@ class DiskTier:
         self.atime = self.env.open_db(b"atime")
         self.meta = self.env.open_db(b"meta")
         self.reads = self.writes = self.misses = self.corrupt = self.evictions = 0
+        self._touched: dict[bytes, None] = {}
+        """Keys read since the last write, oldest first: their access clocks advance at the next
+        commit (reads commit nothing)."""
         self.stopped = False
         """True once a full disk stopped writing (warned once)."""
 
     # -- reading -------------------------------------------------------------------------------
 
     def get(self, key: bytes, check) -> object | None:
-        """``check(record bytes)`` of the record under ``key``, or None if absent or if ``check``
-        raises ``ValueError`` (a corrupt or foreign record: counted and deleted)."""
-        with self.env.begin(db=self.records) as txn:
+        """``check(record)`` of the record under ``key``, or None if absent or if ``check`` raises
+        ``ValueError`` (a corrupt or foreign record: counted and deleted). ``record`` is a buffer
+        into the map, valid during the call only: ``check`` copies what it keeps."""
+        value, found = None, False
+        with self.env.begin(db=self.records, buffers=True) as txn:
             record = txn.get(key)
-            record = bytes(record) if record is not None else None
-        if record is None:
+            if record is not None:
+                found = True
+                try:
+                    value = check(record)
+                except ValueError:
+                    value = None
+        if not found:
             self.misses += 1
             return None
-        try:
-            value = check(record)
-        except ValueError:
+        if value is None:
             self.corrupt += 1
             self._delete(key)
             return None
         self.reads += 1
-        self._touch(key)
+        self._touched[key] = None  # recorded with the next write (no commit per read)
         return value
 
     def keys(self) -> list[bytes]:
@@ -114,6 +122,7 @@ class DiskTier:
 
     def _put(self, key: bytes, record: bytes) -> None:
         with self.env.begin(write=True) as txn:
+            self._record_touches(txn)
             total = _get_u64(txn, b"bytes", self.meta)
             old = txn.get(key, db=self.records)
             if old is not None:
@@ -155,14 +164,26 @@ class DiskTier:
         except lmdb.Error:
             pass
 
-    def _touch(self, key: bytes) -> None:
-        try:
-            with self.env.begin(write=True) as txn:
-                clock = _get_u64(txn, b"clock", self.meta) + 1
+    def _record_touches(self, txn: lmdb.Transaction) -> None:
+        """Advance the access clocks of the keys read since the last write (in ``txn``)."""
+        if not self._touched:
+            return
+        clock = _get_u64(txn, b"clock", self.meta)
+        for key in self._touched:
+            if txn.get(key, db=self.records) is not None:
+                clock += 1
                 txn.put(key, _U64.pack(clock), db=self.atime)
-                txn.put(b"clock", _U64.pack(clock), db=self.meta)
-        except lmdb.Error:
-            pass
+        txn.put(b"clock", _U64.pack(clock), db=self.meta)
+        self._touched.clear()
+
+    def flush(self) -> None:
+        """Commit the access clocks of reads since the last write."""
+        if self._touched:
+            try:
+                with self.env.begin(write=True) as txn:
+                    self._record_touches(txn)
+            except lmdb.Error:
+                self._touched.clear()
 
     def _grow(self) -> bool:
         size = self.env.info()["map_size"]
@@ -181,6 +202,7 @@ class DiskTier:
                 "evictions": self.evictions, "bytes": self.nbytes}
 
     def close(self) -> None:
+        self.flush()
         self.env.close()
 
 

@@ -19,8 +19,9 @@ from kvlib.storage.disk_tier import DiskTier
 DISK_TIER = Path(__file__).resolve().parents[2] / "storage" / "disk_tier.py"
 
 
-def checked(record: bytes) -> bytes:
+def checked(record: bytes | memoryview) -> bytes:
     """A test record: payload + blake2b(payload); ValueError if they disagree."""
+    record = bytes(record)
     payload, digest = record[:-16], record[-16:]
     if hashlib.blake2b(payload, digest_size=16).digest() != digest:
         raise ValueError("checksum")

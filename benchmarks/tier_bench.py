@@ -1,0 +1,164 @@
+"""The disk tier in one run: page record write and read throughput against raw sequential file
+I/O of the same bytes, and restoring a cached prefix from disk against recomputing it.
+
+- Throughput: the prefix pages of a ``--prefix-len``-token prompt of the model (one record per
+  16-token block: every layer's and KV head's keys and values), written with
+  ``DiskTier.put`` (record encoding and checksum included, one lmdb transaction per record, as
+  the prefix store writes them) and read back with ``DiskTier.get`` + decode; against writing
+  the same record bytes to one file with ``write`` and ``fsync`` and reading them back. MB/s of
+  record bytes; medians of ``--repeats``. Target: >= 50% of raw file I/O.
+- Restore: a process's first request whose prefix an earlier process persisted (a fresh
+  ``PrefixStore`` over the same lmdb directory): ``make_cache(reuse=..., prompt=...)`` (reading,
+  checking and loading the records) + the forward pass over the tail, against a full prefill.
+
+Model: the ~100M random Llama (``--model llama100m``) or stories260K.
+
+Usage:
+
+    python benchmarks/tier_bench.py [--model llama100m|stories] [--prefix-len 2000] [--tail-len 32]
+        [--repeats 3] [--threads N] [--out benchmarks/results]
+    python benchmarks/tier_bench.py --quick --out /tmp/x
+
+Writes ``tier_bench.md`` and ``tier_bench.json`` to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+import kvlib
+from kvlib.storage.disk_tier import DiskTier
+from kvlib.storage.page_record import decode, encode
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or loaded by path
+from bench_generate import load_model  # noqa: E402
+from provenance import add_run_arguments, git_revision, no_machine_path, parse_run_arguments, write_report  # noqa: E402
+from reuse_bench import first_token  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+FULL = {"model": "llama100m", "prefix_len": 2000, "tail_len": 32, "repeats": 3}
+QUICK = {"model": "stories", "prefix_len": 64, "tail_len": 8, "repeats": 1}
+
+
+def throughput(records: list[tuple[bytes, bytes]], layout, repeats: int, scratch: Path) -> dict:
+    total = sum(len(encode(layout, block)) for _, block in records)
+    write, read, raw_write, raw_read = [], [], [], []
+    for attempt in range(repeats):
+        tier = DiskTier(scratch / f"tier{attempt}", capacity_bytes=4 * total)
+        start = time.perf_counter()
+        for key, block in records:
+            tier.put(key, encode(layout, block))
+        write.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        for key, _ in records:
+            assert tier.get(key, lambda r: decode(layout, r)) is not None
+        read.append(time.perf_counter() - start)
+        tier.close()
+        path = scratch / f"raw{attempt}.bin"
+        data = [encode(layout, block) for _, block in records]
+        start = time.perf_counter()
+        with open(path, "wb") as handle:
+            for chunk in data:
+                handle.write(chunk)
+            handle.flush()
+            os.fsync(handle.fileno())
+        raw_write.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        with open(path, "rb") as handle:
+            for chunk in data:
+                handle.read(len(chunk))
+        raw_read.append(time.perf_counter() - start)
+    mb = total / 1e6
+    rates = {name: mb / statistics.median(times) for name, times in
+             (("write", write), ("read", read), ("raw_write", raw_write), ("raw_read", raw_read))}
+    return {"record_bytes": total, "records": len(records), **{f"{k}_mb_s": v for k, v in rates.items()},
+            "write_vs_raw": rates["write"] / rates["raw_write"], "read_vs_raw": rates["read"] / rates["raw_read"]}
+
+
+def run(argv: Sequence[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=["llama100m", "stories"], help="default llama100m")
+    parser.add_argument("--prefix-len", type=int, help=f"prefix tokens (default {FULL['prefix_len']})")
+    parser.add_argument("--tail-len", type=int, help=f"tail tokens (default {FULL['tail_len']})")
+    parser.add_argument("--repeats", type=int, help=f"timed repeats (default {FULL['repeats']})")
+    add_run_arguments(parser, QUICK, stories=True)
+    args = parse_run_arguments(parser, argv, QUICK, FULL)
+    stories_path = args.stories_path if args.stories_path.is_absolute() else REPO / args.stories_path
+    model = load_model(args.model, stories_path)
+    kvlib.attach(model)
+    generator = torch.Generator().manual_seed(0)
+    prefix = torch.randint(0, model.config.vocab_size, (1, args.prefix_len), generator=generator)
+    prompts = [torch.cat([prefix, torch.randint(0, model.config.vocab_size, (1, args.tail_len), generator=generator)], 1)
+               for _ in range(args.repeats + 1)]
+    load_before = os.getloadavg()[0]
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory() as scratch_name:
+        scratch = Path(scratch_name)
+        disk = DiskTier(scratch / "prefixes", capacity_bytes=2**33)
+        writer = kvlib.PrefixStore(model, capacity_bytes=2**33, disk=disk)
+        cache = kvlib.make_cache(model, reuse=writer, prompt=prompts[0])  # computes and persists the prefix
+        first_token(model, cache, prompts[0])
+        namespace = next(iter(writer.stores))
+        layout = writer._disk_layout(namespace)
+        records = [(key, decode(layout, disk.raw(key))) for key in disk.keys()]
+        result = {"throughput": throughput(records, layout, args.repeats, scratch)}
+        restores, fulls, reused = [], [], 0
+        for prompt in prompts[1:]:
+            reader = kvlib.PrefixStore(model, capacity_bytes=2**33, disk=disk)  # a new process's empty memory
+            start = time.perf_counter()
+            restored = kvlib.make_cache(model, reuse=reader, prompt=prompt)
+            reused = restored.get_seq_length()
+            logits, _ = first_token(model, restored, prompt)
+            restores.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            full_logits, _ = first_token(model, kvlib.make_cache(model), prompt)
+            fulls.append(time.perf_counter() - start)
+            assert torch.equal(logits.argmax(-1), full_logits.argmax(-1))
+            restored.reset()
+        result["restore"] = {"reused_tokens": reused, "restore_s": statistics.median(restores), "full_s": statistics.median(fulls),
+                             "speedup": statistics.median(fulls) / statistics.median(restores), "disk": disk.stats()}
+        disk.close()
+    config = {k: v for k, v in vars(args).items() if k not in ("out", "stories_path")}
+    result.update(config=config, machine=f"{platform.machine()}, torch {torch.__version__}, {torch.get_num_threads()} threads",
+                  git=git_revision(), load_avg_1min=[round(load_before, 2), round(os.getloadavg()[0], 2)],
+                  seconds=round(time.perf_counter() - started, 1))
+    write_report(args.out, "tier_bench", _markdown(result, argv), result)
+    return result
+
+
+def _markdown(result: dict, argv: Sequence[str] | None) -> str:
+    c, t, r = result["config"], result["throughput"], result["restore"]
+    given = [no_machine_path(a) for a in (sys.argv[1:] if argv is None else argv)]
+    return "\n".join([
+        "# tier_bench: the lmdb disk tier (throughput, restoring a prefix)",
+        "",
+        f"Command: `{shlex.join(['python', 'benchmarks/tier_bench.py', *given])}`",
+        "",
+        f"Model {c['model']}, prefix {c['prefix_len']} tokens. Machine: {result['machine']}; 1-minute load "
+        f"{result['load_avg_1min'][0]} before, {result['load_avg_1min'][1]} after; {result['seconds']} s. Library revision: {result['git']}.",
+        "",
+        f"{t['records']} page records, {t['record_bytes'] / 1e6:.1f} MB (one per 16-token block, all layers and KV heads).",
+        "",
+        "| measure | disk tier | raw file I/O | ratio (target >= 50%) |",
+        "|---|---:|---:|---:|",
+        f"| write (encode + checksum + lmdb commit per record; raw: write + fsync) | {t['write_mb_s']:.0f} MB/s | {t['raw_write_mb_s']:.0f} MB/s | {t['write_vs_raw']:.0%} |",
+        f"| read (lmdb get + checks + decode; raw: read) | {t['read_mb_s']:.0f} MB/s | {t['raw_read_mb_s']:.0f} MB/s | {t['read_vs_raw']:.0%} |",
+        "",
+        f"Restoring the {r['reused_tokens']}-token prefix from disk in a fresh PrefixStore + the tail's forward pass: "
+        f"{r['restore_s'] * 1e3:.1f} ms, against a full prefill {r['full_s'] * 1e3:.1f} ms: **{r['speedup']:.1f}x** (must be > 1).",
+    ])
+
+
+if __name__ == "__main__":
+    run()

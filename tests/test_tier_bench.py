@@ -1,0 +1,23 @@
+"""benchmarks/tier_bench.py runs end to end at tiny sizes (a smoke test; the figures mean nothing)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+STORIES = Path(__file__).resolve().parents[1].parent / "shared" / "models" / "stories260K"
+
+
+@pytest.mark.skipif(not (STORIES / "config.json").exists(), reason="stories260K checkpoint not available")
+def test_tier_bench_quick_reports_throughput_and_restore(tmp_path: Path) -> None:
+    spec = importlib.util.spec_from_file_location("tier_bench", BENCHMARKS / "tier_bench.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.run(["--quick", "--out", str(tmp_path)])
+    saved = json.loads((tmp_path / "tier_bench.json").read_text())
+    assert saved["throughput"]["records"] == 4 and saved["throughput"]["read_mb_s"] > 0
+    assert saved["restore"]["reused_tokens"] == 64 and saved["restore"]["disk"]["corrupt"] == 0
