@@ -175,7 +175,7 @@ class PrefixStore:
         index takes a reference on their pages. Returns the entries, acquired for the caller."""
         store = self.stores[namespace]
         keys = self.index.keys(blocks, self._key_space(namespace))
-        held = []
+        held, new = [], []
         for block in range(first, len(blocks)):
             pages = torch.stack([store.tables[layer].pages[seq, :, block] for layer in range(store.num_layers)])
             nbytes = sum(store.pools[layer].page_footprint() for layer in range(store.num_layers)) * pages.shape[1]
@@ -186,20 +186,24 @@ class PrefixStore:
             if entry.pages[1] is pages:  # a new entry: the index holds the pages from now on
                 for layer in range(store.num_layers):
                     store.pools[layer].incref(pages[layer])
-                self._persist(namespace, entry)
+                new.append(entry)
             held.append(entry)
+        self._persist(namespace, new)
         return held
 
     @outside_inference_mode
-    def _persist(self, namespace: str, entry: Entry) -> None:
-        """Write ``entry``'s block to the disk tier (exact namespaces only)."""
+    def _persist(self, namespace: str, entries: list[Entry]) -> None:
+        """Write the blocks of ``entries`` to the disk tier in one commit (exact namespaces only)."""
         layout = self._disk_layout(namespace)
-        if layout is None:
+        if layout is None or not entries:
             return
-        store, pages = self.stores[namespace], entry.pages[1]
-        reads = [pool.read_pages(pages[layer]) for layer, pool in enumerate(store.pools)]
-        block = Block(entry.key, entry.parent, list(entry.tokens), torch.stack([k for k, _ in reads]), torch.stack([v for _, v in reads]))
-        self.disk.put(layout.namespace + entry.key, encode(layout, block))
+        store, items = self.stores[namespace], []
+        for entry in entries:
+            pages = entry.pages[1]
+            reads = [pool.read_pages(pages[layer]) for layer, pool in enumerate(store.pools)]
+            block = Block(entry.key, entry.parent, list(entry.tokens), torch.stack([k for k, _ in reads]), torch.stack([v for _, v in reads]))
+            items.append((layout.namespace + entry.key, encode(layout, block)))
+        self.disk.put_many(items)
 
     def release(self, entries: list[Entry]) -> None:
         """A cache stops using ``entries`` (they may now be evicted)."""

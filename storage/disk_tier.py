@@ -44,7 +44,7 @@ class DiskTier:
         self.path.mkdir(parents=True, exist_ok=True)
         self.capacity_bytes = capacity_bytes
         self.limit = max(_MIN_MAP, int(capacity_bytes * _OVERHEAD))
-        self.env = lmdb.open(str(self.path), map_size=min(self.limit, _MIN_MAP), max_dbs=3, subdir=True)
+        self.env = lmdb.open(str(self.path), map_size=min(self.limit, _MIN_MAP), max_dbs=3, subdir=True, writemap=True)
         self.records = self.env.open_db(b"records")
         self.atime = self.env.open_db(b"atime")
         self.meta = self.env.open_db(b"meta")
@@ -101,15 +101,22 @@ class DiskTier:
     # -- writing -------------------------------------------------------------------------------
 
     def put(self, key: bytes, record: bytes) -> bool:
-        """Store ``record`` under ``key`` (replacing it), evicting least recently used records to
-        stay within capacity. False (and nothing changed) when it cannot: larger than the
-        capacity, or the disk or map is full (then writing stops, with one warning)."""
-        if self.stopped or len(record) > self.capacity_bytes:
+        """Store ``record`` under ``key`` (replacing it); see :meth:`put_many`."""
+        return self.put_many([(key, record)])
+
+    def put_many(self, items: list[tuple[bytes, bytes]]) -> bool:
+        """Store every ``(key, record)`` in one transaction (one durable commit), evicting least
+        recently used records to stay within capacity. False (and nothing changed) when it
+        cannot: more bytes than the capacity, or the disk or map is full (then writing stops,
+        with one warning)."""
+        incoming = sum(len(record) for _, record in items)
+        if self.stopped or not items or incoming > self.capacity_bytes:
             return False
-        for _ in range(2):
+        self._reserve(incoming)
+        for _ in range(8):
             try:
-                self._put(key, record)
-                self.writes += 1
+                self._put(items)
+                self.writes += len(items)
                 return True
             except lmdb.MapFullError:
                 if not self._grow():
@@ -120,30 +127,35 @@ class DiskTier:
         self._stop("the lmdb map is full at the byte budget")
         return False
 
-    def _put(self, key: bytes, record: bytes) -> None:
+    def _put(self, items: list[tuple[bytes, bytes]]) -> None:
         with self.env.begin(write=True) as txn:
             self._record_touches(txn)
             total = _get_u64(txn, b"bytes", self.meta)
-            old = txn.get(key, db=self.records)
-            if old is not None:
-                total -= len(old)
-            need = total + len(record) - self.capacity_bytes
+            keys = {key for key, _ in items}
+            for key in keys:
+                old = txn.get(key, db=self.records)
+                if old is not None:
+                    total -= len(old)
+            need = total + sum(len(record) for _, record in items) - self.capacity_bytes
             if need > 0:
-                total -= self._evict(txn, need, keep=key)
-            txn.put(key, record, db=self.records)
-            clock = _get_u64(txn, b"clock", self.meta) + 1
-            txn.put(key, _U64.pack(clock), db=self.atime)
+                total -= self._evict(txn, need, keep=keys)
+            clock = _get_u64(txn, b"clock", self.meta)
+            for key, record in items:
+                clock += 1
+                txn.put(key, record, db=self.records)
+                txn.put(key, _U64.pack(clock), db=self.atime)
+                total += len(record)
             txn.put(b"clock", _U64.pack(clock), db=self.meta)
-            txn.put(b"bytes", _U64.pack(total + len(record)), db=self.meta)
+            txn.put(b"bytes", _U64.pack(total), db=self.meta)
 
-    def _evict(self, txn: lmdb.Transaction, need: int, keep: bytes) -> int:
-        """Delete least recently used records (not ``keep``) until ``need`` bytes are free; returns the bytes freed."""
+    def _evict(self, txn: lmdb.Transaction, need: int, keep: set[bytes]) -> int:
+        """Delete least recently used records (not in ``keep``) until ``need`` bytes are free; returns the bytes freed."""
         order = sorted((_U64.unpack(v)[0], bytes(k)) for k, v in txn.cursor(db=self.atime))
         freed = 0
         for _, key in order:
             if freed >= need:
                 break
-            if key == keep:
+            if key in keep:
                 continue
             value = txn.get(key, db=self.records)
             if value is not None:
@@ -184,6 +196,15 @@ class DiskTier:
                     self._record_touches(txn)
             except lmdb.Error:
                 self._touched.clear()
+
+    def _reserve(self, incoming: int) -> None:
+        """Grow the map ahead of a write of ``incoming`` bytes (a write that hits a full map is
+        redone after growing, which costs the whole write again)."""
+        info, stat = self.env.info(), self.env.stat()
+        used = (info["last_pgno"] + 1) * stat["psize"]
+        needed = used + int(incoming * 1.5) + (1 << 20)
+        if needed > info["map_size"] and info["map_size"] < self.limit:
+            self.env.set_mapsize(min(self.limit, max(2 * info["map_size"], needed)))
 
     def _grow(self) -> bool:
         size = self.env.info()["map_size"]
