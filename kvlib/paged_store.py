@@ -23,7 +23,6 @@ All operations are vectorized over batch and heads: no Python loop runs per toke
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
@@ -31,6 +30,8 @@ from kvlib.block_table import BlockTable
 from kvlib.codec import PageCodec
 from kvlib.devices import check_tensor, outside_inference_mode, resolve_device, to_arena_device
 from kvlib.errors import PoolExhaustedError
+from kvlib.open_pages import OpenPages
+from kvlib.page_indexing import first_occurrences, heads_to_copy, page_coordinates, sorted_keep
 from kvlib.read_cache import DenseReadCache, LayerRead
 from kvlib.storage.coded_pool import CodedPagePool
 from kvlib.storage.page_pool import PagePool
@@ -111,7 +112,7 @@ class PagedStore:
             self.pools.append(pool)
         self.tables = [BlockTable(heads[i], page_size) for i in range(num_layers)]
         self._read_caches: list[DenseReadCache | None] = [None] * num_layers
-        self._open_pages: list[_OpenPages | None] = [None] * num_layers
+        self._open_pages: list[OpenPages | None] = [None] * num_layers
         self._last_rows: tuple[tuple[int, ...], torch.Tensor] | None = None
         self.peak_pages = 0
         """High-water mark of ``memory_bytes()["pages"]`` (updated whenever an append allocates pages)."""
@@ -233,7 +234,7 @@ class PagedStore:
         open_pages = table.pages[rows].gather(2, torch.where(is_open, open_index, 0).unsqueeze(-1)).squeeze(-1)
         shared = is_open.clone()
         shared[is_open] = pool.refcount[open_pages[is_open]] > 1
-        b, h = _heads_to_copy(pool, open_pages, shared)
+        b, h = heads_to_copy(pool, open_pages, shared)
         new_page_counts = (need - have).flatten()
         copies = b.numel()
         fresh = int(new_page_counts.sum())
@@ -248,7 +249,7 @@ class PagedStore:
             pool.decref(open_pages[b, h])
             table.pages[rows[b], h, open_index[b, h]] = copied
         if fresh:
-            b, h, j = _page_coordinates(have, new_page_counts, heads)
+            b, h, j = page_coordinates(have, new_page_counts, heads)
             table.pages[rows[b], h, j] = pool.allocate(fresh, h)
 
         token_index = lengths.unsqueeze(-1) + torch.arange(steps)
@@ -261,7 +262,7 @@ class PagedStore:
         )
         table.lengths[rows] = new_lengths
         table.logical[rows] += steps
-        self._open_pages[layer] = _OpenPages.after_append(self, layer, rows)
+        self._open_pages[layer] = OpenPages.after_append(self, layer, rows)
         self.peak_pages = max(self.peak_pages, self._page_bytes())
 
         cache = self._read_caches[layer]
@@ -271,7 +272,7 @@ class PagedStore:
             self._drop_read_cache(layer, rows)
 
     def _append_in_open_pages(
-        self, layer: int, rows: torch.Tensor, open_pages: _OpenPages, keys: torch.Tensor, values: torch.Tensor
+        self, layer: int, rows: torch.Tensor, open_pages: OpenPages, keys: torch.Tensor, values: torch.Tensor
     ) -> None:
         """Fast path of :meth:`append`: every head's open page has room and is this batch's own,
         so the step is a write at known slots plus length updates (no allocation, no copy)."""
@@ -400,7 +401,7 @@ class PagedStore:
         rows = self._rows(seqs)
         pool, table = self.pools[layer], self.tables[layer]
         lengths = table.lengths[rows]
-        kept = _sorted_keep(keep, lengths)
+        kept = sorted_keep(keep, lengths)
         new_lengths = (kept >= 0).sum(-1)
         changed = new_lengths != lengths
         if values is not None and tuple(values.shape) != (*kept.shape, pool.value_dim):
@@ -437,7 +438,7 @@ class PagedStore:
         b, h, j = drop_page.nonzero(as_tuple=True)
         table.pages[rows[b], h, j] = -1
         if needed:
-            b, h, j = _page_coordinates(first_page, new_page_counts, lengths.shape[1])
+            b, h, j = page_coordinates(first_page, new_page_counts, lengths.shape[1])
             table.pages[rows[b], h, j] = pool.allocate(needed, h)
         target = table.flat_slots(rows, torch.where(rewrite, slot, 0))[rewrite]
         pool.write(target, moved_keys, moved_values, moved_positions)
@@ -579,9 +580,9 @@ class PagedStore:
             return 0
         same = (pool.positions[to_arena_device(ids, self.device)] == partner_pool.positions[to_arena_device(partner_ids, self.device)]).all(-1)
         ids, partner_ids = ids[same.cpu()], partner_ids[same.cpu()]
-        _, first = _first_occurrences(ids)
+        _, first = first_occurrences(ids)
         ids, partner_ids = ids[first], partner_ids[first]
-        _, first = _first_occurrences(partner_ids)  # a page pairs with one partner only
+        _, first = first_occurrences(partner_ids)  # a page pairs with one partner only
         ids, partner_ids = ids[first], partner_ids[first]
         if ids.numel() == 0:
             return 0
@@ -706,112 +707,3 @@ def _per_layer(name: str, value: int | Sequence[int], num_layers: int) -> list[i
     if len(values) != num_layers or not all(isinstance(v, int) and v > 0 for v in values):
         raise ValueError(f"{name} must be a positive int or {num_layers} positive ints, got {value!r}")
     return values
-
-
-def _heads_to_copy(pool: PagePool, open_pages: torch.Tensor, shared: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(batch, head)`` of the shared open pages that must be copied before an append.
-
-    When every reference to a shared page is in this append's batch, its first holder keeps
-    the original (it is the last owner once the others have their copies): no copy is wasted.
-    """
-    b, h = shared.nonzero(as_tuple=True)
-    if b.numel() == 0:
-        return b, h
-    pages = open_pages[b, h]
-    unique, inverse, counts = torch.unique(pages, return_inverse=True, return_counts=True)
-    order = torch.arange(pages.numel())
-    first = torch.full_like(unique, pages.numel()).scatter_reduce(0, inverse, order, "amin")
-    keeps = torch.zeros(pages.numel(), dtype=torch.bool)
-    keeps[first[pool.refcount[unique] == counts]] = True
-    return b[~keeps], h[~keeps]
-
-
-def _first_occurrences(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(unique ids, index of each one's first occurrence in ids)``."""
-    unique, inverse = torch.unique(ids, return_inverse=True)
-    first = torch.full((unique.numel(),), ids.numel(), dtype=torch.int64).scatter_reduce(0, inverse, torch.arange(ids.numel()), "amin")
-    return unique, first
-
-
-def _page_coordinates(first: torch.Tensor, counts: torch.Tensor, heads: int) -> tuple[torch.Tensor, ...]:
-    """Table coordinates ``(batch, head, page_index)`` of ``counts[b*heads+h]`` new pages per
-    head, numbered from ``first[b, h]`` on, in (batch, head, page) order."""
-    # (nonzero of a [groups, max count] grid rather than repeat_interleave with tensor repeats,
-    # which costs milliseconds per call on multi-threaded CPU torch)
-    group, offset = (torch.arange(int(counts.max()) if counts.numel() else 0) < counts.unsqueeze(-1)).nonzero(as_tuple=True)
-    page_index = first.flatten()[group] + offset
-    return group // heads, group % heads, page_index
-
-
-def _sorted_keep(keep: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """Validate ``keep`` against ``lengths [batch, heads]``; return it sorted with -1 padding last."""
-    if not isinstance(keep, torch.Tensor) or keep.dtype.is_floating_point or keep.dtype == torch.bool:
-        raise ValueError("keep must be an integer tensor [batch, kv_heads, k] of token indices (-1 pads)")
-    keep = keep.to("cpu", torch.int64)
-    if keep.dim() != 3 or tuple(keep.shape[:2]) != tuple(lengths.shape):
-        raise ValueError(f"keep must have shape [{lengths.shape[0]}, {lengths.shape[1]}, k], got {list(keep.shape)}")
-    if bool(((keep < -1) | (keep >= lengths.unsqueeze(-1))).any()):
-        raise ValueError("keep indices must be -1 (padding) or in [0, physical length) of their head")
-    past_end = torch.iinfo(torch.int64).max
-    ordered = torch.where(keep >= 0, keep, past_end).sort(dim=-1).values
-    if bool(((ordered[..., 1:] == ordered[..., :-1]) & (ordered[..., 1:] != past_end)).any()):
-        raise ValueError("keep indices repeat within a head")
-    return torch.where(ordered == past_end, -1, ordered)
-
-
-@dataclass
-class _OpenPages:
-    """Where the next tokens of one batch go in one layer while no head needs a new page.
-
-    Valid only while every head of ``rows`` has free slots left in its last page and that page
-    is referenced by this batch alone; the store drops it on any change that could break this
-    (fork, release, compaction, truncation, a slow-path append).
-    """
-
-    rows: tuple[int, ...]
-    row_tensor: torch.Tensor
-    """The row tensor ``rows`` was validated as (``PagedStore._rows`` returns it again for them)."""
-    slots: torch.Tensor
-    """int64 ``[batch, heads, room]`` on the arena device: arena slots of each head's next tokens."""
-    cpu_slots: torch.Tensor
-    """The same slots on the CPU (coded pools look each page's state up in CPU bookkeeping)."""
-    positions: torch.Tensor
-    """int64 ``[batch, heads, room]`` on the arena device: positions those tokens get by default."""
-    row_range: tuple[int, int] | None
-    """``(first, end)`` when ``rows`` are consecutive ids (length updates then use a slice)."""
-    used: int = 0
-    """Slots of ``slots`` already written."""
-
-    @classmethod
-    def after_append(cls, store: PagedStore, layer: int, rows: torch.Tensor) -> _OpenPages | None:
-        table = store.tables[layer]
-        lengths = table.lengths[rows]
-        room = int(((-lengths) % store.page_size).min())
-        if room == 0:
-            return None
-        ahead = torch.arange(room)
-        slots = table.flat_slots(rows, lengths.unsqueeze(-1) + ahead)
-        positions = (table.logical[rows].view(-1, 1, 1) + ahead).expand(slots.shape)
-        ids = tuple(rows.tolist())
-        consecutive = ids == tuple(range(ids[0], ids[0] + len(ids)))
-        return cls(
-            ids,
-            rows,
-            to_arena_device(slots, store.device),
-            slots,
-            to_arena_device(positions, store.device),
-            (ids[0], ids[0] + len(ids)) if consecutive else None,
-        )
-
-    def fits(self, rows: torch.Tensor, steps: int) -> bool:
-        if self.used + steps > self.slots.shape[-1]:
-            return False
-        # ``_rows`` hands back the same tensor for the batch it validated last: no list rebuild then.
-        return rows is self.row_tensor or tuple(rows.tolist()) == self.rows
-
-    def take(self, steps: int, cpu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """Slots (on the CPU if ``cpu``, else the arena device) and positions ``[batch, heads, steps]``
-        of the next ``steps`` tokens (views)."""
-        start, self.used = self.used, self.used + steps
-        slots = self.cpu_slots if cpu else self.slots
-        return slots[:, :, start : self.used], self.positions[:, :, start : self.used]
