@@ -69,6 +69,19 @@ class PrefixSession:
             self.entries.extend(self.reuse.insert(self.namespace, seq, blocks[:upto], self.done))
         self.done = upto
 
+    def extend(self, tokens: torch.Tensor, seen: int) -> None:
+        """Index the full pages of ``tokens`` (int ``[batch, n]``: what the rows hold, the prompt
+        first, e.g. ``generate``'s output) among the first ``seen`` tokens stored."""
+        size = self.store.page_size
+        rows = tokens.tolist()
+        if len(rows) != len(self.rows):
+            raise ValueError(f"tokens has {len(rows)} rows; the cache holds {len(self.rows)}")
+        for row, blocks in zip(rows, self.blocks):
+            if [row[i * size : (i + 1) * size] for i in range(len(blocks))] != blocks:
+                raise ValueError("tokens must start with the prompt the cache was primed with")
+        self.blocks = [[row[i * size : (i + 1) * size] for i in range(len(row) // size)] for row in rows]
+        self.index(seen)
+
     def close(self) -> None:
         """Release the sequences and the entries held (idempotent)."""
         if self.rows:

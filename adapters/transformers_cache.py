@@ -256,6 +256,17 @@ class KVCache(Cache):
         self._padding = torch.zeros(prompt.shape[0], dtype=torch.int64, device=self.store.device)
         return reused
 
+    def index_tokens(self, tokens: torch.Tensor) -> None:
+        """Index, in the cache's PrefixStore, the full pages of ``tokens`` (int ``[batch, n]``: the
+        prompt the cache was primed with, then what it generated, as ``generate`` returns them), so
+        that the next turn of a conversation reuses the answer too. Only tokens the cache holds
+        count (the last generated token has no KV yet)."""
+        if self._session is None or not self._session.blocks or self.reuse is None:
+            raise ValueError("index_tokens needs a cache primed from a PrefixStore (make_cache(reuse=..., prompt=...))")
+        if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2:
+            raise ValueError("tokens must be an integer tensor [batch, tokens]")
+        self._session.extend(tokens.cpu(), min(self._seen))
+
     def _fit_sample(self, step: LayerStep, query: torch.Tensor, real_new: torch.Tensor | None) -> FitSample:
         """The layer's stored tokens and this call's queries, padding marked invalid."""
         read = step.read

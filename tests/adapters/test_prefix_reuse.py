@@ -185,3 +185,19 @@ def test_an_unprimed_cache_in_a_prefix_store_gives_its_rows_back() -> None:
     gc.collect()
     store.collect()
     assert all(p.pages_in_use == 0 for p in paged.pools) and not paged.sequences
+
+
+def test_the_next_turn_reuses_the_answer_once_it_is_indexed() -> None:
+    model = build_model("stories")
+    store = kvlib.PrefixStore(model, capacity_bytes=2**24)
+    first = prompts(500, shared=40, tails=(1,))[0]
+    cache = kvlib.make_cache(model, reuse=store, prompt=first)
+    answer = model.generate(first, past_key_values=cache, max_new_tokens=40, do_sample=False, pad_token_id=PAD)
+    cache.index_tokens(answer)  # 81 tokens, 80 stored: five full pages
+    follow_up = torch.cat([answer, torch.tensor([[7, 8, 9]])], dim=1)
+    second = kvlib.make_cache(model, reuse=store, prompt=follow_up)
+    assert second.get_seq_length() == 80
+    out = model.generate(follow_up, past_key_values=second, max_new_tokens=6, do_sample=False, pad_token_id=PAD)
+    assert torch.equal(out, model.generate(follow_up, max_new_tokens=6, do_sample=False, pad_token_id=PAD))
+    with pytest.raises(ValueError, match="start with the prompt"):
+        second.index_tokens(torch.zeros(1, 90, dtype=torch.long))
