@@ -15,7 +15,7 @@ from kvlib.spec import Spec, SpecLike, parse_spec
 
 CACHE_OPTIONS = {
     "page_size": "tokens per page (int >= 1, default 16)",
-    "read_cache": "keep a dense read mirror per layer for fast decoding (bool; default True, False with a codec)",
+    "read_cache": "keep a dense read mirror per layer for fast decoding (bool; default True, False with a codec or tiering)",
     "slack": "extra tokens a head may hold over an int budget before it is compacted back (int >= 0; default 0,"
     " page_size with a codec)",
     "interval": "with an int budget, decode steps compact only every this many steps (int >= 1, default 1)",
@@ -23,7 +23,7 @@ CACHE_OPTIONS = {
 }
 """Keyword options of :func:`make_cache` and what each one takes."""
 
-_NOT_YET_APPLIED = ("reuse", "tiering")
+_NOT_YET_APPLIED = ("reuse",)
 
 
 def make_cache(
@@ -48,7 +48,10 @@ def make_cache(
     A quantization or low-rank strategy in the spec (``"snapkv+kivi(bits=2)"``, ``"svd"``) encodes
     every sealed page (full pages, after the layer's attention); the open page of each head stays
     in the compute dtype. With a codec the read mirror is off by default (a dense mirror would
-    hold every token uncompressed): each read decodes the layer's pages. Compaction re-encodes the
+    hold every token uncompressed): each read decodes the layer's pages. A tiering strategy in the
+    spec (``"lru(device_mb=512)"``) keeps at most that many MiB of pages on the device and the rest
+    in host memory; the read mirror is off by default with it too (it would hold every page on the
+    device). Compaction re-encodes the
     tokens it moves (those after the first dropped one), and lossy codes re-encoded drift, so with a
     codec and an int budget ``slack`` defaults to ``page_size``: a head is compacted once it holds a
     page more than its budget, not at every decode step.
@@ -71,13 +74,13 @@ def make_cache(
     unsupported = [kind for kind in _NOT_YET_APPLIED if getattr(parsed, kind)]
     if unsupported:
         raise ValueError(
-            f"make_cache applies eviction, budget, quantization and low-rank strategies; this spec also has"
+            f"make_cache applies eviction, budget, quantization, low-rank and tiering strategies; this spec also has"
             f" {', '.join(unsupported)} ({parsed}). Reuse works through make_cache(reuse=kvlib.PrefixStore(...)) and"
             " kvlib.blend_cache(model, chunks, kvlib.ChunkStore(...), strategy)"
         )
     _check_budget(budget, parsed)
     codec = _codec(parsed)
-    page_size, read_cache, slack, interval, merge = _options(options, codec is not None)
+    page_size, read_cache, slack, interval, merge = _options(options, codec is not None or parsed.tiering is not None)
     if codec is not None and "slack" not in options and isinstance(budget, int) and not isinstance(budget, bool):
         slack = page_size
     if codec is not None:
@@ -97,10 +100,12 @@ def make_cache(
     parameter = next(model.parameters(), None)
     home = (parameter.dtype, parameter.device) if parameter is not None else (torch.float32, torch.device("cpu"))
     _check_reuse(model, parsed, codec, reuse, prompt)
+    if parsed.tiering is not None and codec is not None:
+        raise ValueError(f"tiering ({parsed.tiering.spec()}) and codecs ({codec.spec()}) do not combine yet: keep one of them")
     attach(model)
     cache = KVCache(
         shape, compressor, page_size=page_size, read_cache=read_cache, codec=codec, reuse=reuse,
-        spec="" if not parsed.strategies() else str(parsed), home=home,
+        spec="" if not parsed.strategies() else str(parsed), home=home, tiering=parsed.tiering,
     )
     if prompt is not None:
         cache.prime(prompt, attention_mask)

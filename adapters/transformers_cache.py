@@ -30,6 +30,7 @@ from kvlib.adapters.prefix_session import PrefixSession
 from kvlib.codec import Codec, FitSample, PageCodec, layer_shapes
 from kvlib.paged_store import PagedStore
 from kvlib.prefix_store import PrefixStore
+from kvlib.strategy import Tiering
 
 
 class KVCacheLayer(CacheLayerMixin):
@@ -82,6 +83,7 @@ class KVCache(Cache):
         reuse: a :class:`~kvlib.PrefixStore` whose paged store this cache lives in (see :meth:`prime`).
         spec: the spec string that keys this cache's pages in ``reuse`` (``""``: exact).
         home: the model's ``(dtype, device)``, where a primed cache's pages live before any update.
+        tiering: a placement strategy (``lru``) keeping part of the pages in host memory.
     """
 
     def __init__(
@@ -95,6 +97,7 @@ class KVCache(Cache):
         reuse: PrefixStore | None = None,
         spec: str = "",
         home: tuple[torch.dtype, torch.device] = (torch.float32, torch.device("cpu")),
+        tiering: Tiering | None = None,
     ) -> None:
         super().__init__(layers=[KVCacheLayer(self, i) for i in range(shape.num_layers)])
         self.shape = shape
@@ -106,6 +109,7 @@ class KVCache(Cache):
         self.reuse = reuse
         self.spec = spec
         self.home = home
+        self.tiering = tiering
         self._session: PrefixSession | None = None
         self._recompute: torch.Tensor | None = None
         self.store: PagedStore | None = None
@@ -393,12 +397,14 @@ class KVCache(Cache):
         ``logical_tokens``, summed over layers, rows and KV heads.
         """
         components = {"pages": 0, "positions": 0, "codec_metadata": 0, "tables": 0, "read_cache": 0}
+        host = 0
         report = {"reserved_bytes": 0, "peak_pages_bytes": 0, "full_equivalent_bytes": 0, "stored_tokens": 0, "logical_tokens": 0}
         if self.store is not None:
             held = self.store.memory_bytes()
             for name in ("pages", "positions", "codec_metadata", "tables", "read_cache"):
                 components[name] = held[name]
             report["reserved_bytes"] = held["reserved"]
+            host = held["host"]
             report["peak_pages_bytes"] = self.store.peak_pages
         if self._rows:
             shape = self.shape
@@ -408,7 +414,7 @@ class KVCache(Cache):
             element = torch.empty((), dtype=self.store.dtype).element_size()
             report["full_equivalent_bytes"] = report["logical_tokens"] * (shape.head_dim + shape.value_dim) * element
         total = sum(components.values())
-        return {"total_bytes": total, "by_tier": {"device": total, "host": 0, "disk": 0}, "by_component": components, **report}
+        return {"total_bytes": total, "by_tier": {"device": total - host, "host": host, "disk": 0}, "by_component": components, **report}
 
     # -- helpers --------------------------------------------------------------------------------
 
@@ -444,7 +450,16 @@ class KVCache(Cache):
             device=device,
             read_cache=self.read_cache,
             codecs=self.codecs,
+            device_pages=self._device_pages(dtype),
         )
+
+    def _device_pages(self, dtype: torch.dtype) -> int | None:
+        """Pages per layer the tiering strategy keeps on the device (None: no tiering)."""
+        if self.tiering is None:
+            return None
+        element = torch.empty((), dtype=dtype).element_size()
+        page_bytes = self.page_size * (self.shape.head_dim + self.shape.value_dim) * element
+        return self.tiering.device_pages(self.shape.num_layers, page_bytes)
 
     def _check_layer(self, layer_idx: int) -> None:
         if not isinstance(layer_idx, int) or not 0 <= layer_idx < self.shape.num_layers:

@@ -7,6 +7,10 @@ I/O of the same bytes, and restoring a cached prefix from disk against recomputi
   prompt's records, as the prefix store writes them) and read back with ``DiskTier.get`` + decode; against writing
   the same record bytes to one file with ``write`` and ``fsync`` and reading them back. MB/s of
   record bytes; medians of ``--repeats``. Target: >= 50% of raw file I/O.
+- Host tier: greedy decode tokens/s after a ``--prefix-len`` prompt with ``lru`` placement
+  keeping half of the pages on the device and half on the host, against all pages on the device
+  (the exact cache without its read mirror, the same read path) and the default exact cache (with
+  its dense mirror); medians of ``--repeats``, interleaved, tokens asserted equal.
 - Restore: a process's first request whose prefix an earlier process persisted (a fresh
   ``PrefixStore`` over the same lmdb directory): ``make_cache(reuse=..., prompt=...)`` (reading,
   checking and loading the records) + the forward pass over the tail, against a full prefill.
@@ -38,6 +42,7 @@ from pathlib import Path
 import torch
 
 import kvlib
+from kvlib.adapters.model_shape import kv_shape
 from kvlib.storage.disk_tier import DiskTier
 from kvlib.storage.page_record import decode, encode
 
@@ -47,8 +52,8 @@ from provenance import add_run_arguments, git_revision, no_machine_path, parse_r
 from reuse_bench import first_token  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-FULL = {"model": "llama100m", "prefix_len": 2000, "tail_len": 32, "repeats": 3}
-QUICK = {"model": "stories", "prefix_len": 64, "tail_len": 8, "repeats": 1}
+FULL = {"model": "llama100m", "prefix_len": 2000, "tail_len": 32, "repeats": 3, "decode_steps": 32}
+QUICK = {"model": "stories", "prefix_len": 64, "tail_len": 8, "repeats": 1, "decode_steps": 4}
 
 
 def throughput(records: list[tuple[bytes, bytes]], layout, repeats: int, scratch: Path) -> dict:
@@ -85,12 +90,44 @@ def throughput(records: list[tuple[bytes, bytes]], layout, repeats: int, scratch
             "write_vs_raw": rates["write"] / rates["raw_write"], "read_vs_raw": rates["read"] / rates["raw_read"]}
 
 
+def decode_rate(model: torch.nn.Module, spec: str | None, options: dict, prompt: torch.Tensor, steps: int) -> tuple[float, torch.Tensor, dict]:
+    cache = kvlib.make_cache(model, spec, **options)
+    tokens = []
+    with torch.inference_mode():
+        token = model(input_ids=prompt, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
+        start = time.perf_counter()
+        for _ in range(steps):
+            token = model(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+            tokens.append(token)
+        seconds = time.perf_counter() - start
+    return steps / seconds, torch.cat(tokens, 1), cache.memory_report()["by_tier"]
+
+
+def host_tier(model: torch.nn.Module, prompt: torch.Tensor, steps: int, repeats: int) -> dict:
+    shape = kv_shape(model)
+    element = next(model.parameters()).element_size()
+    total = prompt.shape[1] * shape.num_layers * shape.num_kv_heads * (shape.head_dim + shape.value_dim) * element
+    half = f"lru(device_mb={total / 2 / 2**20:.4f})"
+    configs = {"device (no mirror)": (None, {"read_cache": False}), "half on host": (half, {}), "device (mirror)": (None, {})}
+    for spec, options in configs.values():  # warm-up
+        decode_rate(model, spec, options, prompt[:, :32], 2)
+    rates = {name: [] for name in configs}
+    tokens, tiers = {}, {}
+    for _ in range(repeats):
+        for name, (spec, options) in configs.items():
+            rate, tokens[name], tiers[name] = decode_rate(model, spec, options, prompt, steps)
+            rates[name].append(rate)
+    assert all(torch.equal(tokens[name], tokens["device (mirror)"]) for name in configs)
+    return {"spec": half, "tok_s": {name: statistics.median(r) for name, r in rates.items()}, "by_tier": tiers}
+
+
 def run(argv: Sequence[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=["llama100m", "stories"], help="default llama100m")
     parser.add_argument("--prefix-len", type=int, help=f"prefix tokens (default {FULL['prefix_len']})")
     parser.add_argument("--tail-len", type=int, help=f"tail tokens (default {FULL['tail_len']})")
     parser.add_argument("--repeats", type=int, help=f"timed repeats (default {FULL['repeats']})")
+    parser.add_argument("--decode-steps", type=int, help=f"host tier: decode steps timed (default {FULL['decode_steps']})")
     add_run_arguments(parser, QUICK, stories=True)
     args = parse_run_arguments(parser, argv, QUICK, FULL)
     stories_path = args.stories_path if args.stories_path.is_absolute() else REPO / args.stories_path
@@ -125,6 +162,7 @@ def run(argv: Sequence[str] | None = None) -> dict:
             fulls.append(time.perf_counter() - start)
             assert torch.equal(logits.argmax(-1), full_logits.argmax(-1))
             restored.reset()
+        result["host"] = host_tier(model, prompts[0][:, : args.prefix_len], args.decode_steps, args.repeats)
         result["restore"] = {"reused_tokens": reused, "restore_s": statistics.median(restores), "full_s": statistics.median(fulls),
                              "speedup": statistics.median(fulls) / statistics.median(restores), "disk": disk.stats()}
         disk.close()
@@ -137,7 +175,7 @@ def run(argv: Sequence[str] | None = None) -> dict:
 
 
 def _markdown(result: dict, argv: Sequence[str] | None) -> str:
-    c, t, r = result["config"], result["throughput"], result["restore"]
+    c, t, r, h = result["config"], result["throughput"], result["restore"], result["host"]
     given = [no_machine_path(a) for a in (sys.argv[1:] if argv is None else argv)]
     return "\n".join([
         "# tier_bench: the lmdb disk tier (throughput, restoring a prefix)",
@@ -153,6 +191,11 @@ def _markdown(result: dict, argv: Sequence[str] | None) -> str:
         "|---|---:|---:|---:|",
         f"| write (encode + checksum + one lmdb commit; raw: write + fsync) | {t['write_mb_s']:.0f} MB/s | {t['raw_write_mb_s']:.0f} MB/s | {t['write_vs_raw']:.0%} |",
         f"| read (lmdb get + checks + decode; raw: read) | {t['read_mb_s']:.0f} MB/s | {t['raw_read_mb_s']:.0f} MB/s | {t['read_vs_raw']:.0%} |",
+        "",
+        f"Host tier, decode tok/s after {c['prefix_len']} tokens ({h['spec']}: half of the pages on the host): "
+        + ", ".join(f"{name} {rate:.1f}" for name, rate in h["tok_s"].items())
+        + f"; half on host / all on device (no mirror) = **{h['tok_s']['half on host'] / h['tok_s']['device (no mirror)']:.2f}x**; "
+        f"bytes by tier with half on host: {h['by_tier']['half on host']}.",
         "",
         f"Restoring the {r['reused_tokens']}-token prefix from disk in a fresh PrefixStore + the tail's forward pass: "
         f"{r['restore_s'] * 1e3:.1f} ms, against a full prefill {r['full_s'] * 1e3:.1f} ms: **{r['speedup']:.1f}x** (must be > 1).",

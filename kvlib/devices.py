@@ -69,3 +69,9 @@ def outside_inference_mode(method: Callable[P, R]) -> Callable[P, R]:
             return method(*args, **kwargs)
 
     return wrapper
+
+
+def host_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed CPU tensor for pages moved off ``device``: pinned when ``device`` is CUDA, so
+    copies both ways can be issued non-blocking."""
+    return torch.zeros(shape, dtype=dtype, pin_memory=device.type == "cuda")

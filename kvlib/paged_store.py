@@ -36,6 +36,7 @@ from kvlib.read_cache import DenseReadCache, LayerRead
 from kvlib.storage.coded_pool import CodedPagePool
 from kvlib.storage.page_pool import PagePool
 from kvlib.storage.partnered_pool import PartneredPagePool
+from kvlib.storage.tiered_pool import TieredPagePool
 
 SequenceIds = Sequence[int] | torch.Tensor
 
@@ -61,6 +62,9 @@ class PagedStore:
             in ``dtype``. A codec with a ``partner_layer`` (a cross-layer codec's deeper layer)
             gets a :class:`~kvlib.storage.partnered_pool.PartneredPagePool` leaning on that
             earlier layer's pool.
+        device_pages: at most this many pages of each layer stay on ``device``; the least
+            recently used others move to host memory (:class:`~kvlib.storage.tiered_pool.TieredPagePool`).
+            None keeps every page on the device. Not combined with codecs.
     """
 
     @outside_inference_mode
@@ -78,6 +82,7 @@ class PagedStore:
         fixed_capacity: bool = False,
         read_cache: bool = True,
         codecs: Sequence[PageCodec] | None = None,
+        device_pages: int | None = None,
     ) -> None:
         if not isinstance(num_layers, int) or num_layers < 1:
             raise ValueError(f"num_layers must be a positive int, got {num_layers!r}")
@@ -91,6 +96,8 @@ class PagedStore:
         self.dtype = dtype
         self.device = resolve_device(device)
         self.use_read_cache = read_cache
+        if device_pages is not None and codecs is not None:
+            raise ValueError("device_pages (tiering) and codecs do not combine yet: keep one of them")
         if codecs is not None and len(codecs) != num_layers:
             raise ValueError(f"codecs must name one codec per layer ({num_layers}), got {len(codecs)}")
         self.pools: list[PagePool] = []
@@ -99,8 +106,10 @@ class PagedStore:
         for i in range(num_layers):
             codec = None if codecs is None else codecs[i]
             shape = (page_size, keys_dim[i], values_dim[i], dtype, self.device)
-            if codec is None:
-                pool: PagePool = PagePool(*shape, pages_per_layer, fixed_capacity)
+            if codec is None and device_pages is not None:
+                pool: PagePool = TieredPagePool(*shape, device_pages, pages_per_layer, fixed_capacity)
+            elif codec is None:
+                pool = PagePool(*shape, pages_per_layer, fixed_capacity)
             elif getattr(codec, "partner_layer", None) is not None:
                 partner = codec.partner_layer
                 if not 0 <= partner < i or not isinstance(self.pools[partner], CodedPagePool):
@@ -617,8 +626,9 @@ class PagedStore:
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes held, by component: ``pages`` (keys and values of pages in use: compute dtype for
-        open pages, the codec's payload for sealed ones), ``positions``, ``codec_metadata`` (scales,
-        zero points and fitted codec state),
+        open pages, the codec's payload for sealed ones; on every tier), ``host`` (the part of
+        ``pages`` held in host memory), ``positions``, ``codec_metadata`` (scales, zero points and
+        fitted codec state),
         ``tables`` (block tables and lengths), ``read_cache`` (dense mirrors) and ``reserved``
         (whole arenas, free pages included)."""
         tables = sum(
@@ -629,6 +639,7 @@ class PagedStore:
             "pages": self._page_bytes(),
             "positions": sum(pool.pages_in_use * pool.position_page_bytes for pool in self.pools),
             "codec_metadata": sum(pool.metadata_bytes() for pool in self.pools),
+            "host": sum(pool.tier_bytes()["host"] for pool in self.pools if isinstance(pool, TieredPagePool)),
             "tables": tables,
             "read_cache": sum(cache.nbytes() for cache in self._read_caches if cache is not None),
             "reserved": sum(pool.bytes_reserved() for pool in self.pools),

@@ -5,7 +5,7 @@ import importlib
 import pkgutil
 from collections.abc import Iterable
 
-KIND_PACKAGES = ("eviction", "budget", "quantization", "lowrank", "reuse")
+KIND_PACKAGES = ("eviction", "budget", "quantization", "lowrank", "reuse", "tiering")
 """Subpackages of built-in strategies, one per kind that has any."""
 
 

@@ -28,6 +28,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from kvlib import PagedStore
 from kvlib.codec import Field, PageCodec, TensorCodec, layer_shapes
 from kvlib.storage.coded_pool import CodedPagePool
+from kvlib.storage.tiered_pool import TieredPagePool
 
 HEADS = (2, 3)
 KEY_DIMS = (2, 3)
@@ -74,6 +75,7 @@ def reversing_codecs(page_size: int) -> list[PageCodec]:
 
 class StoreMachine(RuleBasedStateMachine):
     coded = False
+    tiered = False
 
     @initialize(page_size=st.integers(1, 5), pages=st.integers(0, 3))
     def setup(self, page_size: int, pages: int) -> None:
@@ -85,6 +87,7 @@ class StoreMachine(RuleBasedStateMachine):
             page_size=page_size,
             pages_per_layer=pages,
             codecs=reversing_codecs(page_size) if self.coded else None,
+            device_pages=5 if self.tiered else None,
         )
         self.page_size = page_size
         self.model: dict[int, list[list[list[Token]]]] = {}  # seq -> layer -> head -> tokens
@@ -330,6 +333,14 @@ class StoreMachine(RuleBasedStateMachine):
                     assert bool(full[sealed_here].all()), "a sealed page is not full"
             else:
                 assert pool.bytes_in_use() == in_use * pool.page_bytes
+            if isinstance(pool, TieredPagePool):  # every page in use in exactly one tier, within the budget
+                used = references > 0
+                on_device, on_host = pool.device_row >= 0, pool.host_row >= 0
+                assert torch.equal(on_device[used] ^ on_host[used], torch.ones(int(used.sum()), dtype=torch.bool))
+                assert not bool((on_device | on_host)[~used].any())
+                assert int(on_device.sum()) == pool.pages_on_device <= pool.device_pages
+                rows = pool.device_row[on_device]
+                assert rows.unique().numel() == rows.numel()
             if len(live):
                 pages_used = table.pages_used(table.lengths[live])
                 have = table.pages[live] >= 0
@@ -377,3 +388,14 @@ class CodedStoreMachine(StoreMachine):
 
 CodedStoreMachine.TestCase.settings = StoreMachine.TestCase.settings
 TestCodedStoreMachine = CodedStoreMachine.TestCase
+
+
+class TieredStoreMachine(StoreMachine):
+    """The same rules with at most 5 pages per layer on the device (moved 2 at a time): pages move to the host and
+    back under every operation, and reads stay exact."""
+
+    tiered = True
+
+
+TieredStoreMachine.TestCase.settings = StoreMachine.TestCase.settings
+TestTieredStoreMachine = TieredStoreMachine.TestCase

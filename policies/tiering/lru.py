@@ -1,0 +1,34 @@
+"""LRU placement: the pages used longest ago leave the device for host memory."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvlib.registry import register
+from kvlib.strategy import Tiering
+
+
+@register("lru")
+@dataclass
+class LRUPlacement(Tiering):
+    """Keep at most ``device_mb`` MiB of KV pages (over all layers) on the compute device; when a
+    page needs room there, the pages written longest ago move to host memory (the newest tokens,
+    which decoding writes, stay),
+    pinned under CUDA. Reads copy host pages into the read buffer without moving them back;
+    writes bring a page back. Lossless: outputs equal the untiered cache's.
+
+    Args:
+        device_mb: device budget for keys and values of pages, MiB, split evenly over layers
+            (at least one page per layer).
+    """
+
+    device_mb: float = 1024.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.device_mb > 0:
+            raise ValueError(f"device_mb must be > 0, got {self.device_mb}")
+
+    def device_pages(self, num_layers: int, page_bytes: int) -> int:
+        """Pages each layer may keep on the device."""
+        return max(1, int(self.device_mb * 2**20 / (num_layers * page_bytes)))

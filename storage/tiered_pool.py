@@ -1,0 +1,230 @@
+"""Page arena split over two tiers: a device arena with a page budget, and a host arena.
+
+Every page in use has its keys and values in exactly one tier: ``device_row[page] >= 0`` (a row
+of the device arena) or ``host_row[page] >= 0`` (a row of the host arena, pinned memory when the
+device is CUDA). Positions stay in the base pool's arena for every page (bookkeeping).
+
+Placement is least recently used: each page carries the clock of its last allocation or write
+(reads do not count: a decode step reads every page); when a page needs a device row and none is
+free, the device pages written longest ago move to the host, in one batch. Writes go to the device (a host page written is brought back first);
+reads copy host pages straight into the read buffer without moving them (so reading the whole
+history each decode step does not thrash the device arena).
+
+Invariants (``tests/kvlib/test_store_state_machine.py``, ``TieredStoreMachine``): a page in use
+is in exactly one tier; the device rows in use never exceed ``device_pages``; reads return what
+was written, whatever tier holds it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvlib.devices import host_buffer, to_arena_device
+from kvlib.storage.free_stack import FreeStack
+from kvlib.storage.page_pool import PagePool, extend_rows
+
+_MIN_HOST_PAGES = 16
+
+
+class TieredPagePool(PagePool):
+    """A :class:`PagePool` keeping at most ``device_pages`` pages on its device, the rest on the host."""
+
+    def __init__(
+        self,
+        page_size: int,
+        head_dim: int,
+        value_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        device_pages: int,
+        capacity: int = 64,
+        fixed: bool = False,
+    ) -> None:
+        if not isinstance(device_pages, int) or device_pages < 1:
+            raise ValueError(f"device_pages must be an int >= 1, got {device_pages!r}")
+        self.device_pages = device_pages
+        super().__init__(page_size, head_dim, value_dim, dtype, device, capacity, fixed)
+
+    def _init_data(self, capacity: int) -> None:
+        shape = (self.page_size,)
+        rows = min(self.device_pages, max(capacity, _MIN_HOST_PAGES))  # grows up to the budget as needed
+        self.keys = torch.zeros(rows, *shape, self.head_dim, dtype=self.dtype, device=self.device)
+        self.values = torch.zeros(rows, *shape, self.value_dim, dtype=self.dtype, device=self.device)
+        self._device_free = FreeStack(rows)
+        self.host_keys = host_buffer((_MIN_HOST_PAGES, *shape, self.head_dim), self.dtype, self.device)
+        self.host_values = host_buffer((_MIN_HOST_PAGES, *shape, self.value_dim), self.dtype, self.device)
+        self._host_free = FreeStack(_MIN_HOST_PAGES)
+        self.device_row = torch.full((capacity,), -1, dtype=torch.int64)
+        self.host_row = torch.full((capacity,), -1, dtype=torch.int64)
+        self.last_use = torch.zeros(capacity, dtype=torch.int64)
+        self._clock = 0
+        self.moves_to_host = 0
+        self.moves_to_device = 0
+
+    def _grow_data(self, capacity: int) -> None:
+        self.device_row = extend_rows(self.device_row, capacity, -1)
+        self.host_row = extend_rows(self.host_row, capacity, -1)
+        self.last_use = extend_rows(self.last_use, capacity, 0)
+
+    # -- sizes ---------------------------------------------------------------------------------
+
+    @property
+    def pages_on_device(self) -> int:
+        return self.keys.shape[0] - self._device_free.free
+
+    @property
+    def pages_on_host(self) -> int:
+        return self.host_keys.shape[0] - self._host_free.free
+
+    def tier_bytes(self) -> dict[str, int]:
+        """Bytes of keys and values held on each tier (``device``, ``host``)."""
+        return {"device": self.pages_on_device * self.kv_page_bytes, "host": self.pages_on_host * self.kv_page_bytes}
+
+    def bytes_reserved(self) -> int:
+        return (self.keys.shape[0] + self.host_keys.shape[0]) * self.kv_page_bytes + self.capacity * self.position_page_bytes
+
+    # -- placement -----------------------------------------------------------------------------
+
+    def _use(self, ids: torch.Tensor) -> None:
+        self._clock += 1
+        self.last_use[ids] = self._clock
+
+    def _on_allocate(self, ids: torch.Tensor, heads: torch.Tensor | None) -> None:
+        """New pages start on the device, as many as half its budget allows; the rest on the host."""
+        room = max(1, self.device_pages // 2)
+        if ids.numel() > room:
+            self._new_on_host(ids[:-room])
+            ids = ids[-room:]
+        self._to_device_rows(ids)
+        self._use(ids)
+
+    def _new_on_host(self, ids: torch.Tensor) -> None:
+        if self._host_free.free < ids.numel():
+            self._grow_host(self.host_keys.shape[0] - self._host_free.free + ids.numel())
+        self.host_row[ids] = self._host_free.pop(ids.numel())
+
+    def _on_free(self, ids: torch.Tensor) -> None:
+        on_device, on_host = self.device_row[ids], self.host_row[ids]
+        self._device_free.push(on_device[on_device >= 0])
+        self._host_free.push(on_host[on_host >= 0])
+        self.device_row[ids] = -1
+        self.host_row[ids] = -1
+
+    def _to_device_rows(self, ids: torch.Tensor) -> None:
+        """Give pages ``ids`` (new ones, or pages on the host) device rows, moving the least
+        recently used other device pages to the host to make room."""
+        wanted = ids
+        if wanted.numel() > self.device_pages:
+            raise ValueError(f"{wanted.numel()} pages needed on the device at once; its budget is {self.device_pages} pages")
+        ids = ids[self.device_row[ids] < 0]
+        if ids.numel() == 0:
+            return
+        short = ids.numel() - self._device_free.free
+        if short > 0 and self.keys.shape[0] < self.device_pages:  # room left in the budget: grow first
+            self._grow_device(min(self.device_pages, max(2 * self.keys.shape[0], self.keys.shape[0] + short)))
+            short = ids.numel() - self._device_free.free
+        if short > 0:
+            resident = (self.device_row >= 0).nonzero().squeeze(-1)
+            resident = resident[~torch.isin(resident, wanted)]  # never the pages asked for
+            self._to_host(resident[self.last_use[resident].argsort()[:short]])
+        rows = self._device_free.pop(ids.numel())
+        coming = self.host_row[ids] >= 0
+        if bool(coming.any()):  # pages on the host come back with their data
+            source = self.host_row[ids[coming]]
+            target = to_arena_device(rows[coming], self.device)
+            self.keys.index_copy_(0, target, self.host_keys.index_select(0, source).to(self.device, non_blocking=True))
+            self.values.index_copy_(0, target, self.host_values.index_select(0, source).to(self.device, non_blocking=True))
+            self._host_free.push(source)
+            self.host_row[ids[coming]] = -1
+            self.moves_to_device += int(coming.sum())
+        self.device_row[ids] = rows
+
+    def _grow_device(self, rows: int) -> None:
+        self.keys = extend_rows(self.keys, rows, 0)
+        self.values = extend_rows(self.values, rows, 0)
+        self._device_free.grow(rows)
+
+    def _to_host(self, ids: torch.Tensor) -> None:
+        """Move device pages ``ids`` to the host arena (one batched copy)."""
+        if ids.numel() == 0:
+            return
+        if self._host_free.free < ids.numel():
+            self._grow_host(self.host_keys.shape[0] - self._host_free.free + ids.numel())
+        rows = self._host_free.pop(ids.numel())
+        source = to_arena_device(self.device_row[ids], self.device)
+        self.host_keys[rows] = self.keys.index_select(0, source).to("cpu")
+        self.host_values[rows] = self.values.index_select(0, source).to("cpu")
+        self._device_free.push(self.device_row[ids])
+        self.device_row[ids] = -1
+        self.host_row[ids] = rows
+        self.moves_to_host += ids.numel()
+
+    def _grow_host(self, needed: int) -> None:
+        rows = max(needed, 2 * self.host_keys.shape[0])
+        keys = host_buffer((rows, *self.host_keys.shape[1:]), self.dtype, self.device)
+        values = host_buffer((rows, *self.host_values.shape[1:]), self.dtype, self.device)
+        keys[: self.host_keys.shape[0]] = self.host_keys
+        values[: self.host_values.shape[0]] = self.host_values
+        self.host_keys, self.host_values = keys, values
+        self._host_free.grow(rows)
+
+    # -- data ----------------------------------------------------------------------------------
+
+    def write(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
+        """Write tokens through the device, at most half its budget of pages at a time (a long
+        prefill streams through: its earlier pages move to the host as later ones arrive)."""
+        page_of = slots // self.page_size
+        pages = torch.unique(page_of)
+        step = max(1, self.device_pages // 2)
+        for first in range(0, pages.numel(), step):
+            batch = pages[first : first + step]
+            self._to_device_rows(batch)
+            self._use(batch)
+            chosen = torch.isin(page_of, batch)
+            where = chosen.nonzero().squeeze(-1)
+            index = to_arena_device(self.device_row[page_of[where]] * self.page_size + slots[where] % self.page_size, self.device)
+            rows = to_arena_device(where, keys.device)
+            self.keys.view(-1, self.head_dim).index_copy_(0, index, keys.index_select(0, rows))
+            self.values.view(-1, self.value_dim).index_copy_(0, index, values.index_select(0, rows))
+        self.positions.view(-1).index_copy_(0, to_arena_device(slots, self.device), positions.to(self.device, torch.int64))
+
+    def read_pages(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Whole pages: device ones gathered, host ones copied over, free ones zero (none moves,
+        and reading is not a use: every decode step reads every page)."""
+        on_device, on_host = self.device_row[ids], self.host_row[ids]
+        keys = torch.zeros(ids.numel(), self.page_size, self.head_dim, dtype=self.dtype, device=self.device)
+        values = torch.zeros(ids.numel(), self.page_size, self.value_dim, dtype=self.dtype, device=self.device)
+        here = (on_device >= 0).nonzero().squeeze(-1)
+        if here.numel():
+            source, target = to_arena_device(on_device[here], self.device), to_arena_device(here, self.device)
+            keys.index_copy_(0, target, self.keys.index_select(0, source))
+            values.index_copy_(0, target, self.values.index_select(0, source))
+        there = (on_host >= 0).nonzero().squeeze(-1)
+        if there.numel():
+            target = to_arena_device(there, self.device)
+            keys.index_copy_(0, target, self.host_keys.index_select(0, on_host[there]).to(self.device, non_blocking=True))
+            values.index_copy_(0, target, self.host_values.index_select(0, on_host[there]).to(self.device, non_blocking=True))
+        return keys, values
+
+    def gather(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        pages, inverse = torch.unique(slots // self.page_size, return_inverse=True)
+        keys, values = self.read_pages(pages)
+        index = to_arena_device(inverse * self.page_size + slots % self.page_size, self.device)
+        positions = self.positions.view(-1).index_select(0, to_arena_device(slots, self.device))
+        return keys.view(-1, self.head_dim)[index], values.view(-1, self.value_dim)[index], positions
+
+    def copy_pages(self, source: torch.Tensor, target: torch.Tensor) -> None:
+        """Copy whole pages onto new ``target`` pages, in whichever tier each target sits."""
+        keys, values = self.read_pages(source)
+        on_device = self.device_row[target] >= 0
+        if bool(on_device.any()):
+            rows = to_arena_device(self.device_row[target[on_device]], self.device)
+            picked = to_arena_device(on_device.nonzero().squeeze(-1), self.device)
+            self.keys.index_copy_(0, rows, keys.index_select(0, picked))
+            self.values.index_copy_(0, rows, values.index_select(0, picked))
+        if not bool(on_device.all()):
+            rows = self.host_row[target[~on_device]]
+            picked = (~on_device).nonzero().squeeze(-1)
+            self.host_keys[rows] = keys.index_select(0, to_arena_device(picked, self.device)).to("cpu")
+            self.host_values[rows] = values.index_select(0, to_arena_device(picked, self.device)).to("cpu")
+        self.positions.index_copy_(0, to_arena_device(target, self.device), self.positions.index_select(0, to_arena_device(source, self.device)))
