@@ -451,15 +451,20 @@ class KVCache(Cache):
             read_cache=self.read_cache,
             codecs=self.codecs,
             device_pages=self._device_pages(dtype),
+            host_pages=self._host_pages(dtype),
         )
+
+    def _page_bytes(self, dtype: torch.dtype) -> int:
+        element = torch.empty((), dtype=dtype).element_size()
+        return self.page_size * (self.shape.head_dim + self.shape.value_dim) * element
 
     def _device_pages(self, dtype: torch.dtype) -> int | None:
         """Pages per layer the tiering strategy keeps on the device (None: no tiering)."""
-        if self.tiering is None:
-            return None
-        element = torch.empty((), dtype=dtype).element_size()
-        page_bytes = self.page_size * (self.shape.head_dim + self.shape.value_dim) * element
-        return self.tiering.device_pages(self.shape.num_layers, page_bytes)
+        return None if self.tiering is None else self.tiering.device_pages(self.shape.num_layers, self._page_bytes(dtype))
+
+    def _host_pages(self, dtype: torch.dtype) -> int | None:
+        """Pages per layer the tiering strategy allows on the host (None: unbounded)."""
+        return None if self.tiering is None else self.tiering.host_pages(self.shape.num_layers, self._page_bytes(dtype))
 
     def _check_layer(self, layer_idx: int) -> None:
         if not isinstance(layer_idx, int) or not 0 <= layer_idx < self.shape.num_layers:

@@ -64,7 +64,8 @@ class PagedStore:
             earlier layer's pool.
         device_pages: at most this many pages of each layer stay on ``device``; the least
             recently used others move to host memory (:class:`~kvlib.storage.tiered_pool.TieredPagePool`).
-            None keeps every page on the device. Not combined with codecs.
+            None keeps every page on the device. Not combined with codecs. ``host_pages`` bounds
+            the host part (None: unbounded).
     """
 
     @outside_inference_mode
@@ -83,6 +84,7 @@ class PagedStore:
         read_cache: bool = True,
         codecs: Sequence[PageCodec] | None = None,
         device_pages: int | None = None,
+        host_pages: int | None = None,
     ) -> None:
         if not isinstance(num_layers, int) or num_layers < 1:
             raise ValueError(f"num_layers must be a positive int, got {num_layers!r}")
@@ -107,7 +109,7 @@ class PagedStore:
             codec = None if codecs is None else codecs[i]
             shape = (page_size, keys_dim[i], values_dim[i], dtype, self.device)
             if codec is None and device_pages is not None:
-                pool: PagePool = TieredPagePool(*shape, device_pages, pages_per_layer, fixed_capacity)
+                pool: PagePool = TieredPagePool(*shape, device_pages, pages_per_layer, fixed_capacity, host_pages)
             elif codec is None:
                 pool = PagePool(*shape, pages_per_layer, fixed_capacity)
             elif getattr(codec, "partner_layer", None) is not None:

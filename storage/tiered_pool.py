@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from kvlib.devices import host_buffer, to_arena_device
+from kvlib.errors import PoolExhaustedError
 from kvlib.storage.free_stack import FreeStack
 from kvlib.storage.page_pool import PagePool, extend_rows
 
@@ -39,10 +40,13 @@ class TieredPagePool(PagePool):
         device_pages: int,
         capacity: int = 64,
         fixed: bool = False,
+        host_pages: int | None = None,
     ) -> None:
         if not isinstance(device_pages, int) or device_pages < 1:
             raise ValueError(f"device_pages must be an int >= 1, got {device_pages!r}")
         self.device_pages = device_pages
+        self.host_pages = host_pages
+        """At most this many pages on the host (None: unbounded)."""
         super().__init__(page_size, head_dim, value_dim, dtype, device, capacity, fixed)
 
     def _init_data(self, capacity: int) -> None:
@@ -98,7 +102,14 @@ class TieredPagePool(PagePool):
         self._to_device_rows(ids)
         self._use(ids)
 
+    def _check_host_room(self, count: int) -> None:
+        if self.host_pages is not None and self.pages_on_host + count > self.host_pages:
+            raise PoolExhaustedError(
+                f"host tier full: {count} more pages would exceed its budget of {self.host_pages} pages per layer"
+            )
+
     def _new_on_host(self, ids: torch.Tensor) -> None:
+        self._check_host_room(ids.numel())
         if self._host_free.free < ids.numel():
             self._grow_host(self.host_keys.shape[0] - self._host_free.free + ids.numel())
         self.host_row[ids] = self._host_free.pop(ids.numel())
@@ -124,6 +135,7 @@ class TieredPagePool(PagePool):
             self._grow_device(min(self.device_pages, max(2 * self.keys.shape[0], self.keys.shape[0] + short)))
             short = ids.numel() - self._device_free.free
         if short > 0:
+            self._check_host_room(short)
             resident = (self.device_row >= 0).nonzero().squeeze(-1)
             resident = resident[~torch.isin(resident, wanted)]  # never the pages asked for
             self._to_host(resident[self.last_use[resident].argsort()[:short]])

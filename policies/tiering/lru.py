@@ -20,15 +20,25 @@ class LRUPlacement(Tiering):
     Args:
         device_mb: device budget for keys and values of pages, MiB, split evenly over layers
             (at least one page per layer).
+        host_mb: host budget, MiB over all layers (0: unbounded). A move past it raises
+            :class:`~kvlib.errors.PoolExhaustedError` (no disk tier behind the host one yet for
+            live sequences, so the call fails; the cache must then be reset).
     """
 
     device_mb: float = 1024.0
+    host_mb: float = 0.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if not self.device_mb > 0:
             raise ValueError(f"device_mb must be > 0, got {self.device_mb}")
+        if self.host_mb < 0:
+            raise ValueError(f"host_mb must be >= 0 (0: unbounded), got {self.host_mb}")
 
     def device_pages(self, num_layers: int, page_bytes: int) -> int:
         """Pages each layer may keep on the device."""
         return max(1, int(self.device_mb * 2**20 / (num_layers * page_bytes)))
+
+    def host_pages(self, num_layers: int, page_bytes: int) -> int | None:
+        """Pages each layer may keep on the host (None: unbounded)."""
+        return None if not self.host_mb else max(1, int(self.host_mb * 2**20 / (num_layers * page_bytes)))

@@ -55,3 +55,11 @@ def test_tiering_composes_with_eviction_but_not_yet_with_codecs() -> None:
         kvlib.make_cache(model, "kivi+lru")
     with pytest.raises(ValueError, match="device_mb must be > 0"):
         kvlib.make_cache(model, "lru(device_mb=0)")
+
+
+def test_a_full_host_tier_is_a_clear_error() -> None:
+    model = build_model("stories")
+    ids, mask = left_padded([90], seed=6, vocab=500)
+    cache = kvlib.make_cache(model, "lru(device_mb=0.01, host_mb=0.01)")
+    with pytest.raises(kvlib.PoolExhaustedError, match="host tier full"):
+        model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=4, do_sample=False, pad_token_id=PAD)
