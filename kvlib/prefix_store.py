@@ -61,6 +61,8 @@ class PrefixStore:
         model: the model whose caches use this store (its fingerprint keys every page).
         capacity_bytes: bytes of indexed pages kept once no cache uses them (LRU beyond that).
         salt: mixed into every key (separate tenants that must never share pages).
+        disk: a :class:`~kvlib.storage.disk_tier.DiskTier`, or a directory for one holding up to
+            four times ``capacity_bytes`` of records; None keeps prefixes in memory only.
     """
 
     def __init__(self, model: torch.nn.Module, capacity_bytes: int, *, salt: str = "", disk: DiskTier | str | None = None) -> None:
