@@ -32,6 +32,8 @@ class PrefixSession:
         self.done = 0
         """Leading prompt blocks of every row that are attached or indexed."""
         self.entries: list[Entry] = []
+        self.finalizer: weakref.finalize | None = None
+        """Hands the session to the store if the cache is dropped unclosed (detached on close)."""
 
     @classmethod
     def start(
@@ -52,8 +54,9 @@ class PrefixSession:
         for seq, entries in zip(rows, found):
             reuse.attach(namespace, seq, entries[:common])
             session.entries.extend(entries[:common])
+            reuse.release(entries[common:])  # found for this row, past what every row shares
         session.done = common
-        weakref.finalize(owner, reuse.defer_close, session)
+        session.finalizer = weakref.finalize(owner, reuse.defer_close, session)
         return session
 
     @property
@@ -84,6 +87,9 @@ class PrefixSession:
 
     def close(self) -> None:
         """Release the sequences and the entries held (idempotent)."""
+        if self.finalizer is not None:
+            self.finalizer.detach()
+            self.finalizer = None
         if self.rows:
             self.store.release(list(self.rows))
             self.rows.clear()

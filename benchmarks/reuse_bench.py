@@ -99,11 +99,11 @@ def index_cost(model: torch.nn.Module, store: kvlib.PrefixStore, prompt: torch.T
     blocks = session_blocks(prompt, cache.store.page_size)
     namespace = session.namespace
     tokens = len(blocks) * cache.store.page_size
-    cold = _seconds(lambda: store.lookup(namespace, blocks))
+    cold = _seconds(lambda: store.release(store.lookup(namespace, blocks)))
     start = time.perf_counter()
     entries = store.insert(namespace, cache._rows[0], blocks, 0)
     insert = time.perf_counter() - start
-    warm = _seconds(lambda: store.lookup(namespace, blocks))
+    warm = _seconds(lambda: store.release(store.lookup(namespace, blocks)))
     store.release(entries)
     cache.reset()
     return {"tokens": tokens, "lookup_miss_us_per_token": cold / tokens * 1e6,

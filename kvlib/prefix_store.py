@@ -109,9 +109,12 @@ class PrefixStore:
 
     def lookup(self, namespace: str, blocks: list[list[int]]) -> list[Entry]:
         """Cached entries of the leading ``blocks`` of a prompt (verified), most recently used now;
-        blocks found on disk past those in memory are loaded into fresh pages and indexed."""
+        blocks found on disk past those in memory are loaded into fresh pages and indexed. The
+        entries are acquired for the caller (so that loading more cannot evict them): attach
+        them, and :meth:`release` those not attached."""
         self.collect()
         found = self.index.lookup(blocks, self._key_space(namespace))
+        self.index.acquire(found)
         layout = self._disk_layout(namespace)
         if layout is not None and len(found) < len(blocks):
             found += self._load(namespace, layout, blocks, len(found))
@@ -146,10 +149,7 @@ class PrefixStore:
                 if entry is not None:
                     self.index.release([entry])
                 break
-            self.index.release([entry])  # found, not yet attached: evictable like any unused entry
-            if self.index.entries.get(entry.key) is not entry:  # the capacity could not keep it
-                break
-            loaded.append(entry)
+            loaded.append(entry)  # acquired by insert, for the caller
         return loaded
 
     def _disk_layout(self, namespace: str) -> Layout | None:
@@ -163,13 +163,13 @@ class PrefixStore:
 
     @outside_inference_mode
     def attach(self, namespace: str, seq: int, entries: list[Entry]) -> None:
-        """Give empty sequence ``seq`` the pages of ``entries`` (by reference) and acquire them."""
+        """Give empty sequence ``seq`` the pages of ``entries`` (by reference; acquired by
+        :meth:`lookup`, released when the sequence's holder is done)."""
         store = self.stores[namespace]
         if entries:
             pages = torch.stack([entry.pages[1] for entry in entries], dim=-1)  # [layers, heads, blocks]
             for layer in range(store.num_layers):
                 store.attach_prefix(layer, seq, pages[layer])
-        self.index.acquire(entries)
 
     @outside_inference_mode
     def insert(self, namespace: str, seq: int, blocks: list[list[int]], first: int) -> list[Entry]:

@@ -54,3 +54,27 @@ def test_a_corrupted_record_is_recomputed_and_another_models_directory_is_ignore
     assert damaged["same"] and damaged["disk"]["corrupt"] == 1 and damaged["reused"] < 64
     other = run(tmp_path, family="llama")  # same directory, another model: nothing found
     assert other["reused"] == 0 and other["same"] and other["disk"]["reads"] == 0
+
+
+def test_loading_from_disk_never_evicts_what_the_lookup_found(tmp_path: Path) -> None:
+    """A memory budget of one and a half blocks with four on disk: every block the lookup
+    finds or loads stays alive until attached (they are acquired as they are found)."""
+    import torch
+
+    import kvlib
+    from tests.adapters.conftest import PAD, build_model
+
+    model = build_model("stories")
+    prompt = torch.randint(3, 60, (1, 70), generator=torch.Generator().manual_seed(0))
+    disk = DiskTier(tmp_path, capacity_bytes=2**26)
+    writer = kvlib.PrefixStore(model, capacity_bytes=2**24, disk=disk)
+    cache = kvlib.make_cache(model, reuse=writer, prompt=prompt)
+    model.generate(prompt, past_key_values=cache, max_new_tokens=2, do_sample=False, pad_token_id=PAD)
+    block = next(iter(writer.index.entries.values())).nbytes
+    reader = kvlib.PrefixStore(model, capacity_bytes=block * 3 // 2, disk=disk)
+    cache = kvlib.make_cache(model, reuse=reader, prompt=prompt)
+    assert cache.get_seq_length() == 64
+    out = model.generate(prompt, past_key_values=cache, max_new_tokens=6, do_sample=False, pad_token_id=PAD)
+    assert torch.equal(out, model.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=PAD))
+    cache.reset()
+    assert reader.stats()["bytes"] <= block * 3 // 2  # once released, the budget holds again
