@@ -9,7 +9,7 @@ from kvlib.adapters.compressor import Compressor
 from kvlib.adapters.model_shape import kv_shape, rope_of
 from kvlib.adapters.transformers_cache import KVCache
 from kvlib.codec import Codec, layer_shapes
-from kvlib.prefix_store import PrefixStore, model_fingerprint
+from kvlib.prefix_store import PrefixStore
 from kvlib.policies.budget.uniform import Uniform
 from kvlib.spec import Spec, SpecLike, parse_spec
 
@@ -126,7 +126,7 @@ def _check_reuse(model: torch.nn.Module, spec: Spec, codec: Codec | None, reuse:
         )
     if codec is not None and spec.lowrank is not None:
         raise ValueError(f"prefix reuse works with quantization codecs; {spec.lowrank.spec()} fits itself to each prompt")
-    if reuse.fingerprint != model_fingerprint(model):
+    if not reuse.identity.matches(model):
         raise ValueError("this PrefixStore was built for another model (config or weights differ)")
 
 

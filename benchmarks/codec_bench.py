@@ -42,8 +42,6 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import platform
-import shlex
 import statistics
 import sys
 import time
@@ -62,9 +60,10 @@ from bench_generate import load_model  # noqa: E402
 from eviction_quality import evaluate, sample_texts  # noqa: E402
 from provenance import (  # noqa: E402
     add_run_arguments,
-    git_revision,
-    no_machine_path,
+    command_line,
+    median_seconds,
     parse_run_arguments,
+    run_metadata,
     write_report,
 )
 
@@ -119,15 +118,6 @@ def bytes_section(page_sizes: list[int]) -> list[dict]:
     return rows
 
 
-def _median_seconds(action, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        action()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def throughput_section(mib: int, repeats: int) -> list[dict]:
     rows = []
     for dtype in (torch.float32, torch.float16):
@@ -140,7 +130,7 @@ def throughput_section(mib: int, repeats: int) -> list[dict]:
         uncompressed = 2 * keys.numel() * element
         out_keys, out_values = torch.empty_like(keys), torch.empty_like(values)
         out_keys.copy_(keys), out_values.copy_(values)  # touch the pages once
-        copy = _median_seconds(lambda: (out_keys.copy_(keys), out_values.copy_(values)), repeats)
+        copy = median_seconds(lambda: (out_keys.copy_(keys), out_values.copy_(values)), repeats)
         for spec in THROUGHPUT_CODECS:
             codec = layer_codec(spec, 16, dtype)
             heads = torch.zeros(pages, dtype=torch.int64)
@@ -158,7 +148,7 @@ def throughput_section(mib: int, repeats: int) -> list[dict]:
                     codec.decode_into(arenas, ids, heads[ids], out_keys, out_values, ids)
 
             encode(), decode()  # warm-up: compiles the kernels
-            encode_s, decode_s = _median_seconds(encode, repeats), _median_seconds(decode, repeats)
+            encode_s, decode_s = median_seconds(encode, repeats), median_seconds(decode, repeats)
             error = max(float((out_keys.float() - keys.float()).abs().max()), float((out_values.float() - values.float()).abs().max()))
             rows.append({
                 "codec": spec, "dtype": str(dtype).removeprefix("torch."), "uncompressed_bytes": uncompressed,
@@ -324,26 +314,18 @@ def run(argv: Sequence[str] | None = None) -> dict:
         result["decode"] = decode_section(args, stories_path)
     if "quality" in sections:
         result["quality"] = quality_section(args, stories_path)
-    config = {k: v for k, v in vars(args).items() if k not in ("out", "stories_path")}
-    config["stories_path"] = str(args.stories_path)
-    result.update(
-        config=config,
-        machine=f"{platform.machine()}, torch {torch.__version__}, {torch.get_num_threads()} threads",
-        git=git_revision(),
-        load_avg_1min=[round(load_before, 2), round(os.getloadavg()[0], 2)],
-        seconds=round(time.perf_counter() - started, 1),
-    )
+    result.update(run_metadata(args, load_before, started))
+    result["config"]["stories_path"] = str(args.stories_path)
     write_report(args.out, "codec_bench", _markdown(result, argv), result)
     return result
 
 
 def _markdown(result: dict, argv: Sequence[str] | None) -> str:
     c = result["config"]
-    given = [no_machine_path(a) for a in (sys.argv[1:] if argv is None else argv)]
     lines = [
         "# codec_bench: page codecs (bytes, throughput, decode speed, quality)",
         "",
-        f"Command: `{shlex.join(['python', 'benchmarks/codec_bench.py', *given])}`",
+        f"Command: `{command_line('codec_bench.py', argv)}`",
         "",
         f"Machine: {result['machine']}; 1-minute load {result['load_avg_1min'][0]} before, "
         f"{result['load_avg_1min'][1]} after; {result['seconds']} s. Library revision: {result['git']}.",

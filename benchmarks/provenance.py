@@ -6,8 +6,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import platform
+import shlex
+import statistics
 import subprocess
-from collections.abc import Sequence
+import sys
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -60,6 +66,34 @@ def parse_run_arguments(parser: argparse.ArgumentParser, argv: Sequence[str] | N
             setattr(args, name, default)
     torch.set_num_threads(args.threads)
     return args
+
+
+def median_seconds(action: Callable[[], object], repeats: int) -> float:
+    """Median wall-clock seconds of ``repeats`` calls of ``action``."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        action()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def run_metadata(args: argparse.Namespace, load_before: float, started: float) -> dict:
+    """What a report records about its run: the options (no machine paths), the machine, the
+    library revision, the 1-minute load before and after, and the seconds taken."""
+    return {
+        "config": {k: v for k, v in vars(args).items() if k not in ("out", "stories_path")},
+        "machine": f"{platform.machine()}, torch {torch.__version__}, {torch.get_num_threads()} threads",
+        "git": git_revision(),
+        "load_avg_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+        "seconds": round(time.perf_counter() - started, 1),
+    }
+
+
+def command_line(script: str, argv: Sequence[str] | None) -> str:
+    """The command that reproduces a run of ``benchmarks/<script>``, without machine paths."""
+    given = [no_machine_path(a) for a in (sys.argv[1:] if argv is None else argv)]
+    return shlex.join(["python", f"benchmarks/{script}", *given])
 
 
 def write_report(out: Path, name: str, report: str, result: dict) -> None:

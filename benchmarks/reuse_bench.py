@@ -42,8 +42,6 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import platform
-import shlex
 import statistics
 import sys
 import time
@@ -57,7 +55,7 @@ import kvlib
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or loaded by path
 from bench_generate import load_model  # noqa: E402
 from eviction_quality import sample_texts  # noqa: E402
-from provenance import add_run_arguments, git_revision, no_machine_path, parse_run_arguments, write_report  # noqa: E402
+from provenance import add_run_arguments, command_line, median_seconds, parse_run_arguments, run_metadata, write_report  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 FULL = {"model": "llama100m", "prefix_len": 2000, "tail_len": 32, "requests": 8, "repeats": 3, "chunk_contexts": 8, "chunk_len": 128}
@@ -99,11 +97,11 @@ def index_cost(model: torch.nn.Module, store: kvlib.PrefixStore, prompt: torch.T
     blocks = session_blocks(prompt, cache.store.page_size)
     namespace = session.namespace
     tokens = len(blocks) * cache.store.page_size
-    cold = _seconds(lambda: store.release(store.lookup(namespace, blocks)))
+    cold = median_seconds(lambda: store.release(store.lookup(namespace, blocks)), 5)
     start = time.perf_counter()
     entries = store.insert(namespace, cache._rows[0], blocks, 0)
     insert = time.perf_counter() - start
-    warm = _seconds(lambda: store.release(store.lookup(namespace, blocks)))
+    warm = median_seconds(lambda: store.release(store.lookup(namespace, blocks)), 5)
     store.release(entries)
     cache.reset()
     return {"tokens": tokens, "lookup_miss_us_per_token": cold / tokens * 1e6,
@@ -113,15 +111,6 @@ def index_cost(model: torch.nn.Module, store: kvlib.PrefixStore, prompt: torch.T
 def session_blocks(prompt: torch.Tensor, size: int) -> list[list[int]]:
     row = prompt[0].tolist()
     return [row[i * size : (i + 1) * size] for i in range(len(row) // size)]
-
-
-def _seconds(action, repeats: int = 5) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        action()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def memory(model: torch.nn.Module, store: kvlib.PrefixStore, prompts: list[torch.Tensor]) -> dict:
@@ -237,21 +226,17 @@ def run(argv: Sequence[str] | None = None) -> dict:
                                  tails[-1], args.repeats),
     }
     result["ttft"]["speedup"] = result["ttft"]["full_s"] / result["ttft"]["cached_s"]
-    config = {k: v for k, v in vars(args).items() if k not in ("out", "stories_path")}
-    result.update(config=config, machine=f"{platform.machine()}, torch {torch.__version__}, {torch.get_num_threads()} threads",
-                  git=git_revision(), load_avg_1min=[round(load_before, 2), round(os.getloadavg()[0], 2)],
-                  seconds=round(time.perf_counter() - started, 1))
+    result.update(run_metadata(args, load_before, started))
     write_report(args.out, "reuse_bench", _markdown(result, argv), result)
     return result
 
 
 def _markdown(result: dict, argv: Sequence[str] | None) -> str:
     c, t, i, m = result["config"], result["ttft"], result["index"], result["memory"]
-    given = [no_machine_path(a) for a in (sys.argv[1:] if argv is None else argv)]
     return "\n".join([
         "# reuse_bench: prefix reuse (TTFT, index cost, shared memory)",
         "",
-        f"Command: `{shlex.join(['python', 'benchmarks/reuse_bench.py', *given])}`",
+        f"Command: `{command_line('reuse_bench.py', argv)}`",
         "",
         f"Model {c['model']}, prefix {c['prefix_len']} tokens, tails {c['tail_len']} tokens. Machine: {result['machine']}; "
         f"1-minute load {result['load_avg_1min'][0]} before, {result['load_avg_1min'][1]} after; {result['seconds']} s. "

@@ -30,8 +30,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
-import shlex
 import statistics
 import sys
 import tempfile
@@ -48,7 +46,7 @@ from kvlib.storage.page_record import decode, encode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or loaded by path
 from bench_generate import load_model  # noqa: E402
-from provenance import add_run_arguments, git_revision, no_machine_path, parse_run_arguments, write_report  # noqa: E402
+from provenance import add_run_arguments, command_line, parse_run_arguments, run_metadata, write_report  # noqa: E402
 from reuse_bench import first_token  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -166,21 +164,17 @@ def run(argv: Sequence[str] | None = None) -> dict:
         result["restore"] = {"reused_tokens": reused, "restore_s": statistics.median(restores), "full_s": statistics.median(fulls),
                              "speedup": statistics.median(fulls) / statistics.median(restores), "disk": disk.stats()}
         disk.close()
-    config = {k: v for k, v in vars(args).items() if k not in ("out", "stories_path")}
-    result.update(config=config, machine=f"{platform.machine()}, torch {torch.__version__}, {torch.get_num_threads()} threads",
-                  git=git_revision(), load_avg_1min=[round(load_before, 2), round(os.getloadavg()[0], 2)],
-                  seconds=round(time.perf_counter() - started, 1))
+    result.update(run_metadata(args, load_before, started))
     write_report(args.out, "tier_bench", _markdown(result, argv), result)
     return result
 
 
 def _markdown(result: dict, argv: Sequence[str] | None) -> str:
     c, t, r, h = result["config"], result["throughput"], result["restore"], result["host"]
-    given = [no_machine_path(a) for a in (sys.argv[1:] if argv is None else argv)]
     return "\n".join([
         "# tier_bench: the lmdb disk tier (throughput, restoring a prefix)",
         "",
-        f"Command: `{shlex.join(['python', 'benchmarks/tier_bench.py', *given])}`",
+        f"Command: `{command_line('tier_bench.py', argv)}`",
         "",
         f"Model {c['model']}, prefix {c['prefix_len']} tokens. Machine: {result['machine']}; 1-minute load "
         f"{result['load_avg_1min'][0]} before, {result['load_avg_1min'][1]} after; {result['seconds']} s. Library revision: {result['git']}.",

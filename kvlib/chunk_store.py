@@ -13,7 +13,7 @@ from collections import OrderedDict
 import torch
 
 from kvlib.devices import outside_inference_mode
-from kvlib.prefix_store import model_fingerprint
+from kvlib.prefix_store import ModelIdentity
 
 
 class ChunkStore:
@@ -22,7 +22,7 @@ class ChunkStore:
     def __init__(self, model: torch.nn.Module, capacity_bytes: int) -> None:
         if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes < 0:
             raise ValueError(f"capacity_bytes must be an int >= 0, got {capacity_bytes!r}")
-        self.fingerprint = model_fingerprint(model)
+        self.identity = ModelIdentity(model)
         self.capacity_bytes = capacity_bytes
         self.entries: OrderedDict[tuple[int, ...], tuple[list[torch.Tensor], list[torch.Tensor]]] = OrderedDict()
         self.nbytes = 0
@@ -32,7 +32,7 @@ class ChunkStore:
     @outside_inference_mode
     def kv(self, model: torch.nn.Module, chunk: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Keys and values of ``chunk`` (int ``[tokens]``) computed alone, per layer."""
-        if model_fingerprint(model) != self.fingerprint:
+        if not self.identity.matches(model):
             raise ValueError("this ChunkStore was built for another model (config or weights differ)")
         key = tuple(torch.as_tensor(chunk).reshape(-1).tolist())
         if not key:

@@ -27,6 +27,7 @@ computed. Codec namespaces stay in memory only.
 from __future__ import annotations
 
 import hashlib
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -54,6 +55,19 @@ def model_fingerprint(model: torch.nn.Module) -> bytes:
     return digest.digest()
 
 
+class ModelIdentity:
+    """A model's fingerprint, and a cheap check that another model is the same one: the object
+    it was taken from is recognised without fingerprinting it again (per request, that would
+    read a sample of every parameter)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.fingerprint = model_fingerprint(model)
+        self._model = weakref.ref(model)
+
+    def matches(self, model: torch.nn.Module) -> bool:
+        return model is self._model() or model_fingerprint(model) == self.fingerprint
+
+
 class PrefixStore:
     """Prompt prefixes of one model, reused across caches and ``generate`` calls.
 
@@ -70,7 +84,8 @@ class PrefixStore:
             raise ValueError(f"capacity_bytes must be an int >= 0, got {capacity_bytes!r}")
         if not isinstance(salt, str):
             raise ValueError(f"salt must be a str, got {salt!r}")
-        self.fingerprint = model_fingerprint(model)
+        self.identity = ModelIdentity(model)
+        self.fingerprint = self.identity.fingerprint
         self.salt = salt
         self.index = PrefixIndex(capacity_bytes, self._evicted)
         self.stores: dict[str, PagedStore] = {}

@@ -146,12 +146,7 @@ class CodedPagePool(PagePool):
         self.values.view(-1, self.value_dim).index_copy_(0, index, values)
         self.positions.view(-1).index_copy_(0, to_arena_device(slots, self.device), positions.to(self.device, torch.int64))
 
-    def gather(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        pages, inverse = torch.unique(slots // self.page_size, return_inverse=True)
-        keys, values = self.read_pages(pages)
-        index = to_arena_device(inverse * self.page_size + slots % self.page_size, self.device)
-        positions = self.positions.view(-1).index_select(0, to_arena_device(slots, self.device))
-        return keys.view(-1, self.head_dim)[index], values.view(-1, self.value_dim)[index], positions
+    gather = PagePool.gather_by_pages
 
     def read_pages(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Whole pages in the compute dtype: sealed pages decoded, open pages copied, free pages zero.

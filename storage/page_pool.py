@@ -215,6 +215,15 @@ class PagePool:
             self.positions.view(-1).index_select(0, index),
         )
 
+    def gather_by_pages(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`gather` through :meth:`read_pages` (whole pages, then the slots' rows): for
+        pools whose arenas are not indexed by page id (coded, tiered)."""
+        pages, inverse = torch.unique(slots // self.page_size, return_inverse=True)
+        keys, values = self.read_pages(pages)
+        index = to_arena_device(inverse * self.page_size + slots % self.page_size, self.device)
+        positions = self.positions.view(-1).index_select(0, to_arena_device(slots, self.device))
+        return keys.view(-1, self.head_dim)[index], values.view(-1, self.value_dim)[index], positions
+
     def read_pages(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Whole pages ``ids`` (int64 on CPU) in the compute dtype: ``(keys [n, page_size, head_dim],
         values [n, page_size, value_dim])``."""

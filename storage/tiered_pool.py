@@ -218,12 +218,7 @@ class TieredPagePool(PagePool):
             values.index_copy_(0, target, self.host_values.index_select(0, on_host[there]).to(self.device, non_blocking=True))
         return keys, values
 
-    def gather(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        pages, inverse = torch.unique(slots // self.page_size, return_inverse=True)
-        keys, values = self.read_pages(pages)
-        index = to_arena_device(inverse * self.page_size + slots % self.page_size, self.device)
-        positions = self.positions.view(-1).index_select(0, to_arena_device(slots, self.device))
-        return keys.view(-1, self.head_dim)[index], values.view(-1, self.value_dim)[index], positions
+    gather = PagePool.gather_by_pages
 
     def copy_pages(self, source: torch.Tensor, target: torch.Tensor) -> None:
         """Copy whole pages onto new ``target`` pages, in whichever tier each target sits."""
