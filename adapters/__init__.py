@@ -3,12 +3,14 @@
 - :func:`make_cache` builds a :class:`KVCache`, a drop-in ``transformers`` cache for
   ``model.generate``;
 - :func:`attach` routes a model's attention through kvlib (``make_cache`` calls it);
-- :func:`blend_cache` assembles a prompt's cache from chunks computed on their own (CacheBlend).
+- :func:`blend_cache` assembles a prompt's cache from chunks computed on their own (CacheBlend);
+- :class:`Engine` serves many requests at once: continuous batching over the paged store.
 """
 
 from kvlib.adapters.attention import attach
 from kvlib.adapters.blend import blend_cache
+from kvlib.adapters.engine import Engine
 from kvlib.adapters.make_cache import make_cache
 from kvlib.adapters.transformers_cache import KVCache
 
-__all__ = ["KVCache", "attach", "blend_cache", "make_cache"]
+__all__ = ["Engine", "KVCache", "attach", "blend_cache", "make_cache"]

@@ -13,7 +13,9 @@ a layer call whose keys come from a :class:`~kvlib.adapters.KVCache` it also
   attends to exactly the stored tokens the model's mask allows at their original positions;
 - after attention, hands the layer to the cache, which evicts if its spec says so.
 
-Calls whose keys come from any other cache run the inner attention unchanged.
+For a packed ragged batch of the engine (:mod:`kvlib.adapters.packed_batch`) it runs each
+segment's attention over its own sequences instead. Calls whose keys come from any other cache
+run the inner attention unchanged.
 """
 
 from __future__ import annotations
@@ -28,8 +30,9 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import eager_attention_forward as generic_eager_attention
 
-from kvlib.adapters import layer_step
+from kvlib.adapters import layer_step, packed_batch
 from kvlib.adapters.masks import physical_mask, real_new_tokens
+from kvlib.adapters.packed_batch import packed_attention
 from kvlib.adapters.transformers_cache import KVCache
 
 INNER_IMPLEMENTATIONS = ("sdpa", "eager")
@@ -108,6 +111,9 @@ def _kvlib_attention(inner: str) -> Callable:
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         run = _inner_attention(inner, module)
+        packed = packed_batch.take(module, key)
+        if packed is not None:
+            return packed_attention(packed, module, query, run, query.dtype if inner == "eager" else None, **kwargs)
         step = layer_step.take(module, key)
         if step is None:
             return run(module, query, key, value, attention_mask, **kwargs)

@@ -90,12 +90,8 @@ def make_cache(
         codec.check_shape(layer_shapes(shape.num_layers, shape.num_kv_heads, shape.head_dim, shape.value_dim, page_size, dtype, device))
     if (slack or interval != 1) and not isinstance(budget, int):
         raise ValueError(f"slack and interval apply to an int budget (a token count), not to budget={budget!r}")
-    compressor = None
-    if parsed.eviction is not None:
-        allocation = parsed.budget or parsed.eviction.default_budget() or Uniform()
-        allocation.check_model(shape.num_layers, shape.num_kv_heads)
-        compressor = Compressor(parsed.eviction, budget, shape.num_layers, allocation, slack, interval, rope_of(model, shape.head_dim), merge)
-    elif merge:
+    compressor = eviction_compressor(model, parsed, budget, slack, interval, merge)
+    if compressor is None and merge:
         raise ValueError("merge=True folds evicted tokens into kept ones; it needs an eviction strategy in the spec")
     parameter = next(model.parameters(), None)
     home = (parameter.dtype, parameter.device) if parameter is not None else (torch.float32, torch.device("cpu"))
@@ -110,6 +106,20 @@ def make_cache(
     if prompt is not None:
         cache.prime(prompt, attention_mask)
     return cache
+
+
+def eviction_compressor(
+    model: torch.nn.Module, spec: Spec, budget: int | float | None, slack: int = 0, interval: int = 1, merge: bool = False
+) -> Compressor | None:
+    """The compressor applying ``spec``'s eviction (and budget allocation) within ``budget``, or
+    None for a spec without eviction; ``ValueError`` for a budget that does not fit the spec."""
+    _check_budget(budget, spec)
+    if spec.eviction is None:
+        return None
+    shape = kv_shape(model)
+    allocation = spec.budget or spec.eviction.default_budget() or Uniform()
+    allocation.check_model(shape.num_layers, shape.num_kv_heads)
+    return Compressor(spec.eviction, budget, shape.num_layers, allocation, slack, interval, rope_of(model, shape.head_dim), merge)
 
 
 def _check_reuse(model: torch.nn.Module, spec: Spec, codec: Codec | None, reuse: PrefixStore | None, prompt: object) -> None:

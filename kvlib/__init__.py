@@ -2,11 +2,11 @@
 
 One paged KV store (:class:`PagedStore`), a registry of strategies (:func:`register`,
 :func:`available_policies`, :func:`parse_spec`) and adapters that put them to work:
-:func:`make_cache` gives ``model.generate`` a :class:`KVCache` (a continuous-batching scheduler
-lands with its own issue).
+:func:`make_cache` gives ``model.generate`` a :class:`KVCache`, and :class:`Engine` serves many
+requests at once (continuous batching with chunked prefill, preemption and prefix reuse).
 """
 
-from kvlib.adapters import KVCache, attach, blend_cache, make_cache
+from kvlib.adapters import Engine, KVCache, attach, blend_cache, make_cache
 from kvlib.chunk_store import ChunkStore
 from kvlib.codec import Field, FitSample, PageCodec, TensorCodec, TensorShape
 from kvlib.errors import PoolExhaustedError, SpecError
@@ -22,6 +22,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Budget",
     "ChunkStore",
+    "Engine",
     "Eviction",
     "Field",
     "FitSample",

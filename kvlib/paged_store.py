@@ -307,11 +307,12 @@ class PagedStore:
     # -- read ----------------------------------------------------------------------------------
 
     @outside_inference_mode
-    def read(self, layer: int, seqs: SequenceIds) -> LayerRead:
+    def read(self, layer: int, seqs: SequenceIds, *, mirror: bool = True) -> LayerRead:
         """``seqs``' stored tokens of ``layer`` in dense form (see :class:`~kvlib.read_cache.LayerRead`).
 
         With the read cache on, the result is a view of a dense mirror that later appends extend
-        in place: use it before the next change to the store.
+        in place: use it before the next change to the store. ``mirror=False`` gathers without
+        building a mirror (and keeps the layer's current one, for another batch).
         """
         layer = self._layer(layer)
         rows = self._rows(seqs)
@@ -321,7 +322,7 @@ class PagedStore:
             return cache.view()
         lengths = self.tables[layer].lengths[rows]
         longest = int(lengths.max()) if lengths.numel() else 0
-        if not self.use_read_cache:
+        if not self.use_read_cache or not mirror:
             return self._gather(layer, rows, longest)
         headroom = max(self.page_size, longest // 4)
         capacity = -(-(longest + headroom) // self.page_size) * self.page_size

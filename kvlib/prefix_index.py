@@ -142,6 +142,13 @@ class PrefixIndex:
                 self.lru[entry.key] = entry
         self._evict_to_capacity()
 
+    def evict_oldest(self) -> bool:
+        """Evict the least recently used unused entry; False when every entry is in use."""
+        if not self.lru:
+            return False
+        self._evict(next(iter(self.lru.values())))
+        return True
+
     def clear(self) -> None:
         """Evict every unused entry."""
         while self.lru:

@@ -122,6 +122,21 @@ class PrefixStore:
     def _key_space(self, namespace: str) -> bytes:
         return self.fingerprint + namespace.encode()
 
+    def block_keys(self, namespace: str, blocks: list[list[int]]) -> list[bytes]:
+        """The chain keys of ``blocks`` (consecutive token blocks from a prompt's start) in ``namespace``."""
+        return self.index.keys(blocks, self._key_space(namespace))
+
+    def cached_blocks(self, keys: list[bytes], blocks: list[list[int]]) -> int:
+        """How many leading blocks (with chain ``keys``) are in memory now, verified against
+        their token ids; no counter or LRU order changes (a peek for scheduling)."""
+        count = 0
+        for key, tokens in zip(keys, blocks):
+            entry = self.index.entries.get(key)
+            if entry is None or entry.tokens != tuple(tokens):
+                break
+            count += 1
+        return count
+
     def lookup(self, namespace: str, blocks: list[list[int]]) -> list[Entry]:
         """Cached entries of the leading ``blocks`` of a prompt (verified), most recently used now;
         blocks found on disk past those in memory are loaded into fresh pages and indexed. The

@@ -1,0 +1,168 @@
+"""A packed ragged batch: the tokens of many sequences in one forward pass, no padding.
+
+The engine lays a step's tokens out on one row (``input_ids [1, tokens]``, ``position_ids`` per
+token) as :class:`Segment` s: first one segment with the decoding sequences' single tokens (token
+``start + b`` belongs to ``seqs[b]``), then one segment per prefill chunk. A model called with a
+:class:`PackedCache` as its ``past_key_values`` hands each layer's new keys and values to
+:meth:`PackedCache.update`, which appends every segment's tokens to its sequences in the paged
+store, reads the sequences back (the decode group through the store's dense read mirror) and
+publishes a :class:`PackedLayerStep`; the kvlib attention function then runs
+:func:`packed_attention`: each segment attends over its own sequences' stored tokens (the decode
+group as one batched call over its rows, each chunk causally by stored position), and the
+outputs are laid back on the packed token axis.
+
+Invariant: after a forward pass, each sequence of a segment holds its previous tokens plus the
+segment's tokens, at the positions given; no sequence ever sees another's tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextvars import ContextVar
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from kvlib.paged_store import PagedStore
+from kvlib.read_cache import LayerRead
+
+
+@dataclass
+class Segment:
+    """Tokens ``start .. start + len(seqs) * length`` of the packed row: ``length`` new tokens for
+    each of ``seqs`` (store sequence ids), sequence-major. ``length`` is 1 for the decode group;
+    a prefill chunk is one sequence. ``positions``: int64 ``[len(seqs), length]``, the tokens'
+    positions (each sequence's stored length onwards)."""
+
+    seqs: list[int]
+    start: int
+    length: int
+    positions: torch.Tensor
+    uniform_heads: bool = True
+    """Every head of these sequences holds the same tokens (no per-head eviction), so one mask
+    row serves all heads."""
+
+    @property
+    def tokens(self) -> int:
+        return len(self.seqs) * self.length
+
+
+@dataclass
+class PackedLayerStep:
+    """One layer of a packed forward pass: the key tensor the layer got back from ``update`` (its
+    identity marks the attention call) and each segment's read after the append."""
+
+    cache: PackedCache
+    layer_idx: int
+    keys: torch.Tensor
+    reads: list[LayerRead]
+
+
+_active_step: ContextVar[PackedLayerStep | None] = ContextVar("kvlib_packed_step", default=None)
+
+
+def take(module: torch.nn.Module, keys: torch.Tensor) -> PackedLayerStep | None:
+    """The published packed step for this attention call (taken once), or None."""
+    step = _active_step.get()
+    if step is None or step.keys is not keys or getattr(module, "layer_idx", None) != step.layer_idx:
+        return None
+    _active_step.set(None)
+    return step
+
+
+class _PackedLayer(CacheLayerMixin):
+    """One layer of a :class:`PackedCache`, as `transformers` inspects it."""
+
+    is_sliding = False
+    is_compileable = False
+
+    def __init__(self, cache: PackedCache, layer_idx: int) -> None:
+        self.keys = self.values = None
+        self._cache = cache
+        self.layer_idx = layer_idx
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Nothing to do: the store exists already."""
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._cache.update(key_states, value_states, self.layer_idx)
+
+    def get_seq_length(self) -> int:
+        return 0
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class PackedCache(Cache):
+    """The ``past_key_values`` of a packed forward pass over ``store`` (see the module docstring).
+
+    ``after_attention(layer_idx, segment_index, query, mask, read, scaling)`` (optional) is called
+    after each segment's attention; the engine runs per-request eviction there.
+    """
+
+    def __init__(self, store: PagedStore, segments: list[Segment], after_attention: Callable | None = None) -> None:
+        super().__init__(layers=[_PackedLayer(self, i) for i in range(store.num_layers)])
+        self.store = store
+        self.segments = segments
+        self.after_attention = after_attention
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append each segment's new keys and values (``[1, kv_heads, tokens, dim]``) to its
+        sequences and publish the layer's reads; returns the inputs (attention takes the reads)."""
+        reads = []
+        for segment in self.segments:
+            keys = _segment_tokens(key_states, segment)
+            values = _segment_tokens(value_states, segment)
+            self.store.append(layer_idx, segment.seqs, keys, values)
+            reads.append(self.store.read(layer_idx, segment.seqs, mirror=segment.length == 1))
+        _active_step.set(PackedLayerStep(self, layer_idx, key_states, reads))
+        return key_states, value_states
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0
+
+
+def _segment_tokens(states: torch.Tensor, segment: Segment) -> torch.Tensor:
+    """``[len(seqs), kv_heads, length, dim]``: the segment's slice of packed ``[1, kv_heads, tokens, dim]``."""
+    part = states[0, :, segment.start : segment.start + segment.tokens]
+    heads, _, dim = part.shape
+    return part.view(heads, len(segment.seqs), segment.length, dim).transpose(0, 1).contiguous()
+
+
+def packed_attention(
+    step: PackedLayerStep,
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    inner: Callable,
+    additive_mask_dtype: torch.dtype | None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """Attention of every segment over its own sequences: ``query [1, heads, tokens, head_dim]``
+    in, ``[1, tokens, heads, head_dim]`` out (what `transformers` attention functions return).
+    ``inner`` is the SDPA or eager attention function doing the math; ``additive_mask_dtype``:
+    give it an additive float mask of that dtype instead of a bool one (eager attention)."""
+    heads = query.shape[1]
+    outputs = []
+    for index, (segment, read) in enumerate(zip(step.cache.segments, step.reads)):
+        part = query[0, :, segment.start : segment.start + segment.tokens]
+        part = part.view(heads, len(segment.seqs), segment.length, -1).transpose(0, 1)
+        positions = segment.positions.to(read.positions.device)
+        visible = (read.positions.unsqueeze(2) <= positions.view(len(segment.seqs), 1, -1, 1)) & read.valid.unsqueeze(2)
+        if segment.uniform_heads:
+            visible = visible[:, :1]
+        elif visible.shape[1] != heads:
+            visible = visible.repeat_interleave(heads // visible.shape[1], dim=1)
+        mask = visible
+        if additive_mask_dtype is not None:
+            mask = torch.zeros(visible.shape, dtype=additive_mask_dtype, device=visible.device)
+            mask.masked_fill_(~visible, torch.finfo(additive_mask_dtype).min)
+        output, _ = inner(module, part, read.keys, read.values, mask, **kwargs)
+        outputs.append(output.reshape(1, segment.tokens, heads, -1))
+        if step.cache.after_attention is not None:
+            step.cache.after_attention(step.layer_idx, index, part, visible, read, kwargs.get("scaling"))
+    return torch.cat(outputs, dim=1), None
