@@ -57,9 +57,9 @@ class TraceConfig:
     """What a trace holds. ``rate`` in sessions per second, ``turn_delay_s`` in seconds, every
     ``Lengths`` in tokens; ``weights`` maps each of ``KINDS`` to a relative weight (>= 0)."""
 
-    requests: int = 48
+    requests: int = 40
     rate: float = 4.0
-    weights: dict[str, float] = field(default_factory=lambda: {"system": 0.4, "chat": 0.3, "rag": 0.3})
+    weights: dict[str, float] = field(default_factory=lambda: {"system": 0.4, "chat": 0.2, "rag": 0.4})
     system_prompts: int = 4
     system_len: Lengths = Lengths(128, 256)
     user_len: Lengths = Lengths(16, 64, "lognormal", median=32)
@@ -69,7 +69,7 @@ class TraceConfig:
     document_len: Lengths = Lengths(64, 160)
     max_documents_per_request: int = 3
     question_len: Lengths = Lengths(8, 32)
-    output_len: Lengths = Lengths(16, 64, "lognormal", median=32)
+    output_len: Lengths = Lengths(16, 48, "lognormal", median=24)
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.weights) - set(KINDS))

@@ -104,3 +104,12 @@ def test_bad_flags_name_what_is_valid() -> None:
         bench.parse_weights("system=1,docs=2")
     with pytest.raises(ValueError, match="choose one or more of engine, padded, generate_batch"):
         bench.parse_systems("padded,vllm")
+
+
+def test_kvlib_bench_runs_serve_bench_but_not_its_helper_modules() -> None:
+    from kvlib import cli
+
+    scripts = {p.stem: p.read_text() for p in BENCHMARKS.glob("*.py") if p.stem not in cli.BENCH_HELPERS}
+    assert "serve_bench" in scripts
+    assert all('if __name__ == "__main__":' in text for text in scripts.values()), sorted(
+        name for name, text in scripts.items() if 'if __name__ == "__main__":' not in text)
