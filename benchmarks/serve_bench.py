@@ -43,7 +43,7 @@ import kvlib
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or loaded by path
 from provenance import LLAMA100M, add_run_arguments, command_line, parse_run_arguments, run_metadata, write_report  # noqa: E402
-from serve_metrics import agreement, summarize  # noqa: E402
+from serve_metrics import agreement, summarize, ttft_p50_by_kind  # noqa: E402
 from serve_systems import SYSTEMS, ServeSettings, replay  # noqa: E402
 from serve_trace import KINDS, Lengths, Request, TraceConfig, make_trace  # noqa: E402
 
@@ -53,7 +53,7 @@ TINY_LLAMA = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 
 MODELS = {"llama100m": LLAMA100M, "tiny": TINY_LLAMA}
 FULL = {"model": "llama100m", "requests": 40, "rate": 4.0, "batch_size": 8}
 QUICK = {"model": "tiny", "requests": 6, "rate": 50.0, "batch_size": 4}
-QUICK_LENGTHS = {"system_len": Lengths(16, 32), "user_len": Lengths(4, 8), "chat_turns": Lengths(2, 2), "turn_delay_s": 0.02,
+QUICK_TRACE = {"system_len": Lengths(16, 32), "user_len": Lengths(4, 8), "chat_turns": Lengths(2, 2), "turn_delay_s": 0.02,
                  "document_len": Lengths(16, 24), "question_len": Lengths(4, 8), "output_len": Lengths(2, 4)}
 """Trace lengths (tokens) and turn delay (s) under ``--quick``; the full run keeps ``TraceConfig``'s."""
 
@@ -110,7 +110,7 @@ def run(argv: Sequence[str] | None = None) -> dict:
     try:
         systems = parse_systems(args.systems)
         trace_config = TraceConfig(requests=args.requests, rate=args.rate, weights=parse_weights(args.weights),
-                                   **(QUICK_LENGTHS if args.quick else {}))
+                                   **(QUICK_TRACE if args.quick else {}))
     except ValueError as error:
         parser.error(str(error))
     settings = ServeSettings(max_batch_tokens=args.max_batch_tokens, page_size=args.page_size, batch_size=args.batch_size)
@@ -123,7 +123,8 @@ def run(argv: Sequence[str] | None = None) -> dict:
     for system in systems:
         replay(system, model, warm_up_requests(requests), settings)
         replays[system] = replay(system, model, requests, settings)
-        summaries[system] = {**summarize(requests, replays[system]), **replays[system].extra}
+        summaries[system] = {**summarize(requests, replays[system]), "ttft_p50_s_by_kind": ttft_p50_by_kind(requests, replays[system]),
+                             **replays[system].extra}
         print(f"{system}: {summaries[system]}", flush=True)
     result = {
         "trace": _trace_summary(requests),
@@ -154,6 +155,7 @@ def _markdown(result: dict, argv: Sequence[str] | None) -> str:
         rows.append(f"| {name} | {m['tokens_per_s']:.1f} | {m['makespan_s']:.1f} | {m['ttft_p50_s'] * 1e3:.0f} | {m['ttft_p99_s'] * 1e3:.0f} "
                     f"| {m['tbt_p50_s'] * 1e3:.0f} | {m['tbt_p99_s'] * 1e3:.0f} | {'' if hit is None else f'{hit:.2f}'} |")
     targets = {"engine/padded": 2.0, "engine/generate_batch": 1.0}
+    kinds = sorted(t["by_kind"])
     return "\n".join([
         "# serve_bench: kvlib Engine vs padded generate vs transformers continuous batching",
         "",
@@ -172,6 +174,12 @@ def _markdown(result: dict, argv: Sequence[str] | None) -> str:
         "",
         *([f"- {name}: **{ratio:.2f}x** (target >= {targets[name]:g}x)" for name, ratio in result["ratios"].items()]
           or ["- No ratios: the engine system was not run."]),
+        "",
+        "TTFT p50 by request kind (ms):",
+        "",
+        f"| system | {' | '.join(kinds)} |",
+        f"|---|{'---:|' * len(kinds)}",
+        *[f"| {name} | " + " | ".join(f"{m['ttft_p50_s_by_kind'][k] * 1e3:.0f}" for k in kinds) + " |" for name, m in result["systems"].items()],
         "",
         "Greedy agreement (same tokens for the same request):",
         "",

@@ -54,6 +54,14 @@ def summarize(requests: list[Request], replay: Replay) -> dict:
     }
 
 
+def ttft_p50_by_kind(requests: list[Request], replay: Replay) -> dict[str, float]:
+    """Median time to first token (s) of each request kind (where prefix sharing shows)."""
+    by_kind: dict[str, list[float]] = {}
+    for r, times in zip(requests, replay.times_s):
+        by_kind.setdefault(r.kind, []).append(times[0] - r.arrival_s)
+    return {kind: percentile(values, 50) for kind, values in sorted(by_kind.items())}
+
+
 def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
     """How many requests two systems answered with identical tokens, and the share of token
     positions (over the longer answer of each pair) that hold the same token."""

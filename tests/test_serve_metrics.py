@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # how serve_bench imports its modules
-from serve_metrics import Replay, agreement, percentile, summarize  # noqa: E402
+from serve_metrics import Replay, agreement, percentile, summarize, ttft_p50_by_kind  # noqa: E402
 from serve_trace import Request  # noqa: E402
 
 
@@ -37,3 +37,9 @@ def test_summarize_measures_from_arrivals_and_token_times() -> None:
 def test_agreement_counts_requests_and_positions() -> None:
     same = agreement([[1, 2, 3], [4, 5]], [[1, 2, 9], [4, 5]])
     assert same == {"requests": 2, "requests_identical": 1, "tokens_identical": 4 / 5}
+
+
+def test_ttft_by_kind_takes_the_median_of_each_kind() -> None:
+    requests = [Request(0.0, [1], 1, "system", 0), Request(1.0, [2], 1, "rag", 1), Request(2.0, [3], 1, "system", 2)]
+    replay = Replay(tokens=[[7], [5], [6]], times_s=[[0.5], [1.25], [2.25]])
+    assert ttft_p50_by_kind(requests, replay) == {"rag": 0.25, "system": pytest.approx(0.375)}
