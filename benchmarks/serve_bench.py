@@ -111,9 +111,9 @@ def run(argv: Sequence[str] | None = None) -> dict:
         systems = parse_systems(args.systems)
         trace_config = TraceConfig(requests=args.requests, rate=args.rate, weights=parse_weights(args.weights),
                                    **(QUICK_TRACE if args.quick else {}))
+        settings = ServeSettings(max_batch_tokens=args.max_batch_tokens, page_size=args.page_size, batch_size=args.batch_size)
     except ValueError as error:
         parser.error(str(error))
-    settings = ServeSettings(max_batch_tokens=args.max_batch_tokens, page_size=args.page_size, batch_size=args.batch_size)
     model = random_llama(MODELS[args.model])
     requests = make_trace(trace_config, model.config.vocab_size, args.seed).requests
     load_before = os.getloadavg()[0]

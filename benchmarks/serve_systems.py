@@ -44,6 +44,11 @@ class ServeSettings:
     page_size: int = 16
     batch_size: int = 8
 
+    def __post_init__(self) -> None:
+        for name in ("max_batch_tokens", "page_size", "batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+
 
 def replay(system: str, model: torch.nn.Module, requests: list[Request], settings: ServeSettings) -> Replay:
     """Run ``requests`` (in arrival order) through ``system``, one of ``SYSTEMS``."""

@@ -100,6 +100,10 @@ def test_bad_flags_name_what_is_valid() -> None:
     bench = _load_bench()
     with pytest.raises(SystemExit):
         bench.run(["--quick", "--systems", "padded,vllm"])
+    with pytest.raises(SystemExit):
+        bench.run(["--quick", "--batch-size", "0"])
+    with pytest.raises(ValueError, match="--batch-size must be at least 1, got 0"):
+        sys.modules["serve_systems"].ServeSettings(batch_size=0)
     with pytest.raises(ValueError, match="kind one of system, chat, rag"):
         bench.parse_weights("system=1,docs=2")
     with pytest.raises(ValueError, match="choose one or more of engine, padded, generate_batch"):
