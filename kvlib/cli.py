@@ -157,7 +157,7 @@ def run_bench(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-BENCH_HELPERS = frozenset({"provenance"})
+BENCH_HELPERS = frozenset({"provenance", "serve_metrics", "serve_systems", "serve_trace"})
 """Modules in ``benchmarks/`` that are imported by the scripts, not run."""
 
 DEFAULT_CONTEXT = 1024

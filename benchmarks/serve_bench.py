@@ -1,0 +1,193 @@
+"""Serving benchmark: one seeded trace (shared system prompts, multi-turn chats, RAG over shared
+documents; Poisson arrivals) replayed in one run on ``kvlib.Engine``, on ``model.generate`` with
+static padded batches and on transformers' continuous batching (the manager behind
+``model.generate_batch``), on the same model.
+
+Model: the ~100M random Llama (``--model llama100m``, fp32, CPU; no EOS, so every request produces
+exactly its ``max_new_tokens``) or a tiny random Llama (``--model tiny``, for ``--quick``). The
+trace is ``serve_trace.py``'s (its docstring says how requests are made); the systems are
+``serve_systems.py``'s (how each replays arrivals and timestamps tokens); the figures are
+``serve_metrics.py``'s: output tokens/s = total output tokens / makespan (replay start to last
+token), TTFT (first token minus arrival) and TBT (between consecutive tokens of a request)
+p50/p99, and for the Engine the prefix hit rate from ``engine.stats()``. Each system first runs
+an untimed two-request warm-up. Greedy agreement is counted per pair of systems (padded batches
+may differ by float noise; reported, never asserted). Targets: Engine >= 2x padded, >= 1x
+generate_batch in tokens/s.
+
+Usage:
+
+    python benchmarks/serve_bench.py [--systems engine,padded,generate_batch] [--model llama100m|tiny]
+        [--requests 40] [--rate 4] [--weights system=0.4,chat=0.2,rag=0.4] [--seed 0]
+        [--batch-size 8] [--max-batch-tokens 256] [--page-size 16] [--threads N] [--out benchmarks/results]
+    python benchmarks/serve_bench.py --quick --out /tmp/x   # tiny model, 6 short requests
+
+Writes ``serve_bench.md`` and ``serve_bench.json`` to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import asdict, replace
+from itertools import combinations
+from pathlib import Path
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import kvlib
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or loaded by path
+from provenance import LLAMA100M, add_run_arguments, command_line, parse_run_arguments, run_metadata, write_report  # noqa: E402
+from serve_metrics import agreement, summarize, ttft_p50_by_kind  # noqa: E402
+from serve_systems import SYSTEMS, ServeSettings, replay  # noqa: E402
+from serve_trace import KINDS, Lengths, Request, TraceConfig, make_trace  # noqa: E402
+
+TINY_LLAMA = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "intermediate_size": 128, "vocab_size": 512}
+"""``LlamaConfig`` sizes of the tiny random Llama the smoke test runs."""
+MODELS = {"llama100m": LLAMA100M, "tiny": TINY_LLAMA}
+FULL = {"model": "llama100m", "requests": 40, "rate": 4.0, "batch_size": 8}
+QUICK = {"model": "tiny", "requests": 6, "rate": 50.0, "batch_size": 4}
+QUICK_TRACE = {"system_len": Lengths(16, 32), "user_len": Lengths(4, 8), "chat_turns": Lengths(2, 2), "turn_delay_s": 0.02,
+                 "document_len": Lengths(16, 24), "question_len": Lengths(4, 8), "output_len": Lengths(2, 4)}
+"""Trace lengths (tokens) and turn delay (s) under ``--quick``; the full run keeps ``TraceConfig``'s."""
+
+
+def random_llama(sizes: dict) -> LlamaForCausalLM:
+    """A seeded random-weight Llama (fp32, tied embeddings, SDPA) with no EOS token."""
+    torch.manual_seed(0)
+    config = LlamaConfig(**sizes, max_position_embeddings=4096, tie_word_embeddings=True, eos_token_id=None, dtype=torch.float32)
+    model = LlamaForCausalLM(config).to(torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    model.set_attn_implementation("sdpa")
+    return model
+
+
+def parse_weights(text: str) -> dict[str, float]:
+    """``"system=0.4,chat=0.2,rag=0.4"`` -> ``{"system": 0.4, ...}``; kinds left out weigh 0."""
+    weights = {}
+    for item in text.split(","):
+        kind, eq, value = item.partition("=")
+        if not eq or kind.strip() not in KINDS:
+            raise ValueError(f"bad weight {item!r}: write kind=number with kind one of {', '.join(KINDS)}")
+        weights[kind.strip()] = float(value)
+    return weights
+
+
+def parse_systems(text: str) -> list[str]:
+    systems = [s.strip() for s in text.split(",") if s.strip()]
+    unknown = [s for s in systems if s not in SYSTEMS]
+    if unknown or not systems:
+        raise ValueError(f"unknown systems {unknown}; choose one or more of {', '.join(SYSTEMS)}")
+    if "engine" in systems and not hasattr(kvlib, "Engine"):
+        raise ValueError("kvlib has no Engine yet (issue 9): run with --systems padded,generate_batch")
+    return systems
+
+
+def warm_up_requests(requests: list[Request]) -> list[Request]:
+    """Two short requests arriving at once: first calls' allocations happen outside the timing."""
+    return [replace(r, arrival_s=0.0, prompt_ids=r.prompt_ids[:16], max_new_tokens=2) for r in requests[:2]]
+
+
+def run(argv: Sequence[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, from {','.join(SYSTEMS)} (default all)")
+    parser.add_argument("--model", choices=sorted(MODELS), help=f"default {FULL['model']}")
+    parser.add_argument("--requests", type=int, help=f"requests in the trace (default {FULL['requests']})")
+    parser.add_argument("--rate", type=float, help=f"session arrivals per second (default {FULL['rate']})")
+    parser.add_argument("--weights", default="system=0.4,chat=0.2,rag=0.4", help="session kinds' relative weights")
+    parser.add_argument("--seed", type=int, default=0, help="trace seed")
+    parser.add_argument("--batch-size", type=int, help=f"requests per padded batch (default {FULL['batch_size']})")
+    parser.add_argument("--max-batch-tokens", type=int, default=256, help="tokens per forward pass (Engine, generate_batch)")
+    parser.add_argument("--page-size", type=int, default=16, help="tokens per KV page (Engine, generate_batch)")
+    add_run_arguments(parser, QUICK)
+    args = parse_run_arguments(parser, argv, QUICK, FULL)
+    try:
+        systems = parse_systems(args.systems)
+        trace_config = TraceConfig(requests=args.requests, rate=args.rate, weights=parse_weights(args.weights),
+                                   **(QUICK_TRACE if args.quick else {}))
+        settings = ServeSettings(max_batch_tokens=args.max_batch_tokens, page_size=args.page_size, batch_size=args.batch_size)
+    except ValueError as error:
+        parser.error(str(error))
+    model = random_llama(MODELS[args.model])
+    requests = make_trace(trace_config, model.config.vocab_size, args.seed).requests
+    load_before = os.getloadavg()[0]
+    started = time.perf_counter()
+
+    replays, summaries = {}, {}
+    for system in systems:
+        replay(system, model, warm_up_requests(requests), settings)
+        replays[system] = replay(system, model, requests, settings)
+        summaries[system] = {**summarize(requests, replays[system]), "ttft_p50_s_by_kind": ttft_p50_by_kind(requests, replays[system]),
+                             **replays[system].extra}
+        print(f"{system}: {summaries[system]}", flush=True)
+    result = {
+        "trace": _trace_summary(requests),
+        "trace_config": asdict(trace_config),
+        "settings": asdict(settings),
+        "systems": summaries,
+        "ratios": {f"engine/{other}": summaries["engine"]["tokens_per_s"] / summaries[other]["tokens_per_s"]
+                   for other in systems if other != "engine" and "engine" in systems},
+        "agreement": {f"{a} vs {b}": agreement(replays[a].tokens, replays[b].tokens) for a, b in combinations(systems, 2)},
+    }
+    result.update(run_metadata(args, load_before, started))
+    write_report(args.out, "serve_bench", _markdown(result, argv), result)
+    return result
+
+
+def _trace_summary(requests: list[Request]) -> dict:
+    prompts = [len(r.prompt_ids) for r in requests]
+    return {"requests": len(requests), "by_kind": dict(Counter(r.kind for r in requests)),
+            "prompt_tokens": sum(prompts), "prompt_tokens_max": max(prompts),
+            "output_tokens": sum(r.max_new_tokens for r in requests), "last_arrival_s": requests[-1].arrival_s}
+
+
+def _markdown(result: dict, argv: Sequence[str] | None) -> str:
+    t, c, s = result["trace"], result["config"], result["settings"]
+    rows = []
+    for name, m in result["systems"].items():
+        hit = m["stats"]["prefix_hit_rate"] if "stats" in m else None
+        rows.append(f"| {name} | {m['tokens_per_s']:.1f} | {m['makespan_s']:.1f} | {m['ttft_p50_s'] * 1e3:.0f} | {m['ttft_p99_s'] * 1e3:.0f} "
+                    f"| {m['tbt_p50_s'] * 1e3:.0f} | {m['tbt_p99_s'] * 1e3:.0f} | {'' if hit is None else f'{hit:.2f}'} |")
+    targets = {"engine/padded": 2.0, "engine/generate_batch": 1.0}
+    kinds = sorted(t["by_kind"])
+    return "\n".join([
+        "# serve_bench: kvlib Engine vs padded generate vs transformers continuous batching",
+        "",
+        f"Command: `{command_line('serve_bench.py', argv)}`",
+        "",
+        f"Model {c['model']} (random weights, fp32, CPU, greedy, no EOS). Trace: {t['requests']} requests {t['by_kind']}, seed {c['seed']}, "
+        f"sessions at {c['rate']}/s (last arrival {t['last_arrival_s']:.1f} s), {t['prompt_tokens']} prompt tokens (longest {t['prompt_tokens_max']}), "
+        f"{t['output_tokens']} output tokens. Padded batches of {s['batch_size']}; Engine and generate_batch: {s['max_batch_tokens']} tokens "
+        f"per forward pass, pages of {s['page_size']} tokens. Machine: {result['machine']}; 1-minute load {result['load_avg_1min'][0]} before, "
+        f"{result['load_avg_1min'][1]} after (other processes share the cores: figures are noisy); {result['seconds']} s. "
+        f"Library revision: {result['git']}.",
+        "",
+        "| system | output tok/s | makespan (s) | TTFT p50 (ms) | TTFT p99 (ms) | TBT p50 (ms) | TBT p99 (ms) | prefix hit rate |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        *rows,
+        "",
+        *([f"- {name}: **{ratio:.2f}x** (target >= {targets[name]:g}x)" for name, ratio in result["ratios"].items()]
+          or ["- No ratios: the engine system was not run."]),
+        "",
+        "TTFT p50 by request kind (ms):",
+        "",
+        f"| system | {' | '.join(kinds)} |",
+        f"|---|{'---:|' * len(kinds)}",
+        *[f"| {name} | " + " | ".join(f"{m['ttft_p50_s_by_kind'][k] * 1e3:.0f}" for k in kinds) + " |" for name, m in result["systems"].items()],
+        "",
+        "Greedy agreement (same tokens for the same request):",
+        "",
+        "| systems | requests identical | token positions identical |",
+        "|---|---:|---:|",
+        *[f"| {pair} | {a['requests_identical']} / {a['requests']} | {a['tokens_identical']:.3f} |" for pair, a in result["agreement"].items()],
+    ])
+
+
+if __name__ == "__main__":
+    run()

@@ -1,0 +1,119 @@
+"""benchmarks/serve_bench.py runs end to end at tiny sizes (a smoke test; the figures mean nothing),
+and its Engine replay loop drives the Engine API as specified (checked on a stand-in Engine
+until ``kvlib.Engine`` exists)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import kvlib
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def _load_bench():
+    spec = importlib.util.spec_from_file_location("serve_bench", BENCHMARKS / "serve_bench.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class StandInEngine:
+    """The Engine API serve_systems codes against, served one greedy token per running request per
+    step by full forwards without a cache (slow, exact; tiny models only)."""
+
+    def __init__(self, model: torch.nn.Module, spec=None, *, max_batch_tokens: int = 256, page_size: int = 16,
+                 prefix_cache: bool = True) -> None:
+        self.model, self.running, self.steps = model, {}, 0
+
+    def add_request(self, prompt_ids: list[int], *, max_new_tokens: int = 32, do_sample: bool = False, eos_token_id=None) -> int:
+        rid = len(self.running) + 1000
+        self.running[rid] = (list(prompt_ids), [], max_new_tokens)
+        return rid
+
+    @property
+    def has_unfinished(self) -> bool:
+        return any(len(out) < wanted for _, out, wanted in self.running.values())
+
+    def step(self) -> dict[int, list[int]]:
+        self.steps += 1
+        produced = {}
+        with torch.inference_mode():
+            for rid, (prompt, out, wanted) in self.running.items():
+                if len(out) < wanted:
+                    logits = self.model(input_ids=torch.tensor([prompt + out])).logits
+                    out.append(int(logits[0, -1].argmax()))
+                    produced[rid] = [out[-1]]
+        return produced
+
+    def stats(self) -> dict:
+        return {"prefix_hit_rate": 0.25, "preemptions": 0, "pages_in_use": 0, "steps": self.steps}
+
+
+def test_serve_bench_quick_runs_the_baselines(tmp_path: Path) -> None:
+    systems = "engine,padded,generate_batch" if hasattr(kvlib, "Engine") else "padded,generate_batch"
+    result = _load_bench().run(["--quick", "--systems", systems, "--out", str(tmp_path)])
+    saved = json.loads((tmp_path / "serve_bench.json").read_text())
+    assert list(saved["systems"]) == systems.split(",")
+    for figures in saved["systems"].values():
+        assert figures["output_tokens"] == saved["trace"]["output_tokens"]
+        assert figures["tokens_per_s"] > 0 and 0 < figures["ttft_p50_s"] <= figures["ttft_p99_s"]
+    assert saved["agreement"]["padded vs generate_batch"]["requests"] == saved["trace"]["requests"] == 6
+    assert result["agreement"] == saved["agreement"]
+    report = (tmp_path / "serve_bench.md").read_text()
+    assert "| padded |" in report and "| generate_batch |" in report and str(tmp_path) not in report
+
+
+def test_engine_replay_feeds_arrivals_and_reports_ratios(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    if not hasattr(kvlib, "Engine"):
+        monkeypatch.setattr(kvlib, "Engine", StandInEngine, raising=False)
+    bench = _load_bench()
+    result = bench.run(["--quick", "--systems", "engine,generate_batch", "--out", str(tmp_path)])
+    engine = result["systems"]["engine"]
+    assert engine["output_tokens"] == result["trace"]["output_tokens"] and 0 <= engine["stats"]["prefix_hit_rate"] <= 1
+    assert result["agreement"]["engine vs generate_batch"]["requests_identical"] == 6
+    assert result["ratios"]["engine/generate_batch"] == pytest.approx(
+        engine["tokens_per_s"] / result["systems"]["generate_batch"]["tokens_per_s"])
+    assert "engine/generate_batch" in (tmp_path / "serve_bench.md").read_text()
+
+
+def test_engine_replay_adds_requests_only_once_they_arrive(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(kvlib, "Engine", StandInEngine, raising=False)
+    bench = _load_bench()  # also puts benchmarks/ on sys.path
+    systems, trace = sys.modules["serve_systems"], sys.modules["serve_trace"]
+    model = bench.random_llama(bench.TINY_LLAMA)
+    requests = [trace.Request(arrival_s, [1, 2, 3], 3, "system", i) for i, arrival_s in enumerate((0.0, 0.05, 0.5))]
+    replay = systems.replay_engine(model, requests, systems.ServeSettings())
+    assert [len(t) for t in replay.tokens] == [3, 3, 3] and replay.tokens[0] == replay.tokens[2]
+    for r, times in zip(requests, replay.times_s):
+        assert r.arrival_s <= times[0] and times == sorted(times)
+    assert replay.extra["stats"]["steps"] >= 6  # the last request arrived after the first two had finished
+
+
+def test_bad_flags_name_what_is_valid() -> None:
+    bench = _load_bench()
+    with pytest.raises(SystemExit):
+        bench.run(["--quick", "--systems", "padded,vllm"])
+    with pytest.raises(SystemExit):
+        bench.run(["--quick", "--batch-size", "0"])
+    with pytest.raises(ValueError, match="--batch-size must be at least 1, got 0"):
+        sys.modules["serve_systems"].ServeSettings(batch_size=0)
+    with pytest.raises(ValueError, match="kind one of system, chat, rag"):
+        bench.parse_weights("system=1,docs=2")
+    with pytest.raises(ValueError, match="choose one or more of engine, padded, generate_batch"):
+        bench.parse_systems("padded,vllm")
+
+
+def test_kvlib_bench_runs_serve_bench_but_not_its_helper_modules() -> None:
+    from kvlib import cli
+
+    scripts = {p.stem: p.read_text() for p in BENCHMARKS.glob("*.py") if p.stem not in cli.BENCH_HELPERS}
+    assert "serve_bench" in scripts
+    assert all('if __name__ == "__main__":' in text for text in scripts.values()), sorted(
+        name for name, text in scripts.items() if 'if __name__ == "__main__":' not in text)
