@@ -127,10 +127,18 @@ class Scheduler:
                 plan.resumed.append(request)
                 active.append(request)
                 spent += need
-        for request in active:
-            if request.remaining <= 1 or budget <= 0 or request in plan.resumed:
+        for request in list(active):
+            if request.remaining <= 1 or budget <= 0 or request in plan.resumed or request in plan.preempted:
                 continue
             tokens = self._chunk(request, min(request.remaining, budget), free - spent, ledger)
+            if not tokens and not plan.chunks:  # nothing would run: the cache, then newer requests give pages back
+                ledger.reclaim(ledger.pages_for(request, 1))
+                while not self._chunk(request, 1, ledger.free_pages() - spent, ledger) and active[-1] is not request and active[-1] not in plan.resumed:
+                    victim = active.pop()
+                    ledger.preempt(victim)
+                    plan.preempted.append(victim)
+                free = ledger.free_pages()
+                tokens = self._chunk(request, min(request.remaining, budget), free - spent, ledger)
             if tokens:
                 plan.chunks.append((request, tokens))
                 budget -= tokens

@@ -1,0 +1,222 @@
+"""kvlib.Engine: exactness against ``model.generate`` alone, whatever the batch mix, arrival order,
+chunk size, page budget (preemption in both modes) and prefix sharing; per-request eviction;
+aborts, errors and page accounting."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvlib
+from kvlib.adapters.engine_request import RequestState
+
+from .conftest import build_model
+
+NEW = 6
+
+
+def prompts_with_shared_prefix(vocab: int, seed: int = 0) -> list[list[int]]:
+    """Seven prompts: five share a 37-token system prompt (two share 3 more pages), two do not."""
+    generator = torch.Generator().manual_seed(seed)
+    def draw(n: int) -> list[int]:
+        return torch.randint(3, vocab, (n,), generator=generator).tolist()
+    system, document = draw(37), draw(48)
+    return [system + draw(5), system + draw(40), draw(17), system + document + draw(3), system + document + draw(9), draw(1), system + draw(20)]
+
+
+def alone(model: torch.nn.Module, prompt: list[int], new: int = NEW) -> list[int]:
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt) :].tolist()
+
+
+def pages_held(engine: kvlib.Engine) -> int:
+    """Pages in use once the prefix index lets go of everything it caches."""
+    if engine.prefix is not None:
+        engine.prefix.index.clear()
+    return sum(pool.pages_in_use for pool in engine.store.pools)
+
+
+def page_bytes(model: torch.nn.Module, page_size: int = 16) -> int:
+    """Bytes of one page of every layer (keys and values of one KV head)."""
+    shape = kvlib.adapters.model_shape.kv_shape(model)
+    return shape.num_layers * page_size * (shape.head_dim + shape.value_dim) * next(model.parameters()).element_size()
+
+
+@pytest.fixture(scope="module")
+def llama() -> torch.nn.Module:
+    return build_model("llama")
+
+
+@pytest.fixture(scope="module")
+def llama_case(llama) -> tuple[list[list[int]], list[list[int]]]:
+    prompts = prompts_with_shared_prefix(97)
+    return prompts, [alone(llama, p) for p in prompts]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"max_batch_tokens": 8},
+        {"max_batch_tokens": 24, "page_size": 4},
+        {"prefix_cache": False, "max_batch_tokens": 64},
+        {"read_cache": False},
+    ],
+    ids=["defaults", "chunks-of-8", "pages-of-4", "no-prefix-cache", "no-read-mirror"],
+)
+def test_greedy_outputs_equal_generate_alone(llama, llama_case, options) -> None:
+    prompts, expected = llama_case
+    engine = kvlib.Engine(llama, **options)
+    assert engine.generate(prompts, max_new_tokens=NEW) == expected
+    assert pages_held(engine) == 0
+
+
+@pytest.mark.parametrize("preemption", ["swap", "recompute"])
+def test_a_tight_page_budget_preempts_and_stays_exact(llama, llama_case, preemption) -> None:
+    prompts, expected = llama_case
+    budget = 10 * 2 * page_bytes(llama)  # 20 pages per layer: the longest request needs 14
+    engine = kvlib.Engine(llama, page_budget_bytes=budget, max_batch_tokens=32, preemption=preemption, reserve_pages=0)
+    assert engine.generate(prompts, max_new_tokens=NEW) == expected
+    stats = engine.stats()
+    assert stats["preemptions"] > 0
+    assert max(pool.capacity for pool in engine.store.pools) == 20  # fixed pools: the budget, never grown
+    assert pages_held(engine) == 0
+
+
+def test_requests_arriving_while_others_run(llama, llama_case) -> None:
+    prompts, expected = llama_case
+    engine = kvlib.Engine(llama, max_batch_tokens=16)
+    ids = {}
+    order = [3, 0, 5, 1, 6, 2, 4]
+    for step, index in enumerate(order):
+        ids[index] = engine.add_request(prompts[index], max_new_tokens=NEW)
+        for _ in range(step % 3):
+            engine.step()
+    streamed: dict[int, list[int]] = {i: [] for i in ids.values()}
+    while engine.has_unfinished:
+        for request_id, tokens in engine.step().items():
+            streamed[request_id].extend(tokens)
+    for index, request_id in ids.items():
+        assert engine.requests[request_id].output == expected[index]
+        assert engine.request_stats(request_id)["state"] == "finished"
+    assert sum(len(t) for t in streamed.values()) == sum(NEW - len(engine.requests[i].output) + len(t) for i, t in streamed.items())
+
+
+def test_shared_prefixes_are_computed_once(llama, llama_case) -> None:
+    prompts, _ = llama_case
+    engine = kvlib.Engine(llama)
+    engine.generate(prompts, max_new_tokens=NEW)
+    stats = engine.stats()
+    # five prompts share 2 full pages of the system prompt; two of them 3 more of the document
+    assert stats["cached_tokens"] == 4 * 32 + 3 * 16
+    assert stats["prefix_hit_rate"] == pytest.approx(stats["cached_tokens"] / sum(len(p) for p in prompts))
+    assert stats["forward_tokens"] == sum(len(p) for p in prompts) - stats["cached_tokens"] + len(prompts) * (NEW - 1)
+
+
+def test_a_later_request_reuses_an_earlier_requests_output(llama) -> None:
+    """Multi-turn: the next turn's prompt holds the previous prompt and answer."""
+    prompt = prompts_with_shared_prefix(97)[1]
+    engine = kvlib.Engine(llama, page_size=4)
+    (answer,) = engine.generate([prompt], max_new_tokens=12)
+    turn = prompt + answer + [5, 6, 7]
+    (second,) = engine.generate([turn], max_new_tokens=NEW)
+    assert second == alone(llama, turn)
+    assert engine.request_stats(1)["cached_tokens"] == (len(prompt) + 11) // 4 * 4
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gpt2", "stories"])
+def test_other_families_stay_exact(family) -> None:
+    model = build_model(family)
+    prompts = prompts_with_shared_prefix(model.config.vocab_size, seed=1)[:5]
+    engine = kvlib.Engine(model, max_batch_tokens=32)
+    assert engine.generate(prompts, max_new_tokens=NEW) == [alone(model, p) for p in prompts]
+
+
+def test_eager_attention_stays_exact() -> None:
+    model = build_model("llama", attn_implementation="eager")
+    prompts = prompts_with_shared_prefix(97, seed=2)[:4]
+    assert kvlib.Engine(model, max_batch_tokens=16).generate(prompts, max_new_tokens=NEW) == [alone(model, p) for p in prompts]
+
+
+def test_a_request_with_eviction_runs_beside_a_lossless_one(llama) -> None:
+    prompts = prompts_with_shared_prefix(97, seed=3)
+    long_prompt, other = prompts[4], prompts[1]
+    engine = kvlib.Engine(llama)
+    evicting = engine.add_request(long_prompt, max_new_tokens=NEW, spec="streaming_llm", budget=24)
+    lossless = engine.add_request(other, max_new_tokens=NEW)
+    while engine.has_unfinished:
+        engine.step()
+    cache = kvlib.make_cache(llama, "streaming_llm", budget=24)
+    reference = llama.generate(torch.tensor([long_prompt]), max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0, past_key_values=cache)
+    assert engine.requests[evicting].output == reference[0, len(long_prompt) :].tolist()
+    assert engine.requests[lossless].output == alone(llama, other)
+    assert pages_held(engine) == 0
+
+
+def test_sampling_is_reproducible_per_seed(llama) -> None:
+    prompt = prompts_with_shared_prefix(97)[0]
+    runs = []
+    for _ in range(2):
+        engine = kvlib.Engine(llama)
+        runs.append(engine.generate([prompt, prompt], max_new_tokens=8, do_sample=True, temperature=1.5, seed=7))
+    assert runs[0] == runs[1]
+    greedy_by_top_k = kvlib.Engine(llama).generate([prompt], max_new_tokens=NEW, do_sample=True, top_k=1, seed=1)
+    assert greedy_by_top_k == [alone(llama, prompt)]
+
+
+def test_abort_releases_pages_at_once(llama, llama_case) -> None:
+    prompts, expected = llama_case
+    engine = kvlib.Engine(llama, max_batch_tokens=16, prefix_cache=False)
+    first = engine.add_request(prompts[1], max_new_tokens=NEW)
+    second = engine.add_request(prompts[3], max_new_tokens=NEW)
+    engine.step()
+    engine.abort(first)
+    assert engine.requests[first].state is RequestState.ABORTED
+    while engine.has_unfinished:
+        engine.step()
+    assert engine.requests[second].output == expected[3]
+    assert pages_held(engine) == 0
+
+
+def test_end_of_sequence_ends_a_request(llama, llama_case) -> None:
+    prompts, expected = llama_case
+    eos = expected[0][2]
+    (output,) = kvlib.Engine(llama).generate([prompts[0]], max_new_tokens=NEW, eos_token_id=eos)
+    assert output == expected[0][: expected[0].index(eos) + 1]
+
+
+def test_metrics(llama, llama_case) -> None:
+    prompts, _ = llama_case
+    engine = kvlib.Engine(llama)
+    engine.generate(prompts[:3], max_new_tokens=NEW)
+    stats = engine.request_stats(0)
+    assert stats["output_tokens"] == NEW and stats["ttft_s"] > 0 and len(stats["tbt_s"]) == NEW - 1
+    totals = engine.stats()
+    assert totals["output_tokens"] == 3 * NEW and totals["tokens_per_s"] > 0 and totals["steps"] >= NEW
+
+
+def test_bad_input_is_refused_before_any_work(llama) -> None:
+    engine = kvlib.Engine(llama, page_budget_bytes=4 * 2 * page_bytes(llama))
+    with pytest.raises(ValueError, match="token ids"):
+        engine.add_request([])
+    with pytest.raises(ValueError, match="token ids"):
+        engine.add_request([1, 97])
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        engine.add_request([1, 2], max_new_tokens=0)
+    with pytest.raises(ValueError, match="page budget"):
+        engine.add_request([1] * 100, max_new_tokens=4)
+    with pytest.raises(ValueError, match="top_p"):
+        engine.add_request([1, 2], do_sample=True, top_p=0)
+    with pytest.raises(ValueError, match="needs a budget"):
+        engine.add_request([1, 2], spec="snapkv")
+    with pytest.raises(ValueError, match="per request"):
+        engine.add_request([1, 2], spec="kivi(bits=4)")
+    with pytest.raises(ValueError, match="unknown request"):
+        engine.abort(99)
+    assert not engine.has_unfinished
+    with pytest.raises(ValueError, match="preemption"):
+        kvlib.Engine(llama, preemption="drop")
+    with pytest.raises(ValueError, match="page_budget_bytes"):
+        kvlib.Engine(llama, page_budget_bytes=10)
+    with pytest.raises(ValueError, match="full causal attention"):
+        kvlib.Engine(build_model("mistral"))
