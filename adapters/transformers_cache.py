@@ -30,6 +30,7 @@ from kvlib.adapters.prefix_session import PrefixSession
 from kvlib.codec import Codec, FitSample, PageCodec, layer_shapes
 from kvlib.paged_store import PagedStore
 from kvlib.prefix_store import PrefixStore
+from kvlib.read_cache import LayerRead
 from kvlib.strategy import Tiering
 
 
@@ -83,7 +84,8 @@ class KVCache(Cache):
         reuse: a :class:`~kvlib.PrefixStore` whose paged store this cache lives in (see :meth:`prime`).
         spec: the spec string that keys this cache's pages in ``reuse`` (``""``: exact).
         home: the model's ``(dtype, device)``, where a primed cache's pages live before any update.
-        tiering: a placement strategy (``lru``) keeping part of the pages in host memory.
+        tiering: a placement strategy (``lru``, ``score_aware``) keeping part of the pages in host
+            memory, or ``quest``, whose decode steps attend over the pages their query chooses.
     """
 
     def __init__(
@@ -147,11 +149,34 @@ class KVCache(Cache):
         offset = self._seen[layer_idx]
         self.store.append(layer_idx, self._rows, key_states, value_states)
         self._seen[layer_idx] += key_states.shape[2]
+        if self.tiering is not None and self.tiering.key_summaries and self.tiering.sparse(layer_idx, key_states.shape[2]):
+            return self._publish_sparse_step(key_states, value_states, layer_idx, offset)
         read = self.store.read(layer_idx, self._rows)
         step = LayerStep(self, layer_idx, read, offset, key_states.shape[2], self._identity[layer_idx])
         self._pending = step
         layer_step.publish(step)
         return read.keys, read.values
+
+    def _publish_sparse_step(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, offset: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A decode step of a page-retrieval strategy (``quest``): the token is stored, nothing is
+        read back; the attention function reads the pages its query chooses
+        (:meth:`read_chosen_pages`). Returns the new token's keys and values."""
+        batch, heads = key_states.shape[:2]
+        positions = torch.full((batch, heads, 1), offset, dtype=torch.int64, device=key_states.device)
+        valid = torch.ones(batch, heads, 1, dtype=torch.bool, device=key_states.device)
+        step = LayerStep(self, layer_idx, LayerRead(key_states, value_states, positions, valid), offset, 1, False, sparse=True)
+        self._pending = step
+        layer_step.publish(step)
+        return key_states, value_states
+
+    def read_chosen_pages(self, layer_idx: int, query: torch.Tensor) -> LayerRead:
+        """The pages of ``layer_idx`` the tiering strategy chooses for ``query`` (``[batch,
+        query_heads, 1, head_dim]``, after RoPE), read sparsely from the store."""
+        key_min, key_max, pages_used = self.store.key_bounds(layer_idx, self._rows)
+        chosen = self.tiering.select_pages(query, key_min, key_max, pages_used)
+        return self.store.read_selected(layer_idx, self._rows, chosen)
 
     def _overwrite(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`update` inside :meth:`recomputing`: the call's tokens are stored ones, rewritten."""
@@ -452,6 +477,7 @@ class KVCache(Cache):
             codecs=self.codecs,
             device_pages=self._device_pages(dtype),
             host_pages=self._host_pages(dtype),
+            key_summaries=self.tiering is not None and self.tiering.key_summaries,
         )
 
     def _page_bytes(self, dtype: torch.dtype) -> int:

@@ -207,9 +207,23 @@ class Reuse(Strategy):
 
 
 class Tiering(Strategy):
-    """Decides where pages live (device, host, disk) and when they move."""
+    """Decides where pages live (device, host, disk) and when they move.
+
+    ``device_pages`` / ``host_pages`` give each layer's page budgets (None: no budget, every page
+    on the device / an unbounded host tier); ``key_summaries`` asks the store to keep each page's
+    key min and max on the device (page retrieval by query, as ``quest`` does).
+    """
 
     kind = "tiering"
+    key_summaries: ClassVar[bool] = False
+
+    def device_pages(self, num_layers: int, page_bytes: int) -> int | None:
+        """Pages of ``page_bytes`` each layer may keep on the device (None: all)."""
+        return None
+
+    def host_pages(self, num_layers: int, page_bytes: int) -> int | None:
+        """Pages each layer may keep on the host (None: unbounded)."""
+        return None
 
 
 KIND_BASES: dict[str, type[Strategy]] = {

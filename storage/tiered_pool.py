@@ -41,13 +41,14 @@ class TieredPagePool(PagePool):
         capacity: int = 64,
         fixed: bool = False,
         host_pages: int | None = None,
+        key_summaries: bool = False,
     ) -> None:
         if not isinstance(device_pages, int) or device_pages < 1:
             raise ValueError(f"device_pages must be an int >= 1, got {device_pages!r}")
         self.device_pages = device_pages
         self.host_pages = host_pages
         """At most this many pages on the host (None: unbounded)."""
-        super().__init__(page_size, head_dim, value_dim, dtype, device, capacity, fixed)
+        super().__init__(page_size, head_dim, value_dim, dtype, device, capacity, fixed, key_summaries)
 
     def _init_data(self, capacity: int) -> None:
         shape = (self.page_size,)
@@ -64,6 +65,8 @@ class TieredPagePool(PagePool):
         self._clock = 0
         self.moves_to_host = 0
         self.moves_to_device = 0
+        self.host_pages_read = 0
+        """Host pages copied to the device by reads (without moving), since creation."""
 
     def _grow_data(self, capacity: int) -> None:
         self.device_row = extend_rows(self.device_row, capacity, -1)
@@ -199,6 +202,8 @@ class TieredPagePool(PagePool):
             self.keys.view(-1, self.head_dim).index_copy_(0, index, keys.index_select(0, rows))
             self.values.view(-1, self.value_dim).index_copy_(0, index, values.index_select(0, rows))
         self.positions.view(-1).index_copy_(0, to_arena_device(slots, self.device), positions.to(self.device, torch.int64))
+        if self.summaries is not None:
+            self.summaries.add(slots, keys)
 
     def read_pages(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Whole pages: device ones gathered, host ones copied over, free ones zero (none moves,
@@ -212,6 +217,7 @@ class TieredPagePool(PagePool):
             keys.index_copy_(0, target, self.keys.index_select(0, source))
             values.index_copy_(0, target, self.values.index_select(0, source))
         there = (on_host >= 0).nonzero().squeeze(-1)
+        self.host_pages_read += there.numel()
         if there.numel():
             target = to_arena_device(there, self.device)
             keys.index_copy_(0, target, self.host_keys.index_select(0, on_host[there]).to(self.device, non_blocking=True))
@@ -235,3 +241,5 @@ class TieredPagePool(PagePool):
             self.host_keys[rows] = keys.index_select(0, to_arena_device(picked, self.device)).to("cpu")
             self.host_values[rows] = values.index_select(0, to_arena_device(picked, self.device)).to("cpu")
         self.positions.index_copy_(0, to_arena_device(target, self.device), self.positions.index_select(0, to_arena_device(source, self.device)))
+        if self.summaries is not None:
+            self.summaries.copy(source, target)
