@@ -31,7 +31,7 @@ from kvlib.codec import Codec, FitSample, PageCodec, layer_shapes
 from kvlib.paged_store import PagedStore
 from kvlib.prefix_store import PrefixStore
 from kvlib.read_cache import LayerRead
-from kvlib.strategy import Tiering
+from kvlib.strategy import LayerView, Tiering
 
 
 class KVCacheLayer(CacheLayerMixin):
@@ -242,6 +242,7 @@ class KVCache(Cache):
         if step.layer_idx == 0 and real_new is not None:
             self._padding += (~real_new).sum(-1)  # stays on the device: no sync per step
         sealing = [step.layer_idx]
+        read = step.read  # the layer as stored, until a compaction changes it
         codec = self.codecs[step.layer_idx] if self.codecs is not None else None
         if codec is not None and codec.learns and not codec.ready:
             codec.observe(self._fit_sample(step, query, real_new))
@@ -253,11 +254,22 @@ class KVCache(Cache):
             if compaction is not None:
                 self.store.compact(step.layer_idx, self._rows, compaction.keep, compaction.values)
                 self._identity[step.layer_idx] = False
+                read = None
         if self.codecs is not None:
             for layer in sealing:
                 self.store.seal(layer, self._rows)
+        if self.tiering is not None and not step.sparse and self.tiering.refreshes_ranking(self._seen[step.layer_idx], step.query_length):
+            self._rank_pages(step.layer_idx, read if read is not None else self.store.read(step.layer_idx, self._rows))
         if self._session is not None and step.layer_idx == self.shape.num_layers - 1:
             self._session.index(self._seen[step.layer_idx])
+
+    def _rank_pages(self, layer_idx: int, read: LayerRead) -> None:
+        """Re-rank ``layer_idx``'s pages for the device tier by the tiering strategy's scores of its
+        stored tokens ``read`` (the layer as it now stands; padding never counts)."""
+        padding = self._padding.to(read.positions.device).view(-1, 1, 1)
+        real = read.valid & (read.positions >= padding)
+        view = LayerView(layer_idx, self.shape.num_layers, read.keys, read.values, torch.where(real, read.positions - padding, -1), real)
+        self.store.rank_pages(layer_idx, self._rows, self.tiering.ranking_scores(view))
 
     def prime(self, prompt: torch.Tensor, attention_mask: torch.Tensor | None = None) -> int:
         """Start this (empty) cache from the longest prefix of ``prompt`` (int ``[batch, tokens]``)

@@ -433,6 +433,30 @@ class PagedStore:
         return LayerRead(keys, values, positions, to_arena_device(valid[:, :, :extent], self.device))
 
     @outside_inference_mode
+    def rank_pages(self, layer: int, seqs: SequenceIds, token_scores: torch.Tensor) -> None:
+        """Rank the pages of ``seqs`` in ``layer`` for the device tier by ``token_scores`` (float
+        ``[batch, kv_heads, slots]``, aligned with :meth:`read`'s slots; ``-inf`` for tokens that
+        should not count): a page scores its best stored token, a page shared by several heads the
+        best over them. The best-scored pages in use then sit on the device (see
+        :meth:`~kvlib.storage.tiered_pool.TieredPagePool.rank`). Needs a tiered store."""
+        layer = self._layer(layer)
+        rows = self._rows(seqs)
+        pool, table = self.pools[layer], self.tables[layer]
+        if not isinstance(pool, TieredPagePool):
+            raise ValueError("rank_pages needs a tiered store (device_pages=...)")
+        lengths = table.lengths[rows]
+        if token_scores.dim() != 3 or tuple(token_scores.shape[:2]) != tuple(lengths.shape) or token_scores.shape[2] < int(lengths.max()):
+            raise ValueError(f"token_scores must be [batch, kv_heads, >= {int(lengths.max())} slots], got {list(token_scores.shape)}")
+        pages = int(table.pages_used(lengths).max())
+        slots = pages * self.page_size
+        scores = token_scores.float().cpu()[:, :, :slots]
+        scores = torch.nn.functional.pad(scores, (0, slots - scores.shape[2]), value=float("-inf"))
+        scores = scores.masked_fill(torch.arange(slots) >= lengths.unsqueeze(-1), float("-inf"))
+        ids = table.pages[rows][:, :, :pages]
+        held = ids >= 0
+        pool.rank(ids[held], scores.view(*lengths.shape, pages, self.page_size).amax(-1)[held])
+
+    @outside_inference_mode
     def overwrite(self, layer: int, seqs: SequenceIds, token_index: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Replace the keys and values of stored tokens ``token_index`` (int ``[tokens]``, the same
         slots in every head, each below every head's length) of ``seqs`` in ``layer``; positions

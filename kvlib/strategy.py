@@ -225,6 +225,16 @@ class Tiering(Strategy):
         """Pages each layer may keep on the host (None: unbounded)."""
         return None
 
+    def refreshes_ranking(self, tokens_seen: int, query_length: int) -> bool:
+        """Whether the layer call that brought the layer to ``tokens_seen`` tokens (``query_length``
+        of them new) should re-rank its pages with :meth:`ranking_scores` (never, by default)."""
+        return False
+
+    def ranking_scores(self, view: LayerView) -> torch.Tensor:
+        """Per-token placement scores ``[batch, kv_heads, slots]``, higher stays on the device
+        (asked for only when :meth:`refreshes_ranking` says so)."""
+        raise NotImplementedError(f"{type(self).__name__} does not rank pages")
+
 
 KIND_BASES: dict[str, type[Strategy]] = {
     base.kind: base for base in (Eviction, Budget, Quantization, LowRank, Reuse, Tiering)

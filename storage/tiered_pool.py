@@ -6,7 +6,10 @@ device is CUDA). Positions stay in the base pool's arena for every page (bookkee
 
 Placement is least recently used: each page carries the clock of its last allocation or write
 (reads do not count: a decode step reads every page); when a page needs a device row and none is
-free, the device pages written longest ago move to the host, in one batch. Writes go to the device (a host page written is brought back first);
+free, the device pages written longest ago move to the host, in one batch. A placement that
+scores pages (``score_aware``) gives them scores with :meth:`TieredPagePool.rank`: the lowest
+scored then leave first (the least recently written among equal scores; new pages score
+``+inf`` until ranked), and ranking moves the best-scored pages in use onto the device. Writes go to the device (a host page written is brought back first);
 reads copy host pages straight into the read buffer without moving them (so reading the whole
 history each decode step does not thrash the device arena).
 
@@ -62,6 +65,8 @@ class TieredPagePool(PagePool):
         self.device_row = torch.full((capacity,), -1, dtype=torch.int64)
         self.host_row = torch.full((capacity,), -1, dtype=torch.int64)
         self.last_use = torch.zeros(capacity, dtype=torch.int64)
+        self.page_score = torch.full((capacity,), float("inf"))
+        """Placement score of each page (float32, CPU): higher stays on the device; ``+inf`` until ranked."""
         self._clock = 0
         self.moves_to_host = 0
         self.moves_to_device = 0
@@ -72,6 +77,7 @@ class TieredPagePool(PagePool):
         self.device_row = extend_rows(self.device_row, capacity, -1)
         self.host_row = extend_rows(self.host_row, capacity, -1)
         self.last_use = extend_rows(self.last_use, capacity, 0)
+        self.page_score = extend_rows(self.page_score, capacity, float("inf"))
 
     # -- sizes ---------------------------------------------------------------------------------
 
@@ -98,6 +104,7 @@ class TieredPagePool(PagePool):
 
     def _on_allocate(self, ids: torch.Tensor, heads: torch.Tensor | None) -> None:
         """New pages start on the device, as many as half its budget allows; the rest on the host."""
+        self.page_score[ids] = float("inf")
         room = max(1, self.device_pages // 2)
         if ids.numel() > room:
             self._new_on_host(ids[:-room])
@@ -141,7 +148,7 @@ class TieredPagePool(PagePool):
             self._check_host_room(short)
             resident = (self.device_row >= 0).nonzero().squeeze(-1)
             resident = resident[~torch.isin(resident, wanted)]  # never the pages asked for
-            self._to_host(resident[self.last_use[resident].argsort()[:short]])
+            self._to_host(self._leaving_order(resident)[:short])
         rows = self._device_free.pop(ids.numel())
         coming = self.host_row[ids] >= 0
         if bool(coming.any()):  # pages on the host come back with their data
@@ -153,6 +160,23 @@ class TieredPagePool(PagePool):
             self.host_row[ids[coming]] = -1
             self.moves_to_device += int(coming.sum())
         self.device_row[ids] = rows
+
+    def _leaving_order(self, ids: torch.Tensor) -> torch.Tensor:
+        """``ids`` in the order they leave the device: lowest score first, then least recently written."""
+        ids = ids[self.last_use[ids].argsort(stable=True)]
+        return ids[self.page_score[ids].argsort(stable=True)]
+
+    def rank(self, ids: torch.Tensor, scores: torch.Tensor) -> None:
+        """Give pages ``ids`` (int64, in use) placement ``scores`` (float, CPU; a page named more than
+        once takes its highest), then move the best-scored pages in use onto the device (at most
+        ``device_pages``) and the others to the host, in one batch each way."""
+        self.page_score[ids] = float("-inf")
+        self.page_score.scatter_reduce_(0, ids, scores.float(), "amax")
+        in_use = (self.refcount > 0).nonzero().squeeze(-1)
+        staying = self._leaving_order(in_use).flip(0)[: self.device_pages]
+        on_device = (self.device_row >= 0).nonzero().squeeze(-1)
+        self._to_host(on_device[~torch.isin(on_device, staying)])
+        self._to_device_rows(staying)
 
     def _grow_device(self, rows: int) -> None:
         self.keys = extend_rows(self.keys, rows, 0)

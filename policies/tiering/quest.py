@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from kvlib.registry import register
-from kvlib.strategy import Tiering
+from kvlib.strategy import LayerView, Tiering
 
 
 @register("quest")
@@ -38,8 +38,8 @@ class Quest(Tiering):
         top_k: pages each (row, KV head) attends over at a decode step (>= 1), newest included.
         dense_layers: leading layers that always attend over every page (>= 0).
         placement: an optional device/host placement (``lru(...)`` or ``score_aware(...)``, a
-            strategy or a spec string) giving the page budgets; without one every page stays on
-            the device.
+            strategy or a spec string) giving the page budgets (and, for ``score_aware``, ranking
+            pages after prefill and dense calls); without one every page stays on the device.
     """
 
     top_k: int = 8
@@ -61,6 +61,12 @@ class Quest(Tiering):
 
     def host_pages(self, num_layers: int, page_bytes: int) -> int | None:
         return None if self.placement is None else self.placement.host_pages(num_layers, page_bytes)
+
+    def refreshes_ranking(self, tokens_seen: int, query_length: int) -> bool:
+        return self.placement is not None and self.placement.refreshes_ranking(tokens_seen, query_length)
+
+    def ranking_scores(self, view: LayerView) -> torch.Tensor:
+        return self.placement.ranking_scores(view)
 
     def sparse(self, layer_idx: int, query_length: int) -> bool:
         """Whether a layer call of ``query_length`` new tokens per row attends over chosen pages only."""
