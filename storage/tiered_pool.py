@@ -70,8 +70,10 @@ class TieredPagePool(PagePool):
         self._clock = 0
         self.moves_to_host = 0
         self.moves_to_device = 0
+        self.pages_read = 0
         self.host_pages_read = 0
-        """Host pages copied to the device by reads (without moving), since creation."""
+        """Pages read (whole pages, any tier) and, of those, host pages copied to the device
+        without moving, since creation."""
 
     def _grow_data(self, capacity: int) -> None:
         self.device_row = extend_rows(self.device_row, capacity, -1)
@@ -241,6 +243,7 @@ class TieredPagePool(PagePool):
             keys.index_copy_(0, target, self.keys.index_select(0, source))
             values.index_copy_(0, target, self.values.index_select(0, source))
         there = (on_host >= 0).nonzero().squeeze(-1)
+        self.pages_read += ids.numel()
         self.host_pages_read += there.numel()
         if there.numel():
             target = to_arena_device(there, self.device)
