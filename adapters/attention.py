@@ -11,7 +11,9 @@ a layer call whose keys come from a :class:`~kvlib.adapters.KVCache` it also
 - translates the model's mask, built over logical positions, to the stored physical slots
   (:func:`~kvlib.adapters.masks.physical_mask`) once tokens have been dropped: each (row, head)
   attends to exactly the stored tokens the model's mask allows at their original positions;
-- after attention, hands the layer to the cache, which evicts if its spec says so.
+- after attention, hands the layer to the cache, which evicts if its spec says so;
+- on a sparse decode step (``quest``), attends over the pages the query chooses only
+  (:func:`~kvlib.adapters.sparse_decode.sparse_decode_attention`).
 
 For a packed ragged batch of the engine (:mod:`kvlib.adapters.packed_batch`) it runs each
 segment's attention over its own sequences instead. Calls whose keys come from any other cache
@@ -33,6 +35,7 @@ from transformers.models.llama.modeling_llama import eager_attention_forward as 
 from kvlib.adapters import layer_step, packed_batch
 from kvlib.adapters.masks import physical_mask, real_new_tokens
 from kvlib.adapters.packed_batch import packed_attention
+from kvlib.adapters.sparse_decode import sparse_decode_attention
 from kvlib.adapters.transformers_cache import KVCache
 
 INNER_IMPLEMENTATIONS = ("sdpa", "eager")
@@ -117,6 +120,8 @@ def _kvlib_attention(inner: str) -> Callable:
         step = layer_step.take(module, key)
         if step is None:
             return run(module, query, key, value, attention_mask, **kwargs)
+        if step.sparse:
+            return sparse_decode_attention(run, inner, module, query, attention_mask, step, kwargs)
         mask = attention_mask
         if not step.identity:
             float_dtype = None if attention_mask is None or attention_mask.dtype == torch.bool else attention_mask.dtype

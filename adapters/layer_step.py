@@ -38,6 +38,9 @@ class LayerStep:
             are scattered tokens already stored (a selective recompute); each attends to the
             stored tokens at or before its position, and the model's mask is not used. None
             for an ordinary call (queries at ``query_offset + i``).
+        sparse: a decode step whose attention reads only the pages it chooses by the query
+            (``quest``): ``read`` then holds just the call's new tokens (what ``update``
+            returned), and the kvlib attention function asks the cache for the chosen pages.
     """
 
     cache: KVCache
@@ -47,6 +50,7 @@ class LayerStep:
     query_length: int
     identity: bool
     query_positions: torch.Tensor | None = None
+    sparse: bool = False
 
 
 _active_step: ContextVar[LayerStep | None] = ContextVar("kvlib_active_step", default=None)

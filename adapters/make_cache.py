@@ -98,6 +98,7 @@ def make_cache(
     _check_reuse(model, parsed, codec, reuse, prompt)
     if parsed.tiering is not None and codec is not None:
         raise ValueError(f"tiering ({parsed.tiering.spec()}) and codecs ({codec.spec()}) do not combine yet: keep one of them")
+    _check_page_retrieval(parsed, reuse)
     attach(model)
     cache = KVCache(
         shape, compressor, page_size=page_size, read_cache=read_cache, codec=codec, reuse=reuse,
@@ -138,6 +139,19 @@ def _check_reuse(model: torch.nn.Module, spec: Spec, codec: Codec | None, reuse:
         raise ValueError(f"prefix reuse works with quantization codecs; {spec.lowrank.spec()} fits itself to each prompt")
     if not reuse.identity.matches(model):
         raise ValueError("this PrefixStore was built for another model (config or weights differ)")
+
+
+def _check_page_retrieval(spec: Spec, reuse: PrefixStore | None) -> None:
+    """``ValueError`` for what a page-retrieval strategy (``quest``) does not combine with yet."""
+    if spec.tiering is None or not spec.tiering.key_summaries:
+        return
+    if spec.eviction is not None:
+        raise ValueError(
+            f"{spec.tiering.spec()} attends over pages chosen per step and evicts nothing; it does not combine with"
+            f" eviction ({spec.eviction.spec()}) yet: keep one of them"
+        )
+    if reuse is not None:
+        raise ValueError(f"{spec.tiering.spec()} does not combine with prefix reuse (reuse=PrefixStore) yet")
 
 
 def _codec(spec: Spec) -> Codec | None:

@@ -30,7 +30,8 @@ from kvlib.adapters.prefix_session import PrefixSession
 from kvlib.codec import Codec, FitSample, PageCodec, layer_shapes
 from kvlib.paged_store import PagedStore
 from kvlib.prefix_store import PrefixStore
-from kvlib.strategy import Tiering
+from kvlib.read_cache import LayerRead
+from kvlib.strategy import LayerView, Tiering
 
 
 class KVCacheLayer(CacheLayerMixin):
@@ -83,7 +84,8 @@ class KVCache(Cache):
         reuse: a :class:`~kvlib.PrefixStore` whose paged store this cache lives in (see :meth:`prime`).
         spec: the spec string that keys this cache's pages in ``reuse`` (``""``: exact).
         home: the model's ``(dtype, device)``, where a primed cache's pages live before any update.
-        tiering: a placement strategy (``lru``) keeping part of the pages in host memory.
+        tiering: a placement strategy (``lru``, ``score_aware``) keeping part of the pages in host
+            memory, or ``quest``, whose decode steps attend over the pages their query chooses.
     """
 
     def __init__(
@@ -147,11 +149,34 @@ class KVCache(Cache):
         offset = self._seen[layer_idx]
         self.store.append(layer_idx, self._rows, key_states, value_states)
         self._seen[layer_idx] += key_states.shape[2]
+        if self.tiering is not None and self.tiering.key_summaries and self.tiering.sparse(layer_idx, key_states.shape[2]):
+            return self._publish_sparse_step(key_states, value_states, layer_idx, offset)
         read = self.store.read(layer_idx, self._rows)
         step = LayerStep(self, layer_idx, read, offset, key_states.shape[2], self._identity[layer_idx])
         self._pending = step
         layer_step.publish(step)
         return read.keys, read.values
+
+    def _publish_sparse_step(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, offset: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A decode step of a page-retrieval strategy (``quest``): the token is stored, nothing is
+        read back; the attention function reads the pages its query chooses
+        (:meth:`read_chosen_pages`). Returns the new token's keys and values."""
+        batch, heads = key_states.shape[:2]
+        positions = torch.full((batch, heads, 1), offset, dtype=torch.int64, device=key_states.device)
+        valid = torch.ones(batch, heads, 1, dtype=torch.bool, device=key_states.device)
+        step = LayerStep(self, layer_idx, LayerRead(key_states, value_states, positions, valid), offset, 1, False, sparse=True)
+        self._pending = step
+        layer_step.publish(step)
+        return key_states, value_states
+
+    def read_chosen_pages(self, layer_idx: int, query: torch.Tensor) -> LayerRead:
+        """The pages of ``layer_idx`` the tiering strategy chooses for ``query`` (``[batch,
+        query_heads, 1, head_dim]``, after RoPE), read sparsely from the store."""
+        key_min, key_max, pages_used = self.store.key_bounds(layer_idx, self._rows)
+        chosen = self.tiering.select_pages(query, key_min, key_max, pages_used)
+        return self.store.read_selected(layer_idx, self._rows, chosen)
 
     def _overwrite(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`update` inside :meth:`recomputing`: the call's tokens are stored ones, rewritten."""
@@ -217,6 +242,7 @@ class KVCache(Cache):
         if step.layer_idx == 0 and real_new is not None:
             self._padding += (~real_new).sum(-1)  # stays on the device: no sync per step
         sealing = [step.layer_idx]
+        read = step.read  # the layer as stored, until a compaction changes it
         codec = self.codecs[step.layer_idx] if self.codecs is not None else None
         if codec is not None and codec.learns and not codec.ready:
             codec.observe(self._fit_sample(step, query, real_new))
@@ -228,11 +254,22 @@ class KVCache(Cache):
             if compaction is not None:
                 self.store.compact(step.layer_idx, self._rows, compaction.keep, compaction.values)
                 self._identity[step.layer_idx] = False
+                read = None
         if self.codecs is not None:
             for layer in sealing:
                 self.store.seal(layer, self._rows)
+        if self.tiering is not None and not step.sparse and self.tiering.refreshes_ranking(self._seen[step.layer_idx], step.query_length):
+            self._rank_pages(step.layer_idx, read if read is not None else self.store.read(step.layer_idx, self._rows))
         if self._session is not None and step.layer_idx == self.shape.num_layers - 1:
             self._session.index(self._seen[step.layer_idx])
+
+    def _rank_pages(self, layer_idx: int, read: LayerRead) -> None:
+        """Re-rank ``layer_idx``'s pages for the device tier by the tiering strategy's scores of its
+        stored tokens ``read`` (the layer as it now stands; padding never counts)."""
+        padding = self._padding.to(read.positions.device).view(-1, 1, 1)
+        real = read.valid & (read.positions >= padding)
+        view = LayerView(layer_idx, self.shape.num_layers, read.keys, read.values, torch.where(real, read.positions - padding, -1), real)
+        self.store.rank_pages(layer_idx, self._rows, self.tiering.ranking_scores(view))
 
     def prime(self, prompt: torch.Tensor, attention_mask: torch.Tensor | None = None) -> int:
         """Start this (empty) cache from the longest prefix of ``prompt`` (int ``[batch, tokens]``)
@@ -452,6 +489,7 @@ class KVCache(Cache):
             codecs=self.codecs,
             device_pages=self._device_pages(dtype),
             host_pages=self._host_pages(dtype),
+            key_summaries=self.tiering is not None and self.tiering.key_summaries,
         )
 
     def _page_bytes(self, dtype: torch.dtype) -> int:

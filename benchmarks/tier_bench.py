@@ -15,6 +15,14 @@ I/O of the same bytes, and restoring a cached prefix from disk against recomputi
   ``PrefixStore`` over the same lmdb directory): ``make_cache(reuse=..., prompt=...)`` (reading,
   checking and loading the records) + the forward pass over the tail, against a full prefill.
 
+- Quest (always on stories260K, whose attention is trained): the model's own greedy story from
+  BOS; the first ``QUEST["context"]`` tokens are the prompt, the next ``QUEST["steps"]`` are fed
+  one at a time (teacher forcing) to ``quest(top_k=K)`` and to ``random_pages(top_k=K)`` for K at
+  1/8, 1/4 and 1/2 of the prompt's pages: greedy agreement and KL(full || sparse) against the full
+  cache, and pages read per decode step and layer (all layers averaged, the dense ones included). Placement: ``quest`` at 1/4 of the pages over ``lru`` and over
+  ``score_aware`` (knorm) with a device tier of 1/4 of the pages: the share of the pages quest
+  reads that were already on the device.
+
 Model: the ~100M random Llama (``--model llama100m``) or stories260K.
 
 Usage:
@@ -41,6 +49,7 @@ import torch
 
 import kvlib
 from kvlib.adapters.model_shape import kv_shape
+from kvlib.eval.agreement import agreement_metrics, greedy_reference, teacher_forced_logits
 from kvlib.storage.disk_tier import DiskTier
 from kvlib.storage.page_record import decode, encode
 
@@ -52,6 +61,9 @@ from reuse_bench import first_token  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 FULL = {"model": "llama100m", "prefix_len": 2000, "tail_len": 32, "repeats": 3, "decode_steps": 32}
 QUICK = {"model": "stories", "prefix_len": 64, "tail_len": 8, "repeats": 1, "decode_steps": 4}
+QUEST = {"context": 256, "steps": 128}
+QUEST_QUICK = {"context": 64, "steps": 4}
+QUEST_FRACTIONS = (1 / 8, 1 / 4, 1 / 2)
 
 
 def throughput(records: list[tuple[bytes, bytes]], layout, repeats: int, scratch: Path) -> dict:
@@ -119,6 +131,72 @@ def host_tier(model: torch.nn.Module, prompt: torch.Tensor, steps: int, repeats:
     return {"spec": half, "tok_s": {name: statistics.median(r) for name, r in rates.items()}, "by_tier": tiers}
 
 
+def quest_story(model: torch.nn.Module, context: int, steps: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The full cache's greedy story from BOS: ``(prompt [1, context], fed [1, steps], reference
+    logits [1, steps, vocab])``, step ``t``'s logits predicting ``fed[:, t]``."""
+    tokens, logits = greedy_reference(model, kvlib.make_cache(model), torch.tensor([[1]]), context + steps - 1)
+    story = torch.cat([torch.tensor([[1]]), tokens], 1)
+    return story[:, :context], story[:, context:], logits[:, context - 1 :]
+
+
+def quest_run(model: torch.nn.Module, spec: str, story: tuple) -> dict:
+    """Teacher-forced ``spec`` (a tiered one) over ``story``: agreement, KL, and pages read and
+    host pages copied per decode step and layer."""
+    prompt, fed, reference = story
+    counts = []
+    for steps in (1, fed.shape[1]):  # the prefill alone, then the whole run: the difference is decoding
+        cache = kvlib.make_cache(model, spec)
+        logits = teacher_forced_logits(model, cache, prompt, fed[:, :steps])
+        counts.append([sum(getattr(pool, name) for pool in cache.store.pools) for name in ("pages_read", "host_pages_read")])
+    metrics = agreement_metrics(fed, reference, logits)
+    per_step = max(fed.shape[1] - 1, 1) * len(cache.store.pools)
+    return {"spec": spec, "agreement": metrics["agreement"], "kl": metrics["kl"],
+            "pages_per_step_layer": (counts[1][0] - counts[0][0]) / per_step,
+            "host_pages_per_step_layer": (counts[1][1] - counts[0][1]) / per_step}
+
+
+def quest_quality(model: torch.nn.Module, context: int, steps: int) -> dict:
+    """Quest against random pages at several top-K budgets, and the device-hit rate of its reads
+    under lru and score_aware placement (see the module docstring)."""
+    story = quest_story(model, context, steps)
+    shape = kv_shape(model)
+    pages = -(-context // 16)
+    one_page = "lru(device_mb=1e-9)"  # one device page per layer: reads are counted by the tiered pool
+    budgets = []
+    for fraction in QUEST_FRACTIONS:
+        top_k = max(1, round(fraction * pages))
+        budgets.append({"fraction": fraction, "top_k": top_k, **{
+            name: quest_run(model, f"{name}(top_k={top_k}, placement={one_page!r})", story) for name in ("quest", "random_pages")}})
+    page_bytes = 16 * (shape.head_dim + shape.value_dim) * next(model.parameters()).element_size()
+    device_mb = pages / 4 * shape.num_layers * shape.num_kv_heads * page_bytes / 2**20
+    top_k = max(1, round(pages / 4))
+    placements = {}
+    for placement in (f"lru(device_mb={device_mb:.6f})", f"score_aware(device_mb={device_mb:.6f})"):
+        result = quest_run(model, f"quest(top_k={top_k}, placement={placement!r})", story)
+        result["device_hit_rate"] = 1 - result["host_pages_per_step_layer"] / result["pages_per_step_layer"]
+        placements[placement.split("(")[0]] = result
+    return {"context": context, "steps": steps, "pages": pages, "budgets": budgets, "placement": placements}
+
+
+def _quest_markdown(quest: dict) -> list[str]:
+    lines = [
+        "",
+        f"Quest on stories260K: prompt {quest['context']} tokens ({quest['pages']} pages per head), {quest['steps']} teacher-forced"
+        " decode steps against the full cache (first 2 of 5 layers dense, as in the paper).",
+        "",
+        "| top-K pages | quest agreement | quest KL | random agreement | random KL | pages read / step / layer (quest) |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for b in quest["budgets"]:
+        q, r = b["quest"], b["random_pages"]
+        lines.append(f"| {b['top_k']} ({b['fraction']:.3g}) | {q['agreement']:.3f} | {q['kl']:.4f} | {r['agreement']:.3f} | {r['kl']:.4f}"
+                     f" | {q['pages_per_step_layer']:.1f} |")
+    lines.append("")
+    lines.append("Placement under quest (device tier 1/4 of the pages): share of the pages read already on the device: "
+                 + ", ".join(f"{name} {p['device_hit_rate']:.2f}" for name, p in quest["placement"].items()) + ".")
+    return lines
+
+
 def run(argv: Sequence[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=["llama100m", "stories"], help="default llama100m")
@@ -161,6 +239,7 @@ def run(argv: Sequence[str] | None = None) -> dict:
             assert torch.equal(logits.argmax(-1), full_logits.argmax(-1))
             restored.reset()
         result["host"] = host_tier(model, prompts[0][:, : args.prefix_len], args.decode_steps, args.repeats)
+        result["quest"] = quest_quality(load_model("stories", stories_path), **(QUEST_QUICK if args.quick else QUEST))
         result["restore"] = {"reused_tokens": reused, "restore_s": statistics.median(restores), "full_s": statistics.median(fulls),
                              "speedup": statistics.median(fulls) / statistics.median(restores), "disk": disk.stats()}
         disk.close()
@@ -193,6 +272,7 @@ def _markdown(result: dict, argv: Sequence[str] | None) -> str:
         "",
         f"Restoring the {r['reused_tokens']}-token prefix from disk in a fresh PrefixStore + the tail's forward pass: "
         f"{r['restore_s'] * 1e3:.1f} ms, against a full prefill {r['full_s'] * 1e3:.1f} ms: **{r['speedup']:.1f}x** (must be > 1).",
+        *_quest_markdown(result["quest"]),
     ])
 
 

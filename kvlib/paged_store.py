@@ -66,6 +66,8 @@ class PagedStore:
             recently used others move to host memory (:class:`~kvlib.storage.tiered_pool.TieredPagePool`).
             None keeps every page on the device. Not combined with codecs. ``host_pages`` bounds
             the host part (None: unbounded).
+        key_summaries: keep each page's channel-wise key min and max on ``device`` (for
+            ``quest``; see :meth:`key_bounds` and :meth:`read_selected`). Not combined with codecs.
     """
 
     @outside_inference_mode
@@ -85,6 +87,7 @@ class PagedStore:
         codecs: Sequence[PageCodec] | None = None,
         device_pages: int | None = None,
         host_pages: int | None = None,
+        key_summaries: bool = False,
     ) -> None:
         if not isinstance(num_layers, int) or num_layers < 1:
             raise ValueError(f"num_layers must be a positive int, got {num_layers!r}")
@@ -100,6 +103,8 @@ class PagedStore:
         self.use_read_cache = read_cache
         if device_pages is not None and codecs is not None:
             raise ValueError("device_pages (tiering) and codecs do not combine yet: keep one of them")
+        if key_summaries and codecs is not None:
+            raise ValueError("key_summaries (quest) and codecs do not combine yet: keep one of them")
         if codecs is not None and len(codecs) != num_layers:
             raise ValueError(f"codecs must name one codec per layer ({num_layers}), got {len(codecs)}")
         self.pools: list[PagePool] = []
@@ -109,9 +114,11 @@ class PagedStore:
             codec = None if codecs is None else codecs[i]
             shape = (page_size, keys_dim[i], values_dim[i], dtype, self.device)
             if codec is None and device_pages is not None:
-                pool: PagePool = TieredPagePool(*shape, device_pages, pages_per_layer, fixed_capacity, host_pages)
+                pool: PagePool = TieredPagePool(
+                    *shape, device_pages, pages_per_layer, fixed_capacity, host_pages, key_summaries
+                )
             elif codec is None:
-                pool = PagePool(*shape, pages_per_layer, fixed_capacity)
+                pool = PagePool(*shape, pages_per_layer, fixed_capacity, key_summaries)
             elif getattr(codec, "partner_layer", None) is not None:
                 partner = codec.partner_layer
                 if not 0 <= partner < i or not isinstance(self.pools[partner], CodedPagePool):
@@ -364,6 +371,92 @@ class PagedStore:
             positions.masked_fill_(invalid, -1)
         return LayerRead(keys, values, positions, to_arena_device(valid, self.device))
 
+    def key_bounds(self, layer: int, seqs: SequenceIds) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The key summaries of every page of ``seqs`` in ``layer``, in block-table order:
+        ``(key_min, key_max)``, each ``[batch, kv_heads, pages, head_dim]`` on the store's device
+        (entries past a head's ``pages_used`` are meaningless), and ``pages_used`` int64
+        ``[batch, kv_heads]`` on the CPU. Needs a store made with ``key_summaries=True``."""
+        layer = self._layer(layer)
+        rows = self._rows(seqs)
+        summaries = self.pools[layer].summaries
+        if summaries is None:
+            raise ValueError("key_bounds needs a store made with key_summaries=True")
+        table = self.tables[layer]
+        pages_used = table.pages_used(table.lengths[rows])
+        width = int(pages_used.max()) if pages_used.numel() else 0
+        ids = to_arena_device(table.pages[rows][:, :, :width].clamp(min=0), self.device)
+        return summaries.key_min[ids], summaries.key_max[ids], pages_used
+
+    @outside_inference_mode
+    def read_selected(self, layer: int, seqs: SequenceIds, page_index: torch.Tensor) -> LayerRead:
+        """Only the chosen pages of each (sequence, head) of ``layer``, in dense form: a sparse read.
+
+        ``page_index`` int64 ``[batch, kv_heads, k]`` (CPU) names pages by their index in each
+        head's block table (``0 <= j < pages used``), ``-1`` for none. Returns a
+        :class:`~kvlib.read_cache.LayerRead` of up to ``k * page_size`` slots per head: page ``i``
+        of the selection fills slots ``[i * page_size, (i + 1) * page_size)``, slots past the
+        head's length or of a ``-1`` entry are zero and invalid, and trailing slots invalid in
+        every head are left out (a selection of every page reads what :meth:`read` does). Only the chosen pages are read (with a
+        tiered pool, only chosen host pages are copied to the device); nothing moves or changes.
+        """
+        layer = self._layer(layer)
+        rows = self._rows(seqs)
+        pool, table = self.pools[layer], self.tables[layer]
+        lengths = table.lengths[rows]
+        batch, heads = lengths.shape
+        if page_index.dim() != 3 or tuple(page_index.shape[:2]) != (batch, heads):
+            raise ValueError(f"page_index must be [batch={batch}, kv_heads={heads}, k], got {list(page_index.shape)}")
+        page_index = page_index.cpu()
+        if bool(((page_index < -1) | (page_index >= table.pages_used(lengths).unsqueeze(-1))).any()):
+            raise ValueError("page_index must name pages each head holds (0 <= j < pages used) or be -1")
+        chosen = page_index >= 0
+        ids = table.pages[rows].gather(2, page_index.clamp(min=0))[chosen]
+        size = page_index.shape[2] * self.page_size
+        slot = page_index.clamp(min=0).unsqueeze(-1) * self.page_size + torch.arange(self.page_size)
+        valid = (chosen.unsqueeze(-1) & (slot < lengths.view(batch, heads, 1, 1))).view(batch, heads, size)
+        keys = torch.zeros(batch, heads, page_index.shape[2], self.page_size, pool.head_dim, dtype=self.dtype, device=self.device)
+        values = torch.zeros(batch, heads, page_index.shape[2], self.page_size, pool.value_dim, dtype=self.dtype, device=self.device)
+        positions = torch.full((batch, heads, page_index.shape[2], self.page_size), -1, dtype=torch.int64, device=self.device)
+        if ids.numel():
+            where = to_arena_device(chosen.flatten().nonzero().squeeze(-1), self.device)
+            page_keys, page_values = pool.read_pages(ids)
+            keys.view(-1, self.page_size, pool.head_dim).index_copy_(0, where, page_keys)
+            values.view(-1, self.page_size, pool.value_dim).index_copy_(0, where, page_values)
+            positions.view(-1, self.page_size).index_copy_(0, where, pool.positions.index_select(0, to_arena_device(ids, self.device)))
+        held = valid.flatten(0, 1).any(0).nonzero()
+        extent = int(held.max()) + 1 if held.numel() else 0  # trailing slots no head holds are left out
+        invalid = to_arena_device(~valid, self.device)
+        keys, values, positions = (
+            keys.view(batch, heads, size, -1).masked_fill_(invalid.unsqueeze(-1), 0)[:, :, :extent],
+            values.view(batch, heads, size, -1).masked_fill_(invalid.unsqueeze(-1), 0)[:, :, :extent],
+            positions.view(batch, heads, size).masked_fill_(invalid, -1)[:, :, :extent],
+        )
+        return LayerRead(keys, values, positions, to_arena_device(valid[:, :, :extent], self.device))
+
+    @outside_inference_mode
+    def rank_pages(self, layer: int, seqs: SequenceIds, token_scores: torch.Tensor) -> None:
+        """Rank the pages of ``seqs`` in ``layer`` for the device tier by ``token_scores`` (float
+        ``[batch, kv_heads, slots]``, aligned with :meth:`read`'s slots; ``-inf`` for tokens that
+        should not count): a page scores its best stored token, a page shared by several heads the
+        best over them. The best-scored pages in use then sit on the device (see
+        :meth:`~kvlib.storage.tiered_pool.TieredPagePool.rank`). Needs a tiered store."""
+        layer = self._layer(layer)
+        rows = self._rows(seqs)
+        pool, table = self.pools[layer], self.tables[layer]
+        if not isinstance(pool, TieredPagePool):
+            raise ValueError("rank_pages needs a tiered store (device_pages=...)")
+        lengths = table.lengths[rows]
+        if token_scores.dim() != 3 or tuple(token_scores.shape[:2]) != tuple(lengths.shape) or token_scores.shape[2] < int(lengths.max()):
+            raise ValueError(f"token_scores must be [batch, kv_heads, >= {int(lengths.max())} slots], got {list(token_scores.shape)}")
+        pages = int(table.pages_used(lengths).max())
+        slots = pages * self.page_size
+        scores = token_scores.float().cpu()[:, :, :slots]
+        scores = torch.nn.functional.pad(scores, (0, slots - scores.shape[2]), value=float("-inf"))
+        scores = scores.masked_fill(torch.arange(slots) >= lengths.unsqueeze(-1), float("-inf"))
+        ids = table.pages[rows][:, :, :pages]
+        held = ids >= 0
+        pool.rank(ids[held], scores.view(*lengths.shape, pages, self.page_size).amax(-1)[held])
+
     @outside_inference_mode
     def overwrite(self, layer: int, seqs: SequenceIds, token_index: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Replace the keys and values of stored tokens ``token_index`` (int ``[tokens]``, the same
@@ -504,6 +597,8 @@ class PagedStore:
         table.sealed[rows] = table.sealed[rows].clamp(max=new_lengths // self.page_size)
         if reopen is not None:
             self._reopen(layer, rows, reopen)
+        if pool.summaries is not None:
+            self._resummarize_last_pages(layer, rows, new_lengths != lengths)
         self._open_pages[layer] = None
         cache = self._read_caches[layer]
         if cache is not None and cache.rows == tuple(rows.tolist()):
@@ -513,16 +608,18 @@ class PagedStore:
 
     def _pages_to_reopen(self, layer: int, rows: torch.Tensor, new_lengths: torch.Tensor) -> torch.Tensor | None:
         """bool ``[batch, heads]``: heads a truncation to ``new_lengths`` leaves in the middle of a
-        sealed or shared page (None without a codec). Such a head gets an open, private copy of
-        that page, so that appends can write after it and a sharer for which the page is still
-        full may seal it without sealing a partial page."""
+        sealed or shared page (None without a codec or key summaries). Such a head gets an open,
+        private copy of that page, so that appends can write after it, a sharer for which the page
+        is still full may seal it without sealing a partial page, and the copy's key summary
+        covers only the tokens its head holds."""
         pool, table = self.pools[layer], self.tables[layer]
-        if not isinstance(pool, CodedPagePool):
+        if not isinstance(pool, CodedPagePool) and pool.summaries is None:
             return None
         partial = new_lengths % self.page_size != 0
         last_index = torch.where(partial, new_lengths // self.page_size, 0)
         last = table.pages[rows].gather(2, last_index.unsqueeze(-1)).squeeze(-1)
-        partial[partial.clone()] = pool.sealed[last[partial]] | (pool.refcount[last[partial]] > 1)
+        shared = pool.refcount[last[partial]] > 1
+        partial[partial.clone()] = pool.sealed[last[partial]] | shared if isinstance(pool, CodedPagePool) else shared
         return partial
 
     def _reopen(self, layer: int, rows: torch.Tensor, reopen: torch.Tensor) -> None:
@@ -534,9 +631,26 @@ class PagedStore:
             return
         old = table.pages[rows[b], h, lengths[b, h] // self.page_size]
         new = pool.allocate(b.numel(), h)
-        pool.open_copies(old, new)
+        if isinstance(pool, CodedPagePool):
+            pool.open_copies(old, new)
+        else:  # a summarized pool: the copy's summary is redone by the truncation
+            pool.copy_pages(old, new)
         pool.decref(old)
         table.pages[rows[b], h, lengths[b, h] // self.page_size] = new
+
+    def _resummarize_last_pages(self, layer: int, rows: torch.Tensor, changed: torch.Tensor) -> None:
+        """Recompute the key summaries of the partly filled last pages of the heads ``changed``
+        (bool ``[batch, heads]``) from the tokens they still hold (after a truncation; such pages
+        are private by then, see :meth:`_pages_to_reopen`)."""
+        pool, table = self.pools[layer], self.tables[layer]
+        lengths = table.lengths[rows]
+        partial = changed & (lengths % self.page_size != 0)
+        b, h = partial.nonzero(as_tuple=True)
+        if b.numel() == 0:
+            return
+        ids = table.pages[rows[b], h, lengths[b, h] // self.page_size]
+        keys, _ = pool.read_pages(ids)
+        pool.summaries.recompute(ids, keys, lengths[b, h] % self.page_size)
 
     # -- sealing -------------------------------------------------------------------------------
 

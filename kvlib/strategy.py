@@ -207,9 +207,33 @@ class Reuse(Strategy):
 
 
 class Tiering(Strategy):
-    """Decides where pages live (device, host, disk) and when they move."""
+    """Decides where pages live (device, host, disk) and when they move.
+
+    ``device_pages`` / ``host_pages`` give each layer's page budgets (None: no budget, every page
+    on the device / an unbounded host tier); ``key_summaries`` asks the store to keep each page's
+    key min and max on the device (page retrieval by query, as ``quest`` does).
+    """
 
     kind = "tiering"
+    key_summaries: ClassVar[bool] = False
+
+    def device_pages(self, num_layers: int, page_bytes: int) -> int | None:
+        """Pages of ``page_bytes`` each layer may keep on the device (None: all)."""
+        return None
+
+    def host_pages(self, num_layers: int, page_bytes: int) -> int | None:
+        """Pages each layer may keep on the host (None: unbounded)."""
+        return None
+
+    def refreshes_ranking(self, tokens_seen: int, query_length: int) -> bool:
+        """Whether the layer call that brought the layer to ``tokens_seen`` tokens (``query_length``
+        of them new) should re-rank its pages with :meth:`ranking_scores` (never, by default)."""
+        return False
+
+    def ranking_scores(self, view: LayerView) -> torch.Tensor:
+        """Per-token placement scores ``[batch, kv_heads, slots]``, higher stays on the device
+        (asked for only when :meth:`refreshes_ranking` says so)."""
+        raise NotImplementedError(f"{type(self).__name__} does not rank pages")
 
 
 KIND_BASES: dict[str, type[Strategy]] = {

@@ -25,6 +25,7 @@ import torch
 from kvlib.devices import to_arena_device
 from kvlib.errors import PoolExhaustedError
 from kvlib.storage.free_stack import FreeStack
+from kvlib.storage.key_summaries import KeySummaries
 
 _POSITION_DTYPE = torch.int64
 
@@ -40,6 +41,9 @@ class PagePool:
         device: where the arena lives.
         capacity: pages allocated up front.
         fixed: if True the pool never grows (the scheduler's mode); otherwise it doubles.
+        key_summaries: keep each page's channel-wise key min and max on the device, current on
+            every write, copy and free (:class:`~kvlib.storage.key_summaries.KeySummaries`, for
+            ``quest``).
     """
 
     def __init__(
@@ -51,6 +55,7 @@ class PagePool:
         device: torch.device,
         capacity: int = 64,
         fixed: bool = False,
+        key_summaries: bool = False,
     ) -> None:
         for name, value in (("page_size", page_size), ("head_dim", head_dim), ("value_dim", value_dim)):
             if not isinstance(value, int) or value < 1:
@@ -67,6 +72,8 @@ class PagePool:
         self.refcount = torch.zeros(capacity, dtype=torch.int64)
         self._free = FreeStack(capacity)
         self._init_data(capacity)
+        self.summaries = KeySummaries(capacity, page_size, head_dim, dtype, device) if key_summaries else None
+        """Per-page key minima and maxima (None unless ``key_summaries``)."""
 
     def _init_data(self, capacity: int) -> None:
         """Create the key and value arenas for ``capacity`` pages."""
@@ -178,6 +185,8 @@ class PagePool:
         freed = unique[remaining == 0]
         self._free.push(freed)
         self._on_free(freed)
+        if self.summaries is not None:
+            self.summaries.clear(freed)
 
     def _grow(self, min_capacity: int) -> None:
         """Double the arena (at least to ``min_capacity``); existing page ids stay valid."""
@@ -186,6 +195,8 @@ class PagePool:
         self.positions = extend_rows(self.positions, new, -1)
         self.refcount = extend_rows(self.refcount, new, 0)
         self._free.grow(new)
+        if self.summaries is not None:
+            self.summaries.grow(new)
 
     def _grow_data(self, capacity: int) -> None:
         """Extend the key and value arenas to ``capacity`` pages."""
@@ -205,6 +216,8 @@ class PagePool:
         self.keys.view(-1, self.head_dim).index_copy_(0, index, keys)
         self.values.view(-1, self.value_dim).index_copy_(0, index, values)
         self.positions.view(-1).index_copy_(0, index, positions.to(self.device, _POSITION_DTYPE))
+        if self.summaries is not None:
+            self.summaries.add(slots, keys)
 
     def gather(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Read tokens at flat slots: ``(keys [n, head_dim], values [n, value_dim], positions [n])``."""
@@ -237,6 +250,8 @@ class PagePool:
         self.keys.index_copy_(0, dst, self.keys.index_select(0, src))
         self.values.index_copy_(0, dst, self.values.index_select(0, src))
         self.positions.index_copy_(0, dst, self.positions.index_select(0, src))
+        if self.summaries is not None:
+            self.summaries.copy(source, target)
 
 
 def extend_rows(tensor: torch.Tensor, rows: int, fill: int) -> torch.Tensor:

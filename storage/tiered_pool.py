@@ -6,7 +6,10 @@ device is CUDA). Positions stay in the base pool's arena for every page (bookkee
 
 Placement is least recently used: each page carries the clock of its last allocation or write
 (reads do not count: a decode step reads every page); when a page needs a device row and none is
-free, the device pages written longest ago move to the host, in one batch. Writes go to the device (a host page written is brought back first);
+free, the device pages written longest ago move to the host, in one batch. A placement that
+scores pages (``score_aware``) gives them scores with :meth:`TieredPagePool.rank`: the lowest
+scored then leave first (the least recently written among equal scores; new pages score
+``+inf`` until ranked), and ranking moves the best-scored pages in use onto the device. Writes go to the device (a host page written is brought back first);
 reads copy host pages straight into the read buffer without moving them (so reading the whole
 history each decode step does not thrash the device arena).
 
@@ -41,13 +44,14 @@ class TieredPagePool(PagePool):
         capacity: int = 64,
         fixed: bool = False,
         host_pages: int | None = None,
+        key_summaries: bool = False,
     ) -> None:
         if not isinstance(device_pages, int) or device_pages < 1:
             raise ValueError(f"device_pages must be an int >= 1, got {device_pages!r}")
         self.device_pages = device_pages
         self.host_pages = host_pages
         """At most this many pages on the host (None: unbounded)."""
-        super().__init__(page_size, head_dim, value_dim, dtype, device, capacity, fixed)
+        super().__init__(page_size, head_dim, value_dim, dtype, device, capacity, fixed, key_summaries)
 
     def _init_data(self, capacity: int) -> None:
         shape = (self.page_size,)
@@ -61,14 +65,21 @@ class TieredPagePool(PagePool):
         self.device_row = torch.full((capacity,), -1, dtype=torch.int64)
         self.host_row = torch.full((capacity,), -1, dtype=torch.int64)
         self.last_use = torch.zeros(capacity, dtype=torch.int64)
+        self.page_score = torch.full((capacity,), float("inf"))
+        """Placement score of each page (float32, CPU): higher stays on the device; ``+inf`` until ranked."""
         self._clock = 0
         self.moves_to_host = 0
         self.moves_to_device = 0
+        self.pages_read = 0
+        self.host_pages_read = 0
+        """Pages read (whole pages, any tier) and, of those, host pages copied to the device
+        without moving, since creation."""
 
     def _grow_data(self, capacity: int) -> None:
         self.device_row = extend_rows(self.device_row, capacity, -1)
         self.host_row = extend_rows(self.host_row, capacity, -1)
         self.last_use = extend_rows(self.last_use, capacity, 0)
+        self.page_score = extend_rows(self.page_score, capacity, float("inf"))
 
     # -- sizes ---------------------------------------------------------------------------------
 
@@ -95,6 +106,7 @@ class TieredPagePool(PagePool):
 
     def _on_allocate(self, ids: torch.Tensor, heads: torch.Tensor | None) -> None:
         """New pages start on the device, as many as half its budget allows; the rest on the host."""
+        self.page_score[ids] = float("inf")
         room = max(1, self.device_pages // 2)
         if ids.numel() > room:
             self._new_on_host(ids[:-room])
@@ -138,7 +150,7 @@ class TieredPagePool(PagePool):
             self._check_host_room(short)
             resident = (self.device_row >= 0).nonzero().squeeze(-1)
             resident = resident[~torch.isin(resident, wanted)]  # never the pages asked for
-            self._to_host(resident[self.last_use[resident].argsort()[:short]])
+            self._to_host(self._leaving_order(resident)[:short])
         rows = self._device_free.pop(ids.numel())
         coming = self.host_row[ids] >= 0
         if bool(coming.any()):  # pages on the host come back with their data
@@ -150,6 +162,23 @@ class TieredPagePool(PagePool):
             self.host_row[ids[coming]] = -1
             self.moves_to_device += int(coming.sum())
         self.device_row[ids] = rows
+
+    def _leaving_order(self, ids: torch.Tensor) -> torch.Tensor:
+        """``ids`` in the order they leave the device: lowest score first, then least recently written."""
+        ids = ids[self.last_use[ids].argsort(stable=True)]
+        return ids[self.page_score[ids].argsort(stable=True)]
+
+    def rank(self, ids: torch.Tensor, scores: torch.Tensor) -> None:
+        """Give pages ``ids`` (int64, in use) placement ``scores`` (float, CPU; a page named more than
+        once takes its highest), then move the best-scored pages in use onto the device (at most
+        ``device_pages``) and the others to the host, in one batch each way."""
+        self.page_score[ids] = float("-inf")
+        self.page_score.scatter_reduce_(0, ids, scores.float(), "amax")
+        in_use = (self.refcount > 0).nonzero().squeeze(-1)
+        staying = self._leaving_order(in_use).flip(0)[: self.device_pages]
+        on_device = (self.device_row >= 0).nonzero().squeeze(-1)
+        self._to_host(on_device[~torch.isin(on_device, staying)])
+        self._to_device_rows(staying)
 
     def _grow_device(self, rows: int) -> None:
         self.keys = extend_rows(self.keys, rows, 0)
@@ -199,6 +228,8 @@ class TieredPagePool(PagePool):
             self.keys.view(-1, self.head_dim).index_copy_(0, index, keys.index_select(0, rows))
             self.values.view(-1, self.value_dim).index_copy_(0, index, values.index_select(0, rows))
         self.positions.view(-1).index_copy_(0, to_arena_device(slots, self.device), positions.to(self.device, torch.int64))
+        if self.summaries is not None:
+            self.summaries.add(slots, keys)
 
     def read_pages(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Whole pages: device ones gathered, host ones copied over, free ones zero (none moves,
@@ -212,6 +243,8 @@ class TieredPagePool(PagePool):
             keys.index_copy_(0, target, self.keys.index_select(0, source))
             values.index_copy_(0, target, self.values.index_select(0, source))
         there = (on_host >= 0).nonzero().squeeze(-1)
+        self.pages_read += ids.numel()
+        self.host_pages_read += there.numel()
         if there.numel():
             target = to_arena_device(there, self.device)
             keys.index_copy_(0, target, self.host_keys.index_select(0, on_host[there]).to(self.device, non_blocking=True))
@@ -235,3 +268,5 @@ class TieredPagePool(PagePool):
             self.host_keys[rows] = keys.index_select(0, to_arena_device(picked, self.device)).to("cpu")
             self.host_values[rows] = values.index_select(0, to_arena_device(picked, self.device)).to("cpu")
         self.positions.index_copy_(0, to_arena_device(target, self.device), self.positions.index_select(0, to_arena_device(source, self.device)))
+        if self.summaries is not None:
+            self.summaries.copy(source, target)

@@ -76,6 +76,7 @@ def reversing_codecs(page_size: int) -> list[PageCodec]:
 class StoreMachine(RuleBasedStateMachine):
     coded = False
     tiered = False
+    summarized = False
 
     @initialize(page_size=st.integers(1, 5), pages=st.integers(0, 3))
     def setup(self, page_size: int, pages: int) -> None:
@@ -88,6 +89,7 @@ class StoreMachine(RuleBasedStateMachine):
             pages_per_layer=pages,
             codecs=reversing_codecs(page_size) if self.coded else None,
             device_pages=5 if self.tiered else None,
+            key_summaries=self.summarized,
         )
         self.page_size = page_size
         self.model: dict[int, list[list[list[Token]]]] = {}  # seq -> layer -> head -> tokens
