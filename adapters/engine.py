@@ -196,7 +196,7 @@ class Engine:
         for request in self._waiting:
             request.waited_steps += 1
         if not plan.chunks:
-            if not self._running:
+            if (self._waiting or self._swapped) and not self._running:
                 raise RuntimeError("no waiting or swapped request fits in the free pages and none runs: the page budget is too small")
             return {}
         produced = self._run(plan)
