@@ -130,6 +130,8 @@ class Engine:
         self._next_id = 0
         self._in_flight_keys: set[bytes] | None = None
         self._segments: list[tuple[Segment, list[Request]]] = []
+        self._last_decodes: list[int] = []
+        """Sequence ids of the last step's decode group, in its order."""
         self._counters = {"steps": 0, "forward_tokens": 0, "output_tokens": 0, "prompt_tokens": 0, "cached_tokens": 0, "preemptions": 0}
         self._started: float | None = None
 
@@ -308,7 +310,7 @@ class Engine:
 
     def _run(self, plan: StepPlan) -> dict[int, list[int]]:
         """One forward pass over the plan's chunks; returns the tokens produced."""
-        decodes = [request for request, tokens in plan.chunks if tokens == 1]
+        decodes = self._decode_order([request for request, tokens in plan.chunks if tokens == 1])
         chunks = [(request, tokens) for request, tokens in plan.chunks if tokens > 1]
         ids, positions, segments, start = [], [], [], 0
         groups = ([(decodes, 1)] if decodes else []) + [([request], tokens) for request, tokens in chunks]
@@ -356,6 +358,14 @@ class Engine:
             if request.done:
                 self._leave(request, RequestState.FINISHED)
         return produced
+
+    def _decode_order(self, decodes: list[Request]) -> list[Request]:
+        """The decode group with last step's members first, in last step's order, then the new
+        ones: the store's read mirror of the group then only drops and appends rows."""
+        previous = {seq: rank for rank, seq in enumerate(self._last_decodes)}
+        ordered = sorted(decodes, key=lambda request: previous.get(request.seq, len(previous)))
+        self._last_decodes = [request.seq for request in ordered]
+        return ordered
 
     def _after_attention(self, layer: int, index: int, query: torch.Tensor, visible: torch.Tensor, read: LayerRead, scaling: float | None) -> None:
         """Per-request eviction after a segment's attention in ``layer``."""

@@ -145,7 +145,9 @@ def packed_attention(
     """Attention of every segment over its own sequences: ``query [1, heads, tokens, head_dim]``
     in, ``[1, tokens, heads, head_dim]`` out (what `transformers` attention functions return).
     ``inner`` is the SDPA or eager attention function doing the math; ``additive_mask_dtype``:
-    give it an additive float mask of that dtype instead of a bool one (eager attention)."""
+    give it an additive float mask of that dtype instead of a bool one (eager attention). With
+    SDPA as the inner function, the decode group runs :func:`decode_attention` instead (the same
+    math as SDPA's; several times faster for one query per row on CPU)."""
     heads = query.shape[1]
     outputs = []
     for index, (segment, read) in enumerate(zip(step.cache.segments, step.reads)):
@@ -157,6 +159,11 @@ def packed_attention(
             visible = visible[:, :1]
         elif visible.shape[1] != heads:
             visible = visible.repeat_interleave(heads // visible.shape[1], dim=1)
+        if segment.length == 1 and additive_mask_dtype is None and _plain_attention(kwargs):
+            outputs.append(decode_attention(part, read.keys, read.values, visible, kwargs.get("scaling")).reshape(1, segment.tokens, heads, -1))
+            if step.cache.after_attention is not None:
+                step.cache.after_attention(step.layer_idx, index, part, visible, read, kwargs.get("scaling"))
+            continue
         mask = visible
         if additive_mask_dtype is not None:
             mask = torch.zeros(visible.shape, dtype=additive_mask_dtype, device=visible.device)
@@ -166,3 +173,29 @@ def packed_attention(
         if step.cache.after_attention is not None:
             step.cache.after_attention(step.layer_idx, index, part, visible, read, kwargs.get("scaling"))
     return torch.cat(outputs, dim=1), None
+
+
+def _plain_attention(kwargs: dict) -> bool:
+    """Softmax attention with no logit soft-capping, attention sinks or dropout."""
+    return kwargs.get("softcap") is None and kwargs.get("s_aux") is None and not kwargs.get("dropout")
+
+
+def decode_attention(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor, scaling: float | None
+) -> torch.Tensor:
+    """One query per row over its stored tokens, grouped-query aware, without repeating keys.
+
+    ``query [batch, heads, 1, head_dim]``, ``keys [batch, kv_heads, slots, head_dim]``, ``values
+    [batch, kv_heads, slots, value_dim]``, ``visible`` bool ``[batch, 1 or heads, 1, slots]``;
+    query head ``h`` reads KV head ``h // (heads // kv_heads)`` (as ``repeat_kv``). ``scaling``
+    defaults to ``head_dim ** -0.5``; softmax in float32. Returns ``[batch, 1, heads, value_dim]``.
+    Every row sees at least its own new token, so no softmax row is empty.
+    """
+    batch, heads, _, dim = query.shape
+    kv_heads, slots = keys.shape[1], keys.shape[2]
+    group = heads // kv_heads
+    scores = torch.matmul(query.reshape(batch, kv_heads, group, dim), keys.transpose(-1, -2))
+    scores = scores * (dim**-0.5 if scaling is None else scaling)
+    mask = visible.reshape(batch, kv_heads, group, slots) if visible.shape[1] == heads else visible.reshape(batch, 1, 1, slots)
+    probabilities = scores.float().masked_fill(~mask, float("-inf")).softmax(-1).to(values.dtype)
+    return torch.matmul(probabilities, values).reshape(batch, 1, heads, values.shape[-1])

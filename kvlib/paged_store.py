@@ -198,7 +198,10 @@ class PagedStore:
         for layer, (pool, table) in enumerate(zip(self.pools, self.tables)):
             pool.decref(table.referenced_pages(rows))
             table.clear(rows)
-            self._drop_read_cache(layer, rows)
+            cache = self._read_caches[layer]
+            if cache is not None and not set(cache.rows).isdisjoint(rows.tolist()):  # the others stay mirrored
+                gone = set(rows.tolist())
+                cache.keep_rows([i for i, row in enumerate(cache.rows) if row not in gone])
         for row in rows.tolist():
             self._live.discard(row)
             self._free_rows.append(row)
@@ -283,11 +286,7 @@ class PagedStore:
         self._open_pages[layer] = OpenPages.after_append(self, layer, rows)
         self.peak_pages = max(self.peak_pages, self._page_bytes())
 
-        cache = self._read_caches[layer]
-        if cache is not None and cache.rows == tuple(rows.tolist()):
-            cache.append(keys, values, positions)
-        else:
-            self._drop_read_cache(layer, rows)
+        self._mirror_append(layer, rows, tuple(rows.tolist()), keys, values, positions)
 
     def _append_in_open_pages(
         self, layer: int, rows: torch.Tensor, open_pages: OpenPages, keys: torch.Tensor, values: torch.Tensor
@@ -305,9 +304,20 @@ class PagedStore:
         else:
             table.lengths[rows] += steps
             table.logical[rows] += steps
+        self._mirror_append(layer, rows, open_pages.rows, keys, values, positions)
+
+    def _mirror_append(
+        self, layer: int, rows: torch.Tensor, key: tuple[int, ...], keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor
+    ) -> None:
+        """Keep the layer's read mirror in step with an append to ``rows`` (``key``, as a tuple):
+        extended when it mirrors these rows or a leading part of them (the others join it at the
+        next read), dropped when it mirrors any of them otherwise."""
         cache = self._read_caches[layer]
-        if cache is not None and cache.rows == open_pages.rows:
-            cache.append(keys, values, positions)
+        if cache is None:
+            return
+        mirrored = len(cache.rows)
+        if cache.rows == key[:mirrored]:
+            cache.append(keys[:mirrored], values[:mirrored], positions[:mirrored])
         else:
             self._drop_read_cache(layer, rows)
 
@@ -329,6 +339,11 @@ class PagedStore:
             return cache.view()
         lengths = self.tables[layer].lengths[rows]
         longest = int(lengths.max()) if lengths.numel() else 0
+        if mirror and cache is not None and cache.rows and key[: len(cache.rows)] == cache.rows:
+            joined = rows[len(cache.rows) :]  # sequences joined the mirrored batch: gather only them
+            size = -(-int(lengths[len(cache.rows) :].max()) // self.page_size) * self.page_size
+            cache.add_rows(tuple(joined.tolist()), self._gather(layer, joined, max(size, self.page_size)), lengths[len(cache.rows) :])
+            return cache.view()
         if not self.use_read_cache or not mirror:
             return self._gather(layer, rows, longest)
         headroom = max(self.page_size, longest // 4)

@@ -99,6 +99,27 @@ class DenseReadCache:
         self.valid[index] = True
         self._set_lengths(start + steps)
 
+    def keep_rows(self, keep: list[int]) -> None:
+        """Keep only the mirror rows at indices ``keep`` (in that order): sequences left the batch."""
+        index = to_arena_device(torch.tensor(keep, dtype=torch.int64), self.keys.device)
+        self.rows = tuple(self.rows[i] for i in keep)
+        self.keys, self.values = self.keys.index_select(0, index), self.values.index_select(0, index)
+        self.positions, self.valid = self.positions.index_select(0, index), self.valid.index_select(0, index)
+        self._set_lengths(self.lengths[torch.tensor(keep, dtype=torch.int64)])
+
+    def add_rows(self, rows: tuple[int, ...], read: LayerRead, lengths: torch.Tensor) -> None:
+        """Append sequences ``rows`` (their dense ``read``, zero past ``lengths [n, H]``) after the
+        mirror's rows: sequences joined the batch."""
+        self._ensure_capacity(read.keys.shape[2])
+        size = self.capacity
+        parts = [_pad_tokens(t, size, fill) for t, fill in zip(read, (0, 0, -1, False))]
+        self.keys = torch.cat([self.keys, parts[0]])
+        self.values = torch.cat([self.values, parts[1]])
+        self.positions = torch.cat([self.positions, parts[2]])
+        self.valid = torch.cat([self.valid, parts[3]])
+        self.rows = self.rows + tuple(rows)
+        self._set_lengths(torch.cat([self.lengths, lengths]))
+
     def truncate(self, new_lengths: torch.Tensor) -> None:
         """Mirror a truncation: each head keeps its first ``new_lengths [B, H]`` slots (no more than
         it had); the slots after them return to zeros, position -1 and invalid."""
@@ -121,7 +142,10 @@ class DenseReadCache:
 
 
 def _pad_tokens(tensor: torch.Tensor, size: int, fill: int | bool) -> torch.Tensor:
-    """A copy of ``tensor`` with dim 2 extended to ``size``, new slots set to ``fill``."""
+    """``tensor`` with dim 2 extended to ``size`` (a copy; the tensor itself when already that
+    size), new slots set to ``fill``."""
+    if tensor.shape[2] == size:
+        return tensor
     shape = list(tensor.shape)
     shape[2] = size
     out = torch.full(shape, fill, dtype=tensor.dtype, device=tensor.device)

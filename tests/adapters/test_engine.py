@@ -220,3 +220,19 @@ def test_bad_input_is_refused_before_any_work(llama) -> None:
         kvlib.Engine(llama, page_budget_bytes=10)
     with pytest.raises(ValueError, match="full causal attention"):
         kvlib.Engine(build_model("mistral"))
+
+
+def test_decode_attention_equals_sdpa() -> None:
+    from kvlib.adapters.packed_batch import decode_attention
+
+    generator = torch.Generator().manual_seed(0)
+    query, keys, values = torch.randn(3, 4, 1, 8, generator=generator), torch.randn(3, 2, 10, 8, generator=generator), torch.randn(3, 2, 10, 6, generator=generator)
+    visible = torch.rand(3, 4, 1, 10, generator=generator) > 0.3
+    visible[..., 0] = True
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        query, keys.repeat_interleave(2, 1), values.repeat_interleave(2, 1), attn_mask=visible, scale=0.3
+    ).transpose(1, 2)
+    torch.testing.assert_close(decode_attention(query, keys, values, visible, 0.3), expected)
+    shared = visible[:, :1]
+    expected = torch.nn.functional.scaled_dot_product_attention(query, keys.repeat_interleave(2, 1), values.repeat_interleave(2, 1), attn_mask=shared).transpose(1, 2)
+    torch.testing.assert_close(decode_attention(query, keys, values, shared, None), expected)

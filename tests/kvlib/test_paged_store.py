@@ -786,3 +786,35 @@ def test_overwrite_rewrites_stored_tokens_and_refuses_shared_pages() -> None:
         store.overwrite(0, [seq], torch.tensor([1]), new_keys[:, :, :1], new_values[:, :, :1])
     with pytest.raises(ValueError, match="name stored tokens"):
         store.overwrite(0, [seq], torch.tensor([10]), new_keys[:, :, :1], new_values[:, :, :1])
+
+
+def test_read_mirror_follows_sequences_leaving_and_joining_the_batch() -> None:
+    """The dense mirror drops released rows and gathers only joining ones; reads always equal a
+    store without the mirror."""
+    generator = torch.Generator().manual_seed(0)
+    stores = [PagedStore(2, 2, 4, page_size=4, read_cache=flag) for flag in (True, False)]
+    seqs = [[store.new_sequence() for _ in range(4)] for store in stores]
+    def append(batch: list[int], tokens: int) -> None:
+        keys = torch.randn(len(batch), 2, tokens, 4, generator=generator)
+        values = torch.randn(len(batch), 2, tokens, 4, generator=generator)
+        for store, ids in zip(stores, seqs):
+            for layer in range(2):
+                store.append(layer, [ids[i] for i in batch], keys, values)
+    def same(batch: list[int]) -> None:
+        for layer in range(2):
+            mirrored, gathered = (store.read(layer, [ids[i] for i in batch]) for store, ids in zip(stores, seqs))
+            for a, b in zip(mirrored, gathered):
+                assert torch.equal(a, b)
+    append([0, 1, 2], 5)
+    append([3], 9)
+    same([0, 1, 2])
+    for store, ids in zip(stores, seqs):
+        store.release([ids[1]])
+    assert stores[0]._read_caches[0].rows == (seqs[0][0], seqs[0][2])  # kept, without the released row
+    append([0, 2], 1)
+    same([0, 2])
+    append([0, 2, 3], 1)  # the mirror extends its rows; sequence 3 joins at the read
+    same([0, 2, 3])
+    assert stores[0]._read_caches[1].rows == (seqs[0][0], seqs[0][2], seqs[0][3])
+    append([0, 2, 3], 3)
+    same([0, 2, 3])
