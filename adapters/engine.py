@@ -130,8 +130,6 @@ class Engine:
         self._next_id = 0
         self._in_flight_keys: set[bytes] | None = None
         self._segments: list[tuple[Segment, list[Request]]] = []
-        self._last_decodes: list[int] = []
-        """Sequence ids of the last step's decode group, in its order."""
         self._counters = {"steps": 0, "forward_tokens": 0, "output_tokens": 0, "prompt_tokens": 0, "cached_tokens": 0, "preemptions": 0}
         self._started: float | None = None
 
@@ -231,13 +229,15 @@ class Engine:
         """Engine counters: steps, tokens (forward, output, prompt, cached), ``prefix_hit_rate``
         (prompt tokens taken from the prefix cache / prompt tokens admitted), ``preemptions``,
         ``tokens_per_s`` (output tokens per second since the first request), pages in use and
-        free (per layer, the fullest layer), requests by state."""
+        free (per layer, the fullest layer; free is None without a page budget), the store's
+        ``memory_bytes`` by component (pages, read mirror, ...), requests by state."""
         counters = dict(self._counters)
         elapsed = time.perf_counter() - self._started if self._started is not None else 0.0
         counters["prefix_hit_rate"] = counters["cached_tokens"] / counters["prompt_tokens"] if counters["prompt_tokens"] else 0.0
         counters["tokens_per_s"] = counters["output_tokens"] / elapsed if elapsed > 0 else 0.0
         counters["pages_in_use"] = max(pool.pages_in_use for pool in self.store.pools)
-        counters["pages_free"] = self.free_pages()
+        counters["pages_free"] = self.free_pages() if self.store.pools[0].fixed else None  # None: the pools grow
+        counters["memory_bytes"] = self.store.memory_bytes()
         counters.update(waiting=len(self._waiting), running=len(self._running), swapped=len(self._swapped))
         counters["prefix_cache"] = self.prefix.stats() if self.prefix is not None else None
         return counters
@@ -360,12 +360,10 @@ class Engine:
         return produced
 
     def _decode_order(self, decodes: list[Request]) -> list[Request]:
-        """The decode group with last step's members first, in last step's order, then the new
-        ones: the store's read mirror of the group then only drops and appends rows."""
-        previous = {seq: rank for rank, seq in enumerate(self._last_decodes)}
-        ordered = sorted(decodes, key=lambda request: previous.get(request.seq, len(previous)))
-        self._last_decodes = [request.seq for request in ordered]
-        return ordered
+        """The decode group in the order of the store's read mirror, then the requests new to it:
+        the mirror then only appends rows (finished ones already left it)."""
+        mirrored = {seq: rank for rank, seq in enumerate(self.store.mirrored_rows(0))}
+        return sorted(decodes, key=lambda request: mirrored.get(request.seq, len(mirrored)))
 
     def _after_attention(self, layer: int, index: int, query: torch.Tensor, visible: torch.Tensor, read: LayerRead, scaling: float | None) -> None:
         """Per-request eviction after a segment's attention in ``layer``."""

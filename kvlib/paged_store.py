@@ -200,12 +200,17 @@ class PagedStore:
             table.clear(rows)
             cache = self._read_caches[layer]
             if cache is not None and not set(cache.rows).isdisjoint(rows.tolist()):  # the others stay mirrored
-                gone = set(rows.tolist())
-                cache.keep_rows([i for i, row in enumerate(cache.rows) if row not in gone])
+                cache.drop_rows(set(rows.tolist()))
         for row in rows.tolist():
             self._live.discard(row)
             self._free_rows.append(row)
         self._last_rows = None
+
+    def mirrored_rows(self, layer: int) -> tuple[int, ...]:
+        """The sequences ``layer``'s read mirror holds, in its row order (empty without one): a
+        batch that starts with them in this order reads without regathering."""
+        cache = self._read_caches[self._layer(layer)]
+        return () if cache is None else cache.rows
 
     def logical_lengths(self, layer: int, seqs: SequenceIds) -> torch.Tensor:
         """Tokens each sequence has seen in ``layer``: int64 ``[batch]`` (a copy)."""
@@ -342,7 +347,7 @@ class PagedStore:
         if mirror and cache is not None and cache.rows and key[: len(cache.rows)] == cache.rows:
             joined = rows[len(cache.rows) :]  # sequences joined the mirrored batch: gather only them
             size = -(-int(lengths[len(cache.rows) :].max()) // self.page_size) * self.page_size
-            cache.add_rows(tuple(joined.tolist()), self._gather(layer, joined, max(size, self.page_size)), lengths[len(cache.rows) :])
+            cache.add_rows(tuple(joined.tolist()), self._gather(layer, joined, max(size, self.page_size)), lengths[len(cache.rows) :].clone())
             return cache.view()
         if not self.use_read_cache or not mirror:
             return self._gather(layer, rows, longest)

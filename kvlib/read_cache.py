@@ -37,26 +37,69 @@ class LayerRead(NamedTuple):
 
 
 class DenseReadCache:
-    """Dense mirror of one layer for the batch of sequence ids ``rows`` (in that order)."""
+    """Dense mirror of one layer for the batch of sequence ids ``rows`` (in that order).
+
+    Buffers have room for more rows and tokens than in use (both grow geometrically), so
+    sequences leaving the batch (:meth:`drop_rows`: the last rows move into their places) or
+    joining it (:meth:`add_rows`) cost a copy of those rows only.
+    """
 
     growth = 1.25
-    """Capacity grows by this factor (amortized O(1) copies per appended token)."""
+    """Capacity grows by this factor (amortized O(1) copies per appended token or row)."""
 
     def __init__(self, rows: tuple[int, ...], read: LayerRead, lengths: torch.Tensor, align: int) -> None:
         self.rows = rows
         self.align = align
         self._set_lengths(lengths.clone())
-        self.keys = read.keys
-        self.values = read.values
-        self.positions = read.positions
-        self.valid = read.valid
+        self._buffers = list(read)
+
+    keys = property(lambda self: self._buffers[0][: len(self.rows)])
+    values = property(lambda self: self._buffers[1][: len(self.rows)])
+    positions = property(lambda self: self._buffers[2][: len(self.rows)])
+    valid = property(lambda self: self._buffers[3][: len(self.rows)])
 
     @property
     def capacity(self) -> int:
-        return self.keys.shape[2]
+        return self._buffers[0].shape[2]
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.keys, self.values, self.positions, self.valid))
+        return sum(t.numel() * t.element_size() for t in self._buffers)
+
+    def drop_rows(self, gone: set[int]) -> None:
+        """Forget the rows of sequences ``gone``; each freed row takes the last remaining one
+        (so ``rows`` changes order, and one row is copied per sequence gone)."""
+        rows, order = list(self.rows), list(range(len(self.rows)))
+        index = 0
+        while index < len(rows):
+            if rows[index] in gone:
+                rows[index], order[index] = rows[-1], order[-1]
+                rows.pop()
+                order.pop()
+            else:
+                index += 1
+        moved = [(target, source) for target, source in enumerate(order) if target != source]
+        if moved:
+            target, source = (torch.tensor(side, dtype=torch.int64) for side in zip(*moved))
+            device_target, device_source = (to_arena_device(side, self._buffers[0].device) for side in (target, source))
+            for buffer in self._buffers:
+                buffer[device_target] = buffer[device_source]
+        self.rows = tuple(rows)
+        self._set_lengths(self.lengths[torch.tensor(order, dtype=torch.int64)])
+
+    def add_rows(self, rows: tuple[int, ...], read: LayerRead, lengths: torch.Tensor) -> None:
+        """Append sequences ``rows`` (their dense ``read``, zero past ``lengths [n, H]``) after
+        the mirror's rows."""
+        count, added = len(self.rows), len(rows)
+        self._ensure_capacity(read.keys.shape[2])
+        if count + added > self._buffers[0].shape[0]:
+            grown = max(count + added, int(self._buffers[0].shape[0] * self.growth) + 1)
+            self._buffers = [_pad_rows(buffer, grown) for buffer in self._buffers]
+        width = read.keys.shape[2]
+        for buffer, part, fill in zip(self._buffers, read, (0, 0, -1, False)):
+            buffer[count : count + added, :, :width] = part
+            buffer[count : count + added, :, width:] = fill
+        self.rows = self.rows + tuple(rows)
+        self._set_lengths(torch.cat([self.lengths, lengths]))
 
     def _set_lengths(self, lengths: torch.Tensor) -> None:
         """Set per-head lengths; ``longest`` and ``uniform`` (every head equally long) follow."""
@@ -99,27 +142,6 @@ class DenseReadCache:
         self.valid[index] = True
         self._set_lengths(start + steps)
 
-    def keep_rows(self, keep: list[int]) -> None:
-        """Keep only the mirror rows at indices ``keep`` (in that order): sequences left the batch."""
-        index = to_arena_device(torch.tensor(keep, dtype=torch.int64), self.keys.device)
-        self.rows = tuple(self.rows[i] for i in keep)
-        self.keys, self.values = self.keys.index_select(0, index), self.values.index_select(0, index)
-        self.positions, self.valid = self.positions.index_select(0, index), self.valid.index_select(0, index)
-        self._set_lengths(self.lengths[torch.tensor(keep, dtype=torch.int64)])
-
-    def add_rows(self, rows: tuple[int, ...], read: LayerRead, lengths: torch.Tensor) -> None:
-        """Append sequences ``rows`` (their dense ``read``, zero past ``lengths [n, H]``) after the
-        mirror's rows: sequences joined the batch."""
-        self._ensure_capacity(read.keys.shape[2])
-        size = self.capacity
-        parts = [_pad_tokens(t, size, fill) for t, fill in zip(read, (0, 0, -1, False))]
-        self.keys = torch.cat([self.keys, parts[0]])
-        self.values = torch.cat([self.values, parts[1]])
-        self.positions = torch.cat([self.positions, parts[2]])
-        self.valid = torch.cat([self.valid, parts[3]])
-        self.rows = self.rows + tuple(rows)
-        self._set_lengths(torch.cat([self.lengths, lengths]))
-
     def truncate(self, new_lengths: torch.Tensor) -> None:
         """Mirror a truncation: each head keeps its first ``new_lengths [B, H]`` slots (no more than
         it had); the slots after them return to zeros, position -1 and invalid."""
@@ -135,17 +157,18 @@ class DenseReadCache:
             return
         size = max(needed, int(self.capacity * self.growth))
         size = -(-size // self.align) * self.align
-        self.keys = _pad_tokens(self.keys, size, 0)
-        self.values = _pad_tokens(self.values, size, 0)
-        self.positions = _pad_tokens(self.positions, size, -1)
-        self.valid = _pad_tokens(self.valid, size, False)
+        self._buffers = [_pad_tokens(buffer, size, fill) for buffer, fill in zip(self._buffers, (0, 0, -1, False))]
+
+
+def _pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
+    """A copy of ``tensor`` with dim 0 extended to ``rows`` (new rows uninitialised: written before use)."""
+    out = torch.empty((rows, *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+    out[: tensor.shape[0]] = tensor
+    return out
 
 
 def _pad_tokens(tensor: torch.Tensor, size: int, fill: int | bool) -> torch.Tensor:
-    """``tensor`` with dim 2 extended to ``size`` (a copy; the tensor itself when already that
-    size), new slots set to ``fill``."""
-    if tensor.shape[2] == size:
-        return tensor
+    """A copy of ``tensor`` with dim 2 extended to ``size``, new slots set to ``fill``."""
     shape = list(tensor.shape)
     shape[2] = size
     out = torch.full(shape, fill, dtype=tensor.dtype, device=tensor.device)
