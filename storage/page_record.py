@@ -96,6 +96,39 @@ def decode(layout: Layout, record: bytes | bytearray | memoryview) -> Block:
     """The block in ``record`` (bytes, or a buffer valid during the call: the tensors returned own
     their memory); :class:`RecordError` unless every check passes. The header is checked before
     the body is touched; the record is then copied out and the copy digested (in cache)."""
+    cuts, (key, parent) = _checked_header(layout, record)
+    copied = torch.empty(cuts[-1], dtype=torch.uint8)  # header and body: the digest checks the copy returned
+    np.copyto(copied.numpy(), np.frombuffer(record, dtype=np.uint8, count=cuts[-1]))
+    if record_digest(copied.numpy(), cuts) != DIGEST.unpack_from(record, cuts[-1])[0]:
+        raise RecordError("checksum mismatch")
+    tokens_at, keys_at, values_at, end = cuts[1:]
+    tokens = copied.numpy()[tokens_at:keys_at].view(np.int64).tolist()
+    shape = (layout.layers, layout.heads, layout.page_size)
+    keys = copied[keys_at : keys_at + _key_bytes(layout)].view(layout.dtype).view(*shape, layout.head_dim)
+    values = copied[values_at:end].view(layout.dtype).view(*shape, layout.value_dim)
+    return Block(key, parent, tokens, keys, values)
+
+
+def decode_into(layout: Layout, record: bytes | bytearray | memoryview, keys: np.ndarray, values: np.ndarray) -> bytes:
+    """Check ``record`` like :func:`decode` and copy its keys' and values' bytes into ``keys`` and
+    ``values`` (uint8 arrays of exactly that many bytes: rows of the caller's buffers); returns
+    the record's key. The record is digested where it lies, then copied (for many small records,
+    such as spilled pages, read straight into one buffer). Nothing is written unless every check
+    passes."""
+    cuts, (key, _) = _checked_header(layout, record)
+    if keys.nbytes != _key_bytes(layout) or values.nbytes != cuts[4] - cuts[3]:
+        raise ValueError(f"decode_into fills {_key_bytes(layout)} key and {cuts[4] - cuts[3]} value bytes; got {keys.nbytes} and {values.nbytes}")
+    source = np.frombuffer(record, dtype=np.uint8, count=cuts[-1])
+    if record_digest(source, cuts) != DIGEST.unpack_from(record, cuts[-1])[0]:
+        raise RecordError("checksum mismatch")
+    np.copyto(keys, source[cuts[2] : cuts[2] + keys.nbytes])
+    np.copyto(values, source[cuts[3] : cuts[4]])
+    return key
+
+
+def _checked_header(layout: Layout, record: bytes | bytearray | memoryview) -> tuple[tuple[int, int, int, int, int], tuple[bytes, bytes]]:
+    """The section offsets of a record of ``layout`` and its chain key and parent, once its
+    header and length match; :class:`RecordError` otherwise."""
     if len(record) < HEADER.size + DIGEST.size:
         raise RecordError("record shorter than its header")
     magic, version, namespace, key, parent, layers, heads, size, head_dim, value_dim, dtype, length = HEADER.unpack_from(record)
@@ -109,27 +142,26 @@ def decode(layout: Layout, record: bytes | bytearray | memoryview) -> Block:
     cuts = _cuts(layout)
     if length != cuts[-1] - HEADER.size or len(record) != cuts[-1] + DIGEST.size:
         raise RecordError("record length differs from its header's")
-    copied = torch.empty(cuts[-1], dtype=torch.uint8)  # header and body: the digest checks the copy returned
-    np.copyto(copied.numpy(), np.frombuffer(record, dtype=np.uint8, count=cuts[-1]))
-    if record_digest(copied.numpy(), cuts) != DIGEST.unpack_from(record, cuts[-1])[0]:
-        raise RecordError("checksum mismatch")
-    tokens_at, keys_at, values_at = cuts[1:4]
-    tokens = copied.numpy()[tokens_at:keys_at].view(np.int64).tolist()
-    keys = copied[keys_at : keys_at + layers * heads * size * head_dim * _ITEM[layout.dtype]].view(layout.dtype).view(layers, heads, size, head_dim)
-    values = copied[values_at:].view(layout.dtype).view(layers, heads, size, value_dim)
-    return Block(key, b"" if parent == NO_PARENT else parent, tokens, keys, values)
+    return cuts, (key, b"" if parent == NO_PARENT else parent)
+
+
+def record_size(layout: Layout) -> int:
+    """Bytes of one record of ``layout``."""
+    return _cuts(layout)[-1] + DIGEST.size
+
+
+def _key_bytes(layout: Layout) -> int:
+    return layout.layers * layout.heads * layout.page_size * layout.head_dim * _ITEM[layout.dtype]
 
 
 @functools.lru_cache(maxsize=64)
 def _cuts(layout: Layout) -> tuple[int, int, int, int, int]:
     """Byte offsets of the header, token ids, keys (padded to 8 bytes) and values, and the end
     of the values (where the digest starts)."""
-    item = _ITEM[layout.dtype]
-    keys = layout.layers * layout.heads * layout.page_size * layout.head_dim * item
-    values = layout.layers * layout.heads * layout.page_size * layout.value_dim * item
+    values = layout.layers * layout.heads * layout.page_size * layout.value_dim * _ITEM[layout.dtype]
     tokens_at = HEADER.size
     keys_at = tokens_at + 8 * layout.page_size
-    values_at = keys_at + (keys + 7) // 8 * 8
+    values_at = keys_at + (_key_bytes(layout) + 7) // 8 * 8
     return 0, tokens_at, keys_at, values_at, values_at + values
 
 
