@@ -21,3 +21,4 @@ def test_tier_bench_quick_reports_throughput_and_restore(tmp_path: Path) -> None
     saved = json.loads((tmp_path / "tier_bench.json").read_text())
     assert saved["throughput"]["records"] == 4 and saved["throughput"]["read_mb_s"] > 0
     assert saved["restore"]["reused_tokens"] == 64 and saved["restore"]["disk"]["corrupt"] == 0
+    assert saved["spill"]["by_tier"]["disk"] > 0 and saved["spill"]["ratio"] > 0
