@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import lmdb
 import torch
 
-from kvlib.devices import host_buffer
+from kvlib.devices import host_staging
 from kvlib.errors import PoolExhaustedError
 from kvlib.storage.page_record import Block, Layout, RecordError, decode_into, encode
 
@@ -127,8 +127,8 @@ class LayerSpill:
         memory pinned when ``device`` is CUDA. :class:`SpilledPageLost` if any record is missing
         or fails its checks."""
         layout = self.layout
-        keys = host_buffer((pages.numel(), layout.page_size, layout.head_dim), layout.dtype, device)
-        values = host_buffer((pages.numel(), layout.page_size, layout.value_dim), layout.dtype, device)
+        keys = host_staging((pages.numel(), layout.page_size, layout.head_dim), layout.dtype, device)
+        values = host_staging((pages.numel(), layout.page_size, layout.value_dim), layout.dtype, device)
         if pages.numel() == 0:
             return keys, values
         key_bytes = keys.view(pages.numel(), -1).view(torch.uint8).numpy()
