@@ -81,3 +81,14 @@ def _entries(disk) -> tuple[int, int]:
     """Spill records and registered runs in ``disk``."""
     with disk.env.begin() as txn:
         return txn.stat(disk.env.open_db(b"spill", txn=txn))["entries"], txn.stat(disk.env.open_db(b"runs", txn=txn))["entries"]
+
+
+def test_a_prefix_store_and_a_spilling_cache_share_one_directory(tmp_path: Path) -> None:
+    """lmdb allows one environment per file per process: both open the same DiskTier."""
+    model = build_model("llama")
+    prefixes = kvlib.PrefixStore(model, capacity_bytes=1 << 20, disk=tmp_path)
+    ids, mask = left_padded([80], seed=8, vocab=97)
+    cache = kvlib.make_cache(model, spec(model, tmp_path, device_pages=2, host_pages=2))
+    model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=2, do_sample=False, pad_token_id=PAD)
+    assert cache.spill.disk is prefixes.disk and cache.spill.keys()
+    assert prefixes.disk.capacity_bytes == 4 << 20  # the prefix store's budget, not the spill-only one
