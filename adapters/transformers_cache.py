@@ -31,6 +31,9 @@ from kvlib.codec import Codec, FitSample, PageCodec, layer_shapes
 from kvlib.paged_store import PagedStore
 from kvlib.prefix_store import PrefixStore
 from kvlib.read_cache import LayerRead
+from kvlib.storage.disk_tier import open_disk_tier
+from kvlib.storage.page_record import Layout, record_size
+from kvlib.storage.spill_store import SpillStore
 from kvlib.strategy import LayerView, Tiering
 
 
@@ -85,7 +88,8 @@ class KVCache(Cache):
         spec: the spec string that keys this cache's pages in ``reuse`` (``""``: exact).
         home: the model's ``(dtype, device)``, where a primed cache's pages live before any update.
         tiering: a placement strategy (``lru``, ``score_aware``) keeping part of the pages in host
-            memory, or ``quest``, whose decode steps attend over the pages their query chooses.
+            memory and, with ``lru``'s ``disk``, in page records there (this cache's run: see
+            :attr:`spill`), or ``quest``, whose decode steps attend over the pages their query chooses.
     """
 
     def __init__(
@@ -112,6 +116,9 @@ class KVCache(Cache):
         self.spec = spec
         self.home = home
         self.tiering = tiering
+        self.spill: SpillStore | None = None
+        """This cache's spilled pages on disk (opened with the store; records deleted as pages
+        are freed, all of them when the cache is garbage collected or the process exits)."""
         self._session: PrefixSession | None = None
         self._recompute: torch.Tensor | None = None
         self.store: PagedStore | None = None
@@ -434,14 +441,14 @@ class KVCache(Cache):
         ``logical_tokens``, summed over layers, rows and KV heads.
         """
         components = {"pages": 0, "positions": 0, "codec_metadata": 0, "tables": 0, "read_cache": 0}
-        host = 0
+        host = disk = 0
         report = {"reserved_bytes": 0, "peak_pages_bytes": 0, "full_equivalent_bytes": 0, "stored_tokens": 0, "logical_tokens": 0}
         if self.store is not None:
             held = self.store.memory_bytes()
             for name in ("pages", "positions", "codec_metadata", "tables", "read_cache"):
                 components[name] = held[name]
             report["reserved_bytes"] = held["reserved"]
-            host = held["host"]
+            host, disk = held["host"], held["disk"]
             report["peak_pages_bytes"] = self.store.peak_pages
         if self._rows:
             shape = self.shape
@@ -451,7 +458,8 @@ class KVCache(Cache):
             element = torch.empty((), dtype=self.store.dtype).element_size()
             report["full_equivalent_bytes"] = report["logical_tokens"] * (shape.head_dim + shape.value_dim) * element
         total = sum(components.values())
-        return {"total_bytes": total, "by_tier": {"device": total - host, "host": host, "disk": 0}, "by_component": components, **report}
+        by_tier = {"device": total - host - disk, "host": host, "disk": disk}
+        return {"total_bytes": total, "by_tier": by_tier, "by_component": components, **report}
 
     # -- helpers --------------------------------------------------------------------------------
 
@@ -490,6 +498,7 @@ class KVCache(Cache):
             device_pages=self._device_pages(dtype),
             host_pages=self._host_pages(dtype),
             key_summaries=self.tiering is not None and self.tiering.key_summaries,
+            **self._disk_tier(dtype),
         )
 
     def _page_bytes(self, dtype: torch.dtype) -> int:
@@ -503,6 +512,19 @@ class KVCache(Cache):
     def _host_pages(self, dtype: torch.dtype) -> int | None:
         """Pages per layer the tiering strategy allows on the host (None: unbounded)."""
         return None if self.tiering is None else self.tiering.host_pages(self.shape.num_layers, self._page_bytes(dtype))
+
+    def _disk_tier(self, dtype: torch.dtype) -> dict:
+        """The store's ``spill`` and ``disk_pages`` when the tiering strategy names a disk (the
+        spill store opened once per cache)."""
+        if self.tiering is None or not getattr(self.tiering, "disk", ""):
+            return {}
+        shape = self.shape
+        layout = Layout(bytes(16), 1, 1, self.page_size, shape.head_dim, shape.value_dim, dtype)
+        disk_pages = self.tiering.disk_pages(shape.num_layers, record_size(layout))
+        if self.spill is None:
+            disk = open_disk_tier(self.tiering.disk, capacity_bytes=1)
+            self.spill = SpillStore(disk, capacity_bytes=disk_pages * shape.num_layers * record_size(layout))
+        return {"spill": self.spill, "disk_pages": disk_pages}
 
     def _check_layer(self, layer_idx: int) -> None:
         if not isinstance(layer_idx, int) or not 0 <= layer_idx < self.shape.num_layers:

@@ -75,3 +75,9 @@ def host_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     """A zeroed CPU tensor for pages moved off ``device``: pinned when ``device`` is CUDA, so
     copies both ways can be issued non-blocking."""
     return torch.zeros(shape, dtype=dtype, pin_memory=device.type == "cuda")
+
+
+def host_staging(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An uninitialised CPU tensor for data on its way to ``device`` (every element is written
+    before it is read): pinned when ``device`` is CUDA, so the copy can be issued non-blocking."""
+    return torch.empty(shape, dtype=dtype, pin_memory=device.type == "cuda")

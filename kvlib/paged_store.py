@@ -36,6 +36,7 @@ from kvlib.read_cache import DenseReadCache, LayerRead
 from kvlib.storage.coded_pool import CodedPagePool
 from kvlib.storage.page_pool import PagePool
 from kvlib.storage.partnered_pool import PartneredPagePool
+from kvlib.storage.spill_store import SpillStore
 from kvlib.storage.tiered_pool import TieredPagePool
 
 SequenceIds = Sequence[int] | torch.Tensor
@@ -68,6 +69,9 @@ class PagedStore:
             the host part (None: unbounded).
         key_summaries: keep each page's channel-wise key min and max on ``device`` (for
             ``quest``; see :meth:`key_bounds` and :meth:`read_selected`). Not combined with codecs.
+        spill: a :class:`~kvlib.storage.spill_store.SpillStore` taking, with ``host_pages``, the
+            host pages written longest ago once the host is full, at most ``disk_pages`` pages of
+            each layer (the store owns its pages' records: freeing a page deletes its record).
     """
 
     @outside_inference_mode
@@ -88,6 +92,8 @@ class PagedStore:
         device_pages: int | None = None,
         host_pages: int | None = None,
         key_summaries: bool = False,
+        spill: SpillStore | None = None,
+        disk_pages: int = 0,
     ) -> None:
         if not isinstance(num_layers, int) or num_layers < 1:
             raise ValueError(f"num_layers must be a positive int, got {num_layers!r}")
@@ -105,6 +111,8 @@ class PagedStore:
             raise ValueError("device_pages (tiering) and codecs do not combine yet: keep one of them")
         if key_summaries and codecs is not None:
             raise ValueError("key_summaries (quest) and codecs do not combine yet: keep one of them")
+        if spill is not None and (device_pages is None or host_pages is None):
+            raise ValueError("a spill (disk tier) goes behind the host tier: give device_pages and host_pages too")
         if codecs is not None and len(codecs) != num_layers:
             raise ValueError(f"codecs must name one codec per layer ({num_layers}), got {len(codecs)}")
         self.pools: list[PagePool] = []
@@ -114,8 +122,9 @@ class PagedStore:
             codec = None if codecs is None else codecs[i]
             shape = (page_size, keys_dim[i], values_dim[i], dtype, self.device)
             if codec is None and device_pages is not None:
+                layer_spill = None if spill is None else spill.layer(i, page_size, keys_dim[i], values_dim[i], dtype)
                 pool: PagePool = TieredPagePool(
-                    *shape, device_pages, pages_per_layer, fixed_capacity, host_pages, key_summaries
+                    *shape, device_pages, pages_per_layer, fixed_capacity, host_pages, key_summaries, layer_spill, disk_pages
                 )
             elif codec is None:
                 pool = PagePool(*shape, pages_per_layer, fixed_capacity, key_summaries)
@@ -763,8 +772,8 @@ class PagedStore:
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes held, by component: ``pages`` (keys and values of pages in use: compute dtype for
-        open pages, the codec's payload for sealed ones; on every tier), ``host`` (the part of
-        ``pages`` held in host memory), ``positions``, ``codec_metadata`` (scales, zero points and
+        open pages, the codec's payload for sealed ones; on every tier), ``host`` and ``disk``
+        (the parts of ``pages`` held in host memory and spilled to disk), ``positions``, ``codec_metadata`` (scales, zero points and
         fitted codec state),
         ``tables`` (block tables and lengths), ``read_cache`` (dense mirrors) and ``reserved``
         (whole arenas, free pages included)."""
@@ -777,6 +786,7 @@ class PagedStore:
             "positions": sum(pool.pages_in_use * pool.position_page_bytes for pool in self.pools),
             "codec_metadata": sum(pool.metadata_bytes() for pool in self.pools),
             "host": sum(pool.tier_bytes()["host"] for pool in self.pools if isinstance(pool, TieredPagePool)),
+            "disk": sum(pool.tier_bytes()["disk"] for pool in self.pools if isinstance(pool, TieredPagePool)),
             "tables": tables,
             "read_cache": sum(cache.nbytes() for cache in self._read_caches if cache is not None),
             "reserved": sum(pool.bytes_reserved() for pool in self.pools),

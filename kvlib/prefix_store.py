@@ -36,7 +36,7 @@ from kvlib.devices import outside_inference_mode, to_arena_device
 from kvlib.paged_store import PagedStore
 from kvlib.prefix_index import Entry, PrefixIndex
 from kvlib.storage.coded_pool import CodedPagePool
-from kvlib.storage.disk_tier import DiskTier
+from kvlib.storage.disk_tier import DiskTier, open_disk_tier
 from kvlib.storage.page_record import Block, Layout, decode, encode
 
 
@@ -91,7 +91,7 @@ class PrefixStore:
         self.stores: dict[str, PagedStore] = {}
         """Paged stores by namespace (see :meth:`namespace`)."""
         if isinstance(disk, (str, bytes)) or hasattr(disk, "__fspath__"):
-            disk = DiskTier(disk, capacity_bytes=max(capacity_bytes, 1) * 4)
+            disk = open_disk_tier(disk, capacity_bytes=max(capacity_bytes, 1) * 4)
         if disk is not None and not isinstance(disk, DiskTier):
             raise ValueError(f"disk must be a DiskTier, a path or None, got {type(disk).__name__}")
         self.disk = disk

@@ -16,21 +16,47 @@ Guarantees, from lmdb and this module:
 - several processes may use one directory: lmdb serialises writers and lets readers run.
 
 Bookkeeping lives in named databases beside the records: ``atime`` (key -> u64 access clock)
-and ``meta`` (total record bytes, the clock).
+and ``meta`` (total record bytes, the clock). Live sequences' spilled pages use two more
+(``spill``, ``runs``: see :mod:`~kvlib.storage.spill_store`); they are outside the LRU and the
+byte total above, and opening a tier deletes those of runs whose process is gone.
 """
 
 from __future__ import annotations
 
 import struct
 import warnings
+import weakref
+from collections.abc import Callable
 from pathlib import Path
 
 import lmdb
+
+from kvlib.storage.spill_store import sweep_dead_runs
 
 _U64 = struct.Struct("<Q")
 _OVERHEAD = 2.0
 """Map size over record bytes: lmdb's pages, free lists and the bookkeeping databases."""
 _MIN_MAP = 1 << 24
+
+
+_OPEN: weakref.WeakValueDictionary[Path, DiskTier] = weakref.WeakValueDictionary()
+"""The tiers open in this process, by resolved directory (see :func:`open_disk_tier`)."""
+
+
+def open_disk_tier(path: str | Path, capacity_bytes: int) -> DiskTier:
+    """The :class:`DiskTier` at ``path`` already open in this process (its capacity raised to
+    ``capacity_bytes`` if lower), or a new one holding up to ``capacity_bytes`` of prefix
+    records: lmdb allows one environment per file per process, so a prefix store and spilling
+    caches given the same directory share one."""
+    key = Path(path).resolve()
+    tier = _OPEN.get(key)
+    if tier is None or tier.closed:
+        tier = DiskTier(path, capacity_bytes)
+        _OPEN[key] = tier
+    elif capacity_bytes > tier.capacity_bytes:
+        tier.extend_limit(capacity_bytes - tier.capacity_bytes)
+        tier.capacity_bytes = capacity_bytes
+    return tier
 
 
 class DiskTier:
@@ -44,16 +70,20 @@ class DiskTier:
         self.path.mkdir(parents=True, exist_ok=True)
         self.capacity_bytes = capacity_bytes
         self.limit = max(_MIN_MAP, int(capacity_bytes * _OVERHEAD))
-        self.env = lmdb.open(str(self.path), map_size=min(self.limit, _MIN_MAP), max_dbs=3, subdir=True, writemap=True)
+        self.env = lmdb.open(str(self.path), map_size=min(self.limit, _MIN_MAP), max_dbs=5, subdir=True, writemap=True)
         self.records = self.env.open_db(b"records")
         self.atime = self.env.open_db(b"atime")
         self.meta = self.env.open_db(b"meta")
+        self.env.reader_check()  # reader slots of dead processes
+        self.swept_runs = sweep_dead_runs(self.env)
+        """Spill runs of dead processes deleted when this tier was opened."""
         self.reads = self.writes = self.misses = self.corrupt = self.evictions = 0
         self._touched: dict[bytes, None] = {}
         """Keys read since the last write, oldest first: their access clocks advance at the next
         commit (reads commit nothing)."""
         self.stopped = False
         """True once a full disk stopped writing (warned once)."""
+        self.closed = False
 
     # -- reading -------------------------------------------------------------------------------
 
@@ -112,41 +142,36 @@ class DiskTier:
         incoming = sum(len(record) for _, record in items)
         if self.stopped or not items or incoming > self.capacity_bytes:
             return False
-        self._reserve(incoming)
-        for _ in range(8):
-            try:
-                self._put(items)
-                self.writes += len(items)
-                return True
-            except lmdb.MapFullError:
-                if not self._grow():
-                    break
-            except lmdb.Error as error:  # disk full or unwritable: stop writing, go on without the tier
-                self._stop(f"{type(error).__name__}: {error}")
-                return False
-        self._stop("the lmdb map is full at the byte budget")
-        return False
+        try:
+            self.transact(incoming, lambda txn: self._put(txn, items))
+        except lmdb.MapFullError:
+            self._stop("the lmdb map is full at the byte budget")
+            return False
+        except lmdb.Error as error:  # disk full or unwritable: stop writing, go on without the tier
+            self._stop(f"{type(error).__name__}: {error}")
+            return False
+        self.writes += len(items)
+        return True
 
-    def _put(self, items: list[tuple[bytes, bytes]]) -> None:
-        with self.env.begin(write=True) as txn:
-            self._record_touches(txn)
-            total = _get_u64(txn, b"bytes", self.meta)
-            keys = {key for key, _ in items}
-            for key in keys:
-                old = txn.get(key, db=self.records)
-                if old is not None:
-                    total -= len(old)
-            need = total + sum(len(record) for _, record in items) - self.capacity_bytes
-            if need > 0:
-                total -= self._evict(txn, need, keep=keys)
-            clock = _get_u64(txn, b"clock", self.meta)
-            for key, record in items:
-                clock += 1
-                txn.put(key, record, db=self.records)
-                txn.put(key, _U64.pack(clock), db=self.atime)
-                total += len(record)
-            txn.put(b"clock", _U64.pack(clock), db=self.meta)
-            txn.put(b"bytes", _U64.pack(total), db=self.meta)
+    def _put(self, txn: lmdb.Transaction, items: list[tuple[bytes, bytes]]) -> None:
+        self._record_touches(txn)
+        total = _get_u64(txn, b"bytes", self.meta)
+        keys = {key for key, _ in items}
+        for key in keys:
+            old = txn.get(key, db=self.records)
+            if old is not None:
+                total -= len(old)
+        need = total + sum(len(record) for _, record in items) - self.capacity_bytes
+        if need > 0:
+            total -= self._evict(txn, need, keep=keys)
+        clock = _get_u64(txn, b"clock", self.meta)
+        for key, record in items:
+            clock += 1
+            txn.put(key, record, db=self.records)
+            txn.put(key, _U64.pack(clock), db=self.atime)
+            total += len(record)
+        txn.put(b"clock", _U64.pack(clock), db=self.meta)
+        txn.put(b"bytes", _U64.pack(total), db=self.meta)
 
     def _evict(self, txn: lmdb.Transaction, need: int, keep: set[bytes]) -> int:
         """Delete least recently used records (not in ``keep``) until ``need`` bytes are free; returns the bytes freed."""
@@ -197,6 +222,25 @@ class DiskTier:
             except lmdb.Error:
                 self._touched.clear()
 
+    def extend_limit(self, nbytes: int) -> None:
+        """Let the map grow by room for ``nbytes`` more bytes of records kept outside the LRU
+        (spilled pages, bounded by their own budget)."""
+        self.limit += int(nbytes * _OVERHEAD)
+
+    def transact(self, incoming: int, body: Callable[[lmdb.Transaction], None]) -> None:
+        """Run ``body`` in one write transaction (all or nothing), the map grown ahead of
+        ``incoming`` bytes and again (the transaction redone) while lmdb reports it full, up to the
+        limit; then ``lmdb.MapFullError`` (or another ``lmdb.Error``) propagates, nothing written."""
+        self._reserve(incoming)
+        while True:
+            try:
+                with self.env.begin(write=True) as txn:
+                    body(txn)
+                return
+            except lmdb.MapFullError:
+                if not self._grow():
+                    raise
+
     def _reserve(self, incoming: int) -> None:
         """Grow the map ahead of a write of ``incoming`` bytes (a write that hits a full map is
         redone after growing, which costs the whole write again)."""
@@ -225,6 +269,7 @@ class DiskTier:
     def close(self) -> None:
         self.flush()
         self.env.close()
+        self.closed = True
 
 
 def _get_u64(txn: lmdb.Transaction, key: bytes, db=None) -> int:

@@ -5,30 +5,37 @@ Layout (little endian)::
     header  HEADER (below): magic b"KVLP", format version, namespace digest, the block's key and
             its parent's key (hash chain), layers, KV heads, page size, head dim, value dim,
             dtype code, body length in bytes
-    body    token ids (int64 x page_size), then keys (layers x heads x page_size x head_dim) and
-            values (layers x heads x page_size x value_dim) in the dtype, C order
-    digest  CRC-32 of header + body (detects every burst of up to 32 flipped bits, so any
-            single corrupted byte; at 4+ GB/s it keeps reads near the disk's speed)
+    body    token ids (int64 x page_size), then keys (layers x heads x page_size x head_dim,
+            zero-padded to a multiple of 8 bytes) and values (layers x heads x page_size x
+            value_dim) in the dtype, C order
+    digest  64-bit :mod:`~kvlib.storage.record_digest` digest of the header and the three body
+            sections (any change within one 8-byte word, so any single corrupted byte, always
+            changes it); the header is padded to 8 bytes so every section starts 8-byte aligned
 
 Nothing is pickled and nothing read is executed: :func:`decode` checks the magic, version,
-namespace, the shape and dtype the reader expects, the body length and the digest, and raises
-:class:`RecordError` on any mismatch (the caller treats it as a miss).
+namespace, the shape and dtype the reader expects and the body length before touching the body,
+then copies the body out while digesting it, and raises :class:`RecordError` on any mismatch
+(the caller treats it as a miss). Encoding and decoding each pass over the page bytes once.
 """
 
 from __future__ import annotations
 
+import functools
 import struct
-import warnings
-import zlib
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from kvlib.storage.record_digest import record_digest
+
 MAGIC = b"KVLP"
-VERSION = 1
-HEADER = struct.Struct("<4sH16s16s16sHHHHHBQ")
-DIGEST_BYTES = 4
+VERSION = 2
+HEADER = struct.Struct("<4sH16s16s16sHHHHHBQ7x")
+"""80 bytes: the body starts 8-byte aligned."""
+DIGEST = struct.Struct("<Q")
 DTYPE_CODES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}
+_ITEM = {dtype: torch.empty((), dtype=dtype).element_size() for dtype in DTYPE_CODES}
 
 
 class RecordError(ValueError):
@@ -60,54 +67,102 @@ class Block:
     values: torch.Tensor
 
 
-def encode(layout: Layout, block: Block) -> bytes:
-    """The record bytes of ``block`` (keys and values in ``layout.dtype`` on any device)."""
+def encode(layout: Layout, block: Block) -> memoryview:
+    """The record bytes of ``block`` (keys and values in ``layout.dtype`` on any device), in a
+    fresh buffer written once (no zero fill: every byte is packed, copied or padded)."""
     if len(block.tokens) != layout.page_size:
         raise ValueError(f"a block holds {layout.page_size} tokens, got {len(block.tokens)}")
-    tokens = torch.tensor(block.tokens, dtype=torch.int64)
-    body = b"".join(
-        t.detach().to("cpu", layout.dtype).contiguous().view(torch.uint8).numpy().tobytes() if t.dtype != torch.int64
-        else t.numpy().tobytes()
-        for t in (tokens, block.keys, block.values)
+    for name, tensor, dim in (("keys", block.keys, layout.head_dim), ("values", block.values, layout.value_dim)):
+        if tuple(tensor.shape) != (layout.layers, layout.heads, layout.page_size, dim):
+            raise ValueError(f"block {name} have shape {tuple(tensor.shape)}; the layout expects "
+                             f"{(layout.layers, layout.heads, layout.page_size, dim)}")
+    sections = [np.asarray(block.tokens, dtype=np.int64).view(np.uint8)] + [
+        t.detach().to("cpu", layout.dtype).contiguous().view(torch.uint8).numpy().reshape(-1) for t in (block.keys, block.values)
+    ]
+    cuts = _cuts(layout)
+    out = np.empty(cuts[-1] + DIGEST.size, dtype=np.uint8)
+    HEADER.pack_into(
+        out, 0, MAGIC, VERSION, layout.namespace, _pad(block.key), _pad(block.parent), layout.layers, layout.heads,
+        layout.page_size, layout.head_dim, layout.value_dim, DTYPE_CODES[layout.dtype], cuts[-1] - HEADER.size,
     )
-    header = HEADER.pack(
-        MAGIC, VERSION, layout.namespace, _pad(block.key), _pad(block.parent), layout.layers, layout.heads,
-        layout.page_size, layout.head_dim, layout.value_dim, DTYPE_CODES[layout.dtype], len(body),
-    )
-    return header + body + _digest(header + body)
+    for section, start, end in zip(sections, cuts[1:], cuts[2:]):
+        out[start : start + section.nbytes] = section
+        out[start + section.nbytes : end] = 0  # the keys' padding to 8 bytes
+    DIGEST.pack_into(out, cuts[-1], record_digest(out, cuts))
+    return memoryview(out)
 
 
-def decode(layout: Layout, record: bytes | memoryview) -> Block:
+def decode(layout: Layout, record: bytes | bytearray | memoryview) -> Block:
     """The block in ``record`` (bytes, or a buffer valid during the call: the tensors returned own
-    their memory); :class:`RecordError` unless every check passes."""
-    record = memoryview(record)
-    if len(record) < HEADER.size + DIGEST_BYTES:
-        raise RecordError("record shorter than its header")
-    if _digest(record[:-DIGEST_BYTES]) != bytes(record[-DIGEST_BYTES:]):
+    their memory); :class:`RecordError` unless every check passes. The header is checked before
+    the body is touched; the record is then copied out and the copy digested (in cache)."""
+    cuts, (key, parent) = _checked_header(layout, record)
+    copied = torch.empty(cuts[-1], dtype=torch.uint8)  # header and body: the digest checks the copy returned
+    np.copyto(copied.numpy(), np.frombuffer(record, dtype=np.uint8, count=cuts[-1]))
+    if record_digest(copied.numpy(), cuts) != DIGEST.unpack_from(record, cuts[-1])[0]:
         raise RecordError("checksum mismatch")
-    header, body = bytes(record[: HEADER.size]), record[HEADER.size : -DIGEST_BYTES]
-    magic, version, namespace, key, parent, layers, heads, size, head_dim, value_dim, dtype, length = HEADER.unpack(header)
+    tokens_at, keys_at, values_at, end = cuts[1:]
+    tokens = copied.numpy()[tokens_at:keys_at].view(np.int64).tolist()
+    shape = (layout.layers, layout.heads, layout.page_size)
+    keys = copied[keys_at : keys_at + _key_bytes(layout)].view(layout.dtype).view(*shape, layout.head_dim)
+    values = copied[values_at:end].view(layout.dtype).view(*shape, layout.value_dim)
+    return Block(key, parent, tokens, keys, values)
+
+
+def decode_into(layout: Layout, record: bytes | bytearray | memoryview, keys: np.ndarray, values: np.ndarray) -> bytes:
+    """Check ``record`` like :func:`decode` and copy its keys' and values' bytes into ``keys`` and
+    ``values`` (uint8 arrays of exactly that many bytes: rows of the caller's buffers); returns
+    the record's key. The record is digested where it lies, then copied (for many small records,
+    such as spilled pages, read straight into one buffer). Nothing is written unless every check
+    passes."""
+    cuts, (key, _) = _checked_header(layout, record)
+    if keys.nbytes != _key_bytes(layout) or values.nbytes != cuts[4] - cuts[3]:
+        raise ValueError(f"decode_into fills {_key_bytes(layout)} key and {cuts[4] - cuts[3]} value bytes; got {keys.nbytes} and {values.nbytes}")
+    source = np.frombuffer(record, dtype=np.uint8, count=cuts[-1])
+    if record_digest(source, cuts) != DIGEST.unpack_from(record, cuts[-1])[0]:
+        raise RecordError("checksum mismatch")
+    np.copyto(keys, source[cuts[2] : cuts[2] + keys.nbytes])
+    np.copyto(values, source[cuts[3] : cuts[4]])
+    return key
+
+
+def _checked_header(layout: Layout, record: bytes | bytearray | memoryview) -> tuple[tuple[int, int, int, int, int], tuple[bytes, bytes]]:
+    """The section offsets of a record of ``layout`` and its chain key and parent, once its
+    header and length match; :class:`RecordError` otherwise."""
+    if len(record) < HEADER.size + DIGEST.size:
+        raise RecordError("record shorter than its header")
+    magic, version, namespace, key, parent, layers, heads, size, head_dim, value_dim, dtype, length = HEADER.unpack_from(record)
     if magic != MAGIC or version != VERSION:
         raise RecordError(f"not a kvlib page record of version {VERSION}")
     if namespace != layout.namespace:
         raise RecordError("record of another model, dtype, codec or salt")
     expected = (layout.layers, layout.heads, layout.page_size, layout.head_dim, layout.value_dim, DTYPE_CODES[layout.dtype])
-    if (layers, heads, size, head_dim, value_dim, dtype) != expected or length != len(body):
+    if (layers, heads, size, head_dim, value_dim, dtype) != expected:
         raise RecordError("record shape or dtype differs from this store's")
-    item = torch.empty((), dtype=layout.dtype).element_size()
-    token_bytes = 8 * size
-    key_bytes = layers * heads * size * head_dim * item
-    with warnings.catch_warnings():  # a read-only buffer: only read here, copied below
-        warnings.simplefilter("ignore", UserWarning)
-        raw = torch.frombuffer(body, dtype=torch.uint8)
-    tokens = raw[:token_bytes].view(torch.int64).tolist()
-    keys = raw[token_bytes : token_bytes + key_bytes].view(layout.dtype).view(layers, heads, size, head_dim).clone()
-    values = raw[token_bytes + key_bytes :].view(layout.dtype).view(layers, heads, size, value_dim).clone()
-    return Block(key, b"" if parent == NO_PARENT else parent, tokens, keys, values)
+    cuts = _cuts(layout)
+    if length != cuts[-1] - HEADER.size or len(record) != cuts[-1] + DIGEST.size:
+        raise RecordError("record length differs from its header's")
+    return cuts, (key, b"" if parent == NO_PARENT else parent)
 
 
-def _digest(data: bytes | memoryview) -> bytes:
-    return struct.pack("<I", zlib.crc32(data))
+def record_size(layout: Layout) -> int:
+    """Bytes of one record of ``layout``."""
+    return _cuts(layout)[-1] + DIGEST.size
+
+
+def _key_bytes(layout: Layout) -> int:
+    return layout.layers * layout.heads * layout.page_size * layout.head_dim * _ITEM[layout.dtype]
+
+
+@functools.lru_cache(maxsize=64)
+def _cuts(layout: Layout) -> tuple[int, int, int, int, int]:
+    """Byte offsets of the header, token ids, keys (padded to 8 bytes) and values, and the end
+    of the values (where the digest starts)."""
+    values = layout.layers * layout.heads * layout.page_size * layout.value_dim * _ITEM[layout.dtype]
+    tokens_at = HEADER.size
+    keys_at = tokens_at + 8 * layout.page_size
+    values_at = keys_at + (_key_bytes(layout) + 7) // 8 * 8
+    return 0, tokens_at, keys_at, values_at, values_at + values
 
 
 NO_PARENT = bytes(16)

@@ -1,8 +1,11 @@
-"""Page arena split over two tiers: a device arena with a page budget, and a host arena.
+"""Page arena split over three tiers: a device arena with a page budget, a host arena, and
+(optionally) page records on disk behind the host.
 
 Every page in use has its keys and values in exactly one tier: ``device_row[page] >= 0`` (a row
-of the device arena) or ``host_row[page] >= 0`` (a row of the host arena, pinned memory when the
-device is CUDA). Positions stay in the base pool's arena for every page (bookkeeping).
+of the device arena), ``host_row[page] >= 0`` (a row of the host arena, pinned memory when the
+device is CUDA) or ``on_disk[page]`` (a record of the layer's
+:class:`~kvlib.storage.spill_store.LayerSpill`). Positions stay in the base pool's arena for
+every page (bookkeeping).
 
 Placement is least recently used: each page carries the clock of its last allocation or write
 (reads do not count: a decode step reads every page); when a page needs a device row and none is
@@ -13,9 +16,17 @@ scored then leave first (the least recently written among equal scores; new page
 reads copy host pages straight into the read buffer without moving them (so reading the whole
 history each decode step does not thrash the device arena).
 
-Invariants (``tests/kvlib/test_store_state_machine.py``, ``TieredStoreMachine``): a page in use
-is in exactly one tier; the device rows in use never exceed ``device_pages``; reads return what
-was written, whatever tier holds it.
+Disk: with a ``spill`` and ``host_pages``, a move that would take the host past its budget first
+sends the host pages written longest ago to disk, in one transaction (past ``disk_pages`` it
+raises :class:`~kvlib.errors.PoolExhaustedError` instead, changing nothing). Like host pages,
+spilled pages are read where they are (checked records copied into the read buffer, left on
+disk: a decode step reads every page, and moving them back would push others out each step); a
+write brings a page back to the device and deletes its record, and so does freeing it.
+
+Invariants (``tests/kvlib/test_store_state_machine.py``, ``TieredStoreMachine`` and
+``SpillingStoreMachine``): a page in use is in exactly one tier; the pages on each tier never
+exceed its budget; a record exists exactly for each page on disk; reads return what was
+written, whatever tier holds it.
 """
 
 from __future__ import annotations
@@ -26,12 +37,15 @@ from kvlib.devices import host_buffer, to_arena_device
 from kvlib.errors import PoolExhaustedError
 from kvlib.storage.free_stack import FreeStack
 from kvlib.storage.page_pool import PagePool, extend_rows
+from kvlib.storage.spill_store import LayerSpill
 
 _MIN_HOST_PAGES = 16
 
 
 class TieredPagePool(PagePool):
-    """A :class:`PagePool` keeping at most ``device_pages`` pages on its device, the rest on the host."""
+    """A :class:`PagePool` keeping at most ``device_pages`` pages on its device, the rest on the
+    host (at most ``host_pages``, None: unbounded) and, with a ``spill``, at most ``disk_pages``
+    on disk behind it."""
 
     def __init__(
         self,
@@ -45,12 +59,19 @@ class TieredPagePool(PagePool):
         fixed: bool = False,
         host_pages: int | None = None,
         key_summaries: bool = False,
+        spill: LayerSpill | None = None,
+        disk_pages: int = 0,
     ) -> None:
         if not isinstance(device_pages, int) or device_pages < 1:
             raise ValueError(f"device_pages must be an int >= 1, got {device_pages!r}")
+        if spill is not None and (host_pages is None or not isinstance(disk_pages, int) or disk_pages < 1):
+            raise ValueError(f"a disk tier needs a host budget (host_pages, got {host_pages!r}) and disk_pages >= 1 (got {disk_pages!r})")
         self.device_pages = device_pages
         self.host_pages = host_pages
         """At most this many pages on the host (None: unbounded)."""
+        self.spill = spill
+        self.disk_pages = disk_pages if spill is not None else 0
+        """At most this many pages on disk (0: no disk tier)."""
         super().__init__(page_size, head_dim, value_dim, dtype, device, capacity, fixed, key_summaries)
 
     def _init_data(self, capacity: int) -> None:
@@ -64,12 +85,14 @@ class TieredPagePool(PagePool):
         self._host_free = FreeStack(_MIN_HOST_PAGES)
         self.device_row = torch.full((capacity,), -1, dtype=torch.int64)
         self.host_row = torch.full((capacity,), -1, dtype=torch.int64)
+        self.on_disk = torch.zeros(capacity, dtype=torch.bool)
         self.last_use = torch.zeros(capacity, dtype=torch.int64)
         self.page_score = torch.full((capacity,), float("inf"))
         """Placement score of each page (float32, CPU): higher stays on the device; ``+inf`` until ranked."""
         self._clock = 0
         self.moves_to_host = 0
         self.moves_to_device = 0
+        self.moves_to_disk = 0
         self.pages_read = 0
         self.host_pages_read = 0
         """Pages read (whole pages, any tier) and, of those, host pages copied to the device
@@ -78,6 +101,7 @@ class TieredPagePool(PagePool):
     def _grow_data(self, capacity: int) -> None:
         self.device_row = extend_rows(self.device_row, capacity, -1)
         self.host_row = extend_rows(self.host_row, capacity, -1)
+        self.on_disk = extend_rows(self.on_disk, capacity, False)
         self.last_use = extend_rows(self.last_use, capacity, 0)
         self.page_score = extend_rows(self.page_score, capacity, float("inf"))
 
@@ -91,9 +115,15 @@ class TieredPagePool(PagePool):
     def pages_on_host(self) -> int:
         return self.host_keys.shape[0] - self._host_free.free
 
+    @property
+    def pages_on_disk(self) -> int:
+        return int(self.on_disk.sum())
+
     def tier_bytes(self) -> dict[str, int]:
-        """Bytes of keys and values held on each tier (``device``, ``host``)."""
-        return {"device": self.pages_on_device * self.kv_page_bytes, "host": self.pages_on_host * self.kv_page_bytes}
+        """Bytes of keys and values held on each tier (``device``, ``host``, ``disk``: the pages'
+        bytes, not counting their records' headers)."""
+        return {"device": self.pages_on_device * self.kv_page_bytes, "host": self.pages_on_host * self.kv_page_bytes,
+                "disk": self.pages_on_disk * self.kv_page_bytes}
 
     def bytes_reserved(self) -> int:
         return (self.keys.shape[0] + self.host_keys.shape[0]) * self.kv_page_bytes + self.capacity * self.position_page_bytes
@@ -105,28 +135,61 @@ class TieredPagePool(PagePool):
         self.last_use[ids] = self._clock
 
     def _on_allocate(self, ids: torch.Tensor, heads: torch.Tensor | None) -> None:
-        """New pages start on the device, as many as half its budget allows; the rest on the host."""
+        """New pages take device rows, as many as half its budget allows; the rest wait unplaced
+        (no row, no record: they read as zeros) until written, as every new page is right after
+        allocation (:meth:`write`, :meth:`copy_pages` stream them through the device). They count
+        as just used and score ``+inf`` until ranked. If the tiers cannot take them the pages go
+        back to the free stack and the error propagates (pages already held only moved)."""
         self.page_score[ids] = float("inf")
-        room = max(1, self.device_pages // 2)
-        if ids.numel() > room:
-            self._new_on_host(ids[:-room])
-            ids = ids[-room:]
-        self._to_device_rows(ids)
         self._use(ids)
+        try:
+            self._to_device_rows(ids[-max(1, self.device_pages // 2) :])
+        except PoolExhaustedError:
+            self._on_free(ids)
+            self.refcount[ids] = 0
+            self._free.push(ids)
+            raise
 
-    def _check_host_room(self, count: int) -> None:
-        if self.host_pages is not None and self.pages_on_host + count > self.host_pages:
+    def _make_host_room(self, count: int, keep: torch.Tensor) -> None:
+        """Make room on the host for ``count`` more pages, counting the host pages in ``keep`` (on
+        their way to the device) as gone: spill the host pages written longest ago (not in
+        ``keep``) to disk. :class:`PoolExhaustedError`, nothing moved, when the host is full and
+        no disk tier (or not enough of one) takes the excess."""
+        if self.host_pages is None:
+            return
+        leaving = int((self.host_row[keep] >= 0).sum())
+        excess = self.pages_on_host - leaving + count - self.host_pages
+        if excess <= 0:
+            return
+        if self.spill is None:
             raise PoolExhaustedError(
                 f"host tier full: {count} more pages would exceed its budget of {self.host_pages} pages per layer"
             )
+        if self.pages_on_disk + excess > self.disk_pages:
+            raise PoolExhaustedError(
+                f"disk tier full: spilling {excess} more pages would exceed its budget of {self.disk_pages} pages per layer"
+            )
+        resident = (self.host_row >= 0).nonzero().squeeze(-1)
+        resident = resident[~torch.isin(resident, keep)]
+        if resident.numel() < excess:
+            raise PoolExhaustedError(f"host tier full: {count} pages needed at once; its budget is {self.host_pages} pages")
+        self._to_disk(resident[self.last_use[resident].argsort()[:excess]])
 
-    def _new_on_host(self, ids: torch.Tensor) -> None:
-        self._check_host_room(ids.numel())
-        if self._host_free.free < ids.numel():
-            self._grow_host(self.host_keys.shape[0] - self._host_free.free + ids.numel())
-        self.host_row[ids] = self._host_free.pop(ids.numel())
+    def _to_disk(self, ids: torch.Tensor) -> None:
+        """Move host pages ``ids`` to disk (one transaction; if it fails nothing moved)."""
+        rows = self.host_row[ids]
+        positions = self.positions.index_select(0, to_arena_device(ids, self.device))
+        self.spill.put(ids, self.host_keys.index_select(0, rows), self.host_values.index_select(0, rows), positions)
+        self._host_free.push(rows)
+        self.host_row[ids] = -1
+        self.on_disk[ids] = True
+        self.moves_to_disk += ids.numel()
 
     def _on_free(self, ids: torch.Tensor) -> None:
+        spilled = ids[self.on_disk[ids]]
+        if spilled.numel():
+            self.spill.delete(spilled)
+            self.on_disk[spilled] = False
         on_device, on_host = self.device_row[ids], self.host_row[ids]
         self._device_free.push(on_device[on_device >= 0])
         self._host_free.push(on_host[on_host >= 0])
@@ -134,20 +197,23 @@ class TieredPagePool(PagePool):
         self.host_row[ids] = -1
 
     def _to_device_rows(self, ids: torch.Tensor) -> None:
-        """Give pages ``ids`` (new ones, or pages on the host) device rows, moving the least
-        recently used other device pages to the host to make room."""
+        """Give pages ``ids`` (new ones, or pages on the host or disk) device rows, moving the least
+        recently used other device pages to the host (and host pages to disk) to make room.
+        Spilled pages' records are read and checked before anything moves."""
         wanted = ids
         if wanted.numel() > self.device_pages:
             raise ValueError(f"{wanted.numel()} pages needed on the device at once; its budget is {self.device_pages} pages")
         ids = ids[self.device_row[ids] < 0]
         if ids.numel() == 0:
             return
+        spilled = ids[self.on_disk[ids]]
+        fetched = self.spill.get(spilled, self.device) if spilled.numel() else None  # checked before anything moves
         short = ids.numel() - self._device_free.free
         if short > 0 and self.keys.shape[0] < self.device_pages:  # room left in the budget: grow first
             self._grow_device(min(self.device_pages, max(2 * self.keys.shape[0], self.keys.shape[0] + short)))
             short = ids.numel() - self._device_free.free
         if short > 0:
-            self._check_host_room(short)
+            self._make_host_room(short, keep=wanted)
             resident = (self.device_row >= 0).nonzero().squeeze(-1)
             resident = resident[~torch.isin(resident, wanted)]  # never the pages asked for
             self._to_host(self._leaving_order(resident)[:short])
@@ -161,6 +227,13 @@ class TieredPagePool(PagePool):
             self._host_free.push(source)
             self.host_row[ids[coming]] = -1
             self.moves_to_device += int(coming.sum())
+        if fetched is not None:  # spilled pages come back from their records, which go
+            target = to_arena_device(rows[self.on_disk[ids]], self.device)
+            self.keys.index_copy_(0, target, fetched[0].to(self.device, non_blocking=True))
+            self.values.index_copy_(0, target, fetched[1].to(self.device, non_blocking=True))
+            self.spill.delete(spilled)
+            self.on_disk[spilled] = False
+            self.moves_to_device += spilled.numel()
         self.device_row[ids] = rows
 
     def _leaving_order(self, ids: torch.Tensor) -> torch.Tensor:
@@ -232,8 +305,9 @@ class TieredPagePool(PagePool):
             self.summaries.add(slots, keys)
 
     def read_pages(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Whole pages: device ones gathered, host ones copied over, free ones zero (none moves,
-        and reading is not a use: every decode step reads every page)."""
+        """Whole pages: device ones gathered, host ones copied over, spilled ones read from their
+        (checked) records, free ones zero (none moves, and reading is not a use: every decode
+        step reads every page)."""
         on_device, on_host = self.device_row[ids], self.host_row[ids]
         keys = torch.zeros(ids.numel(), self.page_size, self.head_dim, dtype=self.dtype, device=self.device)
         values = torch.zeros(ids.numel(), self.page_size, self.value_dim, dtype=self.dtype, device=self.device)
@@ -249,24 +323,28 @@ class TieredPagePool(PagePool):
             target = to_arena_device(there, self.device)
             keys.index_copy_(0, target, self.host_keys.index_select(0, on_host[there]).to(self.device, non_blocking=True))
             values.index_copy_(0, target, self.host_values.index_select(0, on_host[there]).to(self.device, non_blocking=True))
+        spilled = self.on_disk[ids].nonzero().squeeze(-1)
+        if spilled.numel():
+            disk_keys, disk_values = self.spill.get(ids[spilled], self.device)
+            target = to_arena_device(spilled, self.device)
+            keys.index_copy_(0, target, disk_keys.to(self.device, non_blocking=True))
+            values.index_copy_(0, target, disk_values.to(self.device, non_blocking=True))
         return keys, values
 
     gather = PagePool.gather_by_pages
 
     def copy_pages(self, source: torch.Tensor, target: torch.Tensor) -> None:
-        """Copy whole pages onto new ``target`` pages, in whichever tier each target sits."""
-        keys, values = self.read_pages(source)
-        on_device = self.device_row[target] >= 0
-        if bool(on_device.any()):
-            rows = to_arena_device(self.device_row[target[on_device]], self.device)
-            picked = to_arena_device(on_device.nonzero().squeeze(-1), self.device)
-            self.keys.index_copy_(0, rows, keys.index_select(0, picked))
-            self.values.index_copy_(0, rows, values.index_select(0, picked))
-        if not bool(on_device.all()):
-            rows = self.host_row[target[~on_device]]
-            picked = (~on_device).nonzero().squeeze(-1)
-            self.host_keys[rows] = keys.index_select(0, to_arena_device(picked, self.device)).to("cpu")
-            self.host_values[rows] = values.index_select(0, to_arena_device(picked, self.device)).to("cpu")
+        """Copy whole pages onto new ``target`` pages: a write, so targets land on the device,
+        streamed in half-budget batches (each batch's sources read before its targets move in)."""
+        step = max(1, self.device_pages // 2)
+        for first in range(0, target.numel(), step):
+            keys, values = self.read_pages(source[first : first + step])
+            batch = target[first : first + step]
+            self._to_device_rows(batch)
+            self._use(batch)
+            rows = to_arena_device(self.device_row[batch], self.device)
+            self.keys.index_copy_(0, rows, keys)
+            self.values.index_copy_(0, rows, values)
         self.positions.index_copy_(0, to_arena_device(target, self.device), self.positions.index_select(0, to_arena_device(source, self.device)))
         if self.summaries is not None:
             self.summaries.copy(source, target)

@@ -26,3 +26,4 @@ def test_tier_bench_quick_reports_throughput_and_restore(tmp_path: Path) -> None
     assert all(0 <= b[name]["agreement"] <= 1 and b[name]["kl"] >= 0 for b in quest["budgets"] for name in ("quest", "random_pages"))
     assert all(0 <= p["device_hit_rate"] <= 1 for p in quest["placement"].values())
     assert "| 2 (0.5) |" in (tmp_path / "tier_bench.md").read_text()
+    assert saved["spill"]["by_tier"]["disk"] > 0 and saved["spill"]["ratio"] > 0

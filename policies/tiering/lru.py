@@ -1,4 +1,4 @@
-"""LRU placement: the pages used longest ago leave the device for host memory."""
+"""LRU placement: the pages used longest ago leave the device for host memory, then for disk."""
 
 from __future__ import annotations
 
@@ -13,20 +13,29 @@ from kvlib.strategy import Tiering
 class LRUPlacement(Tiering):
     """Keep at most ``device_mb`` MiB of KV pages (over all layers) on the compute device; when a
     page needs room there, the pages written longest ago move to host memory (the newest tokens,
-    which decoding writes, stay),
-    pinned under CUDA. Reads copy host pages into the read buffer without moving them back;
-    writes bring a page back. Lossless: outputs equal the untiered cache's.
+    which decoding writes, stay), pinned under CUDA; with ``disk``, when the host is full its
+    pages written longest ago go on to page records in an lmdb directory. Reads copy host and
+    disk pages into the read buffer without moving them back; writes bring a page back.
+    Lossless: outputs equal the untiered cache's.
 
     Args:
         device_mb: device budget for keys and values of pages, MiB, split evenly over layers
             (at least one page per layer).
-        host_mb: host budget, MiB over all layers (0: unbounded). A move past it raises
-            :class:`~kvlib.errors.PoolExhaustedError` (no disk tier behind the host one yet for
-            live sequences, so the call fails; the cache must then be reset).
+        host_mb: host budget, MiB over all layers (0: unbounded). Past it, pages spill to
+            ``disk``; without one, a move past it raises :class:`~kvlib.errors.PoolExhaustedError`
+            (the call fails; the cache must then be reset).
+        disk: directory of the lmdb disk tier for spilled pages ("": none). Needs ``host_mb``.
+            It may also hold a prefix store's records (they survive); a cache's spilled records
+            are deleted as its pages are freed, when it is garbage collected or the process
+            exits, and, after a crash, by the next process that opens the directory.
+        disk_mb: disk budget, MiB of spilled page records (pages plus their headers) over all
+            layers; past it a move raises :class:`~kvlib.errors.PoolExhaustedError`.
     """
 
     device_mb: float = 1024.0
     host_mb: float = 0.0
+    disk: str = ""
+    disk_mb: float = 4096.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -34,6 +43,10 @@ class LRUPlacement(Tiering):
             raise ValueError(f"device_mb must be > 0, got {self.device_mb}")
         if self.host_mb < 0:
             raise ValueError(f"host_mb must be >= 0 (0: unbounded), got {self.host_mb}")
+        if self.disk and not self.host_mb > 0:
+            raise ValueError(f"a disk tier (disk={self.disk!r}) takes pages past the host budget: set host_mb > 0")
+        if not self.disk_mb > 0:
+            raise ValueError(f"disk_mb must be > 0, got {self.disk_mb}")
 
     def device_pages(self, num_layers: int, page_bytes: int) -> int:
         """Pages each layer may keep on the device."""
@@ -42,3 +55,7 @@ class LRUPlacement(Tiering):
     def host_pages(self, num_layers: int, page_bytes: int) -> int | None:
         """Pages each layer may keep on the host (None: unbounded)."""
         return None if not self.host_mb else max(1, int(self.host_mb * 2**20 / (num_layers * page_bytes)))
+
+    def disk_pages(self, num_layers: int, record_bytes: int) -> int:
+        """Pages each layer may keep on disk (records of ``record_bytes``; 0 without a disk)."""
+        return 0 if not self.disk else max(1, int(self.disk_mb * 2**20 / (num_layers * record_bytes)))

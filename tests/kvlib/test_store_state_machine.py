@@ -19,6 +19,9 @@ operations meet, and sealed pages are full, never written, and counted at the co
 
 from __future__ import annotations
 
+import shutil
+import tempfile
+
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
@@ -28,6 +31,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from kvlib import PagedStore
 from kvlib.codec import Field, PageCodec, TensorCodec, layer_shapes
 from kvlib.storage.coded_pool import CodedPagePool
+from kvlib.storage.disk_tier import DiskTier
+from kvlib.storage.spill_store import SpillStore
 from kvlib.storage.tiered_pool import TieredPagePool
 
 HEADS = (2, 3)
@@ -77,6 +82,7 @@ class StoreMachine(RuleBasedStateMachine):
     coded = False
     tiered = False
     summarized = False
+    spilling = False
 
     @initialize(page_size=st.integers(1, 5), pages=st.integers(0, 3))
     def setup(self, page_size: int, pages: int) -> None:
@@ -90,6 +96,7 @@ class StoreMachine(RuleBasedStateMachine):
             codecs=reversing_codecs(page_size) if self.coded else None,
             device_pages=5 if self.tiered else None,
             key_summaries=self.summarized,
+            **self.disk_tier(),
         )
         self.page_size = page_size
         self.model: dict[int, list[list[list[Token]]]] = {}  # seq -> layer -> head -> tokens
@@ -97,6 +104,21 @@ class StoreMachine(RuleBasedStateMachine):
         self.next_token = 0
         self.shared: dict[int, list[torch.Tensor]] = {}  # layer -> [page ids, keys, values, positions]
         self.last_append: tuple[int, list[int]] | None = None  # (layer, batch) of the last append
+
+    def disk_tier(self) -> dict:
+        """With ``spilling``: 3 host pages per layer and a disk tier behind them (a fresh directory)."""
+        if not self.spilling:
+            return {}
+        self.directory = tempfile.mkdtemp(prefix="kvlib-spill-")
+        self.spill = SpillStore(DiskTier(self.directory, capacity_bytes=1), capacity_bytes=1 << 26)
+        return {"host_pages": 3, "spill": self.spill, "disk_pages": 1000}
+
+    def teardown(self) -> None:
+        if self.spilling and hasattr(self, "spill"):
+            self.spill.close()
+            assert self.spill.keys() == [], "closing the store left spilled records"
+            self.spill.disk.close()
+            shutil.rmtree(self.directory)
 
     # -- helpers -------------------------------------------------------------------------------
 
@@ -335,12 +357,19 @@ class StoreMachine(RuleBasedStateMachine):
                     assert bool(full[sealed_here].all()), "a sealed page is not full"
             else:
                 assert pool.bytes_in_use() == in_use * pool.page_bytes
-            if isinstance(pool, TieredPagePool):  # every page in use in exactly one tier, within the budget
+            if isinstance(pool, TieredPagePool):  # every page in use in exactly one tier, within the budgets
                 used = references > 0
-                on_device, on_host = pool.device_row >= 0, pool.host_row >= 0
-                assert torch.equal(on_device[used] ^ on_host[used], torch.ones(int(used.sum()), dtype=torch.bool))
-                assert not bool((on_device | on_host)[~used].any())
+                on_device, on_host, on_disk = pool.device_row >= 0, pool.host_row >= 0, pool.on_disk
+                tiers = on_device.long() + on_host.long() + on_disk.long()
+                assert bool((tiers[used] == 1).all()), "a page in use is not in exactly one tier"
+                assert not bool(tiers[~used].any()), "a free page still holds a tier"
                 assert int(on_device.sum()) == pool.pages_on_device <= pool.device_pages
+                assert pool.host_pages is None or pool.pages_on_host <= pool.host_pages
+                assert pool.pages_on_disk <= pool.disk_pages
+                if pool.spill is not None:  # a record exists exactly for each page on disk
+                    layer = self.store.pools.index(pool)
+                    recorded = sorted(int.from_bytes(key[-8:], "big") for key in self.spill.keys() if int.from_bytes(key[16:20], "big") == layer)
+                    assert recorded == on_disk.nonzero().flatten().tolist(), "spilled records differ from the pages on disk"
                 rows = pool.device_row[on_device]
                 assert rows.unique().numel() == rows.numel()
             if len(live):
@@ -401,3 +430,18 @@ class TieredStoreMachine(StoreMachine):
 
 TieredStoreMachine.TestCase.settings = StoreMachine.TestCase.settings
 TestTieredStoreMachine = TieredStoreMachine.TestCase
+
+
+class SpillingStoreMachine(StoreMachine):
+    """The same rules with 5 device pages and 3 host pages per layer, the rest spilled to an lmdb
+    disk tier: pages cross all three tiers under every operation, reads stay exact, and records
+    exist exactly for the pages on disk (none left once the store closes)."""
+
+    tiered = True
+    spilling = True
+
+
+SpillingStoreMachine.TestCase.settings = settings(
+    max_examples=20, stateful_step_count=25, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+TestSpillingStoreMachine = SpillingStoreMachine.TestCase

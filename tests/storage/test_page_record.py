@@ -40,7 +40,7 @@ def test_any_flipped_bit_is_detected(position: float, bit: int) -> None:
 def test_truncated_foreign_and_misshaped_records_are_refused() -> None:
     record = encode(LAYOUT, block())
     with pytest.raises(RecordError, match="checksum"):
-        decode(LAYOUT, record[:-1] + b"x")
+        decode(LAYOUT, bytes(record[:-1]) + b"x")
     with pytest.raises(RecordError):
         decode(LAYOUT, record[:20])
     other_model = Layout(b"m" * 16, 2, 3, 4, 5, 6, torch.float32)
@@ -49,3 +49,24 @@ def test_truncated_foreign_and_misshaped_records_are_refused() -> None:
     other_dtype = Layout(LAYOUT.namespace, 2, 3, 4, 5, 6, torch.float16)
     with pytest.raises(RecordError, match="shape or dtype"):
         decode(other_dtype, record)
+
+
+def test_keys_padding_and_half_precision_tails_are_covered() -> None:
+    """Keys of 2x1x3x3 fp16 are 36 bytes (padded to 40), values 2x1x3x1 end off an 8-byte word:
+    every byte of such a record, padding included, is checked."""
+    layout = Layout(b"n" * 16, layers=2, heads=1, page_size=3, head_dim=3, value_dim=1, dtype=torch.float16)
+    original = Block(b"k" * 16, b"p" * 16, [1, 2, 3], torch.randn(2, 1, 3, 3).half(), torch.randn(2, 1, 3, 1).half())
+    record = encode(layout, original)
+    decoded = decode(layout, record)
+    assert decoded.parent == b"p" * 16 and torch.equal(decoded.keys, original.keys) and torch.equal(decoded.values, original.values)
+    for position in range(len(record)):
+        corrupted = bytearray(record)
+        corrupted[position] ^= 0x10
+        with pytest.raises(RecordError):
+            decode(layout, bytes(corrupted))
+
+
+def test_a_block_of_the_wrong_shape_is_refused_before_encoding() -> None:
+    wrong = Block(b"k" * 16, b"", [7, 8, 9, 10], torch.zeros(2, 3, 4, 6), torch.zeros(2, 3, 4, 6))
+    with pytest.raises(ValueError, match="keys have shape"):
+        encode(LAYOUT, wrong)

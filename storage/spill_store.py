@@ -1,0 +1,218 @@
+"""Live sequences' pages spilled to the disk tier: sequence-scoped page records, cleaned up.
+
+A :class:`SpillStore` is one *run*: a random 16-byte run id registered in the tier's ``runs``
+database with its process id and start time. Its records live in the ``spill`` database under
+``run id + layer (u32) + page id (u64)`` (big endian, so one run's keys are contiguous), one
+:mod:`~kvlib.storage.page_record` record per page: namespace = run id, one layer and one head,
+the chain key field holding ``layer, page`` (checked on read), the token field the page's
+positions. They are outside the tier's LRU: a live page is never evicted; its pool's disk
+budget bounds them instead.
+
+Lifetime: a freed page's record is deleted with it; :meth:`SpillStore.close` (also run when the
+store is garbage collected or the process exits) deletes the run's records and its
+registration; a process killed before that leaves them, and the next :class:`DiskTier` opened
+on the directory deletes them (:func:`sweep_dead_runs`), leaving prefix records and live runs
+alone. Every write is one lmdb transaction, so a killed writer leaves whole records only.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import weakref
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import lmdb
+import torch
+
+from kvlib.devices import host_staging
+from kvlib.errors import PoolExhaustedError
+from kvlib.storage.page_record import Block, Layout, RecordError, decode_into, encode
+
+if TYPE_CHECKING:
+    from kvlib.storage.disk_tier import DiskTier
+
+SPILL_DB = b"spill"
+RUNS_DB = b"runs"
+_RUN = struct.Struct("<QQ")
+"""A run's registration: process id, process start time (clock ticks after boot; 0 if unknown)."""
+_PAGE_KEY = struct.Struct(">IQ")
+_RECORD_KEY = struct.Struct(">QQ")
+
+
+class SpilledPageLost(RuntimeError):
+    """A spilled page's record is missing or fails its checks: that sequence's KV is gone."""
+
+
+class SpillStore:
+    """The spilled pages of one run in ``disk``, at most ``capacity_bytes`` of records (the map
+    may grow by that much beyond the tier's own budget)."""
+
+    def __init__(self, disk: DiskTier, capacity_bytes: int) -> None:
+        if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes < 1:
+            raise ValueError(f"capacity_bytes must be an int >= 1, got {capacity_bytes!r}")
+        self.disk = disk
+        self.capacity_bytes = capacity_bytes
+        self.run = os.urandom(16)
+        self.spill = disk.env.open_db(SPILL_DB)
+        self.runs = disk.env.open_db(RUNS_DB)
+        self.nbytes = 0
+        """Record bytes this run holds."""
+        disk.extend_limit(capacity_bytes)
+        disk.transact(_RUN.size, lambda txn: txn.put(self.run, _RUN.pack(os.getpid(), _start_time(os.getpid()) or 0), db=self.runs))
+        self._close = weakref.finalize(self, _delete_run, disk.env, self.spill, self.runs, self.run)
+
+    def layer(self, layer: int, page_size: int, head_dim: int, value_dim: int, dtype: torch.dtype) -> LayerSpill:
+        """The spill of one layer's pool (pages of that shape)."""
+        return LayerSpill(self, layer, Layout(self.run, 1, 1, page_size, head_dim, value_dim, dtype))
+
+    def keys(self) -> list[bytes]:
+        """This run's record keys (for checks)."""
+        with self.disk.env.begin(db=self.spill) as txn:
+            cursor = txn.cursor()
+            found = []
+            if cursor.set_range(self.run):
+                for key in cursor.iternext(values=False):
+                    if not key.startswith(self.run):
+                        break
+                    found.append(bytes(key))
+            return found
+
+    def close(self) -> None:
+        """Delete this run's records and registration (also at garbage collection or exit)."""
+        self._close()
+        self.nbytes = 0
+
+
+@dataclass
+class LayerSpill:
+    """One layer's spilled pages: batched writes, checked reads, deletes."""
+
+    store: SpillStore
+    layer: int
+    layout: Layout
+
+    def _key(self, page: int) -> bytes:
+        return self.store.run + _PAGE_KEY.pack(self.layer, page)
+
+    def put(self, pages: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
+        """Write pages ``pages`` (keys ``[n, page_size, head_dim]``, values, positions ``[n,
+        page_size]``, any device) in one transaction. :class:`PoolExhaustedError`, nothing
+        written, when they would take the run past its byte budget or the disk is full."""
+        keys, values, positions = keys.to("cpu"), values.to("cpu"), positions.to("cpu")
+        items = [
+            (self._key(page), encode(self.layout, Block(_RECORD_KEY.pack(self.layer, page), b"", positions[i].tolist(), keys[i][None, None], values[i][None, None])))
+            for i, page in enumerate(pages.tolist())
+        ]
+        incoming = sum(len(record) for _, record in items)
+        if self.store.nbytes + incoming > self.store.capacity_bytes:
+            raise PoolExhaustedError(
+                f"disk tier full: {len(items)} more spilled pages ({incoming} bytes) would exceed its budget of "
+                f"{self.store.capacity_bytes} bytes ({self.store.nbytes} held)"
+            )
+
+        def write(txn: lmdb.Transaction) -> None:
+            for key, record in items:
+                txn.put(key, record, db=self.store.spill)
+
+        try:
+            self.store.disk.transact(incoming, write)
+        except lmdb.Error as error:
+            raise PoolExhaustedError(f"disk tier at {self.store.disk.path} cannot take spilled pages ({type(error).__name__}: {error})") from None
+        self.store.nbytes += incoming
+
+    def get(self, pages: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of spilled pages ``pages`` (checked; they stay on disk), in host
+        memory pinned when ``device`` is CUDA. :class:`SpilledPageLost` if any record is missing
+        or fails its checks."""
+        layout = self.layout
+        keys = host_staging((pages.numel(), layout.page_size, layout.head_dim), layout.dtype, device)
+        values = host_staging((pages.numel(), layout.page_size, layout.value_dim), layout.dtype, device)
+        if pages.numel() == 0:
+            return keys, values
+        key_bytes = keys.view(pages.numel(), -1).view(torch.uint8).numpy()
+        value_bytes = values.view(pages.numel(), -1).view(torch.uint8).numpy()
+        with self.store.disk.env.begin(db=self.store.spill, buffers=True) as txn:
+            for i, page in enumerate(pages.tolist()):
+                record = txn.get(self._key(page))
+                try:
+                    if record is None:
+                        raise RecordError("no record")
+                    if decode_into(layout, record, key_bytes[i], value_bytes[i]) != _RECORD_KEY.pack(self.layer, page):
+                        raise RecordError("record of another page")
+                except RecordError as error:
+                    raise SpilledPageLost(f"spilled page {page} of layer {self.layer} is lost: {error}") from None
+        return keys, values
+
+    def delete(self, pages: torch.Tensor) -> None:
+        """Delete the records of pages ``pages`` (freed, or back in memory), in one transaction."""
+        freed = 0
+
+        def remove(txn: lmdb.Transaction) -> None:
+            nonlocal freed
+            freed = 0
+            for page in pages.tolist():
+                record = txn.pop(self._key(page), db=self.store.spill)
+                freed += 0 if record is None else len(record)
+
+        self.store.disk.transact(0, remove)
+        self.store.nbytes -= freed
+
+
+def _delete_run(env: lmdb.Environment, spill: lmdb._Database, runs: lmdb._Database, run: bytes) -> None:
+    """Delete run ``run``'s records and registration in one transaction (a closed environment:
+    nothing to do, the next opening sweeps)."""
+    try:
+        with env.begin(write=True) as txn:
+            _delete_records(txn, spill, run)
+            txn.delete(run, db=runs)
+    except lmdb.Error:
+        pass
+
+
+def _delete_records(txn: lmdb.Transaction, spill: lmdb._Database, run: bytes) -> None:
+    cursor = txn.cursor(db=spill)
+    if cursor.set_range(run):
+        while cursor.key().startswith(run):
+            if not cursor.delete():
+                break
+
+
+def sweep_dead_runs(env: lmdb.Environment) -> int:
+    """Delete the spill records and registrations of runs whose process is gone (one
+    transaction); returns how many runs were swept."""
+    spill, runs = env.open_db(SPILL_DB), env.open_db(RUNS_DB)
+    with env.begin(db=runs) as txn:
+        dead = [bytes(run) for run, value in txn.cursor() if not _alive(*_RUN.unpack(value))]
+    if dead:
+        with env.begin(write=True) as txn:
+            for run in dead:
+                _delete_records(txn, spill, run)
+                txn.delete(run, db=runs)
+    return len(dead)
+
+
+def _alive(pid: int, start: int) -> bool:
+    """Whether process ``pid`` started at ``start`` still runs (a zombie or a reused pid does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    now = _start_time(pid)
+    if now is None:
+        return not os.path.isdir("/proc")  # no /proc: the signal check is all there is
+    return start in (0, now)
+
+
+def _start_time(pid: int) -> int | None:
+    """Start time of live, non-zombie process ``pid`` (clock ticks after boot), from /proc."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            fields = handle.read().rsplit(b")", 1)[1].split()
+    except OSError:
+        return None
+    return None if fields[0] == b"Z" else int(fields[19])
+
