@@ -41,7 +41,8 @@ from kvlib.adapters.swap import SwappedSequence, swap_in, swap_out
 from kvlib.paged_store import PagedStore
 from kvlib.prefix_store import PrefixStore
 from kvlib.read_cache import LayerRead
-from kvlib.spec import parse_spec
+from kvlib.codec import Codec, layer_shapes
+from kvlib.spec import Spec, parse_spec
 
 PREEMPTION_MODES = ("recompute", "swap")
 
@@ -53,9 +54,12 @@ class Engine:
         model: the model; its attention is routed through kvlib (:func:`kvlib.attach`).
         spec: default eviction spec for requests that name none (None: keep every token);
             with ``budget`` (tokens per head, or a fraction of the prompt), as in ``make_cache``.
+            A quantization codec in it (``"kivi(bits=4)"``, ``"snapkv+int8"``) applies to every
+            request: full pages are sealed after each layer's attention and stored encoded.
         max_batch_tokens: tokens per forward pass (decodes first, prefill chunks fill the rest).
         page_budget_bytes: bytes of keys and values the store may hold over all layers (None:
-            the pools grow as needed and nothing is ever preempted).
+            the pools grow as needed and nothing is ever preempted). With a codec, pages count
+            at their encoded size (each request's open last page is held raw on top).
         page_size: tokens per page.
         preemption: ``"recompute"`` or ``"swap"`` (to host memory), when pages run out.
         prefix_cache: index full pages for reuse across requests.
@@ -64,7 +68,8 @@ class Engine:
         max_running: requests running at once at most.
         reserve_pages: pages per layer held back per running request at admission.
         fairness_steps: steps a waiting request may be passed over by prefix-aware ordering.
-        read_cache: keep a dense mirror of the decoding batch (faster decodes, more memory).
+        read_cache: keep a dense mirror of the decoding batch (faster decodes, more memory;
+            default on, off with a codec, whose point is holding fewer bytes).
     """
 
     def __init__(
@@ -82,7 +87,7 @@ class Engine:
         max_running: int = 64,
         reserve_pages: int = 1,
         fairness_steps: int = 64,
-        read_cache: bool = True,
+        read_cache: bool | None = None,
     ) -> None:
         if preemption not in PREEMPTION_MODES:
             raise ValueError(f"preemption must be one of {PREEMPTION_MODES}, got {preemption!r}")
@@ -94,31 +99,41 @@ class Engine:
         self.scheduler = Scheduler(max_batch_tokens, max_running, reserve_pages, fairness_steps)
         self.model = attach(model)
         self.shape = kv_shape(model)
-        self.default_spec = (spec, budget)
-        self._compressor(spec, budget)  # a bad default spec fails now
+        parsed = parse_spec(spec)
+        self.codec = _engine_codec(parsed)
+        self.default_spec = (_without_codec(parsed), budget)
+        self._compressor(*self.default_spec)  # a bad default spec fails now
         self.preemption = preemption
         self.page_size = page_size
         parameter = next(model.parameters())
         self.dtype, self.device = parameter.dtype, parameter.device
         shape = self.shape
+        codecs = None
+        if self.codec is not None:
+            codecs = self.codec.layer_codecs(
+                layer_shapes(shape.num_layers, shape.num_kv_heads, shape.head_dim, shape.value_dim, page_size, self.dtype, self.device)
+            )
         kv_page_bytes = page_size * (shape.head_dim + shape.value_dim) * parameter.element_size()
+        if codecs is not None:  # the budget counts sealed pages at their encoded size
+            kv_page_bytes = codecs[0].page_bytes()
         pages = None if page_budget_bytes is None else page_budget_bytes // (shape.num_layers * kv_page_bytes)
         if pages is not None and pages < shape.num_kv_heads:
             raise ValueError(
                 f"page_budget_bytes={page_budget_bytes} holds {pages} pages per layer; one token needs {shape.num_kv_heads}"
                 f" (one page of {kv_page_bytes} bytes per KV head per layer, {shape.num_layers} layers)"
             )
+        read_cache = self.codec is None if read_cache is None else read_cache
 
         def build() -> PagedStore:
             return PagedStore(
                 shape.num_layers, shape.num_kv_heads, shape.head_dim, value_dim=shape.value_dim, page_size=page_size,
                 dtype=self.dtype, device=self.device, pages_per_layer=pages or 64, fixed_capacity=pages is not None,
-                read_cache=read_cache,
+                read_cache=read_cache, codecs=codecs,
             )
 
         self.prefix = PrefixStore(model, prefix_cache_bytes or page_budget_bytes or 2**30) if prefix_cache else None
         if self.prefix is not None:
-            self.namespace = self.prefix.namespace("", self.dtype, self.device, page_size)
+            self.namespace = self.prefix.namespace("" if self.codec is None else self.codec.spec(), self.dtype, self.device, page_size)
             self.store = self.prefix.paged_store(self.namespace, build)
         else:
             self.store = build()
@@ -366,8 +381,13 @@ class Engine:
         return sorted(decodes, key=lambda request: mirrored.get(request.seq, len(mirrored)))
 
     def _after_attention(self, layer: int, index: int, query: torch.Tensor, visible: torch.Tensor, read: LayerRead, scaling: float | None) -> None:
-        """Per-request eviction after a segment's attention in ``layer``."""
+        """Per-request eviction after a segment's attention in ``layer``, then sealing its full pages."""
         segment, requests = self._segments[index]
+        self._evict(layer, segment, requests, query, visible, read, scaling)
+        if self.codec is not None:
+            self.store.seal(layer, segment.seqs)
+
+    def _evict(self, layer: int, segment: Segment, requests: list[Request], query: torch.Tensor, visible: torch.Tensor, read: LayerRead, scaling: float | None) -> None:
         for b, request in enumerate(requests):
             if request.compressor is None:
                 continue
@@ -463,12 +483,29 @@ class Engine:
         if others:
             raise ValueError(
                 f"the engine applies eviction (and budget) strategies per request; {parsed} also has {', '.join(others)}"
-                " (prefix reuse is built in: prefix_cache=True)"
+                " (a quantization codec applies to every request: Engine(model, spec='kivi(bits=4)'); prefix reuse is"
+                " built in: prefix_cache=True)"
             )
         compressor = eviction_compressor(self.model, parsed, budget)
         if compressor is not None and "hidden_states" in compressor.strategy.needs:
             raise ValueError(f"{parsed.eviction.spec()} needs the attention input (hidden_states), which the engine does not record")
         return compressor
+
+
+def _engine_codec(spec: Spec) -> Codec | None:
+    """The spec's quantization codec (every request's pages), or None; ``ValueError`` for codecs
+    the engine cannot share between requests and for tiering."""
+    if spec.lowrank is not None:
+        raise ValueError(f"{spec.lowrank.spec()} fits itself to each prompt; the engine's pages are shared by requests: use a quantization codec")
+    if spec.tiering is not None or spec.reuse:
+        raise ValueError(f"the engine does not apply tiering or reuse strategies yet ({spec}); prefix reuse is built in: prefix_cache=True")
+    return spec.quantization
+
+
+def _without_codec(spec: Spec) -> str | None:
+    """The spec's eviction and budget strategies as a spec string (None when it has neither)."""
+    kept = [strategy.spec() for strategy in (spec.eviction, spec.budget) if strategy is not None]
+    return "+".join(kept) or None
 
 
 def _check_model(model: torch.nn.Module) -> None:

@@ -236,3 +236,26 @@ def test_decode_attention_equals_sdpa() -> None:
     shared = visible[:, :1]
     expected = torch.nn.functional.scaled_dot_product_attention(query, keys.repeat_interleave(2, 1), values.repeat_interleave(2, 1), attn_mask=shared).transpose(1, 2)
     torch.testing.assert_close(decode_attention(query, keys, values, shared, None), expected)
+
+
+def test_an_engine_wide_codec_equals_make_cache_with_it(llama, llama_case) -> None:
+    prompts, expected = llama_case
+    engine = kvlib.Engine(llama, "kivi(bits=4)")
+    outputs = engine.generate(prompts[:4], max_new_tokens=NEW)
+    for prompt, output in zip(prompts[:4], outputs):
+        cache = kvlib.make_cache(llama, "kivi(bits=4)")
+        reference = llama.generate(torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0, past_key_values=cache)
+        assert output == reference[0, len(prompt) :].tolist()
+    assert engine.stats()["cached_tokens"] > 0  # sealed pages are shared like raw ones
+    with pytest.raises(ValueError, match="engine-wide|every request"):
+        engine.add_request([1, 2], spec="int8")
+    with pytest.raises(ValueError, match="fits itself"):
+        kvlib.Engine(llama, "svd(rank=4)")
+
+
+def test_an_engine_wide_codec_with_default_eviction(llama, llama_case) -> None:
+    prompts, _ = llama_case
+    engine = kvlib.Engine(llama, "streaming_llm+int8", budget=24, page_budget_bytes=40 * 2 * page_bytes(llama))
+    outputs = engine.generate(prompts[:3], max_new_tokens=NEW)
+    assert all(len(output) == NEW for output in outputs)
+    assert engine.requests[0].compressor is not None and pages_held(engine) == 0
