@@ -119,13 +119,17 @@ def decode_rate(model: torch.nn.Module, spec: str | None, options: dict, prompt:
     return steps / seconds, torch.cat(tokens, 1), cache.memory_report()["by_tier"]
 
 
-def host_tier(model: torch.nn.Module, prompt: torch.Tensor, steps: int, repeats: int) -> dict:
+def kv_mebibytes(model: torch.nn.Module, tokens: int) -> float:
+    """MiB of keys and values that ``tokens`` tokens take over all layers of ``model``."""
     shape = kv_shape(model)
     element = next(model.parameters()).element_size()
-    total = prompt.shape[1] * shape.num_layers * shape.num_kv_heads * (shape.head_dim + shape.value_dim) * element
-    half = f"lru(device_mb={total / 2 / 2**20:.4f})"
-    configs = {"device (no mirror)": (None, {"read_cache": False}), "half on host": (half, {}), "device (mirror)": (None, {})}
-    for spec, options in configs.values():  # warm-up
+    return tokens * shape.num_layers * shape.num_kv_heads * (shape.head_dim + shape.value_dim) * element / 2**20
+
+
+def decode_rates(model: torch.nn.Module, configs: dict, prompt: torch.Tensor, steps: int, repeats: int) -> tuple[dict, dict, dict]:
+    """Median decode tok/s, generated tokens and bytes by tier of each ``name: (spec, options)``
+    config (a short warm-up first; configs interleaved over ``repeats``)."""
+    for spec, options in configs.values():
         decode_rate(model, spec, options, prompt[:, :32], 2)
     rates = {name: [] for name in configs}
     tokens, tiers = {}, {}
@@ -133,8 +137,15 @@ def host_tier(model: torch.nn.Module, prompt: torch.Tensor, steps: int, repeats:
         for name, (spec, options) in configs.items():
             rate, tokens[name], tiers[name] = decode_rate(model, spec, options, prompt, steps)
             rates[name].append(rate)
+    return {name: statistics.median(r) for name, r in rates.items()}, tokens, tiers
+
+
+def host_tier(model: torch.nn.Module, prompt: torch.Tensor, steps: int, repeats: int) -> dict:
+    half = f"lru(device_mb={kv_mebibytes(model, prompt.shape[1]) / 2:.4f})"
+    configs = {"device (no mirror)": (None, {"read_cache": False}), "half on host": (half, {}), "device (mirror)": (None, {})}
+    medians, tokens, tiers = decode_rates(model, configs, prompt, steps, repeats)
     assert all(torch.equal(tokens[name], tokens["device (mirror)"]) for name in configs)
-    return {"spec": half, "tok_s": {name: statistics.median(r) for name, r in rates.items()}, "by_tier": tiers}
+    return {"spec": half, "tok_s": medians, "by_tier": tiers}
 
 
 def quest_story(model: torch.nn.Module, context: int, steps: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -203,23 +214,12 @@ def _quest_markdown(quest: dict) -> list[str]:
     return lines
 def spill_tier(model: torch.nn.Module, prompt: torch.Tensor, steps: int, repeats: int, directory: Path) -> dict:
     """Decode tokens/s with the pages in thirds over device, host and disk, against all on the device."""
-    shape = kv_shape(model)
-    element = next(model.parameters()).element_size()
-    total = prompt.shape[1] * shape.num_layers * shape.num_kv_heads * (shape.head_dim + shape.value_dim) * element
-    third = total / 3 / 2**20
+    third = kv_mebibytes(model, prompt.shape[1]) / 3
     spread = f"lru(device_mb={third:.4f}, host_mb={third:.4f}, disk={str(directory)!r}, disk_mb={4 * third + 1:.4f})"
     configs = {"device (no mirror)": (None, {"read_cache": False}), "device+host+disk": (spread, {})}
-    for spec, options in configs.values():  # warm-up
-        decode_rate(model, spec, options, prompt[:, :32], 2)
-    rates = {name: [] for name in configs}
-    tokens, tiers = {}, {}
-    for _ in range(repeats):
-        for name, (spec, options) in configs.items():
-            rate, tokens[name], tiers[name] = decode_rate(model, spec, options, prompt, steps)
-            rates[name].append(rate)
+    medians, tokens, tiers = decode_rates(model, configs, prompt, steps, repeats)
     assert torch.equal(tokens["device+host+disk"], tokens["device (no mirror)"])
     assert all(tiers["device+host+disk"][tier] > 0 for tier in ("device", "host", "disk"))
-    medians = {name: statistics.median(r) for name, r in rates.items()}
     return {"spec": spread, "tok_s": medians, "ratio": medians["device+host+disk"] / medians["device (no mirror)"],
             "by_tier": tiers["device+host+disk"]}
 
