@@ -271,9 +271,8 @@ class Engine:
     def cached_tokens(self, request: Request) -> int:
         if self.prefix is None or request.compressor is not None:
             return 0
-        usable = (len(request.tokens) - 1) // self.page_size
-        blocks = self._blocks(request.tokens, usable)
-        return self.prefix.cached_blocks(self._block_keys(request)[:usable], blocks) * self.page_size
+        blocks = self._lookup_blocks(request)
+        return self.prefix.cached_blocks(self._block_keys(request)[: len(blocks)], blocks) * self.page_size
 
     def admission_pages(self, request: Request, tokens: int) -> int:
         cached = self.cached_tokens(request)
@@ -343,7 +342,7 @@ class Engine:
         finishing, last_index = [], []
         for segment, requests in segments:
             for b, request in enumerate(requests):
-                if request.computed + segment.length == len(request.tokens):
+                if segment.length == request.remaining:
                     finishing.append(request)
                     last_index.append(segment.start + (b + 1) * segment.length - 1)
         cache = PackedCache(self.store, [segment for segment, _ in segments], self._after_attention)
@@ -411,8 +410,7 @@ class Engine:
         self._counters["prompt_tokens"] += len(request.tokens)
         if self.prefix is None or request.compressor is not None:
             return
-        usable = (len(request.tokens) - 1) // self.page_size
-        entries = self.prefix.lookup(self.namespace, self._blocks(request.tokens, usable))
+        entries = self.prefix.lookup(self.namespace, self._lookup_blocks(request))
         self.prefix.attach(self.namespace, request.seq, entries)
         request.entries = entries
         request.computed = len(entries) * self.page_size
@@ -465,6 +463,11 @@ class Engine:
     def _blocks(self, tokens: list[int], count: int) -> list[list[int]]:
         size = self.page_size
         return [tokens[i * size : (i + 1) * size] for i in range(count)]
+
+    def _lookup_blocks(self, request: Request) -> list[list[int]]:
+        """The request's full blocks a prefix lookup may return (never its last token, whose
+        logits the model must compute)."""
+        return self._blocks(request.tokens, (len(request.prompt) + len(request.output) - 1) // self.page_size)
 
     def _block_keys(self, request: Request) -> list[bytes]:
         """Chain keys of the request's full blocks (prompt and output so far), extended as it grows."""

@@ -160,15 +160,13 @@ def packed_attention(
         elif visible.shape[1] != heads:
             visible = visible.repeat_interleave(heads // visible.shape[1], dim=1)
         if segment.length == 1 and additive_mask_dtype is None and _plain_attention(kwargs):
-            outputs.append(decode_attention(part, read.keys, read.values, visible, kwargs.get("scaling")).reshape(1, segment.tokens, heads, -1))
-            if step.cache.after_attention is not None:
-                step.cache.after_attention(step.layer_idx, index, part, visible, read, kwargs.get("scaling"))
-            continue
-        mask = visible
-        if additive_mask_dtype is not None:
-            mask = torch.zeros(visible.shape, dtype=additive_mask_dtype, device=visible.device)
-            mask.masked_fill_(~visible, torch.finfo(additive_mask_dtype).min)
-        output, _ = inner(module, part, read.keys, read.values, mask, **kwargs)
+            output = decode_attention(part, read.keys, read.values, visible, kwargs.get("scaling"))
+        else:
+            mask = visible
+            if additive_mask_dtype is not None:
+                mask = torch.zeros(visible.shape, dtype=additive_mask_dtype, device=visible.device)
+                mask.masked_fill_(~visible, torch.finfo(additive_mask_dtype).min)
+            output, _ = inner(module, part, read.keys, read.values, mask, **kwargs)
         outputs.append(output.reshape(1, segment.tokens, heads, -1))
         if step.cache.after_attention is not None:
             step.cache.after_attention(step.layer_idx, index, part, visible, read, kwargs.get("scaling"))
