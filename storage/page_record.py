@@ -16,6 +16,9 @@ Nothing is pickled and nothing read is executed: :func:`decode` checks the magic
 namespace, the shape and dtype the reader expects and the body length before touching the body,
 then copies the body out while digesting it, and raises :class:`RecordError` on any mismatch
 (the caller treats it as a miss). Encoding and decoding each pass over the page bytes once.
+Many small records of one layout (spilled pages) are checked in one batch instead: copied into
+the rows of :func:`empty_rows`, checked by :func:`check_rows` (the same checks, vectorised) and
+read through :func:`row_sections`.
 """
 
 from __future__ import annotations
@@ -27,12 +30,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvlib.storage.record_digest import record_digest
+from kvlib.storage.record_digest import record_digest, rows_digests
 
 MAGIC = b"KVLP"
 VERSION = 2
 HEADER = struct.Struct("<4sH16s16s16sHHHHHBQ7x")
 """80 bytes: the body starts 8-byte aligned."""
+_KEY_AT = struct.calcsize("<4sH16s")
+"""Byte offset of the chain key in the header (after magic, version and namespace)."""
 DIGEST = struct.Struct("<Q")
 DTYPE_CODES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}
 _ITEM = {dtype: torch.empty((), dtype=dtype).element_size() for dtype in DTYPE_CODES}
@@ -81,10 +86,7 @@ def encode(layout: Layout, block: Block) -> memoryview:
     ]
     cuts = _cuts(layout)
     out = np.empty(cuts[-1] + DIGEST.size, dtype=np.uint8)
-    HEADER.pack_into(
-        out, 0, MAGIC, VERSION, layout.namespace, _pad(block.key), _pad(block.parent), layout.layers, layout.heads,
-        layout.page_size, layout.head_dim, layout.value_dim, DTYPE_CODES[layout.dtype], cuts[-1] - HEADER.size,
-    )
+    out[: HEADER.size] = np.frombuffer(_header(layout, _pad(block.key), _pad(block.parent)), dtype=np.uint8)
     for section, start, end in zip(sections, cuts[1:], cuts[2:]):
         out[start : start + section.nbytes] = section
         out[start + section.nbytes : end] = 0  # the keys' padding to 8 bytes
@@ -109,21 +111,38 @@ def decode(layout: Layout, record: bytes | bytearray | memoryview) -> Block:
     return Block(key, parent, tokens, keys, values)
 
 
-def decode_into(layout: Layout, record: bytes | bytearray | memoryview, keys: np.ndarray, values: np.ndarray) -> bytes:
-    """Check ``record`` like :func:`decode` and copy its keys' and values' bytes into ``keys`` and
-    ``values`` (uint8 arrays of exactly that many bytes: rows of the caller's buffers); returns
-    the record's key. The record is digested where it lies, then copied (for many small records,
-    such as spilled pages, read straight into one buffer). Nothing is written unless every check
-    passes."""
-    cuts, (key, _) = _checked_header(layout, record)
-    if keys.nbytes != _key_bytes(layout) or values.nbytes != cuts[4] - cuts[3]:
-        raise ValueError(f"decode_into fills {_key_bytes(layout)} key and {cuts[4] - cuts[3]} value bytes; got {keys.nbytes} and {values.nbytes}")
-    source = np.frombuffer(record, dtype=np.uint8, count=cuts[-1])
-    if record_digest(source, cuts) != DIGEST.unpack_from(record, cuts[-1])[0]:
-        raise RecordError("checksum mismatch")
-    np.copyto(keys, source[cuts[2] : cuts[2] + keys.nbytes])
-    np.copyto(values, source[cuts[3] : cuts[4]])
-    return key
+def empty_rows(layout: Layout, count: int) -> np.ndarray:
+    """An uninitialised uint8 ``[count, record_size(layout)]`` array whose rows each start 8-byte
+    aligned: where records read out of a store are copied for :func:`check_rows`."""
+    size = record_size(layout)
+    stride = -(-size // 8) * 8
+    return np.empty((count, stride), dtype=np.uint8)[:, :size]
+
+
+def check_rows(layout: Layout, rows: np.ndarray, chain_keys: np.ndarray) -> np.ndarray:
+    """Which records in ``rows`` (one per row, laid out by :func:`empty_rows`) pass every check
+    :func:`decode` makes, for records written without a parent: bool ``[rows]``. Row ``i`` must
+    carry chain key ``chain_keys[i]`` (uint8 ``[rows, 16]``). One vectorised header comparison
+    and one digest pass over all rows (the digest releases the GIL): for many small records,
+    such as spilled pages, read in one batch."""
+    if rows.ndim != 2 or rows.shape[1] != record_size(layout) or chain_keys.shape != (rows.shape[0], 16):
+        raise ValueError(f"check_rows takes [n, {record_size(layout)}] records and [n, 16] chain keys; got "
+                         f"{tuple(rows.shape)} and {tuple(chain_keys.shape)}")
+    cuts = _cuts(layout)
+    template = np.frombuffer(_header(layout, NO_PARENT, NO_PARENT), dtype=np.uint8)
+    ok = (rows[:, :_KEY_AT] == template[:_KEY_AT]).all(1)
+    ok &= (rows[:, _KEY_AT : _KEY_AT + 16] == chain_keys).all(1)
+    ok &= (rows[:, _KEY_AT + 16 : HEADER.size] == template[_KEY_AT + 16 :]).all(1)
+    stored = np.ascontiguousarray(rows[:, cuts[-1] :]).view("<u8")[:, 0]
+    return ok & (rows_digests(rows, cuts) == stored)
+
+
+def row_sections(layout: Layout, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Views of the keys' and values' bytes of each record in ``rows``: uint8 ``[rows, key bytes]``
+    and ``[rows, value bytes]`` (the records' C-order ``[1, 1, page_size, dim]`` tensors for a
+    one-layer, one-head layout)."""
+    _, _, keys_at, values_at, end = _cuts(layout)
+    return rows[:, keys_at : keys_at + _key_bytes(layout)], rows[:, values_at:end]
 
 
 def _checked_header(layout: Layout, record: bytes | bytearray | memoryview) -> tuple[tuple[int, int, int, int, int], tuple[bytes, bytes]]:
@@ -143,6 +162,12 @@ def _checked_header(layout: Layout, record: bytes | bytearray | memoryview) -> t
     if length != cuts[-1] - HEADER.size or len(record) != cuts[-1] + DIGEST.size:
         raise RecordError("record length differs from its header's")
     return cuts, (key, b"" if parent == NO_PARENT else parent)
+
+
+def _header(layout: Layout, key: bytes, parent: bytes) -> bytes:
+    """The header of a record of ``layout`` with 16-byte chain ``key`` and ``parent``."""
+    return HEADER.pack(MAGIC, VERSION, layout.namespace, key, parent, layout.layers, layout.heads, layout.page_size,
+                       layout.head_dim, layout.value_dim, DTYPE_CODES[layout.dtype], _cuts(layout)[-1] - HEADER.size)
 
 
 def record_size(layout: Layout) -> int:

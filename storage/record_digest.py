@@ -53,7 +53,7 @@ def _avalanche(h: np.uint64) -> np.uint64:
     return h
 
 
-@numba.njit(cache=True, boundscheck=False)
+@numba.njit(cache=True, boundscheck=False, nogil=True)
 def _digest(words: np.ndarray, tail: np.ndarray) -> np.uint64:
     """Digest of ``words`` (uint64) then ``tail`` (the < 8 trailing bytes)."""
     n = words.shape[0]
@@ -79,7 +79,7 @@ def _digest(words: np.ndarray, tail: np.ndarray) -> np.uint64:
     return _avalanche(h)
 
 
-@numba.njit(cache=True, boundscheck=False)
+@numba.njit(cache=True, boundscheck=False, nogil=True)
 def _sections_digest(words: np.ndarray, tail: np.ndarray, cuts: np.ndarray) -> np.uint64:
     """Combined digest of sections ``words[cuts[i]:cuts[i + 1]]`` (the last one followed by ``tail``)."""
     h = _P5
@@ -87,6 +87,15 @@ def _sections_digest(words: np.ndarray, tail: np.ndarray, cuts: np.ndarray) -> n
         section_tail = tail if i == cuts.shape[0] - 2 else tail[:0]
         h = _avalanche(h ^ _digest(words[cuts[i] : cuts[i + 1]], section_tail)) + _P4
     return h
+
+
+@numba.njit(cache=True, boundscheck=False, nogil=True)
+def _rows_digests(words: np.ndarray, tails: np.ndarray, cuts: np.ndarray) -> np.ndarray:
+    """:func:`_sections_digest` of each row ``i`` of ``words`` (uint64 ``[n, w]``) followed by ``tails[i]``."""
+    out = np.empty(words.shape[0], dtype=np.uint64)
+    for i in range(words.shape[0]):
+        out[i] = _sections_digest(words[i], tails[i], cuts)
+    return out
 
 
 @functools.lru_cache(maxsize=64)
@@ -110,3 +119,18 @@ def record_digest(source: np.ndarray, cuts: tuple[int, ...]) -> int:
         raise ValueError(f"cuts end at byte {cuts[-1]}, past the source's {source.shape[0]} bytes")
     whole = cuts[0] + int(word_cuts[-1]) * 8
     return int(_sections_digest(source[cuts[0] : whole].view(np.uint64), source[whole : cuts[-1]], word_cuts))
+
+
+def rows_digests(rows: np.ndarray, cuts: tuple[int, ...]) -> np.ndarray:
+    """:func:`record_digest` of every row of ``rows`` (2-d uint8, each row 8-byte aligned: one
+    record per row, as :func:`kvlib.storage.page_record.empty_rows` lays them out), in one call
+    that releases the GIL: uint64 ``[rows]``."""
+    if rows.dtype != np.uint8 or rows.ndim != 2 or rows.strides[1] != 1 or rows.strides[0] % 8 or rows.ctypes.data % 8:
+        raise ValueError(f"rows_digests reads 2-d uint8 rows, each contiguous and 8-byte aligned; got {rows.dtype} "
+                         f"with {rows.ndim} dims and strides {rows.strides}")
+    word_cuts = _word_cuts(cuts)
+    if cuts[-1] > rows.shape[1]:
+        raise ValueError(f"cuts end at byte {cuts[-1]}, past the rows' {rows.shape[1]} bytes")
+    whole = cuts[0] + int(word_cuts[-1]) * 8
+    words = rows[:, cuts[0] : whole].view(np.uint64)
+    return _rows_digests(words, np.ascontiguousarray(rows[:, whole : cuts[-1]]), word_cuts)

@@ -24,11 +24,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import lmdb
+import numpy as np
 import torch
 
 from kvlib.devices import host_staging
 from kvlib.errors import PoolExhaustedError
-from kvlib.storage.page_record import Block, Layout, RecordError, decode_into, encode
+from kvlib.storage.page_record import Block, Layout, check_rows, empty_rows, encode, record_size, row_sections
 
 if TYPE_CHECKING:
     from kvlib.storage.disk_tier import DiskTier
@@ -126,23 +127,27 @@ class LayerSpill:
         """Keys and values of spilled pages ``pages`` (checked; they stay on disk), in host
         memory pinned when ``device`` is CUDA. :class:`SpilledPageLost` if any record is missing
         or fails its checks."""
-        layout = self.layout
-        keys = host_staging((pages.numel(), layout.page_size, layout.head_dim), layout.dtype, device)
-        values = host_staging((pages.numel(), layout.page_size, layout.value_dim), layout.dtype, device)
-        if pages.numel() == 0:
+        layout, count = self.layout, pages.numel()
+        keys = host_staging((count, layout.page_size, layout.head_dim), layout.dtype, device)
+        values = host_staging((count, layout.page_size, layout.value_dim), layout.dtype, device)
+        if count == 0:
             return keys, values
-        key_bytes = keys.view(pages.numel(), -1).view(torch.uint8).numpy()
-        value_bytes = values.view(pages.numel(), -1).view(torch.uint8).numpy()
+        rows, size = empty_rows(layout, count), record_size(layout)
+        page_list = pages.tolist()
         with self.store.disk.env.begin(db=self.store.spill, buffers=True) as txn:
-            for i, page in enumerate(pages.tolist()):
+            for i, page in enumerate(page_list):
                 record = txn.get(self._key(page))
-                try:
-                    if record is None:
-                        raise RecordError("no record")
-                    if decode_into(layout, record, key_bytes[i], value_bytes[i]) != _RECORD_KEY.pack(self.layer, page):
-                        raise RecordError("record of another page")
-                except RecordError as error:
-                    raise SpilledPageLost(f"spilled page {page} of layer {self.layer} is lost: {error}") from None
+                if record is None or len(record) != size:
+                    raise SpilledPageLost(f"spilled page {page} of layer {self.layer} is lost: "
+                                          + ("no record" if record is None else f"{len(record)} bytes, not {size}"))
+                rows[i] = record
+        chain_keys = np.frombuffer(b"".join(_RECORD_KEY.pack(self.layer, page) for page in page_list), dtype=np.uint8)
+        failed = np.flatnonzero(~check_rows(layout, rows, chain_keys.reshape(count, 16)))
+        if failed.size:
+            raise SpilledPageLost(f"spilled page {page_list[failed[0]]} of layer {self.layer} is lost: its record fails its checks")
+        key_bytes, value_bytes = row_sections(layout, rows)
+        keys.view(count, -1).view(torch.uint8).numpy()[:] = key_bytes
+        values.view(count, -1).view(torch.uint8).numpy()[:] = value_bytes
         return keys, values
 
     def delete(self, pages: torch.Tensor) -> None:

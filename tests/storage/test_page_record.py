@@ -7,7 +7,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvlib.storage.page_record import Block, Layout, RecordError, decode, encode
+import numpy as np
+
+from kvlib.storage.page_record import Block, Layout, RecordError, check_rows, decode, empty_rows, encode, row_sections
 
 LAYOUT = Layout(b"n" * 16, layers=2, heads=3, page_size=4, head_dim=5, value_dim=6, dtype=torch.float32)
 
@@ -70,3 +72,47 @@ def test_a_block_of_the_wrong_shape_is_refused_before_encoding() -> None:
     wrong = Block(b"k" * 16, b"", [7, 8, 9, 10], torch.zeros(2, 3, 4, 6), torch.zeros(2, 3, 4, 6))
     with pytest.raises(ValueError, match="keys have shape"):
         encode(LAYOUT, wrong)
+
+
+ONE_HEAD = Layout(b"r" * 16, layers=1, heads=1, page_size=3, head_dim=3, value_dim=1, dtype=torch.float16)
+"""Spilled-page shape with an fp16 tail: keys padded, values ending off an 8-byte word."""
+
+
+def spilled_rows(count: int) -> tuple[np.ndarray, np.ndarray, list[Block]]:
+    """``count`` one-head records copied into :func:`empty_rows`, their chain keys and blocks."""
+    blocks = [Block(bytes([i]) * 16, b"", [i, i + 1, i + 2], torch.randn(1, 1, 3, 3).half(), torch.randn(1, 1, 3, 1).half())
+              for i in range(count)]
+    rows = empty_rows(ONE_HEAD, count)
+    for i, one in enumerate(blocks):
+        rows[i] = np.frombuffer(encode(ONE_HEAD, one), dtype=np.uint8)
+    chain_keys = np.frombuffer(b"".join(one.key for one in blocks), dtype=np.uint8).reshape(count, 16)
+    return rows, chain_keys, blocks
+
+
+def test_checked_rows_give_back_every_record_exactly() -> None:
+    rows, chain_keys, blocks = spilled_rows(5)
+    assert check_rows(ONE_HEAD, rows, chain_keys).all()
+    keys, values = row_sections(ONE_HEAD, rows)
+    for i, one in enumerate(blocks):
+        assert torch.equal(torch.from_numpy(keys[i].copy()).view(torch.float16).view(1, 1, 3, 3), one.keys)
+        assert torch.equal(torch.from_numpy(values[i].copy()).view(torch.float16).view(1, 1, 3, 1), one.values)
+
+
+def test_row_checks_fail_exactly_the_corrupted_record_at_every_byte() -> None:
+    rows, chain_keys, _ = spilled_rows(3)
+    for position in range(rows.shape[1]):
+        corrupted = empty_rows(ONE_HEAD, 3)
+        corrupted[:] = rows
+        corrupted[1, position] ^= 0x10
+        assert check_rows(ONE_HEAD, corrupted, chain_keys).tolist() == [True, False, True], position
+
+
+def test_row_checks_refuse_another_pages_record_and_a_parented_one() -> None:
+    rows, chain_keys, _ = spilled_rows(2)
+    assert check_rows(ONE_HEAD, rows, chain_keys[::-1].copy()).tolist() == [False, False]
+    parented = empty_rows(ONE_HEAD, 1)
+    parented[0] = np.frombuffer(encode(ONE_HEAD, Block(b"a" * 16, b"p" * 16, [1, 2, 3], torch.zeros(1, 1, 3, 3).half(),
+                                                       torch.zeros(1, 1, 3, 1).half())), dtype=np.uint8)
+    assert not check_rows(ONE_HEAD, parented, np.frombuffer(b"a" * 16, dtype=np.uint8).reshape(1, 16))[0]
+    with pytest.raises(ValueError, match="chain keys"):
+        check_rows(ONE_HEAD, rows, chain_keys[:1])

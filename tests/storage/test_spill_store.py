@@ -59,7 +59,7 @@ def test_a_corrupt_or_missing_spilled_page_is_an_error_never_data(tmp_path: Path
         record = bytearray(txn.get(key, db=spill.spill))
         record[200] ^= 0x01
         txn.put(key, bytes(record), db=spill.spill)
-    with pytest.raises(SpilledPageLost, match="checksum"):
+    with pytest.raises(SpilledPageLost, match="fails its checks"):
         layer.get(ids, torch.device("cpu"))
     with pytest.raises(SpilledPageLost, match="no record"):
         layer.get(torch.tensor([99]), torch.device("cpu"))
