@@ -498,6 +498,7 @@ class KVCache(Cache):
             device_pages=self._device_pages(dtype),
             host_pages=self._host_pages(dtype),
             key_summaries=self.tiering is not None and self.tiering.key_summaries,
+            prefetch=self.tiering is not None and self.tiering.prefetches(),
             **self._disk_tier(dtype),
         )
 

@@ -12,11 +12,13 @@ I/O of the same bytes, and restoring a cached prefix from disk against recomputi
 - Host tier: greedy decode tokens/s after a ``--prefix-len`` prompt with ``lru`` placement
   keeping half of the pages on the device and half on the host, against all pages on the device
   (the exact cache without its read mirror, the same read path) and the default exact cache (with
-  its dense mirror); medians of ``--repeats``, interleaved, tokens asserted equal.
+  its dense mirror), and with the next layer's prefetch off; medians of ``--repeats``,
+  interleaved, tokens asserted equal.
 - Disk tier for live sequences: greedy decode tokens/s after a ``--prefix-len`` prompt with
   ``lru`` keeping a third of the pages on the device, a third on the host and spilling the rest
   to page records in an lmdb directory (read from their checked records every step), against
-  all pages on the device (no mirror, the same read path); interleaved, tokens asserted equal.
+  all pages on the device (no mirror, the same read path), and with the prefetch off;
+  interleaved, tokens asserted equal.
 - Restore: a process's first request whose prefix an earlier process persisted (a fresh
   ``PrefixStore`` over the same lmdb directory): ``make_cache(reuse=..., prompt=...)`` (reading,
   checking and loading the records) + the forward pass over the tail, against a full prefill.
@@ -141,11 +143,12 @@ def decode_rates(model: torch.nn.Module, configs: dict, prompt: torch.Tensor, st
 
 
 def host_tier(model: torch.nn.Module, prompt: torch.Tensor, steps: int, repeats: int) -> dict:
-    half = f"lru(device_mb={kv_mebibytes(model, prompt.shape[1]) / 2:.4f})"
-    configs = {"device (no mirror)": (None, {"read_cache": False}), "half on host": (half, {}), "device (mirror)": (None, {})}
+    half = f"lru(device_mb={kv_mebibytes(model, prompt.shape[1]) / 2:.4f}"
+    configs = {"device (no mirror)": (None, {"read_cache": False}), "half on host": (half + ")", {}),
+               "half on host, no prefetch": (half + ", prefetch=False)", {}), "device (mirror)": (None, {})}
     medians, tokens, tiers = decode_rates(model, configs, prompt, steps, repeats)
     assert all(torch.equal(tokens[name], tokens["device (mirror)"]) for name in configs)
-    return {"spec": half, "tok_s": medians, "by_tier": tiers}
+    return {"spec": half + ")", "tok_s": medians, "by_tier": tiers}
 
 
 def quest_story(model: torch.nn.Module, context: int, steps: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -215,13 +218,14 @@ def _quest_markdown(quest: dict) -> list[str]:
 def spill_tier(model: torch.nn.Module, prompt: torch.Tensor, steps: int, repeats: int, directory: Path) -> dict:
     """Decode tokens/s with the pages in thirds over device, host and disk, against all on the device."""
     third = kv_mebibytes(model, prompt.shape[1]) / 3
-    spread = f"lru(device_mb={third:.4f}, host_mb={third:.4f}, disk={str(directory)!r}, disk_mb={4 * third + 1:.4f})"
-    configs = {"device (no mirror)": (None, {"read_cache": False}), "device+host+disk": (spread, {})}
+    spread = f"lru(device_mb={third:.4f}, host_mb={third:.4f}, disk={str(directory)!r}, disk_mb={4 * third + 1:.4f}"
+    configs = {"device (no mirror)": (None, {"read_cache": False}), "device+host+disk": (spread + ")", {}),
+               "device+host+disk, no prefetch": (spread + ", prefetch=False)", {})}
     medians, tokens, tiers = decode_rates(model, configs, prompt, steps, repeats)
-    assert torch.equal(tokens["device+host+disk"], tokens["device (no mirror)"])
+    assert all(torch.equal(tokens[name], tokens["device (no mirror)"]) for name in configs)
     assert all(tiers["device+host+disk"][tier] > 0 for tier in ("device", "host", "disk"))
-    return {"spec": spread, "tok_s": medians, "ratio": medians["device+host+disk"] / medians["device (no mirror)"],
-            "by_tier": tiers["device+host+disk"]}
+    return {"spec": spread + ")", "tok_s": medians, "ratio": medians["device+host+disk"] / medians["device (no mirror)"],
+            "prefetch_gain": medians["device+host+disk"] / medians["device+host+disk, no prefetch"], "by_tier": tiers["device+host+disk"]}
 
 
 def _spill_markdown(result: dict) -> str:
@@ -229,7 +233,8 @@ def _spill_markdown(result: dict) -> str:
     return (f"Disk tier for live sequences, decode tok/s after {c['prefix_len']} tokens (`{s['spec']}`: a third of the pages "
             f"on each tier, spilled pages read from their checked records every step): "
             + ", ".join(f"{name} {rate:.1f}" for name, rate in s["tok_s"].items())
-            + f"; device+host+disk / all on device (no mirror) = **{s['ratio']:.2f}x**; bytes by tier: {s['by_tier']}.")
+            + f"; device+host+disk / all on device (no mirror) = **{s['ratio']:.2f}x**; prefetch on / off = {s['prefetch_gain']:.2f}x;"
+            f" bytes by tier: {s['by_tier']}.")
 
 
 def run(argv: Sequence[str] | None = None) -> dict:
@@ -303,7 +308,8 @@ def _markdown(result: dict, argv: Sequence[str] | None) -> str:
         "",
         f"Host tier, decode tok/s after {c['prefix_len']} tokens ({h['spec']}: half of the pages on the host): "
         + ", ".join(f"{name} {rate:.1f}" for name, rate in h["tok_s"].items())
-        + f"; half on host / all on device (no mirror) = **{h['tok_s']['half on host'] / h['tok_s']['device (no mirror)']:.2f}x**; "
+        + f"; half on host / all on device (no mirror) = **{h['tok_s']['half on host'] / h['tok_s']['device (no mirror)']:.2f}x**"
+        f" (prefetch on / off {h['tok_s']['half on host'] / h['tok_s']['half on host, no prefetch']:.2f}x); "
         f"bytes by tier with half on host: {h['by_tier']['half on host']}.",
         "",
         _spill_markdown(result),

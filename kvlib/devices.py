@@ -3,13 +3,16 @@
 Bookkeeping (block tables, lengths, reference counts, free lists) lives on the CPU as int64
 tensors; page arenas live on the pool's device. Index tensors cross from the CPU to the arena's
 device only through :func:`to_arena_device`, and data is validated against the store's device
-and dtype only through :func:`check_tensor`.
+and dtype only through :func:`check_tensor`. Copies that overlap compute (page prefetch) go on a
+side stream from :func:`copy_stream` and are joined to the compute stream only through
+:func:`mark_done` and :func:`wait_done`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import ParamSpec, TypeVar
 
 import torch
@@ -81,3 +84,31 @@ def host_staging(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devic
     """An uninitialised CPU tensor for data on its way to ``device`` (every element is written
     before it is read): pinned when ``device`` is CUDA, so the copy can be issued non-blocking."""
     return torch.empty(shape, dtype=dtype, pin_memory=device.type == "cuda")
+
+
+def copy_stream(device: torch.device) -> torch.cuda.Stream | None:
+    """A stream for copies that overlap compute on a CUDA ``device`` (None elsewhere: copies
+    there run where they are issued)."""
+    return torch.cuda.Stream(device) if device.type == "cuda" else None
+
+
+def on_stream(stream: torch.cuda.Stream | None) -> contextlib.AbstractContextManager:
+    """Issue the work in the block on ``stream`` (and its device); nothing changes for None."""
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+
+def mark_done(stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:
+    """An event recorded on ``stream`` after the work issued so far (None for no stream)."""
+    return None if stream is None else stream.record_event()
+
+
+def wait_done(event: torch.cuda.Event | None, device: torch.device, tensors: Sequence[torch.Tensor]) -> None:
+    """Order ``device``'s current stream after ``event``, and tell the allocator ``tensors`` (made
+    on the event's stream) are used on it, so their memory is not reused while it runs. A no-op
+    without an event."""
+    if event is None:
+        return
+    current = torch.cuda.current_stream(device)
+    current.wait_event(event)
+    for tensor in tensors:
+        tensor.record_stream(current)

@@ -37,6 +37,7 @@ from kvlib.storage.coded_pool import CodedPagePool
 from kvlib.storage.page_pool import PagePool
 from kvlib.storage.partnered_pool import PartneredPagePool
 from kvlib.storage.spill_store import SpillStore
+from kvlib.storage.page_prefetch import PagePrefetcher
 from kvlib.storage.tiered_pool import TieredPagePool
 
 SequenceIds = Sequence[int] | torch.Tensor
@@ -72,6 +73,11 @@ class PagedStore:
         spill: a :class:`~kvlib.storage.spill_store.SpillStore` taking, with ``host_pages``, the
             host pages written longest ago once the host is full, at most ``disk_pages`` pages of
             each layer (the store owns its pages' records: freeing a page deletes its record).
+        prefetch: with ``device_pages``, each read of a layer starts fetching the host and disk
+            pages of the same sequences in the layer read next (the first after the last, for
+            the next decode step) on a background thread (:mod:`~kvlib.storage.page_prefetch`;
+            a copy stream on CUDA); the next read of that layer takes them. Reads return the
+            same with or without it.
     """
 
     @outside_inference_mode
@@ -94,6 +100,7 @@ class PagedStore:
         key_summaries: bool = False,
         spill: SpillStore | None = None,
         disk_pages: int = 0,
+        prefetch: bool = False,
     ) -> None:
         if not isinstance(num_layers, int) or num_layers < 1:
             raise ValueError(f"num_layers must be a positive int, got {num_layers!r}")
@@ -113,6 +120,8 @@ class PagedStore:
             raise ValueError("key_summaries (quest) and codecs do not combine yet: keep one of them")
         if spill is not None and (device_pages is None or host_pages is None):
             raise ValueError("a spill (disk tier) goes behind the host tier: give device_pages and host_pages too")
+        if prefetch and device_pages is None:
+            raise ValueError("prefetch fetches pages off the device ahead of their read: give device_pages (tiering) too")
         if codecs is not None and len(codecs) != num_layers:
             raise ValueError(f"codecs must name one codec per layer ({num_layers}), got {len(codecs)}")
         self.pools: list[PagePool] = []
@@ -138,6 +147,7 @@ class PagedStore:
                 pool = CodedPagePool(*shape, codec, pages_per_layer, fixed_capacity)
             self.pools.append(pool)
         self.tables = [BlockTable(heads[i], page_size) for i in range(num_layers)]
+        self.prefetcher = PagePrefetcher(self.device) if prefetch else None
         self._read_caches: list[DenseReadCache | None] = [None] * num_layers
         self._open_pages: list[OpenPages | None] = [None] * num_layers
         self._last_rows: tuple[tuple[int, ...], torch.Tensor] | None = None
@@ -390,6 +400,10 @@ class PagedStore:
         ids = page_ids.clamp(min=0).flatten()
         slots = pages * self.page_size
         keys, values = pool.read_pages(ids)
+        if self.prefetcher is not None:
+            following = (layer + 1) % self.num_layers
+            pages = self.tables[following].pages[rows]
+            self.pools[following].prefetch(pages[pages >= 0], self.prefetcher)
         keys = keys.view(batch, heads, slots, pool.head_dim)[:, :, :size]
         values = values.view(batch, heads, slots, pool.value_dim)[:, :, :size]
         positions = pool.positions.index_select(0, to_arena_device(ids, self.device)).view(batch, heads, slots)[:, :, :size]

@@ -225,6 +225,11 @@ class Tiering(Strategy):
         """Pages each layer may keep on the host (None: unbounded)."""
         return None
 
+    def prefetches(self) -> bool:
+        """Whether each read of a layer starts fetching the next layer's host and disk pages on a
+        background thread (see :mod:`kvlib.storage.page_prefetch`); not by default."""
+        return False
+
     def refreshes_ranking(self, tokens_seen: int, query_length: int) -> bool:
         """Whether the layer call that brought the layer to ``tokens_seen`` tokens (``query_length``
         of them new) should re-rank its pages with :meth:`ranking_scores` (never, by default)."""

@@ -13,7 +13,10 @@ Guarantees, from lmdb and this module:
 - the records' bytes stay within ``capacity_bytes``: the least recently read or written records
   are evicted first; the map grows as needed up to that budget; when lmdb reports the disk or
   map full, writing stops with one warning and generation goes on;
-- several processes may use one directory: lmdb serialises writers and lets readers run.
+- several processes may use one directory: lmdb serialises writers and lets readers run;
+- within a process, threads other than the writer's may read (a page prefetch reads spilled
+  pages): they hold :attr:`DiskTier.resize_lock` during a read transaction, and the map is
+  only resized under it (lmdb resizes only with no transaction active in the process).
 
 Bookkeeping lives in named databases beside the records: ``atime`` (key -> u64 access clock)
 and ``meta`` (total record bytes, the clock). Live sequences' spilled pages use two more
@@ -24,6 +27,7 @@ byte total above, and opening a tier deletes those of runs whose process is gone
 from __future__ import annotations
 
 import struct
+import threading
 import warnings
 import weakref
 from collections.abc import Callable
@@ -84,6 +88,8 @@ class DiskTier:
         self.stopped = False
         """True once a full disk stopped writing (warned once)."""
         self.closed = False
+        self.resize_lock = threading.Lock()
+        """Held while the map is resized and by reads from threads other than the writer's."""
 
     # -- reading -------------------------------------------------------------------------------
 
@@ -248,13 +254,15 @@ class DiskTier:
         used = (info["last_pgno"] + 1) * stat["psize"]
         needed = used + int(incoming * 1.5) + (1 << 20)
         if needed > info["map_size"] and info["map_size"] < self.limit:
-            self.env.set_mapsize(min(self.limit, max(2 * info["map_size"], needed)))
+            with self.resize_lock:
+                self.env.set_mapsize(min(self.limit, max(2 * info["map_size"], needed)))
 
     def _grow(self) -> bool:
         size = self.env.info()["map_size"]
         if size >= self.limit:
             return False
-        self.env.set_mapsize(min(self.limit, 2 * size))
+        with self.resize_lock:
+            self.env.set_mapsize(min(self.limit, 2 * size))
         return True
 
     def _stop(self, why: str) -> None:

@@ -126,7 +126,7 @@ class LayerSpill:
     def get(self, pages: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of spilled pages ``pages`` (checked; they stay on disk), in host
         memory pinned when ``device`` is CUDA. :class:`SpilledPageLost` if any record is missing
-        or fails its checks."""
+        or fails its checks. Safe from a thread other than the writer's (a prefetch)."""
         layout, count = self.layout, pages.numel()
         keys = host_staging((count, layout.page_size, layout.head_dim), layout.dtype, device)
         values = host_staging((count, layout.page_size, layout.value_dim), layout.dtype, device)
@@ -134,7 +134,7 @@ class LayerSpill:
             return keys, values
         rows, size = empty_rows(layout, count), record_size(layout)
         page_list = pages.tolist()
-        with self.store.disk.env.begin(db=self.store.spill, buffers=True) as txn:
+        with self.store.disk.resize_lock, self.store.disk.env.begin(db=self.store.spill, buffers=True) as txn:
             for i, page in enumerate(page_list):
                 record = txn.get(self._key(page))
                 if record is None or len(record) != size:

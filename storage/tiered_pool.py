@@ -23,6 +23,10 @@ spilled pages are read where they are (checked records copied into the read buff
 disk: a decode step reads every page, and moving them back would push others out each step); a
 write brings a page back to the device and deletes its record, and so does freeing it.
 
+Prefetch: :meth:`TieredPagePool.prefetch` starts copying host and spilled pages towards the
+device on a :class:`~kvlib.storage.page_prefetch.PagePrefetcher`'s thread; the next read takes
+those still unchanged. Every method that changes the tiers first waits for the running job.
+
 Invariants (``tests/kvlib/test_store_state_machine.py``, ``TieredStoreMachine`` and
 ``SpillingStoreMachine``): a page in use is in exactly one tier; the pages on each tier never
 exceed its budget; a record exists exactly for each page on disk; reads return what was
@@ -37,7 +41,8 @@ from kvlib.devices import host_buffer, to_arena_device
 from kvlib.errors import PoolExhaustedError
 from kvlib.storage.free_stack import FreeStack
 from kvlib.storage.page_pool import PagePool, extend_rows
-from kvlib.storage.spill_store import LayerSpill
+from kvlib.storage.page_prefetch import FetchedPages, PagePrefetcher, PrefetchJob
+from kvlib.storage.spill_store import LayerSpill, SpilledPageLost
 
 _MIN_HOST_PAGES = 16
 
@@ -95,8 +100,11 @@ class TieredPagePool(PagePool):
         self.moves_to_disk = 0
         self.pages_read = 0
         self.host_pages_read = 0
-        """Pages read (whole pages, any tier) and, of those, host pages copied to the device
-        without moving, since creation."""
+        self.prefetched_pages_read = 0
+        """Pages read (whole pages, any tier), of those, host pages copied to the device without
+        moving, and host or disk pages taken from a prefetch, since creation."""
+        self._prefetch: PrefetchJob | None = None
+        self._fetched: FetchedPages | None = None
 
     def _grow_data(self, capacity: int) -> None:
         self.device_row = extend_rows(self.device_row, capacity, -1)
@@ -140,6 +148,7 @@ class TieredPagePool(PagePool):
         allocation (:meth:`write`, :meth:`copy_pages` stream them through the device). They count
         as just used and score ``+inf`` until ranked. If the tiers cannot take them the pages go
         back to the free stack and the error propagates (pages already held only moved)."""
+        self._settle()
         self.page_score[ids] = float("inf")
         self._use(ids)
         try:
@@ -186,6 +195,7 @@ class TieredPagePool(PagePool):
         self.moves_to_disk += ids.numel()
 
     def _on_free(self, ids: torch.Tensor) -> None:
+        self._settle()
         spilled = ids[self.on_disk[ids]]
         if spilled.numel():
             self.spill.delete(spilled)
@@ -245,6 +255,7 @@ class TieredPagePool(PagePool):
         """Give pages ``ids`` (int64, in use) placement ``scores`` (float, CPU; a page named more than
         once takes its highest), then move the best-scored pages in use onto the device (at most
         ``device_pages``) and the others to the host, in one batch each way."""
+        self._settle()
         self.page_score[ids] = float("-inf")
         self.page_score.scatter_reduce_(0, ids, scores.float(), "amax")
         in_use = (self.refcount > 0).nonzero().squeeze(-1)
@@ -287,6 +298,7 @@ class TieredPagePool(PagePool):
     def write(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
         """Write tokens through the device, at most half its budget of pages at a time (a long
         prefill streams through: its earlier pages move to the host as later ones arrive)."""
+        self._settle()
         page_of = slots // self.page_size
         pages = torch.unique(page_of)
         step = max(1, self.device_pages // 2)
@@ -305,9 +317,12 @@ class TieredPagePool(PagePool):
             self.summaries.add(slots, keys)
 
     def read_pages(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Whole pages: device ones gathered, host ones copied over, spilled ones read from their
-        (checked) records, free ones zero (none moves, and reading is not a use: every decode
-        step reads every page)."""
+        """Whole pages: device ones gathered, host and spilled ones taken from the prefetch of
+        them if one holds them unchanged, else host ones copied over and spilled ones read from
+        their (checked) records; free ones zero (none moves, and reading is not a use: every
+        decode step reads every page). A read ends the pending prefetch."""
+        self._settle()
+        fetched, self._fetched = self._fetched, None
         on_device, on_host = self.device_row[ids], self.host_row[ids]
         keys = torch.zeros(ids.numel(), self.page_size, self.head_dim, dtype=self.dtype, device=self.device)
         values = torch.zeros(ids.numel(), self.page_size, self.value_dim, dtype=self.dtype, device=self.device)
@@ -316,14 +331,24 @@ class TieredPagePool(PagePool):
             source, target = to_arena_device(on_device[here], self.device), to_arena_device(here, self.device)
             keys.index_copy_(0, target, self.keys.index_select(0, source))
             values.index_copy_(0, target, self.values.index_select(0, source))
-        there = (on_host >= 0).nonzero().squeeze(-1)
+        elsewhere = on_device < 0
         self.pages_read += ids.numel()
-        self.host_pages_read += there.numel()
+        self.host_pages_read += int((on_host >= 0).sum())
+        if fetched is not None:
+            matched, rows = fetched.match(ids, self.last_use[ids], self.refcount[ids] > 0)
+            taken = (matched & elsewhere).nonzero().squeeze(-1)
+            if taken.numel():
+                source, target = to_arena_device(rows[taken], self.device), to_arena_device(taken, self.device)
+                keys.index_copy_(0, target, fetched.keys.index_select(0, source))
+                values.index_copy_(0, target, fetched.values.index_select(0, source))
+                elsewhere[taken] = False
+                self.prefetched_pages_read += taken.numel()
+        there = ((on_host >= 0) & elsewhere).nonzero().squeeze(-1)
         if there.numel():
             target = to_arena_device(there, self.device)
             keys.index_copy_(0, target, self.host_keys.index_select(0, on_host[there]).to(self.device, non_blocking=True))
             values.index_copy_(0, target, self.host_values.index_select(0, on_host[there]).to(self.device, non_blocking=True))
-        spilled = self.on_disk[ids].nonzero().squeeze(-1)
+        spilled = (self.on_disk[ids] & elsewhere).nonzero().squeeze(-1)
         if spilled.numel():
             disk_keys, disk_values = self.spill.get(ids[spilled], self.device)
             target = to_arena_device(spilled, self.device)
@@ -331,11 +356,49 @@ class TieredPagePool(PagePool):
             values.index_copy_(0, target, disk_values.to(self.device, non_blocking=True))
         return keys, values
 
+    def prefetch(self, ids: torch.Tensor, prefetcher: PagePrefetcher) -> None:
+        """Start fetching the host and spilled pages among ``ids`` (page ids, any order, repeats
+        and free pages ignored) on ``prefetcher``'s worker, for the next :meth:`read_pages`
+        (replacing a prefetch not read yet). See :mod:`kvlib.storage.page_prefetch`."""
+        self._settle()
+        self._fetched = None
+        ids = torch.unique(ids)
+        ids = ids[(self.refcount[ids] > 0) & (self.device_row[ids] < 0)]
+        host_ids, disk_ids = ids[self.host_row[ids] >= 0], ids[self.on_disk[ids]]
+        if host_ids.numel() + disk_ids.numel() == 0:
+            return
+        host_rows, host_keys, host_values, spill = self.host_row[host_ids], self.host_keys, self.host_values, self.spill
+
+        def read_host(keys: torch.Tensor, values: torch.Tensor) -> None:
+            torch.index_select(host_keys, 0, host_rows, out=keys)
+            torch.index_select(host_values, 0, host_rows, out=values)
+
+        def read_disk() -> tuple[torch.Tensor, torch.Tensor]:
+            return spill.get(disk_ids, self.device)
+
+        fetching = torch.cat([host_ids, disk_ids])
+        self._prefetch = prefetcher.start(
+            fetching, self.last_use[fetching].clone(), (self.page_size, self.head_dim, self.value_dim), self.dtype,
+            read_host, read_disk if disk_ids.numel() else None, host_ids.numel(),
+        )
+
+    def _settle(self) -> None:
+        """Wait for the pending prefetch and keep its pages for the next read (a page it could
+        not fetch is fetched again by the read, which then reports it). Every method that
+        changes the tiers calls this first, so a prefetch never sees them change."""
+        job, self._prefetch = self._prefetch, None
+        if job is not None:
+            try:
+                self._fetched = job.result()
+            except SpilledPageLost:
+                self._fetched = None
+
     gather = PagePool.gather_by_pages
 
     def copy_pages(self, source: torch.Tensor, target: torch.Tensor) -> None:
         """Copy whole pages onto new ``target`` pages: a write, so targets land on the device,
         streamed in half-budget batches (each batch's sources read before its targets move in)."""
+        self._settle()
         step = max(1, self.device_pages // 2)
         for first in range(0, target.numel(), step):
             keys, values = self.read_pages(source[first : first + step])

@@ -30,12 +30,16 @@ class LRUPlacement(Tiering):
             exits, and, after a crash, by the next process that opens the directory.
         disk_mb: disk budget, MiB of spilled page records (pages plus their headers) over all
             layers; past it a move raises :class:`~kvlib.errors.PoolExhaustedError`.
+        prefetch: while a layer computes, fetch the next layer's host and disk pages on a
+            background thread (a copy stream on CUDA), so its read finds them ready. Outputs are
+            the same either way.
     """
 
     device_mb: float = 1024.0
     host_mb: float = 0.0
     disk: str = ""
     disk_mb: float = 4096.0
+    prefetch: bool = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -47,6 +51,9 @@ class LRUPlacement(Tiering):
             raise ValueError(f"a disk tier (disk={self.disk!r}) takes pages past the host budget: set host_mb > 0")
         if not self.disk_mb > 0:
             raise ValueError(f"disk_mb must be > 0, got {self.disk_mb}")
+
+    def prefetches(self) -> bool:
+        return self.prefetch
 
     def device_pages(self, num_layers: int, page_bytes: int) -> int:
         """Pages each layer may keep on the device."""

@@ -14,21 +14,22 @@ from kvlib.adapters.model_shape import kv_shape
 from tests.adapters.conftest import PAD, build_model, left_padded
 
 
-def spec(model: torch.nn.Module, directory: Path, device_pages: int, host_pages: int, disk_mb: float = 64.0) -> str:
+def spec(model: torch.nn.Module, directory: Path, device_pages: int, host_pages: int, disk_mb: float = 64.0, prefetch: bool = True) -> str:
     """An ``lru`` spec keeping ``device_pages`` and ``host_pages`` pages per layer, the rest on disk."""
     shape = kv_shape(model)
     page_mb = 16 * (shape.head_dim + shape.value_dim) * next(model.parameters()).element_size() * shape.num_layers / 2**20
-    return f"lru(device_mb={device_pages * page_mb + 1e-9}, host_mb={host_pages * page_mb + 1e-9}, disk={str(directory)!r}, disk_mb={disk_mb})"
+    return f"lru(device_mb={device_pages * page_mb + 1e-9}, host_mb={host_pages * page_mb + 1e-9}, disk={str(directory)!r}, disk_mb={disk_mb}, prefetch={prefetch})"
 
 
+@pytest.mark.parametrize("prefetch", [True, False], ids=["prefetch", "no-prefetch"])
 @pytest.mark.parametrize("family", ["stories", "llama"])
-def test_generate_over_device_host_and_disk_equals_the_untiered_cache(family: str, tmp_path: Path) -> None:
+def test_generate_over_device_host_and_disk_equals_the_untiered_cache(family: str, prefetch: bool, tmp_path: Path) -> None:
     model = build_model(family)
     ids, mask = left_padded([90, 70], seed=3, vocab=min(model.config.vocab_size, 500) if family == "stories" else 97)
     options = {"attention_mask": mask, "max_new_tokens": 20, "do_sample": False, "pad_token_id": PAD,
                "return_dict_in_generate": True, "output_logits": True}
     reference = model.generate(ids, **options)
-    cache = kvlib.make_cache(model, spec(model, tmp_path, device_pages=4, host_pages=4))
+    cache = kvlib.make_cache(model, spec(model, tmp_path, device_pages=4, host_pages=4, prefetch=prefetch))
     out = model.generate(ids, past_key_values=cache, **options)
     assert torch.equal(out.sequences, reference.sequences)
     assert all(torch.equal(a, b) for a, b in zip(out.logits, reference.logits))
@@ -37,6 +38,8 @@ def test_generate_over_device_host_and_disk_equals_the_untiered_cache(family: st
     assert all(pool.pages_on_device > 0 and pool.pages_on_host > 0 and pool.pages_on_disk > 0 for pool in pools)
     assert sum(pool.moves_to_disk for pool in pools) > sum(pool.pages_on_disk for pool in pools)  # pages came back too
     assert len(cache.spill.keys()) == sum(pool.pages_on_disk for pool in pools)
+    prefetched = sum(pool.prefetched_pages_read for pool in pools)
+    assert prefetched > sum(pool.host_pages_read for pool in pools) / 2 if prefetch else prefetched == 0  # most decode reads
     report = cache.memory_report()["by_tier"]
     assert report["disk"] == sum(pool.pages_on_disk * pool.kv_page_bytes for pool in pools) > 0
     cache.reset()  # freeing the pages deletes their records

@@ -84,8 +84,8 @@ class StoreMachine(RuleBasedStateMachine):
     summarized = False
     spilling = False
 
-    @initialize(page_size=st.integers(1, 5), pages=st.integers(0, 3))
-    def setup(self, page_size: int, pages: int) -> None:
+    @initialize(page_size=st.integers(1, 5), pages=st.integers(0, 3), prefetch=st.booleans())
+    def setup(self, page_size: int, pages: int, prefetch: bool) -> None:
         self.store = PagedStore(
             len(HEADS),
             list(HEADS),
@@ -96,6 +96,7 @@ class StoreMachine(RuleBasedStateMachine):
             codecs=reversing_codecs(page_size) if self.coded else None,
             device_pages=5 if self.tiered else None,
             key_summaries=self.summarized,
+            prefetch=self.tiered and prefetch,
             **self.disk_tier(),
         )
         self.page_size = page_size
@@ -423,7 +424,8 @@ TestCodedStoreMachine = CodedStoreMachine.TestCase
 
 class TieredStoreMachine(StoreMachine):
     """The same rules with at most 5 pages per layer on the device (moved 2 at a time): pages move to the host and
-    back under every operation, and reads stay exact."""
+    back under every operation, and reads stay exact, with or without a prefetch of the next
+    layer's host pages started by each read (whatever changes between it and the next read)."""
 
     tiered = True
 
@@ -434,8 +436,9 @@ TestTieredStoreMachine = TieredStoreMachine.TestCase
 
 class SpillingStoreMachine(StoreMachine):
     """The same rules with 5 device pages and 3 host pages per layer, the rest spilled to an lmdb
-    disk tier: pages cross all three tiers under every operation, reads stay exact, and records
-    exist exactly for the pages on disk (none left once the store closes)."""
+    disk tier: pages cross all three tiers under every operation, reads stay exact (with or
+    without prefetch), and records exist exactly for the pages on disk (none left once the store
+    closes)."""
 
     tiered = True
     spilling = True
