@@ -15,6 +15,7 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import ParamSpec, TypeVar
 
+import numpy as np
 import torch
 
 P = ParamSpec("P")
@@ -84,6 +85,19 @@ def host_staging(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devic
     """An uninitialised CPU tensor for data on its way to ``device`` (every element is written
     before it is read): pinned when ``device`` is CUDA, so the copy can be issued non-blocking."""
     return torch.empty(shape, dtype=dtype, pin_memory=device.type == "cuda")
+
+
+def apart_from_host(device: torch.device) -> bool:
+    """Whether ``device`` has memory of its own (host pages reach it only by a transfer worth
+    overlapping with compute); a CPU device reads host memory where it lies."""
+    return device.type != "cpu"
+
+
+def byte_rows(tensor: torch.Tensor) -> np.ndarray:
+    """A uint8 numpy view ``[rows, bytes per row]`` of a contiguous CPU ``tensor`` of any dtype
+    (bfloat16 too): for copies that must not start torch's intra-op thread pool, as those made
+    off the main thread (a prefetch) would compete with the compute's."""
+    return tensor.view(tensor.shape[0], -1).view(torch.uint8).numpy()
 
 
 def copy_stream(device: torch.device) -> torch.cuda.Stream | None:

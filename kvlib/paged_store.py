@@ -77,7 +77,8 @@ class PagedStore:
             pages of the same sequences in the layer read next (the first after the last, for
             the next decode step) on a background thread (:mod:`~kvlib.storage.page_prefetch`;
             a copy stream on CUDA); the next read of that layer takes them. Reads return the
-            same with or without it.
+            same with or without it. True for a default
+            :class:`~kvlib.storage.page_prefetch.PagePrefetcher`, or one to use.
     """
 
     @outside_inference_mode
@@ -100,7 +101,7 @@ class PagedStore:
         key_summaries: bool = False,
         spill: SpillStore | None = None,
         disk_pages: int = 0,
-        prefetch: bool = False,
+        prefetch: bool | PagePrefetcher = False,
     ) -> None:
         if not isinstance(num_layers, int) or num_layers < 1:
             raise ValueError(f"num_layers must be a positive int, got {num_layers!r}")
@@ -147,7 +148,7 @@ class PagedStore:
                 pool = CodedPagePool(*shape, codec, pages_per_layer, fixed_capacity)
             self.pools.append(pool)
         self.tables = [BlockTable(heads[i], page_size) for i in range(num_layers)]
-        self.prefetcher = PagePrefetcher(self.device) if prefetch else None
+        self.prefetcher = prefetch if isinstance(prefetch, PagePrefetcher) else PagePrefetcher(self.device) if prefetch else None
         self._read_caches: list[DenseReadCache | None] = [None] * num_layers
         self._open_pages: list[OpenPages | None] = [None] * num_layers
         self._last_rows: tuple[tuple[int, ...], torch.Tensor] | None = None

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlib.devices import copy_stream, host_staging, mark_done, on_stream, wait_done
+from kvlib.devices import apart_from_host, copy_stream, host_staging, mark_done, on_stream, wait_done
 
 
 @dataclass
@@ -68,10 +68,13 @@ class PrefetchJob:
 
 
 class PagePrefetcher:
-    """A worker thread (and, on CUDA, a copy stream) fetching pages for the pools of one store."""
+    """A worker thread (and, on CUDA, a copy stream) fetching pages for the pools of one store.
+    ``fetch_host``: whether host pages are fetched too (default: when the device is apart from the
+    host; a CPU device reads them in place, and fetching them would only add a copy)."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, fetch_host: bool | None = None) -> None:
         self.device = device
+        self.fetch_host = apart_from_host(device) if fetch_host is None else fetch_host
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvlib-prefetch")
         self._stream = copy_stream(device)
         self.jobs = 0
@@ -84,23 +87,23 @@ class PagePrefetcher:
         page_shape: tuple[int, int, int],
         dtype: torch.dtype,
         read_host: Callable[[torch.Tensor, torch.Tensor], None],
-        read_disk: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None,
+        read_disk: Callable[[torch.Tensor, torch.Tensor], None],
         host_count: int,
     ) -> PrefetchJob:
         """Fetch pages ``ids`` (distinct; the first ``host_count`` on the host, the rest on disk)
-        on the worker: ``read_host(keys, values)`` fills the host pages' rows of two host buffers,
-        ``read_disk()`` returns the disk pages' keys and values; the buffers then go to the device
-        in one copy each. ``page_shape`` is ``(page_size, head_dim, value_dim)``."""
+        on the worker: ``read_host(keys, values)`` and ``read_disk(keys, values)`` fill the host
+        and disk pages' rows of two host buffers (with numpy or lmdb only: torch's intra-op
+        threads stay the compute's), which then go to the device in one copy each. ``page_shape``
+        is ``(page_size, head_dim, value_dim)``."""
         page_size, head_dim, value_dim = page_shape
 
         def fetch() -> tuple[FetchedPages, torch.cuda.Event | None]:
             keys = host_staging((ids.numel(), page_size, head_dim), dtype, self.device)
             values = host_staging((ids.numel(), page_size, value_dim), dtype, self.device)
-            read_host(keys[:host_count], values[:host_count])
-            if read_disk is not None:
-                disk_keys, disk_values = read_disk()
-                keys[host_count:] = disk_keys
-                values[host_count:] = disk_values
+            if host_count:
+                read_host(keys[:host_count], values[:host_count])
+            if host_count < ids.numel():
+                read_disk(keys[host_count:], values[host_count:])
             with on_stream(self._stream):
                 fetched = FetchedPages(ids, stamps, keys.to(self.device, non_blocking=True), values.to(self.device, non_blocking=True))
                 return fetched, mark_done(self._stream)

@@ -27,7 +27,7 @@ import lmdb
 import numpy as np
 import torch
 
-from kvlib.devices import host_staging
+from kvlib.devices import byte_rows, host_staging
 from kvlib.errors import PoolExhaustedError
 from kvlib.storage.page_record import Block, Layout, check_rows, empty_rows, encode, record_size, row_sections
 
@@ -123,13 +123,19 @@ class LayerSpill:
             raise PoolExhaustedError(f"disk tier at {self.store.disk.path} cannot take spilled pages ({type(error).__name__}: {error})") from None
         self.store.nbytes += incoming
 
-    def get(self, pages: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def get(
+        self, pages: torch.Tensor, device: torch.device, out: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of spilled pages ``pages`` (checked; they stay on disk), in host
-        memory pinned when ``device`` is CUDA. :class:`SpilledPageLost` if any record is missing
-        or fails its checks. Safe from a thread other than the writer's (a prefetch)."""
+        memory pinned when ``device`` is CUDA, or in ``out`` (contiguous CPU keys and values of
+        that shape). :class:`SpilledPageLost` if any record is missing or fails its checks
+        (``out`` then partly written). Safe from a thread other than the writer's (a prefetch):
+        it copies with numpy only."""
         layout, count = self.layout, pages.numel()
-        keys = host_staging((count, layout.page_size, layout.head_dim), layout.dtype, device)
-        values = host_staging((count, layout.page_size, layout.value_dim), layout.dtype, device)
+        keys, values = out if out is not None else (
+            host_staging((count, layout.page_size, layout.head_dim), layout.dtype, device),
+            host_staging((count, layout.page_size, layout.value_dim), layout.dtype, device),
+        )
         if count == 0:
             return keys, values
         rows, size = empty_rows(layout, count), record_size(layout)
@@ -146,8 +152,8 @@ class LayerSpill:
         if failed.size:
             raise SpilledPageLost(f"spilled page {page_list[failed[0]]} of layer {self.layer} is lost: its record fails its checks")
         key_bytes, value_bytes = row_sections(layout, rows)
-        keys.view(count, -1).view(torch.uint8).numpy()[:] = key_bytes
-        values.view(count, -1).view(torch.uint8).numpy()[:] = value_bytes
+        byte_rows(keys)[:] = key_bytes
+        byte_rows(values)[:] = value_bytes
         return keys, values
 
     def delete(self, pages: torch.Tensor) -> None:

@@ -35,9 +35,10 @@ written, whatever tier holds it.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from kvlib.devices import host_buffer, to_arena_device
+from kvlib.devices import byte_rows, host_buffer, to_arena_device
 from kvlib.errors import PoolExhaustedError
 from kvlib.storage.free_stack import FreeStack
 from kvlib.storage.page_pool import PagePool, extend_rows
@@ -359,27 +360,30 @@ class TieredPagePool(PagePool):
     def prefetch(self, ids: torch.Tensor, prefetcher: PagePrefetcher) -> None:
         """Start fetching the host and spilled pages among ``ids`` (page ids, any order, repeats
         and free pages ignored) on ``prefetcher``'s worker, for the next :meth:`read_pages`
-        (replacing a prefetch not read yet). See :mod:`kvlib.storage.page_prefetch`."""
+        (replacing a prefetch not read yet); host pages only if the prefetcher fetches them. See
+        :mod:`kvlib.storage.page_prefetch`."""
         self._settle()
         self._fetched = None
         ids = torch.unique(ids)
         ids = ids[(self.refcount[ids] > 0) & (self.device_row[ids] < 0)]
-        host_ids, disk_ids = ids[self.host_row[ids] >= 0], ids[self.on_disk[ids]]
+        host_ids = ids[self.host_row[ids] >= 0] if prefetcher.fetch_host else ids[:0]
+        disk_ids = ids[self.on_disk[ids]]
         if host_ids.numel() + disk_ids.numel() == 0:
             return
-        host_rows, host_keys, host_values, spill = self.host_row[host_ids], self.host_keys, self.host_values, self.spill
+        host_rows = self.host_row[host_ids].numpy()
+        host_keys, host_values, spill = byte_rows(self.host_keys), byte_rows(self.host_values), self.spill
 
         def read_host(keys: torch.Tensor, values: torch.Tensor) -> None:
-            torch.index_select(host_keys, 0, host_rows, out=keys)
-            torch.index_select(host_values, 0, host_rows, out=values)
+            np.take(host_keys, host_rows, axis=0, out=byte_rows(keys))
+            np.take(host_values, host_rows, axis=0, out=byte_rows(values))
 
-        def read_disk() -> tuple[torch.Tensor, torch.Tensor]:
-            return spill.get(disk_ids, self.device)
+        def read_disk(keys: torch.Tensor, values: torch.Tensor) -> None:
+            spill.get(disk_ids, self.device, out=(keys, values))
 
         fetching = torch.cat([host_ids, disk_ids])
         self._prefetch = prefetcher.start(
             fetching, self.last_use[fetching].clone(), (self.page_size, self.head_dim, self.value_dim), self.dtype,
-            read_host, read_disk if disk_ids.numel() else None, host_ids.numel(),
+            read_host, read_disk, host_ids.numel(),
         )
 
     def _settle(self) -> None:

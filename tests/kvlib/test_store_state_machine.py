@@ -32,6 +32,7 @@ from kvlib import PagedStore
 from kvlib.codec import Field, PageCodec, TensorCodec, layer_shapes
 from kvlib.storage.coded_pool import CodedPagePool
 from kvlib.storage.disk_tier import DiskTier
+from kvlib.storage.page_prefetch import PagePrefetcher
 from kvlib.storage.spill_store import SpillStore
 from kvlib.storage.tiered_pool import TieredPagePool
 
@@ -96,7 +97,7 @@ class StoreMachine(RuleBasedStateMachine):
             codecs=reversing_codecs(page_size) if self.coded else None,
             device_pages=5 if self.tiered else None,
             key_summaries=self.summarized,
-            prefetch=self.tiered and prefetch,
+            prefetch=PagePrefetcher(torch.device("cpu"), fetch_host=True) if self.tiered and prefetch else False,
             **self.disk_tier(),
         )
         self.page_size = page_size

@@ -48,12 +48,15 @@ def filled_pool(directory: Path, spill_type: type[LayerSpill] = LayerSpill) -> t
 def test_a_read_takes_the_prefetched_host_and_disk_pages_and_returns_the_same_bytes(tmp_path: Path) -> None:
     pool, spill, ids = filled_pool(tmp_path)
     expected = pool.read_pages(ids)
-    pool.prefetch(torch.cat([ids, ids[:3]]), PagePrefetcher(CPU))  # repeats are fetched once
+    pool.prefetch(torch.cat([ids, ids[:3]]), PagePrefetcher(CPU, fetch_host=True))  # repeats are fetched once
     keys, values = pool.read_pages(ids)
     assert torch.equal(keys, expected[0]) and torch.equal(values, expected[1])
     assert pool.prefetched_pages_read == 6  # the 3 host and 3 disk pages; the device ones gathered
+    pool.prefetch(ids, PagePrefetcher(CPU))  # on a CPU device host pages are read in place
+    keys, values = pool.read_pages(ids)
+    assert torch.equal(keys, expected[0]) and torch.equal(values, expected[1]) and pool.prefetched_pages_read == 9
     keys, values = pool.read_pages(ids)  # a read ends the prefetch: the next one fetches itself
-    assert torch.equal(keys, expected[0]) and pool.prefetched_pages_read == 6
+    assert torch.equal(keys, expected[0]) and pool.prefetched_pages_read == 9
     spill.close()
 
 
@@ -63,7 +66,7 @@ def test_pages_written_freed_or_reused_after_a_prefetch_are_read_where_they_now_
     for page in ids:
         write_pages(reference, page.view(1), int(page))
     off_device = ids[pool.device_row[ids] < 0]
-    pool.prefetch(ids, PagePrefetcher(CPU))
+    pool.prefetch(ids, PagePrefetcher(CPU, fetch_host=True))
     write_pages(pool, off_device[:1], seed=77)  # rewritten (it comes back to the device)
     pool.decref(off_device[1:2])  # freed, then reused with new data
     reused = pool.allocate(1)
@@ -88,11 +91,11 @@ class SlowSpill(LayerSpill):
     release = threading.Event()
     finished: list[float] = []
 
-    def get(self, pages: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def get(self, pages: torch.Tensor, device: torch.device, out=None) -> tuple[torch.Tensor, torch.Tensor]:
         if threading.current_thread() is not threading.main_thread():
             self.release.wait(10)
             self.finished.append(time.monotonic())
-        return super().get(pages, device)
+        return super().get(pages, device, out)
 
 
 def test_changes_to_the_tiers_wait_for_a_running_prefetch(tmp_path: Path) -> None:
