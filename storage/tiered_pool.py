@@ -255,15 +255,17 @@ class TieredPagePool(PagePool):
     def rank(self, ids: torch.Tensor, scores: torch.Tensor) -> None:
         """Give pages ``ids`` (int64, in use) placement ``scores`` (float, CPU; a page named more than
         once takes its highest), then move the best-scored pages in use onto the device (at most
-        ``device_pages``) and the others to the host, in one batch each way."""
+        ``device_pages``), the others leaving it lowest-scored first, to the host and, when it is
+        full, on to disk; in batches of at most the host budget (so the host can take each)."""
         self._settle()
         self.page_score[ids] = float("-inf")
         self.page_score.scatter_reduce_(0, ids, scores.float(), "amax")
         in_use = (self.refcount > 0).nonzero().squeeze(-1)
         staying = self._leaving_order(in_use).flip(0)[: self.device_pages]
-        on_device = (self.device_row >= 0).nonzero().squeeze(-1)
-        self._to_host(on_device[~torch.isin(on_device, staying)])
-        self._to_device_rows(staying)
+        coming = staying[self.device_row[staying] < 0]
+        step = min(self.device_pages, self.host_pages or self.device_pages)
+        for first in range(0, coming.numel(), step):  # each batch displaces the lowest-scored device pages
+            self._to_device_rows(coming[first : first + step])
 
     def _grow_device(self, rows: int) -> None:
         self.keys = extend_rows(self.keys, rows, 0)

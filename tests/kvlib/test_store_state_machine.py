@@ -316,6 +316,19 @@ class StoreMachine(RuleBasedStateMachine):
         if then_append:
             self.continue_last_batch()
 
+    @precondition(lambda self: self.tiered and self.model)
+    @rule(data=st.data(), layer=st.integers(0, len(HEADS) - 1), seed=st.integers(0, 2**16), then_append=st.booleans())
+    def rank(self, data: st.DataObject, layer: int, seed: int, then_append: bool) -> None:
+        """Rank a batch's pages by random token scores (as ``score_aware`` does): the best-scored
+        pages move onto the device, the others to the host and on to disk; maybe go on appending."""
+        layer, batch = self.layer_and_batch(data, layer)
+        lengths = self.store.physical_lengths(layer, batch)
+        slots = max(int(lengths.max()), 1)
+        scores = torch.rand(len(batch), HEADS[layer], slots, generator=torch.Generator().manual_seed(seed))
+        self.store.rank_pages(layer, batch, scores)
+        if then_append:
+            self.continue_last_batch()
+
     @precondition(lambda self: self.model)
     @rule(data=st.data(), reuse=st.booleans())
     def release(self, data: st.DataObject, reuse: bool) -> None:
