@@ -517,13 +517,13 @@ class KVCache(Cache):
     def _disk_tier(self, dtype: torch.dtype) -> dict:
         """The store's ``spill`` and ``disk_pages`` when the tiering strategy names a disk (the
         spill store opened once per cache)."""
-        if self.tiering is None or not getattr(self.tiering, "disk", ""):
+        if self.tiering is None or not self.tiering.disk_directory():
             return {}
         shape = self.shape
         layout = Layout(bytes(16), 1, 1, self.page_size, shape.head_dim, shape.value_dim, dtype)
         disk_pages = self.tiering.disk_pages(shape.num_layers, record_size(layout))
         if self.spill is None:
-            disk = open_disk_tier(self.tiering.disk, capacity_bytes=1)
+            disk = open_disk_tier(self.tiering.disk_directory(), capacity_bytes=1)
             self.spill = SpillStore(disk, capacity_bytes=disk_pages * shape.num_layers * record_size(layout))
         return {"spill": self.spill, "disk_pages": disk_pages}
 

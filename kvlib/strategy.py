@@ -225,6 +225,14 @@ class Tiering(Strategy):
         """Pages each layer may keep on the host (None: unbounded)."""
         return None
 
+    def disk_directory(self) -> str:
+        """The directory of the lmdb disk tier behind the host ("": none)."""
+        return ""
+
+    def disk_pages(self, num_layers: int, record_bytes: int) -> int:
+        """Pages each layer may keep on disk, as records of ``record_bytes`` (0: no disk tier)."""
+        return 0
+
     def prefetches(self) -> bool:
         """Whether each read of a layer starts fetching the next layer's host and disk pages on a
         background thread (see :mod:`kvlib.storage.page_prefetch`); not by default."""

@@ -55,6 +55,9 @@ class LRUPlacement(Tiering):
     def prefetches(self) -> bool:
         return self.prefetch
 
+    def disk_directory(self) -> str:
+        return self.disk
+
     def device_pages(self, num_layers: int, page_bytes: int) -> int:
         """Pages each layer may keep on the device."""
         return max(1, int(self.device_mb * 2**20 / (num_layers * page_bytes)))
@@ -64,5 +67,4 @@ class LRUPlacement(Tiering):
         return None if not self.host_mb else max(1, int(self.host_mb * 2**20 / (num_layers * page_bytes)))
 
     def disk_pages(self, num_layers: int, record_bytes: int) -> int:
-        """Pages each layer may keep on disk (records of ``record_bytes``; 0 without a disk)."""
         return 0 if not self.disk else max(1, int(self.disk_mb * 2**20 / (num_layers * record_bytes)))

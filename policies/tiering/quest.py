@@ -38,8 +38,9 @@ class Quest(Tiering):
         top_k: pages each (row, KV head) attends over at a decode step (>= 1), newest included.
         dense_layers: leading layers that always attend over every page (>= 0).
         placement: an optional device/host placement (``lru(...)`` or ``score_aware(...)``, a
-            strategy or a spec string) giving the page budgets (and, for ``score_aware``, ranking
-            pages after prefill and dense calls); without one every page stays on the device.
+            strategy or a spec string) giving the page budgets and disk tier (and, for
+            ``score_aware``, ranking pages after prefill and dense calls); without one every page
+            stays on the device. Only the chosen pages are read, from whichever tier holds them.
     """
 
     top_k: int = 8
@@ -61,6 +62,12 @@ class Quest(Tiering):
 
     def host_pages(self, num_layers: int, page_bytes: int) -> int | None:
         return None if self.placement is None else self.placement.host_pages(num_layers, page_bytes)
+
+    def disk_directory(self) -> str:
+        return "" if self.placement is None else self.placement.disk_directory()
+
+    def disk_pages(self, num_layers: int, record_bytes: int) -> int:
+        return 0 if self.placement is None else self.placement.disk_pages(num_layers, record_bytes)
 
     def refreshes_ranking(self, tokens_seen: int, query_length: int) -> bool:
         return self.placement is not None and self.placement.refreshes_ranking(tokens_seen, query_length)

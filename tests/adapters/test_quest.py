@@ -1,5 +1,5 @@
 """``quest`` through generate: with ``top_k`` at least the pages held the output is the exact
-cache's (tokens and logits, bit for bit, with or without a host tier); a decode step reads only
+cache's (tokens and logits, bit for bit, with or without host and disk tiers); a decode step reads only
 ``top_k`` pages per head; on stories260K a small ``top_k`` follows the full cache more closely
 than random pages do; what quest does not combine with is refused before any work."""
 
@@ -28,6 +28,20 @@ def test_top_k_covering_every_page_equals_the_exact_cache(family: str, placement
     out = generate(model, ids, mask, cache)
     assert torch.equal(out.sequences, reference.sequences)
     assert all(torch.equal(a, b) for a, b in zip(out.logits, reference.logits))
+
+
+def test_quest_reads_chosen_pages_from_every_tier_of_its_placement(tmp_path) -> None:
+    model = build_model("stories")
+    ids, mask = left_padded([75, 50], seed=3, vocab=500)
+    reference = generate(model, ids, mask)
+    placement = f"lru(device_mb=0.001, host_mb=0.001, disk={str(tmp_path)!r}, disk_mb=16)"
+    cache = kvlib.make_cache(model, f"quest(top_k=8, dense_layers=0, placement={placement!r})")
+    out = generate(model, ids, mask, cache)
+    assert torch.equal(out.sequences, reference.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(out.logits, reference.logits))
+    pools = cache.store.pools
+    assert all(pool.pages_on_disk > 0 and pool.pages_on_host > 0 for pool in pools)
+    assert len(cache.spill.keys()) == sum(pool.pages_on_disk for pool in pools)
 
 
 def test_a_decode_step_reads_only_top_k_pages_per_head() -> None:
