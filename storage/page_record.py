@@ -30,7 +30,7 @@ import torch
 from kvlib.storage.record_digest import record_digest
 
 MAGIC = b"KVLP"
-VERSION = 2
+VERSION = 3
 HEADER = struct.Struct("<4sH16s16s16sHHHHHBQ7x")
 """80 bytes: the body starts 8-byte aligned."""
 DIGEST = struct.Struct("<Q")
