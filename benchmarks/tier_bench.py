@@ -59,7 +59,7 @@ import kvlib
 from kvlib.adapters.model_shape import kv_shape
 from kvlib.eval.agreement import agreement_metrics, greedy_reference, teacher_forced_logits
 from kvlib.storage.disk_tier import DiskTier
-from kvlib.storage.page_record import decode, encode
+from kvlib.storage.page_record import decode, decode_parts, encode, encode_parts
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or loaded by path
 from bench_generate import load_model  # noqa: E402
@@ -80,11 +80,11 @@ def throughput(records: list[tuple[bytes, bytes]], layout, repeats: int, scratch
     for attempt in range(repeats):
         tier = DiskTier(scratch / f"tier{attempt}", capacity_bytes=4 * total)
         start = time.perf_counter()
-        tier.put_many([(key, encode(layout, block)) for key, block in records])  # one commit per prompt, as the store writes
+        tier.put_many([(key, encode_parts(layout, block)) for key, block in records])  # one commit per prompt, as the store writes
         write.append(time.perf_counter() - start)
         start = time.perf_counter()
         for key, _ in records:
-            assert tier.get(key, lambda r: decode(layout, r)) is not None
+            assert tier.get(key, lambda parts: decode_parts(layout, parts)) is not None
         read.append(time.perf_counter() - start)
         tier.close()
         path = scratch / f"raw{attempt}.bin"

@@ -37,7 +37,7 @@ from kvlib.paged_store import PagedStore
 from kvlib.prefix_index import Entry, PrefixIndex
 from kvlib.storage.coded_pool import CodedPagePool
 from kvlib.storage.disk_tier import DiskTier, open_disk_tier
-from kvlib.storage.page_record import Block, Layout, decode, encode
+from kvlib.storage.page_record import Block, Layout, decode_parts, encode_parts
 
 
 def model_fingerprint(model: torch.nn.Module) -> bytes:
@@ -158,7 +158,7 @@ class PrefixStore:
         loaded = []
         for index in range(first, len(blocks)):
             parent = keys[index - 1] if index else b""
-            block = self.disk.get(layout.namespace + keys[index], lambda record: decode(layout, record))
+            block = self.disk.get(layout.namespace + keys[index], lambda parts: decode_parts(layout, parts))
             if block is None or block.key != keys[index] or block.parent != parent or block.tokens != list(blocks[index]):
                 break
             pages = []
@@ -234,7 +234,7 @@ class PrefixStore:
             pages = entry.pages[1]
             reads = [pool.read_pages(pages[layer]) for layer, pool in enumerate(store.pools)]
             block = Block(entry.key, entry.parent, list(entry.tokens), torch.stack([k for k, _ in reads]), torch.stack([v for _, v in reads]))
-            items.append((layout.namespace + entry.key, encode(layout, block)))
+            items.append((layout.namespace + entry.key, encode_parts(layout, block)))
         self.disk.put_many(items)
 
     def release(self, entries: list[Entry]) -> None:

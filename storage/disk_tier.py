@@ -2,26 +2,36 @@
 
 Keys are ``namespace digest + chain key`` (32 bytes), so a directory written by another model,
 dtype, codec or salt never answers for this one. Values are :mod:`~kvlib.storage.page_record`
-records (header, raw bytes, checksum; never pickled).
+records (header, raw bytes, checksum; never pickled), each stored as an index entry and parts of
+at most 8 lmdb pages (:mod:`~kvlib.storage.record_parts`); readers get the parts as they lie in
+the map and copy them out once.
 
 Guarantees, from lmdb and this module:
 
 - a write is one lmdb transaction: a process killed (even by SIGKILL) mid-write leaves the last
-  committed state, never a partial record;
-- a record whose header or checksum fails is a miss: counted (``corrupt``), deleted, never
-  returned;
+  committed state, never a partial record or a mix of two records' parts;
+- a record whose entry, parts, header or checksum fails is a miss: counted (``corrupt``),
+  deleted with all its parts, never returned (an entry of an earlier layout, a whole record in
+  one value, fails its entry check);
 - the records' bytes stay within ``capacity_bytes``: the least recently read or written records
-  are evicted first; the map grows as needed up to that budget; when lmdb reports the disk or
-  map full, writing stops with one warning and generation goes on;
+  are evicted first (every part of each); the map grows as needed up to that budget; when lmdb
+  reports the disk or map full, writing stops with one warning and generation goes on;
 - several processes may use one directory: lmdb serialises writers and lets readers run;
 - within a process, threads other than the writer's may read (a page prefetch reads spilled
   pages): they hold :attr:`DiskTier.resize_lock` during a read transaction, and the map is
   only resized under it (lmdb resizes only with no transaction active in the process).
 
-Bookkeeping lives in named databases beside the records: ``atime`` (key -> u64 access clock)
-and ``meta`` (total record bytes, the clock). Live sequences' spilled pages use two more
-(``spill``, ``runs``: see :mod:`~kvlib.storage.spill_store`); they are outside the LRU and the
-byte total above, and opening a tier deletes those of runs whose process is gone.
+Bookkeeping lives in named databases beside the records (``records``: the entries, ``parts``):
+``atime`` (key -> u64 access clock, one per record) and ``meta`` (total record bytes, the
+clock). Live sequences' spilled pages use two more (``spill``, ``runs``: see
+:mod:`~kvlib.storage.spill_store`); they are outside the LRU and the byte total above, and
+opening a tier deletes those of runs whose process is gone.
+
+The environment is opened without ``writemap``: a put copies into pages lmdb allocates and a
+commit writes them with ``writev`` (at most 64 parts, 2 MB, a call) and syncs. With a writable
+map every page of a growing file was instead faulted in (read as zeros, then copied into) and
+write-protected again by the sync: ``tier_bench`` measured record writes at 25% of raw file
+writes that way, whole records in one value each.
 """
 
 from __future__ import annotations
@@ -30,18 +40,27 @@ import struct
 import threading
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 import lmdb
 
+from kvlib.storage import record_parts
 from kvlib.storage.spill_store import sweep_dead_runs
 
 _U64 = struct.Struct("<Q")
 _OVERHEAD = 2.0
 """Map size over record bytes: lmdb's pages, free lists and the bookkeeping databases."""
 _MIN_MAP = 1 << 24
+_PART_PAGES = 8
+"""lmdb pages per record part (see :mod:`~kvlib.storage.record_parts`)."""
+_PAGE_HEADER = 16
+"""Bytes of lmdb's header on a run of overflow pages (64-bit builds): a part of ``_PART_PAGES *
+page size - _PAGE_HEADER`` bytes fills its pages exactly."""
 
+
+Record = bytes | bytearray | memoryview | list
+"""A record to store: bytes-like, or a list of bytes-like chunks that joined are the record."""
 
 _OPEN: weakref.WeakValueDictionary[Path, DiskTier] = weakref.WeakValueDictionary()
 """The tiers open in this process, by resolved directory (see :func:`open_disk_tier`)."""
@@ -74,8 +93,11 @@ class DiskTier:
         self.path.mkdir(parents=True, exist_ok=True)
         self.capacity_bytes = capacity_bytes
         self.limit = max(_MIN_MAP, int(capacity_bytes * _OVERHEAD))
-        self.env = lmdb.open(str(self.path), map_size=min(self.limit, _MIN_MAP), max_dbs=5, subdir=True, writemap=True)
+        self.env = lmdb.open(str(self.path), map_size=min(self.limit, _MIN_MAP), max_dbs=6, subdir=True)
         self.records = self.env.open_db(b"records")
+        """Record entries by key (:mod:`~kvlib.storage.record_parts`)."""
+        self.parts = self.env.open_db(b"parts")
+        self.part_bytes = _PART_PAGES * self.env.stat()["psize"] - _PAGE_HEADER
         self.atime = self.env.open_db(b"atime")
         self.meta = self.env.open_db(b"meta")
         self.env.reader_check()  # reader slots of dead processes
@@ -93,19 +115,19 @@ class DiskTier:
 
     # -- reading -------------------------------------------------------------------------------
 
-    def get(self, key: bytes, check) -> object | None:
-        """``check(record)`` of the record under ``key``, or None if absent or if ``check`` raises
-        ``ValueError`` (a corrupt or foreign record: counted and deleted). ``record`` is a buffer
-        into the map, valid during the call only: ``check`` copies what it keeps."""
-        value, found = None, False
-        with self.env.begin(db=self.records, buffers=True) as txn:
-            record = txn.get(key)
-            if record is not None:
-                found = True
-                try:
-                    value = check(record)
-                except ValueError:
-                    value = None
+    def get(self, key: bytes, check: Callable[[list[memoryview]], object]) -> object | None:
+        """``check(parts)`` of the record under ``key``, or None if absent, if its parts are not
+        all there, or if ``check`` raises ``ValueError`` (a corrupt or foreign record: counted and
+        deleted). ``parts`` are buffers into the map whose concatenation is the record, valid
+        during the call only: ``check`` copies what it keeps."""
+        value, found = None, True
+        with self.env.begin(buffers=True) as txn:
+            try:
+                parts = record_parts.read(txn, self.records, self.parts, key)
+                found = parts is not None
+                value = check(parts) if found else None
+            except ValueError:
+                value = None
         if not found:
             self.misses += 1
             return None
@@ -123,10 +145,14 @@ class DiskTier:
             return [bytes(k) for k, _ in txn.cursor()]
 
     def raw(self, key: bytes) -> bytes | None:
-        """The stored bytes under ``key`` unchecked (tests and tools only)."""
-        with self.env.begin(db=self.records) as txn:
-            value = txn.get(key)
-            return bytes(value) if value is not None else None
+        """The record under ``key`` unchecked, its parts joined (tests and tools only); None if
+        absent or its parts are not all there."""
+        with self.env.begin(buffers=True) as txn:
+            try:
+                parts = record_parts.read(txn, self.records, self.parts, key)
+            except ValueError:
+                return None
+            return None if parts is None else b"".join(parts)
 
     @property
     def nbytes(self) -> int:
@@ -136,51 +162,51 @@ class DiskTier:
 
     # -- writing -------------------------------------------------------------------------------
 
-    def put(self, key: bytes, record: bytes) -> bool:
+    def put(self, key: bytes, record: Record) -> bool:
         """Store ``record`` under ``key`` (replacing it); see :meth:`put_many`."""
         return self.put_many([(key, record)])
 
-    def put_many(self, items: list[tuple[bytes, bytes]]) -> bool:
+    def put_many(self, items: list[tuple[bytes, Record]]) -> bool:
         """Store every ``(key, record)`` in one transaction (one durable commit), evicting least
-        recently used records to stay within capacity. False (and nothing changed) when it
-        cannot: more bytes than the capacity, or the disk or map is full (then writing stops,
-        with one warning)."""
-        incoming = sum(len(record) for _, record in items)
+        recently used records to stay within capacity; a record is bytes-like, or a list of
+        bytes-like chunks that joined are the record (such as
+        :func:`~kvlib.storage.page_record.encode_parts`: stored without joining them), and the
+        last one of a repeated key wins. False (and nothing changed) when it cannot: more bytes
+        than the capacity, or the disk or map is full (then writing stops, with one warning)."""
+        records = {key: [memoryview(chunk).cast("B") for chunk in (record if isinstance(record, list) else [record])]
+                   for key, record in items}
+        incoming = sum(chunk.nbytes for chunks in records.values() for chunk in chunks)
         if self.stopped or not items or incoming > self.capacity_bytes:
             return False
         try:
-            self.transact(incoming, lambda txn: self._put(txn, items))
+            self.transact(incoming, lambda txn: self._put(txn, records, incoming))
         except lmdb.MapFullError:
             self._stop("the lmdb map is full at the byte budget")
             return False
         except lmdb.Error as error:  # disk full or unwritable: stop writing, go on without the tier
             self._stop(f"{type(error).__name__}: {error}")
             return False
-        self.writes += len(items)
+        self.writes += len(records)
         return True
 
-    def _put(self, txn: lmdb.Transaction, items: list[tuple[bytes, bytes]]) -> None:
+    def _put(self, txn: lmdb.Transaction, records: dict[bytes, list[memoryview]], incoming: int) -> None:
         self._record_touches(txn)
         total = _get_u64(txn, b"bytes", self.meta)
-        keys = {key for key, _ in items}
-        for key in keys:
-            old = txn.get(key, db=self.records)
-            if old is not None:
-                total -= len(old)
-        need = total + sum(len(record) for _, record in items) - self.capacity_bytes
-        if need > 0:
-            total -= self._evict(txn, need, keep=keys)
+        for key in records:
+            total -= record_parts.delete(txn, self.records, self.parts, key)
+        if total + incoming > self.capacity_bytes:
+            total -= self._evict(txn, total + incoming - self.capacity_bytes, keep=records.keys())
         clock = _get_u64(txn, b"clock", self.meta)
-        for key, record in items:
+        for key, chunks in records.items():
             clock += 1
-            txn.put(key, record, db=self.records)
+            record_parts.put(txn, self.records, self.parts, key, chunks, self.part_bytes)
             txn.put(key, _U64.pack(clock), db=self.atime)
-            total += len(record)
         txn.put(b"clock", _U64.pack(clock), db=self.meta)
-        txn.put(b"bytes", _U64.pack(total), db=self.meta)
+        txn.put(b"bytes", _U64.pack(total + incoming), db=self.meta)
 
-    def _evict(self, txn: lmdb.Transaction, need: int, keep: set[bytes]) -> int:
-        """Delete least recently used records (not in ``keep``) until ``need`` bytes are free; returns the bytes freed."""
+    def _evict(self, txn: lmdb.Transaction, need: int, keep: Collection[bytes]) -> int:
+        """Delete least recently used records (not in ``keep``), every part of each, until
+        ``need`` bytes are free; returns the bytes freed."""
         order = sorted((_U64.unpack(v)[0], bytes(k)) for k, v in txn.cursor(db=self.atime))
         freed = 0
         for _, key in order:
@@ -188,10 +214,7 @@ class DiskTier:
                 break
             if key in keep:
                 continue
-            value = txn.get(key, db=self.records)
-            if value is not None:
-                freed += len(value)
-                txn.delete(key, db=self.records)
+            freed += record_parts.delete(txn, self.records, self.parts, key)
             txn.delete(key, db=self.atime)
             self.evictions += 1
         return freed
@@ -199,10 +222,8 @@ class DiskTier:
     def _delete(self, key: bytes) -> None:
         try:
             with self.env.begin(write=True) as txn:
-                value = txn.get(key, db=self.records)
-                if value is not None:
-                    txn.delete(key, db=self.records)
-                    txn.put(b"bytes", _U64.pack(max(0, _get_u64(txn, b"bytes", self.meta) - len(value))), db=self.meta)
+                freed = record_parts.delete(txn, self.records, self.parts, key)
+                txn.put(b"bytes", _U64.pack(max(0, _get_u64(txn, b"bytes", self.meta) - freed)), db=self.meta)
                 txn.delete(key, db=self.atime)
         except lmdb.Error:
             pass

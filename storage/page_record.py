@@ -30,10 +30,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvlib.storage.record_digest import record_digest, rows_digests
+from kvlib.storage.record_digest import record_digest, rows_digests, sections_digest
 
 MAGIC = b"KVLP"
-VERSION = 2
+VERSION = 3
 HEADER = struct.Struct("<4sH16s16s16sHHHHHBQ7x")
 """80 bytes: the body starts 8-byte aligned."""
 _KEY_AT = struct.calcsize("<4sH16s")
@@ -75,15 +75,7 @@ class Block:
 def encode(layout: Layout, block: Block) -> memoryview:
     """The record bytes of ``block`` (keys and values in ``layout.dtype`` on any device), in a
     fresh buffer written once (no zero fill: every byte is packed, copied or padded)."""
-    if len(block.tokens) != layout.page_size:
-        raise ValueError(f"a block holds {layout.page_size} tokens, got {len(block.tokens)}")
-    for name, tensor, dim in (("keys", block.keys, layout.head_dim), ("values", block.values, layout.value_dim)):
-        if tuple(tensor.shape) != (layout.layers, layout.heads, layout.page_size, dim):
-            raise ValueError(f"block {name} have shape {tuple(tensor.shape)}; the layout expects "
-                             f"{(layout.layers, layout.heads, layout.page_size, dim)}")
-    sections = [np.asarray(block.tokens, dtype=np.int64).view(np.uint8)] + [
-        t.detach().to("cpu", layout.dtype).contiguous().view(torch.uint8).numpy().reshape(-1) for t in (block.keys, block.values)
-    ]
+    sections = _sections(layout, block)
     cuts = _cuts(layout)
     out = np.empty(cuts[-1] + DIGEST.size, dtype=np.uint8)
     out[: HEADER.size] = np.frombuffer(_header(layout, _pad(block.key), _pad(block.parent)), dtype=np.uint8)
@@ -92,6 +84,46 @@ def encode(layout: Layout, block: Block) -> memoryview:
         out[start + section.nbytes : end] = 0  # the keys' padding to 8 bytes
     DIGEST.pack_into(out, cuts[-1], record_digest(out, cuts))
     return memoryview(out)
+
+
+def encode_parts(layout: Layout, block: Block) -> list[memoryview]:
+    """The record of ``block`` as consecutive buffers, joined :func:`encode`'s bytes: header and
+    token ids (a fresh buffer), the keys' bytes, the values' bytes, the digest. The keys and
+    values are the block's own tensors' memory when those are contiguous CPU tensors of
+    ``layout.dtype`` (otherwise converted copies; keys whose bytes need padding to 8 are copied
+    with it): nothing of the pages is copied, for a writer that copies them anyway (the disk
+    tier, into lmdb's pages). Do not change the tensors until the record is stored."""
+    tokens, keys, values = _sections(layout, block)
+    head = np.empty(HEADER.size + tokens.nbytes, dtype=np.uint8)
+    HEADER.pack_into(
+        head, 0, MAGIC, VERSION, layout.namespace, _pad(block.key), _pad(block.parent), layout.layers, layout.heads,
+        layout.page_size, layout.head_dim, layout.value_dim, DTYPE_CODES[layout.dtype], _cuts(layout)[-1] - HEADER.size,
+    )
+    head[HEADER.size :] = tokens
+    if keys.nbytes % 8:
+        keys = np.concatenate([keys, np.zeros(-keys.nbytes % 8, dtype=np.uint8)])
+    digest = sections_digest([head[: HEADER.size], head[HEADER.size :], keys, values])
+    return [memoryview(head), memoryview(keys), memoryview(values), memoryview(DIGEST.pack(digest))]
+
+
+def _sections(layout: Layout, block: Block) -> list[np.ndarray]:
+    """The token ids, keys and values of ``block`` as uint8 arrays in ``layout.dtype`` (CPU,
+    contiguous; the tensors' own memory when they already are), once its shapes match ``layout``."""
+    if len(block.tokens) != layout.page_size:
+        raise ValueError(f"a block holds {layout.page_size} tokens, got {len(block.tokens)}")
+    for name, tensor, dim in (("keys", block.keys, layout.head_dim), ("values", block.values, layout.value_dim)):
+        if tuple(tensor.shape) != (layout.layers, layout.heads, layout.page_size, dim):
+            raise ValueError(f"block {name} have shape {tuple(tensor.shape)}; the layout expects "
+                             f"{(layout.layers, layout.heads, layout.page_size, dim)}")
+    return [np.asarray(block.tokens, dtype=np.int64).view(np.uint8)] + [_bytes_of(t, layout.dtype) for t in (block.keys, block.values)]
+
+
+def _bytes_of(tensor: torch.Tensor, dtype: torch.dtype) -> np.ndarray:
+    """``tensor`` in ``dtype`` as a flat uint8 array on the CPU: its own memory when it already is
+    a contiguous CPU tensor of ``dtype`` (no conversion calls: they cost microseconds each)."""
+    if tensor.dtype != dtype or tensor.device.type != "cpu" or not tensor.is_contiguous():
+        tensor = tensor.to("cpu", dtype).contiguous()
+    return tensor.detach().view(torch.uint8).numpy().reshape(-1)
 
 
 def decode(layout: Layout, record: bytes | bytearray | memoryview) -> Block:
@@ -109,6 +141,36 @@ def decode(layout: Layout, record: bytes | bytearray | memoryview) -> Block:
     keys = copied[keys_at : keys_at + _key_bytes(layout)].view(layout.dtype).view(*shape, layout.head_dim)
     values = copied[values_at:end].view(layout.dtype).view(*shape, layout.value_dim)
     return Block(key, parent, tokens, keys, values)
+
+
+def decode_parts(layout: Layout, parts: list) -> Block:
+    """The block in a record given as ``parts`` (buffers valid during the call, such as a
+    :class:`~kvlib.storage.disk_tier.DiskTier` record's parts in the map) whose concatenation is
+    the record; checked like :func:`decode`. Once their total length is this layout's record
+    size, the parts are joined into memory the block owns (one C loop of copies: per-part Python
+    overhead matters at tens of parts per record), then the header is checked and the copy
+    digested (in cache)."""
+    size = record_size(layout)
+    if sum(map(len, parts)) != size:
+        raise RecordError("record length differs from its layout's")
+    record = np.frombuffer(bytearray().join(parts), dtype=np.uint8)
+    cuts, (key, parent) = _checked_header(layout, record)
+    if record_digest(record, cuts) != DIGEST.unpack_from(record, cuts[-1])[0]:
+        raise RecordError("checksum mismatch")
+    shape = (layout.layers, layout.heads, layout.page_size)
+    keys = _tensor(record[cuts[2] : cuts[2] + _key_bytes(layout)], layout.dtype, (*shape, layout.head_dim))
+    values = _tensor(record[cuts[3] : cuts[4]], layout.dtype, (*shape, layout.value_dim))
+    return Block(key, parent, record[cuts[1] : cuts[2]].view(np.int64).tolist(), keys, values)
+
+
+_NUMPY_TWIN = {torch.float32: np.float32, torch.float16: np.float16, torch.bfloat16: np.int16}
+"""A numpy dtype of each record dtype's width (numpy has no bfloat16)."""
+
+
+def _tensor(section: np.ndarray, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """``section`` (uint8, 8-byte aligned) as a tensor of ``dtype`` and ``shape`` sharing its memory."""
+    tensor = torch.from_numpy(section.view(_NUMPY_TWIN[dtype]).reshape(shape))
+    return tensor if tensor.dtype == dtype else tensor.view(dtype)
 
 
 def empty_rows(layout: Layout, count: int) -> np.ndarray:

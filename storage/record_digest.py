@@ -1,15 +1,18 @@
 """A 64-bit record digest at close to memory speed (numba).
 
 Page records are checked on every read and built on every write; zlib's CRC-32 (2-4 GB/s here)
-cost as much as the copy itself. This digest mixes each 8-byte word into one of four independent
-lanes (the xxHash64 round: ``lane = rotl(lane + word * P2, 31) * P1``), about 10 GB/s on data in
-cache. Records are digested right after they are copied (into the record when writing, out of
-the map when reading), while the bytes are still in cache: a fused copy-and-digest loop measured
-slower than ``memcpy`` followed by this pass.
+cost as much as the copy itself. This digest mixes each 8-byte word of a section into one of 64
+independent lanes (lane ``j`` takes words ``j, j + 64, ...``: ``lane = rotl(lane ^ word, 29) *
+P1``, one multiply per word), which the compiler vectorises: about 25 GB/s on data in cache here,
+against 10 GB/s for the four xxHash64 lanes of record format 2 (two multiplies per word, not
+vectorised). The lanes then fold into one value, then the words past the last whole stripe and
+the tail bytes, then an avalanche. Records are digested right after they are copied (into the
+record when writing, out of the map when reading), while the bytes are still in cache: a fused
+copy-and-digest loop measured slower than ``memcpy`` followed by the earlier four-lane pass.
 
 What it guarantees: every step that mixes a word in is a bijection of that word (odd
 multipliers, rotations, additions and xors), and so is every later step of the lane, the lane
-merge and the final avalanche; so any change confined to one aligned 8-byte word of a section
+fold and the final avalanche; so any change confined to one aligned 8-byte word of a section
 (any number of flipped bits in it, hence any single corrupted byte) changes the digest, always.
 Wider corruption is caught with probability about ``1 - 2**-64``. It is a checksum against
 faults, not a cryptographic hash.
@@ -22,6 +25,7 @@ digest given the others, so the guarantee holds for the whole record.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 import numba
 import numpy as np
@@ -40,7 +44,7 @@ def _rotl(x: np.uint64, bits: int) -> np.uint64:
 
 @numba.njit(inline="always")
 def _round(lane: np.uint64, word: np.uint64) -> np.uint64:
-    return _rotl(lane + word * _P2, 31) * _P1
+    return _rotl(lane ^ word, 29) * _P1
 
 
 @numba.njit(inline="always")
@@ -53,30 +57,42 @@ def _avalanche(h: np.uint64) -> np.uint64:
     return h
 
 
+_LANES = 64
+"""Words per stripe: lane ``j`` takes words ``j, j + 64, ...`` of a section."""
+
+
 @numba.njit(cache=True, boundscheck=False, nogil=True)
 def _digest(words: np.ndarray, tail: np.ndarray) -> np.uint64:
     """Digest of ``words`` (uint64) then ``tail`` (the < 8 trailing bytes)."""
     n = words.shape[0]
-    v1 = _P1 + _P2
-    v2 = _P2
-    v3 = np.uint64(0)
-    v4 = np.uint64(0) - _P1
-    stripes = n // 4
+    stripes = n // _LANES
+    lanes = np.empty(_LANES, dtype=np.uint64)
+    for j in range(_LANES):
+        lanes[j] = _P2 + np.uint64(j) * _P1
     for s in range(stripes):
-        i = 4 * s
-        v1 = _round(v1, words[i])
-        v2 = _round(v2, words[i + 1])
-        v3 = _round(v3, words[i + 2])
-        v4 = _round(v4, words[i + 3])
-    h = _rotl(v1, 1) + _rotl(v2, 7) + _rotl(v3, 12) + _rotl(v4, 18)
-    h += np.uint64(n * 8 + tail.shape[0])
-    for i in range(4 * stripes, n):
-        h ^= _round(np.uint64(0), words[i])
-        h = _rotl(h, 27) * _P1 + _P4
+        for j in range(_LANES):  # independent lanes: vectorised
+            lanes[j] = _round(lanes[j], words[s * _LANES + j])
+    h = _P5 + np.uint64(n * 8 + tail.shape[0])
+    for j in range(_LANES):
+        h = _rotl(h ^ lanes[j], 27) * _P1 + _P4
+    for i in range(stripes * _LANES, n):
+        h = _rotl(h ^ words[i], 27) * _P1 + _P4
     for i in range(tail.shape[0]):
         h ^= np.uint64(tail[i]) * _P5
         h = _rotl(h, 11) * _P1
     return _avalanche(h)
+
+
+@numba.njit(inline="always")
+def _fold(h: np.uint64, section: np.uint64) -> np.uint64:
+    """The combined digest ``h`` of the sections so far, after one more section's digest."""
+    return _avalanche(h ^ section) + _P4
+
+
+@numba.njit(cache=True, nogil=True)
+def _fold_section(h: np.uint64, words: np.ndarray, tail: np.ndarray) -> np.uint64:
+    """:func:`_fold` of ``h`` and the digest of one more section (one call per section)."""
+    return _fold(h, _digest(words, tail))
 
 
 @numba.njit(cache=True, boundscheck=False, nogil=True)
@@ -85,7 +101,7 @@ def _sections_digest(words: np.ndarray, tail: np.ndarray, cuts: np.ndarray) -> n
     h = _P5
     for i in range(cuts.shape[0] - 1):
         section_tail = tail if i == cuts.shape[0] - 2 else tail[:0]
-        h = _avalanche(h ^ _digest(words[cuts[i] : cuts[i + 1]], section_tail)) + _P4
+        h = _fold(h, _digest(words[cuts[i] : cuts[i + 1]], section_tail))
     return h
 
 
@@ -134,3 +150,18 @@ def rows_digests(rows: np.ndarray, cuts: tuple[int, ...]) -> np.ndarray:
     whole = cuts[0] + int(word_cuts[-1]) * 8
     words = rows[:, cuts[0] : whole].view(np.uint64)
     return _rows_digests(words, np.ascontiguousarray(rows[:, whole : cuts[-1]]), word_cuts)
+
+
+def sections_digest(sections: Sequence[np.ndarray]) -> int:
+    """The digest of consecutive sections held in separate arrays (1-d uint8, any alignment;
+    every one but the last a multiple of 8 bytes): :func:`record_digest` of their concatenation
+    cut at their boundaries, without concatenating them."""
+    h = _P5
+    for i, section in enumerate(sections):
+        if section.dtype != np.uint8 or section.ndim != 1:
+            raise ValueError(f"sections_digest reads 1-d uint8 arrays, got {section.dtype} with {section.ndim} dims")
+        whole = section.shape[0] // 8 * 8
+        if whole != section.shape[0] and i != len(sections) - 1:
+            raise ValueError(f"every section but the last must be a multiple of 8 bytes; section {i} has {section.shape[0]}")
+        h = np.uint64(_fold_section(h, section[:whole].view(np.uint64), section[whole:]))  # as uint64: numba returns an int
+    return int(h)

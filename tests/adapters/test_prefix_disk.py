@@ -47,8 +47,7 @@ def test_a_corrupted_record_is_recomputed_and_another_models_directory_is_ignore
     keys = sorted(tier.keys(), key=lambda key: len(tier.raw(key)))
     record = bytearray(tier.raw(keys[0]))
     record[len(record) // 2] ^= 0xFF  # a flipped byte in the page data
-    with tier.env.begin(write=True) as txn:
-        txn.put(keys[0], bytes(record), db=tier.records)
+    tier.put(keys[0], bytes(record))
     tier.close()
     damaged = run(tmp_path)
     assert damaged["same"] and damaged["disk"]["corrupt"] == 1 and damaged["reused"] < 64

@@ -1,5 +1,6 @@
 """The lmdb disk tier: LRU within a byte budget, corrupt records are misses, a full map stops
-writing with one warning, and a writer killed at random moments leaves no corrupt entry."""
+writing with one warning, and a writer killed at random moments leaves no corrupt entry (records
+split into parts: see also test_record_parts.py)."""
 
 from __future__ import annotations
 
@@ -19,9 +20,9 @@ from kvlib.storage.disk_tier import DiskTier
 DISK_TIER = Path(__file__).resolve().parents[2] / "storage" / "disk_tier.py"
 
 
-def checked(record: bytes | memoryview) -> bytes:
-    """A test record: payload + blake2b(payload); ValueError if they disagree."""
-    record = bytes(record)
+def checked(parts: list[memoryview]) -> bytes:
+    """A test record (its parts joined): payload + blake2b(payload); ValueError if they disagree."""
+    record = b"".join(parts)
     payload, digest = record[:-16], record[-16:]
     if hashlib.blake2b(payload, digest_size=16).digest() != digest:
         raise ValueError("checksum")
@@ -50,10 +51,59 @@ def test_a_corrupt_record_is_a_counted_miss_and_is_removed(tmp_path: Path) -> No
     tier.put(key, record(b"x" * 100))
     data = bytearray(tier.raw(key))
     data[10] ^= 0x40
-    with tier.env.begin(write=True) as txn:
-        txn.put(key, bytes(data), db=tier.records)
+    tier.put(key, bytes(data))  # the tier stores what it is given: checking is the reader's
     assert tier.get(key, checked) is None
-    assert tier.corrupt == 1 and tier.raw(key) is None
+    assert tier.corrupt == 1 and tier.raw(key) is None and tier.nbytes == 0
+
+
+def stored_parts(tier: DiskTier) -> int:
+    with tier.env.begin() as txn:
+        return txn.stat(tier.parts)["entries"]
+
+
+def test_a_flipped_byte_in_any_part_is_a_counted_miss_and_every_part_goes(tmp_path: Path) -> None:
+    tier = DiskTier(tmp_path, capacity_bytes=1 << 20)
+    tier.part_bytes = 64  # many parts from a small record
+    key, stored = b"k".ljust(32, b"."), record(os.urandom(300))
+    parts = 1 + -(-(len(stored) - 10) // 64)
+    for index in range(parts):
+        tier.put(key, [stored[:10], stored[10:]])  # chunks: stored as parts without joining them
+        assert tier.raw(key) == stored and stored_parts(tier) == parts
+        with tier.env.begin(write=True, db=tier.parts) as txn:
+            part_key, value = list(txn.cursor())[index]
+            value = bytearray(value)
+            value[len(value) // 2] ^= 0x08
+            txn.put(part_key, bytes(value))
+        assert tier.get(key, checked) is None
+        assert tier.raw(key) is None and stored_parts(tier) == 0 and tier.nbytes == 0
+    assert tier.corrupt == parts
+
+
+def test_replacing_and_evicting_records_keeps_exact_bytes_and_no_stale_part(tmp_path: Path) -> None:
+    tier = DiskTier(tmp_path, capacity_bytes=3000)
+    tier.part_bytes = 100
+    sizes = {}
+    for name, size in [(b"a", 900), (b"b", 700), (b"a", 150), (b"c", 1200), (b"d", 1000), (b"b", 80)]:
+        key = name.ljust(32, b".")
+        assert tier.put(key, record(os.urandom(size - 16)))
+        sizes[key] = size
+        held = {k: sizes[k] for k in tier.keys()}
+        assert tier.nbytes == sum(held.values()) <= tier.capacity_bytes
+        assert stored_parts(tier) == sum(-(-size // 100) for size in held.values())
+        assert all(tier.get(k, checked) is not None for k in held)
+    assert tier.evictions > 0
+
+
+def test_an_entry_of_the_earlier_layout_is_a_counted_miss(tmp_path: Path) -> None:
+    """A directory written by an earlier kvlib holds whole records as the entries' values."""
+    tier = DiskTier(tmp_path, capacity_bytes=1 << 20)
+    tier.put(b"new".ljust(32, b"."), record(b"y" * 100))
+    old, whole = b"old".ljust(32, b"."), record(b"x" * 100)
+    with tier.env.begin(write=True) as txn:
+        txn.put(old, whole, db=tier.records)
+        txn.put(b"bytes", (tier.nbytes + len(whole)).to_bytes(8, "little"), db=tier.meta)
+    assert tier.get(old, checked) is None and tier.corrupt == 1
+    assert tier.keys() == [b"new".ljust(32, b".")] and tier.nbytes == 116
 
 
 def test_a_full_map_stops_writing_with_one_warning(tmp_path: Path) -> None:
@@ -73,9 +123,9 @@ module = importlib.util.module_from_spec(spec); spec.loader.exec_module(module)
 tier = module.DiskTier(sys.argv[1], capacity_bytes=2 << 20)
 rng = random.Random(int(sys.argv[2]))
 print("ready", flush=True)
-while True:
-    payload = os.urandom(rng.randint(1, 64) * 1024)
-    tier.put(rng.randbytes(8).ljust(32, b"."), payload + hashlib.blake2b(payload, digest_size=16).digest())
+while True:  # records of 1 to 8 parts, some keys rewritten, the budget churned by eviction
+    payloads = [os.urandom(rng.randint(1, 256) * 1024) for _ in range(rng.randint(1, 3))]
+    tier.put_many([(rng.randbytes(1).ljust(32, b"."), p + hashlib.blake2b(p, digest_size=16).digest()) for p in payloads])
 """
 
 
@@ -93,3 +143,6 @@ def test_a_writer_killed_at_random_moments_leaves_no_corrupt_entry(tmp_path: Pat
     assert all(tier.get(key, checked) is not None for key in keys)
     assert tier.corrupt == 0 and tier.nbytes <= tier.capacity_bytes
     assert tier.nbytes == sum(len(tier.raw(key)) for key in keys)  # the byte count commits with the records
+    with tier.env.begin() as txn:  # every part stored belongs to a whole record, and nothing else is
+        parts = txn.stat(tier.parts)["entries"]
+    assert parts == sum(-(-len(tier.raw(key)) // tier.part_bytes) for key in keys)

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvlib.storage.record_digest import record_digest
+from kvlib.storage.record_digest import record_digest, sections_digest
 
 CUTS = (0, 80, 208, 304, 333)
 """A record-like layout: an 80-byte header, three sections, the last with a 5-byte tail."""
@@ -58,3 +58,31 @@ def test_bad_cuts_and_sources_are_refused() -> None:
         record_digest(data(size=100), (0, 80, 333))
     with pytest.raises(ValueError, match="uint8"):
         record_digest(np.zeros(4, dtype=np.int64), (0, 8))
+
+
+WIDE = (0, 80, 80 + 8 * (3 * 64 + 5), 80 + 8 * (3 * 64 + 5) + 8 * 64 + 3)
+"""Sections of several 64-word stripes plus loose words (the vectorised lanes), then a tail."""
+
+
+def test_every_word_of_multi_stripe_sections_changes_the_digest() -> None:
+    original = data(4, WIDE[-1])
+    reference = record_digest(original, WIDE)
+    for word in range(WIDE[-1] // 8):
+        for flip in (0x01, 0x80):
+            corrupted = original.copy()
+            corrupted[8 * word + word % 8] ^= flip
+            assert record_digest(corrupted, WIDE) != reference, word
+    swapped = original.copy()  # two words of one lane exchanged
+    swapped[80:88], swapped[80 + 8 * 64 : 88 + 8 * 64] = original[80 + 8 * 64 : 88 + 8 * 64], original[80:88]
+    assert record_digest(swapped, WIDE) != reference
+
+
+def test_sections_held_apart_digest_as_their_concatenation() -> None:
+    original = data(5, WIDE[-1])
+    sections = [original[a:b].copy() for a, b in zip(WIDE, WIDE[1:])]
+    assert sections_digest(sections) == record_digest(original, WIDE)
+    unaligned = np.empty(WIDE[2] + 1, dtype=np.uint8)[1:]
+    unaligned[:] = original[: WIDE[2]]
+    assert sections_digest([unaligned[:80], unaligned[80:], sections[2]]) == record_digest(original, WIDE)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        sections_digest([original[:12], original[12:20]])
