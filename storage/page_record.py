@@ -16,6 +16,9 @@ Nothing is pickled and nothing read is executed: :func:`decode` checks the magic
 namespace, the shape and dtype the reader expects and the body length before touching the body,
 then copies the body out while digesting it, and raises :class:`RecordError` on any mismatch
 (the caller treats it as a miss). Encoding and decoding each pass over the page bytes once.
+:func:`encode_parts` and :func:`decode_parts` handle the same record as a list of buffers (the
+disk tier stores records in parts): the pages are not copied on the way in, and copied once,
+joined, on the way out.
 """
 
 from __future__ import annotations
@@ -148,8 +151,7 @@ def decode_parts(layout: Layout, parts: list) -> Block:
     size, the parts are joined into memory the block owns (one C loop of copies: per-part Python
     overhead matters at tens of parts per record), then the header is checked and the copy
     digested (in cache)."""
-    size = record_size(layout)
-    if sum(map(len, parts)) != size:
+    if sum(map(len, parts)) != _cuts(layout)[-1] + DIGEST.size:
         raise RecordError("record length differs from its layout's")
     record = np.frombuffer(bytearray().join(parts), dtype=np.uint8)
     cuts, (key, parent) = _checked_header(layout, record)
