@@ -147,12 +147,9 @@ def decode(layout: Layout, record: bytes | bytearray | memoryview) -> Block:
 def decode_parts(layout: Layout, parts: list) -> Block:
     """The block in a record given as ``parts`` (buffers valid during the call, such as a
     :class:`~kvlib.storage.disk_tier.DiskTier` record's parts in the map) whose concatenation is
-    the record; checked like :func:`decode`. Once their total length is this layout's record
-    size, the parts are joined into memory the block owns (one C loop of copies: per-part Python
-    overhead matters at tens of parts per record), then the header is checked and the copy
-    digested (in cache)."""
-    if sum(map(len, parts)) != _cuts(layout)[-1] + DIGEST.size:
-        raise RecordError("record length differs from its layout's")
+    the record; checked like :func:`decode`. The parts are joined into memory the block owns
+    (one C loop of copies: per-part Python overhead matters at tens of parts per record), then
+    the header and length are checked and the copy digested (in cache)."""
     record = np.frombuffer(bytearray().join(parts), dtype=np.uint8)
     cuts, (key, parent) = _checked_header(layout, record)
     if record_digest(record, cuts) != DIGEST.unpack_from(record, cuts[-1])[0]:
