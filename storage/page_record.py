@@ -154,20 +154,22 @@ def decode_parts(layout: Layout, parts: list) -> Block:
     cuts, (key, parent) = _checked_header(layout, record)
     if record_digest(record, cuts) != DIGEST.unpack_from(record, cuts[-1])[0]:
         raise RecordError("checksum mismatch")
-    shape = (layout.layers, layout.heads, layout.page_size)
-    keys = _tensor(record[cuts[2] : cuts[2] + _key_bytes(layout)], layout.dtype, (*shape, layout.head_dim))
-    values = _tensor(record[cuts[3] : cuts[4]], layout.dtype, (*shape, layout.value_dim))
+    keys_at, values_at, key_shape, value_shape, twin = _views(layout)
+    keys = torch.from_numpy(record[keys_at].view(twin).reshape(key_shape))
+    values = torch.from_numpy(record[values_at].view(twin).reshape(value_shape))
+    if twin is np.int16:  # numpy has no bfloat16: the same bytes, seen as torch.bfloat16
+        keys, values = keys.view(layout.dtype), values.view(layout.dtype)
     return Block(key, parent, record[cuts[1] : cuts[2]].view(np.int64).tolist(), keys, values)
 
 
-_NUMPY_TWIN = {torch.float32: np.float32, torch.float16: np.float16, torch.bfloat16: np.int16}
-"""A numpy dtype of each record dtype's width (numpy has no bfloat16)."""
-
-
-def _tensor(section: np.ndarray, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    """``section`` (uint8, 8-byte aligned) as a tensor of ``dtype`` and ``shape`` sharing its memory."""
-    tensor = torch.from_numpy(section.view(_NUMPY_TWIN[dtype]).reshape(shape))
-    return tensor if tensor.dtype == dtype else tensor.view(dtype)
+@functools.lru_cache(maxsize=64)
+def _views(layout: Layout) -> tuple[slice, slice, tuple[int, ...], tuple[int, ...], type]:
+    """Where a record of ``layout`` holds its keys and values (byte slices), their shapes, and a
+    numpy dtype of their width (one cached lookup per record read)."""
+    cuts, shape = _cuts(layout), (layout.layers, layout.heads, layout.page_size)
+    twin = {torch.float32: np.float32, torch.float16: np.float16, torch.bfloat16: np.int16}[layout.dtype]
+    return (slice(cuts[2], cuts[2] + _key_bytes(layout)), slice(cuts[3], cuts[4]), (*shape, layout.head_dim),
+            (*shape, layout.value_dim), twin)
 
 
 def decode_into(layout: Layout, record: bytes | bytearray | memoryview, keys: np.ndarray, values: np.ndarray) -> bytes:
