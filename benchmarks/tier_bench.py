@@ -3,11 +3,12 @@ I/O of the same bytes, and restoring a cached prefix from disk against recomputi
 
 - Throughput: the prefix pages of a ``--prefix-len``-token prompt of the model (one record per
   16-token block: every layer's and KV head's keys and values), written with
-  ``DiskTier.put_many`` (record encoding and checksum included, one durable lmdb commit for the
-  prompt's records, as the prefix store writes them) and read back with ``DiskTier.get`` + decode; against writing
-  the same record bytes to one file with ``write`` and ``fsync`` and reading them back. MB/s of
-  record bytes; medians of ``--repeats``. Target: >= 50% of raw file I/O. Same durability class:
-  lmdb commits with its default sync (msync of the map, then the meta page), the raw file is
+  ``DiskTier.put_many`` of ``encode_parts`` (record encoding and checksum included, one durable
+  lmdb commit for the prompt's records, as the prefix store writes them) and read back with
+  ``DiskTier.get`` + ``decode_parts``; against writing the same record bytes to one file with
+  ``write`` and ``fsync`` and reading them back. MB/s of record bytes; medians of ``--repeats``.
+  Target: >= 50% of raw file I/O. Same durability class: lmdb commits with its default sync
+  (fdatasync of the data file, then the meta page written synchronously), the raw file is
   fsynced once.
 - Host tier: greedy decode tokens/s after a ``--prefix-len`` prompt with ``lru`` placement
   keeping half of the pages on the device and half on the host, against all pages on the device

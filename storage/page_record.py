@@ -16,6 +16,9 @@ Nothing is pickled and nothing read is executed: :func:`decode` checks the magic
 namespace, the shape and dtype the reader expects and the body length before touching the body,
 then copies the body out while digesting it, and raises :class:`RecordError` on any mismatch
 (the caller treats it as a miss). Encoding and decoding each pass over the page bytes once.
+:func:`encode_parts` and :func:`decode_parts` handle the same record as a list of buffers (the
+disk tier stores records in parts): the pages are not copied on the way in, and copied once,
+joined, on the way out.
 Many small records of one layout (spilled pages) are checked in one batch instead: copied into
 the rows of :func:`empty_rows`, checked by :func:`check_rows` (the same checks, vectorised) and
 read through :func:`row_sections`.
@@ -146,31 +149,29 @@ def decode(layout: Layout, record: bytes | bytearray | memoryview) -> Block:
 def decode_parts(layout: Layout, parts: list) -> Block:
     """The block in a record given as ``parts`` (buffers valid during the call, such as a
     :class:`~kvlib.storage.disk_tier.DiskTier` record's parts in the map) whose concatenation is
-    the record; checked like :func:`decode`. Once their total length is this layout's record
-    size, the parts are joined into memory the block owns (one C loop of copies: per-part Python
-    overhead matters at tens of parts per record), then the header is checked and the copy
-    digested (in cache)."""
-    size = record_size(layout)
-    if sum(map(len, parts)) != size:
-        raise RecordError("record length differs from its layout's")
+    the record; checked like :func:`decode`. The parts are joined into memory the block owns
+    (one C loop of copies: per-part Python overhead matters at tens of parts per record), then
+    the header and length are checked and the copy digested (in cache)."""
     record = np.frombuffer(bytearray().join(parts), dtype=np.uint8)
     cuts, (key, parent) = _checked_header(layout, record)
     if record_digest(record, cuts) != DIGEST.unpack_from(record, cuts[-1])[0]:
         raise RecordError("checksum mismatch")
-    shape = (layout.layers, layout.heads, layout.page_size)
-    keys = _tensor(record[cuts[2] : cuts[2] + _key_bytes(layout)], layout.dtype, (*shape, layout.head_dim))
-    values = _tensor(record[cuts[3] : cuts[4]], layout.dtype, (*shape, layout.value_dim))
+    keys_at, values_at, key_shape, value_shape, twin = _views(layout)
+    keys = torch.from_numpy(record[keys_at].view(twin).reshape(key_shape))
+    values = torch.from_numpy(record[values_at].view(twin).reshape(value_shape))
+    if twin is np.int16:  # numpy has no bfloat16: the same bytes, seen as torch.bfloat16
+        keys, values = keys.view(layout.dtype), values.view(layout.dtype)
     return Block(key, parent, record[cuts[1] : cuts[2]].view(np.int64).tolist(), keys, values)
 
 
-_NUMPY_TWIN = {torch.float32: np.float32, torch.float16: np.float16, torch.bfloat16: np.int16}
-"""A numpy dtype of each record dtype's width (numpy has no bfloat16)."""
-
-
-def _tensor(section: np.ndarray, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    """``section`` (uint8, 8-byte aligned) as a tensor of ``dtype`` and ``shape`` sharing its memory."""
-    tensor = torch.from_numpy(section.view(_NUMPY_TWIN[dtype]).reshape(shape))
-    return tensor if tensor.dtype == dtype else tensor.view(dtype)
+@functools.lru_cache(maxsize=64)
+def _views(layout: Layout) -> tuple[slice, slice, tuple[int, ...], tuple[int, ...], type]:
+    """Where a record of ``layout`` holds its keys and values (byte slices), their shapes, and a
+    numpy dtype of their width (one cached lookup per record read)."""
+    cuts, shape = _cuts(layout), (layout.layers, layout.heads, layout.page_size)
+    twin = {torch.float32: np.float32, torch.float16: np.float16, torch.bfloat16: np.int16}[layout.dtype]
+    return (slice(cuts[2], cuts[2] + _key_bytes(layout)), slice(cuts[3], cuts[4]), (*shape, layout.head_dim),
+            (*shape, layout.value_dim), twin)
 
 
 def empty_rows(layout: Layout, count: int) -> np.ndarray:

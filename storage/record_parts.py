@@ -1,12 +1,12 @@
-"""A record stored in lmdb as parts of at most a few pages each, under one index entry.
+"""A record stored in lmdb as parts of a few pages each, under one index entry.
 
 A record of ``length`` bytes under ``key`` is an *entry* in the entries database (``ENTRY``:
 magic ``b"KVP1"``, part count, ``length``) and ``count`` values in the parts database under
 ``len(key) (u16) + key + part index (u32)``, big endian: one record's parts are adjacent and in
 order, and no other key's parts sort between them (the length prefix keeps a key that extends
-another out of its range). Each part is at most ``part_bytes`` long; joined they are the record
-(where parts end is the writer's choice: readers only join them). :func:`put`, :func:`delete`
-and :func:`read` work inside the caller's transaction: a record's entry and all of its parts are
+another out of its range). Joined, the parts are the record; :func:`put` makes every part but
+the last ``part_bytes`` long, readers only join them. :func:`put`, :func:`delete` and
+:func:`read` work inside the caller's transaction: a record's entry and all of its parts are
 written, replaced or deleted together, so a reader sees a record's whole part set or none of it
 (lmdb's isolation) and a writer killed mid-transaction leaves the last committed one.
 
@@ -14,8 +14,9 @@ Why parts rather than one value: lmdb keeps a value longer than half a page in a
 contiguous overflow pages. A whole page record (hundreds of KB) needs a long free run, which a
 file churned by eviction has to search its free list for or grow past; a part needs
 ``part_bytes / page`` pages. And a commit without ``writemap`` writes its dirty pages with
-``writev`` calls of at most 64 values each: parts keep one call at a few MB (a single write of
-tens of MB into the page cache was measured an order of magnitude slower here).
+``writev`` calls of at most 64 values each: small parts keep a call at a few MB (calls of 4 MB
+and more into the page cache were measured several times slower here), while each part costs
+a reader a cursor step: parts are as large as that allows, and full.
 
 Nothing read is trusted: an entry of another layout (such as a whole record stored as one value
 by an earlier kvlib), or whose parts are not exactly its ``count`` keys adding up to its
@@ -34,18 +35,40 @@ ENTRY = struct.Struct("<4sIQ")
 """An index entry: magic, part count, record length in bytes."""
 _KEY_LENGTH = struct.Struct(">H")
 _INDEX = struct.Struct(">I")
+_FIRST = _INDEX.pack(0)
 
 
 def put(txn: lmdb.Transaction, entries: lmdb._Database, parts: lmdb._Database, key: bytes, chunks: list[memoryview], part_bytes: int) -> int:
     """Store the record that ``chunks`` (byte views) make up, in order, under ``key``, replacing
-    any record there: each chunk cut into parts of at most ``part_bytes`` bytes (views of it:
-    lmdb copies them into its pages). Returns the bytes of the record replaced (0 if none)."""
+    any record there, as parts of ``part_bytes`` bytes (the last one shorter): views of a chunk
+    where a part lies within one (lmdb copies them into its pages), joined copies where it spans
+    two (a few per record: fewer parts are cheaper to read). Returns the bytes of the record
+    replaced (0 if none)."""
     replaced = delete(txn, entries, parts, key)
-    pieces = [chunk[at : at + part_bytes] for chunk in chunks for at in range(0, chunk.nbytes, part_bytes)]
+    pieces = _pieces(chunks, part_bytes)
     txn.put(key, ENTRY.pack(MAGIC, len(pieces), sum(chunk.nbytes for chunk in chunks)), db=entries)
     prefix = _prefix(key)
     txn.cursor(db=parts).putmulti([(prefix + _INDEX.pack(i), piece) for i, piece in enumerate(pieces)])
     return replaced
+
+
+def _pieces(chunks: list[memoryview], part_bytes: int) -> list:
+    """The concatenation of ``chunks`` cut every ``part_bytes`` bytes: a view of a chunk where a
+    piece lies within one, the piece's bytes joined (copied) where it spans chunks."""
+    pieces, pending, filled = [], [], 0
+    for chunk in chunks:
+        at = 0
+        while at < chunk.nbytes:
+            take = min(part_bytes - filled, chunk.nbytes - at)
+            pending.append(chunk[at : at + take])
+            filled += take
+            at += take
+            if filled == part_bytes:
+                pieces.append(pending[0] if len(pending) == 1 else b"".join(pending))
+                pending, filled = [], 0
+    if pending:
+        pieces.append(pending[0] if len(pending) == 1 else b"".join(pending))
+    return pieces
 
 
 def read(txn: lmdb.Transaction, entries: lmdb._Database, parts: lmdb._Database, key: bytes) -> list | None:
@@ -56,18 +79,12 @@ def read(txn: lmdb.Transaction, entries: lmdb._Database, parts: lmdb._Database, 
     if entry is None:
         return None
     count, length = _parse(entry)
-    if count == 0:
-        if length:
-            raise _broken(0, count)
-        return []
     prefix = _prefix(key)
     cursor = txn.cursor(db=parts)
-    if not cursor.set_key(prefix + _INDEX.pack(0)):
-        raise _broken(0, count)
-    found = list(itertools.islice(cursor.iternext(keys=False), count))  # from the first part on, in key order
-    if len(found) != count or cursor.key() != prefix + _INDEX.pack(count - 1) or sum(map(len, found)) != length:
-        raise _broken(len(found), count)  # the cursor rests on the last part taken: the ones before it are this record's
-    return found
+    found = list(itertools.islice(cursor.iternext(keys=False), count)) if cursor.set_key(prefix + _FIRST) else []
+    if len(found) != count or sum(map(len, found)) != length or (count and cursor.key() != prefix + _INDEX.pack(count - 1)):
+        raise ValueError(f"record parts missing, misplaced or of another length ({len(found)} of {count} parts)")
+    return found  # the cursor rests on the last part taken, this record's last: the ones before it are its parts
 
 
 def delete(txn: lmdb.Transaction, entries: lmdb._Database, parts: lmdb._Database, key: bytes) -> int:
@@ -104,7 +121,3 @@ def _parse(entry: bytes | memoryview) -> tuple[int, int]:
     if magic != MAGIC:
         raise ValueError("not a record entry of this layout")
     return count, length
-
-
-def _broken(found: int, count: int) -> ValueError:
-    return ValueError(f"record parts missing, misplaced or of another length ({found} of {count} parts)")

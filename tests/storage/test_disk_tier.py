@@ -65,9 +65,9 @@ def test_a_flipped_byte_in_any_part_is_a_counted_miss_and_every_part_goes(tmp_pa
     tier = DiskTier(tmp_path, capacity_bytes=1 << 20)
     tier.part_bytes = 64  # many parts from a small record
     key, stored = b"k".ljust(32, b"."), record(os.urandom(300))
-    parts = 1 + -(-(len(stored) - 10) // 64)
+    parts = -(-len(stored) // 64)
     for index in range(parts):
-        tier.put(key, [stored[:10], stored[10:]])  # chunks: stored as parts without joining them
+        tier.put(key, [stored[:10], stored[10:]])  # chunks: cut into parts of 64 bytes, not joined first
         assert tier.raw(key) == stored and stored_parts(tier) == parts
         with tier.env.begin(write=True, db=tier.parts) as txn:
             part_key, value = list(txn.cursor())[index]

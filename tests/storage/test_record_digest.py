@@ -77,6 +77,22 @@ def test_every_word_of_multi_stripe_sections_changes_the_digest() -> None:
     assert record_digest(swapped, WIDE) != reference
 
 
+@pytest.mark.parametrize("pair", [(3, 67), (3, 131), (67, 131), (67, 195), (3, 4), (0, 1), (388, 389)], ids=str)
+def test_no_two_flipped_bits_in_two_words_cancel(pair: tuple[int, int]) -> None:
+    """Words of one lane within a stripe and across stripes, neighbours in lanes and past the last
+    stripe: every pair of flipped bits changes the digest (a multiply passes a top-bit change
+    through unchanged; no word's top bits may meet the next word's there)."""
+    cuts = (0, 8 * 390)
+    original = data(6, cuts[-1]).view(np.uint64)
+    reference = record_digest(original.view(np.uint8), cuts)
+    for first in range(64):
+        for second in range(64):
+            corrupted = original.copy()
+            corrupted[pair[0]] ^= np.uint64(1 << first)
+            corrupted[pair[1]] ^= np.uint64(1 << second)
+            assert record_digest(corrupted.view(np.uint8), cuts) != reference, (first, second)
+
+
 def test_sections_held_apart_digest_as_their_concatenation() -> None:
     original = data(5, WIDE[-1])
     sections = [original[a:b].copy() for a, b in zip(WIDE, WIDE[1:])]

@@ -40,11 +40,12 @@ def stored_parts(env) -> list[tuple[bytes, bytes]]:
         return list(txn.cursor())
 
 
-def test_chunks_are_cut_into_parts_in_order_and_read_back_joined(env) -> None:
+def test_chunks_are_cut_into_full_parts_in_order_and_read_back_joined(env) -> None:
     head, body, tail = os.urandom(30), os.urandom(250), os.urandom(8)
     assert put(env, b"k", head, body, tail) == 0
     assert read(env, b"k") == head + body + tail
-    assert [len(value) for _, value in stored_parts(env)] == [30, 100, 100, 50, 8]  # no part spans two chunks
+    assert [len(value) for _, value in stored_parts(env)] == [100, 100, 88]  # parts span chunks
+    assert put(env, b"k", b"", os.urandom(200), b"") == 288 and [len(v) for _, v in stored_parts(env)] == [100, 100]
     assert read(env, b"absent") is None
 
 
