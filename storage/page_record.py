@@ -98,10 +98,7 @@ def encode_parts(layout: Layout, block: Block) -> list[memoryview]:
     tier, into lmdb's pages). Do not change the tensors until the record is stored."""
     tokens, keys, values = _sections(layout, block)
     head = np.empty(HEADER.size + tokens.nbytes, dtype=np.uint8)
-    HEADER.pack_into(
-        head, 0, MAGIC, VERSION, layout.namespace, _pad(block.key), _pad(block.parent), layout.layers, layout.heads,
-        layout.page_size, layout.head_dim, layout.value_dim, DTYPE_CODES[layout.dtype], _cuts(layout)[-1] - HEADER.size,
-    )
+    head[: HEADER.size] = np.frombuffer(_header(layout, _pad(block.key), _pad(block.parent)), dtype=np.uint8)
     head[HEADER.size :] = tokens
     if keys.nbytes % 8:
         keys = np.concatenate([keys, np.zeros(-keys.nbytes % 8, dtype=np.uint8)])
