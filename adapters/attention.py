@@ -37,6 +37,7 @@ from kvlib.adapters.masks import physical_mask, real_new_tokens
 from kvlib.adapters.packed_batch import packed_attention
 from kvlib.adapters.sparse_decode import sparse_decode_attention
 from kvlib.adapters.transformers_cache import KVCache
+from kvlib.transformers_compat import passed_cache
 
 INNER_IMPLEMENTATIONS = ("sdpa", "eager")
 """Attention implementations a kvlib attention function can delegate to."""
@@ -81,7 +82,7 @@ def attach(model: PreTrainedModel) -> PreTrainedModel:
 
 def _check_cache_batch(model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
     """Forward pre-hook on an attached model: a KVCache refuses another batch size before any work."""
-    cache = kwargs.get("past_key_values")
+    cache = passed_cache(kwargs)
     if isinstance(cache, KVCache):
         inputs = kwargs.get("input_ids", args[0] if args else None)
         if inputs is None:
@@ -92,7 +93,7 @@ def _check_cache_batch(model: torch.nn.Module, args: tuple, kwargs: dict) -> Non
 
 def _record_hidden_states(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
     """Forward pre-hook on attention modules: hands the input to a KVCache whose strategy needs it."""
-    cache = kwargs.get("past_key_values")
+    cache = passed_cache(kwargs)
     if isinstance(cache, KVCache):
         cache.record_hidden_states(module.layer_idx, kwargs.get("hidden_states", args[0] if args else None))
 
@@ -117,7 +118,7 @@ def _kvlib_attention(inner: str) -> Callable:
         packed = packed_batch.take(module, key)
         if packed is not None:
             return packed_attention(packed, module, query, run, query.dtype if inner == "eager" else None, **kwargs)
-        step = layer_step.take(module, key)
+        step = layer_step.take(module, key, kwargs)
         if step is None:
             return run(module, query, key, value, attention_mask, **kwargs)
         if step.sparse:

@@ -10,7 +10,7 @@
    true positions; at every layer they overwrite their own KV and attend over the fused cache
    (:meth:`KVCache.recomputing`). The rest keeps its chunk-local KV.
 
-The result is an exact ``KVCache`` holding the chunks; ``generate(chunks + question, past_key_values=cache)``
+The result is an exact ``KVCache`` holding the chunks; ``generate(chunks + question, cache=cache)``
 computes only the question. Compute: the probe's layers on every token plus the chosen tokens on
 every layer, instead of a prefill of every token on every layer.
 """
@@ -27,6 +27,7 @@ from kvlib.adapters.transformers_cache import KVCache
 from kvlib.chunk_store import ChunkStore
 from kvlib.policies.reuse.cacheblend import CacheBlend
 from kvlib.rope import rerotate
+from kvlib.transformers_compat import cache_argument
 
 
 class _StopForward(Exception):
@@ -63,7 +64,7 @@ def blend_cache(
     if chosen.numel():
         positions = chosen.to(ids.device)
         with torch.no_grad(), cache.recomputing(chosen):
-            model(input_ids=ids[:, positions], position_ids=positions[None], past_key_values=cache, use_cache=True, logits_to_keep=1)
+            model(input_ids=ids[:, positions], position_ids=positions[None], **cache_argument(cache), use_cache=True, logits_to_keep=1)
     return cache
 
 
@@ -75,7 +76,7 @@ def _probe(model: torch.nn.Module, ids: torch.Tensor, keys: list[torch.Tensor], 
     hooks = [m.register_forward_pre_hook(_stop) for m in stop]
     try:
         with torch.no_grad():
-            model(input_ids=ids, past_key_values=probe, use_cache=True, logits_to_keep=1)
+            model(input_ids=ids, **cache_argument(probe), use_cache=True, logits_to_keep=1)
     except _StopForward:
         pass
     finally:

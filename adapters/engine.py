@@ -43,6 +43,7 @@ from kvlib.prefix_store import PrefixStore
 from kvlib.read_cache import LayerRead
 from kvlib.codec import Codec, layer_shapes
 from kvlib.spec import Spec, parse_spec
+from kvlib.transformers_compat import cache_argument
 
 PREEMPTION_MODES = ("recompute", "swap")
 
@@ -350,7 +351,7 @@ class Engine:
         position_ids = torch.cat(positions).unsqueeze(0).to(self.device)
         with torch.inference_mode():
             logits = self.model(
-                input_ids=input_ids, position_ids=position_ids, past_key_values=cache, use_cache=True,
+                input_ids=input_ids, position_ids=position_ids, **cache_argument(cache), use_cache=True,
                 attention_mask=torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device),  # unused: kvlib masks each segment
                 logits_to_keep=torch.tensor(last_index, dtype=torch.int64, device=self.device),
             ).logits[0]

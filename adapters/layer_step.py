@@ -2,10 +2,18 @@
 
 A `transformers` attention layer calls ``cache.update(k, v, layer_idx)`` and then, at once, its
 attention function with the tensors ``update`` returned. The cache publishes a :class:`LayerStep`
-(in a context variable, so threads and async tasks never see each other's steps); the kvlib
-attention function takes it back only if it is for the same layer and the same key tensor
-object. Attention over anything else (another cache class, cross-attention) finds no step and
-runs unchanged.
+that the kvlib attention function of the same call takes back:
+
+- from transformers 5.24 on, attention layers pass their attention keyword arguments to the
+  cache (``update(k, v, layer_idx, kwargs=attention_kwargs)``) and then the same dict to the
+  attention function (as transformers' own paged cache hands its block table over): the step
+  travels in that dict under :data:`STEP_KEYWORD`, from one call to the same call's attention;
+- otherwise (older releases, models that pass no kwargs) it waits in a context variable, so
+  threads and async tasks never see each other's steps, and is taken only if it is for the same
+  layer and the same key tensor object.
+
+Attention over anything else (another cache class, cross-attention) finds no step and runs
+unchanged.
 """
 
 from __future__ import annotations
@@ -53,21 +61,34 @@ class LayerStep:
     sparse: bool = False
 
 
+STEP_KEYWORD = "kvlib_layer_step"
+"""The attention keyword argument that carries a step from ``update`` to attention (5.24+)."""
+
 _active_step: ContextVar[LayerStep | None] = ContextVar("kvlib_active_step", default=None)
 
 
-def publish(step: LayerStep) -> None:
-    """Make ``step`` the one the next attention call of its layer takes."""
-    _active_step.set(step)
+def publish(step: LayerStep, attention_kwargs: dict | None = None) -> None:
+    """Make ``step`` the one the attention call of its layer takes: put it in the layer call's
+    ``attention_kwargs`` when the model passed them to ``update``, else in the context variable."""
+    if attention_kwargs is not None:
+        attention_kwargs[STEP_KEYWORD] = step
+        _active_step.set(None)
+    else:
+        _active_step.set(step)
 
 
-def take(module: torch.nn.Module, keys: torch.Tensor) -> LayerStep | None:
-    """The published step for this attention call, or None if the call is not for it.
+def take(module: torch.nn.Module, keys: torch.Tensor, attention_kwargs: dict) -> LayerStep | None:
+    """The published step for this attention call, or None if the call is not for it; removes
+    :data:`STEP_KEYWORD` from ``attention_kwargs`` (the inner attention never sees it).
 
     A step is taken at most once: a second attention call with the same tensors finds nothing.
     """
-    step = _active_step.get()
-    if step is None or step.read.keys is not keys or getattr(module, "layer_idx", None) != step.layer_idx:
+    step = attention_kwargs.pop(STEP_KEYWORD, None)
+    if step is None:
+        step = _active_step.get()
+        if step is None:
+            return None
+        _active_step.set(None)
+    if step.read.keys is not keys or getattr(module, "layer_idx", None) != step.layer_idx:
         return None
-    _active_step.set(None)
     return step

@@ -67,7 +67,8 @@ def make_cache(
     prompt token stored as computed: no eviction strategy, and no codec that learns from the
     prompt (quantization codecs are fine; their pages are keyed by the spec).
 
-    Example: ``model.generate(ids, past_key_values=kvlib.make_cache(model, "streaming_llm", budget=64))``.
+    Example: ``model.generate(ids, cache=kvlib.make_cache(model, "streaming_llm", budget=64))``
+    (``past_key_values=`` on transformers before 5.24).
     """
     shape = kv_shape(model)
     parsed = parse_spec(spec)

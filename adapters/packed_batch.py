@@ -3,7 +3,7 @@
 The engine lays a step's tokens out on one row (``input_ids [1, tokens]``, ``position_ids`` per
 token) as :class:`Segment` s: first one segment with the decoding sequences' single tokens (token
 ``start + b`` belongs to ``seqs[b]``), then one segment per prefill chunk. A model called with a
-:class:`PackedCache` as its ``past_key_values`` hands each layer's new keys and values to
+:class:`PackedCache` as its cache hands each layer's new keys and values to
 :meth:`PackedCache.update`, which appends every segment's tokens to its sequences in the paged
 store, reads the sequences back (the decode group through the store's dense read mirror) and
 publishes a :class:`PackedLayerStep`; the kvlib attention function then runs
@@ -99,7 +99,7 @@ class _PackedLayer(CacheLayerMixin):
 
 
 class PackedCache(Cache):
-    """The ``past_key_values`` of a packed forward pass over ``store`` (see the module docstring).
+    """The cache of a packed forward pass over ``store`` (see the module docstring).
 
     ``after_attention(layer_idx, segment_index, query, mask, read, scaling)`` (optional) is called
     after each segment's attention; the engine runs per-request eviction there.

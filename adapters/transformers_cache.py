@@ -59,8 +59,10 @@ class KVCacheLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Nothing to do: the cache creates its store on the first update."""
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._cache.update(key_states, value_states, self.layer_idx)
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, kwargs: dict | None = None, **_
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._cache.update(key_states, value_states, self.layer_idx, kwargs=kwargs)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self._cache.get_seq_length(self.layer_idx) + query_length, 0
@@ -70,6 +72,8 @@ class KVCacheLayer(CacheLayerMixin):
 
     def get_max_length(self) -> int:
         return -1
+
+    get_max_cache_shape = get_max_length  # the same question under its name before transformers 5.x (x < 24)
 
 
 class KVCache(Cache):
@@ -132,9 +136,19 @@ class KVCache(Cache):
     # -- what generate and the model call -----------------------------------------------------
 
     def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
+        self,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        layer_idx: int,
+        *args,
+        kwargs: dict | None = None,
+        **_,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store a layer call's new keys and values; return all the layer's stored ones (dense)."""
+        """Store a layer call's new keys and values; return all the layer's stored ones (dense).
+
+        ``kwargs``: the layer call's attention keyword arguments (transformers 5.24+); the
+        :class:`LayerStep` for the kvlib attention function travels in them (see
+        :mod:`~kvlib.adapters.layer_step`)."""
         if self._pending is not None and (self.compressor is not None or self.codec is not None):
             raise RuntimeError(
                 f"layer {self._pending.layer_idx}'s attention did not run through kvlib, so its eviction or codec cannot run:"
@@ -143,7 +157,7 @@ class KVCache(Cache):
         batch = key_states.shape[0]
         self.check_batch(batch)
         if self._recompute is not None:
-            return self._overwrite(key_states, value_states, layer_idx)
+            return self._overwrite(key_states, value_states, layer_idx, kwargs)
         if self.store is None:
             self.store = self._new_store(key_states)
         if not self._rows:
@@ -157,15 +171,15 @@ class KVCache(Cache):
         self.store.append(layer_idx, self._rows, key_states, value_states)
         self._seen[layer_idx] += key_states.shape[2]
         if self.tiering is not None and self.tiering.key_summaries and self.tiering.sparse(layer_idx, key_states.shape[2]):
-            return self._publish_sparse_step(key_states, value_states, layer_idx, offset)
+            return self._publish_sparse_step(key_states, value_states, layer_idx, offset, kwargs)
         read = self.store.read(layer_idx, self._rows)
         step = LayerStep(self, layer_idx, read, offset, key_states.shape[2], self._identity[layer_idx])
         self._pending = step
-        layer_step.publish(step)
+        layer_step.publish(step, kwargs)
         return read.keys, read.values
 
     def _publish_sparse_step(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, offset: int
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, offset: int, attention_kwargs: dict | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """A decode step of a page-retrieval strategy (``quest``): the token is stored, nothing is
         read back; the attention function reads the pages its query chooses
@@ -175,7 +189,7 @@ class KVCache(Cache):
         valid = torch.ones(batch, heads, 1, dtype=torch.bool, device=key_states.device)
         step = LayerStep(self, layer_idx, LayerRead(key_states, value_states, positions, valid), offset, 1, False, sparse=True)
         self._pending = step
-        layer_step.publish(step)
+        layer_step.publish(step, attention_kwargs)
         return key_states, value_states
 
     def read_chosen_pages(self, layer_idx: int, query: torch.Tensor) -> LayerRead:
@@ -185,14 +199,16 @@ class KVCache(Cache):
         chosen = self.tiering.select_pages(query, key_min, key_max, pages_used)
         return self.store.read_selected(layer_idx, self._rows, chosen)
 
-    def _overwrite(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _overwrite(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, attention_kwargs: dict | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`update` inside :meth:`recomputing`: the call's tokens are stored ones, rewritten."""
         positions = self._recompute
         self.store.overwrite(layer_idx, self._rows, positions, key_states, value_states)
         read = self.store.read(layer_idx, self._rows)
         step = LayerStep(self, layer_idx, read, self._seen[layer_idx], key_states.shape[2], False, positions.to(read.positions.device))
         self._pending = step
-        layer_step.publish(step)
+        layer_step.publish(step, attention_kwargs)
         return read.keys, read.values
 
     def load(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
@@ -283,7 +299,7 @@ class KVCache(Cache):
         cached in its :class:`~kvlib.PrefixStore`, and index the prompt's full pages once computed.
 
         Returns the tokens reused: whole pages common to every row, never the prompt's last token.
-        ``generate(prompt, past_key_values=cache)`` then runs the model on the rest only. Prime
+        ``generate(prompt, cache=cache)`` then runs the model on the rest only. Prime
         with the rows ``generate`` runs (beam search: each prompt ``num_beams`` times). A
         left-padded ``attention_mask`` (any zero) disables reuse: padded pages depend on the mask.
         """

@@ -2,7 +2,7 @@
 
 Each run drives the model by hand under ``torch.inference_mode()``: one forward over the prompt
 with a fresh cache (timed as prefill; ``logits_to_keep=1``), then ``--new-tokens`` single-token
-greedy forwards feeding ``past_key_values=cache`` (timed as decode). Decode tokens/s is
+greedy forwards feeding the cache (timed as decode). Decode tokens/s is
 ``batch * new_tokens / decode_seconds``.
 
 Fairness: ``kvlib.attach(model)`` runs once before anything is measured, so both caches go
@@ -45,6 +45,7 @@ import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 import kvlib
+from kvlib.transformers_compat import cache_argument
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or loaded by path
 from provenance import (  # noqa: E402
@@ -93,13 +94,13 @@ def generate_once(model: torch.nn.Module, kind: str, prompt: torch.Tensor, new_t
     cache = new_cache(kind, model)
     with torch.inference_mode():
         start = time.perf_counter()
-        out = model(input_ids=prompt, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        out = model(input_ids=prompt, **cache_argument(cache), use_cache=True, logits_to_keep=1)
         token = out.logits[:, -1].argmax(-1, keepdim=True)
         prefill = time.perf_counter() - start
         tokens = [token]
         start = time.perf_counter()
         for _ in range(new_tokens):
-            out = model(input_ids=token, past_key_values=cache, use_cache=True)
+            out = model(input_ids=token, **cache_argument(cache), use_cache=True)
             token = out.logits[:, -1].argmax(-1, keepdim=True)
             tokens.append(token)
         decode = time.perf_counter() - start

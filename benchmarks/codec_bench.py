@@ -54,6 +54,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 import kvlib
 from kvlib.codec import FitSample, PageCodec, layer_shapes
 from kvlib.spec import parse_spec
+from kvlib.transformers_compat import cache_argument
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or loaded by path
 from bench_generate import load_model  # noqa: E402
@@ -165,11 +166,11 @@ def decode_once(model: torch.nn.Module, spec: str | None, prompt: torch.Tensor, 
     gc.collect()
     cache = kvlib.make_cache(model) if spec is None else kvlib.make_cache(model, spec)
     with torch.inference_mode():
-        out = model(input_ids=prompt, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        out = model(input_ids=prompt, **cache_argument(cache), use_cache=True, logits_to_keep=1)
         token = out.logits[:, -1].argmax(-1, keepdim=True)
         start = time.perf_counter()
         for _ in range(new_tokens):
-            token = model(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+            token = model(input_ids=token, **cache_argument(cache), use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
         seconds = time.perf_counter() - start
     report = cache.memory_report()
     return {"tok_s": new_tokens / seconds, "total_bytes": report["total_bytes"], "by_component": report["by_component"]}
@@ -262,7 +263,7 @@ def adjacent_cosines(model: torch.nn.Module, context: torch.Tensor) -> list[dict
     much MiniCache's merge has to work with (it assumes deep layers point alike)."""
     cache = DynamicCache(config=model.config)
     with torch.inference_mode():
-        model(input_ids=context, past_key_values=cache, use_cache=True)
+        model(input_ids=context, **cache_argument(cache), use_cache=True)
     rows = []
     for layer in range(len(cache.layers) - 1):
         a, b = cache.layers[layer], cache.layers[layer + 1]

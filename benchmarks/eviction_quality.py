@@ -60,6 +60,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 import kvlib
 from kvlib.eval.agreement import agreement_metrics, greedy_reference, teacher_forced_logits
+from kvlib.transformers_compat import cache_argument
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or loaded by path
 from provenance import (  # noqa: E402
@@ -88,7 +89,7 @@ def sample_texts(model, tokenizer, count: int, length: int, seed: int, temperatu
     fed = tokens
     with torch.inference_mode():
         while tokens.shape[1] < length:
-            logits = model(input_ids=fed, past_key_values=cache, use_cache=True).logits[:, -1].float()
+            logits = model(input_ids=fed, **cache_argument(cache), use_cache=True).logits[:, -1].float()
             logits[:, BOS] = -torch.inf
             probs = torch.softmax(logits / temperature, dim=-1)
             fed = torch.cat([torch.multinomial(p, 1, generator=g) for p, g in zip(probs, generators)]).unsqueeze(-1)

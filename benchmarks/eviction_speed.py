@@ -18,7 +18,7 @@ Caches, each built fresh for every run:
   (memory is read right after one, at the end of decode when ``new_tokens`` is a multiple of
   ``interval``).
 
-A run: ``model.generate(prompt, past_key_values=cache, prefill_chunk_size=--chunk,
+A run: ``model.generate(prompt, cache=cache, prefill_chunk_size=--chunk,
 max_new_tokens=1)`` (the chunked prefill, timed), then ``--new-tokens`` greedy single-token
 forwards by hand under ``torch.inference_mode()`` (timed as decode; tokens/s = new tokens /
 seconds). ``kvlib.attach(model)`` runs first, so every cache goes through the same attention
@@ -71,6 +71,7 @@ import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 import kvlib
+from kvlib.transformers_compat import cache_argument
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or loaded by path
 from provenance import (  # noqa: E402
@@ -123,21 +124,21 @@ def run_once(model, kind: str, prompt: torch.Tensor, args: argparse.Namespace, b
     cache = new_cache(kind, model, budget, args.interval)
     with torch.inference_mode():
         start = time.perf_counter()
-        sequence = model.generate(prompt, past_key_values=cache, do_sample=False, max_new_tokens=1, min_new_tokens=1,
+        sequence = model.generate(prompt, **cache_argument(cache), do_sample=False, max_new_tokens=1, min_new_tokens=1,
                                   prefill_chunk_size=args.chunk, pad_token_id=0)
         prefill = time.perf_counter() - start
         token = sequence[:, -1:]
         tokens = [token]
         start = time.perf_counter()
         for _ in range(args.new_tokens):
-            out = model(input_ids=token, past_key_values=cache, use_cache=True)
+            out = model(input_ids=token, **cache_argument(cache), use_cache=True)
             token = out.logits[:, -1].argmax(-1, keepdim=True)
             tokens.append(token)
         decode = time.perf_counter() - start
     assert cache.get_seq_length() == prompt.shape[1] + args.new_tokens, (kind, cache.get_seq_length())
     after_decode = cache_memory(cache)
     with torch.inference_mode():  # one more step, untimed: the memory between compactions
-        model(input_ids=token, past_key_values=cache, use_cache=True)
+        model(input_ids=token, **cache_argument(cache), use_cache=True)
     next_step = cache_memory(cache)
     result = {"prefill_s": prefill, "decode_s": decode, "decode_tok_s": args.new_tokens / decode,
               "tokens": torch.cat(tokens, dim=1).tolist(), "total_bytes": after_decode["total_bytes"],

@@ -51,6 +51,7 @@ from pathlib import Path
 import torch
 
 import kvlib
+from kvlib.transformers_compat import cache_argument
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or loaded by path
 from bench_generate import load_model  # noqa: E402
@@ -67,7 +68,7 @@ def first_token(model: torch.nn.Module, cache, prompt: torch.Tensor) -> tuple[to
     """Logits of the prompt's next token, and the seconds of the forward pass over the uncached part."""
     start = time.perf_counter()
     with torch.inference_mode():
-        logits = model(input_ids=prompt[:, cache.get_seq_length():], past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+        logits = model(input_ids=prompt[:, cache.get_seq_length():], **cache_argument(cache), use_cache=True, logits_to_keep=1).logits[:, -1]
     return logits, time.perf_counter() - start
 
 

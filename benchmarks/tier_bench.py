@@ -61,6 +61,7 @@ from kvlib.adapters.model_shape import kv_shape
 from kvlib.eval.agreement import agreement_metrics, greedy_reference, teacher_forced_logits
 from kvlib.storage.disk_tier import DiskTier
 from kvlib.storage.page_record import decode, decode_parts, encode, encode_parts
+from kvlib.transformers_compat import cache_argument
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or loaded by path
 from bench_generate import load_model  # noqa: E402
@@ -113,10 +114,10 @@ def decode_rate(model: torch.nn.Module, spec: str | None, options: dict, prompt:
     cache = kvlib.make_cache(model, spec, **options)
     tokens = []
     with torch.inference_mode():
-        token = model(input_ids=prompt, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
+        token = model(input_ids=prompt, **cache_argument(cache), use_cache=True, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
         start = time.perf_counter()
         for _ in range(steps):
-            token = model(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+            token = model(input_ids=token, **cache_argument(cache), use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
             tokens.append(token)
         seconds = time.perf_counter() - start
     return steps / seconds, torch.cat(tokens, 1), cache.memory_report()["by_tier"]

@@ -14,6 +14,7 @@ import torch
 
 from kvlib.devices import outside_inference_mode
 from kvlib.prefix_store import ModelIdentity
+from kvlib.transformers_compat import cache_argument
 
 
 class ChunkStore:
@@ -47,7 +48,7 @@ class ChunkStore:
         cache = make_cache(model)
         ids = torch.tensor([key], device=next(model.parameters()).device)
         with torch.no_grad():
-            model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            model(input_ids=ids, **cache_argument(cache), use_cache=True, logits_to_keep=1)
         reads = [cache.store.read(layer, cache._rows) for layer in range(cache.shape.num_layers)]
         keys = [read.keys[0].clone() for read in reads]
         values = [read.values[0].clone() for read in reads]

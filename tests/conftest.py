@@ -1,10 +1,33 @@
-"""Fixtures shared by every test package."""
+"""Fixtures shared by every test package, and the run's guards on the transformers release."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
+import transformers
 
 from kvlib import registry
+
+DEPRECATED_CACHE_NAME = "are deprecated. Use `cache` instead"
+"""What transformers 5.24+ logs (once per process, not as a warning) when a call passes a cache
+or reads an output under the old ``past_key_values`` name."""
+
+
+class _FailOnDeprecatedCacheName(logging.Handler):
+    """Raises in the call that made transformers log the old cache name's deprecation."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if DEPRECATED_CACHE_NAME in record.getMessage():
+            raise AssertionError(f"a call used transformers' deprecated cache name: {record.getMessage()}")
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return f"transformers {transformers.__version__}"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    logging.getLogger("transformers").addHandler(_FailOnDeprecatedCacheName())
 
 
 @pytest.fixture

@@ -19,16 +19,17 @@ import torch
 import kvlib
 from kvlib.eval.task import CacheFactory, TaskResult, check_context, kv_bytes
 from kvlib.eval.texts import text_ids, windows
+from kvlib.transformers_compat import cache_argument
 
 
 def teacher_forced_logits(model: torch.nn.Module, cache, prompt: torch.Tensor, fed: torch.Tensor) -> torch.Tensor:
     """Float32 ``[batch, steps, vocab]``: prefill ``prompt``, then feed ``fed[:, :-1]`` one token
     at a time; step ``t`` predicts ``fed[:, t]``."""
     with torch.inference_mode():
-        out = model(input_ids=prompt, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        out = model(input_ids=prompt, **cache_argument(cache), use_cache=True, logits_to_keep=1)
         logits = [out.logits[:, -1].float()]
         for t in range(fed.shape[1] - 1):
-            out = model(input_ids=fed[:, t : t + 1], past_key_values=cache, use_cache=True)
+            out = model(input_ids=fed[:, t : t + 1], **cache_argument(cache), use_cache=True)
             logits.append(out.logits[:, -1].float())
     return torch.stack(logits, dim=1)
 
@@ -36,11 +37,11 @@ def teacher_forced_logits(model: torch.nn.Module, cache, prompt: torch.Tensor, f
 def greedy_reference(model: torch.nn.Module, cache, prompt: torch.Tensor, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy tokens ``[batch, steps]`` decoded with ``cache`` and their logits ``[batch, steps, vocab]``."""
     with torch.inference_mode():
-        out = model(input_ids=prompt, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        out = model(input_ids=prompt, **cache_argument(cache), use_cache=True, logits_to_keep=1)
         logits = [out.logits[:, -1].float()]
         tokens = [logits[-1].argmax(-1, keepdim=True)]
         for _ in range(steps - 1):
-            out = model(input_ids=tokens[-1], past_key_values=cache, use_cache=True)
+            out = model(input_ids=tokens[-1], **cache_argument(cache), use_cache=True)
             logits.append(out.logits[:, -1].float())
             tokens.append(logits[-1].argmax(-1, keepdim=True))
     return torch.cat(tokens, dim=1), torch.stack(logits, dim=1)

@@ -26,6 +26,7 @@ import kvlib
 from kvlib.eval.models import LoadedModel
 from kvlib.eval.task import CacheFactory, Task, TaskResult, kv_bytes
 from kvlib.eval.texts import text_ids, windows
+from kvlib.transformers_compat import cache_argument
 
 FULL = "full"
 """The policy name of the uncompressed reference."""
@@ -103,11 +104,11 @@ def decode_speed(model: torch.nn.Module, make_cache: CacheFactory, prompt: torch
     and the cache at the end."""
     cache = make_cache(prompt.shape[1] + steps + 2)
     with torch.inference_mode():
-        token = model(input_ids=prompt, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
+        token = model(input_ids=prompt, **cache_argument(cache), use_cache=True, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
         for step in range(steps + 2):
             if step == 2:
                 started = time.perf_counter()
-            token = model(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+            token = model(input_ids=token, **cache_argument(cache), use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
         elapsed = time.perf_counter() - started
     return steps * prompt.shape[0] / elapsed, cache
 

@@ -20,6 +20,7 @@ import torch
 
 from kvlib.eval.scoring import SCORERS
 from kvlib.eval.task import CacheFactory, TaskResult, check_context, kv_bytes, pad_id
+from kvlib.transformers_compat import cache_argument
 
 ANSWER_FIELDS = ("answers", "outputs", "answer")
 QUESTION_FIELDS = ("input", "question", "query")
@@ -113,7 +114,7 @@ class JsonlTask:
             cache = make_cache(ids.shape[1])
             with torch.inference_mode():
                 out = model.generate(
-                    ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+                    ids, attention_mask=torch.ones_like(ids), **cache_argument(cache),
                     max_new_tokens=self.max_new_tokens, do_sample=False, pad_token_id=pad,
                 )
             text = tokenizer.decode(out[0, ids.shape[1] :].tolist()).strip().split("\n")[0]

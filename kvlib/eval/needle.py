@@ -21,6 +21,7 @@ from kvlib.eval.needle_format import QUESTION, needle_line
 from kvlib.eval.scoring import passkey_match
 from kvlib.eval.task import CacheFactory, TaskResult, check_context, kv_bytes, pad_id
 from kvlib.eval.texts import text_ids
+from kvlib.transformers_compat import cache_argument
 
 DEPTHS = tuple(round(0.1 * i, 1) for i in range(11))
 
@@ -86,7 +87,7 @@ class NeedleTask:
                 out = model.generate(
                     ids,
                     attention_mask=torch.ones_like(ids),
-                    past_key_values=cache,
+                    **cache_argument(cache),
                     max_new_tokens=new_tokens,
                     do_sample=False,
                     pad_token_id=pad,

@@ -17,6 +17,7 @@ import torch
 
 from kvlib.eval.task import CacheFactory, TaskResult, check_context, kv_bytes
 from kvlib.eval.texts import text_ids, windows
+from kvlib.transformers_compat import cache_argument
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,7 @@ class PerplexityTask:
         with torch.inference_mode():
             for start in range(0, self.context - 1, self.chunk):
                 piece = ids[:, start : min(start + self.chunk, self.context - 1)]
-                logits = model(input_ids=piece, past_key_values=cache, use_cache=True).logits.float()
+                logits = model(input_ids=piece, **cache_argument(cache), use_cache=True).logits.float()
                 targets = ids[:, start + 1 : start + 1 + piece.shape[1]]
                 nll.append(torch.nn.functional.cross_entropy(logits.transpose(1, 2), targets, reduction="none"))
         nll = torch.cat(nll, dim=1)

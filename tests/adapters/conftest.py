@@ -65,3 +65,15 @@ def left_padded(lengths: list[int], seed: int = 0, vocab: int = VOCAB) -> tuple[
         ids[row, width - length :] = torch.randint(3, vocab, (length,), generator=generator)
         mask[row, width - length :] = 1
     return ids, mask
+
+
+def assert_same_logits(ours, theirs) -> None:
+    """Logits of two runs that do the same math agree to float32 rounding (tolerances that hold
+    across thread counts and machines, where the kernels' reduction orders may differ), and
+    pick the same tokens. ``ours`` and ``theirs``: a tensor or a sequence of tensors (one per step)."""
+    ours = [ours] if isinstance(ours, torch.Tensor) else list(ours)
+    theirs = [theirs] if isinstance(theirs, torch.Tensor) else list(theirs)
+    assert len(ours) == len(theirs)
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+        assert torch.equal(a.argmax(-1), b.argmax(-1))

@@ -11,6 +11,7 @@ from kvlib.eval.agreement import agreement_metrics, greedy_reference, teacher_fo
 from kvlib.policies.reuse.cacheblend import CacheBlend
 from kvlib.rope import rerotate
 from kvlib.adapters.model_shape import kv_shape, rope_of
+from kvlib.transformers_compat import cache_argument
 from tests.adapters.conftest import PAD, build_model
 
 
@@ -27,7 +28,7 @@ def test_recomputing_every_token_equals_a_full_prefill(family: str) -> None:
     prompt = torch.cat([torch.cat(chunks)[None], question], 1)
     cache = kvlib.blend_cache(model, chunks, kvlib.ChunkStore(model, capacity_bytes=2**26), CacheBlend(recompute=1.0))
     assert cache.get_seq_length() == 120
-    out = model.generate(prompt, past_key_values=cache, max_new_tokens=12, do_sample=False, pad_token_id=PAD)
+    out = model.generate(prompt, **cache_argument(cache), max_new_tokens=12, do_sample=False, pad_token_id=PAD)
     assert torch.equal(out, model.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=PAD))
 
 

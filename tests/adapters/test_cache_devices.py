@@ -7,6 +7,7 @@ import torch
 from transformers import DynamicCache
 
 import kvlib
+from kvlib.transformers_compat import cache_argument
 from tests.adapters.conftest import PAD, build_model, left_padded
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -18,9 +19,9 @@ def test_generate_on_cuda_matches_dynamic_cache(family):
     ids, mask = left_padded([7, 13, 19], seed=30)
     ids, mask = ids.cuda(), mask.cuda()
     kwargs = dict(attention_mask=mask, do_sample=False, max_new_tokens=10, pad_token_id=PAD)
-    reference = model.generate(ids, past_key_values=DynamicCache(config=model.config), **kwargs)
+    reference = model.generate(ids, **cache_argument(DynamicCache(config=model.config)), **kwargs)
     cache = kvlib.make_cache(model)
-    assert torch.equal(model.generate(ids, past_key_values=cache, **kwargs), reference)
+    assert torch.equal(model.generate(ids, **cache_argument(cache), **kwargs), reference)
     assert cache.store.device.type == "cuda"
 
 
@@ -30,7 +31,7 @@ def test_streaming_llm_on_cuda_equals_cpu():
     for device in ("cpu", "cuda"):
         model = build_model("stories").to(device)
         cache = kvlib.make_cache(model, "streaming_llm", budget=16)
-        out = model.generate(ids.to(device), attention_mask=mask.to(device), past_key_values=cache,
+        out = model.generate(ids.to(device), attention_mask=mask.to(device), **cache_argument(cache),
                              do_sample=False, max_new_tokens=10, pad_token_id=PAD)
         outputs.append((out.cpu(), cache.kept_positions(0)))
     assert torch.equal(outputs[0][0], outputs[1][0])

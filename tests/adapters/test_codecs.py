@@ -11,6 +11,7 @@ import kvlib
 from kvlib.eval.agreement import agreement_metrics, greedy_reference, teacher_forced_logits
 from kvlib.storage.coded_pool import CodedPagePool
 from kvlib.storage.partnered_pool import PARTNER_ID_BYTES, PartneredPagePool
+from kvlib.transformers_compat import cache_argument
 from tests.adapters.conftest import PAD, build_model, left_padded
 
 CODECS = [
@@ -53,11 +54,11 @@ def test_codec_through_generate(spec: str, family: str, dtype: torch.dtype) -> N
     model = build_model(family).to(dtype)
     ids, mask = left_padded([40, 33], seed=7)
     cache = kvlib.make_cache(model, spec)
-    out = model.generate(ids, attention_mask=mask, past_key_values=cache, do_sample=False, max_new_tokens=12, pad_token_id=PAD)
+    out = model.generate(ids, attention_mask=mask, **cache_argument(cache), do_sample=False, max_new_tokens=12, pad_token_id=PAD)
     assert out.shape == (2, ids.shape[1] + 12)
     held_bytes_follow_the_layout(cache)
     exact = kvlib.make_cache(model)
-    model.generate(ids, attention_mask=mask, past_key_values=exact, do_sample=False, max_new_tokens=12, pad_token_id=PAD)
+    model.generate(ids, attention_mask=mask, **cache_argument(exact), do_sample=False, max_new_tokens=12, pad_token_id=PAD)
     if spec in kvlib.available_policies()["quantization"]:
         coded, full = cache.memory_report()["by_component"], exact.memory_report()["by_component"]
         assert coded["pages"] + coded["codec_metadata"] < full["pages"]
@@ -71,7 +72,7 @@ def test_codecs_compose_with_every_eviction_strategy(eviction: str, codec: str) 
     for slack, most in ((None, 24 + 16), (0, 24)):  # with a codec, slack defaults to a page
         options = {} if slack is None else {"slack": slack}
         cache = kvlib.make_cache(model, f"{eviction}+{codec}", budget=24, **options)
-        model.generate(ids, attention_mask=mask, past_key_values=cache, do_sample=False, max_new_tokens=10, pad_token_id=PAD)
+        model.generate(ids, attention_mask=mask, **cache_argument(cache), do_sample=False, max_new_tokens=10, pad_token_id=PAD)
         held_bytes_follow_the_layout(cache)
         for layer in range(cache.shape.num_layers):
             assert int((cache.kept_positions(layer) >= 0).sum(-1).max()) <= most
@@ -81,9 +82,9 @@ def test_codecs_compose_with_every_eviction_strategy(eviction: str, codec: str) 
 def test_full_rank_low_rank_codecs_change_nothing(spec: str) -> None:
     model = build_model("stories")
     ids, mask = left_padded([50, 41], seed=9, vocab=500)
-    exact = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=16, pad_token_id=PAD, past_key_values=kvlib.make_cache(model))
+    exact = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=16, pad_token_id=PAD, **cache_argument(kvlib.make_cache(model)))
     cache = kvlib.make_cache(model, spec)
-    coded = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=16, pad_token_id=PAD, past_key_values=cache)
+    coded = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=16, pad_token_id=PAD, **cache_argument(cache))
     assert torch.equal(coded, exact)
     held_bytes_follow_the_layout(cache)
 
@@ -103,12 +104,12 @@ def test_the_open_page_stays_exact_and_sealed_pages_hold_codes() -> None:
     cache = kvlib.make_cache(model, "kivi(bits=2)")
     prompt = torch.randint(3, 500, (1, 40), generator=torch.Generator().manual_seed(2))
     with torch.inference_mode():
-        model(input_ids=prompt, past_key_values=cache, use_cache=True)
+        model(input_ids=prompt, **cache_argument(cache), use_cache=True)
     pool = cache.store.pools[0]
     assert int(pool.sealed.sum()) == 2 * cache.shape.num_kv_heads  # 40 tokens: two full pages per head, one open
     exact = kvlib.make_cache(model)
     with torch.inference_mode():
-        model(input_ids=prompt, past_key_values=exact, use_cache=True)
+        model(input_ids=prompt, **cache_argument(exact), use_cache=True)
     coded, full = cache.store.read(0, cache._rows), exact.store.read(0, exact._rows)
     assert torch.equal(coded.keys[:, :, 32:40], full.keys[:, :, 32:40])  # the open page: compute dtype
     assert not torch.equal(coded.keys[:, :, :32], full.keys[:, :, :32])  # sealed pages: 2-bit codes
@@ -118,7 +119,7 @@ def test_beam_search_works_with_a_codec() -> None:
     model = build_model("stories")
     ids, mask = left_padded([30, 25], seed=3, vocab=500)
     cache = kvlib.make_cache(model, "kivi(bits=4)")
-    out = model.generate(ids, attention_mask=mask, past_key_values=cache, num_beams=2, do_sample=False, max_new_tokens=20, pad_token_id=PAD)
+    out = model.generate(ids, attention_mask=mask, **cache_argument(cache), num_beams=2, do_sample=False, max_new_tokens=20, pad_token_id=PAD)
     assert out.shape[0] == 2
     held_bytes_follow_the_layout(cache)
 
@@ -131,7 +132,7 @@ def test_a_read_mirror_reads_what_the_pages_decode_to() -> None:
     outputs = []
     for read_cache in (False, True):
         cache = kvlib.make_cache(model, "kivi(bits=2)", read_cache=read_cache)
-        outputs.append(model.generate(ids, attention_mask=mask, past_key_values=cache, do_sample=False, max_new_tokens=24, pad_token_id=PAD))
+        outputs.append(model.generate(ids, attention_mask=mask, **cache_argument(cache), do_sample=False, max_new_tokens=24, pad_token_id=PAD))
         assert (cache.memory_report()["by_component"]["read_cache"] > 0) == read_cache
     assert torch.equal(*outputs)
 
@@ -141,10 +142,10 @@ def test_a_reset_cache_refits_its_codec() -> None:
     cache = kvlib.make_cache(model, "svd(rank=4)")
     first = torch.randint(3, 500, (1, 40), generator=torch.Generator().manual_seed(4))
     with torch.inference_mode():
-        model(input_ids=first, past_key_values=cache, use_cache=True)
+        model(input_ids=first, **cache_argument(cache), use_cache=True)
         basis = cache.codecs[0].key.basis.clone()
         cache.reset()
-        model(input_ids=first.flip(-1), past_key_values=cache, use_cache=True)
+        model(input_ids=first.flip(-1), **cache_argument(cache), use_cache=True)
     assert not torch.equal(cache.codecs[0].key.basis, basis)
 
 
@@ -173,7 +174,7 @@ def test_a_fitted_codec_waits_for_enough_tokens_before_fitting() -> None:
     tokens = torch.randint(3, 500, (1, 20), generator=torch.Generator().manual_seed(5))
     with torch.inference_mode():
         for t in range(20):
-            model(input_ids=tokens[:, t : t + 1], past_key_values=cache, use_cache=True)
+            model(input_ids=tokens[:, t : t + 1], **cache_argument(cache), use_cache=True)
             assert cache.codecs[0].ready == (t + 1 >= 8)
     assert int(cache.store.pools[0].sealed.sum()) == cache.shape.num_kv_heads  # 20 tokens: one full page per head
     held_bytes_follow_the_layout(cache)

@@ -12,7 +12,8 @@ from transformers import DynamicCache
 import kvlib
 from kvlib import registry
 from kvlib.strategy import NEEDS, Eviction, LayerView
-from tests.adapters.conftest import PAD, build_model, left_padded
+from kvlib.transformers_compat import cache_argument
+from tests.adapters.conftest import PAD, assert_same_logits, build_model, left_padded
 
 SINKS, BUDGET = 4, 16
 
@@ -31,19 +32,20 @@ def reference_streaming(model, ids: torch.Tensor, new_tokens: int) -> tuple[torc
     cache = DynamicCache(config=model.config)
     tokens, logits = [], []
     with torch.no_grad():
-        out = model(input_ids=ids, past_key_values=cache)
+        out = model(input_ids=ids, **cache_argument(cache))
         _keep_sinks_and_window(cache)
         position = ids.shape[1]
         for _ in range(new_tokens):
             logits.append(out.logits[:, -1])
             token = out.logits[:, -1].argmax(-1, keepdim=True)
             tokens.append(token)
-            out = model(input_ids=token, past_key_values=cache, position_ids=torch.tensor([[position]]))
+            out = model(input_ids=token, **cache_argument(cache), position_ids=torch.tensor([[position]]))
             _keep_sinks_and_window(cache)
             position += 1
     return torch.cat(tokens, dim=1), logits
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("family", ["stories", "llama", "gpt2"])
 def test_streaming_llm_generate_equals_the_reference_loop(family):
     model = build_model(family)
@@ -51,12 +53,11 @@ def test_streaming_llm_generate_equals_the_reference_loop(family):
     expected, expected_logits = reference_streaming(model, ids, new_tokens=20)
     cache = kvlib.make_cache(model, f"streaming_llm(sinks={SINKS})", budget=BUDGET)
     out = model.generate(
-        ids, past_key_values=cache, do_sample=False, max_new_tokens=20, pad_token_id=PAD,
+        ids, **cache_argument(cache), do_sample=False, max_new_tokens=20, pad_token_id=PAD,
         return_dict_in_generate=True, output_logits=True,
     )
     assert torch.equal(out.sequences[:, ids.shape[1] :], expected)
-    for ours, theirs in zip(out.logits, expected_logits):
-        assert torch.allclose(ours, theirs, atol=1e-5, rtol=0)
+    assert_same_logits(out.logits, expected_logits)
     logical = ids.shape[1] + 20 - 1
     window = list(range(SINKS)) + list(range(logical - (BUDGET - SINKS), logical))
     for layer in range(cache.shape.num_layers):
@@ -72,12 +73,12 @@ def test_left_padded_batch_equals_each_prompt_alone():
     ids, mask = left_padded(lengths, seed=12)
     batched_cache = kvlib.make_cache(model, "streaming_llm", budget=BUDGET)
     batched = model.generate(
-        ids, attention_mask=mask, past_key_values=batched_cache, do_sample=False, max_new_tokens=12, pad_token_id=PAD
+        ids, attention_mask=mask, **cache_argument(batched_cache), do_sample=False, max_new_tokens=12, pad_token_id=PAD
     )
     for row, length in enumerate(lengths):
         alone_ids = ids[row : row + 1, ids.shape[1] - length :]
         alone_cache = kvlib.make_cache(model, "streaming_llm", budget=BUDGET)
-        alone = model.generate(alone_ids, past_key_values=alone_cache, do_sample=False, max_new_tokens=12, pad_token_id=PAD)
+        alone = model.generate(alone_ids, **cache_argument(alone_cache), do_sample=False, max_new_tokens=12, pad_token_id=PAD)
         assert torch.equal(batched[row, ids.shape[1] :], alone[0, length:])
         for layer in range(batched_cache.shape.num_layers):
             assert torch.equal(batched_cache.kept_positions(layer)[row], alone_cache.kept_positions(layer)[0])
@@ -90,16 +91,16 @@ def test_rows_under_budget_keep_all_real_tokens_and_drop_padding():
     ids, mask = left_padded(lengths, seed=13)
     cache = kvlib.make_cache(model, "streaming_llm", budget=20)
     with torch.no_grad():
-        model(input_ids=ids, attention_mask=mask, past_key_values=cache)
+        model(input_ids=ids, attention_mask=mask, **cache_argument(cache))
     kept = cache.kept_positions(0)
     assert ((kept >= 0).sum(-1) == torch.tensor([[6, 6], [14, 14], [20, 20]])).all()
     assert torch.equal(kept[0, 0, :6], torch.arange(6))
     assert cache.store.physical_lengths(0, cache._rows).tolist() == [[6, 6], [14, 14], [20, 20]]
-    batched = model.generate(ids, attention_mask=mask, past_key_values=kvlib.make_cache(model, "streaming_llm", budget=20),
+    batched = model.generate(ids, attention_mask=mask, **cache_argument(kvlib.make_cache(model, "streaming_llm", budget=20)),
                              do_sample=False, max_new_tokens=6, pad_token_id=PAD)
     for row, length in enumerate(lengths):
         alone = model.generate(ids[row : row + 1, ids.shape[1] - length :],
-                               past_key_values=kvlib.make_cache(model, "streaming_llm", budget=20),
+                               **cache_argument(kvlib.make_cache(model, "streaming_llm", budget=20)),
                                do_sample=False, max_new_tokens=6, pad_token_id=PAD)
         assert torch.equal(batched[row, ids.shape[1] :], alone[0, length:])
 
@@ -108,7 +109,7 @@ def test_fraction_budget_compresses_the_prompt_once():
     model = build_model("stories")
     ids, _ = left_padded([40], seed=14)
     cache = kvlib.make_cache(model, "streaming_llm", budget=0.25)
-    model.generate(ids, past_key_values=cache, do_sample=False, max_new_tokens=8, pad_token_id=PAD)
+    model.generate(ids, **cache_argument(cache), do_sample=False, max_new_tokens=8, pad_token_id=PAD)
     kept = cache.kept_positions(0)[0, 0]
     prompt_kept = list(range(SINKS)) + list(range(40 - (10 - SINKS), 40))
     assert kept.tolist() == prompt_kept + list(range(40, 47))
@@ -144,6 +145,7 @@ def probes(scratch_registry):
     return Probe, NeedyProbe
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_strategies_get_exactly_what_they_need(probes, attn):
     probe, needy = probes
@@ -152,7 +154,7 @@ def test_strategies_get_exactly_what_they_need(probes, attn):
     for cls in (probe, needy):
         cache = kvlib.make_cache(model, cls(), budget=8)
         with torch.no_grad():
-            model(input_ids=ids, attention_mask=mask, past_key_values=cache, output_attentions=attn == "eager")
+            model(input_ids=ids, attention_mask=mask, **cache_argument(cache), output_attentions=attn == "eager")
     plain, rich = probe.seen[0], needy.seen[0]
     assert plain.queries is None and plain.attention is None and plain.hidden_states is None
     assert rich.queries.shape == (2, 4, 14, 8) and torch.equal(rich.window_queries, rich.queries)
@@ -180,7 +182,7 @@ def test_a_score_of_the_wrong_shape_is_a_clear_error(probes, monkeypatch):
     model = build_model("llama")
     cache = kvlib.make_cache(model, probe(), budget=4)
     with pytest.raises(ValueError, match="must return a tensor of shape"), torch.no_grad():
-        model(input_ids=torch.tensor([[5, 6, 7, 8, 9, 10]]), past_key_values=cache)
+        model(input_ids=torch.tensor([[5, 6, 7, 8, 9, 10]]), **cache_argument(cache))
 
 
 def test_eviction_without_kvlib_attention_is_refused():
@@ -188,7 +190,7 @@ def test_eviction_without_kvlib_attention_is_refused():
     cache = kvlib.make_cache(model, "streaming_llm", budget=4)
     model.set_attn_implementation("sdpa")
     with pytest.raises(RuntimeError, match="kvlib.attach"), torch.no_grad():
-        model(input_ids=torch.tensor([[5, 6, 7, 8, 9, 10]]), past_key_values=cache)
+        model(input_ids=torch.tensor([[5, 6, 7, 8, 9, 10]]), **cache_argument(cache))
 
 
 @pytest.mark.parametrize("options", [{"slack": 3}, {"interval": 4}], ids=["slack", "interval"])
@@ -199,10 +201,10 @@ def test_heads_grow_past_the_budget_then_compact_back(options):
     cache = kvlib.make_cache(model, "streaming_llm", budget=BUDGET, **options)
     held = []
     with torch.no_grad():
-        out = model(input_ids=ids, past_key_values=cache)
+        out = model(input_ids=ids, **cache_argument(cache))
         held.append(int(cache.store.physical_lengths(0, cache._rows).max()))
         for _ in range(8):
-            out = model(input_ids=out.logits[:, -1:].argmax(-1), past_key_values=cache)
+            out = model(input_ids=out.logits[:, -1:].argmax(-1), **cache_argument(cache))
             held.append(int(cache.store.physical_lengths(0, cache._rows).max()))
     assert held == [16, 17, 18, 19, 16, 17, 18, 19, 16]
     assert cache.kept_positions(0)[0, 0].tolist() == list(range(SINKS)) + list(range(38 - (BUDGET - SINKS), 38))
@@ -217,7 +219,7 @@ def test_chunked_prefill_bounds_peak_pages_by_budget_plus_chunk(budget):
     caches = {}
     for chunk_size in (None, chunk):
         cache = caches[chunk_size] = kvlib.make_cache(model, "streaming_llm", budget=budget, read_cache=False)
-        model.generate(ids, past_key_values=cache, do_sample=False, max_new_tokens=4, pad_token_id=PAD,
+        model.generate(ids, **cache_argument(cache), do_sample=False, max_new_tokens=4, pad_token_id=PAD,
                        prefill_chunk_size=chunk_size)
     kept_tokens = 100 if isinstance(budget, float) else budget
     page_bytes = page * (shape.head_dim + shape.value_dim) * 4
@@ -246,8 +248,8 @@ def test_accumulated_attention_sums_every_query_over_prefill_and_decoding(scratc
     with torch.no_grad():
         inputs = ids
         for _ in range(4):
-            ours = model(input_ids=inputs, past_key_values=cache)
-            theirs = model(input_ids=inputs, past_key_values=reference, output_attentions=True)
+            ours = model(input_ids=inputs, **cache_argument(cache))
+            theirs = model(input_ids=inputs, **cache_argument(reference), output_attentions=True)
             received = [a.sum(2) for a in theirs.attentions]  # [batch, query_heads, slots] per layer
             if expected is None:
                 expected = received
@@ -265,7 +267,7 @@ def test_accumulated_attention_follows_beam_reordering(scratch_registry):
     model = build_model("llama")
     ids, _ = left_padded([12], seed=19)
     cache = kvlib.make_cache(model, AccumulatingProbe(), budget=8)
-    model.generate(ids, past_key_values=cache, num_beams=3, do_sample=False, max_new_tokens=5, pad_token_id=PAD)
+    model.generate(ids, **cache_argument(cache), num_beams=3, do_sample=False, max_new_tokens=5, pad_token_id=PAD)
     for layer in range(cache.shape.num_layers):
         state = cache.compressor._accumulated[layer]
         lengths = cache.store.physical_lengths(layer, cache._rows)

@@ -11,7 +11,8 @@ import torch
 
 import kvlib
 from kvlib.adapters.model_shape import kv_shape
-from tests.adapters.conftest import PAD, build_model, left_padded
+from kvlib.transformers_compat import cache_argument
+from tests.adapters.conftest import PAD, assert_same_logits, build_model, left_padded
 
 
 def spec(model: torch.nn.Module, directory: Path, device_pages: int, host_pages: int, disk_mb: float = 64.0, prefetch: bool = True) -> str:
@@ -30,9 +31,9 @@ def test_generate_over_device_host_and_disk_equals_the_untiered_cache(family: st
                "return_dict_in_generate": True, "output_logits": True}
     reference = model.generate(ids, **options)
     cache = kvlib.make_cache(model, spec(model, tmp_path, device_pages=4, host_pages=4, prefetch=prefetch))
-    out = model.generate(ids, past_key_values=cache, **options)
+    out = model.generate(ids, **cache_argument(cache), **options)
     assert torch.equal(out.sequences, reference.sequences)
-    assert all(torch.equal(a, b) for a, b in zip(out.logits, reference.logits))
+    assert_same_logits(out.logits, reference.logits)
     pools = cache.store.pools
     assert all(pool.pages_on_device <= pool.device_pages and pool.pages_on_host <= pool.host_pages for pool in pools)
     assert all(pool.pages_on_device > 0 and pool.pages_on_host > 0 and pool.pages_on_disk > 0 for pool in pools)
@@ -52,7 +53,7 @@ def test_beams_over_three_tiers_equal_the_untiered_cache(tmp_path: Path) -> None
     options = {"attention_mask": mask, "num_beams": 3, "max_new_tokens": 10, "do_sample": False, "pad_token_id": PAD}
     reference = model.generate(ids, **options)
     cache = kvlib.make_cache(model, spec(model, tmp_path, device_pages=3, host_pages=3))
-    assert torch.equal(model.generate(ids, past_key_values=cache, **options), reference)
+    assert torch.equal(model.generate(ids, **cache_argument(cache), **options), reference)
     assert sum(pool.moves_to_disk for pool in cache.store.pools) > 0
 
 
@@ -61,7 +62,7 @@ def test_a_full_disk_tier_is_a_clear_error_and_bad_specs_are_refused(tmp_path: P
     ids, mask = left_padded([90], seed=6, vocab=500)
     cache = kvlib.make_cache(model, spec(model, tmp_path, device_pages=2, host_pages=2, disk_mb=0.01))
     with pytest.raises(kvlib.PoolExhaustedError, match="disk tier full"):
-        model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=4, do_sample=False, pad_token_id=PAD)
+        model.generate(ids, attention_mask=mask, **cache_argument(cache), max_new_tokens=4, do_sample=False, pad_token_id=PAD)
     with pytest.raises(ValueError, match="set host_mb > 0"):
         kvlib.make_cache(model, f"lru(device_mb=0.01, disk={str(tmp_path)!r})")
     with pytest.raises(ValueError, match="disk_mb must be > 0"):
@@ -72,7 +73,7 @@ def test_a_garbage_collected_cache_deletes_its_run(tmp_path: Path) -> None:
     model = build_model("llama")
     ids, mask = left_padded([80], seed=7, vocab=97)
     cache = kvlib.make_cache(model, spec(model, tmp_path, device_pages=2, host_pages=2))
-    model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=2, do_sample=False, pad_token_id=PAD)
+    model.generate(ids, attention_mask=mask, **cache_argument(cache), max_new_tokens=2, do_sample=False, pad_token_id=PAD)
     disk, spilled = cache.spill.disk, len(cache.spill.keys())
     assert spilled > 0 and _entries(disk) == (spilled, 1)
     del cache
@@ -92,6 +93,6 @@ def test_a_prefix_store_and_a_spilling_cache_share_one_directory(tmp_path: Path)
     prefixes = kvlib.PrefixStore(model, capacity_bytes=1 << 20, disk=tmp_path)
     ids, mask = left_padded([80], seed=8, vocab=97)
     cache = kvlib.make_cache(model, spec(model, tmp_path, device_pages=2, host_pages=2))
-    model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=2, do_sample=False, pad_token_id=PAD)
+    model.generate(ids, attention_mask=mask, **cache_argument(cache), max_new_tokens=2, do_sample=False, pad_token_id=PAD)
     assert cache.spill.disk is prefixes.disk and cache.spill.keys()
     assert prefixes.disk.capacity_bytes == 4 << 20  # the prefix store's budget, not the spill-only one

@@ -9,6 +9,7 @@ import torch
 
 import kvlib
 from kvlib.adapters.engine_request import RequestState
+from kvlib.transformers_compat import cache_argument
 
 from .conftest import build_model
 
@@ -147,7 +148,7 @@ def test_a_request_with_eviction_runs_beside_a_lossless_one(llama) -> None:
     while engine.has_unfinished:
         engine.step()
     cache = kvlib.make_cache(llama, "streaming_llm", budget=24)
-    reference = llama.generate(torch.tensor([long_prompt]), max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0, past_key_values=cache)
+    reference = llama.generate(torch.tensor([long_prompt]), max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0, **cache_argument(cache))
     assert engine.requests[evicting].output == reference[0, len(long_prompt) :].tolist()
     assert engine.requests[lossless].output == alone(llama, other)
     assert pages_held(engine) == 0
@@ -244,7 +245,7 @@ def test_an_engine_wide_codec_equals_make_cache_with_it(llama, llama_case) -> No
     outputs = engine.generate(prompts[:4], max_new_tokens=NEW)
     for prompt, output in zip(prompts[:4], outputs):
         cache = kvlib.make_cache(llama, "kivi(bits=4)")
-        reference = llama.generate(torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0, past_key_values=cache)
+        reference = llama.generate(torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0, **cache_argument(cache))
         assert output == reference[0, len(prompt) :].tolist()
     assert engine.stats()["cached_tokens"] > 0  # sealed pages are shared like raw ones
     with pytest.raises(ValueError, match="engine-wide|every request"):

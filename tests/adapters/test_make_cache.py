@@ -11,6 +11,7 @@ from transformers import MambaConfig, MambaForCausalLM
 import kvlib
 from kvlib import registry
 from kvlib.strategy import Reuse
+from kvlib.transformers_compat import cache_argument
 from tests.adapters.conftest import PAD, build_model, left_padded
 
 
@@ -69,20 +70,21 @@ def test_kinds_the_cache_does_not_apply_yet_are_refused(scratch_registry):
         kvlib.make_cache(build_model("llama"), "streaming_llm+test_share", budget=8)
 
 
+@pytest.mark.smoke
 def test_reusing_a_cache_with_another_batch_size_needs_reset_and_keeps_what_is_stored():
     model = build_model("stories")
     cache = kvlib.make_cache(model, "streaming_llm", budget=8)
     ids, _ = left_padded([12], seed=20)
-    model.generate(ids, past_key_values=cache, do_sample=False, max_new_tokens=4, pad_token_id=PAD)
+    model.generate(ids, **cache_argument(cache), do_sample=False, max_new_tokens=4, pad_token_id=PAD)
     before = [cache.kept_positions(layer) for layer in range(cache.shape.num_layers)]
     report = cache.memory_report()
     wider, mask = left_padded([5, 7], seed=21)
     with pytest.raises(ValueError, match=r"batch of 1 .* got a batch of 2; call cache.reset\(\)"):
-        model.generate(wider, attention_mask=mask, past_key_values=cache, do_sample=False, max_new_tokens=2, pad_token_id=PAD)
+        model.generate(wider, attention_mask=mask, **cache_argument(cache), do_sample=False, max_new_tokens=2, pad_token_id=PAD)
     assert all(torch.equal(old, cache.kept_positions(layer)) for layer, old in enumerate(before))
     assert cache.memory_report() == report
     cache.reset()
-    model.generate(wider, attention_mask=mask, past_key_values=cache, do_sample=False, max_new_tokens=2, pad_token_id=PAD)
+    model.generate(wider, attention_mask=mask, **cache_argument(cache), do_sample=False, max_new_tokens=2, pad_token_id=PAD)
     assert cache.batch_size == 2
 
 
@@ -92,7 +94,7 @@ def test_kept_positions_checks_its_layer_and_needs_tokens():
     with pytest.raises(ValueError, match="holds no tokens"):
         cache.kept_positions(0)
     with torch.no_grad():
-        model(input_ids=torch.tensor([[4, 5, 6]]), past_key_values=cache)
+        model(input_ids=torch.tensor([[4, 5, 6]]), **cache_argument(cache))
     with pytest.raises(ValueError, match=r"layer_idx must be an int in \[0, 2\)"):
         cache.kept_positions(2)
     assert cache.kept_positions(1).tolist() == [[[0, 1, 2], [0, 1, 2]]]

@@ -6,6 +6,7 @@ import torch
 
 import kvlib
 from kvlib.adapters.merge import merged_values
+from kvlib.transformers_compat import cache_argument
 from tests.adapters.conftest import PAD, build_model, left_padded
 
 
@@ -46,13 +47,13 @@ def test_merge_through_generate_keeps_the_same_tokens_with_merged_values():
     full = kvlib.make_cache(model)
     with torch.no_grad():
         for cache in (plain, merged, full):
-            model(input_ids=ids, past_key_values=cache)
+            model(input_ids=ids, **cache_argument(cache))
     for layer in range(plain.shape.num_layers):
         assert torch.equal(plain.kept_positions(layer), merged.kept_positions(layer))
         read = full.store.read(layer, full._rows)
         kept = plain.kept_positions(layer)
         expected = reference_merge(read.keys, read.values, read.valid, kept)
         assert torch.allclose(merged.store.read(layer, merged._rows).values, expected, atol=1e-5)
-    out = model.generate(ids, past_key_values=kvlib.make_cache(model, "tova", budget=16, merge=True), do_sample=False,
+    out = model.generate(ids, **cache_argument(kvlib.make_cache(model, "tova", budget=16, merge=True)), do_sample=False,
                          max_new_tokens=6, pad_token_id=PAD)
     assert out.shape == (1, 46)

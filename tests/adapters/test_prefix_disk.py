@@ -16,13 +16,14 @@ PROCESS = """
 import json, sys, torch
 sys.path.insert(0, {repo!r})
 import kvlib
+from kvlib.transformers_compat import cache_argument
 from tests.adapters.conftest import build_model, PAD
 model = build_model(sys.argv[2])
 prompt = torch.randint(3, 60, (1, 70), generator=torch.Generator().manual_seed(0))
 store = kvlib.PrefixStore(model, capacity_bytes=2**24, disk=sys.argv[1])
 cache = kvlib.make_cache(model, reuse=store, prompt=prompt)
 reused = cache.get_seq_length()
-out = model.generate(prompt, past_key_values=cache, max_new_tokens=8, do_sample=False, pad_token_id=PAD)
+out = model.generate(prompt, **cache_argument(cache), max_new_tokens=8, do_sample=False, pad_token_id=PAD)
 same = torch.equal(out, model.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=PAD))
 print(json.dumps({{"reused": reused, "same": same, "disk": store.disk.stats()}}))
 """
@@ -61,6 +62,7 @@ def test_loading_from_disk_never_evicts_what_the_lookup_found(tmp_path: Path) ->
     import torch
 
     import kvlib
+    from kvlib.transformers_compat import cache_argument
     from tests.adapters.conftest import PAD, build_model
 
     model = build_model("stories")
@@ -68,12 +70,12 @@ def test_loading_from_disk_never_evicts_what_the_lookup_found(tmp_path: Path) ->
     disk = DiskTier(tmp_path, capacity_bytes=2**26)
     writer = kvlib.PrefixStore(model, capacity_bytes=2**24, disk=disk)
     cache = kvlib.make_cache(model, reuse=writer, prompt=prompt)
-    model.generate(prompt, past_key_values=cache, max_new_tokens=2, do_sample=False, pad_token_id=PAD)
+    model.generate(prompt, **cache_argument(cache), max_new_tokens=2, do_sample=False, pad_token_id=PAD)
     block = next(iter(writer.index.entries.values())).nbytes
     reader = kvlib.PrefixStore(model, capacity_bytes=block * 3 // 2, disk=disk)
     cache = kvlib.make_cache(model, reuse=reader, prompt=prompt)
     assert cache.get_seq_length() == 64
-    out = model.generate(prompt, past_key_values=cache, max_new_tokens=6, do_sample=False, pad_token_id=PAD)
+    out = model.generate(prompt, **cache_argument(cache), max_new_tokens=6, do_sample=False, pad_token_id=PAD)
     assert torch.equal(out, model.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=PAD))
     cache.reset()
     assert reader.stats()["bytes"] <= block * 3 // 2  # once released, the budget holds again

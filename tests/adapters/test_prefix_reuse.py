@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import kvlib
+from kvlib.transformers_compat import cache_argument
 from tests.adapters.conftest import PAD, build_model, left_padded
 
 
@@ -37,7 +38,7 @@ def test_reuse_computes_only_the_suffix_and_changes_no_output(family: str) -> No
         calls.clear()
         cache = kvlib.make_cache(model, reuse=store, prompt=prompt)
         assert cache.get_seq_length() == reused
-        out = model.generate(prompt, past_key_values=cache, max_new_tokens=12, do_sample=False, pad_token_id=PAD)
+        out = model.generate(prompt, **cache_argument(cache), max_new_tokens=12, do_sample=False, pad_token_id=PAD)
         assert torch.equal(out, reference)
         assert calls[0] == prompt.shape[1] - reused  # the prefill ran on the suffix only
     handle.remove()
@@ -49,12 +50,12 @@ def test_pages_are_shared_by_reference_and_released_when_caches_go() -> None:
     store = kvlib.PrefixStore(model, capacity_bytes=2**24)
     prompt = prompts(500, shared=64, tails=(1,))[0]  # 65 tokens: 4 full pages, the 5th computed
     warm = kvlib.make_cache(model, reuse=store, prompt=prompt)
-    model.generate(prompt, past_key_values=warm, max_new_tokens=2, do_sample=False, pad_token_id=PAD)
+    model.generate(prompt, **cache_argument(warm), max_new_tokens=2, do_sample=False, pad_token_id=PAD)
     paged = next(iter(store.stores.values()))
     heads, layers = model.config.num_key_value_heads, model.config.num_hidden_layers
     caches = [kvlib.make_cache(model, reuse=store, prompt=prompt) for _ in range(8)]
     for cache in caches:
-        model.generate(prompt, past_key_values=cache, max_new_tokens=2, do_sample=False, pad_token_id=PAD)
+        model.generate(prompt, **cache_argument(cache), max_new_tokens=2, do_sample=False, pad_token_id=PAD)
     pool = paged.pools[0]
     assert pool.pages_in_use == 4 * heads + 9 * heads  # the prefix once, plus each cache's own last page
     assert bool((pool.refcount[paged.tables[0].pages[caches[0]._rows[0], :, :4]] == 1 + 9).all())  # the index + 9 caches
@@ -75,7 +76,7 @@ def test_capacity_evicts_least_recently_used_unused_prefixes() -> None:
     for seed in range(3):  # three prompts of 4 full pages each: 12 blocks through a 4-block cache
         prompt = prompts(500, shared=64, tails=(1,), seed=seed)[0]
         cache = kvlib.make_cache(model, reuse=store, prompt=prompt)
-        model.generate(prompt, past_key_values=cache, max_new_tokens=2, do_sample=False, pad_token_id=PAD)
+        model.generate(prompt, **cache_argument(cache), max_new_tokens=2, do_sample=False, pad_token_id=PAD)
         cache.reset()
     stats = store.stats()
     assert stats["entries"] == 4 and stats["evictions"] == 8 and stats["bytes"] <= store.index.capacity_bytes
@@ -91,15 +92,15 @@ def test_lossless_and_lossy_pages_are_never_mixed() -> None:
     prompt = prompts(500, shared=64, tails=(5,))[0]
     exact = model.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=PAD)
     quantized = kvlib.make_cache(model, "kivi(bits=2)", reuse=store, prompt=prompt)
-    lossy = model.generate(prompt, past_key_values=quantized, max_new_tokens=8, do_sample=False, pad_token_id=PAD)
+    lossy = model.generate(prompt, **cache_argument(quantized), max_new_tokens=8, do_sample=False, pad_token_id=PAD)
     lossless = kvlib.make_cache(model, reuse=store, prompt=prompt)
     assert lossless.get_seq_length() == 0  # the kivi pages are not for an exact cache
-    assert torch.equal(model.generate(prompt, past_key_values=lossless, max_new_tokens=8, do_sample=False, pad_token_id=PAD), exact)
+    assert torch.equal(model.generate(prompt, **cache_argument(lossless), max_new_tokens=8, do_sample=False, pad_token_id=PAD), exact)
     again = kvlib.make_cache(model, "kivi(bits=2)", reuse=store, prompt=prompt)
     assert again.get_seq_length() == 64  # the same codec shares them
     # (not token-equal to the first kivi run: there the prompt attended to its own tokens before they
     # were sealed; reused, the suffix attends to the 2-bit pages)
-    reused = model.generate(prompt, past_key_values=again, max_new_tokens=8, do_sample=False, pad_token_id=PAD)
+    reused = model.generate(prompt, **cache_argument(again), max_new_tokens=8, do_sample=False, pad_token_id=PAD)
     assert reused.shape == lossy.shape
     other = kvlib.make_cache(model, "kivi(bits=4)", reuse=store, prompt=prompt)
     assert other.get_seq_length() == 0
@@ -113,12 +114,12 @@ def test_a_batch_reuses_the_prefix_common_to_its_rows_and_beams_work() -> None:
     first, second = prompts(500, shared=48, tails=(20, 20))
     batch = torch.cat([first, second])
     warm = kvlib.make_cache(model, reuse=store, prompt=first)
-    model.generate(first, past_key_values=warm, max_new_tokens=1, do_sample=False, pad_token_id=PAD)
+    model.generate(first, **cache_argument(warm), max_new_tokens=1, do_sample=False, pad_token_id=PAD)
     cache = kvlib.make_cache(model, reuse=store, prompt=batch)
     assert cache.get_seq_length() == 48  # row 0 has 4 cached pages, row 1 shares 3
     reference = model.generate(batch, max_new_tokens=10, do_sample=False, pad_token_id=PAD, num_beams=2)
     beams = kvlib.make_cache(model, reuse=store, prompt=batch.repeat_interleave(2, dim=0))  # the rows beam search runs
-    out = model.generate(batch, past_key_values=beams, max_new_tokens=10, do_sample=False, pad_token_id=PAD, num_beams=2)
+    out = model.generate(batch, **cache_argument(beams), max_new_tokens=10, do_sample=False, pad_token_id=PAD, num_beams=2)
     assert torch.equal(out, reference)
 
 
@@ -128,7 +129,7 @@ def test_padding_disables_reuse_and_keeps_outputs() -> None:
     ids, mask = left_padded([40, 33], seed=3, vocab=500)
     cache = kvlib.make_cache(model, reuse=store, prompt=ids, attention_mask=mask)
     assert cache.get_seq_length() == 0
-    out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=6, do_sample=False, pad_token_id=PAD)
+    out = model.generate(ids, attention_mask=mask, **cache_argument(cache), max_new_tokens=6, do_sample=False, pad_token_id=PAD)
     assert torch.equal(out, model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=PAD))
     assert store.stats()["entries"] == 0
 
@@ -139,10 +140,10 @@ def test_a_forced_hash_collision_reuses_nothing_wrong() -> None:
     store.index.hash_function = lambda parent, tokens, namespace: b"one key for every block"
     first, second = prompts(500, shared=0, tails=(40, 40))  # nothing in common
     cache = kvlib.make_cache(model, reuse=store, prompt=first)
-    model.generate(first, past_key_values=cache, max_new_tokens=2, do_sample=False, pad_token_id=PAD)
+    model.generate(first, **cache_argument(cache), max_new_tokens=2, do_sample=False, pad_token_id=PAD)
     cache = kvlib.make_cache(model, reuse=store, prompt=second)
     assert cache.get_seq_length() == 0 and store.stats()["collisions"] >= 1
-    out = model.generate(second, past_key_values=cache, max_new_tokens=8, do_sample=False, pad_token_id=PAD)
+    out = model.generate(second, **cache_argument(cache), max_new_tokens=8, do_sample=False, pad_token_id=PAD)
     assert torch.equal(out, model.generate(second, max_new_tokens=8, do_sample=False, pad_token_id=PAD))
 
 
@@ -177,7 +178,7 @@ def test_an_unprimed_cache_in_a_prefix_store_gives_its_rows_back() -> None:
     store = kvlib.PrefixStore(model, capacity_bytes=2**24)
     prompt = prompts(500, shared=40, tails=(1,))[0]
     cache = kvlib.make_cache(model, reuse=store)  # no prompt: nothing reused or indexed
-    out = model.generate(prompt, past_key_values=cache, max_new_tokens=4, do_sample=False, pad_token_id=PAD)
+    out = model.generate(prompt, **cache_argument(cache), max_new_tokens=4, do_sample=False, pad_token_id=PAD)
     assert torch.equal(out, model.generate(prompt, max_new_tokens=4, do_sample=False, pad_token_id=PAD))
     paged = next(iter(store.stores.values()))
     assert paged.pools[0].pages_in_use > 0 and store.stats()["entries"] == 0
@@ -192,12 +193,12 @@ def test_the_next_turn_reuses_the_answer_once_it_is_indexed() -> None:
     store = kvlib.PrefixStore(model, capacity_bytes=2**24)
     first = prompts(500, shared=40, tails=(1,))[0]
     cache = kvlib.make_cache(model, reuse=store, prompt=first)
-    answer = model.generate(first, past_key_values=cache, max_new_tokens=40, do_sample=False, pad_token_id=PAD)
+    answer = model.generate(first, **cache_argument(cache), max_new_tokens=40, do_sample=False, pad_token_id=PAD)
     cache.index_tokens(answer)  # 81 tokens, 80 stored: five full pages
     follow_up = torch.cat([answer, torch.tensor([[7, 8, 9]])], dim=1)
     second = kvlib.make_cache(model, reuse=store, prompt=follow_up)
     assert second.get_seq_length() == 80
-    out = model.generate(follow_up, past_key_values=second, max_new_tokens=6, do_sample=False, pad_token_id=PAD)
+    out = model.generate(follow_up, **cache_argument(second), max_new_tokens=6, do_sample=False, pad_token_id=PAD)
     assert torch.equal(out, model.generate(follow_up, max_new_tokens=6, do_sample=False, pad_token_id=PAD))
     with pytest.raises(ValueError, match="start with the prompt"):
         second.index_tokens(torch.zeros(1, 90, dtype=torch.long))

@@ -10,11 +10,12 @@ import torch
 
 import kvlib
 from kvlib.eval.agreement import agreement_metrics, greedy_reference, teacher_forced_logits
-from tests.adapters.conftest import PAD, build_model, left_padded
+from kvlib.transformers_compat import cache_argument
+from tests.adapters.conftest import PAD, assert_same_logits, build_model, left_padded
 
 
 def generate(model, ids, mask, cache=None):
-    return model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=20, do_sample=False,
+    return model.generate(ids, attention_mask=mask, **cache_argument(cache), max_new_tokens=20, do_sample=False,
                           pad_token_id=PAD, output_logits=True, return_dict_in_generate=True)
 
 
@@ -27,7 +28,7 @@ def test_top_k_covering_every_page_equals_the_exact_cache(family: str, placement
     cache = kvlib.make_cache(model, f"quest(top_k=8, dense_layers=0{placement})")  # 95 tokens: 6 pages
     out = generate(model, ids, mask, cache)
     assert torch.equal(out.sequences, reference.sequences)
-    assert all(torch.equal(a, b) for a, b in zip(out.logits, reference.logits))
+    assert_same_logits(out.logits, reference.logits)
 
 
 def test_quest_reads_chosen_pages_from_every_tier_of_its_placement(tmp_path) -> None:
@@ -38,7 +39,7 @@ def test_quest_reads_chosen_pages_from_every_tier_of_its_placement(tmp_path) -> 
     cache = kvlib.make_cache(model, f"quest(top_k=8, dense_layers=0, placement={placement!r})")
     out = generate(model, ids, mask, cache)
     assert torch.equal(out.sequences, reference.sequences)
-    assert all(torch.equal(a, b) for a, b in zip(out.logits, reference.logits))
+    assert_same_logits(out.logits, reference.logits)
     pools = cache.store.pools
     assert all(pool.pages_on_disk > 0 and pool.pages_on_host > 0 for pool in pools)
     assert len(cache.spill.keys()) == sum(pool.pages_on_disk for pool in pools)
@@ -51,9 +52,9 @@ def test_a_decode_step_reads_only_top_k_pages_per_head() -> None:
                            ("lru(device_mb=0.001)", 11)):
         cache = kvlib.make_cache(model, spec)
         with torch.inference_mode():
-            model(input_ids=ids, attention_mask=mask, past_key_values=cache)
+            model(input_ids=ids, attention_mask=mask, **cache_argument(cache))
             before = [pool.host_pages_read for pool in cache.store.pools]
-            model(input_ids=ids[:, :1], attention_mask=torch.ones(1, 161, dtype=torch.long), past_key_values=cache)
+            model(input_ids=ids[:, :1], attention_mask=torch.ones(1, 161, dtype=torch.long), **cache_argument(cache))
         read = [pool.host_pages_read - b for pool, b in zip(cache.store.pools, before)]
         on_device = [pool.pages_on_device for pool in cache.store.pools]
         sparse_layers = range(2, 5) if spec.startswith("quest") else range(5)

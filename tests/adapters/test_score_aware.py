@@ -10,6 +10,7 @@ import torch
 import kvlib
 from kvlib.policies.eviction.knorm import KNorm
 from kvlib.strategy import LayerView
+from kvlib.transformers_compat import cache_argument
 from tests.adapters.conftest import PAD, build_model, left_padded
 
 
@@ -19,7 +20,7 @@ def test_score_aware_generate_equals_the_untiered_cache(family: str) -> None:
     ids, mask = left_padded([90, 70], seed=3, vocab=500 if family == "stories" else 97)
     reference = model.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, pad_token_id=PAD)
     cache = kvlib.make_cache(model, "score_aware(device_mb=0.01, refresh=4)")
-    out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=20, do_sample=False, pad_token_id=PAD)
+    out = model.generate(ids, attention_mask=mask, **cache_argument(cache), max_new_tokens=20, do_sample=False, pad_token_id=PAD)
     assert torch.equal(out, reference)
     assert sum(pool.moves_to_host for pool in cache.store.pools) > 0
 
@@ -28,7 +29,7 @@ def test_the_device_holds_the_best_scored_pages() -> None:
     model = build_model("stories")
     ids, mask = left_padded([150, 120], seed=5, vocab=500)
     cache = kvlib.make_cache(model, "score_aware(device_mb=0.02, refresh=1)")  # re-ranked at every step
-    model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=6, do_sample=False, pad_token_id=PAD)
+    model.generate(ids, attention_mask=mask, **cache_argument(cache), max_new_tokens=6, do_sample=False, pad_token_id=PAD)
     padding = (mask == 0).sum(-1).view(-1, 1, 1)
     for layer, (pool, table) in enumerate(zip(cache.store.pools, cache.store.tables)):
         read = cache.store._gather(layer, torch.tensor(cache._rows), int(table.lengths[cache._rows].max()))

@@ -8,6 +8,7 @@ import torch
 
 import kvlib
 from kvlib.storage.tiered_pool import TieredPagePool
+from kvlib.transformers_compat import cache_argument
 from tests.adapters.conftest import PAD, build_model, left_padded
 
 
@@ -18,7 +19,7 @@ def test_tiered_generate_equals_the_untiered_cache(family: str, device_mb: float
     ids, mask = left_padded([90, 70], seed=3, vocab=min(model.config.vocab_size, 500) if family == "stories" else 97)
     reference = model.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=PAD)
     cache = kvlib.make_cache(model, f"lru(device_mb={device_mb})")
-    out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=24, do_sample=False, pad_token_id=PAD)
+    out = model.generate(ids, attention_mask=mask, **cache_argument(cache), max_new_tokens=24, do_sample=False, pad_token_id=PAD)
     assert torch.equal(out, reference)
     pools = cache.store.pools
     assert all(isinstance(pool, TieredPagePool) and pool.pages_on_device <= pool.device_pages for pool in pools)
@@ -34,12 +35,12 @@ def test_beams_and_sampling_are_unchanged_by_tiering() -> None:
     beams = model.generate(ids, attention_mask=mask, num_beams=3, max_new_tokens=12, do_sample=False, pad_token_id=PAD)
     tiered = kvlib.make_cache(model, "lru(device_mb=0.02)")
     assert torch.equal(model.generate(ids, attention_mask=mask, num_beams=3, max_new_tokens=12, do_sample=False,
-                                      pad_token_id=PAD, past_key_values=tiered), beams)
+                                      pad_token_id=PAD, **cache_argument(tiered)), beams)
     torch.manual_seed(5)
     sampled = model.generate(ids, attention_mask=mask, do_sample=True, max_new_tokens=12, pad_token_id=PAD)
     torch.manual_seed(5)
     again = model.generate(ids, attention_mask=mask, do_sample=True, max_new_tokens=12, pad_token_id=PAD,
-                           past_key_values=kvlib.make_cache(model, "lru(device_mb=0.02)"))
+                           **cache_argument(kvlib.make_cache(model, "lru(device_mb=0.02)")))
     assert torch.equal(sampled, again)
 
 
@@ -47,9 +48,9 @@ def test_tiering_composes_with_eviction_but_not_yet_with_codecs() -> None:
     model = build_model("stories")
     ids, mask = left_padded([60], seed=5, vocab=500)
     reference_cache = kvlib.make_cache(model, "snapkv", budget=24)
-    reference = model.generate(ids, attention_mask=mask, past_key_values=reference_cache, max_new_tokens=12, do_sample=False, pad_token_id=PAD)
+    reference = model.generate(ids, attention_mask=mask, **cache_argument(reference_cache), max_new_tokens=12, do_sample=False, pad_token_id=PAD)
     cache = kvlib.make_cache(model, "snapkv+lru(device_mb=0.005)", budget=24)
-    out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=12, do_sample=False, pad_token_id=PAD)
+    out = model.generate(ids, attention_mask=mask, **cache_argument(cache), max_new_tokens=12, do_sample=False, pad_token_id=PAD)
     assert torch.equal(out, reference)
     with pytest.raises(ValueError, match="do not combine yet"):
         kvlib.make_cache(model, "kivi+lru")
@@ -62,4 +63,4 @@ def test_a_full_host_tier_is_a_clear_error() -> None:
     ids, mask = left_padded([90], seed=6, vocab=500)
     cache = kvlib.make_cache(model, "lru(device_mb=0.01, host_mb=0.01)")
     with pytest.raises(kvlib.PoolExhaustedError, match="host tier full"):
-        model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=4, do_sample=False, pad_token_id=PAD)
+        model.generate(ids, attention_mask=mask, **cache_argument(cache), max_new_tokens=4, do_sample=False, pad_token_id=PAD)

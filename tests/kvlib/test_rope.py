@@ -11,13 +11,14 @@ from transformers import DynamicCache
 from kvlib.adapters.model_shape import kv_shape, rope_of
 from kvlib.rope import rerotate
 from kvlib.strategy import Rope
+from kvlib.transformers_compat import cache_argument
 from tests.adapters.conftest import build_model
 
 
 def layer0_keys(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(input_ids=ids, past_key_values=cache, use_cache=True)
+        model(input_ids=ids, **cache_argument(cache), use_cache=True)
     return cache.layers[0].keys
 
 

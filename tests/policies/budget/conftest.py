@@ -10,6 +10,7 @@ import torch
 
 import kvlib
 from kvlib.strategy import BudgetRequest
+from kvlib.transformers_compat import cache_argument
 from tests.adapters.conftest import PAD, STORIES, left_padded
 
 PAGE_SIZE = 16
@@ -38,7 +39,7 @@ def run(model, spec, budget, lengths: list[int], *, seed: int = 0, new_tokens: i
     returns the cache and the input ids."""
     ids, mask = left_padded(lengths, seed=seed)
     cache = kvlib.make_cache(model, spec, budget=budget)
-    model.generate(ids, attention_mask=mask, past_key_values=cache, do_sample=False, max_new_tokens=new_tokens,
+    model.generate(ids, attention_mask=mask, **cache_argument(cache), do_sample=False, max_new_tokens=new_tokens,
                    pad_token_id=PAD)
     return cache, ids
 
@@ -46,7 +47,7 @@ def run(model, spec, budget, lengths: list[int], *, seed: int = 0, new_tokens: i
 def run_alone(model, spec, budget, ids: torch.Tensor, row: int, length: int, *, new_tokens: int = 4):
     """Row ``row`` of a left-padded batch run alone (its padding cut off); returns the cache."""
     cache = kvlib.make_cache(model, spec, budget=budget)
-    model.generate(ids[row : row + 1, ids.shape[1] - length :], past_key_values=cache, do_sample=False,
+    model.generate(ids[row : row + 1, ids.shape[1] - length :], **cache_argument(cache), do_sample=False,
                    max_new_tokens=new_tokens, pad_token_id=PAD)
     return cache
 

@@ -13,6 +13,7 @@ import kvlib
 from kvlib.policies.eviction.h2o import H2O
 from kvlib.selection import select_keep
 from kvlib.strategy import Eviction, LayerView
+from kvlib.transformers_compat import cache_argument
 from tests.adapters.conftest import PAD, build_model, left_padded
 
 BATCH, HEADS, SLOTS = 2, 3, 10
@@ -139,7 +140,7 @@ def reference_generate(model, ids: torch.Tensor, budget: int, recent: int, new_t
         first = length - tokens.shape[1]
         new = torch.arange(first, length)
         with torch.no_grad():
-            out = model(tokens, past_key_values=cache, position_ids=new[None], use_cache=True, output_attentions=True)
+            out = model(tokens, **cache_argument(cache), position_ids=new[None], use_cache=True, output_attentions=True)
         for layer, weights in enumerate(out.attentions):  # [1, query_heads, queries, stored]
             received = weights[0].float().sum(1).view(heads, group, -1).mean(1)
             accumulated[layer] = torch.cat([accumulated[layer], torch.zeros(heads, len(new))], 1) + received
@@ -178,7 +179,7 @@ def test_accumulated_attention_through_generate_matches_a_hand_run(prompt, budge
 
     model = build_model("stories", "eager")
     cache = kvlib.make_cache(model, f"h2o(recent={recent})", budget=budget)
-    out = model.generate(ids, attention_mask=mask, past_key_values=cache, do_sample=False,
+    out = model.generate(ids, attention_mask=mask, **cache_argument(cache), do_sample=False,
                          max_new_tokens=new_tokens, pad_token_id=PAD)
     assert out[0, prompt:].tolist() == expected_ids
     for layer in range(cache.shape.num_layers):

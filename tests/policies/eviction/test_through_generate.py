@@ -8,6 +8,7 @@ import torch
 
 import kvlib
 from kvlib.strategy import BudgetRequest
+from kvlib.transformers_compat import cache_argument
 from tests.adapters.conftest import PAD, build_model, left_padded
 
 BUDGET = 12
@@ -21,20 +22,20 @@ def test_strategy_through_generate(family, name):
     lengths = [20, 27, 33]
     ids, mask = left_padded(lengths, seed=40)
     cache = kvlib.make_cache(model, name, budget=BUDGET)
-    batched = model.generate(ids, attention_mask=mask, past_key_values=cache, do_sample=False, max_new_tokens=8, pad_token_id=PAD)
+    batched = model.generate(ids, attention_mask=mask, **cache_argument(cache), do_sample=False, max_new_tokens=8, pad_token_id=PAD)
     layers = cache.shape.num_layers
     for layer in range(layers):  # the strategy's allocation (uniform, or its own default) met exactly
         counts = (cache.kept_positions(layer) >= 0).sum(-1)
         request = BudgetRequest(layer, layers, torch.full((len(lengths),), BUDGET), counts)
         assert torch.equal(counts, cache.compressor.allocation.caps(request))
     full = kvlib.make_cache(model)
-    model.generate(ids, attention_mask=mask, past_key_values=full, do_sample=False, max_new_tokens=8, pad_token_id=PAD)
+    model.generate(ids, attention_mask=mask, **cache_argument(full), do_sample=False, max_new_tokens=8, pad_token_id=PAD)
     assert cache.memory_report()["by_component"]["pages"] < full.memory_report()["by_component"]["pages"]
     if name not in BATCH_INDEPENDENT:
         return
     for row, length in enumerate(lengths):
         alone_cache = kvlib.make_cache(model, name, budget=BUDGET)
-        alone = model.generate(ids[row : row + 1, ids.shape[1] - length :], past_key_values=alone_cache,
+        alone = model.generate(ids[row : row + 1, ids.shape[1] - length :], **cache_argument(alone_cache),
                                do_sample=False, max_new_tokens=8, pad_token_id=PAD)
         assert torch.equal(batched[row, ids.shape[1] :], alone[0, length:])
         assert torch.equal(cache.kept_positions(0)[row], alone_cache.kept_positions(0)[0])
