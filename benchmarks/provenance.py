@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from kvlib.devices import set_cpu_threads
+
 REPO = Path(__file__).resolve().parents[1]
 LIBRARY_DIRS = ("kvlib", "adapters", "policies", "storage")
 """What the revision in a report describes (benchmark and test edits do not count)."""
@@ -50,7 +52,7 @@ def no_machine_path(arg: str) -> str:
 def add_run_arguments(parser: argparse.ArgumentParser, quick: dict, *, stories: bool = False) -> None:
     """The options every benchmark takes: ``--threads``, ``--quick`` (the sizes in ``quick``),
     ``--out`` and, for those that load it, ``--stories-path``."""
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch.set_num_threads")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch and numba CPU threads (kvlib.devices.set_cpu_threads)")
     if stories:
         parser.add_argument("--stories-path", type=Path, default=Path("../shared/models/stories260K"),
                             help="stories260K checkpoint; a relative path is resolved against the repository root")
@@ -64,7 +66,7 @@ def parse_run_arguments(parser: argparse.ArgumentParser, argv: Sequence[str] | N
     for name, default in (quick if args.quick else full).items():
         if getattr(args, name) is None:
             setattr(args, name, default)
-    torch.set_num_threads(args.threads)
+    set_cpu_threads(args.threads)
     return args
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 import kvlib
+from kvlib.devices import cpu_threads, set_cpu_threads
 from kvlib.errors import SpecError
 from kvlib.registry import available_policies, get_policy
 from kvlib.spec import parameters_help
@@ -80,6 +81,12 @@ def _fractions(text: str) -> list[float]:
         raise UsageError(f"--budgets takes comma-separated fractions such as 0.125,0.25, got {text!r}") from None
 
 
+def _threads(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise UsageError(f"--threads takes a whole number >= 1, got {text!r}")
+    return int(text)
+
+
 def _policies(text: str) -> list[str]:
     """Split a policy list on commas outside parentheses (``kivi(bits=4,group=32)`` stays whole)."""
     policies, depth, current = [], 0, ""
@@ -111,6 +118,8 @@ def run_compare(args: argparse.Namespace) -> int:
     tasks = parse_tasks(args.tasks, context=tasks_context, samples=args.samples, seed=args.seed)
     transformers.utils.logging.disable_progress_bar()  # this process's own bar is the comparison's
     loaded = load_model(args.model)
+    parameters = sum(p.numel() for p in loaded.model.parameters())
+    set_cpu_threads(cpu_threads(parameters, args.threads))
     if args.context is None and loaded.context < tasks_context:
         tasks_context = loaded.context
         tasks = parse_tasks(args.tasks, context=tasks_context, samples=args.samples, seed=args.seed)
@@ -133,6 +142,7 @@ def run_compare(args: argparse.Namespace) -> int:
     print(markdown_table(runs))
     print(f"\n{len(runs)} configurations x {len(tasks)} tasks in {meta['seconds']} s; wrote "
           + ", ".join(str(p) for p in [*paths.values(), *plots]))
+    print(f"kvlib compare: {time.perf_counter() - args.started:.0f} s wall time, {meta['threads']} torch thread(s)")
     return 1 if all(run.error for run in runs[1:]) else 0
 
 
@@ -184,6 +194,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help=f"tokens per task sequence (default {DEFAULT_CONTEXT}, or the model's context if shorter)")
     comp.add_argument("--samples", type=int, help="samples per task (default: each task's own)")
     comp.add_argument("--seed", type=int, default=0, help="seed of the task data")
+    comp.add_argument("--threads", type=_threads, default=None,
+                      help="torch CPU threads (default: 1 for models under 30M parameters, else one per core;"
+                      " on a machine shared with other jobs, 1)")
     comp.add_argument("--quiet", action="store_true", help="no progress bar")
     bench = commands.add_parser("bench", help="run the benchmark scripts (source checkout) into benchmarks/results/")
     bench.add_argument("--only", help="comma-separated script names (default: all)")
@@ -197,6 +210,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
+        args.started = time.perf_counter()
         if args.command == "list":
             print(list_policies())
             return 0

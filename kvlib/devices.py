@@ -93,6 +93,14 @@ def apart_from_host(device: torch.device) -> bool:
     return device.type != "cpu"
 
 
+def reads_pages_in_place(device: torch.device) -> bool:
+    """Whether attention runs straight over pages on ``device`` (:mod:`kvlib.paged_attention`:
+    the CPU kernel); elsewhere a layer is read into a dense copy first. CUDA is not wired yet:
+    its paged kernel (flex attention over a page table, FlashInfer or flash-attn's
+    ``block_table``) is chosen here when it lands."""
+    return device.type == "cpu"
+
+
 def byte_rows(tensor: torch.Tensor) -> np.ndarray:
     """A uint8 numpy view ``[rows, bytes per row]`` of a contiguous CPU ``tensor`` of any dtype
     (bfloat16 too): for copies that must not start torch's intra-op thread pool, as those made
@@ -126,3 +134,33 @@ def wait_done(event: torch.cuda.Event | None, device: torch.device, tensors: Seq
     current.wait_event(event)
     for tensor in tensors:
         tensor.record_stream(current)
+
+
+SMALL_MODEL_PARAMETERS = 30_000_000
+"""Models with fewer parameters run on one CPU thread by default (:func:`cpu_threads`).
+
+Their matrix products are too small to split: each of torch's intra-op threads waits for the
+others several times per layer, so a second thread gains little on an idle machine and, on a
+machine another job keeps busy, every wait becomes a time slice lost (measured on a 2-core
+machine: the default ``kvlib compare`` of the 0.8M-parameter embedded model, README)."""
+
+
+def set_cpu_threads(threads: int) -> None:
+    """Run torch's intra-op work and kvlib's numba kernels on ``threads`` CPU threads (numba's
+    capped at the pool it started with). Both are set, numba's first: starting numba's OpenMP
+    pool and its launches set the calling thread's OpenMP thread count, which torch shares, so
+    torch's setting alone does not hold once a numba kernel has run."""
+    import numba
+
+    numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+    torch.set_num_threads(threads)
+
+
+def cpu_threads(parameters: int, requested: int | None = None) -> int:
+    """Torch intra-op threads for a model of ``parameters`` on the CPU: ``requested`` when given
+    (>= 1), one below :data:`SMALL_MODEL_PARAMETERS`, else torch's default (one per core)."""
+    if requested is not None:
+        if requested < 1:
+            raise ValueError(f"threads must be >= 1, got {requested}")
+        return requested
+    return 1 if parameters < SMALL_MODEL_PARAMETERS else torch.get_num_threads()

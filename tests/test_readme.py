@@ -29,7 +29,14 @@ def test_python_examples_run(name: str, block: str, monkeypatch: pytest.MonkeyPa
     exec(compile(block, name, "exec"), module.__dict__)
 
 
-def test_ci_runs_the_readme_test_command() -> None:
-    assert "python -m pytest         # the test suite" in README
-    ci = (ROOT / ".ci" / "run").read_text().splitlines()
-    assert ci[-1] == "python -m pytest"
+def quick_start_commands() -> list[str]:
+    """The commands of the README's quick-start block (comments dropped)."""
+    section = README.split("## Quick start", 1)[1]
+    block = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
+    return [line.split("#")[0].strip() for line in block.splitlines() if line.split("#")[0].strip()]
+
+
+def test_the_quick_start_is_two_commands_and_ci_runs_the_second() -> None:
+    assert quick_start_commands() == ["python3 quickstart.py compare", "python3 quickstart.py test"]
+    ci_lines = [line for line in (ROOT / ".ci" / "run").read_text().splitlines() if not line.lstrip().startswith("#")]
+    assert any(f"if ! {quick_start_commands()[1]}; then" in line for line in ci_lines)

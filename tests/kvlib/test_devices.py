@@ -1,0 +1,33 @@
+"""kvlib.devices: the CPU thread choice."""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import pytest
+import torch
+
+from kvlib.devices import SMALL_MODEL_PARAMETERS, cpu_threads, set_cpu_threads
+from kvlib.policies.quantization.kernels import row_absmax
+
+
+def test_small_models_run_on_one_thread_larger_ones_on_torchs_default_and_a_request_wins() -> None:
+    assert cpu_threads(SMALL_MODEL_PARAMETERS - 1) == 1
+    assert cpu_threads(SMALL_MODEL_PARAMETERS) == torch.get_num_threads()
+    assert cpu_threads(10**9, requested=3) == 3
+    with pytest.raises(ValueError, match="threads must be >= 1, got 0"):
+        cpu_threads(10, requested=0)
+
+
+def test_the_thread_count_holds_after_a_numba_kernel_runs() -> None:
+    """numba's OpenMP launches set the calling thread's OpenMP count, which torch shares."""
+    before_torch, before_numba = torch.get_num_threads(), numba.get_num_threads()
+    try:
+        set_cpu_threads(1)
+        x = np.random.default_rng(0).standard_normal((64, 32)).astype(np.float32)
+        row_absmax(x, np.empty(64, dtype=np.float32))  # a parallel numba kernel of the codecs
+        assert torch.get_num_threads() == 1
+        assert numba.get_num_threads() == 1
+    finally:
+        set_cpu_threads(before_torch)
+        numba.set_num_threads(before_numba)
