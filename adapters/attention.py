@@ -35,6 +35,7 @@ from transformers.models.llama.modeling_llama import eager_attention_forward as 
 from kvlib.adapters import layer_step, packed_batch
 from kvlib.adapters.masks import physical_mask, real_new_tokens
 from kvlib.adapters.packed_batch import packed_attention
+from kvlib.adapters.paged_decode import attention_over_pages, paged_attention_applies
 from kvlib.adapters.sparse_decode import sparse_decode_attention
 from kvlib.adapters.transformers_cache import KVCache
 from kvlib.transformers_compat import passed_cache
@@ -123,6 +124,11 @@ def _kvlib_attention(inner: str) -> Callable:
             return run(module, query, key, value, attention_mask, **kwargs)
         if step.sparse:
             return sparse_decode_attention(run, inner, module, query, attention_mask, step, kwargs)
+        if step.paged is not None:
+            if inner == "sdpa" and paged_attention_applies(kwargs):
+                return attention_over_pages(query, attention_mask, step, kwargs)
+            step = step.cache.dense_step(step)
+            key, value = step.read.keys, step.read.values
         mask = attention_mask
         if not step.identity:
             float_dtype = None if attention_mask is None or attention_mask.dtype == torch.bool else attention_mask.dtype

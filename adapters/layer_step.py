@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvlib.paged_attention import PagedLayer
 from kvlib.read_cache import LayerRead
 
 if TYPE_CHECKING:
@@ -49,6 +50,9 @@ class LayerStep:
         sparse: a decode step whose attention reads only the pages it chooses by the query
             (``quest``): ``read`` then holds just the call's new tokens (what ``update``
             returned), and the kvlib attention function asks the cache for the chosen pages.
+        paged: the layer's tokens where they lie in the pages, for a call whose attention runs
+            straight over them (:mod:`~kvlib.paged_attention`); ``read`` then holds just the
+            call's new tokens (what ``update`` returned), and no dense copy of the layer exists.
     """
 
     cache: KVCache
@@ -59,6 +63,7 @@ class LayerStep:
     identity: bool
     query_positions: torch.Tensor | None = None
     sparse: bool = False
+    paged: PagedLayer | None = None
 
 
 STEP_KEYWORD = "kvlib_layer_step"

@@ -15,7 +15,8 @@ from kvlib.spec import Spec, SpecLike, parse_spec
 
 CACHE_OPTIONS = {
     "page_size": "tokens per page (int >= 1, default 16)",
-    "read_cache": "keep a dense read mirror per layer for fast decoding (bool; default True, False with a codec or tiering)",
+    "read_cache": "keep a dense read mirror per layer (bool; default: only under an eviction strategy, whose decode"
+    " steps read the layer densely, or where attention cannot read pages in place; never with a codec or tiering)",
     "slack": "extra tokens a head may hold over an int budget before it is compacted back (int >= 0; default 0,"
     " page_size with a codec)",
     "interval": "with an int budget, decode steps compact only every this many steps (int >= 1, default 1)",
@@ -81,7 +82,7 @@ def make_cache(
         )
     _check_budget(budget, parsed)
     codec = _codec(parsed)
-    page_size, read_cache, slack, interval, merge = _options(options, codec is not None or parsed.tiering is not None)
+    page_size, read_cache, slack, interval, merge = _options(options)
     if codec is not None and "slack" not in options and isinstance(budget, int) and not isinstance(budget, bool):
         slack = page_size
     if codec is not None:
@@ -186,16 +187,16 @@ def _check_budget(budget: int | float | None, spec: Spec) -> None:
         raise ValueError(f"budget as a fraction of the prompt must be in (0, 1], got {budget}")
 
 
-def _options(options: dict[str, object], has_codec: bool) -> tuple[int, bool, int, int, bool]:
+def _options(options: dict[str, object]) -> tuple[int, bool | None, int, int, bool]:
     unknown = sorted(set(options) - set(CACHE_OPTIONS))
     if unknown:
         valid = "; ".join(f"{name}: {what}" for name, what in CACHE_OPTIONS.items())
         raise ValueError(f"unknown make_cache options {unknown}; valid options are {valid}")
     page_size = options.get("page_size", 16)
-    read_cache = options.get("read_cache", not has_codec)
+    read_cache = options.get("read_cache")
     if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
         raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
-    if not isinstance(read_cache, bool):
+    if read_cache is not None and not isinstance(read_cache, bool):
         raise ValueError(f"read_cache must be a bool, got {read_cache!r}")
     slack = options.get("slack", 0)
     if isinstance(slack, bool) or not isinstance(slack, int) or slack < 0:

@@ -28,6 +28,8 @@ from kvlib.adapters.layer_step import LayerStep
 from kvlib.adapters.model_shape import KVShape
 from kvlib.adapters.prefix_session import PrefixSession
 from kvlib.codec import Codec, FitSample, PageCodec, layer_shapes
+from kvlib.devices import reads_pages_in_place
+from kvlib.paged_attention import PagedLayer
 from kvlib.paged_store import PagedStore
 from kvlib.prefix_store import PrefixStore
 from kvlib.read_cache import LayerRead
@@ -35,6 +37,12 @@ from kvlib.storage.disk_tier import open_disk_tier
 from kvlib.storage.page_record import Layout, record_size
 from kvlib.storage.spill_store import SpillStore
 from kvlib.strategy import LayerView, Tiering
+
+
+PAGED_QUERY_TOKENS = 16
+"""Calls with at most this many new tokens attend straight over the pages (see
+:meth:`KVCache._paged_layer`); longer ones (prefill, chunks) read the layer into a transient
+dense copy for SDPA."""
 
 
 class KVCacheLayer(CacheLayerMixin):
@@ -83,8 +91,11 @@ class KVCache(Cache):
         shape: the model's KV layout.
         compressor: eviction to run after each layer's attention, or None (exact cache).
         page_size: tokens per page.
-        read_cache: keep a dense mirror of each layer so decode steps copy only new tokens
-            (faster decoding; its bytes are reported as ``read_cache``).
+        read_cache: keep a dense mirror of each layer so decode steps copy only new tokens (its
+            bytes are reported as ``read_cache``). None chooses: a mirror only under an eviction
+            strategy (its decode steps read the layer densely) or where attention cannot read
+            pages in place (:func:`~kvlib.devices.reads_pages_in_place`), never with a codec or
+            tiering; an exact cache's decode steps attend straight over the pages.
         codec: the quantization or low-rank strategy that encodes sealed pages, or None. Its
             per-layer codecs are built with the store (first update; fitted codecs learn from
             each layer's first call), and full pages are sealed after each layer's attention.
@@ -102,7 +113,7 @@ class KVCache(Cache):
         compressor: Compressor | None = None,
         *,
         page_size: int = 16,
-        read_cache: bool = True,
+        read_cache: bool | None = None,
         codec: Codec | None = None,
         reuse: PrefixStore | None = None,
         spec: str = "",
@@ -113,6 +124,9 @@ class KVCache(Cache):
         self.shape = shape
         self.compressor = compressor
         self.page_size = page_size
+        if read_cache is None:
+            dense_decode = compressor is not None or not reads_pages_in_place(home[1])
+            read_cache = dense_decode and codec is None and tiering is None
         self.read_cache = read_cache
         self.codec = codec
         self.codecs: list[PageCodec | None] | None = None
@@ -171,26 +185,60 @@ class KVCache(Cache):
         self.store.append(layer_idx, self._rows, key_states, value_states)
         self._seen[layer_idx] += key_states.shape[2]
         if self.tiering is not None and self.tiering.key_summaries and self.tiering.sparse(layer_idx, key_states.shape[2]):
-            return self._publish_sparse_step(key_states, value_states, layer_idx, offset, kwargs)
+            return self._publish_new_tokens(key_states, value_states, layer_idx, offset, kwargs, sparse=True)
+        paged = self._paged_layer(layer_idx, key_states.shape[2])
+        if paged is not None:
+            return self._publish_new_tokens(key_states, value_states, layer_idx, offset, kwargs, paged=paged)
         read = self.store.read(layer_idx, self._rows)
         step = LayerStep(self, layer_idx, read, offset, key_states.shape[2], self._identity[layer_idx])
         self._pending = step
         layer_step.publish(step, kwargs)
         return read.keys, read.values
 
-    def _publish_sparse_step(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, offset: int, attention_kwargs: dict | None
+    def _publish_new_tokens(
+        self,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        layer_idx: int,
+        offset: int,
+        attention_kwargs: dict | None,
+        *,
+        sparse: bool = False,
+        paged: PagedLayer | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """A decode step of a page-retrieval strategy (``quest``): the token is stored, nothing is
-        read back; the attention function reads the pages its query chooses
-        (:meth:`read_chosen_pages`). Returns the new token's keys and values."""
-        batch, heads = key_states.shape[:2]
-        positions = torch.full((batch, heads, 1), offset, dtype=torch.int64, device=key_states.device)
-        valid = torch.ones(batch, heads, 1, dtype=torch.bool, device=key_states.device)
-        step = LayerStep(self, layer_idx, LayerRead(key_states, value_states, positions, valid), offset, 1, False, sparse=True)
+        """A call whose attention reads the pages itself: a decode step of a page-retrieval
+        strategy (``sparse``, ``quest``: the pages its query chooses, :meth:`read_chosen_pages`),
+        or a few tokens attending straight over the layer's pages (``paged``). The tokens are
+        stored and nothing is read back. Returns the new tokens' keys and values."""
+        batch, heads, tokens = key_states.shape[:3]
+        positions = (offset + torch.arange(tokens, device=key_states.device)).expand(batch, heads, tokens).contiguous()
+        valid = torch.ones(batch, heads, tokens, dtype=torch.bool, device=key_states.device)
+        new_tokens = LayerRead(key_states, value_states, positions, valid)
+        step = LayerStep(self, layer_idx, new_tokens, offset, tokens, False, sparse=sparse, paged=paged)
         self._pending = step
         layer_step.publish(step, attention_kwargs)
         return key_states, value_states
+
+    def _paged_layer(self, layer_idx: int, query_length: int) -> PagedLayer | None:
+        """The layer's pages for attention straight over them (no dense copy), when this call
+        may use them: at most :data:`PAGED_QUERY_TOKENS` new tokens (decoding, assisted
+        decoding's candidates), no eviction or tiering to hand a dense read, no read mirror
+        asked for, pages in place on a device the kernel runs on; else None."""
+        if (
+            self.read_cache
+            or self.compressor is not None
+            or self.tiering is not None
+            or query_length > PAGED_QUERY_TOKENS
+            or not reads_pages_in_place(self.store.device)
+        ):
+            return None
+        return self.store.paged_layer(layer_idx, self._rows)
+
+    def dense_step(self, step: LayerStep) -> LayerStep:
+        """``step`` with the layer read back in dense form, for an attention function that
+        cannot read pages (eager attention, attention sinks): a transient copy, not kept."""
+        read = self.store.read(step.layer_idx, self._rows, mirror=False)
+        return LayerStep(self, step.layer_idx, read, step.query_offset, step.query_length, self._identity[step.layer_idx])
 
     def read_chosen_pages(self, layer_idx: int, query: torch.Tensor) -> LayerRead:
         """The pages of ``layer_idx`` the tiering strategy chooses for ``query`` (``[batch,
@@ -452,13 +500,15 @@ class KVCache(Cache):
         ``codec_metadata``, ``tables``: block tables and lengths, ``read_cache``: the dense read
         mirror); ``reserved_bytes``: whole arenas, free pages included; ``peak_pages_bytes``: the
         most ``pages`` bytes held at any moment since the store was created (between a layer's
-        append and its compaction included: the peak of a prefill); ``full_equivalent_bytes``:
+        append and its compaction included: the peak of a prefill); ``peak_workspace_bytes``: the
+        largest transient dense copy of a layer a call attended over (prefill, chunks; not held
+        after the call, so not in ``total_bytes``); ``full_equivalent_bytes``:
         keys and values of every logical token of every layer, uncompressed; ``stored_tokens`` and
         ``logical_tokens``, summed over layers, rows and KV heads.
         """
         components = {"pages": 0, "positions": 0, "codec_metadata": 0, "tables": 0, "read_cache": 0}
         host = disk = 0
-        report = {"reserved_bytes": 0, "peak_pages_bytes": 0, "full_equivalent_bytes": 0, "stored_tokens": 0, "logical_tokens": 0}
+        report = {"reserved_bytes": 0, "peak_pages_bytes": 0, "peak_workspace_bytes": 0, "full_equivalent_bytes": 0, "stored_tokens": 0, "logical_tokens": 0}
         if self.store is not None:
             held = self.store.memory_bytes()
             for name in ("pages", "positions", "codec_metadata", "tables", "read_cache"):
@@ -466,6 +516,7 @@ class KVCache(Cache):
             report["reserved_bytes"] = held["reserved"]
             host, disk = held["host"], held["disk"]
             report["peak_pages_bytes"] = self.store.peak_pages
+            report["peak_workspace_bytes"] = self.store.peak_workspace
         if self._rows:
             shape = self.shape
             for layer in range(shape.num_layers):

@@ -32,6 +32,7 @@ from kvlib.devices import check_tensor, outside_inference_mode, resolve_device, 
 from kvlib.errors import PoolExhaustedError
 from kvlib.open_pages import OpenPages
 from kvlib.page_indexing import first_occurrences, heads_to_copy, page_coordinates, sorted_keep
+from kvlib.paged_attention import PagedLayer
 from kvlib.read_cache import DenseReadCache, LayerRead
 from kvlib.storage.coded_pool import CodedPagePool
 from kvlib.storage.page_pool import PagePool
@@ -153,6 +154,9 @@ class PagedStore:
         self._open_pages: list[OpenPages | None] = [None] * num_layers
         self._last_rows: tuple[tuple[int, ...], torch.Tensor] | None = None
         self.peak_pages = 0
+        self.peak_workspace = 0
+        """The most bytes one dense read not kept as a mirror has taken (a transient workspace a
+        multi-token call attends over, freed when the call returns)."""
         """High-water mark of ``memory_bytes()["pages"]`` (updated whenever an append allocates pages)."""
         """The last batch of ids validated and its row tensor (read-only; reset when ids are released)."""
         self._live: set[int] = set()
@@ -370,12 +374,26 @@ class PagedStore:
             cache.add_rows(tuple(joined.tolist()), self._gather(layer, joined, max(size, self.page_size)), lengths[len(cache.rows) :].clone())
             return cache.view()
         if not self.use_read_cache or not mirror:
-            return self._gather(layer, rows, longest)
+            workspace = self._gather(layer, rows, longest)
+            self.peak_workspace = max(self.peak_workspace, sum(t.nbytes for t in workspace))
+            return workspace
         headroom = max(self.page_size, longest // 4)
         capacity = -(-(longest + headroom) // self.page_size) * self.page_size
         cache = DenseReadCache(key, self._gather(layer, rows, capacity), lengths, self.page_size)
         self._read_caches[layer] = cache
         return cache.view()
+
+    def paged_layer(self, layer: int, seqs: SequenceIds) -> PagedLayer | None:
+        """``seqs``' tokens of ``layer`` where they lie, for attention straight over the pages
+        (:mod:`~kvlib.paged_attention`); None when the layer's pool cannot give its pages in
+        place (codecs, tiers: use :meth:`read`). Valid until the next change to the store."""
+        layer = self._layer(layer)
+        arenas = self.pools[layer].attention_arenas()
+        if arenas is None:
+            return None
+        table = self.tables[layer]
+        rows = self._rows(seqs)
+        return PagedLayer(*arenas, table.pages[rows], table.lengths[rows])
 
     def _gather(self, layer: int, rows: torch.Tensor, size: int) -> LayerRead:
         """Gather ``rows`` from the pages into fresh dense tensors with ``size`` slots per head.

@@ -148,6 +148,10 @@ class CodedPagePool(PagePool):
 
     gather = PagePool.gather_by_pages
 
+    def attention_arenas(self) -> None:
+        """None: sealed pages are encoded (attention reads them through :meth:`read_pages`)."""
+        return None
+
     def read_pages(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Whole pages in the compute dtype: sealed pages decoded, open pages copied, free pages zero.
 

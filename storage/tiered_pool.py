@@ -319,6 +319,10 @@ class TieredPagePool(PagePool):
         if self.summaries is not None:
             self.summaries.add(slots, keys)
 
+    def attention_arenas(self) -> None:
+        """None: pages may be on the host or disk (attention reads them through :meth:`read_pages`)."""
+        return None
+
     def read_pages(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Whole pages: device ones gathered, host and spilled ones taken from the prefetch of
         them if one holds them unchanged, else host ones copied over and spilled ones read from

@@ -37,7 +37,9 @@ def _assert_same(reference, ours) -> None:
     for ref_scores, our_scores in zip(reference.scores, ours.scores):
         finite = torch.isfinite(ref_scores)
         assert torch.equal(finite, torch.isfinite(our_scores))
-        assert torch.allclose(ref_scores[finite], our_scores[finite], atol=1e-5, rtol=0)
+        # the exact cache's decode steps attend over the pages with kvlib's kernel, not SDPA's:
+        # float32 rounding of another summation order, relative to the scores' size
+        torch.testing.assert_close(our_scores[finite], ref_scores[finite], atol=1e-4, rtol=1e-5)
 
 
 MODES = {

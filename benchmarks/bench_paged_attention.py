@@ -1,0 +1,168 @@
+"""The paged attention kernel alone: one decode step's attention over a layer's pages, against SDPA
+over the same tokens in dense form and against a copy of the same bytes, in one run.
+
+Shapes are one attention layer of the models the issue measures: ``smollm2`` (SmolLM2-135M: 9
+query heads on 3 KV heads, head_dim 64) and ``llama100m`` (12 on 4, head_dim 64), fp32, pages of
+16 tokens handed out in a shuffled order (as a store's pages end up). Cases, interleaved for
+``--repeats`` rounds after a warm-up, medians compared:
+
+- ``paged``: :func:`kvlib.paged_attention.paged_attention` of one query token per row over the pages;
+- ``sdpa_dense``: ``scaled_dot_product_attention`` over the dense ``[batch, heads, tokens, dim]``
+  keys and values (what a dense mirror gives attention; the mirror's upkeep not counted);
+- ``gather_sdpa``: gathering the pages into a dense copy, then SDPA (a read without a mirror);
+- ``copy``: ``torch.clone`` of the dense keys and values: the bytes the kernel must read, moved once.
+
+Reported: microseconds per call, and the kernel's effective bandwidth as a share of the copy's
+(``copy_us / paged_us``: the issue's target is >= 50%).
+
+    python benchmarks/bench_paged_attention.py [--contexts 2048,8192] [--batch-sizes 1,4] [--repeats 20] [--threads N]
+    python benchmarks/bench_paged_attention.py --quick --out /tmp/x
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+from kvlib.paged_attention import paged_attention
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or loaded by path
+from provenance import add_run_arguments, command_line, parse_run_arguments, run_metadata, write_report  # noqa: E402
+
+SHAPES = {"smollm2": (9, 3, 64), "llama100m": (12, 4, 64)}
+"""Per model: query heads, KV heads, head_dim."""
+PAGE_SIZE = 16
+FULL = {"contexts": "2048,8192", "batch_sizes": "1,4", "repeats": 20}
+QUICK = {"contexts": "64", "batch_sizes": "1", "repeats": 2}
+CASES = ("paged", "sdpa_dense", "gather_sdpa", "copy")
+
+
+def layer_pages(batch: int, kv_heads: int, dim: int, tokens: int, generator: torch.Generator):
+    """A layer's pages for ``batch`` rows of ``tokens`` tokens per KV head, shuffled in the arena."""
+    per_head = -(-tokens // PAGE_SIZE)
+    capacity = batch * kv_heads * per_head
+    order = torch.randperm(capacity, generator=generator)
+    pages = order.view(batch, kv_heads, per_head)
+    keys = torch.randn(capacity, PAGE_SIZE, dim, generator=generator)
+    values = torch.randn(capacity, PAGE_SIZE, dim, generator=generator)
+    positions = torch.arange(per_head * PAGE_SIZE).view(per_head, PAGE_SIZE).repeat(batch * kv_heads, 1)
+    positions = positions[torch.argsort(order)].contiguous()  # page order[i] holds the i-th page's positions
+    lengths = torch.full((batch, kv_heads), tokens, dtype=torch.int64)
+    return keys, values, positions, pages, lengths
+
+
+def micros(action: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    action()
+    return (time.perf_counter() - start) * 1e6
+
+
+def bench_case(model: str, batch: int, tokens: int, repeats: int) -> dict:
+    query_heads, kv_heads, dim = SHAPES[model]
+    generator = torch.Generator().manual_seed(tokens + batch)
+    keys, values, positions, pages, lengths = layer_pages(batch, kv_heads, dim, tokens, generator)
+    query = torch.randn(batch, query_heads, 1, dim, generator=generator)
+    flat = pages.flatten()
+    dense_keys = keys[flat].view(batch, kv_heads, -1, dim)[:, :, :tokens].contiguous()
+    dense_values = values[flat].view(batch, kv_heads, -1, dim)[:, :, :tokens].contiguous()
+    query_positions = torch.tensor([tokens])
+    group = query_heads // kv_heads
+
+    def paged():
+        return paged_attention(query, keys, values, positions, pages, lengths, visible=None,
+                               query_positions=query_positions, scale=dim**-0.5)
+
+    def sdpa_dense(k=dense_keys, v=dense_values):
+        return torch.nn.functional.scaled_dot_product_attention(query, k, v, enable_gqa=group > 1)
+
+    def gather_sdpa():
+        k = keys.index_select(0, flat).view(batch, kv_heads, -1, dim)[:, :, :tokens]
+        v = values.index_select(0, flat).view(batch, kv_heads, -1, dim)[:, :, :tokens]
+        return sdpa_dense(k, v)
+
+    def copy():
+        return dense_keys.clone(), dense_values.clone()
+
+    actions = {"paged": paged, "sdpa_dense": sdpa_dense, "gather_sdpa": gather_sdpa, "copy": copy}
+    expected = sdpa_dense()
+    torch.testing.assert_close(paged(), expected, atol=1e-5, rtol=1e-4)
+    for action in actions.values():  # warm-up: numba compilation, allocator
+        action()
+    times: dict[str, list[float]] = {case: [] for case in CASES}
+    with torch.inference_mode():
+        for _ in range(repeats):
+            for case in CASES:
+                times[case].append(micros(actions[case]))
+    row = {"model": model, "batch": batch, "tokens": tokens, "kv_bytes": dense_keys.nbytes + dense_values.nbytes}
+    row.update({f"{case}_us": statistics.median(times[case]) for case in CASES})
+    row["bandwidth_share_of_copy"] = row["copy_us"] / row["paged_us"]
+    row["paged_vs_sdpa_dense"] = row["sdpa_dense_us"] / row["paged_us"]
+    row["paged_vs_gather_sdpa"] = row["gather_sdpa_us"] / row["paged_us"]
+    return row
+
+
+def run(argv: Sequence[str] | None = None) -> dict:
+    started = time.perf_counter()
+    load_before = os.getloadavg()[0]
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default=",".join(SHAPES), help=f"comma-separated, from {','.join(SHAPES)}")
+    parser.add_argument("--contexts", help=f"tokens per (row, KV head), comma-separated (default {FULL['contexts']})")
+    parser.add_argument("--batch-sizes", help=f"comma-separated (default {FULL['batch_sizes']})")
+    parser.add_argument("--repeats", type=int, help=f"interleaved rounds (default {FULL['repeats']})")
+    add_run_arguments(parser, QUICK)
+    args = parse_run_arguments(parser, argv, QUICK, FULL)
+    models = [m for m in args.models.split(",") if m]
+    unknown = sorted(set(models) - set(SHAPES))
+    if unknown:
+        parser.error(f"unknown models {unknown}; choose from {', '.join(SHAPES)}")
+    rows = []
+    for model in models:
+        for tokens in (int(c) for c in args.contexts.split(",")):
+            for batch in (int(b) for b in args.batch_sizes.split(",")):
+                rows.append(bench_case(model, batch, tokens, args.repeats))
+                print(_row_line(rows[-1]), flush=True)
+    result = {**run_metadata(args, load_before, started), "command": command_line("bench_paged_attention.py", argv), "rows": rows}
+    write_report(args.out, "bench_paged_attention", _markdown(result), result)
+    return result
+
+
+def _row_line(row: dict) -> str:
+    return (
+        f"{row['model']} batch {row['batch']} tokens {row['tokens']}: paged {row['paged_us']:.0f} us, SDPA dense "
+        f"{row['sdpa_dense_us']:.0f} us, gather+SDPA {row['gather_sdpa_us']:.0f} us, copy {row['copy_us']:.0f} us, "
+        f"bandwidth {row['bandwidth_share_of_copy']:.0%} of a copy"
+    )
+
+
+def _markdown(result: dict) -> str:
+    lines = [
+        "# bench_paged_attention: one decode step's attention over a layer's pages",
+        "",
+        f"Command: `{result['command']}`. Machine: {result['machine']}. Library revision: {result['git']}. "
+        f"1-minute load before/after: {result['load_avg_1min']}.",
+        "",
+        "Microseconds per call (medians of interleaved rounds), fp32, one query token per row, pages of 16 tokens "
+        "in a shuffled arena order. `copy` clones the dense keys and values: the bytes the kernel reads, moved once; "
+        "bandwidth = copy / paged (target >= 50%).",
+        "",
+        "| model | batch | tokens | KV MiB | paged us | SDPA dense us | gather+SDPA us | copy us | bandwidth vs copy | paged vs SDPA dense | paged vs gather+SDPA |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in result["rows"]:
+        lines.append(
+            f"| {r['model']} | {r['batch']} | {r['tokens']} | {r['kv_bytes'] / 2**20:.1f} | {r['paged_us']:.0f} | "
+            f"{r['sdpa_dense_us']:.0f} | {r['gather_sdpa_us']:.0f} | {r['copy_us']:.0f} | {r['bandwidth_share_of_copy']:.0%} | "
+            f"{r['paged_vs_sdpa_dense']:.2f}x | {r['paged_vs_gather_sdpa']:.2f}x |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    run()

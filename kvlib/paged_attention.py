@@ -1,0 +1,247 @@
+"""Attention of a few queries per row straight over a layer's pages: no dense copy of the cache.
+
+:func:`paged_attention` computes what SDPA computes over the dense form of a layer
+(:class:`~kvlib.read_cache.LayerRead` with the model's mask moved onto the stored slots), but
+reads each (row, KV head)'s keys and values page by page through the block table:
+
+- queries ``[batch, query_heads, queries, head_dim]``; query head ``i`` uses KV head
+  ``i // (query_heads // kv_heads)`` (grouped-query attention, as transformers' ``repeat_kv``);
+- a stored token at original position ``p`` is visible to query ``q`` of row ``b`` iff the
+  model's mask over logical positions allows it (``visible[b, q, p]``), or, with no mask,
+  iff ``p <= query_positions[q]`` (causal); sliding windows, chunked masks and padding are in
+  the model's mask, so they hold here unchanged;
+- scores are ``scale * q.k``, optionally soft-capped (``softcap * tanh(s / softcap)``), and
+  combined with an online softmax page by page (FlashAttention's rescaling), accumulated in
+  float32 whatever the pages' dtype; a query that sees no token gets zeros.
+
+CPU: a numba kernel, parallel over (row, KV head) pairs; each pair converts one page at a time
+into float32 scratch of ``page_size`` rows (float16 and bfloat16 pages are read as their bits,
+which numba's CPU target cannot load directly). Nothing but that scratch and the output is
+allocated: memory traffic is the pages themselves.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import numba
+import numpy as np
+import torch
+
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+"""Page dtypes the kernel reads."""
+
+
+
+@numba.njit(inline="always")
+def _half_to_float(bits: np.uint16) -> np.float32:
+    """IEEE 754 binary16 bits to float32 (subnormals, infinities and NaN included)."""
+    sign = -1.0 if (bits >> 15) & 1 else 1.0
+    exponent = (bits >> 10) & 0x1F
+    fraction = bits & 0x3FF
+    if exponent == 0:
+        return np.float32(sign * math.ldexp(fraction, -24))
+    if exponent == 31:
+        return np.float32(sign * np.inf) if fraction == 0 else np.float32(np.nan)
+    return np.float32(sign * math.ldexp(fraction + 1024, exponent - 25))
+
+
+@numba.njit(inline="always")
+def _load_float32(arena, page: int, out: np.ndarray, out_bits: np.ndarray, rows: int) -> None:
+    """``out[:rows] = arena[page, :rows]`` (float32 pages)."""
+    for t in range(rows):
+        for c in range(out.shape[1]):
+            out[t, c] = arena[page, t, c]
+
+
+@numba.njit(inline="always")
+def _load_float16(arena, page: int, out: np.ndarray, out_bits: np.ndarray, rows: int) -> None:
+    """``out[:rows] = arena[page, :rows]`` as float32 (float16 pages, given as their bits)."""
+    for t in range(rows):
+        for c in range(out.shape[1]):
+            out[t, c] = _half_to_float(arena[page, t, c])
+
+
+@numba.njit(inline="always")
+def _load_bfloat16(arena, page: int, out: np.ndarray, out_bits: np.ndarray, rows: int) -> None:
+    """``out[:rows] = arena[page, :rows]`` as float32 (bfloat16 pages, given as their bits: a
+    bfloat16 is a float32's top half; ``out_bits`` is ``out`` viewed as uint32)."""
+    for t in range(rows):
+        for c in range(out.shape[1]):
+            out_bits[t, c] = np.uint32(arena[page, t, c]) << np.uint32(16)
+
+
+@numba.njit(parallel=True, cache=True)
+def _paged_attention_kernel(
+    query, keys, values, positions, pages, lengths, visible, query_positions, load, scale, softcap, out
+):  # pragma: no cover - compiled
+    batch, heads, group, queries, dim = query.shape
+    page_size = positions.shape[1]
+    value_dim = out.shape[4]
+    use_mask = visible.shape[2] > 0
+    for pair in numba.prange(batch * heads):
+        b = pair // heads
+        h = pair % heads
+        length = lengths[b, h]
+        key_page = np.empty((page_size, dim), dtype=np.float32)
+        value_page = np.empty((page_size, value_dim), dtype=np.float32)
+        key_bits = key_page.view(np.uint32)
+        value_bits = value_page.view(np.uint32)
+        scores = np.empty((group, queries, page_size), dtype=np.float32)
+        running_max = np.full((group, queries), -np.inf, dtype=np.float32)
+        running_sum = np.zeros((group, queries), dtype=np.float32)
+        acc = np.zeros((group, queries, value_dim), dtype=np.float32)
+        for j in range((length + page_size - 1) // page_size):
+            page = pages[b, h, j]
+            filled = min(page_size, length - j * page_size)
+            load(keys, page, key_page, key_bits, filled)
+            load(values, page, value_page, value_bits, filled)
+            for q in range(queries):
+                for t in range(filled):
+                    position = positions[page, t]
+                    if use_mask:
+                        seen = 0 <= position < visible.shape[2] and visible[b, q, position]
+                    else:
+                        seen = 0 <= position <= query_positions[q]
+                    for g in range(group):
+                        if not seen:
+                            scores[g, q, t] = -np.inf
+                            continue
+                        s = np.float32(0.0)
+                        for c in range(dim):
+                            s += query[b, h, g, q, c] * key_page[t, c]
+                        s *= scale
+                        if softcap > 0:
+                            s = softcap * math.tanh(s / softcap)
+                        scores[g, q, t] = s
+                for g in range(group):
+                    page_max = -np.inf
+                    for t in range(filled):
+                        page_max = max(page_max, scores[g, q, t])
+                    if page_max == -np.inf:
+                        continue
+                    new_max = max(running_max[g, q], page_max)
+                    rescale = math.exp(running_max[g, q] - new_max) if running_max[g, q] > -np.inf else 0.0
+                    running_sum[g, q] *= rescale
+                    for c in range(value_dim):
+                        acc[g, q, c] *= rescale
+                    for t in range(filled):
+                        if scores[g, q, t] == -np.inf:
+                            continue
+                        weight = math.exp(scores[g, q, t] - new_max)
+                        running_sum[g, q] += weight
+                        for c in range(value_dim):
+                            acc[g, q, c] += weight * value_page[t, c]
+                    running_max[g, q] = new_max
+        for g in range(group):
+            for q in range(queries):
+                inverse = 1.0 / running_sum[g, q] if running_sum[g, q] > 0 else 0.0
+                for c in range(value_dim):
+                    out[b, h, g, q, c] = acc[g, q, c] * inverse
+
+
+_LOADERS = {torch.float32: _load_float32, torch.float16: _load_float16, torch.bfloat16: _load_bfloat16}
+"""Each page dtype's loader; the kernel is compiled once per loader."""
+
+
+def _numpy_pages(arena: torch.Tensor) -> np.ndarray:
+    """A CPU arena as numpy: float32 as it is, float16 and bfloat16 as their 16-bit patterns."""
+    if arena.dtype == torch.float32:
+        return arena.numpy()
+    return arena.view(torch.int16).numpy().view(np.uint16)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_arena: torch.Tensor,
+    value_arena: torch.Tensor,
+    positions: torch.Tensor,
+    pages: torch.Tensor,
+    lengths: torch.Tensor,
+    *,
+    visible: torch.Tensor | None,
+    query_positions: torch.Tensor | None,
+    scale: float,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Attention of ``query`` over the stored tokens named by a block table, page by page.
+
+    Args:
+        query: ``[batch, query_heads, queries, head_dim]`` (after RoPE), float32/16 or bfloat16.
+        key_arena, value_arena: a layer's pages, ``[capacity, page_size, head_dim]`` and
+            ``[capacity, page_size, value_dim]``, in one of :data:`SUPPORTED_DTYPES`.
+        positions: int64 ``[capacity, page_size]``, each stored token's original position.
+        pages: int64 ``[batch, kv_heads, max_pages]``, page ids of each (row, KV head) in order.
+        lengths: int64 ``[batch, kv_heads]``, tokens stored per (row, KV head).
+        visible: bool ``[batch, queries, logical_length]``, the model's mask over logical
+            positions (which position each query may see), or None for causal visibility by
+            ``query_positions``.
+        query_positions: int64 ``[queries]``, each query's logical position (used when
+            ``visible`` is None).
+        scale: multiplier of ``q.k`` (usually ``head_dim ** -0.5``).
+        softcap: tanh soft-capping of scores, or None.
+
+    Returns:
+        ``[batch, query_heads, queries, value_dim]`` in ``query``'s dtype (float32 accumulation).
+        Every tensor must be on the CPU (the CUDA path reads pages with its own kernel).
+    """
+    batch, query_heads, queries, dim = query.shape
+    kv_heads = pages.shape[1]
+    if query_heads % kv_heads:
+        raise ValueError(f"query heads ({query_heads}) must be a multiple of KV heads ({kv_heads})")
+    if key_arena.dtype not in SUPPORTED_DTYPES or value_arena.dtype != key_arena.dtype:
+        raise ValueError(f"pages must be one of {SUPPORTED_DTYPES} (keys and values alike), got {key_arena.dtype} / {value_arena.dtype}")
+    if visible is None and query_positions is None:
+        raise ValueError("paged_attention needs the model's mask (visible) or the queries' positions")
+    group = query_heads // kv_heads
+    grouped = query.detach().reshape(batch, kv_heads, group, queries, dim).to(torch.float32).contiguous()
+    out = torch.empty(batch, kv_heads, group, queries, value_arena.shape[2], dtype=torch.float32)
+    mask = np.zeros((batch, queries, 0), dtype=np.bool_) if visible is None else visible.contiguous().numpy()
+    steps = np.zeros(0, dtype=np.int64) if query_positions is None else query_positions.contiguous().numpy()
+    _paged_attention_kernel(
+        grouped.numpy(),
+        _numpy_pages(key_arena),
+        _numpy_pages(value_arena),
+        positions.numpy(),
+        pages.contiguous().numpy(),
+        lengths.contiguous().numpy(),
+        mask,
+        steps,
+        _LOADERS[key_arena.dtype],
+        np.float32(scale),
+        np.float32(softcap or 0.0),
+        out.numpy(),
+    )
+    return out.view(batch, query_heads, queries, -1).to(query.dtype)
+
+
+class PagedLayer(NamedTuple):
+    """A layer's tokens for a batch of sequences, as they lie in the pages (nothing copied).
+
+    keys, values: the layer's arenas ``[capacity, page_size, head_dim | value_dim]``;
+    positions: int64 ``[capacity, page_size]``; pages: int64 ``[batch, kv_heads, max_pages]``,
+    each (row, KV head)'s page ids in order (``-1`` past its last page); lengths: int64
+    ``[batch, kv_heads]``, tokens stored per (row, KV head).
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    positions: torch.Tensor
+    pages: torch.Tensor
+    lengths: torch.Tensor
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        *,
+        visible: torch.Tensor | None,
+        query_positions: torch.Tensor | None,
+        scale: float,
+        softcap: float | None = None,
+    ) -> torch.Tensor:
+        """:func:`paged_attention` of ``query`` over these pages."""
+        return paged_attention(
+            query, self.keys, self.values, self.positions, self.pages, self.lengths,
+            visible=visible, query_positions=query_positions, scale=scale, softcap=softcap,
+        )
