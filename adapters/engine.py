@@ -513,7 +513,9 @@ def _without_codec(spec: Spec) -> str | None:
 
 
 def _check_model(model: torch.nn.Module) -> None:
-    """``ValueError`` for models the packed batch cannot serve exactly (sliding-window attention)."""
+    """``ValueError`` for models kvlib cannot cache (:func:`kv_shape`: MLA, no attention KV, ...)
+    or the packed batch cannot serve exactly (sliding-window attention); before ``attach``."""
+    kv_shape(model)
     config = model.config.get_text_config()
     layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
     sliding = getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True)

@@ -2,11 +2,17 @@
 
 :func:`kv_shape` reads it from the model's (text) config and rejects, with a message naming the
 problem, models kvlib cannot cache: no attention KV (state-space and linear-attention layers),
-encoder-decoder models, models whose attention does not go through ``AttentionInterface``.
+encoder-decoder models, models whose attention does not go through ``AttentionInterface``,
+multi-head latent attention (MLA: DeepSeek V2/V3, Kimi, MiniCPM3, ...: its layers cache one
+compressed latent and one shared rotary key per token, not keys and values per head) and layers
+that keep compressed or indexed KV state beside their keys and values (DeepSeek V4). Key and
+value heads of different sizes (``head_dim`` and ``v_head_dim``, as in MiMo-V2-Flash) are held
+as they are: a page keeps ``head_dim`` key and ``value_dim`` value channels.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -14,6 +20,10 @@ import torch
 from kvlib.strategy import Rope
 
 _NON_ATTENTION_LAYER_TYPES = frozenset({"linear_attention", "mamba", "conv", "recurrent", "ssm"})
+_COMPRESSED_LAYER_TYPES = frozenset(
+    {"compressed_sparse_attention", "heavily_compressed_attention", "indexed_attention", "minimax_m3_sparse"}
+)
+"""Attention layers whose cache keeps compressed KV or indexer keys beside keys and values."""
 
 
 @dataclass(frozen=True)
@@ -59,6 +69,7 @@ def kv_shape(model: torch.nn.Module) -> KVShape:
             f"{type(model).__name__} has non-attention layers ({', '.join(other)}); kvlib caches models whose every"
             " layer is attention"
         )
+    _check_attention_form(model, text, layer_types)
     if not type(model)._can_set_attn_implementation():
         raise ValueError(
             f"{type(model).__name__} does not route attention through transformers' AttentionInterface, so kvlib"
@@ -68,7 +79,25 @@ def kv_shape(model: torch.nn.Module) -> KVShape:
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     if heads % kv_heads:
         raise ValueError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
-    return KVShape(layers, kv_heads, heads, head_dim, head_dim)
+    return KVShape(layers, kv_heads, heads, head_dim, getattr(text, "v_head_dim", None) or head_dim)
+
+
+def _check_attention_form(model: torch.nn.Module, text: object, layer_types: Sequence[str]) -> None:
+    """``ValueError`` for attention whose cache holds something other than per-head keys and values."""
+    name = f"{type(model).__name__} (model_type {getattr(text, 'model_type', '?')!r})"
+    rank = getattr(text, "kv_lora_rank", None)
+    if rank is not None:
+        raise ValueError(
+            f"{name} uses multi-head latent attention (MLA, kv_lora_rank={rank}): its layers cache one compressed"
+            f" latent of {rank} channels and one shared rotary key per token, not keys and values per head, and"
+            " kvlib's pages and attention hold per-head keys and values only; MLA models are not supported"
+        )
+    compressed = sorted(set(layer_types) & _COMPRESSED_LAYER_TYPES)
+    if compressed:
+        raise ValueError(
+            f"{name} has {', '.join(compressed)} layers, whose cache keeps compressed or indexed KV state beside keys"
+            " and values; kvlib holds per-head keys and values only, so these models are not supported"
+        )
 
 
 def rope_of(model: torch.nn.Module, head_dim: int) -> Rope | None:

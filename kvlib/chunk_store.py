@@ -2,7 +2,8 @@
 
 A chunk (a RAG passage, a document) is run through the model alone, at positions ``0 ..
 len - 1``, once; its keys (after RoPE) and values per layer are kept, keyed by the model's
-fingerprint and the chunk's token ids. :func:`kvlib.blend_cache` assembles prompts from them in
+fingerprint (:mod:`kvlib.model_identity`: class, config and every weight; a model without it is
+refused) and the chunk's token ids. :func:`kvlib.blend_cache` assembles prompts from them in
 any order. Entries are evicted least recently used first beyond ``capacity_bytes``.
 """
 
@@ -13,7 +14,7 @@ from collections import OrderedDict
 import torch
 
 from kvlib.devices import outside_inference_mode
-from kvlib.prefix_store import ModelIdentity
+from kvlib.model_identity import ModelIdentity
 from kvlib.transformers_compat import cache_argument
 
 

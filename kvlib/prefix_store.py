@@ -8,6 +8,12 @@ cached prefix of ``ids`` (whole pages, and never the prompt's last token, whose 
 must compute); ``generate`` then runs the model on the rest only. After its prefill the cache
 indexes the prompt's full pages it computed, so later prompts reuse them.
 
+Keys: every page key includes the model's fingerprint (:mod:`kvlib.model_identity`: its class,
+config and every byte of its weights), so a fine-tuned or edited model never meets the original's
+pages, in memory or on disk; a cache for a model without that fingerprint is refused. Besides
+the model, keys are token ids: no tokenizer is part of them (the KV of token ids depends on the
+model alone).
+
 What is reusable: pages of exact caches, and pages of caches with a codec (keyed by the codec's
 spec: a lossless request never meets lossy pages, and two codecs never share). Caches that evict
 index nothing: after eviction a page no longer holds a run of consecutive prompt tokens.
@@ -27,12 +33,12 @@ computed. Codec namespaces stay in memory only.
 from __future__ import annotations
 
 import hashlib
-import weakref
 from collections.abc import Callable
 
 import torch
 
 from kvlib.devices import outside_inference_mode, to_arena_device
+from kvlib.model_identity import ModelIdentity
 from kvlib.paged_store import PagedStore
 from kvlib.prefix_index import Entry, PrefixIndex
 from kvlib.storage.coded_pool import CodedPagePool
@@ -40,39 +46,12 @@ from kvlib.storage.disk_tier import DiskTier, open_disk_tier
 from kvlib.storage.page_record import Block, Layout, decode_parts, encode_parts
 
 
-def model_fingerprint(model: torch.nn.Module) -> bytes:
-    """A digest of the model's config and of a sample of every parameter (shape, dtype, first
-    and last values): models that differ in weights do not share pages."""
-    digest = hashlib.blake2b(digest_size=16)
-    config = getattr(model, "config", None)
-    digest.update((config.to_json_string(use_diff=False) if config is not None else type(model).__name__).encode())
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            flat = parameter.detach().reshape(-1)
-            sample = torch.cat([flat[:8], flat[-8:]]).float().cpu()
-            digest.update(f"{name}{tuple(parameter.shape)}{parameter.dtype}".encode())
-            digest.update(sample.numpy().tobytes())
-    return digest.digest()
-
-
-class ModelIdentity:
-    """A model's fingerprint, and a cheap check that another model is the same one: the object
-    it was taken from is recognised without fingerprinting it again (per request, that would
-    read a sample of every parameter)."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.fingerprint = model_fingerprint(model)
-        self._model = weakref.ref(model)
-
-    def matches(self, model: torch.nn.Module) -> bool:
-        return model is self._model() or model_fingerprint(model) == self.fingerprint
-
-
 class PrefixStore:
     """Prompt prefixes of one model, reused across caches and ``generate`` calls.
 
     Args:
-        model: the model whose caches use this store (its fingerprint keys every page).
+        model: the model whose caches use this store (its fingerprint keys every page; taking it
+            hashes every weight once per model object, see :mod:`kvlib.model_identity`).
         capacity_bytes: bytes of indexed pages kept once no cache uses them (LRU beyond that).
         salt: mixed into every key (separate tenants that must never share pages).
         disk: a :class:`~kvlib.storage.disk_tier.DiskTier`, or a directory for one holding up to

@@ -77,3 +77,11 @@ def assert_same_logits(ours, theirs) -> None:
     for a, b in zip(ours, theirs):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
         assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+def edit_one_weight(model: torch.nn.Module, delta: float = 1e-3) -> None:
+    """Add ``delta`` to one value in the middle of one tensor (layer 1's MLP up projection), in
+    place: far from the first and last values of any tensor, the shapes and config unchanged."""
+    weight = model.model.layers[1].mlp.up_proj.weight
+    with torch.no_grad():
+        weight[weight.shape[0] // 2, weight.shape[1] // 2] += delta

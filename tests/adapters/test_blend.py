@@ -3,6 +3,8 @@ prefill, none keeps the chunks' own KV, and recomputing by KV deviation restores
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -12,7 +14,7 @@ from kvlib.policies.reuse.cacheblend import CacheBlend
 from kvlib.rope import rerotate
 from kvlib.adapters.model_shape import kv_shape, rope_of
 from kvlib.transformers_compat import cache_argument
-from tests.adapters.conftest import PAD, build_model
+from tests.adapters.conftest import PAD, build_model, edit_one_weight
 
 
 def rag_prompt(vocab: int, seed: int = 0) -> tuple[list[torch.Tensor], torch.Tensor]:
@@ -99,6 +101,19 @@ def test_selection_rules_and_bad_input() -> None:
         kvlib.ChunkStore(build_model("llama"), capacity_bytes=2**20).kv(build_model("stories"), torch.arange(3, 9))
     with pytest.raises(ValueError, match="Reuse works through"):
         kvlib.make_cache(build_model("stories"), "cacheblend")
+
+
+def test_a_chunk_store_serves_equal_weights_and_refuses_a_model_one_weight_away() -> None:
+    model = build_model("stories")
+    store = kvlib.ChunkStore(model, capacity_bytes=2**26)
+    chunk = rag_prompt(500)[0][0]
+    store.kv(model, chunk)
+    store.kv(build_model("stories"), chunk)  # an unchanged reload: the same chunk entry
+    assert (store.hits, store.misses) == (1, 1)
+    edited = copy.deepcopy(model)
+    edit_one_weight(edited)
+    with pytest.raises(ValueError, match="another model"):
+        store.kv(edited, chunk)
 
 
 def test_the_chunk_store_evicts_least_recently_used_chunks() -> None:

@@ -1,6 +1,6 @@
 """The persistent prefix cache: a second process reuses the prefixes a first one wrote to the
 lmdb disk tier, with identical output; a corrupted record is recomputed; another model's
-directory is never mistaken for this one's."""
+directory, or the directory of a model one weight away, is never mistaken for this one's."""
 
 from __future__ import annotations
 
@@ -17,8 +17,10 @@ import json, sys, torch
 sys.path.insert(0, {repo!r})
 import kvlib
 from kvlib.transformers_compat import cache_argument
-from tests.adapters.conftest import build_model, PAD
+from tests.adapters.conftest import build_model, edit_one_weight, PAD
 model = build_model(sys.argv[2])
+if sys.argv[3] == "edited":
+    edit_one_weight(model)
 prompt = torch.randint(3, 60, (1, 70), generator=torch.Generator().manual_seed(0))
 store = kvlib.PrefixStore(model, capacity_bytes=2**24, disk=sys.argv[1])
 cache = kvlib.make_cache(model, reuse=store, prompt=prompt)
@@ -29,8 +31,8 @@ print(json.dumps({{"reused": reused, "same": same, "disk": store.disk.stats()}})
 """
 
 
-def run(directory: Path, family: str = "stories") -> dict:
-    result = subprocess.run([sys.executable, "-c", PROCESS.format(repo=str(REPO)), str(directory), family],
+def run(directory: Path, family: str = "stories", weights: str = "as loaded") -> dict:
+    result = subprocess.run([sys.executable, "-c", PROCESS.format(repo=str(REPO)), str(directory), family, weights],
                             capture_output=True, text=True, check=True, cwd=REPO)
     return json.loads(result.stdout.strip().splitlines()[-1])
 
@@ -54,6 +56,31 @@ def test_a_corrupted_record_is_recomputed_and_another_models_directory_is_ignore
     assert damaged["same"] and damaged["disk"]["corrupt"] == 1 and damaged["reused"] < 64
     other = run(tmp_path, family="llama")  # same directory, another model: nothing found
     assert other["reused"] == 0 and other["same"] and other["disk"]["reads"] == 0
+
+
+def test_a_process_with_one_weight_edited_reuses_nothing_from_the_originals_directory(tmp_path: Path) -> None:
+    """This process writes the original model's prefixes; another process, whose model has one
+    value edited in the middle of one tensor, finds none of them (a fresh prefill, its own
+    output) and writes its own beside them; an unchanged reload here still reuses the original's."""
+    import torch
+
+    import kvlib
+    from kvlib.transformers_compat import cache_argument
+    from tests.adapters.conftest import PAD, build_model
+
+    model = build_model("stories")
+    prompt = torch.randint(3, 60, (1, 70), generator=torch.Generator().manual_seed(0))  # the subprocess's prompt
+    writer = kvlib.PrefixStore(model, capacity_bytes=2**24, disk=DiskTier(tmp_path, capacity_bytes=2**26))
+    cache = kvlib.make_cache(model, reuse=writer, prompt=prompt)
+    model.generate(prompt, **cache_argument(cache), max_new_tokens=2, do_sample=False, pad_token_id=PAD)
+    assert writer.disk.stats()["writes"] == 4
+    writer.disk.close()
+    edited = run(tmp_path, weights="edited")
+    assert edited["reused"] == 0 and edited["same"] and edited["disk"]["reads"] == 0 and edited["disk"]["writes"] == 4
+    reloaded = build_model("stories")
+    reader = kvlib.PrefixStore(reloaded, capacity_bytes=2**24, disk=DiskTier(tmp_path, capacity_bytes=2**26))
+    assert kvlib.make_cache(reloaded, reuse=reader, prompt=prompt).get_seq_length() == 64
+    reader.disk.close()
 
 
 def test_loading_from_disk_never_evicts_what_the_lookup_found(tmp_path: Path) -> None:

@@ -3,6 +3,7 @@ by reference, lossless and lossy pages kept apart, LRU eviction that frees pages
 
 from __future__ import annotations
 
+import copy
 import gc
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 
 import kvlib
 from kvlib.transformers_compat import cache_argument
-from tests.adapters.conftest import PAD, build_model, left_padded
+from tests.adapters.conftest import PAD, build_model, edit_one_weight, left_padded
 
 
 def prompts(vocab: int, shared: int = 70, tails: tuple[int, ...] = (9, 13), seed: int = 0) -> list[torch.Tensor]:
@@ -171,6 +172,29 @@ def test_a_store_of_another_model_and_a_prompt_without_store_are_refused() -> No
     cache = kvlib.make_cache(stories, reuse=kvlib.PrefixStore(stories, capacity_bytes=1024), prompt=torch.ones(1, 4, dtype=torch.long))
     with pytest.raises(ValueError, match="empty cache"):
         cache.prime(torch.ones(1, 4, dtype=torch.long))
+
+
+def test_an_edited_model_never_meets_the_originals_pages() -> None:
+    """One value changed in the middle of one tensor (shapes and config unchanged) makes another
+    model: refused by the store, as an edited copy or as the original edited in place after the
+    store was filled. An unchanged reload of the same weights reuses."""
+    model = build_model("stories")
+    store = kvlib.PrefixStore(model, capacity_bytes=2**24)
+    prompt = prompts(500, shared=64, tails=(6,))[0]
+    cache = kvlib.make_cache(model, reuse=store, prompt=prompt)
+    model.generate(prompt, **cache_argument(cache), max_new_tokens=2, do_sample=False, pad_token_id=PAD)
+    reloaded = build_model("stories")
+    cache = kvlib.make_cache(reloaded, reuse=store, prompt=prompt)
+    assert cache.get_seq_length() == 64
+    out = reloaded.generate(prompt, **cache_argument(cache), max_new_tokens=4, do_sample=False, pad_token_id=PAD)
+    assert torch.equal(out, reloaded.generate(prompt, max_new_tokens=4, do_sample=False, pad_token_id=PAD))
+    edited = copy.deepcopy(reloaded)
+    edit_one_weight(edited)
+    with pytest.raises(ValueError, match="another model"):
+        kvlib.make_cache(edited, reuse=store, prompt=prompt)
+    edit_one_weight(model)
+    with pytest.raises(ValueError, match="another model"):
+        kvlib.make_cache(model, reuse=store, prompt=prompt)
 
 
 def test_an_unprimed_cache_in_a_prefix_store_gives_its_rows_back() -> None:
