@@ -15,7 +15,9 @@ Invariants (after every public call; ``tests/kvlib/test_store_state_machine.py``
 - a call that fails validation (or finds a fixed pool too small) changes nothing;
 - with codecs, a sealed page is full and immutable; pages are sealed only by :meth:`seal`
   (the transformers cache calls it after each layer's attention), so a call's attention always
-  sees its own new tokens exact.
+  sees its own new tokens exact;
+- once no sequence is live, the read mirrors and block tables are back to a new store's sizes
+  (what grew with a batch does not stay at its high-water mark).
 
 All operations are vectorized over batch and heads: no Python loop runs per token or per head.
 """
@@ -243,6 +245,17 @@ class PagedStore:
             self._live.discard(row)
             self._free_rows.append(row)
         self._last_rows = None
+        if not self._live:
+            self._shrink()
+
+    def _shrink(self) -> None:
+        """With no sequence live, give back what grew with the sequences (read mirrors, block
+        table rows and page columns) down to a new store's sizes; row ids restart at 0. Pages
+        (held by a prefix index, say) are untouched."""
+        self._read_caches = [None] * self.num_layers
+        self.tables = [BlockTable(table.num_heads, self.page_size) for table in self.tables]
+        self._free_rows = []
+        self._next_row = 0
 
     def mirrored_rows(self, layer: int) -> tuple[int, ...]:
         """The sequences ``layer``'s read mirror holds, in its row order (empty without one): a

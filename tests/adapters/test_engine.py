@@ -300,3 +300,21 @@ def test_bad_engine_sizes_fail_before_anything_is_allocated_or_run(monkeypatch, 
         kvlib.Engine(model, **options)
     assert calls == [] and model.config._attn_implementation == "sdpa"
 
+
+@pytest.mark.parametrize("prefix_cache", [False, True])
+def test_a_drained_engine_gives_back_its_read_mirror_and_table_rows(llama, llama_case, prefix_cache) -> None:
+    prompts, expected = llama_case
+    engine = kvlib.Engine(llama, prefix_cache=prefix_cache)
+    baseline = engine.stats()["memory_bytes"]
+    ids = [engine.add_request(prompt, max_new_tokens=NEW) for prompt in prompts]
+    busiest = {"tables": 0, "read_cache": 0}
+    while engine.has_unfinished:
+        engine.step()
+        memory = engine.stats()["memory_bytes"]
+        busiest = {part: max(busiest[part], memory[part]) for part in busiest}
+    assert [engine.requests[i].output for i in ids] == expected
+    drained = engine.stats()["memory_bytes"]
+    assert busiest["tables"] > baseline["tables"] and busiest["read_cache"] > 0
+    assert drained["tables"] == baseline["tables"] and drained["read_cache"] == 0
+    if not prefix_cache:  # no index holding pages: every component but the arenas is back at the start
+        assert drained == {**baseline, "reserved": drained["reserved"]}

@@ -297,6 +297,24 @@ def test_what_the_first_arenas_take_is_checked_against_available_memory(monkeypa
     assert PagedStore(2, 2, 4).memory_bytes()["reserved"] == needed  # the estimate is what is taken
 
 
+def test_a_drained_store_gives_back_its_mirrors_and_table_rows() -> None:
+    store = PagedStore(2, 2, 4, page_size=4)
+    empty = store.memory_bytes()
+    seqs = [store.new_sequence() for _ in range(5)]
+    for layer in range(2):
+        store.append(layer, seqs, step(5, 2, 30), step(5, 2, 30))
+        store.read(layer, seqs)
+    grown = store.memory_bytes()
+    assert grown["tables"] > empty["tables"] and grown["read_cache"] > 0
+    store.release(seqs[:4])
+    assert store.memory_bytes()["tables"] == grown["tables"]  # one sequence still live: nothing shrinks
+    store.release(seqs[4:])
+    assert store.memory_bytes() == {**empty, "reserved": grown["reserved"]}  # arenas keep their pages
+    seq = store.new_sequence()
+    assert seq == 0
+    store.append(0, [seq], step(1, 2, 3), step(1, 2, 3))
+    assert store.read(0, [seq]).keys.shape == (1, 2, 3, 4)
+
 
 # -- truncate ------------------------------------------------------------------------------------
 
