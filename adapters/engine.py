@@ -42,6 +42,9 @@ from kvlib.paged_store import PagedStore
 from kvlib.prefix_store import PrefixStore
 from kvlib.read_cache import LayerRead
 from kvlib.codec import Codec, layer_shapes
+from kvlib.devices import check_fits
+from kvlib.errors import quoted
+from kvlib.limits import check_page_size
 from kvlib.spec import Spec, parse_spec
 from kvlib.transformers_compat import cache_argument
 
@@ -60,12 +63,15 @@ class Engine:
         max_batch_tokens: tokens per forward pass (decodes first, prefill chunks fill the rest).
         page_budget_bytes: bytes of keys and values the store may hold over all layers (None:
             the pools grow as needed and nothing is ever preempted). With a codec, pages count
-            at their encoded size (each request's open last page is held raw on top).
-        page_size: tokens per page.
+            at their encoded size (each request's open last page is held raw on top). The pools
+            take it up front, so with their positions it must fit in the memory the model's
+            device has available.
+        page_size: tokens per page (at most :data:`~kvlib.limits.MAX_PAGE_SIZE`).
         preemption: ``"recompute"`` or ``"swap"`` (to host memory), when pages run out.
         prefix_cache: index full pages for reuse across requests.
         prefix_cache_bytes: bytes of cached pages kept once no request uses them (default:
-            the page budget, or 1 GiB).
+            the page budget, or 1 GiB); at most the page budget (the cached pages live in it),
+            or without one, the memory the model's device has available.
         max_running: requests running at once at most.
         reserve_pages: pages per layer held back per running request at admission.
         fairness_steps: steps a waiting request may be passed over by prefix-aware ordering.
@@ -91,14 +97,13 @@ class Engine:
         read_cache: bool | None = None,
     ) -> None:
         if preemption not in PREEMPTION_MODES:
-            raise ValueError(f"preemption must be one of {PREEMPTION_MODES}, got {preemption!r}")
-        if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
-            raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
-        if page_budget_bytes is not None and (isinstance(page_budget_bytes, bool) or not isinstance(page_budget_bytes, int) or page_budget_bytes < 1):
-            raise ValueError(f"page_budget_bytes must be an int >= 1 or None, got {page_budget_bytes!r}")
+            raise ValueError(f"preemption must be one of {PREEMPTION_MODES}, got {quoted(preemption)}")
+        check_page_size(page_size)
+        _check_bytes("page_budget_bytes", page_budget_bytes, minimum=1)
+        _check_bytes("prefix_cache_bytes", prefix_cache_bytes, minimum=0)
         _check_model(model)
         self.scheduler = Scheduler(max_batch_tokens, max_running, reserve_pages, fairness_steps)
-        self.model = attach(model)
+        self.model = model
         self.shape = kv_shape(model)
         parsed = parse_spec(spec)
         self.codec = _engine_codec(parsed)
@@ -123,6 +128,8 @@ class Engine:
                 f"page_budget_bytes={page_budget_bytes} holds {pages} pages per layer; one token needs {shape.num_kv_heads}"
                 f" (one page of {kv_page_bytes} bytes per KV head per layer, {shape.num_layers} layers)"
             )
+        positions_bytes = 0 if pages is None else pages * shape.num_layers * page_size * 8  # int64 per page slot
+        prefix_bytes = _check_memory_budgets(page_budget_bytes, prefix_cache_bytes, positions_bytes, self.device)
         read_cache = self.codec is None if read_cache is None else read_cache
 
         def build() -> PagedStore:
@@ -132,7 +139,8 @@ class Engine:
                 read_cache=read_cache, codecs=codecs,
             )
 
-        self.prefix = PrefixStore(model, prefix_cache_bytes or page_budget_bytes or 2**30) if prefix_cache else None
+        attach(model)  # everything is checked: the model's attention goes through kvlib from now on
+        self.prefix = PrefixStore(model, prefix_bytes) if prefix_cache else None
         if self.prefix is not None:
             self.namespace = self.prefix.namespace("" if self.codec is None else self.codec.spec(), self.dtype, self.device, page_size)
             self.store = self.prefix.paged_store(self.namespace, build)
@@ -167,7 +175,13 @@ class Engine:
     ) -> int:
         """Queue a prompt (token ids); returns its request id. ``eos_token_id`` ends it early
         (default: none, it runs ``max_new_tokens``); ``spec``/``budget``: its own eviction
-        (default: the engine's). Checked here, before any model work."""
+        (default: the engine's spec and budget; a budget alone is refused). Checked here, before
+        any model work."""
+        if spec is None and budget is not None:
+            raise ValueError(
+                f"budget={quoted(budget)} without spec: a request's budget goes with its own eviction spec"
+                " (spec='snapkv', budget=...); without spec the request uses the engine's spec and budget"
+            )
         ids = prompt.tolist() if isinstance(prompt, torch.Tensor) else list(prompt)
         vocab = self.model.config.get_text_config().vocab_size
         if not ids or not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
@@ -510,6 +524,37 @@ def _without_codec(spec: Spec) -> str | None:
     """The spec's eviction and budget strategies as a spec string (None when it has neither)."""
     kept = [strategy.spec() for strategy in (spec.eviction, spec.budget) if strategy is not None]
     return "+".join(kept) or None
+
+
+DEFAULT_PREFIX_CACHE_BYTES = 2**30
+"""Bytes of unused cached pages kept without a page budget or ``prefix_cache_bytes``."""
+
+
+def _check_bytes(name: str, value: object, *, minimum: int) -> None:
+    """``ValueError`` unless ``value`` is None or an int >= ``minimum`` (bytes)."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < minimum):
+        raise ValueError(f"{name} must be an int >= {minimum} (bytes) or None, got {quoted(value)}")
+
+
+def _check_memory_budgets(
+    page_budget_bytes: int | None, prefix_cache_bytes: int | None, positions_bytes: int, device: torch.device
+) -> int:
+    """The prefix cache's byte budget; ``ValueError`` (before anything is allocated) when the
+    page budget, which the pools take up front with ``positions_bytes`` of their pages'
+    positions, is more than ``device`` has available, or when ``prefix_cache_bytes`` is more than
+    the page budget its pages live in (without one, more than the device has available)."""
+    if page_budget_bytes is not None:
+        check_fits(f"page_budget_bytes={page_budget_bytes}", page_budget_bytes + positions_bytes, device)
+    if prefix_cache_bytes is None:
+        return page_budget_bytes or DEFAULT_PREFIX_CACHE_BYTES
+    if page_budget_bytes is not None and prefix_cache_bytes > page_budget_bytes:
+        raise ValueError(
+            f"prefix_cache_bytes={prefix_cache_bytes} is more than page_budget_bytes={page_budget_bytes}: the cached"
+            " pages live in the page budget"
+        )
+    if page_budget_bytes is None:
+        check_fits(f"prefix_cache_bytes={prefix_cache_bytes} (cached pages, no page budget)", prefix_cache_bytes, device)
+    return prefix_cache_bytes
 
 
 def _check_model(model: torch.nn.Module) -> None:

@@ -2,19 +2,25 @@
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 from kvlib.adapters.attention import attach
 from kvlib.adapters.compressor import Compressor
-from kvlib.adapters.model_shape import kv_shape, rope_of
+from kvlib.adapters.model_shape import KVShape, kv_shape, rope_of
 from kvlib.adapters.transformers_cache import KVCache
 from kvlib.codec import Codec, layer_shapes
+from kvlib.devices import check_fits
+from kvlib.errors import quoted
+from kvlib.limits import MAX_BUDGET_TOKENS, MAX_PAGE_SIZE, check_page_size
+from kvlib.paged_store import DEFAULT_PAGES_PER_LAYER, initial_arena_bytes
 from kvlib.prefix_store import PrefixStore
 from kvlib.policies.budget.uniform import Uniform
 from kvlib.spec import Spec, SpecLike, parse_spec
 
 CACHE_OPTIONS = {
-    "page_size": "tokens per page (int >= 1, default 16)",
+    "page_size": f"tokens per page (int in [1, {MAX_PAGE_SIZE}], default 16)",
     "read_cache": "keep a dense read mirror per layer (bool; default: only under an eviction strategy, whose decode"
     " steps read the layer densely, or where attention cannot read pages in place; never with a codec or tiering)",
     "slack": "extra tokens a head may hold over an int budget before it is compacted back (int >= 0; default 0,"
@@ -58,8 +64,11 @@ def make_cache(
     page more than its budget, not at every decode step.
 
     Everything is checked before the model runs: the model must be a decoder with attention KV,
-    the spec valid (``ValueError`` lists what is registered), the budget in range, the options
-    known. The model's attention is routed through kvlib (:func:`kvlib.attach`).
+    the spec valid (``ValueError`` lists what is registered), the budget in range (numpy and
+    torch scalars count as ints and floats; at most :data:`~kvlib.limits.MAX_BUDGET_TOKENS`
+    tokens; none without an eviction strategy), the options known and the first page arenas
+    within the memory the model's device has available. The model's attention is routed through
+    kvlib (:func:`kvlib.attach`).
 
     With ``reuse=kvlib.PrefixStore(model, capacity_bytes=...)`` the cache lives in that store's
     pages: given ``prompt`` (the ids ``generate`` will get; ``attention_mask`` if padded), it
@@ -80,23 +89,21 @@ def make_cache(
             f" {', '.join(unsupported)} ({parsed}). Reuse works through make_cache(reuse=kvlib.PrefixStore(...)) and"
             " kvlib.blend_cache(model, chunks, kvlib.ChunkStore(...), strategy)"
         )
-    _check_budget(budget, parsed)
+    budget = _check_budget(budget, parsed)
     codec = _codec(parsed)
     page_size, read_cache, slack, interval, merge = _options(options)
-    if codec is not None and "slack" not in options and isinstance(budget, int) and not isinstance(budget, bool):
+    if codec is not None and "slack" not in options and isinstance(budget, int):
         slack = page_size
+    parameter = next(model.parameters(), None)
+    home = (parameter.dtype, parameter.device) if parameter is not None else (torch.float32, torch.device("cpu"))
     if codec is not None:
-        parameter = next(model.parameters(), None)
-        dtype = parameter.dtype if parameter is not None else torch.float32
-        device = parameter.device if parameter is not None else torch.device("cpu")
-        codec.check_shape(layer_shapes(shape.num_layers, shape.num_kv_heads, shape.head_dim, shape.value_dim, page_size, dtype, device))
+        codec.check_shape(layer_shapes(shape.num_layers, shape.num_kv_heads, shape.head_dim, shape.value_dim, page_size, *home))
     if (slack or interval != 1) and not isinstance(budget, int):
         raise ValueError(f"slack and interval apply to an int budget (a token count), not to budget={budget!r}")
     compressor = eviction_compressor(model, parsed, budget, slack, interval, merge)
     if compressor is None and merge:
         raise ValueError("merge=True folds evicted tokens into kept ones; it needs an eviction strategy in the spec")
-    parameter = next(model.parameters(), None)
-    home = (parameter.dtype, parameter.device) if parameter is not None else (torch.float32, torch.device("cpu"))
+    _check_first_arenas(shape, page_size, home, coded=codec is not None, tiered=parsed.tiering is not None)
     _check_reuse(model, parsed, codec, reuse, prompt)
     if parsed.tiering is not None and codec is not None:
         raise ValueError(f"tiering ({parsed.tiering.spec()}) and codecs ({codec.spec()}) do not combine yet: keep one of them")
@@ -116,7 +123,7 @@ def eviction_compressor(
 ) -> Compressor | None:
     """The compressor applying ``spec``'s eviction (and budget allocation) within ``budget``, or
     None for a spec without eviction; ``ValueError`` for a budget that does not fit the spec."""
-    _check_budget(budget, spec)
+    budget = _check_budget(budget, spec)
     if spec.eviction is None:
         return None
     shape = kv_shape(model)
@@ -166,13 +173,17 @@ def _codec(spec: Spec) -> Codec | None:
     return spec.quantization or spec.lowrank
 
 
-def _check_budget(budget: int | float | None, spec: Spec) -> None:
+def _check_budget(budget: object, spec: Spec) -> int | float | None:
+    """``budget`` as a Python int (tokens) or float (fraction of the prompt) fit for ``spec``, or
+    None when the spec evicts nothing; ``ValueError`` naming the problem otherwise (a budget with
+    no eviction strategy, none with one, a bad type, out of range)."""
     if spec.eviction is None and spec.budget is not None:
         raise ValueError(f"budget strategy {spec.budget.spec()} splits an eviction budget; add an eviction strategy")
+    budget = _plain_number(budget)
     if spec.eviction is None:
         if budget is not None:
-            raise ValueError(f"budget={budget!r} needs an eviction strategy in the spec (e.g. 'streaming_llm')")
-        return
+            raise ValueError(f"budget={quoted(budget)} needs an eviction strategy in the spec (e.g. 'streaming_llm')")
+        return None
     name = spec.eviction.spec()
     if budget is None:
         raise ValueError(
@@ -180,11 +191,51 @@ def _check_budget(budget: int | float | None, spec: Spec) -> None:
             " (float in (0, 1])"
         )
     if isinstance(budget, bool) or not isinstance(budget, (int, float)):
-        raise ValueError(f"budget must be an int >= 1 or a float in (0, 1], got {budget!r}")
+        raise ValueError(
+            f"budget must be an int >= 1 or a float in (0, 1] (or a numpy or torch scalar of one), got {quoted(budget)}"
+            f" ({type(budget).__name__})"
+        )
     if isinstance(budget, int) and budget < 1:
         raise ValueError(f"budget as a token count must be >= 1, got {budget}")
+    if isinstance(budget, int) and budget > MAX_BUDGET_TOKENS:
+        raise ValueError(
+            f"budget as a token count must be at most {MAX_BUDGET_TOKENS} (2**32: more than any context, a larger"
+            f" budget evicts nothing), got {budget}"
+        )
     if isinstance(budget, float) and not 0.0 < budget <= 1.0:
         raise ValueError(f"budget as a fraction of the prompt must be in (0, 1], got {budget}")
+    return budget
+
+
+def _plain_number(value: object) -> object:
+    """``value`` as a Python int or float when it is a numpy integer or real scalar or a
+    one-element torch tensor of an integer or floating dtype; anything else (bools included)
+    unchanged."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.dtype == torch.bool or value.is_complex():
+            return value
+        value = value.item()
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    return value
+
+
+def _check_first_arenas(
+    shape: KVShape, page_size: int, home: tuple[torch.dtype, torch.device], *, coded: bool, tiered: bool
+) -> None:
+    """``ValueError`` when the store the cache builds at its first update would preallocate more
+    than the model's device has available (its first ``DEFAULT_PAGES_PER_LAYER`` pages a layer)."""
+    dtype, device = home
+    layers = shape.num_layers
+    nbytes = initial_arena_bytes(
+        [shape.head_dim] * layers, [shape.value_dim] * layers, page_size, dtype, DEFAULT_PAGES_PER_LAYER,
+        coded=coded, tiered=tiered,
+    )
+    check_fits(f"make_cache(page_size={page_size}) for {layers} layers", nbytes, device)
 
 
 def _options(options: dict[str, object]) -> tuple[int, bool | None, int, int, bool]:
@@ -192,10 +243,8 @@ def _options(options: dict[str, object]) -> tuple[int, bool | None, int, int, bo
     if unknown:
         valid = "; ".join(f"{name}: {what}" for name, what in CACHE_OPTIONS.items())
         raise ValueError(f"unknown make_cache options {unknown}; valid options are {valid}")
-    page_size = options.get("page_size", 16)
+    page_size = check_page_size(options.get("page_size", 16))
     read_cache = options.get("read_cache")
-    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
-        raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
     if read_cache is not None and not isinstance(read_cache, bool):
         raise ValueError(f"read_cache must be a bool, got {read_cache!r}")
     slack = options.get("slack", 0)

@@ -1,7 +1,9 @@
 """The ``kvlib`` command line.
 
 - ``kvlib compare``: the policy comparison (:mod:`kvlib.eval.compare`) with a progress bar, a
-  markdown table in the terminal, and JSON, CSV and one PNG per task in ``--out``;
+  markdown table in the terminal, and JSON, CSV and one PNG per task in ``--out``. The folder is
+  created and written to before the model loads; the table, JSON and CSV are rewritten as each
+  configuration finishes, so an interruption (Ctrl-C: exit code 130) keeps every finished one;
 - ``kvlib list``: every registered strategy (plugins included) by kind;
 - ``kvlib bench``: runs the benchmark scripts of a source checkout into ``benchmarks/results/``.
 
@@ -12,6 +14,7 @@ option) is one line on stderr and exit code 2.
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import time
@@ -23,7 +26,7 @@ import torch
 
 import kvlib
 from kvlib.devices import cpu_threads, set_cpu_threads
-from kvlib.errors import SpecError
+from kvlib.errors import SpecError, quoted
 from kvlib.registry import available_policies, get_policy
 from kvlib.spec import parameters_help
 
@@ -78,7 +81,7 @@ def _fractions(text: str) -> list[float]:
     try:
         return [float(part) for part in text.split(",") if part.strip()]
     except ValueError:
-        raise UsageError(f"--budgets takes comma-separated fractions such as 0.125,0.25, got {text!r}") from None
+        raise UsageError(f"--budgets takes comma-separated fractions such as 0.125,0.25, got {quoted(text)}") from None
 
 
 def _threads(text: str) -> int:
@@ -100,16 +103,38 @@ def _policies(text: str) -> list[str]:
     return [p for p in policies + [current.strip()] if p]
 
 
+INTERRUPTED = 130
+"""Exit code of a comparison stopped by Ctrl-C (128 + SIGINT), its finished runs written."""
+
+
+def check_out_folder(text: str) -> Path:
+    """The ``--out`` folder, made ready before any model work: created with its parents, and
+    shown to take files by writing and deleting a probe file. ``UsageError`` (one line) for a
+    path that exists and is not a folder, or a folder that cannot be created or written."""
+    out = Path(text)
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {quoted(text)} exists and is not a folder")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".kvlib-probe-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise UsageError(f"--out {quoted(text)} cannot be written: {exc.strerror or exc}") from None
+    return out
+
+
 def run_compare(args: argparse.Namespace) -> int:
     import transformers
 
-    from kvlib.eval import compare, load_model, parse_tasks
+    from kvlib.eval import CompareRun, compare, load_model, parse_tasks
     from kvlib.eval.compare import check_policies_and_budgets
     from kvlib.eval.plots import write_plots
     from kvlib.eval.report import markdown_table, write_results
 
     policies, budgets = _policies(args.policies), _fractions(args.budgets)
     check_policies_and_budgets(policies, budgets)  # before the model loads
+    out = check_out_folder(args.out)
     if args.context is not None and args.context < 64:
         raise UsageError(f"--context must be >= 64 tokens, got {args.context}")
     if args.samples is not None and args.samples < 1:
@@ -124,20 +149,28 @@ def run_compare(args: argparse.Namespace) -> int:
         tasks_context = loaded.context
         tasks = parse_tasks(args.tasks, context=tasks_context, samples=args.samples, seed=args.seed)
     started = time.perf_counter()
-    runs = compare(loaded, policies, budgets, tasks, context=tasks_context, progress=not args.quiet)
     meta = {
         "model": loaded.name,
         "policies": policies,
         "budgets": budgets,
         "tasks": [t.name for t in tasks],
         "context": tasks_context,
-        "seconds": round(time.perf_counter() - started, 1),
         "kvlib": kvlib.__version__,
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
     }
-    out = Path(args.out)
-    paths = write_results(runs, out, meta)
+
+    def save(finished: list[CompareRun], complete: bool = False) -> dict[str, Path]:
+        """Write the finished runs; ``complete`` once every configuration has run."""
+        meta.update(seconds=round(time.perf_counter() - started, 1), complete=complete)
+        return write_results(finished, out, meta)
+
+    try:
+        runs = compare(loaded, policies, budgets, tasks, context=tasks_context, progress=not args.quiet, on_run=save)
+    except KeyboardInterrupt:
+        print(f"\nkvlib compare: interrupted; the configurations that finished are in {out}", file=sys.stderr)
+        return INTERRUPTED
+    paths = save(runs, complete=True)
     plots = write_plots(runs, out, loaded.name)
     print(markdown_table(runs))
     print(f"\n{len(runs)} configurations x {len(tasks)} tasks in {meta['seconds']} s; wrote "
@@ -189,7 +222,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help=f"fractions of the full cache, comma-separated (default {DEFAULT_BUDGETS})")
     comp.add_argument("--tasks", default=DEFAULT_TASKS,
                       help=f"comma-separated: needle, perplexity, agreement, jsonl:PATH (default {DEFAULT_TASKS})")
-    comp.add_argument("--out", default=DEFAULT_OUT, help=f"output folder (default {DEFAULT_OUT})")
+    comp.add_argument("--out", default=DEFAULT_OUT,
+                      help=f"output folder, created and checked before the model loads (default {DEFAULT_OUT})")
     comp.add_argument("--context", type=int,
                       help=f"tokens per task sequence (default {DEFAULT_CONTEXT}, or the model's context if shorter)")
     comp.add_argument("--samples", type=int, help="samples per task (default: each task's own)")

@@ -5,14 +5,17 @@ tensors; page arenas live on the pool's device. Index tensors cross from the CPU
 device only through :func:`to_arena_device`, and data is validated against the store's device
 and dtype only through :func:`check_tensor`. Copies that overlap compute (page prefetch) go on a
 side stream from :func:`copy_stream` and are joined to the compute stream only through
-:func:`mark_done` and :func:`wait_done`.
+:func:`mark_done` and :func:`wait_done`. What a device has free is asked only through
+:func:`available_bytes` (and checked against a planned allocation by :func:`check_fits`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import os
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import ParamSpec, TypeVar
 
 import numpy as np
@@ -32,6 +35,56 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     return device
+
+
+def available_bytes(device: torch.device) -> int | None:
+    """Bytes new allocations on ``device`` may still take, or None where kvlib cannot tell.
+
+    CUDA: the driver's free memory plus what torch's caching allocator holds unused. CPU: the
+    kernel's estimate of memory available without swapping (``MemAvailable``; physical memory
+    where ``/proc/meminfo`` is missing), within the cgroup (v2) limit when one is set. Other
+    devices: None (nothing is checked)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    if device.type == "cpu":
+        return _host_available_bytes()
+    return None
+
+
+def _host_available_bytes() -> int:
+    available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    meminfo = _read("/proc/meminfo")
+    for line in meminfo.splitlines():
+        if line.startswith("MemAvailable:"):
+            available = int(line.split()[1]) * 1024
+    limit, used = _read("/sys/fs/cgroup/memory.max").strip(), _read("/sys/fs/cgroup/memory.current").strip()
+    if limit.isdigit() and used.isdigit():
+        available = min(available, max(0, int(limit) - int(used)))
+    return available
+
+
+def _read(path: str) -> str:
+    """The text of ``path``, or "" where it cannot be read."""
+    try:
+        return Path(path).read_text()
+    except OSError:
+        return ""
+
+
+def check_fits(what: str, nbytes: int, device: torch.device) -> None:
+    """``ValueError`` when ``nbytes`` (what ``what`` would allocate on ``device`` up front) is
+    more than the device has available (:func:`available_bytes`); nothing is allocated here."""
+    available = available_bytes(device)
+    if available is not None and nbytes > available:
+        raise ValueError(
+            f"{what} would allocate {_size(nbytes)} on {device} up front, more than the {_size(available)} available"
+            " there: lower it"
+        )
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes} bytes ({nbytes / 2**30:.3g} GiB)"
 
 
 def to_arena_device(index: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+ECHO_CHARS = 80
+"""Most characters of a user-given name or value an error message repeats (see :func:`quoted`)."""
+
 
 class SpecError(ValueError):
     """A spec string or strategy object is invalid; the message lists what is valid."""
@@ -12,3 +15,14 @@ class PoolExhaustedError(RuntimeError):
 
     Raised before the operation changes anything, so nothing already stored is lost.
     """
+
+
+def cut(text: str, limit: int = ECHO_CHARS) -> str:
+    """``text`` for an error message, cut to at most ``limit`` characters (ending in ``...``) so
+    that a huge name or value does not flood the message."""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def quoted(value: object, limit: int = ECHO_CHARS) -> str:
+    """``repr(value)`` for an error message, :func:`cut` to ``limit`` characters."""
+    return cut(repr(value), limit)

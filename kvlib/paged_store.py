@@ -15,7 +15,9 @@ Invariants (after every public call; ``tests/kvlib/test_store_state_machine.py``
 - a call that fails validation (or finds a fixed pool too small) changes nothing;
 - with codecs, a sealed page is full and immutable; pages are sealed only by :meth:`seal`
   (the transformers cache calls it after each layer's attention), so a call's attention always
-  sees its own new tokens exact.
+  sees its own new tokens exact;
+- once no sequence is live, the read mirrors and block tables are back to a new store's sizes
+  (what grew with a batch does not stay at its high-water mark).
 
 All operations are vectorized over batch and heads: no Python loop runs per token or per head.
 """
@@ -28,8 +30,9 @@ import torch
 
 from kvlib.block_table import BlockTable
 from kvlib.codec import PageCodec
-from kvlib.devices import check_tensor, outside_inference_mode, resolve_device, to_arena_device
-from kvlib.errors import PoolExhaustedError
+from kvlib.devices import check_fits, check_tensor, outside_inference_mode, resolve_device, to_arena_device
+from kvlib.errors import PoolExhaustedError, quoted
+from kvlib.limits import check_page_size
 from kvlib.open_pages import OpenPages
 from kvlib.page_indexing import first_occurrences, heads_to_copy, page_coordinates, sorted_keep
 from kvlib.paged_attention import PagedLayer
@@ -43,6 +46,13 @@ from kvlib.storage.tiered_pool import TieredPagePool
 
 SequenceIds = Sequence[int] | torch.Tensor
 
+DEFAULT_PAGES_PER_LAYER = 64
+"""Pages each layer's arena holds when a store is built (a growable arena doubles from there)."""
+
+FIRST_ROWS = 16
+"""Key and value rows a coded pool's raw arena and a tiered pool's host arena start with, and
+the fewest a tiered pool's device arena may (see :func:`initial_arena_bytes`)."""
+
 
 class PagedStore:
     """Paged KV store for the attention layers of one model.
@@ -52,10 +62,12 @@ class PagedStore:
         num_kv_heads: KV heads per layer (an int, or one per layer).
         head_dim: key channels per head (an int, or one per layer).
         value_dim: value channels per head; defaults to ``head_dim``.
-        page_size: tokens per page.
+        page_size: tokens per page (at most :data:`~kvlib.limits.MAX_PAGE_SIZE`).
         dtype: compute dtype of keys and values.
         device: where the page arenas live.
         pages_per_layer: initial arena capacity in pages (the capacity, if ``fixed_capacity``).
+            What the arenas take up front (:func:`initial_arena_bytes`) must fit in the memory
+            ``device`` has available, else ``ValueError`` before anything is allocated.
         fixed_capacity: never grow the arenas; appends that do not fit raise
             :class:`~kvlib.errors.PoolExhaustedError` and change nothing.
         read_cache: keep a dense per-layer mirror of the last batch read so decode steps copy
@@ -93,7 +105,7 @@ class PagedStore:
         page_size: int = 16,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device | None = None,
-        pages_per_layer: int = 64,
+        pages_per_layer: int = DEFAULT_PAGES_PER_LAYER,
         fixed_capacity: bool = False,
         read_cache: bool = True,
         codecs: Sequence[PageCodec] | None = None,
@@ -106,11 +118,19 @@ class PagedStore:
     ) -> None:
         if not isinstance(num_layers, int) or num_layers < 1:
             raise ValueError(f"num_layers must be a positive int, got {num_layers!r}")
-        if not isinstance(page_size, int) or page_size < 1:
-            raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+        check_page_size(page_size)
         heads = _per_layer("num_kv_heads", num_kv_heads, num_layers)
         keys_dim = _per_layer("head_dim", head_dim, num_layers)
         values_dim = keys_dim if value_dim is None else _per_layer("value_dim", value_dim, num_layers)
+        if isinstance(pages_per_layer, bool) or not isinstance(pages_per_layer, int) or pages_per_layer < int(fixed_capacity):
+            raise ValueError(f"pages_per_layer must be an int >= {int(fixed_capacity)}, got {quoted(pages_per_layer)}")
+        check_fits(
+            f"a store of {num_layers} layers with pages_per_layer={pages_per_layer} of page_size={page_size} tokens",
+            initial_arena_bytes(
+                keys_dim, values_dim, page_size, dtype, pages_per_layer, coded=codecs is not None, tiered=device_pages is not None
+            ),
+            resolve_device(device),
+        )
         self.num_layers = num_layers
         self.page_size = page_size
         self.dtype = dtype
@@ -229,6 +249,17 @@ class PagedStore:
             self._live.discard(row)
             self._free_rows.append(row)
         self._last_rows = None
+        if not self._live:
+            self._shrink()
+
+    def _shrink(self) -> None:
+        """With no sequence live, give back what grew with the sequences (read mirrors, block
+        table rows and page columns) down to a new store's sizes; row ids restart at 0. Pages
+        (held by a prefix index, say) are untouched."""
+        self._read_caches = [None] * self.num_layers
+        self.tables = [BlockTable(table.num_heads, self.page_size) for table in self.tables]
+        self._free_rows = []
+        self._next_row = 0
 
     def mirrored_rows(self, layer: int) -> tuple[int, ...]:
         """The sequences ``layer``'s read mirror holds, in its row order (empty without one): a
@@ -891,6 +922,32 @@ class PagedStore:
         cache = self._read_caches[layer]
         if cache is not None and not set(cache.rows).isdisjoint(rows.tolist()):
             self._read_caches[layer] = None
+
+
+def initial_arena_bytes(
+    keys_dim: Sequence[int],
+    values_dim: Sequence[int],
+    page_size: int,
+    dtype: torch.dtype,
+    pages_per_layer: int,
+    *,
+    coded: bool = False,
+    tiered: bool = False,
+) -> int:
+    """Bytes a store's page arenas take when it is built (at most, when ``tiered``): per layer
+    (one entry of ``keys_dim`` and ``values_dim`` each), int64 positions of ``pages_per_layer``
+    pages, and keys and values in ``dtype`` of ``pages_per_layer`` pages; of ``FIRST_ROWS`` when
+    ``coded`` (the raw rows of open pages); of up to ``max(pages_per_layer, FIRST_ROWS)`` device
+    and ``FIRST_ROWS`` host rows when ``tiered``. Read mirrors and a codec's fields come later,
+    with the tokens."""
+    item = torch.empty((), dtype=dtype).element_size()
+    rows = pages_per_layer
+    if coded:
+        rows = FIRST_ROWS
+    elif tiered:
+        rows = max(pages_per_layer, FIRST_ROWS) + FIRST_ROWS
+    per_slot = sum(rows * (k + v) * item + pages_per_layer * 8 for k, v in zip(keys_dim, values_dim))
+    return per_slot * page_size
 
 
 def _per_layer(name: str, value: int | Sequence[int], num_layers: int) -> list[int]:

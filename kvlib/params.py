@@ -13,7 +13,7 @@ import types
 import typing
 from typing import Any, Literal, Union
 
-from kvlib.errors import SpecError
+from kvlib.errors import SpecError, quoted
 
 
 def describe(annotation: Any) -> str:
@@ -40,7 +40,7 @@ def coerce(owner: str, name: str, annotation: Any, value: Any) -> Any:
     except (TypeError, ValueError) as exc:
         detail = f" ({exc})" if str(exc) else ""
         raise SpecError(
-            f"{owner}: parameter {name!r} must be {describe(annotation)}, got {value!r}"
+            f"{owner}: parameter {name!r} must be {describe(annotation)}, got {quoted(value)}"
             f" ({type(value).__name__}){detail}"
         ) from None
 

@@ -27,12 +27,15 @@ Disk (``disk=DiskTier(path, capacity_bytes)`` or a path): every block indexed fr
 cache is also written to an lmdb page record (write-through), keyed by the namespace's digest
 and the chain key; a lookup that runs out of blocks in memory goes on on disk, loading verified
 records into fresh pages. A new process with the same model thus reuses prefixes an earlier one
-computed. Codec namespaces stay in memory only.
+computed. Codec namespaces stay in memory only. A prompt whose blocks do not all fit in the
+tier's capacity has its leading blocks written (as many as fit), and a block larger than the
+whole capacity none; either way the store warns once.
 """
 
 from __future__ import annotations
 
 import hashlib
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -43,7 +46,7 @@ from kvlib.paged_store import PagedStore
 from kvlib.prefix_index import Entry, PrefixIndex
 from kvlib.storage.coded_pool import CodedPagePool
 from kvlib.storage.disk_tier import DiskTier, open_disk_tier
-from kvlib.storage.page_record import Block, Layout, decode_parts, encode_parts
+from kvlib.storage.page_record import Block, Layout, decode_parts, encode_parts, record_size
 
 
 class PrefixStore:
@@ -76,6 +79,8 @@ class PrefixStore:
         self.disk = disk
         self._closing: list = []
         """Sessions of caches garbage-collected since the last use (closed by :meth:`collect`)."""
+        self._warned_disk_full = False
+        """Whether blocks left out of the disk tier for its capacity were warned about (once)."""
 
     def defer_close(self, session: object) -> None:
         """Close ``session`` at the next use of this store (called from a cache's finalizer)."""
@@ -208,13 +213,31 @@ class PrefixStore:
         layout = self._disk_layout(namespace)
         if layout is None or not entries:
             return
+        entries = self._fitting(entries, record_size(layout))
         store, items = self.stores[namespace], []
         for entry in entries:
             pages = entry.pages[1]
             reads = [pool.read_pages(pages[layer]) for layer, pool in enumerate(store.pools)]
             block = Block(entry.key, entry.parent, list(entry.tokens), torch.stack([k for k, _ in reads]), torch.stack([v for _, v in reads]))
             items.append((layout.namespace + entry.key, encode_parts(layout, block)))
-        self.disk.put_many(items)
+        if items:
+            self.disk.put_many(items)
+
+    def _fitting(self, entries: list[Entry], nbytes: int) -> list[Entry]:
+        """The leading ``entries`` whose records (``nbytes`` each) fit in the disk tier's capacity
+        together (one commit holds them all); warns once when some are left out."""
+        capacity = self.disk.capacity_bytes
+        fitting = entries[: capacity // nbytes]
+        if len(fitting) < len(entries) and not self._warned_disk_full:
+            self._warned_disk_full = True
+            warnings.warn(
+                f"kvlib PrefixStore: {len(entries)} prompt blocks of {nbytes} bytes each on disk need {len(entries) * nbytes}"
+                f" bytes, more than the disk tier's capacity of {capacity} bytes: only the first {len(fitting)} are"
+                " written (raise the disk tier's capacity_bytes to keep whole prompts)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        return fitting
 
     def release(self, entries: list[Entry]) -> None:
         """A cache stops using ``entries`` (they may now be evicted)."""

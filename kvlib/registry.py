@@ -17,7 +17,7 @@ import warnings
 from collections.abc import Callable
 from importlib.metadata import entry_points
 
-from kvlib.errors import SpecError
+from kvlib.errors import ECHO_CHARS, SpecError, quoted
 from kvlib.strategy import KIND_BASES, NEEDS, Eviction, Strategy
 
 ENTRY_POINT_GROUP = "kvlib.policies"
@@ -34,7 +34,7 @@ def register(name: str) -> Callable[[type[Strategy]], type[Strategy]]:
     of the kind bases, unknown ``needs``, or a name already taken by another class.
     """
     if not isinstance(name, str) or not _NAME.match(name):
-        raise ValueError(f"strategy name must match {_NAME.pattern} (lowercase, digits, _), got {name!r}")
+        raise ValueError(f"strategy name must match {_NAME.pattern} (lowercase, digits, _), got {quoted(name)}")
 
     def decorate(cls: type[Strategy]) -> type[Strategy]:
         _check_class(name, cls)
@@ -68,14 +68,16 @@ def available_policies() -> dict[str, list[str]]:
 
 
 def get_policy(name: str) -> type[Strategy]:
-    """The strategy class registered under ``name``; ``SpecError`` listing valid names if none."""
+    """The strategy class registered under ``name``; ``SpecError`` listing valid names if none
+    (the name quoted cut to :data:`~kvlib.errors.ECHO_CHARS` characters; names that long get no
+    close-match hint)."""
     _load()
     if name in _registry:
         return _registry[name]
-    close = difflib.get_close_matches(name, list(_registry), n=3)
+    close = difflib.get_close_matches(name, list(_registry), n=3) if len(name) <= ECHO_CHARS else []
     hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
     listing = "; ".join(f"{kind}: {', '.join(names) or '(none)'}" for kind, names in available_policies().items())
-    raise SpecError(f"unknown strategy {name!r}.{hint} Valid strategies by kind: {listing}")
+    raise SpecError(f"unknown strategy {quoted(name)}.{hint} Valid strategies by kind: {listing}")
 
 
 def _check_class(name: str, cls: type) -> None:

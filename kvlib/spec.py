@@ -3,7 +3,10 @@
 Grammar: terms joined by ``+``; a term is a strategy name, optionally called with keyword
 arguments whose values are Python literals (numbers, strings, booleans, None, tuples). The
 string is parsed with :mod:`ast` and values with ``ast.literal_eval``: nothing is executed.
-Every Python entry point accepts a spec string, strategy objects, or a :class:`Spec`.
+Every Python entry point accepts a spec string, strategy objects, or a :class:`Spec`. A spec
+string has at most :data:`~kvlib.limits.MAX_SPEC_CHARS` characters (checked before parsing) and
+a spec at most :data:`~kvlib.limits.MAX_SPEC_TERMS` strategies (checked before any is built);
+error messages quote the spec and its names cut to :data:`~kvlib.errors.ECHO_CHARS` characters.
 """
 
 from __future__ import annotations
@@ -14,7 +17,8 @@ import typing
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvlib.errors import SpecError
+from kvlib.errors import SpecError, cut, quoted
+from kvlib.limits import MAX_SPEC_CHARS, MAX_SPEC_TERMS
 from kvlib.params import describe
 from kvlib.registry import get_policy, registered_name
 from kvlib.strategy import (
@@ -56,8 +60,8 @@ def parse_spec(spec: SpecLike) -> Spec:
     """Build a :class:`Spec` from a spec string, strategy objects (or strings), or a Spec.
 
     ``None``, ``""`` and ``"full"`` mean no strategy. Raises :class:`~kvlib.errors.SpecError`
-    (a ``ValueError``) for unknown names, unknown or ill-typed parameters, and more strategies of
-    a kind than it admits, listing what is valid.
+    (a ``ValueError``) for unknown names, unknown or ill-typed parameters, more strategies of
+    a kind than it admits, and specs over the size limits, listing what is valid.
     """
     if spec is None:
         return Spec()
@@ -68,6 +72,7 @@ def parse_spec(spec: SpecLike) -> Spec:
     elif isinstance(spec, Strategy):
         strategies = [spec]
     elif isinstance(spec, Sequence):
+        _check_terms(len(spec), f"a list of {len(spec)} items")
         strategies = []
         for item in spec:
             if isinstance(item, str):
@@ -85,11 +90,19 @@ def parse_strategy(text: str) -> Strategy:
     """Parse a spec string that names exactly one strategy."""
     strategies = _parse_string(text)
     if len(strategies) != 1:
-        raise SpecError(f"expected exactly one strategy, got {len(strategies)} in {text!r}")
+        raise SpecError(f"expected exactly one strategy, got {len(strategies)} in {quoted(text)}")
     return strategies[0]
 
 
+def _check_terms(count: int, what: str) -> None:
+    if count > MAX_SPEC_TERMS:
+        raise SpecError(
+            f"a spec holds at most {MAX_SPEC_TERMS} strategies (one per kind, and reuse strategies); got {what}"
+        )
+
+
 def _compose(strategies: list[Strategy]) -> Spec:
+    _check_terms(len(strategies), f"{len(strategies)} strategies")
     by_kind: dict[str, list[Strategy]] = {kind: [] for kind in MAX_PER_SPEC}
     for strategy in strategies:
         if not registered_name(type(strategy)):
@@ -115,23 +128,35 @@ def _single(found: list[Strategy]) -> Strategy | None:
 
 
 def _parse_string(text: str) -> list[Strategy]:
+    if len(text) > MAX_SPEC_CHARS:
+        raise SpecError(f"a spec string has at most {MAX_SPEC_CHARS} characters; got {len(text)}: {quoted(text)}")
     stripped = text.strip()
     if stripped in ("", "full"):
         return []
     try:
         tree = ast.parse(stripped, mode="eval").body
-    except SyntaxError as exc:
+    except (SyntaxError, RecursionError, MemoryError) as exc:
+        column = f" at column {exc.offset}" if isinstance(exc, SyntaxError) else ""
         raise SpecError(
-            f"cannot parse spec {text!r} at column {exc.offset}: expected terms like name or"
+            f"cannot parse spec {quoted(text)}{column}: expected terms like name or"
             f" name(param=value) joined by '+', e.g. 'snapkv(window=32)+kivi(bits=2)'"
         ) from None
-    return [_build(term, text) for term in _terms(tree, text)]
+    terms = _terms(tree)
+    _check_terms(len(terms), f"{len(terms)} terms in {quoted(text)}")
+    return [_build(term, text) for term in terms]
 
 
-def _terms(node: ast.expr, text: str) -> list[ast.expr]:
-    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
-        return _terms(node.left, text) + _terms(node.right, text)
-    return [node]
+def _terms(node: ast.expr) -> list[ast.expr]:
+    """The operands of a chain of ``+`` in order, walked without recursion (``a+b+c`` nests to
+    the left, as deep as it has terms; parenthesised groups nest to the right)."""
+    terms, pending = [], [node]
+    while pending:
+        node = pending.pop()
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+            pending += [node.right, node.left]
+        else:
+            terms.append(node)
+    return terms
 
 
 def _build(term: ast.expr, text: str) -> Strategy:
@@ -140,22 +165,24 @@ def _build(term: ast.expr, text: str) -> Strategy:
     if isinstance(term, ast.Call) and isinstance(term.func, ast.Name):
         name = term.func.id
         if term.args:
-            raise SpecError(f"{name}: parameters must be named, as in {name}(param=value); got a positional one in {text!r}")
+            raise SpecError(
+                f"{cut(name)}: parameters must be named, as in {cut(name)}(param=value); got a positional one in {quoted(text)}"
+            )
         kwargs = {}
         for keyword in term.keywords:
             if keyword.arg is None:
-                raise SpecError(f"{name}: '**' is not allowed in a spec")
+                raise SpecError(f"{cut(name)}: '**' is not allowed in a spec")
             if keyword.arg in kwargs:
-                raise SpecError(f"{name}: parameter {keyword.arg!r} is given twice in {text!r}")
+                raise SpecError(f"{cut(name)}: parameter {quoted(keyword.arg)} is given twice in {quoted(text)}")
             try:
                 kwargs[keyword.arg] = ast.literal_eval(keyword.value)
             except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
                 raise SpecError(
-                    f"{name}: value of {keyword.arg!r} must be a literal (number, string, True/False, None, tuple),"
-                    f" got {ast.unparse(keyword.value)!r}"
+                    f"{cut(name)}: value of {quoted(keyword.arg)} must be a literal (number, string, True/False, None,"
+                    f" tuple), got {quoted(ast.unparse(keyword.value))}"
                 ) from None
         return _instantiate(name, kwargs)
-    raise SpecError(f"cannot read {ast.unparse(term)!r} in spec {text!r}: expected name or name(param=value)")
+    raise SpecError(f"cannot read {quoted(ast.unparse(term))} in spec {quoted(text)}: expected name or name(param=value)")
 
 
 def _instantiate(name: str, kwargs: dict[str, object]) -> Strategy:
@@ -163,7 +190,7 @@ def _instantiate(name: str, kwargs: dict[str, object]) -> Strategy:
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     unknown = [k for k in kwargs if k not in fields]
     if unknown:
-        raise SpecError(f"{name} has no parameter {', '.join(map(repr, unknown))}; valid: {parameters_help(cls)}")
+        raise SpecError(f"{name} has no parameter {', '.join(map(quoted, unknown))}; valid: {parameters_help(cls)}")
     try:
         return cls(**kwargs)
     except SpecError:

@@ -11,18 +11,21 @@ Decode speed is measured per configuration on one ``context``-token prompt of th
 
 Everything that can be checked is checked before the first run: specs parse, every policy builds a
 cache for the model, every task fits the model's context, budgets are in (0, 1]. A strategy that
-raises while running is recorded with its error and the comparison goes on.
+raises while running is recorded with its error and the comparison goes on. Each configuration
+is handed to ``on_run`` as it finishes (the CLI writes its files then), so an interruption loses
+only the configuration running.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 import kvlib
+from kvlib.errors import quoted
 from kvlib.eval.models import LoadedModel
 from kvlib.eval.task import CacheFactory, Task, TaskResult, kv_bytes
 from kvlib.eval.texts import text_ids, windows
@@ -87,7 +90,7 @@ def check_policies_and_budgets(policies: Sequence[str], budgets: Sequence[float]
         if policy == FULL:
             raise ValueError(f"{FULL!r} is always run as the reference; leave it out of the policies")
         if not kvlib.parse_spec(policy).strategies():
-            raise ValueError(f"policy {policy!r} has no strategy")
+            raise ValueError(f"policy {quoted(policy)} has no strategy")
 
 
 def check_inputs(loaded: LoadedModel, policies: Sequence[str], budgets: Sequence[float], tasks: Sequence[Task]) -> None:
@@ -122,8 +125,10 @@ def compare(
     context: int,
     speed_steps: int = 32,
     progress: bool = True,
+    on_run: Callable[[list[CompareRun]], None] | None = None,
 ) -> list[CompareRun]:
-    """Run the full cache and every (policy, budget) on every task; see the module docstring."""
+    """Run the full cache and every (policy, budget) on every task; see the module docstring.
+    ``on_run`` is called with the finished runs, in order, each time one more finishes."""
     from tqdm.auto import tqdm
 
     check_inputs(loaded, policies, budgets, tasks)
@@ -152,4 +157,6 @@ def compare(
             except Exception as exc:  # noqa: BLE001 - a failing strategy is reported, the rest still run
                 run.error = f"{type(exc).__name__}: {exc}".splitlines()[0]
                 bar.update(len(tasks) + 1 - len(run.results) - (run.decode_tokens_per_s is not None))
+            if on_run is not None:
+                on_run(runs)
     return runs

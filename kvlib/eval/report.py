@@ -8,7 +8,9 @@ everything, per task metrics included. CSV: one row per (policy, budget, task).
 from __future__ import annotations
 
 import csv
+import io
 import json
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -98,14 +100,30 @@ def csv_rows(runs: Sequence[CompareRun]) -> list[dict]:
     return rows
 
 
+def csv_text(runs: Sequence[CompareRun]) -> str:
+    """:func:`csv_rows` as CSV text, with a header."""
+    buffer = io.StringIO(newline="")
+    writer = csv.DictWriter(buffer, fieldnames=CSV_FIELDS, restval="")
+    writer.writeheader()
+    writer.writerows(csv_rows(runs))
+    return buffer.getvalue()
+
+
 def write_results(runs: Sequence[CompareRun], out: Path, meta: dict) -> dict[str, Path]:
-    """Write ``compare.md``, ``compare.json`` and ``compare.csv`` to ``out``; returns their paths."""
+    """Write ``compare.md``, ``compare.json`` and ``compare.csv`` to ``out``; returns their paths.
+    Each file is replaced whole (written beside it, then renamed over it): called again as more
+    runs finish, a reader, or an interruption, sees the previous version or the new one."""
     out.mkdir(parents=True, exist_ok=True)
     paths = {"markdown": out / "compare.md", "json": out / "compare.json", "csv": out / "compare.csv"}
-    paths["markdown"].write_text(markdown_table(runs) + "\n")
-    paths["json"].write_text(json.dumps(to_json(runs, meta), indent=1) + "\n")
-    with paths["csv"].open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=CSV_FIELDS, restval="")
-        writer.writeheader()
-        writer.writerows(csv_rows(runs))
+    _replace(paths["markdown"], markdown_table(runs) + "\n")
+    _replace(paths["json"], json.dumps(to_json(runs, meta), indent=1) + "\n")
+    _replace(paths["csv"], csv_text(runs))
     return paths
+
+
+def _replace(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file renamed over it (atomic on POSIX)."""
+    partial = path.with_name(path.name + ".part")
+    with partial.open("w", newline="") as handle:
+        handle.write(text)
+    os.replace(partial, path)

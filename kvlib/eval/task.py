@@ -8,6 +8,8 @@ from typing import Protocol
 
 import torch
 
+from kvlib.errors import quoted
+
 CacheFactory = Callable[[int], object]
 """Builds a fresh cache for one run, given how many tokens each sequence will have seen by the end
 of it (the comparison turns its budget fraction into a token cap of that many tokens); the full
@@ -97,5 +99,5 @@ def parse_tasks(text: str, *, context: int, samples: int | None = None, seed: in
         elif name in builders:
             tasks.append(builders[name](context=context, seed=seed, **extra))
         else:
-            raise ValueError(f"unknown task {name!r}; choose from {', '.join(TASK_NAMES)} or jsonl:PATH")
+            raise ValueError(f"unknown task {quoted(name)}; choose from {', '.join(TASK_NAMES)} or jsonl:PATH")
     return tasks

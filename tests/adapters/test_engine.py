@@ -4,6 +4,7 @@ aborts, errors and page accounting."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -212,9 +213,14 @@ def test_bad_input_is_refused_before_any_work(llama) -> None:
         engine.add_request([1, 2], spec="snapkv")
     with pytest.raises(ValueError, match="per request"):
         engine.add_request([1, 2], spec="kivi(bits=4)")
+    with pytest.raises(ValueError, match=r"^budget=8 without spec: a request's budget goes with its own eviction spec"):
+        engine.add_request([1, 2], budget=8)
+    with pytest.raises(ValueError, match=r"budget as a token count must be at most 4294967296"):
+        engine.add_request([1, 2], spec="streaming_llm", budget=2**40)
     with pytest.raises(ValueError, match="unknown request"):
         engine.abort(99)
-    assert not engine.has_unfinished
+    assert not engine.has_unfinished and engine.requests == {}
+    engine.abort(engine.add_request([1, 2], spec="streaming_llm", budget=np.int64(8)))  # numpy scalars are budgets
     with pytest.raises(ValueError, match="preemption"):
         kvlib.Engine(llama, preemption="drop")
     with pytest.raises(ValueError, match="page_budget_bytes"):
@@ -260,3 +266,55 @@ def test_an_engine_wide_codec_with_default_eviction(llama, llama_case) -> None:
     outputs = engine.generate(prompts[:3], max_new_tokens=NEW)
     assert all(len(output) == NEW for output in outputs)
     assert engine.requests[0].compressor is not None and pages_held(engine) == 0
+
+
+def refuse_to_build(*args, **kwargs):
+    raise AssertionError("a store was built")
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"page_size": 10**6}, r"^page_size=1000000 is over the limit of 4096 tokens per page"),
+        ({"page_budget_bytes": 2**60}, r"^page_budget_bytes=1152921504606846976 would allocate \d+ bytes .* on cpu up front,"
+                                       r" more than the \d+ bytes .* available there"),
+        ({"page_budget_bytes": 2**20, "prefix_cache_bytes": 2**21},
+         r"^prefix_cache_bytes=2097152 is more than page_budget_bytes=1048576: the cached pages live in the page budget"),
+        ({"prefix_cache_bytes": 2**60}, r"^prefix_cache_bytes=1152921504606846976 \(cached pages, no page budget\) would"
+                                        r" allocate"),
+        ({"prefix_cache_bytes": -1}, r"^prefix_cache_bytes must be an int >= 0 \(bytes\) or None, got -1"),
+        ({"budget": 8}, r"^budget=8 needs an eviction strategy in the spec"),
+        ({"spec": "kivi(bits=4)", "budget": 8}, r"^budget=8 needs an eviction strategy in the spec"),
+        ({"spec": "streaming_llm", "budget": 2**40}, r"budget as a token count must be at most 4294967296"),
+    ],
+    ids=["page-size", "page-budget", "prefix-over-page-budget", "prefix-budget", "negative-prefix", "budget-alone",
+         "budget-with-a-codec", "huge-budget"],
+)
+def test_bad_engine_sizes_fail_before_anything_is_allocated_or_run(monkeypatch, options, message) -> None:
+    model = build_model("llama")
+    calls = []
+    model.register_forward_pre_hook(lambda module, args: calls.append(1))
+    monkeypatch.setattr("kvlib.adapters.engine.PagedStore", refuse_to_build)
+    monkeypatch.setattr("kvlib.adapters.engine.PrefixStore", refuse_to_build)
+    with pytest.raises(ValueError, match=message):
+        kvlib.Engine(model, **options)
+    assert calls == [] and model.config._attn_implementation == "sdpa"
+
+
+@pytest.mark.parametrize("prefix_cache", [False, True])
+def test_a_drained_engine_gives_back_its_read_mirror_and_table_rows(llama, llama_case, prefix_cache) -> None:
+    prompts, expected = llama_case
+    engine = kvlib.Engine(llama, prefix_cache=prefix_cache)
+    baseline = engine.stats()["memory_bytes"]
+    ids = [engine.add_request(prompt, max_new_tokens=NEW) for prompt in prompts]
+    busiest = {"tables": 0, "read_cache": 0}
+    while engine.has_unfinished:
+        engine.step()
+        memory = engine.stats()["memory_bytes"]
+        busiest = {part: max(busiest[part], memory[part]) for part in busiest}
+    assert [engine.requests[i].output for i in ids] == expected
+    drained = engine.stats()["memory_bytes"]
+    assert busiest["tables"] > baseline["tables"] and busiest["read_cache"] > 0
+    assert drained["tables"] == baseline["tables"] and drained["read_cache"] == 0
+    if not prefix_cache:  # no index holding pages: every component but the arenas is back at the start
+        assert drained == {**baseline, "reserved": drained["reserved"]}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
 import torch
 from transformers import MambaConfig, MambaForCausalLM
@@ -53,6 +54,59 @@ def test_bad_arguments_fail_before_the_model_is_touched(spec, budget, options, m
     with pytest.raises(ValueError, match=message):
         kvlib.make_cache(model, spec, budget=budget, **options)
     assert model.config._attn_implementation == "sdpa"
+
+
+def forward_calls(model: torch.nn.Module) -> list:
+    """A list that grows by one at every forward call of ``model``."""
+    calls = []
+    model.register_forward_pre_hook(lambda module, args: calls.append(1))
+    return calls
+
+
+@pytest.mark.parametrize(
+    ("spec", "budget", "options", "message"),
+    [
+        (None, None, {"page_size": 10**6}, r"page_size=1000000 is over the limit of 4096 tokens per page"),
+        ("streaming_llm", 2**40, {}, r"budget as a token count must be at most 4294967296 .*, got 1099511627776"),
+        ("streaming_llm", np.bool_(True), {}, r"budget must be an int >= 1 or a float in \(0, 1\] .*, got np.True_ \(bool\)"),
+        ("streaming_llm", torch.tensor([8, 8]), {}, r"got tensor\(\[8, 8\]\) \(Tensor\)"),
+        (None, np.int64(8), {}, r"budget=8 needs an eviction strategy in the spec"),
+        ("kivi(bits=4)", torch.tensor(8), {}, r"budget=8 needs an eviction strategy in the spec"),
+    ],
+    ids=["page-size", "huge-budget", "numpy-bool", "tensor-of-two", "numpy-budget-alone", "tensor-budget-with-a-codec"],
+)
+def test_bad_sizes_fail_before_anything_is_allocated_or_run(spec, budget, options, message):
+    model = build_model("llama")
+    calls = forward_calls(model)
+    with pytest.raises(ValueError, match=message):
+        cache = kvlib.make_cache(model, spec, budget=budget, **options)
+        model.generate(torch.tensor([[4, 5, 6]]), **cache_argument(cache), max_new_tokens=2, pad_token_id=PAD)
+    assert calls == [] and model.config._attn_implementation == "sdpa"
+
+
+def test_first_arenas_over_available_memory_fail_before_the_model_runs(monkeypatch):
+    model = build_model("llama")
+    calls = forward_calls(model)
+    monkeypatch.setattr("kvlib.devices.available_bytes", lambda device: 2**20)
+    with pytest.raises(ValueError, match=r"^make_cache\(page_size=4096\) for 2 layers would allocate \d+ bytes .* on cpu up"
+                                         r" front, more than the 1048576 bytes \(0.000977 GiB\) available there"):
+        kvlib.make_cache(model, page_size=4096)
+    assert calls == [] and model.config._attn_implementation == "sdpa"
+    kvlib.make_cache(model, page_size=16)  # 2 layers x 64 pages of 16 tokens fit in 1 MiB
+
+
+@pytest.mark.parametrize(
+    ("scalar", "plain"), [(np.int64(6), 6), (torch.tensor(6), 6), (np.float32(0.5), 0.5), (torch.tensor(0.5), 0.5)]
+)
+def test_numpy_and_torch_scalars_are_budgets(scalar, plain):
+    model = build_model("llama")
+    ids = torch.randint(3, 97, (1, 12), generator=torch.Generator().manual_seed(0))
+    outputs = []
+    for budget in (scalar, plain):
+        cache = kvlib.make_cache(model, "streaming_llm(sinks=2)", budget=budget)
+        assert type(cache.compressor.budget) is type(plain) and cache.compressor.budget == plain
+        outputs.append(model.generate(ids, **cache_argument(cache), do_sample=False, max_new_tokens=4, pad_token_id=PAD))
+    assert torch.equal(*outputs)
 
 
 def test_unknown_spec_lists_what_is_registered():

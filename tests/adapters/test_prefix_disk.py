@@ -106,3 +106,41 @@ def test_loading_from_disk_never_evicts_what_the_lookup_found(tmp_path: Path) ->
     assert torch.equal(out, model.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=PAD))
     cache.reset()
     assert reader.stats()["bytes"] <= block * 3 // 2  # once released, the budget holds again
+
+
+def test_blocks_past_the_disk_tiers_capacity_are_left_out_with_one_warning(tmp_path: Path) -> None:
+    """A tier holding two and a half records and a prompt of four full blocks: the first two
+    are written, with one warning naming the sizes; a tier smaller than one record takes none."""
+    import warnings
+
+    import pytest
+    import torch
+
+    import kvlib
+    from kvlib.storage.page_record import record_size
+    from kvlib.transformers_compat import cache_argument
+    from tests.adapters.conftest import PAD, build_model
+
+    model = build_model("stories")
+    prompt = torch.randint(3, 60, (1, 70), generator=torch.Generator().manual_seed(0))
+
+    def prefill(capacity: int, directory: Path) -> tuple[kvlib.PrefixStore, DiskTier]:
+        disk = DiskTier(directory, capacity_bytes=capacity)
+        store = kvlib.PrefixStore(model, capacity_bytes=2**24, disk=disk)
+        cache = kvlib.make_cache(model, reuse=store, prompt=prompt)
+        model.generate(prompt, **cache_argument(cache), max_new_tokens=2, do_sample=False, pad_token_id=PAD)
+        return store, disk
+
+    probe, _ = prefill(2**26, tmp_path / "probe")
+    record = record_size(probe._disk_layout(next(iter(probe.stores))))
+    with pytest.warns(RuntimeWarning, match=rf"4 prompt blocks of {record} bytes each on disk need {4 * record} bytes, more"
+                                            rf" than the disk tier's capacity of {record * 5 // 2} bytes: only the first 2"):
+        store, disk = prefill(record * 5 // 2, tmp_path / "two")
+    assert len(disk.keys()) == 2 and disk.stats()["writes"] == 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # warned once per store
+        cache = kvlib.make_cache(model, reuse=store, prompt=torch.cat([prompt, prompt], 1))
+        model.generate(torch.cat([prompt, prompt], 1), **cache_argument(cache), max_new_tokens=1, do_sample=False, pad_token_id=PAD)
+    with pytest.warns(RuntimeWarning, match=r"only the first 0 are written"):
+        _, disk = prefill(record - 1, tmp_path / "none")
+    assert disk.keys() == []

@@ -1,7 +1,9 @@
 """``kvlib compare`` end to end on a tiny byte model, the report files, and the Pareto front."""
 
 import csv
+import importlib
 import json
+import pathlib
 
 import pytest
 
@@ -27,7 +29,7 @@ def test_writes_a_consistent_table_json_csv_and_one_png_per_task(compared, capsy
     runs = record["runs"]
     assert [(r["policy"], r["budget"]) for r in runs] == [
         ("full", None), ("streaming_llm", 0.25), ("streaming_llm", 0.5), ("snapkv(window=8)", 0.25), ("snapkv(window=8)", 0.5)]
-    assert record["tasks"] == ["needle", "perplexity", "agreement"] and record["context"] == 128
+    assert record["tasks"] == ["needle", "perplexity", "agreement"] and record["context"] == 128 and record["complete"]
     assert all(r["error"] is None and set(r["tasks"]) == set(record["tasks"]) for r in runs)
 
     table = (out / "compare.md").read_text().splitlines()
@@ -55,6 +57,7 @@ def test_writes_a_consistent_table_json_csv_and_one_png_per_task(compared, capsy
     for task in ("needle", "perplexity", "agreement"):
         png = (out / f"{task}.png").read_bytes()
         assert png.startswith(PNG_SIGNATURE) and len(png) > 5_000
+    assert not list(out.glob("*.part")) and not list(out.glob(".kvlib-probe-*"))
 
 
 @pytest.mark.parametrize(
@@ -67,13 +70,73 @@ def test_writes_a_consistent_table_json_csv_and_one_png_per_task(compared, capsy
         (["--budgets", "half"], "--budgets takes comma-separated fractions"),
         (["--context", "100000"], "needs"),
         (["--tasks", "jsonl:/no/such.jsonl"], "jsonl file not found"),
+        (["--policies", "+".join(["h2o"] * 2000)], "a spec string has at most 4096 characters; got 7999: 'h2o+h2o"),
+        (["--policies", "+".join(["a"] * 2000)], "a spec holds at most 64 strategies"),
+        (["--policies", "x" * 100_000], "a spec string has at most 4096 characters; got 100000: 'xxxx"),
+        (["--tasks", "y" * 100_000], "unknown task 'yyyy"),
     ],
 )
 def test_mistakes_are_one_line_and_exit_2(compared, capsys, extra, message):
     _, argv = compared
     assert cli.main(argv + extra) == 2
     err = capsys.readouterr().err
-    assert err.startswith("kvlib: error: ") and message in err and err.count("\n") == 1
+    assert err.startswith("kvlib: error: ") and message in err and err.count("\n") == 1 and len(err) < 2_000
+
+
+def never_load(name):
+    raise AssertionError("the model was loaded")
+
+
+def refuse_probe(self, data):
+    raise PermissionError(13, "Permission denied")
+
+
+@pytest.mark.parametrize(
+    ("out", "message"),
+    [
+        ("file", "exists and is not a folder"),
+        ("file/sub", "cannot be written: Not a directory"),
+        ("unwritable", "cannot be written: Permission denied"),
+    ],
+)
+def test_an_unusable_out_folder_fails_before_the_model_loads(compared, capsys, monkeypatch, tmp_path, out, message):
+    _, argv = compared
+    (tmp_path / "file").write_text("keep me")
+    if out == "unwritable":  # as root a read-only mode does not stop writes: refuse the probe file instead
+        monkeypatch.setattr(pathlib.Path, "write_bytes", refuse_probe)
+    monkeypatch.setattr("kvlib.eval.load_model", never_load)
+    assert cli.main(argv + ["--out", str(tmp_path / out)]) == 2
+    assert capsys.readouterr().err == f"kvlib: error: --out {str(tmp_path / out)!r} {message}\n"
+    assert (tmp_path / "file").read_text() == "keep me" and sorted(p.name for p in tmp_path.rglob("*")) == (
+        ["file", "unwritable"] if out == "unwritable" else ["file"])
+
+
+def test_an_interrupted_comparison_keeps_every_finished_configuration(byte_model_dir, capsys, monkeypatch, tmp_path):
+    """Ctrl-C during the second configuration's speed run: the first (the full cache) is in the
+    table, JSON and CSV, marked incomplete; exit code 130 with one line on stderr."""
+    module = importlib.import_module("kvlib.eval.compare")
+    speed_runs = []
+
+    def interrupted_second(*args):
+        speed_runs.append(1)
+        if len(speed_runs) == 2:
+            raise KeyboardInterrupt
+        return module_decode_speed(*args)
+
+    module_decode_speed = module.decode_speed
+    monkeypatch.setattr(module, "decode_speed", interrupted_second)
+    argv = ["compare", "--model", str(byte_model_dir), "--context", "64", "--samples", "1", "--tasks", "perplexity",
+            "--policies", "streaming_llm", "--budgets", "0.25,0.5", "--out", str(tmp_path), "--quiet"]
+    assert cli.main(argv) == cli.INTERRUPTED == 130
+    captured = capsys.readouterr()
+    assert captured.err == f"\nkvlib compare: interrupted; the configurations that finished are in {tmp_path}\n"
+    record = json.loads((tmp_path / "compare.json").read_text())
+    assert record["complete"] is False and [(r["policy"], r["budget"]) for r in record["runs"]] == [("full", None)]
+    assert record["runs"][0]["tasks"]["perplexity"]["score"] > 1 and record["runs"][0]["decode_tokens_per_s"] > 0
+    rows = list(csv.DictReader((tmp_path / "compare.csv").open()))
+    assert [(row["policy"], row["task"]) for row in rows] == [("full", "perplexity")]
+    assert (tmp_path / "compare.md").read_text().splitlines()[2].startswith("| full | - |")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["compare.csv", "compare.json", "compare.md"]
 
 
 def test_a_model_that_cannot_be_loaded_is_one_line(capsys, tmp_path):

@@ -128,6 +128,13 @@ def test_bench_runs_each_script_with_quick_and_out_and_reports_failures(tmp_path
     assert "kvlib bench: failed: bad" in capsys.readouterr().err
 
 
+def test_the_out_folder_is_created_with_its_parents_and_left_as_it_was(tmp_path):
+    out = cli.check_out_folder(str(tmp_path / "a" / "b"))
+    assert out == tmp_path / "a" / "b" and out.is_dir() and list(out.iterdir()) == []
+    (out / "earlier.json").write_text("{}")
+    assert cli.check_out_folder(str(out)) == out and [p.name for p in out.iterdir()] == ["earlier.json"]
+
+
 def test_bench_mistakes_are_one_line(tmp_path, capsys):
     assert cli.main(["bench", "--dir", str(tmp_path)]) == 2
     assert capsys.readouterr().err.startswith(f"kvlib: error: no benchmark scripts in {tmp_path}")

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kvlib import PagedStore, PoolExhaustedError
+from kvlib.paged_store import initial_arena_bytes
 
 
 def step(batch: int, heads: int, tokens: int, dim: int = 4, seed: int = 0) -> torch.Tensor:
@@ -259,6 +260,60 @@ def test_bad_store_arguments(bad: dict) -> None:
     args.update(bad)
     with pytest.raises(ValueError):
         PagedStore(**args)
+
+
+def no_pools(*args, **kwargs):
+    raise AssertionError("a page pool was built")
+
+
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        ({"page_size": 10**6}, r"page_size=1000000 is over the limit of 4096 tokens per page"),
+        ({"page_size": 16.0}, r"page_size must be an int >= 1 \(tokens per page\), got 16.0"),
+        ({"pages_per_layer": -1}, r"pages_per_layer must be an int >= 0, got -1"),
+        ({"pages_per_layer": 0, "fixed_capacity": True}, r"pages_per_layer must be an int >= 1, got 0"),
+        ({"pages_per_layer": 2**40}, r"a store of 2 layers with pages_per_layer=1099511627776 of page_size=16 tokens would"
+                                     r" allocate \d+ bytes \(.* GiB\) on cpu up front, more than the \d+ bytes"),
+    ],
+)
+def test_sizes_are_bounded_before_any_pool_is_built(monkeypatch, bad: dict, message: str) -> None:
+    monkeypatch.setattr("kvlib.paged_store.PagePool", no_pools)
+    with pytest.raises(ValueError, match=message):
+        PagedStore(2, 2, 64, **bad)
+
+
+def test_what_the_first_arenas_take_is_checked_against_available_memory(monkeypatch) -> None:
+    """2 layers, 64 pages of 16 tokens, 4 + 4 float32 channels and int64 positions: 2 * 64 * 16
+    * (8 * 4 + 8) bytes; one byte less available and the store is refused before a pool exists."""
+    needed = 2 * 64 * 16 * (8 * 4 + 8)
+    assert initial_arena_bytes([4, 4], [4, 4], 16, torch.float32, 64) == needed
+    monkeypatch.setattr("kvlib.devices.available_bytes", lambda device: needed - 1)
+    monkeypatch.setattr("kvlib.paged_store.PagePool", no_pools)
+    with pytest.raises(ValueError, match=rf"would allocate {needed} bytes .* on cpu up front, more than the {needed - 1} bytes"):
+        PagedStore(2, 2, 4)
+    monkeypatch.undo()
+    monkeypatch.setattr("kvlib.devices.available_bytes", lambda device: needed)
+    assert PagedStore(2, 2, 4).memory_bytes()["reserved"] == needed  # the estimate is what is taken
+
+
+def test_a_drained_store_gives_back_its_mirrors_and_table_rows() -> None:
+    store = PagedStore(2, 2, 4, page_size=4)
+    empty = store.memory_bytes()
+    seqs = [store.new_sequence() for _ in range(5)]
+    for layer in range(2):
+        store.append(layer, seqs, step(5, 2, 30), step(5, 2, 30))
+        store.read(layer, seqs)
+    grown = store.memory_bytes()
+    assert grown["tables"] > empty["tables"] and grown["read_cache"] > 0
+    store.release(seqs[:4])
+    assert store.memory_bytes()["tables"] == grown["tables"]  # one sequence still live: nothing shrinks
+    store.release(seqs[4:])
+    assert store.memory_bytes() == {**empty, "reserved": grown["reserved"]}  # arenas keep their pages
+    seq = store.new_sequence()
+    assert seq == 0
+    store.append(0, [seq], step(1, 2, 3), step(1, 2, 3))
+    assert store.read(0, [seq]).keys.shape == (1, 2, 3, 4)
 
 
 # -- truncate ------------------------------------------------------------------------------------

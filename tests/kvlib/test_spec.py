@@ -475,3 +475,43 @@ def test_spec_is_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         spec.eviction = None
     assert kvlib.Spec is Spec
+
+
+# -- size limits and what messages echo ----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("+".join(["h2o"] * 2000), r"^a spec string has at most 4096 characters; got 7999: 'h2o\+h2o"),
+        ("+".join(["h2o"] * 65), r"^a spec holds at most 64 strategies \(one per kind, and reuse strategies\); got 65 terms in"),
+        ("+".join(["a"] * 2000), r"^a spec holds at most 64 strategies .*; got 2000 terms in 'a\+a\+a"),
+        ("(" * 300 + "h2o" + ")" * 300, r"^cannot parse spec '\(\(\(\("),
+    ],
+    ids=["2000-terms-long", "65-terms", "2000-short-terms", "deep-parentheses"],
+)
+def test_oversized_specs_are_spec_errors_with_a_cut_echo(text, message):
+    with pytest.raises(SpecError, match=message) as info:
+        parse_spec(text)
+    assert len(str(info.value)) < 400
+
+
+def test_a_list_of_too_many_strategies_is_refused():
+    with pytest.raises(SpecError, match="at most 64 strategies .*; got a list of 65 items"):
+        parse_spec([StreamingLLM()] * 65)
+
+
+def test_a_huge_unknown_name_is_cut_in_the_message():
+    name = "x" * 100_000
+    with pytest.raises(SpecError) as info:
+        kvlib.get_policy(name)
+    message = str(info.value)
+    assert message.startswith("unknown strategy 'xxxx") and "x...." in message and len(message) < 1_000
+    assert "Did you mean" not in message and "eviction: " in message
+
+
+def test_a_huge_parameter_value_is_cut_in_the_message():
+    with pytest.raises(SpecError) as info:
+        parse_spec(f"streaming_llm(sinks='{'9' * 3000}')")
+    message = str(info.value)
+    assert message.startswith("streaming_llm: parameter 'sinks' must be int, got '9999") and len(message) < 200
