@@ -12,3 +12,8 @@ class PoolExhaustedError(RuntimeError):
 
     Raised before the operation changes anything, so nothing already stored is lost.
     """
+
+
+class DiskTierUnavailable(RuntimeError):
+    """A directory cannot hold a disk tier: it cannot be created or written, or its damaged
+    files cannot be moved aside. The message names the directory and what failed."""

@@ -21,18 +21,23 @@ Disk (``disk=DiskTier(path, capacity_bytes)`` or a path): every block indexed fr
 cache is also written to an lmdb page record (write-through), keyed by the namespace's digest
 and the chain key; a lookup that runs out of blocks in memory goes on on disk, loading verified
 records into fresh pages. A new process with the same model thus reuses prefixes an earlier one
-computed. Codec namespaces stay in memory only.
+computed. Codec namespaces stay in memory only. A directory that cannot hold a tier (read-only,
+say) gives one warning and the store keeps prefixes in memory only; a damaged one is moved aside
+by the tier, which starts empty (:mod:`~kvlib.storage.lmdb_files`): a disk tier never takes the
+process down, and a record that fails any check is a counted miss.
 """
 
 from __future__ import annotations
 
 import hashlib
+import warnings
 import weakref
 from collections.abc import Callable
 
 import torch
 
 from kvlib.devices import outside_inference_mode, to_arena_device
+from kvlib.errors import DiskTierUnavailable
 from kvlib.paged_store import PagedStore
 from kvlib.prefix_index import Entry, PrefixIndex
 from kvlib.storage.coded_pool import CodedPagePool
@@ -76,7 +81,8 @@ class PrefixStore:
         capacity_bytes: bytes of indexed pages kept once no cache uses them (LRU beyond that).
         salt: mixed into every key (separate tenants that must never share pages).
         disk: a :class:`~kvlib.storage.disk_tier.DiskTier`, or a directory for one holding up to
-            four times ``capacity_bytes`` of records; None keeps prefixes in memory only.
+            four times ``capacity_bytes`` of records (one that cannot hold a tier: a warning, and
+            memory only); None keeps prefixes in memory only.
     """
 
     def __init__(self, model: torch.nn.Module, capacity_bytes: int, *, salt: str = "", disk: DiskTier | str | None = None) -> None:
@@ -91,7 +97,11 @@ class PrefixStore:
         self.stores: dict[str, PagedStore] = {}
         """Paged stores by namespace (see :meth:`namespace`)."""
         if isinstance(disk, (str, bytes)) or hasattr(disk, "__fspath__"):
-            disk = open_disk_tier(disk, capacity_bytes=max(capacity_bytes, 1) * 4)
+            try:
+                disk = open_disk_tier(disk, capacity_bytes=max(capacity_bytes, 1) * 4)
+            except DiskTierUnavailable as error:
+                warnings.warn(f"{error}; prefixes stay in memory", stacklevel=2)
+                disk = None
         if disk is not None and not isinstance(disk, DiskTier):
             raise ValueError(f"disk must be a DiskTier, a path or None, got {type(disk).__name__}")
         self.disk = disk

@@ -1,6 +1,7 @@
 """The persistent prefix cache: a second process reuses the prefixes a first one wrote to the
 lmdb disk tier, with identical output; a corrupted record is recomputed; another model's
-directory is never mistaken for this one's."""
+directory is never mistaken for this one's; a directory that cannot hold a tier leaves the store
+in memory, with one warning (damaged directories: test_prefix_disk_damage.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from kvlib.storage.disk_tier import DiskTier
 
@@ -79,3 +82,13 @@ def test_loading_from_disk_never_evicts_what_the_lookup_found(tmp_path: Path) ->
     assert torch.equal(out, model.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=PAD))
     cache.reset()
     assert reader.stats()["bytes"] <= block * 3 // 2  # once released, the budget holds again
+
+
+def test_a_directory_that_cannot_hold_a_tier_leaves_prefixes_in_memory(tmp_path: Path) -> None:
+    import kvlib
+    from tests.adapters.conftest import build_model
+
+    (tmp_path / "file").write_bytes(b"")
+    with pytest.warns(UserWarning, match="cannot create the directory .*prefixes stay in memory") as caught:
+        store = kvlib.PrefixStore(build_model("llama"), capacity_bytes=2**20, disk=tmp_path / "file" / "prefixes")
+    assert store.disk is None and len(caught) == 1
