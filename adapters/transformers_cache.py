@@ -29,11 +29,12 @@ from kvlib.adapters.model_shape import KVShape
 from kvlib.adapters.prefix_session import PrefixSession
 from kvlib.codec import Codec, FitSample, PageCodec, layer_shapes
 from kvlib.devices import reads_pages_in_place
+from kvlib.errors import DiskTierUnavailable
 from kvlib.paged_attention import PagedLayer
 from kvlib.paged_store import PagedStore
 from kvlib.prefix_store import PrefixStore
 from kvlib.read_cache import LayerRead
-from kvlib.storage.disk_tier import open_disk_tier
+from kvlib.storage.disk_tier import DiskTier, open_disk_tier
 from kvlib.storage.page_record import Layout, record_size
 from kvlib.storage.spill_store import SpillStore
 from kvlib.strategy import LayerView, Tiering
@@ -104,7 +105,9 @@ class KVCache(Cache):
         home: the model's ``(dtype, device)``, where a primed cache's pages live before any update.
         tiering: a placement strategy (``lru``, ``score_aware``) keeping part of the pages in host
             memory and, with ``lru``'s ``disk``, in page records there (this cache's run: see
-            :attr:`spill`), or ``quest``, whose decode steps attend over the pages their query chooses.
+            :attr:`spill`; a directory that cannot hold a disk tier is a ``ValueError`` here, as
+            spilled pages would have nowhere to go), or ``quest``, whose decode steps attend over
+            the pages their query chooses.
     """
 
     def __init__(
@@ -137,6 +140,7 @@ class KVCache(Cache):
         self.spill: SpillStore | None = None
         """This cache's spilled pages on disk (opened with the store; records deleted as pages
         are freed, all of them when the cache is garbage collected or the process exits)."""
+        self._spill_tier = _spill_tier(tiering)
         self._session: PrefixSession | None = None
         self._recompute: torch.Tensor | None = None
         self.store: PagedStore | None = None
@@ -590,8 +594,7 @@ class KVCache(Cache):
         layout = Layout(bytes(16), 1, 1, self.page_size, shape.head_dim, shape.value_dim, dtype)
         disk_pages = self.tiering.disk_pages(shape.num_layers, record_size(layout))
         if self.spill is None:
-            disk = open_disk_tier(self.tiering.disk_directory(), capacity_bytes=1)
-            self.spill = SpillStore(disk, capacity_bytes=disk_pages * shape.num_layers * record_size(layout))
+            self.spill = SpillStore(self._spill_tier, capacity_bytes=disk_pages * shape.num_layers * record_size(layout))
         return {"spill": self.spill, "disk_pages": disk_pages}
 
     def _check_layer(self, layer_idx: int) -> None:
@@ -603,3 +606,15 @@ class KVCache(Cache):
         if self.codec is not None:
             spec += f", codec={self.codec.spec()}"
         return f"KVCache({spec}, layers={self.shape.num_layers}, batch={len(self._rows)})"
+
+
+def _spill_tier(tiering: Tiering | None) -> DiskTier | None:
+    """The disk tier of the directory ``tiering`` spills to (None: it spills nowhere), opened
+    now: a directory that cannot hold one is refused before any model work, as a ``ValueError``."""
+    if tiering is None or not tiering.disk_directory():
+        return None
+    try:
+        return open_disk_tier(tiering.disk_directory(), capacity_bytes=1)
+    except DiskTierUnavailable as error:
+        raise ValueError(f"{tiering.spec()}: {error}; spilled pages need a disk tier: name a writable directory, "
+                         "or drop disk= to keep pages in host memory only") from None

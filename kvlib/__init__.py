@@ -9,7 +9,7 @@ requests at once (continuous batching with chunked prefill, preemption and prefi
 from kvlib.adapters import Engine, KVCache, attach, blend_cache, make_cache
 from kvlib.chunk_store import ChunkStore
 from kvlib.codec import Field, FitSample, PageCodec, TensorCodec, TensorShape
-from kvlib.errors import PoolExhaustedError, SpecError
+from kvlib.errors import DiskTierUnavailable, PoolExhaustedError, SpecError
 from kvlib.paged_store import PagedStore
 from kvlib.prefix_store import PrefixStore
 from kvlib.read_cache import LayerRead
@@ -22,6 +22,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Budget",
     "ChunkStore",
+    "DiskTierUnavailable",
     "Engine",
     "Eviction",
     "Field",

@@ -26,3 +26,8 @@ def cut(text: str, limit: int = ECHO_CHARS) -> str:
 def quoted(value: object, limit: int = ECHO_CHARS) -> str:
     """``repr(value)`` for an error message, :func:`cut` to ``limit`` characters."""
     return cut(repr(value), limit)
+
+
+class DiskTierUnavailable(RuntimeError):
+    """A directory cannot hold a disk tier: it cannot be created or written, or its damaged
+    files cannot be moved aside. The message names the directory and what failed."""

@@ -29,7 +29,10 @@ and the chain key; a lookup that runs out of blocks in memory goes on on disk, l
 records into fresh pages. A new process with the same model thus reuses prefixes an earlier one
 computed. Codec namespaces stay in memory only. A prompt whose blocks do not all fit in the
 tier's capacity has its leading blocks written (as many as fit), and a block larger than the
-whole capacity none; either way the store warns once.
+whole capacity none; either way the store warns once. A directory that cannot hold a tier
+(read-only, say) gives one warning and the store keeps prefixes in memory only; a damaged one is
+moved aside by the tier, which starts empty (:mod:`~kvlib.storage.lmdb_files`): a disk tier never
+takes the process down, and a record that fails any check is a counted miss.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from collections.abc import Callable
 import torch
 
 from kvlib.devices import outside_inference_mode, to_arena_device
+from kvlib.errors import DiskTierUnavailable
 from kvlib.model_identity import ModelIdentity
 from kvlib.paged_store import PagedStore
 from kvlib.prefix_index import Entry, PrefixIndex
@@ -58,7 +62,8 @@ class PrefixStore:
         capacity_bytes: bytes of indexed pages kept once no cache uses them (LRU beyond that).
         salt: mixed into every key (separate tenants that must never share pages).
         disk: a :class:`~kvlib.storage.disk_tier.DiskTier`, or a directory for one holding up to
-            four times ``capacity_bytes`` of records; None keeps prefixes in memory only.
+            four times ``capacity_bytes`` of records (one that cannot hold a tier: a warning, and
+            memory only); None keeps prefixes in memory only.
     """
 
     def __init__(self, model: torch.nn.Module, capacity_bytes: int, *, salt: str = "", disk: DiskTier | str | None = None) -> None:
@@ -73,7 +78,11 @@ class PrefixStore:
         self.stores: dict[str, PagedStore] = {}
         """Paged stores by namespace (see :meth:`namespace`)."""
         if isinstance(disk, (str, bytes)) or hasattr(disk, "__fspath__"):
-            disk = open_disk_tier(disk, capacity_bytes=max(capacity_bytes, 1) * 4)
+            try:
+                disk = open_disk_tier(disk, capacity_bytes=max(capacity_bytes, 1) * 4)
+            except DiskTierUnavailable as error:
+                warnings.warn(f"{error}; prefixes stay in memory", stacklevel=2)
+                disk = None
         if disk is not None and not isinstance(disk, DiskTier):
             raise ValueError(f"disk must be a DiskTier, a path or None, got {type(disk).__name__}")
         self.disk = disk

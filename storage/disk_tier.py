@@ -17,6 +17,11 @@ Guarantees, from lmdb and this module:
   are evicted first (every part of each); the map grows as needed up to that budget; when lmdb
   reports the disk or map full, writing stops with one warning and generation goes on;
 - several processes may use one directory: lmdb serialises writers and lets readers run;
+- a damaged directory never takes the process down: lmdb reads nothing of ``data.mdb`` before
+  it passes py-lmdb's verifier; a damaged one is moved aside (one warning) and the tier starts
+  empty, and a directory that cannot hold a tier raises
+  :class:`~kvlib.errors.DiskTierUnavailable` (see :mod:`~kvlib.storage.lmdb_files`); a file cut
+  short while open makes reads misses and stops the tier (one warning);
 - within a process, threads other than the writer's may read (a page prefetch reads spilled
   pages): they hold :attr:`DiskTier.resize_lock` during a read transaction, and the map is
   only resized under it (lmdb resizes only with no transaction active in the process).
@@ -36,6 +41,7 @@ writes that way, whole records in one value each.
 
 from __future__ import annotations
 
+import os
 import struct
 import threading
 import warnings
@@ -46,6 +52,7 @@ from pathlib import Path
 import lmdb
 
 from kvlib.storage import record_parts
+from kvlib.storage.lmdb_files import committed_bytes, open_environment
 from kvlib.storage.spill_store import sweep_dead_runs
 
 _U64 = struct.Struct("<Q")
@@ -59,6 +66,10 @@ _PAGE_HEADER = 16
 page size - _PAGE_HEADER`` bytes fills its pages exactly."""
 
 
+class TierLostError(lmdb.Error):
+    """A write to a tier whose ``data.mdb`` was cut short while open (see :meth:`DiskTier.intact`)."""
+
+
 Record = bytes | bytearray | memoryview | list
 """A record to store: bytes-like, or a list of bytes-like chunks that joined are the record."""
 
@@ -70,7 +81,8 @@ def open_disk_tier(path: str | Path, capacity_bytes: int) -> DiskTier:
     """The :class:`DiskTier` at ``path`` already open in this process (its capacity raised to
     ``capacity_bytes`` if lower), or a new one holding up to ``capacity_bytes`` of prefix
     records: lmdb allows one environment per file per process, so a prefix store and spilling
-    caches given the same directory share one."""
+    caches given the same directory share one. :class:`~kvlib.errors.DiskTierUnavailable` if
+    the directory cannot hold one."""
     key = Path(path).resolve()
     tier = _OPEN.get(key)
     if tier is None or tier.closed:
@@ -83,21 +95,26 @@ def open_disk_tier(path: str | Path, capacity_bytes: int) -> DiskTier:
 
 
 class DiskTier:
-    """Page records in the lmdb environment at ``path`` (created if missing), at most
-    ``capacity_bytes`` of record bytes."""
+    """Page records in the lmdb environment at ``path`` (created if missing; verified, and
+    moved aside if damaged), at most ``capacity_bytes`` of record bytes.
+    :class:`~kvlib.errors.DiskTierUnavailable` if the directory cannot hold one."""
 
     def __init__(self, path: str | Path, capacity_bytes: int) -> None:
         if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes < 1:
             raise ValueError(f"capacity_bytes must be an int >= 1, got {capacity_bytes!r}")
         self.path = Path(path)
-        self.path.mkdir(parents=True, exist_ok=True)
         self.capacity_bytes = capacity_bytes
         self.limit = max(_MIN_MAP, int(capacity_bytes * _OVERHEAD))
-        self.env = lmdb.open(str(self.path), map_size=min(self.limit, _MIN_MAP), max_dbs=6, subdir=True)
+        self.env = open_environment(self.path, map_size=min(self.limit, _MIN_MAP), max_dbs=6)
         self.records = self.env.open_db(b"records")
         """Record entries by key (:mod:`~kvlib.storage.record_parts`)."""
         self.parts = self.env.open_db(b"parts")
-        self.part_bytes = _PART_PAGES * self.env.stat()["psize"] - _PAGE_HEADER
+        self.page_bytes = self.env.stat()["psize"]
+        """lmdb's page size."""
+        self.part_bytes = _PART_PAGES * self.page_bytes - _PAGE_HEADER
+        self._data = os.open(self.path / "data.mdb", os.O_RDONLY)
+        """The data file lmdb maps (its inode, even once renamed): :meth:`intact` checks its size."""
+        self._close_data = weakref.finalize(self, os.close, self._data)
         self.atime = self.env.open_db(b"atime")
         self.meta = self.env.open_db(b"meta")
         self.env.reader_check()  # reader slots of dead processes
@@ -109,6 +126,9 @@ class DiskTier:
         commit (reads commit nothing)."""
         self.stopped = False
         """True once a full disk stopped writing (warned once)."""
+        self.lost = False
+        """True once ``data.mdb`` was found cut short while open (warned once): every read is then
+        a miss and nothing is written."""
         self.closed = False
         self.resize_lock = threading.Lock()
         """Held while the map is resized and by reads from threads other than the writer's."""
@@ -119,14 +139,19 @@ class DiskTier:
         """``check(parts)`` of the record under ``key``, or None if absent, if its parts are not
         all there, or if ``check`` raises ``ValueError`` (a corrupt or foreign record: counted and
         deleted). ``parts`` are buffers into the map whose concatenation is the record, valid
-        during the call only: ``check`` copies what it keeps."""
+        during the call only: ``check`` copies what it keeps. A read lmdb reports failing (a
+        damaged page) is a corrupt record too; with ``data.mdb`` cut short since it was opened,
+        every read is a miss (see :meth:`intact`)."""
+        if not self.intact():
+            self.misses += 1
+            return None
         value, found = None, True
         with self.env.begin(buffers=True) as txn:
             try:
                 parts = record_parts.read(txn, self.records, self.parts, key)
                 found = parts is not None
                 value = check(parts) if found else None
-            except ValueError:
+            except (ValueError, lmdb.Error):
                 value = None
         if not found:
             self.misses += 1
@@ -242,7 +267,7 @@ class DiskTier:
 
     def flush(self) -> None:
         """Commit the access clocks of reads since the last write."""
-        if self._touched:
+        if self._touched and self.intact():
             try:
                 with self.env.begin(write=True) as txn:
                     self._record_touches(txn)
@@ -257,7 +282,10 @@ class DiskTier:
     def transact(self, incoming: int, body: Callable[[lmdb.Transaction], None]) -> None:
         """Run ``body`` in one write transaction (all or nothing), the map grown ahead of
         ``incoming`` bytes and again (the transaction redone) while lmdb reports it full, up to the
-        limit; then ``lmdb.MapFullError`` (or another ``lmdb.Error``) propagates, nothing written."""
+        limit; then ``lmdb.MapFullError`` (or another ``lmdb.Error``) propagates, nothing written;
+        :class:`TierLostError` once the tier is lost (:meth:`intact`)."""
+        if not self.intact():
+            raise TierLostError(f"data.mdb at {self.path} was cut short while open")
         self._reserve(incoming)
         while True:
             try:
@@ -286,6 +314,17 @@ class DiskTier:
             self.env.set_mapsize(min(self.limit, 2 * size))
         return True
 
+    def intact(self) -> bool:
+        """False once ``data.mdb`` was found shorter than lmdb's last commit needs (truncated while
+        open: a read there would be a SIGBUS): then, with one warning, the tier is :attr:`lost`. A
+        ``fstat`` per call; a truncation between it and a read is not caught. Threads other than
+        the writer's call it holding :attr:`resize_lock` (it reads lmdb's meta page in the map)."""
+        if not self.lost and os.fstat(self._data).st_size < committed_bytes(self.env, self.page_bytes):
+            self.lost = self.stopped = True
+            warnings.warn(f"kvlib disk tier at {self.path}: data.mdb was cut short while open; its reads are misses "
+                          "and nothing is written from now on", stacklevel=3)
+        return not self.lost
+
     def _stop(self, why: str) -> None:
         if not self.stopped:
             warnings.warn(f"kvlib disk tier at {self.path}: stopped writing ({why}); generation goes on without it", stacklevel=3)
@@ -298,6 +337,7 @@ class DiskTier:
     def close(self) -> None:
         self.flush()
         self.env.close()
+        self._close_data()
         self.closed = True
 
 

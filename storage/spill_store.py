@@ -62,7 +62,7 @@ class SpillStore:
         """Record bytes this run holds."""
         disk.extend_limit(capacity_bytes)
         disk.transact(_RUN.size, lambda txn: txn.put(self.run, _RUN.pack(os.getpid(), _start_time(os.getpid()) or 0), db=self.runs))
-        self._close = weakref.finalize(self, _delete_run, disk.env, self.spill, self.runs, self.run)
+        self._close = weakref.finalize(self, _delete_run, disk, self.spill, self.runs, self.run)
 
     def layer(self, layer: int, page_size: int, head_dim: int, value_dim: int, dtype: torch.dtype) -> LayerSpill:
         """The spill of one layer's pool (pages of that shape)."""
@@ -141,6 +141,9 @@ class LayerSpill:
         rows, size = empty_rows(layout, count), record_size(layout)
         page_list = pages.tolist()
         with self.store.disk.resize_lock, self.store.disk.env.begin(db=self.store.spill, buffers=True) as txn:
+            if not self.store.disk.intact():
+                raise SpilledPageLost(f"spilled pages of layer {self.layer} are lost: {self.store.disk.path / 'data.mdb'} "
+                                      "was cut short while open")
             for i, page in enumerate(page_list):
                 record = txn.get(self._key(page))
                 if record is None or len(record) != size:
@@ -157,7 +160,10 @@ class LayerSpill:
         return keys, values
 
     def delete(self, pages: torch.Tensor) -> None:
-        """Delete the records of pages ``pages`` (freed, or back in memory), in one transaction."""
+        """Delete the records of pages ``pages`` (freed, or back in memory), in one transaction
+        (nothing to do once the tier is lost: they went with its file)."""
+        if not self.store.disk.intact():
+            return
         freed = 0
 
         def remove(txn: lmdb.Transaction) -> None:
@@ -171,11 +177,13 @@ class LayerSpill:
         self.store.nbytes -= freed
 
 
-def _delete_run(env: lmdb.Environment, spill: lmdb._Database, runs: lmdb._Database, run: bytes) -> None:
+def _delete_run(disk: DiskTier, spill: lmdb._Database, runs: lmdb._Database, run: bytes) -> None:
     """Delete run ``run``'s records and registration in one transaction (a closed environment:
-    nothing to do, the next opening sweeps)."""
+    nothing to do, the next opening sweeps; a lost tier: they went with its file)."""
     try:
-        with env.begin(write=True) as txn:
+        if disk.closed or not disk.intact():
+            return
+        with disk.env.begin(write=True) as txn:
             _delete_records(txn, spill, run)
             txn.delete(run, db=runs)
     except lmdb.Error:

@@ -1,5 +1,6 @@
 """Spilling through generate: pages spread over device, host and disk give exactly the untiered
-tokens and logits; budgets hold; records go with the pages; a full disk is a clear error."""
+tokens and logits; budgets hold; records go with the pages; a full disk or an unusable directory
+is a clear error."""
 
 from __future__ import annotations
 
@@ -67,6 +68,9 @@ def test_a_full_disk_tier_is_a_clear_error_and_bad_specs_are_refused(tmp_path: P
         kvlib.make_cache(model, f"lru(device_mb=0.01, disk={str(tmp_path)!r})")
     with pytest.raises(ValueError, match="disk_mb must be > 0"):
         kvlib.make_cache(model, f"lru(device_mb=0.01, host_mb=0.01, disk={str(tmp_path)!r}, disk_mb=0)")
+    (tmp_path / "file").write_bytes(b"")  # a directory that cannot hold a disk tier: refused up front
+    with pytest.raises(ValueError, match="cannot create the directory .*spilled pages need a disk tier"):
+        kvlib.make_cache(model, spec(model, tmp_path / "file" / "kv", device_pages=2, host_pages=2))
 
 
 def test_a_garbage_collected_cache_deletes_its_run(tmp_path: Path) -> None:

@@ -1,6 +1,8 @@
 """The persistent prefix cache: a second process reuses the prefixes a first one wrote to the
 lmdb disk tier, with identical output; a corrupted record is recomputed; another model's
-directory, or the directory of a model one weight away, is never mistaken for this one's."""
+directory, or the directory of a model one weight away, is never mistaken for this one's; a
+directory that cannot hold a tier leaves the store in memory, with one warning (damaged
+directories: test_prefix_disk_damage.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,8 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from kvlib.storage.disk_tier import DiskTier
 
@@ -144,3 +148,13 @@ def test_blocks_past_the_disk_tiers_capacity_are_left_out_with_one_warning(tmp_p
     with pytest.warns(RuntimeWarning, match=r"only the first 0 are written"):
         _, disk = prefill(record - 1, tmp_path / "none")
     assert disk.keys() == []
+
+
+def test_a_directory_that_cannot_hold_a_tier_leaves_prefixes_in_memory(tmp_path: Path) -> None:
+    import kvlib
+    from tests.adapters.conftest import build_model
+
+    (tmp_path / "file").write_bytes(b"")
+    with pytest.warns(UserWarning, match="cannot create the directory .*prefixes stay in memory") as caught:
+        store = kvlib.PrefixStore(build_model("llama"), capacity_bytes=2**20, disk=tmp_path / "file" / "prefixes")
+    assert store.disk is None and len(caught) == 1

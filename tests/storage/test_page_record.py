@@ -54,6 +54,16 @@ def test_truncated_foreign_and_misshaped_records_are_refused() -> None:
         decode(other_dtype, record)
 
 
+def test_a_record_of_an_earlier_format_is_refused() -> None:
+    """Format 3 records carry kvlib's former digest: a reader of format 4 never trusts them."""
+    record = bytearray(encode(LAYOUT, block()))
+    record[4:6] = (3).to_bytes(2, "little")
+    with pytest.raises(RecordError, match="version 4"):
+        decode(LAYOUT, bytes(record))
+    with pytest.raises(RecordError, match="version 4"):
+        decode_parts(LAYOUT, [memoryview(record)])
+
+
 def test_keys_padding_and_half_precision_tails_are_covered() -> None:
     """Keys of 2x1x3x3 fp16 are 36 bytes (padded to 40), values 2x1x3x1 end off an 8-byte word:
     every byte of such a record, padding included, is checked."""

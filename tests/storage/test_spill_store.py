@@ -65,6 +65,20 @@ def test_a_corrupt_or_missing_spilled_page_is_an_error_never_data(tmp_path: Path
         layer.get(torch.tensor([99]), torch.device("cpu"))
 
 
+def test_a_data_file_cut_short_while_open_loses_the_pages_without_a_crash(tmp_path: Path) -> None:
+    spill = SpillStore(DiskTier(tmp_path, capacity_bytes=1), capacity_bytes=1 << 20)
+    layer = spill.layer(0, page_size=4, head_dim=5, value_dim=6, dtype=torch.float32)
+    ids, keys, values, positions = pages(40)
+    layer.put(ids, keys, values, positions)
+    os.truncate(tmp_path / "data.mdb", 8192)
+    with pytest.warns(UserWarning, match="cut short while open"):
+        with pytest.raises(SpilledPageLost, match="cut short while open"):
+            layer.get(ids, torch.device("cpu"))  # no SIGBUS: nothing of the map is read
+    layer.delete(ids)  # the records went with the file
+    with pytest.raises(PoolExhaustedError, match="cut short while open"):
+        layer.put(ids, keys, values, positions)
+
+
 SPILLER = textwrap.dedent(
     """
     import sys, time, torch

@@ -1,0 +1,197 @@
+"""A prefix store over a damaged disk tier directory: whatever the damage (cut at any length,
+random bytes flipped in any page, the lock file deleted, the directory read-only), a process
+that looks up a prompt and generates exits normally and generates exactly what it generates with
+no disk tier.
+
+Each run is its own process, forked from a server that imported torch and kvlib and built the
+model once (a fresh interpreter per run would cost ~10 s of imports here): a SIGBUS or abort
+kills the child only and shows as its exit status.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from tests.storage.tier_damage import NOBODY, data_file, flip, make_read_only, make_writable, page_size, truncate
+
+REPO = Path(__file__).resolve().parents[2]
+SERVER = """
+import json, os, sys, warnings
+sys.path.insert(0, {repo!r})
+import torch
+torch.set_num_threads(1)  # no intra-op thread pool: forking stays safe
+import kvlib
+from kvlib.transformers_compat import cache_argument
+from tests.adapters.conftest import PAD, build_model
+
+model = build_model("stories")
+prompt = torch.randint(3, 60, (1, 70), generator=torch.Generator().manual_seed(0))
+
+
+def run(disk):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        store = kvlib.PrefixStore(model, capacity_bytes=2**24, disk=disk)
+        cache = kvlib.make_cache(model, reuse=store, prompt=prompt)
+        reused = cache.get_seq_length()
+        out = model.generate(prompt, **cache_argument(cache), max_new_tokens=6, do_sample=False, pad_token_id=PAD)
+    return {{"tokens": out[0].tolist(), "reused": reused, "disk": store.disk.stats() if store.disk else None,
+             "warnings": [str(w.message) for w in caught]}}
+
+
+print(json.dumps(run(None)), flush=True)  # the reference, and a warm-up the children inherit
+for line in sys.stdin:
+    request = json.loads(line)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read)
+        if request["user"] is not None:
+            os.setgroups([])
+            os.setgid(request["user"])
+            os.setuid(request["user"])
+        os.write(write, json.dumps(run(request["disk"])).encode())
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as pipe:
+        answer = pipe.read()
+    _, status = os.waitpid(pid, 0)
+    print(json.dumps({{"exit": os.waitstatus_to_exitcode(status), "result": json.loads(answer) if answer else None}}), flush=True)
+"""
+
+
+class Runs:
+    """The fork server: :meth:`run` looks up and generates in a fresh child process."""
+
+    def __init__(self) -> None:
+        self.process = subprocess.Popen([sys.executable, "-c", SERVER.format(repo=str(REPO))], cwd=REPO, text=True,
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self.reference = json.loads(self.process.stdout.readline())
+
+    def run(self, disk: Path, user: int | None = None) -> dict:
+        """The child's exit code (negative: the signal that killed it) and what it reported."""
+        self.process.stdin.write(json.dumps({"disk": str(disk), "user": user}) + "\n")
+        self.process.stdin.flush()
+        return json.loads(self.process.stdout.readline())
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        self.process.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def runs() -> Iterator[Runs]:
+    server = Runs()
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="module")
+def scratch() -> Iterator[Path]:
+    """A directory every user may pass through (a root test runs read-only cases as ``nobody``)."""
+    directory = Path(tempfile.mkdtemp(prefix="kvlib-damage-"))
+    directory.chmod(0o755)
+    yield directory
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def written(runs: Runs, scratch: Path) -> Path:
+    """A tier directory holding the prompt's four blocks, as a first process leaves it."""
+    directory = scratch / "written"
+    first = runs.run(directory)
+    assert first["exit"] == 0 and first["result"]["disk"]["writes"] == 4
+    assert first["result"]["tokens"] == runs.reference["tokens"]
+    return directory
+
+
+Damage = tuple
+"""``("cut", fraction of the file)``, ``("cut_to", bytes)``, ``("cut_by", bytes)``, ``("flip",
+fraction of the pages, offset in the page, xor mask)``, ``("record", which record)`` (a byte of a
+stored record's page data), ``("unlock",)`` (delete the lock file) or ``("read_only",)``."""
+
+DAMAGE = st.one_of(
+    st.tuples(st.just("cut"), st.floats(0, 1, exclude_max=True)),
+    st.tuples(st.sampled_from(["cut_to", "cut_by"]), st.sampled_from([1, 4096, 8192])),
+    st.tuples(st.just("flip"), st.floats(0, 1, exclude_max=True), st.one_of(st.integers(0, 63), st.integers(0, 4095)),
+              st.integers(1, 255)),
+    st.tuples(st.just("record"), st.integers(0, 3)),
+    st.just(("unlock",)),
+    st.just(("read_only",)),
+)
+
+
+def damaged_copy(source: Path, into: Path, damage: list[Damage]) -> int | None:
+    """``source`` copied to ``into`` with ``damage`` done to it in order; returns the user to run
+    as (``nobody`` for a read-only directory when the tests run as root, else None)."""
+    shutil.rmtree(into, ignore_errors=True)
+    shutil.copytree(source, into)
+    read_only = False
+    for kind, *args in damage:
+        size = data_file(into).stat().st_size
+        if kind == "cut":
+            truncate(into, int(args[0] * size))
+        elif kind == "cut_to":
+            truncate(into, min(args[0], size))
+        elif kind == "cut_by":
+            truncate(into, max(0, size - args[0]))
+        elif kind == "flip" and size:
+            psize = page_size(source)
+            page = int(args[0] * -(-size // psize))
+            flip(into, min(page * psize + args[1] % psize, size - 1), args[2])
+        elif kind == "record":
+            content, at = data_file(into).read_bytes(), -1
+            for _ in range(args[0] + 1):
+                at = content.find(b"KVLP", at + 1)
+                if at < 0:
+                    break
+            if at >= 0:
+                flip(into, at + 500, 0x10)
+        elif kind == "unlock":
+            (into / "lock.mdb").unlink(missing_ok=True)
+        elif kind == "read_only":
+            read_only = True
+    if read_only:
+        make_read_only(into)
+    return NOBODY if read_only and os.geteuid() == 0 else None
+
+
+@settings(max_examples=30, deadline=None)
+@given(damage=st.lists(DAMAGE, min_size=1, max_size=3))
+@example(damage=[("cut_to", 8192)])
+@example(damage=[("cut", 0.5)])
+@example(damage=[("cut_by", 4096)])
+@example(damage=[("cut_to", 4096)])
+@example(damage=[("read_only",)])
+@example(damage=[("unlock",), ("flip", 0.0, 16, 0xFF)])
+def test_a_damaged_directory_never_fails_a_process_nor_changes_its_output(
+    runs: Runs, written: Path, scratch: Path, damage: list[Damage]
+) -> None:
+    directory = scratch / "damaged"
+    user = damaged_copy(written, directory, damage)
+    try:
+        outcome = runs.run(directory, user)
+    finally:
+        make_writable(directory)
+    assert outcome["exit"] == 0, (damage, outcome)
+    assert outcome["result"]["tokens"] == runs.reference["tokens"], (damage, outcome)
+
+
+def test_a_flipped_byte_in_a_record_is_a_counted_miss(runs: Runs, written: Path, scratch: Path) -> None:
+    directory = scratch / "one-record"
+    damaged_copy(written, directory, [("record", 2)])
+    outcome = runs.run(directory)
+    assert outcome["exit"] == 0 and outcome["result"]["tokens"] == runs.reference["tokens"]
+    assert outcome["result"]["disk"]["corrupt"] == 1 and outcome["result"]["warnings"] == []
+    assert outcome["result"]["reused"] < 64  # the blocks before the damaged one
