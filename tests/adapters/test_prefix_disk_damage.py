@@ -28,9 +28,13 @@ from tests.storage.tier_damage import NOBODY, data_file, flip, make_read_only, m
 REPO = Path(__file__).resolve().parents[2]
 SERVER = """
 import json, os, sys, warnings
+# Fork-safe threading before any fork: GNU OpenMP refuses to run in a child forked from a process
+# that used it, so torch keeps one thread and kvlib's numba kernels (the exact cache's decode steps
+# run the paged attention kernel) use numba's own workqueue layer instead of OpenMP.
+os.environ["NUMBA_THREADING_LAYER"] = "workqueue"
 sys.path.insert(0, {repo!r})
 import torch
-torch.set_num_threads(1)  # no intra-op thread pool: forking stays safe
+torch.set_num_threads(1)
 import kvlib
 from kvlib.transformers_compat import cache_argument
 from tests.adapters.conftest import PAD, build_model
