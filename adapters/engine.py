@@ -17,7 +17,10 @@ recomputing them; unused cached pages are reclaimed before anyone is preempted.
 Invariants (``tests/adapters/test_engine*.py``): with no eviction, each request's greedy
 output equals ``model.generate`` on its prompt alone, whatever the batch mix, chunking, page
 budget and preemption; every page is released when requests finish or abort (only the prefix
-index holds pages then); the pools never exceed the budget.
+index holds pages then); the pools never exceed the budget; a running request holds only the
+prefix index entries its own sequence reads (never a second copy of a block it computed again),
+so with a budget that fits every request alone, every step either runs tokens or frees pages
+(or swaps a request back in to run next), and the engine finishes (``tests/adapters/test_engine_schedules.py``).
 """
 
 from __future__ import annotations

@@ -2,10 +2,11 @@
 and giving both back when the cache is reset or garbage-collected.
 
 Invariant: while a session is open, its cache's sequences live in the store's paged store and it
-holds (acquired) every index entry it attached or inserted; :meth:`PrefixSession.close` releases
-the sequences and the entries exactly once. A cache dropped without ``reset()`` leaks nothing:
-its finalizer hands the session to the PrefixStore, which closes it at its next use (not in the
-finalizer itself, which may run inside any code, a ``torch.device`` context included).
+holds (acquired) every index entry it attached or inserted (not a block the index already held
+on other pages: :meth:`PrefixStore.insert`); :meth:`PrefixSession.close` releases the sequences
+and the entries exactly once. A cache dropped without ``reset()`` leaks nothing: its finalizer
+hands the session to the PrefixStore, which closes it at its next use (not in the finalizer
+itself, which may run inside any code, a ``torch.device`` context included).
 """
 
 from __future__ import annotations

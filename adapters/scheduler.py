@@ -17,6 +17,13 @@ One :meth:`Scheduler.plan` call decides a step:
 The scheduler decides; the engine (through :class:`PageLedger`) counts and frees pages.
 Invariant: a plan never needs more pages than are free when it is made, and never more than
 ``max_batch_tokens`` tokens (decodes alone may exceed it: they are never stalled).
+
+Progress: with a page budget that fits every request alone, every step either runs tokens or
+frees pages (reclaiming cached pages, preempting the newest requests, down to the oldest alone)
+or swaps a request back in to run next, so the engine finishes. This rests on the ledger's side:
+a running request holds no pages but those its own sequence reads (the prefix index pins no
+second copy of a block for it, :meth:`~kvlib.PrefixStore.insert`), and everything else is either
+held by the other running requests or reclaimable.
 """
 
 from __future__ import annotations

@@ -197,7 +197,13 @@ class PrefixStore:
     @outside_inference_mode
     def insert(self, namespace: str, seq: int, blocks: list[list[int]], first: int) -> list[Entry]:
         """Index blocks ``first..`` of ``seq`` (its full pages holding ``blocks``' tokens); the
-        index takes a reference on their pages. Returns the entries, acquired for the caller."""
+        index takes a reference on their pages. Returns the entries, acquired for the caller.
+
+        Invariant: the caller holds only entries whose pages ``seq`` holds. A block the index
+        already has on other pages (a copy computed by another sequence, or by this request
+        before it was swapped out) is left to the index and not returned: holding it would pin
+        a second copy of the block that ``seq`` never reads, so a request could hold more pages
+        than its own tokens fill (and, alone under a page budget that fits it, never finish)."""
         store = self.stores[namespace]
         keys = self.index.keys(blocks, self._key_space(namespace))
         held, new = [], []
@@ -212,6 +218,9 @@ class PrefixStore:
                 for layer in range(store.num_layers):
                     store.pools[layer].incref(pages[layer])
                 new.append(entry)
+            elif not torch.equal(entry.pages[1], pages):  # another copy: its holders', or reclaimable
+                self.index.release([entry])
+                continue
             held.append(entry)
         self._persist(namespace, new)
         return held

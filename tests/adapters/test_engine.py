@@ -126,6 +126,28 @@ def test_a_later_request_reuses_an_earlier_requests_output(llama) -> None:
     assert engine.request_stats(1)["cached_tokens"] == (len(prompt) + 11) // 4 * 4
 
 
+def test_a_recomputed_block_pins_no_second_copy(llama, llama_case) -> None:
+    """A request that computes blocks the index holds on other pages (here: the prompt's first
+    block was evicted, so the lookup found nothing) holds only its own pages: the index's copies
+    stay unused and reclaimable, so a request alone never holds more pages than its tokens fill."""
+    prompt = llama_case[0][1]  # 77 tokens: 19 full pages of 4
+    engine = kvlib.Engine(llama, page_size=4, max_batch_tokens=128)
+    engine.generate([prompt], max_new_tokens=NEW)
+    index = engine.prefix.index
+    assert index.evict_oldest()  # the first block (the oldest unused entry): later lookups miss at once
+    request_id = engine.add_request(prompt, max_new_tokens=NEW)
+    engine.step()  # the whole prompt computed again, its full pages indexed
+    request = engine.requests[request_id]
+    own = engine.store.tables[0].referenced_pages(torch.tensor([request.seq]))
+    assert request.cached_tokens == 0 and len(request.entries) >= 1
+    assert all(bool(torch.isin(entry.pages[1][0].flatten(), own).all()) for entry in request.entries)
+    first_run = (len(prompt) + NEW - 1) // 4  # full pages the first run indexed (prompt and output)
+    assert engine.stats()["prefix_cache"]["unused_entries"] == first_run - 1  # its copies, all but the evicted first
+    while engine.has_unfinished:
+        engine.step()
+    assert request.output == llama_case[1][1]
+
+
 @pytest.mark.parametrize("family", ["qwen2", "gpt2", "stories"])
 def test_other_families_stay_exact(family) -> None:
     model = build_model(family)

@@ -1,7 +1,8 @@
 """A hypothesis test of the Engine over random arrival schedules, token and page budgets, page
 sizes, preemption modes and prefix caching: every request finishes with the output it would have
 alone, page references always match the holders (live sequences and the prefix index), the
-fixed pools never grow, and nothing is left once the index lets go."""
+fixed pools never grow, a request holds only prefix index entries whose pages its sequence reads,
+and nothing is left once the index lets go."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import kvlib
@@ -48,6 +49,17 @@ def references_match_holders(engine: kvlib.Engine) -> None:
         assert torch.equal(counts, pool.refcount[: pool.capacity].to(counts.dtype)), f"layer {layer}"
 
 
+def holders_read_their_entries(engine: kvlib.Engine) -> None:
+    """Every prefix index entry a running request holds names pages of its own sequence: a
+    request never pins a second copy of a block (so alone, it fits in a budget sized for it)."""
+    store = engine.store
+    for request in engine._running:
+        for layer, table in enumerate(store.tables):
+            own = table.referenced_pages(torch.tensor([request.seq]))
+            for entry in request.entries:
+                assert bool(torch.isin(entry.pages[1][layer].flatten(), own).all()), f"request {request.request_id}, layer {layer}"
+
+
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(
     arrivals=st.lists(st.tuples(st.integers(0, 6), st.integers(0, 12)), min_size=1, max_size=7),
@@ -57,6 +69,12 @@ def references_match_holders(engine: kvlib.Engine) -> None:
     preemption=st.sampled_from(["swap", "recompute"]),
     prefix_cache=st.booleans(),
     reserve_pages=st.integers(0, 2),
+)
+# a livelock: a request that recomputed blocks the index still held on other pages pinned both
+# copies, so alone it could neither grow nor reclaim anything (the swapped request waited behind it)
+@example(
+    arrivals=[(0, 0), (0, 0), (0, 0), (4, 0), (0, 0), (0, 11), (0, 0)], max_batch_tokens=41, page_size=4,
+    spare_pages=0, preemption="swap", prefix_cache=True, reserve_pages=0,
 )
 def test_random_schedules_finish_exactly_without_leaks(case, arrivals, max_batch_tokens, page_size, spare_pages, preemption, prefix_cache, reserve_pages) -> None:
     model, prompts, expected = case
@@ -77,6 +95,7 @@ def test_random_schedules_finish_exactly_without_leaks(case, arrivals, max_batch
             ids[order] = engine.add_request(prompts[index], max_new_tokens=NEW)
         engine.step()
         references_match_holders(engine)
+        holders_read_their_entries(engine)
         assert all(pool.capacity == pages for pool in engine.store.pools)
         step += 1
         assert step < MAX_STEPS, "the engine stopped making progress"
