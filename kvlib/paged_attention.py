@@ -231,17 +231,7 @@ class PagedLayer(NamedTuple):
     pages: torch.Tensor
     lengths: torch.Tensor
 
-    def attend(
-        self,
-        query: torch.Tensor,
-        *,
-        visible: torch.Tensor | None,
-        query_positions: torch.Tensor | None,
-        scale: float,
-        softcap: float | None = None,
-    ) -> torch.Tensor:
-        """:func:`paged_attention` of ``query`` over these pages."""
-        return paged_attention(
-            query, self.keys, self.values, self.positions, self.pages, self.lengths,
-            visible=visible, query_positions=query_positions, scale=scale, softcap=softcap,
-        )
+    def attend(self, query: torch.Tensor, **options) -> torch.Tensor:
+        """:func:`paged_attention` of ``query`` over these pages; ``options``: its keyword
+        arguments (``visible``, ``query_positions``, ``scale``, ``softcap``)."""
+        return paged_attention(query, *self, **options)
