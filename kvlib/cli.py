@@ -229,8 +229,8 @@ def build_parser() -> argparse.ArgumentParser:
     comp.add_argument("--samples", type=int, help="samples per task (default: each task's own)")
     comp.add_argument("--seed", type=int, default=0, help="seed of the task data")
     comp.add_argument("--threads", type=_threads, default=None,
-                      help="torch CPU threads (default: 1 for models under 30M parameters, else one per core;"
-                      " on a machine shared with other jobs, 1)")
+                      help="torch CPU threads (default: one per core; 1 for a model under 30M parameters while"
+                      " the machine is busy, 1-minute load >= 1)")
     comp.add_argument("--quiet", action="store_true", help="no progress bar")
     bench = commands.add_parser("bench", help="run the benchmark scripts (source checkout) into benchmarks/results/")
     bench.add_argument("--only", help="comma-separated script names (default: all)")

@@ -190,12 +190,17 @@ def wait_done(event: torch.cuda.Event | None, device: torch.device, tensors: Seq
 
 
 SMALL_MODEL_PARAMETERS = 30_000_000
-"""Models with fewer parameters run on one CPU thread by default (:func:`cpu_threads`).
+"""Models with fewer parameters run on one CPU thread while other work keeps the machine busy
+(:func:`cpu_threads`).
 
-Their matrix products are too small to split: each of torch's intra-op threads waits for the
-others several times per layer, so a second thread gains little on an idle machine and, on a
-machine another job keeps busy, every wait becomes a time slice lost (measured on a 2-core
-machine: the default ``kvlib compare`` of the 0.8M-parameter embedded model, README)."""
+Their matrix products are too small to split well: each of torch's intra-op threads waits for
+the others several times per layer. On a quiet 2-core machine a second thread still gains
+~15% (a reduced ``kvlib compare`` of the 0.8M-parameter embedded model: 31-36 s on two threads
+against 39 s on one); with another job running, every wait becomes a lost time slice (37/100/34 s
+on one thread against 137/74/489 s on two, load 2 to 6). README, "Threads"."""
+
+BUSY_LOAD = 1.0
+"""A 1-minute load average at or above this means another job is running (:func:`cpu_threads`)."""
 
 
 def set_cpu_threads(threads: int) -> None:
@@ -209,11 +214,14 @@ def set_cpu_threads(threads: int) -> None:
     torch.set_num_threads(threads)
 
 
-def cpu_threads(parameters: int, requested: int | None = None) -> int:
+def cpu_threads(parameters: int, requested: int | None = None, load: float | None = None) -> int:
     """Torch intra-op threads for a model of ``parameters`` on the CPU: ``requested`` when given
-    (>= 1), one below :data:`SMALL_MODEL_PARAMETERS`, else torch's default (one per core)."""
+    (>= 1); for a model below :data:`SMALL_MODEL_PARAMETERS`, one when the machine is busy (the
+    1-minute load average, or ``load``, at least :data:`BUSY_LOAD`); else torch's default (one
+    per core)."""
     if requested is not None:
         if requested < 1:
             raise ValueError(f"threads must be >= 1, got {requested}")
         return requested
-    return 1 if parameters < SMALL_MODEL_PARAMETERS else torch.get_num_threads()
+    busy = (os.getloadavg()[0] if load is None else load) >= BUSY_LOAD
+    return 1 if parameters < SMALL_MODEL_PARAMETERS and busy else torch.get_num_threads()

@@ -7,14 +7,16 @@ import numpy as np
 import pytest
 import torch
 
-from kvlib.devices import SMALL_MODEL_PARAMETERS, cpu_threads, set_cpu_threads
+from kvlib.devices import BUSY_LOAD, SMALL_MODEL_PARAMETERS, cpu_threads, set_cpu_threads
 from kvlib.policies.quantization.kernels import row_absmax
 
 
-def test_small_models_run_on_one_thread_larger_ones_on_torchs_default_and_a_request_wins() -> None:
-    assert cpu_threads(SMALL_MODEL_PARAMETERS - 1) == 1
-    assert cpu_threads(SMALL_MODEL_PARAMETERS) == torch.get_num_threads()
-    assert cpu_threads(10**9, requested=3) == 3
+def test_small_models_run_on_one_thread_on_a_busy_machine_and_a_request_wins() -> None:
+    small, large = SMALL_MODEL_PARAMETERS - 1, SMALL_MODEL_PARAMETERS
+    assert cpu_threads(small, load=BUSY_LOAD) == 1
+    assert cpu_threads(small, load=BUSY_LOAD - 0.01) == torch.get_num_threads()
+    assert cpu_threads(large, load=8.0) == torch.get_num_threads()
+    assert cpu_threads(10**9, requested=3, load=8.0) == 3
     with pytest.raises(ValueError, match="threads must be >= 1, got 0"):
         cpu_threads(10, requested=0)
 
