@@ -28,11 +28,6 @@ def cache_argument(cache: Any) -> dict[str, Any]:
     return {CACHE_ARGUMENT: cache}
 
 
-def returned_cache(outputs: Any) -> Any:
-    """The cache a model call or ``generate(return_dict_in_generate=True)`` returned, or None."""
-    return getattr(outputs, CACHE_ARGUMENT, None)
-
-
 def passed_cache(kwargs: dict[str, Any]) -> Any:
     """The cache in a module call's keyword arguments under either name (a caller on 5.24+ may
     still pass the deprecated ``past_key_values``), or None."""
