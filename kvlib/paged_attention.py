@@ -17,7 +17,10 @@ reads each (row, KV head)'s keys and values page by page through the block table
 CPU: a numba kernel, parallel over (row, KV head) pairs; each pair converts one page at a time
 into float32 scratch of ``page_size`` rows (float16 and bfloat16 pages are read as their bits,
 which numba's CPU target cannot load directly). Nothing but that scratch and the output is
-allocated: memory traffic is the pages themselves.
+allocated: memory traffic is the pages themselves. The inner loops are written to vectorize
+(LLVM fast-math without ``nnan``/``ninf``): inner products four tokens per pass over the query,
+value sums four tokens per pass over the accumulator, and a polynomial ``exp`` in place of
+libm's scalar call (a third of the time before).
 """
 
 from __future__ import annotations
@@ -31,7 +34,6 @@ import torch
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 """Page dtypes the kernel reads."""
-
 
 
 @numba.njit(inline="always")
@@ -72,73 +74,154 @@ def _load_bfloat16(arena, page: int, out: np.ndarray, out_bits: np.ndarray, rows
             out_bits[t, c] = np.uint32(arena[page, t, c]) << np.uint32(16)
 
 
+FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
+"""LLVM's fast-math flags the kernel allows: reordered sums (so inner products and value sums
+vectorize), fused multiply-adds; not ``nnan``/``ninf``, since masked scores are ``-inf``."""
+
+
+LOG2E = np.float32(1.4426950408889634)
+LN2_HIGH = np.float32(0.693359375)
+LN2_LOW = np.float32(-2.12194440e-4)
+EXP_FLOOR = np.float32(-87.0)
+"""Below this exp underflows float32's normal range; such scores (and ``-inf``) weigh 0."""
+
+
+@numba.njit(inline="always", fastmath=FASTMATH)
+def _exp_into(x, out, bits, count):  # pragma: no cover - compiled
+    """``out[:count] = exp(x[:count])`` for ``x <= 0``, float32: Cephes' ``expf`` (``2**n`` times a
+    degree-7 polynomial of the remainder in ``[-ln2/2, ln2/2]``; relative error ~2e-7), written as
+    two branch-free loops so both vectorize. ``out`` holds ``2 * count`` floats (the second half
+    is scratch for ``2**n``), ``bits`` is ``out`` viewed as int32."""
+    for t in range(count):
+        y = max(x[t], EXP_FLOOR)
+        n = np.floor(y * LOG2E + np.float32(0.5))
+        r = y - n * LN2_HIGH - n * LN2_LOW
+        p = np.float32(1.9875691500e-4)
+        p = p * r + np.float32(1.3981999507e-3)
+        p = p * r + np.float32(8.3334519073e-3)
+        p = p * r + np.float32(4.1665795894e-2)
+        p = p * r + np.float32(1.6666665459e-1)
+        p = p * r + np.float32(5.0000001201e-1)
+        out[t] = (p * r * r + r + np.float32(1.0)) if x[t] > EXP_FLOOR else np.float32(0.0)
+        bits[count + t] = (np.int32(n) + np.int32(127)) << np.int32(23)
+    for t in range(count):
+        out[t] *= out[count + t]
+
+
+@numba.njit(cache=True, fastmath=FASTMATH)
+def _attend_pair(
+    grouped, keys, values, positions, page_ids, length, visible, query_positions, load, scale, softcap, out
+):  # pragma: no cover - compiled
+    """One (row, KV head): ``out [rows, value_dim]`` for the query vectors ``grouped [rows, dim]``
+    (row ``r`` is group ``r // queries``, query ``r % queries``) over the ``length`` tokens of
+    pages ``page_ids``; ``visible [queries, logical]`` is the row's mask (``logical`` 0: causal
+    by ``query_positions``)."""
+    rows, dim = grouped.shape
+    queries = visible.shape[0]
+    page_size = positions.shape[1]
+    value_dim = out.shape[1]
+    use_mask = visible.shape[1] > 0
+    key_page = np.empty((page_size, dim), dtype=np.float32)
+    value_page = np.empty((page_size, value_dim), dtype=np.float32)
+    key_bits = key_page.view(np.uint32)
+    value_bits = value_page.view(np.uint32)
+    seen = np.empty((queries, page_size), dtype=np.bool_)
+    scores = np.empty(page_size, dtype=np.float32)
+    weights = np.empty(2 * page_size, dtype=np.float32)
+    weight_bits = weights.view(np.int32)
+    running_max = np.full(rows, -np.inf, dtype=np.float32)
+    running_sum = np.zeros(rows, dtype=np.float32)
+    acc = np.zeros((rows, value_dim), dtype=np.float32)
+    for j in range((length + page_size - 1) // page_size):
+        page = page_ids[j]
+        filled = min(page_size, length - j * page_size)
+        any_seen = False
+        for q in range(queries):
+            for t in range(filled):
+                position = positions[page, t]
+                if use_mask:
+                    seen[q, t] = 0 <= position < visible.shape[1] and visible[q, position]
+                else:
+                    seen[q, t] = 0 <= position <= query_positions[q]
+                any_seen |= seen[q, t]
+        if not any_seen:
+            continue
+        load(keys, page, key_page, key_bits, filled)
+        load(values, page, value_page, value_bits, filled)
+        for r in range(rows):
+            q = r % queries
+            page_max = np.float32(-np.inf)
+            t = 0
+            while t + 4 <= filled:
+                s0 = s1 = s2 = s3 = np.float32(0.0)
+                for c in range(dim):  # four tokens per pass over the query: four vectorized sums
+                    x = grouped[r, c]
+                    s0 += x * key_page[t, c]
+                    s1 += x * key_page[t + 1, c]
+                    s2 += x * key_page[t + 2, c]
+                    s3 += x * key_page[t + 3, c]
+                scores[t] = s0
+                scores[t + 1] = s1
+                scores[t + 2] = s2
+                scores[t + 3] = s3
+                t += 4
+            while t < filled:
+                s = np.float32(0.0)
+                for c in range(dim):
+                    s += grouped[r, c] * key_page[t, c]
+                scores[t] = s
+                t += 1
+            for t in range(filled):
+                s = scores[t] * scale
+                if softcap > 0:
+                    s = softcap * math.tanh(s / softcap)
+                scores[t] = s if seen[q, t] else -np.inf
+                page_max = max(page_max, scores[t])
+            if page_max == -np.inf:
+                continue
+            new_max = max(running_max[r], page_max)
+            if running_max[r] > -np.inf and new_max > running_max[r]:
+                rescale = np.float32(math.exp(running_max[r] - new_max))
+                running_sum[r] *= rescale
+                for c in range(value_dim):
+                    acc[r, c] *= rescale
+            running_max[r] = new_max
+            for t in range(filled):
+                scores[t] -= new_max
+            _exp_into(scores, weights, weight_bits, filled)
+            t = 0
+            while t + 4 <= filled:
+                w0, w1, w2, w3 = weights[t], weights[t + 1], weights[t + 2], weights[t + 3]
+                running_sum[r] += w0 + w1 + w2 + w3
+                for c in range(value_dim):  # four tokens per pass over the accumulator
+                    acc[r, c] += (
+                        w0 * value_page[t, c] + w1 * value_page[t + 1, c] + w2 * value_page[t + 2, c] + w3 * value_page[t + 3, c]
+                    )
+                t += 4
+            while t < filled:
+                weight = weights[t]
+                running_sum[r] += weight
+                for c in range(value_dim):
+                    acc[r, c] += weight * value_page[t, c]
+                t += 1
+    for r in range(rows):
+        inverse = np.float32(1.0) / running_sum[r] if running_sum[r] > 0 else np.float32(0.0)
+        for c in range(value_dim):
+            out[r, c] = acc[r, c] * inverse
+
+
 @numba.njit(parallel=True, cache=True)
 def _paged_attention_kernel(
     query, keys, values, positions, pages, lengths, visible, query_positions, load, scale, softcap, out
 ):  # pragma: no cover - compiled
-    batch, heads, group, queries, dim = query.shape
-    page_size = positions.shape[1]
-    value_dim = out.shape[4]
-    use_mask = visible.shape[2] > 0
+    batch, heads, rows, dim = query.shape
     for pair in numba.prange(batch * heads):
         b = pair // heads
         h = pair % heads
-        length = lengths[b, h]
-        key_page = np.empty((page_size, dim), dtype=np.float32)
-        value_page = np.empty((page_size, value_dim), dtype=np.float32)
-        key_bits = key_page.view(np.uint32)
-        value_bits = value_page.view(np.uint32)
-        scores = np.empty((group, queries, page_size), dtype=np.float32)
-        running_max = np.full((group, queries), -np.inf, dtype=np.float32)
-        running_sum = np.zeros((group, queries), dtype=np.float32)
-        acc = np.zeros((group, queries, value_dim), dtype=np.float32)
-        for j in range((length + page_size - 1) // page_size):
-            page = pages[b, h, j]
-            filled = min(page_size, length - j * page_size)
-            load(keys, page, key_page, key_bits, filled)
-            load(values, page, value_page, value_bits, filled)
-            for q in range(queries):
-                for t in range(filled):
-                    position = positions[page, t]
-                    if use_mask:
-                        seen = 0 <= position < visible.shape[2] and visible[b, q, position]
-                    else:
-                        seen = 0 <= position <= query_positions[q]
-                    for g in range(group):
-                        if not seen:
-                            scores[g, q, t] = -np.inf
-                            continue
-                        s = np.float32(0.0)
-                        for c in range(dim):
-                            s += query[b, h, g, q, c] * key_page[t, c]
-                        s *= scale
-                        if softcap > 0:
-                            s = softcap * math.tanh(s / softcap)
-                        scores[g, q, t] = s
-                for g in range(group):
-                    page_max = -np.inf
-                    for t in range(filled):
-                        page_max = max(page_max, scores[g, q, t])
-                    if page_max == -np.inf:
-                        continue
-                    new_max = max(running_max[g, q], page_max)
-                    rescale = math.exp(running_max[g, q] - new_max) if running_max[g, q] > -np.inf else 0.0
-                    running_sum[g, q] *= rescale
-                    for c in range(value_dim):
-                        acc[g, q, c] *= rescale
-                    for t in range(filled):
-                        if scores[g, q, t] == -np.inf:
-                            continue
-                        weight = math.exp(scores[g, q, t] - new_max)
-                        running_sum[g, q] += weight
-                        for c in range(value_dim):
-                            acc[g, q, c] += weight * value_page[t, c]
-                    running_max[g, q] = new_max
-        for g in range(group):
-            for q in range(queries):
-                inverse = 1.0 / running_sum[g, q] if running_sum[g, q] > 0 else 0.0
-                for c in range(value_dim):
-                    out[b, h, g, q, c] = acc[g, q, c] * inverse
+        _attend_pair(
+            query[b, h], keys, values, positions, pages[b, h], lengths[b, h], visible[b],
+            query_positions, load, scale, softcap, out[b, h],
+        )
 
 
 _LOADERS = {torch.float32: _load_float32, torch.float16: _load_float16, torch.bfloat16: _load_bfloat16}
@@ -195,8 +278,8 @@ def paged_attention(
     if visible is None and query_positions is None:
         raise ValueError("paged_attention needs the model's mask (visible) or the queries' positions")
     group = query_heads // kv_heads
-    grouped = query.detach().reshape(batch, kv_heads, group, queries, dim).to(torch.float32).contiguous()
-    out = torch.empty(batch, kv_heads, group, queries, value_arena.shape[2], dtype=torch.float32)
+    grouped = query.detach().reshape(batch, kv_heads, group * queries, dim).to(torch.float32).contiguous()
+    out = torch.empty(batch, kv_heads, group * queries, value_arena.shape[2], dtype=torch.float32)
     mask = np.zeros((batch, queries, 0), dtype=np.bool_) if visible is None else visible.contiguous().numpy()
     steps = np.zeros(0, dtype=np.int64) if query_positions is None else query_positions.contiguous().numpy()
     _paged_attention_kernel(
