@@ -186,10 +186,13 @@ class KVCache(Cache):
                 self._rows.extend(self.store.new_sequence() for _ in range(batch))
             self._padding = torch.zeros(batch, dtype=torch.int64, device=self.store.device)
         offset = self._seen[layer_idx]
+        first_tokens = self._holds_nothing(layer_idx, key_states)
         self.store.append(layer_idx, self._rows, key_states, value_states)
         self._seen[layer_idx] += key_states.shape[2]
         if self.tiering is not None and self.tiering.key_summaries and self.tiering.sparse(layer_idx, key_states.shape[2]):
             return self._publish_new_tokens(key_states, value_states, layer_idx, offset, kwargs, sparse=True)
+        if first_tokens:  # the layer holds exactly this call's tokens: attention runs over them as given
+            return self._publish_new_tokens(key_states, value_states, layer_idx, offset, kwargs, identity=self._identity[layer_idx])
         paged = self._paged_layer(layer_idx, key_states.shape[2])
         if paged is not None:
             return self._publish_new_tokens(key_states, value_states, layer_idx, offset, kwargs, paged=paged)
@@ -209,19 +212,32 @@ class KVCache(Cache):
         *,
         sparse: bool = False,
         paged: PagedLayer | None = None,
+        identity: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """A call whose attention reads the pages itself: a decode step of a page-retrieval
-        strategy (``sparse``, ``quest``: the pages its query chooses, :meth:`read_chosen_pages`),
-        or a few tokens attending straight over the layer's pages (``paged``). The tokens are
+        """A call whose attention needs no dense read of the layer: a decode step of a
+        page-retrieval strategy (``sparse``, ``quest``: the pages its query chooses,
+        :meth:`read_chosen_pages`), a few tokens attending straight over the layer's pages
+        (``paged``), or the first tokens of a layer that held none (a prefill: the layer is
+        these tokens, at slots equal to their positions when ``identity``). The tokens are
         stored and nothing is read back. Returns the new tokens' keys and values."""
         batch, heads, tokens = key_states.shape[:3]
         positions = (offset + torch.arange(tokens, device=key_states.device)).expand(batch, heads, tokens).contiguous()
         valid = torch.ones(batch, heads, tokens, dtype=torch.bool, device=key_states.device)
         new_tokens = LayerRead(key_states, value_states, positions, valid)
-        step = LayerStep(self, layer_idx, new_tokens, offset, tokens, False, sparse=sparse, paged=paged)
+        step = LayerStep(self, layer_idx, new_tokens, offset, tokens, identity, sparse=sparse, paged=paged)
         self._pending = step
         layer_step.publish(step, attention_kwargs)
         return key_states, value_states
+
+    def _holds_nothing(self, layer_idx: int, key_states: torch.Tensor) -> bool:
+        """Whether ``layer_idx`` holds no token of this batch yet (no prefix attached either) and
+        stores ``key_states``' dtype, so that after the append it reads back exactly the call's
+        own tensors (pools encode pages only once sealed, after attention)."""
+        return (
+            self._seen[layer_idx] == 0
+            and key_states.dtype == self.store.dtype
+            and not bool(self.store.physical_lengths(layer_idx, self._rows).any())
+        )
 
     def _paged_layer(self, layer_idx: int, query_length: int) -> PagedLayer | None:
         """The layer's pages for attention straight over them (no dense copy), when this call

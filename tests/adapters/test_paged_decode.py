@@ -31,12 +31,28 @@ def test_decode_steps_read_no_dense_copy_and_equal_dynamic_cache(family) -> None
                                max_new_tokens=6, pad_token_id=PAD, return_dict_in_generate=True, output_logits=True)
     cache = kvlib.make_cache(model)
     dense_reads, out = count_dense_reads(cache, model, ids, mask)
-    assert dense_reads == model.config.num_hidden_layers  # the prefill's only: one per layer
+    assert dense_reads == 0  # the prefill attends over its own tensors, decode steps over the pages
     assert torch.equal(out.sequences, reference.sequences)
     assert_same_logits(out.logits, reference.logits)
     report = cache.memory_report()
     assert report["by_component"]["read_cache"] == 0
-    assert report["peak_workspace_bytes"] > 0  # the prefill's transient dense copy, not held
+    assert report["peak_workspace_bytes"] == 0
+
+
+def test_a_later_prompt_chunk_reads_a_transient_copy_and_reports_its_peak() -> None:
+    model = build_model("llama")
+    ids = torch.randint(3, 90, (2, 50), generator=torch.Generator().manual_seed(3))
+    reference = DynamicCache(config=model.config)
+    cache = kvlib.make_cache(model)
+    with torch.no_grad():
+        for chunk in (ids[:, :30], ids[:, 30:]):  # the second chunk (20 tokens) attends over 50
+            expected = model(input_ids=chunk, **cache_argument(reference)).logits
+            got = model(input_ids=chunk, **cache_argument(cache)).logits
+            assert_same_logits(got, expected)
+    report = cache.memory_report()
+    layer_bytes = 2 * 2 * model.config.num_key_value_heads * 50 * (model.config.hidden_size // model.config.num_attention_heads) * 4
+    assert report["peak_workspace_bytes"] >= layer_bytes  # one layer's dense copy at a time
+    assert report["by_component"]["read_cache"] == 0
 
 
 def test_a_mirror_is_kept_only_when_asked_for_or_under_eviction() -> None:
