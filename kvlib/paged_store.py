@@ -17,7 +17,10 @@ Invariants (after every public call; ``tests/kvlib/test_store_state_machine.py``
   (the transformers cache calls it after each layer's attention), so a call's attention always
   sees its own new tokens exact;
 - once no sequence is live, the read mirrors and block tables are back to a new store's sizes
-  (what grew with a batch does not stay at its high-water mark).
+  (what grew with a batch does not stay at its high-water mark);
+- a growable arena that a compaction or a release leaves less than half in use shrinks to
+  ``GROWTH`` times its pages in use (pages move down, the block tables follow), unless something
+  besides this store's tables (a prefix index) holds pages of it.
 
 All operations are vectorized over batch and heads: no Python loop runs per token or per head.
 """
@@ -38,7 +41,7 @@ from kvlib.page_indexing import first_occurrences, heads_to_copy, page_coordinat
 from kvlib.paged_attention import PagedLayer
 from kvlib.read_cache import DenseReadCache, LayerRead
 from kvlib.storage.coded_pool import CodedPagePool
-from kvlib.storage.page_pool import PagePool
+from kvlib.storage.page_pool import GROWTH, PagePool
 from kvlib.storage.partnered_pool import PartneredPagePool
 from kvlib.storage.spill_store import SpillStore
 from kvlib.storage.page_prefetch import PagePrefetcher
@@ -47,7 +50,11 @@ from kvlib.storage.tiered_pool import TieredPagePool
 SequenceIds = Sequence[int] | torch.Tensor
 
 DEFAULT_PAGES_PER_LAYER = 64
-"""Pages each layer's arena holds when a store is built (a growable arena doubles from there)."""
+"""Pages each layer's arena holds when a store is built (a growable arena grows from there)."""
+
+TRIM_BELOW = 0.5
+"""A growable arena with less than this share of its pages in use after a compaction or a
+release gives the idle part back (:meth:`PagedStore.trim`)."""
 
 FIRST_ROWS = 16
 """Key and value rows a coded pool's raw arena and a tiered pool's host arena start with, and
@@ -251,6 +258,8 @@ class PagedStore:
         self._last_rows = None
         if not self._live:
             self._shrink()
+        for layer in range(self.num_layers):
+            self.trim(layer)
 
     def _shrink(self) -> None:
         """With no sequence live, give back what grew with the sequences (read mirrors, block
@@ -644,6 +653,32 @@ class PagedStore:
         table.sealed[rows] = torch.where(changed, table.sealed[rows].clamp(max=first_page), table.sealed[rows])
         self._open_pages[layer] = None
         self._drop_read_cache(layer, rows)
+        self.trim(layer)
+
+    def trim(self, layer: int) -> None:
+        """Give back ``layer``'s idle arena memory when less than :data:`TRIM_BELOW` of it is in
+        use: pages in use at or past the new capacity (``GROWTH`` times the pages in use) move to
+        free pages below it, the block tables follow, and the arena is cut there. Nothing
+        happens for pools that do not shrink (fixed, coded, tiered) or when something besides
+        this store's block tables (a prefix index) holds pages of the layer, whose ids must stay."""
+        layer = self._layer(layer)
+        pool, table = self.pools[layer], self.tables[layer]
+        used = pool.pages_in_use
+        if not pool.shrinks or pool.capacity <= DEFAULT_PAGES_PER_LAYER or used >= pool.capacity * TRIM_BELOW:
+            return
+        held_by_tables = torch.bincount(table.pages[table.pages >= 0], minlength=pool.capacity)
+        if not torch.equal(held_by_tables, pool.refcount):
+            return
+        capacity = max(int(used * GROWTH) + 1, DEFAULT_PAGES_PER_LAYER)
+        held = (pool.refcount > 0).nonzero().squeeze(-1)
+        source = held[held >= capacity]
+        target = (pool.refcount[:capacity] == 0).nonzero().squeeze(-1)[: source.numel()]
+        pool.relocate(source, target)
+        moved = torch.arange(pool.capacity)
+        moved[source] = target
+        table.pages = torch.where(table.pages >= 0, moved[table.pages.clamp(min=0)], -1)
+        pool.shrink(capacity)
+        self._open_pages[layer] = None
 
     # -- truncation ----------------------------------------------------------------------------
 

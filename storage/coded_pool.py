@@ -35,6 +35,9 @@ _MIN_RAW_PAGES = 16
 class CodedPagePool(PagePool):
     """A :class:`PagePool` that encodes sealed pages with ``codec`` (see the module docstring)."""
 
+    shrinks = False
+    """Per-page state beyond the arenas (encoded fields, raw rows / tier rows) is not relocated."""
+
     def __init__(
         self,
         page_size: int,

@@ -18,6 +18,17 @@ class FreeStack:
         self._top = capacity
         self.capacity = capacity
 
+    @classmethod
+    def of(cls, capacity: int, free: torch.Tensor) -> FreeStack:
+        """A stack over ``capacity`` ids whose free ones are ``free`` (distinct, below
+        ``capacity``), handed out lowest first."""
+        stack = cls(0)
+        stack._stack = torch.empty(capacity, dtype=torch.int64)
+        stack._stack[: free.numel()] = torch.sort(free, descending=True).values
+        stack._top = free.numel()
+        stack.capacity = capacity
+        return stack
+
     @property
     def free(self) -> int:
         """Ids on the stack."""

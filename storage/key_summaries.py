@@ -39,6 +39,11 @@ class KeySummaries:
             new[: old.shape[0]] = old
             setattr(self, name, new)
 
+    def shrink(self, capacity: int) -> None:
+        """Keep the first ``capacity`` pages' summaries (the rest were freed)."""
+        self.key_min = self.key_min[:capacity].clone()
+        self.key_max = self.key_max[:capacity].clone()
+
     def clear(self, ids: torch.Tensor) -> None:
         """Pages ``ids`` (int64, CPU) hold no tokens any more (freed)."""
         if ids.numel():

@@ -13,9 +13,11 @@ Invariants (checked by ``tests/kvlib/test_store_state_machine.py`` after every s
 - ``bytes_in_use() == pages_in_use * page_bytes``.
 
 Allocation pops from and release pushes onto a :class:`~kvlib.storage.free_stack.FreeStack`, so
-both cost O(1) per page and are vectorized over many pages. A growable pool doubles its capacity when it runs out
-(amortized O(1) per page); a fixed pool raises :class:`~kvlib.errors.PoolExhaustedError`
-before changing anything.
+both cost O(1) per page and are vectorized over many pages. A growable pool grows by an eighth
+(:data:`GROWTH`), at least to what it needs, when it runs out (amortized O(1) per page, and at
+most an eighth of the arena idle); a fixed pool raises :class:`~kvlib.errors.PoolExhaustedError`
+before changing anything. A growable pool can also shrink (:meth:`PagePool.relocate`,
+:meth:`PagePool.shrink`) once its owner has moved every page in use below the new capacity.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from kvlib.storage.free_stack import FreeStack
 from kvlib.storage.key_summaries import KeySummaries
 
 _POSITION_DTYPE = torch.int64
+GROWTH = 1.125
+"""A growable pool's capacity after running out: this factor of the old one, or what it needs."""
 
 
 class PagePool:
@@ -40,7 +44,7 @@ class PagePool:
         dtype: compute dtype of keys and values.
         device: where the arena lives.
         capacity: pages allocated up front.
-        fixed: if True the pool never grows (the scheduler's mode); otherwise it doubles.
+        fixed: if True the pool never grows (the scheduler's mode); otherwise it grows by :data:`GROWTH`.
         key_summaries: keep each page's channel-wise key min and max on the device, current on
             every write, copy and free (:class:`~kvlib.storage.key_summaries.KeySummaries`, for
             ``quest``).
@@ -189,8 +193,8 @@ class PagePool:
             self.summaries.clear(freed)
 
     def _grow(self, min_capacity: int) -> None:
-        """Double the arena (at least to ``min_capacity``); existing page ids stay valid."""
-        new = max(2 * self.capacity, min_capacity, 1)
+        """Grow the arena by :data:`GROWTH` (at least to ``min_capacity``); page ids stay valid."""
+        new = max(int(self.capacity * GROWTH) + 1, min_capacity, 1)
         self._grow_data(new)
         self.positions = extend_rows(self.positions, new, -1)
         self.refcount = extend_rows(self.refcount, new, 0)
@@ -248,6 +252,39 @@ class PagePool:
         values [n, page_size, value_dim])``."""
         index = to_arena_device(ids, self.device)
         return self.keys.index_select(0, index), self.values.index_select(0, index)
+
+    @property
+    def shrinks(self) -> bool:
+        """Whether :meth:`relocate` and :meth:`shrink` apply: a growable pool without per-page
+        state beyond its arenas (codecs and tiers keep more, and do not shrink)."""
+        return not self.fixed
+
+    def relocate(self, source: torch.Tensor, target: torch.Tensor) -> None:
+        """Move in-use pages ``source[i]`` onto free pages ``target[i]`` (int64 on CPU, distinct):
+        data, positions, summaries and reference counts move, the sources become free. The
+        owner rewrites its block tables to match."""
+        if bool((self.refcount[target] != 0).any()) or bool((self.refcount[source] == 0).any()):
+            raise ValueError("relocate moves pages in use onto free pages")
+        self.copy_pages(source, target)
+        if self.summaries is not None:
+            self.summaries.clear(source)
+        self.refcount[target] = self.refcount[source]
+        self.refcount[source] = 0
+        self._free = FreeStack.of(self.capacity, (self.refcount == 0).nonzero().squeeze(-1))
+
+    def shrink(self, capacity: int) -> None:
+        """Drop pages ``[capacity, self.capacity)``, which must all be free; arenas are copied
+        to their new size so the memory is given back."""
+        if bool((self.refcount[capacity:] != 0).any()):
+            raise ValueError(f"shrink to {capacity} pages needs every page from {capacity} on free")
+        self.keys = self.keys[:capacity].clone()
+        self.values = self.values[:capacity].clone()
+        self.positions = self.positions[:capacity].clone()
+        self.refcount = self.refcount[:capacity].clone()
+        free = self._free.contents()
+        self._free = FreeStack.of(capacity, free[free < capacity])
+        if self.summaries is not None:
+            self.summaries.shrink(capacity)
 
     def copy_pages(self, source: torch.Tensor, target: torch.Tensor) -> None:
         """Copy whole pages ``source[i]`` onto ``target[i]`` (copy-on-write)."""

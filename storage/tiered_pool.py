@@ -53,6 +53,9 @@ class TieredPagePool(PagePool):
     host (at most ``host_pages``, None: unbounded) and, with a ``spill``, at most ``disk_pages``
     on disk behind it."""
 
+    shrinks = False
+    """Per-page state beyond the arenas (encoded fields, raw rows / tier rows) is not relocated."""
+
     def __init__(
         self,
         page_size: int,

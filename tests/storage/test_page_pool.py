@@ -24,16 +24,40 @@ def test_allocate_hands_out_lowest_ids_first_and_counts_bytes() -> None:
     assert pool.bytes_reserved() == 4 * pool.page_bytes
 
 
-def test_growable_pool_doubles_and_keeps_data() -> None:
+def test_growable_pool_grows_by_an_eighth_and_keeps_data() -> None:
     pool = make_pool(capacity=2)
     ids = pool.allocate(2)
     pool.write(ids * 4, torch.ones(2, 2), torch.ones(2, 3), torch.tensor([5, 6]))
     more = pool.allocate(3)
-    assert pool.capacity == 5 and sorted(more.tolist()) == [2, 3, 4]
+    assert pool.capacity == 5 and sorted(more.tolist()) == [2, 3, 4]  # what it needs
     pool.allocate(1)
-    assert pool.capacity == 10
+    assert pool.capacity == 6  # int(5 * 1.125) + 1
+    pool.allocate(40)
+    assert pool.capacity == 46
+    pool.allocate(1)
+    assert pool.capacity == 52
     keys, values, positions = pool.gather(ids * 4)
     assert torch.equal(keys, torch.ones(2, 2)) and positions.tolist() == [5, 6]
+
+
+def test_relocate_then_shrink_moves_pages_and_gives_memory_back() -> None:
+    pool = make_pool(capacity=8)
+    ids = pool.allocate(8)
+    pool.write(ids * 4, torch.arange(16.0).view(8, 2), torch.ones(8, 3), torch.arange(8) + 100)
+    pool.incref(ids[6:7])  # page 6 held twice
+    pool.decref(ids[:5])
+    pool.relocate(torch.tensor([6, 7]), torch.tensor([1, 0]))
+    assert pool.refcount.tolist() == [1, 2, 0, 0, 0, 1, 0, 0]
+    keys, _, positions = pool.gather(torch.tensor([4, 0, 20]))
+    assert keys[:, 0].tolist() == [12.0, 14.0, 10.0] and positions.tolist() == [106, 107, 105]
+    pool.shrink(6)
+    assert pool.capacity == 6 and pool.keys.shape[0] == 6 and pool.bytes_reserved() == 6 * pool.page_bytes
+    assert sorted(pool.free_page_ids().tolist()) == [2, 3, 4]
+    assert pool.allocate(3).tolist() == [2, 3, 4]  # lowest first
+    with pytest.raises(ValueError, match="needs every page from 1 on free"):
+        pool.shrink(1)
+    with pytest.raises(ValueError, match="moves pages in use onto free pages"):
+        pool.relocate(torch.tensor([0]), torch.tensor([1]))
 
 
 def test_fixed_pool_raises_before_changing_anything() -> None:
