@@ -38,7 +38,7 @@ import shlex
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -88,10 +88,10 @@ def cache_bytes(cache) -> tuple[int, dict[str, int]]:
     return sum(t.nbytes for layer in cache.layers for t in (layer.keys, layer.values) if t is not None), {}
 
 
-def generate_once(model: torch.nn.Module, kind: str, prompt: torch.Tensor, new_tokens: int) -> dict:
-    """Prefill + ``new_tokens`` greedy single-token forwards with a fresh cache of ``kind``."""
+def generate_once(model: torch.nn.Module, make: Callable[[], object], prompt: torch.Tensor, new_tokens: int) -> dict:
+    """Prefill + ``new_tokens`` greedy single-token forwards with a fresh cache from ``make()``."""
     gc.collect()
-    cache = new_cache(kind, model)
+    cache = make()
     with torch.inference_mode():
         start = time.perf_counter()
         out = model(input_ids=prompt, **cache_argument(cache), use_cache=True, logits_to_keep=1)
@@ -104,7 +104,7 @@ def generate_once(model: torch.nn.Module, kind: str, prompt: torch.Tensor, new_t
             token = out.logits[:, -1].argmax(-1, keepdim=True)
             tokens.append(token)
         decode = time.perf_counter() - start
-    assert cache.get_seq_length() == prompt.shape[1] + new_tokens, (kind, cache.get_seq_length())
+    assert cache.get_seq_length() == prompt.shape[1] + new_tokens, (type(cache).__name__, cache.get_seq_length())
     held, components = cache_bytes(cache)
     result = {
         "prefill_s": prefill,
@@ -112,6 +112,7 @@ def generate_once(model: torch.nn.Module, kind: str, prompt: torch.Tensor, new_t
         "decode_tok_s": prompt.shape[0] * new_tokens / decode,
         "cache_bytes": held,
         "cache_components": components,
+        "peak_workspace_bytes": cache.memory_report()["peak_workspace_bytes"] if isinstance(cache, kvlib.KVCache) else 0,
         "tokens": torch.cat(tokens, dim=1),
     }
     del cache, out
@@ -122,11 +123,11 @@ def bench_case(model: torch.nn.Module, vocab: int, batch: int, args: argparse.Na
     generator = torch.Generator().manual_seed(1000 + batch)
     prompt = torch.randint(0, vocab, (batch, args.prompt_len), generator=generator)
     for kind in CACHES:  # untimed warm-up (first-call allocations, kernel selection)
-        generate_once(model, kind, prompt[:, : min(args.prompt_len, 16)], min(args.new_tokens, 2))
+        generate_once(model, lambda: new_cache(kind, model), prompt[:, : min(args.prompt_len, 16)], min(args.new_tokens, 2))
     runs: dict[str, list[dict]] = {kind: [] for kind in CACHES}
     for _ in range(repeats):
         for kind in CACHES:
-            runs[kind].append(generate_once(model, kind, prompt, args.new_tokens))
+            runs[kind].append(generate_once(model, lambda: new_cache(kind, model), prompt, args.new_tokens))
     reference = runs["dynamic"][0]["tokens"]
     tokens_match = all(torch.equal(run["tokens"], reference) for kind in CACHES for run in runs[kind])
     row = {"batch": batch, "repeats": repeats, "tokens_match": tokens_match}

@@ -1,0 +1,167 @@
+"""Bytes held and decode speed of kvlib caches against ``DynamicCache``, in one run (issue 19's table).
+
+For each model and context length, every cache runs the same prompt (random token ids, seeded):
+one forward over the prompt, then ``--new-tokens`` greedy single-token forwards (see
+``bench_generate.generate_once``), interleaved for ``--repeats`` rounds after an untimed warm-up.
+Reported per cache, as ratios against the DynamicCache of the same round (medians):
+
+- ``bytes``: what the cache holds at the end of decode (kvlib: ``memory_report()["total_bytes"]``,
+  pages, positions, tables and any read mirror; DynamicCache: its keys and values), and kvlib's
+  ``peak_workspace_bytes`` (transient dense copies for attention, freed after each call);
+- ``decode``: decode tokens/s.
+
+Caches (``--caches``, comma-separated): ``exact`` (``make_cache(model)``), ``streaming_llm``,
+``snapkv`` and ``h2o`` with an ``int`` budget of a quarter of the context held while decoding
+(``*_int25``), ``snapkv_0.25`` (prompt compression to a quarter), ``kivi4`` (``kivi(bits=4)``).
+The exact cache's greedy tokens must equal DynamicCache's (asserted after the report is written).
+
+Models: ``llama100m`` (a seeded random-weight ~100M Llama, fp32, see ``provenance.LLAMA100M``) and
+``smollm2`` (SmolLM2-135M-Instruct through ``kvlib.eval.load_model``; 30 layers, 3 KV heads).
+
+    python benchmarks/bench_decode_caches.py [--models llama100m,smollm2] [--contexts 2048,8192]
+        [--caches exact,streaming_llm_int25,...] [--new-tokens 32] [--repeats 2] [--threads N]
+    python benchmarks/bench_decode_caches.py --quick --out /tmp/x
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache
+
+import kvlib
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or loaded by path
+from bench_generate import generate_once, load_model as load_bench_model  # noqa: E402
+from provenance import add_run_arguments, command_line, parse_run_arguments, run_metadata, write_report  # noqa: E402
+
+MODELS = ("llama100m", "smollm2", "stories")
+FULL = {"models": "llama100m,smollm2", "contexts": "2048,8192", "caches": "exact,streaming_llm_int25,snapkv_int25,h2o_int25,snapkv_0.25,kivi4",
+        "new_tokens": 32, "repeats": 2}
+QUICK = {"models": "stories", "contexts": "64", "caches": "exact,streaming_llm_int25,snapkv_0.25,kivi4", "new_tokens": 4, "repeats": 1}
+
+
+def cache_factories(context: int) -> dict[str, Callable[[torch.nn.Module], object]]:
+    """Each cache name's constructor for a model, budgets sized to ``context``."""
+    quarter = max(1, context // 4)
+    return {
+        "dynamic": lambda model: DynamicCache(config=model.config),
+        "exact": lambda model: kvlib.make_cache(model),
+        "streaming_llm_int25": lambda model: kvlib.make_cache(model, "streaming_llm", budget=quarter),
+        "snapkv_int25": lambda model: kvlib.make_cache(model, "snapkv", budget=quarter),
+        "h2o_int25": lambda model: kvlib.make_cache(model, "h2o", budget=quarter),
+        "snapkv_0.25": lambda model: kvlib.make_cache(model, "snapkv", budget=0.25),
+        "kivi4": lambda model: kvlib.make_cache(model, "kivi(bits=4)"),
+    }
+
+
+def load_model(name: str, stories_path: Path) -> torch.nn.Module:
+    if name == "smollm2":
+        from kvlib.eval import load_model as load_named_model
+
+        return load_named_model("smollm2").eval()
+    return load_bench_model(name, stories_path)
+
+
+def bench_context(model: torch.nn.Module, context: int, caches: list[str], args: argparse.Namespace) -> dict:
+    factories = cache_factories(context)
+    prompt = torch.randint(0, model.config.vocab_size, (1, context), generator=torch.Generator().manual_seed(context))
+    kinds = ["dynamic", *caches]
+    for kind in kinds:  # untimed warm-up: numba compilation, first-call allocations
+        generate_once(model, lambda: factories[kind](model), prompt[:, :64], 2)
+    runs: dict[str, list[dict]] = {kind: [] for kind in kinds}
+    for _ in range(args.repeats):
+        for kind in kinds:
+            runs[kind].append(generate_once(model, lambda: factories[kind](model), prompt, args.new_tokens))
+    dynamic = runs["dynamic"]
+    row: dict = {"context": context, "dynamic_bytes": dynamic[-1]["cache_bytes"],
+                 "dynamic_decode_tok_s": statistics.median(run["decode_tok_s"] for run in dynamic), "caches": {}}
+    for kind in caches:
+        speed = [run["decode_tok_s"] / base["decode_tok_s"] for run, base in zip(runs[kind], dynamic)]
+        last = runs[kind][-1]
+        row["caches"][kind] = {
+            "bytes": last["cache_bytes"],
+            "bytes_vs_dynamic": last["cache_bytes"] / row["dynamic_bytes"],
+            "components": last["cache_components"],
+            "peak_workspace_bytes": last["peak_workspace_bytes"],
+            "decode_tok_s": statistics.median(run["decode_tok_s"] for run in runs[kind]),
+            "decode_vs_dynamic": statistics.median(speed),
+            "all_decode_vs_dynamic": speed,
+            "tokens_match": all(torch.equal(run["tokens"], dynamic[0]["tokens"]) for run in runs[kind]),
+        }
+    return row
+
+
+def run(argv: Sequence[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", help=f"comma-separated, from {','.join(MODELS)} (default {FULL['models']})")
+    parser.add_argument("--contexts", help=f"prompt tokens, comma-separated (default {FULL['contexts']})")
+    parser.add_argument("--caches", help=f"comma-separated, from {','.join(list(cache_factories(4))[1:])} (default {FULL['caches']})")
+    parser.add_argument("--new-tokens", type=int, help=f"decode steps (default {FULL['new_tokens']})")
+    parser.add_argument("--repeats", type=int, help=f"interleaved rounds (default {FULL['repeats']})")
+    add_run_arguments(parser, QUICK, stories=True)
+    args = parse_run_arguments(parser, argv, QUICK, FULL)
+    load_before, started = os.getloadavg()[0], time.perf_counter()
+    models = [m for m in args.models.split(",") if m]
+    caches = [c for c in args.caches.split(",") if c]
+    known = list(cache_factories(4))[1:]
+    for given, allowed, what in ((models, MODELS, "models"), (caches, known, "caches")):
+        unknown = sorted(set(given) - set(allowed))
+        if unknown:
+            parser.error(f"unknown {what} {unknown}; choose from {', '.join(allowed)}")
+    contexts = [int(c) for c in args.contexts.split(",")]
+    stories_path = args.stories_path if args.stories_path.is_absolute() else Path(__file__).resolve().parents[1] / args.stories_path
+    rows = []
+    for name in models:
+        model = load_model(name, stories_path)
+        kvlib.attach(model)  # every cache runs through the same attention function
+        for context in contexts:
+            load_before = os.getloadavg()[0]
+            row = {"model": name, **bench_context(model, context, caches, args)}
+            row["load_avg_1min"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
+            rows.append(row)
+            for kind, figures in row["caches"].items():
+                print(f"{name} {context}: {kind} bytes {figures['bytes_vs_dynamic']:.3f}x decode {figures['decode_vs_dynamic']:.2f}x", flush=True)
+        del model
+    result = {**run_metadata(args, load_before, started), "command": command_line("bench_decode_caches.py", argv), "rows": rows}
+    write_report(args.out, "bench_decode_caches", _markdown(result), result)
+    mismatched = [(row["model"], row["context"]) for row in rows if "exact" in row["caches"] and not row["caches"]["exact"]["tokens_match"]]
+    assert not mismatched, f"the exact cache's greedy tokens differ from DynamicCache's for {mismatched}"
+    return result
+
+
+def _markdown(result: dict) -> str:
+    lines = [
+        "# bench_decode_caches: bytes held and decode speed against DynamicCache",
+        "",
+        f"Command: `{result['command']}`. Machine: {result['machine']}. Library revision: {result['git']}. "
+        f"1-minute load before/after: {result['load_avg_1min']}; {result['seconds']} s.",
+        "",
+        "Ratios against DynamicCache measured in the same run (interleaved rounds; decode: median of the per-round "
+        "ratios, all rounds listed). Bytes: held at the end of decode; workspace: kvlib's peak transient dense copy "
+        "(freed after each call), as a share of DynamicCache's bytes.",
+        "",
+        "| model | context | cache | bytes vs DynamicCache | workspace peak | decode vs DynamicCache | rounds | tokens = DynamicCache | load |",
+        "|---|---:|---|---:|---:|---:|---|---|---|",
+    ]
+    for row in result["rows"]:
+        for kind, f in row["caches"].items():
+            workspace = f["peak_workspace_bytes"] / row["dynamic_bytes"]
+            rounds = ", ".join(f"{r:.2f}" for r in f["all_decode_vs_dynamic"])
+            lines.append(
+                f"| {row['model']} | {row['context']} | {kind} | {f['bytes_vs_dynamic']:.3f}x | {workspace:.3f}x | "
+                f"{f['decode_vs_dynamic']:.2f}x | {rounds} | {'yes' if f['tokens_match'] else 'no'} | "
+                f"{row['load_avg_1min'][0]:.1f}, {row['load_avg_1min'][1]:.1f} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    run()
