@@ -26,6 +26,7 @@ import torch
 from kvlib.adapters.attention_weights import attention_blocks
 from kvlib.adapters.layer_step import LayerStep
 from kvlib.adapters.merge import merged_values
+from kvlib.adapters.slot_order import along_slots, ordered_view, position_order, to_slots
 from kvlib.policies.budget.uniform import Uniform
 from kvlib.selection import select_keep
 from kvlib.strategy import Budget, BudgetRequest, Eviction, LayerView, Rope
@@ -51,7 +52,8 @@ class AttentionInputs:
 
 @dataclass
 class Compaction:
-    """What a layer keeps: ``keep`` int64 ``[batch, heads, k]`` kept slots, ascending, -1 last;
+    """What a layer keeps: ``keep`` int64 ``[batch, heads, k]`` kept slots (slot indices, not
+    positions), ascending, -1 last;
     ``values``: their new values when evicted tokens were merged in, else None."""
 
     keep: torch.Tensor
@@ -64,7 +66,13 @@ class Compressor:
 
     State: per layer, the attention each stored token has accumulated (only for strategies that
     need ``accumulated_attention``), aligned with the layer's stored slots; the cache keeps it in
-    step with its rows (:meth:`select_rows`, :meth:`reset`, :meth:`crop`).
+    step with its rows and slots (:meth:`select_rows`, :meth:`reset`, :meth:`compacted`: the
+    caller hands on the layout of every compaction it makes).
+
+    Selection is by position, not slot: after a compaction that reused slots (slot order no
+    longer position order), each head's best tokens are chosen among its slots sorted by
+    position, and strategies that are not ``order_free`` score a view in that order, so the kept
+    set is the one an in-order store would keep.
     """
 
     strategy: Eviction
@@ -108,18 +116,24 @@ class Compressor:
             accumulated_attention=accumulated,
         )
         self._fill_needs(view, step, inputs, real_offsets)
+        order = position_order(read.positions, read.valid)  # None unless a compaction reused slots
+        if order is not None and not self.strategy.order_free:
+            view = ordered_view(view, order)
         scores = self.strategy.score(view)
         if not isinstance(scores, torch.Tensor) or scores.shape != candidates.shape:
             raise ValueError(
                 f"{type(self.strategy).__name__}.score must return a tensor of shape {list(candidates.shape)}, got"
                 f" {getattr(scores, 'shape', type(scores).__name__)}"
             )
+        ranked = candidates
+        if order is not None:  # select in position order: ties break as they would in order
+            ranked = along_slots(candidates, order)
+            scores = along_slots(scores, order) if self.strategy.order_free else scores
         if caps is None:  # a score-based allocation splits the layer once the scores are known
-            request.scores, request.candidates = scores, candidates
+            request.scores, request.candidates = scores, ranked
             caps = self.allocation.caps(request).to(counts.device)
-        keep = _ascending(select_keep(scores, candidates, torch.where(over, caps, counts)).to(read.valid.device))
-        if accumulated is not None:
-            self._accumulated[step.layer_idx] = accumulated.gather(-1, keep.clamp(min=0)) * (keep >= 0)
+        keep = select_keep(scores, ranked, torch.where(over, caps, counts))
+        keep = _ascending((keep if order is None else to_slots(keep, order)).to(read.valid.device))
         values = merged_values(read.keys, read.values, candidates, keep) if self.merge else None
         return Compaction(keep, values)
 
@@ -130,12 +144,14 @@ class Compressor:
         for layer, state in self._accumulated.items():
             self._accumulated[layer] = state[index.to(state.device)]
 
-    def crop(self, layer: int, lengths: torch.Tensor) -> None:
-        """Forget state beyond each head's new physical length (``lengths [batch, heads]``)."""
+    def compacted(self, layer: int, layout: torch.Tensor) -> None:
+        """The store compacted ``layer``: new slot ``i`` of each head holds what old slot
+        ``layout[..., i]`` held (int64 ``[batch, heads, k]``, ``-1`` past the new length, as
+        :meth:`~kvlib.paged_store.PagedStore.compact` returns it); per-slot state follows."""
         state = self._accumulated.get(layer)
         if state is not None:
-            slots = torch.arange(state.shape[-1], device=state.device)
-            self._accumulated[layer] = state * (slots < lengths.to(state.device).unsqueeze(-1))
+            layout = layout.to(state.device)
+            self._accumulated[layer] = state.gather(-1, layout.clamp(min=0)) * (layout >= 0)
 
     def reset(self) -> None:
         """Forget all state (the cache starts a new batch)."""

@@ -414,7 +414,8 @@ class Engine:
             inputs = AttentionInputs(query[b : b + 1], mask, None, scaling, None)
             compaction = request.compressor.compaction(step, inputs, torch.zeros(1, dtype=torch.int64, device=self.device))
             if compaction is not None:
-                self.store.compact(layer, [request.seq], compaction.keep, compaction.values)
+                layout = self.store.compact(layer, [request.seq], compaction.keep, compaction.values, reuse_slots=True)
+                request.compressor.compacted(layer, layout)
 
     # -- request life cycle ----------------------------------------------------------------------
 

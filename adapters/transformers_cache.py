@@ -343,7 +343,8 @@ class KVCache(Cache):
             inputs = AttentionInputs(query, mask, weights, scaling, real_new, self._hidden_states.pop(step.layer_idx, None))
             compaction = self.compressor.compaction(step, inputs, self._padding)
             if compaction is not None:
-                self.store.compact(step.layer_idx, self._rows, compaction.keep, compaction.values)
+                layout = self.store.compact(step.layer_idx, self._rows, compaction.keep, compaction.values, reuse_slots=True)
+                self.compressor.compacted(step.layer_idx, layout)
                 self._identity[step.layer_idx] = False
                 read = None
         if self.codecs is not None:
@@ -473,10 +474,18 @@ class KVCache(Cache):
             return
         for layer in range(self.shape.num_layers):
             length = max(self._seen[layer] + tokens_to_remove, 0)
+            if self.compressor is not None:  # the tokens to forget may sit in reused slots, not at the end
+                self._forget_from(layer, length)
             self.store.truncate(layer, self._rows, length)
             self._seen[layer] = min(self._seen[layer], length)
-            if self.compressor is not None:
-                self.compressor.crop(layer, self.store.physical_lengths(layer, self._rows))
+
+    def _forget_from(self, layer: int, length: int) -> None:
+        """Drop the stored tokens of ``layer`` at positions ``>= length`` wherever they sit (a
+        compaction that may reuse slots); the compressor's per-slot state follows."""
+        positions = self.store.stored_positions(layer, self._rows)
+        slot = torch.arange(positions.shape[-1])
+        keep = torch.where((positions >= 0) & (positions < length), slot, -1)
+        self.compressor.compacted(layer, self.store.compact(layer, self._rows, keep, reuse_slots=True))
 
     def _select_rows(self, index: torch.Tensor) -> None:
         if not self._rows:
@@ -497,7 +506,7 @@ class KVCache(Cache):
 
     def kept_positions(self, layer_idx: int) -> torch.Tensor:
         """Original positions of the tokens ``layer_idx`` stores: int64 ``[batch, kv_heads, max_kept]``,
-        ascending, padded with -1 (CPU).
+        ascending (whatever slots hold them), padded with -1 (CPU).
 
         Positions count from each row's first real token (left padding excluded), as if the
         row had been run alone.
@@ -508,9 +517,9 @@ class KVCache(Cache):
         stored = self.store.stored_positions(layer_idx, self._rows)
         positions = stored - self._padding.cpu().view(-1, 1, 1)
         real = (stored >= 0) & (positions >= 0)
-        order = torch.sort((~real).to(torch.int8), dim=-1, stable=True).indices
-        kept = torch.where(real, positions, -1).gather(-1, order)
-        return kept[..., : int(real.sum(-1).max())]
+        past_end = torch.iinfo(torch.int64).max
+        kept = torch.sort(torch.where(real, positions, past_end), dim=-1).values
+        return torch.where(kept == past_end, -1, kept)[..., : int(real.sum(-1).max())]
 
     def memory_report(self) -> dict:
         """Bytes this cache holds, and what a full cache in the compute dtype would hold.

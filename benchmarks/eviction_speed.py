@@ -13,6 +13,9 @@ Caches, each built fresh for every run:
   and the same with the read mirror (``read_cache=True``), ``B = int(--budget * prompt_len)``
   tokens per (layer, KV head): an int budget, a cap held during the prefill and at every decode
   step (each step stores one token and compacts back to ``B``);
+- the same two with ``+in_order`` (``--in-order``): every compaction rewrites in order, as
+  decode-step eviction did before slot reuse (``PagedStore.compact`` is called with
+  ``reuse_slots=False`` for that run only): the before/after of slot reuse in one run;
 - the same two with ``interval=--interval`` (unless it is 1): decode steps compact only every
   ``interval``-th step, so a head holds at most ``B + interval - 1`` tokens between compactions
   (memory is read right after one, at the end of decode when ``new_tokens`` is a multiple of
@@ -57,6 +60,7 @@ Writes ``eviction_speed.md`` and ``eviction_speed.json`` to ``--out``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import os
 import platform
@@ -71,6 +75,7 @@ import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 import kvlib
+from kvlib import PagedStore
 from kvlib.transformers_compat import cache_argument
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or loaded by path
@@ -107,6 +112,20 @@ def new_cache(kind: str, model, budget: int, interval: int):
     name, *flags = kind.split("+")
     return kvlib.make_cache(model, name, budget=budget, read_cache="mirror" in flags,
                             interval=interval if "interval" in flags else 1)
+
+
+@contextlib.contextmanager
+def compaction_for(kind: str):
+    """For a ``+in_order`` kind: ``PagedStore.compact`` never reuses slots while the run lasts."""
+    if "in_order" not in kind.split("+"):
+        yield
+        return
+    compact = PagedStore.compact
+    PagedStore.compact = lambda self, *args, reuse_slots=False, **kwargs: compact(self, *args, **kwargs)
+    try:
+        yield
+    finally:
+        PagedStore.compact = compact
 
 
 def cache_memory(cache) -> dict:
@@ -161,6 +180,7 @@ def run(argv: Sequence[str] | None = None) -> dict:
     parser.add_argument("--interval", type=int,
                         help=f"compaction interval of the extra variants; 1: none (default {FULL['interval']})")
     parser.add_argument("--repeats", type=int, help=f"interleaved rounds (default {FULL['repeats']})")
+    parser.add_argument("--in-order", action="store_true", help="add each variant with in-order compaction (+in_order)")
     add_run_arguments(parser, QUICK)
     args = parse_run_arguments(parser, argv, QUICK, FULL)
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
@@ -169,7 +189,9 @@ def run(argv: Sequence[str] | None = None) -> dict:
     if unknown:
         parser.error(f"unknown strategies {unknown}; registered: {', '.join(registered)}")
     budget = max(1, int(args.budget * args.prompt_len))
-    variants = ("", "+mirror", "+interval", "+mirror+interval") if args.interval > 1 else ("", "+mirror")
+    variants = ["", "+mirror", "+interval", "+mirror+interval"] if args.interval > 1 else ["", "+mirror"]
+    if args.in_order:
+        variants += [variant + "+in_order" for variant in variants]
     kinds = [*BASELINES, *(s + variant for s in strategies for variant in variants)]
 
     model = load_model(args.model, args.prompt_len + args.new_tokens + 1)
@@ -185,7 +207,8 @@ def run(argv: Sequence[str] | None = None) -> dict:
     for _ in range(args.repeats):
         before = os.getloadavg()[0]
         for kind in kinds:
-            runs[kind].append(run_once(model, kind, prompt, args, budget))
+            with compaction_for(kind):
+                runs[kind].append(run_once(model, kind, prompt, args, budget))
             last = runs[kind][-1]
             print(f"{kind}: decode {last['decode_tok_s']:.1f} tok/s, prefill {last['prefill_s']:.2f} s", flush=True)
         loads.append([round(before, 2), round(os.getloadavg()[0], 2)])
@@ -240,7 +263,8 @@ def _label(kind: str, budget: int, interval: int) -> str:
         return "kvlib exact (full, read mirror)"
     name, *flags = kind.split("+")
     every = f", interval {interval}" if "interval" in flags else ""
-    return f"{name}, budget {budget}, {'read mirror' if 'mirror' in flags else 'no read mirror'}{every}"
+    order = ", in-order compaction" if "in_order" in flags else ""
+    return f"{name}, budget {budget}, {'read mirror' if 'mirror' in flags else 'no read mirror'}{every}{order}"
 
 
 def _markdown(result: dict, argv: Sequence[str] | None) -> str:

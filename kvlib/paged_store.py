@@ -8,10 +8,14 @@ Invariants (after every public call; ``tests/kvlib/test_store_state_machine.py``
 
 - a page's reference count equals the number of block-table entries, over all live sequences,
   that name it; free pages are referenced by no table;
-- reading a sequence returns the tokens appended minus those compacted away, in order, with
-  their original positions;
+- reading a sequence returns the tokens appended minus those compacted away, with their
+  original positions, in slot order: the order of appends, except where a compaction reused
+  slots (:meth:`PagedStore.compact` fills dropped slots with later kept tokens and returns the
+  layout: where each kept token went). Slot order is therefore not position order after a
+  decode-step eviction; readers use the stored positions;
 - pages referenced more than once are never written: appends copy a shared open page first
-  (copy-on-write), compaction writes kept tokens to fresh pages;
+  (copy-on-write), compaction writes kept tokens to fresh pages, or into pages that this head
+  alone holds and that are not sealed;
 - a call that fails validation (or finds a fixed pool too small) changes nothing;
 - with codecs, a sealed page is full and immutable; pages are sealed only by :meth:`seal`
   (the transformers cache calls it after each layer's attention), so a call's attention always
@@ -40,6 +44,7 @@ from kvlib.open_pages import OpenPages
 from kvlib.page_indexing import first_occurrences, heads_to_copy, page_coordinates, sorted_keep
 from kvlib.paged_attention import PagedLayer
 from kvlib.read_cache import DenseReadCache, LayerRead
+from kvlib.slot_reuse import HoleFill, hole_fill
 from kvlib.storage.coded_pool import CodedPagePool
 from kvlib.storage.page_pool import GROWTH, PagePool
 from kvlib.storage.partnered_pool import PartneredPagePool
@@ -589,20 +594,42 @@ class PagedStore:
     # -- compaction ----------------------------------------------------------------------------
 
     @outside_inference_mode
-    def compact(self, layer: int, seqs: SequenceIds, keep: torch.Tensor, values: torch.Tensor | None = None) -> None:
+    def compact(
+        self, layer: int, seqs: SequenceIds, keep: torch.Tensor, values: torch.Tensor | None = None, *, reuse_slots: bool = False
+    ) -> torch.Tensor:
         """Keep only the given stored tokens of each (sequence, head) of ``layer``; free the rest.
 
         Args:
             keep: int ``[batch, kv_heads, k]`` indices into each head's stored tokens (physical
                 slots, ``0 <= i < physical length``), in any order, no repeats; ``-1`` pads heads
-                that keep fewer. Kept tokens stay in their original order.
+                that keep fewer.
             values: optional new values of the kept tokens of heads that drop any,
                 ``[batch, kv_heads, k, value_dim]`` aligned with ``keep`` sorted ascending (-1
                 last), in the store's dtype (merging strategies fold dropped values into kept ones).
+            reuse_slots: let heads that drop few tokens fill the dropped slots (below); for callers
+                that follow the returned layout and read positions, not slot order (the
+                transformers cache, the Engine). Off, kept tokens stay in their order.
 
-        Full leading pages whose tokens all stay in place are kept as they are (with ``values``:
-        only in heads that drop nothing); the rest of a changed head is written to fresh pages and
-        its old pages are released, so pages shared with other sequences are never modified.
+        Returns:
+            The layout: int64 ``[batch, kv_heads, k]`` (CPU), the old slot of each new slot of every
+            head, ``-1`` past its new length. Per-slot state kept beside the store (accumulated
+            attention) follows it: ``state.gather(-1, layout.clamp(min=0))``.
+
+        Each changed head takes the cheaper of two ways, and either keeps exactly the tokens named,
+        each with its position:
+
+        - *slot reuse* (:mod:`~kvlib.slot_reuse`): kept tokens at slots ``>= k`` move into the
+          dropped slots below ``k``, nothing else moves, pages past the new length are released.
+          Taken when it moves at most half the tokens the in-order rewrite would (a decode step's
+          eviction moves at most one token) and every page it writes (the holes' pages, a partly
+          kept last page) is writable in place: held by this head alone and not sealed. With
+          ``reuse_slots`` and without ``values`` only. Slots are then no longer in position
+          order (and a later :meth:`truncate` needs the tokens it drops to be a suffix of slots).
+        - *in order*: kept tokens keep their order; full leading pages whose tokens all stay in
+          place are kept as they are (with ``values``: only in heads that drop nothing), the rest
+          of the head is written to fresh pages and its old pages are released, so pages shared
+          with other sequences are never modified. Prefill and chunk-end compactions, which drop
+          many tokens, take this way and leave slots in position order.
         """
         layer = self._layer(layer)
         rows = self._rows(seqs)
@@ -614,7 +641,7 @@ class PagedStore:
         if values is not None and tuple(values.shape) != (*kept.shape, pool.value_dim):
             raise ValueError(f"values must have shape {[*kept.shape, pool.value_dim]}, got {list(values.shape)}")
         if not bool(changed.any()):
-            return
+            return kept
         width = kept.shape[-1]
         slot = torch.arange(width)
         in_place = (kept == slot).long().cumprod(-1).sum(-1)
@@ -622,15 +649,20 @@ class PagedStore:
             in_place = torch.zeros_like(in_place)
         first_page = in_place // self.page_size
         start = first_page * self.page_size
-        rewrite = changed.unsqueeze(-1) & (slot >= start.unsqueeze(-1)) & (slot < new_lengths.unsqueeze(-1))
+        plan = hole_fill(kept, lengths) if reuse_slots and values is None else None
+        fill = torch.zeros_like(changed)
+        if plan is not None:
+            fill = self._fills_holes(layer, rows, plan, changed & (2 * plan.moves <= new_lengths - start), new_lengths)
+        reorder = changed & ~fill
+        rewrite = reorder.unsqueeze(-1) & (slot >= start.unsqueeze(-1)) & (slot < new_lengths.unsqueeze(-1))
 
         old_pages_used, new_pages_used = table.pages_used(lengths), table.pages_used(new_lengths)
         page_slot = torch.arange(table.pages.shape[2])
-        drop_page = changed.unsqueeze(-1) & (page_slot >= first_page.unsqueeze(-1)) & (
-            page_slot < old_pages_used.unsqueeze(-1)
-        )
+        below_old = page_slot < old_pages_used.unsqueeze(-1)
+        drop_page = reorder.unsqueeze(-1) & (page_slot >= first_page.unsqueeze(-1)) & below_old
+        drop_page |= fill.unsqueeze(-1) & (page_slot >= new_pages_used.unsqueeze(-1)) & below_old
         dropped = table.pages[rows][drop_page]
-        new_page_counts = torch.where(changed, new_pages_used - first_page, 0).flatten()
+        new_page_counts = torch.where(reorder, new_pages_used - first_page, 0).flatten()
         needed = int(new_page_counts.sum())
         unique, counts = torch.unique(dropped, return_counts=True)
         freed = int((pool.refcount[unique] == counts).sum())
@@ -641,6 +673,11 @@ class PagedStore:
         moved_keys, moved_values, moved_positions = pool.gather(source)
         if values is not None:
             moved_values = values.to(pool.device, pool.dtype)[rewrite.to(values.device)]
+        moves = plan.only(fill) if plan is not None else None
+        if moves is not None and moves[0].numel():
+            b, h, hole, src = moves
+            holes = table.pages[rows[b], h, hole // self.page_size] * self.page_size + hole % self.page_size
+            filled = pool.gather(table.pages[rows[b], h, src // self.page_size] * self.page_size + src % self.page_size)
         pool.decref(dropped)
         b, h, j = drop_page.nonzero(as_tuple=True)
         table.pages[rows[b], h, j] = -1
@@ -649,11 +686,70 @@ class PagedStore:
             table.pages[rows[b], h, j] = pool.allocate(needed, h)
         target = table.flat_slots(rows, torch.where(rewrite, slot, 0))[rewrite]
         pool.write(target, moved_keys, moved_values, moved_positions)
+        if moves is not None and moves[0].numel():
+            pool.write(holes, *filled)
         table.lengths[rows] = new_lengths
-        table.sealed[rows] = torch.where(changed, table.sealed[rows].clamp(max=first_page), table.sealed[rows])
+        sealed = table.sealed[rows]
+        sealed = torch.where(reorder, sealed.clamp(max=first_page), sealed)
+        table.sealed[rows] = torch.where(fill, torch.minimum(sealed, new_lengths // self.page_size), sealed)
+        if pool.summaries is not None and bool(fill.any()):
+            self._resummarize_filled_pages(layer, rows, fill, moves)
         self._open_pages[layer] = None
-        self._drop_read_cache(layer, rows)
+        self._mirror_compaction(layer, rows, reorder, moves, new_lengths)
         self.trim(layer)
+        return kept if plan is None else torch.where(fill.unsqueeze(-1), plan.layout, kept)
+
+    def _fills_holes(self, layer: int, rows: torch.Tensor, plan: HoleFill, cheap: torch.Tensor, new_lengths: torch.Tensor) -> torch.Tensor:
+        """bool ``[batch, heads]``: the heads among ``cheap`` whose hole fill writes only pages
+        writable in place (the holes' pages, and the new last page if it is partly kept: a
+        truncated page is rewritten by later appends and its key summary redone)."""
+        pool, table = self.pools[layer], self.tables[layer]
+        fill = cheap.clone()
+        b, h, hole, _ = plan.only(cheap)
+        if b.numel():
+            blocked = ~pool.writable(table.pages[rows[b], h, hole // self.page_size])
+            fill[b[blocked], h[blocked]] = False
+        b, h = (fill & (new_lengths % self.page_size != 0)).nonzero(as_tuple=True)
+        if b.numel():
+            blocked = ~pool.writable(table.pages[rows[b], h, new_lengths[b, h] // self.page_size])
+            fill[b[blocked], h[blocked]] = False
+        return fill
+
+    def _resummarize_filled_pages(self, layer: int, rows: torch.Tensor, fill: torch.Tensor, moves: tuple[torch.Tensor, ...]) -> None:
+        """Recompute the key summaries of the pages a hole fill wrote or cut short (heads ``fill``):
+        each summary then covers only the tokens its page still holds."""
+        pool, table = self.pools[layer], self.tables[layer]
+        lengths = table.lengths[rows]
+        b, h, hole, _ = moves
+        page = hole // self.page_size
+        lb, lh = (fill & (lengths % self.page_size != 0)).nonzero(as_tuple=True)
+        b, h, page = torch.cat([b, lb]), torch.cat([h, lh]), torch.cat([page, lengths[lb, lh] // self.page_size])
+        ids, first = first_occurrences(table.pages[rows[b], h, page])
+        if ids.numel() == 0:
+            return
+        held = (lengths[b, h] - page * self.page_size).clamp(max=self.page_size)[first]
+        keys, _ = pool.read_pages(ids)
+        pool.summaries.recompute(ids, keys, held)
+
+    def _mirror_compaction(self, layer: int, rows: torch.Tensor, reorder: torch.Tensor, moves: tuple[torch.Tensor, ...] | None, new_lengths: torch.Tensor) -> None:
+        """Keep the layer's read mirror in step with a compaction of ``rows``: patched (the tokens
+        moved and vacated only) when every changed head of its rows filled holes, else dropped."""
+        cache = self._read_caches[layer]
+        if cache is None:
+            return
+        where = {seq: i for i, seq in enumerate(cache.rows)}
+        mirror_row = torch.tensor([where.get(seq, -1) for seq in rows.tolist()], dtype=torch.int64)
+        mirrored = mirror_row >= 0
+        if not bool(mirrored.any()):
+            return
+        if bool(reorder[mirrored].any()):
+            self._read_caches[layer] = None
+            return
+        lengths = cache.lengths.clone()
+        lengths[mirror_row[mirrored]] = new_lengths[mirrored]
+        b, h, hole, src = moves if moves is not None else (torch.zeros(0, dtype=torch.int64),) * 4
+        inside = mirrored[b]
+        cache.fill_holes(mirror_row[b[inside]], h[inside], hole[inside], src[inside], lengths)
 
     def trim(self, layer: int) -> None:
         """Give back ``layer``'s idle arena memory when less than :data:`TRIM_BELOW` of it is in

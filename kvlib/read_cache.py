@@ -3,12 +3,13 @@
 Attention kernels want ``[batch, kv_heads, tokens, head_dim]``. Gathering that from pages on
 every decode step would copy the whole cache per step (what ``torch.cat`` does in
 ``DynamicCache``). A :class:`DenseReadCache` is filled once from the pages and then kept in step
-by the store's appends (write-through), so a decode step writes only the new tokens. Any other
-change to its sequences in that layer (compaction, release) drops it, and the next read rebuilds
-it from the pages.
+by the store's appends (write-through), so a decode step writes only the new tokens. A
+compaction that reuses slots is mirrored by moving the same few tokens (:meth:`DenseReadCache.fill_holes`);
+any other change to its sequences in that layer (an in-order compaction, release) drops it, and
+the next read rebuilds it from the pages.
 
 Invariant: for batch row ``b``, head ``h`` and ``i < lengths[b, h]``, slot ``i`` holds the
-``i``-th stored token of that head; slots at or past ``lengths[b, h]`` hold zero keys and values,
+token in that head's slot ``i`` of the store; slots at or past ``lengths[b, h]`` hold zero keys and values,
 position ``-1`` and ``valid == False`` (zeros, not garbage, so masked scores stay finite).
 Its bytes are a workspace beside the pages and are reported as such by the store.
 """
@@ -151,6 +152,25 @@ class DenseReadCache:
         self.positions.masked_fill_(gone, -1)
         self.valid.masked_fill_(gone, False)
         self._set_lengths(new_lengths.clone())
+
+    def fill_holes(self, row: torch.Tensor, head: torch.Tensor, hole: torch.Tensor, source: torch.Tensor, lengths: torch.Tensor) -> None:
+        """Mirror a compaction that reused slots (:mod:`~kvlib.slot_reuse`): slot ``hole[i]`` of
+        mirror row ``row[i]``, head ``head[i]`` takes the token at slot ``source[i]`` (int64, CPU);
+        then each head holds its first ``lengths [B, H]`` slots (no more than it had), and the
+        slots it gave up return to zeros, position -1 and invalid. Writes only those slots."""
+        device = self.keys.device
+        if row.numel():
+            target = tuple(to_arena_device(i, device) for i in (row, head, hole))
+            origin = tuple(to_arena_device(i, device) for i in (row, head, source))
+            for buffer in self._buffers:
+                buffer[target] = buffer[origin]
+        slot = torch.arange(self.longest)
+        b, h, s = ((slot >= lengths.unsqueeze(-1)) & (slot < self.lengths.unsqueeze(-1))).nonzero(as_tuple=True)
+        if b.numel():
+            vacated = tuple(to_arena_device(i, device) for i in (b, h, s))
+            for buffer, fill in zip(self._buffers, (0, 0, -1, False)):
+                buffer[vacated] = fill
+        self._set_lengths(lengths)
 
     def _ensure_capacity(self, needed: int) -> None:
         if needed <= self.capacity:

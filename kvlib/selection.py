@@ -46,6 +46,16 @@ def rank_order(scores: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
     return by_score.gather(-1, by_class)
 
 
+def position_rank(positions: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """int64 ``[batch, heads, slots]``: each valid slot's rank among its head's valid slots by
+    position (0: the oldest), wherever the slots lie (slot order need not be position order);
+    invalid slots rank after every valid one."""
+    key = torch.where(valid, positions, torch.iinfo(torch.int64).max)
+    order = torch.sort(key, dim=-1, stable=True).indices
+    ranks = torch.arange(order.shape[-1], device=order.device).expand_as(order)
+    return torch.empty_like(order).scatter_(-1, order, ranks)
+
+
 def apportion(totals: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """Split each of ``totals`` (int ``[batch]``) into integer parts proportional to ``weights``.
 

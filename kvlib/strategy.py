@@ -103,8 +103,10 @@ class LayerView:
     keys ``[batch, kv_heads, slots, head_dim]`` (after RoPE), values ``[batch, kv_heads, slots,
     value_dim]``, positions int64 ``[batch, kv_heads, slots]`` (original positions counted from the
     row's first real token, -1 where invalid), valid bool ``[batch, kv_heads, slots]`` (the tokens
-    the strategy chooses among; padding is never valid). Slots of a head are in stored order
-    (ascending positions). Invalid slots may sit anywhere: a left-padded row's padding comes
+    the strategy chooses among; padding is never valid). Slots of a head are in position order
+    (ascending), except for an :attr:`Eviction.order_free` strategy, which sees them where they
+    are stored: after a decode-step eviction that reused a slot, in no particular order. Invalid
+    slots may sit anywhere: a left-padded row's padding comes
     before its real tokens at prefill, and a head holding fewer tokens than others ends in
     invalid slots; count ranks among valid slots, not slot indices. The optional fields are filled only for
     strategies that declare them in ``needs`` (see :data:`NEEDS`).
@@ -134,6 +136,11 @@ class Eviction(Strategy, abc.ABC):
 
     kind = "eviction"
     needs: ClassVar[frozenset[str]] = frozenset()
+    order_free: ClassVar[bool] = False
+    """True when :meth:`score` gives each token the same score whatever order its slots come in
+    (it ranks by ``positions``, never by slot index or slot neighbours): it then scores the slots
+    where they lie. Otherwise, once a compaction has put slots out of position order, it scores a
+    view permuted into position order (a copy of the layer's keys and values per call)."""
 
     @abc.abstractmethod
     def score(self, view: LayerView) -> torch.Tensor:

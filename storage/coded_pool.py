@@ -134,6 +134,10 @@ class CodedPagePool(PagePool):
         self._raw_free = FreeStack(rows)
         self._raw_free.pop(held.numel())
 
+    def writable(self, ids: torch.Tensor) -> torch.Tensor:
+        """Referenced once and open: a sealed page is immutable."""
+        return super().writable(ids) & ~self.sealed[ids]
+
     # -- data ----------------------------------------------------------------------------------
 
     def _raw_slots(self, slots: torch.Tensor) -> torch.Tensor:

@@ -169,6 +169,11 @@ class PagePool:
     def _on_free(self, ids: torch.Tensor) -> None:
         """Hook: pages ``ids`` just returned to the free stack. Nothing to do without a codec."""
 
+    def writable(self, ids: torch.Tensor) -> torch.Tensor:
+        """bool per id of ``ids`` (int64, CPU, pages in use): whether its slots may be written in
+        place, i.e. it is referenced once (shared pages are copied before any write)."""
+        return self.refcount[ids] == 1
+
     def incref(self, ids: torch.Tensor) -> None:
         """Add one reference per occurrence of each id; every id must be in use."""
         if ids.numel() == 0:

@@ -8,6 +8,7 @@ from typing import ClassVar
 import torch
 
 from kvlib.registry import register
+from kvlib.selection import position_rank
 from kvlib.strategy import Eviction, LayerView
 
 
@@ -32,6 +33,7 @@ class H2O(Eviction):
 
     recent: int = 32
     needs: ClassVar[frozenset[str]] = frozenset({"accumulated_attention"})
+    order_free: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -49,14 +51,14 @@ def protected_scores(importance: torch.Tensor, view: LayerView, recent: int, sin
 
     ``importance`` float ``[batch, kv_heads, slots]``, >= 0 on valid slots. The protected tokens get
     finite scores stacked above the row's largest importance (over all its heads, so scores stay
-    comparable across heads) rather than ``+inf``: ``+inf`` ties keep slot order, so a head with a
+    comparable across heads) rather than ``+inf``: ``+inf`` ties keep position order, so a head with a
     budget smaller than its protected tokens would keep the oldest of its window and drop the
     token it just stored. Returns float64 (the offsets stay exact); invalid slots are ``-inf``.
     """
     valid = view.valid
     importance = importance.to(torch.float64).masked_fill(~valid, 0.0)
     ceiling = importance.amax(dim=(1, 2), keepdim=True) + 1.0
-    from_end = valid.sum(-1, keepdim=True) - valid.long().cumsum(-1)  # 0 for the newest valid token
+    from_end = valid.sum(-1, keepdim=True) - 1 - position_rank(view.positions, valid)  # 0 for the newest valid token
     scores = torch.where(view.positions < sinks, ceiling + (sinks - view.positions), importance)
     scores = torch.where(from_end < recent, ceiling + sinks + (recent - from_end), scores)
     return scores.masked_fill(~valid, -torch.inf)

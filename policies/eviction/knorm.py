@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -18,6 +19,8 @@ class KNorm(Eviction):
 
     Attention-free: needs nothing beyond the stored keys. No parameters.
     """
+
+    order_free: ClassVar[bool] = True
 
     def score(self, view: LayerView) -> torch.Tensor:
         """Minus each key's L2 norm (computed in float32)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -25,6 +26,8 @@ class Random(Eviction):
     """
 
     seed: int = 0
+
+    order_free: ClassVar[bool] = True
 
     def score(self, view: LayerView) -> torch.Tensor:
         """Uniform [0, 1) scores hashed from (seed, layer, head, position); invalid slots ``-inf``."""

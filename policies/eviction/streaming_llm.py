@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 from kvlib.registry import register
+from kvlib.selection import position_rank
 from kvlib.strategy import Eviction, LayerView
 
 
@@ -24,6 +26,7 @@ class StreamingLLM(Eviction):
     """
 
     sinks: int = 4
+    order_free: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -31,7 +34,7 @@ class StreamingLLM(Eviction):
             raise ValueError(f"sinks must be >= 0, got {self.sinks}")
 
     def score(self, view: LayerView) -> torch.Tensor:
-        """Recency rank among valid slots; sinks score +inf, invalid slots -inf."""
-        rank = (view.valid.long().cumsum(-1) - 1).to(torch.float32)
+        """Recency rank among valid slots (by position); sinks score +inf, invalid slots -inf."""
+        rank = position_rank(view.positions, view.valid).to(torch.float32)
         score = torch.where(rank < self.sinks, torch.inf, rank)
         return torch.where(view.valid, score, -torch.inf)

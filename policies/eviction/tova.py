@@ -22,6 +22,7 @@ class TOVA(Eviction):
     """
 
     needs: ClassVar[frozenset[str]] = frozenset({"attention"})
+    order_free: ClassVar[bool] = True
 
     def score(self, view: LayerView) -> torch.Tensor:
         """Attention of the last query, mean over the query heads of each KV group."""

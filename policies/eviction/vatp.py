@@ -38,6 +38,7 @@ class VATP(Eviction):
     recent: int = 32
     sinks: int = 20
     needs: ClassVar[frozenset[str]] = frozenset({"accumulated_attention"})
+    order_free: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         super().__post_init__()

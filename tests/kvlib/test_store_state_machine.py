@@ -270,23 +270,35 @@ class StoreMachine(RuleBasedStateMachine):
             self.continue_last_batch()
 
     @precondition(lambda self: self.model)
-    @rule(data=st.data(), layer=st.integers(0, len(HEADS) - 1), then_append=st.booleans())
-    def compact(self, data: st.DataObject, layer: int, then_append: bool) -> None:
+    @rule(data=st.data(), layer=st.integers(0, len(HEADS) - 1), reuse_slots=st.booleans(), then_append=st.booleans())
+    def compact(self, data: st.DataObject, layer: int, reuse_slots: bool, then_append: bool) -> None:
+        """Compact with random keep sets: often all but one or two tokens of a head (a decode
+        step's eviction, where slot reuse moves a token into the hole), else any subset. The model
+        follows the layout the store returns, which must keep exactly the tokens named (in order
+        without ``reuse_slots``)."""
         layer, batch = self.layer_and_batch(data, layer)
         per_head = []
         for seq in batch:
             for h in range(HEADS[layer]):
                 n = len(self.model[seq][layer][h])
-                kept = data.draw(st.lists(st.integers(0, max(n - 1, 0)), unique=True, max_size=n)) if n else []
+                few_dropped = st.sets(st.integers(0, max(n - 1, 0)), max_size=2).map(lambda gone, n=n: [i for i in range(n) if i not in gone])
+                any_subset = st.lists(st.integers(0, max(n - 1, 0)), unique=True, max_size=n)
+                kept = data.draw(st.one_of(few_dropped, any_subset)) if n else []
                 per_head.append(data.draw(st.permutations(kept)))
         width = max((len(k) for k in per_head), default=0) + data.draw(st.integers(0, 2))
         keep = torch.full((len(batch), HEADS[layer], width), -1, dtype=torch.int64)
         for i, kept in enumerate(per_head):
             b, h = divmod(i, HEADS[layer])
             keep[b, h, : len(kept)] = torch.tensor(kept, dtype=torch.int64)
+        layout = self.store.compact(layer, batch, keep, reuse_slots=reuse_slots)
+        for i, kept in enumerate(per_head):
+            b, h = divmod(i, HEADS[layer])
+            old_slots = [j for j in layout[b, h].tolist() if j >= 0]
+            assert sorted(old_slots) == sorted(kept)
+            if not reuse_slots:
+                assert old_slots == sorted(kept)
             tokens = self.model[batch[b]][layer][h]
-            self.model[batch[b]][layer][h] = [tokens[j] for j in sorted(kept)]
-        self.store.compact(layer, batch, keep)
+            self.model[batch[b]][layer][h] = [tokens[j] for j in old_slots]
         if then_append:
             self.continue_last_batch()
 
