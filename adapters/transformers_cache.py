@@ -131,6 +131,10 @@ class KVCache(Cache):
             dense_decode = compressor is not None or not reads_pages_in_place(home[1])
             read_cache = dense_decode and codec is None and tiering is None
         self.read_cache = read_cache
+        self.reuse_slots = True
+        """Decode-step evictions move the newest kept token into the evicted one's slot
+        (:meth:`PagedStore.compact`'s slot reuse); False keeps every head's slots in position
+        order at the cost of rewriting its pages from the first hole (what benchmarks compare)."""
         self.codec = codec
         self.codecs: list[PageCodec | None] | None = None
         self.reuse = reuse
@@ -343,7 +347,7 @@ class KVCache(Cache):
             inputs = AttentionInputs(query, mask, weights, scaling, real_new, self._hidden_states.pop(step.layer_idx, None))
             compaction = self.compressor.compaction(step, inputs, self._padding)
             if compaction is not None:
-                layout = self.store.compact(step.layer_idx, self._rows, compaction.keep, compaction.values, reuse_slots=True)
+                layout = self.store.compact(step.layer_idx, self._rows, compaction.keep, compaction.values, reuse_slots=self.reuse_slots)
                 self.compressor.compacted(step.layer_idx, layout)
                 self._identity[step.layer_idx] = False
                 read = None
@@ -485,7 +489,7 @@ class KVCache(Cache):
         positions = self.store.stored_positions(layer, self._rows)
         slot = torch.arange(positions.shape[-1])
         keep = torch.where((positions >= 0) & (positions < length), slot, -1)
-        self.compressor.compacted(layer, self.store.compact(layer, self._rows, keep, reuse_slots=True))
+        self.compressor.compacted(layer, self.store.compact(layer, self._rows, keep, reuse_slots=self.reuse_slots))
 
     def _select_rows(self, index: torch.Tensor) -> None:
         if not self._rows:

@@ -14,8 +14,7 @@ Caches, each built fresh for every run:
   tokens per (layer, KV head): an int budget, a cap held during the prefill and at every decode
   step (each step stores one token and compacts back to ``B``);
 - the same two with ``+in_order`` (``--in-order``): every compaction rewrites in order, as
-  decode-step eviction did before slot reuse (``PagedStore.compact`` is called with
-  ``reuse_slots=False`` for that run only): the before/after of slot reuse in one run;
+  decode-step eviction did before slot reuse (the cache's ``reuse_slots`` set to False): the before/after of slot reuse in one run;
 - the same two with ``interval=--interval`` (unless it is 1): decode steps compact only every
   ``interval``-th step, so a head holds at most ``B + interval - 1`` tokens between compactions
   (memory is read right after one, at the end of decode when ``new_tokens`` is a multiple of
@@ -60,7 +59,6 @@ Writes ``eviction_speed.md`` and ``eviction_speed.json`` to ``--out``.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import os
 import platform
@@ -75,7 +73,6 @@ import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 import kvlib
-from kvlib import PagedStore
 from kvlib.transformers_compat import cache_argument
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or loaded by path
@@ -110,22 +107,10 @@ def new_cache(kind: str, model, budget: int, interval: int):
     if kind == "kvlib":
         return kvlib.make_cache(model)
     name, *flags = kind.split("+")
-    return kvlib.make_cache(model, name, budget=budget, read_cache="mirror" in flags,
-                            interval=interval if "interval" in flags else 1)
-
-
-@contextlib.contextmanager
-def compaction_for(kind: str):
-    """For a ``+in_order`` kind: ``PagedStore.compact`` never reuses slots while the run lasts."""
-    if "in_order" not in kind.split("+"):
-        yield
-        return
-    compact = PagedStore.compact
-    PagedStore.compact = lambda self, *args, reuse_slots=False, **kwargs: compact(self, *args, **kwargs)
-    try:
-        yield
-    finally:
-        PagedStore.compact = compact
+    cache = kvlib.make_cache(model, name, budget=budget, read_cache="mirror" in flags,
+                             interval=interval if "interval" in flags else 1)
+    cache.reuse_slots = "in_order" not in flags
+    return cache
 
 
 def cache_memory(cache) -> dict:
@@ -207,8 +192,7 @@ def run(argv: Sequence[str] | None = None) -> dict:
     for _ in range(args.repeats):
         before = os.getloadavg()[0]
         for kind in kinds:
-            with compaction_for(kind):
-                runs[kind].append(run_once(model, kind, prompt, args, budget))
+            runs[kind].append(run_once(model, kind, prompt, args, budget))
             last = runs[kind][-1]
             print(f"{kind}: decode {last['decode_tok_s']:.1f} tok/s, prefill {last['prefill_s']:.2f} s", flush=True)
         loads.append([round(before, 2), round(os.getloadavg()[0], 2)])
