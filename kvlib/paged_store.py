@@ -23,7 +23,7 @@ Invariants (after every public call; ``tests/kvlib/test_store_state_machine.py``
 - once no sequence is live, the read mirrors and block tables are back to a new store's sizes
   (what grew with a batch does not stay at its high-water mark);
 - a growable arena that a compaction or a release leaves less than half in use shrinks to
-  ``GROWTH`` times its pages in use (pages move down, the block tables follow), unless something
+  :func:`~kvlib.storage.page_pool.grown` of its pages in use (pages move down, the block tables follow), unless something
   besides this store's tables (a prefix index) holds pages of it.
 
 All operations are vectorized over batch and heads: no Python loop runs per token or per head.
@@ -46,7 +46,7 @@ from kvlib.paged_attention import PagedLayer
 from kvlib.read_cache import DenseReadCache, LayerRead
 from kvlib.slot_reuse import HoleFill, hole_fill
 from kvlib.storage.coded_pool import CodedPagePool
-from kvlib.storage.page_pool import GROWTH, PagePool
+from kvlib.storage.page_pool import PagePool, grown
 from kvlib.storage.partnered_pool import PartneredPagePool
 from kvlib.storage.spill_store import SpillStore
 from kvlib.storage.page_prefetch import PagePrefetcher
@@ -753,7 +753,7 @@ class PagedStore:
 
     def trim(self, layer: int) -> None:
         """Give back ``layer``'s idle arena memory when less than :data:`TRIM_BELOW` of it is in
-        use: pages in use at or past the new capacity (``GROWTH`` times the pages in use) move to
+        use: pages in use at or past the new capacity (:func:`~kvlib.storage.page_pool.grown` of the pages in use) move to
         free pages below it, the block tables follow, and the arena is cut there. Nothing
         happens for pools that do not shrink (fixed, coded, tiered) or when something besides
         this store's block tables (a prefix index) holds pages of the layer, whose ids must stay."""
@@ -765,7 +765,7 @@ class PagedStore:
         held_by_tables = torch.bincount(table.pages[table.pages >= 0], minlength=pool.capacity)
         if not torch.equal(held_by_tables, pool.refcount):
             return
-        capacity = max(int(used * GROWTH) + 1, DEFAULT_PAGES_PER_LAYER)
+        capacity = max(grown(used), DEFAULT_PAGES_PER_LAYER)
         held = (pool.refcount > 0).nonzero().squeeze(-1)
         source = held[held >= capacity]
         target = (pool.refcount[:capacity] == 0).nonzero().squeeze(-1)[: source.numel()]

@@ -13,9 +13,9 @@ Invariants (checked by ``tests/kvlib/test_store_state_machine.py`` after every s
 - ``bytes_in_use() == pages_in_use * page_bytes``.
 
 Allocation pops from and release pushes onto a :class:`~kvlib.storage.free_stack.FreeStack`, so
-both cost O(1) per page and are vectorized over many pages. A growable pool grows by an eighth
-(:data:`GROWTH`), at least to what it needs, when it runs out (amortized O(1) per page, and at
-most an eighth of the arena idle); a fixed pool raises :class:`~kvlib.errors.PoolExhaustedError`
+both cost O(1) per page and are vectorized over many pages. A growable pool grows to
+:func:`grown` of what it needs when it runs out (a thirty-second more, at least 16 pages:
+amortized O(1) per page, and at most about 3% of a large arena idle); a fixed pool raises :class:`~kvlib.errors.PoolExhaustedError`
 before changing anything. A growable pool can also shrink (:meth:`PagePool.relocate`,
 :meth:`PagePool.shrink`) once its owner has moved every page in use below the new capacity.
 """
@@ -30,8 +30,15 @@ from kvlib.storage.free_stack import FreeStack
 from kvlib.storage.key_summaries import KeySummaries
 
 _POSITION_DTYPE = torch.int64
-GROWTH = 1.125
-"""A growable pool's capacity after running out: this factor of the old one, or what it needs."""
+GROWTH_SHARE = 32
+"""A growable pool grows by ``1 / GROWTH_SHARE`` of what it needs beyond what it has ..."""
+GROWTH_PAGES = 16
+"""... and by at least this many pages."""
+
+
+def grown(pages: int) -> int:
+    """The capacity a growable pool takes to hold ``pages`` pages with room to grow."""
+    return pages + max(pages // GROWTH_SHARE, GROWTH_PAGES)
 
 
 class PagePool:
@@ -44,7 +51,7 @@ class PagePool:
         dtype: compute dtype of keys and values.
         device: where the arena lives.
         capacity: pages allocated up front.
-        fixed: if True the pool never grows (the scheduler's mode); otherwise it grows by :data:`GROWTH`.
+        fixed: if True the pool never grows (the scheduler's mode); otherwise it grows (:func:`grown`).
         key_summaries: keep each page's channel-wise key min and max on the device, current on
             every write, copy and free (:class:`~kvlib.storage.key_summaries.KeySummaries`, for
             ``quest``).
@@ -198,8 +205,8 @@ class PagePool:
             self.summaries.clear(freed)
 
     def _grow(self, min_capacity: int) -> None:
-        """Grow the arena by :data:`GROWTH` (at least to ``min_capacity``); page ids stay valid."""
-        new = max(int(self.capacity * GROWTH) + 1, min_capacity, 1)
+        """Grow the arena to :func:`grown` of ``min_capacity`` pages; page ids stay valid."""
+        new = grown(min_capacity)
         self._grow_data(new)
         self.positions = extend_rows(self.positions, new, -1)
         self.refcount = extend_rows(self.refcount, new, 0)
