@@ -21,8 +21,8 @@ from kvlib.spec import Spec, SpecLike, parse_spec
 
 CACHE_OPTIONS = {
     "page_size": f"tokens per page (int in [1, {MAX_PAGE_SIZE}], default 16)",
-    "read_cache": "keep a dense read mirror per layer (bool; default: only under an eviction strategy, whose decode"
-    " steps read the layer densely, or where attention cannot read pages in place; never with a codec or tiering)",
+    "read_cache": "keep a dense read mirror per layer (bool; default: only for an exact cache where attention cannot"
+    " read pages in place, i.e. CUDA for now)",
     "slack": "extra tokens a head may hold over an int budget before it is compacted back (int >= 0; default 0,"
     " page_size with a codec)",
     "interval": "with an int budget, decode steps compact only every this many steps (int >= 1, default 1)",

@@ -93,10 +93,11 @@ class KVCache(Cache):
         compressor: eviction to run after each layer's attention, or None (exact cache).
         page_size: tokens per page.
         read_cache: keep a dense mirror of each layer so decode steps copy only new tokens (its
-            bytes are reported as ``read_cache``). None chooses: a mirror only under an eviction
-            strategy (its decode steps read the layer densely) or where attention cannot read
-            pages in place (:func:`~kvlib.devices.reads_pages_in_place`), never with a codec or
-            tiering; an exact cache's decode steps attend straight over the pages.
+            bytes are reported as ``read_cache``). None chooses: a mirror only where attention
+            cannot read pages in place (:func:`~kvlib.devices.reads_pages_in_place`: an exact
+            cache on CUDA until its paged kernel is wired), never with an eviction strategy, a
+            codec or tiering. An exact cache's decode steps attend straight over the pages; an
+            evicting cache's read its kept tokens into a transient copy, one layer at a time.
         codec: the quantization or low-rank strategy that encodes sealed pages, or None. Its
             per-layer codecs are built with the store (first update; fitted codecs learn from
             each layer's first call), and full pages are sealed after each layer's attention.
@@ -128,8 +129,7 @@ class KVCache(Cache):
         self.compressor = compressor
         self.page_size = page_size
         if read_cache is None:
-            dense_decode = compressor is not None or not reads_pages_in_place(home[1])
-            read_cache = dense_decode and codec is None and tiering is None
+            read_cache = not reads_pages_in_place(home[1]) and compressor is None and codec is None and tiering is None
         self.read_cache = read_cache
         self.reuse_slots = True
         """Decode-step evictions move the newest kept token into the evicted one's slot

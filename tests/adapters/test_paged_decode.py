@@ -55,12 +55,13 @@ def test_a_later_prompt_chunk_reads_a_transient_copy_and_reports_its_peak() -> N
     assert report["by_component"]["read_cache"] == 0
 
 
-def test_a_mirror_is_kept_only_when_asked_for_or_under_eviction() -> None:
+def test_a_mirror_is_kept_only_when_asked_for() -> None:
     model = build_model("stories")
     ids, mask = left_padded([20], seed=6)
     for options, mirrored in (({}, False), ({"read_cache": True}, True)):
         cache = kvlib.make_cache(model, **options)
         model.generate(ids, attention_mask=mask, **cache_argument(cache), do_sample=False, max_new_tokens=3, pad_token_id=PAD)
         assert (cache.memory_report()["by_component"]["read_cache"] > 0) == mirrored
-    assert kvlib.make_cache(model, "streaming_llm", budget=8).read_cache
+    assert not kvlib.make_cache(model, "streaming_llm", budget=8).read_cache
+    assert kvlib.make_cache(model, "streaming_llm", budget=8, read_cache=True).read_cache
     assert not kvlib.make_cache(model, "kivi(bits=4)").read_cache
