@@ -189,7 +189,7 @@ def packed_attention(
         part = part.view(heads, len(segment.seqs), segment.length, -1).transpose(0, 1)
         if pages is not None and additive_mask_dtype is None and paged_attention_applies(kwargs):
             output = decode_over_pages(part, pages, segment, kwargs)
-            read = step.reads[index]
+            read = None  # attended over the pages: nothing was read
         else:
             read = step.dense_read(index)
             visible = visibility(read, segment.positions, heads, segment.uniform_heads)
