@@ -37,7 +37,7 @@ from kvlib.adapters.engine_request import Request, RequestState
 from kvlib.adapters.layer_step import LayerStep
 from kvlib.adapters.make_cache import eviction_compressor
 from kvlib.adapters.model_shape import kv_shape
-from kvlib.adapters.packed_batch import PackedCache, Segment
+from kvlib.adapters.packed_batch import PackedCache, Segment, visibility
 from kvlib.adapters.sampling import check_sampling, next_token
 from kvlib.adapters.scheduler import Scheduler, StepPlan
 from kvlib.adapters.swap import SwappedSequence, swap_in, swap_out
@@ -78,8 +78,10 @@ class Engine:
         max_running: requests running at once at most.
         reserve_pages: pages per layer held back per running request at admission.
         fairness_steps: steps a waiting request may be passed over by prefix-aware ordering.
-        read_cache: keep a dense mirror of the decoding batch (faster decodes, more memory;
-            default on, off with a codec, whose point is holding fewer bytes).
+        read_cache: keep a dense mirror of the decoding batch (its bytes reported as
+            ``read_cache``); off by default: the decode group attends straight over its pages
+            (:mod:`~kvlib.adapters.packed_batch`), and only prefill chunks take a transient dense
+            workspace (``memory_report()["peak_workspace_bytes"]``).
     """
 
     def __init__(
@@ -97,7 +99,7 @@ class Engine:
         max_running: int = 64,
         reserve_pages: int = 1,
         fairness_steps: int = 64,
-        read_cache: bool | None = None,
+        read_cache: bool = False,
     ) -> None:
         if preemption not in PREEMPTION_MODES:
             raise ValueError(f"preemption must be one of {PREEMPTION_MODES}, got {quoted(preemption)}")
@@ -133,7 +135,6 @@ class Engine:
             )
         positions_bytes = 0 if pages is None else pages * shape.num_layers * page_size * 8  # int64 per page slot
         prefix_bytes = _check_memory_budgets(page_budget_bytes, prefix_cache_bytes, positions_bytes, self.device)
-        read_cache = self.codec is None if read_cache is None else read_cache
 
         def build() -> PagedStore:
             return PagedStore(
@@ -257,6 +258,28 @@ class Engine:
         if request_id not in self.requests:
             raise ValueError(f"unknown request id {request_id!r}")
         return self.requests[request_id].stats()
+
+    def memory_report(self) -> dict:
+        """Bytes the engine's store holds now, by component, and its high-water marks.
+
+        Keys: ``total_bytes`` (the sum of ``by_component``); ``by_component``: ``pages`` (keys
+        and values of pages in use, running requests' and the prefix index's), ``positions``,
+        ``codec_metadata``, ``tables`` (block tables and lengths), ``read_cache`` (the decode
+        group's dense mirror, 0 unless ``read_cache=True``); ``reserved_bytes``: whole arenas,
+        free pages included; ``peak_pages_bytes``: the most ``pages`` bytes held at any moment;
+        ``peak_workspace_bytes``: the largest transient dense copy a segment attended over
+        (prefill chunks, decode groups that could not read their pages in place), freed after
+        its forward pass, so not in ``total_bytes``.
+        """
+        held = self.store.memory_bytes()
+        components = {name: held[name] for name in ("pages", "positions", "codec_metadata", "tables", "read_cache")}
+        return {
+            "total_bytes": sum(components.values()),
+            "by_component": components,
+            "reserved_bytes": held["reserved"],
+            "peak_pages_bytes": self.store.peak_pages,
+            "peak_workspace_bytes": self.store.peak_workspace,
+        }
 
     def stats(self) -> dict:
         """Engine counters: steps, tokens (forward, output, prompt, cached), ``prefix_hit_rate``
@@ -397,19 +420,23 @@ class Engine:
         mirrored = {seq: rank for rank, seq in enumerate(self.store.mirrored_rows(0))}
         return sorted(decodes, key=lambda request: mirrored.get(request.seq, len(mirrored)))
 
-    def _after_attention(self, layer: int, index: int, query: torch.Tensor, visible: torch.Tensor, read: LayerRead, scaling: float | None) -> None:
-        """Per-request eviction after a segment's attention in ``layer``, then sealing its full pages."""
+    def _after_attention(self, layer: int, index: int, query: torch.Tensor, read: LayerRead | None, scaling: float | None) -> None:
+        """Per-request eviction after a segment's attention in ``layer``, then sealing its full
+        pages. ``read``: the segment's dense read, or None where it attended over its pages."""
         segment, requests = self._segments[index]
-        self._evict(layer, segment, requests, query, visible, read, scaling)
+        self._evict(layer, segment, requests, query, read, scaling)
         if self.codec is not None:
             self.store.seal(layer, segment.seqs)
 
-    def _evict(self, layer: int, segment: Segment, requests: list[Request], query: torch.Tensor, visible: torch.Tensor, read: LayerRead, scaling: float | None) -> None:
+    def _evict(self, layer: int, segment: Segment, requests: list[Request], query: torch.Tensor, read: LayerRead | None, scaling: float | None) -> None:
+        """Each request with an eviction spec scores its row of the layer (its slice of ``read``,
+        or, after attention over the pages, a transient dense read of that row alone) and
+        compacts it; rows without one are not read."""
         for b, request in enumerate(requests):
             if request.compressor is None:
                 continue
-            row = LayerRead(*(t[b : b + 1] for t in read))
-            mask = visible[b : b + 1].repeat_interleave(query.shape[1] // visible.shape[1], dim=1)
+            row = LayerRead(*(t[b : b + 1] for t in read)) if read is not None else self.store.read(layer, [request.seq], mirror=False)
+            mask = visibility(row, segment.positions[b : b + 1], query.shape[1], uniform_heads=False)
             step = LayerStep(None, layer, row, request.computed, segment.length, False)
             inputs = AttentionInputs(query[b : b + 1], mask, None, scaling, None)
             compaction = request.compressor.compaction(step, inputs, torch.zeros(1, dtype=torch.int64, device=self.device))

@@ -5,11 +5,16 @@ token) as :class:`Segment` s: first one segment with the decoding sequences' sin
 ``start + b`` belongs to ``seqs[b]``), then one segment per prefill chunk. A model called with a
 :class:`PackedCache` as its cache hands each layer's new keys and values to
 :meth:`PackedCache.update`, which appends every segment's tokens to its sequences in the paged
-store, reads the sequences back (the decode group through the store's dense read mirror) and
-publishes a :class:`PackedLayerStep`; the kvlib attention function then runs
-:func:`packed_attention`: each segment attends over its own sequences' stored tokens (the decode
-group as one batched call over its rows, each chunk causally by stored position), and the
-outputs are laid back on the packed token axis.
+store and publishes a :class:`PackedLayerStep`: the decode group's pages where they lie (one
+block table over its rows, ragged lengths per (row, head); no dense copy), each chunk's stored
+tokens read into a transient dense workspace (reported as the store's ``peak_workspace``). The
+kvlib attention function then runs :func:`packed_attention`: each segment attends over its own
+sequences' stored tokens (the decode group in one call of the page kernel,
+:mod:`~kvlib.paged_attention`; each chunk causally by stored position through SDPA), and the
+outputs are laid back on the packed token axis. The decode group reads densely instead where the
+pages cannot be read in place (codecs, a device without the kernel), where the store keeps a
+read mirror (``read_cache=True``) and where the attention is one the kernel does not reproduce
+(eager attention, attention sinks).
 
 Invariant: after a forward pass, each sequence of a segment holds its previous tokens plus the
 segment's tokens, at the positions given; no sequence ever sees another's tokens.
@@ -24,6 +29,9 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from kvlib.adapters.paged_decode import paged_attention_applies
+from kvlib.devices import reads_pages_in_place
+from kvlib.paged_attention import PagedLayer
 from kvlib.paged_store import PagedStore
 from kvlib.read_cache import LayerRead
 
@@ -51,12 +59,22 @@ class Segment:
 @dataclass
 class PackedLayerStep:
     """One layer of a packed forward pass: the key tensor the layer got back from ``update`` (its
-    identity marks the attention call) and each segment's read after the append."""
+    identity marks the attention call) and, per segment after the append, either its pages in
+    place (``paged``; its ``reads`` entry is None) or its dense read (``reads``)."""
 
     cache: PackedCache
     layer_idx: int
     keys: torch.Tensor
-    reads: list[LayerRead]
+    reads: list[LayerRead | None]
+    paged: list[PagedLayer | None]
+
+    def dense_read(self, index: int) -> LayerRead:
+        """Segment ``index``'s stored tokens in dense form: its read, or for a segment published
+        as pages a transient gather of them (not kept as a mirror)."""
+        read = self.reads[index]
+        if read is None:
+            read = self.reads[index] = self.cache.store.read(self.layer_idx, self.cache.segments[index].seqs, mirror=False)
+        return read
 
 
 _active_step: ContextVar[PackedLayerStep | None] = ContextVar("kvlib_packed_step", default=None)
@@ -101,8 +119,9 @@ class _PackedLayer(CacheLayerMixin):
 class PackedCache(Cache):
     """The cache of a packed forward pass over ``store`` (see the module docstring).
 
-    ``after_attention(layer_idx, segment_index, query, mask, read, scaling)`` (optional) is called
-    after each segment's attention; the engine runs per-request eviction there.
+    ``after_attention(layer_idx, segment_index, query, read, scaling)`` (optional) is called after
+    each segment's attention, ``read`` being the segment's dense read, or None for a decode group
+    that attended over its pages; the engine runs per-request eviction there.
     """
 
     def __init__(self, store: PagedStore, segments: list[Segment], after_attention: Callable | None = None) -> None:
@@ -113,15 +132,27 @@ class PackedCache(Cache):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         """Append each segment's new keys and values (``[1, kv_heads, tokens, dim]``) to its
-        sequences and publish the layer's reads; returns the inputs (attention takes the reads)."""
-        reads = []
+        sequences, then publish each segment's pages (the decode group, where it reads them in
+        place) or dense read; returns the inputs (attention takes what was published). Every
+        append comes before any read, so a page layout handed over stays valid for the call."""
         for segment in self.segments:
             keys = _segment_tokens(key_states, segment)
             values = _segment_tokens(value_states, segment)
             self.store.append(layer_idx, segment.seqs, keys, values)
-            reads.append(self.store.read(layer_idx, segment.seqs, mirror=segment.length == 1))
-        _active_step.set(PackedLayerStep(self, layer_idx, key_states, reads))
+        paged = [self._paged_layer(layer_idx, segment) for segment in self.segments]
+        reads = [
+            None if pages is not None else self.store.read(layer_idx, segment.seqs, mirror=segment.length == 1)
+            for segment, pages in zip(self.segments, paged)
+        ]
+        _active_step.set(PackedLayerStep(self, layer_idx, key_states, reads, paged))
         return key_states, value_states
+
+    def _paged_layer(self, layer_idx: int, segment: Segment) -> PagedLayer | None:
+        """The decode group's pages in place, when it may attend straight over them (no read
+        mirror kept, a device the page kernel runs on, a pool that gives its pages); else None."""
+        if segment.length != 1 or self.store.use_read_cache or not reads_pages_in_place(self.store.device):
+            return None
+        return self.store.paged_layer(layer_idx, segment.seqs)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0
@@ -145,32 +176,59 @@ def packed_attention(
     """Attention of every segment over its own sequences: ``query [1, heads, tokens, head_dim]``
     in, ``[1, tokens, heads, head_dim]`` out (what `transformers` attention functions return).
     ``inner`` is the SDPA or eager attention function doing the math; ``additive_mask_dtype``:
-    give it an additive float mask of that dtype instead of a bool one (eager attention). With
-    SDPA as the inner function, the decode group runs :func:`decode_attention` instead (the same
-    math as SDPA's; several times faster for one query per row on CPU)."""
+    give it an additive float mask of that dtype instead of a bool one (eager attention). A decode
+    group published as pages attends over them with the page kernel (with SDPA as the inner
+    function and plain attention, see :func:`~kvlib.adapters.paged_decode.paged_attention_applies`;
+    otherwise it is read densely first); a decode group read densely runs :func:`decode_attention`
+    with SDPA as the inner function (the same math as SDPA's; several times faster for one query
+    per row on CPU)."""
     heads = query.shape[1]
     outputs = []
-    for index, (segment, read) in enumerate(zip(step.cache.segments, step.reads)):
+    for index, (segment, pages) in enumerate(zip(step.cache.segments, step.paged)):
         part = query[0, :, segment.start : segment.start + segment.tokens]
         part = part.view(heads, len(segment.seqs), segment.length, -1).transpose(0, 1)
-        positions = segment.positions.to(read.positions.device)
-        visible = (read.positions.unsqueeze(2) <= positions.view(len(segment.seqs), 1, -1, 1)) & read.valid.unsqueeze(2)
-        if segment.uniform_heads:
-            visible = visible[:, :1]
-        elif visible.shape[1] != heads:
-            visible = visible.repeat_interleave(heads // visible.shape[1], dim=1)
-        if segment.length == 1 and additive_mask_dtype is None and _plain_attention(kwargs):
-            output = decode_attention(part, read.keys, read.values, visible, kwargs.get("scaling"))
+        if pages is not None and additive_mask_dtype is None and paged_attention_applies(kwargs):
+            output = decode_over_pages(part, pages, segment, kwargs)
+            read = None  # attended over the pages: nothing was read
         else:
-            mask = visible
-            if additive_mask_dtype is not None:
-                mask = torch.zeros(visible.shape, dtype=additive_mask_dtype, device=visible.device)
-                mask.masked_fill_(~visible, torch.finfo(additive_mask_dtype).min)
-            output, _ = inner(module, part, read.keys, read.values, mask, **kwargs)
+            read = step.dense_read(index)
+            visible = visibility(read, segment.positions, heads, segment.uniform_heads)
+            if segment.length == 1 and additive_mask_dtype is None and _plain_attention(kwargs):
+                output = decode_attention(part, read.keys, read.values, visible, kwargs.get("scaling"))
+            else:
+                mask = visible
+                if additive_mask_dtype is not None:
+                    mask = torch.zeros(visible.shape, dtype=additive_mask_dtype, device=visible.device)
+                    mask.masked_fill_(~visible, torch.finfo(additive_mask_dtype).min)
+                output, _ = inner(module, part, read.keys, read.values, mask, **kwargs)
         outputs.append(output.reshape(1, segment.tokens, heads, -1))
         if step.cache.after_attention is not None:
-            step.cache.after_attention(step.layer_idx, index, part, visible, read, kwargs.get("scaling"))
+            step.cache.after_attention(step.layer_idx, index, part, read, kwargs.get("scaling"))
     return torch.cat(outputs, dim=1), None
+
+
+def visibility(read: LayerRead, positions: torch.Tensor, heads: int, uniform_heads: bool) -> torch.Tensor:
+    """Which stored slots of ``read`` each new token of its rows sees: bool ``[batch, 1 or heads,
+    length, slots]`` (one head row when every head holds the same tokens, else one per query head);
+    causal by stored position. ``positions``: int64 ``[batch, length]``, the new tokens' positions."""
+    positions = positions.to(read.positions.device)
+    visible = (read.positions.unsqueeze(2) <= positions.view(positions.shape[0], 1, -1, 1)) & read.valid.unsqueeze(2)
+    if uniform_heads:
+        return visible[:, :1]
+    if visible.shape[1] != heads:
+        return visible.repeat_interleave(heads // visible.shape[1], dim=1)
+    return visible
+
+
+def decode_over_pages(query: torch.Tensor, pages: PagedLayer, segment: Segment, kwargs: dict) -> torch.Tensor:
+    """The decode group's attention straight over its pages: ``query [batch, heads, 1, head_dim]``
+    in, ``[batch, 1, heads, value_dim]`` out. Each row's new token is its newest, so it sees every
+    token its row stores (all at positions at or before its own): causal visibility by the group's
+    latest position gives exactly that, with each (row, head)'s own length."""
+    latest = segment.positions.max().view(1)
+    scale = kwargs.get("scaling") or query.shape[-1] ** -0.5
+    output = pages.attend(query, visible=None, query_positions=latest, scale=scale, softcap=kwargs.get("softcap"))
+    return output.transpose(1, 2)
 
 
 def _plain_attention(kwargs: dict) -> bool:

@@ -2,9 +2,13 @@
 
 With ``quest`` a decode step's ``KVCache.update`` stores the new token but reads nothing back:
 the pages worth attending over depend on the query, which only the attention function sees.
-:func:`sparse_decode_attention` asks the cache for the chosen pages (a sparse read of the
-store), moves the model's mask onto their slots by stored position, and runs the inner attention
-over them. The result equals full attention restricted to the chosen pages' tokens.
+:func:`sparse_decode_attention` asks the cache which pages the query chooses and attends over
+them where they lie, through the page kernel with a block table restricted to them
+(:func:`~kvlib.adapters.paged_decode.attention_over_pages`: the model's mask looked up at each
+stored token's position). Where the kernel does not apply (eager attention, attention sinks, a
+pool or device that cannot read pages in place) the chosen pages are read into a dense copy
+instead, the model's mask moved onto their slots, and the inner attention runs over them. Either
+way the result equals full attention restricted to the chosen pages' tokens.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import torch
 
 from kvlib.adapters.layer_step import LayerStep
 from kvlib.adapters.masks import physical_mask, real_new_tokens
+from kvlib.adapters.paged_decode import attention_over_pages, paged_attention_applies
 
 
 def sparse_decode_attention(
@@ -27,9 +32,15 @@ def sparse_decode_attention(
     step: LayerStep,
     kwargs: dict,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Run ``run`` (SDPA or eager, named ``inner``) for ``query [batch, query_heads, 1, head_dim]``
-    over the pages ``step.cache`` chooses for it; then hand the step back to the cache."""
-    read = step.cache.read_chosen_pages(step.layer_idx, query)
+    """Attention of ``query [batch, query_heads, 1, head_dim]`` over the pages ``step.cache``
+    chooses for it, through the page kernel or ``run`` (SDPA or eager, named ``inner``) over a
+    dense copy of them; then hand the step back to the cache."""
+    selection = step.cache.choose_pages(step.layer_idx, query)
+    if inner == "sdpa" and paged_attention_applies(kwargs):
+        paged = step.cache.chosen_pages(step.layer_idx, selection)
+        if paged is not None:
+            return attention_over_pages(query, attention_mask, dataclasses.replace(step, paged=paged), kwargs)
+    read = step.cache.read_chosen_pages(step.layer_idx, selection)
     chosen = dataclasses.replace(step, read=read, identity=False)
     float_dtype = None if attention_mask is None or attention_mask.dtype == torch.bool else attention_mask.dtype
     if inner == "eager" and float_dtype is None:

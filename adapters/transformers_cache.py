@@ -244,14 +244,14 @@ class KVCache(Cache):
         )
 
     def _paged_layer(self, layer_idx: int, query_length: int) -> PagedLayer | None:
-        """The layer's pages for attention straight over them (no dense copy), when this call
-        may use them: at most :data:`PAGED_QUERY_TOKENS` new tokens (decoding, assisted
-        decoding's candidates), no eviction or tiering to hand a dense read, no read mirror
-        asked for, pages in place on a device the kernel runs on; else None."""
+        """The layer's pages for attention straight over them (no dense copy; with tiering only
+        the off-device pages are staged), when this call may use them: at most
+        :data:`PAGED_QUERY_TOKENS` new tokens (decoding, assisted decoding's candidates), no
+        eviction to hand a dense read, no read mirror asked for, a device the kernel runs on and
+        a pool that gives its pages; else None."""
         if (
             self.read_cache
             or self.compressor is not None
-            or self.tiering is not None
             or query_length > PAGED_QUERY_TOKENS
             or not reads_pages_in_place(self.store.device)
         ):
@@ -264,11 +264,22 @@ class KVCache(Cache):
         read = self.store.read(step.layer_idx, self._rows, mirror=False)
         return LayerStep(self, step.layer_idx, read, step.query_offset, step.query_length, self._identity[step.layer_idx])
 
-    def read_chosen_pages(self, layer_idx: int, query: torch.Tensor) -> LayerRead:
+    def choose_pages(self, layer_idx: int, query: torch.Tensor) -> torch.Tensor:
         """The pages of ``layer_idx`` the tiering strategy chooses for ``query`` (``[batch,
-        query_heads, 1, head_dim]``, after RoPE), read sparsely from the store."""
+        query_heads, 1, head_dim]``, after RoPE): int64 ``[batch, kv_heads, k]`` indices into each
+        head's block table, ``-1`` for none (CPU)."""
         key_min, key_max, pages_used = self.store.key_bounds(layer_idx, self._rows)
-        chosen = self.tiering.select_pages(query, key_min, key_max, pages_used)
+        return self.tiering.select_pages(query, key_min, key_max, pages_used)
+
+    def chosen_pages(self, layer_idx: int, chosen: torch.Tensor) -> PagedLayer | None:
+        """The ``chosen`` pages (:meth:`choose_pages`) where they lie, for attention straight over
+        them; None where pages cannot be read in place (then :meth:`read_chosen_pages`)."""
+        if not reads_pages_in_place(self.store.device):
+            return None
+        return self.store.paged_selection(layer_idx, self._rows, chosen)
+
+    def read_chosen_pages(self, layer_idx: int, chosen: torch.Tensor) -> LayerRead:
+        """The ``chosen`` pages (:meth:`choose_pages`), read sparsely into a dense copy."""
         return self.store.read_selected(layer_idx, self._rows, chosen)
 
     def _overwrite(
@@ -337,7 +348,7 @@ class KVCache(Cache):
         if step.layer_idx == 0 and real_new is not None:
             self._padding += (~real_new).sum(-1)  # stays on the device: no sync per step
         sealing = [step.layer_idx]
-        read = step.read  # the layer as stored, until a compaction changes it
+        read = step.read if step.paged is None else None  # the layer as stored, until a compaction changes it
         codec = self.codecs[step.layer_idx] if self.codecs is not None else None
         if codec is not None and codec.learns and not codec.ready:
             codec.observe(self._fit_sample(step, query, real_new))

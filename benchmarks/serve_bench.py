@@ -110,6 +110,8 @@ def run(argv: Sequence[str] | None = None) -> dict:
     parser.add_argument("--batch-size", type=int, help=f"requests per padded batch (default {FULL['batch_size']})")
     parser.add_argument("--max-batch-tokens", type=int, default=256, help="tokens per forward pass (Engine, generate_batch)")
     parser.add_argument("--page-size", type=int, default=16, help="tokens per KV page (Engine, generate_batch)")
+    parser.add_argument("--engine-read-cache", action="store_true",
+                        help="the Engine keeps a dense read mirror of its decode group instead of attending over the pages")
     add_run_arguments(parser, QUICK)
     args = parse_run_arguments(parser, argv, QUICK, FULL)
     try:
@@ -118,7 +120,8 @@ def run(argv: Sequence[str] | None = None) -> dict:
             "turn_delay_s": FULL_TURN_DELAY_S if args.turn_delay is None else args.turn_delay}
         trace_config = TraceConfig(requests=args.requests, rate=args.rate, weights=parse_weights(args.weights),
                                    **{**(QUICK_TRACE if args.quick else {}), **delay})
-        settings = ServeSettings(max_batch_tokens=args.max_batch_tokens, page_size=args.page_size, batch_size=args.batch_size)
+        settings = ServeSettings(max_batch_tokens=args.max_batch_tokens, page_size=args.page_size, batch_size=args.batch_size,
+                                 engine_read_cache=args.engine_read_cache)
     except ValueError as error:
         parser.error(str(error))
     model = random_llama(MODELS[args.model])
@@ -154,6 +157,20 @@ def _trace_summary(requests: list[Request]) -> dict:
             "output_tokens": sum(r.max_new_tokens for r in requests), "last_arrival_s": requests[-1].arrival_s}
 
 
+def _engine_memory(result: dict) -> list[str]:
+    """The Engine's memory by component (largest after any step), as markdown lines; none
+    without an Engine run."""
+    memory = result["systems"].get("engine", {}).get("memory")
+    if memory is None:
+        return []
+    mib = 2**20
+    parts = ", ".join(f"{name} {value / mib:.1f}" for name, value in memory["peak_by_component"].items())
+    mode = "a dense read mirror of the decode group" if result["settings"]["engine_read_cache"] else "decode over the pages, no mirror"
+    return [f"Engine memory ({mode}), MiB, each component at its largest after any step: {parts}; "
+            f"peak pages {memory['peak_pages_bytes'] / mib:.1f}; transient workspace peak (prefill chunks, not held) "
+            f"{memory['peak_workspace_bytes'] / mib:.1f}.", ""]
+
+
 def _markdown(result: dict, argv: Sequence[str] | None) -> str:
     t, c, s = result["trace"], result["config"], result["settings"]
     rows = []
@@ -182,6 +199,7 @@ def _markdown(result: dict, argv: Sequence[str] | None) -> str:
         *([f"- {name}: **{ratio:.2f}x** (target >= {targets[name]:g}x)" for name, ratio in result["ratios"].items()]
           or ["- No ratios: the engine system was not run."]),
         "",
+        *_engine_memory(result),
         "TTFT p50 by request kind (ms):",
         "",
         f"| system | {' | '.join(kinds)} |",

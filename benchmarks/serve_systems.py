@@ -38,11 +38,13 @@ PAD_TOKEN_ID = 0
 class ServeSettings:
     """What the systems are given. ``max_batch_tokens`` (tokens per forward pass) and
     ``page_size`` (tokens per KV page) go to the Engine and to transformers' manager alike;
-    ``batch_size`` (requests) to the padded baseline."""
+    ``batch_size`` (requests) to the padded baseline; ``engine_read_cache`` to the Engine (keep
+    a dense read mirror of the decode group instead of attending over its pages)."""
 
     max_batch_tokens: int = 256
     page_size: int = 16
     batch_size: int = 8
+    engine_read_cache: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_batch_tokens", "page_size", "batch_size"):
@@ -68,8 +70,13 @@ def _sleep_until(start: float, arrival_s: float) -> None:
 
 
 def replay_engine(model: torch.nn.Module, requests: list[Request], settings: ServeSettings) -> Replay:
-    """A fresh ``kvlib.Engine`` (prefix cache on, empty) serving the requests as they arrive."""
-    engine = kvlib.Engine(model, max_batch_tokens=settings.max_batch_tokens, page_size=settings.page_size, prefix_cache=True)
+    """A fresh ``kvlib.Engine`` (prefix cache on, empty) serving the requests as they arrive. Its
+    ``extra`` holds ``engine.stats()`` and ``memory``: each component of ``memory_report()`` at
+    its largest after any step (``peak_by_component``), and the report's peaks of pages and of
+    the transient workspace."""
+    engine = kvlib.Engine(model, max_batch_tokens=settings.max_batch_tokens, page_size=settings.page_size, prefix_cache=True,
+                          read_cache=settings.engine_read_cache)
+    peak: dict[str, int] = {}
     tokens: list[list[int]] = [[] for _ in requests]
     times: list[list[float]] = [[] for _ in requests]
     index: dict[int, int] = {}
@@ -89,7 +96,11 @@ def replay_engine(model: torch.nn.Module, requests: list[Request], settings: Ser
         for rid, new in produced.items():
             tokens[index[rid]].extend(new)
             times[index[rid]].extend([stamp] * len(new))
-    return Replay(tokens, times, {"stats": engine.stats()})
+        for name, value in engine.memory_report()["by_component"].items():
+            peak[name] = max(peak.get(name, 0), value)
+    report = engine.memory_report()
+    memory = {"peak_by_component": peak, "peak_pages_bytes": report["peak_pages_bytes"], "peak_workspace_bytes": report["peak_workspace_bytes"]}
+    return Replay(tokens, times, {"stats": engine.stats(), "memory": memory})
 
 
 class _StepClock(BaseStreamer):

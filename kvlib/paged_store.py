@@ -428,17 +428,64 @@ class PagedStore:
         self._read_caches[layer] = cache
         return cache.view()
 
+    @outside_inference_mode
     def paged_layer(self, layer: int, seqs: SequenceIds) -> PagedLayer | None:
         """``seqs``' tokens of ``layer`` where they lie, for attention straight over the pages
-        (:mod:`~kvlib.paged_attention`); None when the layer's pool cannot give its pages in
-        place (codecs, tiers: use :meth:`read`). Valid until the next change to the store."""
+        (:mod:`~kvlib.paged_attention`; a tiered pool stages only its off-device pages, see
+        :meth:`~kvlib.storage.tiered_pool.TieredPagePool.paged_layer`, and the next layer's are
+        prefetched as for :meth:`read`); None when the layer's pool cannot give its pages in place
+        (codecs: use :meth:`read`). Valid until the next change to the store or the next hand-over
+        of the layer's pages (:meth:`paged_layer`, :meth:`paged_selection`: a tiered pool restages)."""
         layer = self._layer(layer)
-        arenas = self.pools[layer].attention_arenas()
-        if arenas is None:
-            return None
         table = self.tables[layer]
         rows = self._rows(seqs)
-        return PagedLayer(*arenas, table.pages[rows], table.lengths[rows])
+        paged = self._pool_pages(layer, table.pages[rows], table.lengths[rows])
+        if paged is not None:
+            self._prefetch_following(layer, rows)
+        return paged
+
+    def _pool_pages(self, layer: int, pages: torch.Tensor, lengths: torch.Tensor) -> PagedLayer | None:
+        """The pool's :meth:`~kvlib.storage.page_pool.PagePool.paged_layer`; what a tiered pool
+        staged for it counts as a transient workspace (``peak_workspace``)."""
+        pool = self.pools[layer]
+        paged = pool.paged_layer(pages, lengths)
+        self.peak_workspace = max(self.peak_workspace, pool.staged_bytes)
+        return paged
+
+    @outside_inference_mode
+    def paged_selection(self, layer: int, seqs: SequenceIds, page_index: torch.Tensor) -> PagedLayer | None:
+        """Only the chosen pages of each (sequence, head) of ``layer``, where they lie, for
+        attention straight over them: what :meth:`read_selected` reads, with no dense copy.
+
+        ``page_index`` as for :meth:`read_selected` (indices into each head's block table, any
+        order, ``-1`` for none). The returned block table lists each head's chosen pages in
+        block-table order, so a chosen partly filled last page is listed last, and its length
+        counts the tokens those pages hold. None where the pool cannot give its pages in place
+        (use :meth:`read_selected`). Valid as :meth:`paged_layer`'s result is.
+        """
+        layer = self._layer(layer)
+        rows = self._rows(seqs)
+        table = self.tables[layer]
+        lengths = table.lengths[rows]
+        page_index = self._check_selection(table, lengths, page_index)
+        past_end = torch.iinfo(torch.int64).max
+        ordered = torch.where(page_index < 0, past_end, page_index).sort(-1).values
+        chosen = ordered != past_end
+        index = torch.where(chosen, ordered, 0)
+        pages = torch.where(chosen, table.pages[rows].gather(2, index), -1)
+        filled = torch.where(chosen, (lengths.unsqueeze(-1) - index * self.page_size).clamp(0, self.page_size), 0)
+        return self._pool_pages(layer, pages, filled.sum(-1))
+
+    def _check_selection(self, table: BlockTable, lengths: torch.Tensor, page_index: torch.Tensor) -> torch.Tensor:
+        """``page_index`` on the CPU, once it names, per (sequence, head) of ``lengths [batch,
+        kv_heads]``, pages the head holds or -1; else ``ValueError``."""
+        batch, heads = lengths.shape
+        if page_index.dim() != 3 or tuple(page_index.shape[:2]) != (batch, heads):
+            raise ValueError(f"page_index must be [batch={batch}, kv_heads={heads}, k], got {list(page_index.shape)}")
+        page_index = page_index.cpu()
+        if bool(((page_index < -1) | (page_index >= table.pages_used(lengths).unsqueeze(-1))).any()):
+            raise ValueError("page_index must name pages each head holds (0 <= j < pages used) or be -1")
+        return page_index
 
     def _gather(self, layer: int, rows: torch.Tensor, size: int) -> LayerRead:
         """Gather ``rows`` from the pages into fresh dense tensors with ``size`` slots per head.
@@ -464,10 +511,7 @@ class PagedStore:
         ids = page_ids.clamp(min=0).flatten()
         slots = pages * self.page_size
         keys, values = pool.read_pages(ids)
-        if self.prefetcher is not None:
-            following = (layer + 1) % self.num_layers
-            pages = self.tables[following].pages[rows]
-            self.pools[following].prefetch(pages[pages >= 0], self.prefetcher)
+        self._prefetch_following(layer, rows)
         keys = keys.view(batch, heads, slots, pool.head_dim)[:, :, :size]
         values = values.view(batch, heads, slots, pool.value_dim)[:, :, :size]
         positions = pool.positions.index_select(0, to_arena_device(ids, self.device)).view(batch, heads, slots)[:, :, :size]
@@ -477,6 +521,14 @@ class PagedStore:
             values.masked_fill_(invalid.unsqueeze(-1), 0)
             positions.masked_fill_(invalid, -1)
         return LayerRead(keys, values, positions, to_arena_device(valid, self.device))
+
+    def _prefetch_following(self, layer: int, rows: torch.Tensor) -> None:
+        """With a prefetcher, start fetching the off-device pages of ``rows`` in the layer read
+        after ``layer`` (the first after the last)."""
+        if self.prefetcher is not None:
+            following = (layer + 1) % self.num_layers
+            pages = self.tables[following].pages[rows]
+            self.pools[following].prefetch(pages[pages >= 0], self.prefetcher)
 
     def key_bounds(self, layer: int, seqs: SequenceIds) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The key summaries of every page of ``seqs`` in ``layer``, in block-table order:
@@ -511,11 +563,7 @@ class PagedStore:
         pool, table = self.pools[layer], self.tables[layer]
         lengths = table.lengths[rows]
         batch, heads = lengths.shape
-        if page_index.dim() != 3 or tuple(page_index.shape[:2]) != (batch, heads):
-            raise ValueError(f"page_index must be [batch={batch}, kv_heads={heads}, k], got {list(page_index.shape)}")
-        page_index = page_index.cpu()
-        if bool(((page_index < -1) | (page_index >= table.pages_used(lengths).unsqueeze(-1))).any()):
-            raise ValueError("page_index must name pages each head holds (0 <= j < pages used) or be -1")
+        page_index = self._check_selection(table, lengths, page_index)
         chosen = page_index >= 0
         ids = table.pages[rows].gather(2, page_index.clamp(min=0))[chosen]
         size = page_index.shape[2] * self.page_size

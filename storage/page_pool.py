@@ -26,6 +26,7 @@ import torch
 
 from kvlib.devices import to_arena_device
 from kvlib.errors import PoolExhaustedError
+from kvlib.paged_attention import PagedLayer
 from kvlib.storage.free_stack import FreeStack
 from kvlib.storage.key_summaries import KeySummaries
 
@@ -56,6 +57,9 @@ class PagePool:
             every write, copy and free (:class:`~kvlib.storage.key_summaries.KeySummaries`, for
             ``quest``).
     """
+
+    staged_bytes = 0
+    """Bytes the last :meth:`paged_layer` copied to hand its pages over (none: they lie in the arena)."""
 
     def __init__(
         self,
@@ -258,6 +262,14 @@ class PagePool:
         the pool's device, for attention straight over the pages; None for a pool whose pages
         may be encoded or off the device (read those with :meth:`read_pages`)."""
         return self.keys, self.values, self.positions
+
+    def paged_layer(self, pages: torch.Tensor, lengths: torch.Tensor) -> PagedLayer | None:
+        """A block table's tokens where the page kernel reads them: ``pages`` int64 ``[batch,
+        kv_heads, n]`` (page ids in order, ``-1`` past each head's last) holding ``lengths`` int64
+        ``[batch, kv_heads]`` tokens (only a head's last page may be partly filled). None where
+        :meth:`attention_arenas` is None. Valid until the next change to the pool."""
+        arenas = self.attention_arenas()
+        return None if arenas is None else PagedLayer(*arenas, pages, lengths)
 
     def read_pages(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Whole pages ``ids`` (int64 on CPU) in the compute dtype: ``(keys [n, page_size, head_dim],

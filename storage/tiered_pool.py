@@ -23,6 +23,12 @@ spilled pages are read where they are (checked records copied into the read buff
 disk: a decode step reads every page, and moving them back would push others out each step); a
 write brings a page back to the device and deletes its record, and so does freeing it.
 
+Attention reads the pages in place (:meth:`TieredPagePool.paged_layer`): device pages where they
+lie, and only the block table's host and spilled pages copied into a staging area that follows
+the device rows in the same arena (read as :meth:`read_pages` reads them, prefetch included;
+nothing moves tier), so the page kernel reads one arena. The staging rows are kept for the next
+call (reserved, grown geometrically); the pages staged by a call are its transient workspace.
+
 Prefetch: :meth:`TieredPagePool.prefetch` starts copying host and spilled pages towards the
 device on a :class:`~kvlib.storage.page_prefetch.PagePrefetcher`'s thread; the next read takes
 those still unchanged. Every method that changes the tiers first waits for the running job.
@@ -40,6 +46,7 @@ import torch
 
 from kvlib.devices import byte_rows, host_buffer, to_arena_device
 from kvlib.errors import PoolExhaustedError
+from kvlib.paged_attention import PagedLayer
 from kvlib.storage.free_stack import FreeStack
 from kvlib.storage.page_pool import PagePool, extend_rows
 from kvlib.storage.page_prefetch import FetchedPages, PagePrefetcher, PrefetchJob
@@ -109,6 +116,11 @@ class TieredPagePool(PagePool):
         moving, and host or disk pages taken from a prefetch, since creation."""
         self._prefetch: PrefetchJob | None = None
         self._fetched: FetchedPages | None = None
+        self._arena: tuple[torch.Tensor, torch.Tensor] | None = None
+        """Keys and values arenas whose leading rows are ``keys`` and ``values`` (views of them)
+        and whose other rows stage off-device pages for attention (see :meth:`paged_layer`)."""
+        self.staged_bytes = 0
+        """Keys and values bytes the last :meth:`paged_layer` staged (its transient workspace)."""
 
     def _grow_data(self, capacity: int) -> None:
         self.device_row = extend_rows(self.device_row, capacity, -1)
@@ -138,7 +150,17 @@ class TieredPagePool(PagePool):
                 "disk": self.pages_on_disk * self.kv_page_bytes}
 
     def bytes_reserved(self) -> int:
-        return (self.keys.shape[0] + self.host_keys.shape[0]) * self.kv_page_bytes + self.capacity * self.position_page_bytes
+        rows = self.keys.shape[0] + self.host_keys.shape[0] + self._staging_rows()
+        return rows * self.kv_page_bytes + self.capacity * self.position_page_bytes
+
+    def _staging_rows(self) -> int:
+        """Rows of the arena past the device rows (staging for attention), 0 before the first use."""
+        return 0 if self._arena is None or not self._arena_current() else self._arena[0].shape[0] - self.keys.shape[0]
+
+    def _arena_current(self) -> bool:
+        """Whether ``keys`` and ``values`` still lie at the start of the staging arena (growing
+        the device rows replaces them)."""
+        return self._arena[0].data_ptr() == self.keys.data_ptr() and self._arena[1].data_ptr() == self.values.data_ptr()
 
     # -- placement -----------------------------------------------------------------------------
 
@@ -323,8 +345,50 @@ class TieredPagePool(PagePool):
             self.summaries.add(slots, keys)
 
     def attention_arenas(self) -> None:
-        """None: pages may be on the host or disk (attention reads them through :meth:`read_pages`)."""
+        """None: pages may be on the host or disk (attention reads them through :meth:`paged_layer`)."""
         return None
+
+    def paged_layer(self, pages: torch.Tensor, lengths: torch.Tensor) -> PagedLayer:
+        """A block table's tokens where the page kernel reads them (see :meth:`PagePool.paged_layer`):
+        device pages at their device rows; the table's host and spilled pages, each once, copied
+        into staging rows after the device rows (read as :meth:`read_pages` reads them: from a
+        prefetch that holds them, else from the host or their records; no page moves tier). The
+        positions arena is indexed by the same rows and holds exactly the rows the table names.
+        Valid until the next change to the pool or its next ``paged_layer`` (which restages)."""
+        held = pages >= 0
+        ids = pages[held]
+        rows = self.device_row[ids]
+        elsewhere = rows < 0
+        staged, slot = torch.unique(ids[elsewhere], return_inverse=True)
+        keys, values = self._staging_arena(staged.numel())
+        first = self.keys.shape[0]
+        if staged.numel():
+            staged_keys, staged_values = self.read_pages(staged)
+            keys[first : first + staged.numel()] = staged_keys
+            values[first : first + staged.numel()] = staged_values
+        self.staged_bytes = staged.numel() * self.kv_page_bytes
+        rows[elsewhere] = first + slot
+        positions = torch.empty(keys.shape[0], self.page_size, dtype=self.positions.dtype, device=self.device)
+        positions[to_arena_device(rows, self.device)] = self.positions.index_select(0, to_arena_device(ids, self.device))
+        table = torch.full_like(pages, -1)
+        table[held] = rows
+        return PagedLayer(keys, values, positions, table, lengths)
+
+    def _staging_arena(self, staged: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values arenas of the device rows followed by room for ``staged`` more pages;
+        ``keys`` and ``values`` become views of their leading rows. Rebuilt (the device rows
+        copied once) only when the device rows have grown or the staging rows are too few; the
+        staging rows then double."""
+        device_rows = self.keys.shape[0]
+        if self._arena is None or not self._arena_current() or self._arena[0].shape[0] < device_rows + staged:
+            rows = device_rows + max(staged, 2 * self._staging_rows(), _MIN_HOST_PAGES)
+            keys = torch.empty(rows, *self.keys.shape[1:], dtype=self.dtype, device=self.device)
+            values = torch.empty(rows, *self.values.shape[1:], dtype=self.dtype, device=self.device)
+            keys[:device_rows] = self.keys
+            values[:device_rows] = self.values
+            self.keys, self.values = keys[:device_rows], values[:device_rows]
+            self._arena = (keys, values)
+        return self._arena
 
     def read_pages(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Whole pages: device ones gathered, host and spilled ones taken from the prefetch of

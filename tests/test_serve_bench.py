@@ -29,7 +29,7 @@ class StandInEngine:
     step by full forwards without a cache (slow, exact; tiny models only)."""
 
     def __init__(self, model: torch.nn.Module, spec=None, *, max_batch_tokens: int = 256, page_size: int = 16,
-                 prefix_cache: bool = True) -> None:
+                 prefix_cache: bool = True, read_cache: bool = False) -> None:
         self.model, self.running, self.steps = model, {}, 0
 
     def add_request(self, prompt_ids: list[int], *, max_new_tokens: int = 32, do_sample: bool = False, eos_token_id=None) -> int:
@@ -54,6 +54,9 @@ class StandInEngine:
 
     def stats(self) -> dict:
         return {"prefix_hit_rate": 0.25, "preemptions": 0, "pages_in_use": 0, "steps": self.steps}
+
+    def memory_report(self) -> dict:
+        return {"by_component": {"pages": 0, "read_cache": 0}, "peak_pages_bytes": 0, "peak_workspace_bytes": 0}
 
 
 def test_serve_bench_quick_runs_the_baselines(tmp_path: Path) -> None:
@@ -81,6 +84,10 @@ def test_engine_replay_feeds_arrivals_and_reports_ratios(tmp_path: Path, monkeyp
     assert result["ratios"]["engine/generate_batch"] == pytest.approx(
         engine["tokens_per_s"] / result["systems"]["generate_batch"]["tokens_per_s"])
     assert "engine/generate_batch" in (tmp_path / "serve_bench.md").read_text()
+    assert set(engine["memory"]) == {"peak_by_component", "peak_pages_bytes", "peak_workspace_bytes"}
+    if kvlib.Engine is not StandInEngine:
+        assert engine["memory"]["peak_by_component"]["pages"] > 0 and engine["memory"]["peak_by_component"]["read_cache"] == 0
+        assert engine["memory"]["peak_workspace_bytes"] > 0 and "Engine memory" in (tmp_path / "serve_bench.md").read_text()
 
 
 def test_engine_replay_adds_requests_only_once_they_arrive(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -62,9 +62,9 @@ def llama_case(llama) -> tuple[list[list[int]], list[list[int]]]:
         {"max_batch_tokens": 8},
         {"max_batch_tokens": 24, "page_size": 4},
         {"prefix_cache": False, "max_batch_tokens": 64},
-        {"read_cache": False},
+        {"read_cache": True},
     ],
-    ids=["defaults", "chunks-of-8", "pages-of-4", "no-prefix-cache", "no-read-mirror"],
+    ids=["defaults", "chunks-of-8", "pages-of-4", "no-prefix-cache", "read-mirror"],
 )
 def test_greedy_outputs_equal_generate_alone(llama, llama_case, options) -> None:
     prompts, expected = llama_case
@@ -175,6 +175,41 @@ def test_a_request_with_eviction_runs_beside_a_lossless_one(llama) -> None:
     assert engine.requests[evicting].output == reference[0, len(long_prompt) :].tolist()
     assert engine.requests[lossless].output == alone(llama, other)
     assert pages_held(engine) == 0
+
+
+def dense_reads_while_decoding(engine: kvlib.Engine, requests: list[tuple[list[int], dict]]) -> tuple[list[list[int]], list[int]]:
+    """Serve ``requests`` (prompt, add_request options); returns the sequences of every dense read
+    of the store made once every request has its first token (only decode steps run then), and
+    each request's sequence id then."""
+    ids = [engine.add_request(prompt, max_new_tokens=NEW, **options) for prompt, options in requests]
+    while any(not engine.requests[i].output for i in ids):
+        engine.step()
+    seqs = [engine.requests[i].seq for i in ids]
+    reads, original = [], engine.store.read
+    engine.store.read = lambda layer, rows, **options: reads.append(list(rows)) or original(layer, rows, **options)
+    while engine.has_unfinished:
+        engine.step()
+    return reads, seqs
+
+
+def test_decode_steps_attend_over_the_pages_without_a_dense_read(llama, llama_case) -> None:
+    prompts, expected = llama_case
+    engine = kvlib.Engine(llama)
+    reads, _ = dense_reads_while_decoding(engine, [(prompt, {}) for prompt in prompts])
+    assert reads == []
+    assert [request.output for request in engine.requests.values()] == expected
+    report = engine.memory_report()
+    assert report["by_component"]["read_cache"] == 0
+    assert report["peak_workspace_bytes"] > 0  # the prefill chunks' transient dense copies, not held
+    assert report["total_bytes"] == sum(report["by_component"].values())
+
+
+def test_decode_steps_read_densely_only_the_rows_that_evict(llama) -> None:
+    prompts = prompts_with_shared_prefix(97, seed=3)
+    engine = kvlib.Engine(llama)
+    reads, (evicting, _) = dense_reads_while_decoding(engine, [(prompts[4], {"spec": "streaming_llm", "budget": 24}), (prompts[1], {})])
+    assert reads and all(seqs == [evicting] for seqs in reads)
+    assert engine.requests[1].output == alone(llama, prompts[1])
 
 
 def test_sampling_is_reproducible_per_seed(llama) -> None:
@@ -326,7 +361,7 @@ def test_bad_engine_sizes_fail_before_anything_is_allocated_or_run(monkeypatch, 
 @pytest.mark.parametrize("prefix_cache", [False, True])
 def test_a_drained_engine_gives_back_its_read_mirror_and_table_rows(llama, llama_case, prefix_cache) -> None:
     prompts, expected = llama_case
-    engine = kvlib.Engine(llama, prefix_cache=prefix_cache)
+    engine = kvlib.Engine(llama, prefix_cache=prefix_cache, read_cache=True)
     baseline = engine.stats()["memory_bytes"]
     ids = [engine.add_request(prompt, max_new_tokens=NEW) for prompt in prompts]
     busiest = {"tables": 0, "read_cache": 0}

@@ -105,3 +105,30 @@ def test_what_quest_does_not_combine_with_is_refused() -> None:
         kvlib.make_cache(model, "quest(placement='quest')")
     with pytest.raises(ValueError, match="prefix reuse"):
         kvlib.make_cache(model, "quest", reuse=kvlib.PrefixStore(model, capacity_bytes=2**20))
+
+
+def test_sparse_steps_attend_over_the_chosen_pages_in_place_with_the_tokens_of_a_dense_read(monkeypatch) -> None:
+    """Decode steps read nothing densely (only the prefill and the dense layers' steps do), and
+    give the tokens and logits the sparse dense read gives (the path taken where pages cannot be
+    read in place), with a top_k that leaves pages out and with a host tier."""
+    model = build_model("stories")  # 5 layers
+    ids, mask = left_padded([75, 50], seed=3, vocab=500)
+    for spec in ("quest(top_k=2, dense_layers=1)", "quest(top_k=2, dense_layers=1, placement='lru(device_mb=0.01)')"):
+        cache = kvlib.make_cache(model, spec)
+        reads = {"read": 0, "read_selected": 0}
+        with torch.inference_mode():
+            model(input_ids=ids[:, :1], attention_mask=mask[:, :1], **cache_argument(cache))  # builds the store
+        cache.reset()
+        for name in reads:
+            original = getattr(cache.store, name)
+            def counted(*args, name=name, original=original, **kwargs):
+                reads[name] += 1
+                return original(*args, **kwargs)
+            setattr(cache.store, name, counted)
+        out = generate(model, ids, mask, cache)
+        assert reads == {"read": 0, "read_selected": 0}, reads  # the prefill attends over its own tensors
+        with monkeypatch.context() as patch:
+            patch.setattr(kvlib.KVCache, "chosen_pages", lambda self, layer_idx, chosen: None)
+            dense = generate(model, ids, mask, kvlib.make_cache(model, spec))
+        assert torch.equal(out.sequences, dense.sequences)
+        assert_same_logits(out.logits, dense.logits)

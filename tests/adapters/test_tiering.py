@@ -64,3 +64,25 @@ def test_a_full_host_tier_is_a_clear_error() -> None:
     cache = kvlib.make_cache(model, "lru(device_mb=0.01, host_mb=0.01)")
     with pytest.raises(kvlib.PoolExhaustedError, match="host tier full"):
         model.generate(ids, attention_mask=mask, **cache_argument(cache), max_new_tokens=4, do_sample=False, pad_token_id=PAD)
+
+
+def test_tiered_decode_steps_read_no_dense_copy_and_stage_only_off_device_pages() -> None:
+    """An exact tiered cache's decode steps attend over the pages in place, with the untiered
+    output: no dense read of a layer (only the prefill's); the off-device pages staged for a
+    step count in the peak workspace."""
+    model = build_model("stories")  # 5 layers
+    ids, mask = left_padded([90, 70], seed=3, vocab=500)
+    reference = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=PAD)
+    cache = kvlib.make_cache(model, "lru(device_mb=0.01)")
+    with torch.inference_mode():
+        model(input_ids=ids[:, :1], attention_mask=mask[:, :1], **cache_argument(cache))  # builds the store
+    cache.reset()
+    reads = []
+    original = cache.store.read
+    cache.store.read = lambda *args, **kwargs: reads.append(args) or original(*args, **kwargs)
+    out = model.generate(ids, attention_mask=mask, **cache_argument(cache), max_new_tokens=8, do_sample=False, pad_token_id=PAD)
+    assert torch.equal(out, reference)
+    assert len(reads) == 0  # the prefill attends over its own tensors, decode steps over the pages
+    pools = cache.store.pools
+    assert all(pool.pages_read > 0 for pool in pools)
+    assert cache.memory_report()["peak_workspace_bytes"] >= max(pool.staged_bytes for pool in pools) > 0

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvlib import PagedStore, PoolExhaustedError
 from kvlib.paged_store import initial_arena_bytes
@@ -878,3 +880,71 @@ def test_read_mirror_follows_sequences_leaving_and_joining_the_batch() -> None:
     assert stores[0]._read_caches[1].rows == (seqs[0][0], seqs[0][2], seqs[0][3])
     append([0, 2, 3], 3)
     same([0, 2, 3])
+
+
+def dense_attention(query: torch.Tensor, read) -> torch.Tensor:
+    """Float64 SDPA of ``query [batch, query_heads, 1, dim]`` over every valid slot of a dense
+    read (a head with none gives zeros, as the page kernel does)."""
+    group = query.shape[1] // read.keys.shape[1]
+    keys, values = (t.double().repeat_interleave(group, dim=1) for t in (read.keys, read.values))
+    scores = (query.double() @ keys.transpose(-1, -2)) * query.shape[-1] ** -0.5
+    scores = scores.masked_fill(~read.valid.repeat_interleave(group, dim=1).unsqueeze(2), float("-inf"))
+    return (torch.softmax(scores, dim=-1).nan_to_num(0.0) @ values).float()
+
+
+def filled_store(lengths: list[int], page_size: int, device_pages: int | None, seed: int) -> tuple[PagedStore, list[int]]:
+    """A one-layer store (2 KV heads, head_dim 8) holding sequences of ``lengths`` tokens, appended
+    in uneven steps (so a tiered store's earlier pages leave the device)."""
+    generator = torch.Generator().manual_seed(seed)
+    store = PagedStore(1, 2, 8, page_size=page_size, key_summaries=True, device_pages=device_pages, read_cache=False)
+    seqs = [store.new_sequence() for _ in lengths]
+    for seq, length in zip(seqs, lengths):
+        done = 0
+        while done < length:
+            tokens = min(length - done, 1 + done % 7)
+            keys = torch.randn(1, 2, tokens, 8, generator=generator)
+            store.append(0, [seq], keys, torch.randn(1, 2, tokens, 8, generator=generator))
+            done += tokens
+    return store, seqs
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 40), min_size=1, max_size=3),
+    page_size=st.sampled_from([1, 4, 8]),
+    device_pages=st.sampled_from([None, 2, 5]),
+    k=st.integers(1, 6),
+    seed=st.integers(0, 2**16),
+)
+def test_attention_over_a_page_selection_equals_attention_over_its_dense_read(lengths, page_size, device_pages, k, seed) -> None:
+    """A selection in any order (some heads choosing nothing, a partly filled last page anywhere
+    in it) read in place through the page kernel gives what attention over its dense read gives;
+    so does the whole layer, tiered or not."""
+    store, seqs = filled_store(lengths, page_size, device_pages, seed)
+    generator = torch.Generator().manual_seed(seed + 1)
+    used = store.tables[0].pages_used(store.physical_lengths(0, seqs))
+    order = torch.rand(len(seqs), 2, int(used.max()), generator=generator).argsort(-1)[:, :, :k]
+    chosen = torch.where(order < used.unsqueeze(-1), order, -1)
+    query = torch.randn(len(seqs), 4, 1, 8, generator=generator)
+    options = {"visible": None, "query_positions": torch.tensor([10**6]), "scale": 8**-0.5}
+    selected = store.paged_selection(0, seqs, chosen).attend(query, **options)  # before the next hand-over restages
+    torch.testing.assert_close(selected, dense_attention(query, store.read_selected(0, seqs, chosen)), atol=1e-5, rtol=1e-5)
+    whole = store.paged_layer(0, seqs).attend(query, **options)
+    torch.testing.assert_close(whole, dense_attention(query, store.read(0, seqs)), atol=1e-5, rtol=1e-5)
+
+
+def test_a_tiered_layer_read_in_place_stages_only_its_off_device_pages() -> None:
+    store, seqs = filled_store([30, 21], 4, 3, seed=7)
+    pool = store.pools[0]
+    tiers = (pool.pages_on_device, pool.pages_on_host, pool.device_row.clone(), pool.host_row.clone())
+    host_reads = pool.host_pages_read
+    paged = store.paged_layer(0, seqs)
+    off_device = pool.pages_in_use - pool.pages_on_device
+    assert off_device > 0 and pool.host_pages_read - host_reads == off_device
+    assert pool.staged_bytes == off_device * pool.kv_page_bytes and store.peak_workspace >= pool.staged_bytes
+    assert (pool.pages_on_device, pool.pages_on_host) == tiers[:2]  # nothing moved tier
+    assert torch.equal(pool.device_row, tiers[2]) and torch.equal(pool.host_row, tiers[3])
+    assert paged.keys.shape[0] >= pool.keys.shape[0] + off_device and paged.keys.data_ptr() == pool.keys.data_ptr()
+    query = torch.randn(2, 4, 1, 8)
+    options = {"visible": None, "query_positions": torch.tensor([10**6]), "scale": 8**-0.5}
+    torch.testing.assert_close(paged.attend(query, **options), dense_attention(query, store.read(0, seqs)), atol=1e-5, rtol=1e-5)
