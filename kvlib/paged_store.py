@@ -416,15 +416,16 @@ class PagedStore:
 
     def paged_layer(self, layer: int, seqs: SequenceIds) -> PagedLayer | None:
         """``seqs``' tokens of ``layer`` where they lie, for attention straight over the pages
-        (:mod:`~kvlib.paged_attention`); None when the layer's pool cannot give its pages in
-        place (codecs, tiers: use :meth:`read`). Valid until the next change to the store."""
+        (:mod:`~kvlib.paged_attention`; coded pages are decoded inside the kernel); None when the
+        layer's pool cannot give its pages in place (tiers, codecs without a page loader: use
+        :meth:`read`). Valid until the next change to the store."""
         layer = self._layer(layer)
-        arenas = self.pools[layer].attention_arenas()
-        if arenas is None:
+        source = self.pools[layer].page_source()
+        if source is None:
             return None
         table = self.tables[layer]
         rows = self._rows(seqs)
-        return PagedLayer(*arenas, table.pages[rows], table.lengths[rows])
+        return PagedLayer(source, table.pages[rows], table.lengths[rows])
 
     def _gather(self, layer: int, rows: torch.Tensor, size: int) -> LayerRead:
         """Gather ``rows`` from the pages into fresh dense tensors with ``size`` slots per head.

@@ -319,7 +319,7 @@ class TieredPagePool(PagePool):
         if self.summaries is not None:
             self.summaries.add(slots, keys)
 
-    def attention_arenas(self) -> None:
+    def page_source(self) -> None:
         """None: pages may be on the host or disk (attention reads them through :meth:`read_pages`)."""
         return None
 
