@@ -66,8 +66,15 @@ def open_part(sealed: torch.Tensor, raw_row: torch.Tensor, raw: torch.Tensor) ->
 
 @numba.njit(inline="always")
 def float_of(bits, kind: int) -> np.float32:
-    """The float32 value of one float32, float16 or bfloat16 bit pattern (``kind``: :data:`FLOAT_KINDS`)."""
+    """The float32 value of one float32, float16 or bfloat16 bit pattern (``kind``: :data:`FLOAT_KINDS`).
+    A normal float16 is widened by moving its bits (exponent rebiased by 127 - 15 = 112), the rest
+    (zeros, subnormals, infinities, NaN) through :func:`~kvlib.paged_attention._half_to_float`."""
     if kind == 1:
+        half = np.uint32(bits)
+        exponent = (half >> np.uint32(10)) & np.uint32(0x1F)
+        if 0 < exponent < 31:
+            sign = (half & np.uint32(0x8000)) << np.uint32(16)
+            return np.uint32(sign | (((half & np.uint32(0x7FFF)) + np.uint32(112 << 10)) << np.uint32(13))).view(np.float32)
         return _half_to_float(bits)
     if kind == 2:
         return np.uint32(np.uint32(bits) << np.uint32(16)).view(np.float32)

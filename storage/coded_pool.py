@@ -65,6 +65,8 @@ class CodedPagePool(PagePool):
         self._version = 0
         """Bumped whenever a page changes state (allocated, freed, sealed) or raw rows move."""
         self._plan: _ReadPlan | None = None
+        self._source: tuple[tuple[torch.Tensor, ...], PageSource | None] | None = None
+        """The last :meth:`page_source` and the tensors it views (rebuilt when one is replaced)."""
 
     # -- sizes ---------------------------------------------------------------------------------
 
@@ -156,18 +158,23 @@ class CodedPagePool(PagePool):
         fitted yet or has no page loader (attention then reads through :meth:`read_pages`)."""
         if not self.codec.ready:
             return None
+        arenas = (self.keys, self.values, self.sealed, self.raw_row, self.positions, *self.encoded.values())
+        if self._source is not None and len(self._source[0]) == len(arenas) and all(a is b for a, b in zip(self._source[0], arenas)):
+            return self._source[1]  # the same tensors, changed in place only: their views still hold
         readers = self.codec.page_readers(self.encoded or self._field_arenas(0))
-        if readers is None:
-            return None
-        keys, values = readers
-        return PageSource(
-            open_part(self.sealed, self.raw_row, self.keys) + keys.fields,
-            open_part(self.sealed, self.raw_row, self.values) + values.fields,
-            keys.load,
-            values.load,
-            self.positions.numpy(),
-            self.value_dim,
-        )
+        source = None
+        if readers is not None:
+            keys, values = readers
+            source = PageSource(
+                open_part(self.sealed, self.raw_row, self.keys) + keys.fields,
+                open_part(self.sealed, self.raw_row, self.values) + values.fields,
+                keys.load,
+                values.load,
+                self.positions.numpy(),
+                self.value_dim,
+            )
+        self._source = (arenas, source)
+        return source
 
     def _field_arenas(self, rows: int) -> dict[str, torch.Tensor]:
         """Zeroed arenas of ``rows`` pages for each of the codec's fields (one-byte floats as bytes)."""

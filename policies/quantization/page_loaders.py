@@ -8,7 +8,7 @@ codecs' decode kernels (:func:`~kvlib.storage.packing.packed_code`,
 :meth:`~kvlib.codec.TensorCodec.decode` returns, in float32 (no rounding to the compute dtype).
 Metadata (scales, minima) stays in its stored dtype and is read as bit patterns
 (:func:`~kvlib.coded_page_loaders.float_of`). Parameters are runtime ints in ``fields``, so one
-compilation of the kernel serves every bit width.
+compilation of the kernel serves every bit width (each width a branch with constant shifts).
 """
 
 from __future__ import annotations
@@ -20,19 +20,31 @@ import numpy as np
 import torch
 
 from kvlib.coded_page_loaders import OPEN_ITEMS, CodedReader, float_bits, float_of, load_open
-from kvlib.policies.quantization.kernels import code_shift, dequantize, lookup
+from kvlib.policies.quantization.kernels import dequantize, lookup
 from kvlib.storage.packing import packed_code
 
 
 @numba.njit(inline="always")
 def load_group_quantized(source, page: int, out: np.ndarray, out_bits: np.ndarray, rows: int) -> None:
     """A :class:`~.uniform.GroupQuantizer`'s page. ``fields = (codes uint8 [capacity, bytes],
-    scale, minimum [capacity, groups] bits, meta kind, bits, shift, per_channel, group)``:
-    per channel (``per_channel == 1``) group ``c`` is channel ``c`` across the page's tokens,
-    else group ``t * (dim // group) + c // group`` is a run of ``group`` channels of token ``t``."""
+    scale, minimum [capacity, groups] bits, meta kind, bits, per_channel, group)``: per channel
+    (``per_channel == 1``) group ``c`` is channel ``c`` across the page's tokens, else group
+    ``t * (dim // group) + c // group`` is a run of ``group`` channels of token ``t``. Each bit
+    width is its own branch, so that its shifts and masks are constants in the loops."""
     if load_open(source, page, out, out_bits, rows):
         return
-    codes, scale, minimum, kind, bits, shift, per_channel, group = source[OPEN_ITEMS:]
+    codes, scale, minimum, kind, bits, per_channel, group = source[OPEN_ITEMS:]
+    if bits == 4:
+        _decode_groups(codes, scale, minimum, kind, 4, 1, per_channel, group, page, out, rows)
+    elif bits == 2:
+        _decode_groups(codes, scale, minimum, kind, 2, 2, per_channel, group, page, out, rows)
+    else:
+        _decode_groups(codes, scale, minimum, kind, 8, 0, per_channel, group, page, out, rows)
+
+
+@numba.njit(inline="always")
+def _decode_groups(codes, scale, minimum, kind: int, bits: int, shift: int, per_channel: int, group: int, page: int, out: np.ndarray, rows: int) -> None:
+    """The first ``rows`` tokens of sealed ``page`` at ``bits`` bits (``2**shift`` codes per byte)."""
     dim = out.shape[1]
     if per_channel:
         for c in range(dim):
@@ -73,7 +85,9 @@ def group_quantized_reader(arenas: dict[str, torch.Tensor], bits: int, per_chann
     """The :class:`CodedReader` of a group quantizer's field arenas (``codes``, ``scale``, ``minimum``)."""
     scale, kind = float_bits(_rows(arenas["scale"]))
     minimum, _ = float_bits(_rows(arenas["minimum"]))
-    fields = (arenas["codes"].numpy(), scale, minimum, kind, bits, code_shift(bits), int(per_channel), group)
+    if bits not in (2, 4, 8):
+        raise ValueError(f"group-quantized pages are read at 2, 4 or 8 bits, got {bits}")
+    fields = (arenas["codes"].numpy(), scale, minimum, kind, bits, int(per_channel), group)
     return CodedReader(fields, load_group_quantized)
 
 
