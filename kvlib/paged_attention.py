@@ -76,8 +76,8 @@ def _load_bfloat16(arena, page: int, out: np.ndarray, out_bits: np.ndarray, rows
             out_bits[t, c] = np.uint32(arena[page, t, c]) << np.uint32(16)
 
 
-@numba.njit(parallel=True, cache=True)
-def _paged_attention_kernel(
+@numba.njit(parallel=True)  # no cache=True: loaders are arguments, and numba's on-disk index keys them by
+def _paged_attention_kernel(  # dispatcher identity: never a hit in another process, and unsaveable (ReferenceError)
     query, keys, values, positions, pages, lengths, visible, query_positions, load_keys, load_values, scale, softcap, out
 ):  # pragma: no cover - compiled
     batch, heads, group, queries, dim = query.shape
