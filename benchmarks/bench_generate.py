@@ -77,7 +77,11 @@ def load_model(name: str, stories_path: Path) -> torch.nn.Module:
 
 
 def new_cache(kind: str, model: torch.nn.Module):
-    return DynamicCache(config=model.config) if kind == "dynamic" else kvlib.make_cache(model)
+    """``"dynamic"``: a DynamicCache; ``"kvlib"``: ``make_cache(model)``; any other kind: ``make_cache(model, kind)``
+    (a spec string, for benchmarks that import this one)."""
+    if kind == "dynamic":
+        return DynamicCache(config=model.config)
+    return kvlib.make_cache(model, None if kind == "kvlib" else kind)
 
 
 def cache_bytes(cache) -> tuple[int, dict[str, int]]:

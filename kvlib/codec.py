@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvlib.coded_page_loaders import CodedReader
+
 
 @dataclass(frozen=True)
 class Field:
@@ -113,6 +115,12 @@ class TensorCodec(abc.ABC):
         encoded = {name: arena.index_select(0, index).view(fields[name].dtype) for name, arena in arenas.items()}
         out.index_copy_(0, rows.to(out.device, non_blocking=True), self.decode(encoded, heads))
 
+    def page_reader(self, arenas: dict[str, torch.Tensor]) -> CodedReader | None:
+        """How the paged-attention kernel decodes sealed pages of this codec in place, page by
+        page, from the pool's field ``arenas`` (CPU, as :meth:`decode_into` takes them; no copy);
+        None where it cannot (the layer is then read through :meth:`decode_into`). Default: None."""
+        return None
+
     @property
     def ready(self) -> bool:
         """Whether the codec can encode (fitted codecs: once their fit has run)."""
@@ -182,6 +190,13 @@ class PageCodec:
         """Decode arena rows ``pages`` into ``keys[rows]`` and ``values[rows]`` (see :meth:`TensorCodec.decode_into`)."""
         self.key.decode_into({n[4:]: t for n, t in arenas.items() if n.startswith("key.")}, pages, heads, keys, rows)
         self.value.decode_into({n[6:]: t for n, t in arenas.items() if n.startswith("value.")}, pages, heads, values, rows)
+
+    def page_readers(self, arenas: dict[str, torch.Tensor]) -> tuple[CodedReader, CodedReader] | None:
+        """``(keys, values)`` readers of the pool's field ``arenas`` for the paged-attention kernel
+        (see :meth:`TensorCodec.page_reader`), or None unless both tensor codecs have one."""
+        key = self.key.page_reader({n[4:]: t for n, t in arenas.items() if n.startswith("key.")})
+        value = self.value.page_reader({n[6:]: t for n, t in arenas.items() if n.startswith("value.")})
+        return None if key is None or value is None else (key, value)
 
     def decode(self, encoded: dict[str, torch.Tensor], heads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(keys, values)`` of the pages whose fields are ``encoded``."""

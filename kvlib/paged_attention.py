@@ -17,15 +17,18 @@ reads each (row, KV head)'s keys and values page by page through the block table
 CPU: a numba kernel, parallel over (row, KV head) pairs; each pair converts one page at a time
 into float32 scratch of ``page_size`` rows (float16 and bfloat16 pages are read as their bits,
 which numba's CPU target cannot load directly). Nothing but that scratch and the output is
-allocated: memory traffic is the pages themselves. The inner loops are written to vectorize
-(LLVM fast-math without ``nnan``/``ninf``): inner products four tokens per pass over the query,
-value sums four tokens per pass over the accumulator, and a polynomial ``exp`` in place of
-libm's scalar call (a third of the time before).
+allocated: memory traffic is the pages themselves. How a page reaches the scratch is a *loader*
+per tensor, given with its arrays by a :class:`PageSource`: float arenas here
+(:func:`arena_source`), a codec's fields decoded page by page for coded pools
+(:mod:`kvlib.coded_page_loaders`). The inner loops are written to vectorize (LLVM fast-math
+without ``nnan``/``ninf``): inner products four tokens per pass over the query, value sums four
+tokens per pass over the accumulator, and a polynomial ``exp`` in place of libm's scalar call.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 import numba
@@ -34,6 +37,7 @@ import torch
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 """Page dtypes the kernel reads."""
+
 
 
 @numba.njit(inline="always")
@@ -108,9 +112,9 @@ def _exp_into(x, out, bits, count):  # pragma: no cover - compiled
         out[t] *= out[count + t]
 
 
-@numba.njit(cache=True, fastmath=FASTMATH)
+@numba.njit(fastmath=FASTMATH)  # no cache=True: see _paged_attention_kernel
 def _attend_pair(
-    grouped, keys, values, positions, page_ids, length, visible, query_positions, load, scale, softcap, out
+    grouped, keys, values, positions, page_ids, length, visible, query_positions, load_keys, load_values, scale, softcap, out
 ):  # pragma: no cover - compiled
     """One (row, KV head): ``out [rows, value_dim]`` for the query vectors ``grouped [rows, dim]``
     (row ``r`` is group ``r // queries``, query ``r % queries``) over the ``length`` tokens of
@@ -146,8 +150,8 @@ def _attend_pair(
                 any_seen |= seen[q, t]
         if not any_seen:
             continue
-        load(keys, page, key_page, key_bits, filled)
-        load(values, page, value_page, value_bits, filled)
+        load_keys(keys, page, key_page, key_bits, filled)
+        load_values(values, page, value_page, value_bits, filled)
         for r in range(rows):
             q = r % queries
             page_max = np.float32(-np.inf)
@@ -210,9 +214,9 @@ def _attend_pair(
             out[r, c] = acc[r, c] * inverse
 
 
-@numba.njit(parallel=True, cache=True)
-def _paged_attention_kernel(
-    query, keys, values, positions, pages, lengths, visible, query_positions, load, scale, softcap, out
+@numba.njit(parallel=True)  # no cache=True: loaders are arguments, and numba's on-disk index keys them by
+def _paged_attention_kernel(  # dispatcher identity: never a hit in another process, and unsaveable (ReferenceError)
+    query, keys, values, positions, pages, lengths, visible, query_positions, load_keys, load_values, scale, softcap, out
 ):  # pragma: no cover - compiled
     batch, heads, rows, dim = query.shape
     for pair in numba.prange(batch * heads):
@@ -220,12 +224,28 @@ def _paged_attention_kernel(
         h = pair % heads
         _attend_pair(
             query[b, h], keys, values, positions, pages[b, h], lengths[b, h], visible[b],
-            query_positions, load, scale, softcap, out[b, h],
+            query_positions, load_keys, load_values, scale, softcap, out[b, h],
         )
 
 
 _LOADERS = {torch.float32: _load_float32, torch.float16: _load_float16, torch.bfloat16: _load_bfloat16}
-"""Each page dtype's loader; the kernel is compiled once per loader."""
+"""Each page dtype's loader; the kernel is compiled once per pair of loaders (and argument types)."""
+
+
+class PageSource(NamedTuple):
+    """A layer's pages as the kernel reads them, in place (CPU): for keys and for values a numba
+    argument (an array, or a tuple of arrays and ints: a codec's fields) and the loader that writes
+    the first ``rows`` tokens of one of its pages as float32 (``load(source, page, out, out_bits,
+    rows)``, as :func:`_load_float32`: ``out [page_size, dim]``, ``out_bits`` the same scratch
+    viewed as uint32); each page's token positions (int64 ``[capacity, page_size]``); the value
+    channels. Each pool says how its pages are read (:meth:`~kvlib.storage.PagePool.page_source`)."""
+
+    keys: object
+    values: object
+    load_keys: Callable[..., None]
+    load_values: Callable[..., None]
+    positions: np.ndarray
+    value_dim: int
 
 
 def _numpy_pages(arena: torch.Tensor) -> np.ndarray:
@@ -233,6 +253,15 @@ def _numpy_pages(arena: torch.Tensor) -> np.ndarray:
     if arena.dtype == torch.float32:
         return arena.numpy()
     return arena.view(torch.int16).numpy().view(np.uint16)
+
+
+def arena_source(key_arena: torch.Tensor, value_arena: torch.Tensor, positions: torch.Tensor) -> PageSource:
+    """The :class:`PageSource` of pages held in the compute dtype: arenas ``[capacity, page_size,
+    head_dim | value_dim]`` in one of :data:`SUPPORTED_DTYPES` (keys and values alike), on the CPU."""
+    if key_arena.dtype not in SUPPORTED_DTYPES or value_arena.dtype != key_arena.dtype:
+        raise ValueError(f"pages must be one of {SUPPORTED_DTYPES} (keys and values alike), got {key_arena.dtype} / {value_arena.dtype}")
+    load = _LOADERS[key_arena.dtype]
+    return PageSource(_numpy_pages(key_arena), _numpy_pages(value_arena), load, load, positions.numpy(), value_arena.shape[2])
 
 
 def paged_attention(
@@ -269,29 +298,45 @@ def paged_attention(
         ``[batch, query_heads, queries, value_dim]`` in ``query``'s dtype (float32 accumulation).
         Every tensor must be on the CPU (the CUDA path reads pages with its own kernel).
     """
+    source = arena_source(key_arena, value_arena, positions)
+    return attend_pages(query, source, pages, lengths, visible=visible, query_positions=query_positions, scale=scale, softcap=softcap)
+
+
+def attend_pages(
+    query: torch.Tensor,
+    source: PageSource,
+    pages: torch.Tensor,
+    lengths: torch.Tensor,
+    *,
+    visible: torch.Tensor | None,
+    query_positions: torch.Tensor | None,
+    scale: float,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """:func:`paged_attention` over pages however they are held (``source``: float arenas, or a
+    codec's fields decoded page by page inside the kernel); the other arguments are its own."""
     batch, query_heads, queries, dim = query.shape
     kv_heads = pages.shape[1]
     if query_heads % kv_heads:
         raise ValueError(f"query heads ({query_heads}) must be a multiple of KV heads ({kv_heads})")
-    if key_arena.dtype not in SUPPORTED_DTYPES or value_arena.dtype != key_arena.dtype:
-        raise ValueError(f"pages must be one of {SUPPORTED_DTYPES} (keys and values alike), got {key_arena.dtype} / {value_arena.dtype}")
     if visible is None and query_positions is None:
         raise ValueError("paged_attention needs the model's mask (visible) or the queries' positions")
     group = query_heads // kv_heads
     grouped = query.detach().reshape(batch, kv_heads, group * queries, dim).to(torch.float32).contiguous()
-    out = torch.empty(batch, kv_heads, group * queries, value_arena.shape[2], dtype=torch.float32)
+    out = torch.empty(batch, kv_heads, group * queries, source.value_dim, dtype=torch.float32)
     mask = np.zeros((batch, queries, 0), dtype=np.bool_) if visible is None else visible.contiguous().numpy()
     steps = np.zeros(0, dtype=np.int64) if query_positions is None else query_positions.contiguous().numpy()
     _paged_attention_kernel(
         grouped.numpy(),
-        _numpy_pages(key_arena),
-        _numpy_pages(value_arena),
-        positions.numpy(),
+        source.keys,
+        source.values,
+        source.positions,
         pages.contiguous().numpy(),
         lengths.contiguous().numpy(),
         mask,
         steps,
-        _LOADERS[key_arena.dtype],
+        source.load_keys,
+        source.load_values,
         np.float32(scale),
         np.float32(softcap or 0.0),
         out.numpy(),
@@ -302,19 +347,16 @@ def paged_attention(
 class PagedLayer(NamedTuple):
     """A layer's tokens for a batch of sequences, as they lie in the pages (nothing copied).
 
-    keys, values: the layer's arenas ``[capacity, page_size, head_dim | value_dim]``;
-    positions: int64 ``[capacity, page_size]``; pages: int64 ``[batch, kv_heads, max_pages]``,
-    each (row, KV head)'s page ids in order (``-1`` past its last page); lengths: int64
-    ``[batch, kv_heads]``, tokens stored per (row, KV head).
+    source: how the kernel reads the layer's pages (:class:`PageSource`); pages: int64
+    ``[batch, kv_heads, max_pages]``, each (row, KV head)'s page ids in order (``-1`` past its
+    last page); lengths: int64 ``[batch, kv_heads]``, tokens stored per (row, KV head).
     """
 
-    keys: torch.Tensor
-    values: torch.Tensor
-    positions: torch.Tensor
+    source: PageSource
     pages: torch.Tensor
     lengths: torch.Tensor
 
     def attend(self, query: torch.Tensor, **options) -> torch.Tensor:
-        """:func:`paged_attention` of ``query`` over these pages; ``options``: its keyword
+        """:func:`attend_pages` of ``query`` over these pages; ``options``: its keyword
         arguments (``visible``, ``query_positions``, ``scale``, ``softcap``)."""
-        return paged_attention(query, *self, **options)
+        return attend_pages(query, *self, **options)

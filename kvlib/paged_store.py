@@ -431,10 +431,10 @@ class PagedStore:
     @outside_inference_mode
     def paged_layer(self, layer: int, seqs: SequenceIds) -> PagedLayer | None:
         """``seqs``' tokens of ``layer`` where they lie, for attention straight over the pages
-        (:mod:`~kvlib.paged_attention`; a tiered pool stages only its off-device pages, see
+        (:mod:`~kvlib.paged_attention`; coded pages are decoded inside the kernel; a tiered pool stages only its off-device pages, see
         :meth:`~kvlib.storage.tiered_pool.TieredPagePool.paged_layer`, and the next layer's are
         prefetched as for :meth:`read`); None when the layer's pool cannot give its pages in place
-        (codecs: use :meth:`read`). Valid until the next change to the store or the next hand-over
+        (codecs without a page loader: use :meth:`read`). Valid until the next change to the store or the next hand-over
         of the layer's pages (:meth:`paged_layer`, :meth:`paged_selection`: a tiered pool restages)."""
         layer = self._layer(layer)
         table = self.tables[layer]

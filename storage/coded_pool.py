@@ -25,7 +25,9 @@ from dataclasses import dataclass
 import torch
 
 from kvlib.codec import PageCodec
+from kvlib.coded_page_loaders import open_part
 from kvlib.devices import to_arena_device
+from kvlib.paged_attention import PageSource
 from kvlib.storage.free_stack import FreeStack
 from kvlib.storage.page_pool import PagePool, extend_rows
 
@@ -66,6 +68,8 @@ class CodedPagePool(PagePool):
         self._version = 0
         """Bumped whenever a page changes state (allocated, freed, sealed) or raw rows move."""
         self._plan: _ReadPlan | None = None
+        self._source: tuple[tuple[torch.Tensor, ...], PageSource | None] | None = None
+        """The last :meth:`page_source` and the tensors it views (rebuilt when one is replaced)."""
 
     # -- sizes ---------------------------------------------------------------------------------
 
@@ -155,9 +159,36 @@ class CodedPagePool(PagePool):
 
     gather = PagePool.gather_by_pages
 
-    def attention_arenas(self) -> None:
-        """None: sealed pages are encoded (attention reads them through :meth:`read_pages`)."""
-        return None
+    def page_source(self) -> PageSource | None:
+        """Open pages read raw and sealed pages decoded page by page inside the kernel, from the
+        arenas where they lie (:mod:`~kvlib.coded_page_loaders`); None for a codec that is not
+        fitted yet or has no page loader (attention then reads through :meth:`read_pages`)."""
+        if not self.codec.ready:
+            return None
+        arenas = (self.keys, self.values, self.sealed, self.raw_row, self.positions, *self.encoded.values())
+        if self._source is not None and len(self._source[0]) == len(arenas) and all(a is b for a, b in zip(self._source[0], arenas)):
+            return self._source[1]  # the same tensors, changed in place only: their views still hold
+        readers = self.codec.page_readers(self.encoded or self._field_arenas(0))
+        source = None
+        if readers is not None:
+            keys, values = readers
+            source = PageSource(
+                open_part(self.sealed, self.raw_row, self.keys) + keys.fields,
+                open_part(self.sealed, self.raw_row, self.values) + values.fields,
+                keys.load,
+                values.load,
+                self.positions.numpy(),
+                self.value_dim,
+            )
+        self._source = (arenas, source)
+        return source
+
+    def _field_arenas(self, rows: int) -> dict[str, torch.Tensor]:
+        """Zeroed arenas of ``rows`` pages for each of the codec's fields (one-byte floats as bytes)."""
+        return {
+            name: torch.zeros(rows, *field.shape, dtype=_arena_dtype(field.dtype), device=self.device)
+            for name, field in self.codec.fields.items()
+        }
 
     def read_pages(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Whole pages in the compute dtype: sealed pages decoded, open pages copied, free pages zero.
@@ -237,10 +268,7 @@ class CodedPagePool(PagePool):
             encoded = self.codec.encode(keys, values, to_arena_device(self.page_heads[ids], self.device))
         target = to_arena_device(ids, self.device)
         if not self.encoded:
-            self.encoded = {
-                name: torch.zeros(self.capacity, *field.shape, dtype=_arena_dtype(field.dtype), device=self.device)
-                for name, field in self.codec.fields.items()
-            }
+            self.encoded = self._field_arenas(self.capacity)
         fields = self.codec.fields
         for name, t in encoded.items():
             arena = self.encoded[name]

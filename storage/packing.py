@@ -3,11 +3,14 @@
 Codes are ``uint8`` in ``[0, 2**bits)``. Packing works along the last dimension: ``n`` codes
 become ``packed_size(n, bits)`` bytes; code ``i`` of a byte sits at bits ``[bits*i, bits*(i+1))``
 (little end first). A last byte that is not full is padded with zero codes. Vectorized torch
-ops only (no Python loop over elements), on any device.
+ops only (no Python loop over elements), on any device; :func:`packed_code` reads one code of
+that layout inside numba kernels.
 """
 
 from __future__ import annotations
 
+import numba
+import numpy as np
 import torch
 
 PACKABLE_BITS = (1, 2, 4, 8)
@@ -17,6 +20,13 @@ def packed_size(count: int, bits: int) -> int:
     """Bytes that ``count`` codes of ``bits`` bits take."""
     per_byte = 8 // bits
     return -(-count // per_byte)
+
+
+@numba.njit(inline="always")
+def packed_code(packed: np.ndarray, row: int, i: int, bits: int, shift: int) -> int:
+    """Code ``i`` of row ``row`` of ``packed`` (uint8 ``[rows, bytes]``, :func:`pack`'s layout)
+    at ``bits`` bits, ``2**shift = 8 // bits`` codes per byte (numba; constants fold when inlined)."""
+    return (packed[row, i >> shift] >> ((i & ((1 << shift) - 1)) * bits)) & ((1 << bits) - 1)
 
 
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:

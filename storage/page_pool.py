@@ -26,7 +26,7 @@ import torch
 
 from kvlib.devices import to_arena_device
 from kvlib.errors import PoolExhaustedError
-from kvlib.paged_attention import PagedLayer
+from kvlib.paged_attention import PagedLayer, PageSource, arena_source
 from kvlib.storage.free_stack import FreeStack
 from kvlib.storage.key_summaries import KeySummaries
 
@@ -257,19 +257,20 @@ class PagePool:
         positions = self.positions.view(-1).index_select(0, to_arena_device(slots, self.device))
         return keys.view(-1, self.head_dim)[index], values.view(-1, self.value_dim)[index], positions
 
-    def attention_arenas(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """``(keys, values, positions)``: arenas holding every page in use in the compute dtype on
-        the pool's device, for attention straight over the pages; None for a pool whose pages
-        may be encoded or off the device (read those with :meth:`read_pages`)."""
-        return self.keys, self.values, self.positions
+    def page_source(self) -> PageSource | None:
+        """How the paged-attention kernel reads this pool's pages in place (CPU pools only:
+        :func:`~kvlib.devices.reads_pages_in_place`), or None for a pool whose pages it cannot
+        read where they lie (read those with :meth:`read_pages`). Here: the arenas, in the
+        compute dtype. Valid until the pool next changes."""
+        return arena_source(self.keys, self.values, self.positions)
 
     def paged_layer(self, pages: torch.Tensor, lengths: torch.Tensor) -> PagedLayer | None:
         """A block table's tokens where the page kernel reads them: ``pages`` int64 ``[batch,
         kv_heads, n]`` (page ids in order, ``-1`` past each head's last) holding ``lengths`` int64
         ``[batch, kv_heads]`` tokens (only a head's last page may be partly filled). None where
-        :meth:`attention_arenas` is None. Valid until the next change to the pool."""
-        arenas = self.attention_arenas()
-        return None if arenas is None else PagedLayer(*arenas, pages, lengths)
+        :meth:`page_source` is None. Valid until the next change to the pool."""
+        source = self.page_source()
+        return None if source is None else PagedLayer(source, pages, lengths)
 
     def read_pages(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Whole pages ``ids`` (int64 on CPU) in the compute dtype: ``(keys [n, page_size, head_dim],

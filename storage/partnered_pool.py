@@ -56,6 +56,10 @@ class PartneredPagePool(CodedPagePool):
         super()._grow_data(capacity)
         self.partner = extend_rows(self.partner, capacity, -1)
 
+    def page_source(self) -> None:
+        """None: a sealed page decodes with its partner's fields (attention reads through :meth:`read_pages`)."""
+        return None
+
     def metadata_bytes(self) -> int:
         return super().metadata_bytes() + self.sealed_pages * PARTNER_ID_BYTES
 

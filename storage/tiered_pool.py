@@ -46,7 +46,7 @@ import torch
 
 from kvlib.devices import byte_rows, host_buffer, to_arena_device
 from kvlib.errors import PoolExhaustedError
-from kvlib.paged_attention import PagedLayer
+from kvlib.paged_attention import PagedLayer, arena_source
 from kvlib.storage.free_stack import FreeStack
 from kvlib.storage.page_pool import PagePool, extend_rows
 from kvlib.storage.page_prefetch import FetchedPages, PagePrefetcher, PrefetchJob
@@ -344,7 +344,7 @@ class TieredPagePool(PagePool):
         if self.summaries is not None:
             self.summaries.add(slots, keys)
 
-    def attention_arenas(self) -> None:
+    def page_source(self) -> None:
         """None: pages may be on the host or disk (attention reads them through :meth:`paged_layer`)."""
         return None
 
@@ -372,7 +372,7 @@ class TieredPagePool(PagePool):
         positions[to_arena_device(rows, self.device)] = self.positions.index_select(0, to_arena_device(ids, self.device))
         table = torch.full_like(pages, -1)
         table[held] = rows
-        return PagedLayer(keys, values, positions, table, lengths)
+        return PagedLayer(arena_source(keys, values, positions), table, lengths)
 
     def _staging_arena(self, staged: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values arenas of the device rows followed by room for ``staged`` more pages;

@@ -21,6 +21,8 @@ from collections.abc import Callable
 import numba
 import numpy as np
 
+from kvlib.storage.packing import packed_code
+
 
 @numba.njit(parallel=True, cache=True)
 def min_max_rows(x: np.ndarray, group: int, low: np.ndarray, high: np.ndarray) -> None:
@@ -98,9 +100,7 @@ def unpack_dequantize(bits: int, cols: bool) -> Callable[..., None]:
     """Kernel ``(packed, sources, scale, minimum, out, targets)``: for each ``p``, row
     ``out[targets[p]]`` (float32 ``[count]``) becomes ``minimum + scale * code`` of the codes in
     ``packed[sources[p]]``; ``scale``/``minimum`` ``[len(sources), groups]`` float32."""
-    per_byte = 8 // bits
-    shift = per_byte.bit_length() - 1
-    mask = (1 << bits) - 1
+    shift = code_shift(bits)
 
     @numba.njit(parallel=True, fastmath=True, cache=True)
     def kernel(packed: np.ndarray, sources: np.ndarray, scale: np.ndarray, minimum: np.ndarray, out: np.ndarray, targets: np.ndarray) -> None:
@@ -113,8 +113,7 @@ def unpack_dequantize(bits: int, cols: bool) -> Callable[..., None]:
                 for t in range(count // groups):
                     for c in range(groups):
                         i = t * groups + c
-                        code = (packed[src, i >> shift] >> ((i & (per_byte - 1)) * bits)) & mask
-                        out[dst, i] = minimum[p, c] + scale[p, c] * np.float32(code)
+                        out[dst, i] = dequantize(packed_code(packed, src, i, bits, shift), scale[p, c], minimum[p, c])
             else:
                 group = count // groups
                 for g in range(groups):
@@ -122,10 +121,28 @@ def unpack_dequantize(bits: int, cols: bool) -> Callable[..., None]:
                     m = minimum[p, g]
                     for k in range(group):
                         i = g * group + k
-                        code = (packed[src, i >> shift] >> ((i & (per_byte - 1)) * bits)) & mask
-                        out[dst, i] = m + s * np.float32(code)
+                        out[dst, i] = dequantize(packed_code(packed, src, i, bits, shift), s, m)
 
     return kernel
+
+
+@numba.njit(inline="always")
+def dequantize(code: int, scale: np.float32, minimum: np.float32) -> np.float32:
+    """The value of group code ``code``: ``minimum + scale * code`` (the decode of every group
+    quantizer, here and in the paged-attention loaders)."""
+    return minimum + scale * np.float32(code)
+
+
+@numba.njit(inline="always")
+def lookup(table: np.ndarray, code: int, scale: np.float32) -> np.float32:
+    """The value of one-byte code ``code`` through a 256-entry ``table``: ``table[code] * scale``
+    (int8 and fp8 decode, here and in the paged-attention loaders)."""
+    return table[code] * scale
+
+
+def code_shift(bits: int) -> int:
+    """``log2(8 // bits)``: codes per byte as a shift (:func:`~kvlib.storage.packing.packed_code`)."""
+    return (8 // bits).bit_length() - 1
 
 
 def fits(bits: int, count: int) -> bool:
@@ -146,7 +163,7 @@ def scaled_lookup(codes: np.ndarray, sources: np.ndarray, table: np.ndarray, sca
         for g in range(scale.shape[1]):
             s = scale[p, g]
             for k in range(run):
-                out[dst, g * run + k] = table[codes[src, g * run + k]] * s
+                out[dst, g * run + k] = lookup(table, codes[src, g * run + k], s)
 
 
 @numba.njit(parallel=True, cache=True)

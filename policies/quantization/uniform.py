@@ -23,7 +23,9 @@ import numpy as np
 import torch
 
 from kvlib.codec import Field, TensorCodec, TensorShape
+from kvlib.coded_page_loaders import CodedReader
 from kvlib.policies.quantization import kernels
+from kvlib.policies.quantization.page_loaders import byte_table_reader, group_quantized_reader
 from kvlib.storage.packing import pack, packed_size, unpack
 
 
@@ -159,6 +161,10 @@ class GroupQuantizer(TensorCodec):
         kernel(codes, pages.numpy(), scale, minimum, decoded, np.arange(m))
         write_rows(out, rows, torch.from_numpy(decoded).view(m, *out.shape[1:]))
 
+    def page_reader(self, arenas: dict[str, torch.Tensor]) -> CodedReader:
+        """Codes unpacked and dequantized page by page inside the kernel."""
+        return group_quantized_reader(arenas, self.bits, self.per_channel, self.group)
+
 
 class AbsmaxInt8(TensorCodec):
     """Symmetric int8 per token: one scale per token (``max|x| / 127``), codes in ``[-127, 127]``."""
@@ -203,6 +209,10 @@ class AbsmaxInt8(TensorCodec):
             return
         scale = arenas["scale"].index_select(0, pages).float().numpy()
         lookup_rows(arenas["codes"].view(torch.uint8), pages, INT8_TABLE, scale, out, rows)
+
+    def page_reader(self, arenas: dict[str, torch.Tensor]) -> CodedReader:
+        """Codes through the int8 table times each token's scale, page by page inside the kernel."""
+        return byte_table_reader(arenas["codes"], INT8_TABLE, arenas["scale"])
 
 
 INT8_TABLE = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.int8).float().numpy()

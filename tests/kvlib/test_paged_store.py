@@ -944,7 +944,8 @@ def test_a_tiered_layer_read_in_place_stages_only_its_off_device_pages() -> None
     assert pool.staged_bytes == off_device * pool.kv_page_bytes and store.peak_workspace >= pool.staged_bytes
     assert (pool.pages_on_device, pool.pages_on_host) == tiers[:2]  # nothing moved tier
     assert torch.equal(pool.device_row, tiers[2]) and torch.equal(pool.host_row, tiers[3])
-    assert paged.keys.shape[0] >= pool.keys.shape[0] + off_device and paged.keys.data_ptr() == pool.keys.data_ptr()
+    staged = paged.source.keys  # the staging arena (numpy), whose leading rows are the device rows
+    assert staged.shape[0] >= pool.keys.shape[0] + off_device and staged.ctypes.data == pool.keys.data_ptr()
     query = torch.randn(2, 4, 1, 8)
     options = {"visible": None, "query_positions": torch.tensor([10**6]), "scale": 8**-0.5}
     torch.testing.assert_close(paged.attend(query, **options), dense_attention(query, store.read(0, seqs)), atol=1e-5, rtol=1e-5)
