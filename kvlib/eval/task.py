@@ -21,7 +21,8 @@ class TaskResult:
     """One task's score for one cache configuration.
 
     ``score`` is the task's headline metric (``metric``; ``higher_is_better`` says its direction);
-    ``metrics`` holds the rest (per depth, per sample, ...). ``kv_bytes`` is what the cache held
+    ``metrics`` holds the rest (per depth, per sample, ...); ``samples`` is how many cases
+    (prompts, windows, examples) the score averages over. ``kv_bytes`` is what the cache held
     at the end of the task (key/value pages plus codec metadata: the compressed KV itself, not the
     read mirror or tables) and ``full_bytes`` what the uncompressed keys and values of every token
     seen would take in the same dtype.
@@ -34,6 +35,7 @@ class TaskResult:
     kv_bytes: int
     full_bytes: int
     metrics: dict = field(default_factory=dict)
+    samples: int = 0
 
     @property
     def kv_fraction(self) -> float:

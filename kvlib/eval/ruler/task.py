@@ -156,7 +156,7 @@ class RulerTask(abc.ABC):
             "cases": len(cases), "context": self.context, "scores": scores, "predictions": predictions,
             "depths": [list(c.depths) for c in cases], "prompt_tokens": [len(c.ids) for c in cases],
         }
-        return TaskResult(self.name, self.metric, float(np.mean(scores)), True, held, full, metrics)
+        return TaskResult(self.name, self.metric, float(np.mean(scores)), True, held, full, metrics, len(cases))
 
 
 @functools.lru_cache(maxsize=16)
