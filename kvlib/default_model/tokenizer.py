@@ -30,3 +30,7 @@ class ByteTokenizer:
     def decode(self, ids: list[int]) -> str:
         """Text of the byte ids in ``ids``; special ids are skipped."""
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+
+    def instruct(self, message: str, reply_start: str = "") -> list[int]:
+        """BOS, ``message`` and ``reply_start`` (the model has no chat template)."""
+        return self.encode(message + reply_start, bos=True)

@@ -92,8 +92,9 @@ class AgreementTask:
         reference, reference_logits = _reference(self, model, prompt)
         cache = make_cache(self.context)
         metrics = agreement_metrics(reference, reference_logits, teacher_forced_logits(model, cache, prompt, reference))
+        metrics["context"] = self.context
         held, full = kv_bytes(cache)
-        return TaskResult(self.name, self.metric, metrics["agreement"], True, held, full, metrics)
+        return TaskResult(self.name, self.metric, metrics["agreement"], True, held, full, metrics, self.samples)
 
 
 @functools.lru_cache(maxsize=4)

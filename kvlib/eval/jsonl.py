@@ -124,5 +124,6 @@ class JsonlTask:
             held, full = held + kv, full + whole
         return TaskResult(
             self.name, self.metric, float(np.mean(scores)), True, held, full,
-            {"scorer": self.scorer, "examples": len(examples), "predictions": predictions},
+            {"scorer": self.scorer, "examples": len(examples), "predictions": predictions, "context": self.context},
+            len(examples),
         )

@@ -1,4 +1,4 @@
-"""Loading the model a comparison runs on: the embedded default, a local folder or a hub id."""
+"""Loading the model a comparison runs on: the embedded default, SmolLM2, a local folder or a hub id."""
 
 from __future__ import annotations
 
@@ -8,12 +8,11 @@ from typing import Protocol
 
 import torch
 
+from kvlib.errors import ModelLoadError
+from kvlib.eval import smollm2
+
 DEFAULT_MODEL = "default"
 """The name that selects kvlib's embedded model (:mod:`kvlib.default_model`)."""
-
-
-class ModelLoadError(ValueError):
-    """The model or its tokenizer could not be loaded; the message is one line."""
 
 
 class TextTokenizer(Protocol):
@@ -26,6 +25,9 @@ class TextTokenizer(Protocol):
     def encode(self, text: str, *, bos: bool = False) -> list[int]: ...
 
     def decode(self, ids: list[int]) -> str: ...
+
+    def instruct(self, message: str, reply_start: str = "") -> list[int]:
+        """Ids of a prompt that puts ``message`` to the model and opens its answer with ``reply_start``."""
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,17 @@ class HFTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
+    def instruct(self, message: str, reply_start: str = "") -> list[int]:
+        """``message`` as a user turn of the chat template, the assistant's turn opened, then
+        ``reply_start``; without a chat template, BOS + ``message`` + ``reply_start``. The template's
+        text is encoded as a whole (its special tokens included), so nothing is added twice."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            return self.encode(message + reply_start, bos=True)
+        text = self.tokenizer.apply_chat_template(
+            [{"role": "user", "content": message}], tokenize=False, add_generation_prompt=True
+        )
+        return self.encode(text + reply_start)
+
 
 @dataclass(frozen=True)
 class LoadedModel:
@@ -66,7 +79,9 @@ class LoadedModel:
 
 
 def load_model(name: str | None = None, dtype: torch.dtype = torch.float32) -> LoadedModel:
-    """``name``: ``None`` or ``"default"`` (the embedded model), a local folder, or a hub id.
+    """``name``: ``None`` or ``"default"`` (the embedded model), ``"smollm2"`` (SmolLM2-135M-Instruct,
+    fetched and converted once by :mod:`kvlib.eval.smollm2`, offline afterwards), a local folder,
+    or a hub id.
 
     A folder written by :mod:`kvlib.default_model.train` gets the byte tokenizer; anything else
     loads with ``AutoModelForCausalLM`` and ``AutoTokenizer``.
@@ -80,13 +95,15 @@ def load_model(name: str | None = None, dtype: torch.dtype = torch.float32) -> L
     if name.startswith(("/", "./", "../", "~")) and not folder.is_dir():
         raise ModelLoadError(f"cannot load model {name!r}: no such folder")
     try:
+        source = str(smollm2.smollm2_folder()) if name == smollm2.NAME else name
+        folder = Path(source).expanduser()
         if name == DEFAULT_MODEL or is_byte_model(folder):
             model, tokenizer = load_default_model(dtype, MODEL_DIR if name == DEFAULT_MODEL else folder)
         else:
             from transformers import AutoModelForCausalLM, AutoTokenizer
 
-            model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype).eval()
-            tokenizer = HFTokenizer(AutoTokenizer.from_pretrained(name))
+            model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype).eval()
+            tokenizer = HFTokenizer(AutoTokenizer.from_pretrained(source))
     except Exception as exc:  # noqa: BLE001 - any loading failure becomes one clear line
         cause = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ModelLoadError(f"cannot load model {name!r}: {cause}") from exc

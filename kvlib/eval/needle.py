@@ -101,7 +101,7 @@ class NeedleTask:
         }
         return TaskResult(
             self.name, self.metric, float(np.mean(correct)), True, held, full,
-            {"by_depth": by_depth, "cases": len(cases), "context": self.context},
+            {"by_depth": by_depth, "cases": len(cases), "context": self.context}, len(cases),
         )
 
 

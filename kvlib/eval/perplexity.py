@@ -56,5 +56,5 @@ class PerplexityTask:
         held, full = kv_bytes(cache)
         return TaskResult(
             self.name, self.metric, math.exp(nll.mean().item()), False, held, full,
-            {"by_sample": nll.mean(1).exp().tolist(), "context": self.context, "chunk": self.chunk},
+            {"by_sample": nll.mean(1).exp().tolist(), "context": self.context, "chunk": self.chunk}, self.samples,
         )

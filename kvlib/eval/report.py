@@ -71,6 +71,7 @@ def to_json(runs: Sequence[CompareRun], meta: dict) -> dict:
                         "kv_bytes": r.kv_bytes,
                         "full_bytes": r.full_bytes,
                         "kv_fraction": r.kv_fraction,
+                        "samples": r.samples,
                         "metrics": r.metrics,
                     }
                     for name, r in run.results.items()

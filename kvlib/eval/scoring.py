@@ -1,7 +1,9 @@
-"""Answer scorers shared by the tasks: passkey match, exact match, substring match and token F1.
+"""Answer scorers shared by the tasks: passkey match, exact match, substring match, token F1 and
+RULER's string matches.
 
 Normalisation follows LongBench / SQuAD: lower case, punctuation and articles removed, whitespace
-collapsed.
+collapsed. RULER's scorers only lower-case (``scripts/eval/synthetic/constants.py``) and read the
+prediction after :func:`ruler_postprocess`.
 """
 
 from __future__ import annotations
@@ -55,5 +57,28 @@ def token_f1(prediction: str, answers: Sequence[str]) -> float:
     return best
 
 
-SCORERS = {"exact": exact_match, "contains": contains_match, "f1": token_f1}
+_CONTROL = re.compile(r"[\x00-\x1f]")
+
+
+def ruler_postprocess(prediction: str) -> str:
+    """RULER's clean-up of a prediction: control characters become newlines, ends stripped."""
+    return _CONTROL.sub("\n", prediction.strip()).strip()
+
+
+def string_match_all(prediction: str, answers: Sequence[str]) -> float:
+    """RULER's ``string_match_all``: the fraction of answers contained in the prediction (case-insensitive)."""
+    if not answers:
+        return 0.0
+    return sum(a.lower() in prediction.lower() for a in answers) / len(answers)
+
+
+def string_match_part(prediction: str, answers: Sequence[str]) -> float:
+    """RULER's ``string_match_part`` (its QA score): 1.0 when any answer is contained in the prediction."""
+    return float(any(a.lower() in prediction.lower() for a in answers))
+
+
+SCORERS = {
+    "exact": exact_match, "contains": contains_match, "f1": token_f1,
+    "string_match_all": string_match_all, "string_match_part": string_match_part,
+}
 """Scorers a :class:`~kvlib.eval.jsonl.JsonlTask` may name."""

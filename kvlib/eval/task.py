@@ -21,7 +21,8 @@ class TaskResult:
     """One task's score for one cache configuration.
 
     ``score`` is the task's headline metric (``metric``; ``higher_is_better`` says its direction);
-    ``metrics`` holds the rest (per depth, per sample, ...). ``kv_bytes`` is what the cache held
+    ``metrics`` holds the rest (per depth, per sample, ...); ``samples`` is how many cases
+    (prompts, windows, examples) the score averages over. ``kv_bytes`` is what the cache held
     at the end of the task (key/value pages plus codec metadata: the compressed KV itself, not the
     read mirror or tables) and ``full_bytes`` what the uncompressed keys and values of every token
     seen would take in the same dtype.
@@ -34,6 +35,7 @@ class TaskResult:
     kv_bytes: int
     full_bytes: int
     metrics: dict = field(default_factory=dict)
+    samples: int = 0
 
     @property
     def kv_fraction(self) -> float:
@@ -72,22 +74,27 @@ def check_context(task: str, needed: int, context: int) -> None:
         raise ValueError(f"task {task!r} needs {needed} tokens but the model's context is {context}")
 
 
-TASK_NAMES = ("needle", "perplexity", "agreement")
+BASE_TASKS = ("needle", "perplexity", "agreement")
+RULER_NAMES = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe")
+"""The RULER-style tasks (:mod:`kvlib.eval.ruler`)."""
+TASK_NAMES = BASE_TASKS + RULER_NAMES
 """Built-in task names; ``jsonl:PATH`` adds a LongBench/RULER-style file."""
 
 
 def parse_tasks(text: str, *, context: int, samples: int | None = None, seed: int = 0) -> list[Task]:
-    """Tasks from a comma-separated list such as ``"needle,perplexity,jsonl:data/qa.jsonl"``.
+    """Tasks from a comma-separated list such as ``"needle,niah_single,jsonl:data/qa.jsonl"``.
 
     ``context`` is the sequence length the tasks use (needle context, perplexity window, agreement
-    prompt plus continuation); ``samples`` overrides each task's default sample count.
+    prompt plus continuation, RULER prompt plus answer); ``samples`` overrides each task's default
+    sample count.
     """
     from kvlib.eval.agreement import AgreementTask
     from kvlib.eval.jsonl import JsonlTask
     from kvlib.eval.needle import NeedleTask
     from kvlib.eval.perplexity import PerplexityTask
+    from kvlib.eval.ruler import RULER_TASKS
 
-    builders = {"needle": NeedleTask, "perplexity": PerplexityTask, "agreement": AgreementTask}
+    builders = {"needle": NeedleTask, "perplexity": PerplexityTask, "agreement": AgreementTask, **RULER_TASKS}
     extra = {} if samples is None else {"samples": samples}
     tasks: list[Task] = []
     names = [part.strip() for part in text.split(",") if part.strip()]

@@ -177,3 +177,13 @@ def test_codecs_run_alone_once_and_with_eviction_at_every_budget(byte_model_dir,
     kivi, int8_quarter = runs[1], runs[2]
     assert kivi["kv_fraction"] < 0.6  # 4-bit codes + scales, open pages in fp32
     assert int8_quarter["kv_fraction"] < 0.25
+
+
+def test_ruler_tasks_are_offered_and_a_context_too_small_is_one_line(byte_model_dir, capsys, tmp_path):
+    argv = ["compare", "--model", str(byte_model_dir), "--context", "192", "--tasks", "needle,niah_single",
+            "--policies", "snapkv", "--out", str(tmp_path), "--quiet"]
+    assert cli.main(argv) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and "niah_single: context 192 is too small" in error
+    assert cli.main(["compare", "--tasks", "niah", "--out", str(tmp_path)]) == 2
+    assert "niah_single, niah_multikey, niah_multivalue, niah_multiquery, vt, cwe, fwe" in capsys.readouterr().err

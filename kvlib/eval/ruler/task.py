@@ -1,0 +1,164 @@
+"""What every RULER-style task shares: prompts sized to the context with the tokenizer, batched
+greedy generation through a cache factory, and RULER's string-match score.
+
+A task builds, for a haystack size (units: sentences, lines or words) and a random generator, a
+:class:`Prompt`: the user's message, the start of the answer (RULER's ``answer_prefix``) and the
+expected answers. The prompt the model reads is ``tokenizer.instruct(message, reply_start)``: the
+model's chat template for instruct models, else the plain text after BOS (RULER's ``base``
+template). Each case's haystack is the largest size whose prompt plus the task's
+``tokens_to_generate`` fits ``context`` tokens (RULER's binary search, measured with the model's
+tokenizer). Case ``i`` draws from ``random.Random`` seeded with the task's name, ``seed`` and ``i``,
+afresh at every size tried: the same settings give the same prompts on any machine.
+
+The model decodes greedily up to ``tokens_to_generate`` tokens (stopping at EOS). A case scores the
+fraction of its answers contained in what the model wrote (RULER's ``string_match_all``, after its
+clean-up); the task's score is the mean over cases.
+"""
+
+from __future__ import annotations
+
+import abc
+import functools
+import random
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvlib.eval.scoring import ruler_postprocess, string_match_all
+from kvlib.eval.task import CacheFactory, TaskResult, check_context, kv_bytes, pad_id
+from kvlib.transformers_compat import cache_argument
+
+PREDICTION_CHARS = 200
+"""Most characters of each prediction kept in a result's metrics."""
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """A task's prompt text for one haystack size, its answers, and where its items went."""
+
+    message: str
+    reply_start: str
+    answers: tuple[str, ...]
+    depths: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True)
+class RulerCase:
+    """One prompt as token ids (its template included), its answers, haystack size and item depths."""
+
+    ids: tuple[int, ...]
+    answers: tuple[str, ...]
+    size: int
+    depths: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class RulerTask(abc.ABC):
+    """Base of the RULER-style tasks: ``context`` tokens per case (prompt plus answer), ``samples``
+    cases, ``seed``, ``batch_size`` cases per ``generate`` call. Subclasses set ``name``,
+    ``tokens_to_generate`` and :meth:`prompt`."""
+
+    context: int = 1024
+    samples: int = 10
+    seed: int = 0
+    batch_size: int = 8
+    metric: str = "string_match_all"
+    higher_is_better: bool = True
+
+    name: str = ""
+    tokens_to_generate: int = 32
+
+    def __post_init__(self) -> None:
+        if self.samples < 1 or self.batch_size < 1:
+            raise ValueError(f"{self.name} samples and batch_size must be >= 1")
+        if self.context <= self.tokens_to_generate:
+            raise ValueError(f"{self.name} context must exceed its {self.tokens_to_generate} answer tokens, got {self.context}")
+
+    @property
+    def min_size(self) -> int:
+        """The smallest haystack size the task makes sense with."""
+        return 1
+
+    @abc.abstractmethod
+    def prompt(self, size: int, rng: random.Random, tokenizer) -> Prompt:
+        """The prompt with a haystack of ``size`` units, drawn from ``rng``."""
+
+    def check(self, model: torch.nn.Module, tokenizer, context: int) -> None:
+        check_context(self.name, self.context, context)
+        self.cases(tokenizer)
+
+    def cases(self, tokenizer) -> list[RulerCase]:
+        """Every case, sized to the context; the same for the same settings and tokenizer."""
+        return _cases(self, tokenizer)
+
+    def case(self, index: int, tokenizer) -> RulerCase:
+        """Case ``index``: the largest haystack whose prompt and answer fit ``context`` tokens.
+
+        Raises ``ValueError`` when even ``min_size`` does not fit.
+        """
+        room = self.context - self.tokens_to_generate
+
+        def build(size: int) -> tuple[Prompt, list[int]]:
+            prompt = self.prompt(size, self.rng(index), tokenizer)
+            return prompt, tokenizer.instruct(prompt.message, prompt.reply_start)
+
+        best = build(self.min_size)
+        if len(best[1]) > room:
+            raise ValueError(
+                f"{self.name}: context {self.context} is too small; the smallest prompt takes {len(best[1])} tokens"
+                f" plus {self.tokens_to_generate} for the answer"
+            )
+        low, high = self.min_size, self.min_size
+        while len(build(high * 2)[1]) <= room:  # grow until too long, then bisect
+            low, high = high * 2, high * 2
+        high *= 2
+        while high - low > 1:
+            middle = (low + high) // 2
+            if len(build(middle)[1]) <= room:
+                low = middle
+            else:
+                high = middle
+        prompt, ids = build(low)
+        return RulerCase(tuple(ids), prompt.answers, low, prompt.depths)
+
+    def rng(self, index: int) -> random.Random:
+        """Case ``index``'s random generator, fresh: seeded with the task's name, ``seed`` and ``index``."""
+        return random.Random(f"{self.name}/{self.seed}/{index}")
+
+    def score(self, prediction: str, answers: tuple[str, ...]) -> float:
+        """RULER's ``string_match_all`` on the cleaned prediction."""
+        return string_match_all(ruler_postprocess(prediction), answers)
+
+    def run(self, model: torch.nn.Module, tokenizer, make_cache: CacheFactory) -> TaskResult:
+        cases = self.cases(tokenizer)
+        pad = pad_id(tokenizer)
+        device = next(model.parameters()).device
+        scores, predictions, held, full = [], [], 0, 0
+        for start in range(0, len(cases), self.batch_size):
+            chunk = cases[start : start + self.batch_size]
+            width = max(len(c.ids) for c in chunk)
+            ids = torch.tensor([[pad] * (width - len(c.ids)) + list(c.ids) for c in chunk], device=device)
+            mask = torch.tensor([[0] * (width - len(c.ids)) + [1] * len(c.ids) for c in chunk], device=device)
+            cache = make_cache(width)
+            with torch.inference_mode():
+                out = model.generate(
+                    ids, attention_mask=mask, **cache_argument(cache),
+                    max_new_tokens=self.tokens_to_generate, do_sample=False, pad_token_id=pad,
+                )
+            for case, row in zip(chunk, out[:, width:].tolist()):
+                text = tokenizer.decode(row)
+                predictions.append(text[:PREDICTION_CHARS])
+                scores.append(self.score(text, case.answers))
+            kv, whole = kv_bytes(cache)
+            held, full = held + kv, full + whole
+        metrics = {
+            "cases": len(cases), "context": self.context, "scores": scores, "predictions": predictions,
+            "depths": [list(c.depths) for c in cases], "prompt_tokens": [len(c.ids) for c in cases],
+        }
+        return TaskResult(self.name, self.metric, float(np.mean(scores)), True, held, full, metrics, len(cases))
+
+
+@functools.lru_cache(maxsize=16)
+def _cases(task: RulerTask, tokenizer) -> list[RulerCase]:
+    return [task.case(index, tokenizer) for index in range(task.samples)]
