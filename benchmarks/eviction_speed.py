@@ -272,9 +272,8 @@ def _markdown(result: dict, argv: Sequence[str] | None) -> str:
         f"revision: {result['git']}. {result['seconds']} s.",
         "",
         "Memory: `total_bytes` (pages, positions, tables, read mirror) after decode, and after one more untimed decode "
-        "step. A compaction drops the read mirror (the next read rebuilds it), so a cache that has just compacted "
-        "reports none: after decode every evicting cache has just compacted; one step later the interval variants "
-        "hold their rebuilt mirror, while per-step compaction drops it again in each layer. Full K/V = "
+        "step. A decode step's slot-reuse eviction patches the read mirror in place (an in-order compaction drops "
+        "it and the next read rebuilds it), so a mirrored evicting cache holds its mirror beside its pages. Full K/V = "
         "DynamicCache's keys + values. Peak pages: `peak_pages_bytes`, the most page bytes held at any moment of the "
         "run (the chunked prefill's peak, unless decoding between compactions goes higher), over kvlib exact's. "
         "Targets: memory without mirror <= 0.3x full K/V; decode >= 1.3x the full cache; peak pages <= 0.5x.",

@@ -57,7 +57,9 @@ def test_eviction_speed_reports_ratios(tmp_path: Path) -> None:
     for kind, row in rows.items():
         assert row["decode_tok_s"] > 0 and row["speed_vs_dynamic"] > 0 and row["next_step_total_bytes"] > 0
         if kind.startswith("streaming_llm"):
-            assert row["bytes_vs_full_kv"] < 0.5 and row["peak_pages_vs_full"] < 1.0
+            assert row["peak_pages_vs_full"] < 1.0
+            if "mirror" not in kind:  # a mirror is patched by slot-reuse evictions, so it stays held
+                assert row["bytes_vs_full_kv"] < 0.5
     assert len(result["load_avg_1min_per_round"]) == 1
     report = (tmp_path / "eviction_speed.md").read_text()
     assert "| streaming_llm, budget 16, no read mirror |" in report and str(tmp_path) not in report
