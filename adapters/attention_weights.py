@@ -32,7 +32,15 @@ def attention_blocks(
     query's scaled logits over the slots ``mask`` lets it see (``mask``: the mask attention ran
     with, whose last axis indexes the stored slots; None means causal in logical positions), 0
     elsewhere; rows of padding queries (``real_new`` False) are all 0.
+
+    A step that attended straight over the pages (``step.paged``; ``mask`` then the model's mask
+    over logical positions, as attention ran with it) gets its weights from the pages in one
+    block (:meth:`~kvlib.paged_attention.PagedLayer.weights`: its queries are few), in the slot
+    order of ``step.read``; no key is copied.
     """
+    if step.paged is not None:
+        yield start, _weights_over_pages(step, query, mask, real_new, scaling, start)
+        return
     keys = step.read.keys
     batch, kv_heads, slots, _ = keys.shape
     heads, total = query.shape[1], query.shape[2]
@@ -61,3 +69,20 @@ def _visible(step: LayerStep, mask: torch.Tensor | None, first: int, last: int, 
             batch, heads, last - first, slots
         )
     return allowed(mask)[:, :, first:last, :slots].expand(batch, heads, last - first, slots)
+
+
+def _weights_over_pages(
+    step: LayerStep, query: torch.Tensor, mask: torch.Tensor | None, real_new: torch.Tensor | None, scaling: float | None, start: int
+) -> torch.Tensor:
+    """:func:`attention_blocks`' weights of queries ``start..`` for a step over the pages."""
+    batch, total = query.shape[0], query.shape[2]
+    if mask is None:  # causal in the logical positions
+        visible, query_positions = None, step.query_offset + torch.arange(start, total)
+    else:
+        visible, query_positions = allowed(mask)[:, 0, start:].expand(batch, -1, -1).cpu(), None
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    weights = step.paged.weights(query[:, :, start:], visible=visible, query_positions=query_positions, scale=scale)
+    weights = weights[..., : step.read.valid.shape[-1]].to(step.read.valid.device)
+    if real_new is not None:
+        weights = weights * real_new[:, start:].to(weights.device).view(batch, 1, -1, 1)
+    return weights

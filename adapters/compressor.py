@@ -137,6 +137,12 @@ class Compressor:
         values = merged_values(read.keys, read.values, candidates, keep) if self.merge else None
         return Compaction(keep, values)
 
+    @property
+    def reads_kv(self) -> bool:
+        """Whether compactions need the layer's stored keys and values (the strategy reads them,
+        or evicted values are merged into kept ones), not only their positions."""
+        return self.strategy.reads_kv or self.merge
+
     # -- state kept in step with the cache's rows -----------------------------------------------
 
     def select_rows(self, index: torch.Tensor) -> None:

@@ -17,6 +17,7 @@ reference, copy-on-write.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 
 import torch
@@ -96,8 +97,9 @@ class KVCache(Cache):
             bytes are reported as ``read_cache``). None chooses: a mirror only where attention
             cannot read pages in place (:func:`~kvlib.devices.reads_pages_in_place`: an exact
             cache on CUDA until its paged kernel is wired), never with an eviction strategy, a
-            codec or tiering. An exact cache's decode steps attend straight over the pages; an
-            evicting cache's read its kept tokens into a transient copy, one layer at a time.
+            codec or tiering. Decode steps attend straight over the pages; under eviction the
+            compaction after them reads each layer's positions only when the strategy scores
+            without keys and values (``Eviction.reads_kv``), else a transient dense copy.
         codec: the quantization or low-rank strategy that encodes sealed pages, or None. Its
             per-layer codecs are built with the store (first update; fitted codecs learn from
             each layer's first call), and full pages are sealed after each layer's attention.
@@ -246,12 +248,11 @@ class KVCache(Cache):
     def _paged_layer(self, layer_idx: int, query_length: int) -> PagedLayer | None:
         """The layer's pages for attention straight over them (no dense copy; with tiering only
         the off-device pages are staged), when this call may use them: at most
-        :data:`PAGED_QUERY_TOKENS` new tokens (decoding, assisted decoding's candidates), no
-        eviction to hand a dense read, no read mirror asked for, a device the kernel runs on and
+        :data:`PAGED_QUERY_TOKENS` new tokens (decoding, assisted decoding's candidates; under
+        eviction the compressor then reads what it needs itself, see :meth:`_stored_layer`), no read mirror asked for, a device the kernel runs on and
         a pool that gives its pages; else None."""
         if (
             self.read_cache
-            or self.compressor is not None
             or query_length > PAGED_QUERY_TOKENS
             or not reads_pages_in_place(self.store.device)
         ):
@@ -356,7 +357,7 @@ class KVCache(Cache):
                 sealing = list(range(step.layer_idx + 1))
         if self.compressor is not None:
             inputs = AttentionInputs(query, mask, weights, scaling, real_new, self._hidden_states.pop(step.layer_idx, None))
-            compaction = self.compressor.compaction(step, inputs, self._padding)
+            compaction = self.compressor.compaction(self._stored_layer(step), inputs, self._padding)
             if compaction is not None:
                 layout = self.store.compact(step.layer_idx, self._rows, compaction.keep, compaction.values, reuse_slots=self.reuse_slots)
                 self.compressor.compacted(step.layer_idx, layout)
@@ -369,6 +370,20 @@ class KVCache(Cache):
             self._rank_pages(step.layer_idx, read if read is not None else self.store.read(step.layer_idx, self._rows))
         if self._session is not None and step.layer_idx == self.shape.num_layers - 1:
             self._session.index(self._seen[step.layer_idx])
+
+    def _stored_layer(self, step: LayerStep) -> LayerStep:
+        """``step`` as the compressor sees it: the layer's stored tokens after the call's append.
+        A call that attended over the pages (``step.paged``) read none of them, so they are read
+        now: their positions only (:meth:`PagedStore.read_positions`) for a strategy that scores
+        without keys and values (``reads_kv`` False; attention weights then come from the pages),
+        else a transient dense copy, not kept."""
+        if step.paged is None:
+            return step
+        if self.compressor.reads_kv:
+            read = self.store.read(step.layer_idx, self._rows, mirror=False)
+        else:
+            read = self.store.read_positions(step.layer_idx, self._rows)
+        return dataclasses.replace(step, read=read)
 
     def _rank_pages(self, layer_idx: int, read: LayerRead) -> None:
         """Re-rank ``layer_idx``'s pages for the device tier by the tiering strategy's scores of its

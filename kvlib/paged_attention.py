@@ -112,6 +112,60 @@ def _exp_into(x, out, bits, count):  # pragma: no cover - compiled
         out[t] *= out[count + t]
 
 
+@numba.njit(inline="always")
+def _seen_into(seen, positions, page, filled, visible, query_positions) -> bool:  # pragma: no cover - compiled
+    """``seen[q, t]``: whether query ``q`` sees the token in slot ``t`` of ``page`` (its first
+    ``filled`` slots), by the row's mask ``visible [queries, logical]`` at the token's position,
+    or causally by ``query_positions`` when the mask has no columns. Returns whether any does."""
+    use_mask = visible.shape[1] > 0
+    any_seen = False
+    for q in range(seen.shape[0]):
+        for t in range(filled):
+            position = positions[page, t]
+            if use_mask:
+                seen[q, t] = 0 <= position < visible.shape[1] and visible[q, position]
+            else:
+                seen[q, t] = 0 <= position <= query_positions[q]
+            any_seen |= seen[q, t]
+    return any_seen
+
+
+@numba.njit(inline="always", fastmath=FASTMATH)
+def _scores_into(scores, grouped, r, key_page, filled, seen, scale, softcap):  # pragma: no cover - compiled
+    """``scores[:filled]``: query row ``r`` of ``grouped`` against the first ``filled`` keys of
+    ``key_page``, times ``scale``, soft-capped when ``softcap > 0``, ``-inf`` where not ``seen``.
+    Returns their maximum. Four tokens per pass over the query: four vectorized sums."""
+    dim = grouped.shape[1]
+    page_max = np.float32(-np.inf)
+    t = 0
+    while t + 4 <= filled:
+        s0 = s1 = s2 = s3 = np.float32(0.0)
+        for c in range(dim):
+            x = grouped[r, c]
+            s0 += x * key_page[t, c]
+            s1 += x * key_page[t + 1, c]
+            s2 += x * key_page[t + 2, c]
+            s3 += x * key_page[t + 3, c]
+        scores[t] = s0
+        scores[t + 1] = s1
+        scores[t + 2] = s2
+        scores[t + 3] = s3
+        t += 4
+    while t < filled:
+        s = np.float32(0.0)
+        for c in range(dim):
+            s += grouped[r, c] * key_page[t, c]
+        scores[t] = s
+        t += 1
+    for t in range(filled):
+        s = scores[t] * scale
+        if softcap > 0:
+            s = softcap * math.tanh(s / softcap)
+        scores[t] = s if seen[t] else -np.inf
+        page_max = max(page_max, scores[t])
+    return page_max
+
+
 @numba.njit(fastmath=FASTMATH)  # no cache=True: see _paged_attention_kernel
 def _attend_pair(
     grouped, keys, values, positions, page_ids, length, visible, query_positions, load_keys, load_values, scale, softcap, out
@@ -124,7 +178,6 @@ def _attend_pair(
     queries = visible.shape[0]
     page_size = positions.shape[1]
     value_dim = out.shape[1]
-    use_mask = visible.shape[1] > 0
     key_page = np.empty((page_size, dim), dtype=np.float32)
     value_page = np.empty((page_size, value_dim), dtype=np.float32)
     key_bits = key_page.view(np.uint32)
@@ -139,48 +192,13 @@ def _attend_pair(
     for j in range((length + page_size - 1) // page_size):
         page = page_ids[j]
         filled = min(page_size, length - j * page_size)
-        any_seen = False
-        for q in range(queries):
-            for t in range(filled):
-                position = positions[page, t]
-                if use_mask:
-                    seen[q, t] = 0 <= position < visible.shape[1] and visible[q, position]
-                else:
-                    seen[q, t] = 0 <= position <= query_positions[q]
-                any_seen |= seen[q, t]
-        if not any_seen:
+        if not _seen_into(seen, positions, page, filled, visible, query_positions):
             continue
         load_keys(keys, page, key_page, key_bits, filled)
         load_values(values, page, value_page, value_bits, filled)
         for r in range(rows):
             q = r % queries
-            page_max = np.float32(-np.inf)
-            t = 0
-            while t + 4 <= filled:
-                s0 = s1 = s2 = s3 = np.float32(0.0)
-                for c in range(dim):  # four tokens per pass over the query: four vectorized sums
-                    x = grouped[r, c]
-                    s0 += x * key_page[t, c]
-                    s1 += x * key_page[t + 1, c]
-                    s2 += x * key_page[t + 2, c]
-                    s3 += x * key_page[t + 3, c]
-                scores[t] = s0
-                scores[t + 1] = s1
-                scores[t + 2] = s2
-                scores[t + 3] = s3
-                t += 4
-            while t < filled:
-                s = np.float32(0.0)
-                for c in range(dim):
-                    s += grouped[r, c] * key_page[t, c]
-                scores[t] = s
-                t += 1
-            for t in range(filled):
-                s = scores[t] * scale
-                if softcap > 0:
-                    s = softcap * math.tanh(s / softcap)
-                scores[t] = s if seen[q, t] else -np.inf
-                page_max = max(page_max, scores[t])
+            page_max = _scores_into(scores, grouped, r, key_page, filled, seen[q], scale, softcap)
             if page_max == -np.inf:
                 continue
             new_max = max(running_max[r], page_max)
@@ -225,6 +243,45 @@ def _paged_attention_kernel(  # dispatcher identity: never a hit in another proc
         _attend_pair(
             query[b, h], keys, values, positions, pages[b, h], lengths[b, h], visible[b],
             query_positions, load_keys, load_values, scale, softcap, out[b, h],
+        )
+
+
+@numba.njit(fastmath=FASTMATH)  # no cache=True: see _paged_attention_kernel
+def _score_pair(
+    grouped, keys, positions, page_ids, length, visible, query_positions, load_keys, scale, softcap, out
+):  # pragma: no cover - compiled
+    """One (row, KV head): ``out [rows, slots]`` gets each query row's score of the token in each
+    of the head's first ``length`` slots (slot ``j * page_size + t`` is slot ``t`` of its ``j``-th
+    page); unseen tokens and slots past ``length`` keep ``out``'s ``-inf``."""
+    rows, dim = grouped.shape
+    queries = visible.shape[0]
+    page_size = positions.shape[1]
+    key_page = np.empty((page_size, dim), dtype=np.float32)
+    key_bits = key_page.view(np.uint32)
+    seen = np.empty((queries, page_size), dtype=np.bool_)
+    scores = np.empty(page_size, dtype=np.float32)
+    for j in range((length + page_size - 1) // page_size):
+        page = page_ids[j]
+        filled = min(page_size, length - j * page_size)
+        if not _seen_into(seen, positions, page, filled, visible, query_positions):
+            continue
+        load_keys(keys, page, key_page, key_bits, filled)
+        for r in range(rows):
+            _scores_into(scores, grouped, r, key_page, filled, seen[r % queries], scale, softcap)
+            for t in range(filled):
+                out[r, j * page_size + t] = scores[t]
+
+
+@numba.njit(parallel=True)  # no cache=True: see _paged_attention_kernel
+def _paged_scores_kernel(
+    query, keys, positions, pages, lengths, visible, query_positions, load_keys, scale, softcap, out
+):  # pragma: no cover - compiled
+    batch, heads, rows, dim = query.shape
+    for pair in numba.prange(batch * heads):
+        b = pair // heads
+        h = pair % heads
+        _score_pair(
+            query[b, h], keys, positions, pages[b, h], lengths[b, h], visible[b], query_positions, load_keys, scale, softcap, out[b, h]
         )
 
 
@@ -315,17 +372,9 @@ def attend_pages(
 ) -> torch.Tensor:
     """:func:`paged_attention` over pages however they are held (``source``: float arenas, or a
     codec's fields decoded page by page inside the kernel); the other arguments are its own."""
-    batch, query_heads, queries, dim = query.shape
-    kv_heads = pages.shape[1]
-    if query_heads % kv_heads:
-        raise ValueError(f"query heads ({query_heads}) must be a multiple of KV heads ({kv_heads})")
-    if visible is None and query_positions is None:
-        raise ValueError("paged_attention needs the model's mask (visible) or the queries' positions")
-    group = query_heads // kv_heads
-    grouped = query.detach().reshape(batch, kv_heads, group * queries, dim).to(torch.float32).contiguous()
-    out = torch.empty(batch, kv_heads, group * queries, source.value_dim, dtype=torch.float32)
-    mask = np.zeros((batch, queries, 0), dtype=np.bool_) if visible is None else visible.contiguous().numpy()
-    steps = np.zeros(0, dtype=np.int64) if query_positions is None else query_positions.contiguous().numpy()
+    grouped, mask, steps = _kernel_queries(query, pages, visible, query_positions)
+    batch, query_heads, queries, _ = query.shape
+    out = torch.empty(*grouped.shape[:3], source.value_dim, dtype=torch.float32)
     _paged_attention_kernel(
         grouped.numpy(),
         source.keys,
@@ -344,6 +393,64 @@ def attend_pages(
     return out.view(batch, query_heads, queries, -1).to(query.dtype)
 
 
+def attention_weights(
+    query: torch.Tensor,
+    source: PageSource,
+    pages: torch.Tensor,
+    lengths: torch.Tensor,
+    *,
+    visible: torch.Tensor | None,
+    query_positions: torch.Tensor | None,
+    scale: float,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """The softmax attention weights of ``query`` over the stored tokens of a block table, read
+    page by page (keys only; no dense copy of the layer): float32 ``[batch, query_heads, queries,
+    slots]`` with ``slots = pages.shape[2] * page_size``, slot ``j * page_size + t`` being slot
+    ``t`` of a head's ``j``-th page (the slot order of a dense read of the layer), 0 where the
+    mask forbids, past a head's length, and for a query that sees no token. What an eviction
+    strategy's ``attention`` needs on a step that attended over the pages; the arguments are
+    :func:`attend_pages`'s."""
+    grouped, mask, steps = _kernel_queries(query, pages, visible, query_positions)
+    batch, query_heads, queries, _ = query.shape
+    slots = pages.shape[2] * source.positions.shape[1]
+    scores = torch.full((*grouped.shape[:3], slots), -torch.inf, dtype=torch.float32)
+    _paged_scores_kernel(
+        grouped.numpy(),
+        source.keys,
+        source.positions,
+        pages.contiguous().numpy(),
+        lengths.contiguous().numpy(),
+        mask,
+        steps,
+        source.load_keys,
+        np.float32(scale),
+        np.float32(softcap or 0.0),
+        scores.numpy(),
+    )
+    weights = torch.softmax(scores.view(batch, query_heads, queries, slots), dim=-1)
+    return weights.nan_to_num_(0.0)  # a query that sees nothing: all -inf, softmax NaN
+
+
+def _kernel_queries(
+    query: torch.Tensor, pages: torch.Tensor, visible: torch.Tensor | None, query_positions: torch.Tensor | None
+) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
+    """The kernels' query arguments: float32 queries grouped by KV head ``[batch, kv_heads, group
+    * queries, head_dim]`` (row ``g * queries + q`` is query ``q`` of the group's ``g``-th head),
+    the mask (no columns for causal) and the causal positions (empty with a mask)."""
+    batch, query_heads, queries, dim = query.shape
+    kv_heads = pages.shape[1]
+    if query_heads % kv_heads:
+        raise ValueError(f"query heads ({query_heads}) must be a multiple of KV heads ({kv_heads})")
+    if visible is None and query_positions is None:
+        raise ValueError("paged_attention needs the model's mask (visible) or the queries' positions")
+    group = query_heads // kv_heads
+    grouped = query.detach().reshape(batch, kv_heads, group * queries, dim).to(torch.float32).contiguous()
+    mask = np.zeros((batch, queries, 0), dtype=np.bool_) if visible is None else visible.contiguous().numpy()
+    steps = np.zeros(0, dtype=np.int64) if query_positions is None else query_positions.contiguous().numpy()
+    return grouped, mask, steps
+
+
 class PagedLayer(NamedTuple):
     """A layer's tokens for a batch of sequences, as they lie in the pages (nothing copied).
 
@@ -360,3 +467,8 @@ class PagedLayer(NamedTuple):
         """:func:`attend_pages` of ``query`` over these pages; ``options``: its keyword
         arguments (``visible``, ``query_positions``, ``scale``, ``softcap``)."""
         return attend_pages(query, *self, **options)
+
+    def weights(self, query: torch.Tensor, **options) -> torch.Tensor:
+        """:func:`attention_weights` of ``query`` over these pages (slots in block-table order, as
+        a dense read of the layer lays them out); ``options`` as for :meth:`attend`."""
+        return attention_weights(query, *self, **options)

@@ -428,6 +428,24 @@ class PagedStore:
         self._read_caches[layer] = cache
         return cache.view()
 
+    def read_positions(self, layer: int, seqs: SequenceIds) -> LayerRead:
+        """``seqs``' stored tokens of ``layer`` as :meth:`read` lays them out, without their keys
+        and values: ``keys`` and ``values`` have no channels (``[batch, kv_heads, slots, 0]``);
+        ``positions`` and ``valid`` are :meth:`read`'s. What an eviction strategy that scores by
+        positions and attention needs after a call that attended over the pages (8 bytes a token)."""
+        layer = self._layer(layer)
+        rows = self._rows(seqs)
+        pool, table = self.pools[layer], self.tables[layer]
+        lengths = table.lengths[rows]
+        batch, heads = lengths.shape
+        size = int(lengths.max()) if lengths.numel() else 0
+        pages = -(-size // self.page_size)
+        ids = table.pages[rows][:, :, :pages].clamp(min=0).flatten()
+        positions = pool.positions.index_select(0, to_arena_device(ids, self.device)).view(batch, heads, pages * self.page_size)[:, :, :size]
+        valid = to_arena_device(torch.arange(size) < lengths.unsqueeze(-1), self.device)
+        empty = torch.empty(batch, heads, size, 0, dtype=self.dtype, device=self.device)
+        return LayerRead(empty, empty, positions.masked_fill(~valid, -1), valid)
+
     @outside_inference_mode
     def paged_layer(self, layer: int, seqs: SequenceIds) -> PagedLayer | None:
         """``seqs``' tokens of ``layer`` where they lie, for attention straight over the pages

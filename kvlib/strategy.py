@@ -136,6 +136,13 @@ class Eviction(Strategy, abc.ABC):
 
     kind = "eviction"
     needs: ClassVar[frozenset[str]] = frozenset()
+    reads_kv: ClassVar[bool] = True
+    """Whether :meth:`score` reads the view's ``keys`` or ``values``. True (the default, safe for
+    any plugin): each compaction after a call that attended straight over the pages (a decode
+    step) reads the layer's stored tokens into a transient dense copy for it. False (strategies
+    that score by positions and what ``needs`` asks for): the view's keys and values then have no
+    channels (``[batch, kv_heads, slots, 0]``), attention weights are read from the pages, and no
+    dense copy of the layer is made."""
     order_free: ClassVar[bool] = False
     """True when :meth:`score` gives each token the same score whatever order its slots come in
     (it ranks by ``positions``, never by slot index or slot neighbours): it then scores the slots

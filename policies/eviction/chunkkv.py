@@ -12,12 +12,19 @@ from kvlib.registry import register
 from kvlib.strategy import Budget, Eviction, LayerView
 
 
-class _InnerNeeds:
-    """``needs`` of a wrapper: on an instance, what its ``inner`` strategy needs (so the engine
-    computes nothing the inner does not use); on the class, where the registry checks it, none."""
+class _FromInner:
+    """A declaration of a wrapper (``needs``, ``reads_kv``): on an instance, its ``inner``
+    strategy's (so the engine computes nothing the inner does not use); on the class, where the
+    registry checks it, ``on_class``."""
 
-    def __get__(self, instance: ChunkKV | None, owner: type | None = None) -> frozenset[str]:
-        return frozenset() if instance is None else instance.inner.needs
+    def __init__(self, on_class: object) -> None:
+        self.on_class = on_class
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, instance: ChunkKV | None, owner: type | None = None) -> object:
+        return self.on_class if instance is None else getattr(instance.inner, self.name)
 
 
 @dataclass
@@ -77,7 +84,8 @@ class ChunkKV(Eviction):
     chunk_size: int = 10
     reuse_layers: int = 1
     _choice: Any = field(default=None, init=False, repr=False, compare=False)
-    needs = _InnerNeeds()
+    needs = _FromInner(frozenset())
+    reads_kv = _FromInner(True)
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -32,6 +32,7 @@ class H2O(Eviction):
     """
 
     recent: int = 32
+    reads_kv: ClassVar[bool] = False
     needs: ClassVar[frozenset[str]] = frozenset({"accumulated_attention"})
     order_free: ClassVar[bool] = True
 

@@ -27,6 +27,7 @@ class Random(Eviction):
 
     seed: int = 0
 
+    reads_kv: ClassVar[bool] = False
     order_free: ClassVar[bool] = True
 
     def score(self, view: LayerView) -> torch.Tensor:

@@ -44,6 +44,7 @@ class SnapKV(Eviction):
     window: int = 32
     kernel: int = 5
     pooling: Literal["avg", "max"] = "avg"
+    reads_kv: ClassVar[bool] = False
     needs: ClassVar[frozenset[str]] = frozenset({"attention"})
 
     def __post_init__(self) -> None:

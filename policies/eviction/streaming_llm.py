@@ -26,6 +26,7 @@ class StreamingLLM(Eviction):
     """
 
     sinks: int = 4
+    reads_kv: ClassVar[bool] = False
     order_free: ClassVar[bool] = True
 
     def __post_init__(self) -> None:

@@ -32,6 +32,7 @@ class TOVA(Eviction):
     """
 
     average: Literal["layer", "group"] = "layer"
+    reads_kv: ClassVar[bool] = False
     needs: ClassVar[frozenset[str]] = frozenset({"attention"})
     order_free: ClassVar[bool] = True
 

@@ -10,6 +10,7 @@ from transformers import DynamicCache
 
 import kvlib
 from kvlib.paged_store import PagedStore
+from kvlib.registry import available_policies
 from kvlib.transformers_compat import cache_argument
 from tests.adapters.conftest import PAD, assert_same_logits, build_model, left_padded
 
@@ -92,3 +93,28 @@ def test_codec_decode_steps_read_no_dense_copy_and_equal_the_dense_decode(spec: 
     report = cache.memory_report()
     assert report["by_component"]["read_cache"] == 0
     assert report["by_component"]["codec_metadata"] > 0  # pages sealed, and read through the kernel
+
+
+@pytest.mark.parametrize("spec", available_policies()["eviction"])
+def test_evicting_decode_steps_attend_over_the_pages_and_keep_what_the_dense_path_keeps(spec: str, monkeypatch) -> None:
+    """A budget held while decoding (every step evicts): decode steps attend over the pages, the
+    compaction after them reads positions only for strategies that score without keys and values
+    (``reads_kv`` False), and the tokens and kept positions equal those of the dense-read path."""
+    model = build_model("llama")
+    ids, mask = left_padded([12, 40], seed=7, vocab=model.config.vocab_size)
+    options = {"do_sample": False, "max_new_tokens": 12, "min_new_tokens": 12, "pad_token_id": PAD, "return_dict_in_generate": True,
+               "output_logits": True}
+    dense = kvlib.make_cache(model, spec, budget=16, read_cache=True)  # decode steps read a dense mirror
+    reference = model.generate(ids, attention_mask=mask, **cache_argument(dense), **options)
+    reads = []
+    original = PagedStore.read
+    monkeypatch.setattr(PagedStore, "read", lambda *args, **kwargs: reads.append(args[1]) or original(*args, **kwargs))
+    cache = kvlib.make_cache(model, spec, budget=16)
+    out = model.generate(ids, attention_mask=mask, **cache_argument(cache), **options)
+    if not cache.compressor.reads_kv:
+        assert reads == []
+    assert torch.equal(out.sequences, reference.sequences)
+    assert_same_logits(out.logits, reference.logits)
+    for layer in range(model.config.num_hidden_layers):
+        assert torch.equal(cache.kept_positions(layer), dense.kept_positions(layer)), f"layer {layer}"
+    assert cache.memory_report()["by_component"]["read_cache"] == 0

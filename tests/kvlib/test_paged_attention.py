@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvlib.paged_attention import paged_attention
+from kvlib.paged_attention import arena_source, attention_weights, paged_attention
 
 
 def scattered_pages(lengths: torch.Tensor, page_size: int, dim: int, value_dim: int, dtype, generator):
@@ -46,6 +46,13 @@ def scattered_pages(lengths: torch.Tensor, page_size: int, dim: int, value_dim: 
 
 def sdpa_reference(query, dense_keys, dense_values, dense_positions, visible, scale):
     """SDPA in float64 over the dense slots, each slot masked by its position's visibility."""
+    return reference_weights(query, dense_keys, dense_positions, visible, scale) @ dense_values.double().repeat_interleave(
+        query.shape[1] // dense_keys.shape[1], dim=1
+    )
+
+
+def reference_weights(query, dense_keys, dense_positions, visible, scale):
+    """Softmax weights in float64 over the dense slots, each slot masked by its position's visibility."""
     batch, query_heads, queries, _ = query.shape
     group = query_heads // dense_keys.shape[1]
     stored = dense_positions >= 0
@@ -53,11 +60,9 @@ def sdpa_reference(query, dense_keys, dense_values, dense_positions, visible, sc
     allowed = visible.unsqueeze(1).expand(-1, dense_keys.shape[1], -1, -1).gather(-1, columns) & stored.unsqueeze(2)
     allowed = allowed.repeat_interleave(group, dim=1)
     keys = dense_keys.double().repeat_interleave(group, dim=1)
-    values = dense_values.double().repeat_interleave(group, dim=1)
     scores = (query.double() @ keys.transpose(-1, -2)) * scale
     scores = scores.masked_fill(~allowed, float("-inf"))
-    weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a query that sees nothing: zeros
-    return weights @ values
+    return torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a query that sees nothing: zeros
 
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
@@ -95,6 +100,40 @@ def test_paged_attention_equals_sdpa_over_the_dense_pages(batch, kv_heads, group
     expected = sdpa_reference(query, dense_keys, dense_values, dense_positions, visible, scale)
     assert out.dtype == dtype and out.shape == (batch, kv_heads * group, queries, value_dim)
     torch.testing.assert_close(out.double(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    batch=st.integers(1, 3),
+    kv_heads=st.integers(1, 3),
+    group=st.sampled_from([1, 3]),
+    queries=st.integers(1, 3),
+    page_size=st.sampled_from([1, 4, 16]),
+    dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
+    causal=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_attention_weights_over_pages_equal_softmax_over_the_dense_slots(batch, kv_heads, group, queries, page_size, dtype, causal, seed):
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(0, 40, (batch, kv_heads), generator=generator)
+    keys, values, positions, pages, dense_keys, _, dense_positions = scattered_pages(lengths, page_size, 16, 16, dtype, generator)
+    logical = int(lengths.max()) + 5 + queries
+    query_positions = torch.arange(logical - queries, logical)
+    padding = torch.randint(0, 4, (batch,), generator=generator)
+    columns = torch.arange(logical)
+    visible = (columns <= query_positions.view(-1, 1)).unsqueeze(0) & (columns >= padding.view(-1, 1, 1))
+    if causal:
+        visible = (columns <= query_positions.view(-1, 1)).unsqueeze(0).expand(batch, -1, -1)
+    query = torch.randn(batch, kv_heads * group, queries, 16, generator=generator).to(dtype)
+    weights = attention_weights(
+        query, arena_source(keys, values, positions), pages, lengths,
+        visible=None if causal else visible, query_positions=query_positions if causal else None, scale=0.25,
+    )
+    expected = reference_weights(query, dense_keys, dense_positions, visible, 0.25)
+    longest = dense_keys.shape[2]
+    assert weights.dtype == torch.float32 and weights.shape == (batch, kv_heads * group, queries, pages.shape[2] * page_size)
+    torch.testing.assert_close(weights[..., :longest].double(), expected, atol=1e-5, rtol=1e-4)
+    assert not bool(weights[..., longest:].any())
 
 
 def test_causal_visibility_by_query_positions_equals_the_same_mask_given_whole() -> None:

@@ -61,6 +61,18 @@ def test_heads_of_different_lengths_read_with_a_mask(store: PagedStore) -> None:
     assert bool((read.keys[0, 0, 2] == 0).all())
 
 
+def test_read_positions_gives_reads_positions_and_validity_without_keys_or_values(store: PagedStore) -> None:
+    seqs = [store.new_sequence(), store.new_sequence()]
+    keys = step(2, 2, 7)
+    store.append(0, seqs, keys, keys)
+    store.compact(0, seqs, torch.tensor([[[5, 0, -1], [2, 1, 4]], [[6, -1, -1], [0, 1, 2]]]), reuse_slots=True)
+    read, positions = store.read(0, seqs, mirror=False), store.read_positions(0, seqs)
+    assert torch.equal(positions.positions, read.positions) and torch.equal(positions.valid, read.valid)
+    assert positions.keys.shape == (2, 2, 3, 0) and positions.values.shape == (2, 2, 3, 0)
+    empty = store.read_positions(1, seqs)  # a layer holding nothing
+    assert empty.positions.shape == (2, 2, 0) and empty.keys.shape == (2, 2, 0, 0)
+
+
 def test_compaction_frees_pages_and_reports_bytes(store: PagedStore) -> None:
     seq = store.new_sequence()
     store.append(0, [seq], step(1, 2, 16), step(1, 2, 16))
