@@ -66,7 +66,7 @@ def load_model(name: str, stories_path: Path) -> torch.nn.Module:
     if name == "smollm2":
         from kvlib.eval import load_model as load_named_model
 
-        return load_named_model("smollm2").eval()
+        return load_named_model("smollm2").model
     return load_bench_model(name, stories_path)
 
 
