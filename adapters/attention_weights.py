@@ -79,7 +79,7 @@ def _weights_over_pages(
     if mask is None:  # causal in the logical positions
         visible, query_positions = None, step.query_offset + torch.arange(start, total)
     else:
-        visible, query_positions = allowed(mask)[:, 0, start:].expand(batch, -1, -1).cpu(), None
+        visible, query_positions = allowed(mask)[:, 0, start:].expand(batch, -1, -1), None
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     weights = step.paged.weights(query[:, :, start:], visible=visible, query_positions=query_positions, scale=scale)
     weights = weights[..., : step.read.valid.shape[-1]].to(step.read.valid.device)

@@ -30,7 +30,7 @@ def attention_over_pages(query: torch.Tensor, attention_mask: torch.Tensor | Non
     if attention_mask is None:  # SDPA's causal shortcut: causal in the logical positions
         visible, query_positions = None, step.query_offset + torch.arange(queries)
     else:
-        visible, query_positions = allowed(attention_mask)[:, 0].expand(batch, -1, -1).cpu(), None
+        visible, query_positions = allowed(attention_mask)[:, 0].expand(batch, -1, -1), None
     scale = kwargs.get("scaling") or head_dim**-0.5
     output = step.paged.attend(query, visible=visible, query_positions=query_positions, scale=scale)
     step.cache.after_attention(

@@ -7,11 +7,14 @@ and dtype only through :func:`check_tensor`. Copies that overlap compute (page p
 side stream from :func:`copy_stream` and are joined to the compute stream only through
 :func:`mark_done` and :func:`wait_done`. What a device has free is asked only through
 :func:`available_bytes` (and checked against a planned allocation by :func:`check_fits`).
+Which kernel attends over pages in place on a device (or none: a dense read first) is chosen only
+by :func:`paged_kernel`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import enum
 import functools
 import os
 from collections.abc import Callable, Sequence
@@ -146,12 +149,36 @@ def apart_from_host(device: torch.device) -> bool:
     return device.type != "cpu"
 
 
+class PagedKernel(enum.Enum):
+    """What attends over a layer's pages where they lie (no dense copy of the cache)."""
+
+    NUMBA = "numba"
+    """:mod:`kvlib.paged_attention`'s numba kernel: CPU pages only (read as numpy), float arenas
+    and coded pools (codecs decoded page by page inside the kernel)."""
+    TORCH = "torch"
+    """:mod:`kvlib.paged_attention_torch`: torch ops over blocks of pages, any device; float
+    arenas only (coded pools give no page source there and are read densely)."""
+
+
+PAGED_KERNELS: dict[str, PagedKernel] = {"cpu": PagedKernel.NUMBA, "cuda": PagedKernel.TORCH}
+"""The paged kernel of each device type (:func:`paged_kernel`). A device type not listed reads
+a layer into a dense copy first: the torch path would run there, but is untested. A faster CUDA
+kernel (flex attention over a page table, FlashInfer, flash-attn's ``block_table``) would be
+chosen here, by what is installed, when one lands."""
+
+
+def paged_kernel(device: torch.device) -> PagedKernel | None:
+    """The kernel that attends straight over pages on ``device`` (:data:`PAGED_KERNELS`), or
+    None where a layer is read into a dense copy first."""
+    return PAGED_KERNELS.get(device.type)
+
+
 def reads_pages_in_place(device: torch.device) -> bool:
-    """Whether attention runs straight over pages on ``device`` (:mod:`kvlib.paged_attention`:
-    the CPU kernel); elsewhere a layer is read into a dense copy first. CUDA is not wired yet:
-    its paged kernel (flex attention over a page table, FlashInfer or flash-attn's
-    ``block_table``) is chosen here when it lands."""
-    return device.type == "cpu"
+    """Whether attention runs straight over pages on ``device`` (:func:`paged_kernel`: the numba
+    kernel on the CPU, the torch path on CUDA); elsewhere a layer is read into a dense copy
+    first. A pool may still give no pages in place (coded pools off the CPU, partnered pools):
+    its reads are dense then."""
+    return paged_kernel(device) is not None
 
 
 def byte_rows(tensor: torch.Tensor) -> np.ndarray:

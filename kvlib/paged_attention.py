@@ -23,13 +23,17 @@ per tensor, given with its arrays by a :class:`PageSource`: float arenas here
 (:mod:`kvlib.coded_page_loaders`). The inner loops are written to vectorize (LLVM fast-math
 without ``nnan``/``ninf``): inner products four tokens per pass over the query, value sums four
 tokens per pass over the accumulator, and a polynomial ``exp`` in place of libm's scalar call.
+
+Other devices (CUDA): :mod:`kvlib.paged_attention_torch`, the same semantics with torch ops over
+blocks of pages. :func:`kvlib.devices.paged_kernel` chooses per device; a :class:`PagedLayer`'s
+source (a :class:`PageReader`) runs its own kernel.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import numba
 import numpy as np
@@ -304,6 +308,15 @@ class PageSource(NamedTuple):
     positions: np.ndarray
     value_dim: int
 
+    def attend(self, query: torch.Tensor, pages: torch.Tensor, lengths: torch.Tensor, **options) -> torch.Tensor:
+        """:func:`attend_pages` of ``query`` over these pages (the CPU kernel); ``options``: its
+        keyword arguments."""
+        return attend_pages(query, self, pages, lengths, **options)
+
+    def weights(self, query: torch.Tensor, pages: torch.Tensor, lengths: torch.Tensor, **options) -> torch.Tensor:
+        """:func:`attention_weights` of ``query`` over these pages (the CPU kernel)."""
+        return attention_weights(query, self, pages, lengths, **options)
+
 
 def _numpy_pages(arena: torch.Tensor) -> np.ndarray:
     """A CPU arena as numpy: float32 as it is, float16 and bfloat16 as their 16-bit patterns."""
@@ -353,7 +366,8 @@ def paged_attention(
 
     Returns:
         ``[batch, query_heads, queries, value_dim]`` in ``query``'s dtype (float32 accumulation).
-        Every tensor must be on the CPU (the CUDA path reads pages with its own kernel).
+        Every tensor must be on the CPU (CUDA: :func:`kvlib.paged_attention_torch.attend_pages_torch`,
+        the same semantics with torch ops; :func:`kvlib.devices.paged_kernel` chooses).
     """
     source = arena_source(key_arena, value_arena, positions)
     return attend_pages(query, source, pages, lengths, visible=visible, query_positions=query_positions, scale=scale, softcap=softcap)
@@ -446,29 +460,45 @@ def _kernel_queries(
         raise ValueError("paged_attention needs the model's mask (visible) or the queries' positions")
     group = query_heads // kv_heads
     grouped = query.detach().reshape(batch, kv_heads, group * queries, dim).to(torch.float32).contiguous()
-    mask = np.zeros((batch, queries, 0), dtype=np.bool_) if visible is None else visible.contiguous().numpy()
-    steps = np.zeros(0, dtype=np.int64) if query_positions is None else query_positions.contiguous().numpy()
+    mask = np.zeros((batch, queries, 0), dtype=np.bool_) if visible is None else visible.cpu().contiguous().numpy()
+    steps = np.zeros(0, dtype=np.int64) if query_positions is None else query_positions.cpu().contiguous().numpy()
     return grouped, mask, steps
+
+
+class PageReader(Protocol):
+    """A layer's pages as some paged kernel reads them in place: :class:`PageSource` (the CPU
+    kernel here) or :class:`~kvlib.paged_attention_torch.TorchPageSource` (torch ops, any device),
+    chosen per device by :func:`kvlib.devices.paged_kernel`."""
+
+    value_dim: int
+
+    def attend(self, query: torch.Tensor, pages: torch.Tensor, lengths: torch.Tensor, **options) -> torch.Tensor:
+        """:func:`paged_attention` of ``query`` over these pages through the block table
+        ``pages`` holding ``lengths`` tokens per (row, KV head)."""
+
+    def weights(self, query: torch.Tensor, pages: torch.Tensor, lengths: torch.Tensor, **options) -> torch.Tensor:
+        """:func:`attention_weights` of ``query`` over these pages (slots in block-table order)."""
 
 
 class PagedLayer(NamedTuple):
     """A layer's tokens for a batch of sequences, as they lie in the pages (nothing copied).
 
-    source: how the kernel reads the layer's pages (:class:`PageSource`); pages: int64
+    source: how a paged kernel reads the layer's pages (a :class:`PageReader`); pages: int64
     ``[batch, kv_heads, max_pages]``, each (row, KV head)'s page ids in order (``-1`` past its
     last page); lengths: int64 ``[batch, kv_heads]``, tokens stored per (row, KV head).
     """
 
-    source: PageSource
+    source: PageReader
     pages: torch.Tensor
     lengths: torch.Tensor
 
     def attend(self, query: torch.Tensor, **options) -> torch.Tensor:
-        """:func:`attend_pages` of ``query`` over these pages; ``options``: its keyword
-        arguments (``visible``, ``query_positions``, ``scale``, ``softcap``)."""
-        return attend_pages(query, *self, **options)
+        """:func:`paged_attention` of ``query`` over these pages by their source's kernel;
+        ``options``: its keyword arguments (``visible``, ``query_positions``, ``scale``, ``softcap``)."""
+        return self.source.attend(query, self.pages, self.lengths, **options)
 
     def weights(self, query: torch.Tensor, **options) -> torch.Tensor:
-        """:func:`attention_weights` of ``query`` over these pages (slots in block-table order, as
-        a dense read of the layer lays them out); ``options`` as for :meth:`attend`."""
-        return attention_weights(query, *self, **options)
+        """:func:`attention_weights` of ``query`` over these pages by their source's kernel (slots
+        in block-table order, as a dense read of the layer lays them out); ``options`` as for
+        :meth:`attend`."""
+        return self.source.weights(query, self.pages, self.lengths, **options)

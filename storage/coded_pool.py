@@ -26,7 +26,7 @@ import torch
 
 from kvlib.codec import PageCodec
 from kvlib.coded_page_loaders import open_part
-from kvlib.devices import to_arena_device
+from kvlib.devices import PagedKernel, paged_kernel, to_arena_device
 from kvlib.paged_attention import PageSource
 from kvlib.storage.free_stack import FreeStack
 from kvlib.storage.page_pool import PagePool, extend_rows
@@ -162,8 +162,10 @@ class CodedPagePool(PagePool):
     def page_source(self) -> PageSource | None:
         """Open pages read raw and sealed pages decoded page by page inside the kernel, from the
         arenas where they lie (:mod:`~kvlib.coded_page_loaders`); None for a codec that is not
-        fitted yet or has no page loader (attention then reads through :meth:`read_pages`)."""
-        if not self.codec.ready:
+        fitted yet or has no page loader, and off the CPU: the loaders are numba's, and the torch
+        path (:func:`~kvlib.devices.paged_kernel`, CUDA) reads float arenas only. Attention then
+        reads through :meth:`read_pages` (a dense copy of the decoded pages)."""
+        if not self.codec.ready or paged_kernel(self.device) is not PagedKernel.NUMBA:
             return None
         arenas = (self.keys, self.values, self.sealed, self.raw_row, self.positions, *self.encoded.values())
         if self._source is not None and len(self._source[0]) == len(arenas) and all(a is b for a, b in zip(self._source[0], arenas)):

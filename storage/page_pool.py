@@ -26,7 +26,8 @@ import torch
 
 from kvlib.devices import to_arena_device
 from kvlib.errors import PoolExhaustedError
-from kvlib.paged_attention import PagedLayer, PageSource, arena_source
+from kvlib.arena_sources import arena_source_for
+from kvlib.paged_attention import PagedLayer, PageReader
 from kvlib.storage.free_stack import FreeStack
 from kvlib.storage.key_summaries import KeySummaries
 
@@ -257,12 +258,13 @@ class PagePool:
         positions = self.positions.view(-1).index_select(0, to_arena_device(slots, self.device))
         return keys.view(-1, self.head_dim)[index], values.view(-1, self.value_dim)[index], positions
 
-    def page_source(self) -> PageSource | None:
-        """How the paged-attention kernel reads this pool's pages in place (CPU pools only:
-        :func:`~kvlib.devices.reads_pages_in_place`), or None for a pool whose pages it cannot
-        read where they lie (read those with :meth:`read_pages`). Here: the arenas, in the
+    def page_source(self) -> PageReader | None:
+        """How the paged-attention kernel of the pool's device reads its pages in place
+        (:func:`~kvlib.devices.paged_kernel`: the numba kernel on the CPU, the torch path on
+        CUDA), or None for a pool whose pages it cannot read where they lie, or a device that
+        reads layers densely (read those with :meth:`read_pages`). Here: the arenas, in the
         compute dtype. Valid until the pool next changes."""
-        return arena_source(self.keys, self.values, self.positions)
+        return arena_source_for(self.keys, self.values, self.positions)
 
     def paged_layer(self, pages: torch.Tensor, lengths: torch.Tensor) -> PagedLayer | None:
         """A block table's tokens where the page kernel reads them: ``pages`` int64 ``[batch,

@@ -44,9 +44,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvlib.devices import byte_rows, host_buffer, to_arena_device
+from kvlib.arena_sources import arena_source_for
+from kvlib.devices import byte_rows, host_buffer, reads_pages_in_place, to_arena_device
 from kvlib.errors import PoolExhaustedError
-from kvlib.paged_attention import PagedLayer, arena_source
+from kvlib.paged_attention import PagedLayer
 from kvlib.storage.free_stack import FreeStack
 from kvlib.storage.page_pool import PagePool, extend_rows
 from kvlib.storage.page_prefetch import FetchedPages, PagePrefetcher, PrefetchJob
@@ -348,13 +349,17 @@ class TieredPagePool(PagePool):
         """None: pages may be on the host or disk (attention reads them through :meth:`paged_layer`)."""
         return None
 
-    def paged_layer(self, pages: torch.Tensor, lengths: torch.Tensor) -> PagedLayer:
+    def paged_layer(self, pages: torch.Tensor, lengths: torch.Tensor) -> PagedLayer | None:
         """A block table's tokens where the page kernel reads them (see :meth:`PagePool.paged_layer`):
         device pages at their device rows; the table's host and spilled pages, each once, copied
         into staging rows after the device rows (read as :meth:`read_pages` reads them: from a
         prefetch that holds them, else from the host or their records; no page moves tier). The
         positions arena is indexed by the same rows and holds exactly the rows the table names.
-        Valid until the next change to the pool or its next ``paged_layer`` (which restages)."""
+        Valid until the next change to the pool or its next ``paged_layer`` (which restages).
+        Read by the paged kernel of the pool's device (:func:`~kvlib.devices.paged_kernel`: numba
+        on the CPU, the torch path on CUDA); None on a device that reads layers densely."""
+        if not reads_pages_in_place(self.device):
+            return None
         held = pages >= 0
         ids = pages[held]
         rows = self.device_row[ids]
@@ -372,7 +377,7 @@ class TieredPagePool(PagePool):
         positions[to_arena_device(rows, self.device)] = self.positions.index_select(0, to_arena_device(ids, self.device))
         table = torch.full_like(pages, -1)
         table[held] = rows
-        return PagedLayer(arena_source(keys, values, positions), table, lengths)
+        return PagedLayer(arena_source_for(keys, values, positions), table, lengths)
 
     def _staging_arena(self, staged: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values arenas of the device rows followed by room for ``staged`` more pages;

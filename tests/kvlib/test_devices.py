@@ -1,4 +1,4 @@
-"""kvlib.devices: the CPU thread choice."""
+"""kvlib.devices: the CPU thread choice, the paged kernel of each device."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvlib.devices import BUSY_LOAD, SMALL_MODEL_PARAMETERS, cpu_threads, set_cpu_threads
+from kvlib.devices import BUSY_LOAD, SMALL_MODEL_PARAMETERS, PagedKernel, cpu_threads, paged_kernel, reads_pages_in_place, set_cpu_threads
 from kvlib.policies.quantization.kernels import row_absmax
 
 
@@ -33,3 +33,10 @@ def test_the_thread_count_holds_after_a_numba_kernel_runs() -> None:
     finally:
         set_cpu_threads(before_torch)
         numba.set_num_threads(before_numba)
+
+
+def test_the_cpu_reads_pages_with_numba_cuda_with_torch_and_other_devices_densely() -> None:
+    assert paged_kernel(torch.device("cpu")) is PagedKernel.NUMBA
+    assert paged_kernel(torch.device("cuda", 0)) is PagedKernel.TORCH  # no GPU needed to ask
+    assert paged_kernel(torch.device("meta")) is None
+    assert reads_pages_in_place(torch.device("cuda", 0)) and not reads_pages_in_place(torch.device("meta"))
