@@ -32,6 +32,7 @@ Usage (defaults: every method, 5 samples, 1024 tokens, budgets 0.25 and 0.1, 32 
     python benchmarks/kvpress_parity.py [--methods SnapKV,TOVA] [--samples 5] [--budgets 0.25,0.1]
         [--context 1024] [--max-new-tokens 32] [--seed 0] [--threads 1] [--kvpress-version 0.5.5]
         [--venv PATH] [--rebuild] [--out benchmarks/results]
+    python benchmarks/kvpress_parity.py --report-only   # re-render the .md from the .json (explanations)
 
 Writes ``kvpress_parity.md`` and ``kvpress_parity.json`` to ``--out``.
 """
@@ -97,7 +98,51 @@ METHODS: dict[str, Method] = {
 """kvpress press name (without ``Press``) -> the same method in kvlib's registry, with kvpress's
 default parameters spelled out on both sides."""
 
-EXPLANATIONS: dict[str, str] = {}
+EXPLANATIONS: dict[str, str] = {
+    "PyramidKV": (
+        "kvpress builds no pyramid at these sizes. `PyramidKVPress.get_layer_budget` falls back to SnapKV's uniform "
+        "budget unless `q_len >= max_num >= min_num >= window_size`; with `min_num = budget / beta` that needs a budget "
+        "of at least `beta * window_size` = 20 * 64 = 1280 tokens per head, more than these prompts hold. Evidence: "
+        "`get_layer_budget` for an 894-token prompt gives 224 tokens in layers 0, 15 and 29 at ratio 0.75, and 89 in "
+        "each at 0.9. kvlib splits the budget into the paper's pyramid (the window reserved in every layer, as the "
+        "official KVCache-Factory code does), so it agrees with kvpress where its layer budget is near the mean: "
+        "the per-layer Jaccard in the JSON peaks at about 0.98 in the middle layers (14-15) and falls towards both "
+        "ends (about 0.6 in layer 0 and 0.3 in layer 29 at 0.25). Both sides score tokens with the same SnapKV rule "
+        "(SnapKV's own row is at 0.99 or more). Not a kvlib bug: kvlib follows the paper; kvpress's heuristic for short "
+        "prompts turns PyramidKV into SnapKV."),
+    "ObservedAttention": (
+        "A different score, by design. kvpress's `ObservedAttentionPress` divides each key's summed prompt attention "
+        "by the number of queries that could see it (`n_tokens - i`: the mean attention received), while kvlib's "
+        "`h2o` keeps H2O's accumulated attention, the plain sum (the paper's heavy-hitter score). Under causal "
+        "attention the sum favours early tokens, which more queries see: the mean kept position (0 = first "
+        "token, 1 = last) is 0.30-0.35 for kvlib against 0.71-0.80 for kvpress. `h2o(recent=0)` is the closest "
+        "kvlib spec (no recent window, as in the press); kvlib has no mean-normalised variant, and adding one "
+        "would be a new strategy rather than a fix to H2O."),
+    "LagKV": (
+        "A tie in kvpress. `LagKVPress.score` gives the `n_sink` sinks and the whole unscored tail (the last full "
+        "partition plus the remainder: 243-250 tokens here) the same score 1.0. When the budget is smaller than "
+        "sinks + tail (here 89 and 223 tokens against 247-254), `torch.topk` breaks the tie: on CPU it returns the "
+        "lowest tail indices and no sink. Evidence: scores of 1.0 at positions 0-3 and 644-886 of 887 with lower "
+        "scores between, `topk(89)` keeps positions 644-764 and no sink (`topk(221)`: 644-886, no sink); hence "
+        "Jaccard 0.0 at 0.1 (kvlib: 4 sinks + the 85 newest; kvpress: 89 tail tokens from the oldest) and 0.78 at "
+        "0.25 (kvpress: the oldest 222 tail tokens; kvlib: the sinks and the newest 219), and mean kept positions 0.91 vs 0.80 at 0.1. kvlib ranks the "
+        "sinks first and then the window newest-first on purpose (documented in `policies/eviction/lagkv.py`), so a "
+        "budget below the window keeps the sinks and the most recent tokens. Budgets above sinks + tail (where the "
+        "partition scores decide) were not measured here."),
+    "ChunkKV": (
+        "Two choices of kvpress's `ChunkKVPress`. (1) It sums the inner scores over the KV heads and selects the same "
+        "chunks in every head (`global_scores.sum(dim=1)`); kvlib scores chunks per KV head (its docstring: "
+        "the official code sums the window attention per chunk and head). (2) It keeps `int(chunks * (1 - ratio))` whole chunks, the observation window competing as ordinary "
+        "chunks (its tokens padded with `max + 1`), so it keeps fewer tokens than the budget: 210.5 vs 223 per head at "
+        "0.25 and 70.5 vs 89.5 at 0.1, mostly the window's chunks at 0.1 (mean kept position 0.96 vs 0.75); kvlib "
+        "keeps SnapKV's window apart and fills the exact budget with chunks, cutting only the last chunk. Both "
+        "differences are deliberate and documented in `policies/eviction/chunkkv.py`; accuracy is the same on "
+        "both sides."),
+    "KeyDiff": (
+        "Above 0.8 on average, but some heads fall lower (min 0.36-0.59). kvpress's anchor is the mean of the "
+        "L2-normalised keys (`F.normalize(keys).mean`) while kvlib's is the mean of the raw keys (over each head's "
+        "valid keys); heads with uneven key norms rank differently."),
+}
 """Method -> why its kept positions differ from kvpress's (with the evidence), for the report."""
 
 
@@ -158,6 +203,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--venv", type=Path, default=None, help="kvpress environment (default <kvlib cache>/kvpress-venv)")
     parser.add_argument("--rebuild", action="store_true", help="rebuild the kvpress environment")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    parser.add_argument("--report-only", action="store_true",
+                        help="rewrite --out/kvpress_parity.md from its JSON with the current explanations; run nothing")
     args = parser.parse_args(argv)
     if args.samples < 1 or args.max_new_tokens < 1 or args.threads < 1:
         parser.error("--samples, --max-new-tokens and --threads must be >= 1")
@@ -175,6 +222,8 @@ class Cell:
     overlaps: list[list[list[float]]] = field(default_factory=list)
     kvlib_kept: list[float] = field(default_factory=list)
     kvpress_kept: list[float] = field(default_factory=list)
+    kvlib_position: list[float] = field(default_factory=list)
+    kvpress_position: list[float] = field(default_factory=list)
     predictions: list[tuple[str, str]] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
 
@@ -187,6 +236,7 @@ class Cell:
             "jaccard": mean(flat), "jaccard_min": min(flat) if flat else float("nan"),
             "jaccard_by_layer": [round(x, 4) for x in layers],
             "kvlib_kept_per_head": mean(self.kvlib_kept), "kvpress_kept_per_head": mean(self.kvpress_kept),
+            "kvlib_mean_kept_position": mean(self.kvlib_position), "kvpress_mean_kept_position": mean(self.kvpress_position),
             "kvlib_scores": self.kvlib_scores, "kvpress_scores": self.kvpress_scores,
             "predictions": [{"kvlib": a, "kvpress": b} for a, b in self.predictions], "errors": self.errors,
         }
@@ -208,20 +258,22 @@ def render(result: dict) -> str:
         "",
         "Both sides compress the whole prompt (haystack, question and answer prefix) once after the prefill "
         "and decode with no further compression. Jaccard: overlap of the kept position sets, per case, layer "
-        "and KV head, averaged (min in brackets). Kept: mean tokens per head after the prompt.",
+        "and KV head, averaged (min in brackets). Kept: mean tokens per head after the prompt. Position: mean "
+        "kept position over the prompt length (0 first token, 1 last), kvlib / kvpress.",
         "",
-        "| method | budget | kvlib acc | kvpress acc | Jaccard (min) | kept kvlib / kvpress | kvlib spec |",
-        "|---|---|---|---|---|---|---|",
+        "| method | budget | kvlib acc | kvpress acc | Jaccard (min) | kept kvlib / kvpress | position | kvlib spec |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for row in result["rows"]:
         flag = "" if row["jaccard"] >= JACCARD_OK else " *"
         lines.append(
             f"| {row['method']} | {row['budget']:g} | {row['kvlib_accuracy']:.2f} | {row['kvpress_accuracy']:.2f} | "
             f"{row['jaccard']:.3f} ({row['jaccard_min']:.2f}){flag} | {row['kvlib_kept_per_head']:.1f} / "
-            f"{row['kvpress_kept_per_head']:.1f} | `{METHODS[row['method']].kvlib if row['method'] in METHODS else '?'}` |"
+            f"{row['kvpress_kept_per_head']:.1f} | {row['kvlib_mean_kept_position']:.2f} / "
+            f"{row['kvpress_mean_kept_position']:.2f} | `{METHODS[row['method']].kvlib if row['method'] in METHODS else '?'}` |"
         )
         if row["errors"]:
-            lines.append(f"| | | errors: {'; '.join(row['errors'][:2])} | | | | |")
+            lines.append(f"| | | errors: {'; '.join(row['errors'][:2])} | | | | | |")
     below = sorted({r["method"] for r in result["rows"] if not r["jaccard"] >= JACCARD_OK})
     lines += ["", f"`*`: Jaccard below {JACCARD_OK}."]
     if result.get("partial"):
@@ -289,6 +341,11 @@ def kvlib_run(model, method: str, budget: float, ids: Sequence[int], max_new_tok
 
 def main(argv: Sequence[str] | None = None) -> dict:
     args = parse_args(argv)
+    if args.report_only:
+        result = json.loads((args.out / "kvpress_parity.json").read_text())
+        result["explanations"] = {m: EXPLANATIONS[m] for m in result["methods"] if m in EXPLANATIONS}
+        write_report(args.out, "kvpress_parity", render(result), result)
+        return result
     started = time.perf_counter()
     import torch
     import transformers
@@ -357,6 +414,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
                 cell.overlaps.append(kept_jaccard(a["kept"], b["kept"]))
                 cell.kvlib_kept.append(mean([len(h) for layer in a["kept"] for h in layer]))
                 cell.kvpress_kept.append(mean([len(h) for layer in b["kept"] for h in layer]))
+                cell.kvlib_position.append(mean([p / len(case.ids) for layer in a["kept"] for h in layer for p in h]))
+                cell.kvpress_position.append(mean([p / len(case.ids) for layer in b["kept"] for h in layer for p in h]))
             rows.append(cell.summary())
     result = {
         "command": command_line("kvpress_parity.py", argv), "kvlib_revision": git_revision(),

@@ -76,7 +76,7 @@ def test_kvpress_jobs_use_the_complementary_ratio() -> None:
 
 
 def test_report_rows_and_divergences(tmp_path: Path) -> None:
-    cell = parity.Cell("KNorm", 0.25, [1.0, 0.0], [1.0, 1.0], [[[1.0, 0.5]], [[0.5, 0.5]]], [2.0, 2.0], [2.0, 2.0])
+    cell = parity.Cell("KNorm", 0.25, [1.0, 0.0], [1.0, 1.0], [[[1.0, 0.5]], [[0.5, 0.5]]], [2.0, 2.0], [2.0, 2.0], [0.5, 0.5], [0.25, 0.75])
     row = cell.summary()
     assert row["kvlib_accuracy"] == 0.5 and row["kvpress_accuracy"] == 1.0
     assert row["jaccard"] == pytest.approx(0.625) and row["jaccard_min"] == 0.5 and row["jaccard_by_layer"] == [0.625]
@@ -88,7 +88,7 @@ def test_report_rows_and_divergences(tmp_path: Path) -> None:
     }
     text = parity.render(result)
     assert "python benchmarks/kvpress_parity.py --methods KNorm" in text and "kvpress 0.5.5" in text
-    assert "| KNorm | 0.25 | 0.50 | 1.00 | 0.625 (0.50) * |" in text
+    assert "| KNorm | 0.25 | 0.50 | 1.00 | 0.625 (0.50) * | 2.0 / 2.0 | 0.50 / 0.50 |" in text
     assert "## Divergences" in text and "**KNorm**" in text
     parity.write_report(tmp_path, "kvpress_parity", text, result)
     assert json.loads((tmp_path / "kvpress_parity.json").read_text())["rows"][0]["method"] == "KNorm"
