@@ -429,15 +429,20 @@ class Engine:
             self.store.seal(layer, segment.seqs)
 
     def _evict(self, layer: int, segment: Segment, requests: list[Request], query: torch.Tensor, read: LayerRead | None, scaling: float | None) -> None:
-        """Each request with an eviction spec scores its row of the layer (its slice of ``read``,
-        or, after attention over the pages, a transient dense read of that row alone) and
-        compacts it; rows without one are not read."""
+        """Each request with an eviction spec scores its row of the layer and compacts it; rows
+        without one are not read. The row is its slice of ``read``, or, after attention over the
+        pages, its positions alone with attention weights from its pages (a strategy that scores
+        without keys and values, ``reads_kv`` False), else a transient dense read of that row."""
         for b, request in enumerate(requests):
             if request.compressor is None:
                 continue
-            row = LayerRead(*(t[b : b + 1] for t in read)) if read is not None else self.store.read(layer, [request.seq], mirror=False)
-            mask = visibility(row, segment.positions[b : b + 1], query.shape[1], uniform_heads=False)
-            step = LayerStep(None, layer, row, request.computed, segment.length, False)
+            pages = None if read is not None or request.compressor.reads_kv else self.store.paged_layer(layer, [request.seq])
+            if pages is not None:  # causal by the row's own positions: no mask needed
+                row, mask = self.store.read_positions(layer, [request.seq]), None
+            else:
+                row = LayerRead(*(t[b : b + 1] for t in read)) if read is not None else self.store.read(layer, [request.seq], mirror=False)
+                mask = visibility(row, segment.positions[b : b + 1], query.shape[1], uniform_heads=False)
+            step = LayerStep(None, layer, row, request.computed, segment.length, False, paged=pages)
             inputs = AttentionInputs(query[b : b + 1], mask, None, scaling, None)
             compaction = request.compressor.compaction(step, inputs, torch.zeros(1, dtype=torch.int64, device=self.device))
             if compaction is not None:

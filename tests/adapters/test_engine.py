@@ -204,11 +204,20 @@ def test_decode_steps_attend_over_the_pages_without_a_dense_read(llama, llama_ca
     assert report["total_bytes"] == sum(report["by_component"].values())
 
 
-def test_decode_steps_read_densely_only_the_rows_that_evict(llama) -> None:
+@pytest.mark.parametrize("spec", ["streaming_llm", "h2o", "snapkv", "knorm"])
+def test_decode_steps_read_densely_only_the_rows_whose_strategy_reads_keys(llama, spec) -> None:
+    """Evicting rows score over their pages (positions, attention weights from the pages) unless
+    their strategy reads keys or values (knorm): then that row alone is read densely."""
     prompts = prompts_with_shared_prefix(97, seed=3)
     engine = kvlib.Engine(llama)
-    reads, (evicting, _) = dense_reads_while_decoding(engine, [(prompts[4], {"spec": "streaming_llm", "budget": 24}), (prompts[1], {})])
-    assert reads and all(seqs == [evicting] for seqs in reads)
+    reads, (evicting, _) = dense_reads_while_decoding(engine, [(prompts[4], {"spec": spec, "budget": 24}), (prompts[1], {})])
+    if kvlib.parse_strategy(spec).reads_kv:
+        assert reads and all(seqs == [evicting] for seqs in reads)
+    else:
+        assert reads == []
+    cache = kvlib.make_cache(llama, spec, budget=24)
+    reference = llama.generate(torch.tensor([prompts[4]]), max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0, **cache_argument(cache))
+    assert engine.requests[0].output == reference[0, len(prompts[4]) :].tolist()
     assert engine.requests[1].output == alone(llama, prompts[1])
 
 
