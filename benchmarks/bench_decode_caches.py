@@ -12,7 +12,9 @@ Reported per cache, as ratios against the DynamicCache of the same round (median
 
 Caches (``--caches``, comma-separated): ``exact`` (``make_cache(model)``), ``streaming_llm``,
 ``snapkv`` and ``h2o`` with an ``int`` budget of a quarter of the context held while decoding
-(``*_int25``), ``snapkv_0.25`` (prompt compression to a quarter), ``kivi4`` (``kivi(bits=4)``).
+(``*_int25``; ``*_int25_slack16``: the same cap with ``slack=16``, so a head evicts 16 tokens
+every 16 decode steps instead of one every step), ``snapkv_0.25`` (prompt compression to a
+quarter), ``kivi4`` (``kivi(bits=4)``).
 The exact cache's greedy tokens must equal DynamicCache's (asserted after the report is written).
 
 Models: ``llama100m`` (a seeded random-weight ~100M Llama, fp32, see ``provenance.LLAMA100M``) and
@@ -57,6 +59,8 @@ def cache_factories(context: int) -> dict[str, Callable[[torch.nn.Module], objec
         "streaming_llm_int25": lambda model: kvlib.make_cache(model, "streaming_llm", budget=quarter),
         "snapkv_int25": lambda model: kvlib.make_cache(model, "snapkv", budget=quarter),
         "h2o_int25": lambda model: kvlib.make_cache(model, "h2o", budget=quarter),
+        "streaming_llm_int25_slack16": lambda model: kvlib.make_cache(model, "streaming_llm", budget=quarter, slack=16),
+        "snapkv_int25_slack16": lambda model: kvlib.make_cache(model, "snapkv", budget=quarter, slack=16),
         "snapkv_0.25": lambda model: kvlib.make_cache(model, "snapkv", budget=0.25),
         "kivi4": lambda model: kvlib.make_cache(model, "kivi(bits=4)"),
     }
