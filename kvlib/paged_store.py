@@ -720,6 +720,8 @@ class PagedStore:
         if plan is not None:
             fill = self._fills_holes(layer, rows, plan, changed & (2 * plan.moves <= new_lengths - start), new_lengths)
         reorder = changed & ~fill
+        if plan is not None and not bool(reorder.any()):  # a decode step's eviction: holes filled, nothing rewritten
+            return self._fill_holes(layer, rows, plan, fill, lengths, new_lengths, kept)
         rewrite = reorder.unsqueeze(-1) & (slot >= start.unsqueeze(-1)) & (slot < new_lengths.unsqueeze(-1))
 
         old_pages_used, new_pages_used = table.pages_used(lengths), table.pages_used(new_lengths)
@@ -764,6 +766,36 @@ class PagedStore:
         self._mirror_compaction(layer, rows, reorder, moves, new_lengths)
         self.trim(layer)
         return kept if plan is None else torch.where(fill.unsqueeze(-1), plan.layout, kept)
+
+    def _fill_holes(
+        self, layer: int, rows: torch.Tensor, plan: HoleFill, fill: torch.Tensor, lengths: torch.Tensor, new_lengths: torch.Tensor, kept: torch.Tensor
+    ) -> torch.Tensor:
+        """:meth:`compact` when every changed head (``fill``) fills its holes: the moved tokens are
+        written into the holes, pages past each head's new length are released, nothing is
+        allocated or rewritten in order (what a decode step's eviction costs: a few small ops).
+        Returns the layout."""
+        pool, table = self.pools[layer], self.tables[layer]
+        moves = plan.only(fill)
+        b, h, hole, src = moves
+        if b.numel():
+            holes = table.pages[rows[b], h, hole // self.page_size] * self.page_size + hole % self.page_size
+            sources = table.pages[rows[b], h, src // self.page_size] * self.page_size + src % self.page_size
+            pool.write(holes, *pool.gather(sources))
+        page_slot = torch.arange(table.pages.shape[2])
+        drop_page = fill.unsqueeze(-1) & (page_slot >= table.pages_used(new_lengths).unsqueeze(-1)) & (page_slot < table.pages_used(lengths).unsqueeze(-1))
+        db, dh, dj = drop_page.nonzero(as_tuple=True)
+        if db.numel():
+            pool.decref(table.pages[rows[db], dh, dj])
+            table.pages[rows[db], dh, dj] = -1
+        table.lengths[rows] = new_lengths
+        sealed = table.sealed[rows]
+        table.sealed[rows] = torch.where(fill, torch.minimum(sealed, new_lengths // self.page_size), sealed)
+        if pool.summaries is not None:
+            self._resummarize_filled_pages(layer, rows, fill, moves)
+        self._open_pages[layer] = None
+        self._mirror_compaction(layer, rows, torch.zeros_like(fill), moves, new_lengths)
+        self.trim(layer)
+        return torch.where(fill.unsqueeze(-1), plan.layout, kept)
 
     def _fills_holes(self, layer: int, rows: torch.Tensor, plan: HoleFill, cheap: torch.Tensor, new_lengths: torch.Tensor) -> torch.Tensor:
         """bool ``[batch, heads]``: the heads among ``cheap`` whose hole fill writes only pages
