@@ -65,6 +65,20 @@ def reference_weights(query, dense_keys, dense_positions, visible, scale):
     return torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a query that sees nothing: zeros
 
 
+def padded_causal_mask(lengths: torch.Tensor, queries: int, window: int | None, generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """The last ``queries`` logical positions past the longest head (with 5 to spare) and a mask
+    over logical positions: causal, random left padding (0-3 tokens) masked out per row, and a
+    sliding ``window`` when given. Returns ``(query_positions [queries], visible [batch, queries, logical])``."""
+    logical = int(lengths.max()) + 5 + queries
+    query_positions = torch.arange(logical - queries, logical)
+    padding = torch.randint(0, 4, (lengths.shape[0],), generator=generator)  # left padding, masked out
+    columns = torch.arange(logical)
+    visible = (columns <= query_positions.view(-1, 1)).unsqueeze(0) & (columns >= padding.view(-1, 1, 1))
+    if window is not None:
+        visible &= (query_positions.view(-1, 1) - columns < window).unsqueeze(0)
+    return query_positions, visible
+
+
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
 
@@ -87,13 +101,7 @@ def test_paged_attention_equals_sdpa_over_the_dense_pages(batch, kv_heads, group
     keys, values, positions, pages, dense_keys, dense_values, dense_positions = scattered_pages(
         lengths, page_size, dim, value_dim, dtype, generator
     )
-    logical = int(lengths.max()) + 5 + queries
-    query_positions = torch.arange(logical - queries, logical)
-    padding = torch.randint(0, 4, (batch,), generator=generator)  # left padding, masked out
-    columns = torch.arange(logical)
-    visible = (columns <= query_positions.view(-1, 1)).unsqueeze(0) & (columns >= padding.view(-1, 1, 1))
-    if window is not None:
-        visible &= (query_positions.view(-1, 1) - columns < window).unsqueeze(0)
+    _, visible = padded_causal_mask(lengths, queries, window, generator)
     query = torch.randn(batch, kv_heads * group, queries, dim, generator=generator).to(dtype)
     scale = dim**-0.5
     out = paged_attention(query, keys, values, positions, pages, lengths, visible=visible, query_positions=None, scale=scale)
@@ -117,13 +125,9 @@ def test_attention_weights_over_pages_equal_softmax_over_the_dense_slots(batch, 
     generator = torch.Generator().manual_seed(seed)
     lengths = torch.randint(0, 40, (batch, kv_heads), generator=generator)
     keys, values, positions, pages, dense_keys, _, dense_positions = scattered_pages(lengths, page_size, 16, 16, dtype, generator)
-    logical = int(lengths.max()) + 5 + queries
-    query_positions = torch.arange(logical - queries, logical)
-    padding = torch.randint(0, 4, (batch,), generator=generator)
-    columns = torch.arange(logical)
-    visible = (columns <= query_positions.view(-1, 1)).unsqueeze(0) & (columns >= padding.view(-1, 1, 1))
+    query_positions, visible = padded_causal_mask(lengths, queries, None, generator)
     if causal:
-        visible = (columns <= query_positions.view(-1, 1)).unsqueeze(0).expand(batch, -1, -1)
+        visible = (torch.arange(visible.shape[-1]) <= query_positions.view(-1, 1)).unsqueeze(0).expand(batch, -1, -1)
     query = torch.randn(batch, kv_heads * group, queries, 16, generator=generator).to(dtype)
     weights = attention_weights(
         query, arena_source(keys, values, positions), pages, lengths,

@@ -20,7 +20,7 @@ from kvlib.paged_attention_torch import TorchPageSource, attend_pages_torch, att
 from kvlib.transformers_compat import cache_argument
 from tests.adapters.conftest import PAD, build_model, left_padded
 from tests.adapters.test_paged_decode import count_dense_reads
-from tests.kvlib.test_paged_attention import TOLERANCE, scattered_pages, sdpa_reference
+from tests.kvlib.test_paged_attention import TOLERANCE, padded_causal_mask, scattered_pages, sdpa_reference
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -35,13 +35,7 @@ def compare_with_references(device, batch, kv_heads, group, queries, page_size, 
     keys, values, positions, pages, dense_keys, dense_values, dense_positions = scattered_pages(
         lengths, page_size, dim, value_dim, dtype, generator
     )
-    logical = int(lengths.max()) + 5 + queries
-    query_positions = torch.arange(logical - queries, logical)
-    padding = torch.randint(0, 4, (batch,), generator=generator)  # left padding, masked out
-    columns = torch.arange(logical)
-    visible = (columns <= query_positions.view(-1, 1)).unsqueeze(0) & (columns >= padding.view(-1, 1, 1))
-    if window is not None:
-        visible &= (query_positions.view(-1, 1) - columns < window).unsqueeze(0)
+    _, visible = padded_causal_mask(lengths, queries, window, generator)
     query = torch.randn(batch, kv_heads * group, queries, dim, generator=generator).to(dtype)
     scale = dim**-0.5
     options = dict(visible=visible, query_positions=None, scale=scale, softcap=softcap)
