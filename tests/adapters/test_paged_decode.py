@@ -118,3 +118,25 @@ def test_evicting_decode_steps_attend_over_the_pages_and_keep_what_the_dense_pat
     for layer in range(model.config.num_hidden_layers):
         assert torch.equal(cache.kept_positions(layer), dense.kept_positions(layer)), f"layer {layer}"
     assert cache.memory_report()["by_component"]["read_cache"] == 0
+
+
+@pytest.mark.parametrize("spec", ["snapkv+kivi(bits=4)", "h2o+kv_bits"])
+def test_evicting_quantized_decode_steps_score_from_the_coded_pages(spec: str, monkeypatch) -> None:
+    """Eviction over quantized pages: attention and the compaction's attention weights decode the
+    sealed pages inside the kernels; no dense read, and the dense-decode path's tokens and kept
+    positions."""
+    model = build_model("llama")
+    ids, mask = left_padded([12, 40], seed=7, vocab=model.config.vocab_size)
+    options = {"do_sample": False, "max_new_tokens": 20, "min_new_tokens": 20, "pad_token_id": PAD}
+    dense = kvlib.make_cache(model, spec, budget=24, read_cache=True)
+    reference = model.generate(ids, attention_mask=mask, **cache_argument(dense), **options)
+    reads = []
+    original = PagedStore.read
+    monkeypatch.setattr(PagedStore, "read", lambda *args, **kwargs: reads.append(args[1]) or original(*args, **kwargs))
+    cache = kvlib.make_cache(model, spec, budget=24)
+    out = model.generate(ids, attention_mask=mask, **cache_argument(cache), **options)
+    assert reads == []
+    assert torch.equal(out, reference)
+    for layer in range(model.config.num_hidden_layers):
+        assert torch.equal(cache.kept_positions(layer), dense.kept_positions(layer)), f"layer {layer}"
+    assert cache.memory_report()["by_component"]["codec_metadata"] > 0
