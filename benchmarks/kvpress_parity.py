@@ -133,13 +133,14 @@ EXPLANATIONS: dict[str, str] = {
         "Two choices of kvpress's `ChunkKVPress`. (1) It sums the inner scores over the KV heads and selects the same "
         "chunks in every head (`global_scores.sum(dim=1)`); kvlib scores chunks per KV head (its docstring: "
         "the official code sums the window attention per chunk and head). (2) It keeps `int(chunks * (1 - ratio))` whole chunks, the observation window competing as ordinary "
-        "chunks (its tokens padded with `max + 1`), so it keeps fewer tokens than the budget: 210.5 vs 223 per head at "
-        "0.25 and 70.5 vs 89.5 at 0.1, mostly the window's chunks at 0.1 (mean kept position 0.96 vs 0.75); kvlib "
+        "chunks (its tokens padded with `max + 1`), so it keeps fewer tokens than the budget: 211.0 vs 223.2 per head at "
+        "0.25 and 71.0 vs 89.6 at 0.1 (5 cases), mostly the window's chunks at 0.1 (mean kept position 0.96 vs 0.75); kvlib "
         "keeps SnapKV's window apart and fills the exact budget with chunks, cutting only the last chunk. Both "
-        "differences are deliberate and documented in `policies/eviction/chunkkv.py`; accuracy is the same on "
-        "both sides."),
+        "differences are deliberate and documented in `policies/eviction/chunkkv.py`. Accuracy at 0.25 differs "
+        "by one case of five (kvlib 1/5, kvpress 2/5; equal at 0.1), within what the two choices above "
+        "change in the kept sets; one case in five does not show which rule finds needles better."),
     "KeyDiff": (
-        "Above 0.8 on average, but some heads fall lower (min 0.36-0.59). kvpress's anchor is the mean of the "
+        "Above 0.8 on average, but some heads fall lower (min 0.33-0.57). kvpress's anchor is the mean of the "
         "L2-normalised keys (`F.normalize(keys).mean`) while kvlib's is the mean of the raw keys (over each head's "
         "valid keys); heads with uneven key norms rank differently."),
 }
