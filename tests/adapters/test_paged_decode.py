@@ -71,21 +71,29 @@ def test_a_mirror_is_kept_only_when_asked_for() -> None:
     assert not kvlib.make_cache(model, "kivi(bits=4)").read_cache
 
 
-@pytest.mark.parametrize("family", ["llama", "stories"])
-@pytest.mark.parametrize("spec", ["kivi(bits=4)", "kv_bits", "int8", "fp8"])
-def test_codec_decode_steps_read_no_dense_copy_and_equal_the_dense_decode(spec: str, family: str, monkeypatch) -> None:
-    """20 new tokens after prompts of up to 30: decode steps fill and seal pages (16 tokens).
-    Dense reads are counted on the class: a codec cache starts a new store on reset."""
-    model = build_model(family)
-    ids, mask = left_padded([9, 17, 30], seed=5, vocab=model.config.vocab_size)
-    options = {"do_sample": False, "max_new_tokens": 20, "pad_token_id": PAD, "return_dict_in_generate": True, "output_logits": True}
-    dense = kvlib.make_cache(model, spec, read_cache=True)  # decode steps read a mirror of the decoded pages
+def against_the_dense_path(monkeypatch, model, ids, mask, spec: str, options: dict, **cache_options) -> tuple:
+    """``generate`` with ``make_cache(model, spec, **cache_options)`` twice: with a dense read
+    mirror (decode steps read a dense copy), then as it is, counting the dense reads of the store
+    (on the class: a codec cache starts a new store on reset). Returns ``(reference, out, dense
+    cache, cache, reads)``."""
+    dense = kvlib.make_cache(model, spec, read_cache=True, **cache_options)
     reference = model.generate(ids, attention_mask=mask, **cache_argument(dense), **options)
     reads = []
     original = PagedStore.read
     monkeypatch.setattr(PagedStore, "read", lambda *args, **kwargs: reads.append(args[1]) or original(*args, **kwargs))
-    cache = kvlib.make_cache(model, spec)
+    cache = kvlib.make_cache(model, spec, **cache_options)
     out = model.generate(ids, attention_mask=mask, **cache_argument(cache), **options)
+    return reference, out, dense, cache, reads
+
+
+@pytest.mark.parametrize("family", ["llama", "stories"])
+@pytest.mark.parametrize("spec", ["kivi(bits=4)", "kv_bits", "int8", "fp8"])
+def test_codec_decode_steps_read_no_dense_copy_and_equal_the_dense_decode(spec: str, family: str, monkeypatch) -> None:
+    """20 new tokens after prompts of up to 30: decode steps fill and seal pages (16 tokens)."""
+    model = build_model(family)
+    ids, mask = left_padded([9, 17, 30], seed=5, vocab=model.config.vocab_size)
+    options = {"do_sample": False, "max_new_tokens": 20, "pad_token_id": PAD, "return_dict_in_generate": True, "output_logits": True}
+    reference, out, _, cache, reads = against_the_dense_path(monkeypatch, model, ids, mask, spec, options)
     assert reads == []  # the prefill attends over its own tensors, decode steps over the (coded) pages
     assert torch.equal(out.sequences, reference.sequences)
     for got, expected in zip(out.logits, reference.logits):  # a quantization step of a page sealed
@@ -104,13 +112,7 @@ def test_evicting_decode_steps_attend_over_the_pages_and_keep_what_the_dense_pat
     ids, mask = left_padded([12, 40], seed=7, vocab=model.config.vocab_size)
     options = {"do_sample": False, "max_new_tokens": 12, "min_new_tokens": 12, "pad_token_id": PAD, "return_dict_in_generate": True,
                "output_logits": True}
-    dense = kvlib.make_cache(model, spec, budget=16, read_cache=True)  # decode steps read a dense mirror
-    reference = model.generate(ids, attention_mask=mask, **cache_argument(dense), **options)
-    reads = []
-    original = PagedStore.read
-    monkeypatch.setattr(PagedStore, "read", lambda *args, **kwargs: reads.append(args[1]) or original(*args, **kwargs))
-    cache = kvlib.make_cache(model, spec, budget=16)
-    out = model.generate(ids, attention_mask=mask, **cache_argument(cache), **options)
+    reference, out, dense, cache, reads = against_the_dense_path(monkeypatch, model, ids, mask, spec, options, budget=16)
     if not cache.compressor.reads_kv:
         assert reads == []
     assert torch.equal(out.sequences, reference.sequences)
@@ -128,13 +130,7 @@ def test_evicting_quantized_decode_steps_score_from_the_coded_pages(spec: str, m
     model = build_model("llama")
     ids, mask = left_padded([12, 40], seed=7, vocab=model.config.vocab_size)
     options = {"do_sample": False, "max_new_tokens": 20, "min_new_tokens": 20, "pad_token_id": PAD}
-    dense = kvlib.make_cache(model, spec, budget=24, read_cache=True)
-    reference = model.generate(ids, attention_mask=mask, **cache_argument(dense), **options)
-    reads = []
-    original = PagedStore.read
-    monkeypatch.setattr(PagedStore, "read", lambda *args, **kwargs: reads.append(args[1]) or original(*args, **kwargs))
-    cache = kvlib.make_cache(model, spec, budget=24)
-    out = model.generate(ids, attention_mask=mask, **cache_argument(cache), **options)
+    reference, out, dense, cache, reads = against_the_dense_path(monkeypatch, model, ids, mask, spec, options, budget=24)
     assert reads == []
     assert torch.equal(out, reference)
     for layer in range(model.config.num_hidden_layers):
