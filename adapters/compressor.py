@@ -19,6 +19,7 @@ padded row holds what it would hold alone. Strategies get exactly the extras the
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -28,6 +29,7 @@ from kvlib.adapters.layer_step import LayerStep
 from kvlib.adapters.merge import merged_values
 from kvlib.adapters.slot_order import along_slots, ordered_view, position_order, to_slots
 from kvlib.policies.budget.uniform import Uniform
+from kvlib.read_cache import LayerRead
 from kvlib.selection import select_keep
 from kvlib.strategy import Budget, BudgetRequest, Eviction, LayerView, Rope
 
@@ -86,12 +88,16 @@ class Compressor:
     _accumulated: dict[int, torch.Tensor] = field(default_factory=dict, init=False, repr=False)
     _decode_steps: dict[int, int] = field(default_factory=dict, init=False, repr=False)
 
-    def compaction(self, step: LayerStep, inputs: AttentionInputs, real_offsets: torch.Tensor) -> Compaction | None:
+    def compaction(
+        self, step: LayerStep, inputs: AttentionInputs, real_offsets: torch.Tensor, stored: Callable[[], LayerRead] | None = None
+    ) -> Compaction | None:
         """What each head keeps after this layer call, or None if every stored token stays.
 
         ``real_offsets [batch]`` (on the store's device) is each row's count of padding tokens
         before its first real one: subtracted from stored positions, it gives the positions
-        strategies see.
+        strategies see. ``stored``: for a step whose ``read`` holds positions only (it attended
+        over the pages), reads the layer's keys and values; called only when a compaction is due
+        and :attr:`reads_kv`.
         """
         read = step.read
         accumulated = None
@@ -106,6 +112,8 @@ class Compressor:
         caps, over = self._caps_and_over(request, counts)
         if not bool(over.any()) and bool((counts == read.valid.sum(-1)).all()):
             return None
+        if stored is not None and self.reads_kv:
+            read = stored()
         view = LayerView(
             layer_idx=step.layer_idx,
             num_layers=self.num_layers,

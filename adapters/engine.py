@@ -25,6 +25,7 @@ so with a budget that fits every request alone, every step either runs tokens or
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Sequence
@@ -431,20 +432,23 @@ class Engine:
     def _evict(self, layer: int, segment: Segment, requests: list[Request], query: torch.Tensor, read: LayerRead | None, scaling: float | None) -> None:
         """Each request with an eviction spec scores its row of the layer and compacts it; rows
         without one are not read. The row is its slice of ``read``, or, after attention over the
-        pages, its positions alone with attention weights from its pages (a strategy that scores
-        without keys and values, ``reads_kv`` False), else a transient dense read of that row."""
+        pages, its positions, with attention weights from its pages and, when it compacts with a
+        strategy that scores with keys or values (``reads_kv``), a transient dense read of that row.
+        A row whose pages cannot be read in place is read densely."""
         for b, request in enumerate(requests):
             if request.compressor is None:
                 continue
-            pages = None if read is not None or request.compressor.reads_kv else self.store.paged_layer(layer, [request.seq])
+            pages = None if read is not None else self.store.paged_layer(layer, [request.seq])
+            stored = None
             if pages is not None:  # causal by the row's own positions: no mask needed
                 row, mask = self.store.read_positions(layer, [request.seq]), None
+                stored = functools.partial(self.store.read, layer, [request.seq], mirror=False)
             else:
                 row = LayerRead(*(t[b : b + 1] for t in read)) if read is not None else self.store.read(layer, [request.seq], mirror=False)
                 mask = visibility(row, segment.positions[b : b + 1], query.shape[1], uniform_heads=False)
             step = LayerStep(None, layer, row, request.computed, segment.length, False, paged=pages)
             inputs = AttentionInputs(query[b : b + 1], mask, None, scaling, None)
-            compaction = request.compressor.compaction(step, inputs, torch.zeros(1, dtype=torch.int64, device=self.device))
+            compaction = request.compressor.compaction(step, inputs, torch.zeros(1, dtype=torch.int64, device=self.device), stored)
             if compaction is not None:
                 layout = self.store.compact(layer, [request.seq], compaction.keep, compaction.values, reuse_slots=True)
                 request.compressor.compacted(layer, layout)

@@ -357,7 +357,8 @@ class KVCache(Cache):
                 sealing = list(range(step.layer_idx + 1))
         if self.compressor is not None:
             inputs = AttentionInputs(query, mask, weights, scaling, real_new, self._hidden_states.pop(step.layer_idx, None))
-            compaction = self.compressor.compaction(self._stored_layer(step), inputs, self._padding)
+            stored = None if step.paged is None else (lambda: self.store.read(step.layer_idx, self._rows, mirror=False))
+            compaction = self.compressor.compaction(self._stored_layer(step), inputs, self._padding, stored)
             if compaction is not None:
                 layout = self.store.compact(step.layer_idx, self._rows, compaction.keep, compaction.values, reuse_slots=self.reuse_slots)
                 self.compressor.compacted(step.layer_idx, layout)
@@ -373,17 +374,13 @@ class KVCache(Cache):
 
     def _stored_layer(self, step: LayerStep) -> LayerStep:
         """``step`` as the compressor sees it: the layer's stored tokens after the call's append.
-        A call that attended over the pages (``step.paged``) read none of them, so they are read
-        now: their positions only (:meth:`PagedStore.read_positions`) for a strategy that scores
-        without keys and values (``reads_kv`` False; attention weights then come from the pages),
-        else a transient dense copy, not kept."""
+        A call that attended over the pages (``step.paged``) read none of them: it gets their
+        positions (:meth:`PagedStore.read_positions`; attention weights come from the pages), and
+        the compressor reads keys and values into a transient dense copy only when it compacts
+        with a strategy that scores with them (``reads_kv``)."""
         if step.paged is None:
             return step
-        if self.compressor.reads_kv:
-            read = self.store.read(step.layer_idx, self._rows, mirror=False)
-        else:
-            read = self.store.read_positions(step.layer_idx, self._rows)
-        return dataclasses.replace(step, read=read)
+        return dataclasses.replace(step, read=self.store.read_positions(step.layer_idx, self._rows))
 
     def _rank_pages(self, layer_idx: int, read: LayerRead) -> None:
         """Re-rank ``layer_idx``'s pages for the device tier by the tiering strategy's scores of its

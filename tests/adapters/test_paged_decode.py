@@ -136,3 +136,16 @@ def test_evicting_quantized_decode_steps_score_from_the_coded_pages(spec: str, m
     for layer in range(model.config.num_hidden_layers):
         assert torch.equal(cache.kept_positions(layer), dense.kept_positions(layer)), f"layer {layer}"
     assert cache.memory_report()["by_component"]["codec_metadata"] > 0
+
+
+def test_prompt_compression_by_a_key_reading_strategy_reads_nothing_while_decoding(monkeypatch) -> None:
+    """A float budget compacts the prompt only: decode steps attend over the pages and, with no
+    compaction due, never read keys or values densely even for a strategy that scores with them."""
+    model = build_model("llama")
+    ids, mask = left_padded([12, 40], seed=7, vocab=model.config.vocab_size)
+    options = {"do_sample": False, "max_new_tokens": 8, "min_new_tokens": 8, "pad_token_id": PAD}
+    reference, out, dense, cache, reads = against_the_dense_path(monkeypatch, model, ids, mask, "knorm", options, budget=0.5)
+    assert cache.compressor.reads_kv and reads == []
+    assert torch.equal(out, reference)
+    for layer in range(model.config.num_hidden_layers):
+        assert torch.equal(cache.kept_positions(layer), dense.kept_positions(layer)), f"layer {layer}"
