@@ -14,7 +14,8 @@ from kvlib.paged_store import PagedStore
 from kvlib.prefix_store import PrefixStore
 from kvlib.read_cache import LayerRead
 from kvlib.registry import available_policies, get_policy, register
-from kvlib.spec import Spec, parse_spec, parse_strategy
+from kvlib.spec import Spec, parse_spec
+from kvlib.spec_text import parse_strategy
 from kvlib.strategy import Budget, Eviction, LayerView, LowRank, Quantization, Reuse, Strategy, Tiering
 
 __version__ = "0.1.0"

@@ -28,7 +28,7 @@ import kvlib
 from kvlib.devices import cpu_threads, set_cpu_threads
 from kvlib.errors import SpecError, quoted
 from kvlib.registry import available_policies, get_policy
-from kvlib.spec import parameters_help
+from kvlib.spec_text import parameters_help
 
 
 SUMMARY_CHARS = 160

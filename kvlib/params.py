@@ -1,13 +1,16 @@
 """Typed, validated strategy parameters, driven by a dataclass field's type annotation.
 
 Supported annotations: ``int``, ``float`` (ints are widened; finite only), ``bool``, ``str``,
-``Literal[...]`` (matched by type and value), ``X | None``, ``tuple[X, ...]`` and strategy
-classes (a strategy given as an object, or as a one-strategy spec string such as
-``"snapkv(window=16)"``).
+``Literal[...]`` (matched by type and value), ``X | None``, ``tuple[X, ...]`` and classes with
+a ``coerce_parameter(value)`` classmethod, which convert a value to themselves or raise
+``TypeError`` / ``ValueError`` (strategy classes take a strategy object, or a one-strategy spec
+string such as ``"snapkv(window=16)"``; see :meth:`kvlib.strategy.Strategy.coerce_parameter`).
+This module knows no strategy: the dependency runs from strategies to it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import types
 import typing
@@ -45,6 +48,13 @@ def coerce(owner: str, name: str, annotation: Any, value: Any) -> Any:
         ) from None
 
 
+def field_default(field: dataclasses.Field) -> object:
+    """A dataclass field's default value (calling its factory), or ``dataclasses.MISSING``."""
+    if field.default_factory is not dataclasses.MISSING:
+        return field.default_factory()
+    return field.default
+
+
 def _homogeneous_tuple_item(annotation: Any) -> Any:
     """``X`` of ``tuple[X, ...]``; other tuple forms are not supported parameter types."""
     args = typing.get_args(annotation)
@@ -54,8 +64,6 @@ def _homogeneous_tuple_item(annotation: Any) -> Any:
 
 
 def _coerce(annotation: Any, value: Any) -> Any:
-    from kvlib.strategy import Strategy
-
     origin = typing.get_origin(annotation)
     if annotation is Any:
         return value
@@ -97,12 +105,7 @@ def _coerce(annotation: Any, value: Any) -> Any:
         if isinstance(value, str):
             return value
         raise TypeError("")
-    if isinstance(annotation, type) and issubclass(annotation, Strategy):
-        if isinstance(value, str):
-            from kvlib.spec import parse_strategy
-
-            value = parse_strategy(value)
-        if isinstance(value, annotation):
-            return value
-        raise TypeError(f"expected a {annotation.kind} strategy")
+    converter = getattr(annotation, "coerce_parameter", None)
+    if isinstance(annotation, type) and converter is not None:
+        return converter(value)
     raise TypeError(f"unsupported parameter annotation {annotation!r}")

@@ -5,6 +5,10 @@ strategies register with the same decorator, or are advertised in the ``kvlib.po
 entry-point group: each entry point names a module (whose import registers its strategies) or a
 strategy class (registered under the entry point's name). Built-ins and plugins load lazily on
 the first look-up. Names are unique across kinds.
+
+The registry knows no strategy class: :mod:`kvlib.strategy` declares its kind bases here
+(:func:`declare_kinds`) and each class checks what is particular to its kind
+(``check_registration``), so imports run one way, strategies -> registry.
 """
 
 from __future__ import annotations
@@ -18,16 +22,23 @@ from collections.abc import Callable
 from importlib.metadata import entry_points
 
 from kvlib.errors import ECHO_CHARS, SpecError, quoted
-from kvlib.strategy import KIND_BASES, NEEDS, Eviction, Strategy
 
 ENTRY_POINT_GROUP = "kvlib.policies"
 _NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 
-_registry: dict[str, type[Strategy]] = {}
+_registry: dict[str, type] = {}
+_kind_bases: dict[str, type] = {}
 _loaded = False
 
 
-def register(name: str) -> Callable[[type[Strategy]], type[Strategy]]:
+def declare_kinds(*bases: type) -> dict[str, type]:
+    """Declare the kind bases, in listing order (called once, by :mod:`kvlib.strategy`); returns
+    them by kind name."""
+    _kind_bases.update((base.kind, base) for base in bases)
+    return dict(_kind_bases)
+
+
+def register(name: str) -> Callable[[type], type]:
     """Class decorator: register a strategy dataclass under ``name`` (its kind comes from its base).
 
     Raises ``ValueError`` for a malformed name, a class that is not a dataclass subclassing one
@@ -36,7 +47,7 @@ def register(name: str) -> Callable[[type[Strategy]], type[Strategy]]:
     if not isinstance(name, str) or not _NAME.match(name):
         raise ValueError(f"strategy name must match {_NAME.pattern} (lowercase, digits, _), got {quoted(name)}")
 
-    def decorate(cls: type[Strategy]) -> type[Strategy]:
+    def decorate(cls: type) -> type:
         _check_class(name, cls)
         own = registered_name(cls)
         if own and own != name and _registry.get(own) is cls:
@@ -53,7 +64,7 @@ def register(name: str) -> Callable[[type[Strategy]], type[Strategy]]:
     return decorate
 
 
-def registered_name(cls: type[Strategy]) -> str:
+def registered_name(cls: type) -> str:
     """The name ``cls`` itself was registered under, or ``""`` (a subclass does not inherit it)."""
     return cls.__dict__.get("name", "")
 
@@ -61,13 +72,13 @@ def registered_name(cls: type[Strategy]) -> str:
 def available_policies() -> dict[str, list[str]]:
     """Registered strategy names by kind (every kind present, names sorted), plugins included."""
     _load()
-    by_kind: dict[str, list[str]] = {kind: [] for kind in KIND_BASES}
+    by_kind: dict[str, list[str]] = {kind: [] for kind in _kind_bases}
     for name, cls in _registry.items():
         by_kind[cls.kind].append(name)
     return {kind: sorted(names) for kind, names in by_kind.items()}
 
 
-def get_policy(name: str) -> type[Strategy]:
+def get_policy(name: str) -> type:
     """The strategy class registered under ``name``; ``SpecError`` listing valid names if none
     (the name quoted cut to :data:`~kvlib.errors.ECHO_CHARS` characters; names that long get no
     close-match hint)."""
@@ -81,15 +92,12 @@ def get_policy(name: str) -> type[Strategy]:
 
 
 def _check_class(name: str, cls: type) -> None:
-    if not isinstance(cls, type) or not issubclass(cls, Strategy) or cls.kind not in KIND_BASES:
-        kinds = ", ".join(base.__name__ for base in KIND_BASES.values())
+    if not isinstance(cls, type) or not issubclass(cls, tuple(_kind_bases.values())):
+        kinds = ", ".join(base.__name__ for base in _kind_bases.values())
         raise ValueError(f"strategy {name!r} must subclass one of kvlib's kind bases ({kinds})")
     if not dataclasses.is_dataclass(cls):
         raise ValueError(f"strategy {name!r} must be a @dataclass (its fields are its parameters)")
-    if issubclass(cls, Eviction):
-        unknown = set(cls.needs) - NEEDS
-        if unknown:
-            raise ValueError(f"strategy {name!r} needs unknown inputs {sorted(unknown)}; valid: {sorted(NEEDS)}")
+    cls.check_registration(name)
 
 
 def _qualname(cls: type) -> str:

@@ -30,7 +30,9 @@ from typing import ClassVar
 import torch
 
 from kvlib.codec import Codec
-from kvlib.params import coerce
+from kvlib.params import coerce, field_default
+from kvlib.registry import declare_kinds
+from kvlib.spec_text import parse_strategy
 
 NEEDS = frozenset({"queries", "window_queries", "attention", "accumulated_attention", "hidden_states", "rope"})
 """What an eviction strategy may ask the engine for in ``needs`` (the :class:`LayerView` fields it fills):
@@ -88,12 +90,20 @@ class Strategy:
                 changed.append(f"{field.name}={shown!r}")
         return f"{self.name}({', '.join(changed)})" if changed else self.name
 
+    @classmethod
+    def coerce_parameter(cls, value: object) -> Strategy:
+        """``value`` as a parameter of this strategy type: a strategy object of it, or a
+        one-strategy spec string naming one (``"snapkv(window=16)"``); ``TypeError`` otherwise."""
+        if isinstance(value, str):
+            value = parse_strategy(value)
+        if isinstance(value, cls):
+            return value
+        raise TypeError(f"expected a {cls.kind} strategy")
 
-def field_default(field: dataclasses.Field) -> object:
-    """A dataclass field's default value (calling its factory), or ``dataclasses.MISSING``."""
-    if field.default_factory is not dataclasses.MISSING:
-        return field.default_factory()
-    return field.default
+    @classmethod
+    def check_registration(cls, name: str) -> None:
+        """``ValueError`` if this class cannot be registered as ``name`` for reasons of its kind
+        (the registry checks the kind base and the dataclass itself)."""
 
 
 @dataclass
@@ -152,6 +162,12 @@ class Eviction(Strategy, abc.ABC):
     @abc.abstractmethod
     def score(self, view: LayerView) -> torch.Tensor:
         """Keep-scores ``[batch, kv_heads, slots]`` (float) for the tokens of ``view``."""
+
+    @classmethod
+    def check_registration(cls, name: str) -> None:
+        unknown = set(cls.needs) - NEEDS
+        if unknown:
+            raise ValueError(f"strategy {name!r} needs unknown inputs {sorted(unknown)}; valid: {sorted(NEEDS)}")
 
     def observed_queries(self) -> int | None:
         """How many of a call's last queries ``window_queries`` and ``attention`` cover (None: all)."""
@@ -263,9 +279,7 @@ class Tiering(Strategy):
         raise NotImplementedError(f"{type(self).__name__} does not rank pages")
 
 
-KIND_BASES: dict[str, type[Strategy]] = {
-    base.kind: base for base in (Eviction, Budget, Quantization, LowRank, Reuse, Tiering)
-}
+KIND_BASES: dict[str, type[Strategy]] = declare_kinds(Eviction, Budget, Quantization, LowRank, Reuse, Tiering)
 MAX_PER_SPEC: dict[str, int | None] = {
     "eviction": 1,
     "budget": 1,

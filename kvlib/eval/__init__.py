@@ -12,7 +12,8 @@ from kvlib.eval.jsonl import JsonlTask, load_jsonl
 from kvlib.eval.models import ModelLoadError, load_model
 from kvlib.eval.needle import NeedleTask
 from kvlib.eval.perplexity import PerplexityTask
-from kvlib.eval.task import TaskResult, parse_tasks
+from kvlib.eval.task import TaskResult
+from kvlib.eval.task_table import parse_tasks
 
 __all__ = [
     "AgreementTask",

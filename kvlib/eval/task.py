@@ -1,4 +1,5 @@
-"""What every evaluation task returns, how cache memory is measured, and task names for the CLI."""
+"""What every evaluation task returns and how cache memory is measured (the task names and the
+CLI's task list are :mod:`kvlib.eval.task_table`)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ from typing import Protocol
 
 import torch
 
-from kvlib.errors import quoted
 
 CacheFactory = Callable[[int], object]
 """Builds a fresh cache for one run, given how many tokens each sequence will have seen by the end
@@ -72,39 +72,3 @@ def check_context(task: str, needed: int, context: int) -> None:
     """Refuse a task whose sequences are longer than the model's context."""
     if needed > context:
         raise ValueError(f"task {task!r} needs {needed} tokens but the model's context is {context}")
-
-
-BASE_TASKS = ("needle", "perplexity", "agreement")
-RULER_NAMES = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe")
-"""The RULER-style tasks (:mod:`kvlib.eval.ruler`)."""
-TASK_NAMES = BASE_TASKS + RULER_NAMES
-"""Built-in task names; ``jsonl:PATH`` adds a LongBench/RULER-style file."""
-
-
-def parse_tasks(text: str, *, context: int, samples: int | None = None, seed: int = 0) -> list[Task]:
-    """Tasks from a comma-separated list such as ``"needle,niah_single,jsonl:data/qa.jsonl"``.
-
-    ``context`` is the sequence length the tasks use (needle context, perplexity window, agreement
-    prompt plus continuation, RULER prompt plus answer); ``samples`` overrides each task's default
-    sample count.
-    """
-    from kvlib.eval.agreement import AgreementTask
-    from kvlib.eval.jsonl import JsonlTask
-    from kvlib.eval.needle import NeedleTask
-    from kvlib.eval.perplexity import PerplexityTask
-    from kvlib.eval.ruler import RULER_TASKS
-
-    builders = {"needle": NeedleTask, "perplexity": PerplexityTask, "agreement": AgreementTask, **RULER_TASKS}
-    extra = {} if samples is None else {"samples": samples}
-    tasks: list[Task] = []
-    names = [part.strip() for part in text.split(",") if part.strip()]
-    if not names:
-        raise ValueError(f"no tasks given; choose from {', '.join(TASK_NAMES)} or jsonl:PATH")
-    for name in names:
-        if name.startswith("jsonl:"):
-            tasks.append(JsonlTask(path=name.removeprefix("jsonl:"), context=context, **extra))
-        elif name in builders:
-            tasks.append(builders[name](context=context, seed=seed, **extra))
-        else:
-            raise ValueError(f"unknown task {quoted(name)}; choose from {', '.join(TASK_NAMES)} or jsonl:PATH")
-    return tasks

@@ -14,7 +14,8 @@ import kvlib
 from kvlib import registry
 from kvlib.errors import SpecError
 from kvlib.policies.eviction.streaming_llm import StreamingLLM
-from kvlib.spec import Spec, parameters_help, parse_spec, parse_strategy
+from kvlib.spec import Spec, parse_spec
+from kvlib.spec_text import parameters_help, parse_strategy
 from kvlib.strategy import Budget, Eviction, Reuse, Tiering
 
 # -- test-only strategies (registered only inside `extra_strategies`) -----------------------

@@ -9,7 +9,7 @@ import kvlib
 from kvlib.default_model import ByteTokenizer
 from kvlib.eval import parse_tasks
 from kvlib.eval.ruler import RULER_TASKS
-from kvlib.eval.task import RULER_NAMES
+from kvlib.eval.task_table import RULER_NAMES
 from tests.eval.conftest import tiny_byte_model
 
 

@@ -11,7 +11,7 @@ import torch
 import kvlib
 from kvlib.policies.eviction.expected_attention import ExpectedAttention, unrotate
 from kvlib.selection import select_keep
-from kvlib.spec import parse_strategy
+from kvlib.spec_text import parse_strategy
 from kvlib.strategy import LayerView, Rope
 
 BATCH, KV_HEADS, GROUPS, DIM, SLOTS = 2, 2, 2, 8, 9

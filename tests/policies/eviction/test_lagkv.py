@@ -11,7 +11,7 @@ import torch
 import kvlib
 from kvlib.policies.eviction.lagkv import LagKV
 from kvlib.selection import select_keep
-from kvlib.spec import parse_strategy
+from kvlib.spec_text import parse_strategy
 from kvlib.strategy import LayerView
 
 BATCH, HEADS, SLOTS, DIM = 2, 3, 23, 5

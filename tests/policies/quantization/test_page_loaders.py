@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from kvlib.codec import layer_shapes
 from kvlib.paged_store import PagedStore
-from kvlib.spec import parse_strategy
+from kvlib.spec_text import parse_strategy
 from tests.kvlib.test_paged_attention import sdpa_reference
 
 CODECS = ["kivi(bits=2)", "kivi(bits=4, group=4)", "kivi(bits=8)", "kv_bits(key_bits=4, value_bits=2)", "kv_bits(key_bits=8, value_bits=4, group=8)", "int8", "fp8"]
