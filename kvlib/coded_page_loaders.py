@@ -29,7 +29,7 @@ import numba
 import numpy as np
 import torch
 
-from kvlib.paged_attention import _half_to_float
+from kvlib.page_kernel_parts import half_to_float
 
 FLOAT_KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 """How float bit patterns are read: 0 float32 (uint32 bits), 1 float16, 2 bfloat16 (uint16 bits)."""
@@ -68,14 +68,14 @@ def open_part(sealed: torch.Tensor, raw_row: torch.Tensor, raw: torch.Tensor) ->
 def float_of(bits, kind: int) -> np.float32:
     """The float32 value of one float32, float16 or bfloat16 bit pattern (``kind``: :data:`FLOAT_KINDS`).
     A normal float16 is widened by moving its bits (exponent rebiased by 127 - 15 = 112), the rest
-    (zeros, subnormals, infinities, NaN) through :func:`~kvlib.paged_attention._half_to_float`."""
+    (zeros, subnormals, infinities, NaN) through :func:`~kvlib.page_kernel_parts.half_to_float`."""
     if kind == 1:
         half = np.uint32(bits)
         exponent = (half >> np.uint32(10)) & np.uint32(0x1F)
         if 0 < exponent < 31:
             sign = (half & np.uint32(0x8000)) << np.uint32(16)
             return np.uint32(sign | (((half & np.uint32(0x7FFF)) + np.uint32(112 << 10)) << np.uint32(13))).view(np.float32)
-        return _half_to_float(bits)
+        return half_to_float(bits)
     if kind == 2:
         return np.uint32(np.uint32(bits) << np.uint32(16)).view(np.float32)
     return np.uint32(bits).view(np.float32)
@@ -93,7 +93,7 @@ def load_open(source, page: int, out: np.ndarray, out_bits: np.ndarray, rows: in
     if kind == 1:
         for t in range(rows):
             for c in range(out.shape[1]):
-                out[t, c] = _half_to_float(raw[row, t, c])
+                out[t, c] = half_to_float(raw[row, t, c])
     elif kind == 2:
         for t in range(rows):
             for c in range(out.shape[1]):

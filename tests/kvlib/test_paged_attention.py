@@ -7,7 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvlib.paged_attention import arena_source, attention_weights, paged_attention
+from kvlib.paged_attention import arena_source, paged_attention
+from kvlib.paged_scores import attention_weights
 
 
 def scattered_pages(lengths: torch.Tensor, page_size: int, dim: int, value_dim: int, dtype, generator):

@@ -15,7 +15,8 @@ import kvlib
 from kvlib import devices
 from kvlib.arena_sources import arena_source_for
 from kvlib.devices import PagedKernel
-from kvlib.paged_attention import PageSource, arena_source, attention_weights, paged_attention
+from kvlib.paged_attention import PageSource, arena_source, paged_attention
+from kvlib.paged_scores import attention_weights
 from kvlib.paged_attention_torch import TorchPageSource, attend_pages_torch, attention_weights_torch
 from kvlib.transformers_compat import cache_argument
 from tests.adapters.conftest import PAD, build_model, left_padded
