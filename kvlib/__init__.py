@@ -15,6 +15,7 @@ from kvlib.prefix_store import PrefixStore
 from kvlib.read_cache import LayerRead
 from kvlib.registry import available_policies, get_policy, register
 from kvlib.spec import Spec, parse_spec, parse_strategy
+from kvlib.store_config import StoreConfig
 from kvlib.strategy import Budget, Eviction, LayerView, LowRank, Quantization, Reuse, Strategy, Tiering
 
 __version__ = "0.1.0"
@@ -39,6 +40,7 @@ __all__ = [
     "Reuse",
     "Spec",
     "SpecError",
+    "StoreConfig",
     "Strategy",
     "TensorCodec",
     "TensorShape",
