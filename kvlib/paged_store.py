@@ -81,9 +81,9 @@ class PagedStore:
         self.page_size = config.page_size
         self.dtype = config.dtype
         self.device: torch.device = config.device
-        self.pools = build_pools(config, spill=spill)
         if prefetcher is not None and config.device_pages is None:
             raise ValueError("prefetch fetches pages off the device ahead of their read: give device_pages (tiering) too")
+        self.pools = build_pools(config, spill=spill)
         self.tables = [BlockTable(heads, self.page_size) for heads in config.layer_heads]
         self.prefetcher = prefetcher
         self.mirrors = ReadMirrors(self.num_layers, self.page_size, config.read_cache)
