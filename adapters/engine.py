@@ -50,6 +50,7 @@ from kvlib.devices import check_fits
 from kvlib.errors import quoted
 from kvlib.limits import check_page_size
 from kvlib.spec import Spec, parse_spec
+from kvlib.store_config import StoreConfig
 from kvlib.transformers_compat import cache_argument
 
 PREEMPTION_MODES = ("recompute", "swap")
@@ -138,11 +139,11 @@ class Engine:
         prefix_bytes = _check_memory_budgets(page_budget_bytes, prefix_cache_bytes, positions_bytes, self.device)
 
         def build() -> PagedStore:
-            return PagedStore(
+            return PagedStore(StoreConfig(
                 shape.num_layers, shape.num_kv_heads, shape.head_dim, value_dim=shape.value_dim, page_size=page_size,
                 dtype=self.dtype, device=self.device, pages_per_layer=pages or 64, fixed_capacity=pages is not None,
                 read_cache=read_cache, codecs=codecs,
-            )
+            ))
 
         attach(model)  # everything is checked: the model's attention goes through kvlib from now on
         self.prefix = PrefixStore(model, prefix_bytes) if prefix_cache else None
@@ -278,7 +279,7 @@ class Engine:
             "total_bytes": sum(components.values()),
             "by_component": components,
             "reserved_bytes": held["reserved"],
-            "peak_pages_bytes": self.store.peak_pages,
+            "peak_pages_bytes": self.store.peak_page_bytes,
             "peak_workspace_bytes": self.store.peak_workspace,
         }
 

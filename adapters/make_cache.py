@@ -14,7 +14,7 @@ from kvlib.codec import Codec, layer_shapes
 from kvlib.devices import check_fits
 from kvlib.errors import quoted
 from kvlib.limits import MAX_BUDGET_TOKENS, MAX_PAGE_SIZE, check_page_size
-from kvlib.paged_store import DEFAULT_PAGES_PER_LAYER, initial_arena_bytes
+from kvlib.store_config import DEFAULT_PAGES_PER_LAYER, initial_arena_bytes
 from kvlib.prefix_store import PrefixStore
 from kvlib.policies.budget.uniform import Uniform
 from kvlib.spec import Spec, SpecLike, parse_spec

@@ -35,7 +35,9 @@ from kvlib.paged_attention import PagedLayer
 from kvlib.paged_store import PagedStore
 from kvlib.prefix_store import PrefixStore
 from kvlib.read_cache import LayerRead
+from kvlib.store_config import StoreConfig
 from kvlib.storage.disk_tier import DiskTier, open_disk_tier
+from kvlib.storage.page_prefetch import PagePrefetcher
 from kvlib.storage.page_record import Layout, record_size
 from kvlib.storage.spill_store import SpillStore
 from kvlib.strategy import LayerView, Tiering
@@ -463,7 +465,7 @@ class KVCache(Cache):
             self.store = self.codecs = None
         elif self._rows:
             self.store.release(self._rows)
-            self.store.peak_pages = self.store.memory_bytes()["pages"]
+            self.store.peak_page_bytes = self.store.memory_bytes()["pages"]
         self._rows.clear()
         self._padding = torch.zeros(0, dtype=torch.int64)
         self._identity = [True] * self.shape.num_layers
@@ -571,7 +573,7 @@ class KVCache(Cache):
                 components[name] = held[name]
             report["reserved_bytes"] = held["reserved"]
             host, disk = held["host"], held["disk"]
-            report["peak_pages_bytes"] = self.store.peak_pages
+            report["peak_pages_bytes"] = self.store.peak_page_bytes
             report["peak_workspace_bytes"] = self.store.peak_workspace
         if self._rows:
             shape = self.shape
@@ -608,7 +610,8 @@ class KVCache(Cache):
                     dtype, device,
                 )
             )
-        return PagedStore(
+        disk_tier = self._disk_tier(dtype)
+        config = StoreConfig(
             shape.num_layers,
             shape.num_kv_heads,
             shape.head_dim,
@@ -621,9 +624,10 @@ class KVCache(Cache):
             device_pages=self._device_pages(dtype),
             host_pages=self._host_pages(dtype),
             key_summaries=self.tiering is not None and self.tiering.key_summaries,
-            prefetch=self.tiering is not None and self.tiering.prefetches(),
-            **self._disk_tier(dtype),
+            disk_pages=disk_tier.get("disk_pages", 0),
         )
+        prefetch = self.tiering is not None and self.tiering.prefetches()
+        return PagedStore(config, spill=disk_tier.get("spill"), prefetcher=PagePrefetcher(config.device) if prefetch else None)
 
     def _page_bytes(self, dtype: torch.dtype) -> int:
         element = torch.empty((), dtype=dtype).element_size()

@@ -16,6 +16,7 @@ from kvlib.read_cache import LayerRead
 from kvlib.registry import available_policies, get_policy, register
 from kvlib.spec import Spec, parse_spec
 from kvlib.spec_text import parse_strategy
+from kvlib.store_config import StoreConfig
 from kvlib.strategy import Budget, Eviction, LayerView, LowRank, Quantization, Reuse, Strategy, Tiering
 
 __version__ = "0.1.0"
@@ -40,6 +41,7 @@ __all__ = [
     "Reuse",
     "Spec",
     "SpecError",
+    "StoreConfig",
     "Strategy",
     "TensorCodec",
     "TensorShape",

@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
+from kvlib.block_table import BlockTable
 from kvlib.devices import to_arena_device
-
-if TYPE_CHECKING:
-    from kvlib.paged_store import PagedStore
 
 
 @dataclass
@@ -37,10 +34,11 @@ class OpenPages:
     """Slots of ``slots`` already written."""
 
     @classmethod
-    def after_append(cls, store: PagedStore, layer: int, rows: torch.Tensor) -> OpenPages | None:
-        table = store.tables[layer]
+    def after_append(cls, table: BlockTable, rows: torch.Tensor, device: torch.device) -> OpenPages | None:
+        """Where the next tokens of ``rows`` go in ``table``'s layer (whose arenas lie on
+        ``device``) after an append, or None when some head's last page is full."""
         lengths = table.lengths[rows]
-        room = int(((-lengths) % store.page_size).min())
+        room = int(((-lengths) % table.page_size).min())
         if room == 0:
             return None
         ahead = torch.arange(room)
@@ -51,9 +49,9 @@ class OpenPages:
         return cls(
             ids,
             rows,
-            to_arena_device(slots, store.device),
+            to_arena_device(slots, device),
             slots,
-            to_arena_device(positions, store.device),
+            to_arena_device(positions, device),
             (ids[0], ids[0] + len(ids)) if consecutive else None,
         )
 

@@ -40,8 +40,16 @@ class CodedPagePool(PagePool):
     shrinks = False
     """Per-page state beyond the arenas (encoded fields, raw rows / tier rows) is not relocated."""
 
+    writes_cpu_slots = True
+    """:meth:`write` looks each page's raw row up in CPU bookkeeping."""
+
+    reopens_partial_pages = True
+    """A truncation ending inside a sealed page reopens it: appends then write after the kept
+    tokens, and a sharer for which the page is still full may keep it sealed."""
+
     def __init__(
         self,
+        *,
         page_size: int,
         head_dim: int,
         value_dim: int,
@@ -52,7 +60,9 @@ class CodedPagePool(PagePool):
         fixed: bool = False,
     ) -> None:
         self.codec = codec
-        super().__init__(page_size, head_dim, value_dim, dtype, device, capacity, fixed)
+        super().__init__(
+            page_size=page_size, head_dim=head_dim, value_dim=value_dim, dtype=dtype, device=device, capacity=capacity, fixed=fixed
+        )
 
     def _init_data(self, capacity: int) -> None:
         self.encoded: dict[str, torch.Tensor] = {}
@@ -256,6 +266,18 @@ class CodedPagePool(PagePool):
             raise RuntimeError("raw read of a page that is sealed or free: the store and the pool disagree")
         source = to_arena_device(rows, self.device)
         return self.keys.index_select(0, source), self.values.index_select(0, source)
+
+    @property
+    def seals(self) -> bool:
+        """Pages are sealed once the codec is fitted."""
+        return self.codec.ready
+
+    def seal_full_pages(self, ids: torch.Tensor, partner_ids: torch.Tensor | None) -> int:
+        """Encode the distinct pages of ``ids`` not sealed yet (``partner_ids``: None, no partner)."""
+        ids = torch.unique(ids)
+        ids = ids[~self.sealed[ids]]
+        self.seal(ids)
+        return int(ids.numel())
 
     def seal(self, ids: torch.Tensor, encoded: dict[str, torch.Tensor] | None = None) -> None:
         """Encode open, full pages ``ids`` (distinct, in use) and release their raw rows;

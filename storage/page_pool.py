@@ -62,8 +62,20 @@ class PagePool:
     staged_bytes = 0
     """Bytes the last :meth:`paged_layer` copied to hand its pages over (none: they lie in the arena)."""
 
+    device_pages: int | None = None
+    """At most this many pages stay on ``device`` (None: every page does; tiered pools set a budget)."""
+
+    writes_cpu_slots = False
+    """Whether :meth:`write` wants its slots on the CPU (where it looks page state up) rather than
+    on the arena device."""
+
+    partner_layer: int | None = None
+    """The earlier layer whose pool this pool's sealed pages lean on (None: none; see
+    :class:`~kvlib.storage.partnered_pool.PartneredPagePool`)."""
+
     def __init__(
         self,
+        *,
         page_size: int,
         head_dim: int,
         value_dim: int,
@@ -147,6 +159,11 @@ class PagePool:
         """Bytes of the whole arena, free pages included."""
         return self.capacity * self.page_bytes
 
+    def tier_bytes(self) -> dict[str, int]:
+        """Bytes of keys and values held on each tier (``device``, ``host``, ``disk``): all on the
+        device here."""
+        return {"device": self.data_bytes(), "host": 0, "disk": 0}
+
     def free_page_ids(self) -> torch.Tensor:
         """The free stack's contents (a copy), for checks and debugging."""
         return self._free.contents()
@@ -185,6 +202,33 @@ class PagePool:
         """bool per id of ``ids`` (int64, CPU, pages in use): whether its slots may be written in
         place, i.e. it is referenced once (shared pages are copied before any write)."""
         return self.refcount[ids] == 1
+
+    @property
+    def reopens_partial_pages(self) -> bool:
+        """Whether a truncation that ends inside a page this pool may not write in place (see
+        :meth:`writable`) gives the head an open, private copy of it (:meth:`open_copies`): so
+        that the copy's key summary covers only the tokens its head keeps. Only with key summaries
+        here (a shared page is otherwise copied by the next append that writes it)."""
+        return self.summaries is not None
+
+    def open_copies(self, source: torch.Tensor, target: torch.Tensor) -> None:
+        """Copy pages ``source`` onto freshly allocated ``target`` pages that may be written in
+        place (a truncation's reopened pages): a plain copy here."""
+        self.copy_pages(source, target)
+
+    # -- sealing -------------------------------------------------------------------------------
+
+    @property
+    def seals(self) -> bool:
+        """Whether :meth:`seal_full_pages` may encode pages now: never without a codec."""
+        return False
+
+    def seal_full_pages(self, ids: torch.Tensor, partner_ids: torch.Tensor | None) -> int:
+        """Seal those of the full pages ``ids`` (int64, CPU, in use, repeats allowed) that are
+        still open; ``partner_ids[i]`` is the page of the :attr:`partner_layer` pool holding the
+        same tokens as ``ids[i]`` (None without a partner layer). Returns the pages sealed: none
+        here, pages stay in the compute dtype."""
+        return 0
 
     def incref(self, ids: torch.Tensor) -> None:
         """Add one reference per occurrence of each id; every id must be in use."""

@@ -19,6 +19,7 @@ import torch
 
 from kvlib.codec import PageCodec
 from kvlib.devices import to_arena_device
+from kvlib.page_indexing import first_occurrences
 from kvlib.storage.coded_pool import CodedPagePool
 from kvlib.storage.page_pool import extend_rows
 
@@ -35,6 +36,7 @@ class PartneredPagePool(CodedPagePool):
 
     def __init__(
         self,
+        *,
         page_size: int,
         head_dim: int,
         value_dim: int,
@@ -46,7 +48,20 @@ class PartneredPagePool(CodedPagePool):
         fixed: bool = False,
     ) -> None:
         self.partner_pool = partner_pool
-        super().__init__(page_size, head_dim, value_dim, dtype, device, codec, capacity, fixed)
+        super().__init__(
+            page_size=page_size, head_dim=head_dim, value_dim=value_dim, dtype=dtype, device=device,
+            codec=codec, capacity=capacity, fixed=fixed,
+        )
+
+    @property
+    def partner_layer(self) -> int:
+        """The layer of ``partner_pool`` (the codec's ``partner_layer``)."""
+        return self.codec.partner_layer
+
+    @property
+    def seals(self) -> bool:
+        """Pairs are sealed whenever both pages are full and open (the codec fits on the pair)."""
+        return True
 
     def _init_data(self, capacity: int) -> None:
         super()._init_data(capacity)
@@ -74,6 +89,28 @@ class PartneredPagePool(CodedPagePool):
         partners = self.partner[source]
         self.partner[target] = partners
         self.partner_pool.incref(partners[partners >= 0])
+
+    def seal_full_pages(self, ids: torch.Tensor, partner_ids: torch.Tensor | None) -> int:
+        """Seal full pages ``ids`` together with the pages ``partner_ids`` of the partner pool that
+        hold the same tokens (same positions, both open); each pair is encoded by the codec at
+        once. A page pairs with one partner only; pages without such a partner stay open.
+        Returns the pairs sealed."""
+        open_pair = ~self.sealed[ids] & ~self.partner_pool.sealed[partner_ids]
+        ids, partner_ids = ids[open_pair], partner_ids[open_pair]
+        if ids.numel() == 0:
+            return 0
+        same = (self.positions[to_arena_device(ids, self.device)] == self.partner_pool.positions[to_arena_device(partner_ids, self.device)]).all(-1)
+        ids, partner_ids = ids[same.cpu()], partner_ids[same.cpu()]
+        _, first = first_occurrences(ids)
+        ids, partner_ids = ids[first], partner_ids[first]
+        _, first = first_occurrences(partner_ids)  # a page pairs with one partner only
+        ids, partner_ids = ids[first], partner_ids[first]
+        if ids.numel() == 0:
+            return 0
+        shallow_fields, deep_fields = self.codec.merge(self.partner_pool.raw_pages(partner_ids), self.raw_pages(ids))
+        self.partner_pool.seal(partner_ids, shallow_fields)
+        self.seal_pairs(ids, partner_ids, deep_fields)
+        return int(ids.numel())
 
     def seal_pairs(self, ids: torch.Tensor, partners: torch.Tensor, encoded: dict[str, torch.Tensor]) -> None:
         """Seal open pages ``ids`` with their fields ``encoded``, each leaning on page ``partners[i]``

@@ -66,6 +66,7 @@ class TieredPagePool(PagePool):
 
     def __init__(
         self,
+        *,
         page_size: int,
         head_dim: int,
         value_dim: int,
@@ -89,7 +90,10 @@ class TieredPagePool(PagePool):
         self.spill = spill
         self.disk_pages = disk_pages if spill is not None else 0
         """At most this many pages on disk (0: no disk tier)."""
-        super().__init__(page_size, head_dim, value_dim, dtype, device, capacity, fixed, key_summaries)
+        super().__init__(
+            page_size=page_size, head_dim=head_dim, value_dim=value_dim, dtype=dtype, device=device,
+            capacity=capacity, fixed=fixed, key_summaries=key_summaries,
+        )
 
     def _init_data(self, capacity: int) -> None:
         shape = (self.page_size,)

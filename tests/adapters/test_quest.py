@@ -63,7 +63,7 @@ def test_a_decode_step_reads_only_top_k_pages_per_head() -> None:
 
 
 def test_read_selected_returns_exactly_the_chosen_pages() -> None:
-    store = kvlib.PagedStore(1, 2, 3, page_size=4, key_summaries=True, device_pages=2)
+    store = kvlib.PagedStore(kvlib.StoreConfig(1, 2, 3, page_size=4, key_summaries=True, device_pages=2))
     seq = store.new_sequence()
     keys = torch.randn(1, 2, 14, 3)
     store.append(0, [seq], keys, -keys)

@@ -7,8 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvlib import PagedStore, PoolExhaustedError
-from kvlib.paged_store import initial_arena_bytes
+from kvlib import PagedStore, PoolExhaustedError, StoreConfig
+from kvlib.store_config import initial_arena_bytes
 
 
 def step(batch: int, heads: int, tokens: int, dim: int = 4, seed: int = 0) -> torch.Tensor:
@@ -17,7 +17,7 @@ def step(batch: int, heads: int, tokens: int, dim: int = 4, seed: int = 0) -> to
 
 @pytest.fixture
 def store() -> PagedStore:
-    return PagedStore(2, 2, 4, page_size=4, pages_per_layer=2)
+    return PagedStore(StoreConfig(2, 2, 4, page_size=4, pages_per_layer=2))
 
 
 def snapshot(store: PagedStore) -> list:
@@ -86,7 +86,7 @@ def test_compaction_frees_pages_and_reports_bytes(store: PagedStore) -> None:
 
 
 def test_compaction_with_new_values_rewrites_changed_heads_and_spares_shared_pages() -> None:
-    store = PagedStore(1, 2, 4, page_size=4)
+    store = PagedStore(StoreConfig(1, 2, 4, page_size=4))
     seq = store.new_sequence()
     keys, values = step(1, 2, 10), step(1, 2, 10, seed=1)
     store.append(0, [seq], keys, values)
@@ -103,12 +103,12 @@ def test_compaction_with_new_values_rewrites_changed_heads_and_spares_shared_pag
         store.compact(0, [other], keep[..., :5], torch.zeros(1, 2, 4, 4))
 
 
-def test_peak_pages_records_the_high_water_mark(store: PagedStore) -> None:
+def test_peak_page_bytes_records_the_high_water_mark(store: PagedStore) -> None:
     seq = store.new_sequence()
     store.append(0, [seq], step(1, 2, 16), step(1, 2, 16))
     peak = store.memory_bytes()["pages"]
     store.compact(0, [seq], torch.tensor([[[0], [1]]]))
-    assert store.peak_pages == peak > store.memory_bytes()["pages"]
+    assert store.peak_page_bytes == peak > store.memory_bytes()["pages"]
 
 
 def test_read_cache_is_extended_in_place_by_appends(store: PagedStore) -> None:
@@ -133,7 +133,7 @@ def test_read_cache_dropped_by_compaction_and_other_batches(store: PagedStore) -
 
 
 def test_store_without_read_cache_returns_fresh_tensors() -> None:
-    store = PagedStore(1, 2, 4, read_cache=False)
+    store = PagedStore(StoreConfig(1, 2, 4, read_cache=False))
     seq = store.new_sequence()
     store.append(0, [seq], step(1, 2, 3), step(1, 2, 3))
     assert store.read(0, [seq]).keys.shape == (1, 2, 3, 4)
@@ -154,7 +154,7 @@ def test_fork_shares_pages_until_written(store: PagedStore) -> None:
 
 
 def test_fixed_capacity_append_and_compaction_fail_without_changes() -> None:
-    store = PagedStore(1, 2, 4, page_size=4, pages_per_layer=4, fixed_capacity=True)
+    store = PagedStore(StoreConfig(1, 2, 4, page_size=4, pages_per_layer=4, fixed_capacity=True))
     a, b = store.new_sequence(), store.new_sequence()
     store.append(0, [a], step(1, 2, 8), step(1, 2, 8))
     before = snapshot(store)
@@ -169,7 +169,7 @@ def test_fixed_capacity_append_and_compaction_fail_without_changes() -> None:
 
 
 def test_failed_append_does_not_widen_the_block_table() -> None:
-    store = PagedStore(1, 1, 4, page_size=1, pages_per_layer=1, fixed_capacity=True)
+    store = PagedStore(StoreConfig(1, 1, 4, page_size=1, pages_per_layer=1, fixed_capacity=True))
     seq = store.new_sequence()
     before = snapshot(store)
     with pytest.raises(PoolExhaustedError):
@@ -180,7 +180,7 @@ def test_failed_append_does_not_widen_the_block_table() -> None:
 
 def test_sharers_appending_together_copy_only_what_they_must() -> None:
     """A forked open page appended by both sharers in one batch needs one copy, not two."""
-    store = PagedStore(1, 1, 4, page_size=4, pages_per_layer=2, fixed_capacity=True)
+    store = PagedStore(StoreConfig(1, 1, 4, page_size=4, pages_per_layer=2, fixed_capacity=True))
     parent = store.new_sequence()
     store.append(0, [parent], step(1, 1, 2), step(1, 1, 2))
     child = store.fork(parent)
@@ -192,7 +192,7 @@ def test_sharers_appending_together_copy_only_what_they_must() -> None:
 
 
 def test_per_layer_shapes() -> None:
-    store = PagedStore(2, [1, 3], [2, 5], value_dim=[4, 1])
+    store = PagedStore(StoreConfig(2, [1, 3], [2, 5], value_dim=[4, 1]))
     seq = store.new_sequence()
     store.append(1, [seq], torch.zeros(1, 3, 2, 5), torch.zeros(1, 3, 2, 1))
     assert store.read(1, [seq]).values.shape == (1, 3, 2, 1)
@@ -273,7 +273,7 @@ def test_bad_store_arguments(bad: dict) -> None:
     args = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 4}
     args.update(bad)
     with pytest.raises(ValueError):
-        PagedStore(**args)
+        PagedStore(StoreConfig(**args))
 
 
 def no_pools(*args, **kwargs):
@@ -292,9 +292,9 @@ def no_pools(*args, **kwargs):
     ],
 )
 def test_sizes_are_bounded_before_any_pool_is_built(monkeypatch, bad: dict, message: str) -> None:
-    monkeypatch.setattr("kvlib.paged_store.PagePool", no_pools)
+    monkeypatch.setattr("kvlib.storage.pool_factory.PagePool", no_pools)
     with pytest.raises(ValueError, match=message):
-        PagedStore(2, 2, 64, **bad)
+        PagedStore(StoreConfig(2, 2, 64, **bad))
 
 
 def test_what_the_first_arenas_take_is_checked_against_available_memory(monkeypatch) -> None:
@@ -303,16 +303,16 @@ def test_what_the_first_arenas_take_is_checked_against_available_memory(monkeypa
     needed = 2 * 64 * 16 * (8 * 4 + 8)
     assert initial_arena_bytes([4, 4], [4, 4], 16, torch.float32, 64) == needed
     monkeypatch.setattr("kvlib.devices.available_bytes", lambda device: needed - 1)
-    monkeypatch.setattr("kvlib.paged_store.PagePool", no_pools)
+    monkeypatch.setattr("kvlib.storage.pool_factory.PagePool", no_pools)
     with pytest.raises(ValueError, match=rf"would allocate {needed} bytes .* on cpu up front, more than the {needed - 1} bytes"):
-        PagedStore(2, 2, 4)
+        PagedStore(StoreConfig(2, 2, 4))
     monkeypatch.undo()
     monkeypatch.setattr("kvlib.devices.available_bytes", lambda device: needed)
-    assert PagedStore(2, 2, 4).memory_bytes()["reserved"] == needed  # the estimate is what is taken
+    assert PagedStore(StoreConfig(2, 2, 4)).memory_bytes()["reserved"] == needed  # the estimate is what is taken
 
 
 def test_a_drained_store_gives_back_its_mirrors_and_table_rows() -> None:
-    store = PagedStore(2, 2, 4, page_size=4)
+    store = PagedStore(StoreConfig(2, 2, 4, page_size=4))
     empty = store.memory_bytes()
     seqs = [store.new_sequence() for _ in range(5)]
     for layer in range(2):
@@ -497,7 +497,7 @@ def test_truncate_rejects_bad_layers_and_ids(store: PagedStore) -> None:
 
 def build_twins() -> tuple[PagedStore, PagedStore]:
     """A store with the read mirror and one without, for comparing reads."""
-    return tuple(PagedStore(1, 2, 4, page_size=4, pages_per_layer=2, read_cache=flag) for flag in (True, False))
+    return tuple(PagedStore(StoreConfig(1, 2, 4, page_size=4, pages_per_layer=2, read_cache=flag)) for flag in (True, False))
 
 
 @pytest.mark.parametrize("lengths", [(5, 5), (8, 3), (0, 2), (4, 4), (20, 20)])
@@ -531,7 +531,7 @@ def test_truncate_drops_the_mirror_of_another_batch() -> None:
     mirrored.read(0, [a, b])
     for store in (mirrored, plain):
         store.truncate(0, [b], 3)
-    assert mirrored._read_caches[0] is None
+    assert mirrored.mirrors[0] is None
     assert_reads_equal(mirrored.read(0, [a, b]), plain.read(0, [a, b]))
     assert_reads_equal(mirrored.read(0, [b, a]), plain.read(0, [b, a]))
 
@@ -557,8 +557,8 @@ class Twin:
 
     def __init__(self, read_cache: bool = True, layers: int = 1, heads: int = 2, **kwargs) -> None:
         kwargs = {"page_size": 4, "pages_per_layer": 1, **kwargs}
-        self.store = PagedStore(layers, heads, 4, read_cache=read_cache, **kwargs)
-        self.reference = PagedStore(layers, heads, 4, read_cache=False, **kwargs)
+        self.store = PagedStore(StoreConfig(layers, heads, 4, read_cache=read_cache, **kwargs))
+        self.reference = PagedStore(StoreConfig(layers, heads, 4, read_cache=False, **kwargs))
         self.heads = heads
         self.seed = 0
 
@@ -782,7 +782,7 @@ def test_release_and_reuse_in_the_middle(fast_steps: list) -> None:
 
 
 def test_fast_path_in_a_full_fixed_pool(fast_steps: list) -> None:
-    store = PagedStore(1, 2, 4, page_size=4, pages_per_layer=2, fixed_capacity=True)
+    store = PagedStore(StoreConfig(1, 2, 4, page_size=4, pages_per_layer=2, fixed_capacity=True))
     seq = store.new_sequence()
     keys = step(1, 2, 5)
     store.append(0, [seq], keys[:, :, :1], -keys[:, :, :1])
@@ -815,7 +815,7 @@ def test_a_truncation_a_full_fixed_pool_cannot_serve_changes_nothing() -> None:
 
     shapes = layer_shapes(1, 1, 4, 4, 4, torch.float32, torch.device("cpu"))
     codecs: list[PageCodec] = Int8().layer_codecs(shapes)
-    store = PagedStore(1, 1, 4, page_size=4, pages_per_layer=2, fixed_capacity=True, codecs=codecs)
+    store = PagedStore(StoreConfig(1, 1, 4, page_size=4, pages_per_layer=2, fixed_capacity=True, codecs=codecs))
     seq = store.new_sequence()
     store.append(0, [seq], torch.randn(1, 1, 8, 4), torch.randn(1, 1, 8, 4))
     assert store.seal(0, [seq]) == 2
@@ -832,7 +832,7 @@ def test_a_truncation_a_full_fixed_pool_cannot_serve_changes_nothing() -> None:
 
 
 def test_a_store_used_under_inference_mode_can_be_changed_outside_it() -> None:
-    store = PagedStore(2, 2, 4, page_size=4)
+    store = PagedStore(StoreConfig(2, 2, 4, page_size=4))
     with torch.inference_mode():
         seq = store.new_sequence()
         for layer in range(2):
@@ -845,7 +845,7 @@ def test_a_store_used_under_inference_mode_can_be_changed_outside_it() -> None:
 
 
 def test_overwrite_rewrites_stored_tokens_and_refuses_shared_pages() -> None:
-    store = PagedStore(1, 2, 4, page_size=4)
+    store = PagedStore(StoreConfig(1, 2, 4, page_size=4))
     seq = store.new_sequence()
     keys, values = torch.randn(1, 2, 10, 4), torch.randn(1, 2, 10, 4)
     store.append(0, [seq], keys, values)
@@ -866,7 +866,7 @@ def test_read_mirror_follows_sequences_leaving_and_joining_the_batch() -> None:
     """The dense mirror drops released rows and gathers only joining ones; reads always equal a
     store without the mirror."""
     generator = torch.Generator().manual_seed(0)
-    stores = [PagedStore(2, 2, 4, page_size=4, read_cache=flag) for flag in (True, False)]
+    stores = [PagedStore(StoreConfig(2, 2, 4, page_size=4, read_cache=flag)) for flag in (True, False)]
     seqs = [[store.new_sequence() for _ in range(4)] for store in stores]
     def append(batch: list[int], tokens: int) -> None:
         keys = torch.randn(len(batch), 2, tokens, 4, generator=generator)
@@ -884,12 +884,12 @@ def test_read_mirror_follows_sequences_leaving_and_joining_the_batch() -> None:
     same([0, 1, 2])
     for store, ids in zip(stores, seqs):
         store.release([ids[1]])
-    assert stores[0]._read_caches[0].rows == (seqs[0][0], seqs[0][2])  # kept, without the released row
+    assert stores[0].mirrors[0].rows == (seqs[0][0], seqs[0][2])  # kept, without the released row
     append([0, 2], 1)
     same([0, 2])
     append([0, 2, 3], 1)  # the mirror extends its rows; sequence 3 joins at the read
     same([0, 2, 3])
-    assert stores[0]._read_caches[1].rows == (seqs[0][0], seqs[0][2], seqs[0][3])
+    assert stores[0].mirrors[1].rows == (seqs[0][0], seqs[0][2], seqs[0][3])
     append([0, 2, 3], 3)
     same([0, 2, 3])
 
@@ -908,7 +908,7 @@ def filled_store(lengths: list[int], page_size: int, device_pages: int | None, s
     """A one-layer store (2 KV heads, head_dim 8) holding sequences of ``lengths`` tokens, appended
     in uneven steps (so a tiered store's earlier pages leave the device)."""
     generator = torch.Generator().manual_seed(seed)
-    store = PagedStore(1, 2, 8, page_size=page_size, key_summaries=True, device_pages=device_pages, read_cache=False)
+    store = PagedStore(StoreConfig(1, 2, 8, page_size=page_size, key_summaries=True, device_pages=device_pages, read_cache=False))
     seqs = [store.new_sequence() for _ in lengths]
     for seq, length in zip(seqs, lengths):
         done = 0

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvlib import PagedStore
+from kvlib import PagedStore, StoreConfig
 from kvlib.slot_reuse import hole_fill
 
 HEADS, DIM = 2, 3
@@ -24,7 +24,7 @@ def token_sets(store: PagedStore, seq: int) -> list[set[tuple]]:
 
 
 def filled_store(page_size: int, length: int, forked: bool) -> tuple[PagedStore, int, int | None]:
-    store = PagedStore(1, HEADS, DIM, page_size=page_size, pages_per_layer=2)
+    store = PagedStore(StoreConfig(1, HEADS, DIM, page_size=page_size, pages_per_layer=2))
     seq = store.new_sequence()
     data = torch.arange(length * HEADS * DIM, dtype=torch.float32).view(1, HEADS, length, DIM)
     store.append(0, [seq], data, -data)

@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvlib import PagedStore
+from kvlib import PagedStore, StoreConfig
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
 def run_script(device: str, dtype: torch.dtype) -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(0)
-    store = PagedStore(2, 2, 8, page_size=4, dtype=dtype, device=device, pages_per_layer=2)
+    store = PagedStore(StoreConfig(2, 2, 8, page_size=4, dtype=dtype, device=device, pages_per_layer=2))
     a, b = store.new_sequence(), store.new_sequence()
     outputs = []
     for layer in range(2):

@@ -28,7 +28,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kvlib import PagedStore
+from kvlib import PagedStore, StoreConfig
 from kvlib.codec import Field, PageCodec, TensorCodec, layer_shapes
 from kvlib.storage.coded_pool import CodedPagePool
 from kvlib.storage.disk_tier import DiskTier
@@ -87,18 +87,22 @@ class StoreMachine(RuleBasedStateMachine):
 
     @initialize(page_size=st.integers(1, 5), pages=st.integers(0, 3), prefetch=st.booleans())
     def setup(self, page_size: int, pages: int, prefetch: bool) -> None:
+        disk_tier = self.disk_tier()
         self.store = PagedStore(
-            len(HEADS),
-            list(HEADS),
-            list(KEY_DIMS),
-            value_dim=list(VALUE_DIMS),
-            page_size=page_size,
-            pages_per_layer=pages,
-            codecs=reversing_codecs(page_size) if self.coded else None,
-            device_pages=5 if self.tiered else None,
-            key_summaries=self.summarized,
-            prefetch=PagePrefetcher(torch.device("cpu"), fetch_host=True) if self.tiered and prefetch else False,
-            **self.disk_tier(),
+            StoreConfig(
+                len(HEADS),
+                list(HEADS),
+                list(KEY_DIMS),
+                value_dim=list(VALUE_DIMS),
+                page_size=page_size,
+                pages_per_layer=pages,
+                codecs=reversing_codecs(page_size) if self.coded else None,
+                device_pages=5 if self.tiered else None,
+                key_summaries=self.summarized,
+                **disk_tier,
+            ),
+            spill=self.spill if disk_tier else None,
+            prefetcher=PagePrefetcher(torch.device("cpu"), fetch_host=True) if self.tiered and prefetch else None,
         )
         self.page_size = page_size
         self.model: dict[int, list[list[list[Token]]]] = {}  # seq -> layer -> head -> tokens
@@ -108,12 +112,13 @@ class StoreMachine(RuleBasedStateMachine):
         self.last_append: tuple[int, list[int]] | None = None  # (layer, batch) of the last append
 
     def disk_tier(self) -> dict:
-        """With ``spilling``: 3 host pages per layer and a disk tier behind them (a fresh directory)."""
+        """With ``spilling``: 3 host pages per layer and a disk tier behind them (``self.spill``, in a
+        fresh directory); the config's part."""
         if not self.spilling:
             return {}
         self.directory = tempfile.mkdtemp(prefix="kvlib-spill-")
         self.spill = SpillStore(DiskTier(self.directory, capacity_bytes=1), capacity_bytes=1 << 26)
-        return {"host_pages": 3, "spill": self.spill, "disk_pages": 1000}
+        return {"host_pages": 3, "disk_pages": 1000}
 
     def teardown(self) -> None:
         if self.spilling and hasattr(self, "spill"):

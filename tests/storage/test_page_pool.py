@@ -12,7 +12,7 @@ from kvlib.storage import PagePool
 
 
 def make_pool(capacity: int = 4, fixed: bool = False) -> PagePool:
-    return PagePool(4, 2, 3, torch.float32, torch.device("cpu"), capacity, fixed)
+    return PagePool(page_size=4, head_dim=2, value_dim=3, dtype=torch.float32, device=torch.device("cpu"), capacity=capacity, fixed=fixed)
 
 
 def test_allocate_hands_out_lowest_ids_first_and_counts_bytes() -> None:

@@ -82,13 +82,13 @@ def test_a_data_file_cut_short_while_open_loses_the_pages_without_a_crash(tmp_pa
 SPILLER = textwrap.dedent(
     """
     import sys, time, torch
-    from kvlib import PagedStore
+    from kvlib import PagedStore, StoreConfig
     from kvlib.storage.disk_tier import DiskTier
     from kvlib.storage.spill_store import SpillStore
     disk = DiskTier(sys.argv[1], capacity_bytes=1 << 20)
     assert disk.put(b"p" * 32, b"a prefix record")
-    store = PagedStore(1, 1, 4, page_size=2, device_pages=2, host_pages=2,
-                       spill=SpillStore(disk, capacity_bytes=1 << 20), disk_pages=100)
+    store = PagedStore(StoreConfig(1, 1, 4, page_size=2, device_pages=2, host_pages=2, disk_pages=100),
+                       spill=SpillStore(disk, capacity_bytes=1 << 20))
     seq = store.new_sequence()
     store.append(0, [seq], torch.randn(1, 1, 20, 4), torch.randn(1, 1, 20, 4))
     assert store.pools[0].pages_on_disk > 0

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvlib import PagedStore
+from kvlib import PagedStore, StoreConfig
 from kvlib.codec import layer_shapes
 from kvlib.policies.lowrank.minicache import MiniCache, merge_pages
 from kvlib.storage.partnered_pool import PartneredPagePool
@@ -40,7 +40,7 @@ def test_merged_direction_is_the_slerp_and_retained_tokens_stay_exact(seed: int,
 def minicache_store(layers: int = 4, page_size: int = 4, **params) -> tuple[PagedStore, MiniCache]:
     strategy = MiniCache(**params)
     codecs = strategy.layer_codecs(layer_shapes(layers, 2, 8, 8, page_size, torch.float32, torch.device("cpu")))
-    return PagedStore(layers, 2, 8, page_size=page_size, codecs=codecs, read_cache=False), strategy
+    return PagedStore(StoreConfig(layers, 2, 8, page_size=page_size, codecs=codecs, read_cache=False)), strategy
 
 
 def test_pairs_are_sealed_together_and_decode_to_the_merge() -> None:

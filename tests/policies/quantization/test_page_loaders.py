@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from kvlib.codec import layer_shapes
 from kvlib.paged_store import PagedStore
 from kvlib.spec_text import parse_strategy
+from kvlib.store_config import StoreConfig
 from tests.kvlib.test_paged_attention import sdpa_reference
 
 CODECS = ["kivi(bits=2)", "kivi(bits=4, group=4)", "kivi(bits=8)", "kv_bits(key_bits=4, value_bits=2)", "kv_bits(key_bits=8, value_bits=4, group=8)", "int8", "fp8"]
@@ -22,7 +23,7 @@ def coded_store(spec: str, kv_heads: int, dims: tuple[int, int], page_size: int,
     """A one-layer store whose sealed pages are encoded by ``spec``'s codec."""
     shapes = layer_shapes(1, kv_heads, dims[0], dims[1], page_size, dtype, torch.device("cpu"))
     codecs = parse_strategy(spec).layer_codecs(shapes)
-    return PagedStore(1, kv_heads, dims[0], value_dim=dims[1], page_size=page_size, dtype=dtype, codecs=codecs, read_cache=False)
+    return PagedStore(StoreConfig(1, kv_heads, dims[0], value_dim=dims[1], page_size=page_size, dtype=dtype, codecs=codecs, read_cache=False))
 
 
 def fill(store: PagedStore, batch: int, generator: torch.Generator) -> list[int]:
