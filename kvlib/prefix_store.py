@@ -48,7 +48,6 @@ from kvlib.errors import DiskTierUnavailable
 from kvlib.model_identity import ModelIdentity
 from kvlib.paged_store import PagedStore
 from kvlib.prefix_index import Entry, PrefixIndex
-from kvlib.storage.coded_pool import CodedPagePool
 from kvlib.storage.disk_tier import DiskTier, open_disk_tier
 from kvlib.storage.page_record import Block, Layout, decode_parts, encode_parts, record_size
 
@@ -178,7 +177,7 @@ class PrefixStore:
     def _disk_layout(self, namespace: str) -> Layout | None:
         """The record layout of ``namespace``, or None when its pages do not go to disk."""
         store = self.stores.get(namespace)
-        if self.disk is None or store is None or any(isinstance(pool, CodedPagePool) for pool in store.pools):
+        if self.disk is None or store is None or not all(pool.pages_in_compute_dtype for pool in store.pools):
             return None
         pool = store.pools[0]
         digest = hashlib.blake2b(self._key_space(namespace), digest_size=16).digest()

@@ -37,6 +37,8 @@ _MIN_RAW_PAGES = 16
 class CodedPagePool(PagePool):
     """A :class:`PagePool` that encodes sealed pages with ``codec`` (see the module docstring)."""
 
+    pages_in_compute_dtype = False
+
     shrinks = False
     """Per-page state beyond the arenas (encoded fields, raw rows / tier rows) is not relocated."""
 

@@ -69,6 +69,10 @@ class PagePool:
     """Whether :meth:`write` wants its slots on the CPU (where it looks page state up) rather than
     on the arena device."""
 
+    pages_in_compute_dtype = True
+    """Whether every page holds its keys and values in the compute dtype (what a prefix store's
+    disk records hold); a coded pool's sealed pages do not."""
+
     partner_layer: int | None = None
     """The earlier layer whose pool this pool's sealed pages lean on (None: none; see
     :class:`~kvlib.storage.partnered_pool.PartneredPagePool`)."""
