@@ -43,6 +43,7 @@ from kvlib.limits import check_page_size
 from kvlib.open_pages import OpenPages
 from kvlib.page_indexing import first_occurrences, heads_to_copy, page_coordinates, sorted_keep
 from kvlib.paged_attention import PagedLayer
+from kvlib.placement import Placement
 from kvlib.read_cache import DenseReadCache, LayerRead
 from kvlib.slot_reuse import HoleFill, hole_fill
 from kvlib.storage.coded_pool import CodedPagePool
@@ -104,6 +105,9 @@ class PagedStore:
             a copy stream on CUDA); the next read of that layer takes them. Reads return the
             same with or without it. True for a default
             :class:`~kvlib.storage.page_prefetch.PagePrefetcher`, or one to use.
+        placement: with ``device_pages``, the rule ordering the pages that leave the device and
+            the host (a tiering strategy; see :mod:`kvlib.placement`). None: lowest placement
+            score first, then least recently written.
     """
 
     @outside_inference_mode
@@ -127,6 +131,7 @@ class PagedStore:
         spill: SpillStore | None = None,
         disk_pages: int = 0,
         prefetch: bool | PagePrefetcher = False,
+        placement: Placement | None = None,
     ) -> None:
         if not isinstance(num_layers, int) or num_layers < 1:
             raise ValueError(f"num_layers must be a positive int, got {num_layers!r}")
@@ -167,7 +172,8 @@ class PagedStore:
             if codec is None and device_pages is not None:
                 layer_spill = None if spill is None else spill.layer(i, page_size, keys_dim[i], values_dim[i], dtype)
                 pool: PagePool = TieredPagePool(
-                    *shape, device_pages, pages_per_layer, fixed_capacity, host_pages, key_summaries, layer_spill, disk_pages
+                    *shape, device_pages, pages_per_layer, fixed_capacity, host_pages, key_summaries, layer_spill, disk_pages,
+                    placement=placement,
                 )
             elif codec is None:
                 pool = PagePool(*shape, pages_per_layer, fixed_capacity, key_summaries)
