@@ -96,7 +96,7 @@ class TieredPagePool(PagePool):
         self.disk = DiskPages(self.spill, self.disk_pages, capacity)
         self.device_row = torch.full((capacity,), -1, dtype=torch.int64)
         self.host_row = torch.full((capacity,), -1, dtype=torch.int64)
-        self.placement = PlacementState(capacity, self._leaving_order)
+        self.placement_state = PlacementState(capacity, self._leaving_order)
         self.moves_to_host = self.moves_to_device = self.moves_to_disk = 0
         """Pages moved onto each tier since creation."""
         self.pages_read = self.host_pages_read = self.prefetched_pages_read = 0
@@ -111,14 +111,14 @@ class TieredPagePool(PagePool):
         self.device_row = extend_rows(self.device_row, capacity, -1)
         self.host_row = extend_rows(self.host_row, capacity, -1)
         self.disk.grow(capacity)
-        self.placement.grow(capacity)
+        self.placement_state.grow(capacity)
 
     # -- sizes ---------------------------------------------------------------------------------
 
     @property
     def page_score(self) -> torch.Tensor:
         """Placement score of each page (float32, CPU): higher stays on the device; ``+inf`` until ranked."""
-        return self.placement.score
+        return self.placement_state.score
 
     @property
     def on_disk(self) -> torch.Tensor:
@@ -156,7 +156,7 @@ class TieredPagePool(PagePool):
         as just used and score ``+inf`` until ranked. If the tiers cannot take them the pages go
         back to the free stack and the error propagates (pages already held only moved)."""
         self._pending.settle()
-        self.placement.allocated(ids)
+        self.placement_state.allocated(ids)
         try:
             self._to_device_rows(ids[-max(1, self.device_pages // 2) :])
         except PoolExhaustedError:
@@ -181,7 +181,7 @@ class TieredPagePool(PagePool):
         resident = resident[~torch.isin(resident, keep)]
         if resident.numel() < excess:
             raise PoolExhaustedError(f"host tier full: {count} pages needed at once; its budget is {self.host_pages} pages")
-        self._to_disk(self.placement.leaving(resident, "host")[:excess])
+        self._to_disk(self.placement_state.leaving(resident, "host")[:excess])
 
     def _to_disk(self, ids: torch.Tensor) -> None:
         """Move host pages ``ids`` to disk (one transaction; if it fails nothing moved)."""
@@ -221,7 +221,7 @@ class TieredPagePool(PagePool):
             self._make_host_room(short, keep=wanted)
             resident = (self.device_row >= 0).nonzero().squeeze(-1)
             resident = resident[~torch.isin(resident, wanted)]  # never the pages asked for
-            self._to_host(self.placement.leaving(resident, "device")[:short])
+            self._to_host(self.placement_state.leaving(resident, "device")[:short])
         rows = self._device_free.pop(ids.numel())
         coming = self.host_row[ids] >= 0
         if bool(coming.any()):  # pages on the host come back with their data
@@ -243,14 +243,14 @@ class TieredPagePool(PagePool):
 
     def rank(self, ids: torch.Tensor, scores: torch.Tensor) -> None:
         """Give pages ``ids`` (int64, in use) placement ``scores`` (float, CPU; a page named more than
-        once takes its highest), then move the pages in use the placement's order has leave the
-        device last onto it (at most ``device_pages``), the others leaving it in that order, to
-        the host and, when it is full, on to disk; in batches of at most the host budget (so the
-        host can take each)."""
+        once takes its highest), then move onto the device the ``device_pages`` pages in use that
+        come last in the placement's order, the others leaving it in that order, to the host
+        and, when it is full, on to disk; in batches of at most the host budget (so the host can
+        take each)."""
         self._pending.settle()
-        self.placement.rank(ids, scores)
+        self.placement_state.rank(ids, scores)
         in_use = (self.refcount > 0).nonzero().squeeze(-1)
-        staying = self.placement.leaving(in_use, "device").flip(0)[: self.device_pages]
+        staying = self.placement_state.leaving(in_use, "device").flip(0)[: self.device_pages]
         coming = staying[self.device_row[staying] < 0]
         step = min(self.device_pages, self.host_pages or self.device_pages)
         for first in range(0, coming.numel(), step):  # each batch displaces the device pages leaving first
@@ -284,7 +284,7 @@ class TieredPagePool(PagePool):
         for first in range(0, pages.numel(), step):
             batch = pages[first : first + step]
             self._to_device_rows(batch)
-            self.placement.used(batch)
+            self.placement_state.used(batch)
             chosen = torch.isin(page_of, batch)
             where = chosen.nonzero().squeeze(-1)
             index = to_arena_device(self.device_row[page_of[where]] * self.page_size + slots[where] % self.page_size, self.device)
@@ -347,7 +347,7 @@ class TieredPagePool(PagePool):
         elsewhere = on_device < 0
         self.pages_read += ids.numel()
         self.host_pages_read += int((on_host >= 0).sum())
-        filled = self._pending.fill(ids, keys, values, stamps=self.placement.last_use[ids], in_use=self.refcount[ids] > 0, wanted=elsewhere)
+        filled = self._pending.fill(ids, keys, values, stamps=self.placement_state.last_use[ids], in_use=self.refcount[ids] > 0, wanted=elsewhere)
         self.prefetched_pages_read += int(filled.sum())
         elsewhere &= ~filled
         there = ((on_host >= 0) & elsewhere).nonzero().squeeze(-1)
@@ -376,7 +376,7 @@ class TieredPagePool(PagePool):
         disk_ids = ids[self.on_disk[ids]]
         self._pending.start(
             prefetcher, host=self.host, host_ids=host_ids, host_rows=self.host_row[host_ids], spill=self.spill,
-            disk_ids=disk_ids, stamps=self.placement.last_use[torch.cat([host_ids, disk_ids])],
+            disk_ids=disk_ids, stamps=self.placement_state.last_use[torch.cat([host_ids, disk_ids])],
             page_shape=(self.page_size, self.head_dim, self.value_dim),
         )
 
@@ -391,7 +391,7 @@ class TieredPagePool(PagePool):
             keys, values = self.read_pages(source[first : first + step])
             batch = target[first : first + step]
             self._to_device_rows(batch)
-            self.placement.used(batch)
+            self.placement_state.used(batch)
             rows = to_arena_device(self.device_row[batch], self.device)
             self.keys.index_copy_(0, rows, keys)
             self.values.index_copy_(0, rows, values)
