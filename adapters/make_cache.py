@@ -152,7 +152,7 @@ def _check_reuse(model: torch.nn.Module, spec: Spec, codec: Codec | None, reuse:
 
 def _check_page_retrieval(spec: Spec, reuse: PrefixStore | None) -> None:
     """``ValueError`` for what a page-retrieval strategy (``quest``) does not combine with yet."""
-    if spec.tiering is None or not spec.tiering.key_summaries:
+    if spec.tiering is None or not spec.tiering.retrieves_pages:
         return
     if spec.eviction is not None:
         raise ValueError(

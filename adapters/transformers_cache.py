@@ -197,7 +197,7 @@ class KVCache(Cache):
         first_tokens = self._holds_nothing(layer_idx, key_states)
         self.store.append(layer_idx, self._rows, key_states, value_states)
         self._seen[layer_idx] += key_states.shape[2]
-        if self.tiering is not None and self.tiering.key_summaries and self.tiering.sparse(layer_idx, key_states.shape[2]):
+        if self.tiering is not None and self.tiering.retrieves_pages and self.tiering.sparse(layer_idx, key_states.shape[2]):
             return self._publish_new_tokens(key_states, value_states, layer_idx, offset, kwargs, sparse=True)
         if first_tokens:  # the layer holds exactly this call's tokens: attention runs over them as given
             return self._publish_new_tokens(key_states, value_states, layer_idx, offset, kwargs, identity=self._identity[layer_idx])
@@ -625,6 +625,7 @@ class KVCache(Cache):
             host_pages=self._host_pages(dtype),
             key_summaries=self.tiering is not None and self.tiering.key_summaries,
             disk_pages=disk_tier.get("disk_pages", 0),
+            placement=self.tiering,
         )
         prefetch = self.tiering is not None and self.tiering.prefetches()
         return PagedStore(config, spill=disk_tier.get("spill"), prefetcher=PagePrefetcher(config.device) if prefetch else None)

@@ -12,6 +12,7 @@ from kvlib.codec import PageCodec
 from kvlib.devices import resolve_device
 from kvlib.errors import quoted
 from kvlib.limits import check_page_size
+from kvlib.placement import Placement
 
 DEFAULT_PAGES_PER_LAYER = 64
 """Pages each layer's arena holds when a store is built (a growable arena grows from there)."""
@@ -49,6 +50,9 @@ class StoreConfig:
             ``quest``). Not combined with codecs.
         disk_pages: with a spill (disk tier) given to the store, at most this many pages of each
             layer on disk.
+        placement: with ``device_pages``, the rule ordering the pages that leave the device and
+            the host (a tiering strategy; see :mod:`kvlib.placement`). None: lowest placement
+            score first, then least recently written.
 
     Invalid values raise ``ValueError`` when the config is made.
     """
@@ -68,6 +72,7 @@ class StoreConfig:
     host_pages: int | None = None
     key_summaries: bool = False
     disk_pages: int = 0
+    placement: Placement | None = None
 
     def __post_init__(self) -> None:
         num_layers, fixed = self.num_layers, self.fixed_capacity

@@ -31,6 +31,7 @@ import torch
 
 from kvlib.codec import Codec
 from kvlib.params import coerce, field_default
+from kvlib.placement import PageStats, lowest_score_first
 from kvlib.registry import declare_kinds
 from kvlib.spec_text import parse_strategy
 
@@ -240,12 +241,17 @@ class Tiering(Strategy):
     """Decides where pages live (device, host, disk) and when they move.
 
     ``device_pages`` / ``host_pages`` give each layer's page budgets (None: no budget, every page
-    on the device / an unbounded host tier); ``key_summaries`` asks the store to keep each page's
-    key min and max on the device (page retrieval by query, as ``quest`` does).
+    on the device / an unbounded host tier). :meth:`leaving_order` is the strategy's placement
+    rule (a :class:`~kvlib.placement.Placement`): the order in which pages leave the device and
+    the host, which the tiered pools apply (:mod:`kvlib.placement`). ``key_summaries`` asks the
+    store to keep each page's key min and max on the device; a strategy that also chooses the
+    pages each step reads is a :class:`PageRetrieval`.
     """
 
     kind = "tiering"
     key_summaries: ClassVar[bool] = False
+    retrieves_pages: ClassVar[bool] = False
+    """Whether this is a :class:`PageRetrieval` (chooses the pages some layer calls attend over)."""
 
     def device_pages(self, num_layers: int, page_bytes: int) -> int | None:
         """Pages of ``page_bytes`` each layer may keep on the device (None: all)."""
@@ -268,6 +274,13 @@ class Tiering(Strategy):
         background thread (see :mod:`kvlib.storage.page_prefetch`); not by default."""
         return False
 
+    def leaving_order(self, pages: PageStats) -> torch.Tensor:
+        """int64 ``[len(pages.ids)]``: the candidate pages' indices in the order they leave
+        ``pages.tier``, first to leave first (see :class:`~kvlib.placement.Placement`). By default
+        :func:`~kvlib.placement.lowest_score_first`: least recently written until pages are
+        ranked."""
+        return lowest_score_first(pages)
+
     def refreshes_ranking(self, tokens_seen: int, query_length: int) -> bool:
         """Whether the layer call that brought the layer to ``tokens_seen`` tokens (``query_length``
         of them new) should re-rank its pages with :meth:`ranking_scores` (never, by default)."""
@@ -277,6 +290,39 @@ class Tiering(Strategy):
         """Per-token placement scores ``[batch, kv_heads, slots]``, higher stays on the device
         (asked for only when :meth:`refreshes_ranking` says so)."""
         raise NotImplementedError(f"{type(self).__name__} does not rank pages")
+
+
+class PageRetrieval(Tiering, abc.ABC):
+    """A tiering strategy that chooses the pages some layer calls attend over (``quest``).
+
+    The store keeps each page's channel-wise key min and max on the device (``key_summaries``).
+    At a layer call :meth:`sparse` accepts, the cache stores the new tokens, hands
+    :meth:`select_pages` the query and the bounds of the pages each (row, KV head) holds, and
+    attention runs over the chosen pages only, read from whichever tier holds them; nothing is
+    evicted, and the next call may choose others. Other calls attend over every page.
+    """
+
+    key_summaries = True
+    retrieves_pages = True
+
+    @abc.abstractmethod
+    def sparse(self, layer_idx: int, query_length: int) -> bool:
+        """Whether a call of layer ``layer_idx`` with ``query_length`` new tokens per row attends
+        over chosen pages only (:meth:`select_pages`) rather than over all of them."""
+
+    @abc.abstractmethod
+    def select_pages(self, query: torch.Tensor, key_min: torch.Tensor, key_max: torch.Tensor, pages_used: torch.Tensor) -> torch.Tensor:
+        """The pages to attend over: int64 ``[batch, kv_heads, k]`` on the CPU, indices into each
+        head's block table (page 0 holds its first stored tokens), ascending, ``-1`` last where a
+        head chooses fewer than ``k``.
+
+        ``query`` ``[batch, query_heads, 1, head_dim]``: the call's query after RoPE (query heads
+        grouped by KV head, as ``repeat_kv`` lays them out). ``key_min`` / ``key_max`` ``[batch,
+        kv_heads, pages, head_dim]``: each held page's channel-wise key minimum and maximum
+        (after RoPE), on the store's device. ``pages_used`` int64 ``[batch, kv_heads]``: pages
+        each head holds (its newest, holding the current token, is the last; entries past it are
+        not pages).
+        """
 
 
 KIND_BASES: dict[str, type[Strategy]] = declare_kinds(Eviction, Budget, Quantization, LowRank, Reuse, Tiering)

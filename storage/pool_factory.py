@@ -43,6 +43,7 @@ def build_pools(config: StoreConfig, *, spill: SpillStore | None = None) -> list
             pool: PagePool = TieredPagePool(
                 **shape, **arena, device_pages=config.device_pages, host_pages=config.host_pages,
                 key_summaries=config.key_summaries, spill=layer_spill, disk_pages=config.disk_pages,
+                placement=config.placement,
             )
         elif codec is None:
             pool = PagePool(**shape, **arena, key_summaries=config.key_summaries)

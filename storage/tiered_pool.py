@@ -2,36 +2,26 @@
 (optionally) page records on disk behind the host.
 
 Every page in use has its keys and values in exactly one tier: ``device_row[page] >= 0`` (a row
-of the device arena), ``host_row[page] >= 0`` (a row of the host arena, pinned memory when the
-device is CUDA) or ``on_disk[page]`` (a record of the layer's
-:class:`~kvlib.storage.spill_store.LayerSpill`). Positions stay in the base pool's arena for
-every page (bookkeeping).
+of the device arena), ``host_row[page] >= 0`` (a row of the pool's :mod:`~kvlib.storage.host_arena`)
+or ``on_disk[page]`` (a record of the layer's spill, :mod:`kvlib.storage.disk_pages`). Positions
+stay in the base pool's arena for every page (bookkeeping).
 
-Placement is least recently used: each page carries the clock of its last allocation or write
-(reads do not count: a decode step reads every page); when a page needs a device row and none is
-free, the device pages written longest ago move to the host, in one batch. A placement that
-scores pages (``score_aware``) gives them scores with :meth:`TieredPagePool.rank`: the lowest
-scored then leave first (the least recently written among equal scores; new pages score
-``+inf`` until ranked), and ranking moves the best-scored pages in use onto the device. Writes go to the device (a host page written is brought back first);
-reads copy host pages straight into the read buffer without moving them (so reading the whole
-history each decode step does not thrash the device arena).
+Placement: the pool keeps each page's facts (:class:`~kvlib.placement.PageStats`: the clock of
+its last allocation or write, reads not counting; its placement score, ``+inf`` until ranked)
+and applies the order of the placement rule it was built with (:mod:`kvlib.placement`; by
+default :func:`~kvlib.placement.lowest_score_first`): when a page needs a device row and none is
+free, the device pages that leave first move to the host, in one batch; with a disk tier, a move
+that would take the host past its budget first sends the host pages that leave first to disk, in
+one transaction (past ``disk_pages``: :class:`~kvlib.errors.PoolExhaustedError`, nothing moved);
+:meth:`TieredPagePool.rank` scores pages and moves those the order keeps onto the device.
 
-Disk: with a ``spill`` and ``host_pages``, a move that would take the host past its budget first
-sends the host pages written longest ago to disk, in one transaction (past ``disk_pages`` it
-raises :class:`~kvlib.errors.PoolExhaustedError` instead, changing nothing). Like host pages,
-spilled pages are read where they are (checked records copied into the read buffer, left on
-disk: a decode step reads every page, and moving them back would push others out each step); a
-write brings a page back to the device and deletes its record, and so does freeing it.
-
-Attention reads the pages in place (:meth:`TieredPagePool.paged_layer`): device pages where they
-lie, and only the block table's host and spilled pages copied into a staging area that follows
-the device rows in the same arena (read as :meth:`read_pages` reads them, prefetch included;
-nothing moves tier), so the page kernel reads one arena. The staging rows are kept for the next
-call (reserved, grown geometrically); the pages staged by a call are its transient workspace.
-
-Prefetch: :meth:`TieredPagePool.prefetch` starts copying host and spilled pages towards the
-device on a :class:`~kvlib.storage.page_prefetch.PagePrefetcher`'s thread; the next read takes
-those still unchanged. Every method that changes the tiers first waits for the running job.
+Writes go to the device (a host or spilled page written is brought back first, its record
+deleted; freeing deletes it too). Reads copy host and spilled pages straight into the read
+buffer without moving them (a decode step reads every page; moving them would thrash the device).
+Attention reads the pages in place (:meth:`TieredPagePool.paged_layer`, staging only off-device
+pages: :mod:`kvlib.storage.staging_arena`). :meth:`TieredPagePool.prefetch` starts copying host
+and spilled pages towards the device on a thread (:mod:`kvlib.storage.pending_fetch`); every
+method that changes the tiers first waits for it.
 
 Invariants (``tests/kvlib/test_store_state_machine.py``, ``TieredStoreMachine`` and
 ``SpillingStoreMachine``): a page in use is in exactly one tier; the pages on each tier never
@@ -41,25 +31,28 @@ written, whatever tier holds it.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from kvlib.arena_sources import arena_source_for
-from kvlib.devices import byte_rows, host_buffer, reads_pages_in_place, to_arena_device
+from kvlib.devices import reads_pages_in_place, to_arena_device
 from kvlib.errors import PoolExhaustedError
 from kvlib.paged_attention import PagedLayer
+from kvlib.placement import Placement, lowest_score_first
+from kvlib.storage.disk_pages import DiskPages
 from kvlib.storage.free_stack import FreeStack
+from kvlib.storage.host_arena import MIN_HOST_PAGES, HostArena
 from kvlib.storage.page_pool import PagePool, extend_rows
-from kvlib.storage.page_prefetch import FetchedPages, PagePrefetcher, PrefetchJob
-from kvlib.storage.spill_store import LayerSpill, SpilledPageLost
-
-_MIN_HOST_PAGES = 16
+from kvlib.storage.page_prefetch import PagePrefetcher
+from kvlib.storage.pending_fetch import PendingFetch
+from kvlib.storage.placement_state import PlacementState
+from kvlib.storage.spill_store import LayerSpill
+from kvlib.storage.staging_arena import StagingArena
 
 
 class TieredPagePool(PagePool):
     """A :class:`PagePool` keeping at most ``device_pages`` pages on its device, the rest on the
     host (at most ``host_pages``, None: unbounded) and, with a ``spill``, at most ``disk_pages``
-    on disk behind it."""
+    on disk behind it, moved in the order of ``placement`` (None: lowest score first)."""
 
     shrinks = False
     """Per-page state beyond the arenas (encoded fields, raw rows / tier rows) is not relocated."""
@@ -79,6 +72,7 @@ class TieredPagePool(PagePool):
         key_summaries: bool = False,
         spill: LayerSpill | None = None,
         disk_pages: int = 0,
+        placement: Placement | None = None,
     ) -> None:
         if not isinstance(device_pages, int) or device_pages < 1:
             raise ValueError(f"device_pages must be an int >= 1, got {device_pages!r}")
@@ -90,51 +84,49 @@ class TieredPagePool(PagePool):
         self.spill = spill
         self.disk_pages = disk_pages if spill is not None else 0
         """At most this many pages on disk (0: no disk tier)."""
+        self._leaving_order = lowest_score_first if placement is None else placement.leaving_order
         super().__init__(
             page_size=page_size, head_dim=head_dim, value_dim=value_dim, dtype=dtype, device=device,
             capacity=capacity, fixed=fixed, key_summaries=key_summaries,
         )
 
     def _init_data(self, capacity: int) -> None:
-        shape = (self.page_size,)
-        rows = min(self.device_pages, max(capacity, _MIN_HOST_PAGES))  # grows up to the budget as needed
-        self.keys = torch.zeros(rows, *shape, self.head_dim, dtype=self.dtype, device=self.device)
-        self.values = torch.zeros(rows, *shape, self.value_dim, dtype=self.dtype, device=self.device)
+        rows = min(self.device_pages, max(capacity, MIN_HOST_PAGES))  # grows up to the budget as needed
+        self.keys = torch.zeros(rows, self.page_size, self.head_dim, dtype=self.dtype, device=self.device)
+        self.values = torch.zeros(rows, self.page_size, self.value_dim, dtype=self.dtype, device=self.device)
         self._device_free = FreeStack(rows)
-        self.host_keys = host_buffer((_MIN_HOST_PAGES, *shape, self.head_dim), self.dtype, self.device)
-        self.host_values = host_buffer((_MIN_HOST_PAGES, *shape, self.value_dim), self.dtype, self.device)
-        self._host_free = FreeStack(_MIN_HOST_PAGES)
+        self.host = HostArena(self.page_size, self.head_dim, self.value_dim, self.dtype, self.device)
+        self.disk = DiskPages(self.spill, self.disk_pages, capacity)
         self.device_row = torch.full((capacity,), -1, dtype=torch.int64)
         self.host_row = torch.full((capacity,), -1, dtype=torch.int64)
-        self.on_disk = torch.zeros(capacity, dtype=torch.bool)
-        self.last_use = torch.zeros(capacity, dtype=torch.int64)
-        self.page_score = torch.full((capacity,), float("inf"))
-        """Placement score of each page (float32, CPU): higher stays on the device; ``+inf`` until ranked."""
-        self._clock = 0
-        self.moves_to_host = 0
-        self.moves_to_device = 0
-        self.moves_to_disk = 0
-        self.pages_read = 0
-        self.host_pages_read = 0
-        self.prefetched_pages_read = 0
+        self.placement_state = PlacementState(capacity, self._leaving_order)
+        self.moves_to_host = self.moves_to_device = self.moves_to_disk = 0
+        """Pages moved onto each tier since creation."""
+        self.pages_read = self.host_pages_read = self.prefetched_pages_read = 0
         """Pages read (whole pages, any tier), of those, host pages copied to the device without
         moving, and host or disk pages taken from a prefetch, since creation."""
-        self._prefetch: PrefetchJob | None = None
-        self._fetched: FetchedPages | None = None
-        self._arena: tuple[torch.Tensor, torch.Tensor] | None = None
-        """Keys and values arenas whose leading rows are ``keys`` and ``values`` (views of them)
-        and whose other rows stage off-device pages for attention (see :meth:`paged_layer`)."""
+        self._pending = PendingFetch()
+        self._staging = StagingArena()
         self.staged_bytes = 0
         """Keys and values bytes the last :meth:`paged_layer` staged (its transient workspace)."""
 
     def _grow_data(self, capacity: int) -> None:
         self.device_row = extend_rows(self.device_row, capacity, -1)
         self.host_row = extend_rows(self.host_row, capacity, -1)
-        self.on_disk = extend_rows(self.on_disk, capacity, False)
-        self.last_use = extend_rows(self.last_use, capacity, 0)
-        self.page_score = extend_rows(self.page_score, capacity, float("inf"))
+        self.disk.grow(capacity)
+        self.placement_state.grow(capacity)
 
     # -- sizes ---------------------------------------------------------------------------------
+
+    @property
+    def page_score(self) -> torch.Tensor:
+        """Placement score of each page (float32, CPU): higher stays on the device; ``+inf`` until ranked."""
+        return self.placement_state.score
+
+    @property
+    def on_disk(self) -> torch.Tensor:
+        """Per page id (bool, CPU): whether the page lies on disk."""
+        return self.disk.on_disk
 
     @property
     def pages_on_device(self) -> int:
@@ -142,11 +134,11 @@ class TieredPagePool(PagePool):
 
     @property
     def pages_on_host(self) -> int:
-        return self.host_keys.shape[0] - self._host_free.free
+        return self.host.held
 
     @property
     def pages_on_disk(self) -> int:
-        return int(self.on_disk.sum())
+        return self.disk.count
 
     def tier_bytes(self) -> dict[str, int]:
         """Bytes of keys and values held on each tier (``device``, ``host``, ``disk``: the pages'
@@ -155,23 +147,10 @@ class TieredPagePool(PagePool):
                 "disk": self.pages_on_disk * self.kv_page_bytes}
 
     def bytes_reserved(self) -> int:
-        rows = self.keys.shape[0] + self.host_keys.shape[0] + self._staging_rows()
+        rows = self.keys.shape[0] + self.host.rows + self._staging.rows(self.keys, self.values)
         return rows * self.kv_page_bytes + self.capacity * self.position_page_bytes
 
-    def _staging_rows(self) -> int:
-        """Rows of the arena past the device rows (staging for attention), 0 before the first use."""
-        return 0 if self._arena is None or not self._arena_current() else self._arena[0].shape[0] - self.keys.shape[0]
-
-    def _arena_current(self) -> bool:
-        """Whether ``keys`` and ``values`` still lie at the start of the staging arena (growing
-        the device rows replaces them)."""
-        return self._arena[0].data_ptr() == self.keys.data_ptr() and self._arena[1].data_ptr() == self.values.data_ptr()
-
     # -- placement -----------------------------------------------------------------------------
-
-    def _use(self, ids: torch.Tensor) -> None:
-        self._clock += 1
-        self.last_use[ids] = self._clock
 
     def _on_allocate(self, ids: torch.Tensor, heads: torch.Tensor | None) -> None:
         """New pages take device rows, as many as half its budget allows; the rest wait unplaced
@@ -179,9 +158,8 @@ class TieredPagePool(PagePool):
         allocation (:meth:`write`, :meth:`copy_pages` stream them through the device). They count
         as just used and score ``+inf`` until ranked. If the tiers cannot take them the pages go
         back to the free stack and the error propagates (pages already held only moved)."""
-        self._settle()
-        self.page_score[ids] = float("inf")
-        self._use(ids)
+        self._pending.settle()
+        self.placement_state.allocated(ids)
         try:
             self._to_device_rows(ids[-max(1, self.device_pages // 2) :])
         except PoolExhaustedError:
@@ -192,55 +170,44 @@ class TieredPagePool(PagePool):
 
     def _make_host_room(self, count: int, keep: torch.Tensor) -> None:
         """Make room on the host for ``count`` more pages, counting the host pages in ``keep`` (on
-        their way to the device) as gone: spill the host pages written longest ago (not in
-        ``keep``) to disk. :class:`PoolExhaustedError`, nothing moved, when the host is full and
-        no disk tier (or not enough of one) takes the excess."""
+        their way to the device) as gone: spill the first other host pages in the placement's
+        order to disk. :class:`PoolExhaustedError`, nothing moved, when the host is full and no
+        disk tier (or not enough of one) takes the excess."""
         if self.host_pages is None:
             return
         leaving = int((self.host_row[keep] >= 0).sum())
         excess = self.pages_on_host - leaving + count - self.host_pages
         if excess <= 0:
             return
-        if self.spill is None:
-            raise PoolExhaustedError(
-                f"host tier full: {count} more pages would exceed its budget of {self.host_pages} pages per layer"
-            )
-        if self.pages_on_disk + excess > self.disk_pages:
-            raise PoolExhaustedError(
-                f"disk tier full: spilling {excess} more pages would exceed its budget of {self.disk_pages} pages per layer"
-            )
+        self.disk.check_room(excess, count, self.host_pages)
         resident = (self.host_row >= 0).nonzero().squeeze(-1)
         resident = resident[~torch.isin(resident, keep)]
         if resident.numel() < excess:
             raise PoolExhaustedError(f"host tier full: {count} pages needed at once; its budget is {self.host_pages} pages")
-        self._to_disk(resident[self.last_use[resident].argsort()[:excess]])
+        self._to_disk(self.placement_state.leaving(resident, "host")[:excess])
 
     def _to_disk(self, ids: torch.Tensor) -> None:
         """Move host pages ``ids`` to disk (one transaction; if it fails nothing moved)."""
         rows = self.host_row[ids]
         positions = self.positions.index_select(0, to_arena_device(ids, self.device))
-        self.spill.put(ids, self.host_keys.index_select(0, rows), self.host_values.index_select(0, rows), positions)
-        self._host_free.push(rows)
+        self.disk.put(ids, *self.host.load(rows, "cpu"), positions)
+        self.host.release(rows)
         self.host_row[ids] = -1
-        self.on_disk[ids] = True
         self.moves_to_disk += ids.numel()
 
     def _on_free(self, ids: torch.Tensor) -> None:
-        self._settle()
-        spilled = ids[self.on_disk[ids]]
-        if spilled.numel():
-            self.spill.delete(spilled)
-            self.on_disk[spilled] = False
+        self._pending.settle()
+        self.disk.drop(ids)
         on_device, on_host = self.device_row[ids], self.host_row[ids]
         self._device_free.push(on_device[on_device >= 0])
-        self._host_free.push(on_host[on_host >= 0])
+        self.host.release(on_host[on_host >= 0])
         self.device_row[ids] = -1
         self.host_row[ids] = -1
 
     def _to_device_rows(self, ids: torch.Tensor) -> None:
-        """Give pages ``ids`` (new ones, or pages on the host or disk) device rows, moving the least
-        recently used other device pages to the host (and host pages to disk) to make room.
-        Spilled pages' records are read and checked before anything moves."""
+        """Give pages ``ids`` (new ones, or pages on the host or disk) device rows, moving the first
+        other device pages in the placement's order to the host (and host pages to disk) to make
+        room. Spilled pages' records are read and checked before anything moves."""
         wanted = ids
         if wanted.numel() > self.device_pages:
             raise ValueError(f"{wanted.numel()} pages needed on the device at once; its budget is {self.device_pages} pages")
@@ -248,7 +215,7 @@ class TieredPagePool(PagePool):
         if ids.numel() == 0:
             return
         spilled = ids[self.on_disk[ids]]
-        fetched = self.spill.get(spilled, self.device) if spilled.numel() else None  # checked before anything moves
+        fetched = self.disk.get(spilled, self.device) if spilled.numel() else None  # checked before anything moves
         short = ids.numel() - self._device_free.free
         if short > 0 and self.keys.shape[0] < self.device_pages:  # room left in the budget: grow first
             self._grow_device(min(self.device_pages, max(2 * self.keys.shape[0], self.keys.shape[0] + short)))
@@ -257,44 +224,39 @@ class TieredPagePool(PagePool):
             self._make_host_room(short, keep=wanted)
             resident = (self.device_row >= 0).nonzero().squeeze(-1)
             resident = resident[~torch.isin(resident, wanted)]  # never the pages asked for
-            self._to_host(self._leaving_order(resident)[:short])
+            self._to_host(self.placement_state.leaving(resident, "device")[:short])
         rows = self._device_free.pop(ids.numel())
         coming = self.host_row[ids] >= 0
         if bool(coming.any()):  # pages on the host come back with their data
             source = self.host_row[ids[coming]]
             target = to_arena_device(rows[coming], self.device)
-            self.keys.index_copy_(0, target, self.host_keys.index_select(0, source).to(self.device, non_blocking=True))
-            self.values.index_copy_(0, target, self.host_values.index_select(0, source).to(self.device, non_blocking=True))
-            self._host_free.push(source)
+            keys, values = self.host.load(source, self.device)
+            self.keys.index_copy_(0, target, keys)
+            self.values.index_copy_(0, target, values)
+            self.host.release(source)
             self.host_row[ids[coming]] = -1
             self.moves_to_device += int(coming.sum())
         if fetched is not None:  # spilled pages come back from their records, which go
             target = to_arena_device(rows[self.on_disk[ids]], self.device)
             self.keys.index_copy_(0, target, fetched[0].to(self.device, non_blocking=True))
             self.values.index_copy_(0, target, fetched[1].to(self.device, non_blocking=True))
-            self.spill.delete(spilled)
-            self.on_disk[spilled] = False
+            self.disk.drop(spilled)
             self.moves_to_device += spilled.numel()
         self.device_row[ids] = rows
 
-    def _leaving_order(self, ids: torch.Tensor) -> torch.Tensor:
-        """``ids`` in the order they leave the device: lowest score first, then least recently written."""
-        ids = ids[self.last_use[ids].argsort(stable=True)]
-        return ids[self.page_score[ids].argsort(stable=True)]
-
     def rank(self, ids: torch.Tensor, scores: torch.Tensor) -> None:
         """Give pages ``ids`` (int64, in use) placement ``scores`` (float, CPU; a page named more than
-        once takes its highest), then move the best-scored pages in use onto the device (at most
-        ``device_pages``), the others leaving it lowest-scored first, to the host and, when it is
-        full, on to disk; in batches of at most the host budget (so the host can take each)."""
-        self._settle()
-        self.page_score[ids] = float("-inf")
-        self.page_score.scatter_reduce_(0, ids, scores.float(), "amax")
+        once takes its highest), then move onto the device the ``device_pages`` pages in use that
+        come last in the placement's order, the others leaving it in that order, to the host
+        and, when it is full, on to disk; in batches of at most the host budget (so the host can
+        take each)."""
+        self._pending.settle()
+        self.placement_state.rank(ids, scores)
         in_use = (self.refcount > 0).nonzero().squeeze(-1)
-        staying = self._leaving_order(in_use).flip(0)[: self.device_pages]
+        staying = self.placement_state.leaving(in_use, "device").flip(0)[: self.device_pages]
         coming = staying[self.device_row[staying] < 0]
         step = min(self.device_pages, self.host_pages or self.device_pages)
-        for first in range(0, coming.numel(), step):  # each batch displaces the lowest-scored device pages
+        for first in range(0, coming.numel(), step):  # each batch displaces the device pages leaving first
             self._to_device_rows(coming[first : first + step])
 
     def _grow_device(self, rows: int) -> None:
@@ -306,39 +268,26 @@ class TieredPagePool(PagePool):
         """Move device pages ``ids`` to the host arena (one batched copy)."""
         if ids.numel() == 0:
             return
-        if self._host_free.free < ids.numel():
-            self._grow_host(self.host_keys.shape[0] - self._host_free.free + ids.numel())
-        rows = self._host_free.pop(ids.numel())
         source = to_arena_device(self.device_row[ids], self.device)
-        self.host_keys[rows] = self.keys.index_select(0, source).to("cpu")
-        self.host_values[rows] = self.values.index_select(0, source).to("cpu")
+        rows = self.host.store(self.keys.index_select(0, source).to("cpu"), self.values.index_select(0, source).to("cpu"))
         self._device_free.push(self.device_row[ids])
         self.device_row[ids] = -1
         self.host_row[ids] = rows
         self.moves_to_host += ids.numel()
-
-    def _grow_host(self, needed: int) -> None:
-        rows = max(needed, 2 * self.host_keys.shape[0])
-        keys = host_buffer((rows, *self.host_keys.shape[1:]), self.dtype, self.device)
-        values = host_buffer((rows, *self.host_values.shape[1:]), self.dtype, self.device)
-        keys[: self.host_keys.shape[0]] = self.host_keys
-        values[: self.host_values.shape[0]] = self.host_values
-        self.host_keys, self.host_values = keys, values
-        self._host_free.grow(rows)
 
     # -- data ----------------------------------------------------------------------------------
 
     def write(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
         """Write tokens through the device, at most half its budget of pages at a time (a long
         prefill streams through: its earlier pages move to the host as later ones arrive)."""
-        self._settle()
+        self._pending.settle()
         page_of = slots // self.page_size
         pages = torch.unique(page_of)
         step = max(1, self.device_pages // 2)
         for first in range(0, pages.numel(), step):
             batch = pages[first : first + step]
             self._to_device_rows(batch)
-            self._use(batch)
+            self.placement_state.used(batch)
             chosen = torch.isin(page_of, batch)
             where = chosen.nonzero().squeeze(-1)
             index = to_arena_device(self.device_row[page_of[where]] * self.page_size + slots[where] % self.page_size, self.device)
@@ -369,8 +318,9 @@ class TieredPagePool(PagePool):
         rows = self.device_row[ids]
         elsewhere = rows < 0
         staged, slot = torch.unique(ids[elsewhere], return_inverse=True)
-        keys, values = self._staging_arena(staged.numel())
         first = self.keys.shape[0]
+        keys, values = self._staging.around(self.keys, self.values, staged.numel())
+        self.keys, self.values = keys[:first], values[:first]
         if staged.numel():
             staged_keys, staged_values = self.read_pages(staged)
             keys[first : first + staged.numel()] = staged_keys
@@ -383,29 +333,12 @@ class TieredPagePool(PagePool):
         table[held] = rows
         return PagedLayer(arena_source_for(keys, values, positions), table, lengths)
 
-    def _staging_arena(self, staged: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values arenas of the device rows followed by room for ``staged`` more pages;
-        ``keys`` and ``values`` become views of their leading rows. Rebuilt (the device rows
-        copied once) only when the device rows have grown or the staging rows are too few; the
-        staging rows then double."""
-        device_rows = self.keys.shape[0]
-        if self._arena is None or not self._arena_current() or self._arena[0].shape[0] < device_rows + staged:
-            rows = device_rows + max(staged, 2 * self._staging_rows(), _MIN_HOST_PAGES)
-            keys = torch.empty(rows, *self.keys.shape[1:], dtype=self.dtype, device=self.device)
-            values = torch.empty(rows, *self.values.shape[1:], dtype=self.dtype, device=self.device)
-            keys[:device_rows] = self.keys
-            values[:device_rows] = self.values
-            self.keys, self.values = keys[:device_rows], values[:device_rows]
-            self._arena = (keys, values)
-        return self._arena
-
     def read_pages(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Whole pages: device ones gathered, host and spilled ones taken from the prefetch of
         them if one holds them unchanged, else host ones copied over and spilled ones read from
         their (checked) records; free ones zero (none moves, and reading is not a use: every
         decode step reads every page). A read ends the pending prefetch."""
-        self._settle()
-        fetched, self._fetched = self._fetched, None
+        self._pending.settle()
         on_device, on_host = self.device_row[ids], self.host_row[ids]
         keys = torch.zeros(ids.numel(), self.page_size, self.head_dim, dtype=self.dtype, device=self.device)
         values = torch.zeros(ids.numel(), self.page_size, self.value_dim, dtype=self.dtype, device=self.device)
@@ -417,23 +350,18 @@ class TieredPagePool(PagePool):
         elsewhere = on_device < 0
         self.pages_read += ids.numel()
         self.host_pages_read += int((on_host >= 0).sum())
-        if fetched is not None:
-            matched, rows = fetched.match(ids, self.last_use[ids], self.refcount[ids] > 0)
-            taken = (matched & elsewhere).nonzero().squeeze(-1)
-            if taken.numel():
-                source, target = to_arena_device(rows[taken], self.device), to_arena_device(taken, self.device)
-                keys.index_copy_(0, target, fetched.keys.index_select(0, source))
-                values.index_copy_(0, target, fetched.values.index_select(0, source))
-                elsewhere[taken] = False
-                self.prefetched_pages_read += taken.numel()
+        filled = self._pending.fill(ids, keys, values, stamps=self.placement_state.last_use[ids], in_use=self.refcount[ids] > 0, wanted=elsewhere)
+        self.prefetched_pages_read += int(filled.sum())
+        elsewhere &= ~filled
         there = ((on_host >= 0) & elsewhere).nonzero().squeeze(-1)
         if there.numel():
             target = to_arena_device(there, self.device)
-            keys.index_copy_(0, target, self.host_keys.index_select(0, on_host[there]).to(self.device, non_blocking=True))
-            values.index_copy_(0, target, self.host_values.index_select(0, on_host[there]).to(self.device, non_blocking=True))
+            host_keys, host_values = self.host.load(on_host[there], self.device)
+            keys.index_copy_(0, target, host_keys)
+            values.index_copy_(0, target, host_values)
         spilled = (self.on_disk[ids] & elsewhere).nonzero().squeeze(-1)
         if spilled.numel():
-            disk_keys, disk_values = self.spill.get(ids[spilled], self.device)
+            disk_keys, disk_values = self.disk.get(ids[spilled], self.device)
             target = to_arena_device(spilled, self.device)
             keys.index_copy_(0, target, disk_keys.to(self.device, non_blocking=True))
             values.index_copy_(0, target, disk_values.to(self.device, non_blocking=True))
@@ -444,53 +372,29 @@ class TieredPagePool(PagePool):
         and free pages ignored) on ``prefetcher``'s worker, for the next :meth:`read_pages`
         (replacing a prefetch not read yet); host pages only if the prefetcher fetches them. See
         :mod:`kvlib.storage.page_prefetch`."""
-        self._settle()
-        self._fetched = None
+        self._pending.settle()
         ids = torch.unique(ids)
         ids = ids[(self.refcount[ids] > 0) & (self.device_row[ids] < 0)]
         host_ids = ids[self.host_row[ids] >= 0] if prefetcher.fetch_host else ids[:0]
         disk_ids = ids[self.on_disk[ids]]
-        if host_ids.numel() + disk_ids.numel() == 0:
-            return
-        host_rows = self.host_row[host_ids].numpy()
-        host_keys, host_values, spill = byte_rows(self.host_keys), byte_rows(self.host_values), self.spill
-
-        def read_host(keys: torch.Tensor, values: torch.Tensor) -> None:
-            np.take(host_keys, host_rows, axis=0, out=byte_rows(keys))
-            np.take(host_values, host_rows, axis=0, out=byte_rows(values))
-
-        def read_disk(keys: torch.Tensor, values: torch.Tensor) -> None:
-            spill.get(disk_ids, self.device, out=(keys, values))
-
-        fetching = torch.cat([host_ids, disk_ids])
-        self._prefetch = prefetcher.start(
-            fetching, self.last_use[fetching].clone(), (self.page_size, self.head_dim, self.value_dim), self.dtype,
-            read_host, read_disk, host_ids.numel(),
+        self._pending.start(
+            prefetcher, host=self.host, host_ids=host_ids, host_rows=self.host_row[host_ids], spill=self.spill,
+            disk_ids=disk_ids, stamps=self.placement_state.last_use[torch.cat([host_ids, disk_ids])],
+            page_shape=(self.page_size, self.head_dim, self.value_dim),
         )
-
-    def _settle(self) -> None:
-        """Wait for the pending prefetch and keep its pages for the next read (a page it could
-        not fetch is fetched again by the read, which then reports it). Every method that
-        changes the tiers calls this first, so a prefetch never sees them change."""
-        job, self._prefetch = self._prefetch, None
-        if job is not None:
-            try:
-                self._fetched = job.result()
-            except SpilledPageLost:
-                self._fetched = None
 
     gather = PagePool.gather_by_pages
 
     def copy_pages(self, source: torch.Tensor, target: torch.Tensor) -> None:
         """Copy whole pages onto new ``target`` pages: a write, so targets land on the device,
         streamed in half-budget batches (each batch's sources read before its targets move in)."""
-        self._settle()
+        self._pending.settle()
         step = max(1, self.device_pages // 2)
         for first in range(0, target.numel(), step):
             keys, values = self.read_pages(source[first : first + step])
             batch = target[first : first + step]
             self._to_device_rows(batch)
-            self._use(batch)
+            self.placement_state.used(batch)
             rows = to_arena_device(self.device_row[batch], self.device)
             self.keys.index_copy_(0, rows, keys)
             self.values.index_copy_(0, rows, values)

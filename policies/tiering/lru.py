@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
+from kvlib.placement import PageStats, least_recently_written
 from kvlib.registry import register
 from kvlib.strategy import Tiering
 
@@ -57,6 +60,10 @@ class LRUPlacement(Tiering):
 
     def disk_directory(self) -> str:
         return self.disk
+
+    def leaving_order(self, pages: PageStats) -> torch.Tensor:
+        """Pages written longest ago leave first (:func:`~kvlib.placement.least_recently_written`)."""
+        return least_recently_written(pages)
 
     def device_pages(self, num_layers: int, page_bytes: int) -> int:
         """Pages each layer may keep on the device."""

@@ -6,13 +6,14 @@ from dataclasses import dataclass
 
 import torch
 
+from kvlib.placement import PageStats
 from kvlib.registry import register
-from kvlib.strategy import LayerView, Tiering
+from kvlib.strategy import LayerView, PageRetrieval, Tiering
 
 
 @register("quest")
 @dataclass
-class Quest(Tiering):
+class Quest(PageRetrieval):
     """Quest (Tang et al., ICML 2024, "Quest: Query-Aware Sparsity for Efficient Long-Context LLM
     Inference"): each page's channel-wise key minimum ``m`` and maximum ``M`` stay on the device
     (kept by the store as pages are written); at each decode step (one new token per row) a page
@@ -46,7 +47,6 @@ class Quest(Tiering):
     top_k: int = 8
     dense_layers: int = 2
     placement: Tiering | None = None
-    key_summaries = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -54,7 +54,7 @@ class Quest(Tiering):
             raise ValueError(f"top_k must be >= 1 (pages per head and step), got {self.top_k}")
         if self.dense_layers < 0:
             raise ValueError(f"dense_layers must be >= 0, got {self.dense_layers}")
-        if self.placement is not None and self.placement.key_summaries:
+        if self.placement is not None and self.placement.retrieves_pages:
             raise ValueError(f"placement must be a device/host placement such as lru(...), not {self.placement.spec()}")
 
     def device_pages(self, num_layers: int, page_bytes: int) -> int | None:
@@ -68,6 +68,10 @@ class Quest(Tiering):
 
     def disk_pages(self, num_layers: int, record_bytes: int) -> int:
         return 0 if self.placement is None else self.placement.disk_pages(num_layers, record_bytes)
+
+    def leaving_order(self, pages: PageStats) -> torch.Tensor:
+        """The ``placement``'s rule (without one no page leaves the device)."""
+        return super().leaving_order(pages) if self.placement is None else self.placement.leaving_order(pages)
 
     def refreshes_ranking(self, tokens_seen: int, query_length: int) -> bool:
         return self.placement is not None and self.placement.refreshes_ranking(tokens_seen, query_length)

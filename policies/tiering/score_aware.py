@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvlib.placement import PageStats, lowest_score_first
 from kvlib.policies.eviction.knorm import KNorm
 from kvlib.policies.tiering.lru import LRUPlacement
 from kvlib.registry import register
@@ -48,6 +49,12 @@ class ScoreAwarePlacement(LRUPlacement):
             )
         if self.refresh < 1:
             raise ValueError(f"refresh must be >= 1 (decode steps between re-rankings), got {self.refresh}")
+
+    def leaving_order(self, pages: PageStats) -> torch.Tensor:
+        """Lowest-scored pages leave the device first, the least recently written among equals;
+        the host's pages go to disk least recently written first
+        (:func:`~kvlib.placement.lowest_score_first`)."""
+        return lowest_score_first(pages)
 
     def refreshes_ranking(self, tokens_seen: int, query_length: int) -> bool:
         return query_length > 1 or tokens_seen % self.refresh == 0
