@@ -69,7 +69,7 @@ class KVCacheLayer(CacheLayerMixin):
         return self.cache.compressor is None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Nothing to do: the cache's store exists before the first update."""
+        """Nothing to do: the cache builds its store (at construction, or before it hands the layer its first call)."""
 
     # -- one layer call -------------------------------------------------------------------------
 

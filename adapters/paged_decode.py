@@ -1,6 +1,6 @@
 """The kvlib SDPA attention function's path for a call that reads the layer's pages in place.
 
-:meth:`KVCache.update <kvlib.adapters.transformers_cache.KVCache.update>` stores a few new
+:meth:`KVCacheLayer.update <kvlib.adapters.cache_layer.KVCacheLayer.update>` stores a few new
 tokens (a decode step, assisted decoding's candidates) and hands over the layer's pages
 (``LayerStep.paged``) instead of a dense read. :func:`attention_over_pages` then gives what
 ``transformers``' SDPA attention gives over the dense layer: the model's mask over logical
