@@ -5,19 +5,18 @@
 names are registered in `transformers`' ``AttentionInterface`` (and its mask interface) when this
 module is imported. Only models that are attached use them: nothing existing is replaced.
 
-A kvlib attention function delegates the math to SDPA or to the model's own eager attention. For
-a layer call whose keys come from a :class:`~kvlib.adapters.KVCache` it also
+A kvlib attention function delegates the math to SDPA or to the model's own eager attention. It
+takes the step the cache layer published for this call (:func:`~kvlib.adapters.layer_step.take`)
+and lets the step attend (:meth:`~kvlib.adapters.layer_step.Step.attend`):
 
-- translates the model's mask, built over logical positions, to the stored physical slots
-  (:func:`~kvlib.adapters.masks.physical_mask`) once tokens have been dropped: each (row, head)
-  attends to exactly the stored tokens the model's mask allows at their original positions;
-- after attention, hands the layer to the cache, which evicts if its spec says so;
-- on a sparse decode step (``quest``), attends over the pages the query chooses only
-  (:func:`~kvlib.adapters.sparse_decode.sparse_decode_attention`).
+- a :class:`~kvlib.adapters.KVCache` layer's step translates the model's mask, built over logical
+  positions, to the stored physical slots (:func:`~kvlib.adapters.masks.physical_mask`) once
+  tokens have been dropped, attends straight over the pages where it may, or over the pages the
+  query chooses (``quest``), then runs the layer's after-attention work (eviction, sealing...);
+- a packed ragged batch of the engine (:mod:`kvlib.adapters.packed_batch`) runs each segment's
+  attention over its own sequences.
 
-For a packed ragged batch of the engine (:mod:`kvlib.adapters.packed_batch`) it runs each
-segment's attention over its own sequences instead. Calls whose keys come from any other cache
-run the inner attention unchanged.
+Calls with no step (keys from any other cache, cross-attention) run the inner attention unchanged.
 """
 
 from __future__ import annotations
@@ -32,11 +31,8 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import eager_attention_forward as generic_eager_attention
 
-from kvlib.adapters import layer_step, packed_batch
-from kvlib.adapters.masks import physical_mask, real_new_tokens
-from kvlib.adapters.packed_batch import packed_attention
-from kvlib.adapters.paged_decode import attention_over_pages, paged_attention_applies
-from kvlib.adapters.sparse_decode import sparse_decode_attention
+from kvlib.adapters import layer_step
+from kvlib.adapters.layer_step import AttentionCall
 from kvlib.adapters.transformers_cache import KVCache
 from kvlib.transformers_compat import passed_cache
 
@@ -116,35 +112,15 @@ def _kvlib_attention(inner: str) -> Callable:
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         run = _inner_attention(inner, module)
-        packed = packed_batch.take(module, key)
-        if packed is not None:
-            return packed_attention(packed, module, query, run, query.dtype if inner == "eager" else None, **kwargs)
         step = layer_step.take(module, key, kwargs)
         if step is None:
             return run(module, query, key, value, attention_mask, **kwargs)
-        if step.sparse:
-            return sparse_decode_attention(run, inner, module, query, attention_mask, step, kwargs)
-        if step.paged is not None:
-            if inner == "sdpa" and paged_attention_applies(kwargs):
-                return attention_over_pages(query, attention_mask, step, kwargs)
-            step = step.cache.dense_step(step)
-            key, value = step.read.keys, step.read.values
-        mask = attention_mask
-        if not step.identity:
-            float_dtype = None if attention_mask is None or attention_mask.dtype == torch.bool else attention_mask.dtype
-            if inner == "eager" and float_dtype is None:
-                float_dtype = query.dtype
-            mask = physical_mask(attention_mask, step, query.shape[1], float_dtype)
-        output, weights = run(module, query, key, value, mask, **kwargs)
-        step.cache.after_attention(
-            step,
-            query=query,
-            mask=mask,
-            weights=weights,
-            real_new=real_new_tokens(attention_mask, step) if step.query_positions is None else None,
-            scaling=kwargs.get("scaling"),
+        return step.attend(
+            AttentionCall(
+                module=module, query=query, key=key, value=value, attention_mask=attention_mask, inner=run,
+                eager=inner == "eager", kwargs=kwargs,
+            )
         )
-        return output, weights
 
     attention.__name__ = f"{attention_name(inner)}_attention"
     attention.__doc__ = f"kvlib attention over the paged store, delegating the math to {inner}."

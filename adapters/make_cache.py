@@ -227,8 +227,8 @@ def _plain_number(value: object) -> object:
 def _check_first_arenas(
     shape: KVShape, page_size: int, home: tuple[torch.dtype, torch.device], *, coded: bool, tiered: bool
 ) -> None:
-    """``ValueError`` when the store the cache builds at its first update would preallocate more
-    than the model's device has available (its first ``DEFAULT_PAGES_PER_LAYER`` pages a layer)."""
+    """``ValueError`` when the store the cache builds would preallocate more than the model's
+    device has available (its first ``DEFAULT_PAGES_PER_LAYER`` pages a layer), before it is built."""
     dtype, device = home
     layers = shape.num_layers
     nbytes = initial_arena_bytes(

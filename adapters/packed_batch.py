@@ -5,10 +5,11 @@ token) as :class:`Segment` s: first one segment with the decoding sequences' sin
 ``start + b`` belongs to ``seqs[b]``), then one segment per prefill chunk. A model called with a
 :class:`PackedCache` as its cache hands each layer's new keys and values to
 :meth:`PackedCache.update`, which appends every segment's tokens to its sequences in the paged
-store and publishes a :class:`PackedLayerStep`: the decode group's pages where they lie (one
+store and publishes a :class:`PackedLayerStep` (through :mod:`~kvlib.adapters.layer_step`, as
+every kvlib cache layer does): the decode group's pages where they lie (one
 block table over its rows, ragged lengths per (row, head); no dense copy), each chunk's stored
 tokens read into a transient dense workspace (reported as the store's ``peak_workspace``). The
-kvlib attention function then runs :func:`packed_attention`: each segment attends over its own
+kvlib attention function then lets the step attend, :func:`packed_attention`: each segment attends over its own
 sequences' stored tokens (the decode group in one call of the page kernel,
 :mod:`~kvlib.paged_attention`; each chunk causally by stored position through SDPA), and the
 outputs are laid back on the packed token axis. The decode group reads densely instead where the
@@ -23,12 +24,13 @@ segment's tokens, at the positions given; no sequence ever sees another's tokens
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from kvlib.adapters import layer_step
+from kvlib.adapters.layer_step import AttentionCall
 from kvlib.adapters.paged_decode import paged_attention_applies
 from kvlib.devices import reads_pages_in_place
 from kvlib.paged_attention import PagedLayer
@@ -68,6 +70,14 @@ class PackedLayerStep:
     reads: list[LayerRead | None]
     paged: list[PagedLayer | None]
 
+    def is_for(self, module: torch.nn.Module, keys: torch.Tensor) -> bool:
+        return self.keys is keys and getattr(module, "layer_idx", None) == self.layer_idx
+
+    def attend(self, call: AttentionCall) -> tuple[torch.Tensor, None]:
+        """Every segment's attention over its own sequences (:func:`packed_attention`)."""
+        additive_mask_dtype = call.query.dtype if call.eager else None
+        return packed_attention(self, call.module, call.query, call.inner, additive_mask_dtype, **call.kwargs)
+
     def dense_read(self, index: int) -> LayerRead:
         """Segment ``index``'s stored tokens in dense form: its read, or for a segment published
         as pages a transient gather of them (not kept as a mirror)."""
@@ -75,18 +85,6 @@ class PackedLayerStep:
         if read is None:
             read = self.reads[index] = self.cache.store.read(self.layer_idx, self.cache.segments[index].seqs, mirror=False)
         return read
-
-
-_active_step: ContextVar[PackedLayerStep | None] = ContextVar("kvlib_packed_step", default=None)
-
-
-def take(module: torch.nn.Module, keys: torch.Tensor) -> PackedLayerStep | None:
-    """The published packed step for this attention call (taken once), or None."""
-    step = _active_step.get()
-    if step is None or step.keys is not keys or getattr(module, "layer_idx", None) != step.layer_idx:
-        return None
-    _active_step.set(None)
-    return step
 
 
 class _PackedLayer(CacheLayerMixin):
@@ -103,8 +101,10 @@ class _PackedLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Nothing to do: the store exists already."""
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._cache.update(key_states, value_states, self.layer_idx)
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, kwargs: dict | None = None, **_
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._cache.update(key_states, value_states, self.layer_idx, kwargs=kwargs)
 
     def get_seq_length(self) -> int:
         return 0
@@ -130,11 +130,15 @@ class PackedCache(Cache):
         self.segments = segments
         self.after_attention = after_attention
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, kwargs: dict | None = None, **_
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Append each segment's new keys and values (``[1, kv_heads, tokens, dim]``) to its
         sequences, then publish each segment's pages (the decode group, where it reads them in
-        place) or dense read; returns the inputs (attention takes what was published). Every
-        append comes before any read, so a page layout handed over stays valid for the call."""
+        place) or dense read (:func:`~kvlib.adapters.layer_step.publish`, in ``kwargs``, the
+        layer call's attention keyword arguments, when given); returns the inputs (attention
+        takes what was published). Every append comes before any read, so a page layout handed
+        over stays valid for the call."""
         for segment in self.segments:
             keys = _segment_tokens(key_states, segment)
             values = _segment_tokens(value_states, segment)
@@ -144,7 +148,7 @@ class PackedCache(Cache):
             None if pages is not None else self.store.read(layer_idx, segment.seqs, mirror=segment.length == 1)
             for segment, pages in zip(self.segments, paged)
         ]
-        _active_step.set(PackedLayerStep(self, layer_idx, key_states, reads, paged))
+        layer_step.publish(PackedLayerStep(self, layer_idx, key_states, reads, paged), kwargs)
         return key_states, value_states
 
     def _paged_layer(self, layer_idx: int, segment: Segment) -> PagedLayer | None:

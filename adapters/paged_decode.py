@@ -1,6 +1,6 @@
 """The kvlib SDPA attention function's path for a call that reads the layer's pages in place.
 
-:meth:`KVCache.update <kvlib.adapters.transformers_cache.KVCache.update>` stores a few new
+:meth:`KVCacheLayer.update <kvlib.adapters.cache_layer.KVCacheLayer.update>` stores a few new
 tokens (a decode step, assisted decoding's candidates) and hands over the layer's pages
 (``LayerStep.paged``) instead of a dense read. :func:`attention_over_pages` then gives what
 ``transformers``' SDPA attention gives over the dense layer: the model's mask over logical
@@ -25,7 +25,7 @@ def paged_attention_applies(kwargs: dict) -> bool:
 def attention_over_pages(query: torch.Tensor, attention_mask: torch.Tensor | None, step: LayerStep, kwargs: dict) -> tuple[torch.Tensor, None]:
     """SDPA's output for ``query`` (``[batch, query_heads, queries, head_dim]``) over the pages
     of ``step``, laid out as transformers' attention functions return it (``[batch, queries,
-    query_heads, value_dim]``), then the cache's after-attention step."""
+    query_heads, value_dim]``), then the step's after-attention work."""
     batch, _, queries, head_dim = query.shape
     if attention_mask is None:  # SDPA's causal shortcut: causal in the logical positions
         visible, query_positions = None, step.query_offset + torch.arange(queries)
@@ -33,7 +33,7 @@ def attention_over_pages(query: torch.Tensor, attention_mask: torch.Tensor | Non
         visible, query_positions = allowed(attention_mask)[:, 0].expand(batch, -1, -1), None
     scale = kwargs.get("scaling") or head_dim**-0.5
     output = step.paged.attend(query, visible=visible, query_positions=query_positions, scale=scale)
-    step.cache.after_attention(
-        step, query=query, mask=attention_mask, weights=None, real_new=real_new_tokens(attention_mask, step), scaling=scale
+    step.after_attention(
+        query=query, mask=attention_mask, weights=None, real_new=real_new_tokens(attention_mask, step), scaling=scale
     )
     return output.transpose(1, 2).contiguous(), None

@@ -94,7 +94,7 @@ def index_cost(model: torch.nn.Module, store: kvlib.PrefixStore, prompt: torch.T
     """Seconds per prompt token to hash + look up (cold and warm) and to insert a prompt's blocks."""
     cache = kvlib.make_cache(model, reuse=store)
     first_token(model, cache, prompt)  # a sequence holding the prompt, not indexed (no prompt given)
-    session = cache._session
+    session = cache.session
     blocks = session_blocks(prompt, cache.store.page_size)
     namespace = session.namespace
     tokens = len(blocks) * cache.store.page_size

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import kvlib
+from kvlib.adapters.cache_layer import KVCacheLayer
 from kvlib.eval.agreement import agreement_metrics, greedy_reference, teacher_forced_logits
 from kvlib.transformers_compat import cache_argument
 from tests.adapters.conftest import PAD, assert_same_logits, build_model, left_padded
@@ -128,7 +129,7 @@ def test_sparse_steps_attend_over_the_chosen_pages_in_place_with_the_tokens_of_a
         out = generate(model, ids, mask, cache)
         assert reads == {"read": 0, "read_selected": 0}, reads  # the prefill attends over its own tensors
         with monkeypatch.context() as patch:
-            patch.setattr(kvlib.KVCache, "chosen_pages", lambda self, layer_idx, chosen: None)
+            patch.setattr(KVCacheLayer, "chosen_pages", lambda self, chosen: None)
             dense = generate(model, ids, mask, kvlib.make_cache(model, spec))
         assert torch.equal(out.sequences, dense.sequences)
         assert_same_logits(out.logits, dense.logits)

@@ -1,0 +1,335 @@
+"""``KVCacheLayer``: one layer of a :class:`~kvlib.adapters.KVCache`, owning that layer's state and work.
+
+A layer keeps what is its own: the tokens it has seen (its logical length), whether every stored
+token still sits at the slot equal to its position (``identity``), the step it published and
+whose attention has not yet run (``pending``) and the attention input a strategy needing
+``hidden_states`` asked for. It does its own work: :meth:`~KVCacheLayer.update` appends the
+call's keys and values and publishes a :class:`~kvlib.adapters.layer_step.LayerStep`; the step's
+attention runs through :meth:`~KVCacheLayer.attend`; :meth:`~KVCacheLayer.after_attention`
+then evicts, seals, re-ranks and indexes this layer. What layers share (the paged store, the
+batch rows and their padding, the compressor, codecs, tiering and prefix session) is the
+cache's; the rows are store sequences spanning every layer, so selecting rows (beams) is the
+cache's too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+import torch
+from transformers.cache_utils import CacheLayerMixin
+
+from kvlib.adapters import layer_step
+from kvlib.adapters.compressor import AttentionInputs
+from kvlib.adapters.layer_step import AttentionCall, LayerStep
+from kvlib.adapters.masks import physical_mask, real_new_tokens
+from kvlib.adapters.paged_decode import attention_over_pages, paged_attention_applies
+from kvlib.adapters.sparse_decode import sparse_decode_attention
+from kvlib.codec import FitSample
+from kvlib.devices import reads_pages_in_place
+from kvlib.paged_attention import PagedLayer
+from kvlib.read_cache import LayerRead
+from kvlib.strategy import LayerView
+
+if TYPE_CHECKING:
+    from kvlib.adapters.transformers_cache import KVCache
+
+PAGED_QUERY_TOKENS = 16
+"""Calls with at most this many new tokens attend straight over the pages (see
+:meth:`KVCacheLayer._paged_layer`); longer ones (prefill, chunks) read the layer into a transient
+dense copy for SDPA."""
+
+
+class KVCacheLayer(CacheLayerMixin):
+    """One layer of a :class:`KVCache` (see the module docstring).
+
+    Invariant: ``seen`` is the layer's logical length (tokens seen, padding included, as
+    ``DynamicCache`` counts them); ``pending`` is the step published by the last ``update``
+    until its attention's after-attention work ran."""
+
+    is_sliding = False
+    is_compileable = False
+
+    def __init__(self, cache: KVCache, layer_idx: int) -> None:
+        self.keys = self.values = None
+        self.cache = cache
+        self.layer_idx = layer_idx
+        self.seen = 0
+        self.identity = True
+        self.pending: LayerStep | None = None
+        self.hidden_states: torch.Tensor | None = None
+
+    @property
+    def is_initialized(self) -> bool:
+        return bool(self.cache.rows)
+
+    @property
+    def is_croppable(self) -> bool:
+        return self.cache.compressor is None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Nothing to do: the cache builds its store (at construction, or before it hands the layer its first call)."""
+
+    # -- one layer call -------------------------------------------------------------------------
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, kwargs: dict | None = None, **_
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the call's new keys and values (``[batch, kv_heads, tokens, dim]``, the cache's
+        rows started) and publish the step for this call's attention (in ``kwargs``, the layer
+        call's attention keyword arguments, when given: transformers 5.24+). Returns what
+        attention runs over: the layer's stored tokens (dense), or just the new ones where
+        attention needs no dense read of the layer (:meth:`_new_tokens_step`)."""
+        cache, store = self.cache, self.cache.store
+        if cache.recompute is not None:
+            return self._overwrite(key_states, value_states, kwargs)
+        offset, tokens = self.seen, key_states.shape[2]
+        first_tokens = self._holds_nothing(key_states)
+        store.append(self.layer_idx, cache.rows, key_states, value_states)
+        self.seen += tokens
+        tiering = cache.tiering
+        if tiering is not None and tiering.retrieves_pages and tiering.sparse(self.layer_idx, tokens):
+            step = self._new_tokens_step(key_states, value_states, offset, sparse=True)
+        elif first_tokens:  # the layer holds exactly this call's tokens: attention runs over them as given
+            step = self._new_tokens_step(key_states, value_states, offset, identity=self.identity)
+        elif (paged := self._paged_layer(tokens)) is not None:
+            step = self._new_tokens_step(key_states, value_states, offset, paged=paged)
+        else:
+            step = LayerStep(self, self.layer_idx, store.read(self.layer_idx, cache.rows), offset, tokens, self.identity)
+        self._publish(step, kwargs)
+        return step.read.keys, step.read.values
+
+    def _publish(self, step: LayerStep, attention_kwargs: dict | None) -> None:
+        self.pending = step
+        layer_step.publish(step, attention_kwargs)
+
+    def _new_tokens_step(
+        self,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        offset: int,
+        *,
+        sparse: bool = False,
+        paged: PagedLayer | None = None,
+        identity: bool = False,
+    ) -> LayerStep:
+        """The step of a call whose attention needs no dense read of the layer: a decode step of
+        a page-retrieval strategy (``sparse``, ``quest``: the pages its query chooses,
+        :meth:`read_chosen_pages`), a few tokens attending straight over the layer's pages
+        (``paged``), or the first tokens of a layer that held none (a prefill: the layer is
+        these tokens, at slots equal to their positions when ``identity``). Its read holds the
+        new tokens, at positions ``offset ..``."""
+        batch, heads, tokens = key_states.shape[:3]
+        positions = (offset + torch.arange(tokens, device=key_states.device)).expand(batch, heads, tokens).contiguous()
+        valid = torch.ones(batch, heads, tokens, dtype=torch.bool, device=key_states.device)
+        new_tokens = LayerRead(key_states, value_states, positions, valid)
+        return LayerStep(self, self.layer_idx, new_tokens, offset, tokens, identity, sparse=sparse, paged=paged)
+
+    def _holds_nothing(self, key_states: torch.Tensor) -> bool:
+        """Whether this layer holds no token of the batch yet (no prefix attached either) and the
+        store keeps ``key_states``' dtype, so that after the append it reads back exactly the
+        call's own tensors (pools encode pages only once sealed, after attention)."""
+        store = self.cache.store
+        return (
+            self.seen == 0
+            and key_states.dtype == store.dtype
+            and not bool(store.physical_lengths(self.layer_idx, self.cache.rows).any())
+        )
+
+    def _paged_layer(self, query_length: int) -> PagedLayer | None:
+        """The layer's pages for attention straight over them (no dense copy; with tiering only
+        the off-device pages are staged), when this call may use them: at most
+        :data:`PAGED_QUERY_TOKENS` new tokens (decoding, assisted decoding's candidates; under
+        eviction the compressor then reads what it needs itself, see :meth:`_stored_layer`), no
+        read mirror asked for, a device the kernel runs on and a pool that gives its pages; else None."""
+        store = self.cache.store
+        if self.cache.read_cache or query_length > PAGED_QUERY_TOKENS or not reads_pages_in_place(store.device):
+            return None
+        return store.paged_layer(self.layer_idx, self.cache.rows)
+
+    def _overwrite(self, key_states: torch.Tensor, value_states: torch.Tensor, attention_kwargs: dict | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`update` inside :meth:`KVCache.recomputing`: the call's tokens are stored ones, rewritten."""
+        store, rows, positions = self.cache.store, self.cache.rows, self.cache.recompute
+        store.overwrite(self.layer_idx, rows, positions, key_states, value_states)
+        read = store.read(self.layer_idx, rows)
+        step = LayerStep(self, self.layer_idx, read, self.seen, key_states.shape[2], False, positions.to(read.positions.device))
+        self._publish(step, attention_kwargs)
+        return read.keys, read.values
+
+    def load(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Append precomputed ``keys`` and ``values`` (``[batch, kv_heads, tokens, dim]``) as the
+        layer's first tokens, at positions ``0 .. tokens - 1``."""
+        self.cache.store.append(self.layer_idx, self.cache.rows, keys, values)
+        self.seen = keys.shape[2]
+
+    # -- attention and what follows it ----------------------------------------------------------
+
+    def attend(self, step: LayerStep, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The attention of ``call`` over ``step``'s tokens, then :meth:`after_attention`: over the
+        pages the query chooses (a sparse step), straight over the layer's pages (a paged step,
+        with SDPA and plain attention; else over a transient dense read), or over the step's
+        dense read, the model's mask moved onto the stored slots once tokens were dropped."""
+        if step.sparse:
+            return sparse_decode_attention(call, step)
+        key, value = call.key, call.value
+        if step.paged is not None:
+            if not call.eager and paged_attention_applies(call.kwargs):
+                return attention_over_pages(call.query, call.attention_mask, step, call.kwargs)
+            step = self.dense_step(step)
+            key, value = step.read.keys, step.read.values
+        mask = call.attention_mask
+        if not step.identity:
+            mask = physical_mask(mask, step, call.query.shape[1], call.float_mask_dtype)
+        output, weights = call.run_inner(key, value, mask)
+        real_new = real_new_tokens(call.attention_mask, step) if step.query_positions is None else None
+        step.after_attention(query=call.query, mask=mask, weights=weights, real_new=real_new, scaling=call.kwargs.get("scaling"))
+        return output, weights
+
+    def dense_step(self, step: LayerStep) -> LayerStep:
+        """``step`` with the layer read back in dense form, for an attention function that
+        cannot read pages (eager attention, attention sinks): a transient copy, not kept."""
+        read = self.cache.store.read(self.layer_idx, self.cache.rows, mirror=False)
+        return LayerStep(self, self.layer_idx, read, step.query_offset, step.query_length, self.identity)
+
+    def choose_pages(self, query: torch.Tensor) -> torch.Tensor:
+        """The pages the tiering strategy chooses for ``query`` (``[batch, query_heads, 1,
+        head_dim]``, after RoPE): int64 ``[batch, kv_heads, k]`` indices into each head's block
+        table, ``-1`` for none (CPU)."""
+        key_min, key_max, pages_used = self.cache.store.key_bounds(self.layer_idx, self.cache.rows)
+        return self.cache.tiering.select_pages(query, key_min, key_max, pages_used)
+
+    def chosen_pages(self, chosen: torch.Tensor) -> PagedLayer | None:
+        """The ``chosen`` pages (:meth:`choose_pages`) where they lie, for attention straight over
+        them; None where pages cannot be read in place (then :meth:`read_chosen_pages`)."""
+        if not reads_pages_in_place(self.cache.store.device):
+            return None
+        return self.cache.store.paged_selection(self.layer_idx, self.cache.rows, chosen)
+
+    def read_chosen_pages(self, chosen: torch.Tensor) -> LayerRead:
+        """The ``chosen`` pages (:meth:`choose_pages`), read sparsely into a dense copy."""
+        return self.cache.store.read_selected(self.layer_idx, self.cache.rows, chosen)
+
+    def after_attention(
+        self,
+        step: LayerStep,
+        *,
+        query: torch.Tensor,
+        mask: torch.Tensor | None,
+        weights: torch.Tensor | None,
+        real_new: torch.Tensor | None,
+        scaling: float | None,
+    ) -> None:
+        """Once the layer's attention has run: records padding (layer 0; counted per row, on the
+        device), lets a fitted codec learn from the layer's first call, lets the compressor drop
+        tokens, seals the layer's full pages, re-ranks its pages for the device tier and, after
+        the last layer, indexes the prompt's full pages in the prefix session."""
+        cache, store, rows = self.cache, self.cache.store, self.cache.rows
+        self.pending = None
+        if self.layer_idx == 0 and real_new is not None:
+            cache.padding += (~real_new).sum(-1)  # stays on the device: no sync per step
+        sealing = [self.layer_idx]
+        read = step.read if step.paged is None else None  # the layer as stored, until a compaction changes it
+        codec = cache.codecs[self.layer_idx] if cache.codecs is not None else None
+        if codec is not None and codec.learns and not codec.ready:
+            codec.observe(self._fit_sample(step, query, real_new))
+            if codec.ready:  # a cross-layer fit readies earlier layers too
+                sealing = list(range(self.layer_idx + 1))
+        if cache.compressor is not None:
+            inputs = AttentionInputs(query, mask, weights, scaling, real_new, self.hidden_states)
+            self.hidden_states = None
+            stored = None if step.paged is None else (lambda: store.read(self.layer_idx, rows, mirror=False))
+            compaction = cache.compressor.compaction(self._stored_layer(step), inputs, cache.padding, stored)
+            if compaction is not None:
+                layout = store.compact(self.layer_idx, rows, compaction.keep, compaction.values, reuse_slots=cache.reuse_slots)
+                cache.compressor.compacted(self.layer_idx, layout)
+                self.identity = False
+                read = None
+        if cache.codecs is not None:
+            for layer in sealing:
+                store.seal(layer, rows)
+        if cache.tiering is not None and not step.sparse and cache.tiering.refreshes_ranking(self.seen, step.query_length):
+            self._rank_pages(read if read is not None else store.read(self.layer_idx, rows))
+        if cache.session is not None and self.layer_idx == cache.shape.num_layers - 1:
+            cache.session.index(self.seen)
+
+    def _stored_layer(self, step: LayerStep) -> LayerStep:
+        """``step`` as the compressor sees it: the layer's stored tokens after the call's append.
+        A call that attended over the pages (``step.paged``) read none of them: it gets their
+        positions (:meth:`PagedStore.read_positions`; attention weights come from the pages), and
+        the compressor reads keys and values into a transient dense copy only when it compacts
+        with a strategy that scores with them (``reads_kv``)."""
+        if step.paged is None:
+            return step
+        return dataclasses.replace(step, read=self.cache.store.read_positions(self.layer_idx, self.cache.rows))
+
+    def _fit_sample(self, step: LayerStep, query: torch.Tensor, real_new: torch.Tensor | None) -> FitSample:
+        """The layer's stored tokens and this call's queries, padding marked invalid."""
+        read = step.read
+        real = read.valid & (read.positions >= self.cache.padding.view(-1, 1, 1))
+        query_valid = real_new if real_new is not None else torch.ones(query.shape[0], query.shape[2], dtype=torch.bool, device=query.device)
+        return FitSample(self.layer_idx, read.keys, read.values, real, query, query_valid)
+
+    def _rank_pages(self, read: LayerRead) -> None:
+        """Re-rank the layer's pages for the device tier by the tiering strategy's scores of its
+        stored tokens ``read`` (the layer as it now stands; padding never counts)."""
+        cache = self.cache
+        padding = cache.padding.to(read.positions.device).view(-1, 1, 1)
+        real = read.valid & (read.positions >= padding)
+        view = LayerView(self.layer_idx, cache.shape.num_layers, read.keys, read.values, torch.where(real, read.positions - padding, -1), real)
+        cache.store.rank_pages(self.layer_idx, cache.rows, cache.tiering.ranking_scores(view))
+
+    def record_hidden_states(self, hidden_states: torch.Tensor) -> None:
+        """Keep this layer call's attention input for a strategy that needs ``hidden_states``."""
+        compressor = self.cache.compressor
+        if compressor is not None and "hidden_states" in compressor.strategy.needs:
+            self.hidden_states = hidden_states
+
+    # -- lengths, crop, reset, inspection -------------------------------------------------------
+
+    def get_seq_length(self) -> int:
+        """Tokens seen (logical length, padding included)."""
+        return self.seen
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """Masks span every logical position (kv length = seen + new, offset 0)."""
+        return self.seen + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    get_max_cache_shape = get_max_length  # the same question under its name before transformers 5.x (x < 24)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last ``-tokens_to_remove`` tokens seen (``<= 0``, checked by the cache, which
+        holds rows). Under eviction the tokens to forget may sit in reused slots, not at the end:
+        they are compacted away first (the compressor's per-slot state follows)."""
+        cache, store = self.cache, self.cache.store
+        length = max(self.seen + tokens_to_remove, 0)
+        if cache.compressor is not None:
+            positions = store.stored_positions(self.layer_idx, cache.rows)
+            slot = torch.arange(positions.shape[-1])
+            keep = torch.where((positions >= 0) & (positions < length), slot, -1)
+            cache.compressor.compacted(self.layer_idx, store.compact(self.layer_idx, cache.rows, keep, reuse_slots=cache.reuse_slots))
+        store.truncate(self.layer_idx, cache.rows, length)
+        self.seen = min(self.seen, length)
+
+    def reset(self, seen: int = 0) -> None:
+        """Forget the layer's state (the cache releases the tokens): ``seen`` tokens seen (a
+        primed cache's reused prefix), nothing pending, slots equal to positions."""
+        self.seen = seen
+        self.identity = True
+        self.pending = None
+        self.hidden_states = None
+
+    def kept_positions(self) -> torch.Tensor:
+        """Original positions of the tokens this layer stores: int64 ``[batch, kv_heads, max_kept]``,
+        ascending (whatever slots hold them), padded with -1 (CPU); counted from each row's first
+        real token (left padding excluded), as if the row had been run alone."""
+        stored = self.cache.store.stored_positions(self.layer_idx, self.cache.rows)
+        positions = stored - self.cache.padding.cpu().view(-1, 1, 1)
+        real = (stored >= 0) & (positions >= 0)
+        past_end = torch.iinfo(torch.int64).max
+        kept = torch.sort(torch.where(real, positions, past_end), dim=-1).values
+        return torch.where(kept == past_end, -1, kept)[..., : int(real.sum(-1).max())]
+

@@ -1,0 +1,50 @@
+"""``memory_report``: the bytes a :class:`~kvlib.adapters.KVCache` holds, by tier and component."""
+
+from __future__ import annotations
+
+import torch
+
+from kvlib.adapters.model_shape import KVShape
+from kvlib.paged_store import PagedStore
+
+COMPONENTS = ("pages", "positions", "codec_metadata", "tables", "read_cache")
+"""What ``by_component`` splits the bytes held into."""
+
+
+def memory_report(store: PagedStore | None, rows: list[int], shape: KVShape) -> dict:
+    """Bytes a cache whose ``rows`` (store sequences) live in ``store`` holds, and what a full
+    cache in the compute dtype would hold. A cache holding no rows (before its first update, after
+    ``reset``) holds nothing: only its store's reserved arenas and peaks are reported then (all
+    zeros before any store exists).
+
+    Keys: ``total_bytes``; ``by_tier`` (``device``: the store's device, ``host``, ``disk``);
+    ``by_component`` (``pages``: keys and values of pages in use, ``positions``,
+    ``codec_metadata``, ``tables``: block tables and lengths, ``read_cache``: the dense read
+    mirror); ``reserved_bytes``: whole arenas, free pages included; ``peak_pages_bytes``: the
+    most ``pages`` bytes held at any moment since the store was created (between a layer's
+    append and its compaction included: the peak of a prefill); ``peak_workspace_bytes``: the
+    largest transient dense copy of a layer a call attended over (prefill, chunks; not held
+    after the call, so not in ``total_bytes``); ``full_equivalent_bytes``:
+    keys and values of every logical token of every layer, uncompressed; ``stored_tokens`` and
+    ``logical_tokens``, summed over layers, rows and KV heads.
+    """
+    components = dict.fromkeys(COMPONENTS, 0)
+    host = disk = 0
+    report = {"reserved_bytes": 0, "peak_pages_bytes": 0, "peak_workspace_bytes": 0, "full_equivalent_bytes": 0, "stored_tokens": 0, "logical_tokens": 0}
+    if store is not None:
+        held = store.memory_bytes()
+        report["reserved_bytes"] = held["reserved"]
+        if rows:
+            components.update((name, held[name]) for name in COMPONENTS)
+            host, disk = held["host"], held["disk"]
+        report["peak_pages_bytes"] = store.peak_page_bytes
+        report["peak_workspace_bytes"] = store.peak_workspace
+    if rows:
+        for layer in range(shape.num_layers):
+            report["stored_tokens"] += int(store.physical_lengths(layer, rows).sum())
+            report["logical_tokens"] += int(store.logical_lengths(layer, rows).sum()) * shape.num_kv_heads
+        element = torch.empty((), dtype=store.dtype).element_size()
+        report["full_equivalent_bytes"] = report["logical_tokens"] * (shape.head_dim + shape.value_dim) * element
+    total = sum(components.values())
+    by_tier = {"device": total - host - disk, "host": host, "disk": disk}
+    return {"total_bytes": total, "by_tier": by_tier, "by_component": components, **report}
