@@ -129,7 +129,7 @@ class Engine:
             model, self.shape, sizes, codec=self.codec, page_size=page_size, dtype=self.dtype, device=self.device,
             read_cache=read_cache, prefix_cache=prefix_cache, preemption=preemption,
         )
-        self.runner = ModelRunner(model, self.kv.store, self.codec, self.device)
+        self.runner = ModelRunner(model, self.kv.store, codec=self.codec, device=self.device)
         self.requests: dict[int, Request] = {}
         self._next_id = 0
         self._counters = {"steps": 0, "forward_tokens": 0, "output_tokens": 0, "prompt_tokens": 0, "cached_tokens": 0, "preemptions": 0}

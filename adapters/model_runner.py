@@ -33,7 +33,7 @@ class ModelRunner:
     """Runs ``model`` over ``store``'s sequences; ``codec`` (None: raw pages) seals full pages
     after each segment's attention, as ``KVCache.after_attention`` does."""
 
-    def __init__(self, model: torch.nn.Module, store: PagedStore, codec: Codec | None, device: torch.device) -> None:
+    def __init__(self, model: torch.nn.Module, store: PagedStore, *, codec: Codec | None, device: torch.device) -> None:
         self.model = model
         self.store = store
         self.codec = codec

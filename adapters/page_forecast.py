@@ -8,7 +8,8 @@ releases its index entries (those it alone used join the LRU, newest last, and t
 the oldest unused ones while it holds more than its capacity); an admission takes its cached
 prefix (those entries are no longer reclaimable) and starts computing its next blocks. The
 store, the index, the requests and the queues are never changed: applying the plan does that
-(:meth:`~kvlib.adapters.scheduler.Scheduler.apply`), and ends where the forecast did.
+(:meth:`~kvlib.adapters.scheduler.Scheduler.apply`), and ends where the forecast did. This is the
+concrete :class:`~kvlib.adapters.scheduler.Forecast` the KV manager hands the scheduler.
 """
 
 from __future__ import annotations
@@ -157,6 +158,8 @@ class PageForecast:
         return True
 
     def _oldest_unused(self) -> Entry | None:
+        """The least recently used entry no planned admission holds: the index's LRU first, then
+        the entries planned preemptions released, in order."""
         for entry in self._lru:
             if entry.key not in self._acquired:
                 return entry

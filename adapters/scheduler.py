@@ -5,10 +5,12 @@ The :class:`Scheduler` owns the request queues (waiting, running, swapped, each 
 A step is two calls, with data flowing one way:
 
 - :meth:`Scheduler.plan` decides, and changes nothing: it spends, reclaims and preempts on a
-  :class:`PageForecast` (a what-if copy of the KV manager's page counts), and returns a
+  :class:`Forecast` (a what-if copy of the KV manager's page counts,
+  :class:`~kvlib.adapters.page_forecast.PageForecast`), and returns a
   :class:`StepPlan` holding every decision;
 - :meth:`Scheduler.apply` carries the plan out: it moves requests between the queues and asks
-  the KV manager (:class:`PageLedger`) to preempt, reclaim, admit and swap in, in that order.
+  the KV manager (:class:`PageLedger`) to preempt and reclaim (in the plan's order), then to
+  admit and swap in, which leaves the pages where the forecast said they would be.
 
 The decisions of one plan:
 
@@ -43,7 +45,7 @@ from typing import Protocol
 from kvlib.adapters.engine_request import Request, RequestState
 
 
-class PageForecast(Protocol):
+class Forecast(Protocol):
     """The KV manager's page counts as they would be after the decisions a plan took so far; the
     plan spends, reclaims and preempts on it while the KV manager itself stays as it is."""
 
@@ -88,7 +90,7 @@ class PageLedger(Protocol):
     """The KV manager as the scheduler sees it: a forecast to plan on, and the actions that apply
     a plan."""
 
-    def forecast(self, running: Sequence[Request]) -> PageForecast:
+    def forecast(self, running: Sequence[Request]) -> Forecast:
         """A fresh forecast of the pages now, ``running`` being the running requests."""
 
     def preempt(self, request: Request) -> bool:
@@ -221,12 +223,13 @@ class Scheduler:
                 budget -= tokens
                 spent += forecast.pages_for(request, tokens)
         if not (plan.preempted or self.swapped and not plan.resumed):  # memory is short: admit nothing new
-            self._admit(plan, active, budget, free, spent, forecast)
+            self._admit(plan, forecast, active=active, budget=budget, free=free, spent=spent)
         plan.reclaimed = list(forecast.reclaimed)
         return plan
 
-    def _admit(self, plan: StepPlan, active: list[Request], budget: int, free: int, spent: int, forecast: PageForecast) -> None:
-        """Add admissions (and their first chunks) to ``plan`` while the budget and the pages allow."""
+    def _admit(self, plan: StepPlan, forecast: Forecast, *, active: list[Request], budget: int, free: int, spent: int) -> None:
+        """Add admissions (and their first chunks) to ``plan`` while the token ``budget`` left and
+        the pages allow (``free`` pages, of which the plan's chunks so far take ``spent``)."""
         reserve = self.reserve_pages * len(active)
         for request in self._admission_order(self.waiting, forecast):
             if budget <= 0 or len(active) >= self.max_running:
@@ -251,7 +254,7 @@ class Scheduler:
                 budget -= tokens
                 spent += forecast.pages_for(request, tokens)
 
-    def _fit_decodes(self, active: list[Request], forecast: PageForecast, plan: StepPlan) -> list[Request]:
+    def _fit_decodes(self, active: list[Request], forecast: Forecast, plan: StepPlan) -> list[Request]:
         """The decoding requests of ``active`` whose next token fits, preempting the most recently
         admitted requests (removed from ``active``) until the rest fit."""
         while True:
@@ -267,19 +270,20 @@ class Scheduler:
                 return []
 
     @staticmethod
-    def _preempt(victim: Request, forecast: PageForecast, plan: StepPlan) -> None:
+    def _preempt(victim: Request, forecast: Forecast, plan: StepPlan) -> None:
+        """Preempt ``victim`` on the forecast, after the blocks reclaimed so far."""
         plan.reclaimed_before.append(len(forecast.reclaimed))
         forecast.preempt(victim)
         plan.preempted.append(victim)
 
     @staticmethod
-    def _chunk(request: Request, tokens: int, free: int, forecast: PageForecast) -> int:
+    def _chunk(request: Request, tokens: int, free: int, forecast: Forecast) -> int:
         """The largest chunk of at most ``tokens`` tokens of ``request`` whose pages fit in ``free``."""
         while tokens > 0 and forecast.pages_for(request, tokens) > free:
             tokens = tokens // 2
         return tokens
 
-    def _admission_order(self, waiting: list[Request], forecast: PageForecast) -> list[Request]:
+    def _admission_order(self, waiting: list[Request], forecast: Forecast) -> list[Request]:
         """Overdue requests first (by arrival), then the longest cached prefix first (arrival
         order among equals)."""
         overdue = [r for r in waiting if r.waited_steps > self.fairness_steps]
