@@ -15,13 +15,39 @@ concrete :class:`~kvlib.adapters.scheduler.Forecast` the KV manager hands the sc
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from kvlib.adapters.engine_request import Request
 from kvlib.prefix_index import Entry
+from kvlib.prefix_store import PrefixStore
 
-if TYPE_CHECKING:
-    from kvlib.adapters.kv_manager import KVManager
+
+class KVPages(Protocol):
+    """What a forecast reads of the KV manager (:class:`~kvlib.adapters.kv_manager.KVManager`);
+    pages per layer, tokens per sequence."""
+
+    page_size: int
+    prefix: PrefixStore | None
+
+    @property
+    def fixed(self) -> bool:
+        """Whether the pools have a fixed capacity (otherwise they grow and are never short)."""
+
+    def free_pages_by_layer(self) -> list[int]: ...
+
+    def pages_for(self, held: int, tokens: int) -> int: ...
+
+    def stored_tokens(self, request: Request) -> int: ...
+
+    def swap_in_pages(self, request: Request) -> int: ...
+
+    def released_pages(self, request: Request) -> list[int]: ...
+
+    def uses_prefix(self, request: Request) -> bool: ...
+
+    def lookup_blocks(self, request: Request) -> list[list[int]]: ...
+
+    def block_keys(self, request: Request) -> list[bytes]: ...
 
 
 class PageForecast:
@@ -29,7 +55,7 @@ class PageForecast:
     running when the plan starts (oldest first). ``reclaimed`` lists the prefix index entries
     the forecast evicted, in order: the plan's reclaim."""
 
-    def __init__(self, kv: KVManager, running: Sequence[Request]) -> None:
+    def __init__(self, kv: KVPages, running: Sequence[Request]) -> None:
         self._kv = kv
         self._free = kv.free_pages_by_layer()
         self._running = list(running)
