@@ -1,10 +1,17 @@
 """``kvlib.Engine``: continuous batching of many requests over one paged store.
 
-Each :meth:`Engine.step` asks the :class:`~kvlib.adapters.scheduler.Scheduler` what to run
-(decodes first, then prefill chunks, then admissions, within ``max_batch_tokens`` and the free
-pages), runs all of it in one forward pass of the model as a packed ragged batch
-(:mod:`kvlib.adapters.packed_batch`: no padding, positions per token, each sequence attending
-over its own block table), and chooses each finished request's next token.
+The Engine wires three parts, each with one job, and data flows one way through a step:
+
+- the :class:`~kvlib.adapters.scheduler.Scheduler` owns the request queues; its ``plan`` decides
+  what the step runs (decodes first, then prefill chunks, then admissions, within
+  ``max_batch_tokens`` and the free pages) and changes nothing; its ``apply`` carries the plan out;
+- the :class:`~kvlib.adapters.kv_manager.KVManager` owns the paged store, the page budget, the
+  prefix index and swap space: it forecasts pages for the plan, then preempts, reclaims, admits
+  and swaps in as the applied plan says, indexes full blocks and releases finished requests;
+- the :class:`~kvlib.adapters.model_runner.ModelRunner` runs the plan's chunks in one forward pass
+  of the model as a packed ragged batch (:mod:`kvlib.adapters.packed_batch`: no padding,
+  positions per token, each sequence attending over its own block table), evicts per request
+  and chooses each finished request's next token.
 
 Memory: with ``page_budget_bytes`` the store's pools are fixed (keys and values of that many
 bytes over all layers). Admission keeps pages in reserve for decode tokens; when pages still
@@ -25,33 +32,28 @@ so with a budget that fits every request alone, every step either runs tokens or
 
 from __future__ import annotations
 
-import functools
-import math
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvlib.adapters.attention import attach
-from kvlib.adapters.compressor import AttentionInputs
 from kvlib.adapters.engine_request import Request, RequestState
-from kvlib.adapters.layer_step import LayerStep
+from kvlib.adapters.kv_manager import KVManager, page_budget
 from kvlib.adapters.make_cache import eviction_compressor
+from kvlib.adapters.model_runner import ModelRunner
 from kvlib.adapters.model_shape import kv_shape
-from kvlib.adapters.packed_batch import PackedCache, Segment, visibility
-from kvlib.adapters.sampling import check_sampling, next_token
+from kvlib.adapters.sampling import check_sampling
 from kvlib.adapters.scheduler import Scheduler, StepPlan
-from kvlib.adapters.swap import SwappedSequence, swap_in, swap_out
-from kvlib.paged_store import PagedStore
-from kvlib.prefix_store import PrefixStore
-from kvlib.read_cache import LayerRead
-from kvlib.codec import Codec, layer_shapes
-from kvlib.devices import check_fits
+from kvlib.codec import Codec
 from kvlib.errors import quoted
 from kvlib.limits import check_page_size
 from kvlib.spec import Spec, parse_spec
-from kvlib.store_config import StoreConfig
-from kvlib.transformers_compat import cache_argument
+
+if TYPE_CHECKING:
+    from kvlib.paged_store import PagedStore
+    from kvlib.prefix_store import PrefixStore
 
 PREEMPTION_MODES = ("recompute", "swap")
 
@@ -116,52 +118,32 @@ class Engine:
         self.codec = _engine_codec(parsed)
         self.default_spec = (_without_codec(parsed), budget)
         self._compressor(*self.default_spec)  # a bad default spec fails now
-        self.preemption = preemption
-        self.page_size = page_size
         parameter = next(model.parameters())
         self.dtype, self.device = parameter.dtype, parameter.device
-        shape = self.shape
-        codecs = None
-        if self.codec is not None:
-            codecs = self.codec.layer_codecs(
-                layer_shapes(shape.num_layers, shape.num_kv_heads, shape.head_dim, shape.value_dim, page_size, self.dtype, self.device)
-            )
-        kv_page_bytes = page_size * (shape.head_dim + shape.value_dim) * parameter.element_size()
-        if codecs is not None:  # the budget counts sealed pages at their encoded size
-            kv_page_bytes = codecs[0].page_bytes()
-        pages = None if page_budget_bytes is None else page_budget_bytes // (shape.num_layers * kv_page_bytes)
-        if pages is not None and pages < shape.num_kv_heads:
-            raise ValueError(
-                f"page_budget_bytes={page_budget_bytes} holds {pages} pages per layer; one token needs {shape.num_kv_heads}"
-                f" (one page of {kv_page_bytes} bytes per KV head per layer, {shape.num_layers} layers)"
-            )
-        positions_bytes = 0 if pages is None else pages * shape.num_layers * page_size * 8  # int64 per page slot
-        prefix_bytes = _check_memory_budgets(page_budget_bytes, prefix_cache_bytes, positions_bytes, self.device)
-
-        def build() -> PagedStore:
-            return PagedStore(StoreConfig(
-                shape.num_layers, shape.num_kv_heads, shape.head_dim, value_dim=shape.value_dim, page_size=page_size,
-                dtype=self.dtype, device=self.device, pages_per_layer=pages or 64, fixed_capacity=pages is not None,
-                read_cache=read_cache, codecs=codecs,
-            ))
-
+        sizes = page_budget(
+            self.shape, codec=self.codec, page_size=page_size, dtype=self.dtype, device=self.device,
+            page_budget_bytes=page_budget_bytes, prefix_cache_bytes=prefix_cache_bytes,
+        )
         attach(model)  # everything is checked: the model's attention goes through kvlib from now on
-        self.prefix = PrefixStore(model, prefix_bytes) if prefix_cache else None
-        if self.prefix is not None:
-            self.namespace = self.prefix.namespace("" if self.codec is None else self.codec.spec(), self.dtype, self.device, page_size)
-            self.store = self.prefix.paged_store(self.namespace, build)
-        else:
-            self.store = build()
+        self.kv = KVManager(
+            model, self.shape, sizes, codec=self.codec, page_size=page_size, dtype=self.dtype, device=self.device,
+            read_cache=read_cache, prefix_cache=prefix_cache, preemption=preemption,
+        )
+        self.runner = ModelRunner(model, self.kv.store, codec=self.codec, device=self.device)
         self.requests: dict[int, Request] = {}
-        self._waiting: list[Request] = []
-        self._running: list[Request] = []
-        self._swapped: list[Request] = []
-        self._swap_space: dict[int, SwappedSequence] = {}
         self._next_id = 0
-        self._in_flight_keys: set[bytes] | None = None
-        self._segments: list[tuple[Segment, list[Request]]] = []
         self._counters = {"steps": 0, "forward_tokens": 0, "output_tokens": 0, "prompt_tokens": 0, "cached_tokens": 0, "preemptions": 0}
         self._started: float | None = None
+
+    @property
+    def store(self) -> PagedStore:
+        """The paged store every request's keys and values live in (the KV manager's)."""
+        return self.kv.store
+
+    @property
+    def prefix(self) -> PrefixStore | None:
+        """The prefix cache (the KV manager's), or None with ``prefix_cache=False``."""
+        return self.kv.prefix
 
     # -- public API ----------------------------------------------------------------------------
 
@@ -195,13 +177,7 @@ class Engine:
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
         check_sampling(do_sample, temperature, top_k, top_p)
-        pool = self.store.pools[0]
-        need = self.shape.num_kv_heads * math.ceil((len(ids) + max_new_tokens) / self.page_size)
-        if pool.fixed and need + self.scheduler.reserve_pages > pool.capacity:
-            raise ValueError(
-                f"a request of {len(ids)} prompt + {max_new_tokens} new tokens needs {need} pages per layer; the page budget"
-                f" holds {pool.capacity} (raise page_budget_bytes or shorten the request)"
-            )
+        self.kv.check_fits(len(ids), max_new_tokens, self.scheduler.reserve_pages)
         compressor = self._compressor(*((spec, budget) if spec is not None else self.default_spec))
         eos = frozenset() if eos_token_id is None else frozenset([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)
         generator = None
@@ -214,28 +190,31 @@ class Engine:
         )
         self._next_id += 1
         self.requests[request.request_id] = request
-        self._waiting.append(request)
+        self.scheduler.add(request)
         if self._started is None:
             self._started = request.arrival
         return request.request_id
 
     @property
     def has_unfinished(self) -> bool:
-        return bool(self._waiting or self._running or self._swapped)
+        return self.scheduler.has_unfinished
 
     def step(self) -> dict[int, list[int]]:
         """Run one forward pass; returns the tokens produced, per request id."""
-        self._in_flight_keys = None
-        plan = self.scheduler.plan(self._running, self._swapped, self._waiting, self)
-        for request in plan.resumed:
-            self._resume(request)
-        for request in self._waiting:
-            request.waited_steps += 1
+        plan = self.scheduler.plan(self.kv)
+        self.scheduler.apply(plan, self.kv)
+        self._count(plan)
         if not plan.chunks:
-            if (self._waiting or self._swapped) and not self._running:
+            if self.scheduler.stalled:
                 raise RuntimeError("no waiting or swapped request fits in the free pages and none runs: the page budget is too small")
             return {}
-        produced = self._run(plan)
+        produced = self.runner.run(plan.chunks)
+        self._counters["forward_tokens"] += plan.tokens
+        self._counters["output_tokens"] += len(produced)
+        for request, _ in plan.chunks:
+            self.kv.index(request)
+            if request.done:
+                self._leave(request, RequestState.FINISHED)
         self._counters["steps"] += 1
         return produced
 
@@ -294,246 +273,25 @@ class Engine:
         counters["prefix_hit_rate"] = counters["cached_tokens"] / counters["prompt_tokens"] if counters["prompt_tokens"] else 0.0
         counters["tokens_per_s"] = counters["output_tokens"] / elapsed if elapsed > 0 else 0.0
         counters["pages_in_use"] = max(pool.pages_in_use for pool in self.store.pools)
-        counters["pages_free"] = self.free_pages() if self.store.pools[0].fixed else None  # None: the pools grow
+        counters["pages_free"] = self.kv.free_pages() if self.kv.fixed else None  # None: the pools grow
         counters["memory_bytes"] = self.store.memory_bytes()
-        counters.update(waiting=len(self._waiting), running=len(self._running), swapped=len(self._swapped))
+        scheduler = self.scheduler
+        counters.update(waiting=len(scheduler.waiting), running=len(scheduler.running), swapped=len(scheduler.swapped))
         counters["prefix_cache"] = self.prefix.stats() if self.prefix is not None else None
         return counters
 
-    # -- the page ledger the scheduler asks -----------------------------------------------------
-
-    def free_pages(self) -> int:
-        return min(pool.free_pages for pool in self.store.pools) if self.store.pools[0].fixed else 2**62
-
-    def pages_for(self, request: Request, tokens: int) -> int:
-        held = request.computed
-        if request.compressor is not None and request.seq is not None:
-            held = max(int(self.store.physical_lengths(layer, [request.seq]).max()) for layer in range(self.store.num_layers))
-        return self.shape.num_kv_heads * (math.ceil((held + tokens) / self.page_size) - math.ceil(held / self.page_size))
-
-    def cached_tokens(self, request: Request) -> int:
-        if self.prefix is None or request.compressor is not None:
-            return 0
-        blocks = self._lookup_blocks(request)
-        return self.prefix.cached_blocks(self._block_keys(request)[: len(blocks)], blocks) * self.page_size
-
-    def admission_pages(self, request: Request, tokens: int) -> int:
-        cached = self.cached_tokens(request)
-        return self.shape.num_kv_heads * (math.ceil((cached + tokens) / self.page_size) - cached // self.page_size)
-
-    def swap_in_pages(self, request: Request) -> int:
-        return self.shape.num_kv_heads * math.ceil(self._swap_space[request.request_id].tokens / self.page_size)
-
-    def reclaim(self, pages: int) -> None:
-        if self.prefix is None:
-            return
-        target = self.free_pages() + pages
-        while self.free_pages() < target and self.prefix.index.evict_oldest():
-            pass
-
-    def preempt(self, request: Request) -> None:
-        self._counters["preemptions"] += 1
-        request.preemptions += 1
-        self._running.remove(request)
-        if self.preemption == "swap" and request.compressor is None:
-            self._swap_space[request.request_id] = swap_out(self.store, request.seq)
-            request.seq = None
-            self._release_entries(request)
-            request.state = RequestState.SWAPPED
-            self._swapped.append(request)
-            return
-        self._release(request)
-        request.computed = 0
-        request.waited_steps = 0
-        if request.compressor is not None:
-            request.compressor.reset()
-        request.state = RequestState.WAITING
-        self._waiting.insert(0, request)  # recomputed first: it was admitted before those waiting
-
-    def in_flight(self, request: Request) -> bool:
-        if self.prefix is None or request.compressor is not None:
-            return False
-        if self._in_flight_keys is None:
-            self._in_flight_keys = set()
-            for other in self._running:
-                if other.compressor is None and other.remaining > 1:
-                    keys = self._block_keys(other)
-                    self._in_flight_keys.update(keys[other.computed // self.page_size :])
-        keys = self._block_keys(request)
-        first = self.cached_tokens(request) // self.page_size
-        return first < len(keys) and keys[first] in self._in_flight_keys
-
-    # -- running a step ------------------------------------------------------------------------
-
-    def _run(self, plan: StepPlan) -> dict[int, list[int]]:
-        """One forward pass over the plan's chunks; returns the tokens produced."""
-        decodes = self._decode_order([request for request, tokens in plan.chunks if tokens == 1])
-        chunks = [(request, tokens) for request, tokens in plan.chunks if tokens > 1]
-        ids, positions, segments, start = [], [], [], 0
-        groups = ([(decodes, 1)] if decodes else []) + [([request], tokens) for request, tokens in chunks]
-        for requests, length in groups:
-            rows = []
-            for request in requests:
-                rows.append(list(range(request.computed, request.computed + length)))
-                ids.extend(request.tokens[request.computed : request.computed + length])
-            segment_positions = torch.tensor(rows, dtype=torch.int64)
-            positions.append(segment_positions.flatten())
-            uniform = all(request.compressor is None for request in requests)
-            segments.append((Segment([r.seq for r in requests], start, length, segment_positions, uniform), requests))
-            start += len(requests) * length
-        self._segments = segments
-        finishing, last_index = [], []
-        for segment, requests in segments:
-            for b, request in enumerate(requests):
-                if segment.length == request.remaining:
-                    finishing.append(request)
-                    last_index.append(segment.start + (b + 1) * segment.length - 1)
-        cache = PackedCache(self.store, [segment for segment, _ in segments], self._after_attention)
-        input_ids = torch.tensor([ids], dtype=torch.int64, device=self.device)
-        position_ids = torch.cat(positions).unsqueeze(0).to(self.device)
-        with torch.inference_mode():
-            logits = self.model(
-                input_ids=input_ids, position_ids=position_ids, **cache_argument(cache), use_cache=True,
-                attention_mask=torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device),  # unused: kvlib masks each segment
-                logits_to_keep=torch.tensor(last_index, dtype=torch.int64, device=self.device),
-            ).logits[0]
-        self._counters["forward_tokens"] += len(ids)
-        for segment, requests in segments:
-            for request in requests:
-                request.computed += segment.length
-        now = time.perf_counter()
-        produced: dict[int, list[int]] = {}
-        for row, request in zip(logits, finishing):
-            token = next_token(row, do_sample=request.do_sample, temperature=request.temperature, top_k=request.top_k,
-                               top_p=request.top_p, generator=request.generator)
-            request.output.append(token)
-            request.token_times.append(now)
-            produced[request.request_id] = [token]
-            self._counters["output_tokens"] += 1
-        for request, _ in plan.chunks:
-            self._index(request)
-            if request.done:
-                self._leave(request, RequestState.FINISHED)
-        return produced
-
-    def _decode_order(self, decodes: list[Request]) -> list[Request]:
-        """The decode group in the order of the store's read mirror, then the requests new to it:
-        the mirror then only appends rows (finished ones already left it)."""
-        mirrored = {seq: rank for rank, seq in enumerate(self.store.mirrored_rows(0))}
-        return sorted(decodes, key=lambda request: mirrored.get(request.seq, len(mirrored)))
-
-    def _after_attention(self, layer: int, index: int, query: torch.Tensor, read: LayerRead | None, scaling: float | None) -> None:
-        """Per-request eviction after a segment's attention in ``layer``, then sealing its full
-        pages. ``read``: the segment's dense read, or None where it attended over its pages."""
-        segment, requests = self._segments[index]
-        self._evict(layer, segment, requests, query, read, scaling)
-        if self.codec is not None:
-            self.store.seal(layer, segment.seqs)
-
-    def _evict(self, layer: int, segment: Segment, requests: list[Request], query: torch.Tensor, read: LayerRead | None, scaling: float | None) -> None:
-        """Each request with an eviction spec scores its row of the layer and compacts it; rows
-        without one are not read. The row is its slice of ``read``, or, after attention over the
-        pages, its positions, with attention weights from its pages and, when it compacts with a
-        strategy that scores with keys or values (``reads_kv``), a transient dense read of that row.
-        A row whose pages cannot be read in place is read densely."""
-        for b, request in enumerate(requests):
-            if request.compressor is None:
-                continue
-            pages = None if read is not None else self.store.paged_layer(layer, [request.seq])
-            stored = None
-            if pages is not None:  # causal by the row's own positions: no mask needed
-                row, mask = self.store.read_positions(layer, [request.seq]), None
-                stored = functools.partial(self.store.read, layer, [request.seq], mirror=False)
-            else:
-                row = LayerRead(*(t[b : b + 1] for t in read)) if read is not None else self.store.read(layer, [request.seq], mirror=False)
-                mask = visibility(row, segment.positions[b : b + 1], query.shape[1], uniform_heads=False)
-            step = LayerStep(None, layer, row, request.computed, segment.length, False, paged=pages)
-            inputs = AttentionInputs(query[b : b + 1], mask, None, scaling, None)
-            compaction = request.compressor.compaction(step, inputs, torch.zeros(1, dtype=torch.int64, device=self.device), stored)
-            if compaction is not None:
-                layout = self.store.compact(layer, [request.seq], compaction.keep, compaction.values, reuse_slots=True)
-                request.compressor.compacted(layer, layout)
-
-    # -- request life cycle ----------------------------------------------------------------------
-
-    def admit(self, request: Request) -> None:
-        """Give a waiting request a sequence holding its longest cached prefix."""
-        self._waiting.remove(request)
-        request.seq = self.store.new_sequence()
-        request.state = RequestState.RUNNING
-        request.waited_steps = 0
-        self._running.append(request)
-        self._counters["prompt_tokens"] += len(request.tokens)
-        if self.prefix is None or request.compressor is not None:
-            return
-        entries = self.prefix.lookup(self.namespace, self._lookup_blocks(request))
-        self.prefix.attach(self.namespace, request.seq, entries)
-        request.entries = entries
-        request.computed = len(entries) * self.page_size
-        request.indexed_blocks = len(entries)
-        request.cached_tokens += request.computed
-        self._counters["cached_tokens"] += request.computed
-        if self._in_flight_keys is not None:  # requests admitted later in this plan wait for its blocks
-            self._in_flight_keys.update(self._block_keys(request)[len(entries) :])
-
-    def _resume(self, request: Request) -> None:
-        self._swapped.remove(request)
-        request.seq = swap_in(self.store, self._swap_space.pop(request.request_id))
-        request.state = RequestState.RUNNING
-        self._running.append(request)
-
-    def _index(self, request: Request) -> None:
-        """Put the request's newly completed full pages into the prefix index."""
-        if self.prefix is None or request.compressor is not None or request.seq is None:
-            return
-        full = request.computed // self.page_size
-        if full <= request.indexed_blocks:
-            return
-        entries = self.prefix.insert(self.namespace, request.seq, self._blocks(request.tokens, full), request.indexed_blocks)
-        request.entries.extend(entries)
-        request.indexed_blocks = full
+    def _count(self, plan: StepPlan) -> None:
+        """Count an applied plan's preemptions and admissions (prompt tokens, cached tokens)."""
+        self._counters["preemptions"] += len(plan.preempted)
+        for request in plan.admitted:
+            self._counters["prompt_tokens"] += len(request.tokens)
+            self._counters["cached_tokens"] += request.computed
 
     def _leave(self, request: Request, state: RequestState) -> None:
         """The request ends (finished or aborted): its pages and swap space are released."""
-        for queue in (self._waiting, self._running, self._swapped):
-            if request in queue:
-                queue.remove(request)
-        self._swap_space.pop(request.request_id, None)
-        self._release(request)
+        self.scheduler.remove(request)
+        self.kv.release(request)
         request.state = state
-
-    def _release(self, request: Request) -> None:
-        if request.seq is not None:
-            self.store.release([request.seq])
-            request.seq = None
-        self._release_entries(request)
-
-    def _release_entries(self, request: Request) -> None:
-        if request.entries and self.prefix is not None:
-            self.prefix.release(request.entries)
-        request.entries = []
-        request.indexed_blocks = 0
-
-    # -- helpers ---------------------------------------------------------------------------------
-
-    def _blocks(self, tokens: list[int], count: int) -> list[list[int]]:
-        size = self.page_size
-        return [tokens[i * size : (i + 1) * size] for i in range(count)]
-
-    def _lookup_blocks(self, request: Request) -> list[list[int]]:
-        """The request's full blocks a prefix lookup may return (never its last token, whose
-        logits the model must compute)."""
-        return self._blocks(request.tokens, (len(request.prompt) + len(request.output) - 1) // self.page_size)
-
-    def _block_keys(self, request: Request) -> list[bytes]:
-        """Chain keys of the request's full blocks (prompt and output so far), extended as it grows."""
-        full = len(request.tokens) // self.page_size
-        keys = request.block_keys or []
-        if len(keys) < full:
-            blocks = self._blocks(request.tokens, full)
-            keys = self.prefix.block_keys(self.namespace, blocks)
-            request.block_keys = keys
-        return keys
 
     def _compressor(self, spec: str | None, budget: int | float | None):
         """A fresh compressor for ``spec`` (eviction and budget strategies only), or None."""
@@ -567,35 +325,10 @@ def _without_codec(spec: Spec) -> str | None:
     return "+".join(kept) or None
 
 
-DEFAULT_PREFIX_CACHE_BYTES = 2**30
-"""Bytes of unused cached pages kept without a page budget or ``prefix_cache_bytes``."""
-
-
 def _check_bytes(name: str, value: object, *, minimum: int) -> None:
     """``ValueError`` unless ``value`` is None or an int >= ``minimum`` (bytes)."""
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < minimum):
         raise ValueError(f"{name} must be an int >= {minimum} (bytes) or None, got {quoted(value)}")
-
-
-def _check_memory_budgets(
-    page_budget_bytes: int | None, prefix_cache_bytes: int | None, positions_bytes: int, device: torch.device
-) -> int:
-    """The prefix cache's byte budget; ``ValueError`` (before anything is allocated) when the
-    page budget, which the pools take up front with ``positions_bytes`` of their pages'
-    positions, is more than ``device`` has available, or when ``prefix_cache_bytes`` is more than
-    the page budget its pages live in (without one, more than the device has available)."""
-    if page_budget_bytes is not None:
-        check_fits(f"page_budget_bytes={page_budget_bytes}", page_budget_bytes + positions_bytes, device)
-    if prefix_cache_bytes is None:
-        return page_budget_bytes or DEFAULT_PREFIX_CACHE_BYTES
-    if page_budget_bytes is not None and prefix_cache_bytes > page_budget_bytes:
-        raise ValueError(
-            f"prefix_cache_bytes={prefix_cache_bytes} is more than page_budget_bytes={page_budget_bytes}: the cached"
-            " pages live in the page budget"
-        )
-    if page_budget_bytes is None:
-        check_fits(f"prefix_cache_bytes={prefix_cache_bytes} (cached pages, no page budget)", prefix_cache_bytes, device)
-    return prefix_cache_bytes
 
 
 def _check_model(model: torch.nn.Module) -> None:

@@ -149,6 +149,12 @@ class PrefixIndex:
         self._evict(next(iter(self.lru.values())))
         return True
 
+    def evict(self, entries: Sequence[Entry]) -> None:
+        """Evict those of ``entries`` that are still indexed and unused (a planned reclaim)."""
+        for entry in entries:
+            if self.lru.get(entry.key) is entry:
+                self._evict(entry)
+
     def clear(self) -> None:
         """Evict every unused entry."""
         while self.lru:

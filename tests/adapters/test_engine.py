@@ -360,8 +360,8 @@ def test_bad_engine_sizes_fail_before_anything_is_allocated_or_run(monkeypatch, 
     model = build_model("llama")
     calls = []
     model.register_forward_pre_hook(lambda module, args: calls.append(1))
-    monkeypatch.setattr("kvlib.adapters.engine.PagedStore", refuse_to_build)
-    monkeypatch.setattr("kvlib.adapters.engine.PrefixStore", refuse_to_build)
+    monkeypatch.setattr("kvlib.adapters.kv_manager.PagedStore", refuse_to_build)
+    monkeypatch.setattr("kvlib.adapters.kv_manager.PrefixStore", refuse_to_build)
     with pytest.raises(ValueError, match=message):
         kvlib.Engine(model, **options)
     assert calls == [] and model.config._attn_implementation == "sdpa"

@@ -53,7 +53,7 @@ def holders_read_their_entries(engine: kvlib.Engine) -> None:
     """Every prefix index entry a running request holds names pages of its own sequence: a
     request never pins a second copy of a block (so alone, it fits in a budget sized for it)."""
     store = engine.store
-    for request in engine._running:
+    for request in engine.scheduler.running:
         for layer, table in enumerate(store.tables):
             own = table.referenced_pages(torch.tensor([request.seq]))
             for entry in request.entries:

@@ -100,3 +100,13 @@ def test_eviction_is_least_recently_used_first() -> None:
     index.lookup([[1]], NAMESPACE)  # touch block 1: block 2 is now the least recently used
     third = index.insert(b"k3", b"", [9], None, 1)  # over capacity: an unused entry goes
     assert evicted == [(2,)] and third.users == 1
+
+
+def test_a_planned_eviction_takes_only_unused_entries_still_indexed() -> None:
+    evicted = []
+    index = PrefixIndex(10, lambda entry: evicted.append(entry.tokens))
+    keys = index.keys([[1], [2], [3]], NAMESPACE)
+    entries = [index.insert(keys[i], keys[i - 1] if i else b"", [i + 1], None, 1) for i in range(3)]
+    index.release(entries[1:])
+    index.evict([entries[2], entries[0], entries[2]])  # the held entry stays; an evicted one is not evicted twice
+    assert evicted == [(3,)] and list(index.lru) == [keys[1]] and index.nbytes == 2

@@ -1,0 +1,301 @@
+"""The Engine's KV manager: the paged store, its page budget, the prefix index and swap space.
+
+It answers the scheduler's page questions through a :class:`~kvlib.adapters.page_forecast.PageForecast`
+(pages a request's tokens need, cached tokens, admission and swap-in pages, what a reclaim or a
+preemption would free) and carries out the decisions of an applied plan: preempt (swap out or
+drop), reclaim (evict unused prefix-cache blocks), admit (attach the cached prefix), swap in;
+after a step it indexes full blocks, and it releases what a finished or aborted request held.
+
+Units: pages are counted per layer (one page holds ``page_size`` tokens of one KV head), tokens
+per sequence. Invariants: a request's ``seq`` holds the keys and values of its first
+``computed`` tokens; it holds the prefix index entries its sequence reads and no others (so an
+unused entry's pages are held by the index alone, and reclaiming it frees one page per KV head
+in every layer); a swapped-out request holds no pages, only host memory.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvlib.adapters.engine_request import Request
+from kvlib.adapters.model_shape import KVShape
+from kvlib.adapters.page_forecast import PageForecast
+from kvlib.adapters.swap import SwappedSequence, swap_in, swap_out
+from kvlib.codec import Codec, layer_shapes
+from kvlib.devices import check_fits
+from kvlib.paged_store import PagedStore
+from kvlib.prefix_index import Entry
+from kvlib.prefix_store import PrefixStore
+from kvlib.store_config import StoreConfig
+
+DEFAULT_PREFIX_CACHE_BYTES = 2**30
+"""Bytes of unused cached pages kept without a page budget or ``prefix_cache_bytes``."""
+
+GROWING_FREE_PAGES = 2**62
+"""Free pages reported for pools that grow as needed (never short)."""
+
+
+@dataclass(frozen=True)
+class PageBudget:
+    """The store's sizes, checked before anything is allocated: ``pages`` per layer (None: the
+    pools grow), each layer's page ``codecs`` (None: raw pages) and ``prefix_bytes``, the bytes
+    of unused cached pages the prefix index keeps."""
+
+    pages: int | None
+    codecs: list | None
+    prefix_bytes: int
+
+
+def page_budget(
+    shape: KVShape,
+    *,
+    codec: Codec | None,
+    page_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    page_budget_bytes: int | None,
+    prefix_cache_bytes: int | None,
+) -> PageBudget:
+    """The pages ``page_budget_bytes`` holds per layer (with a codec, sealed pages count at their
+    encoded size) and the prefix cache's byte budget; ``ValueError`` when the budget holds less
+    than one token or more than ``device`` has available (see :func:`_check_memory_budgets`)."""
+    codecs = None
+    if codec is not None:
+        codecs = codec.layer_codecs(
+            layer_shapes(shape.num_layers, shape.num_kv_heads, shape.head_dim, shape.value_dim, page_size, dtype, device)
+        )
+    kv_page_bytes = page_size * (shape.head_dim + shape.value_dim) * dtype.itemsize
+    if codecs is not None:  # the budget counts sealed pages at their encoded size
+        kv_page_bytes = codecs[0].page_bytes()
+    pages = None if page_budget_bytes is None else page_budget_bytes // (shape.num_layers * kv_page_bytes)
+    if pages is not None and pages < shape.num_kv_heads:
+        raise ValueError(
+            f"page_budget_bytes={page_budget_bytes} holds {pages} pages per layer; one token needs {shape.num_kv_heads}"
+            f" (one page of {kv_page_bytes} bytes per KV head per layer, {shape.num_layers} layers)"
+        )
+    positions_bytes = 0 if pages is None else pages * shape.num_layers * page_size * 8  # int64 per page slot
+    prefix_bytes = _check_memory_budgets(page_budget_bytes, prefix_cache_bytes, positions_bytes, device)
+    return PageBudget(pages, codecs, prefix_bytes)
+
+
+class KVManager:
+    """The store, page budget, prefix index and swap space of one Engine.
+
+    Args:
+        model: the served model (its fingerprint keys the prefix index).
+        shape: its KV shape (layers, KV heads, head sizes).
+        budget: the checked sizes (:func:`page_budget`).
+        codec: the engine-wide page codec (its spec names the prefix namespace), or None.
+        page_size: tokens per page.
+        dtype, device: of the model's parameters (the pages').
+        read_cache: keep a dense mirror of the decoding batch in the store.
+        prefix_cache: index full pages for reuse across requests.
+        preemption: ``"swap"`` (to host memory) or ``"recompute"``.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        shape: KVShape,
+        budget: PageBudget,
+        *,
+        codec: Codec | None,
+        page_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        read_cache: bool,
+        prefix_cache: bool,
+        preemption: str,
+    ) -> None:
+        self.shape = shape
+        self.page_size = page_size
+        self.dtype, self.device = dtype, device
+        self.preemption = preemption
+        pages, codecs = budget.pages, budget.codecs
+
+        def build() -> PagedStore:
+            return PagedStore(StoreConfig(
+                shape.num_layers, shape.num_kv_heads, shape.head_dim, value_dim=shape.value_dim, page_size=page_size,
+                dtype=self.dtype, device=self.device, pages_per_layer=pages or 64, fixed_capacity=pages is not None,
+                read_cache=read_cache, codecs=codecs,
+            ))
+
+        self.prefix = PrefixStore(model, budget.prefix_bytes) if prefix_cache else None
+        if self.prefix is not None:
+            self.namespace = self.prefix.namespace("" if codec is None else codec.spec(), self.dtype, self.device, page_size)
+            self.store = self.prefix.paged_store(self.namespace, build)
+        else:
+            self.store = build()
+        self._swap_space: dict[int, SwappedSequence] = {}
+
+    # -- page counts (read only) ---------------------------------------------------------------
+
+    @property
+    def fixed(self) -> bool:
+        """Whether the pools have a fixed capacity (a page budget); otherwise they grow."""
+        return self.store.pools[0].fixed
+
+    def free_pages(self) -> int:
+        """Pages free in the layer with the fewest free pages (:data:`GROWING_FREE_PAGES` when
+        the pools grow)."""
+        return min(self.free_pages_by_layer())
+
+    def free_pages_by_layer(self) -> list[int]:
+        """Free pages of each layer's pool."""
+        if not self.fixed:
+            return [GROWING_FREE_PAGES] * self.store.num_layers
+        return [pool.free_pages for pool in self.store.pools]
+
+    def check_fits(self, prompt_tokens: int, new_tokens: int, reserve_pages: int) -> None:
+        """``ValueError`` when a request of ``prompt_tokens + new_tokens`` tokens could never fit
+        in the page budget beside ``reserve_pages`` pages."""
+        pool = self.store.pools[0]
+        need = self.shape.num_kv_heads * math.ceil((prompt_tokens + new_tokens) / self.page_size)
+        if pool.fixed and need + reserve_pages > pool.capacity:
+            raise ValueError(
+                f"a request of {prompt_tokens} prompt + {new_tokens} new tokens needs {need} pages per layer; the page budget"
+                f" holds {pool.capacity} (raise page_budget_bytes or shorten the request)"
+            )
+
+    def pages_for(self, held: int, tokens: int) -> int:
+        """Pages per layer that ``tokens`` more tokens allocate after ``held`` stored tokens."""
+        return self.shape.num_kv_heads * (math.ceil((held + tokens) / self.page_size) - math.ceil(held / self.page_size))
+
+    def stored_tokens(self, request: Request) -> int:
+        """The most tokens any head of any layer of a running request's sequence stores (its
+        eviction keeps fewer than ``computed``)."""
+        seq = [request.seq]
+        return max(int(self.store.physical_lengths(layer, seq).max()) for layer in range(self.store.num_layers))
+
+    def swap_in_pages(self, request: Request) -> int:
+        """Pages per layer a swapped-out request takes when it comes back."""
+        return self.shape.num_kv_heads * math.ceil(self._swap_space[request.request_id].tokens / self.page_size)
+
+    def released_pages(self, request: Request) -> list[int]:
+        """Pages of each layer that releasing ``request``'s sequence frees (those nothing else holds)."""
+        rows = torch.tensor([request.seq], dtype=torch.int64)
+        freed = []
+        for pool, table in zip(self.store.pools, self.store.tables):
+            pages, holders = table.referenced_pages(rows).unique(return_counts=True)
+            freed.append(int((pool.refcount[pages] == holders).sum()))
+        return freed
+
+    def uses_prefix(self, request: Request) -> bool:
+        """Whether ``request`` attaches and indexes prefix blocks (not with its own eviction)."""
+        return self.prefix is not None and request.compressor is None
+
+    def lookup_blocks(self, request: Request) -> list[list[int]]:
+        """The request's full blocks a prefix lookup may return (never its last token, whose
+        logits the model must compute)."""
+        return self._blocks(request.tokens, (len(request.prompt) + len(request.output) - 1) // self.page_size)
+
+    def block_keys(self, request: Request) -> list[bytes]:
+        """Chain keys of the request's full blocks (prompt and output so far), extended as it grows."""
+        full = len(request.tokens) // self.page_size
+        keys = request.block_keys or []
+        if len(keys) < full:
+            blocks = self._blocks(request.tokens, full)
+            keys = self.prefix.block_keys(self.namespace, blocks)
+            request.block_keys = keys
+        return keys
+
+    def forecast(self, running: Sequence[Request]) -> PageForecast:
+        """A what-if copy of the page counts for the scheduler to plan on (see :class:`PageForecast`)."""
+        return PageForecast(self, running)
+
+    # -- applying a plan -----------------------------------------------------------------------
+
+    def preempt(self, request: Request) -> bool:
+        """Take ``request``'s pages back: swapped to host memory (``preemption="swap"``, requests
+        without their own eviction; returns True), or released for recompute (False)."""
+        if self.preemption == "swap" and request.compressor is None:
+            self._swap_space[request.request_id] = swap_out(self.store, request.seq)
+            request.seq = None
+            self._release_entries(request)
+            return True
+        self._release(request)
+        request.computed = 0
+        if request.compressor is not None:
+            request.compressor.reset()
+        return False
+
+    def reclaim(self, entries: list[Entry]) -> None:
+        """Evict the planned unused prefix-cache ``entries`` (those a preemption's release
+        already evicted are gone)."""
+        if self.prefix is not None:
+            self.prefix.index.evict(entries)
+
+    def admit(self, request: Request) -> None:
+        """Give a waiting request a sequence holding its longest cached prefix."""
+        request.seq = self.store.new_sequence()
+        if not self.uses_prefix(request):
+            return
+        entries = self.prefix.lookup(self.namespace, self.lookup_blocks(request))
+        self.prefix.attach(self.namespace, request.seq, entries)
+        request.entries = entries
+        request.computed = len(entries) * self.page_size
+        request.indexed_blocks = len(entries)
+        request.cached_tokens += request.computed
+
+    def swap_in(self, request: Request) -> None:
+        """A swapped-out request's tokens back in a new sequence, at the same positions."""
+        request.seq = swap_in(self.store, self._swap_space.pop(request.request_id))
+
+    # -- after a step ----------------------------------------------------------------------------
+
+    def index(self, request: Request) -> None:
+        """Put the request's newly completed full pages into the prefix index."""
+        if not self.uses_prefix(request) or request.seq is None:
+            return
+        full = request.computed // self.page_size
+        if full <= request.indexed_blocks:
+            return
+        entries = self.prefix.insert(self.namespace, request.seq, self._blocks(request.tokens, full), request.indexed_blocks)
+        request.entries.extend(entries)
+        request.indexed_blocks = full
+
+    def release(self, request: Request) -> None:
+        """The request ends (finished or aborted): its pages, entries and swap space are released."""
+        self._swap_space.pop(request.request_id, None)
+        self._release(request)
+
+    def _release(self, request: Request) -> None:
+        if request.seq is not None:
+            self.store.release([request.seq])
+            request.seq = None
+        self._release_entries(request)
+
+    def _release_entries(self, request: Request) -> None:
+        if request.entries and self.prefix is not None:
+            self.prefix.release(request.entries)
+        request.entries = []
+        request.indexed_blocks = 0
+
+    def _blocks(self, tokens: list[int], count: int) -> list[list[int]]:
+        size = self.page_size
+        return [tokens[i * size : (i + 1) * size] for i in range(count)]
+
+
+def _check_memory_budgets(
+    page_budget_bytes: int | None, prefix_cache_bytes: int | None, positions_bytes: int, device: torch.device
+) -> int:
+    """The prefix cache's byte budget; ``ValueError`` (before anything is allocated) when the
+    page budget, which the pools take up front with ``positions_bytes`` of their pages'
+    positions, is more than ``device`` has available, or when ``prefix_cache_bytes`` is more than
+    the page budget its pages live in (without one, more than the device has available)."""
+    if page_budget_bytes is not None:
+        check_fits(f"page_budget_bytes={page_budget_bytes}", page_budget_bytes + positions_bytes, device)
+    if prefix_cache_bytes is None:
+        return page_budget_bytes or DEFAULT_PREFIX_CACHE_BYTES
+    if page_budget_bytes is not None and prefix_cache_bytes > page_budget_bytes:
+        raise ValueError(
+            f"prefix_cache_bytes={prefix_cache_bytes} is more than page_budget_bytes={page_budget_bytes}: the cached"
+            " pages live in the page budget"
+        )
+    if page_budget_bytes is None:
+        check_fits(f"prefix_cache_bytes={prefix_cache_bytes} (cached pages, no page budget)", prefix_cache_bytes, device)
+    return prefix_cache_bytes
