@@ -15,25 +15,25 @@ cache's too.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from kvlib.adapters import layer_step
-from kvlib.adapters.compressor import AttentionInputs
+from kvlib.adapters.compressor import AttentionInputs, Compressor
 from kvlib.adapters.layer_step import AttentionCall, LayerStep
 from kvlib.adapters.masks import physical_mask, real_new_tokens
+from kvlib.adapters.model_shape import KVShape
 from kvlib.adapters.paged_decode import attention_over_pages, paged_attention_applies
 from kvlib.adapters.sparse_decode import sparse_decode_attention
-from kvlib.codec import FitSample
+from kvlib.adapters.prefix_session import PrefixSession
+from kvlib.codec import FitSample, PageCodec
 from kvlib.devices import reads_pages_in_place
 from kvlib.paged_attention import PagedLayer
+from kvlib.paged_store import PagedStore
 from kvlib.read_cache import LayerRead
-from kvlib.strategy import LayerView
-
-if TYPE_CHECKING:
-    from kvlib.adapters.transformers_cache import KVCache
+from kvlib.strategy import LayerView, Tiering
 
 PAGED_QUERY_TOKENS = 16
 """Calls with at most this many new tokens attend straight over the pages (see
@@ -41,8 +41,25 @@ PAGED_QUERY_TOKENS = 16
 dense copy for SDPA."""
 
 
+class SharedState(Protocol):
+    """What a layer reads of the cache that holds it (:class:`~kvlib.adapters.KVCache`): the state
+    its layers share. A layer changes ``padding`` (layer 0 counts it) and nothing else of it."""
+
+    shape: KVShape
+    store: PagedStore
+    rows: list[int]
+    padding: torch.Tensor
+    compressor: Compressor | None
+    codecs: list[PageCodec | None] | None
+    tiering: Tiering | None
+    session: PrefixSession | None
+    recompute: torch.Tensor | None
+    read_cache: bool
+    reuse_slots: bool
+
+
 class KVCacheLayer(CacheLayerMixin):
-    """One layer of a :class:`KVCache` (see the module docstring).
+    """One layer of a :class:`~kvlib.adapters.KVCache` (see the module docstring).
 
     Invariant: ``seen`` is the layer's logical length (tokens seen, padding included, as
     ``DynamicCache`` counts them); ``pending`` is the step published by the last ``update``
@@ -51,7 +68,7 @@ class KVCacheLayer(CacheLayerMixin):
     is_sliding = False
     is_compileable = False
 
-    def __init__(self, cache: KVCache, layer_idx: int) -> None:
+    def __init__(self, cache: SharedState, layer_idx: int) -> None:
         self.keys = self.values = None
         self.cache = cache
         self.layer_idx = layer_idx

@@ -53,7 +53,7 @@ import lmdb
 
 from kvlib.storage import record_parts
 from kvlib.storage.lmdb_files import committed_bytes, open_environment
-from kvlib.storage.spill_store import sweep_dead_runs
+from kvlib.storage.spill_runs import sweep_dead_runs
 
 _U64 = struct.Struct("<Q")
 _OVERHEAD = 2.0

@@ -11,7 +11,7 @@ budget bounds them instead.
 Lifetime: a freed page's record is deleted with it; :meth:`SpillStore.close` (also run when the
 store is garbage collected or the process exits) deletes the run's records and its
 registration; a process killed before that leaves them, and the next :class:`DiskTier` opened
-on the directory deletes them (:func:`sweep_dead_runs`), leaving prefix records and live runs
+on the directory deletes them (:func:`~kvlib.storage.spill_runs.sweep_dead_runs`), leaving prefix records and live runs
 alone. Every write is one lmdb transaction, so a killed writer leaves whole records only.
 """
 
@@ -21,7 +21,6 @@ import os
 import struct
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import lmdb
 import numpy as np
@@ -29,15 +28,10 @@ import torch
 
 from kvlib.devices import byte_rows, host_staging
 from kvlib.errors import PoolExhaustedError
+from kvlib.storage.disk_tier import DiskTier
 from kvlib.storage.page_record import Block, Layout, check_rows, empty_rows, encode, record_size, row_sections
+from kvlib.storage.spill_runs import RUNS_DB, SPILL_DB, delete_run_records, this_process_entry
 
-if TYPE_CHECKING:
-    from kvlib.storage.disk_tier import DiskTier
-
-SPILL_DB = b"spill"
-RUNS_DB = b"runs"
-_RUN = struct.Struct("<QQ")
-"""A run's registration: process id, process start time (clock ticks after boot; 0 if unknown)."""
 _PAGE_KEY = struct.Struct(">IQ")
 _RECORD_KEY = struct.Struct(">QQ")
 
@@ -61,7 +55,8 @@ class SpillStore:
         self.nbytes = 0
         """Record bytes this run holds."""
         disk.extend_limit(capacity_bytes)
-        disk.transact(_RUN.size, lambda txn: txn.put(self.run, _RUN.pack(os.getpid(), _start_time(os.getpid()) or 0), db=self.runs))
+        entry = this_process_entry()
+        disk.transact(len(entry), lambda txn: txn.put(self.run, entry, db=self.runs))
         self._close = weakref.finalize(self, _delete_run, disk, self.spill, self.runs, self.run)
 
     def layer(self, layer: int, page_size: int, head_dim: int, value_dim: int, dtype: torch.dtype) -> LayerSpill:
@@ -184,54 +179,7 @@ def _delete_run(disk: DiskTier, spill: lmdb._Database, runs: lmdb._Database, run
         if disk.closed or not disk.intact():
             return
         with disk.env.begin(write=True) as txn:
-            _delete_records(txn, spill, run)
+            delete_run_records(txn, spill, run)
             txn.delete(run, db=runs)
     except lmdb.Error:
         pass
-
-
-def _delete_records(txn: lmdb.Transaction, spill: lmdb._Database, run: bytes) -> None:
-    cursor = txn.cursor(db=spill)
-    if cursor.set_range(run):
-        while cursor.key().startswith(run):
-            if not cursor.delete():
-                break
-
-
-def sweep_dead_runs(env: lmdb.Environment) -> int:
-    """Delete the spill records and registrations of runs whose process is gone (one
-    transaction); returns how many runs were swept."""
-    spill, runs = env.open_db(SPILL_DB), env.open_db(RUNS_DB)
-    with env.begin(db=runs) as txn:
-        dead = [bytes(run) for run, value in txn.cursor() if not _alive(*_RUN.unpack(value))]
-    if dead:
-        with env.begin(write=True) as txn:
-            for run in dead:
-                _delete_records(txn, spill, run)
-                txn.delete(run, db=runs)
-    return len(dead)
-
-
-def _alive(pid: int, start: int) -> bool:
-    """Whether process ``pid`` started at ``start`` still runs (a zombie or a reused pid does not)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    now = _start_time(pid)
-    if now is None:
-        return not os.path.isdir("/proc")  # no /proc: the signal check is all there is
-    return start in (0, now)
-
-
-def _start_time(pid: int) -> int | None:
-    """Start time of live, non-zombie process ``pid`` (clock ticks after boot), from /proc."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as handle:
-            fields = handle.read().rsplit(b")", 1)[1].split()
-    except OSError:
-        return None
-    return None if fields[0] == b"Z" else int(fields[19])
-
