@@ -117,8 +117,14 @@ def _kvlib_attention(inner: str) -> Callable:
             return run(module, query, key, value, attention_mask, **kwargs)
         return step.attend(
             AttentionCall(
-                module=module, query=query, key=key, value=value, attention_mask=attention_mask, inner=run,
-                eager=inner == "eager", kwargs=kwargs,
+                module=module,
+                query=query,
+                key=key,
+                value=value,
+                attention_mask=attention_mask,
+                inner=run,
+                eager=inner == "eager",
+                kwargs=kwargs,
             )
         )
 

@@ -65,8 +65,8 @@ def _visible(step: LayerStep, mask: torch.Tensor | None, first: int, last: int, 
     if mask is None:
         query_positions = step.query_offset + torch.arange(first, last, device=read.positions.device)
         visible = (read.positions.unsqueeze(2) <= query_positions.view(1, 1, -1, 1)) & read.valid.unsqueeze(2)
-        return visible.unsqueeze(2).expand(batch, kv_heads, heads // kv_heads, last - first, slots).reshape(
-            batch, heads, last - first, slots
+        return (
+            visible.unsqueeze(2).expand(batch, kv_heads, heads // kv_heads, last - first, slots).reshape(batch, heads, last - first, slots)
         )
     return allowed(mask)[:, :, first:last, :slots].expand(batch, heads, last - first, slots)
 

@@ -34,9 +34,7 @@ class _StopForward(Exception):
     """Raised by the probe's hook once the layers it needs have run."""
 
 
-def blend_cache(
-    model: torch.nn.Module, chunks: Sequence[torch.Tensor], store: ChunkStore, strategy: CacheBlend | None = None
-) -> KVCache:
+def blend_cache(model: torch.nn.Module, chunks: Sequence[torch.Tensor], store: ChunkStore, strategy: CacheBlend | None = None) -> KVCache:
     """An exact cache holding ``chunks`` (each int ``[tokens]``) concatenated, built by ``strategy``
     (default ``CacheBlend()``: 15% of the tokens recomputed, chosen by KV deviation)."""
     strategy = strategy or CacheBlend()
@@ -51,8 +49,10 @@ def blend_cache(
     pieces = [store.kv(model, chunk) for chunk in chunks]
     lengths = [keys[0].shape[1] for keys, _ in pieces]
     offsets = torch.tensor([0, *lengths[:-1]]).cumsum(0).tolist()
-    keys = [torch.cat([rerotate(k[layer], offset, rope) for (k, _), offset in zip(pieces, offsets)], dim=1)[None]
-            for layer in range(shape.num_layers)]
+    keys = [
+        torch.cat([rerotate(k[layer], offset, rope) for (k, _), offset in zip(pieces, offsets)], dim=1)[None]
+        for layer in range(shape.num_layers)
+    ]
     values = [torch.cat([v[layer] for _, v in pieces], dim=1)[None] for layer in range(shape.num_layers)]
     ids = torch.cat([torch.as_tensor(chunk).reshape(-1) for chunk in chunks])[None].to(keys[0].device)
     deviation = None
@@ -86,7 +86,9 @@ def _probe(model: torch.nn.Module, ids: torch.Tensor, keys: list[torch.Tensor], 
     for index in range(layer + 1):
         read = probe.store.read(index, probe._rows)
         if index == layer:
-            deviation = ((read.keys - keys[index]).float().square().sum((1, 3)) + (read.values - values[index]).float().square().sum((1, 3)))[0]
+            deviation = (
+                (read.keys - keys[index]).float().square().sum((1, 3)) + (read.values - values[index]).float().square().sum((1, 3))
+            )[0]
         keys[index], values[index] = read.keys.clone(), read.values.clone()
     return deviation
 

@@ -26,8 +26,8 @@ from kvlib.adapters.layer_step import AttentionCall, LayerStep
 from kvlib.adapters.masks import physical_mask, real_new_tokens
 from kvlib.adapters.model_shape import KVShape
 from kvlib.adapters.paged_decode import attention_over_pages, paged_attention_applies
-from kvlib.adapters.sparse_decode import sparse_decode_attention
 from kvlib.adapters.prefix_session import PrefixSession
+from kvlib.adapters.sparse_decode import sparse_decode_attention
 from kvlib.codec import FitSample, PageCodec
 from kvlib.devices import reads_pages_in_place
 from kvlib.paged_attention import PagedLayer
@@ -149,9 +149,7 @@ class KVCacheLayer(CacheLayerMixin):
         call's own tensors (pools encode pages only once sealed, after attention)."""
         store = self.cache.store
         return (
-            self.seen == 0
-            and key_states.dtype == store.dtype
-            and not bool(store.physical_lengths(self.layer_idx, self.cache.rows).any())
+            self.seen == 0 and key_states.dtype == store.dtype and not bool(store.physical_lengths(self.layer_idx, self.cache.rows).any())
         )
 
     def _paged_layer(self, query_length: int) -> PagedLayer | None:
@@ -165,7 +163,9 @@ class KVCacheLayer(CacheLayerMixin):
             return None
         return store.paged_layer(self.layer_idx, self.cache.rows)
 
-    def _overwrite(self, key_states: torch.Tensor, value_states: torch.Tensor, attention_kwargs: dict | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _overwrite(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, attention_kwargs: dict | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`update` inside :meth:`KVCache.recomputing`: the call's tokens are stored ones, rewritten."""
         store, rows, positions = self.cache.store, self.cache.rows, self.cache.recompute
         store.overwrite(self.layer_idx, rows, positions, key_states, value_states)
@@ -284,7 +284,9 @@ class KVCacheLayer(CacheLayerMixin):
         """The layer's stored tokens and this call's queries, padding marked invalid."""
         read = step.read
         real = read.valid & (read.positions >= self.cache.padding.view(-1, 1, 1))
-        query_valid = real_new if real_new is not None else torch.ones(query.shape[0], query.shape[2], dtype=torch.bool, device=query.device)
+        query_valid = (
+            real_new if real_new is not None else torch.ones(query.shape[0], query.shape[2], dtype=torch.bool, device=query.device)
+        )
         return FitSample(self.layer_idx, read.keys, read.values, real, query, query_valid)
 
     def _rank_pages(self, read: LayerRead) -> None:
@@ -293,7 +295,9 @@ class KVCacheLayer(CacheLayerMixin):
         cache = self.cache
         padding = cache.padding.to(read.positions.device).view(-1, 1, 1)
         real = read.valid & (read.positions >= padding)
-        view = LayerView(self.layer_idx, cache.shape.num_layers, read.keys, read.values, torch.where(real, read.positions - padding, -1), real)
+        view = LayerView(
+            self.layer_idx, cache.shape.num_layers, read.keys, read.values, torch.where(real, read.positions - padding, -1), real
+        )
         cache.store.rank_pages(self.layer_idx, cache.rows, cache.tiering.ranking_scores(view))
 
     def record_hidden_states(self, hidden_states: torch.Tensor) -> None:
@@ -349,4 +353,3 @@ class KVCacheLayer(CacheLayerMixin):
         past_end = torch.iinfo(torch.int64).max
         kept = torch.sort(torch.where(real, positions, past_end), dim=-1).values
         return torch.where(kept == past_end, -1, kept)[..., : int(real.sum(-1).max())]
-

@@ -79,8 +79,13 @@ class CacheStoreBuilder:
         if self.codec is not None:
             self.codecs = self.codec.layer_codecs(
                 layer_shapes(
-                    shape.num_layers, shape.num_kv_heads, shape.head_dim, shape.value_dim, self.page_size,
-                    dtype, device,
+                    shape.num_layers,
+                    shape.num_kv_heads,
+                    shape.head_dim,
+                    shape.value_dim,
+                    self.page_size,
+                    dtype,
+                    device,
                 )
             )
         disk_tier = self._disk_tier(dtype)
@@ -136,5 +141,7 @@ def _spill_tier(tiering: Tiering | None) -> DiskTier | None:
     try:
         return open_disk_tier(tiering.disk_directory(), capacity_bytes=1)
     except DiskTierUnavailable as error:
-        raise ValueError(f"{tiering.spec()}: {error}; spilled pages need a disk tier: name a writable directory, "
-                         "or drop disk= to keep pages in host memory only") from None
+        raise ValueError(
+            f"{tiering.spec()}: {error}; spilled pages need a disk tier: name a writable directory, "
+            "or drop disk= to keep pages in host memory only"
+        ) from None

@@ -121,13 +121,26 @@ class Engine:
         parameter = next(model.parameters())
         self.dtype, self.device = parameter.dtype, parameter.device
         sizes = page_budget(
-            self.shape, codec=self.codec, page_size=page_size, dtype=self.dtype, device=self.device,
-            page_budget_bytes=page_budget_bytes, prefix_cache_bytes=prefix_cache_bytes,
+            self.shape,
+            codec=self.codec,
+            page_size=page_size,
+            dtype=self.dtype,
+            device=self.device,
+            page_budget_bytes=page_budget_bytes,
+            prefix_cache_bytes=prefix_cache_bytes,
         )
         attach(model)  # everything is checked: the model's attention goes through kvlib from now on
         self.kv = KVManager(
-            model, self.shape, sizes, codec=self.codec, page_size=page_size, dtype=self.dtype, device=self.device,
-            read_cache=read_cache, prefix_cache=prefix_cache, preemption=preemption,
+            model,
+            self.shape,
+            sizes,
+            codec=self.codec,
+            page_size=page_size,
+            dtype=self.dtype,
+            device=self.device,
+            read_cache=read_cache,
+            prefix_cache=prefix_cache,
+            preemption=preemption,
         )
         self.runner = ModelRunner(model, self.kv.store, codec=self.codec, device=self.device)
         self.requests: dict[int, Request] = {}
@@ -185,7 +198,16 @@ class Engine:
             generator = torch.Generator()
             generator.manual_seed(seed if seed is not None else torch.seed())
         request = Request(
-            self._next_id, ids, max_new_tokens, do_sample, temperature, top_k, top_p, eos, compressor, generator,
+            self._next_id,
+            ids,
+            max_new_tokens,
+            do_sample,
+            temperature,
+            top_k,
+            top_p,
+            eos,
+            compressor,
+            generator,
             arrival=time.perf_counter(),
         )
         self._next_id += 1
@@ -313,7 +335,9 @@ def _engine_codec(spec: Spec) -> Codec | None:
     """The spec's quantization codec (every request's pages), or None; ``ValueError`` for codecs
     the engine cannot share between requests and for tiering."""
     if spec.lowrank is not None:
-        raise ValueError(f"{spec.lowrank.spec()} fits itself to each prompt; the engine's pages are shared by requests: use a quantization codec")
+        raise ValueError(
+            f"{spec.lowrank.spec()} fits itself to each prompt; the engine's pages are shared by requests: use a quantization codec"
+        )
     if spec.tiering is not None or spec.reuse:
         raise ValueError(f"the engine does not apply tiering or reuse strategies yet ({spec}); prefix reuse is built in: prefix_cache=True")
     return spec.quantization

@@ -118,11 +118,21 @@ class KVManager:
         pages, codecs = budget.pages, budget.codecs
 
         def build() -> PagedStore:
-            return PagedStore(StoreConfig(
-                shape.num_layers, shape.num_kv_heads, shape.head_dim, value_dim=shape.value_dim, page_size=page_size,
-                dtype=self.dtype, device=self.device, pages_per_layer=pages or 64, fixed_capacity=pages is not None,
-                read_cache=read_cache, codecs=codecs,
-            ))
+            return PagedStore(
+                StoreConfig(
+                    shape.num_layers,
+                    shape.num_kv_heads,
+                    shape.head_dim,
+                    value_dim=shape.value_dim,
+                    page_size=page_size,
+                    dtype=self.dtype,
+                    device=self.device,
+                    pages_per_layer=pages or 64,
+                    fixed_capacity=pages is not None,
+                    read_cache=read_cache,
+                    codecs=codecs,
+                )
+            )
 
         self.prefix = PrefixStore(model, budget.prefix_bytes) if prefix_cache else None
         if self.prefix is not None:
@@ -280,9 +290,7 @@ class KVManager:
         return [tokens[i * size : (i + 1) * size] for i in range(count)]
 
 
-def _check_memory_budgets(
-    page_budget_bytes: int | None, prefix_cache_bytes: int | None, positions_bytes: int, device: torch.device
-) -> int:
+def _check_memory_budgets(page_budget_bytes: int | None, prefix_cache_bytes: int | None, positions_bytes: int, device: torch.device) -> int:
     """The prefix cache's byte budget; ``ValueError`` (before anything is allocated) when the
     page budget, which the pools take up front with ``positions_bytes`` of their pages'
     positions, is more than ``device`` has available, or when ``prefix_cache_bytes`` is more than

@@ -14,17 +14,16 @@ from kvlib.codec import Codec, layer_shapes
 from kvlib.devices import check_fits
 from kvlib.errors import quoted
 from kvlib.limits import MAX_BUDGET_TOKENS, MAX_PAGE_SIZE, check_page_size
-from kvlib.store_config import DEFAULT_PAGES_PER_LAYER, initial_arena_bytes
-from kvlib.prefix_store import PrefixStore
 from kvlib.policies.budget.uniform import Uniform
+from kvlib.prefix_store import PrefixStore
 from kvlib.spec import Spec, SpecLike, parse_spec
+from kvlib.store_config import DEFAULT_PAGES_PER_LAYER, initial_arena_bytes
 
 CACHE_OPTIONS = {
     "page_size": f"tokens per page (int in [1, {MAX_PAGE_SIZE}], default 16)",
     "read_cache": "keep a dense read mirror per layer (bool; default: only for an exact cache where attention cannot"
     " read pages in place, i.e. CUDA for now)",
-    "slack": "extra tokens a head may hold over an int budget before it is compacted back (int >= 0; default 0,"
-    " page_size with a codec)",
+    "slack": "extra tokens a head may hold over an int budget before it is compacted back (int >= 0; default 0, page_size with a codec)",
     "interval": "with an int budget, decode steps compact only every this many steps (int >= 1, default 1)",
     "merge": "fold each evicted value into the most similar kept token instead of dropping it (bool, default False)",
 }
@@ -110,8 +109,15 @@ def make_cache(
     _check_page_retrieval(parsed, reuse)
     attach(model)
     cache = KVCache(
-        shape, compressor, page_size=page_size, read_cache=read_cache, codec=codec, reuse=reuse,
-        spec="" if not parsed.strategies() else str(parsed), home=home, tiering=parsed.tiering,
+        shape,
+        compressor,
+        page_size=page_size,
+        read_cache=read_cache,
+        codec=codec,
+        reuse=reuse,
+        spec="" if not parsed.strategies() else str(parsed),
+        home=home,
+        tiering=parsed.tiering,
     )
     if prompt is not None:
         cache.prime(prompt, attention_mask)
@@ -141,8 +147,7 @@ def _check_reuse(model: torch.nn.Module, spec: Spec, codec: Codec | None, reuse:
         raise ValueError(f"reuse must be a kvlib.PrefixStore, got {type(reuse).__name__}")
     if spec.eviction is not None:
         raise ValueError(
-            f"prefix reuse needs every prompt token stored; {spec.eviction.spec()} drops tokens. Use reuse with an exact"
-            " or quantized cache"
+            f"prefix reuse needs every prompt token stored; {spec.eviction.spec()} drops tokens. Use reuse with an exact or quantized cache"
         )
     if codec is not None and spec.lowrank is not None:
         raise ValueError(f"prefix reuse works with quantization codecs; {spec.lowrank.spec()} fits itself to each prompt")
@@ -167,8 +172,7 @@ def _codec(spec: Spec) -> Codec | None:
     """The spec's codec strategy (quantization or low-rank), or None; ``ValueError`` for both."""
     if spec.quantization is not None and spec.lowrank is not None:
         raise ValueError(
-            f"one codec per cache: {spec.quantization.spec()} and {spec.lowrank.spec()} both encode sealed pages;"
-            " keep one of them"
+            f"one codec per cache: {spec.quantization.spec()} and {spec.lowrank.spec()} both encode sealed pages; keep one of them"
         )
     return spec.quantization or spec.lowrank
 
@@ -187,8 +191,7 @@ def _check_budget(budget: object, spec: Spec) -> int | float | None:
     name = spec.eviction.spec()
     if budget is None:
         raise ValueError(
-            f"{name} needs a budget: a token count per layer and head (int >= 1) or a fraction of the prompt"
-            " (float in (0, 1])"
+            f"{name} needs a budget: a token count per layer and head (int >= 1) or a fraction of the prompt (float in (0, 1])"
         )
     if isinstance(budget, bool) or not isinstance(budget, (int, float)):
         raise ValueError(
@@ -224,16 +227,19 @@ def _plain_number(value: object) -> object:
     return value
 
 
-def _check_first_arenas(
-    shape: KVShape, page_size: int, home: tuple[torch.dtype, torch.device], *, coded: bool, tiered: bool
-) -> None:
+def _check_first_arenas(shape: KVShape, page_size: int, home: tuple[torch.dtype, torch.device], *, coded: bool, tiered: bool) -> None:
     """``ValueError`` when the store the cache builds would preallocate more than the model's
     device has available (its first ``DEFAULT_PAGES_PER_LAYER`` pages a layer), before it is built."""
     dtype, device = home
     layers = shape.num_layers
     nbytes = initial_arena_bytes(
-        [shape.head_dim] * layers, [shape.value_dim] * layers, page_size, dtype, DEFAULT_PAGES_PER_LAYER,
-        coded=coded, tiered=tiered,
+        [shape.head_dim] * layers,
+        [shape.value_dim] * layers,
+        page_size,
+        dtype,
+        DEFAULT_PAGES_PER_LAYER,
+        coded=coded,
+        tiered=tiered,
     )
     check_fits(f"make_cache(page_size={page_size}) for {layers} layers", nbytes, device)
 

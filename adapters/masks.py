@@ -59,6 +59,4 @@ def physical_mask(mask: torch.Tensor | None, step: LayerStep, query_heads: int, 
         visible = visible.repeat_interleave(query_heads // heads, dim=1)
     if float_dtype is None:
         return visible
-    return torch.zeros(visible.shape, dtype=float_dtype, device=visible.device).masked_fill_(
-        ~visible, torch.finfo(float_dtype).min
-    )
+    return torch.zeros(visible.shape, dtype=float_dtype, device=visible.device).masked_fill_(~visible, torch.finfo(float_dtype).min)

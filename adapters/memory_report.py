@@ -30,7 +30,14 @@ def memory_report(store: PagedStore | None, rows: list[int], shape: KVShape) -> 
     """
     components = dict.fromkeys(COMPONENTS, 0)
     host = disk = 0
-    report = {"reserved_bytes": 0, "peak_pages_bytes": 0, "peak_workspace_bytes": 0, "full_equivalent_bytes": 0, "stored_tokens": 0, "logical_tokens": 0}
+    report = {
+        "reserved_bytes": 0,
+        "peak_pages_bytes": 0,
+        "peak_workspace_bytes": 0,
+        "full_equivalent_bytes": 0,
+        "stored_tokens": 0,
+        "logical_tokens": 0,
+    }
     if store is not None:
         held = store.memory_bytes()
         report["reserved_bytes"] = held["reserved"]

@@ -69,7 +69,10 @@ class ModelRunner:
         position_ids = torch.cat(positions).unsqueeze(0).to(self.device)
         with torch.inference_mode():
             logits = self.model(
-                input_ids=input_ids, position_ids=position_ids, **cache_argument(cache), use_cache=True,
+                input_ids=input_ids,
+                position_ids=position_ids,
+                **cache_argument(cache),
+                use_cache=True,
                 attention_mask=torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device),  # unused: kvlib masks each segment
                 logits_to_keep=torch.tensor(last_index, dtype=torch.int64, device=self.device),
             ).logits[0]
@@ -84,8 +87,14 @@ class ModelRunner:
         now = time.perf_counter()
         produced: dict[int, list[int]] = {}
         for row, request in zip(logits, finishing):
-            token = next_token(row, do_sample=request.do_sample, temperature=request.temperature, top_k=request.top_k,
-                               top_p=request.top_p, generator=request.generator)
+            token = next_token(
+                row,
+                do_sample=request.do_sample,
+                temperature=request.temperature,
+                top_k=request.top_k,
+                top_p=request.top_p,
+                generator=request.generator,
+            )
             request.output.append(token)
             request.token_times.append(now)
             produced[request.request_id] = [token]
@@ -105,7 +114,9 @@ class ModelRunner:
         if self.codec is not None:
             self.store.seal(layer, segment.seqs)
 
-    def _evict(self, layer: int, segment: Segment, requests: list[Request], query: torch.Tensor, read: LayerRead | None, scaling: float | None) -> None:
+    def _evict(
+        self, layer: int, segment: Segment, requests: list[Request], query: torch.Tensor, read: LayerRead | None, scaling: float | None
+    ) -> None:
         """Each request with an eviction spec scores its row of the layer and compacts it; rows
         without one are not read. The row is its slice of ``read``, or, after attention over the
         pages, its positions, with attention weights from its pages and, when it compacts with a

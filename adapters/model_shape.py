@@ -66,8 +66,7 @@ def kv_shape(model: torch.nn.Module) -> KVShape:
     other = sorted(set(layer_types) & _NON_ATTENTION_LAYER_TYPES)
     if other:
         raise ValueError(
-            f"{type(model).__name__} has non-attention layers ({', '.join(other)}); kvlib caches models whose every"
-            " layer is attention"
+            f"{type(model).__name__} has non-attention layers ({', '.join(other)}); kvlib caches models whose every layer is attention"
         )
     _check_attention_form(model, text, layer_types)
     if not type(model)._can_set_attn_implementation():

@@ -22,7 +22,9 @@ def paged_attention_applies(kwargs: dict) -> bool:
     return kwargs.get("s_aux") is None and not kwargs.get("dropout")
 
 
-def attention_over_pages(query: torch.Tensor, attention_mask: torch.Tensor | None, step: LayerStep, kwargs: dict) -> tuple[torch.Tensor, None]:
+def attention_over_pages(
+    query: torch.Tensor, attention_mask: torch.Tensor | None, step: LayerStep, kwargs: dict
+) -> tuple[torch.Tensor, None]:
     """SDPA's output for ``query`` (``[batch, query_heads, queries, head_dim]``) over the pages
     of ``step``, laid out as transformers' attention functions return it (``[batch, queries,
     query_heads, value_dim]``), then the step's after-attention work."""
@@ -33,7 +35,5 @@ def attention_over_pages(query: torch.Tensor, attention_mask: torch.Tensor | Non
         visible, query_positions = allowed(attention_mask)[:, 0].expand(batch, -1, -1), None
     scale = kwargs.get("scaling") or head_dim**-0.5
     output = step.paged.attend(query, visible=visible, query_positions=query_positions, scale=scale)
-    step.after_attention(
-        query=query, mask=attention_mask, weights=None, real_new=real_new_tokens(attention_mask, step), scaling=scale
-    )
+    step.after_attention(query=query, mask=attention_mask, weights=None, real_new=real_new_tokens(attention_mask, step), scaling=scale)
     return output.transpose(1, 2).contiguous(), None

@@ -214,7 +214,11 @@ class Scheduler:
             tokens = self._chunk(request, min(request.remaining, budget), free - spent, forecast)
             if not tokens and not plan.chunks:  # nothing would run: the cache, then newer requests give pages back
                 forecast.reclaim(forecast.pages_for(request, 1))
-                while not self._chunk(request, 1, forecast.free_pages() - spent, forecast) and active[-1] is not request and active[-1] not in plan.resumed:
+                while (
+                    not self._chunk(request, 1, forecast.free_pages() - spent, forecast)
+                    and active[-1] is not request
+                    and active[-1] not in plan.resumed
+                ):
                     self._preempt(active.pop(), forecast, plan)
                 free = forecast.free_pages()
                 tokens = self._chunk(request, min(request.remaining, budget), free - spent, forecast)

@@ -294,9 +294,7 @@ class KVCache(Cache):
         make room for them stay dropped (``is_croppable`` is False when the spec evicts).
         """
         if not isinstance(tokens_to_remove, int) or tokens_to_remove > 0:
-            raise ValueError(
-                f"crop takes a negative int, the number of tokens to remove (0 does nothing); got {tokens_to_remove!r}"
-            )
+            raise ValueError(f"crop takes a negative int, the number of tokens to remove (0 does nothing); got {tokens_to_remove!r}")
         if tokens_to_remove == 0 or not self._rows:
             return
         for layer in self.layers:

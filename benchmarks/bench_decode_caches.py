@@ -41,12 +41,18 @@ from transformers import DynamicCache
 import kvlib
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or loaded by path
-from bench_generate import generate_once, load_model as load_bench_model  # noqa: E402
+from bench_generate import generate_once  # noqa: E402
+from bench_generate import load_model as load_bench_model
 from provenance import add_run_arguments, command_line, parse_run_arguments, run_metadata, write_report  # noqa: E402
 
 MODELS = ("llama100m", "smollm2", "stories")
-FULL = {"models": "llama100m,smollm2", "contexts": "2048,8192", "caches": "exact,streaming_llm_int25,snapkv_int25,h2o_int25,snapkv_0.25,kivi4",
-        "new_tokens": 32, "repeats": 2}
+FULL = {
+    "models": "llama100m,smollm2",
+    "contexts": "2048,8192",
+    "caches": "exact,streaming_llm_int25,snapkv_int25,h2o_int25,snapkv_0.25,kivi4",
+    "new_tokens": 32,
+    "repeats": 2,
+}
 QUICK = {"models": "stories", "contexts": "64", "caches": "exact,streaming_llm_int25,snapkv_0.25,kivi4", "new_tokens": 4, "repeats": 1}
 
 
@@ -85,8 +91,12 @@ def bench_context(model: torch.nn.Module, context: int, caches: list[str], args:
         for kind in kinds:
             runs[kind].append(generate_once(model, lambda: factories[kind](model), prompt, args.new_tokens))
     dynamic = runs["dynamic"]
-    row: dict = {"context": context, "dynamic_bytes": dynamic[-1]["cache_bytes"],
-                 "dynamic_decode_tok_s": statistics.median(run["decode_tok_s"] for run in dynamic), "caches": {}}
+    row: dict = {
+        "context": context,
+        "dynamic_bytes": dynamic[-1]["cache_bytes"],
+        "dynamic_decode_tok_s": statistics.median(run["decode_tok_s"] for run in dynamic),
+        "caches": {},
+    }
     for kind in caches:
         speed = [run["decode_tok_s"] / base["decode_tok_s"] for run, base in zip(runs[kind], dynamic)]
         last = runs[kind][-1]
@@ -132,7 +142,10 @@ def run(argv: Sequence[str] | None = None) -> dict:
             row["load_avg_1min"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
             rows.append(row)
             for kind, figures in row["caches"].items():
-                print(f"{name} {context}: {kind} bytes {figures['bytes_vs_dynamic']:.3f}x decode {figures['decode_vs_dynamic']:.2f}x", flush=True)
+                print(
+                    f"{name} {context}: {kind} bytes {figures['bytes_vs_dynamic']:.3f}x decode {figures['decode_vs_dynamic']:.2f}x",
+                    flush=True,
+                )
         del model
     result = {**run_metadata(args, load_before, started), "command": command_line("bench_decode_caches.py", argv), "rows": rows}
     write_report(args.out, "bench_decode_caches", _markdown(result), result)

@@ -149,8 +149,6 @@ def bench_case(model: torch.nn.Module, vocab: int, batch: int, args: argparse.Na
     return row
 
 
-
-
 def run(argv: Sequence[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", help=f"comma-separated, from {','.join(MODELS)} (default {FULL['models']})")
@@ -158,9 +156,7 @@ def run(argv: Sequence[str] | None = None) -> dict:
     parser.add_argument("--prompt-len", type=int, help=f"prompt tokens (default {FULL['prompt_len']})")
     parser.add_argument("--new-tokens", type=int, help=f"decode steps (default {FULL['new_tokens']})")
     parser.add_argument("--repeats", type=int, help=f"interleaved rounds per case (default {FULL['repeats']})")
-    parser.add_argument(
-        "--repeats-llama100m", type=int, default=None, help="rounds for llama100m only (default: --repeats)"
-    )
+    parser.add_argument("--repeats-llama100m", type=int, default=None, help="rounds for llama100m only (default: --repeats)")
     add_run_arguments(parser, QUICK, stories=True)
     args = parse_run_arguments(parser, argv, QUICK, FULL)
     models = [m.strip() for m in args.models.split(",") if m.strip()]
@@ -177,9 +173,12 @@ def run(argv: Sequence[str] | None = None) -> dict:
         repeats = args.repeats_llama100m if name == "llama100m" and args.repeats_llama100m else args.repeats
         for batch in batch_sizes:
             load_before = os.getloadavg()[0]
-            row = {"model": name, "params": sum(p.numel() for p in model.parameters()),
-                   "attn_implementation": model.config._attn_implementation,
-                   **bench_case(model, model.config.vocab_size, batch, args, repeats)}
+            row = {
+                "model": name,
+                "params": sum(p.numel() for p in model.parameters()),
+                "attn_implementation": model.config._attn_implementation,
+                **bench_case(model, model.config.vocab_size, batch, args, repeats),
+            }
             row["load_avg_1min"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
             rows.append(row)
             print(_row_line(row), flush=True)
@@ -209,8 +208,6 @@ def _row_line(row: dict) -> str:
     )
 
 
-
-
 def _markdown(result: dict, argv: Sequence[str] | None) -> str:
     c = result["config"]
     given = list(sys.argv[1:] if argv is None else argv)
@@ -237,8 +234,7 @@ def _markdown(result: dict, argv: Sequence[str] | None) -> str:
     ]
     if c.get("repeats_llama100m") and c["repeats_llama100m"] != c["repeats"]:
         lines += [
-            f"llama100m ran {c['repeats_llama100m']} rounds (`--repeats-llama100m`) instead of {c['repeats']}, to bound "
-            "the run time.",
+            f"llama100m ran {c['repeats_llama100m']} rounds (`--repeats-llama100m`) instead of {c['repeats']}, to bound the run time.",
             "",
         ]
     lines += [

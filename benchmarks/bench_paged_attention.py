@@ -76,8 +76,9 @@ def bench_case(model: str, batch: int, tokens: int, repeats: int) -> dict:
     group = query_heads // kv_heads
 
     def paged():
-        return paged_attention(query, keys, values, positions, pages, lengths, visible=None,
-                               query_positions=query_positions, scale=dim**-0.5)
+        return paged_attention(
+            query, keys, values, positions, pages, lengths, visible=None, query_positions=query_positions, scale=dim**-0.5
+        )
 
     def sdpa_dense(k=dense_keys, v=dense_values):
         return torch.nn.functional.scaled_dot_product_attention(query, k, v, enable_gqa=group > 1)

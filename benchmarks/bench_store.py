@@ -70,10 +70,18 @@ def bench_paged(
     prefill: list[torch.Tensor], new: torch.Tensor, steps: int, read_cache: bool, page_size: int
 ) -> tuple[list[float], dict[str, int]]:
     batch, heads, tokens, dim = prefill[0].shape
-    store = PagedStore(StoreConfig(
-        len(prefill), heads, dim, page_size=page_size, dtype=new.dtype, device=new.device,
-        pages_per_layer=batch * heads * ((tokens + steps + 1) // page_size + 1), read_cache=read_cache,
-    ))
+    store = PagedStore(
+        StoreConfig(
+            len(prefill),
+            heads,
+            dim,
+            page_size=page_size,
+            dtype=new.dtype,
+            device=new.device,
+            pages_per_layer=batch * heads * ((tokens + steps + 1) // page_size + 1),
+            read_cache=read_cache,
+        )
+    )
     seqs = [store.new_sequence() for _ in range(batch)]
     for layer, tensor in enumerate(prefill):
         store.append(layer, seqs, tensor, tensor)

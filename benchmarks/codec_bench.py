@@ -70,24 +70,72 @@ from provenance import (  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SECTIONS = ("bytes", "throughput", "decode", "quality")
-BYTE_CODECS = ("int8", "fp8", "kivi(bits=8)", "kivi(bits=4)", "kivi(bits=2)", "kv_bits(key_bits=4, value_bits=2)",
-               "svd(rank=32)", "think(keep=0.5)")
+BYTE_CODECS = (
+    "int8",
+    "fp8",
+    "kivi(bits=8)",
+    "kivi(bits=4)",
+    "kivi(bits=2)",
+    "kv_bits(key_bits=4, value_bits=2)",
+    "svd(rank=32)",
+    "think(keep=0.5)",
+)
 THROUGHPUT_CODECS = ("int8", "fp8", "kivi(bits=8)", "kivi(bits=4)", "kivi(bits=2)", "kv_bits(key_bits=4, value_bits=2)")
-QUALITY_CODECS = ("int8", "fp8", "kivi(bits=8)", "kivi(bits=4)", "kivi(bits=2)", "kv_bits(key_bits=4, value_bits=2)",
-                  "kv_bits(key_bits=2, value_bits=4)", "svd", "svd(rank=4)", "xkv(rank=4)", "think(keep=0.5)",
-                  "minicache", "minicache(start=0.0)")
+QUALITY_CODECS = (
+    "int8",
+    "fp8",
+    "kivi(bits=8)",
+    "kivi(bits=4)",
+    "kivi(bits=2)",
+    "kv_bits(key_bits=4, value_bits=2)",
+    "kv_bits(key_bits=2, value_bits=4)",
+    "svd",
+    "svd(rank=4)",
+    "xkv(rank=4)",
+    "think(keep=0.5)",
+    "minicache",
+    "minicache(start=0.0)",
+)
 PAIR_CODECS = ("int8", "kivi(bits=4)", "kivi(bits=2)", "kv_bits(key_bits=4, value_bits=2)")
 TARGETS = {"int8": 0.55, "kivi(bits=4)": 0.30, "kivi(bits=2)": 0.18}
-FULL = {"sections": ",".join(SECTIONS), "page_sizes": "16,32,64,128", "target_page_size": 64, "throughput_mib": 512,
-        "repeats": 3, "decode_model": "llama100m", "prompt_len": 2048, "new_tokens": 64,
-        "decode_specs": "kivi(bits=4);kivi(bits=2);int8;fp8", "contexts": 8, "context_len": 400,
-        "new_tokens_quality": 100, "continuation_len": 100, "codecs": ";".join(QUALITY_CODECS),
-        "pair_codecs": ";".join(PAIR_CODECS), "evictions": "snapkv,streaming_llm", "byte_budgets": "0.25,0.125"}
-QUICK = {"sections": ",".join(SECTIONS), "page_sizes": "16,64", "target_page_size": 64, "throughput_mib": 4,
-         "repeats": 1, "decode_model": "stories", "prompt_len": 64, "new_tokens": 4, "decode_specs": "kivi(bits=4)",
-         "contexts": 2, "context_len": 48, "new_tokens_quality": 8, "continuation_len": 8,
-         "codecs": "int8;kivi(bits=4);svd(rank=4)", "pair_codecs": "kivi(bits=4)", "evictions": "streaming_llm",
-         "byte_budgets": "0.25"}
+FULL = {
+    "sections": ",".join(SECTIONS),
+    "page_sizes": "16,32,64,128",
+    "target_page_size": 64,
+    "throughput_mib": 512,
+    "repeats": 3,
+    "decode_model": "llama100m",
+    "prompt_len": 2048,
+    "new_tokens": 64,
+    "decode_specs": "kivi(bits=4);kivi(bits=2);int8;fp8",
+    "contexts": 8,
+    "context_len": 400,
+    "new_tokens_quality": 100,
+    "continuation_len": 100,
+    "codecs": ";".join(QUALITY_CODECS),
+    "pair_codecs": ";".join(PAIR_CODECS),
+    "evictions": "snapkv,streaming_llm",
+    "byte_budgets": "0.25,0.125",
+}
+QUICK = {
+    "sections": ",".join(SECTIONS),
+    "page_sizes": "16,64",
+    "target_page_size": 64,
+    "throughput_mib": 4,
+    "repeats": 1,
+    "decode_model": "stories",
+    "prompt_len": 64,
+    "new_tokens": 4,
+    "decode_specs": "kivi(bits=4)",
+    "contexts": 2,
+    "context_len": 48,
+    "new_tokens_quality": 8,
+    "continuation_len": 8,
+    "codecs": "int8;kivi(bits=4);svd(rank=4)",
+    "pair_codecs": "kivi(bits=4)",
+    "evictions": "streaming_llm",
+    "byte_budgets": "0.25",
+}
 HEAD_DIM = 128
 VALUE_GROUP = 32
 BATCH_PAGES = 1024
@@ -151,13 +199,23 @@ def throughput_section(mib: int, repeats: int) -> list[dict]:
             encode(), decode()  # warm-up: compiles the kernels
             encode_s, decode_s = median_seconds(encode, repeats), median_seconds(decode, repeats)
             error = max(float((out_keys.float() - keys.float()).abs().max()), float((out_values.float() - values.float()).abs().max()))
-            rows.append({
-                "codec": spec, "dtype": str(dtype).removeprefix("torch."), "uncompressed_bytes": uncompressed,
-                "copy_gb_s": uncompressed / copy / 1e9, "encode_gb_s": uncompressed / encode_s / 1e9,
-                "decode_gb_s": uncompressed / decode_s / 1e9, "encode_vs_copy": copy / encode_s,
-                "decode_vs_copy": copy / decode_s, "max_abs_error": error,
-            })
-            print(f"throughput {spec} {dtype}: encode {rows[-1]['encode_vs_copy']:.0%} decode {rows[-1]['decode_vs_copy']:.0%} of copy", flush=True)
+            rows.append(
+                {
+                    "codec": spec,
+                    "dtype": str(dtype).removeprefix("torch."),
+                    "uncompressed_bytes": uncompressed,
+                    "copy_gb_s": uncompressed / copy / 1e9,
+                    "encode_gb_s": uncompressed / encode_s / 1e9,
+                    "decode_gb_s": uncompressed / decode_s / 1e9,
+                    "encode_vs_copy": copy / encode_s,
+                    "decode_vs_copy": copy / decode_s,
+                    "max_abs_error": error,
+                }
+            )
+            print(
+                f"throughput {spec} {dtype}: encode {rows[-1]['encode_vs_copy']:.0%} decode {rows[-1]['decode_vs_copy']:.0%} of copy",
+                flush=True,
+            )
         gc.collect()
     return rows
 
@@ -190,10 +248,14 @@ def decode_section(args: argparse.Namespace, stories_path: Path) -> list[dict]:
             print(f"decode {spec or 'exact'}: {runs[spec][-1]['tok_s']:.1f} tok/s", flush=True)
     exact = statistics.median(r["tok_s"] for r in runs[None])
     return [
-        {"spec": spec or "exact", "tok_s": statistics.median(r["tok_s"] for r in runs[spec]),
-         "all_tok_s": [r["tok_s"] for r in runs[spec]],
-         "vs_exact": statistics.median(r["tok_s"] for r in runs[spec]) / exact,
-         "total_bytes": runs[spec][-1]["total_bytes"], "by_component": runs[spec][-1]["by_component"]}
+        {
+            "spec": spec or "exact",
+            "tok_s": statistics.median(r["tok_s"] for r in runs[spec]),
+            "all_tok_s": [r["tok_s"] for r in runs[spec]],
+            "vs_exact": statistics.median(r["tok_s"] for r in runs[spec]) / exact,
+            "total_bytes": runs[spec][-1]["total_bytes"],
+            "by_component": runs[spec][-1]["by_component"],
+        }
         for spec in specs
     ]
 
@@ -220,7 +282,10 @@ def quality_section(args: argparse.Namespace, stories_path: Path) -> dict:
             row["kv_bytes"] = kv_bytes(row)
         except Exception as error:  # one failing configuration must not stop the others
             row["error"] = f"{type(error).__name__}: {error}"
-        print(f"quality {label}: " + (row.get("error") or f"agreement {row['agreement']:.3f} KL {row['kl']:.4f} ppl {row['ppl']:.3f}"), flush=True)
+        print(
+            f"quality {label}: " + (row.get("error") or f"agreement {row['agreement']:.3f} KL {row['kl']:.4f} ppl {row['ppl']:.3f}"),
+            flush=True,
+        )
         return row
 
     full = measure("full", None, None)
@@ -236,8 +301,7 @@ def quality_section(args: argparse.Namespace, stories_path: Path) -> dict:
         the full cache's bytes (open pages and per-page scales make bytes per token depend on it)."""
         for attempt in range(2):
             tokens_kept = max(1, min(args.context_len, int(share * args.context_len)))
-            row = measure(f"{spec} @ {fraction:g}", spec, tokens_kept, target=fraction,
-                          token_fraction=tokens_kept / args.context_len)
+            row = measure(f"{spec} @ {fraction:g}", spec, tokens_kept, target=fraction, token_fraction=tokens_kept / args.context_len)
             if "error" in row:
                 return row
             row["bytes_vs_full"] = row["kv_bytes"] / full["kv_bytes"]
@@ -267,11 +331,13 @@ def adjacent_cosines(model: torch.nn.Module, context: torch.Tensor) -> list[dict
     rows = []
     for layer in range(len(cache.layers) - 1):
         a, b = cache.layers[layer], cache.layers[layer + 1]
-        rows.append({
-            "layers": [layer, layer + 1],
-            "keys": torch.nn.functional.cosine_similarity(a.keys, b.keys, dim=-1).mean().item(),
-            "values": torch.nn.functional.cosine_similarity(a.values, b.values, dim=-1).mean().item(),
-        })
+        rows.append(
+            {
+                "layers": [layer, layer + 1],
+                "keys": torch.nn.functional.cosine_similarity(a.keys, b.keys, dim=-1).mean().item(),
+                "values": torch.nn.functional.cosine_similarity(a.values, b.values, dim=-1).mean().item(),
+            }
+        )
     return rows
 
 
@@ -334,49 +400,82 @@ def _markdown(result: dict, argv: Sequence[str] | None) -> str:
     if "bytes" in result:
         sizes = list(result["bytes"][0]["ratio"])
         target_size = c["target_page_size"]
-        lines += ["", "## Bytes per token relative to fp16 (head_dim 128, value group 32; scales and zero points included)",
-                  "", "| codec | " + " | ".join(f"page {s}" for s in sizes) + f" | target (page {target_size}) |",
-                  "|---|" + "---:|" * len(sizes) + "---|"]
+        lines += [
+            "",
+            "## Bytes per token relative to fp16 (head_dim 128, value group 32; scales and zero points included)",
+            "",
+            "| codec | " + " | ".join(f"page {s}" for s in sizes) + f" | target (page {target_size}) |",
+            "|---|" + "---:|" * len(sizes) + "---|",
+        ]
         for row in result["bytes"]:
             target = TARGETS.get(row["codec"])
             verdict = "-" if target is None else f"<= {target}: {'met' if row['ratio'][target_size] <= target else 'MISSED'}"
             lines.append(f"| {row['codec']} | " + " | ".join(f"{row['ratio'][s]:.3f}" for s in sizes) + f" | {verdict} |")
     if "throughput" in result:
-        lines += ["", f"## Encode and decode throughput ({c['throughput_mib']} MiB of keys + values, head_dim 128, 16-token pages, batches of {BATCH_PAGES} pages)",
-                  "", "GB/s of uncompressed bytes in the compute dtype; copy: `copy_` of the same bytes in the same run.",
-                  "", "| codec | dtype | copy GB/s | encode GB/s | encode / copy | decode GB/s | decode / copy | max abs error |",
-                  "|---|---|---:|---:|---:|---:|---:|---:|"]
+        lines += [
+            "",
+            f"## Encode and decode throughput ({c['throughput_mib']} MiB of keys + values, head_dim 128, 16-token pages, batches of {BATCH_PAGES} pages)",
+            "",
+            "GB/s of uncompressed bytes in the compute dtype; copy: `copy_` of the same bytes in the same run.",
+            "",
+            "| codec | dtype | copy GB/s | encode GB/s | encode / copy | decode GB/s | decode / copy | max abs error |",
+            "|---|---|---:|---:|---:|---:|---:|---:|",
+        ]
         for r in result["throughput"]:
-            lines.append(f"| {r['codec']} | {r['dtype']} | {r['copy_gb_s']:.2f} | {r['encode_gb_s']:.2f} | {r['encode_vs_copy']:.0%} "
-                         f"| {r['decode_gb_s']:.2f} | {r['decode_vs_copy']:.0%} | {r['max_abs_error']:.3g} |")
+            lines.append(
+                f"| {r['codec']} | {r['dtype']} | {r['copy_gb_s']:.2f} | {r['encode_gb_s']:.2f} | {r['encode_vs_copy']:.0%} "
+                f"| {r['decode_gb_s']:.2f} | {r['decode_vs_copy']:.0%} | {r['max_abs_error']:.3g} |"
+            )
         lines += ["", "Targets: encode >= 10% and decode >= 20% of copy."]
     if "decode" in result:
-        lines += ["", f"## Decode speed ({c['decode_model']}, prompt {c['prompt_len']}, {c['new_tokens']} greedy steps, batch 1, median of {c['repeats']})",
-                  "", "| cache | tok/s | vs exact | bytes held | pages + codec metadata | read mirror |", "|---|---:|---:|---:|---:|---:|"]
+        lines += [
+            "",
+            f"## Decode speed ({c['decode_model']}, prompt {c['prompt_len']}, {c['new_tokens']} greedy steps, batch 1, median of {c['repeats']})",
+            "",
+            "| cache | tok/s | vs exact | bytes held | pages + codec metadata | read mirror |",
+            "|---|---:|---:|---:|---:|---:|",
+        ]
         for r in result["decode"]:
             b = r["by_component"]
-            lines.append(f"| {r['spec']} | {r['tok_s']:.1f} | {r['vs_exact']:.2f} | {r['total_bytes'] / 2**20:.1f} MiB "
-                         f"| {(b['pages'] + b['codec_metadata']) / 2**20:.1f} MiB | {b['read_cache'] / 2**20:.1f} MiB |")
-        lines += ["", "Target: kivi(bits=4) >= 0.7x exact. The exact cache decodes from its dense read mirror; codec caches keep no mirror, so every read decodes the pages."]
+            lines.append(
+                f"| {r['spec']} | {r['tok_s']:.1f} | {r['vs_exact']:.2f} | {r['total_bytes'] / 2**20:.1f} MiB "
+                f"| {(b['pages'] + b['codec_metadata']) / 2**20:.1f} MiB | {b['read_cache'] / 2**20:.1f} MiB |"
+            )
+        lines += [
+            "",
+            "Target: kivi(bits=4) >= 0.7x exact. The exact cache decodes from its dense read mirror; codec caches keep no mirror, so every read decodes the pages.",
+        ]
     if "quality" in result:
         q = result["quality"]
         full = q["full"]
-        lines += ["", f"## Quality on stories260K ({c['contexts']} contexts of {c['context_len']} tokens, {c['new_tokens_quality']} greedy steps, {c['continuation_len']}-token continuation)",
-                  "", f"Full cache: perplexity {full['ppl']:.3f}. KV bytes: pages + codec metadata + positions.",
-                  "", "| codec | KV bytes vs full | greedy agreement | KL (nats) | perplexity | ppl / full |", "|---|---:|---:|---:|---:|---:|"]
+        lines += [
+            "",
+            f"## Quality on stories260K ({c['contexts']} contexts of {c['context_len']} tokens, {c['new_tokens_quality']} greedy steps, {c['continuation_len']}-token continuation)",
+            "",
+            f"Full cache: perplexity {full['ppl']:.3f}. KV bytes: pages + codec metadata + positions.",
+            "",
+            "| codec | KV bytes vs full | greedy agreement | KL (nats) | perplexity | ppl / full |",
+            "|---|---:|---:|---:|---:|---:|",
+        ]
         for r in q["codecs"]:
             lines.append(_quality_line(r, full, r["spec"]))
         cosines = ", ".join(f"{r['layers'][0]}-{r['layers'][1]}: {r['keys']:.2f} / {r['values']:.2f}" for r in q["adjacent_cosine"])
         lines += ["", f"Mean cosine of adjacent layers' keys / values per token (what MiniCache merges): {cosines}."]
-        lines += ["", "### Eviction and codecs at equal bytes", "",
-                  "| target bytes | configuration | tokens kept | KV bytes vs full | greedy agreement | KL (nats) | perplexity | ppl / full |",
-                  "|---:|---|---:|---:|---:|---:|---:|---:|"]
+        lines += [
+            "",
+            "### Eviction and codecs at equal bytes",
+            "",
+            "| target bytes | configuration | tokens kept | KV bytes vs full | greedy agreement | KL (nats) | perplexity | ppl / full |",
+            "|---:|---|---:|---:|---:|---:|---:|---:|",
+        ]
         for r in q["pairs"]:
             if "error" in r:
                 lines.append(f"| {r['target']:g} | {r['label']} | error: {r['error'][:100]} | | | | | |")
                 continue
-            lines.append(f"| {r['target']:g} | {r['spec']} | {r['token_fraction']:.0%} | {r['bytes_vs_full']:.3f} | {r['agreement']:.3f} "
-                         f"| {r['kl']:.4f} | {r['ppl']:.3f} | {r['ppl'] / full['ppl']:.3f} |")
+            lines.append(
+                f"| {r['target']:g} | {r['spec']} | {r['token_fraction']:.0%} | {r['bytes_vs_full']:.3f} | {r['agreement']:.3f} "
+                f"| {r['kl']:.4f} | {r['ppl']:.3f} | {r['ppl'] / full['ppl']:.3f} |"
+            )
     return "\n".join(lines)
 
 

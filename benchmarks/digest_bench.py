@@ -33,8 +33,7 @@ def candidates() -> dict[str, Callable[[np.ndarray], int]]:
     import google_crc32c
     import xxhash
 
-    return {"xxh3_64 (xxhash)": xxhash.xxh3_64_intdigest, "crc32c (google-crc32c)": google_crc32c.value,
-            "crc32c (crc32c)": crc32c.crc32c}
+    return {"xxh3_64 (xxhash)": xxhash.xxh3_64_intdigest, "crc32c (google-crc32c)": google_crc32c.value, "crc32c (crc32c)": crc32c.crc32c}
 
 
 def rate(work: Callable[[], None], nbytes: int, repeats: int, min_seconds: float) -> float:
@@ -69,14 +68,15 @@ def main() -> None:
     row_bytes = int(args.row_kb * 1000)
     rows = rng.integers(0, 256, (args.batch, row_bytes), dtype=np.uint8)
     row_views = list(rows)
-    print(f"record {record_bytes} B (in cache; {count} distinct, {count * record_bytes / 1e6:.0f} MB, from memory); "
-          f"batch of {args.batch} rows of {row_bytes} B")
+    print(
+        f"record {record_bytes} B (in cache; {count} distinct, {count * record_bytes / 1e6:.0f} MB, from memory); "
+        f"batch of {args.batch} rows of {row_bytes} B"
+    )
     for name, digest in candidates().items():
         in_cache = rate(lambda: digest(one), record_bytes, args.repeats, args.min_seconds)
         from_memory = rate(lambda: [digest(r) for r in spread], count * record_bytes, args.repeats, args.min_seconds)
         batch = rate(lambda: [digest(r) for r in row_views], args.batch * row_bytes, args.repeats, args.min_seconds)
-        print(f"{name:24s} record in cache {in_cache:8.0f} MB/s   from memory {from_memory:8.0f} MB/s   "
-              f"batch {batch:8.0f} MB/s")
+        print(f"{name:24s} record in cache {in_cache:8.0f} MB/s   from memory {from_memory:8.0f} MB/s   batch {batch:8.0f} MB/s")
 
 
 if __name__ == "__main__":

@@ -72,10 +72,8 @@ from provenance import (  # noqa: E402
 )
 
 REPO = Path(__file__).resolve().parents[1]
-FULL = {"contexts": 8, "context_len": 400, "new_tokens": 100, "continuation_len": 100,
-        "budgets": "0.25,0.5", "float_budgets": "0.25,0.5"}
-QUICK = {"contexts": 2, "context_len": 48, "new_tokens": 8, "continuation_len": 8,
-         "budgets": "0.25", "float_budgets": "0.25"}
+FULL = {"contexts": 8, "context_len": 400, "new_tokens": 100, "continuation_len": 100, "budgets": "0.25,0.5", "float_budgets": "0.25,0.5"}
+QUICK = {"contexts": 2, "context_len": 48, "new_tokens": 8, "continuation_len": 8, "budgets": "0.25", "float_budgets": "0.25"}
 PROMPT = "Once upon a time"
 BOS = 1
 
@@ -144,24 +142,19 @@ def _fractions(text: str) -> list[float]:
 
 def run(argv: Sequence[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--strategies", default="all",
-                        help="'all' (every registered eviction strategy) or a comma-separated list")
+    parser.add_argument("--strategies", default="all", help="'all' (every registered eviction strategy) or a comma-separated list")
     parser.add_argument("--contexts", type=int, help=f"contexts (seeds), one batch (default {FULL['contexts']})")
     parser.add_argument("--context-len", type=int, help=f"context tokens (default {FULL['context_len']})")
     parser.add_argument("--new-tokens", type=int, help=f"greedy steps compared (default {FULL['new_tokens']})")
-    parser.add_argument("--continuation-len", type=int,
-                        help=f"held-out tokens scored (default {FULL['continuation_len']})")
-    parser.add_argument("--budgets",
-                        help=f"fractions of the context, applied as int token caps (default {FULL['budgets']})")
-    parser.add_argument("--float-budgets",
-                        help=f"fractions passed as float budgets; '' for none (default {FULL['float_budgets']})")
+    parser.add_argument("--continuation-len", type=int, help=f"held-out tokens scored (default {FULL['continuation_len']})")
+    parser.add_argument("--budgets", help=f"fractions of the context, applied as int token caps (default {FULL['budgets']})")
+    parser.add_argument("--float-budgets", help=f"fractions passed as float budgets; '' for none (default {FULL['float_budgets']})")
     parser.add_argument("--seed", type=int, default=0, help="context i is sampled with seed + i")
     parser.add_argument("--temperature", type=float, default=0.8, help="sampling temperature of the texts")
     add_run_arguments(parser, QUICK, stories=True)
     args = parse_run_arguments(parser, argv, QUICK, FULL)
     registered = kvlib.available_policies()["eviction"]
-    strategies = registered if args.strategies == "all" else [s.strip() for s in args.strategies.split(",")
-                                                               if s.strip()]
+    strategies = registered if args.strategies == "all" else [s.strip() for s in args.strategies.split(",") if s.strip()]
     unknown = sorted(set(strategies) - set(registered))
     if unknown:
         parser.error(f"unknown strategies {unknown}; registered: {', '.join(registered)}")
@@ -173,8 +166,10 @@ def run(argv: Sequence[str] | None = None) -> dict:
     model = AutoModelForCausalLM.from_pretrained(stories_path, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(stories_path)
     if args.context_len + steps > model.config.max_position_embeddings:
-        print(f"note: {args.context_len} + {steps} tokens run past the trained context "
-              f"({model.config.max_position_embeddings})", file=sys.stderr)
+        print(
+            f"note: {args.context_len} + {steps} tokens run past the trained context ({model.config.max_position_embeddings})",
+            file=sys.stderr,
+        )
     load_before = os.getloadavg()[0]
     started = time.perf_counter()
     length = args.context_len + args.continuation_len
@@ -192,8 +187,9 @@ def run(argv: Sequence[str] | None = None) -> dict:
             row = {"strategy": name, "budget": budget}
             start = time.perf_counter()
             try:
-                row.update(evaluate(model, lambda: kvlib.make_cache(model, name, budget=budget), context,
-                                    greedy_tokens, full_logits, continuation))
+                row.update(
+                    evaluate(model, lambda: kvlib.make_cache(model, name, budget=budget), context, greedy_tokens, full_logits, continuation)
+                )
                 row["bytes_vs_full"] = row["total_bytes"] / full["total_bytes"]
                 row["pages_vs_full"] = row["pages_bytes"] / full["pages_bytes"]
             except Exception as error:  # a strategy in progress must not stop the others' measurement
@@ -229,12 +225,10 @@ def _budget_label(budget: int | float | None, context_len: int) -> str:
 def _row_line(row: dict) -> str:
     if "error" in row:
         return f"{row['strategy']} budget {row['budget']}: ERROR {row['error']}"
-    return (f"{row['strategy']} budget {row['budget']}: agreement {row['agreement']:.3f}, first divergence "
-            f"{row['first_divergence']:.1f}, ppl {row['ppl']:.3f}, KL {row['kl']:.4f}")
-
-
-
-
+    return (
+        f"{row['strategy']} budget {row['budget']}: agreement {row['agreement']:.3f}, first divergence "
+        f"{row['first_divergence']:.1f}, ppl {row['ppl']:.3f}, KL {row['kl']:.4f}"
+    )
 
 
 def _markdown(result: dict, argv: Sequence[str] | None) -> str:

@@ -85,8 +85,14 @@ from provenance import (  # noqa: E402
     write_report,
 )
 
-TINY = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "intermediate_size": 128, "vocab_size": 512}
+TINY = {
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 128,
+    "vocab_size": 512,
+}
 FULL = {"model": "llama100m", "prompt_len": 4096, "chunk": 512, "new_tokens": 64, "interval": 64, "repeats": 3}
 QUICK = {"model": "tiny", "prompt_len": 64, "chunk": 16, "new_tokens": 4, "interval": 4, "repeats": 1}
 BASELINES = ("dynamic", "kvlib")
@@ -95,8 +101,7 @@ BASELINES = ("dynamic", "kvlib")
 def load_model(name: str, positions: int) -> LlamaForCausalLM:
     torch.manual_seed(0)
     sizes = LLAMA100M if name == "llama100m" else TINY
-    config = LlamaConfig(**sizes, max_position_embeddings=max(4096, positions), tie_word_embeddings=True,
-                         dtype=torch.float32)
+    config = LlamaConfig(**sizes, max_position_embeddings=max(4096, positions), tie_word_embeddings=True, dtype=torch.float32)
     return LlamaForCausalLM(config).to(torch.float32).eval()
 
 
@@ -107,8 +112,7 @@ def new_cache(kind: str, model, budget: int, interval: int):
     if kind == "kvlib":
         return kvlib.make_cache(model)
     name, *flags = kind.split("+")
-    cache = kvlib.make_cache(model, name, budget=budget, read_cache="mirror" in flags,
-                             interval=interval if "interval" in flags else 1)
+    cache = kvlib.make_cache(model, name, budget=budget, read_cache="mirror" in flags, interval=interval if "interval" in flags else 1)
     cache.reuse_slots = "in_order" not in flags
     return cache
 
@@ -116,8 +120,12 @@ def new_cache(kind: str, model, budget: int, interval: int):
 def cache_memory(cache) -> dict:
     if isinstance(cache, kvlib.KVCache):
         report = cache.memory_report()
-        return {"total_bytes": report["total_bytes"], "peak_pages_bytes": report["peak_pages_bytes"],
-                "by_component": report["by_component"], "stored_tokens": report["stored_tokens"]}
+        return {
+            "total_bytes": report["total_bytes"],
+            "peak_pages_bytes": report["peak_pages_bytes"],
+            "by_component": report["by_component"],
+            "stored_tokens": report["stored_tokens"],
+        }
     held = sum(t.nbytes for layer in cache.layers for t in (layer.keys, layer.values) if t is not None)
     return {"total_bytes": held, "peak_pages_bytes": None, "by_component": {}, "stored_tokens": None}
 
@@ -128,8 +136,15 @@ def run_once(model, kind: str, prompt: torch.Tensor, args: argparse.Namespace, b
     cache = new_cache(kind, model, budget, args.interval)
     with torch.inference_mode():
         start = time.perf_counter()
-        sequence = model.generate(prompt, **cache_argument(cache), do_sample=False, max_new_tokens=1, min_new_tokens=1,
-                                  prefill_chunk_size=args.chunk, pad_token_id=0)
+        sequence = model.generate(
+            prompt,
+            **cache_argument(cache),
+            do_sample=False,
+            max_new_tokens=1,
+            min_new_tokens=1,
+            prefill_chunk_size=args.chunk,
+            pad_token_id=0,
+        )
         prefill = time.perf_counter() - start
         token = sequence[:, -1:]
         tokens = [token]
@@ -144,12 +159,18 @@ def run_once(model, kind: str, prompt: torch.Tensor, args: argparse.Namespace, b
     with torch.inference_mode():  # one more step, untimed: the memory between compactions
         model(input_ids=token, **cache_argument(cache), use_cache=True)
     next_step = cache_memory(cache)
-    result = {"prefill_s": prefill, "decode_s": decode, "decode_tok_s": args.new_tokens / decode,
-              "tokens": torch.cat(tokens, dim=1).tolist(), "total_bytes": after_decode["total_bytes"],
-              "by_component": after_decode["by_component"], "stored_tokens": after_decode["stored_tokens"],
-              "next_step_total_bytes": next_step["total_bytes"],
-              "next_step_read_cache_bytes": next_step["by_component"].get("read_cache", 0),
-              "peak_pages_bytes": next_step["peak_pages_bytes"]}
+    result = {
+        "prefill_s": prefill,
+        "decode_s": decode,
+        "decode_tok_s": args.new_tokens / decode,
+        "tokens": torch.cat(tokens, dim=1).tolist(),
+        "total_bytes": after_decode["total_bytes"],
+        "by_component": after_decode["by_component"],
+        "stored_tokens": after_decode["stored_tokens"],
+        "next_step_total_bytes": next_step["total_bytes"],
+        "next_step_read_cache_bytes": next_step["by_component"].get("read_cache", 0),
+        "peak_pages_bytes": next_step["peak_pages_bytes"],
+    }
     del cache
     return result
 
@@ -162,8 +183,7 @@ def run(argv: Sequence[str] | None = None) -> dict:
     parser.add_argument("--budget", type=float, default=0.25, help="fraction of the prompt kept, as an int token cap")
     parser.add_argument("--chunk", type=int, help=f"prefill_chunk_size (default {FULL['chunk']})")
     parser.add_argument("--new-tokens", type=int, help=f"decode steps timed (default {FULL['new_tokens']})")
-    parser.add_argument("--interval", type=int,
-                        help=f"compaction interval of the extra variants; 1: none (default {FULL['interval']})")
+    parser.add_argument("--interval", type=int, help=f"compaction interval of the extra variants; 1: none (default {FULL['interval']})")
     parser.add_argument("--repeats", type=int, help=f"interleaved rounds (default {FULL['repeats']})")
     parser.add_argument("--in-order", action="store_true", help="add each variant with in-order compaction (+in_order)")
     add_run_arguments(parser, QUICK)
@@ -204,12 +224,21 @@ def run(argv: Sequence[str] | None = None) -> dict:
             "decode_tok_s": statistics.median(r["decode_tok_s"] for r in runs[kind]),
             "prefill_s": statistics.median(r["prefill_s"] for r in runs[kind]),
             "all_decode_tok_s": [r["decode_tok_s"] for r in runs[kind]],
-            **{key: last[key] for key in ("total_bytes", "by_component", "stored_tokens", "next_step_total_bytes",
-                                          "next_step_read_cache_bytes", "peak_pages_bytes")},
+            **{
+                key: last[key]
+                for key in (
+                    "total_bytes",
+                    "by_component",
+                    "stored_tokens",
+                    "next_step_total_bytes",
+                    "next_step_read_cache_bytes",
+                    "peak_pages_bytes",
+                )
+            },
         }
     full_kv = rows["dynamic"]["total_bytes"]
     exact = rows["kvlib"]
-    for kind, row in rows.items():
+    for row in rows.values():
         row["bytes_vs_full_kv"] = row["total_bytes"] / full_kv
         row["next_step_bytes_vs_full_kv"] = row["next_step_total_bytes"] / rows["dynamic"]["next_step_total_bytes"]
         row["bytes_vs_kvlib_exact"] = row["total_bytes"] / exact["total_bytes"]
@@ -223,8 +252,7 @@ def run(argv: Sequence[str] | None = None) -> dict:
     result = {
         "config": config,
         "params": sum(p.numel() for p in model.parameters()),
-        "machine": f"{platform.machine()}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
-                   f"{os.cpu_count()} CPUs",
+        "machine": f"{platform.machine()}, torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs",
         "git": git_revision(),
         "load_avg_1min_per_round": loads,
         "seconds": round(time.perf_counter() - started, 1),
@@ -234,10 +262,6 @@ def run(argv: Sequence[str] | None = None) -> dict:
     report = _markdown(result, argv)
     write_report(args.out, "eviction_speed", report, result)
     return result
-
-
-
-
 
 
 def _label(kind: str, budget: int, interval: int) -> str:
@@ -294,10 +318,14 @@ def _markdown(result: dict, argv: Sequence[str] | None) -> str:
             f"{r['next_step_read_cache_bytes'] / mib:.1f} | {r['next_step_bytes_vs_full_kv']:.3f} | {peak} | "
             f"{peak_ratio} |"
         )
-    lines += ["", "Decode tok/s of every round: " + "; ".join(
-        f"{kind} {', '.join(f'{v:.1f}' for v in r['all_decode_tok_s'])}" for kind, r in result["rows"].items()) + ".",
-        "", f"DynamicCache and kvlib exact greedy tokens identical in every run: "
-        f"{'yes' if result['exact_tokens_match'] else '**NO**'}."]
+    lines += [
+        "",
+        "Decode tok/s of every round: "
+        + "; ".join(f"{kind} {', '.join(f'{v:.1f}' for v in r['all_decode_tok_s'])}" for kind, r in result["rows"].items())
+        + ".",
+        "",
+        f"DynamicCache and kvlib exact greedy tokens identical in every run: {'yes' if result['exact_tokens_match'] else '**NO**'}.",
+    ]
     return "\n".join(lines)
 
 

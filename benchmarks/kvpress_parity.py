@@ -80,20 +80,24 @@ METHODS: dict[str, Method] = {
     "TOVA": Method("tova(average='layer')", _press("TOVAPress")),
     "KNorm": Method("knorm", _press("KnormPress")),
     "StreamingLLM": Method("streaming_llm(sinks=4)", _press("StreamingLLMPress", n_sink=4)),
-    "PyramidKV": Method("pyramidkv(window=64, kernel=5, pooling='avg', beta=20)",
-                        _press("PyramidKVPress", window_size=64, kernel_size=5, beta=20)),
+    "PyramidKV": Method(
+        "pyramidkv(window=64, kernel=5, pooling='avg', beta=20)", _press("PyramidKVPress", window_size=64, kernel_size=5, beta=20)
+    ),
     "ExpectedAttention": Method(
         "expected_attention(n_future_positions=512, n_sink=4, use_covariance=True, use_vnorm=True, epsilon=0.0)",
-        _press("ExpectedAttentionPress", n_future_positions=512, n_sink=4, use_covariance=True, use_vnorm=True,
-               epsilon=0.0)),
-    "ObservedAttention": Method("h2o(recent=0)", _press("ObservedAttentionPress"),
-                                "H2O's prompt scores: accumulated attention, no recent window"),
-    "LagKV": Method("lagkv(n_sink=4, lag_size=128, cross_scoring=False)",
-                    _press("LagKVPress", n_sink=4, lag_size=128, cross_scoring=False)),
+        _press("ExpectedAttentionPress", n_future_positions=512, n_sink=4, use_covariance=True, use_vnorm=True, epsilon=0.0),
+    ),
+    "ObservedAttention": Method(
+        "h2o(recent=0)", _press("ObservedAttentionPress"), "H2O's prompt scores: accumulated attention, no recent window"
+    ),
+    "LagKV": Method(
+        "lagkv(n_sink=4, lag_size=128, cross_scoring=False)", _press("LagKVPress", n_sink=4, lag_size=128, cross_scoring=False)
+    ),
     "KeyDiff": Method("keydiff", _press("KeyDiffPress")),
-    "ChunkKV": Method("chunkkv(inner='snapkv(window=64, kernel=5, pooling=\"avg\")', chunk_size=20)",
-                      _press("ChunkKVPress", press=_press("SnapKVPress", window_size=64, kernel_size=5),
-                             chunk_length=20)),
+    "ChunkKV": Method(
+        "chunkkv(inner='snapkv(window=64, kernel=5, pooling=\"avg\")', chunk_size=20)",
+        _press("ChunkKVPress", press=_press("SnapKVPress", window_size=64, kernel_size=5), chunk_length=20),
+    ),
 }
 """kvpress press name (without ``Press``) -> the same method in kvlib's registry, with kvpress's
 default parameters spelled out on both sides."""
@@ -109,7 +113,8 @@ EXPLANATIONS: dict[str, str] = {
         "the per-layer Jaccard in the JSON peaks at about 0.98 in the middle layers (14-15) and falls towards both "
         "ends (about 0.6 in layer 0 and 0.3 in layer 29 at 0.25). Both sides score tokens with the same SnapKV rule "
         "(SnapKV's own row is at 0.99 or more). Not a kvlib bug: kvlib follows the paper; kvpress's heuristic for short "
-        "prompts turns PyramidKV into SnapKV."),
+        "prompts turns PyramidKV into SnapKV."
+    ),
     "ObservedAttention": (
         "A different score, by design. kvpress's `ObservedAttentionPress` divides each key's summed prompt attention "
         "by the number of queries that could see it (`n_tokens - i`: the mean attention received), while kvlib's "
@@ -117,7 +122,8 @@ EXPLANATIONS: dict[str, str] = {
         "attention the sum favours early tokens, which more queries see: the mean kept position (0 = first "
         "token, 1 = last) is 0.30-0.35 for kvlib against 0.71-0.80 for kvpress. `h2o(recent=0)` is the closest "
         "kvlib spec (no recent window, as in the press); kvlib has no mean-normalised variant, and adding one "
-        "would be a new strategy rather than a fix to H2O."),
+        "would be a new strategy rather than a fix to H2O."
+    ),
     "LagKV": (
         "A tie in kvpress. `LagKVPress.score` gives the `n_sink` sinks and the whole unscored tail (the last full "
         "partition plus the remainder: 243-250 tokens here) the same score 1.0. When the budget is smaller than "
@@ -128,7 +134,8 @@ EXPLANATIONS: dict[str, str] = {
         "0.25 (kvpress: the oldest 222 tail tokens; kvlib: the sinks and the newest 219), and mean kept positions 0.91 vs 0.80 at 0.1. kvlib ranks the "
         "sinks first and then the window newest-first on purpose (documented in `policies/eviction/lagkv.py`), so a "
         "budget below the window keeps the sinks and the most recent tokens. Budgets above sinks + tail (where the "
-        "partition scores decide) were not measured here."),
+        "partition scores decide) were not measured here."
+    ),
     "ChunkKV": (
         "Two choices of kvpress's `ChunkKVPress`. (1) It sums the inner scores over the KV heads and selects the same "
         "chunks in every head (`global_scores.sum(dim=1)`); kvlib scores chunks per KV head (its docstring: "
@@ -138,11 +145,13 @@ EXPLANATIONS: dict[str, str] = {
         "keeps SnapKV's window apart and fills the exact budget with chunks, cutting only the last chunk. Both "
         "differences are deliberate and documented in `policies/eviction/chunkkv.py`. Accuracy at 0.25 differs "
         "by one case of five (kvlib 1/5, kvpress 2/5; equal at 0.1), within what the two choices above "
-        "change in the kept sets; one case in five does not show which rule finds needles better."),
+        "change in the kept sets; one case in five does not show which rule finds needles better."
+    ),
     "KeyDiff": (
         "Above 0.8 on average, but some heads fall lower (min 0.33-0.57). kvpress's anchor is the mean of the "
         "L2-normalised keys (`F.normalize(keys).mean`) while kvlib's is the mean of the raw keys (over each head's "
-        "valid keys); heads with uneven key norms rank differently."),
+        "valid keys); heads with uneven key norms rank differently."
+    ),
 }
 """Method -> why its kept positions differ from kvpress's (with the evidence), for the report."""
 
@@ -204,8 +213,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--venv", type=Path, default=None, help="kvpress environment (default <kvlib cache>/kvpress-venv)")
     parser.add_argument("--rebuild", action="store_true", help="rebuild the kvpress environment")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
-    parser.add_argument("--report-only", action="store_true",
-                        help="rewrite --out/kvpress_parity.md from its JSON with the current explanations; run nothing")
+    parser.add_argument(
+        "--report-only",
+        action="store_true",
+        help="rewrite --out/kvpress_parity.md from its JSON with the current explanations; run nothing",
+    )
     args = parser.parse_args(argv)
     if args.samples < 1 or args.max_new_tokens < 1 or args.threads < 1:
         parser.error("--samples, --max-new-tokens and --threads must be >= 1")
@@ -232,14 +244,21 @@ class Cell:
         flat = [j for case in self.overlaps for layer in case for j in layer]
         layers = [mean([j for case in self.overlaps for j in case[i]]) for i in range(len(self.overlaps[0]))] if self.overlaps else []
         return {
-            "method": self.method, "budget": self.budget,
-            "kvlib_accuracy": mean(self.kvlib_scores), "kvpress_accuracy": mean(self.kvpress_scores),
-            "jaccard": mean(flat), "jaccard_min": min(flat) if flat else float("nan"),
+            "method": self.method,
+            "budget": self.budget,
+            "kvlib_accuracy": mean(self.kvlib_scores),
+            "kvpress_accuracy": mean(self.kvpress_scores),
+            "jaccard": mean(flat),
+            "jaccard_min": min(flat) if flat else float("nan"),
             "jaccard_by_layer": [round(x, 4) for x in layers],
-            "kvlib_kept_per_head": mean(self.kvlib_kept), "kvpress_kept_per_head": mean(self.kvpress_kept),
-            "kvlib_mean_kept_position": mean(self.kvlib_position), "kvpress_mean_kept_position": mean(self.kvpress_position),
-            "kvlib_scores": self.kvlib_scores, "kvpress_scores": self.kvpress_scores,
-            "predictions": [{"kvlib": a, "kvpress": b} for a, b in self.predictions], "errors": self.errors,
+            "kvlib_kept_per_head": mean(self.kvlib_kept),
+            "kvpress_kept_per_head": mean(self.kvpress_kept),
+            "kvlib_mean_kept_position": mean(self.kvlib_position),
+            "kvpress_mean_kept_position": mean(self.kvpress_position),
+            "kvlib_scores": self.kvlib_scores,
+            "kvpress_scores": self.kvpress_scores,
+            "predictions": [{"kvlib": a, "kvpress": b} for a, b in self.predictions],
+            "errors": self.errors,
         }
 
 
@@ -315,8 +334,12 @@ def ensure_venv(venv: Path, kvpress_version: str, rebuild: bool = False) -> Path
 
 
 def kvpress_jobs(methods: Sequence[str], budgets: Sequence[float], cases: Sequence) -> list[dict]:
-    return [{"method": m, "press": METHODS[m].press, "ratio": round(1 - b, 10), "budget": b, "case": i, "ids": list(c.ids)}
-            for m in methods for b in budgets for i, c in enumerate(cases)]
+    return [
+        {"method": m, "press": METHODS[m].press, "ratio": round(1 - b, 10), "budget": b, "case": i, "ids": list(c.ids)}
+        for m in methods
+        for b in budgets
+        for i, c in enumerate(cases)
+    ]
 
 
 def kvlib_run(model, method: str, budget: float, ids: Sequence[int], max_new_tokens: int, eos: set[int]) -> dict:
@@ -363,11 +386,21 @@ def main(argv: Sequence[str] | None = None) -> dict:
     task = RULER_TASKS["niah_single"](context=args.context, samples=args.samples, seed=args.seed)
     cases = task.cases(tokenizer)
     eos = {int(e) for e in [model.generation_config.eos_token_id, tokenizer.eos_token_id] if e is not None}
-    request = {"model": str(smollm2_folder()), "threads": args.threads, "max_new_tokens": args.max_new_tokens,
-               "eos": sorted(eos), "jobs": kvpress_jobs(args.methods, args.budgets, cases)}
+    request = {
+        "model": str(smollm2_folder()),
+        "threads": args.threads,
+        "max_new_tokens": args.max_new_tokens,
+        "eos": sorted(eos),
+        "jobs": kvpress_jobs(args.methods, args.budgets, cases),
+    }
 
-    worker = subprocess.Popen([str(python), str(WORKER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                              env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
+    worker = subprocess.Popen(
+        [str(python), str(WORKER)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": str(args.threads)},
+    )
     theirs: dict[tuple[str, float, int], dict] = {}
     versions: dict = {}
 
@@ -394,8 +427,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
                     ours[(method, budget, index)] = kvlib_run(model, method, budget, case.ids, args.max_new_tokens, eos)
                 except Exception as exc:  # noqa: BLE001 - reported in the cell, the run goes on
                     ours[(method, budget, index)] = {"error": f"{type(exc).__name__}: {exc}"}
-                print(f"kvpress_parity: kvlib {method} {budget:g} case {index} done "
-                      f"({len(theirs)} kvpress results so far)", file=sys.stderr, flush=True)
+                print(
+                    f"kvpress_parity: kvlib {method} {budget:g} case {index} done ({len(theirs)} kvpress results so far)",
+                    file=sys.stderr,
+                    flush=True,
+                )
     worker.wait()
     reader.join()
 
@@ -419,14 +455,23 @@ def main(argv: Sequence[str] | None = None) -> dict:
                 cell.kvpress_position.append(mean([p / len(case.ids) for layer in b["kept"] for h in layer for p in h]))
             rows.append(cell.summary())
     result = {
-        "command": command_line("kvpress_parity.py", argv), "kvlib_revision": git_revision(),
-        "versions": versions, "kvlib_versions": {"transformers": transformers.__version__, "torch": torch.__version__},
-        "methods": args.methods, "budgets": args.budgets, "samples": args.samples, "context": args.context,
-        "seed": args.seed, "max_new_tokens": args.max_new_tokens, "threads": args.threads,
-        "prompt_tokens": [len(c.ids) for c in cases], "answers": [list(c.answers) for c in cases],
+        "command": command_line("kvpress_parity.py", argv),
+        "kvlib_revision": git_revision(),
+        "versions": versions,
+        "kvlib_versions": {"transformers": transformers.__version__, "torch": torch.__version__},
+        "methods": args.methods,
+        "budgets": args.budgets,
+        "samples": args.samples,
+        "context": args.context,
+        "seed": args.seed,
+        "max_new_tokens": args.max_new_tokens,
+        "threads": args.threads,
+        "prompt_tokens": [len(c.ids) for c in cases],
+        "answers": [list(c.answers) for c in cases],
         "specs": {m: {"kvlib": METHODS[m].kvlib, "kvpress": METHODS[m].press} for m in args.methods},
         "explanations": {m: EXPLANATIONS[m] for m in args.methods if m in EXPLANATIONS},
-        "seconds": time.perf_counter() - started, "rows": rows,
+        "seconds": time.perf_counter() - started,
+        "rows": rows,
     }
     write_report(args.out, "kvpress_parity", render(result), result)
     return result

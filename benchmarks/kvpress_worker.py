@@ -27,11 +27,10 @@ import sys
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import kvpress  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
 from transformers import AutoModelForCausalLM, DynamicCache  # noqa: E402
-
-import kvpress  # noqa: E402
 
 EAGER = {"ObservedAttentionPress"}
 """Presses that read the attention weights, which only eager attention returns."""
@@ -80,13 +79,19 @@ def run_job(models: dict, job: dict, max_new_tokens: int, eos: set[int]) -> dict
             if tokens[-1] in eos:
                 break
             out = model(
-                input_ids=torch.tensor([[tokens[-1]]]), past_key_values=cache,
+                input_ids=torch.tensor([[tokens[-1]]]),
+                past_key_values=cache,
                 position_ids=torch.tensor([[length + step]]),
             )
             tokens.append(int(out.logits[0, -1].argmax()))
     layers = model.config.num_hidden_layers
-    return {"method": job["method"], "budget": job["budget"], "case": job["case"],
-            "kept": [kept[layer] for layer in range(layers)], "tokens": tokens}
+    return {
+        "method": job["method"],
+        "budget": job["budget"],
+        "case": job["case"],
+        "kept": [kept[layer] for layer in range(layers)],
+        "tokens": tokens,
+    }
 
 
 def main() -> None:
@@ -95,18 +100,17 @@ def main() -> None:
     transformers.utils.logging.disable_progress_bar()
     models = {}
     for attn in ("sdpa", "eager"):
-        models[attn] = AutoModelForCausalLM.from_pretrained(
-            request["model"], dtype=torch.float32, attn_implementation=attn
-        ).eval()
-    print(json.dumps({"versions": {"kvpress": _version("kvpress"), "transformers": transformers.__version__,
-                                   "torch": torch.__version__}}), flush=True)
+        models[attn] = AutoModelForCausalLM.from_pretrained(request["model"], dtype=torch.float32, attn_implementation=attn).eval()
+    print(
+        json.dumps({"versions": {"kvpress": _version("kvpress"), "transformers": transformers.__version__, "torch": torch.__version__}}),
+        flush=True,
+    )
     eos = set(request["eos"])
     for job in request["jobs"]:
         try:
             result = run_job(models, job, int(request["max_new_tokens"]), eos)
         except Exception as exc:  # noqa: BLE001 - one failing press is reported, the rest still run
-            result = {"method": job["method"], "budget": job["budget"], "case": job["case"],
-                      "error": f"{type(exc).__name__}: {exc}"}
+            result = {"method": job["method"], "budget": job["budget"], "case": job["case"], "error": f"{type(exc).__name__}: {exc}"}
         print(json.dumps(result), flush=True)
 
 

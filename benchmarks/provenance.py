@@ -24,8 +24,14 @@ REPO = Path(__file__).resolve().parents[1]
 LIBRARY_DIRS = ("kvlib", "adapters", "policies", "storage")
 """What the revision in a report describes (benchmark and test edits do not count)."""
 
-LLAMA100M = {"hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12, "num_key_value_heads": 4,
-             "intermediate_size": 2048, "vocab_size": 32000}
+LLAMA100M = {
+    "hidden_size": 768,
+    "num_hidden_layers": 12,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 4,
+    "intermediate_size": 2048,
+    "vocab_size": 32000,
+}
 """``LlamaConfig`` sizes of the ~100M-parameter random Llama (tied embeddings, fp32)."""
 
 
@@ -33,9 +39,7 @@ def git_revision() -> str:
     """HEAD, flagged when the library's code differs from it."""
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True)
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--", *LIBRARY_DIRS], cwd=REPO, capture_output=True, text=True
-        )
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", *LIBRARY_DIRS], cwd=REPO, capture_output=True, text=True)
         return head.stdout.strip() + (" (with uncommitted library changes)" if dirty.stdout.strip() else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
@@ -52,10 +56,16 @@ def no_machine_path(arg: str) -> str:
 def add_run_arguments(parser: argparse.ArgumentParser, quick: dict, *, stories: bool = False) -> None:
     """The options every benchmark takes: ``--threads``, ``--quick`` (the sizes in ``quick``),
     ``--out`` and, for those that load it, ``--stories-path``."""
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch and numba CPU threads (kvlib.devices.set_cpu_threads)")
+    parser.add_argument(
+        "--threads", type=int, default=torch.get_num_threads(), help="torch and numba CPU threads (kvlib.devices.set_cpu_threads)"
+    )
     if stories:
-        parser.add_argument("--stories-path", type=Path, default=Path("../shared/models/stories260K"),
-                            help="stories260K checkpoint; a relative path is resolved against the repository root")
+        parser.add_argument(
+            "--stories-path",
+            type=Path,
+            default=Path("../shared/models/stories260K"),
+            help="stories260K checkpoint; a relative path is resolved against the repository root",
+        )
     parser.add_argument("--quick", action="store_true", help="tiny sizes for a smoke test: " + str(quick))
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
 

@@ -68,7 +68,9 @@ def first_token(model: torch.nn.Module, cache, prompt: torch.Tensor) -> tuple[to
     """Logits of the prompt's next token, and the seconds of the forward pass over the uncached part."""
     start = time.perf_counter()
     with torch.inference_mode():
-        logits = model(input_ids=prompt[:, cache.get_seq_length():], **cache_argument(cache), use_cache=True, logits_to_keep=1).logits[:, -1]
+        logits = model(input_ids=prompt[:, cache.get_seq_length() :], **cache_argument(cache), use_cache=True, logits_to_keep=1).logits[
+            :, -1
+        ]
     return logits, time.perf_counter() - start
 
 
@@ -86,8 +88,13 @@ def ttft(model: torch.nn.Module, store: kvlib.PrefixStore, prompt: torch.Tensor)
     full_logits, full_forward = first_token(model, full_cache, prompt)
     full = time.perf_counter() - start
     assert torch.equal(cached_logits.argmax(-1), full_logits.argmax(-1))
-    return {"cached_s": prime + forward, "prime_s": prime, "full_s": full, "reused_tokens": reused,
-            "max_logit_diff": float((cached_logits - full_logits).abs().max())}
+    return {
+        "cached_s": prime + forward,
+        "prime_s": prime,
+        "full_s": full,
+        "reused_tokens": reused,
+        "max_logit_diff": float((cached_logits - full_logits).abs().max()),
+    }
 
 
 def index_cost(model: torch.nn.Module, store: kvlib.PrefixStore, prompt: torch.Tensor) -> dict:
@@ -105,8 +112,12 @@ def index_cost(model: torch.nn.Module, store: kvlib.PrefixStore, prompt: torch.T
     warm = median_seconds(lambda: store.release(store.lookup(namespace, blocks)), 5)
     store.release(entries)
     cache.reset()
-    return {"tokens": tokens, "lookup_miss_us_per_token": cold / tokens * 1e6,
-            "lookup_hit_us_per_token": warm / tokens * 1e6, "insert_us_per_token": insert / tokens * 1e6}
+    return {
+        "tokens": tokens,
+        "lookup_miss_us_per_token": cold / tokens * 1e6,
+        "lookup_hit_us_per_token": warm / tokens * 1e6,
+        "insert_us_per_token": insert / tokens * 1e6,
+    }
 
 
 def session_blocks(prompt: torch.Tensor, size: int) -> list[list[int]]:
@@ -129,8 +140,12 @@ def memory(model: torch.nn.Module, store: kvlib.PrefixStore, prompts: list[torch
         separate_bytes += report["pages"] + report["positions"]
     for cache in shared:
         cache.reset()
-    return {"requests": len(prompts), "shared_bytes": shared_bytes, "separate_bytes": separate_bytes,
-            "ratio": shared_bytes / separate_bytes}
+    return {
+        "requests": len(prompts),
+        "shared_bytes": shared_bytes,
+        "separate_bytes": separate_bytes,
+        "ratio": shared_bytes / separate_bytes,
+    }
 
 
 def chunk_quality(stories_path: Path, contexts: int, length: int) -> list[dict]:
@@ -155,8 +170,10 @@ def chunk_quality(stories_path: Path, contexts: int, length: int) -> list[dict]:
             metrics = agreement_metrics(tokens, reference, teacher_forced_logits(model, cache, question, tokens))
             rows[(rule, share)]["kl"].append(metrics["kl"])
             rows[(rule, share)]["agreement"].append(metrics["agreement"])
-    return [{"select": rule, "recompute": share, "kl": statistics.mean(r["kl"]), "agreement": statistics.mean(r["agreement"])}
-            for (rule, share), r in rows.items()]
+    return [
+        {"select": rule, "recompute": share, "kl": statistics.mean(r["kl"]), "agreement": statistics.mean(r["agreement"])}
+        for (rule, share), r in rows.items()
+    ]
 
 
 def chunk_ttft(model: torch.nn.Module, chunks: list[torch.Tensor], question: torch.Tensor, repeats: int) -> list[dict]:
@@ -178,8 +195,14 @@ def chunk_ttft(model: torch.nn.Module, chunks: list[torch.Tensor], question: tor
             start = time.perf_counter()
             first_token(model, kvlib.make_cache(model), prompt)
             full.append(time.perf_counter() - start)
-        rows.append({"recompute": share, "blend_s": statistics.median(blended), "full_s": statistics.median(full),
-                     "speedup": statistics.median(full) / statistics.median(blended)})
+        rows.append(
+            {
+                "recompute": share,
+                "blend_s": statistics.median(blended),
+                "full_s": statistics.median(full),
+                "speedup": statistics.median(full) / statistics.median(blended),
+            }
+        )
     return rows
 
 
@@ -223,8 +246,9 @@ def run(argv: Sequence[str] | None = None) -> dict:
         "memory": memory(model, store, prompts[-args.requests - 1 : -1]),
         "stats": store.stats(),
         "chunk_quality": chunk_quality(stories_path, args.chunk_contexts, args.chunk_len),
-        "chunk_ttft": chunk_ttft(model, [prefix[:, i * (args.prefix_len // 3) : (i + 1) * (args.prefix_len // 3)][0] for i in range(3)],
-                                 tails[-1], args.repeats),
+        "chunk_ttft": chunk_ttft(
+            model, [prefix[:, i * (args.prefix_len // 3) : (i + 1) * (args.prefix_len // 3)][0] for i in range(3)], tails[-1], args.repeats
+        ),
     }
     result["ttft"]["speedup"] = result["ttft"]["full_s"] / result["ttft"]["cached_s"]
     result.update(run_metadata(args, load_before, started))
@@ -234,44 +258,49 @@ def run(argv: Sequence[str] | None = None) -> dict:
 
 def _markdown(result: dict, argv: Sequence[str] | None) -> str:
     c, t, i, m = result["config"], result["ttft"], result["index"], result["memory"]
-    return "\n".join([
-        "# reuse_bench: prefix reuse (TTFT, index cost, shared memory)",
-        "",
-        f"Command: `{command_line('reuse_bench.py', argv)}`",
-        "",
-        f"Model {c['model']}, prefix {c['prefix_len']} tokens, tails {c['tail_len']} tokens. Machine: {result['machine']}; "
-        f"1-minute load {result['load_avg_1min'][0]} before, {result['load_avg_1min'][1]} after; {result['seconds']} s. "
-        f"Library revision: {result['git']}.",
-        "",
-        "| measure | value |",
-        "|---|---:|",
-        f"| TTFT, full prefill ({c['prefix_len'] + c['tail_len']} tokens) | {t['full_s'] * 1e3:.1f} ms |",
-        f"| TTFT, cached prefix ({t['reused_tokens']} tokens reused; prime {t['prime_s'] * 1e3:.1f} ms) | {t['cached_s'] * 1e3:.1f} ms |",
-        f"| speedup (target >= 5x) | **{t['speedup']:.1f}x** |",
-        f"| first-token logits, max abs difference (same argmax asserted) | {t['max_logit_diff']:.2g} |",
-        f"| index: hash + lookup, miss | {i['lookup_miss_us_per_token']:.2f} us / token |",
-        f"| index: hash + lookup, hit | {i['lookup_hit_us_per_token']:.2f} us / token |",
-        f"| index: insert | {i['insert_us_per_token']:.2f} us / token |",
-        f"| memory, {m['requests']} requests sharing the prefix | {m['shared_bytes'] / 2**20:.1f} MiB |",
-        f"| memory, {m['requests']} separate caches | {m['separate_bytes'] / 2**20:.1f} MiB |",
-        f"| shared / separate | **{m['ratio']:.3f}** |",
-        "",
-        f"Index counters at the end: {result['stats']}.",
-        "",
-        f"## Chunk reuse (CacheBlend) on stories260K: {c['chunk_contexts']} stories cut into three {c['chunk_len']}-token chunks + the next 16 tokens",
-        "",
-        "Against full recomputation, over 32 teacher-forced greedy steps.",
-        "",
-        "| selection | tokens recomputed | KL (nats) | greedy agreement |",
-        "|---|---:|---:|---:|",
-        *[f"| {r['select']} | {r['recompute']:.0%} | {r['kl']:.4f} | {r['agreement']:.3f} |" for r in result["chunk_quality"]],
-        "",
-        f"Time to first token on {c['model']}, three {c['prefix_len'] // 3}-token chunks in the ChunkStore + a {c['tail_len']}-token question:",
-        "",
-        "| tokens recomputed | blend + question | full prefill | speedup |",
-        "|---:|---:|---:|---:|",
-        *[f"| {r['recompute']:.0%} | {r['blend_s'] * 1e3:.1f} ms | {r['full_s'] * 1e3:.1f} ms | {r['speedup']:.1f}x |" for r in result["chunk_ttft"]],
-    ])
+    return "\n".join(
+        [
+            "# reuse_bench: prefix reuse (TTFT, index cost, shared memory)",
+            "",
+            f"Command: `{command_line('reuse_bench.py', argv)}`",
+            "",
+            f"Model {c['model']}, prefix {c['prefix_len']} tokens, tails {c['tail_len']} tokens. Machine: {result['machine']}; "
+            f"1-minute load {result['load_avg_1min'][0]} before, {result['load_avg_1min'][1]} after; {result['seconds']} s. "
+            f"Library revision: {result['git']}.",
+            "",
+            "| measure | value |",
+            "|---|---:|",
+            f"| TTFT, full prefill ({c['prefix_len'] + c['tail_len']} tokens) | {t['full_s'] * 1e3:.1f} ms |",
+            f"| TTFT, cached prefix ({t['reused_tokens']} tokens reused; prime {t['prime_s'] * 1e3:.1f} ms) | {t['cached_s'] * 1e3:.1f} ms |",
+            f"| speedup (target >= 5x) | **{t['speedup']:.1f}x** |",
+            f"| first-token logits, max abs difference (same argmax asserted) | {t['max_logit_diff']:.2g} |",
+            f"| index: hash + lookup, miss | {i['lookup_miss_us_per_token']:.2f} us / token |",
+            f"| index: hash + lookup, hit | {i['lookup_hit_us_per_token']:.2f} us / token |",
+            f"| index: insert | {i['insert_us_per_token']:.2f} us / token |",
+            f"| memory, {m['requests']} requests sharing the prefix | {m['shared_bytes'] / 2**20:.1f} MiB |",
+            f"| memory, {m['requests']} separate caches | {m['separate_bytes'] / 2**20:.1f} MiB |",
+            f"| shared / separate | **{m['ratio']:.3f}** |",
+            "",
+            f"Index counters at the end: {result['stats']}.",
+            "",
+            f"## Chunk reuse (CacheBlend) on stories260K: {c['chunk_contexts']} stories cut into three {c['chunk_len']}-token chunks + the next 16 tokens",
+            "",
+            "Against full recomputation, over 32 teacher-forced greedy steps.",
+            "",
+            "| selection | tokens recomputed | KL (nats) | greedy agreement |",
+            "|---|---:|---:|---:|",
+            *[f"| {r['select']} | {r['recompute']:.0%} | {r['kl']:.4f} | {r['agreement']:.3f} |" for r in result["chunk_quality"]],
+            "",
+            f"Time to first token on {c['model']}, three {c['prefix_len'] // 3}-token chunks in the ChunkStore + a {c['tail_len']}-token question:",
+            "",
+            "| tokens recomputed | blend + question | full prefill | speedup |",
+            "|---:|---:|---:|---:|",
+            *[
+                f"| {r['recompute']:.0%} | {r['blend_s'] * 1e3:.1f} ms | {r['full_s'] * 1e3:.1f} ms | {r['speedup']:.1f}x |"
+                for r in result["chunk_ttft"]
+            ],
+        ]
+    )
 
 
 if __name__ == "__main__":

@@ -47,8 +47,14 @@ from serve_metrics import agreement, summarize, ttft_p50_by_kind  # noqa: E402
 from serve_systems import SYSTEMS, ServeSettings, replay  # noqa: E402
 from serve_trace import KINDS, Lengths, Request, TraceConfig, make_trace  # noqa: E402
 
-TINY_LLAMA = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-              "intermediate_size": 128, "vocab_size": 512}
+TINY_LLAMA = {
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 128,
+    "vocab_size": 512,
+}
 """``LlamaConfig`` sizes of the tiny random Llama the smoke test runs."""
 MODELS = {"llama100m": LLAMA100M, "tiny": TINY_LLAMA}
 FULL = {"model": "llama100m", "requests": 40, "rate": 40.0, "batch_size": 8}
@@ -57,8 +63,15 @@ tokens/s measures throughput, not the trace's arrival rate (``--rate 4 --turn-de
 light load, where every system keeps up and the makespans are the arrivals')."""
 FULL_TURN_DELAY_S = 0.5
 QUICK = {"model": "tiny", "requests": 6, "rate": 50.0, "batch_size": 4}
-QUICK_TRACE = {"system_len": Lengths(16, 32), "user_len": Lengths(4, 8), "chat_turns": Lengths(2, 2), "turn_delay_s": 0.02,
-                 "document_len": Lengths(16, 24), "question_len": Lengths(4, 8), "output_len": Lengths(2, 4)}
+QUICK_TRACE = {
+    "system_len": Lengths(16, 32),
+    "user_len": Lengths(4, 8),
+    "chat_turns": Lengths(2, 2),
+    "turn_delay_s": 0.02,
+    "document_len": Lengths(16, 24),
+    "question_len": Lengths(4, 8),
+    "output_len": Lengths(2, 4),
+}
 """Trace lengths (tokens) and turn delay (s) under ``--quick``; the full run keeps ``TraceConfig``'s."""
 
 
@@ -110,18 +123,29 @@ def run(argv: Sequence[str] | None = None) -> dict:
     parser.add_argument("--batch-size", type=int, help=f"requests per padded batch (default {FULL['batch_size']})")
     parser.add_argument("--max-batch-tokens", type=int, default=256, help="tokens per forward pass (Engine, generate_batch)")
     parser.add_argument("--page-size", type=int, default=16, help="tokens per KV page (Engine, generate_batch)")
-    parser.add_argument("--engine-read-cache", action="store_true",
-                        help="the Engine keeps a dense read mirror of its decode group instead of attending over the pages")
+    parser.add_argument(
+        "--engine-read-cache",
+        action="store_true",
+        help="the Engine keeps a dense read mirror of its decode group instead of attending over the pages",
+    )
     add_run_arguments(parser, QUICK)
     args = parse_run_arguments(parser, argv, QUICK, FULL)
     try:
         systems = parse_systems(args.systems)
-        delay = {} if args.quick and args.turn_delay is None else {
-            "turn_delay_s": FULL_TURN_DELAY_S if args.turn_delay is None else args.turn_delay}
-        trace_config = TraceConfig(requests=args.requests, rate=args.rate, weights=parse_weights(args.weights),
-                                   **{**(QUICK_TRACE if args.quick else {}), **delay})
-        settings = ServeSettings(max_batch_tokens=args.max_batch_tokens, page_size=args.page_size, batch_size=args.batch_size,
-                                 engine_read_cache=args.engine_read_cache)
+        delay = (
+            {}
+            if args.quick and args.turn_delay is None
+            else {"turn_delay_s": FULL_TURN_DELAY_S if args.turn_delay is None else args.turn_delay}
+        )
+        trace_config = TraceConfig(
+            requests=args.requests, rate=args.rate, weights=parse_weights(args.weights), **{**(QUICK_TRACE if args.quick else {}), **delay}
+        )
+        settings = ServeSettings(
+            max_batch_tokens=args.max_batch_tokens,
+            page_size=args.page_size,
+            batch_size=args.batch_size,
+            engine_read_cache=args.engine_read_cache,
+        )
     except ValueError as error:
         parser.error(str(error))
     model = random_llama(MODELS[args.model])
@@ -133,16 +157,22 @@ def run(argv: Sequence[str] | None = None) -> dict:
     for system in systems:
         replay(system, model, warm_up_requests(requests), settings)
         replays[system] = replay(system, model, requests, settings)
-        summaries[system] = {**summarize(requests, replays[system]), "ttft_p50_s_by_kind": ttft_p50_by_kind(requests, replays[system]),
-                             **replays[system].extra}
+        summaries[system] = {
+            **summarize(requests, replays[system]),
+            "ttft_p50_s_by_kind": ttft_p50_by_kind(requests, replays[system]),
+            **replays[system].extra,
+        }
         print(f"{system}: {summaries[system]}", flush=True)
     result = {
         "trace": _trace_summary(requests),
         "trace_config": asdict(trace_config),
         "settings": asdict(settings),
         "systems": summaries,
-        "ratios": {f"engine/{other}": summaries["engine"]["tokens_per_s"] / summaries[other]["tokens_per_s"]
-                   for other in systems if other != "engine" and "engine" in systems},
+        "ratios": {
+            f"engine/{other}": summaries["engine"]["tokens_per_s"] / summaries[other]["tokens_per_s"]
+            for other in systems
+            if other != "engine" and "engine" in systems
+        },
         "agreement": {f"{a} vs {b}": agreement(replays[a].tokens, replays[b].tokens) for a, b in combinations(systems, 2)},
     }
     result.update(run_metadata(args, load_before, started))
@@ -152,9 +182,14 @@ def run(argv: Sequence[str] | None = None) -> dict:
 
 def _trace_summary(requests: list[Request]) -> dict:
     prompts = [len(r.prompt_ids) for r in requests]
-    return {"requests": len(requests), "by_kind": dict(Counter(r.kind for r in requests)),
-            "prompt_tokens": sum(prompts), "prompt_tokens_max": max(prompts),
-            "output_tokens": sum(r.max_new_tokens for r in requests), "last_arrival_s": requests[-1].arrival_s}
+    return {
+        "requests": len(requests),
+        "by_kind": dict(Counter(r.kind for r in requests)),
+        "prompt_tokens": sum(prompts),
+        "prompt_tokens_max": max(prompts),
+        "output_tokens": sum(r.max_new_tokens for r in requests),
+        "last_arrival_s": requests[-1].arrival_s,
+    }
 
 
 def _engine_memory(result: dict) -> list[str]:
@@ -166,9 +201,12 @@ def _engine_memory(result: dict) -> list[str]:
     mib = 2**20
     parts = ", ".join(f"{name} {value / mib:.1f}" for name, value in memory["peak_by_component"].items())
     mode = "a dense read mirror of the decode group" if result["settings"]["engine_read_cache"] else "decode over the pages, no mirror"
-    return [f"Engine memory ({mode}), MiB, each component at its largest after any step: {parts}; "
-            f"peak pages {memory['peak_pages_bytes'] / mib:.1f}; transient workspace peak (prefill chunks, not held) "
-            f"{memory['peak_workspace_bytes'] / mib:.1f}.", ""]
+    return [
+        f"Engine memory ({mode}), MiB, each component at its largest after any step: {parts}; "
+        f"peak pages {memory['peak_pages_bytes'] / mib:.1f}; transient workspace peak (prefill chunks, not held) "
+        f"{memory['peak_workspace_bytes'] / mib:.1f}.",
+        "",
+    ]
 
 
 def _markdown(result: dict, argv: Sequence[str] | None) -> str:
@@ -176,42 +214,54 @@ def _markdown(result: dict, argv: Sequence[str] | None) -> str:
     rows = []
     for name, m in result["systems"].items():
         hit = m["stats"]["prefix_hit_rate"] if "stats" in m else None
-        rows.append(f"| {name} | {m['tokens_per_s']:.1f} | {m['makespan_s']:.1f} | {m['ttft_p50_s'] * 1e3:.0f} | {m['ttft_p99_s'] * 1e3:.0f} "
-                    f"| {m['tbt_p50_s'] * 1e3:.0f} | {m['tbt_p99_s'] * 1e3:.0f} | {'' if hit is None else f'{hit:.2f}'} |")
+        rows.append(
+            f"| {name} | {m['tokens_per_s']:.1f} | {m['makespan_s']:.1f} | {m['ttft_p50_s'] * 1e3:.0f} | {m['ttft_p99_s'] * 1e3:.0f} "
+            f"| {m['tbt_p50_s'] * 1e3:.0f} | {m['tbt_p99_s'] * 1e3:.0f} | {'' if hit is None else f'{hit:.2f}'} |"
+        )
     targets = {"engine/padded": 2.0, "engine/generate_batch": 1.0}
     kinds = sorted(t["by_kind"])
-    return "\n".join([
-        "# serve_bench: kvlib Engine vs padded generate vs transformers continuous batching",
-        "",
-        f"Command: `{command_line('serve_bench.py', argv)}`",
-        "",
-        f"Model {c['model']} (random weights, fp32, CPU, greedy, no EOS). Trace: {t['requests']} requests {t['by_kind']}, seed {c['seed']}, "
-        f"sessions at {c['rate']}/s (last arrival {t['last_arrival_s']:.1f} s), {t['prompt_tokens']} prompt tokens (longest {t['prompt_tokens_max']}), "
-        f"{t['output_tokens']} output tokens. Padded batches of {s['batch_size']}; Engine and generate_batch: {s['max_batch_tokens']} tokens "
-        f"per forward pass, pages of {s['page_size']} tokens. Machine: {result['machine']}; 1-minute load {result['load_avg_1min'][0]} before, "
-        f"{result['load_avg_1min'][1]} after (other processes share the cores: figures are noisy); {result['seconds']} s. "
-        f"Library revision: {result['git']}.",
-        "",
-        "| system | output tok/s | makespan (s) | TTFT p50 (ms) | TTFT p99 (ms) | TBT p50 (ms) | TBT p99 (ms) | prefix hit rate |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
-        *rows,
-        "",
-        *([f"- {name}: **{ratio:.2f}x** (target >= {targets[name]:g}x)" for name, ratio in result["ratios"].items()]
-          or ["- No ratios: the engine system was not run."]),
-        "",
-        *_engine_memory(result),
-        "TTFT p50 by request kind (ms):",
-        "",
-        f"| system | {' | '.join(kinds)} |",
-        f"|---|{'---:|' * len(kinds)}",
-        *[f"| {name} | " + " | ".join(f"{m['ttft_p50_s_by_kind'][k] * 1e3:.0f}" for k in kinds) + " |" for name, m in result["systems"].items()],
-        "",
-        "Greedy agreement (same tokens for the same request):",
-        "",
-        "| systems | requests identical | token positions identical |",
-        "|---|---:|---:|",
-        *[f"| {pair} | {a['requests_identical']} / {a['requests']} | {a['tokens_identical']:.3f} |" for pair, a in result["agreement"].items()],
-    ])
+    return "\n".join(
+        [
+            "# serve_bench: kvlib Engine vs padded generate vs transformers continuous batching",
+            "",
+            f"Command: `{command_line('serve_bench.py', argv)}`",
+            "",
+            f"Model {c['model']} (random weights, fp32, CPU, greedy, no EOS). Trace: {t['requests']} requests {t['by_kind']}, seed {c['seed']}, "
+            f"sessions at {c['rate']}/s (last arrival {t['last_arrival_s']:.1f} s), {t['prompt_tokens']} prompt tokens (longest {t['prompt_tokens_max']}), "
+            f"{t['output_tokens']} output tokens. Padded batches of {s['batch_size']}; Engine and generate_batch: {s['max_batch_tokens']} tokens "
+            f"per forward pass, pages of {s['page_size']} tokens. Machine: {result['machine']}; 1-minute load {result['load_avg_1min'][0]} before, "
+            f"{result['load_avg_1min'][1]} after (other processes share the cores: figures are noisy); {result['seconds']} s. "
+            f"Library revision: {result['git']}.",
+            "",
+            "| system | output tok/s | makespan (s) | TTFT p50 (ms) | TTFT p99 (ms) | TBT p50 (ms) | TBT p99 (ms) | prefix hit rate |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|",
+            *rows,
+            "",
+            *(
+                [f"- {name}: **{ratio:.2f}x** (target >= {targets[name]:g}x)" for name, ratio in result["ratios"].items()]
+                or ["- No ratios: the engine system was not run."]
+            ),
+            "",
+            *_engine_memory(result),
+            "TTFT p50 by request kind (ms):",
+            "",
+            f"| system | {' | '.join(kinds)} |",
+            f"|---|{'---:|' * len(kinds)}",
+            *[
+                f"| {name} | " + " | ".join(f"{m['ttft_p50_s_by_kind'][k] * 1e3:.0f}" for k in kinds) + " |"
+                for name, m in result["systems"].items()
+            ],
+            "",
+            "Greedy agreement (same tokens for the same request):",
+            "",
+            "| systems | requests identical | token positions identical |",
+            "|---|---:|---:|",
+            *[
+                f"| {pair} | {a['requests_identical']} / {a['requests']} | {a['tokens_identical']:.3f} |"
+                for pair, a in result["agreement"].items()
+            ],
+        ]
+    )
 
 
 if __name__ == "__main__":

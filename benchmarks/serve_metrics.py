@@ -67,5 +67,8 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
     positions (over the longer answer of each pair) that hold the same token."""
     same_positions = sum(x == y for ta, tb in zip(a, b) for x, y in zip(ta, tb))
     positions = sum(max(len(ta), len(tb)) for ta, tb in zip(a, b))
-    return {"requests": len(a), "requests_identical": sum(ta == tb for ta, tb in zip(a, b)),
-            "tokens_identical": same_positions / positions if positions else 1.0}
+    return {
+        "requests": len(a),
+        "requests_identical": sum(ta == tb for ta, tb in zip(a, b)),
+        "tokens_identical": same_positions / positions if positions else 1.0,
+    }

@@ -74,8 +74,13 @@ def replay_engine(model: torch.nn.Module, requests: list[Request], settings: Ser
     ``extra`` holds ``engine.stats()`` and ``memory``: each component of ``memory_report()`` at
     its largest after any step (``peak_by_component``), and the report's peaks of pages and of
     the transient workspace."""
-    engine = kvlib.Engine(model, max_batch_tokens=settings.max_batch_tokens, page_size=settings.page_size, prefix_cache=True,
-                          read_cache=settings.engine_read_cache)
+    engine = kvlib.Engine(
+        model,
+        max_batch_tokens=settings.max_batch_tokens,
+        page_size=settings.page_size,
+        prefix_cache=True,
+        read_cache=settings.engine_read_cache,
+    )
     peak: dict[str, int] = {}
     tokens: list[list[int]] = [[] for _ in requests]
     times: list[list[float]] = [[] for _ in requests]
@@ -99,7 +104,11 @@ def replay_engine(model: torch.nn.Module, requests: list[Request], settings: Ser
         for name, value in engine.memory_report()["by_component"].items():
             peak[name] = max(peak.get(name, 0), value)
     report = engine.memory_report()
-    memory = {"peak_by_component": peak, "peak_pages_bytes": report["peak_pages_bytes"], "peak_workspace_bytes": report["peak_workspace_bytes"]}
+    memory = {
+        "peak_by_component": peak,
+        "peak_pages_bytes": report["peak_pages_bytes"],
+        "peak_workspace_bytes": report["peak_workspace_bytes"],
+    }
     return Replay(tokens, times, {"stats": engine.stats(), "memory": memory})
 
 
@@ -146,10 +155,16 @@ def replay_generate_batch(model: torch.nn.Module, requests: list[Request], setti
     its cache sized to hold every request of the trace at once (no request is ever evicted)."""
     model.set_attn_implementation("sdpa")
     pages = sum(-(-(len(r.prompt_ids) + r.max_new_tokens) // settings.page_size) for r in requests)
-    cb_config = ContinuousBatchingConfig(page_size=settings.page_size, num_blocks=pages + 1, max_batch_tokens=settings.max_batch_tokens,
-                                         allow_block_sharing=True, auto_switch_to_flash=False)
-    manager = model.init_continuous_batching(generation_config=GenerationConfig(do_sample=False, eos_token_id=-1),
-                                             continuous_batching_config=cb_config)
+    cb_config = ContinuousBatchingConfig(
+        page_size=settings.page_size,
+        num_blocks=pages + 1,
+        max_batch_tokens=settings.max_batch_tokens,
+        allow_block_sharing=True,
+        auto_switch_to_flash=False,
+    )
+    manager = model.init_continuous_batching(
+        generation_config=GenerationConfig(do_sample=False, eos_token_id=-1), continuous_batching_config=cb_config
+    )
     results = {}
     manager.start()
     start = time.perf_counter()
@@ -169,5 +184,4 @@ def replay_generate_batch(model: torch.nn.Module, requests: list[Request], setti
         manager.stop(block=True)
         manager.destroy()
     ordered = [results[i] for i in range(len(requests))]
-    return Replay([r.generated_tokens for r in ordered], [[t - start for t in r.timestamps] for r in ordered],
-                  {"num_blocks": pages + 1})
+    return Replay([r.generated_tokens for r in ordered], [[t - start for t in r.timestamps] for r in ordered], {"num_blocks": pages + 1})

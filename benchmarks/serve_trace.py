@@ -123,8 +123,9 @@ def make_trace(config: TraceConfig, vocab_size: int, seed: int) -> Trace:
         left = config.requests - len(requests)
         if kind == "system":
             which = rng.randrange(config.system_prompts)
-            requests.append(Request(clock, system_prompts[which] + tokens(config.user_len), config.output_len.draw(rng),
-                                    kind, session, shared=(which,)))
+            requests.append(
+                Request(clock, system_prompts[which] + tokens(config.user_len), config.output_len.draw(rng), kind, session, shared=(which,))
+            )
         elif kind == "rag":
             picked = tuple(rng.sample(range(config.documents), rng.randint(1, config.max_documents_per_request)))
             prompt = [t for d in picked for t in documents[d]] + tokens(config.question_len)
@@ -135,7 +136,9 @@ def make_trace(config: TraceConfig, vocab_size: int, seed: int) -> Trace:
     return Trace(sorted(requests, key=lambda r: r.arrival_s), system_prompts, documents)
 
 
-def _chat(config: TraceConfig, rng: random.Random, tokens: Callable[[Lengths], list[int]], start_s: float, session: int, turns: int) -> list[Request]:
+def _chat(
+    config: TraceConfig, rng: random.Random, tokens: Callable[[Lengths], list[int]], start_s: float, session: int, turns: int
+) -> list[Request]:
     """The ``turns`` requests of one conversation, the first arriving at ``start_s``."""
     arrival, prompt, out = start_s, tokens(config.user_len), []
     for turn in range(1, turns + 1):

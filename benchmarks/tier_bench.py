@@ -104,13 +104,22 @@ def throughput(records: list[tuple[bytes, bytes]], layout, repeats: int, scratch
                 handle.read(len(chunk))
         raw_read.append(time.perf_counter() - start)
     mb = total / 1e6
-    rates = {name: mb / statistics.median(times) for name, times in
-             (("write", write), ("read", read), ("raw_write", raw_write), ("raw_read", raw_read))}
-    return {"record_bytes": total, "records": len(records), **{f"{k}_mb_s": v for k, v in rates.items()},
-            "write_vs_raw": rates["write"] / rates["raw_write"], "read_vs_raw": rates["read"] / rates["raw_read"]}
+    rates = {
+        name: mb / statistics.median(times)
+        for name, times in (("write", write), ("read", read), ("raw_write", raw_write), ("raw_read", raw_read))
+    }
+    return {
+        "record_bytes": total,
+        "records": len(records),
+        **{f"{k}_mb_s": v for k, v in rates.items()},
+        "write_vs_raw": rates["write"] / rates["raw_write"],
+        "read_vs_raw": rates["read"] / rates["raw_read"],
+    }
 
 
-def decode_rate(model: torch.nn.Module, spec: str | None, options: dict, prompt: torch.Tensor, steps: int) -> tuple[float, torch.Tensor, dict]:
+def decode_rate(
+    model: torch.nn.Module, spec: str | None, options: dict, prompt: torch.Tensor, steps: int
+) -> tuple[float, torch.Tensor, dict]:
     cache = kvlib.make_cache(model, spec, **options)
     tokens = []
     with torch.inference_mode():
@@ -146,8 +155,12 @@ def decode_rates(model: torch.nn.Module, configs: dict, prompt: torch.Tensor, st
 
 def host_tier(model: torch.nn.Module, prompt: torch.Tensor, steps: int, repeats: int) -> dict:
     half = f"lru(device_mb={kv_mebibytes(model, prompt.shape[1]) / 2:.4f}"
-    configs = {"device (no mirror)": (None, {"read_cache": False}), "half on host": (half + ")", {}),
-               "half on host, no prefetch": (half + ", prefetch=False)", {}), "device (mirror)": (None, {})}
+    configs = {
+        "device (no mirror)": (None, {"read_cache": False}),
+        "half on host": (half + ")", {}),
+        "half on host, no prefetch": (half + ", prefetch=False)", {}),
+        "device (mirror)": (None, {}),
+    }
     medians, tokens, tiers = decode_rates(model, configs, prompt, steps, repeats)
     assert all(torch.equal(tokens[name], tokens["device (mirror)"]) for name in configs)
     return {"spec": half + ")", "tok_s": medians, "by_tier": tiers}
@@ -172,9 +185,13 @@ def quest_run(model: torch.nn.Module, spec: str, story: tuple) -> dict:
         counts.append([sum(getattr(pool, name) for pool in cache.store.pools) for name in ("pages_read", "host_pages_read")])
     metrics = agreement_metrics(fed, reference, logits)
     per_step = max(fed.shape[1] - 1, 1) * len(cache.store.pools)
-    return {"spec": spec, "agreement": metrics["agreement"], "kl": metrics["kl"],
-            "pages_per_step_layer": (counts[1][0] - counts[0][0]) / per_step,
-            "host_pages_per_step_layer": (counts[1][1] - counts[0][1]) / per_step}
+    return {
+        "spec": spec,
+        "agreement": metrics["agreement"],
+        "kl": metrics["kl"],
+        "pages_per_step_layer": (counts[1][0] - counts[0][0]) / per_step,
+        "host_pages_per_step_layer": (counts[1][1] - counts[0][1]) / per_step,
+    }
 
 
 def quest_quality(model: torch.nn.Module, context: int, steps: int) -> dict:
@@ -187,8 +204,13 @@ def quest_quality(model: torch.nn.Module, context: int, steps: int) -> dict:
     budgets = []
     for fraction in QUEST_FRACTIONS:
         top_k = max(1, round(fraction * pages))
-        budgets.append({"fraction": fraction, "top_k": top_k, **{
-            name: quest_run(model, f"{name}(top_k={top_k}, placement={one_page!r})", story) for name in ("quest", "random_pages")}})
+        budgets.append(
+            {
+                "fraction": fraction,
+                "top_k": top_k,
+                **{name: quest_run(model, f"{name}(top_k={top_k}, placement={one_page!r})", story) for name in ("quest", "random_pages")},
+            }
+        )
     page_bytes = 16 * (shape.head_dim + shape.value_dim) * next(model.parameters()).element_size()
     device_mb = pages / 4 * shape.num_layers * shape.num_kv_heads * page_bytes / 2**20
     top_k = max(1, round(pages / 4))
@@ -211,32 +233,49 @@ def _quest_markdown(quest: dict) -> list[str]:
     ]
     for b in quest["budgets"]:
         q, r = b["quest"], b["random_pages"]
-        lines.append(f"| {b['top_k']} ({b['fraction']:.3g}) | {q['agreement']:.3f} | {q['kl']:.4f} | {r['agreement']:.3f} | {r['kl']:.4f}"
-                     f" | {q['pages_per_step_layer']:.1f} |")
+        lines.append(
+            f"| {b['top_k']} ({b['fraction']:.3g}) | {q['agreement']:.3f} | {q['kl']:.4f} | {r['agreement']:.3f} | {r['kl']:.4f}"
+            f" | {q['pages_per_step_layer']:.1f} |"
+        )
     lines.append("")
-    lines.append("Placement under quest (device tier 1/4 of the pages): share of the pages read already on the device: "
-                 + ", ".join(f"{name} {p['device_hit_rate']:.2f}" for name, p in quest["placement"].items()) + ".")
+    lines.append(
+        "Placement under quest (device tier 1/4 of the pages): share of the pages read already on the device: "
+        + ", ".join(f"{name} {p['device_hit_rate']:.2f}" for name, p in quest["placement"].items())
+        + "."
+    )
     return lines
+
+
 def spill_tier(model: torch.nn.Module, prompt: torch.Tensor, steps: int, repeats: int, directory: Path) -> dict:
     """Decode tokens/s with the pages in thirds over device, host and disk, against all on the device."""
     third = kv_mebibytes(model, prompt.shape[1]) / 3
     spread = f"lru(device_mb={third:.4f}, host_mb={third:.4f}, disk={str(directory)!r}, disk_mb={4 * third + 1:.4f}"
-    configs = {"device (no mirror)": (None, {"read_cache": False}), "device+host+disk": (spread + ")", {}),
-               "device+host+disk, no prefetch": (spread + ", prefetch=False)", {})}
+    configs = {
+        "device (no mirror)": (None, {"read_cache": False}),
+        "device+host+disk": (spread + ")", {}),
+        "device+host+disk, no prefetch": (spread + ", prefetch=False)", {}),
+    }
     medians, tokens, tiers = decode_rates(model, configs, prompt, steps, repeats)
     assert all(torch.equal(tokens[name], tokens["device (no mirror)"]) for name in configs)
     assert all(tiers["device+host+disk"][tier] > 0 for tier in ("device", "host", "disk"))
-    return {"spec": spread + ")", "tok_s": medians, "ratio": medians["device+host+disk"] / medians["device (no mirror)"],
-            "prefetch_gain": medians["device+host+disk"] / medians["device+host+disk, no prefetch"], "by_tier": tiers["device+host+disk"]}
+    return {
+        "spec": spread + ")",
+        "tok_s": medians,
+        "ratio": medians["device+host+disk"] / medians["device (no mirror)"],
+        "prefetch_gain": medians["device+host+disk"] / medians["device+host+disk, no prefetch"],
+        "by_tier": tiers["device+host+disk"],
+    }
 
 
 def _spill_markdown(result: dict) -> str:
     s, c = result["spill"], result["config"]
-    return (f"Disk tier for live sequences, decode tok/s after {c['prefix_len']} tokens (`{s['spec']}`: a third of the pages "
-            f"on each tier, spilled pages read from their checked records every step): "
-            + ", ".join(f"{name} {rate:.1f}" for name, rate in s["tok_s"].items())
-            + f"; device+host+disk / all on device (no mirror) = **{s['ratio']:.2f}x**; prefetch on / off = {s['prefetch_gain']:.2f}x;"
-            f" bytes by tier: {s['by_tier']}.")
+    return (
+        f"Disk tier for live sequences, decode tok/s after {c['prefix_len']} tokens (`{s['spec']}`: a third of the pages "
+        f"on each tier, spilled pages read from their checked records every step): "
+        + ", ".join(f"{name} {rate:.1f}" for name, rate in s["tok_s"].items())
+        + f"; device+host+disk / all on device (no mirror) = **{s['ratio']:.2f}x**; prefetch on / off = {s['prefetch_gain']:.2f}x;"
+        f" bytes by tier: {s['by_tier']}."
+    )
 
 
 def run(argv: Sequence[str] | None = None) -> dict:
@@ -253,8 +292,10 @@ def run(argv: Sequence[str] | None = None) -> dict:
     kvlib.attach(model)
     generator = torch.Generator().manual_seed(0)
     prefix = torch.randint(0, model.config.vocab_size, (1, args.prefix_len), generator=generator)
-    prompts = [torch.cat([prefix, torch.randint(0, model.config.vocab_size, (1, args.tail_len), generator=generator)], 1)
-               for _ in range(args.repeats + 1)]
+    prompts = [
+        torch.cat([prefix, torch.randint(0, model.config.vocab_size, (1, args.tail_len), generator=generator)], 1)
+        for _ in range(args.repeats + 1)
+    ]
     load_before = os.getloadavg()[0]
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as scratch_name:
@@ -283,8 +324,13 @@ def run(argv: Sequence[str] | None = None) -> dict:
         result["host"] = host_tier(model, prompts[0][:, : args.prefix_len], args.decode_steps, args.repeats)
         result["quest"] = quest_quality(load_model("stories", stories_path), **(QUEST_QUICK if args.quick else QUEST))
         result["spill"] = spill_tier(model, prompts[0][:, : args.prefix_len], args.decode_steps, args.repeats, scratch / "spill")
-        result["restore"] = {"reused_tokens": reused, "restore_s": statistics.median(restores), "full_s": statistics.median(fulls),
-                             "speedup": statistics.median(fulls) / statistics.median(restores), "disk": disk.stats()}
+        result["restore"] = {
+            "reused_tokens": reused,
+            "restore_s": statistics.median(restores),
+            "full_s": statistics.median(fulls),
+            "speedup": statistics.median(fulls) / statistics.median(restores),
+            "disk": disk.stats(),
+        }
         disk.close()
     result.update(run_metadata(args, load_before, started))
     write_report(args.out, "tier_bench", _markdown(result, argv), result)
@@ -293,33 +339,35 @@ def run(argv: Sequence[str] | None = None) -> dict:
 
 def _markdown(result: dict, argv: Sequence[str] | None) -> str:
     c, t, r, h = result["config"], result["throughput"], result["restore"], result["host"]
-    return "\n".join([
-        "# tier_bench: the lmdb disk tier (throughput, restoring a prefix)",
-        "",
-        f"Command: `{command_line('tier_bench.py', argv)}`",
-        "",
-        f"Model {c['model']}, prefix {c['prefix_len']} tokens. Machine: {result['machine']}; 1-minute load "
-        f"{result['load_avg_1min'][0]} before, {result['load_avg_1min'][1]} after; {result['seconds']} s. Library revision: {result['git']}.",
-        "",
-        f"{t['records']} page records, {t['record_bytes'] / 1e6:.1f} MB (one per 16-token block, all layers and KV heads).",
-        "",
-        "| measure | disk tier | raw file I/O | ratio (target >= 50%) |",
-        "|---|---:|---:|---:|",
-        f"| write (encode + checksum + one lmdb commit; raw: write + fsync) | {t['write_mb_s']:.0f} MB/s | {t['raw_write_mb_s']:.0f} MB/s | {t['write_vs_raw']:.0%} |",
-        f"| read (lmdb get + checks + decode; raw: read) | {t['read_mb_s']:.0f} MB/s | {t['raw_read_mb_s']:.0f} MB/s | {t['read_vs_raw']:.0%} |",
-        "",
-        f"Host tier, decode tok/s after {c['prefix_len']} tokens ({h['spec']}: half of the pages on the host): "
-        + ", ".join(f"{name} {rate:.1f}" for name, rate in h["tok_s"].items())
-        + f"; half on host / all on device (no mirror) = **{h['tok_s']['half on host'] / h['tok_s']['device (no mirror)']:.2f}x**"
-        f" (prefetch on / off {h['tok_s']['half on host'] / h['tok_s']['half on host, no prefetch']:.2f}x); "
-        f"bytes by tier with half on host: {h['by_tier']['half on host']}.",
-        "",
-        _spill_markdown(result),
-        "",
-        f"Restoring the {r['reused_tokens']}-token prefix from disk in a fresh PrefixStore + the tail's forward pass: "
-        f"{r['restore_s'] * 1e3:.1f} ms, against a full prefill {r['full_s'] * 1e3:.1f} ms: **{r['speedup']:.1f}x** (must be > 1).",
-        *_quest_markdown(result["quest"]),
-    ])
+    return "\n".join(
+        [
+            "# tier_bench: the lmdb disk tier (throughput, restoring a prefix)",
+            "",
+            f"Command: `{command_line('tier_bench.py', argv)}`",
+            "",
+            f"Model {c['model']}, prefix {c['prefix_len']} tokens. Machine: {result['machine']}; 1-minute load "
+            f"{result['load_avg_1min'][0]} before, {result['load_avg_1min'][1]} after; {result['seconds']} s. Library revision: {result['git']}.",
+            "",
+            f"{t['records']} page records, {t['record_bytes'] / 1e6:.1f} MB (one per 16-token block, all layers and KV heads).",
+            "",
+            "| measure | disk tier | raw file I/O | ratio (target >= 50%) |",
+            "|---|---:|---:|---:|",
+            f"| write (encode + checksum + one lmdb commit; raw: write + fsync) | {t['write_mb_s']:.0f} MB/s | {t['raw_write_mb_s']:.0f} MB/s | {t['write_vs_raw']:.0%} |",
+            f"| read (lmdb get + checks + decode; raw: read) | {t['read_mb_s']:.0f} MB/s | {t['raw_read_mb_s']:.0f} MB/s | {t['read_vs_raw']:.0%} |",
+            "",
+            f"Host tier, decode tok/s after {c['prefix_len']} tokens ({h['spec']}: half of the pages on the host): "
+            + ", ".join(f"{name} {rate:.1f}" for name, rate in h["tok_s"].items())
+            + f"; half on host / all on device (no mirror) = **{h['tok_s']['half on host'] / h['tok_s']['device (no mirror)']:.2f}x**"
+            f" (prefetch on / off {h['tok_s']['half on host'] / h['tok_s']['half on host, no prefetch']:.2f}x); "
+            f"bytes by tier with half on host: {h['by_tier']['half on host']}.",
+            "",
+            _spill_markdown(result),
+            "",
+            f"Restoring the {r['reused_tokens']}-token prefix from disk in a fresh PrefixStore + the tail's forward pass: "
+            f"{r['restore_s'] * 1e3:.1f} ms, against a full prefill {r['full_s'] * 1e3:.1f} ms: **{r['speedup']:.1f}x** (must be > 1).",
+            *_quest_markdown(result["quest"]),
+        ]
+    )
 
 
 if __name__ == "__main__":

@@ -30,7 +30,6 @@ from kvlib.errors import SpecError, quoted
 from kvlib.registry import available_policies, get_policy
 from kvlib.spec_text import parameters_help
 
-
 SUMMARY_CHARS = 160
 """Longest one-line summary ``kvlib list`` prints (cut at a word, with "...")."""
 
@@ -173,8 +172,10 @@ def run_compare(args: argparse.Namespace) -> int:
     paths = save(runs, complete=True)
     plots = write_plots(runs, out, loaded.name)
     print(markdown_table(runs))
-    print(f"\n{len(runs)} configurations x {len(tasks)} tasks in {meta['seconds']} s; wrote "
-          + ", ".join(str(p) for p in [*paths.values(), *plots]))
+    print(
+        f"\n{len(runs)} configurations x {len(tasks)} tasks in {meta['seconds']} s; wrote "
+        + ", ".join(str(p) for p in [*paths.values(), *plots])
+    )
     print(f"kvlib compare: {time.perf_counter() - args.started:.0f} s wall time, {meta['threads']} torch thread(s)")
     return 1 if all(run.error for run in runs[1:]) else 0
 
@@ -215,25 +216,37 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineParser)
     commands.add_parser("list", help="list registered strategies by kind, with parameters and defaults")
     comp = commands.add_parser("compare", help="compare policies and budgets on tasks: table, JSON, CSV, PNGs")
-    comp.add_argument("--model", default="default",
-                      help="'default' (the embedded byte-level Llama), 'smollm2' (SmolLM2-135M-Instruct, fetched"
-                      " through pip and converted once, offline afterwards), a local folder or a hub id")
+    comp.add_argument(
+        "--model",
+        default="default",
+        help="'default' (the embedded byte-level Llama), 'smollm2' (SmolLM2-135M-Instruct, fetched"
+        " through pip and converted once, offline afterwards), a local folder or a hub id",
+    )
     comp.add_argument("--policies", default=DEFAULT_POLICIES, help=f"comma-separated specs (default {DEFAULT_POLICIES})")
-    comp.add_argument("--budgets", default=DEFAULT_BUDGETS,
-                      help=f"fractions of the full cache, comma-separated (default {DEFAULT_BUDGETS})")
-    comp.add_argument("--tasks", default=DEFAULT_TASKS,
-                      help="comma-separated: needle, perplexity, agreement, the RULER-style niah_single, niah_multikey,"
-                      " niah_multivalue, niah_multiquery, vt, cwe, fwe, or jsonl:PATH"
-                      f" (default {DEFAULT_TASKS})")
-    comp.add_argument("--out", default=DEFAULT_OUT,
-                      help=f"output folder, created and checked before the model loads (default {DEFAULT_OUT})")
-    comp.add_argument("--context", type=int,
-                      help=f"tokens per task sequence (default {DEFAULT_CONTEXT}, or the model's context if shorter)")
+    comp.add_argument(
+        "--budgets", default=DEFAULT_BUDGETS, help=f"fractions of the full cache, comma-separated (default {DEFAULT_BUDGETS})"
+    )
+    comp.add_argument(
+        "--tasks",
+        default=DEFAULT_TASKS,
+        help="comma-separated: needle, perplexity, agreement, the RULER-style niah_single, niah_multikey,"
+        " niah_multivalue, niah_multiquery, vt, cwe, fwe, or jsonl:PATH"
+        f" (default {DEFAULT_TASKS})",
+    )
+    comp.add_argument(
+        "--out", default=DEFAULT_OUT, help=f"output folder, created and checked before the model loads (default {DEFAULT_OUT})"
+    )
+    comp.add_argument(
+        "--context", type=int, help=f"tokens per task sequence (default {DEFAULT_CONTEXT}, or the model's context if shorter)"
+    )
     comp.add_argument("--samples", type=int, help="samples per task (default: each task's own)")
     comp.add_argument("--seed", type=int, default=0, help="seed of the task data")
-    comp.add_argument("--threads", type=_threads, default=None,
-                      help="torch CPU threads (default: one per core; 1 for a model under 30M parameters while"
-                      " the machine is busy, 1-minute load >= 1)")
+    comp.add_argument(
+        "--threads",
+        type=_threads,
+        default=None,
+        help="torch CPU threads (default: one per core; 1 for a model under 30M parameters while the machine is busy, 1-minute load >= 1)",
+    )
     comp.add_argument("--quiet", action="store_true", help="no progress bar")
     bench = commands.add_parser("bench", help="run the benchmark scripts (source checkout) into benchmarks/results/")
     bench.add_argument("--only", help="comma-separated script names (default: all)")

@@ -185,7 +185,13 @@ class PageCodec:
         return encoded
 
     def decode_into(
-        self, arenas: dict[str, torch.Tensor], pages: torch.Tensor, heads: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor
+        self,
+        arenas: dict[str, torch.Tensor],
+        pages: torch.Tensor,
+        heads: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        rows: torch.Tensor,
     ) -> None:
         """Decode arena rows ``pages`` into ``keys[rows]`` and ``values[rows]`` (see :meth:`TensorCodec.decode_into`)."""
         self.key.decode_into({n[4:]: t for n, t in arenas.items() if n.startswith("key.")}, pages, heads, keys, rows)

@@ -81,8 +81,7 @@ def check_fits(what: str, nbytes: int, device: torch.device) -> None:
     available = available_bytes(device)
     if available is not None and nbytes > available:
         raise ValueError(
-            f"{what} would allocate {_size(nbytes)} on {device} up front, more than the {_size(available)} available"
-            " there: lower it"
+            f"{what} would allocate {_size(nbytes)} on {device} up front, more than the {_size(available)} available there: lower it"
         )
 
 

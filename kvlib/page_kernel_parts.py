@@ -23,7 +23,6 @@ SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 """Page dtypes the kernel reads."""
 
 
-
 @numba.njit(inline="always")
 def half_to_float(bits: np.uint16) -> np.float32:
     """IEEE 754 binary16 bits to float32 (subnormals, infinities and NaN included)."""

@@ -50,6 +50,7 @@ from kvlib.page_kernel_parts import (
 )
 from kvlib.paged_scores import attention_weights
 
+
 @numba.njit(fastmath=FASTMATH)  # no cache=True: see _paged_attention_kernel
 def _attend_pair(
     grouped, keys, values, positions, page_ids, length, visible, query_positions, load_keys, load_values, scale, softcap, out
@@ -100,9 +101,7 @@ def _attend_pair(
                 w0, w1, w2, w3 = weights[t], weights[t + 1], weights[t + 2], weights[t + 3]
                 running_sum[r] += w0 + w1 + w2 + w3
                 for c in range(value_dim):  # four tokens per pass over the accumulator
-                    acc[r, c] += (
-                        w0 * value_page[t, c] + w1 * value_page[t + 1, c] + w2 * value_page[t + 2, c] + w3 * value_page[t + 3, c]
-                    )
+                    acc[r, c] += w0 * value_page[t, c] + w1 * value_page[t + 1, c] + w2 * value_page[t + 2, c] + w3 * value_page[t + 3, c]
                 t += 4
             while t < filled:
                 weight = weights[t]
@@ -125,8 +124,19 @@ def _paged_attention_kernel(  # dispatcher identity: never a hit in another proc
         b = pair // heads
         h = pair % heads
         _attend_pair(
-            query[b, h], keys, values, positions, pages[b, h], lengths[b, h], visible[b],
-            query_positions, load_keys, load_values, scale, softcap, out[b, h],
+            query[b, h],
+            keys,
+            values,
+            positions,
+            pages[b, h],
+            lengths[b, h],
+            visible[b],
+            query_positions,
+            load_keys,
+            load_values,
+            scale,
+            softcap,
+            out[b, h],
         )
 
 

@@ -187,7 +187,9 @@ class PagedStore:
     # -- writes --------------------------------------------------------------------------------
 
     @outside_inference_mode
-    def append(self, layer: int, seqs: SequenceIds, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor | None = None) -> None:
+    def append(
+        self, layer: int, seqs: SequenceIds, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor | None = None
+    ) -> None:
         """Append a step's tokens to every head of ``seqs`` in ``layer``.
 
         Args:
@@ -460,8 +462,6 @@ class PagedStore:
                 self.mirrors.drop(partner, rows)
         return sealed
 
-    # -- memory --------------------------------------------------------------------------------
-
     def bytes_in_use(self) -> int:
         """Bytes held by pages in use across all layers (keys, values, positions)."""
         return sum(pool.bytes_in_use() for pool in self.pools)
@@ -488,8 +488,6 @@ class PagedStore:
     def _page_bytes(self) -> int:
         """Bytes of keys and values of the pages in use, over all layers (``memory_bytes()["pages"]``)."""
         return sum(pool.data_bytes() for pool in self.pools)
-
-    # -- validation helpers ----------------------------------------------------------------------
 
     def _layer(self, layer: int) -> int:
         if not isinstance(layer, int) or not 0 <= layer < self.num_layers:

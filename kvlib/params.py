@@ -43,8 +43,7 @@ def coerce(owner: str, name: str, annotation: Any, value: Any) -> Any:
     except (TypeError, ValueError) as exc:
         detail = f" ({exc})" if str(exc) else ""
         raise SpecError(
-            f"{owner}: parameter {name!r} must be {describe(annotation)}, got {quoted(value)}"
-            f" ({type(value).__name__}){detail}"
+            f"{owner}: parameter {name!r} must be {describe(annotation)}, got {quoted(value)} ({type(value).__name__}){detail}"
         ) from None
 
 

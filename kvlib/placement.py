@@ -71,4 +71,3 @@ def lowest_score_first(pages: PageStats) -> torch.Tensor:
         return least_recently_written(pages)
     order = pages.last_write.argsort(stable=True)
     return order[pages.score[order].argsort(stable=True)]
-

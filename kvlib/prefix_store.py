@@ -158,9 +158,12 @@ class PrefixStore:
             for layer, pool in enumerate(store.pools):
                 ids = pool.allocate(layout.heads, torch.arange(layout.heads))
                 slots = (ids.unsqueeze(-1) * store.page_size + torch.arange(store.page_size)).flatten()
-                pool.write(slots, block.keys[layer].reshape(-1, layout.head_dim).to(store.device),
-                           block.values[layer].reshape(-1, layout.value_dim).to(store.device),
-                           to_arena_device(positions.repeat(layout.heads), store.device))
+                pool.write(
+                    slots,
+                    block.keys[layer].reshape(-1, layout.head_dim).to(store.device),
+                    block.values[layer].reshape(-1, layout.value_dim).to(store.device),
+                    to_arena_device(positions.repeat(layout.heads), store.device),
+                )
                 pages.append(ids)
             pages = torch.stack(pages)
             nbytes = sum(pool.page_footprint() for pool in store.pools) * layout.heads
@@ -235,7 +238,9 @@ class PrefixStore:
         for entry in entries:
             pages = entry.pages[1]
             reads = [pool.read_pages(pages[layer]) for layer, pool in enumerate(store.pools)]
-            block = Block(entry.key, entry.parent, list(entry.tokens), torch.stack([k for k, _ in reads]), torch.stack([v for _, v in reads]))
+            block = Block(
+                entry.key, entry.parent, list(entry.tokens), torch.stack([k for k, _ in reads]), torch.stack([v for _, v in reads])
+            )
             items.append((layout.namespace + entry.key, encode_parts(layout, block)))
         if items:
             self.disk.put_many(items)

@@ -54,9 +54,7 @@ def register(name: str) -> Callable[[type], type]:
             raise ValueError(f"{_qualname(cls)} is already registered as {own!r}; a class has one name")
         existing = _registry.get(name)
         if existing is not None and _qualname(existing) != _qualname(cls):
-            raise ValueError(
-                f"strategy name {name!r} is taken by {_qualname(existing)}; choose another name for {_qualname(cls)}"
-            )
+            raise ValueError(f"strategy name {name!r} is taken by {_qualname(existing)}; choose another name for {_qualname(cls)}")
         cls.name = name
         _registry[name] = cls
         return cls

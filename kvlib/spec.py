@@ -25,7 +25,7 @@ from kvlib.strategy import (
     Tiering,
 )
 
-SpecLike = typing.Union[str, Strategy, Sequence[typing.Union[str, Strategy]], "Spec", None]
+SpecLike = typing.Union[str, Strategy, Sequence[str | Strategy], "Spec", None]
 
 
 @dataclass(frozen=True)

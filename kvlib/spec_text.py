@@ -120,6 +120,4 @@ def parameters_help(cls: type) -> str:
 
 def check_terms(count: int, what: str) -> None:
     if count > MAX_SPEC_TERMS:
-        raise SpecError(
-            f"a spec holds at most {MAX_SPEC_TERMS} strategies (one per kind, and reuse strategies); got {what}"
-        )
+        raise SpecError(f"a spec holds at most {MAX_SPEC_TERMS} strategies (one per kind, and reuse strategies); got {what}")

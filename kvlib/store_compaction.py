@@ -140,7 +140,11 @@ def _fill_holes(
         sources = table.pages[rows[b], h, src // page_size] * page_size + src % page_size
         pool.write(holes, *pool.gather(sources))
     page_slot = torch.arange(table.pages.shape[2])
-    drop_page = fill.unsqueeze(-1) & (page_slot >= table.pages_used(new_lengths).unsqueeze(-1)) & (page_slot < table.pages_used(lengths).unsqueeze(-1))
+    drop_page = (
+        fill.unsqueeze(-1)
+        & (page_slot >= table.pages_used(new_lengths).unsqueeze(-1))
+        & (page_slot < table.pages_used(lengths).unsqueeze(-1))
+    )
     db, dh, dj = drop_page.nonzero(as_tuple=True)
     if db.numel():
         pool.decref(table.pages[rows[db], dh, dj])
@@ -153,7 +157,9 @@ def _fill_holes(
     return Compaction(torch.where(fill.unsqueeze(-1), plan.layout, kept), True, torch.zeros_like(fill), moves, new_lengths)
 
 
-def _fills_holes(pool: PagePool, table: BlockTable, rows: torch.Tensor, plan: HoleFill, cheap: torch.Tensor, new_lengths: torch.Tensor) -> torch.Tensor:
+def _fills_holes(
+    pool: PagePool, table: BlockTable, rows: torch.Tensor, plan: HoleFill, cheap: torch.Tensor, new_lengths: torch.Tensor
+) -> torch.Tensor:
     """bool ``[batch, heads]``: the heads among ``cheap`` whose hole fill writes only pages
     writable in place (the holes' pages, and the new last page if it is partly kept: a
     truncated page is rewritten by later appends and its key summary redone)."""

@@ -15,7 +15,9 @@ from kvlib.page_indexing import heads_to_copy, page_coordinates
 from kvlib.storage.page_pool import PagePool
 
 
-def check_step(layer: int, pool: PagePool, table: BlockTable, rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> tuple[int, int, int]:
+def check_step(
+    layer: int, pool: PagePool, table: BlockTable, rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+) -> tuple[int, int, int]:
     """``(batch, kv_heads, tokens)`` of a step's ``keys`` and ``values`` for ``rows`` of ``layer``,
     once they have the pool's dtype, device and shapes; else ``ValueError``."""
     heads = table.num_heads
@@ -24,8 +26,7 @@ def check_step(layer: int, pool: PagePool, table: BlockTable, rows: torch.Tensor
     expect_k = (len(rows), heads, keys.shape[2] if keys.dim() == 4 else -1, pool.head_dim)
     if keys.dim() != 4 or tuple(keys.shape) != expect_k:
         raise ValueError(
-            f"layer {layer}: keys must be [batch={len(rows)}, kv_heads={heads}, tokens, head_dim={pool.head_dim}],"
-            f" got {list(keys.shape)}"
+            f"layer {layer}: keys must be [batch={len(rows)}, kv_heads={heads}, tokens, head_dim={pool.head_dim}], got {list(keys.shape)}"
         )
     expect_v = (*expect_k[:3], pool.value_dim)
     if values.dim() != 4 or tuple(values.shape) != expect_v:
@@ -50,7 +51,9 @@ def step_positions(
     return positions.to(device, torch.int64).unsqueeze(1).expand(batch, heads, steps)
 
 
-def append(layer: int, pool: PagePool, table: BlockTable, rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
+def append(
+    layer: int, pool: PagePool, table: BlockTable, rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor
+) -> None:
     """Append a step (``keys [batch, kv_heads, steps, head_dim]``, ``values``, ``positions``
     int64 ``[batch, kv_heads, steps]``) to every head of ``rows``: a partly filled last page
     shared with another sequence is copied first (copy-on-write), heads that fill their last page
@@ -109,7 +112,9 @@ def append_in_open_pages(
     return positions
 
 
-def overwrite(pool: PagePool, table: BlockTable, rows: torch.Tensor, token_index: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+def overwrite(
+    pool: PagePool, table: BlockTable, rows: torch.Tensor, token_index: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+) -> None:
     """Replace the keys and values of stored tokens ``token_index`` (int ``[tokens]``, the same
     slots in every head, each below every head's length) of ``rows``; positions stay. The pages
     written must be writable in place (:meth:`~kvlib.storage.page_pool.PagePool.writable`: held

@@ -226,7 +226,9 @@ class CodedPagePool(PagePool):
             values.index_copy_(0, plan.open_target, self.values.index_select(0, plan.open_source))
         return keys, values
 
-    def _decode_sealed(self, pages: torch.Tensor, heads: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor) -> None:
+    def _decode_sealed(
+        self, pages: torch.Tensor, heads: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor
+    ) -> None:
         """Decode sealed ``pages`` into ``keys[rows]`` and ``values[rows]``."""
         self.codec.decode_into(self.encoded, pages, heads, keys, values, rows)
 
@@ -234,7 +236,9 @@ class CodedPagePool(PagePool):
         """Copy pages onto freshly allocated ``target`` pages: a sealed source stays sealed in its
         copy (its fields are copied), an open one is copied raw."""
         sealed = self.sealed[source]
-        self.positions.index_copy_(0, to_arena_device(target, self.device), self.positions.index_select(0, to_arena_device(source, self.device)))
+        self.positions.index_copy_(
+            0, to_arena_device(target, self.device), self.positions.index_select(0, to_arena_device(source, self.device))
+        )
         self.page_heads[target] = self.page_heads[source]
         if bool(sealed.any()):
             src, dst = source[sealed], target[sealed]
@@ -258,7 +262,9 @@ class CodedPagePool(PagePool):
         rows = to_arena_device(self.raw_row[target], self.device)
         self.keys.index_copy_(0, rows, keys)
         self.values.index_copy_(0, rows, values)
-        self.positions.index_copy_(0, to_arena_device(target, self.device), self.positions.index_select(0, to_arena_device(source, self.device)))
+        self.positions.index_copy_(
+            0, to_arena_device(target, self.device), self.positions.index_select(0, to_arena_device(source, self.device))
+        )
         self.page_heads[target] = self.page_heads[source]
 
     def raw_pages(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -198,8 +198,9 @@ class DiskTier:
         :func:`~kvlib.storage.page_record.encode_parts`: stored without joining them), and the
         last one of a repeated key wins. False (and nothing changed) when it cannot: more bytes
         than the capacity, or the disk or map is full (then writing stops, with one warning)."""
-        records = {key: [memoryview(chunk).cast("B") for chunk in (record if isinstance(record, list) else [record])]
-                   for key, record in items}
+        records = {
+            key: [memoryview(chunk).cast("B") for chunk in (record if isinstance(record, list) else [record])] for key, record in items
+        }
         incoming = sum(chunk.nbytes for chunks in records.values() for chunk in chunks)
         if self.stopped or not items or incoming > self.capacity_bytes:
             return False
@@ -321,8 +322,11 @@ class DiskTier:
         the writer's call it holding :attr:`resize_lock` (it reads lmdb's meta page in the map)."""
         if not self.lost and os.fstat(self._data).st_size < committed_bytes(self.env, self.page_bytes):
             self.lost = self.stopped = True
-            warnings.warn(f"kvlib disk tier at {self.path}: data.mdb was cut short while open; its reads are misses "
-                          "and nothing is written from now on", stacklevel=3)
+            warnings.warn(
+                f"kvlib disk tier at {self.path}: data.mdb was cut short while open; its reads are misses "
+                "and nothing is written from now on",
+                stacklevel=3,
+            )
         return not self.lost
 
     def _stop(self, why: str) -> None:
@@ -331,8 +335,14 @@ class DiskTier:
         self.stopped = True
 
     def stats(self) -> dict[str, int]:
-        return {"reads": self.reads, "writes": self.writes, "misses": self.misses, "corrupt": self.corrupt,
-                "evictions": self.evictions, "bytes": self.nbytes}
+        return {
+            "reads": self.reads,
+            "writes": self.writes,
+            "misses": self.misses,
+            "corrupt": self.corrupt,
+            "evictions": self.evictions,
+            "bytes": self.nbytes,
+        }
 
     def close(self) -> None:
         self.flush()

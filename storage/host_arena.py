@@ -29,6 +29,11 @@ class HostArena:
         self._free = FreeStack(MIN_HOST_PAGES)
 
     @property
+    def page_shape(self) -> tuple[int, int, int]:
+        """``(page_size, head_dim, value_dim)`` of the pages held."""
+        return (self.keys.shape[1], self.keys.shape[2], self.values.shape[2])
+
+    @property
     def rows(self) -> int:
         """Rows reserved, free or holding a page."""
         return self.keys.shape[0]

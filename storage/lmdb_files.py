@@ -75,8 +75,9 @@ def open_environment(directory: Path, map_size: int, max_dbs: int) -> lmdb.Envir
             return env
         env.close()
     aside = _move_aside(directory, damage)
-    warnings.warn(f"kvlib disk tier at {directory}: data.mdb is damaged ({damage}); moved it aside to {aside} "
-                  f"and started empty", stacklevel=3)
+    warnings.warn(
+        f"kvlib disk tier at {directory}: data.mdb is damaged ({damage}); moved it aside to {aside} and started empty", stacklevel=3
+    )
     try:
         return _open(directory, map_size, max_dbs)
     except lmdb.Error as error:
@@ -113,8 +114,9 @@ def _move_aside(directory: Path, damage: str) -> str:
         except FileNotFoundError:
             continue
         except OSError as error:
-            raise DiskTierUnavailable(f"disk tier at {directory}: data.mdb is damaged ({damage}) and cannot be moved "
-                                      f"aside ({_reason(error)})") from None
+            raise DiskTierUnavailable(
+                f"disk tier at {directory}: data.mdb is damaged ({damage}) and cannot be moved aside ({_reason(error)})"
+            ) from None
     return "data.mdb" + suffix
 
 

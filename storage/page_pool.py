@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import torch
 
+from kvlib.arena_sources import arena_source_for
 from kvlib.devices import to_arena_device
 from kvlib.errors import PoolExhaustedError
-from kvlib.arena_sources import arena_source_for
 from kvlib.paged_attention import PagedLayer, PageReader
 from kvlib.storage.free_stack import FreeStack
 from kvlib.storage.key_summaries import KeySummaries
@@ -187,9 +187,7 @@ class PagePool:
             raise ValueError(f"cannot allocate a negative number of pages ({count})")
         if count > self._free.free:
             if self.fixed:
-                raise PoolExhaustedError(
-                    f"page pool is full: {count} pages requested, {self._free.free} free of {self.capacity}"
-                )
+                raise PoolExhaustedError(f"page pool is full: {count} pages requested, {self._free.free} free of {self.capacity}")
             self._grow(self.pages_in_use + count)
         ids = self._free.pop(count)
         self.refcount[ids] = 1
@@ -377,4 +375,3 @@ def extend_rows(tensor: torch.Tensor, rows: int, fill: int) -> torch.Tensor:
     out = torch.full((rows, *tensor.shape[1:]), fill, dtype=tensor.dtype, device=tensor.device)
     out[: tensor.shape[0]] = tensor
     return out
-

@@ -114,8 +114,9 @@ def _sections(layout: Layout, block: Block) -> list[np.ndarray]:
         raise ValueError(f"a block holds {layout.page_size} tokens, got {len(block.tokens)}")
     for name, tensor, dim in (("keys", block.keys, layout.head_dim), ("values", block.values, layout.value_dim)):
         if tuple(tensor.shape) != (layout.layers, layout.heads, layout.page_size, dim):
-            raise ValueError(f"block {name} have shape {tuple(tensor.shape)}; the layout expects "
-                             f"{(layout.layers, layout.heads, layout.page_size, dim)}")
+            raise ValueError(
+                f"block {name} have shape {tuple(tensor.shape)}; the layout expects {(layout.layers, layout.heads, layout.page_size, dim)}"
+            )
     return [np.asarray(block.tokens, dtype=np.int64).view(np.uint8)] + [_bytes_of(t, layout.dtype) for t in (block.keys, block.values)]
 
 
@@ -168,8 +169,13 @@ def _views(layout: Layout) -> tuple[slice, slice, tuple[int, ...], tuple[int, ..
     numpy dtype of their width (one cached lookup per record read)."""
     cuts, shape = _cuts(layout), (layout.layers, layout.heads, layout.page_size)
     twin = {torch.float32: np.float32, torch.float16: np.float16, torch.bfloat16: np.int16}[layout.dtype]
-    return (slice(cuts[2], cuts[2] + _key_bytes(layout)), slice(cuts[3], cuts[4]), (*shape, layout.head_dim),
-            (*shape, layout.value_dim), twin)
+    return (
+        slice(cuts[2], cuts[2] + _key_bytes(layout)),
+        slice(cuts[3], cuts[4]),
+        (*shape, layout.head_dim),
+        (*shape, layout.value_dim),
+        twin,
+    )
 
 
 def empty_rows(layout: Layout, count: int) -> np.ndarray:
@@ -187,8 +193,10 @@ def check_rows(layout: Layout, rows: np.ndarray, chain_keys: np.ndarray) -> np.n
     and one digest call per row (about 0.3 us of call overhead each): for many small records,
     such as spilled pages, read in one batch."""
     if rows.ndim != 2 or rows.shape[1] != record_size(layout) or chain_keys.shape != (rows.shape[0], 16):
-        raise ValueError(f"check_rows takes [n, {record_size(layout)}] records and [n, 16] chain keys; got "
-                         f"{tuple(rows.shape)} and {tuple(chain_keys.shape)}")
+        raise ValueError(
+            f"check_rows takes [n, {record_size(layout)}] records and [n, 16] chain keys; got "
+            f"{tuple(rows.shape)} and {tuple(chain_keys.shape)}"
+        )
     cuts = _cuts(layout)
     template = np.frombuffer(_header(layout, NO_PARENT, NO_PARENT), dtype=np.uint8)
     ok = (rows[:, :_KEY_AT] == template[:_KEY_AT]).all(1)
@@ -227,8 +235,20 @@ def _checked_header(layout: Layout, record: bytes | bytearray | memoryview) -> t
 
 def _header(layout: Layout, key: bytes, parent: bytes) -> bytes:
     """The header of a record of ``layout`` with 16-byte chain ``key`` and ``parent``."""
-    return HEADER.pack(MAGIC, VERSION, layout.namespace, key, parent, layout.layers, layout.heads, layout.page_size,
-                       layout.head_dim, layout.value_dim, DTYPE_CODES[layout.dtype], _cuts(layout)[-1] - HEADER.size)
+    return HEADER.pack(
+        MAGIC,
+        VERSION,
+        layout.namespace,
+        key,
+        parent,
+        layout.layers,
+        layout.heads,
+        layout.page_size,
+        layout.head_dim,
+        layout.value_dim,
+        DTYPE_CODES[layout.dtype],
+        _cuts(layout)[-1] - HEADER.size,
+    )
 
 
 def record_size(layout: Layout) -> int:

@@ -49,8 +49,14 @@ class PartneredPagePool(CodedPagePool):
     ) -> None:
         self.partner_pool = partner_pool
         super().__init__(
-            page_size=page_size, head_dim=head_dim, value_dim=value_dim, dtype=dtype, device=device,
-            codec=codec, capacity=capacity, fixed=fixed,
+            page_size=page_size,
+            head_dim=head_dim,
+            value_dim=value_dim,
+            dtype=dtype,
+            device=device,
+            codec=codec,
+            capacity=capacity,
+            fixed=fixed,
         )
 
     @property
@@ -99,7 +105,9 @@ class PartneredPagePool(CodedPagePool):
         ids, partner_ids = ids[open_pair], partner_ids[open_pair]
         if ids.numel() == 0:
             return 0
-        same = (self.positions[to_arena_device(ids, self.device)] == self.partner_pool.positions[to_arena_device(partner_ids, self.device)]).all(-1)
+        same = (
+            self.positions[to_arena_device(ids, self.device)] == self.partner_pool.positions[to_arena_device(partner_ids, self.device)]
+        ).all(-1)
         ids, partner_ids = ids[same.cpu()], partner_ids[same.cpu()]
         _, first = first_occurrences(ids)
         ids, partner_ids = ids[first], partner_ids[first]
@@ -119,7 +127,9 @@ class PartneredPagePool(CodedPagePool):
         self.partner[ids] = partners
         self.partner_pool.incref(partners)
 
-    def _decode_sealed(self, pages: torch.Tensor, heads: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor) -> None:
+    def _decode_sealed(
+        self, pages: torch.Tensor, heads: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor
+    ) -> None:
         index = to_arena_device(pages, self.device)
         partner_index = to_arena_device(self.partner[pages], self.device)
         own = {name: t.index_select(0, index) for name, t in self.encoded.items()}

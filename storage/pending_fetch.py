@@ -35,12 +35,10 @@ class PendingFetch:
         spill: LayerSpill | None,
         disk_ids: torch.Tensor,
         stamps: torch.Tensor,
-        page_shape: tuple[int, int, int],
     ) -> None:
         """Start fetching pages ``host_ids`` (in ``host``'s ``host_rows``) and ``disk_ids`` (records
         of ``spill``) on ``prefetcher``'s worker, replacing pages fetched and not read yet.
-        ``stamps``: the write stamps of ``host_ids`` then ``disk_ids``; ``page_shape``:
-        ``(page_size, head_dim, value_dim)``. Call :meth:`settle` first."""
+        ``stamps``: the write stamps of ``host_ids`` then ``disk_ids``. Call :meth:`settle` first."""
         self._fetched = None
         if host_ids.numel() + disk_ids.numel() == 0:
             return
@@ -55,7 +53,7 @@ class PendingFetch:
             spill.get(disk_ids, host.device, out=(keys, values))
 
         ids = torch.cat([host_ids, disk_ids])
-        self._job = prefetcher.start(ids, stamps, page_shape, host.dtype, read_host, read_disk, host_ids.numel())
+        self._job = prefetcher.start(ids, stamps, host.page_shape, host.dtype, read_host, read_disk, host_ids.numel())
 
     def settle(self) -> None:
         """Wait for the running job and keep its pages for the next :meth:`fill` (a job that
@@ -68,7 +66,14 @@ class PendingFetch:
                 self._fetched = None
 
     def fill(
-        self, ids: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *, stamps: torch.Tensor, in_use: torch.Tensor, wanted: torch.Tensor
+        self,
+        ids: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        *,
+        stamps: torch.Tensor,
+        in_use: torch.Tensor,
+        wanted: torch.Tensor,
     ) -> torch.Tensor:
         """Copy into rows ``i`` of ``keys`` and ``values`` (``[len(ids), page_size, dim]``, on the
         device) the pages ``ids[i]`` with ``wanted[i]`` that the last settled job fetched, where

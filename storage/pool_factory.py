@@ -4,12 +4,12 @@ one pool per layer, of the kind the config asks for that layer."""
 from __future__ import annotations
 
 from kvlib.devices import check_fits
-from kvlib.store_config import StoreConfig
 from kvlib.storage.coded_pool import CodedPagePool
 from kvlib.storage.page_pool import PagePool
 from kvlib.storage.partnered_pool import PartneredPagePool
 from kvlib.storage.spill_store import SpillStore
 from kvlib.storage.tiered_pool import TieredPagePool
+from kvlib.store_config import StoreConfig
 
 
 def build_pools(config: StoreConfig, *, spill: SpillStore | None = None) -> list[PagePool]:
@@ -33,7 +33,11 @@ def build_pools(config: StoreConfig, *, spill: SpillStore | None = None) -> list
     pools: list[PagePool] = []
     for layer, (head_dim, value_dim) in enumerate(zip(config.layer_key_dims, config.layer_value_dims)):
         shape = {
-            "page_size": config.page_size, "head_dim": head_dim, "value_dim": value_dim, "dtype": config.dtype, "device": config.device,
+            "page_size": config.page_size,
+            "head_dim": head_dim,
+            "value_dim": value_dim,
+            "dtype": config.dtype,
+            "device": config.device,
         }
         arena = {"capacity": config.pages_per_layer, "fixed": config.fixed_capacity}
         codec = config.layer_codec(layer)
@@ -41,8 +45,13 @@ def build_pools(config: StoreConfig, *, spill: SpillStore | None = None) -> list
         if codec is None and config.device_pages is not None:
             layer_spill = None if spill is None else spill.layer(layer, config.page_size, head_dim, value_dim, config.dtype)
             pool: PagePool = TieredPagePool(
-                **shape, **arena, device_pages=config.device_pages, host_pages=config.host_pages,
-                key_summaries=config.key_summaries, spill=layer_spill, disk_pages=config.disk_pages,
+                **shape,
+                **arena,
+                device_pages=config.device_pages,
+                host_pages=config.host_pages,
+                key_summaries=config.key_summaries,
+                spill=layer_spill,
+                disk_pages=config.disk_pages,
                 placement=config.placement,
             )
         elif codec is None:

@@ -38,7 +38,9 @@ _INDEX = struct.Struct(">I")
 _FIRST = _INDEX.pack(0)
 
 
-def put(txn: lmdb.Transaction, entries: lmdb._Database, parts: lmdb._Database, key: bytes, chunks: list[memoryview], part_bytes: int) -> int:
+def put(
+    txn: lmdb.Transaction, entries: lmdb._Database, parts: lmdb._Database, key: bytes, chunks: list[memoryview], part_bytes: int
+) -> int:
     """Store the record that ``chunks`` (byte views) make up, in order, under ``key``, replacing
     any record there, as parts of ``part_bytes`` bytes (the last one shorter): views of a chunk
     where a part lies within one (lmdb copies them into its pages), joined copies where it spans

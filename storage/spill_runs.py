@@ -66,4 +66,3 @@ def _start_time(pid: int) -> int | None:
     except OSError:
         return None
     return None if fields[0] == b"Z" else int(fields[19])
-

@@ -98,7 +98,13 @@ class LayerSpill:
         written, when they would take the run past its byte budget or the disk is full."""
         keys, values, positions = keys.to("cpu"), values.to("cpu"), positions.to("cpu")
         items = [
-            (self._key(page), encode(self.layout, Block(_RECORD_KEY.pack(self.layer, page), b"", positions[i].tolist(), keys[i][None, None], values[i][None, None])))
+            (
+                self._key(page),
+                encode(
+                    self.layout,
+                    Block(_RECORD_KEY.pack(self.layer, page), b"", positions[i].tolist(), keys[i][None, None], values[i][None, None]),
+                ),
+            )
             for i, page in enumerate(pages.tolist())
         ]
         incoming = sum(len(record) for _, record in items)
@@ -115,7 +121,9 @@ class LayerSpill:
         try:
             self.store.disk.transact(incoming, write)
         except lmdb.Error as error:
-            raise PoolExhaustedError(f"disk tier at {self.store.disk.path} cannot take spilled pages ({type(error).__name__}: {error})") from None
+            raise PoolExhaustedError(
+                f"disk tier at {self.store.disk.path} cannot take spilled pages ({type(error).__name__}: {error})"
+            ) from None
         self.store.nbytes += incoming
 
     def get(
@@ -127,9 +135,13 @@ class LayerSpill:
         (``out`` then partly written). Safe from a thread other than the writer's (a prefetch):
         it copies with numpy only."""
         layout, count = self.layout, pages.numel()
-        keys, values = out if out is not None else (
-            host_staging((count, layout.page_size, layout.head_dim), layout.dtype, device),
-            host_staging((count, layout.page_size, layout.value_dim), layout.dtype, device),
+        keys, values = (
+            out
+            if out is not None
+            else (
+                host_staging((count, layout.page_size, layout.head_dim), layout.dtype, device),
+                host_staging((count, layout.page_size, layout.value_dim), layout.dtype, device),
+            )
         )
         if count == 0:
             return keys, values
@@ -137,13 +149,16 @@ class LayerSpill:
         page_list = pages.tolist()
         with self.store.disk.resize_lock, self.store.disk.env.begin(db=self.store.spill, buffers=True) as txn:
             if not self.store.disk.intact():
-                raise SpilledPageLost(f"spilled pages of layer {self.layer} are lost: {self.store.disk.path / 'data.mdb'} "
-                                      "was cut short while open")
+                raise SpilledPageLost(
+                    f"spilled pages of layer {self.layer} are lost: {self.store.disk.path / 'data.mdb'} was cut short while open"
+                )
             for i, page in enumerate(page_list):
                 record = txn.get(self._key(page))
                 if record is None or len(record) != size:
-                    raise SpilledPageLost(f"spilled page {page} of layer {self.layer} is lost: "
-                                          + ("no record" if record is None else f"{len(record)} bytes, not {size}"))
+                    raise SpilledPageLost(
+                        f"spilled page {page} of layer {self.layer} is lost: "
+                        + ("no record" if record is None else f"{len(record)} bytes, not {size}")
+                    )
                 rows[i] = record
         chain_keys = np.frombuffer(b"".join(_RECORD_KEY.pack(self.layer, page) for page in page_list), dtype=np.uint8)
         failed = np.flatnonzero(~check_rows(layout, rows, chain_keys.reshape(count, 16)))

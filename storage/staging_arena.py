@@ -10,8 +10,11 @@ transient workspace.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
+from kvlib.devices import to_arena_device
 from kvlib.storage.host_arena import MIN_HOST_PAGES
 
 
@@ -42,6 +45,39 @@ class StagingArena:
             arena_values[:device_rows] = values
             self._arena = (arena_keys, arena_values)
         return self._arena
+
+    def stage(
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        positions: torch.Tensor,
+        device_row: torch.Tensor,
+        pages: torch.Tensor,
+        read_pages: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """The block table ``pages`` (page ids, ``-1`` past a head's last) where the kernel reads
+        it: the keys and values arenas (:meth:`around` the device rows ``keys`` / ``values``) with
+        the table's off-device pages (``device_row[page] < 0``), each once, copied by ``read_pages``
+        into the staging rows; a positions arena of the same rows (the pool's ``positions`` of
+        exactly the pages the table names); the table in arena rows; and how many pages were staged."""
+        held = pages >= 0
+        ids = pages[held]
+        rows = device_row[ids]
+        elsewhere = rows < 0
+        staged, slot = torch.unique(ids[elsewhere], return_inverse=True)
+        first = keys.shape[0]
+        arena_keys, arena_values = self.around(keys, values, staged.numel())
+        if staged.numel():
+            staged_keys, staged_values = read_pages(staged)
+            arena_keys[first : first + staged.numel()] = staged_keys
+            arena_values[first : first + staged.numel()] = staged_values
+        rows[elsewhere] = first + slot
+        device = keys.device
+        arena_positions = torch.empty(arena_keys.shape[0], *positions.shape[1:], dtype=positions.dtype, device=device)
+        arena_positions[to_arena_device(rows, device)] = positions.index_select(0, to_arena_device(ids, device))
+        table = torch.full_like(pages, -1)
+        table[held] = rows
+        return arena_keys, arena_values, arena_positions, table, staged.numel()
 
     def _holds(self, keys: torch.Tensor, values: torch.Tensor) -> bool:
         """Whether ``keys`` and ``values`` still lie at the start of the arena."""

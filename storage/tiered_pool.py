@@ -6,14 +6,12 @@ of the device arena), ``host_row[page] >= 0`` (a row of the pool's :mod:`~kvlib.
 or ``on_disk[page]`` (a record of the layer's spill, :mod:`kvlib.storage.disk_pages`). Positions
 stay in the base pool's arena for every page (bookkeeping).
 
-Placement: the pool keeps each page's facts (:class:`~kvlib.placement.PageStats`: the clock of
-its last allocation or write, reads not counting; its placement score, ``+inf`` until ranked)
-and applies the order of the placement rule it was built with (:mod:`kvlib.placement`; by
-default :func:`~kvlib.placement.lowest_score_first`): when a page needs a device row and none is
-free, the device pages that leave first move to the host, in one batch; with a disk tier, a move
-that would take the host past its budget first sends the host pages that leave first to disk, in
-one transaction (past ``disk_pages``: :class:`~kvlib.errors.PoolExhaustedError`, nothing moved);
-:meth:`TieredPagePool.rank` scores pages and moves those the order keeps onto the device.
+Placement: the pool keeps each page's facts (:class:`~kvlib.placement.PageStats`) and moves pages
+in the order of its placement rule (:mod:`kvlib.placement`; default
+:func:`~kvlib.placement.lowest_score_first`): device pages that leave first go to the host when
+a page needs a device row, host pages that leave first go to disk (one transaction; past
+``disk_pages``: :class:`~kvlib.errors.PoolExhaustedError`, nothing moved) when the host is full;
+:meth:`TieredPagePool.rank` scores pages and brings those the order keeps onto the device.
 
 Writes go to the device (a host or spilled page written is brought back first, its record
 deleted; freeing deletes it too). Reads copy host and spilled pages straight into the read
@@ -86,8 +84,14 @@ class TieredPagePool(PagePool):
         """At most this many pages on disk (0: no disk tier)."""
         self._leaving_order = lowest_score_first if placement is None else placement.leaving_order
         super().__init__(
-            page_size=page_size, head_dim=head_dim, value_dim=value_dim, dtype=dtype, device=device,
-            capacity=capacity, fixed=fixed, key_summaries=key_summaries,
+            page_size=page_size,
+            head_dim=head_dim,
+            value_dim=value_dim,
+            dtype=dtype,
+            device=device,
+            capacity=capacity,
+            fixed=fixed,
+            key_summaries=key_summaries,
         )
 
     def _init_data(self, capacity: int) -> None:
@@ -116,8 +120,6 @@ class TieredPagePool(PagePool):
         self.disk.grow(capacity)
         self.placement_state.grow(capacity)
 
-    # -- sizes ---------------------------------------------------------------------------------
-
     @property
     def page_score(self) -> torch.Tensor:
         """Placement score of each page (float32, CPU): higher stays on the device; ``+inf`` until ranked."""
@@ -143,14 +145,15 @@ class TieredPagePool(PagePool):
     def tier_bytes(self) -> dict[str, int]:
         """Bytes of keys and values held on each tier (``device``, ``host``, ``disk``: the pages'
         bytes, not counting their records' headers)."""
-        return {"device": self.pages_on_device * self.kv_page_bytes, "host": self.pages_on_host * self.kv_page_bytes,
-                "disk": self.pages_on_disk * self.kv_page_bytes}
+        return {
+            "device": self.pages_on_device * self.kv_page_bytes,
+            "host": self.pages_on_host * self.kv_page_bytes,
+            "disk": self.pages_on_disk * self.kv_page_bytes,
+        }
 
     def bytes_reserved(self) -> int:
         rows = self.keys.shape[0] + self.host.rows + self._staging.rows(self.keys, self.values)
         return rows * self.kv_page_bytes + self.capacity * self.position_page_bytes
-
-    # -- placement -----------------------------------------------------------------------------
 
     def _on_allocate(self, ids: torch.Tensor, heads: torch.Tensor | None) -> None:
         """New pages take device rows, as many as half its budget allows; the rest wait unplaced
@@ -275,8 +278,6 @@ class TieredPagePool(PagePool):
         self.host_row[ids] = rows
         self.moves_to_host += ids.numel()
 
-    # -- data ----------------------------------------------------------------------------------
-
     def write(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
         """Write tokens through the device, at most half its budget of pages at a time (a long
         prefill streams through: its earlier pages move to the host as later ones arrive)."""
@@ -313,24 +314,12 @@ class TieredPagePool(PagePool):
         on the CPU, the torch path on CUDA); None on a device that reads layers densely."""
         if not reads_pages_in_place(self.device):
             return None
-        held = pages >= 0
-        ids = pages[held]
-        rows = self.device_row[ids]
-        elsewhere = rows < 0
-        staged, slot = torch.unique(ids[elsewhere], return_inverse=True)
         first = self.keys.shape[0]
-        keys, values = self._staging.around(self.keys, self.values, staged.numel())
+        keys, values, positions, table, staged = self._staging.stage(
+            self.keys, self.values, self.positions, self.device_row, pages, self.read_pages
+        )
         self.keys, self.values = keys[:first], values[:first]
-        if staged.numel():
-            staged_keys, staged_values = self.read_pages(staged)
-            keys[first : first + staged.numel()] = staged_keys
-            values[first : first + staged.numel()] = staged_values
-        self.staged_bytes = staged.numel() * self.kv_page_bytes
-        rows[elsewhere] = first + slot
-        positions = torch.empty(keys.shape[0], self.page_size, dtype=self.positions.dtype, device=self.device)
-        positions[to_arena_device(rows, self.device)] = self.positions.index_select(0, to_arena_device(ids, self.device))
-        table = torch.full_like(pages, -1)
-        table[held] = rows
+        self.staged_bytes = staged * self.kv_page_bytes
         return PagedLayer(arena_source_for(keys, values, positions), table, lengths)
 
     def read_pages(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -350,7 +339,9 @@ class TieredPagePool(PagePool):
         elsewhere = on_device < 0
         self.pages_read += ids.numel()
         self.host_pages_read += int((on_host >= 0).sum())
-        filled = self._pending.fill(ids, keys, values, stamps=self.placement_state.last_use[ids], in_use=self.refcount[ids] > 0, wanted=elsewhere)
+        filled = self._pending.fill(
+            ids, keys, values, stamps=self.placement_state.last_use[ids], in_use=self.refcount[ids] > 0, wanted=elsewhere
+        )
         self.prefetched_pages_read += int(filled.sum())
         elsewhere &= ~filled
         there = ((on_host >= 0) & elsewhere).nonzero().squeeze(-1)
@@ -378,9 +369,13 @@ class TieredPagePool(PagePool):
         host_ids = ids[self.host_row[ids] >= 0] if prefetcher.fetch_host else ids[:0]
         disk_ids = ids[self.on_disk[ids]]
         self._pending.start(
-            prefetcher, host=self.host, host_ids=host_ids, host_rows=self.host_row[host_ids], spill=self.spill,
-            disk_ids=disk_ids, stamps=self.placement_state.last_use[torch.cat([host_ids, disk_ids])],
-            page_shape=(self.page_size, self.head_dim, self.value_dim),
+            prefetcher,
+            host=self.host,
+            host_ids=host_ids,
+            host_rows=self.host_row[host_ids],
+            spill=self.spill,
+            disk_ids=disk_ids,
+            stamps=self.placement_state.last_use[torch.cat([host_ids, disk_ids])],
         )
 
     gather = PagePool.gather_by_pages
@@ -398,6 +393,8 @@ class TieredPagePool(PagePool):
             rows = to_arena_device(self.device_row[batch], self.device)
             self.keys.index_copy_(0, rows, keys)
             self.values.index_copy_(0, rows, values)
-        self.positions.index_copy_(0, to_arena_device(target, self.device), self.positions.index_select(0, to_arena_device(source, self.device)))
+        self.positions.index_copy_(
+            0, to_arena_device(target, self.device), self.positions.index_select(0, to_arena_device(source, self.device))
+        )
         if self.summaries is not None:
             self.summaries.copy(source, target)

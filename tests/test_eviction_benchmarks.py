@@ -51,8 +51,14 @@ def test_eviction_speed_reports_ratios(tmp_path: Path) -> None:
     saved = json.loads((tmp_path / "eviction_speed.json").read_text())
     assert saved["config"]["budget_tokens"] == 16 and saved["exact_tokens_match"]
     rows = saved["rows"]
-    assert list(rows) == ["dynamic", "kvlib", "streaming_llm", "streaming_llm+mirror", "streaming_llm+interval",
-                          "streaming_llm+mirror+interval"]
+    assert list(rows) == [
+        "dynamic",
+        "kvlib",
+        "streaming_llm",
+        "streaming_llm+mirror",
+        "streaming_llm+interval",
+        "streaming_llm+mirror+interval",
+    ]
     assert rows["dynamic"]["bytes_vs_full_kv"] == 1.0 and rows["kvlib"]["speed_vs_kvlib_exact"] == 1.0
     for kind, row in rows.items():
         assert row["decode_tok_s"] > 0 and row["speed_vs_dynamic"] > 0 and row["next_step_total_bytes"] > 0

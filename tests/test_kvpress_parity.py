@@ -41,8 +41,16 @@ def test_jaccard_of_position_sets() -> None:
 
 def test_every_method_maps_to_a_registered_kvlib_spec_and_a_press() -> None:
     assert list(parity.METHODS) == [
-        "SnapKV", "TOVA", "KNorm", "StreamingLLM", "PyramidKV", "ExpectedAttention", "ObservedAttention", "LagKV",
-        "KeyDiff", "ChunkKV",
+        "SnapKV",
+        "TOVA",
+        "KNorm",
+        "StreamingLLM",
+        "PyramidKV",
+        "ExpectedAttention",
+        "ObservedAttention",
+        "LagKV",
+        "KeyDiff",
+        "ChunkKV",
     ]
     for name, method in parity.METHODS.items():
         spec = parse_spec(method.kvlib)
@@ -76,15 +84,25 @@ def test_kvpress_jobs_use_the_complementary_ratio() -> None:
 
 
 def test_report_rows_and_divergences(tmp_path: Path) -> None:
-    cell = parity.Cell("KNorm", 0.25, [1.0, 0.0], [1.0, 1.0], [[[1.0, 0.5]], [[0.5, 0.5]]], [2.0, 2.0], [2.0, 2.0], [0.5, 0.5], [0.25, 0.75])
+    cell = parity.Cell(
+        "KNorm", 0.25, [1.0, 0.0], [1.0, 1.0], [[[1.0, 0.5]], [[0.5, 0.5]]], [2.0, 2.0], [2.0, 2.0], [0.5, 0.5], [0.25, 0.75]
+    )
     row = cell.summary()
     assert row["kvlib_accuracy"] == 0.5 and row["kvpress_accuracy"] == 1.0
     assert row["jaccard"] == pytest.approx(0.625) and row["jaccard_min"] == 0.5 and row["jaccard_by_layer"] == [0.625]
     result = {
-        "command": "python benchmarks/kvpress_parity.py --methods KNorm", "kvlib_revision": "abc",
+        "command": "python benchmarks/kvpress_parity.py --methods KNorm",
+        "kvlib_revision": "abc",
         "versions": {"kvpress": "0.5.5", "transformers": "5.2.0", "torch": "2.13.0"},
-        "kvlib_versions": {"transformers": "5.24.0", "torch": "2.13.0"}, "samples": 2, "context": 1024, "seed": 0,
-        "max_new_tokens": 32, "threads": 1, "seconds": 3.0, "methods": ["KNorm"], "rows": [row],
+        "kvlib_versions": {"transformers": "5.24.0", "torch": "2.13.0"},
+        "samples": 2,
+        "context": 1024,
+        "seed": 0,
+        "max_new_tokens": 32,
+        "threads": 1,
+        "seconds": 3.0,
+        "methods": ["KNorm"],
+        "rows": [row],
     }
     text = parity.render(result)
     assert "python benchmarks/kvpress_parity.py --methods KNorm" in text and "kvpress 0.5.5" in text

@@ -28,8 +28,16 @@ class StandInEngine:
     """The Engine API serve_systems codes against, served one greedy token per running request per
     step by full forwards without a cache (slow, exact; tiny models only)."""
 
-    def __init__(self, model: torch.nn.Module, spec=None, *, max_batch_tokens: int = 256, page_size: int = 16,
-                 prefix_cache: bool = True, read_cache: bool = False) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        spec=None,
+        *,
+        max_batch_tokens: int = 256,
+        page_size: int = 16,
+        prefix_cache: bool = True,
+        read_cache: bool = False,
+    ) -> None:
         self.model, self.running, self.steps = model, {}, 0
 
     def add_request(self, prompt_ids: list[int], *, max_new_tokens: int = 32, do_sample: bool = False, eos_token_id=None) -> int:
@@ -82,7 +90,8 @@ def test_engine_replay_feeds_arrivals_and_reports_ratios(tmp_path: Path, monkeyp
     assert engine["output_tokens"] == result["trace"]["output_tokens"] and 0 <= engine["stats"]["prefix_hit_rate"] <= 1
     assert result["agreement"]["engine vs generate_batch"]["requests_identical"] == 6
     assert result["ratios"]["engine/generate_batch"] == pytest.approx(
-        engine["tokens_per_s"] / result["systems"]["generate_batch"]["tokens_per_s"])
+        engine["tokens_per_s"] / result["systems"]["generate_batch"]["tokens_per_s"]
+    )
     assert "engine/generate_batch" in (tmp_path / "serve_bench.md").read_text()
     assert set(engine["memory"]) == {"peak_by_component", "peak_pages_bytes", "peak_workspace_bytes"}
     if kvlib.Engine is not StandInEngine:
@@ -123,4 +132,5 @@ def test_kvlib_bench_runs_serve_bench_but_not_its_helper_modules() -> None:
     scripts = {p.stem: p.read_text() for p in BENCHMARKS.glob("*.py") if p.stem not in cli.BENCH_HELPERS}
     assert "serve_bench" in scripts
     assert all('if __name__ == "__main__":' in text for text in scripts.values()), sorted(
-        name for name, text in scripts.items() if 'if __name__ == "__main__":' not in text)
+        name for name, text in scripts.items() if 'if __name__ == "__main__":' not in text
+    )

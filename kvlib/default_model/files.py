@@ -32,8 +32,7 @@ def load_default_model(dtype: torch.dtype = torch.float32, folder: Path = MODEL_
 
     if not (folder / "model.safetensors").is_file():
         raise FileNotFoundError(
-            f"the default model's weights are missing from {folder}; "
-            "train them with: python -m kvlib.default_model.train"
+            f"the default model's weights are missing from {folder}; train them with: python -m kvlib.default_model.train"
         )
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
     return model.eval(), ByteTokenizer()

@@ -234,9 +234,7 @@ def train(cfg: TrainingConfig, out: Path, log_every: int = 50) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=MODEL_DIR, help=f"output folder (default: {MODEL_DIR})")
-    parser.add_argument(
-        "--scale", type=float, default=1.0, help="multiply every phase's step count (a quick trial: 0.05)"
-    )
+    parser.add_argument("--scale", type=float, default=1.0, help="multiply every phase's step count (a quick trial: 0.05)")
     args = parser.parse_args(argv)
     if args.scale <= 0:
         parser.error(f"--scale must be > 0, got {args.scale}")

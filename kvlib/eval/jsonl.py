@@ -114,8 +114,12 @@ class JsonlTask:
             cache = make_cache(ids.shape[1])
             with torch.inference_mode():
                 out = model.generate(
-                    ids, attention_mask=torch.ones_like(ids), **cache_argument(cache),
-                    max_new_tokens=self.max_new_tokens, do_sample=False, pad_token_id=pad,
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    **cache_argument(cache),
+                    max_new_tokens=self.max_new_tokens,
+                    do_sample=False,
+                    pad_token_id=pad,
                 )
             text = tokenizer.decode(out[0, ids.shape[1] :].tolist()).strip().split("\n")[0]
             predictions.append(text)
@@ -123,7 +127,12 @@ class JsonlTask:
             kv, whole = kv_bytes(cache)
             held, full = held + kv, full + whole
         return TaskResult(
-            self.name, self.metric, float(np.mean(scores)), True, held, full,
+            self.name,
+            self.metric,
+            float(np.mean(scores)),
+            True,
+            held,
+            full,
             {"scorer": self.scorer, "examples": len(examples), "predictions": predictions, "context": self.context},
             len(examples),
         )

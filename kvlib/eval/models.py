@@ -62,9 +62,7 @@ class HFTokenizer:
         text is encoded as a whole (its special tokens included), so nothing is added twice."""
         if not getattr(self.tokenizer, "chat_template", None):
             return self.encode(message + reply_start, bos=True)
-        text = self.tokenizer.apply_chat_template(
-            [{"role": "user", "content": message}], tokenize=False, add_generation_prompt=True
-        )
+        text = self.tokenizer.apply_chat_template([{"role": "user", "content": message}], tokenize=False, add_generation_prompt=True)
         return self.encode(text + reply_start)
 
 

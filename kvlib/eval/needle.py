@@ -96,12 +96,16 @@ class NeedleTask:
                 correct.append(passkey_match(tokenizer.decode(row), case.key))
             kv, whole = kv_bytes(cache)
             held, full = held + kv, full + whole
-        by_depth = {
-            str(d): float(np.mean([ok for ok, c in zip(correct, cases) if c.depth == d])) for d in self.depths
-        }
+        by_depth = {str(d): float(np.mean([ok for ok, c in zip(correct, cases) if c.depth == d])) for d in self.depths}
         return TaskResult(
-            self.name, self.metric, float(np.mean(correct)), True, held, full,
-            {"by_depth": by_depth, "cases": len(cases), "context": self.context}, len(cases),
+            self.name,
+            self.metric,
+            float(np.mean(correct)),
+            True,
+            held,
+            full,
+            {"by_depth": by_depth, "cases": len(cases), "context": self.context},
+            len(cases),
         )
 
 

@@ -55,6 +55,12 @@ class PerplexityTask:
         nll = torch.cat(nll, dim=1)
         held, full = kv_bytes(cache)
         return TaskResult(
-            self.name, self.metric, math.exp(nll.mean().item()), False, held, full,
-            {"by_sample": nll.mean(1).exp().tolist(), "context": self.context, "chunk": self.chunk}, self.samples,
+            self.name,
+            self.metric,
+            math.exp(nll.mean().item()),
+            False,
+            held,
+            full,
+            {"by_sample": nll.mean(1).exp().tolist(), "context": self.context, "chunk": self.chunk},
+            self.samples,
         )

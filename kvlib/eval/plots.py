@@ -69,11 +69,19 @@ def plot_task(runs: Sequence[CompareRun], task: str, metric: str, higher_is_bett
             continue
         xs, ys, labels = zip(*points)
         size = LARGEST_MARKER - (LARGEST_MARKER - SMALLEST_MARKER) * index / max(len(policies) - 1, 1)
-        line = axes.plot(xs, ys, marker=MARKERS[index % len(MARKERS)], markersize=size, markerfacecolor="none",
-                         markeredgewidth=1.5, linewidth=1, alpha=0.85, label=policy)[0]
+        line = axes.plot(
+            xs,
+            ys,
+            marker=MARKERS[index % len(MARKERS)],
+            markersize=size,
+            markerfacecolor="none",
+            markeredgewidth=1.5,
+            linewidth=1,
+            alpha=0.85,
+            label=policy,
+        )[0]
         for x, y, label in points:
-            axes.annotate(label, (x, y), textcoords="offset points", xytext=(4, 3 + 7 * (index % 3)), fontsize=7,
-                          color=line.get_color())
+            axes.annotate(label, (x, y), textcoords="offset points", xytext=(4, 3 + 7 * (index % 3)), fontsize=7, color=line.get_color())
         compressed += [(x, y) for x, y, _ in points]
     front = pareto_front(compressed, higher_is_better)
     if front:
@@ -83,7 +91,7 @@ def plot_task(runs: Sequence[CompareRun], task: str, metric: str, higher_is_bett
             score = run.results[task].score
             axes.axhline(score, linestyle=":", color="black", linewidth=1)
             axes.plot([run.kv_fraction], [score], marker="*", markersize=14, color="black", linestyle="", label="full cache")
-    axes.set_xlabel("KV bytes / full cache (the table's \"KV bytes vs full\")")
+    axes.set_xlabel('KV bytes / full cache (the table\'s "KV bytes vs full")')
     axes.set_ylabel(f"{metric} ({'higher' if higher_is_better else 'lower'} is better)")
     axes.set_title(heading, fontsize=10)
     axes.grid(alpha=0.3)

@@ -17,8 +17,18 @@ from pathlib import Path
 from kvlib.eval.compare import CompareRun
 
 CSV_FIELDS = (
-    "policy", "budget", "task", "metric", "score", "higher_is_better", "task_kv_bytes", "task_full_bytes",
-    "task_kv_fraction", "decode_tokens_per_s", "kv_fraction", "error",
+    "policy",
+    "budget",
+    "task",
+    "metric",
+    "score",
+    "higher_is_better",
+    "task_kv_bytes",
+    "task_full_bytes",
+    "task_kv_fraction",
+    "decode_tokens_per_s",
+    "kv_fraction",
+    "error",
 )
 
 
@@ -87,15 +97,25 @@ def csv_rows(runs: Sequence[CompareRun]) -> list[dict]:
     rows = []
     for run in runs:
         common = {
-            "policy": run.policy, "budget": "" if run.budget is None else run.budget,
-            "decode_tokens_per_s": run.decode_tokens_per_s or "", "kv_fraction": run.kv_fraction or "",
+            "policy": run.policy,
+            "budget": "" if run.budget is None else run.budget,
+            "decode_tokens_per_s": run.decode_tokens_per_s or "",
+            "kv_fraction": run.kv_fraction or "",
             "error": run.error or "",
         }
         for name, r in run.results.items():
-            rows.append({
-                **common, "task": name, "metric": r.metric, "score": r.score, "higher_is_better": r.higher_is_better,
-                "task_kv_bytes": r.kv_bytes, "task_full_bytes": r.full_bytes, "task_kv_fraction": r.kv_fraction,
-            })
+            rows.append(
+                {
+                    **common,
+                    "task": name,
+                    "metric": r.metric,
+                    "score": r.score,
+                    "higher_is_better": r.higher_is_better,
+                    "task_kv_bytes": r.kv_bytes,
+                    "task_full_bytes": r.full_bytes,
+                    "task_kv_fraction": r.kv_fraction,
+                }
+            )
         if not run.results:
             rows.append(common)
     return rows

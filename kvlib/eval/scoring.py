@@ -78,7 +78,10 @@ def string_match_part(prediction: str, answers: Sequence[str]) -> float:
 
 
 SCORERS = {
-    "exact": exact_match, "contains": contains_match, "f1": token_f1,
-    "string_match_all": string_match_all, "string_match_part": string_match_part,
+    "exact": exact_match,
+    "contains": contains_match,
+    "f1": token_f1,
+    "string_match_all": string_match_all,
+    "string_match_part": string_match_part,
 }
 """Scorers a :class:`~kvlib.eval.jsonl.JsonlTask` may name."""

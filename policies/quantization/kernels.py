@@ -103,7 +103,9 @@ def unpack_dequantize(bits: int, cols: bool) -> Callable[..., None]:
     shift = code_shift(bits)
 
     @numba.njit(parallel=True, fastmath=True, cache=True)
-    def kernel(packed: np.ndarray, sources: np.ndarray, scale: np.ndarray, minimum: np.ndarray, out: np.ndarray, targets: np.ndarray) -> None:
+    def kernel(
+        packed: np.ndarray, sources: np.ndarray, scale: np.ndarray, minimum: np.ndarray, out: np.ndarray, targets: np.ndarray
+    ) -> None:
         count = out.shape[1]
         groups = scale.shape[1]
         for p in numba.prange(sources.shape[0]):
@@ -151,7 +153,9 @@ def fits(bits: int, count: int) -> bool:
 
 
 @numba.njit(parallel=True, fastmath=True, cache=True)
-def scaled_lookup(codes: np.ndarray, sources: np.ndarray, table: np.ndarray, scale: np.ndarray, out: np.ndarray, targets: np.ndarray) -> None:
+def scaled_lookup(
+    codes: np.ndarray, sources: np.ndarray, table: np.ndarray, scale: np.ndarray, out: np.ndarray, targets: np.ndarray
+) -> None:
     """``out[targets[p], i] = table[codes[sources[p], i]] * scale[p, i // (count // scale.shape[1])]``:
     decoding of one-byte codes through a 256-entry table (fp8 bit patterns to float32) with
     ``scale.shape[1]`` scales per row (one per page, or one per token)."""

@@ -44,9 +44,7 @@ class KIVI(Quantization):
         return kivi_codecs(self.bits, self.bits, self.group, shapes, self.spec())
 
 
-def kivi_codecs(
-    key_bits: int, value_bits: int, group: int, shapes: list[tuple[TensorShape, TensorShape]], name: str
-) -> list[PageCodec]:
+def kivi_codecs(key_bits: int, value_bits: int, group: int, shapes: list[tuple[TensorShape, TensorShape]], name: str) -> list[PageCodec]:
     """One KIVI-layout codec per layer: keys per channel at ``key_bits``, values per token group at ``value_bits``."""
     return [
         PageCodec(

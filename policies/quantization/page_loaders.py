@@ -43,7 +43,9 @@ def load_group_quantized(source, page: int, out: np.ndarray, out_bits: np.ndarra
 
 
 @numba.njit(inline="always")
-def _decode_groups(codes, scale, minimum, kind: int, bits: int, shift: int, per_channel: int, group: int, page: int, out: np.ndarray, rows: int) -> None:
+def _decode_groups(
+    codes, scale, minimum, kind: int, bits: int, shift: int, per_channel: int, group: int, page: int, out: np.ndarray, rows: int
+) -> None:
     """The first ``rows`` tokens of sealed ``page`` at ``bits`` bits (``2**shift`` codes per byte)."""
     dim = out.shape[1]
     if per_channel:

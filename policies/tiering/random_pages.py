@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlib.registry import register
 from kvlib.policies.tiering.quest import Quest
+from kvlib.registry import register
 
 
 @register("random_pages")

@@ -31,8 +31,9 @@ def test_streaming_llm_on_cuda_equals_cpu():
     for device in ("cpu", "cuda"):
         model = build_model("stories").to(device)
         cache = kvlib.make_cache(model, "streaming_llm", budget=16)
-        out = model.generate(ids.to(device), attention_mask=mask.to(device), **cache_argument(cache),
-                             do_sample=False, max_new_tokens=10, pad_token_id=PAD)
+        out = model.generate(
+            ids.to(device), attention_mask=mask.to(device), **cache_argument(cache), do_sample=False, max_new_tokens=10, pad_token_id=PAD
+        )
         outputs.append((out.cpu(), cache.kept_positions(0)))
     assert torch.equal(outputs[0][0], outputs[1][0])
     assert torch.equal(outputs[0][1], outputs[1][1])

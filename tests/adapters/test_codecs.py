@@ -82,7 +82,9 @@ def test_codecs_compose_with_every_eviction_strategy(eviction: str, codec: str) 
 def test_full_rank_low_rank_codecs_change_nothing(spec: str) -> None:
     model = build_model("stories")
     ids, mask = left_padded([50, 41], seed=9, vocab=500)
-    exact = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=16, pad_token_id=PAD, **cache_argument(kvlib.make_cache(model)))
+    exact = model.generate(
+        ids, attention_mask=mask, do_sample=False, max_new_tokens=16, pad_token_id=PAD, **cache_argument(kvlib.make_cache(model))
+    )
     cache = kvlib.make_cache(model, spec)
     coded = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=16, pad_token_id=PAD, **cache_argument(cache))
     assert torch.equal(coded, exact)
@@ -119,7 +121,9 @@ def test_beam_search_works_with_a_codec() -> None:
     model = build_model("stories")
     ids, mask = left_padded([30, 25], seed=3, vocab=500)
     cache = kvlib.make_cache(model, "kivi(bits=4)")
-    out = model.generate(ids, attention_mask=mask, **cache_argument(cache), num_beams=2, do_sample=False, max_new_tokens=20, pad_token_id=PAD)
+    out = model.generate(
+        ids, attention_mask=mask, **cache_argument(cache), num_beams=2, do_sample=False, max_new_tokens=20, pad_token_id=PAD
+    )
     assert out.shape[0] == 2
     held_bytes_follow_the_layout(cache)
 
@@ -132,7 +136,9 @@ def test_a_read_mirror_reads_what_the_pages_decode_to() -> None:
     outputs = []
     for read_cache in (False, True):
         cache = kvlib.make_cache(model, "kivi(bits=2)", read_cache=read_cache)
-        outputs.append(model.generate(ids, attention_mask=mask, **cache_argument(cache), do_sample=False, max_new_tokens=24, pad_token_id=PAD))
+        outputs.append(
+            model.generate(ids, attention_mask=mask, **cache_argument(cache), do_sample=False, max_new_tokens=24, pad_token_id=PAD)
+        )
         assert (cache.memory_report()["by_component"]["read_cache"] > 0) == read_cache
     assert torch.equal(*outputs)
 

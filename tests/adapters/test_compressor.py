@@ -53,8 +53,13 @@ def test_streaming_llm_generate_equals_the_reference_loop(family):
     expected, expected_logits = reference_streaming(model, ids, new_tokens=20)
     cache = kvlib.make_cache(model, f"streaming_llm(sinks={SINKS})", budget=BUDGET)
     out = model.generate(
-        ids, **cache_argument(cache), do_sample=False, max_new_tokens=20, pad_token_id=PAD,
-        return_dict_in_generate=True, output_logits=True,
+        ids,
+        **cache_argument(cache),
+        do_sample=False,
+        max_new_tokens=20,
+        pad_token_id=PAD,
+        return_dict_in_generate=True,
+        output_logits=True,
     )
     assert torch.equal(out.sequences[:, ids.shape[1] :], expected)
     assert_same_logits(out.logits, expected_logits)
@@ -96,12 +101,22 @@ def test_rows_under_budget_keep_all_real_tokens_and_drop_padding():
     assert ((kept >= 0).sum(-1) == torch.tensor([[6, 6], [14, 14], [20, 20]])).all()
     assert torch.equal(kept[0, 0, :6], torch.arange(6))
     assert cache.store.physical_lengths(0, cache._rows).tolist() == [[6, 6], [14, 14], [20, 20]]
-    batched = model.generate(ids, attention_mask=mask, **cache_argument(kvlib.make_cache(model, "streaming_llm", budget=20)),
-                             do_sample=False, max_new_tokens=6, pad_token_id=PAD)
+    batched = model.generate(
+        ids,
+        attention_mask=mask,
+        **cache_argument(kvlib.make_cache(model, "streaming_llm", budget=20)),
+        do_sample=False,
+        max_new_tokens=6,
+        pad_token_id=PAD,
+    )
     for row, length in enumerate(lengths):
-        alone = model.generate(ids[row : row + 1, ids.shape[1] - length :],
-                               **cache_argument(kvlib.make_cache(model, "streaming_llm", budget=20)),
-                               do_sample=False, max_new_tokens=6, pad_token_id=PAD)
+        alone = model.generate(
+            ids[row : row + 1, ids.shape[1] - length :],
+            **cache_argument(kvlib.make_cache(model, "streaming_llm", budget=20)),
+            do_sample=False,
+            max_new_tokens=6,
+            pad_token_id=PAD,
+        )
         assert torch.equal(batched[row, ids.shape[1] :], alone[0, length:])
 
 
@@ -219,8 +234,7 @@ def test_chunked_prefill_bounds_peak_pages_by_budget_plus_chunk(budget):
     caches = {}
     for chunk_size in (None, chunk):
         cache = caches[chunk_size] = kvlib.make_cache(model, "streaming_llm", budget=budget, read_cache=False)
-        model.generate(ids, **cache_argument(cache), do_sample=False, max_new_tokens=4, pad_token_id=PAD,
-                       prefill_chunk_size=chunk_size)
+        model.generate(ids, **cache_argument(cache), do_sample=False, max_new_tokens=4, pad_token_id=PAD, prefill_chunk_size=chunk_size)
     kept_tokens = 100 if isinstance(budget, float) else budget
     page_bytes = page * (shape.head_dim + shape.value_dim) * 4
     bound = shape.num_layers * shape.num_kv_heads * -(-(kept_tokens + chunk) // page) * page_bytes

@@ -28,8 +28,14 @@ def spec(model: torch.nn.Module, directory: Path, device_pages: int, host_pages:
 def test_generate_over_device_host_and_disk_equals_the_untiered_cache(family: str, prefetch: bool, tmp_path: Path) -> None:
     model = build_model(family)
     ids, mask = left_padded([90, 70], seed=3, vocab=min(model.config.vocab_size, 500) if family == "stories" else 97)
-    options = {"attention_mask": mask, "max_new_tokens": 20, "do_sample": False, "pad_token_id": PAD,
-               "return_dict_in_generate": True, "output_logits": True}
+    options = {
+        "attention_mask": mask,
+        "max_new_tokens": 20,
+        "do_sample": False,
+        "pad_token_id": PAD,
+        "return_dict_in_generate": True,
+        "output_logits": True,
+    }
     reference = model.generate(ids, **options)
     cache = kvlib.make_cache(model, spec(model, tmp_path, device_pages=4, host_pages=4, prefetch=prefetch))
     out = model.generate(ids, **cache_argument(cache), **options)

@@ -20,10 +20,20 @@ NEW = 6
 def prompts_with_shared_prefix(vocab: int, seed: int = 0) -> list[list[int]]:
     """Seven prompts: five share a 37-token system prompt (two share 3 more pages), two do not."""
     generator = torch.Generator().manual_seed(seed)
+
     def draw(n: int) -> list[int]:
         return torch.randint(3, vocab, (n,), generator=generator).tolist()
+
     system, document = draw(37), draw(48)
-    return [system + draw(5), system + draw(40), draw(17), system + document + draw(3), system + document + draw(9), draw(1), system + draw(20)]
+    return [
+        system + draw(5),
+        system + draw(40),
+        draw(17),
+        system + document + draw(3),
+        system + document + draw(9),
+        draw(1),
+        system + draw(20),
+    ]
 
 
 def alone(model: torch.nn.Module, prompt: list[int], new: int = NEW) -> list[int]:
@@ -171,7 +181,9 @@ def test_a_request_with_eviction_runs_beside_a_lossless_one(llama) -> None:
     while engine.has_unfinished:
         engine.step()
     cache = kvlib.make_cache(llama, "streaming_llm", budget=24)
-    reference = llama.generate(torch.tensor([long_prompt]), max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0, **cache_argument(cache))
+    reference = llama.generate(
+        torch.tensor([long_prompt]), max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0, **cache_argument(cache)
+    )
     assert engine.requests[evicting].output == reference[0, len(long_prompt) :].tolist()
     assert engine.requests[lossless].output == alone(llama, other)
     assert pages_held(engine) == 0
@@ -216,7 +228,9 @@ def test_decode_steps_read_densely_only_the_rows_whose_strategy_reads_keys(llama
     else:
         assert reads == []
     cache = kvlib.make_cache(llama, spec, budget=24)
-    reference = llama.generate(torch.tensor([prompts[4]]), max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0, **cache_argument(cache))
+    reference = llama.generate(
+        torch.tensor([prompts[4]]), max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0, **cache_argument(cache)
+    )
     assert engine.requests[0].output == reference[0, len(prompts[4]) :].tolist()
     assert engine.requests[1].output == alone(llama, prompts[1])
 
@@ -299,7 +313,11 @@ def test_decode_attention_equals_sdpa() -> None:
     from kvlib.adapters.packed_batch import decode_attention
 
     generator = torch.Generator().manual_seed(0)
-    query, keys, values = torch.randn(3, 4, 1, 8, generator=generator), torch.randn(3, 2, 10, 8, generator=generator), torch.randn(3, 2, 10, 6, generator=generator)
+    query, keys, values = (
+        torch.randn(3, 4, 1, 8, generator=generator),
+        torch.randn(3, 2, 10, 8, generator=generator),
+        torch.randn(3, 2, 10, 6, generator=generator),
+    )
     visible = torch.rand(3, 4, 1, 10, generator=generator) > 0.3
     visible[..., 0] = True
     expected = torch.nn.functional.scaled_dot_product_attention(
@@ -307,7 +325,9 @@ def test_decode_attention_equals_sdpa() -> None:
     ).transpose(1, 2)
     torch.testing.assert_close(decode_attention(query, keys, values, visible, 0.3), expected)
     shared = visible[:, :1]
-    expected = torch.nn.functional.scaled_dot_product_attention(query, keys.repeat_interleave(2, 1), values.repeat_interleave(2, 1), attn_mask=shared).transpose(1, 2)
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        query, keys.repeat_interleave(2, 1), values.repeat_interleave(2, 1), attn_mask=shared
+    ).transpose(1, 2)
     torch.testing.assert_close(decode_attention(query, keys, values, shared, None), expected)
 
 
@@ -317,7 +337,9 @@ def test_an_engine_wide_codec_equals_make_cache_with_it(llama, llama_case) -> No
     outputs = engine.generate(prompts[:4], max_new_tokens=NEW)
     for prompt, output in zip(prompts[:4], outputs):
         cache = kvlib.make_cache(llama, "kivi(bits=4)")
-        reference = llama.generate(torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0, **cache_argument(cache))
+        reference = llama.generate(
+            torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0, **cache_argument(cache)
+        )
         assert output == reference[0, len(prompt) :].tolist()
     assert engine.stats()["cached_tokens"] > 0  # sealed pages are shared like raw ones
     with pytest.raises(ValueError, match="engine-wide|every request"):
@@ -342,19 +364,35 @@ def refuse_to_build(*args, **kwargs):
     ("options", "message"),
     [
         ({"page_size": 10**6}, r"^page_size=1000000 is over the limit of 4096 tokens per page"),
-        ({"page_budget_bytes": 2**60}, r"^page_budget_bytes=1152921504606846976 would allocate \d+ bytes .* on cpu up front,"
-                                       r" more than the \d+ bytes .* available there"),
-        ({"page_budget_bytes": 2**20, "prefix_cache_bytes": 2**21},
-         r"^prefix_cache_bytes=2097152 is more than page_budget_bytes=1048576: the cached pages live in the page budget"),
-        ({"prefix_cache_bytes": 2**60}, r"^prefix_cache_bytes=1152921504606846976 \(cached pages, no page budget\) would"
-                                        r" allocate"),
+        (
+            {"page_budget_bytes": 2**60},
+            r"^page_budget_bytes=1152921504606846976 would allocate \d+ bytes .* on cpu up front,"
+            r" more than the \d+ bytes .* available there",
+        ),
+        (
+            {"page_budget_bytes": 2**20, "prefix_cache_bytes": 2**21},
+            r"^prefix_cache_bytes=2097152 is more than page_budget_bytes=1048576: the cached pages live in the page budget",
+        ),
+        (
+            {"prefix_cache_bytes": 2**60},
+            r"^prefix_cache_bytes=1152921504606846976 \(cached pages, no page budget\) would"
+            r" allocate",
+        ),
         ({"prefix_cache_bytes": -1}, r"^prefix_cache_bytes must be an int >= 0 \(bytes\) or None, got -1"),
         ({"budget": 8}, r"^budget=8 needs an eviction strategy in the spec"),
         ({"spec": "kivi(bits=4)", "budget": 8}, r"^budget=8 needs an eviction strategy in the spec"),
         ({"spec": "streaming_llm", "budget": 2**40}, r"budget as a token count must be at most 4294967296"),
     ],
-    ids=["page-size", "page-budget", "prefix-over-page-budget", "prefix-budget", "negative-prefix", "budget-alone",
-         "budget-with-a-codec", "huge-budget"],
+    ids=[
+        "page-size",
+        "page-budget",
+        "prefix-over-page-budget",
+        "prefix-budget",
+        "negative-prefix",
+        "budget-alone",
+        "budget-with-a-codec",
+        "huge-budget",
+    ],
 )
 def test_bad_engine_sizes_fail_before_anything_is_allocated_or_run(monkeypatch, options, message) -> None:
     model = build_model("llama")

@@ -25,8 +25,10 @@ MAX_STEPS = 3000
 def case() -> tuple[torch.nn.Module, list[list[int]], list[list[int]]]:
     model = build_model("llama")
     generator = torch.Generator().manual_seed(5)
+
     def draw(n: int) -> list[int]:
         return torch.randint(3, 97, (n,), generator=generator).tolist()
+
     system, document = draw(24), draw(20)
     prompts = [system + draw(7), system + draw(30), draw(11), system + document + draw(2), system + document + draw(9), draw(1), draw(40)]
     expected = []
@@ -73,18 +75,30 @@ def holders_read_their_entries(engine: kvlib.Engine) -> None:
 # a livelock: a request that recomputed blocks the index still held on other pages pinned both
 # copies, so alone it could neither grow nor reclaim anything (the swapped request waited behind it)
 @example(
-    arrivals=[(0, 0), (0, 0), (0, 0), (4, 0), (0, 0), (0, 11), (0, 0)], max_batch_tokens=41, page_size=4,
-    spare_pages=0, preemption="swap", prefix_cache=True, reserve_pages=0,
+    arrivals=[(0, 0), (0, 0), (0, 0), (4, 0), (0, 0), (0, 11), (0, 0)],
+    max_batch_tokens=41,
+    page_size=4,
+    spare_pages=0,
+    preemption="swap",
+    prefix_cache=True,
+    reserve_pages=0,
 )
-def test_random_schedules_finish_exactly_without_leaks(case, arrivals, max_batch_tokens, page_size, spare_pages, preemption, prefix_cache, reserve_pages) -> None:
+def test_random_schedules_finish_exactly_without_leaks(
+    case, arrivals, max_batch_tokens, page_size, spare_pages, preemption, prefix_cache, reserve_pages
+) -> None:
     model, prompts, expected = case
     kv_heads, layers, head_dim = 2, 2, 8
     largest = max(len(prompts[index]) for index, _ in arrivals) + NEW
     pages = kv_heads * math.ceil(largest / page_size) + reserve_pages + spare_pages
     page_bytes = layers * page_size * 2 * head_dim * 4
     engine = kvlib.Engine(
-        model, max_batch_tokens=max_batch_tokens, page_size=page_size, page_budget_bytes=pages * page_bytes,
-        preemption=preemption, prefix_cache=prefix_cache, reserve_pages=reserve_pages,
+        model,
+        max_batch_tokens=max_batch_tokens,
+        page_size=page_size,
+        page_budget_bytes=pages * page_bytes,
+        preemption=preemption,
+        prefix_cache=prefix_cache,
+        reserve_pages=reserve_pages,
     )
     pending = sorted(enumerate(arrivals), key=lambda item: item[1][1])
     ids: dict[int, int] = {}

@@ -27,9 +27,7 @@ def _without_attention_kwargs(monkeypatch, cache_class: type) -> None:
 
 
 def _generate(model, ids, mask, cache):
-    return model.generate(
-        ids, attention_mask=mask, **cache_argument(cache), do_sample=False, max_new_tokens=6, pad_token_id=PAD
-    )
+    return model.generate(ids, attention_mask=mask, **cache_argument(cache), do_sample=False, max_new_tokens=6, pad_token_id=PAD)
 
 
 @pytest.mark.parametrize("spec, budget", [(None, None), ("h2o", 8), ("quest(top_k=2, dense_layers=1)", None)])

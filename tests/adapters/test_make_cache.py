@@ -88,16 +88,17 @@ def test_first_arenas_over_available_memory_fail_before_the_model_runs(monkeypat
     model = build_model("llama")
     calls = forward_calls(model)
     monkeypatch.setattr("kvlib.devices.available_bytes", lambda device: 2**20)
-    with pytest.raises(ValueError, match=r"^make_cache\(page_size=4096\) for 2 layers would allocate \d+ bytes .* on cpu up"
-                                         r" front, more than the 1048576 bytes \(0.000977 GiB\) available there"):
+    with pytest.raises(
+        ValueError,
+        match=r"^make_cache\(page_size=4096\) for 2 layers would allocate \d+ bytes .* on cpu up"
+        r" front, more than the 1048576 bytes \(0.000977 GiB\) available there",
+    ):
         kvlib.make_cache(model, page_size=4096)
     assert calls == [] and model.config._attn_implementation == "sdpa"
     kvlib.make_cache(model, page_size=16)  # 2 layers x 64 pages of 16 tokens fit in 1 MiB
 
 
-@pytest.mark.parametrize(
-    ("scalar", "plain"), [(np.int64(6), 6), (torch.tensor(6), 6), (np.float32(0.5), 0.5), (torch.tensor(0.5), 0.5)]
-)
+@pytest.mark.parametrize(("scalar", "plain"), [(np.int64(6), 6), (torch.tensor(6), 6), (np.float32(0.5), 0.5), (torch.tensor(0.5), 0.5)])
 def test_numpy_and_torch_scalars_are_budgets(scalar, plain):
     model = build_model("llama")
     ids = torch.randint(3, 97, (1, 12), generator=torch.Generator().manual_seed(0))

@@ -54,6 +54,7 @@ def test_merge_through_generate_keeps_the_same_tokens_with_merged_values():
         kept = plain.kept_positions(layer)
         expected = reference_merge(read.keys, read.values, read.valid, kept)
         assert torch.allclose(merged.store.read(layer, merged._rows).values, expected, atol=1e-5)
-    out = model.generate(ids, **cache_argument(kvlib.make_cache(model, "tova", budget=16, merge=True)), do_sample=False,
-                         max_new_tokens=6, pad_token_id=PAD)
+    out = model.generate(
+        ids, **cache_argument(kvlib.make_cache(model, "tova", budget=16, merge=True)), do_sample=False, max_new_tokens=6, pad_token_id=PAD
+    )
     assert out.shape == (1, 46)

@@ -25,22 +25,44 @@ from kvlib.transformers_compat import cache_argument
 from tests.adapters.conftest import PAD, VOCAB
 
 MLA = dict(
-    vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=12,
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    kv_lora_rank=16,
+    q_lora_rank=None,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=8,
+    v_head_dim=12,
     pad_token_id=PAD,
 )
 MOE_SIZES = dict(moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2)
 MOE = dict(MOE_SIZES, first_k_dense_replace=1)
 MLA_REFUSAL = r"\(model_type '{}'\) uses multi-head latent attention \(MLA, kv_lora_rank=16\)"
 UNSUPPORTED = {
-    "deepseek_v3": (lambda: DeepseekV3ForCausalLM(DeepseekV3Config(**MLA, **MOE, n_group=1, topk_group=1)), MLA_REFUSAL.format("deepseek_v3")),
+    "deepseek_v3": (
+        lambda: DeepseekV3ForCausalLM(DeepseekV3Config(**MLA, **MOE, n_group=1, topk_group=1)),
+        MLA_REFUSAL.format("deepseek_v3"),
+    ),
     "deepseek_v2": (lambda: DeepseekV2ForCausalLM(DeepseekV2Config(**MLA, **MOE)), MLA_REFUSAL.format("deepseek_v2")),
     "minicpm3": (lambda: MiniCPM3ForCausalLM(MiniCPM3Config(**MLA)), MLA_REFUSAL.format("minicpm3")),
     "deepseek_v4": (
-        lambda: DeepseekV4ForCausalLM(DeepseekV4Config(
-            vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, head_dim=32, q_lora_rank=16,
-            o_lora_rank=16, index_head_dim=16, pad_token_id=PAD, **MOE_SIZES,
-        )),
+        lambda: DeepseekV4ForCausalLM(
+            DeepseekV4Config(
+                vocab_size=VOCAB,
+                hidden_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                head_dim=32,
+                q_lora_rank=16,
+                o_lora_rank=16,
+                index_head_dim=16,
+                pad_token_id=PAD,
+                **MOE_SIZES,
+            )
+        ),
         "has heavily_compressed_attention layers, whose cache keeps compressed or indexed KV",
     ),
 }
@@ -77,9 +99,18 @@ def mimo() -> torch.nn.Module:
     """A small random MiMo-V2-Flash: keys of 12 channels per head, values of 8, all layers full attention."""
     torch.manual_seed(0)
     config = MiMoV2FlashConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=12, v_head_dim=8, layer_types=["full_attention"] * 2, use_sliding_window=False,
-        pad_token_id=PAD, **MOE_SIZES,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=12,
+        v_head_dim=8,
+        layer_types=["full_attention"] * 2,
+        use_sliding_window=False,
+        pad_token_id=PAD,
+        **MOE_SIZES,
     )
     return MiMoV2FlashForCausalLM(config).eval()
 

@@ -23,16 +23,32 @@ def count_dense_reads(cache: kvlib.KVCache, model, ids, mask, new_tokens: int = 
     original = cache.store.read
     cache.store.read = lambda *args, **kwargs: reads.append(args) or original(*args, **kwargs)
     cache.reset()
-    out = model.generate(ids, attention_mask=mask, **cache_argument(cache), do_sample=False, max_new_tokens=new_tokens,
-                         pad_token_id=PAD, return_dict_in_generate=True, output_logits=True)
+    out = model.generate(
+        ids,
+        attention_mask=mask,
+        **cache_argument(cache),
+        do_sample=False,
+        max_new_tokens=new_tokens,
+        pad_token_id=PAD,
+        return_dict_in_generate=True,
+        output_logits=True,
+    )
     return len(reads), out
 
 
 def test_decode_steps_read_no_dense_copy_and_equal_dynamic_cache(family) -> None:
     model = build_model(family)
     ids, mask = left_padded([9, 17, 30], seed=5)
-    reference = model.generate(ids, attention_mask=mask, **cache_argument(DynamicCache(config=model.config)), do_sample=False,
-                               max_new_tokens=6, pad_token_id=PAD, return_dict_in_generate=True, output_logits=True)
+    reference = model.generate(
+        ids,
+        attention_mask=mask,
+        **cache_argument(DynamicCache(config=model.config)),
+        do_sample=False,
+        max_new_tokens=6,
+        pad_token_id=PAD,
+        return_dict_in_generate=True,
+        output_logits=True,
+    )
     cache = kvlib.make_cache(model)
     dense_reads, out = count_dense_reads(cache, model, ids, mask)
     assert dense_reads == 0  # the prefill attends over its own tensors, decode steps over the pages
@@ -110,8 +126,14 @@ def test_evicting_decode_steps_attend_over_the_pages_and_keep_what_the_dense_pat
     (``reads_kv`` False), and the tokens and kept positions equal those of the dense-read path."""
     model = build_model("llama")
     ids, mask = left_padded([12, 40], seed=7, vocab=model.config.vocab_size)
-    options = {"do_sample": False, "max_new_tokens": 12, "min_new_tokens": 12, "pad_token_id": PAD, "return_dict_in_generate": True,
-               "output_logits": True}
+    options = {
+        "do_sample": False,
+        "max_new_tokens": 12,
+        "min_new_tokens": 12,
+        "pad_token_id": PAD,
+        "return_dict_in_generate": True,
+        "output_logits": True,
+    }
     reference, out, dense, cache, reads = against_the_dense_path(monkeypatch, model, ids, mask, spec, options, budget=16)
     if not cache.compressor.reads_kv:
         assert reads == []

@@ -36,8 +36,13 @@ print(json.dumps({{"reused": reused, "same": same, "disk": store.disk.stats()}})
 
 
 def run(directory: Path, family: str = "stories", weights: str = "as loaded") -> dict:
-    result = subprocess.run([sys.executable, "-c", PROCESS.format(repo=str(REPO)), str(directory), family, weights],
-                            capture_output=True, text=True, check=True, cwd=REPO)
+    result = subprocess.run(
+        [sys.executable, "-c", PROCESS.format(repo=str(REPO)), str(directory), family, weights],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=REPO,
+    )
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
@@ -137,8 +142,11 @@ def test_blocks_past_the_disk_tiers_capacity_are_left_out_with_one_warning(tmp_p
 
     probe, _ = prefill(2**26, tmp_path / "probe")
     record = record_size(probe._disk_layout(next(iter(probe.stores))))
-    with pytest.warns(RuntimeWarning, match=rf"4 prompt blocks of {record} bytes each on disk need {4 * record} bytes, more"
-                                            rf" than the disk tier's capacity of {record * 5 // 2} bytes: only the first 2"):
+    with pytest.warns(
+        RuntimeWarning,
+        match=rf"4 prompt blocks of {record} bytes each on disk need {4 * record} bytes, more"
+        rf" than the disk tier's capacity of {record * 5 // 2} bytes: only the first 2",
+    ):
         store, disk = prefill(record * 5 // 2, tmp_path / "two")
     assert len(disk.keys()) == 2 and disk.stats()["writes"] == 2
     with warnings.catch_warnings():

@@ -79,8 +79,9 @@ class Runs:
     """The fork server: :meth:`run` looks up and generates in a fresh child process."""
 
     def __init__(self) -> None:
-        self.process = subprocess.Popen([sys.executable, "-c", SERVER.format(repo=str(REPO))], cwd=REPO, text=True,
-                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", SERVER.format(repo=str(REPO))], cwd=REPO, text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE
+        )
         self.reference = json.loads(self.process.stdout.readline())
 
     def run(self, disk: Path, user: int | None = None) -> dict:
@@ -128,8 +129,7 @@ stored record's page data), ``("unlock",)`` (delete the lock file) or ``("read_o
 DAMAGE = st.one_of(
     st.tuples(st.just("cut"), st.floats(0, 1, exclude_max=True)),
     st.tuples(st.sampled_from(["cut_to", "cut_by"]), st.sampled_from([1, 4096, 8192])),
-    st.tuples(st.just("flip"), st.floats(0, 1, exclude_max=True), st.one_of(st.integers(0, 63), st.integers(0, 4095)),
-              st.integers(1, 255)),
+    st.tuples(st.just("flip"), st.floats(0, 1, exclude_max=True), st.one_of(st.integers(0, 63), st.integers(0, 4095)), st.integers(1, 255)),
     st.tuples(st.just("record"), st.integers(0, 3)),
     st.just(("unlock",)),
     st.just(("read_only",)),

@@ -16,8 +16,16 @@ from tests.adapters.conftest import PAD, assert_same_logits, build_model, left_p
 
 
 def generate(model, ids, mask, cache=None):
-    return model.generate(ids, attention_mask=mask, **cache_argument(cache), max_new_tokens=20, do_sample=False,
-                          pad_token_id=PAD, output_logits=True, return_dict_in_generate=True)
+    return model.generate(
+        ids,
+        attention_mask=mask,
+        **cache_argument(cache),
+        max_new_tokens=20,
+        do_sample=False,
+        pad_token_id=PAD,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
 
 
 @pytest.mark.parametrize("family", ["stories", "llama"])
@@ -49,8 +57,7 @@ def test_quest_reads_chosen_pages_from_every_tier_of_its_placement(tmp_path) -> 
 def test_a_decode_step_reads_only_top_k_pages_per_head() -> None:
     model = build_model("stories")  # 5 layers, 4 KV heads
     ids, mask = left_padded([160], seed=4, vocab=500)  # 11 pages per head after the step
-    for spec, per_head in (("quest(top_k=3, dense_layers=2, placement='lru(device_mb=0.001)')", 3),
-                           ("lru(device_mb=0.001)", 11)):
+    for spec, per_head in (("quest(top_k=3, dense_layers=2, placement='lru(device_mb=0.001)')", 3), ("lru(device_mb=0.001)", 11)):
         cache = kvlib.make_cache(model, spec)
         with torch.inference_mode():
             model(input_ids=ids, attention_mask=mask, **cache_argument(cache))
@@ -122,9 +129,11 @@ def test_sparse_steps_attend_over_the_chosen_pages_in_place_with_the_tokens_of_a
         cache.reset()
         for name in reads:
             original = getattr(cache.store, name)
+
             def counted(*args, name=name, original=original, **kwargs):
                 reads[name] += 1
                 return original(*args, **kwargs)
+
             setattr(cache.store, name, counted)
         out = generate(model, ids, mask, cache)
         assert reads == {"read": 0, "read_selected": 0}, reads  # the prefill attends over its own tensors

@@ -206,8 +206,11 @@ def test_bad_settings_are_refused(name: str) -> None:
 def plan_state(scheduler: Scheduler, ledger: Ledger) -> tuple:
     """What a plan must leave as it found: the queues, every request's fields, the ledger."""
     requests = scheduler.waiting + scheduler.running + scheduler.swapped
-    return ([list(q) for q in (scheduler.waiting, scheduler.running, scheduler.swapped)],
-            [copy.copy(vars(r)) for r in requests], copy.deepcopy(ledger))
+    return (
+        [list(q) for q in (scheduler.waiting, scheduler.running, scheduler.swapped)],
+        [copy.copy(vars(r)) for r in requests],
+        copy.deepcopy(ledger),
+    )
 
 
 def test_short_pages_preempt_the_most_recently_admitted_first() -> None:
@@ -240,7 +243,9 @@ def test_a_plan_is_a_pure_decision() -> None:
     max_batch_tokens=st.integers(1, 48),
     reserve_pages=st.integers(0, 2),
 )
-def test_a_plan_fits_the_token_budget_and_the_pages_it_frees(decoding, prefilling, waiting, free, reclaimable, max_batch_tokens, reserve_pages) -> None:
+def test_a_plan_fits_the_token_budget_and_the_pages_it_frees(
+    decoding, prefilling, waiting, free, reclaimable, max_batch_tokens, reserve_pages
+) -> None:
     running = [request(i, length, computed=length, output=1) for i, length in enumerate(decoding)]
     running += [request(10 + i, length, computed=min(done, length - 2)) for i, (length, done) in enumerate(prefilling)]
     queued = [request(20 + i, length, waited=waited) for i, (length, waited) in enumerate(waiting)]
@@ -265,7 +270,9 @@ def test_an_engine_plan_changes_nothing_until_applied(preemption, steps) -> None
     generator = torch.Generator().manual_seed(steps)
     system = torch.randint(3, 97, (20,), generator=generator).tolist()
     page_bytes = 2 * 4 * 2 * 8 * 4  # layers x page_size x (keys + values) x head_dim x float32
-    engine = kvlib.Engine(model, max_batch_tokens=12, page_size=4, page_budget_bytes=40 * page_bytes, preemption=preemption, reserve_pages=0)
+    engine = kvlib.Engine(
+        model, max_batch_tokens=12, page_size=4, page_budget_bytes=40 * page_bytes, preemption=preemption, reserve_pages=0
+    )
     for extra in range(5):
         engine.add_request(system + torch.randint(3, 97, (3 + 4 * extra,), generator=generator).tolist(), max_new_tokens=6)
     for _ in range(steps):
@@ -276,7 +283,9 @@ def test_an_engine_plan_changes_nothing_until_applied(preemption, steps) -> None
         return (
             [[r.request_id for r in q] for q in (engine.scheduler.waiting, engine.scheduler.running, engine.scheduler.swapped)],
             [(r.seq, r.computed, r.state, r.waited_steps, r.indexed_blocks, list(r.entries)) for r in engine.requests.values()],
-            [pool.refcount.clone() for pool in engine.kv.store.pools], list(index.lru), (index.hits, index.misses, index.evictions, index.nbytes),
+            [pool.refcount.clone() for pool in engine.kv.store.pools],
+            list(index.lru),
+            (index.hits, index.misses, index.evictions, index.nbytes),
         )
 
     def same(a: tuple, b: tuple) -> bool:

@@ -18,7 +18,9 @@ EVICTIONS = available_policies()["eviction"]
 BUDGET, PROMPT, NEW = 24, 40, 20
 
 
-def generate_held(model: torch.nn.Module, spec: str, ids: torch.Tensor, reuse_slots: bool = True) -> tuple[torch.Tensor, list[torch.Tensor], bool]:
+def generate_held(
+    model: torch.nn.Module, spec: str, ids: torch.Tensor, reuse_slots: bool = True
+) -> tuple[torch.Tensor, list[torch.Tensor], bool]:
     """Greedy tokens under an ``int`` budget held while decoding, each layer's kept positions, and
     whether any head's slots ended out of position order (a slot was reused)."""
     cache = kvlib.make_cache(model, spec, budget=BUDGET)

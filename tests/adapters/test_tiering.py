@@ -34,13 +34,23 @@ def test_beams_and_sampling_are_unchanged_by_tiering() -> None:
     ids, mask = left_padded([50, 41], seed=4, vocab=500)
     beams = model.generate(ids, attention_mask=mask, num_beams=3, max_new_tokens=12, do_sample=False, pad_token_id=PAD)
     tiered = kvlib.make_cache(model, "lru(device_mb=0.02)")
-    assert torch.equal(model.generate(ids, attention_mask=mask, num_beams=3, max_new_tokens=12, do_sample=False,
-                                      pad_token_id=PAD, **cache_argument(tiered)), beams)
+    assert torch.equal(
+        model.generate(
+            ids, attention_mask=mask, num_beams=3, max_new_tokens=12, do_sample=False, pad_token_id=PAD, **cache_argument(tiered)
+        ),
+        beams,
+    )
     torch.manual_seed(5)
     sampled = model.generate(ids, attention_mask=mask, do_sample=True, max_new_tokens=12, pad_token_id=PAD)
     torch.manual_seed(5)
-    again = model.generate(ids, attention_mask=mask, do_sample=True, max_new_tokens=12, pad_token_id=PAD,
-                           **cache_argument(kvlib.make_cache(model, "lru(device_mb=0.02)")))
+    again = model.generate(
+        ids,
+        attention_mask=mask,
+        do_sample=True,
+        max_new_tokens=12,
+        pad_token_id=PAD,
+        **cache_argument(kvlib.make_cache(model, "lru(device_mb=0.02)")),
+    )
     assert torch.equal(sampled, again)
 
 
@@ -48,7 +58,9 @@ def test_tiering_composes_with_eviction_but_not_yet_with_codecs() -> None:
     model = build_model("stories")
     ids, mask = left_padded([60], seed=5, vocab=500)
     reference_cache = kvlib.make_cache(model, "snapkv", budget=24)
-    reference = model.generate(ids, attention_mask=mask, **cache_argument(reference_cache), max_new_tokens=12, do_sample=False, pad_token_id=PAD)
+    reference = model.generate(
+        ids, attention_mask=mask, **cache_argument(reference_cache), max_new_tokens=12, do_sample=False, pad_token_id=PAD
+    )
     cache = kvlib.make_cache(model, "snapkv+lru(device_mb=0.005)", budget=24)
     out = model.generate(ids, attention_mask=mask, **cache_argument(cache), max_new_tokens=12, do_sample=False, pad_token_id=PAD)
     assert torch.equal(out, reference)

@@ -40,7 +40,10 @@ def test_eviction_strategies_differ_on_the_needle(default):
     assert scores["h2o"] >= scores["streaming_llm"] + 0.3
 
 
-@pytest.mark.xfail(strict=True, reason="measured: snapkv 0.00 vs streaming_llm 0.14 at 12.5%; this model's "
-                   "retrieval needs more of the context than SnapKV's window attention selects (issue 5 note)")
+@pytest.mark.xfail(
+    strict=True,
+    reason="measured: snapkv 0.00 vs streaming_llm 0.14 at 12.5%; this model's "
+    "retrieval needs more of the context than SnapKV's window attention selects (issue 5 note)",
+)
 def test_snapkv_keeps_the_needle_where_streaming_llm_loses_it(default):
     assert needle(*default, "snapkv", 0.125) >= needle(*default, "streaming_llm", 0.125) + 0.3

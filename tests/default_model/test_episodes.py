@@ -3,7 +3,8 @@
 import re
 
 import numpy as np
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvlib.default_model.episodes import episode
 from kvlib.eval.needle_format import QUESTION, needle_line

@@ -1,6 +1,7 @@
 """The default model's byte tokenizer (kvlib.default_model.tokenizer)."""
 
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvlib.default_model import ByteTokenizer
 from kvlib.default_model.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE

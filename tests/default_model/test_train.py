@@ -9,7 +9,12 @@ from kvlib.default_model.files import is_byte_model, load_default_model
 from kvlib.default_model.train import REPEAT_ALPHABET, Phase, TrainingConfig, learning_rate, repeat_sequence, train
 
 TINY = TrainingConfig(
-    hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=32, context=256,
+    hidden_size=16,
+    num_layers=1,
+    num_heads=2,
+    num_kv_heads=1,
+    intermediate_size=32,
+    context=256,
     phases=(Phase(length=128, batch=2, steps=1, repeats=True), Phase(length=256, batch=2, steps=1, lr_scale=0.5)),
     warmup_steps=1,
 )

@@ -13,9 +13,16 @@ from kvlib.default_model.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE
 def tiny_byte_model(context: int = 256) -> LlamaForCausalLM:
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=VOCAB_SIZE, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=context,
-        bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
+        vocab_size=VOCAB_SIZE,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=context,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+        pad_token_id=PAD_ID,
     )
     return LlamaForCausalLM(config).eval()
 

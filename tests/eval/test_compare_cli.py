@@ -16,8 +16,22 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 @pytest.fixture(scope="module")
 def compared(byte_model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("compare")
-    argv = ["compare", "--model", str(byte_model_dir), "--context", "128", "--samples", "1",
-            "--policies", "streaming_llm,snapkv(window=8)", "--budgets", "0.25,0.5", "--out", str(out), "--quiet"]
+    argv = [
+        "compare",
+        "--model",
+        str(byte_model_dir),
+        "--context",
+        "128",
+        "--samples",
+        "1",
+        "--policies",
+        "streaming_llm,snapkv(window=8)",
+        "--budgets",
+        "0.25,0.5",
+        "--out",
+        str(out),
+        "--quiet",
+    ]
     return out, argv
 
 
@@ -28,7 +42,12 @@ def test_writes_a_consistent_table_json_csv_and_one_png_per_task(compared, capsy
     record = json.loads((out / "compare.json").read_text())
     runs = record["runs"]
     assert [(r["policy"], r["budget"]) for r in runs] == [
-        ("full", None), ("streaming_llm", 0.25), ("streaming_llm", 0.5), ("snapkv(window=8)", 0.25), ("snapkv(window=8)", 0.5)]
+        ("full", None),
+        ("streaming_llm", 0.25),
+        ("streaming_llm", 0.5),
+        ("snapkv(window=8)", 0.25),
+        ("snapkv(window=8)", 0.5),
+    ]
     assert record["tasks"] == ["needle", "perplexity", "agreement"] and record["context"] == 128 and record["complete"]
     assert all(r["error"] is None and set(r["tasks"]) == set(record["tasks"]) for r in runs)
 
@@ -108,7 +127,8 @@ def test_an_unusable_out_folder_fails_before_the_model_loads(compared, capsys, m
     assert cli.main(argv + ["--out", str(tmp_path / out)]) == 2
     assert capsys.readouterr().err == f"kvlib: error: --out {str(tmp_path / out)!r} {message}\n"
     assert (tmp_path / "file").read_text() == "keep me" and sorted(p.name for p in tmp_path.rglob("*")) == (
-        ["file", "unwritable"] if out == "unwritable" else ["file"])
+        ["file", "unwritable"] if out == "unwritable" else ["file"]
+    )
 
 
 def test_an_interrupted_comparison_keeps_every_finished_configuration(byte_model_dir, capsys, monkeypatch, tmp_path):
@@ -125,8 +145,24 @@ def test_an_interrupted_comparison_keeps_every_finished_configuration(byte_model
 
     module_decode_speed = module.decode_speed
     monkeypatch.setattr(module, "decode_speed", interrupted_second)
-    argv = ["compare", "--model", str(byte_model_dir), "--context", "64", "--samples", "1", "--tasks", "perplexity",
-            "--policies", "streaming_llm", "--budgets", "0.25,0.5", "--out", str(tmp_path), "--quiet"]
+    argv = [
+        "compare",
+        "--model",
+        str(byte_model_dir),
+        "--context",
+        "64",
+        "--samples",
+        "1",
+        "--tasks",
+        "perplexity",
+        "--policies",
+        "streaming_llm",
+        "--budgets",
+        "0.25,0.5",
+        "--out",
+        str(tmp_path),
+        "--quiet",
+    ]
     assert cli.main(argv) == cli.INTERRUPTED == 130
     captured = capsys.readouterr()
     assert captured.err == f"\nkvlib compare: interrupted; the configurations that finished are in {tmp_path}\n"
@@ -153,8 +189,7 @@ def test_unknown_option_is_one_line(capsys):
 
 
 def test_policies_split_on_commas_outside_parentheses():
-    assert cli._policies("snapkv(window=8,kernel=3), h2o ,,streaming_llm") == [
-        "snapkv(window=8,kernel=3)", "h2o", "streaming_llm"]
+    assert cli._policies("snapkv(window=8,kernel=3), h2o ,,streaming_llm") == ["snapkv(window=8,kernel=3)", "h2o", "streaming_llm"]
 
 
 @pytest.mark.parametrize("higher", [True, False])
@@ -167,12 +202,32 @@ def test_pareto_front(higher):
 
 
 def test_codecs_run_alone_once_and_with_eviction_at_every_budget(byte_model_dir, tmp_path):
-    argv = ["compare", "--model", str(byte_model_dir), "--context", "128", "--samples", "1", "--tasks", "perplexity",
-            "--policies", "kivi(bits=4),streaming_llm+int8", "--budgets", "0.25,0.5", "--out", str(tmp_path), "--quiet"]
+    argv = [
+        "compare",
+        "--model",
+        str(byte_model_dir),
+        "--context",
+        "128",
+        "--samples",
+        "1",
+        "--tasks",
+        "perplexity",
+        "--policies",
+        "kivi(bits=4),streaming_llm+int8",
+        "--budgets",
+        "0.25,0.5",
+        "--out",
+        str(tmp_path),
+        "--quiet",
+    ]
     assert cli.main(argv) == 0
     runs = json.loads((tmp_path / "compare.json").read_text())["runs"]
     assert [(r["policy"], r["budget"]) for r in runs] == [
-        ("full", None), ("kivi(bits=4)", None), ("streaming_llm+int8", 0.25), ("streaming_llm+int8", 0.5)]
+        ("full", None),
+        ("kivi(bits=4)", None),
+        ("streaming_llm+int8", 0.25),
+        ("streaming_llm+int8", 0.5),
+    ]
     assert all(r["error"] is None for r in runs)
     kivi, int8_quarter = runs[1], runs[2]
     assert kivi["kv_fraction"] < 0.6  # 4-bit codes + scales, open pages in fp32
@@ -180,8 +235,20 @@ def test_codecs_run_alone_once_and_with_eviction_at_every_budget(byte_model_dir,
 
 
 def test_ruler_tasks_are_offered_and_a_context_too_small_is_one_line(byte_model_dir, capsys, tmp_path):
-    argv = ["compare", "--model", str(byte_model_dir), "--context", "192", "--tasks", "needle,niah_single",
-            "--policies", "snapkv", "--out", str(tmp_path), "--quiet"]
+    argv = [
+        "compare",
+        "--model",
+        str(byte_model_dir),
+        "--context",
+        "192",
+        "--tasks",
+        "needle,niah_single",
+        "--policies",
+        "snapkv",
+        "--out",
+        str(tmp_path),
+        "--quiet",
+    ]
     assert cli.main(argv) == 2
     error = capsys.readouterr().err
     assert error.count("\n") == 1 and "niah_single: context 192 is too small" in error

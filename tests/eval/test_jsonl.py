@@ -14,12 +14,15 @@ def write(path, records):
 
 
 def test_longbench_and_ruler_fields(tmp_path):
-    path = write(tmp_path / "d.jsonl", [
-        {"context": "Paris is in France.", "input": "Where is Paris?", "answers": ["France"], "length": 4},
-        {"input": "RULER puts the whole prompt here", "outputs": ["a", "b"]},
-        {"question": "q", "answer": "single"},
-        "",
-    ])
+    path = write(
+        tmp_path / "d.jsonl",
+        [
+            {"context": "Paris is in France.", "input": "Where is Paris?", "answers": ["France"], "length": 4},
+            {"input": "RULER puts the whole prompt here", "outputs": ["a", "b"]},
+            {"question": "q", "answer": "single"},
+            "",
+        ],
+    )
     examples = load_jsonl(path)
     assert [e.answers for e in examples] == [("France",), ("a", "b"), ("single",)]
     assert examples[0].context == "Paris is in France." and examples[1].context == ""

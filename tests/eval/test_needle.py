@@ -48,7 +48,6 @@ def test_too_long_for_the_model_or_too_short_for_the_needle_is_refused(byte_mode
         NeedleTask(context=100).check(byte_model, tokenizer, 256)
 
 
-
 def test_scores_count_exact_keys_per_depth(byte_model, tokenizer, monkeypatch):
     task = NeedleTask(context=128, depths=(0.0, 1.0), samples=2, batch_size=3)
     cases = task.cases(tokenizer)

@@ -3,8 +3,16 @@
 import pytest
 
 from kvlib.eval.scoring import (
-    SCORERS, contains_match, exact_match, first_number, normalize, passkey_match, ruler_postprocess, string_match_all,
-    string_match_part, token_f1,
+    SCORERS,
+    contains_match,
+    exact_match,
+    first_number,
+    normalize,
+    passkey_match,
+    ruler_postprocess,
+    string_match_all,
+    string_match_part,
+    token_f1,
 )
 
 

@@ -98,9 +98,7 @@ def test_list_error_is_reported_with_exit_code_2(capsys, monkeypatch):
 
 
 def test_module_entry_point_runs_list():
-    result = subprocess.run(
-        [sys.executable, "-m", "kvlib.cli", "list"], capture_output=True, text=True, timeout=120, check=False
-    )
+    result = subprocess.run([sys.executable, "-m", "kvlib.cli", "list"], capture_output=True, text=True, timeout=120, check=False)
     assert result.returncode == 0, result.stderr
     check_listing(result.stdout)
 

@@ -33,8 +33,11 @@ def test_host_memory_available_is_positive_and_within_physical_memory() -> None:
 def test_check_fits_names_what_would_be_allocated_and_what_is_available() -> None:
     check_fits("a small arena", 1, CPU)
     check_fits("anything", 2**70, torch.device("meta"))
-    with pytest.raises(ValueError, match=r"^a huge arena would allocate 1180591620717411303424 bytes \(1.1e\+12 GiB\) on cpu up"
-                                         r" front, more than the \d+ bytes \(.* GiB\) available there: lower it$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^a huge arena would allocate 1180591620717411303424 bytes \(1.1e\+12 GiB\) on cpu up"
+        r" front, more than the \d+ bytes \(.* GiB\) available there: lower it$",
+    ):
         check_fits("a huge arena", 2**70, CPU)
 
 

@@ -131,8 +131,13 @@ def test_attention_weights_over_pages_equal_softmax_over_the_dense_slots(batch, 
         visible = (torch.arange(visible.shape[-1]) <= query_positions.view(-1, 1)).unsqueeze(0).expand(batch, -1, -1)
     query = torch.randn(batch, kv_heads * group, queries, 16, generator=generator).to(dtype)
     weights = attention_weights(
-        query, arena_source(keys, values, positions), pages, lengths,
-        visible=None if causal else visible, query_positions=query_positions if causal else None, scale=0.25,
+        query,
+        arena_source(keys, values, positions),
+        pages,
+        lengths,
+        visible=None if causal else visible,
+        query_positions=query_positions if causal else None,
+        scale=0.25,
     )
     expected = reference_weights(query, dense_keys, dense_positions, visible, 0.25)
     longest = dense_keys.shape[2]
@@ -148,7 +153,9 @@ def test_causal_visibility_by_query_positions_equals_the_same_mask_given_whole()
     query = torch.randn(1, 4, 2, 16, generator=generator)
     query_positions = torch.tensor([20, 34])
     visible = (torch.arange(35) <= query_positions.view(-1, 1)).unsqueeze(0)
-    by_positions = paged_attention(query, keys, values, positions, pages, lengths, visible=None, query_positions=query_positions, scale=0.25)
+    by_positions = paged_attention(
+        query, keys, values, positions, pages, lengths, visible=None, query_positions=query_positions, scale=0.25
+    )
     by_mask = paged_attention(query, keys, values, positions, pages, lengths, visible=visible, query_positions=None, scale=0.25)
     assert torch.equal(by_positions, by_mask)
 
@@ -158,7 +165,9 @@ def test_softcap_bounds_the_scores_as_tanh_does() -> None:
     lengths = torch.tensor([[9]])
     keys, values, positions, pages, dense_keys, dense_values, dense_positions = scattered_pages(lengths, 4, 8, 8, torch.float32, generator)
     query = torch.randn(1, 1, 1, 8, generator=generator) * 10
-    out = paged_attention(query, keys, values, positions, pages, lengths, visible=None, query_positions=torch.tensor([20]), scale=1.0, softcap=2.0)
+    out = paged_attention(
+        query, keys, values, positions, pages, lengths, visible=None, query_positions=torch.tensor([20]), scale=1.0, softcap=2.0
+    )
     scores = 2.0 * torch.tanh((query.double() @ dense_keys.double().transpose(-1, -2)) / 2.0)
     expected = torch.softmax(scores, -1) @ dense_values.double()
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
@@ -168,6 +177,18 @@ def test_mismatched_heads_and_unsupported_dtypes_are_refused() -> None:
     lengths = torch.tensor([[4, 4]])
     keys, values, positions, pages, *_ = scattered_pages(lengths, 4, 8, 8, torch.float32, torch.Generator().manual_seed(3))
     with pytest.raises(ValueError, match=r"query heads \(3\) must be a multiple of KV heads \(2\)"):
-        paged_attention(torch.randn(1, 3, 1, 8), keys, values, positions, pages, lengths, visible=None, query_positions=torch.tensor([9]), scale=1.0)
+        paged_attention(
+            torch.randn(1, 3, 1, 8), keys, values, positions, pages, lengths, visible=None, query_positions=torch.tensor([9]), scale=1.0
+        )
     with pytest.raises(ValueError, match="pages must be one of"):
-        paged_attention(torch.randn(1, 2, 1, 8), keys.double(), values.double(), positions, pages, lengths, visible=None, query_positions=torch.tensor([9]), scale=1.0)
+        paged_attention(
+            torch.randn(1, 2, 1, 8),
+            keys.double(),
+            values.double(),
+            positions,
+            pages,
+            lengths,
+            visible=None,
+            query_positions=torch.tensor([9]),
+            scale=1.0,
+        )

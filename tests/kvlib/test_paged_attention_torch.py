@@ -16,8 +16,8 @@ from kvlib import devices
 from kvlib.arena_sources import arena_source_for
 from kvlib.devices import PagedKernel
 from kvlib.paged_attention import PageSource, arena_source, paged_attention
-from kvlib.paged_scores import attention_weights
 from kvlib.paged_attention_torch import TorchPageSource, attend_pages_torch, attention_weights_torch
+from kvlib.paged_scores import attention_weights
 from kvlib.transformers_compat import cache_argument
 from tests.adapters.conftest import PAD, build_model, left_padded
 from tests.adapters.test_paged_decode import count_dense_reads
@@ -41,8 +41,14 @@ def compare_with_references(device, batch, kv_heads, group, queries, page_size, 
     scale = dim**-0.5
     options = dict(visible=visible, query_positions=None, scale=scale, softcap=softcap)
     out = attend_pages_torch(
-        query.to(device), keys.to(device), values.to(device), positions.to(device), pages, lengths,
-        pages_per_block=pages_per_block, **options,
+        query.to(device),
+        keys.to(device),
+        values.to(device),
+        positions.to(device),
+        pages,
+        lengths,
+        pages_per_block=pages_per_block,
+        **options,
     )
     assert out.device.type == torch.device(device).type
     assert out.dtype == dtype and out.shape == (batch, kv_heads * group, queries, value_dim)
@@ -97,7 +103,9 @@ def test_causal_visibility_by_query_positions_equals_the_same_mask_given_whole(p
     query_positions = torch.tensor([20, 34])
     visible = (torch.arange(35) <= query_positions.view(-1, 1)).unsqueeze(0)
     common = dict(scale=0.25, pages_per_block=pages_per_block)
-    by_positions = attend_pages_torch(query, keys, values, positions, pages, lengths, visible=None, query_positions=query_positions, **common)
+    by_positions = attend_pages_torch(
+        query, keys, values, positions, pages, lengths, visible=None, query_positions=query_positions, **common
+    )
     by_mask = attend_pages_torch(query, keys, values, positions, pages, lengths, visible=visible, query_positions=None, **common)
     assert torch.equal(by_positions, by_mask)
 
@@ -127,7 +135,16 @@ def test_mismatched_heads_missing_visibility_and_empty_blocks_are_refused() -> N
         attend_pages_torch(torch.randn(1, 2, 1, 8), keys, values, positions, pages, lengths, visible=None, query_positions=None, scale=1.0)
     with pytest.raises(ValueError, match="pages_per_block must be >= 1"):
         attend_pages_torch(
-            torch.randn(1, 2, 1, 8), keys, values, positions, pages, lengths, visible=None, query_positions=steps, scale=1.0, pages_per_block=0
+            torch.randn(1, 2, 1, 8),
+            keys,
+            values,
+            positions,
+            pages,
+            lengths,
+            visible=None,
+            query_positions=steps,
+            scale=1.0,
+            pages_per_block=0,
         )
 
 
@@ -145,8 +162,16 @@ def decode_over_pages_equals_dynamic_cache(device: str) -> kvlib.KVCache:
     model = build_model("llama").to(device)
     ids, mask = left_padded([9, 17, 30], seed=5)
     ids, mask = ids.to(device), mask.to(device)
-    reference = model.generate(ids, attention_mask=mask, **cache_argument(DynamicCache(config=model.config)), do_sample=False,
-                               max_new_tokens=6, pad_token_id=PAD, return_dict_in_generate=True, output_logits=True)
+    reference = model.generate(
+        ids,
+        attention_mask=mask,
+        **cache_argument(DynamicCache(config=model.config)),
+        do_sample=False,
+        max_new_tokens=6,
+        pad_token_id=PAD,
+        return_dict_in_generate=True,
+        output_logits=True,
+    )
     cache = kvlib.make_cache(model)
     assert not cache.read_cache
     dense_reads, out = count_dense_reads(cache, model, ids, mask)

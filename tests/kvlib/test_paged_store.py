@@ -287,8 +287,11 @@ def no_pools(*args, **kwargs):
         ({"page_size": 16.0}, r"page_size must be an int >= 1 \(tokens per page\), got 16.0"),
         ({"pages_per_layer": -1}, r"pages_per_layer must be an int >= 0, got -1"),
         ({"pages_per_layer": 0, "fixed_capacity": True}, r"pages_per_layer must be an int >= 1, got 0"),
-        ({"pages_per_layer": 2**40}, r"a store of 2 layers with pages_per_layer=1099511627776 of page_size=16 tokens would"
-                                     r" allocate \d+ bytes \(.* GiB\) on cpu up front, more than the \d+ bytes"),
+        (
+            {"pages_per_layer": 2**40},
+            r"a store of 2 layers with pages_per_layer=1099511627776 of page_size=16 tokens would"
+            r" allocate \d+ bytes \(.* GiB\) on cpu up front, more than the \d+ bytes",
+        ),
     ],
 )
 def test_sizes_are_bounded_before_any_pool_is_built(monkeypatch, bad: dict, message: str) -> None:
@@ -339,10 +342,7 @@ def test_a_drained_store_gives_back_its_mirrors_and_table_rows() -> None:
 
 def full_state(store: PagedStore) -> list:
     """Tables, reference counts, free lists and the arenas' contents (what a failed call must not change)."""
-    return [
-        (*layer, pool.keys.clone(), pool.values.clone(), pool.positions.clone())
-        for layer, pool in zip(snapshot(store), store.pools)
-    ]
+    return [(*layer, pool.keys.clone(), pool.values.clone(), pool.positions.clone()) for layer, pool in zip(snapshot(store), store.pools)]
 
 
 def assert_reads_equal(got, expected) -> None:
@@ -798,8 +798,12 @@ def test_fast_path_in_a_full_fixed_pool(fast_steps: list) -> None:
 
 def test_huge_truncate_lengths_and_bool_ids_are_rejected(store: PagedStore) -> None:
     seq = store.new_sequence()
-    store.append(0, [seq], torch.zeros(1, store.tables[0].num_heads, 3, store.pools[0].head_dim),
-                 torch.zeros(1, store.tables[0].num_heads, 3, store.pools[0].value_dim))
+    store.append(
+        0,
+        [seq],
+        torch.zeros(1, store.tables[0].num_heads, 3, store.pools[0].head_dim),
+        torch.zeros(1, store.tables[0].num_heads, 3, store.pools[0].value_dim),
+    )
     with pytest.raises(ValueError, match=r"length must be an int in \[0, 2\*\*63\)"):
         store.truncate(0, [seq], 2**63)
     assert store.logical_lengths(0, [seq]).tolist() == [3]
@@ -868,17 +872,20 @@ def test_read_mirror_follows_sequences_leaving_and_joining_the_batch() -> None:
     generator = torch.Generator().manual_seed(0)
     stores = [PagedStore(StoreConfig(2, 2, 4, page_size=4, read_cache=flag)) for flag in (True, False)]
     seqs = [[store.new_sequence() for _ in range(4)] for store in stores]
+
     def append(batch: list[int], tokens: int) -> None:
         keys = torch.randn(len(batch), 2, tokens, 4, generator=generator)
         values = torch.randn(len(batch), 2, tokens, 4, generator=generator)
         for store, ids in zip(stores, seqs):
             for layer in range(2):
                 store.append(layer, [ids[i] for i in batch], keys, values)
+
     def same(batch: list[int]) -> None:
         for layer in range(2):
             mirrored, gathered = (store.read(layer, [ids[i] for i in batch]) for store, ids in zip(stores, seqs))
             for a, b in zip(mirrored, gathered):
                 assert torch.equal(a, b)
+
     append([0, 1, 2], 5)
     append([3], 9)
     same([0, 1, 2])

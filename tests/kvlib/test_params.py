@@ -37,8 +37,8 @@ def rejected(annotation, value) -> str:
         (Literal["a", "b"], "'a' | 'b'"),
         (Literal[1, 2], "1 | 2"),
         (int | None, "int | None"),
-        (Optional[float], "float | None"),
-        (typing.Union[int, str], "int | str"),
+        (Optional[float], "float | None"),  # noqa: UP045 - the old spelling is described too
+        (typing.Union[int, str], "int | str"),  # noqa: UP007 - the old spelling is described too
         (tuple[int, ...], "tuple[int, ...]"),
         (tuple[float, ...] | None, "tuple[float, ...] | None"),
         (Literal["x"] | None, "'x' | None"),
@@ -140,7 +140,7 @@ def test_literal_with_bool_members_accepts_bools():
 @pytest.mark.parametrize("value, expected", [(None, None), (3, 3)])
 def test_optional_int_accepts(value, expected):
     assert ok(int | None, value) == expected
-    assert ok(Optional[int], value) == expected
+    assert ok(Optional[int], value) == expected  # noqa: UP045 - the old spelling is coerced too
 
 
 @pytest.mark.parametrize("value", ["3", 2.5, True])

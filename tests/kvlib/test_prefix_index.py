@@ -73,7 +73,9 @@ class IndexMachine(RuleBasedStateMachine):
         assert not set(index.entries) & set(self.evicted[-1:]) or self.evicted[-1] in index.entries  # re-inserted keys only
 
 
-IndexMachine.TestCase.settings = settings(max_examples=80, stateful_step_count=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+IndexMachine.TestCase.settings = settings(
+    max_examples=80, stateful_step_count=30, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 TestIndexMachine = IndexMachine.TestCase
 
 

@@ -31,11 +31,11 @@ def test_rerotated_layer0_keys_equal_keys_computed_at_the_new_positions(family: 
     vocab = min(model.config.vocab_size, 500)
     chunk = torch.randint(3, vocab, (1, 24), generator=generator)
     before = torch.randint(3, vocab, (1, 37), generator=generator)
-    alone = layer0_keys(model, chunk)                                   # positions 0..23
+    alone = layer0_keys(model, chunk)  # positions 0..23
     placed = layer0_keys(model, torch.cat([before, chunk], 1))[:, :, 37:]  # positions 37..60
     moved = rerotate(alone, 37, rope)
     assert torch.allclose(moved, placed, atol=1e-5), float((moved - placed).abs().max())
-    back = rerotate(placed, torch.full((24,), -37), rope)             # and back, per-token shifts
+    back = rerotate(placed, torch.full((24,), -37), rope)  # and back, per-token shifts
     assert torch.allclose(back, alone, atol=1e-5)
 
 

@@ -22,7 +22,7 @@ def keep(scores: list, candidates: list, caps: list) -> list:
     result = []
     for b, row in enumerate(out.tolist()):
         result.append([])
-        for h, head in enumerate(row):
+        for head in row:
             kept = [i for i in head if i >= 0]
             assert head == kept + [-1] * (width - len(kept)), "padding must follow the kept indices"
             result[b].append(set(kept))

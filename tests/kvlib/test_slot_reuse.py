@@ -18,7 +18,11 @@ def token_sets(store: PagedStore, seq: int) -> list[set[tuple]]:
     """Per head: the set of (position, key, value) it stores (a fresh gather, not the mirror)."""
     read = store.read(0, [seq], mirror=False)
     return [
-        {(int(p), *k.tolist(), *v.tolist()) for p, k, v, ok in zip(read.positions[0, h], read.keys[0, h], read.values[0, h], read.valid[0, h]) if ok}
+        {
+            (int(p), *k.tolist(), *v.tolist())
+            for p, k, v, ok in zip(read.positions[0, h], read.keys[0, h], read.values[0, h], read.valid[0, h])
+            if ok
+        }
         for h in range(HEADS)
     ]
 

@@ -286,7 +286,9 @@ class StoreMachine(RuleBasedStateMachine):
         for seq in batch:
             for h in range(HEADS[layer]):
                 n = len(self.model[seq][layer][h])
-                few_dropped = st.sets(st.integers(0, max(n - 1, 0)), max_size=2).map(lambda gone, n=n: [i for i in range(n) if i not in gone])
+                few_dropped = st.sets(st.integers(0, max(n - 1, 0)), max_size=2).map(
+                    lambda gone, n=n: [i for i in range(n) if i not in gone]
+                )
                 any_subset = st.lists(st.integers(0, max(n - 1, 0)), unique=True, max_size=n)
                 kept = data.draw(st.one_of(few_dropped, any_subset)) if n else []
                 per_head.append(data.draw(st.permutations(kept)))
@@ -400,7 +402,9 @@ class StoreMachine(RuleBasedStateMachine):
                 assert pool.pages_on_disk <= pool.disk_pages
                 if pool.spill is not None:  # a record exists exactly for each page on disk
                     layer = self.store.pools.index(pool)
-                    recorded = sorted(int.from_bytes(key[-8:], "big") for key in self.spill.keys() if int.from_bytes(key[16:20], "big") == layer)
+                    recorded = sorted(
+                        int.from_bytes(key[-8:], "big") for key in self.spill.keys() if int.from_bytes(key[16:20], "big") == layer
+                    )
                     assert recorded == on_disk.nonzero().flatten().tolist(), "spilled records differ from the pages on disk"
                 rows = pool.device_row[on_device]
                 assert rows.unique().numel() == rows.numel()

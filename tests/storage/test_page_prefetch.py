@@ -25,7 +25,17 @@ def spilling_pool(directory: Path, spill_type: type[LayerSpill] = LayerSpill) ->
     spill = SpillStore(DiskTier(directory, capacity_bytes=1), capacity_bytes=1 << 22)
     layer = spill.layer(0, PAGE, HEAD_DIM, VALUE_DIM, torch.float32)
     layer = spill_type(layer.store, layer.layer, layer.layout)
-    return TieredPagePool(page_size=PAGE, head_dim=HEAD_DIM, value_dim=VALUE_DIM, dtype=torch.float32, device=CPU, device_pages=2, host_pages=3, spill=layer, disk_pages=64), spill
+    return TieredPagePool(
+        page_size=PAGE,
+        head_dim=HEAD_DIM,
+        value_dim=VALUE_DIM,
+        dtype=torch.float32,
+        device=CPU,
+        device_pages=2,
+        host_pages=3,
+        spill=layer,
+        disk_pages=64,
+    ), spill
 
 
 def write_pages(pool: TieredPagePool, ids: torch.Tensor, seed: int) -> None:
@@ -62,7 +72,9 @@ def test_a_read_takes_the_prefetched_host_and_disk_pages_and_returns_the_same_by
 
 def test_pages_written_freed_or_reused_after_a_prefetch_are_read_where_they_now_lie(tmp_path: Path) -> None:
     pool, spill, ids = filled_pool(tmp_path)
-    reference = PagePool(page_size=PAGE, head_dim=HEAD_DIM, value_dim=VALUE_DIM, dtype=torch.float32, device=CPU, capacity=64)  # the same writes, untiered
+    reference = PagePool(
+        page_size=PAGE, head_dim=HEAD_DIM, value_dim=VALUE_DIM, dtype=torch.float32, device=CPU, capacity=64
+    )  # the same writes, untiered
     for page in ids:
         write_pages(reference, page.view(1), int(page))
     off_device = ids[pool.device_row[ids] < 0]

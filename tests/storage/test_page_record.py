@@ -9,7 +9,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvlib.storage.page_record import (
-    Block, Layout, RecordError, check_rows, decode, decode_parts, empty_rows, encode, encode_parts, row_sections,
+    Block,
+    Layout,
+    RecordError,
+    check_rows,
+    decode,
+    decode_parts,
+    empty_rows,
+    encode,
+    encode_parts,
+    row_sections,
 )
 
 LAYOUT = Layout(b"n" * 16, layers=2, heads=3, page_size=4, head_dim=5, value_dim=6, dtype=torch.float32)
@@ -91,7 +100,9 @@ def test_encode_parts_joined_are_encode_and_share_the_tensors_memory(dtype: torc
     original = block(dtype=dtype)
     parts = encode_parts(layout, original)
     assert b"".join(parts) == bytes(encode(layout, original))
-    assert np.shares_memory(np.asarray(parts[1]), original.keys.numpy() if dtype != torch.bfloat16 else original.keys.view(torch.int16).numpy())
+    assert np.shares_memory(
+        np.asarray(parts[1]), original.keys.numpy() if dtype != torch.bfloat16 else original.keys.view(torch.int16).numpy()
+    )
     padded = Layout(b"n" * 16, layers=2, heads=1, page_size=3, head_dim=3, value_dim=1, dtype=torch.float16)  # keys padded to 8
     odd = Block(b"k" * 16, b"p" * 16, [1, 2, 3], torch.randn(2, 1, 3, 3).half(), torch.randn(2, 1, 3, 1).half())
     assert b"".join(encode_parts(padded, odd)) == bytes(encode(padded, odd))
@@ -128,8 +139,9 @@ ONE_HEAD = Layout(b"r" * 16, layers=1, heads=1, page_size=3, head_dim=3, value_d
 
 def spilled_rows(count: int) -> tuple[np.ndarray, np.ndarray, list[Block]]:
     """``count`` one-head records copied into :func:`empty_rows`, their chain keys and blocks."""
-    blocks = [Block(bytes([i]) * 16, b"", [i, i + 1, i + 2], torch.randn(1, 1, 3, 3).half(), torch.randn(1, 1, 3, 1).half())
-              for i in range(count)]
+    blocks = [
+        Block(bytes([i]) * 16, b"", [i, i + 1, i + 2], torch.randn(1, 1, 3, 3).half(), torch.randn(1, 1, 3, 1).half()) for i in range(count)
+    ]
     rows = empty_rows(ONE_HEAD, count)
     for i, one in enumerate(blocks):
         rows[i] = np.frombuffer(encode(ONE_HEAD, one), dtype=np.uint8)
@@ -159,8 +171,10 @@ def test_row_checks_refuse_another_pages_record_and_a_parented_one() -> None:
     rows, chain_keys, _ = spilled_rows(2)
     assert check_rows(ONE_HEAD, rows, chain_keys[::-1].copy()).tolist() == [False, False]
     parented = empty_rows(ONE_HEAD, 1)
-    parented[0] = np.frombuffer(encode(ONE_HEAD, Block(b"a" * 16, b"p" * 16, [1, 2, 3], torch.zeros(1, 1, 3, 3).half(),
-                                                       torch.zeros(1, 1, 3, 1).half())), dtype=np.uint8)
+    parented[0] = np.frombuffer(
+        encode(ONE_HEAD, Block(b"a" * 16, b"p" * 16, [1, 2, 3], torch.zeros(1, 1, 3, 3).half(), torch.zeros(1, 1, 3, 1).half())),
+        dtype=np.uint8,
+    )
     assert not check_rows(ONE_HEAD, parented, np.frombuffer(b"a" * 16, dtype=np.uint8).reshape(1, 16))[0]
     with pytest.raises(ValueError, match="chain keys"):
         check_rows(ONE_HEAD, rows, chain_keys[:1])

@@ -89,7 +89,7 @@ def test_no_two_flipped_bits_in_two_words_cancel(pair: tuple[int, int]) -> None:
 
 
 def test_rows_digests_digest_each_row_and_refuse_other_arrays() -> None:
-    rows = np.empty((5, 40), dtype=np.uint8)[:, :SIZE % 40]  # rows spaced apart, as empty_rows lays them out
+    rows = np.empty((5, 40), dtype=np.uint8)[:, : SIZE % 40]  # rows spaced apart, as empty_rows lays them out
     rows[:] = data(7, rows.size).reshape(rows.shape)
     assert rows_digests(rows).tolist() == [digest(row.copy()) for row in rows]
     assert rows_digests(rows[:0]).shape == (0,)

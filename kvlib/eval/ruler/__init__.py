@@ -30,6 +30,12 @@ RULER_TASKS: dict[str, Callable[..., RulerTask]] = {
 """Task name -> constructor (keywords: ``context``, ``samples``, ``seed`` and the task's own)."""
 
 __all__ = [
-    "RULER_TASKS", "CommonWordsTask", "FrequentWordsTask", "NiahTask", "Prompt", "RulerCase", "RulerTask",
+    "RULER_TASKS",
+    "CommonWordsTask",
+    "FrequentWordsTask",
+    "NiahTask",
+    "Prompt",
+    "RulerCase",
+    "RulerTask",
     "VariableTrackingTask",
 ]

@@ -44,9 +44,7 @@ class NiahTask(RulerTask):
             raise ValueError(f"{self.name}: keys, values and queries must be >= 1 and queries <= keys")
         if self.haystack not in ("essay", "noise"):
             raise ValueError(f"{self.name}: haystack must be 'essay' or 'noise', got {self.haystack!r}")
-        if self.depths is not None and (
-            len(self.depths) != self.keys * self.values or any(not 0.0 <= d <= 1.0 for d in self.depths)
-        ):
+        if self.depths is not None and (len(self.depths) != self.keys * self.values or any(not 0.0 <= d <= 1.0 for d in self.depths)):
             raise ValueError(f"{self.name}: depths takes {self.keys * self.values} fractions in [0, 1], got {self.depths}")
 
     def prompt(self, size: int, rng: random.Random, tokenizer) -> Prompt:

@@ -143,8 +143,12 @@ class RulerTask(abc.ABC):
             cache = make_cache(width)
             with torch.inference_mode():
                 out = model.generate(
-                    ids, attention_mask=mask, **cache_argument(cache),
-                    max_new_tokens=self.tokens_to_generate, do_sample=False, pad_token_id=pad,
+                    ids,
+                    attention_mask=mask,
+                    **cache_argument(cache),
+                    max_new_tokens=self.tokens_to_generate,
+                    do_sample=False,
+                    pad_token_id=pad,
                 )
             for case, row in zip(chunk, out[:, width:].tolist()):
                 text = tokenizer.decode(row)
@@ -153,8 +157,12 @@ class RulerTask(abc.ABC):
             kv, whole = kv_bytes(cache)
             held, full = held + kv, full + whole
         metrics = {
-            "cases": len(cases), "context": self.context, "scores": scores, "predictions": predictions,
-            "depths": [list(c.depths) for c in cases], "prompt_tokens": [len(c.ids) for c in cases],
+            "cases": len(cases),
+            "context": self.context,
+            "scores": scores,
+            "predictions": predictions,
+            "depths": [list(c.depths) for c in cases],
+            "prompt_tokens": [len(c.ids) for c in cases],
         }
         return TaskResult(self.name, self.metric, float(np.mean(scores)), True, held, full, metrics, len(cases))
 

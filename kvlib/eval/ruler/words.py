@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import random
 
-NOUNS = tuple(sorted(set("""
+NOUNS = tuple(
+    sorted(
+        set(
+            """
     account action answer apple area argument army artist autumn baby balance ball band bank basket
     battle beach bear bell bird blanket boat body bone book border bottle box branch bread bridge
     brother bucket building butter button cabin cake camera camp candle canvas captain card carpet
@@ -29,9 +32,15 @@ NOUNS = tuple(sorted(set("""
     student sugar summer sun sword table tailor teacher temple tent thread throne ticket tiger toast
     tower town toy tractor train treasure tree truck tunnel umbrella valley village violin voice wagon
     wall watch water wheel whistle window winter wire wolf wood wool worker yard
-""".split())))
+""".split()
+        )
+    )
+)
 
-ADJECTIVES = tuple(sorted(set("""
+ADJECTIVES = tuple(
+    sorted(
+        set(
+            """
     able ancient angry anxious ashamed awkward bald bitter black bold brave brief bright brisk broad
     broken brown busy calm careful cheap cheerful chilly clean clever cloudy clumsy cold common cool
     crazy crisp crooked cruel curious damp dark dear deep dense dirty distant dizzy dry dull eager early
@@ -45,9 +54,15 @@ ADJECTIVES = tuple(sorted(set("""
     soft solid sour spare spicy splendid steep sticky stiff strange strict strong sturdy sudden sunny
     sweet swift tall tame tender thick thin tidy tiny tired tough ugly upset usual vast violet warm weak
     wealthy weary wet white whole wide wild wise witty wooden young
-""".split())))
+""".split()
+        )
+    )
+)
 
-VERBS = tuple(sorted(set("""
+VERBS = tuple(
+    sorted(
+        set(
+            """
     accepted admired allowed answered arranged asked attacked avoided baked balanced borrowed bought
     boxed brought built buried called carried caught chased checked cleaned climbed collected copied
     counted covered crossed danced delivered described divided doubted dragged drew dropped earned
@@ -58,7 +73,10 @@ VERBS = tuple(sorted(set("""
     saved searched sent shared signed sold sorted spotted stacked stitched stored studied suggested
     supported surprised swept taught tested thanked tied touched traded trapped visited warned washed
     watched weighed welcomed wrapped wrote
-""".split())))
+""".split()
+        )
+    )
+)
 
 PREPOSITIONS = ("near", "behind", "under", "beside", "after", "before", "around", "across", "beyond", "inside")
 OPENERS = ("Later", "Meanwhile", "In the end", "Perhaps", "Still", "Often", "At first", "By then", "In practice", "Even so")

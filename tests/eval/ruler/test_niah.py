@@ -30,7 +30,7 @@ def test_a_single_needle_sits_at_the_depth_asked(words, depth):
 def test_niah_single_asks_for_one_number_in_the_singular(words):
     case = RULER_TASKS["niah_single"](context=1024, samples=1).cases(words)[0]
     text = words.decode(list(case.ids))
-    (key, value), = _needles(text)
+    ((key, value),) = _needles(text)
     assert case.answers == (value,)
     assert f"What is the special magic number for {key} mentioned in the provided text?" in text
     assert text.endswith(f"The special magic number for {key} mentioned in the provided text is")
@@ -67,13 +67,16 @@ def test_noise_haystack_is_rulers_repeated_line(words):
     assert words.decode(list(case.ids)).count("The grass is green. The sky is blue.") == case.size
 
 
-@pytest.mark.parametrize("settings, message", [
-    ({"keys": 1, "queries": 2}, "queries <= keys"),
-    ({"values": 0}, ">= 1"),
-    ({"depths": (0.5, 0.5)}, "depths takes 1 fractions"),
-    ({"depths": (1.5,)}, "depths takes 1 fractions"),
-    ({"haystack": "pg"}, "haystack must be"),
-])
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        ({"keys": 1, "queries": 2}, "queries <= keys"),
+        ({"values": 0}, ">= 1"),
+        ({"depths": (0.5, 0.5)}, "depths takes 1 fractions"),
+        ({"depths": (1.5,)}, "depths takes 1 fractions"),
+        ({"haystack": "pg"}, "haystack must be"),
+    ],
+)
 def test_bad_settings_are_value_errors(settings, message):
     with pytest.raises(ValueError, match=message):
         NiahTask(**settings)

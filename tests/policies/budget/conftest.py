@@ -14,9 +14,7 @@ from kvlib.transformers_compat import cache_argument
 from tests.adapters.conftest import PAD, STORIES, left_padded
 
 PAGE_SIZE = 16
-needs_stories = pytest.mark.skipif(
-    not (STORIES / "config.json").exists(), reason="stories260K checkpoint not available (../shared/models)"
-)
+needs_stories = pytest.mark.skipif(not (STORIES / "config.json").exists(), reason="stories260K checkpoint not available (../shared/models)")
 
 
 def make_request(
@@ -29,8 +27,12 @@ def make_request(
 ) -> BudgetRequest:
     """A :class:`BudgetRequest` from plain lists (tokens ``[batch]``, counts ``[batch][heads]``)."""
     return BudgetRequest(
-        layer_idx, num_layers, torch.tensor(tokens, dtype=torch.int64), torch.tensor(counts, dtype=torch.int64),
-        scores, candidates,
+        layer_idx,
+        num_layers,
+        torch.tensor(tokens, dtype=torch.int64),
+        torch.tensor(counts, dtype=torch.int64),
+        scores,
+        candidates,
     )
 
 
@@ -39,16 +41,16 @@ def run(model, spec, budget, lengths: list[int], *, seed: int = 0, new_tokens: i
     returns the cache and the input ids."""
     ids, mask = left_padded(lengths, seed=seed)
     cache = kvlib.make_cache(model, spec, budget=budget)
-    model.generate(ids, attention_mask=mask, **cache_argument(cache), do_sample=False, max_new_tokens=new_tokens,
-                   pad_token_id=PAD)
+    model.generate(ids, attention_mask=mask, **cache_argument(cache), do_sample=False, max_new_tokens=new_tokens, pad_token_id=PAD)
     return cache, ids
 
 
 def run_alone(model, spec, budget, ids: torch.Tensor, row: int, length: int, *, new_tokens: int = 4):
     """Row ``row`` of a left-padded batch run alone (its padding cut off); returns the cache."""
     cache = kvlib.make_cache(model, spec, budget=budget)
-    model.generate(ids[row : row + 1, ids.shape[1] - length :], **cache_argument(cache), do_sample=False,
-                   max_new_tokens=new_tokens, pad_token_id=PAD)
+    model.generate(
+        ids[row : row + 1, ids.shape[1] - length :], **cache_argument(cache), do_sample=False, max_new_tokens=new_tokens, pad_token_id=PAD
+    )
     return cache
 
 

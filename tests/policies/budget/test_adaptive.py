@@ -33,16 +33,14 @@ def adaptive_request(scores: list, candidates: list | None = None, tokens: list[
     return make_request(0, 1, tokens, counts.tolist(), scores, candidates)
 
 
-def check_against_reference(caps: torch.Tensor, scores: torch.Tensor, candidates: torch.Tensor,
-                            tokens: list[int], floor: float) -> None:
+def check_against_reference(caps: torch.Tensor, scores: torch.Tensor, candidates: torch.Tensor, tokens: list[int], floor: float) -> None:
     """Ada-KV by hand, row by row: each head first keeps its ``floor(floor * B)`` best candidates;
     then one top-k over the remaining candidates of every head takes the rest of ``heads * B``.
     Where scores tie at the top-k's boundary, any split of the tied tokens among heads is valid."""
     batch, heads, slots = scores.shape
     for b in range(batch):
         budget = tokens[b]
-        ranked = [sorted((key(float(scores[b, h, i])) for i in range(slots) if candidates[b, h, i]), reverse=True)
-                  for h in range(heads)]
+        ranked = [sorted((key(float(scores[b, h, i])) for i in range(slots) if candidates[b, h, i]), reverse=True) for h in range(heads)]
         reserved = [min(math.floor(budget * floor), len(keys)) for keys in ranked]
         rest = [keys[r:] for keys, r in zip(ranked, reserved)]
         pool = sorted((k for keys in rest for k in keys), reverse=True)

@@ -75,8 +75,11 @@ WEIGHT = st.one_of(st.just(0.0), st.integers(1, 4).map(float), st.floats(1e-3, 1
 @st.composite
 def profiles_and_budgets(draw: st.DrawFn):
     layers, heads = draw(st.integers(1, 6)), draw(st.integers(1, 6))
-    rows = draw(st.lists(st.lists(WEIGHT, min_size=heads, max_size=heads), min_size=layers, max_size=layers)
-                .filter(lambda rows: sum(map(sum, rows)) > 0))
+    rows = draw(
+        st.lists(st.lists(WEIGHT, min_size=heads, max_size=heads), min_size=layers, max_size=layers).filter(
+            lambda rows: sum(map(sum, rows)) > 0
+        )
+    )
     tokens = draw(st.lists(st.integers(0, 300), min_size=1, max_size=3))
     floor = draw(st.one_of(st.sampled_from([0.0, 0.2, 1.0]), st.floats(0.0, 1.0)))
     return rows, tokens, floor
@@ -150,16 +153,33 @@ def test_a_profile_for_another_model_is_refused_at_the_caps(profiles):
         (json.dumps({"format": PROFILE_FORMAT, "weights": [1.0, 2.0]}), "weights must be a non-empty"),
         (json.dumps({"format": PROFILE_FORMAT, "weights": [[1.0, 2.0], [3.0]]}), "weights must be a non-empty"),
         (json.dumps({"format": PROFILE_FORMAT, "weights": [[1.0, -0.5]]}), "weights must be finite numbers >= 0"),
-        ('{"format": "%s", "weights": [[1.0, NaN]]}' % PROFILE_FORMAT, "weights must be finite numbers >= 0"),
-        ('{"format": "%s", "weights": [[Infinity, 1.0]]}' % PROFILE_FORMAT, "weights must be finite numbers >= 0"),
+        (f'{{"format": "{PROFILE_FORMAT}", "weights": [[1.0, NaN]]}}', "weights must be finite numbers >= 0"),
+        (f'{{"format": "{PROFILE_FORMAT}", "weights": [[Infinity, 1.0]]}}', "weights must be finite numbers >= 0"),
         (json.dumps({"format": PROFILE_FORMAT, "weights": [["1.0", 2.0]]}), "weights must be finite numbers >= 0"),
         (json.dumps({"format": PROFILE_FORMAT, "weights": [[True, 2.0]]}), "weights must be finite numbers >= 0"),
         (json.dumps({"format": PROFILE_FORMAT, "weights": [[None, 2.0]]}), "weights must be finite numbers >= 0"),
         (json.dumps({"format": PROFILE_FORMAT, "weights": [[10**400, 1]]}), "weights must be finite numbers >= 0"),
         (json.dumps({"format": PROFILE_FORMAT, "weights": [[0, 0.0], [0.0, 0]]}), "weights sum to 0"),
     ],
-    ids=["not-json", "not-an-object", "other-format", "no-format", "no-weights", "empty", "empty-rows", "flat",
-         "ragged", "negative", "nan", "infinity", "string", "bool", "null", "huge-int", "all-zero"],
+    ids=[
+        "not-json",
+        "not-an-object",
+        "other-format",
+        "no-format",
+        "no-weights",
+        "empty",
+        "empty-rows",
+        "flat",
+        "ragged",
+        "negative",
+        "nan",
+        "infinity",
+        "string",
+        "bool",
+        "null",
+        "huge-int",
+        "all-zero",
+    ],
 )
 def test_malformed_profiles_raise_value_error_naming_the_problem(tmp_path, text, problem):
     path = tmp_path / "profile.json"
@@ -223,10 +243,12 @@ def distant_mass_by_hand(model, ids: torch.Tensor, window: int, sinks: int) -> t
         group = weights.shape[1] // kv_heads
         row = []
         for kv_head in range(kv_heads):
-            masses = [float(weights[b, q, t, sinks : t - window].sum())
-                      for b in range(weights.shape[0])
-                      for q in range(kv_head * group, (kv_head + 1) * group)
-                      for t in range(sinks + window, weights.shape[2])]
+            masses = [
+                float(weights[b, q, t, sinks : t - window].sum())
+                for b in range(weights.shape[0])
+                for q in range(kv_head * group, (kv_head + 1) * group)
+                for t in range(sinks + window, weights.shape[2])
+            ]
             row.append(sum(masses) / len(masses) + 1e-3)
         rows.append(row)
     return torch.tensor(rows, dtype=torch.float64)
@@ -306,8 +328,7 @@ def test_through_generate_caps_over_the_held_tokens_keep_them_all(tmp_path):
     model = build_model("gpt2")  # 2 layers x 4 heads
     path = write_profile(tmp_path / "gpt2.json", [[1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 3.0]])
     lengths, new_tokens = [20, 30], 3
-    cache, _ = run(model, f"tova+head_importance(profile={path!r}, floor=0.25)", 8, lengths, seed=10,
-                   new_tokens=new_tokens)
+    cache, _ = run(model, f"tova+head_importance(profile={path!r}, floor=0.25)", 8, lengths, seed=10, new_tokens=new_tokens)
     caps = torch.tensor([[14, 2, 2, 2], [2, 2, 2, 38]])
     counts = kept_counts(cache)
     for row, length in enumerate(lengths):

@@ -156,10 +156,13 @@ def test_reserved_tokens_go_to_every_layer_before_the_pyramid_split(tokens, rese
     layers, beta = 5, 20
     first_reserved = min(tokens, reserved)
     rest = tokens - first_reserved
-    shares = [Fraction(rest) * (Fraction(2) - Fraction(1, beta) - Fraction(l, layers - 1) * (2 - Fraction(2, beta)))
-              for l in range(layers)]
-    caps = [int(Pyramid(beta=beta, reserved=reserved).caps(make_request(l, layers, [tokens], [[10_000]]))[0, 0])
-            for l in range(layers)]
+    shares = [
+        Fraction(rest) * (Fraction(2) - Fraction(1, beta) - Fraction(layer, layers - 1) * (2 - Fraction(2, beta)))
+        for layer in range(layers)
+    ]
+    caps = [
+        int(Pyramid(beta=beta, reserved=reserved).caps(make_request(layer, layers, [tokens], [[10_000]]))[0, 0]) for layer in range(layers)
+    ]
     assert sum(caps) == layers * tokens
     for cap, share in zip(caps, shares):
         assert cap - first_reserved in (math.floor(share), math.ceil(share))

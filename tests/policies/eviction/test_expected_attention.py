@@ -178,16 +178,27 @@ def test_rows_are_independent():
     strategy = ExpectedAttention(n_future_positions=5, n_sink=2)
     together = strategy.score(view)
     for b in range(BATCH):
-        alone = LayerView(0, 1, view.keys[b : b + 1], view.values[b : b + 1], view.positions[b : b + 1],
-                          view.valid[b : b + 1], queries=view.queries[b : b + 1],
-                          query_positions=view.query_positions[b : b + 1], rope=view.rope)
+        alone = LayerView(
+            0,
+            1,
+            view.keys[b : b + 1],
+            view.values[b : b + 1],
+            view.positions[b : b + 1],
+            view.valid[b : b + 1],
+            queries=view.queries[b : b + 1],
+            query_positions=view.query_positions[b : b + 1],
+            rope=view.rope,
+        )
         assert torch.allclose(strategy.score(alone)[0], together[b])
 
 
 @pytest.mark.parametrize(
     "kwargs, message",
-    [({"n_future_positions": 0}, "n_future_positions must be >= 1"), ({"n_sink": -1}, "n_sink must be >= 0"),
-     ({"epsilon": -0.5}, "epsilon must be >= 0")],
+    [
+        ({"n_future_positions": 0}, "n_future_positions must be >= 1"),
+        ({"n_sink": -1}, "n_sink must be >= 0"),
+        ({"epsilon": -0.5}, "epsilon must be >= 0"),
+    ],
 )
 def test_parameter_validation(kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -56,9 +56,13 @@ def reference(view: LayerView, strategy: LagKV) -> list[list[list[float]]]:
                 def tokens(tensor, first):
                     return [tensor[b, h, stored[first + i]].double().tolist() for i in range(lag)]
 
-                raw = [k + v for k, v in zip(
-                    softmax_of_lag_std(tokens(view.keys, start), tokens(view.keys, start + lag)),
-                    softmax_of_lag_std(tokens(view.values, start), tokens(view.values, start + lag)))]
+                raw = [
+                    k + v
+                    for k, v in zip(
+                        softmax_of_lag_std(tokens(view.keys, start), tokens(view.keys, start + lag)),
+                        softmax_of_lag_std(tokens(view.values, start), tokens(view.values, start + lag)),
+                    )
+                ]
                 ascending = sorted(range(lag), key=lambda i: raw[i])
                 for i in range(lag):
                     scores[stored[start + i]] = raw[i] if strategy.cross_scoring else ascending.index(i) / lag
@@ -67,9 +71,16 @@ def reference(view: LayerView, strategy: LagKV) -> list[list[list[float]]]:
     return result
 
 
-@pytest.mark.parametrize("strategy", [LagKV(n_sink=2, lag_size=4), LagKV(n_sink=2, lag_size=4, cross_scoring=True),
-                                      LagKV(n_sink=0, lag_size=3, cross_scoring=True), LagKV(n_sink=5, lag_size=2)],
-                         ids=lambda s: s.spec())
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        LagKV(n_sink=2, lag_size=4),
+        LagKV(n_sink=2, lag_size=4, cross_scoring=True),
+        LagKV(n_sink=0, lag_size=3, cross_scoring=True),
+        LagKV(n_sink=5, lag_size=2),
+    ],
+    ids=lambda s: s.spec(),
+)
 def test_scores_match_the_paper_formula(strategy):
     view = make_view(seed=1)
     scores = strategy.score(view)
@@ -98,8 +109,14 @@ def test_budget_keeps_sinks_window_and_an_equal_share_of_each_partition():
     # head (0, 0): 23 tokens = 2 sinks, scored partitions 2-5, 6-9, 10-13, 14-17, window 18-22
     # (the last full partition and the remainder); head (1, 2): 19 tokens, scored 2-5, 6-9, 10-13, window 14-18
     for (b, h, partitions, window), per_partition in [((0, 0, 4, 5), 1), ((0, 0, 4, 5), 3), ((1, 2, 3, 5), 2)]:
-        sub = LayerView(0, 1, view.keys[b : b + 1, h : h + 1], view.values[b : b + 1, h : h + 1],
-                        view.positions[b : b + 1, h : h + 1], view.valid[b : b + 1, h : h + 1])
+        sub = LayerView(
+            0,
+            1,
+            view.keys[b : b + 1, h : h + 1],
+            view.values[b : b + 1, h : h + 1],
+            view.positions[b : b + 1, h : h + 1],
+            view.valid[b : b + 1, h : h + 1],
+        )
         cap = 2 + window + per_partition * partitions  # sinks + window + a share of each partition
         kept = set(select_keep(strategy.score(sub), sub.valid, torch.tensor([[cap]]))[0, 0].tolist())
         length = int(view.valid[b, h].sum())
@@ -149,9 +166,7 @@ def test_half_precision_and_rows_independent():
         assert torch.equal(strategy.score(alone)[0], scores[b])
 
 
-@pytest.mark.parametrize(
-    "kwargs, message", [({"n_sink": -1}, "n_sink must be >= 0"), ({"lag_size": 1}, "lag_size must be >= 2")]
-)
+@pytest.mark.parametrize("kwargs, message", [({"n_sink": -1}, "n_sink must be >= 0"), ({"lag_size": 1}, "lag_size must be >= 2")])
 def test_parameter_validation(kwargs, message):
     with pytest.raises(ValueError, match=message):
         LagKV(**kwargs)

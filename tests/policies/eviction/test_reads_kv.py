@@ -24,10 +24,12 @@ def full_view(seed: int) -> LayerView:
     attention = torch.rand(BATCH, KV_HEADS * GROUP, OBSERVED, SLOTS, generator=generator)
     attention = attention.masked_fill(~valid.repeat_interleave(GROUP, 1).unsqueeze(2), 0.0)
     return LayerView(
-        layer_idx=1, num_layers=4,
+        layer_idx=1,
+        num_layers=4,
         keys=torch.randn(BATCH, KV_HEADS, SLOTS, DIM, generator=generator),
         values=torch.randn(BATCH, KV_HEADS, SLOTS, DIM, generator=generator),
-        positions=positions, valid=valid,
+        positions=positions,
+        valid=valid,
         queries=torch.randn(BATCH, KV_HEADS * GROUP, OBSERVED, DIM, generator=generator),
         query_positions=torch.arange(SLOTS - OBSERVED, SLOTS).expand(BATCH, OBSERVED),
         window_queries=torch.randn(BATCH, KV_HEADS * GROUP, OBSERVED, DIM, generator=generator),

@@ -67,9 +67,7 @@ def snapkv_reference(view: LayerView, window: int, kernel: int, pooling: str) ->
     return out
 
 
-@pytest.mark.parametrize(
-    "window, kernel, pooling", [(4, 5, "avg"), (4, 5, "max"), (2, 3, "avg"), (1, 1, "max"), (32, 7, "avg")]
-)
+@pytest.mark.parametrize("window, kernel, pooling", [(4, 5, "avg"), (4, 5, "max"), (2, 3, "avg"), (1, 1, "max"), (32, 7, "avg")])
 def test_scores_match_the_loop_reference(window, kernel, pooling):
     view = make_view(seed=window + kernel)
     scores = SnapKV(window=window, kernel=kernel, pooling=pooling).score(view)

@@ -35,7 +35,8 @@ def test_strategy_through_generate(family, name):
         return
     for row, length in enumerate(lengths):
         alone_cache = kvlib.make_cache(model, name, budget=BUDGET)
-        alone = model.generate(ids[row : row + 1, ids.shape[1] - length :], **cache_argument(alone_cache),
-                               do_sample=False, max_new_tokens=8, pad_token_id=PAD)
+        alone = model.generate(
+            ids[row : row + 1, ids.shape[1] - length :], **cache_argument(alone_cache), do_sample=False, max_new_tokens=8, pad_token_id=PAD
+        )
         assert torch.equal(batched[row, ids.shape[1] :], alone[0, length:])
         assert torch.equal(cache.kept_positions(0)[row], alone_cache.kept_positions(0)[0])

@@ -15,8 +15,7 @@ from kvlib.transformers_compat import cache_argument
 from tests.adapters.conftest import build_model
 
 
-def _view(attention: torch.Tensor, kv_heads: int, positions: torch.Tensor | None = None,
-          valid: torch.Tensor | None = None) -> LayerView:
+def _view(attention: torch.Tensor, kv_heads: int, positions: torch.Tensor | None = None, valid: torch.Tensor | None = None) -> LayerView:
     batch, _, _, slots = attention.shape
     keys = torch.zeros(batch, kv_heads, slots, 2)
     if positions is None:

@@ -52,7 +52,7 @@ def test_reconstruction_error_is_the_discarded_energy(heads: int, page_size: int
     page_heads = torch.arange(heads).repeat_interleave(pages)
     encoded = codec.key.encode(block, page_heads)
     error = (codec.key.decode(encoded, page_heads) - block).square().view(heads, -1).sum(-1)
-    discarded = singular[:, min(rank, dim):].square().sum(-1)
+    discarded = singular[:, min(rank, dim) :].square().sum(-1)
     total = singular.square().sum(-1)
     assert torch.allclose(error, discarded, rtol=1e-3, atol=1e-5 * float(total.max()))
     assert encoded["coefficients"].shape == (heads * pages, page_size, min(rank, dim))

@@ -55,7 +55,9 @@ def test_pairs_are_sealed_together_and_decode_to_the_merge() -> None:
     shallow, deep = store.pools[2], store.pools[3]
     assert isinstance(deep, PartneredPagePool) and int(shallow.sealed.sum()) == int(deep.sealed.sum()) == 4
     assert bool((shallow.refcount[deep.partner[deep.sealed]] == 2).all())  # table + partner reference
-    direction, norm_a, norm_b, kept, slots = merge_pages(data[2][0, :, :8].reshape(4, 4, 8), data[3][0, :, :8].reshape(4, 4, 8), strategy.t, 1)
+    direction, norm_a, norm_b, kept, slots = merge_pages(
+        data[2][0, :, :8].reshape(4, 4, 8), data[3][0, :, :8].reshape(4, 4, 8), strategy.t, 1
+    )
     expected_deep = (direction * norm_b.unsqueeze(-1)).scatter(1, slots.unsqueeze(-1).expand(-1, -1, 8), kept)
     read = store.read(3, [seq])
     assert torch.allclose(read.keys[0, :, :8], expected_deep.reshape(2, 8, 8), atol=1e-5)

@@ -14,7 +14,15 @@ from kvlib.spec_text import parse_strategy
 from kvlib.store_config import StoreConfig
 from tests.kvlib.test_paged_attention import sdpa_reference
 
-CODECS = ["kivi(bits=2)", "kivi(bits=4, group=4)", "kivi(bits=8)", "kv_bits(key_bits=4, value_bits=2)", "kv_bits(key_bits=8, value_bits=4, group=8)", "int8", "fp8"]
+CODECS = [
+    "kivi(bits=2)",
+    "kivi(bits=4, group=4)",
+    "kivi(bits=8)",
+    "kv_bits(key_bits=4, value_bits=2)",
+    "kv_bits(key_bits=8, value_bits=4, group=8)",
+    "int8",
+    "fp8",
+]
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 """Accumulation order, and the output's rounding to the query's dtype (as the kernel's own test)."""
 
@@ -23,7 +31,9 @@ def coded_store(spec: str, kv_heads: int, dims: tuple[int, int], page_size: int,
     """A one-layer store whose sealed pages are encoded by ``spec``'s codec."""
     shapes = layer_shapes(1, kv_heads, dims[0], dims[1], page_size, dtype, torch.device("cpu"))
     codecs = parse_strategy(spec).layer_codecs(shapes)
-    return PagedStore(StoreConfig(1, kv_heads, dims[0], value_dim=dims[1], page_size=page_size, dtype=dtype, codecs=codecs, read_cache=False))
+    return PagedStore(
+        StoreConfig(1, kv_heads, dims[0], value_dim=dims[1], page_size=page_size, dtype=dtype, codecs=codecs, read_cache=False)
+    )
 
 
 def fill(store: PagedStore, batch: int, generator: torch.Generator) -> list[int]:
@@ -38,7 +48,10 @@ def fill(store: PagedStore, batch: int, generator: torch.Generator) -> list[int]
         offset = torch.randn(dim, generator=generator) * 3
         return (torch.randn(rows, heads, count, dim, generator=generator) * scale + offset).to(store.dtype)
 
-    for count, rows in ((int(torch.randint(1, 30, (1,), generator=generator)), batch), (int(torch.randint(0, 20, (1,), generator=generator)), 1)):
+    for count, rows in (
+        (int(torch.randint(1, 30, (1,), generator=generator)), batch),
+        (int(torch.randint(0, 20, (1,), generator=generator)), 1),
+    ):
         if count:
             store.append(0, seqs[:rows], tokens(rows, count, pool.head_dim), tokens(rows, count, pool.value_dim))
     lengths = store.physical_lengths(0, seqs)
