@@ -104,3 +104,44 @@ def byte_table_reader(codes: torch.Tensor, table: np.ndarray, scale: torch.Tenso
 def _rows(arena: torch.Tensor) -> torch.Tensor:
     """``arena`` as ``[capacity, elements per page]`` (a view)."""
     return arena.view(arena.shape[0], math.prod(arena.shape[1:]))
+
+
+@numba.njit(inline="always")
+def load_gear(source, page: int, out: np.ndarray, out_bits: np.ndarray, rows: int) -> None:
+    """A :class:`~.gear_codec.GearQuantizer`'s page: the group codes (as :func:`load_group_quantized`),
+    plus ``U V^T``, then the outliers written over. ``fields = (codes, scale, minimum, meta kind,
+    bits, per_channel, group, token_factors [capacity, page_size * rank] bits, channel_factors
+    [capacity, dim * rank] bits, rank, outlier_index [capacity, count], outlier_value [capacity,
+    count] bits, count)``."""
+    if load_open(source, page, out, out_bits, rows):
+        return
+    codes, scale, minimum, kind, bits, per_channel, group, tokens, channels, rank, index, value, count = source[OPEN_ITEMS:]
+    if bits == 4:
+        _decode_groups(codes, scale, minimum, kind, 4, 1, per_channel, group, page, out, rows)
+    elif bits == 2:
+        _decode_groups(codes, scale, minimum, kind, 2, 2, per_channel, group, page, out, rows)
+    else:
+        _decode_groups(codes, scale, minimum, kind, 8, 0, per_channel, group, page, out, rows)
+    dim = out.shape[1]
+    for t in range(rows):
+        for c in range(dim):
+            correction = np.float32(0.0)
+            for k in range(rank):
+                correction += float_of(tokens[page, t * rank + k], kind) * float_of(channels[page, c * rank + k], kind)
+            out[t, c] += correction
+    for j in range(count):
+        element = np.int64(index[page, j])
+        if element < rows * dim:
+            out[element // dim, element % dim] = float_of(value[page, j], kind)
+
+
+def gear_reader(arenas: dict[str, torch.Tensor], bits: int, per_channel: bool, group: int, rank: int, count: int) -> CodedReader:
+    """The :class:`CodedReader` of a GEAR codec's field arenas (a group quantizer's, plus factors
+    and outliers where ``rank`` and ``count`` are not 0; empty arrays stand in for absent ones)."""
+    quantized = group_quantized_reader(arenas, bits, per_channel, group).fields
+    empty = np.zeros((0, 0), dtype=np.uint16)
+    tokens = float_bits(_rows(arenas["token_factors"]))[0] if rank else empty
+    channels = float_bits(_rows(arenas["channel_factors"]))[0] if rank else empty
+    index = arenas["outlier_index"].numpy() if count else np.zeros((0, 0), dtype=np.int16)
+    value = float_bits(_rows(arenas["outlier_value"]))[0] if count else empty
+    return CodedReader((*quantized, tokens, channels, rank, index, value, count), load_gear)

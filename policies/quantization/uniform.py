@@ -135,12 +135,18 @@ class GroupQuantizer(TensorCodec):
             rows = torch.arange(n)
             self.decode_into(encoded, rows, heads, out, rows)
             return out
+        return self.dequantize(encoded).to(self.shape.dtype)
+
+    def dequantize(self, encoded: dict[str, torch.Tensor]) -> torch.Tensor:
+        """float32 ``[pages, page_size, dim]`` of encoded pages, before rounding to the compute dtype (torch, any device)."""
+        n = encoded["codes"].shape[0]
+        size, dim = self.shape.page_size, self.shape.dim
         codes = unpack(encoded["codes"], self.bits, self._count)
         if self.per_channel:
             values = dequantize_min_max(codes.view(n, size, dim).transpose(1, 2), encoded["scale"], encoded["minimum"]).transpose(1, 2)
         else:
             values = dequantize_min_max(codes.view(n, size, dim // self.group, self.group), encoded["scale"], encoded["minimum"])
-        return values.reshape(n, size, dim).to(self.shape.dtype)
+        return values.reshape(n, size, dim)
 
     def decode_into(
         self, arenas: dict[str, torch.Tensor], pages: torch.Tensor, heads: torch.Tensor, out: torch.Tensor, rows: torch.Tensor

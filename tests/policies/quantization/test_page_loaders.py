@@ -22,6 +22,10 @@ CODECS = [
     "kv_bits(key_bits=8, value_bits=4, group=8)",
     "int8",
     "fp8",
+    "gear",
+    "gear(bits=2, rank=2, outliers=0.05, group=4)",
+    "gear(bits=8, rank=0)",
+    "gear(outliers=0)",
 ]
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 """Accumulation order, and the output's rounding to the query's dtype (as the kernel's own test)."""
