@@ -26,6 +26,10 @@ Sections (``--sections``, all by default):
   with each codec keeping ``fraction / (codec's bytes ratio)`` of the tokens (when that is <= 1).
   KV bytes are pages + codec metadata + positions at the end of the perplexity pass (what each
   stored token costs; block tables and read mirrors excluded).
+- ``smollm2``: SmolLM2-135M-Instruct at ``--smollm2-contexts`` prompt tokens of natural text, mean
+  KL(full || codec) over ``--smollm2-steps`` teacher-forced steps and KV bytes, for each of
+  ``--smollm2-specs`` (:mod:`codec_quality_smollm2`). Target: ``gear(bits=4)`` below
+  ``kivi(bits=4)``'s KL at no more than 1.25x its bytes. Not in ``--quick``.
 
 Usage:
 
@@ -58,6 +62,7 @@ from kvlib.transformers_compat import cache_argument
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or loaded by path
 from bench_generate import load_model  # noqa: E402
+from codec_quality_smollm2 import SMOLLM2_HEADER, smollm2_kl, smollm2_line  # noqa: E402
 from eviction_quality import evaluate, sample_texts  # noqa: E402
 from provenance import (  # noqa: E402
     add_run_arguments,
@@ -69,7 +74,7 @@ from provenance import (  # noqa: E402
 )
 
 REPO = Path(__file__).resolve().parents[1]
-SECTIONS = ("bytes", "throughput", "decode", "quality")
+SECTIONS = ("bytes", "throughput", "decode", "quality", "smollm2")
 BYTE_CODECS = (
     "int8",
     "fp8",
@@ -77,6 +82,7 @@ BYTE_CODECS = (
     "kivi(bits=4)",
     "kivi(bits=2)",
     "kv_bits(key_bits=4, value_bits=2)",
+    "gear",
     "svd(rank=32)",
     "think(keep=0.5)",
 )
@@ -89,6 +95,7 @@ QUALITY_CODECS = (
     "kivi(bits=2)",
     "kv_bits(key_bits=4, value_bits=2)",
     "kv_bits(key_bits=2, value_bits=4)",
+    "gear",
     "svd",
     "svd(rank=4)",
     "xkv(rank=4)",
@@ -116,9 +123,12 @@ FULL = {
     "pair_codecs": ";".join(PAIR_CODECS),
     "evictions": "snapkv,streaming_llm",
     "byte_budgets": "0.25,0.125",
+    "smollm2_specs": "kivi(bits=4);gear",
+    "smollm2_contexts": "2048,4096",
+    "smollm2_steps": 32,
 }
 QUICK = {
-    "sections": ",".join(SECTIONS),
+    "sections": ",".join(SECTIONS[:-1]),
     "page_sizes": "16,64",
     "target_page_size": 64,
     "throughput_mib": 4,
@@ -135,6 +145,9 @@ QUICK = {
     "pair_codecs": "kivi(bits=4)",
     "evictions": "streaming_llm",
     "byte_budgets": "0.25",
+    "smollm2_specs": "kivi(bits=4);gear",
+    "smollm2_contexts": "2048",
+    "smollm2_steps": 8,
 }
 HEAD_DIM = 128
 VALUE_GROUP = 32
@@ -360,6 +373,9 @@ def run(argv: Sequence[str] | None = None) -> dict:
     parser.add_argument("--pair-codecs", help="quality: ';'-separated codecs paired with eviction at equal bytes")
     parser.add_argument("--evictions", help=f"quality: eviction strategies paired (default {FULL['evictions']})")
     parser.add_argument("--byte-budgets", help=f"quality: KV byte fractions of the full cache (default {FULL['byte_budgets']})")
+    parser.add_argument("--smollm2-specs", help=f"smollm2: ';'-separated codecs (default {FULL['smollm2_specs']})")
+    parser.add_argument("--smollm2-contexts", help=f"smollm2: prompt tokens, comma-separated (default {FULL['smollm2_contexts']})")
+    parser.add_argument("--smollm2-steps", type=int, help=f"smollm2: teacher-forced steps (default {FULL['smollm2_steps']})")
     add_run_arguments(parser, QUICK, stories=True)
     args = parse_run_arguments(parser, argv, QUICK, FULL)
     sections = [s.strip() for s in args.sections.split(",") if s.strip()]
@@ -381,6 +397,9 @@ def run(argv: Sequence[str] | None = None) -> dict:
         result["decode"] = decode_section(args, stories_path)
     if "quality" in sections:
         result["quality"] = quality_section(args, stories_path)
+    if "smollm2" in sections:
+        contexts = [int(c) for c in args.smollm2_contexts.split(",") if c.strip()]
+        result["smollm2"] = smollm2_kl(args.smollm2_specs.split(";"), contexts, args.smollm2_steps)
     result.update(run_metadata(args, load_before, started))
     result["config"]["stories_path"] = str(args.stories_path)
     write_report(args.out, "codec_bench", _markdown(result, argv), result)
@@ -476,6 +495,9 @@ def _markdown(result: dict, argv: Sequence[str] | None) -> str:
                 f"| {r['target']:g} | {r['spec']} | {r['token_fraction']:.0%} | {r['bytes_vs_full']:.3f} | {r['agreement']:.3f} "
                 f"| {r['kl']:.4f} | {r['ppl']:.3f} | {r['ppl'] / full['ppl']:.3f} |"
             )
+    if "smollm2" in result:
+        lines += ["", "## SmolLM2-135M-Instruct: KL(full || codec) at long prompts", "", SMOLLM2_HEADER]
+        lines += [smollm2_line(r) for r in result["smollm2"]]
     return "\n".join(lines)
 
 

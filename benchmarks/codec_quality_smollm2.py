@@ -70,6 +70,17 @@ def smollm2_kl(specs: Sequence[str], contexts: Sequence[int], steps: int = 32, s
     return rows
 
 
+SMOLLM2_HEADER = "| context | spec | KL (nats/step) | agreement | KV bytes | bytes / full | seconds |\n|---|---|---|---|---|---|---|"
+
+
+def smollm2_line(row: dict) -> str:
+    """One markdown table row (under :data:`SMOLLM2_HEADER`) of a :func:`smollm2_kl` row."""
+    return (
+        f"| {row['context']} | `{row['spec']}` | {row['kl']:.5f} | {row['agreement']:.3f} | {row['kv_bytes']:,} |"
+        f" {row['bytes_ratio']:.4f} | {row['seconds']:.1f} |"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--specs", default="kivi(bits=4);gear", help="codec specs separated by ';'")
@@ -77,13 +88,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=32)
     args = parser.parse_args()
     rows = smollm2_kl(args.specs.split(";"), [int(c) for c in args.contexts.split(",")], args.steps)
-    print("| context | spec | KL (nats/step) | agreement | KV bytes | bytes / full | seconds |")
-    print("|---|---|---|---|---|---|---|")
-    for row in rows:
-        print(
-            f"| {row['context']} | `{row['spec']}` | {row['kl']:.5f} | {row['agreement']:.3f} | {row['kv_bytes']:,} |"
-            f" {row['bytes_ratio']:.4f} | {row['seconds']:.1f} |"
-        )
+    print("\n".join([SMOLLM2_HEADER, *map(smollm2_line, rows)]))
 
 
 if __name__ == "__main__":
