@@ -56,7 +56,7 @@ class GEAR(Quantization):
         check_group(self.group)
         if not isinstance(self.rank, int) or self.rank < 0:
             raise ValueError(f"rank must be an int >= 0, got {self.rank!r}")
-        if not 0 <= self.outliers < 0.5:
+        if not isinstance(self.outliers, (int, float)) or not 0 <= self.outliers < 0.5:
             raise ValueError(f"outliers must be a fraction in [0, 0.5), got {self.outliers!r}")
         if not isinstance(self.iterations, int) or self.iterations < 1:
             raise ValueError(f"iterations must be an int >= 1, got {self.iterations!r}")

@@ -126,6 +126,7 @@ def test_outliers_are_capped_at_what_the_groups_can_give_up() -> None:
         ({"rank": -1}, "rank"),
         ({"outliers": 0.5}, "outliers"),
         ({"outliers": -0.1}, "outliers"),
+        ({"outliers": "many"}, "outliers"),
         ({"iterations": 0}, "iterations"),
         ({"group": 0}, "group"),
     ],
