@@ -72,7 +72,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     print("| context | spec | KL (nats/step) | bytes | bytes ratio | s |")
     print("|---|---|---|---|---|---|")
     for row in smollm2_kl(args.specs, args.contexts, args.steps):
-        print(f"| {row['context']} | `{row['spec']}` | {row['kl']:.4f} | {row['bytes']} | {row['bytes_ratio']:.3f} | {row['seconds']:.1f} |")
+        print(
+            f"| {row['context']} | `{row['spec']}` | {row['kl']:.4f} | {row['bytes']} | {row['bytes_ratio']:.3f} | {row['seconds']:.1f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -22,6 +22,9 @@ CODECS = [
     "kv_bits(key_bits=8, value_bits=4, group=8)",
     "int8",
     "fp8",
+    "rotated(bits=2)",
+    "rotated(bits=4, group=4)",
+    "rotated(bits=8, seed=3)",
 ]
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 """Accumulation order, and the output's rounding to the query's dtype (as the kernel's own test)."""
