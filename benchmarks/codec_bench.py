@@ -26,6 +26,11 @@ Sections (``--sections``, all by default):
   with each codec keeping ``fraction / (codec's bytes ratio)`` of the tokens (when that is <= 1).
   KV bytes are pages + codec metadata + positions at the end of the perplexity pass (what each
   stored token costs; block tables and read mirrors excluded).
+- ``smollm2``: SmolLM2-135M-Instruct at ``--smollm2-contexts`` prompt tokens of natural text,
+  KL(full || codec) per teacher-forced step over 32 steps and KV bytes over the full cache's, for
+  each codec of ``--smollm2-specs`` (:mod:`codec_quality_smollm2`). Targets: ``rotated(bits=2)``
+  at most half the KL of ``kivi(bits=2)`` at no more bytes, ``rotated(bits=4)`` KL <= 0.01.
+  Not in ``--quick``.
 
 Usage:
 
@@ -58,6 +63,7 @@ from kvlib.transformers_compat import cache_argument
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or loaded by path
 from bench_generate import load_model  # noqa: E402
+from codec_quality_smollm2 import smollm2_kl  # noqa: E402
 from eviction_quality import evaluate, sample_texts  # noqa: E402
 from provenance import (  # noqa: E402
     add_run_arguments,
@@ -69,7 +75,7 @@ from provenance import (  # noqa: E402
 )
 
 REPO = Path(__file__).resolve().parents[1]
-SECTIONS = ("bytes", "throughput", "decode", "quality")
+SECTIONS = ("bytes", "throughput", "decode", "quality", "smollm2")
 BYTE_CODECS = (
     "int8",
     "fp8",
@@ -116,9 +122,11 @@ FULL = {
     "pair_codecs": ";".join(PAIR_CODECS),
     "evictions": "snapkv,streaming_llm",
     "byte_budgets": "0.25,0.125",
+    "smollm2_specs": "kivi(bits=2);rotated(bits=2);kivi(bits=4);rotated(bits=4)",
+    "smollm2_contexts": "2048,4096",
 }
 QUICK = {
-    "sections": ",".join(SECTIONS),
+    "sections": ",".join(s for s in SECTIONS if s != "smollm2"),
     "page_sizes": "16,64",
     "target_page_size": 64,
     "throughput_mib": 4,
@@ -135,6 +143,8 @@ QUICK = {
     "pair_codecs": "kivi(bits=4)",
     "evictions": "streaming_llm",
     "byte_budgets": "0.25",
+    "smollm2_specs": "kivi(bits=2)",
+    "smollm2_contexts": "256",
 }
 HEAD_DIM = 128
 VALUE_GROUP = 32
@@ -360,6 +370,8 @@ def run(argv: Sequence[str] | None = None) -> dict:
     parser.add_argument("--pair-codecs", help="quality: ';'-separated codecs paired with eviction at equal bytes")
     parser.add_argument("--evictions", help=f"quality: eviction strategies paired (default {FULL['evictions']})")
     parser.add_argument("--byte-budgets", help=f"quality: KV byte fractions of the full cache (default {FULL['byte_budgets']})")
+    parser.add_argument("--smollm2-specs", help=f"smollm2: ';'-separated codecs (default {FULL['smollm2_specs']})")
+    parser.add_argument("--smollm2-contexts", help=f"smollm2: comma-separated prompt tokens (default {FULL['smollm2_contexts']})")
     add_run_arguments(parser, QUICK, stories=True)
     args = parse_run_arguments(parser, argv, QUICK, FULL)
     sections = [s.strip() for s in args.sections.split(",") if s.strip()]
@@ -381,6 +393,9 @@ def run(argv: Sequence[str] | None = None) -> dict:
         result["decode"] = decode_section(args, stories_path)
     if "quality" in sections:
         result["quality"] = quality_section(args, stories_path)
+    if "smollm2" in sections:
+        contexts = [int(n) for n in args.smollm2_contexts.split(",") if n.strip()]
+        result["smollm2"] = smollm2_kl([s for s in args.smollm2_specs.split(";") if s.strip()], contexts)
     result.update(run_metadata(args, load_before, started))
     result["config"]["stories_path"] = str(args.stories_path)
     write_report(args.out, "codec_bench", _markdown(result, argv), result)
@@ -476,6 +491,11 @@ def _markdown(result: dict, argv: Sequence[str] | None) -> str:
                 f"| {r['target']:g} | {r['spec']} | {r['token_fraction']:.0%} | {r['bytes_vs_full']:.3f} | {r['agreement']:.3f} "
                 f"| {r['kl']:.4f} | {r['ppl']:.3f} | {r['ppl'] / full['ppl']:.3f} |"
             )
+    if "smollm2" in result:
+        lines += ["", "## SmolLM2-135M-Instruct: KL(full || codec) per teacher-forced step", ""]
+        lines += ["| context | codec | KL (nats) | bytes | bytes vs full |", "|---|---|---|---|---|"]
+        for r in result["smollm2"]:
+            lines.append(f"| {r['context']} | {r['spec']} | {r['kl']:.4f} | {r['bytes']} | {r['bytes_ratio']:.3f} |")
     return "\n".join(lines)
 
 
