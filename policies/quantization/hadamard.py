@@ -105,9 +105,12 @@ class RotatedQuantizer(TensorCodec):
         """float32 ``[pages, 1, dim]``: the signs of each page's head, on ``device``."""
         return self.signs.index_select(0, to_arena_device(heads, self.signs.device)).unsqueeze(1).to(device, torch.float32)
 
-    def page_reader(self, arenas: dict[str, torch.Tensor]) -> CodedReader:
-        """The inner quantizer's codes decoded, then each token row rotated back, inside the kernel."""
+    def page_reader(self, arenas: dict[str, torch.Tensor]) -> CodedReader | None:
+        """The inner quantizer's codes decoded, then each token row rotated back, inside the kernel
+        (None where the inner codec has no reader: the layer is then read through :meth:`decode_into`)."""
         inner = self.inner.page_reader({name: t for name, t in arenas.items() if name != "head"})
+        if inner is None:
+            return None
         return CodedReader((*inner.fields, arenas["head"].numpy(), self.signs.numpy()), load_rotated)
 
     def state_bytes(self) -> int:
