@@ -83,6 +83,8 @@ BYTE_CODECS = (
     "kivi(bits=4)",
     "kivi(bits=2)",
     "kv_bits(key_bits=4, value_bits=2)",
+    "rotated(bits=2)",
+    "rotated(bits=4)",
     "svd(rank=32)",
     "think(keep=0.5)",
 )
