@@ -24,8 +24,7 @@ import torch
 from kvlib.codec import Field, TensorCodec, TensorShape
 from kvlib.coded_page_loaders import OPEN_ITEMS, CodedReader, load_open
 from kvlib.devices import to_arena_device
-from kvlib.policies.quantization.page_loaders import decode_groups
-from kvlib.policies.quantization.uniform import GroupQuantizer
+from kvlib.policies.quantization.page_loaders import decode_groups, load_group_quantized
 
 MAX_HEADS = 256
 """KV heads a layer may have: a page's head is stored in one byte."""
@@ -57,8 +56,10 @@ def hadamard(x: torch.Tensor) -> torch.Tensor:
 
 
 class RotatedQuantizer(TensorCodec):
-    """``inner`` (a group quantizer of the same shape) applied to pages rotated by their head's
-    ``R_h``; decoding rotates back. Fields: the inner quantizer's plus ``head`` (uint8, the page's
+    """``inner`` (a tensor codec; a :class:`~.uniform.GroupQuantizer` for the ``rotated`` strategy)
+    applied to pages rotated by their head's ``R_h``; decoding rotates back. The kernel decodes
+    pages in place when ``inner``'s page reader is a group quantizer's, else reads go through
+    :meth:`decode_into`. Fields: the inner quantizer's plus ``head`` (uint8, the page's
     KV head, metadata). State: the sign vectors, int8 ``[kv_heads, dim]`` (:meth:`state_bytes`).
 
     Error: the inner quantizer's bound holds for the rotated page; since ``R_h`` is orthogonal a
@@ -66,7 +67,7 @@ class RotatedQuantizer(TensorCodec):
     compute dtype).
     """
 
-    def __init__(self, inner: GroupQuantizer, seed: int, part: int) -> None:
+    def __init__(self, inner: TensorCodec, seed: int, part: int) -> None:
         super().__init__(inner.shape)
         if not is_power_of_two(inner.shape.dim):
             raise ValueError(f"a Hadamard rotation needs a power-of-two head dim, got {inner.shape.dim}")
@@ -109,7 +110,7 @@ class RotatedQuantizer(TensorCodec):
         """The inner quantizer's codes decoded, then each token row rotated back, inside the kernel
         (None where the inner codec has no reader: the layer is then read through :meth:`decode_into`)."""
         inner = self.inner.page_reader({name: t for name, t in arenas.items() if name != "head"})
-        if inner is None:
+        if inner is None or inner.load is not load_group_quantized:  # load_rotated reads a group quantizer's fields
             return None
         return CodedReader((*inner.fields, arenas["head"].numpy(), self.signs.numpy()), load_rotated)
 

@@ -14,6 +14,7 @@ from kvlib.policies.quantization.hadamard import RotatedQuantizer, hadamard, ran
 from kvlib.policies.quantization.rotated import Rotated
 from kvlib.spec_text import parse_strategy
 from kvlib.storage.packing import packed_size
+from tests.policies.quantization.test_page_loaders import coded_store
 
 CPU = torch.device("cpu")
 
@@ -117,3 +118,13 @@ def test_bad_parameters_and_shapes_fail_with_clear_errors() -> None:
         Rotated(group=24).check_shape(layer_shapes(1, 2, 64, 64, 16, torch.float32, CPU))
     with pytest.raises(ValueError, match="KV heads"):
         Rotated().check_shape(layer_shapes(1, 300, 64, 64, 16, torch.float32, CPU))
+
+
+def test_the_paged_kernel_reads_rotated_pages_in_place() -> None:
+    """A rotated pool on the CPU hands the kernel a page source (no dense decode of the layer)."""
+    store = coded_store("rotated(bits=2)", 2, (16, 16), 4, torch.float32)
+    seq = store.new_sequence()
+    store.append(0, [seq], torch.randn(1, 2, 9, 16), torch.randn(1, 2, 9, 16))
+    store.seal(0, [seq])
+    pool = store.pools[0]
+    assert int(pool.sealed.sum()) == 4 and pool.page_source() is not None
