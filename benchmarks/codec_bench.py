@@ -28,8 +28,9 @@ Sections (``--sections``, all by default):
   stored token costs; block tables and read mirrors excluded).
 - ``smollm2``: SmolLM2-135M-Instruct at ``--smollm2-contexts`` prompt tokens of natural text, mean
   KL(full || codec) over ``--smollm2-steps`` teacher-forced steps and KV bytes, for each of
-  ``--smollm2-specs`` (:mod:`codec_quality_smollm2`). Target: ``gear(bits=4)`` below
-  ``kivi(bits=4)``'s KL at no more than 1.25x its bytes. Not in ``--quick``.
+  ``--smollm2-specs`` (:mod:`codec_quality_smollm2`). Targets: ``rotated(bits=2)`` at most half
+  the KL of ``kivi(bits=2)`` at no more bytes, ``rotated(bits=4)`` KL <= 0.01, ``gear(bits=4)``
+  below ``kivi(bits=4)``'s KL at no more than 1.25x its bytes. Not in ``--quick``.
 
 Usage:
 
@@ -83,6 +84,8 @@ BYTE_CODECS = (
     "kivi(bits=2)",
     "kv_bits(key_bits=4, value_bits=2)",
     "gear",
+    "rotated(bits=2)",
+    "rotated(bits=4)",
     "svd(rank=32)",
     "think(keep=0.5)",
 )
@@ -123,7 +126,7 @@ FULL = {
     "pair_codecs": ";".join(PAIR_CODECS),
     "evictions": "snapkv,streaming_llm",
     "byte_budgets": "0.25,0.125",
-    "smollm2_specs": "kivi(bits=4);gear",
+    "smollm2_specs": "kivi(bits=2);rotated(bits=2);kivi(bits=4);rotated(bits=4);gear",
     "smollm2_contexts": "2048,4096",
     "smollm2_steps": 32,
 }

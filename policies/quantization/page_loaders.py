@@ -35,15 +35,15 @@ def load_group_quantized(source, page: int, out: np.ndarray, out_bits: np.ndarra
         return
     codes, scale, minimum, kind, bits, per_channel, group = source[OPEN_ITEMS:]
     if bits == 4:
-        _decode_groups(codes, scale, minimum, kind, 4, 1, per_channel, group, page, out, rows)
+        decode_groups(codes, scale, minimum, kind, 4, 1, per_channel, group, page, out, rows)
     elif bits == 2:
-        _decode_groups(codes, scale, minimum, kind, 2, 2, per_channel, group, page, out, rows)
+        decode_groups(codes, scale, minimum, kind, 2, 2, per_channel, group, page, out, rows)
     else:
-        _decode_groups(codes, scale, minimum, kind, 8, 0, per_channel, group, page, out, rows)
+        decode_groups(codes, scale, minimum, kind, 8, 0, per_channel, group, page, out, rows)
 
 
 @numba.njit(inline="always")
-def _decode_groups(
+def decode_groups(
     codes, scale, minimum, kind: int, bits: int, shift: int, per_channel: int, group: int, page: int, out: np.ndarray, rows: int
 ) -> None:
     """The first ``rows`` tokens of sealed ``page`` at ``bits`` bits (``2**shift`` codes per byte)."""

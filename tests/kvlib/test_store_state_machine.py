@@ -12,8 +12,9 @@ order, with their positions (so a write, compaction or truncation never changes 
 sequence reads).
 
 ``CodedStoreMachine`` runs the same rules on a store whose pools encode sealed pages with a
-lossless codec that is not the identity (it stores each page's tokens reversed and negated), plus
-a rule that seals: the same invariants must hold whatever mix of open and sealed pages the
+lossless codec that is not the identity (it stores each page's tokens reversed and negated; drawn
+with or without the ``rotated`` codec's per-head Hadamard rotation around it where a layer's dims
+allow it exactly), plus a rule that seals: the same invariants must hold whatever mix of open and sealed pages the
 operations meet, and sealed pages are full, never written, and counted at the codec's bytes.
 """
 
@@ -30,6 +31,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from kvlib import PagedStore, StoreConfig
 from kvlib.codec import Field, PageCodec, TensorCodec, layer_shapes
+from kvlib.policies.quantization.hadamard import RotatedQuantizer, is_power_of_two
 from kvlib.storage.coded_pool import CodedPagePool
 from kvlib.storage.disk_tier import DiskTier
 from kvlib.storage.page_prefetch import PagePrefetcher
@@ -37,8 +39,10 @@ from kvlib.storage.spill_store import SpillStore
 from kvlib.storage.tiered_pool import TieredPagePool
 
 HEADS = (2, 3)
-KEY_DIMS = (2, 3)
-VALUE_DIMS = (3, 1)
+KEY_DIMS = (4, 3)
+VALUE_DIMS = (16, 1)
+"""Layer 0's dims are powers of two that a Hadamard rotation maps exactly (by 1/2 and 1/4), so the
+rotated codec can serve it losslessly; layer 1's cannot be rotated."""
 
 Token = tuple[int, int]  # (token id, position)
 
@@ -69,14 +73,18 @@ class ReversingCodec(TensorCodec):
         return (-encoded["reversed"].flip(1)).to(self.shape.dtype)
 
 
-def reversing_codecs(page_size: int) -> list[PageCodec]:
-    return [
-        PageCodec(ReversingCodec(key), ReversingCodec(value), "reversing")
-        for key, value in (
-            (layer_shapes(len(HEADS), HEADS[i], KEY_DIMS[i], VALUE_DIMS[i], page_size, torch.float32, torch.device("cpu"))[i])
-            for i in range(len(HEADS))
-        )
-    ]
+def coded_codecs(page_size: int, rotated: bool) -> list[PageCodec]:
+    """Each layer's reversing codec; with ``rotated``, layers whose dims allow it rotate their
+    pages first (the ``rotated`` codec's Hadamard rotation per head around the reversing codec:
+    still lossless, and a page decoded with another head's signs would read wrong)."""
+    codecs = []
+    for i in range(len(HEADS)):
+        key, value = layer_shapes(len(HEADS), HEADS[i], KEY_DIMS[i], VALUE_DIMS[i], page_size, torch.float32, torch.device("cpu"))[i]
+        if rotated and is_power_of_two(key.dim) and is_power_of_two(value.dim):
+            codecs.append(PageCodec(RotatedQuantizer(ReversingCodec(key), i, 0), RotatedQuantizer(ReversingCodec(value), i, 1), "rotated"))
+        else:
+            codecs.append(PageCodec(ReversingCodec(key), ReversingCodec(value), "reversing"))
+    return codecs
 
 
 class StoreMachine(RuleBasedStateMachine):
@@ -85,8 +93,8 @@ class StoreMachine(RuleBasedStateMachine):
     summarized = False
     spilling = False
 
-    @initialize(page_size=st.integers(1, 5), pages=st.integers(0, 3), prefetch=st.booleans())
-    def setup(self, page_size: int, pages: int, prefetch: bool) -> None:
+    @initialize(page_size=st.integers(1, 5), pages=st.integers(0, 3), prefetch=st.booleans(), rotated=st.booleans())
+    def setup(self, page_size: int, pages: int, prefetch: bool, rotated: bool) -> None:
         disk_tier = self.disk_tier()
         self.store = PagedStore(
             StoreConfig(
@@ -96,7 +104,7 @@ class StoreMachine(RuleBasedStateMachine):
                 value_dim=list(VALUE_DIMS),
                 page_size=page_size,
                 pages_per_layer=pages,
-                codecs=reversing_codecs(page_size) if self.coded else None,
+                codecs=coded_codecs(page_size, rotated) if self.coded else None,
                 device_pages=5 if self.tiered else None,
                 key_summaries=self.summarized,
                 **disk_tier,
@@ -381,7 +389,8 @@ class StoreMachine(RuleBasedStateMachine):
                 assert not bool(pool.sealed[references == 0].any()) and bool((pool.raw_row[references == 0] == -1).all())
                 assert torch.equal(pool.raw_row[references > 0] >= 0, ~pool.sealed[references > 0]), "open xor sealed"
                 coded = sealed * pool.codec.page_bytes() if sealed else 0
-                expected = (in_use - sealed) * pool.kv_page_bytes + coded + in_use * pool.position_page_bytes
+                state = pool.codec.state_bytes()  # per-layer state (the rotation's signs), held with or without pages
+                expected = (in_use - sealed) * pool.kv_page_bytes + coded + in_use * pool.position_page_bytes + state
                 assert pool.bytes_in_use() == expected
                 if len(live):  # a sealed page is always full: it sits before each referencing head's last full page
                     pages = table.pages[live]

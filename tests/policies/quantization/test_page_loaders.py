@@ -26,6 +26,9 @@ CODECS = [
     "gear(bits=2, rank=2, outliers=0.05, group=4)",
     "gear(bits=8, rank=0)",
     "gear(outliers=0)",
+    "rotated(bits=2)",
+    "rotated(bits=4, group=4)",
+    "rotated(bits=8, seed=3)",
 ]
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 """Accumulation order, and the output's rounding to the query's dtype (as the kernel's own test)."""

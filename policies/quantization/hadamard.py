@@ -1,0 +1,150 @@
+"""Randomized Hadamard rotation of a group quantizer's pages (the ``rotated`` codec's helper, not a strategy).
+
+The rotation of head ``h`` is ``R_h = H D_h / sqrt(d)``: ``D_h`` a fixed diagonal of random signs
+(one vector per layer, tensor and KV head, drawn from a seed), ``H`` the ``d x d`` Sylvester
+Hadamard matrix (``d`` a power of two). ``R_h`` is orthogonal, so ``q . k = (R_h q) . (R_h k)``
+and the quantization error's norm is the same in both bases; what changes is its spread: an
+outlier channel of ``k`` is shared out over all ``d`` rotated channels, so a group's min/max
+range shrinks (QuaRot, Ashkboos et al., 2024; SpinQuant; RotateKV). A token row is rotated
+alone, in ``O(d log d)`` (the butterfly of the fast Walsh-Hadamard transform).
+
+Pages are stored rotated; every read undoes the rotation (``x = D_h H y / sqrt(d)``), so reads
+return keys and values in the model's basis: the dense decode here in torch (any device), and
+inside the paged-attention kernel :func:`load_rotated`, which decodes the codes as the group
+quantizer's loader does and then rotates each token row back. The kernel's loaders get a page
+id, not its head, so each sealed page also stores its KV head (one byte, ``head`` field).
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import torch
+
+from kvlib.codec import Field, TensorCodec, TensorShape
+from kvlib.coded_page_loaders import OPEN_ITEMS, CodedReader, load_open
+from kvlib.devices import to_arena_device
+from kvlib.policies.quantization.page_loaders import decode_groups, load_group_quantized
+
+MAX_HEADS = 256
+"""KV heads a layer may have: a page's head is stored in one byte."""
+
+
+def is_power_of_two(n: int) -> bool:
+    return n >= 1 and n & (n - 1) == 0
+
+
+def random_signs(seed: int, shape: TensorShape, part: int) -> torch.Tensor:
+    """int8 ``[kv_heads, dim]`` of +-1, fixed by ``(seed, layer, part)`` (``part`` 0 keys, 1 values)."""
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + 2 * shape.layer_idx + part)
+    bits = torch.randint(0, 2, (shape.kv_heads, shape.dim), generator=generator, dtype=torch.int8)
+    return (2 * bits - 1).to(shape.device)
+
+
+def hadamard(x: torch.Tensor) -> torch.Tensor:
+    """``x H / sqrt(d)`` along the last dim of float32 ``x [..., d]`` (``d`` a power of two; ``H``
+    Sylvester's, symmetric, so this is its own inverse), by ``log2(d)`` butterfly passes."""
+    d = x.shape[-1]
+    lead = x.shape[:-1]
+    half = 1
+    while half < d:
+        pairs = x.reshape(*lead, d // (2 * half), 2, half)
+        first, second = pairs[..., 0, :], pairs[..., 1, :]
+        x = torch.stack((first + second, first - second), dim=-2).reshape(*lead, d)
+        half *= 2
+    return x * d**-0.5
+
+
+class RotatedQuantizer(TensorCodec):
+    """``inner`` (a tensor codec; a :class:`~.uniform.GroupQuantizer` for the ``rotated`` strategy)
+    applied to pages rotated by their head's ``R_h``; decoding rotates back. The kernel decodes
+    pages in place when ``inner``'s page reader is a group quantizer's, else reads go through
+    :meth:`decode_into`. Fields: the inner quantizer's plus ``head`` (uint8, the page's
+    KV head, metadata). State: the sign vectors, int8 ``[kv_heads, dim]`` (:meth:`state_bytes`).
+
+    Error: the inner quantizer's bound holds for the rotated page; since ``R_h`` is orthogonal a
+    token row's decoded error has the same L2 norm as its rotated error (plus rounding to the
+    compute dtype).
+    """
+
+    def __init__(self, inner: TensorCodec, seed: int, part: int) -> None:
+        super().__init__(inner.shape)
+        if not is_power_of_two(inner.shape.dim):
+            raise ValueError(f"a Hadamard rotation needs a power-of-two head dim, got {inner.shape.dim}")
+        if inner.shape.kv_heads > MAX_HEADS:
+            raise ValueError(f"rotated pages store their head in one byte: at most {MAX_HEADS} KV heads, got {inner.shape.kv_heads}")
+        self.inner = inner
+        self.signs = random_signs(seed, inner.shape, part)
+        self._fields = inner.fields | {"head": Field((1,), torch.uint8, metadata=True)}
+
+    @property
+    def fields(self) -> dict[str, Field]:
+        return self._fields
+
+    def encode(self, block: torch.Tensor, heads: torch.Tensor) -> dict[str, torch.Tensor]:
+        encoded = self.inner.encode(hadamard(block.float() * self._signs(heads, block.device)), heads)
+        encoded["head"] = heads.to(torch.uint8).view(-1, 1)
+        return encoded
+
+    def decode(self, encoded: dict[str, torch.Tensor], heads: torch.Tensor) -> torch.Tensor:
+        rotated = self.inner.decode({name: t for name, t in encoded.items() if name != "head"}, heads).float()
+        return (hadamard(rotated) * self._signs(heads, rotated.device)).to(self.shape.dtype)
+
+    def decode_into(
+        self, arenas: dict[str, torch.Tensor], pages: torch.Tensor, heads: torch.Tensor, out: torch.Tensor, rows: torch.Tensor
+    ) -> None:
+        """The inner quantizer decodes into a float32 buffer (its fused kernels on the CPU), which
+        is rotated back and written to ``out[rows]`` (one rounding, to ``out``'s dtype)."""
+        m = pages.numel()
+        rotated = torch.empty(m, self.shape.page_size, self.shape.dim, dtype=torch.float32, device=out.device)
+        inner = {name: t for name, t in arenas.items() if name != "head"}
+        self.inner.decode_into(inner, pages, heads, rotated, torch.arange(m))
+        decoded = hadamard(rotated) * self._signs(heads, out.device)
+        out.index_copy_(0, to_arena_device(rows, out.device), decoded.to(out.dtype))
+
+    def _signs(self, heads: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """float32 ``[pages, 1, dim]``: the signs of each page's head, on ``device``."""
+        return self.signs.index_select(0, to_arena_device(heads, self.signs.device)).unsqueeze(1).to(device, torch.float32)
+
+    def page_reader(self, arenas: dict[str, torch.Tensor]) -> CodedReader | None:
+        """The inner quantizer's codes decoded, then each token row rotated back, inside the kernel
+        (None where the inner codec has no reader: the layer is then read through :meth:`decode_into`)."""
+        inner = self.inner.page_reader({name: t for name, t in arenas.items() if name != "head"})
+        if inner is None or inner.load is not load_group_quantized:  # load_rotated reads a group quantizer's fields
+            return None
+        return CodedReader((*inner.fields, arenas["head"].numpy(), self.signs.numpy()), load_rotated)
+
+    def state_bytes(self) -> int:
+        return self.signs.numel() * self.signs.element_size()
+
+
+@numba.njit(inline="always")
+def load_rotated(source, page: int, out: np.ndarray, out_bits: np.ndarray, rows: int) -> None:
+    """A :class:`RotatedQuantizer`'s page. ``fields = (codes, scale, minimum, meta kind, bits,
+    per_channel, group)`` as a group quantizer's loader reads them, then ``head`` uint8
+    ``[capacity, 1]`` and ``signs`` int8 ``[kv_heads, dim]``: an open page is read raw (it was
+    never rotated), a sealed page's rotated rows are decoded and each rotated back."""
+    if load_open(source, page, out, out_bits, rows):
+        return
+    codes, scale, minimum, kind, bits, per_channel, group, head, signs = source[OPEN_ITEMS:]
+    if bits == 4:
+        decode_groups(codes, scale, minimum, kind, 4, 1, per_channel, group, page, out, rows)
+    elif bits == 2:
+        decode_groups(codes, scale, minimum, kind, 2, 2, per_channel, group, page, out, rows)
+    else:
+        decode_groups(codes, scale, minimum, kind, 8, 0, per_channel, group, page, out, rows)
+    h = head[page, 0]
+    dim = out.shape[1]
+    norm = np.float32(1.0 / np.sqrt(dim))
+    for t in range(rows):
+        half = 1
+        while half < dim:
+            for start in range(0, dim, 2 * half):
+                for j in range(start, start + half):
+                    a = out[t, j]
+                    b = out[t, j + half]
+                    out[t, j] = a + b
+                    out[t, j + half] = a - b
+            half *= 2
+        for c in range(dim):
+            out[t, c] *= norm * np.float32(signs[h, c])
