@@ -117,11 +117,11 @@ def load_gear(source, page: int, out: np.ndarray, out_bits: np.ndarray, rows: in
         return
     codes, scale, minimum, kind, bits, per_channel, group, tokens, channels, rank, index, value, count = source[OPEN_ITEMS:]
     if bits == 4:
-        _decode_groups(codes, scale, minimum, kind, 4, 1, per_channel, group, page, out, rows)
+        decode_groups(codes, scale, minimum, kind, 4, 1, per_channel, group, page, out, rows)
     elif bits == 2:
-        _decode_groups(codes, scale, minimum, kind, 2, 2, per_channel, group, page, out, rows)
+        decode_groups(codes, scale, minimum, kind, 2, 2, per_channel, group, page, out, rows)
     else:
-        _decode_groups(codes, scale, minimum, kind, 8, 0, per_channel, group, page, out, rows)
+        decode_groups(codes, scale, minimum, kind, 8, 0, per_channel, group, page, out, rows)
     dim = out.shape[1]
     for t in range(rows):
         for c in range(dim):
