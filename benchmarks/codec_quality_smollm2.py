@@ -83,7 +83,9 @@ def smollm2_line(row: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--specs", default="kivi(bits=2);rotated(bits=2);kivi(bits=4);rotated(bits=4);gear", help="codec specs separated by ';'")
+    parser.add_argument(
+        "--specs", default="kivi(bits=2);rotated(bits=2);kivi(bits=4);rotated(bits=4);gear", help="codec specs separated by ';'"
+    )
     parser.add_argument("--contexts", default="2048,4096", help="prompt lengths in tokens, comma separated")
     parser.add_argument("--steps", type=int, default=32)
     args = parser.parse_args()
