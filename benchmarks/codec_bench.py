@@ -89,7 +89,17 @@ BYTE_CODECS = (
     "svd(rank=32)",
     "think(keep=0.5)",
 )
-THROUGHPUT_CODECS = ("int8", "fp8", "kivi(bits=8)", "kivi(bits=4)", "kivi(bits=2)", "kv_bits(key_bits=4, value_bits=2)")
+THROUGHPUT_CODECS = (
+    "int8",
+    "fp8",
+    "kivi(bits=8)",
+    "kivi(bits=4)",
+    "kivi(bits=2)",
+    "kv_bits(key_bits=4, value_bits=2)",
+    "rotated(bits=4)",
+    "rotated(bits=2)",
+    "gear",
+)
 QUALITY_CODECS = (
     "int8",
     "fp8",
