@@ -24,7 +24,7 @@ import torch
 from kvlib.codec import Field, TensorCodec, TensorShape
 from kvlib.coded_page_loaders import OPEN_ITEMS, CodedReader, load_open
 from kvlib.devices import to_arena_device
-from kvlib.policies.quantization.page_loaders import decode_groups, load_group_quantized
+from kvlib.policies.quantization.page_loaders import decode_page_groups, load_group_quantized
 
 MAX_HEADS = 256
 """KV heads a layer may have: a page's head is stored in one byte."""
@@ -127,12 +127,7 @@ def load_rotated(source, page: int, out: np.ndarray, out_bits: np.ndarray, rows:
     if load_open(source, page, out, out_bits, rows):
         return
     codes, scale, minimum, kind, bits, per_channel, group, head, signs = source[OPEN_ITEMS:]
-    if bits == 4:
-        decode_groups(codes, scale, minimum, kind, 4, 1, per_channel, group, page, out, rows)
-    elif bits == 2:
-        decode_groups(codes, scale, minimum, kind, 2, 2, per_channel, group, page, out, rows)
-    else:
-        decode_groups(codes, scale, minimum, kind, 8, 0, per_channel, group, page, out, rows)
+    decode_page_groups(codes, scale, minimum, kind, bits, per_channel, group, page, out, rows)
     h = head[page, 0]
     dim = out.shape[1]
     norm = np.float32(1.0 / np.sqrt(dim))

@@ -29,11 +29,20 @@ def load_group_quantized(source, page: int, out: np.ndarray, out_bits: np.ndarra
     """A :class:`~.uniform.GroupQuantizer`'s page. ``fields = (codes uint8 [capacity, bytes],
     scale, minimum [capacity, groups] bits, meta kind, bits, per_channel, group)``: per channel
     (``per_channel == 1``) group ``c`` is channel ``c`` across the page's tokens, else group
-    ``t * (dim // group) + c // group`` is a run of ``group`` channels of token ``t``. Each bit
-    width is its own branch, so that its shifts and masks are constants in the loops."""
+    ``t * (dim // group) + c // group`` is a run of ``group`` channels of token ``t``."""
     if load_open(source, page, out, out_bits, rows):
         return
     codes, scale, minimum, kind, bits, per_channel, group = source[OPEN_ITEMS:]
+    decode_page_groups(codes, scale, minimum, kind, bits, per_channel, group, page, out, rows)
+
+
+@numba.njit(inline="always")
+def decode_page_groups(
+    codes, scale, minimum, kind: int, bits: int, per_channel: int, group: int, page: int, out: np.ndarray, rows: int
+) -> None:
+    """The group codes of ``page`` decoded into ``out``'s first ``rows`` rows (see
+    :func:`load_group_quantized`). Each bit width is its own branch, so that its shifts and masks
+    are constants in the loops."""
     if bits == 4:
         decode_groups(codes, scale, minimum, kind, 4, 1, per_channel, group, page, out, rows)
     elif bits == 2:
@@ -116,12 +125,7 @@ def load_gear(source, page: int, out: np.ndarray, out_bits: np.ndarray, rows: in
     if load_open(source, page, out, out_bits, rows):
         return
     codes, scale, minimum, kind, bits, per_channel, group, tokens, channels, rank, index, value, count = source[OPEN_ITEMS:]
-    if bits == 4:
-        decode_groups(codes, scale, minimum, kind, 4, 1, per_channel, group, page, out, rows)
-    elif bits == 2:
-        decode_groups(codes, scale, minimum, kind, 2, 2, per_channel, group, page, out, rows)
-    else:
-        decode_groups(codes, scale, minimum, kind, 8, 0, per_channel, group, page, out, rows)
+    decode_page_groups(codes, scale, minimum, kind, bits, per_channel, group, page, out, rows)
     dim = out.shape[1]
     for t in range(rows):
         for c in range(dim):
