@@ -21,7 +21,7 @@ Models: ``llama100m`` (a seeded random-weight ~100M Llama, fp32, see ``provenanc
 ``smollm2`` (SmolLM2-135M-Instruct through ``kvlib.eval.load_model``; 30 layers, 3 KV heads).
 
     python benchmarks/bench_decode_caches.py [--models llama100m,smollm2] [--contexts 2048,8192]
-        [--caches exact,streaming_llm_int25,...] [--new-tokens 32] [--repeats 2] [--threads N]
+        [--caches exact,streaming_llm_int25,...] [--new-tokens 32] [--repeats 2] [--threads N] [--device cuda]
     python benchmarks/bench_decode_caches.py --quick --out /tmp/x
 """
 
@@ -82,7 +82,7 @@ def load_model(name: str, stories_path: Path) -> torch.nn.Module:
 
 def bench_context(model: torch.nn.Module, context: int, caches: list[str], args: argparse.Namespace) -> dict:
     factories = cache_factories(context)
-    prompt = torch.randint(0, model.config.vocab_size, (1, context), generator=torch.Generator().manual_seed(context))
+    prompt = torch.randint(0, model.config.vocab_size, (1, context), generator=torch.Generator().manual_seed(context)).to(model.device)
     kinds = ["dynamic", *caches]
     for kind in kinds:  # untimed warm-up: numba compilation, first-call allocations
         generate_once(model, lambda: factories[kind](model), prompt[:, :64], 2)
@@ -120,6 +120,7 @@ def run(argv: Sequence[str] | None = None) -> dict:
     parser.add_argument("--caches", help=f"comma-separated, from {','.join(list(cache_factories(4))[1:])} (default {FULL['caches']})")
     parser.add_argument("--new-tokens", type=int, help=f"decode steps (default {FULL['new_tokens']})")
     parser.add_argument("--repeats", type=int, help=f"interleaved rounds (default {FULL['repeats']})")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the model and caches live (default cpu)")
     add_run_arguments(parser, QUICK, stories=True)
     args = parse_run_arguments(parser, argv, QUICK, FULL)
     load_before, started = os.getloadavg()[0], time.perf_counter()
@@ -130,15 +131,17 @@ def run(argv: Sequence[str] | None = None) -> dict:
         unknown = sorted(set(given) - set(allowed))
         if unknown:
             parser.error(f"unknown {what} {unknown}; choose from {', '.join(allowed)}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda needs a CUDA device; none is available")
     contexts = [int(c) for c in args.contexts.split(",")]
     stories_path = args.stories_path if args.stories_path.is_absolute() else Path(__file__).resolve().parents[1] / args.stories_path
     rows = []
     for name in models:
-        model = load_model(name, stories_path)
+        model = load_model(name, stories_path).to(args.device)
         kvlib.attach(model)  # every cache runs through the same attention function
         for context in contexts:
             load_before = os.getloadavg()[0]
-            row = {"model": name, **bench_context(model, context, caches, args)}
+            row = {"model": name, "device": args.device, **bench_context(model, context, caches, args)}
             row["load_avg_1min"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
             rows.append(row)
             for kind, figures in row["caches"].items():
@@ -164,6 +167,8 @@ def _markdown(result: dict) -> str:
         "Ratios against DynamicCache measured in the same run (interleaved rounds; decode: median of the per-round "
         "ratios, all rounds listed). Bytes: held at the end of decode; workspace: kvlib's peak transient dense copy "
         "(freed after each call), as a share of DynamicCache's bytes.",
+        "",
+        f"Device: {', '.join(sorted({row['device'] for row in result['rows']})) or '-'}.",
         "",
         "| model | context | cache | bytes vs DynamicCache | workspace peak | decode vs DynamicCache | rounds | tokens = DynamicCache | load |",
         "|---|---:|---|---:|---:|---:|---|---|---|",

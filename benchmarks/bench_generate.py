@@ -100,6 +100,8 @@ def generate_once(model: torch.nn.Module, make: Callable[[], object], prompt: to
         start = time.perf_counter()
         out = model(input_ids=prompt, **cache_argument(cache), use_cache=True, logits_to_keep=1)
         token = out.logits[:, -1].argmax(-1, keepdim=True)
+        if token.is_cuda:
+            torch.cuda.synchronize(token.device)
         prefill = time.perf_counter() - start
         tokens = [token]
         start = time.perf_counter()
@@ -107,6 +109,8 @@ def generate_once(model: torch.nn.Module, make: Callable[[], object], prompt: to
             out = model(input_ids=token, **cache_argument(cache), use_cache=True)
             token = out.logits[:, -1].argmax(-1, keepdim=True)
             tokens.append(token)
+        if token.is_cuda:  # the last step's kernels may still be queued
+            torch.cuda.synchronize(token.device)
         decode = time.perf_counter() - start
     assert cache.get_seq_length() == prompt.shape[1] + new_tokens, (type(cache).__name__, cache.get_seq_length())
     held, components = cache_bytes(cache)

@@ -6,7 +6,9 @@ query heads on 3 KV heads, head_dim 64) and ``llama100m`` (12 on 4, head_dim 64)
 16 tokens handed out in a shuffled order (as a store's pages end up). Cases, interleaved for
 ``--repeats`` rounds after a warm-up, medians compared:
 
-- ``paged``: :func:`kvlib.paged_attention.paged_attention` of one query token per row over the pages;
+- ``paged``: one query token per row over the pages, with the kernel the device uses
+  (:func:`kvlib.devices.paged_kernel`: the numba kernel on the CPU, the torch path over blocks of
+  pages on CUDA);
 - ``sdpa_dense``: ``scaled_dot_product_attention`` over the dense ``[batch, heads, tokens, dim]``
   keys and values (what a dense mirror gives attention; the mirror's upkeep not counted);
 - ``gather_sdpa``: gathering the pages into a dense copy, then SDPA (a read without a mirror);
@@ -15,7 +17,7 @@ query heads on 3 KV heads, head_dim 64) and ``llama100m`` (12 on 4, head_dim 64)
 Reported: microseconds per call, and the kernel's effective bandwidth as a share of the copy's
 (``copy_us / paged_us``: the issue's target is >= 50%).
 
-    python benchmarks/bench_paged_attention.py [--contexts 2048,8192] [--batch-sizes 1,4] [--repeats 20] [--threads N]
+    python benchmarks/bench_paged_attention.py [--contexts 2048,8192] [--batch-sizes 1,4] [--repeats 20] [--threads N] [--device cuda]
     python benchmarks/bench_paged_attention.py --quick --out /tmp/x
 """
 
@@ -31,7 +33,10 @@ from pathlib import Path
 
 import torch
 
+from kvlib import devices
+from kvlib.devices import PagedKernel
 from kvlib.paged_attention import paged_attention
+from kvlib.paged_attention_torch import attend_pages_torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or loaded by path
 from provenance import add_run_arguments, command_line, parse_run_arguments, run_metadata, write_report  # noqa: E402
@@ -58,27 +63,31 @@ def layer_pages(batch: int, kv_heads: int, dim: int, tokens: int, generator: tor
     return keys, values, positions, pages, lengths
 
 
-def micros(action: Callable[[], object]) -> float:
+def micros(action: Callable[[], object], device: torch.device) -> float:
+    """Wall-clock microseconds of ``action``, waiting for the device's queued work on both ends."""
+    synchronize = torch.cuda.synchronize if device.type == "cuda" else lambda: None
+    synchronize()
     start = time.perf_counter()
     action()
+    synchronize()
     return (time.perf_counter() - start) * 1e6
 
 
-def bench_case(model: str, batch: int, tokens: int, repeats: int) -> dict:
+def bench_case(model: str, batch: int, tokens: int, repeats: int, device: torch.device) -> dict:
     query_heads, kv_heads, dim = SHAPES[model]
     generator = torch.Generator().manual_seed(tokens + batch)
     keys, values, positions, pages, lengths = layer_pages(batch, kv_heads, dim, tokens, generator)
     query = torch.randn(batch, query_heads, 1, dim, generator=generator)
-    flat = pages.flatten()
+    keys, values, positions, query = (t.to(device) for t in (keys, values, positions, query))
+    kernel = paged_attention if devices.paged_kernel(device) is PagedKernel.NUMBA else attend_pages_torch
+    flat = pages.flatten().to(device)
     dense_keys = keys[flat].view(batch, kv_heads, -1, dim)[:, :, :tokens].contiguous()
     dense_values = values[flat].view(batch, kv_heads, -1, dim)[:, :, :tokens].contiguous()
     query_positions = torch.tensor([tokens])
     group = query_heads // kv_heads
 
     def paged():
-        return paged_attention(
-            query, keys, values, positions, pages, lengths, visible=None, query_positions=query_positions, scale=dim**-0.5
-        )
+        return kernel(query, keys, values, positions, pages, lengths, visible=None, query_positions=query_positions, scale=dim**-0.5)
 
     def sdpa_dense(k=dense_keys, v=dense_values):
         return torch.nn.functional.scaled_dot_product_attention(query, k, v, enable_gqa=group > 1)
@@ -100,8 +109,8 @@ def bench_case(model: str, batch: int, tokens: int, repeats: int) -> dict:
     with torch.inference_mode():
         for _ in range(repeats):
             for case in CASES:
-                times[case].append(micros(actions[case]))
-    row = {"model": model, "batch": batch, "tokens": tokens, "kv_bytes": dense_keys.nbytes + dense_values.nbytes}
+                times[case].append(micros(actions[case], device))
+    row = {"device": str(device), "model": model, "batch": batch, "tokens": tokens, "kv_bytes": dense_keys.nbytes + dense_values.nbytes}
     row.update({f"{case}_us": statistics.median(times[case]) for case in CASES})
     row["bandwidth_share_of_copy"] = row["copy_us"] / row["paged_us"]
     row["paged_vs_sdpa_dense"] = row["sdpa_dense_us"] / row["paged_us"]
@@ -117,17 +126,23 @@ def run(argv: Sequence[str] | None = None) -> dict:
     parser.add_argument("--contexts", help=f"tokens per (row, KV head), comma-separated (default {FULL['contexts']})")
     parser.add_argument("--batch-sizes", help=f"comma-separated (default {FULL['batch_sizes']})")
     parser.add_argument("--repeats", type=int, help=f"interleaved rounds (default {FULL['repeats']})")
+    parser.add_argument("--device", default="cpu", help="where the pages and query live: cpu (numba kernel) or cuda (torch path)")
     add_run_arguments(parser, QUICK)
     args = parse_run_arguments(parser, argv, QUICK, FULL)
     models = [m for m in args.models.split(",") if m]
     unknown = sorted(set(models) - set(SHAPES))
     if unknown:
         parser.error(f"unknown models {unknown}; choose from {', '.join(SHAPES)}")
+    if args.device not in ("cpu", "cuda"):
+        parser.error(f"unknown device {args.device!r}; choose cpu (numba kernel) or cuda (torch path)")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda needs a CUDA device; none is available")
+    device = devices.resolve_device(args.device)
     rows = []
     for model in models:
         for tokens in (int(c) for c in args.contexts.split(",")):
             for batch in (int(b) for b in args.batch_sizes.split(",")):
-                rows.append(bench_case(model, batch, tokens, args.repeats))
+                rows.append(bench_case(model, batch, tokens, args.repeats, device))
                 print(_row_line(rows[-1]), flush=True)
     result = {**run_metadata(args, load_before, started), "command": command_line("bench_paged_attention.py", argv), "rows": rows}
     write_report(args.out, "bench_paged_attention", _markdown(result), result)
@@ -136,7 +151,7 @@ def run(argv: Sequence[str] | None = None) -> dict:
 
 def _row_line(row: dict) -> str:
     return (
-        f"{row['model']} batch {row['batch']} tokens {row['tokens']}: paged {row['paged_us']:.0f} us, SDPA dense "
+        f"{row['device']} {row['model']} batch {row['batch']} tokens {row['tokens']}: paged {row['paged_us']:.0f} us, SDPA dense "
         f"{row['sdpa_dense_us']:.0f} us, gather+SDPA {row['gather_sdpa_us']:.0f} us, copy {row['copy_us']:.0f} us, "
         f"bandwidth {row['bandwidth_share_of_copy']:.0%} of a copy"
     )
@@ -149,7 +164,8 @@ def _markdown(result: dict) -> str:
         f"Command: `{result['command']}`. Machine: {result['machine']}. Library revision: {result['git']}. "
         f"1-minute load before/after: {result['load_avg_1min']}.",
         "",
-        "Microseconds per call (medians of interleaved rounds), fp32, one query token per row, pages of 16 tokens "
+        f"Device: {result['rows'][0]['device'] if result['rows'] else '-'}. "
+        "Microseconds per call (medians of interleaved rounds; on CUDA synchronized before and after each call), fp32, one query token per row, pages of 16 tokens "
         "in a shuffled arena order. `copy` clones the dense keys and values: the bytes the kernel reads, moved once; "
         "bandwidth = copy / paged (target >= 50%).",
         "",

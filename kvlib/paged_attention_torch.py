@@ -7,7 +7,8 @@ model's mask looked up at each stored token's original position or causal by the
 positions, soft-capping, float32 accumulation, zeros for a query that sees no token, output in
 the query's dtype), on any device, without a dense copy of the layer:
 
-- the block table is walked ``pages_per_block`` pages at a time; each step gathers that block's
+- the block table is walked ``pages_per_block`` pages at a time (by default as many as fit
+  :data:`WORKSPACE_BYTES`, see :func:`block_pages`); each step gathers that block's
   pages of every (row, KV head) at once (``key_arena[page_ids]``: one batched gather for the
   whole batch and all heads) into float32, scores it and folds it into a running max, sum and
   accumulator per query (FlashAttention's online softmax, rescaling by ``exp(old_max -
@@ -32,8 +33,24 @@ import torch
 from kvlib.devices import to_arena_device
 
 PAGES_PER_BLOCK = 32
-"""Pages of each (row, KV head) gathered per step by default: 512 tokens at 16 tokens a page.
-Fewer steps means fewer kernel launches per layer; the workspace grows with it."""
+"""The fewest pages of each (row, KV head) a step gathers by default: 512 tokens at 16 tokens a page."""
+
+WORKSPACE_BYTES = 64 * 2**20
+"""The transient workspace a step may take by default (float32 keys, values and scores of one
+block). Each step costs a dozen kernel launches, so on CUDA a decode step over a few thousand
+tokens is bound by launches, not bytes (measured on an H100: 32-page blocks took 2-4 ms per layer
+at 2k tokens where gathering the layer and running SDPA took 0.2-0.4 ms); a budget in bytes lets
+a short context go in one step and bounds a long one's workspace. It is freed after the layer:
+nothing keeps a dense copy."""
+
+
+def block_pages(batch: int, kv_heads: int, rows: int, page_size: int, dims: int, used: int) -> int:
+    """Pages per step under :data:`WORKSPACE_BYTES` for ``batch`` rows of ``kv_heads`` heads,
+    ``rows`` grouped queries per head and ``dims`` = head_dim + value_dim per token: at least
+    :data:`PAGES_PER_BLOCK`, at most ``used`` (the longest head's pages, one step for all)."""
+    per_page = batch * kv_heads * page_size * (dims + rows) * 4  # float32 keys, values and scores
+    return max(PAGES_PER_BLOCK, min(max(used, 1), WORKSPACE_BYTES // per_page))
+
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 """Page dtypes the torch path reads (computed in float32 whatever the pages' dtype)."""
@@ -83,13 +100,14 @@ def attend_pages_torch(
     query_positions: torch.Tensor | None,
     scale: float,
     softcap: float | None = None,
-    pages_per_block: int = PAGES_PER_BLOCK,
+    pages_per_block: int | None = None,
 ) -> torch.Tensor:
     """:func:`kvlib.paged_attention.paged_attention` with torch ops, ``pages_per_block`` pages of
-    each (row, KV head) at a time (module docstring); arguments and result as documented there.
+    each (row, KV head) at a time (None: :func:`block_pages`; module docstring); arguments and
+    result as documented there.
     ``query`` and the arenas share a device (the result's); the index tensors may be on the CPU."""
     batch, query_heads, queries, _ = query.shape
-    blocks = _Blocks.over(query, key_arena, pages, lengths, visible, query_positions, pages_per_block)
+    blocks = _Blocks.over(query, key_arena, pages, lengths, visible, query_positions, pages_per_block, value_arena.shape[2])
     kv_heads, rows, value_dim = pages.shape[1], blocks.grouped.shape[2], value_arena.shape[2]
     device = key_arena.device
     running_max = torch.full((batch, kv_heads, rows), float("-inf"), device=device)
@@ -122,13 +140,13 @@ def attention_weights_torch(
     query_positions: torch.Tensor | None,
     scale: float,
     softcap: float | None = None,
-    pages_per_block: int = PAGES_PER_BLOCK,
+    pages_per_block: int | None = None,
 ) -> torch.Tensor:
     """:func:`kvlib.paged_attention.attention_weights` with torch ops (keys only, a block of pages
     at a time): float32 ``[batch, query_heads, queries, pages.shape[2] * page_size]``, on the
     arenas' device."""
     batch, query_heads, queries, _ = query.shape
-    blocks = _Blocks.over(query, key_arena, pages, lengths, visible, query_positions, pages_per_block)
+    blocks = _Blocks.over(query, key_arena, pages, lengths, visible, query_positions, pages_per_block, 0)
     kv_heads, rows, page_size = pages.shape[1], blocks.grouped.shape[2], key_arena.shape[1]
     scores = torch.full((batch, kv_heads, rows, pages.shape[2] * page_size), float("-inf"), device=key_arena.device)
     first = 0
@@ -153,19 +171,22 @@ class _Blocks(NamedTuple):
     pages_per_block: int
 
     @staticmethod
-    def over(query, key_arena, pages, lengths, visible, query_positions, pages_per_block) -> _Blocks:
-        """Checked arguments of :func:`attend_pages_torch` as a block walk."""
+    def over(query, key_arena, pages, lengths, visible, query_positions, pages_per_block, value_dim) -> _Blocks:
+        """Checked arguments of :func:`attend_pages_torch` as a block walk (``value_dim`` 0 when
+        only keys are read; ``pages_per_block`` None: :func:`block_pages`)."""
         batch, query_heads, queries, dim = query.shape
         kv_heads = pages.shape[1]
         if query_heads % kv_heads:
             raise ValueError(f"query heads ({query_heads}) must be a multiple of KV heads ({kv_heads})")
         if visible is None and query_positions is None:
             raise ValueError("paged_attention needs the model's mask (visible) or the queries' positions")
-        if pages_per_block < 1:
+        if pages_per_block is not None and pages_per_block < 1:
             raise ValueError(f"pages_per_block must be >= 1, got {pages_per_block}")
         device, page_size = key_arena.device, key_arena.shape[1]
         used = -(-int(lengths.max()) // page_size) if lengths.numel() else 0  # pages of the longest head
         rows = (query_heads // kv_heads) * queries
+        if pages_per_block is None:
+            pages_per_block = block_pages(batch, kv_heads, rows, page_size, dim + value_dim, used)
         grouped = query.detach().to(device=device, dtype=torch.float32).reshape(batch, kv_heads, rows, dim)
         seen_by = _Visibility(
             None if visible is None else to_arena_device(visible, device),

@@ -16,7 +16,14 @@ from kvlib import devices
 from kvlib.arena_sources import arena_source_for
 from kvlib.devices import PagedKernel
 from kvlib.paged_attention import PageSource, arena_source, paged_attention
-from kvlib.paged_attention_torch import TorchPageSource, attend_pages_torch, attention_weights_torch
+from kvlib.paged_attention_torch import (
+    PAGES_PER_BLOCK,
+    WORKSPACE_BYTES,
+    TorchPageSource,
+    attend_pages_torch,
+    attention_weights_torch,
+    block_pages,
+)
 from kvlib.paged_scores import attention_weights
 from kvlib.transformers_compat import cache_argument
 from tests.adapters.conftest import PAD, build_model, left_padded
@@ -108,6 +115,30 @@ def test_causal_visibility_by_query_positions_equals_the_same_mask_given_whole(p
     )
     by_mask = attend_pages_torch(query, keys, values, positions, pages, lengths, visible=visible, query_positions=None, **common)
     assert torch.equal(by_positions, by_mask)
+
+
+def test_default_blocks_take_a_short_context_in_one_step_and_bound_a_long_ones_workspace() -> None:
+    assert block_pages(batch=1, kv_heads=3, rows=3, page_size=16, dims=128, used=128) == 128  # 2k tokens: one step
+    long = block_pages(batch=16, kv_heads=4, rows=3, page_size=16, dims=128, used=4096)
+    assert PAGES_PER_BLOCK <= long < 4096
+    assert long * 16 * 4 * 16 * (128 + 3) * 4 <= WORKSPACE_BYTES
+    assert block_pages(batch=64, kv_heads=32, rows=8, page_size=16, dims=256, used=4096) == PAGES_PER_BLOCK  # the floor
+    assert block_pages(batch=1, kv_heads=1, rows=1, page_size=16, dims=8, used=0) == PAGES_PER_BLOCK
+
+
+@pytest.mark.parametrize("pages_per_block", [1, 2])
+def test_default_block_size_equals_small_blocks(pages_per_block) -> None:
+    generator = torch.Generator().manual_seed(6)
+    lengths = torch.tensor([[37, 5], [0, 21]])
+    keys, values, positions, pages, *_ = scattered_pages(lengths, 4, 8, 8, torch.float32, generator)
+    query = torch.randn(2, 4, 1, 8, generator=generator)
+    options = dict(visible=None, query_positions=torch.tensor([40]), scale=0.5)
+    default = attend_pages_torch(query, keys, values, positions, pages, lengths, **options)
+    small = attend_pages_torch(query, keys, values, positions, pages, lengths, pages_per_block=pages_per_block, **options)
+    torch.testing.assert_close(default, small, atol=1e-6, rtol=1e-5)
+    weights = attention_weights_torch(query, keys, positions, pages, lengths, **options)
+    small_weights = attention_weights_torch(query, keys, positions, pages, lengths, pages_per_block=pages_per_block, **options)
+    torch.testing.assert_close(weights, small_weights, atol=1e-6, rtol=1e-5)
 
 
 def test_unwritten_slots_never_reach_the_output() -> None:
