@@ -113,3 +113,32 @@ def test_ranking_puts_outliers_above_the_window_above_the_rest_and_matches_the_s
 def test_bad_parameters_are_refused(spec: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         kvlib.parse_spec(spec)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    full_pages=st.integers(1, 8),
+    tail=st.integers(1, 4),
+    window=st.integers(1, 3),
+    outliers=st.integers(0, 3),
+    seed=st.integers(0, 2**16),
+)
+def test_the_placement_keeps_on_the_device_the_outliers_the_step_reads(full_pages, tail, window, outliers, seed) -> None:
+    """For any keys, the pages the ranking puts above the window (score >= OUTLIER_SCORE) are the
+    outliers :meth:`select_pages` reads, computed from the same pages' min and max."""
+    strategy = ShadowKV(pages=0, window=window, outliers=outliers)
+    size, dim, heads = 4, 3, 2
+    slots = full_pages * size + tail
+    keys = torch.randn(1, heads, slots, dim, generator=torch.Generator().manual_seed(seed)) * torch.rand(1, heads, slots, 1) * 4
+    view = LayerView(
+        0, 1, keys, keys, torch.arange(slots).expand(1, heads, slots), torch.ones(1, heads, slots, dtype=torch.bool), page_size=size
+    )
+    scores = strategy.ranking_scores(view)
+    count = full_pages + 1
+    padded = torch.cat([keys, keys[:, :, -1:].expand(1, heads, count * size - slots, dim)], 2).view(1, heads, count, size, dim)
+    key_min, key_max = padded.amin(3), padded.amax(3)
+    chosen = strategy.select_pages(torch.zeros(1, heads, 1, dim), key_min, key_max, torch.full((1, heads), count))
+    for head in range(heads):
+        ranked = {p for p in range(count) if scores[0, head, p * size : (p + 1) * size].max() >= OUTLIER_SCORE}
+        window_pages = set(range(max(0, count - window), count))
+        assert ranked == set(chosen[0, head].tolist()) - window_pages - {-1}
