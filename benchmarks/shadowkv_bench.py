@@ -96,6 +96,7 @@ def quality(model: torch.nn.Module, prompt: torch.Tensor, steps: int, device: fl
     for budget in BUDGETS:
         for name, spec in specs(budget, device).items():
             rows.append({"budget": budget, "name": name, **quality_run(model, spec, prompt, tokens, reference)})
+            print(f"quality {spec}: KL {rows[-1]['kl']:.4f}", file=sys.stderr, flush=True)
     return rows
 
 
@@ -115,6 +116,7 @@ def speed(model: torch.nn.Module, prompt: torch.Tensor, steps: int, repeats: int
     for _ in range(repeats):
         for name, (spec, options) in configs.items():
             rates[name].append(decode_rate(model, spec, options, prompt, steps)[0])
+            print(f"speed {name}: {rates[name][-1]:.2f} tok/s", file=sys.stderr, flush=True)
     return {name: {"spec": configs[name][0], "median": statistics.median(r), "min": min(r), "max": max(r)} for name, r in rates.items()}
 
 

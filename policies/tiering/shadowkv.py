@@ -131,16 +131,15 @@ class ShadowKV(PageRetrieval):
         batch, heads, slots, dim = view.keys.shape
         size = view.page_size
         count = -(-slots // size)
-        keys = torch.nn.functional.pad(view.keys.float(), (0, 0, 0, count * size - slots), value=float("nan"))
-        paged = keys.view(batch, heads, count, size, dim)
-        spread = landmark_spread(paged.nan_to_num(float("inf")).amin(3), paged.nan_to_num(float("-inf")).amax(3))
-        page = torch.arange(count, device=keys.device)
-        in_window = page >= count - self.window
+        paged = torch.nn.functional.pad(view.keys.float(), (0, 0, 0, count * size - slots)).view(batch, heads, count, size, dim)
+        slot = torch.arange(count * size, device=paged.device)
+        past_end = (slot >= slots).view(count, size, 1)
+        spread = landmark_spread(paged.masked_fill(past_end, float("inf")).amin(3), paged.masked_fill(past_end, float("-inf")).amax(3))
+        in_window = torch.arange(count, device=paged.device) >= count - self.window
         outlier = outlier_pages(spread, (~in_window).expand(batch, heads, count), self.outliers)
-        slot = torch.arange(slots, device=keys.device)
-        page_scores = torch.where(outlier, OUTLIER_SCORE + spread, torch.where(in_window, 1.0, 0.0))
-        scores = page_scores.repeat_interleave(size, dim=-1)[..., :slots]
-        scores = scores + torch.where(in_window.repeat_interleave(size)[:slots] & (scores < OUTLIER_SCORE), slot / slots, 0.0)
+        page_scores = torch.where(outlier, OUTLIER_SCORE + spread, in_window.float())
+        newer = torch.where(in_window.repeat_interleave(size), slot / slots, 0.0)  # window pages: newer higher, below 2
+        scores = (page_scores.repeat_interleave(size, dim=-1) + newer)[..., :slots]
         return scores.masked_fill(~view.valid, float("-inf"))
 
     def sparse(self, layer_idx: int, query_length: int) -> bool:
