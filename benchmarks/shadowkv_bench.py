@@ -5,7 +5,7 @@
   (teacher forcing): mean KL(full || spec) in nats per step and agreement (its argmax is the full
   cache's token). For each pages-read budget K (pages per KV head and decode step): ``quest(top_k=K)``,
   ``shadowkv(pages=K - 4, window=2, outliers=2)`` and ``random_pages(top_k=K)`` (the control), all
-  with the same device budget for whole pages (``window + outliers + 1`` pages per head and layer:
+  with the same device budget for whole pages (``window + outliers`` pages per head and layer:
   quest's through ``lru``), so the device holds the same bytes; the device and host bytes of
   each at the end (``memory_report``) and the host pages read per decode step and layer.
 - Speed: greedy decode tok/s after the same prompt, configs interleaved over ``--repeats``
@@ -132,7 +132,7 @@ def run(argv: Sequence[str] | None = None) -> dict:
     model = loaded.model
     kvlib.attach(model)
     prompt = natural_prompt(loaded.tokenizer, args.context)
-    device = device_mb(model, WINDOW + OUTLIERS + 1)
+    device = device_mb(model, WINDOW + OUTLIERS)
     load_before = os.getloadavg()[0]
     started = time.perf_counter()
     result = {
@@ -156,7 +156,7 @@ def _markdown(result: dict, argv: Sequence[str] | None) -> str:
         f" {result['machine']}; 1-minute load {result['load_avg_1min'][0]} before, {result['load_avg_1min'][1]} after;"
         f" {result['seconds']} s. Library revision: {result['git']}.",
         "",
-        f"Device budget for whole pages: {result['device_mb']:.3f} MiB ({WINDOW + OUTLIERS + 1} pages per KV head and layer) for every"
+        f"Device budget for whole pages: {result['device_mb']:.3f} MiB ({WINDOW + OUTLIERS} pages per KV head and layer: the window and the outliers) for every"
         " spec; the key summaries (min and max per page) come on top for all three.",
         "",
         "| pages read / head / step | strategy | KL (nats/step) | agreement | device bytes | host bytes | key summaries |"

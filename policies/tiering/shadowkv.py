@@ -62,7 +62,7 @@ class ShadowKV(PageRetrieval):
       first, then the window, newest first; the device keeps the best ``device_mb`` worth of them,
       the rest go to host memory (pinned under CUDA). New pages land on the device and push the
       oldest window page out, so the device keeps the sliding window and the outliers. Size
-      ``device_mb`` to ``(window + outliers + 1) * page_bytes * kv_heads * rows * layers`` (page
+      ``device_mb`` to ``(window + outliers) * page_bytes * kv_heads * rows * layers`` (page
       bytes: ``page_size * (head_dim + value_dim) * element size``) to hold exactly those pages.
     - A head holding at most ``window + outliers + pages`` pages attends over all of them: the
       output is then exactly the full cache's. The first ``dense_layers`` layers and every
