@@ -296,7 +296,13 @@ class KVCacheLayer(CacheLayerMixin):
         padding = cache.padding.to(read.positions.device).view(-1, 1, 1)
         real = read.valid & (read.positions >= padding)
         view = LayerView(
-            self.layer_idx, cache.shape.num_layers, read.keys, read.values, torch.where(real, read.positions - padding, -1), real
+            self.layer_idx,
+            cache.shape.num_layers,
+            read.keys,
+            read.values,
+            torch.where(real, read.positions - padding, -1),
+            real,
+            page_size=cache.store.page_size,
         )
         cache.store.rank_pages(self.layer_idx, cache.rows, cache.tiering.ranking_scores(view))
 

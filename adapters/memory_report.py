@@ -7,7 +7,7 @@ import torch
 from kvlib.adapters.model_shape import KVShape
 from kvlib.paged_store import PagedStore
 
-COMPONENTS = ("pages", "positions", "codec_metadata", "tables", "read_cache")
+COMPONENTS = ("pages", "positions", "codec_metadata", "key_summaries", "tables", "read_cache")
 """What ``by_component`` splits the bytes held into."""
 
 
@@ -19,7 +19,8 @@ def memory_report(store: PagedStore | None, rows: list[int], shape: KVShape) -> 
 
     Keys: ``total_bytes``; ``by_tier`` (``device``: the store's device, ``host``, ``disk``);
     ``by_component`` (``pages``: keys and values of pages in use, ``positions``,
-    ``codec_metadata``, ``tables``: block tables and lengths, ``read_cache``: the dense read
+    ``codec_metadata``, ``key_summaries``: page retrieval's per-page key minima and maxima (on
+    the device), ``tables``: block tables and lengths, ``read_cache``: the dense read
     mirror); ``reserved_bytes``: whole arenas, free pages included; ``peak_pages_bytes``: the
     most ``pages`` bytes held at any moment since the store was created (between a layer's
     append and its compaction included: the peak of a prefill); ``peak_workspace_bytes``: the

@@ -470,7 +470,8 @@ class PagedStore:
         """Bytes held, by component: ``pages`` (keys and values of pages in use: compute dtype for
         open pages, the codec's payload for sealed ones; on every tier), ``host`` and ``disk``
         (the parts of ``pages`` held in host memory and spilled to disk), ``positions``,
-        ``codec_metadata`` (scales, zero points and fitted codec state), ``tables`` (block tables
+        ``codec_metadata`` (scales, zero points and fitted codec state), ``key_summaries`` (the key
+        minima and maxima of pages in use, on the device: page retrieval), ``tables`` (block tables
         and lengths), ``read_cache`` (dense mirrors) and ``reserved`` (whole arenas, free pages included)."""
         parts = [part for table in self.tables for part in (table.pages, table.lengths, table.logical, table.sealed)]
         tiers = [pool.tier_bytes() for pool in self.pools]
@@ -478,6 +479,7 @@ class PagedStore:
             "pages": self._page_bytes(),
             "positions": sum(pool.pages_in_use * pool.position_page_bytes for pool in self.pools),
             "codec_metadata": sum(pool.metadata_bytes() for pool in self.pools),
+            "key_summaries": sum(pool.pages_in_use * pool.summaries.page_bytes for pool in self.pools if pool.summaries is not None),
             "host": sum(tier["host"] for tier in tiers),
             "disk": sum(tier["disk"] for tier in tiers),
             "tables": sum(part.numel() * part.element_size() for part in parts),

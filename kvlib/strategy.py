@@ -136,6 +136,9 @@ class LayerView:
     accumulated_attention: torch.Tensor | None = None
     hidden_states: torch.Tensor | None = None
     rope: Rope | None = None
+    page_size: int | None = None
+    """Tokens per page of the store (slot ``s`` of a head lies in its page ``s // page_size``):
+    given to :meth:`Tiering.ranking_scores`, None for eviction strategies."""
 
 
 class Eviction(Strategy, abc.ABC):

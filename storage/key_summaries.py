@@ -31,6 +31,11 @@ class KeySummaries:
     def nbytes(self) -> int:
         return 2 * self.key_min.numel() * self.key_min.element_size()
 
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page's summaries (its key minimum and maximum)."""
+        return 2 * self.key_min.shape[1] * self.key_min.element_size()
+
     def grow(self, capacity: int) -> None:
         """Extend to ``capacity`` pages; new pages are empty."""
         for name, fill in (("key_min", float("inf")), ("key_max", float("-inf"))):

@@ -60,3 +60,17 @@ def test_quest_score_bounds_every_dot_product_of_the_page(query, keys) -> None:
     dots = torch.einsum("bhgd,bhtd->bhgt", query[:, :, 0].view(1, 2, 2, 3).double(), keys.double())
     scale = query.abs().sum(-1).view(1, 2, 2).amax(-1).double() * keys.abs().amax((2, 3)).double()
     assert bool((bound[..., 0].double() >= dots.amax((2, 3)) - 1e-5 * scale - 1e-6).all())  # float32 rounding
+
+
+def test_the_store_reports_the_summaries_of_pages_in_use() -> None:
+    from kvlib import PagedStore, StoreConfig
+
+    store = PagedStore(StoreConfig(2, 2, 3, page_size=4, key_summaries=True, device_pages=2))
+    seq = store.new_sequence()
+    for layer in range(2):
+        store.append(layer, [seq], torch.randn(1, 2, 10, 3), torch.randn(1, 2, 10, 3))
+    pages = sum(pool.pages_in_use for pool in store.pools)
+    assert pages == 2 * 2 * 3
+    assert store.pools[0].summaries.page_bytes == 2 * 3 * 4
+    assert store.memory_bytes()["key_summaries"] == pages * 2 * 3 * 4
+    assert PagedStore(StoreConfig(1, 1, 3)).memory_bytes()["key_summaries"] == 0

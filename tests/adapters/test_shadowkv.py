@@ -1,0 +1,137 @@
+"""``shadowkv`` through generate: when its window, outliers and pages cover every page the output is
+the untiered cache's (tiny random Llama, stories260K, SmolLM2), with every page but the window and
+the outliers on the host; the device holds exactly its page budget plus the key summaries, the host
+the rest, each page in exactly one tier; a decode step reads ``window + outliers + pages`` pages
+per head; what shadowkv does not combine with is refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvlib
+from kvlib.transformers_compat import cache_argument
+from tests.adapters.conftest import PAD, assert_same_logits, build_model, left_padded
+
+
+def generate(model, ids, mask, cache=None, steps: int = 20):
+    return model.generate(
+        ids,
+        attention_mask=mask,
+        **cache_argument(cache),
+        max_new_tokens=steps,
+        do_sample=False,
+        pad_token_id=PAD,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
+
+
+def page_mb(model, pages_per_head: int, rows: int) -> float:
+    """MiB of ``pages_per_head`` whole pages (16 tokens) of every KV head, row and layer."""
+    config = model.config
+    heads = config.num_key_value_heads
+    head_dim = config.hidden_size // config.num_attention_heads
+    return pages_per_head * heads * rows * config.num_hidden_layers * 16 * 2 * head_dim * 4 / 2**20
+
+
+def assert_each_page_in_one_tier(cache) -> None:
+    for pool in cache.store.pools:
+        in_use = pool.refcount > 0
+        places = (pool.device_row >= 0).long() + (pool.host_row >= 0).long() + pool.on_disk.long()
+        assert bool((places[in_use] == 1).all()) and bool((places[~in_use] == 0).all())
+
+
+@pytest.mark.parametrize("family", ["llama", "stories"])
+def test_covering_every_page_equals_the_untiered_cache_with_the_rest_on_the_host(family: str) -> None:
+    model = build_model(family)
+    ids, mask = left_padded([75, 50], seed=3, vocab=500 if family == "stories" else 97)  # 95 tokens after the run: 6 pages
+    reference = generate(model, ids, mask)
+    spec = f"shadowkv(pages=2, window=2, outliers=2, dense_layers=0, device_mb={page_mb(model, 3, 2)})"
+    cache = kvlib.make_cache(model, spec)
+    out = generate(model, ids, mask, cache)
+    assert torch.equal(out.sequences, reference.sequences)
+    assert_same_logits(out.logits, reference.logits)
+    assert all(pool.pages_on_host > 0 for pool in cache.store.pools)
+    assert_each_page_in_one_tier(cache)
+
+
+def test_the_device_holds_its_page_budget_and_the_key_summaries_the_host_the_rest() -> None:
+    model = build_model("stories")  # 5 layers, 4 KV heads, head_dim 8
+    ids, mask = left_padded([150], seed=4, vocab=500)
+    budget = 3  # pages per head on the device: a window of 2 and 1 outlier
+    cache = kvlib.make_cache(model, f"shadowkv(pages=2, window=2, outliers=1, device_mb={page_mb(model, budget, 1)})")
+    generate(model, ids, mask, cache, steps=12)  # 161 tokens: 11 pages per head
+    report = cache.memory_report()
+    page_bytes = 16 * 2 * 8 * 4
+    layers, heads, pages = 5, 4, 11
+    assert report["by_component"]["key_summaries"] == layers * heads * pages * 2 * 8 * 4
+    assert report["by_tier"]["host"] == layers * heads * (pages - budget) * page_bytes
+    assert report["by_component"]["pages"] == report["by_tier"]["host"] + layers * heads * budget * page_bytes
+    device_parts = ("positions", "key_summaries", "tables", "read_cache")
+    assert report["by_tier"]["device"] == layers * heads * budget * page_bytes + sum(report["by_component"][p] for p in device_parts)
+    assert all(pool.pages_on_device == heads * budget for pool in cache.store.pools)
+    assert_each_page_in_one_tier(cache)
+
+
+def test_the_device_keeps_the_outliers_and_the_sliding_window() -> None:
+    model = build_model("stories")
+    ids, mask = left_padded([150], seed=4, vocab=500)
+    cache = kvlib.make_cache(model, f"shadowkv(pages=1, window=2, outliers=1, device_mb={page_mb(model, 3, 1)})")
+    with torch.inference_mode():
+        model(input_ids=ids, attention_mask=mask, **cache_argument(cache))  # 10 pages per head, the last holding 6 tokens
+        outliers = {layer: set(outlier_ids(cache, layer)) for layer in range(5)}
+        feed = torch.ones(1, 1, dtype=torch.long)
+        for step in range(11):  # 161 tokens: a new page
+            model(input_ids=feed * 7, attention_mask=torch.ones(1, 151 + step, dtype=torch.long), **cache_argument(cache))
+    store = cache.store
+    for layer, pool in enumerate(store.pools):
+        table = store.tables[layer].pages[cache.rows[0]]  # [heads, pages]
+        newest = set(table[:, 9:11].flatten().tolist())
+        on_device = set((pool.device_row >= 0).nonzero().squeeze(-1).tolist())
+        assert on_device == newest | outliers[layer], layer
+
+
+def outlier_ids(cache, layer: int) -> list[int]:
+    """Page ids on the device right after prefill that are not among each head's 2 newest pages."""
+    pool, table = cache.store.pools[layer], cache.store.tables[layer].pages[cache.rows[0]]
+    newest = set(table[:, 8:10].flatten().tolist())
+    return [page for page in (pool.device_row >= 0).nonzero().squeeze(-1).tolist() if page not in newest]
+
+
+def test_a_decode_step_reads_window_outliers_and_pages_per_head() -> None:
+    model = build_model("stories")  # 5 layers, 4 KV heads
+    ids, mask = left_padded([160], seed=4, vocab=500)  # 11 pages per head after the step
+    cache = kvlib.make_cache(model, "shadowkv(pages=2, window=1, outliers=1, dense_layers=2, device_mb=1e-9)")  # one device page
+    with torch.inference_mode():
+        model(input_ids=ids, attention_mask=mask, **cache_argument(cache))
+        before = [pool.host_pages_read for pool in cache.store.pools]
+        model(input_ids=ids[:, :1], attention_mask=torch.ones(1, 161, dtype=torch.long), **cache_argument(cache))
+    read = [pool.host_pages_read - b for pool, b in zip(cache.store.pools, before)]
+    assert read[:2] == [4 * 11 - 1] * 2  # dense layers: every page but the one on the device
+    assert all(4 * 4 - 1 <= r <= 4 * 4 for r in read[2:]), read
+
+
+def test_smollm2_short_prompt_equals_the_untiered_cache() -> None:
+    from kvlib.eval import load_model
+
+    loaded = load_model("smollm2")
+    model = loaded.model
+    ids = torch.tensor(
+        [loaded.tokenizer.encode("The capital of France is Paris. The capital of Italy is Rome. The capital of Spain is", bos=True)]
+    )
+    mask = torch.ones_like(ids)
+    reference = generate(model, ids, mask, steps=24)
+    cache = kvlib.make_cache(model, "shadowkv(pages=1, window=1, outliers=1, dense_layers=0, device_mb=0.05)")
+    out = generate(model, ids, mask, cache, steps=24)  # under 48 tokens: 3 pages per head
+    assert torch.equal(out.sequences, reference.sequences)
+    assert_same_logits(out.logits, reference.logits)
+    assert sum(pool.pages_on_host for pool in cache.store.pools) > 0
+
+
+def test_what_shadowkv_does_not_combine_with_is_refused() -> None:
+    model = build_model("llama")
+    with pytest.raises(ValueError, match="does not combine with eviction"):
+        kvlib.make_cache(model, "snapkv+shadowkv", budget=32)
+    with pytest.raises(ValueError, match="do not combine yet"):
+        kvlib.make_cache(model, "kivi+shadowkv")
