@@ -36,6 +36,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -80,6 +81,50 @@ class BlockLayout:
         return tuple((layer, name, self.heads * field.nbytes) for layer, fields in enumerate(self.layers) for name, field in fields)
 
     @functools.cached_property
+    def groups(self) -> tuple[tuple[str, int, tuple[int, ...]], ...]:
+        """``(field name, element bytes, indices of its sections)`` per field name and element
+        size, first-seen order: what an entropy-coded record codes together."""
+        groups: dict[tuple[str, int], list[int]] = {}
+        for i, (layer, name, _) in enumerate(self.sections):
+            width = torch.empty((), dtype=dict(self.layers[layer])[name].dtype).element_size()
+            groups.setdefault((name, width), []).append(i)
+        return tuple((name, width, tuple(members)) for (name, width), members in groups.items())
+
+    @functools.cached_property
+    def field_bytes(self) -> int:
+        """Bytes of every field of a block (all layers and heads)."""
+        return sum(size for _, _, size in self.sections)
+
+    @functools.cached_property
+    def layer_sections(self) -> tuple[tuple[tuple[int, str, Field, int], ...], ...]:
+        """Per layer, ``(section index, name, field, bytes)`` of its sections."""
+        out, i = [], 0
+        for fields in self.layers:
+            out.append(tuple((i + k, name, field, self.heads * field.nbytes) for k, (name, field) in enumerate(fields)))
+            i += len(fields)
+        return tuple(out)
+
+    @functools.cached_property
+    def plain_places(self) -> tuple[tuple[int, int], ...]:
+        """``(0, byte offset)`` of each section in a plain record."""
+        at, places = HEADER.size + 8 * self.page_size, []
+        for _, _, size in self.sections:
+            places.append((0, at))
+            at += _padded(size)
+        return tuple(places)
+
+    @functools.cached_property
+    def group_places(self) -> tuple[tuple[int, int], ...]:
+        """``(field group, byte offset)`` of each section among the groups an entropy-coded record decodes to."""
+        places: list[tuple[int, int]] = [(0, 0)] * len(self.sections)
+        for group, (_, _, members) in enumerate(self.groups):
+            at = 0
+            for i in members:
+                places[i] = (group, at)
+                at += self.sections[i][2]
+        return tuple(places)
+
+    @functools.cached_property
     def plain_size(self) -> int:
         """Bytes of a plain record."""
         return HEADER.size + 8 * self.page_size + sum(_padded(size) for _, _, size in self.sections) + DIGEST.size
@@ -93,7 +138,7 @@ class FieldBlock:
     key: bytes
     parent: bytes
     tokens: list[int]
-    layers: list[dict[str, torch.Tensor]]
+    layers: Sequence[dict[str, torch.Tensor]]
 
 
 def encode(layout: BlockLayout, block: FieldBlock) -> bytes | memoryview:
@@ -143,66 +188,70 @@ def decode_parts(layout: BlockLayout, parts: list) -> FieldBlock:
     tokens_end = HEADER.size + 8 * size
     tokens = record[HEADER.size : tokens_end].view(np.int64).tolist()
     if coding == ENTROPY:
-        sections = _unplanes(layout, record[tokens_end:end])
+        fields = LayerFields(layout, _unplanes(layout, record[tokens_end:end]), layout.group_places)
     else:
-        offsets = np.cumsum([0] + [_padded(n) for _, _, n in layout.sections]) + tokens_end
-        sections = [record[at : at + n] for at, (_, _, n) in zip(offsets, layout.sections)]
-    out: list[dict[str, torch.Tensor]] = [{} for _ in layout.layers]
-    shapes = [dict(fields) for fields in layout.layers]
-    for (layer, name, _), section in zip(layout.sections, sections):
-        field = shapes[layer][name]
-        out[layer][name] = torch.from_numpy(section).view(field.dtype).view(layout.heads, *field.shape)
-    return FieldBlock(key, b"" if parent == NO_PARENT else parent, tokens, out)
+        fields = LayerFields(layout, [record], layout.plain_places)
+    return FieldBlock(key, b"" if parent == NO_PARENT else parent, tokens, fields)
+
+
+class LayerFields(Sequence):
+    """A decoded record's fields, per layer (``fields[layer][name]``: ``[heads, *shape]`` in the
+    field's dtype), viewed out of the decoded bytes when a layer is read (a record of 30 layers
+    holds some 180 fields: building every view up front would cost more than decoding them)."""
+
+    def __init__(self, layout: BlockLayout, buffers: list[np.ndarray], places: tuple[tuple[int, int], ...]) -> None:
+        self.layout = layout
+        self.buffers = buffers
+        """Decoded bytes: the record (plain) or one array per field group (entropy-coded)."""
+        self.places = places
+        """``(buffer, byte offset)`` of each of the layout's sections."""
+
+    def __len__(self) -> int:
+        return len(self.layout.layers)
+
+    def __getitem__(self, layer: int) -> dict[str, torch.Tensor]:
+        heads, out = self.layout.heads, {}
+        for i, name, field, nbytes in self.layout.layer_sections[layer]:
+            buffer, at = self.places[i]
+            out[name] = torch.from_numpy(self.buffers[buffer][at : at + nbytes]).view(field.dtype).view(heads, *field.shape)
+        return out
 
 
 def _planes(layout: BlockLayout, sections: list[np.ndarray]) -> list[np.ndarray]:
     """Arrays to entropy-code: for each field name (first-seen order) and byte plane of its
     elements, that plane of every layer's section of the name, concatenated."""
     arrays = []
-    for _, width, members in _groups(layout):
+    for _, width, members in layout.groups:
         joined = np.concatenate([sections[i] for i in members]).reshape(-1, width)
         arrays += [joined[:, plane] for plane in range(width)]
     return arrays
 
 
 def _unplanes(layout: BlockLayout, body: np.ndarray) -> list[np.ndarray]:
-    """The sections of an entropy-coded body (inverse of :func:`_planes`); :class:`RecordError`
-    unless the stream holds exactly the arrays the layout expects."""
-    expected = sum(n for _, _, n in layout.sections)
+    """Each field group's bytes (its sections back to back) from an entropy-coded body (inverse of
+    :func:`_planes`); :class:`RecordError` unless the stream holds exactly the arrays the layout
+    expects."""
     try:
-        arrays = entropy_code.decode(body, max_bytes=expected)
+        arrays = entropy_code.decode(body, max_bytes=layout.field_bytes)
     except entropy_code.EntropyCodeError as error:
         raise RecordError(f"entropy-coded body: {error}") from None
-    sections: list[np.ndarray | None] = [None] * len(layout.sections)
-    at = 0
-    for name, width, members in _groups(layout):
+    groups, at = [], 0
+    for name, width, members in layout.groups:
         total = sum(layout.sections[i][2] for i in members)
         planes = arrays[at : at + width]
         at += width
         if len(planes) != width or any(plane.size != total // width for plane in planes):
             raise RecordError(f"entropy-coded body: field {name!r} does not decode to {total} bytes")
+        if width == 1:
+            groups.append(planes[0])
+            continue
         joined = np.empty((total // width, width), dtype=np.uint8)
         for plane, array in enumerate(planes):
             joined[:, plane] = array
-        joined = joined.reshape(-1)
-        offset = 0
-        for i in members:
-            sections[i] = joined[offset : offset + layout.sections[i][2]]
-            offset += layout.sections[i][2]
+        groups.append(joined.reshape(-1))
     if at != len(arrays):
         raise RecordError("entropy-coded body: more arrays than the layout's fields")
-    return sections
-
-
-@functools.lru_cache(maxsize=64)
-def _groups(layout: BlockLayout) -> list[tuple[str, int, list[int]]]:
-    """``(field name, element bytes, indices of its sections)`` per field name and element size,
-    in first-seen order."""
-    groups: dict[tuple[str, int], list[int]] = {}
-    for i, (layer, name, _) in enumerate(layout.sections):
-        width = torch.empty((), dtype=dict(layout.layers[layer])[name].dtype).element_size()
-        groups.setdefault((name, width), []).append(i)
-    return [(name, width, members) for (name, width), members in groups.items()]
+    return groups
 
 
 def _bytes_of(tensor: torch.Tensor, size: int) -> np.ndarray:
