@@ -13,9 +13,9 @@ Stream (little endian)::
       u8 mode (0 raw, 1 one repeated byte, 2 rANS), u32 length (bytes decoded), then
       raw:    the bytes
       repeat: the byte
-      rANS:   u32 payload bytes, u8 symbols present minus one, that many symbols (u8, ascending)
-              and their frequencies (u16 each, summing to 2**12), the four final coder states
-              (u32 each), then the payload
+      rANS:   u32 payload bytes, the symbols present (a 256-bit map, 32 bytes), their
+              frequencies in ascending symbol order (12 bits each, two in three bytes, low bits
+              first; summing to 2**12), the four final coder states (u32 each), then the payload
 
 rANS (Duda, 2013; 32-bit states as in Giesen's ``ryg_rans``, renormalised a 16-bit word at a
 time so that a step reads at most one word): four interleaved states (element ``i`` uses state
@@ -76,11 +76,26 @@ def _encode_one(data: np.ndarray) -> bytes:
     states = np.empty(_STATES, dtype=np.int64)
     start = _rans_encode(data, freq, cum, scratch, states)
     payload = scratch[start:]
-    table = bytes([symbols.size - 1]) + symbols.astype(np.uint8).tobytes() + freq[symbols].astype("<u2").tobytes()
+    table = np.packbits(counts > 0, bitorder="little").tobytes() + _pack12(freq[symbols])
     coded = table + states.astype("<u4").tobytes() + payload.tobytes()
     if len(coded) + _U32.size >= n:
         return _ARRAY.pack(_RAW, n) + data.tobytes()
     return _ARRAY.pack(_RANS, n) + _U32.pack(payload.size) + coded
+
+
+def _pack12(values: np.ndarray) -> bytes:
+    """``values`` (each below ``2**12``) as 12-bit fields, two in three bytes, low bits first
+    (an odd count's last value in two bytes)."""
+    padded = np.zeros(values.size + values.size % 2, dtype=np.int64)
+    padded[: values.size] = values
+    a, b = padded[0::2], padded[1::2]
+    packed = np.stack([a & 0xFF, (a >> 8) | ((b & 0xF) << 4), b >> 4], axis=1).astype(np.uint8).reshape(-1)
+    return packed[: _table_bytes(values.size) - 32].tobytes()
+
+
+def _table_bytes(present: int) -> int:
+    """Bytes of a rANS array's table: the symbol map and ``present`` 12-bit frequencies."""
+    return 32 + (3 * present + 1) // 2
 
 
 def normalized_frequencies(counts: np.ndarray) -> np.ndarray:
@@ -161,6 +176,18 @@ def _u32(src: np.ndarray, at: int) -> int:
 
 
 @numba.njit(cache=True, nogil=True)
+def _present(src: np.ndarray, at: int) -> int:
+    """Symbols set in the 256-bit map at ``src[at : at + 32]``."""
+    count = 0
+    for i in range(32):
+        byte = np.int64(src[at + i])
+        while byte:
+            count += byte & 1
+            byte >>= 1
+    return count
+
+
+@numba.njit(cache=True, nogil=True)
 def _scan(src: np.ndarray, max_bytes: int) -> tuple[int, int, int]:
     """``(status, arrays, total bytes)`` of a stream's structure: every header and payload within
     ``src``, nothing after the last array, the lengths within ``max_bytes``."""
@@ -184,10 +211,10 @@ def _scan(src: np.ndarray, max_bytes: int) -> tuple[int, int, int]:
         elif mode == _REPEAT:
             at += 1
         elif mode == _RANS:
-            if at + 5 > size:
+            if at + 36 > size:
                 return _CUT, 0, 0
-            payload, present = _u32(src, at), np.int64(src[at + 4]) + 1
-            at += 5 + 3 * present + 4 * _STATES + payload
+            payload, present = _u32(src, at), _present(src, at + 4)
+            at += 4 + 32 + (3 * present + 1) // 2 + 4 * _STATES + payload
         else:
             return _MODE, 0, 0
         if at > size:
@@ -215,17 +242,23 @@ def _decode_stream(src: np.ndarray, out: np.ndarray, lengths: np.ndarray) -> int
             out[o : o + length] = src[at]
             at += 1
         else:
-            payload, present = _u32(src, at), np.int64(src[at + 4]) + 1
-            at += 5
-            symbols_at, freqs_at = at, at + present
-            at += 3 * present
-            filled, last = 0, -1
-            for k in range(present):
-                symbol = np.int64(src[symbols_at + k])
-                freq = np.int64(src[freqs_at + 2 * k]) | (np.int64(src[freqs_at + 2 * k + 1]) << 8)
-                if symbol <= last or freq == 0 or filled + freq > _TOTAL or present < 2:
+            payload, present = _u32(src, at), _present(src, at + 4)
+            symbols_at, freqs_at = at + 4, at + 36
+            at += 36 + (3 * present + 1) // 2
+            if present < 2:
+                return _TABLE
+            filled, k = 0, 0
+            for symbol in range(256):
+                if not (src[symbols_at + (symbol >> 3)] >> (symbol & 7)) & 1:
+                    continue
+                base = freqs_at + 3 * (k >> 1)
+                if k & 1:
+                    freq = (np.int64(src[base + 1]) >> 4) | (np.int64(src[base + 2]) << 4)
+                else:
+                    freq = np.int64(src[base]) | ((np.int64(src[base + 1]) & 0xF) << 8)
+                k += 1
+                if freq == 0 or filled + freq > _TOTAL:
                     return _TABLE
-                last = symbol
                 entry = symbol | ((freq - 1) << 8)
                 for slot in range(filled, filled + freq):
                     table[slot] = entry | ((slot - filled) << 20)

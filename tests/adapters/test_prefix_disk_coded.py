@@ -65,3 +65,34 @@ def test_coded_records_hold_the_encoded_bytes(tmp_path: Path) -> None:
     overhead = HEADER.size + 8 * 16 + 8 + 8 * 6 * len(pools)  # header, token ids, digest, padding at most
     assert all(encoded <= size <= encoded + overhead for size in sizes)
     assert max(sizes) < raw / 3
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> tuple[torch.nn.Module, object]:
+    from kvlib.eval import load_model
+
+    loaded = load_model("smollm2")
+    return loaded.model, loaded.tokenizer
+
+
+@pytest.mark.parametrize("entropy", [False, True])
+def test_smollm2_coded_prefix_from_disk_gives_the_same_tokens(tmp_path: Path, smollm2, entropy: bool) -> None:
+    model, tokenizer = smollm2
+    text = "The lighthouse keeper counted the ships that passed each night and wrote their names in a small book. " * 3
+    prompt = torch.tensor([tokenizer.encode(text, bos=True)])
+    blocks = (prompt.shape[1] - 1) // 16
+
+    def run(store: kvlib.PrefixStore | None) -> tuple[torch.Tensor, int]:
+        cache = kvlib.make_cache(model, SPEC, reuse=store, prompt=prompt) if store is not None else kvlib.make_cache(model, SPEC)
+        reused = cache.get_seq_length()
+        out = model.generate(prompt, **cache_argument(cache), max_new_tokens=6, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+        return out, reused
+
+    plain, _ = run(None)
+    disk = DiskTier(tmp_path, capacity_bytes=2**28, entropy=entropy)
+    writer = kvlib.PrefixStore(model, capacity_bytes=2**26, disk=disk)
+    assert torch.equal(run(writer)[0], plain) and disk.stats()["writes"] == blocks
+    in_memory, reused = run(writer)
+    assert reused == 16 * blocks and torch.equal(in_memory, plain)
+    from_disk, reused = run(kvlib.PrefixStore(model, capacity_bytes=2**26, disk=disk))
+    assert reused == 16 * blocks and disk.stats()["reads"] == blocks and torch.equal(from_disk, plain)
