@@ -71,8 +71,8 @@ class PagePool:
     on the arena device."""
 
     pages_in_compute_dtype = True
-    """Whether every page holds its keys and values in the compute dtype (what a prefix store's
-    disk records hold); a coded pool's sealed pages do not."""
+    """Whether every page holds its keys and values in the compute dtype (then :meth:`record_fields`
+    are keys and values); a coded pool's sealed pages do not."""
 
     partner_layer: int | None = None
     """The earlier layer whose pool this pool's sealed pages lean on (None: none; see
