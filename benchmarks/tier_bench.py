@@ -60,8 +60,8 @@ import torch
 import kvlib
 from kvlib.adapters.model_shape import kv_shape
 from kvlib.eval.agreement import agreement_metrics, greedy_reference, teacher_forced_logits
-from kvlib.storage.disk_tier import DiskTier
 from kvlib.storage.block_record import decode_parts, encode
+from kvlib.storage.disk_tier import DiskTier
 from kvlib.transformers_compat import cache_argument
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or loaded by path
