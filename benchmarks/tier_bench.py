@@ -2,8 +2,9 @@
 I/O of the same bytes, and restoring a cached prefix from disk against recomputing it.
 
 - Throughput: the prefix pages of a ``--prefix-len``-token prompt of the model (one record per
-  16-token block: every layer's and KV head's keys and values), written with
-  ``DiskTier.put_many`` of ``encode_parts`` (record encoding and checksum included, one durable
+  16-token block: every layer's and KV head's keys and values, a
+  :mod:`~kvlib.storage.block_record` record), written with
+  ``DiskTier.put_many`` of ``encode`` (record encoding and checksum included, one durable
   lmdb commit for the prompt's records, as the prefix store writes them) and read back with
   ``DiskTier.get`` + ``decode_parts``; against writing the same record bytes to one file with
   ``write`` and ``fsync`` and reading them back. MB/s of record bytes; medians of ``--repeats``.
@@ -59,8 +60,8 @@ import torch
 import kvlib
 from kvlib.adapters.model_shape import kv_shape
 from kvlib.eval.agreement import agreement_metrics, greedy_reference, teacher_forced_logits
+from kvlib.storage.block_record import decode_parts, encode
 from kvlib.storage.disk_tier import DiskTier
-from kvlib.storage.page_record import decode, decode_parts, encode, encode_parts
 from kvlib.transformers_compat import cache_argument
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or loaded by path
@@ -82,7 +83,7 @@ def throughput(records: list[tuple[bytes, bytes]], layout, repeats: int, scratch
     for attempt in range(repeats):
         tier = DiskTier(scratch / f"tier{attempt}", capacity_bytes=4 * total)
         start = time.perf_counter()
-        tier.put_many([(key, encode_parts(layout, block)) for key, block in records])  # one commit per prompt, as the store writes
+        tier.put_many([(key, encode(layout, block)) for key, block in records])  # one commit per prompt, as the store writes
         write.append(time.perf_counter() - start)
         start = time.perf_counter()
         for key, _ in records:
@@ -306,7 +307,7 @@ def run(argv: Sequence[str] | None = None) -> dict:
         first_token(model, cache, prompts[0])
         namespace = next(iter(writer.stores))
         layout = writer._disk_layout(namespace)
-        records = [(key, decode(layout, disk.raw(key))) for key in disk.keys()]
+        records = [(key, decode_parts(layout, [disk.raw(key)])) for key in disk.keys()]
         result = {"throughput": throughput(records, layout, args.repeats, scratch)}
         restores, fulls, reused = [], [], 0
         for prompt in prompts[1:]:

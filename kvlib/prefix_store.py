@@ -23,11 +23,16 @@ references too. Entries no cache uses sit in an LRU and are evicted, least recen
 while the index holds more than ``capacity_bytes``; their pages are freed once no sequence holds
 them.
 
-Disk (``disk=DiskTier(path, capacity_bytes)`` or a path): every block indexed from an exact
-cache is also written to an lmdb page record (write-through), keyed by the namespace's digest
-and the chain key; a lookup that runs out of blocks in memory goes on on disk, loading verified
-records into fresh pages. A new process with the same model thus reuses prefixes an earlier one
-computed. Codec namespaces stay in memory only. A prompt whose blocks do not all fit in the
+Disk (``disk=DiskTier(path, capacity_bytes)`` or a path): every block indexed is also written
+to an lmdb block record (write-through, :mod:`~kvlib.storage.block_record`), keyed by the
+namespace's digest (model, codec spec, dtype, device, page size, salt) and the chain key; a
+lookup that runs out of blocks in memory goes on on disk, loading verified records into fresh
+pages. A new process with the same model thus reuses prefixes an earlier one computed. A coded
+cache's pages go to disk as the codec's encoded fields (codes, scales, zero points), and come
+back sealed, bit for bit what was written: never decoded on the way. Namespaces of codecs fitted
+to data (low-rank bases) stay in memory only, and a block whose pages are not all sealed is not
+written. ``DiskTier(..., entropy=True)`` writes records entropy-coded
+(:mod:`~kvlib.storage.entropy_code`); either kind is read. A prompt whose blocks do not all fit in the
 tier's capacity has its leading blocks written (as many as fit), and a block larger than the
 whole capacity none; either way the store warns once. A directory that cannot hold a tier
 (read-only, say) gives one warning and the store keeps prefixes in memory only; a damaged one is
@@ -43,13 +48,13 @@ from collections.abc import Callable
 
 import torch
 
-from kvlib.devices import outside_inference_mode, to_arena_device
+from kvlib.devices import outside_inference_mode
 from kvlib.errors import DiskTierUnavailable
 from kvlib.model_identity import ModelIdentity
 from kvlib.paged_store import PagedStore
 from kvlib.prefix_index import Entry, PrefixIndex
+from kvlib.storage.block_record import BlockLayout, FieldBlock, decode_parts, encode
 from kvlib.storage.disk_tier import DiskTier, open_disk_tier
-from kvlib.storage.page_record import Block, Layout, decode_parts, encode_parts, record_size
 
 
 class PrefixStore:
@@ -143,7 +148,7 @@ class PrefixStore:
         return found
 
     @outside_inference_mode
-    def _load(self, namespace: str, layout: Layout, blocks: list[list[int]], first: int) -> list[Entry]:
+    def _load(self, namespace: str, layout: BlockLayout, blocks: list[list[int]], first: int) -> list[Entry]:
         """Entries for ``blocks[first:]`` read from disk while their records check out."""
         store = self.stores[namespace]
         keys = self.index.keys(blocks, self._key_space(namespace))
@@ -153,17 +158,11 @@ class PrefixStore:
             block = self.disk.get(layout.namespace + keys[index], lambda parts: decode_parts(layout, parts))
             if block is None or block.key != keys[index] or block.parent != parent or block.tokens != list(blocks[index]):
                 break
+            positions = torch.arange(index * store.page_size, (index + 1) * store.page_size).repeat(layout.heads, 1)
             pages = []
-            positions = torch.arange(index * store.page_size, (index + 1) * store.page_size)
             for layer, pool in enumerate(store.pools):
                 ids = pool.allocate(layout.heads, torch.arange(layout.heads))
-                slots = (ids.unsqueeze(-1) * store.page_size + torch.arange(store.page_size)).flatten()
-                pool.write(
-                    slots,
-                    block.keys[layer].reshape(-1, layout.head_dim).to(store.device),
-                    block.values[layer].reshape(-1, layout.value_dim).to(store.device),
-                    to_arena_device(positions.repeat(layout.heads), store.device),
-                )
+                pool.restore_pages(ids, block.layers[layer], positions)
                 pages.append(ids)
             pages = torch.stack(pages)
             nbytes = sum(pool.page_footprint() for pool in store.pools) * layout.heads
@@ -177,14 +176,18 @@ class PrefixStore:
             loaded.append(entry)  # acquired by insert, for the caller
         return loaded
 
-    def _disk_layout(self, namespace: str) -> Layout | None:
-        """The record layout of ``namespace``, or None when its pages do not go to disk."""
+    def _disk_layout(self, namespace: str) -> BlockLayout | None:
+        """The record layout of ``namespace``, or None when its pages do not go to disk (no disk
+        tier, or a pool whose pages a record cannot hold: a codec fitted to data)."""
         store = self.stores.get(namespace)
-        if self.disk is None or store is None or not all(pool.pages_in_compute_dtype for pool in store.pools):
+        if self.disk is None or store is None:
             return None
-        pool = store.pools[0]
+        fields = [pool.record_fields() for pool in store.pools]
+        if any(layer is None for layer in fields):
+            return None
         digest = hashlib.blake2b(self._key_space(namespace), digest_size=16).digest()
-        return Layout(digest, store.num_layers, store.tables[0].num_heads, store.page_size, pool.head_dim, pool.value_dim, store.dtype)
+        layers = tuple(tuple(layer.items()) for layer in fields)
+        return BlockLayout(digest, store.tables[0].num_heads, store.page_size, layers, entropy=self.disk.entropy)
 
     @outside_inference_mode
     def attach(self, namespace: str, seq: int, entries: list[Entry]) -> None:
@@ -229,37 +232,44 @@ class PrefixStore:
 
     @outside_inference_mode
     def _persist(self, namespace: str, entries: list[Entry]) -> None:
-        """Write the blocks of ``entries`` to the disk tier in one commit (exact namespaces only)."""
+        """Write the blocks of ``entries`` to the disk tier in one commit: each block's pages as
+        their pools hold them (:meth:`~kvlib.storage.page_pool.PagePool.record_pages`), the
+        leading blocks whose pages a record can hold and whose records fit in the tier."""
         layout = self._disk_layout(namespace)
         if layout is None or not entries:
             return
-        entries = self._fitting(entries, record_size(layout))
         store, items = self.stores[namespace], []
         for entry in entries:
             pages = entry.pages[1]
-            reads = [pool.read_pages(pages[layer]) for layer, pool in enumerate(store.pools)]
-            block = Block(
-                entry.key, entry.parent, list(entry.tokens), torch.stack([k for k, _ in reads]), torch.stack([v for _, v in reads])
-            )
-            items.append((layout.namespace + entry.key, encode_parts(layout, block)))
+            layers = [pool.record_pages(pages[layer]) for layer, pool in enumerate(store.pools)]
+            if any(fields is None for fields in layers):
+                break
+            block = FieldBlock(entry.key, entry.parent, list(entry.tokens), [{name: t.cpu() for name, t in f.items()} for f in layers])
+            items.append((layout.namespace + entry.key, encode(layout, block)))
+        items = self._fitting(items)
         if items:
             self.disk.put_many(items)
 
-    def _fitting(self, entries: list[Entry], nbytes: int) -> list[Entry]:
-        """The leading ``entries`` whose records (``nbytes`` each) fit in the disk tier's capacity
-        together (one commit holds them all); warns once when some are left out."""
-        capacity = self.disk.capacity_bytes
-        fitting = entries[: capacity // nbytes]
-        if len(fitting) < len(entries) and not self._warned_disk_full:
+    def _fitting(self, items: list[tuple[bytes, bytes | memoryview]]) -> list[tuple[bytes, bytes | memoryview]]:
+        """The leading ``items`` (key, record) that fit in the disk tier's capacity together (one
+        commit holds them all); warns once when some are left out."""
+        capacity, total, count = self.disk.capacity_bytes, 0, 0
+        for _, record in items:
+            if total + len(record) > capacity:
+                break
+            total += len(record)
+            count += 1
+        if count < len(items) and not self._warned_disk_full:
             self._warned_disk_full = True
+            needed = sum(len(record) for _, record in items)
             warnings.warn(
-                f"kvlib PrefixStore: {len(entries)} prompt blocks of {nbytes} bytes each on disk need {len(entries) * nbytes}"
-                f" bytes, more than the disk tier's capacity of {capacity} bytes: only the first {len(fitting)} are"
-                " written (raise the disk tier's capacity_bytes to keep whole prompts)",
+                f"kvlib PrefixStore: {len(items)} prompt blocks need {needed} bytes on disk, more than the disk tier's"
+                f" capacity of {capacity} bytes: only the first {count} are written (raise the disk tier's capacity_bytes"
+                " to keep whole prompts)",
                 RuntimeWarning,
                 stacklevel=2,
             )
-        return fitting
+        return items[:count]
 
     def release(self, entries: list[Entry]) -> None:
         """A cache stops using ``entries`` (they may now be evicted)."""

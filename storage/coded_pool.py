@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlib.codec import PageCodec
+from kvlib.codec import Field, PageCodec
 from kvlib.coded_page_loaders import open_part
 from kvlib.devices import PagedKernel, paged_kernel, to_arena_device
 from kvlib.paged_attention import PageSource
@@ -225,6 +225,26 @@ class CodedPagePool(PagePool):
             keys.index_copy_(0, plan.open_target, self.keys.index_select(0, plan.open_source))
             values.index_copy_(0, plan.open_target, self.values.index_select(0, plan.open_source))
         return keys, values
+
+    def record_fields(self) -> dict[str, Field] | None:
+        """The codec's fields: a sealed page goes to a block record as it is held. None for a
+        codec that fits itself to data (its fields mean nothing without the fitted state)."""
+        return None if self.codec.learns else self.codec.fields
+
+    def record_pages(self, ids: torch.Tensor) -> dict[str, torch.Tensor] | None:
+        """The encoded fields of pages ``ids`` as the arenas hold them (one-byte floats as bytes),
+        or None unless every one is sealed (an open page is not what a restored sealed one reads)."""
+        if ids.numel() == 0 or not self.encoded or not bool(self.sealed[ids].all()):
+            return None
+        index = to_arena_device(ids, self.device)
+        return {name: arena.index_select(0, index) for name, arena in self.encoded.items()}
+
+    def restore_pages(self, ids: torch.Tensor, fields: dict[str, torch.Tensor], positions: torch.Tensor) -> None:
+        """Seal freshly allocated pages ``ids`` with stored ``fields`` (no encoding: they are the
+        codec's output) at ``positions`` (int64 ``[n, page_size]``)."""
+        self.positions.index_copy_(0, to_arena_device(ids, self.device), positions.to(self.device, torch.int64))
+        codec_fields = self.codec.fields
+        self.seal(ids, {name: fields[name].to(self.device).view(codec_fields[name].dtype) for name in codec_fields})
 
     def _decode_sealed(
         self, pages: torch.Tensor, heads: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor

@@ -97,11 +97,19 @@ def open_disk_tier(path: str | Path, capacity_bytes: int) -> DiskTier:
 class DiskTier:
     """Page records in the lmdb environment at ``path`` (created if missing; verified, and
     moved aside if damaged), at most ``capacity_bytes`` of record bytes.
-    :class:`~kvlib.errors.DiskTierUnavailable` if the directory cannot hold one."""
+    :class:`~kvlib.errors.DiskTierUnavailable` if the directory cannot hold one.
 
-    def __init__(self, path: str | Path, capacity_bytes: int) -> None:
+    ``entropy=True``: prefix block records are written entropy-coded
+    (:mod:`~kvlib.storage.block_record`, :mod:`~kvlib.storage.entropy_code`): fewer bytes on
+    disk, a decode pass on every read. Records of either kind are read whatever the option."""
+
+    def __init__(self, path: str | Path, capacity_bytes: int, *, entropy: bool = False) -> None:
         if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes < 1:
             raise ValueError(f"capacity_bytes must be an int >= 1, got {capacity_bytes!r}")
+        if not isinstance(entropy, bool):
+            raise ValueError(f"entropy must be True or False, got {entropy!r}")
+        self.entropy = entropy
+        """Whether prefix block records are written entropy-coded."""
         self.path = Path(path)
         self.capacity_bytes = capacity_bytes
         self.limit = max(_MIN_MAP, int(capacity_bytes * _OVERHEAD))

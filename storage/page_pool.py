@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from kvlib.arena_sources import arena_source_for
+from kvlib.codec import Field
 from kvlib.devices import to_arena_device
 from kvlib.errors import PoolExhaustedError
 from kvlib.paged_attention import PagedLayer, PageReader
@@ -70,8 +71,8 @@ class PagePool:
     on the arena device."""
 
     pages_in_compute_dtype = True
-    """Whether every page holds its keys and values in the compute dtype (what a prefix store's
-    disk records hold); a coded pool's sealed pages do not."""
+    """Whether every page holds its keys and values in the compute dtype (then :meth:`record_fields`
+    are keys and values); a coded pool's sealed pages do not."""
 
     partner_layer: int | None = None
     """The earlier layer whose pool this pool's sealed pages lean on (None: none; see
@@ -325,6 +326,29 @@ class PagePool:
         values [n, page_size, value_dim])``."""
         index = to_arena_device(ids, self.device)
         return self.keys.index_select(0, index), self.values.index_select(0, index)
+
+    def record_fields(self) -> dict[str, Field] | None:
+        """What one page of this pool is in a prefix block record (:mod:`~kvlib.storage.block_record`):
+        its fields by name, or None when its pages cannot go to one (they hold neither the compute
+        dtype nor fields that mean the same to another process). Here keys and values in the
+        compute dtype; None for a subclass whose pages are not in it and that says nothing more."""
+        if not self.pages_in_compute_dtype:
+            return None
+        return {"keys": Field((self.page_size, self.head_dim), self.dtype), "values": Field((self.page_size, self.value_dim), self.dtype)}
+
+    def record_pages(self, ids: torch.Tensor) -> dict[str, torch.Tensor] | None:
+        """The :meth:`record_fields` of full pages ``ids`` (int64, CPU), each ``[n, *shape]``, or
+        None when one of them is in no state a record holds."""
+        keys, values = self.read_pages(ids)
+        return {"keys": keys, "values": values}
+
+    def restore_pages(self, ids: torch.Tensor, fields: dict[str, torch.Tensor], positions: torch.Tensor) -> None:
+        """Fill freshly allocated pages ``ids`` (int64, CPU) with the fields :meth:`record_pages`
+        gave (any device) and ``positions`` (int64 ``[n, page_size]``): full pages again."""
+        slots = (ids.unsqueeze(-1) * self.page_size + torch.arange(self.page_size)).flatten()
+        keys = fields["keys"].reshape(-1, self.head_dim).to(self.device, self.dtype)
+        values = fields["values"].reshape(-1, self.value_dim).to(self.device, self.dtype)
+        self.write(slots, keys, values, to_arena_device(positions.reshape(-1), self.device))
 
     @property
     def shrinks(self) -> bool:

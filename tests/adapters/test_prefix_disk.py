@@ -126,7 +126,6 @@ def test_blocks_past_the_disk_tiers_capacity_are_left_out_with_one_warning(tmp_p
     import torch
 
     import kvlib
-    from kvlib.storage.page_record import record_size
     from kvlib.transformers_compat import cache_argument
     from tests.adapters.conftest import PAD, build_model
 
@@ -141,10 +140,10 @@ def test_blocks_past_the_disk_tiers_capacity_are_left_out_with_one_warning(tmp_p
         return store, disk
 
     probe, _ = prefill(2**26, tmp_path / "probe")
-    record = record_size(probe._disk_layout(next(iter(probe.stores))))
+    record = probe._disk_layout(next(iter(probe.stores))).plain_size
     with pytest.warns(
         RuntimeWarning,
-        match=rf"4 prompt blocks of {record} bytes each on disk need {4 * record} bytes, more"
+        match=rf"4 prompt blocks need {4 * record} bytes on disk, more"
         rf" than the disk tier's capacity of {record * 5 // 2} bytes: only the first 2",
     ):
         store, disk = prefill(record * 5 // 2, tmp_path / "two")
