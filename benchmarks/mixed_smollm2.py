@@ -64,12 +64,15 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default="", help="a JSON file for the rows (default: none)")
+    parser.add_argument("--quick", action="store_true", help="256 tokens, 8 steps (a smoke run)")
+    parser.add_argument("--out", default="", help="a folder for mixed_smollm2.json (default: none)")
     args = parser.parse_args()
+    context, steps = (256, 8) if args.quick else (args.context, args.steps)
     print("| configuration | KL (nats/step) | agreement | KV bytes | bytes / full |\n|---|---|---|---|---|")
-    rows = run(args.configs.split(";"), args.context, args.steps, args.seed)
+    rows = run(args.configs.split(";"), context, steps, args.seed)
     if args.out:
-        Path(args.out).write_text(json.dumps(rows, indent=1))
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "mixed_smollm2.json").write_text(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":
