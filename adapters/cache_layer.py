@@ -15,6 +15,7 @@ cache's too.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Protocol
 
 import torch
@@ -239,7 +240,8 @@ class KVCacheLayer(CacheLayerMixin):
     ) -> None:
         """Once the layer's attention has run: records padding (layer 0; counted per row, on the
         device), lets a fitted codec learn from the layer's first call, lets the compressor drop
-        tokens, seals the layer's full pages, re-ranks its pages for the device tier and, after
+        tokens, seals the layer's full pages (handing a codec that reads salience the compressor's
+        scores of the layer's tokens, computed only if a page seals), re-ranks its pages for the device tier and, after
         the last layer, indexes the prompt's full pages in the prefix session."""
         cache, store, rows = self.cache, self.cache.store, self.cache.rows
         self.pending = None
@@ -252,19 +254,24 @@ class KVCacheLayer(CacheLayerMixin):
             codec.observe(self._fit_sample(step, query, real_new))
             if codec.ready:  # a cross-layer fit readies earlier layers too
                 sealing = list(range(self.layer_idx + 1))
+        salience = None
         if cache.compressor is not None:
             inputs = AttentionInputs(query, mask, weights, scaling, real_new, self.hidden_states)
             self.hidden_states = None
             stored = None if step.paged is None else (lambda: store.read(self.layer_idx, rows, mirror=False))
-            compaction = cache.compressor.compaction(self._stored_layer(step), inputs, cache.padding, stored)
+            stored_step = self._stored_layer(step)
+            compaction = cache.compressor.compaction(stored_step, inputs, cache.padding, stored)
             if compaction is not None:
                 layout = store.compact(self.layer_idx, rows, compaction.keep, compaction.values, reuse_slots=cache.reuse_slots)
                 cache.compressor.compacted(self.layer_idx, layout)
                 self.identity = False
                 read = None
+                salience = functools.partial(compaction.salience_after, layout)
+            else:
+                salience = functools.partial(cache.compressor.scores, stored_step, inputs, cache.padding, stored)
         if cache.codecs is not None:
             for layer in sealing:
-                store.seal(layer, rows)
+                store.seal(layer, rows, salience if layer == self.layer_idx and codec is not None and codec.uses_salience else None)
         if cache.tiering is not None and not step.sparse and cache.tiering.refreshes_ranking(self.seen, step.query_length):
             self._rank_pages(read if read is not None else store.read(self.layer_idx, rows))
         if cache.session is not None and self.layer_idx == cache.shape.num_layers - 1:

@@ -56,10 +56,19 @@ class AttentionInputs:
 class Compaction:
     """What a layer keeps: ``keep`` int64 ``[batch, heads, k]`` kept slots (slot indices, not
     positions), ascending, -1 last;
-    ``values``: their new values when evicted tokens were merged in, else None."""
+    ``values``: their new values when evicted tokens were merged in, else None;
+    ``scores``: the strategy's keep-scores of every slot before the compaction ``[batch, heads,
+    slots]`` (what a codec that reads salience gets, see :meth:`salience_after`)."""
 
     keep: torch.Tensor
     values: torch.Tensor | None = None
+    scores: torch.Tensor | None = None
+
+    def salience_after(self, layout: torch.Tensor) -> torch.Tensor:
+        """The scores of the slots after the store compacted with ``layout`` (new slot ``i`` holds
+        old slot ``layout[..., i]``; ``-1``: none, scored ``-inf``)."""
+        layout = layout.to(self.scores.device)
+        return self.scores.gather(-1, layout.clamp(min=0)).masked_fill(layout < 0, -torch.inf)
 
 
 @dataclass
@@ -75,10 +84,13 @@ class Compressor:
     longer position order), each head's best tokens are chosen among its slots sorted by
     position, and strategies that are not ``order_free`` score a view in that order, so the kept
     set is the one an in-order store would keep.
+
+    ``budget=None``: a scorer that never evicts (its state still follows every call); its
+    :meth:`scores` decide a codec's token salience where the spec has no eviction strategy.
     """
 
     strategy: Eviction
-    budget: int | float
+    budget: int | float | None
     num_layers: int
     allocation: Budget = field(default_factory=Uniform)
     slack: int = 0
@@ -103,6 +115,8 @@ class Compressor:
         accumulated = None
         if "accumulated_attention" in self.strategy.needs:
             accumulated = self._accumulated[step.layer_idx] = self._accumulate(step, inputs)
+        if self.budget is None:
+            return None
         tokens = self._tokens(step, real_offsets)
         if tokens is None and inputs.real_new is None:
             return None
@@ -114,25 +128,9 @@ class Compressor:
             return None
         if stored is not None and self.reads_kv:
             read = stored()
-        view = LayerView(
-            layer_idx=step.layer_idx,
-            num_layers=self.num_layers,
-            keys=read.keys,
-            values=read.values,
-            positions=torch.where(candidates, read.positions - real_offsets.to(read.positions.device).view(-1, 1, 1), -1),
-            valid=candidates,
-            accumulated_attention=accumulated,
-        )
-        self._fill_needs(view, step, inputs, real_offsets)
         order = position_order(read.positions, read.valid)  # None unless a compaction reused slots
-        if order is not None and not self.strategy.order_free:
-            view = ordered_view(view, order)
-        scores = self.strategy.score(view)
-        if not isinstance(scores, torch.Tensor) or scores.shape != candidates.shape:
-            raise ValueError(
-                f"{type(self.strategy).__name__}.score must return a tensor of shape {list(candidates.shape)}, got"
-                f" {getattr(scores, 'shape', type(scores).__name__)}"
-            )
+        scores = self._score(step, read, candidates, inputs, real_offsets, accumulated, order)
+        slot_scores = scores if order is None or self.strategy.order_free else _to_slot_order(scores, order)
         ranked = candidates
         if order is not None:  # select in position order: ties break as they would in order
             ranked = along_slots(candidates, order)
@@ -143,7 +141,56 @@ class Compressor:
         keep = select_keep(scores, ranked, torch.where(over, caps, counts))
         keep = _ascending((keep if order is None else to_slots(keep, order)).to(read.valid.device))
         values = merged_values(read.keys, read.values, candidates, keep) if self.merge else None
-        return Compaction(keep, values)
+        return Compaction(keep, values, slot_scores)
+
+    def scores(
+        self, step: LayerStep, inputs: AttentionInputs, real_offsets: torch.Tensor, stored: Callable[[], LayerRead] | None = None
+    ) -> torch.Tensor:
+        """The strategy's keep-scores ``[batch, heads, slots]`` of every stored slot of the layer
+        (slot order; padding and invalid slots ``-inf``), for a call after which :meth:`compaction`
+        changed nothing (its per-call state is then up to date: this adds nothing to it).
+        Arguments as :meth:`compaction`'s."""
+        read = step.read
+        candidates = read.valid & ~_padding_slots(step, inputs.real_new)
+        if stored is not None and self.reads_kv:
+            read = stored()
+        order = position_order(read.positions, read.valid)
+        scores = self._score(step, read, candidates, inputs, real_offsets, self._accumulated.get(step.layer_idx), order)
+        if order is not None and not self.strategy.order_free:
+            scores = _to_slot_order(scores, order)
+        return scores.masked_fill(~candidates, -torch.inf)
+
+    def _score(
+        self,
+        step: LayerStep,
+        read: LayerRead,
+        candidates: torch.Tensor,
+        inputs: AttentionInputs,
+        real_offsets: torch.Tensor,
+        accumulated: torch.Tensor | None,
+        order: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The strategy's scores of the ``candidates`` of ``read``: in slot order, or in position
+        ``order`` for a strategy that is not ``order_free`` when ``order`` is given."""
+        view = LayerView(
+            layer_idx=step.layer_idx,
+            num_layers=self.num_layers,
+            keys=read.keys,
+            values=read.values,
+            positions=torch.where(candidates, read.positions - real_offsets.to(read.positions.device).view(-1, 1, 1), -1),
+            valid=candidates,
+            accumulated_attention=accumulated,
+        )
+        self._fill_needs(view, step, inputs, real_offsets)
+        if order is not None and not self.strategy.order_free:
+            view = ordered_view(view, order)
+        scores = self.strategy.score(view)
+        if not isinstance(scores, torch.Tensor) or scores.shape != candidates.shape:
+            raise ValueError(
+                f"{type(self.strategy).__name__}.score must return a tensor of shape {list(candidates.shape)}, got"
+                f" {getattr(scores, 'shape', type(scores).__name__)}"
+            )
+        return scores
 
     @property
     def reads_kv(self) -> bool:
@@ -246,6 +293,11 @@ def _returned_weights(inputs: AttentionInputs, first: int) -> torch.Tensor:
     if inputs.real_new is not None:
         weights = weights * inputs.real_new[:, first:].view(weights.shape[0], 1, -1, 1)
     return weights
+
+
+def _to_slot_order(scores: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """Scores of position-ordered slots (``order[..., j]`` is the slot of the ``j``-th) back in slot order."""
+    return torch.empty_like(scores).scatter_(-1, order.to(scores.device), scores)
 
 
 def _ascending(keep: torch.Tensor) -> torch.Tensor:

@@ -102,6 +102,8 @@ def make_cache(
     compressor = eviction_compressor(model, parsed, budget, slack, interval, merge)
     if compressor is None and merge:
         raise ValueError("merge=True folds evicted tokens into kept ones; it needs an eviction strategy in the spec")
+    if compressor is None:
+        compressor = salience_scorer(model, parsed)
     _check_first_arenas(shape, page_size, home, coded=codec is not None, tiered=parsed.tiering is not None)
     _check_reuse(model, parsed, codec, reuse, prompt)
     if parsed.tiering is not None and codec is not None:
@@ -136,6 +138,17 @@ def eviction_compressor(
     allocation = spec.budget or spec.eviction.default_budget() or Uniform()
     allocation.check_model(shape.num_layers, shape.num_kv_heads)
     return Compressor(spec.eviction, budget, shape.num_layers, allocation, slack, interval, rope_of(model, shape.head_dim), merge)
+
+
+def salience_scorer(model: torch.nn.Module, spec: Spec) -> Compressor | None:
+    """For a spec without eviction whose codec reads token salience (``mixed``): a compressor
+    that never evicts (no budget) and scores tokens with the codec's own scorer; else None (with
+    an eviction strategy, the eviction compressor's scores decide salience)."""
+    scorer = spec.quantization.salience_scorer() if spec.quantization is not None and spec.eviction is None else None
+    if scorer is None:
+        return None
+    shape = kv_shape(model)
+    return Compressor(scorer, None, shape.num_layers, rope=rope_of(model, shape.head_dim))
 
 
 def _check_reuse(model: torch.nn.Module, spec: Spec, codec: Codec | None, reuse: PrefixStore | None, prompt: object) -> None:

@@ -154,6 +154,10 @@ class PageCodec:
     Field names are prefixed ``key.`` and ``value.``.
     """
 
+    uses_salience: bool = False
+    """Whether :meth:`encode` spends bits by token salience: the cache then hands it each sealed
+    page's per-token scores (see :meth:`encode`); a plain codec ignores them."""
+
     def __init__(self, key: TensorCodec, value: TensorCodec, name: str) -> None:
         self.key = key
         self.value = value
@@ -178,8 +182,12 @@ class PageCodec:
         self.key.observe(sample, "keys")
         self.value.observe(sample, "values")
 
-    def encode(self, keys: torch.Tensor, values: torch.Tensor, heads: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Fields of pages ``keys [n, page_size, head_dim]``, ``values [n, page_size, value_dim]``."""
+    def encode(
+        self, keys: torch.Tensor, values: torch.Tensor, heads: torch.Tensor, salience: torch.Tensor | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Fields of pages ``keys [n, page_size, head_dim]``, ``values [n, page_size, value_dim]``;
+        ``salience`` float ``[n, page_size]`` (higher: more salient; None where no scorer ran) is
+        read by codecs that :attr:`uses_salience` only."""
         encoded = {f"key.{n}": t for n, t in self.key.encode(keys, heads).items()}
         encoded.update({f"value.{n}": t for n, t in self.value.encode(values, heads).items()})
         return encoded

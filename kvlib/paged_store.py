@@ -40,6 +40,8 @@ All operations are vectorized over batch and heads: no Python loop runs per toke
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from kvlib import store_compaction, store_reads, store_sealing, store_truncation, store_writes
@@ -444,9 +446,11 @@ class PagedStore:
         self.mirrors.follow_truncation(layer, rows, new_lengths)
 
     @outside_inference_mode
-    def seal(self, layer: int, seqs: SequenceIds) -> int:
+    def seal(self, layer: int, seqs: SequenceIds, salience: Callable[[], torch.Tensor] | None = None) -> int:
         """Encode every full, open page of ``seqs`` in ``layer`` with the layer's codec; returns
         how many pages were sealed (0 without codecs, or while the codec is not yet fitted).
+        ``salience`` (for a codec that reads it): called only when a page is to be sealed, float
+        ``[len(seqs), kv_heads, slots]`` scores of the layer's stored slots, as :meth:`read` lays them out.
 
         Sealed pages then hold only the codec's fields; later reads decode them. A layer whose
         codec leans on a partner layer seals its pages in pairs with that layer's (see
@@ -454,7 +458,7 @@ class PagedStore:
         """
         layer = self._layer(layer)
         rows = self._rows(seqs)
-        sealed = store_sealing.seal(layer, self.pools, self.tables, rows)
+        sealed = store_sealing.seal(layer, self.pools, self.tables, rows, salience)
         if sealed:
             self.mirrors.drop(layer, rows)
             partner = self.pools[layer].partner_layer

@@ -227,6 +227,12 @@ class Quantization(Strategy, Codec):
 
     kind = "quantization"
 
+    def salience_scorer(self) -> Eviction | None:
+        """The scorer that decides token salience for this codec (its codecs :attr:`~kvlib.codec.PageCodec.uses_salience`)
+        where the spec has no eviction strategy, whose scores decide otherwise; None (the default):
+        the codec reads no salience."""
+        return None
+
 
 class LowRank(Strategy, Codec):
     """A codec that stores sealed pages in a lower-rank space (see :mod:`kvlib.codec`)."""

@@ -27,6 +27,7 @@ import torch
 from kvlib.codec import Field, PageCodec
 from kvlib.coded_page_loaders import open_part
 from kvlib.devices import PagedKernel, paged_kernel, to_arena_device
+from kvlib.page_indexing import first_occurrences
 from kvlib.paged_attention import PageSource
 from kvlib.storage.free_stack import FreeStack
 from kvlib.storage.page_pool import PagePool, extend_rows
@@ -300,16 +301,21 @@ class CodedPagePool(PagePool):
         """Pages are sealed once the codec is fitted."""
         return self.codec.ready
 
-    def seal_full_pages(self, ids: torch.Tensor, partner_ids: torch.Tensor | None) -> int:
-        """Encode the distinct pages of ``ids`` not sealed yet (``partner_ids``: None, no partner)."""
-        ids = torch.unique(ids)
-        ids = ids[~self.sealed[ids]]
-        self.seal(ids)
+    def seal_full_pages(self, ids: torch.Tensor, partner_ids: torch.Tensor | None, salience: torch.Tensor | None = None) -> int:
+        """Encode the distinct pages of ``ids`` not sealed yet (``partner_ids``: None, no partner),
+        with the ``salience`` of their first occurrence in ``ids``."""
+        ids, first = first_occurrences(ids)
+        still_open = ~self.sealed[ids]
+        ids = ids[still_open]
+        if salience is not None:
+            salience = salience[to_arena_device(first[still_open], salience.device)]
+        self.seal(ids, salience=salience)
         return int(ids.numel())
 
-    def seal(self, ids: torch.Tensor, encoded: dict[str, torch.Tensor] | None = None) -> None:
+    def seal(self, ids: torch.Tensor, encoded: dict[str, torch.Tensor] | None = None, salience: torch.Tensor | None = None) -> None:
         """Encode open, full pages ``ids`` (distinct, in use) and release their raw rows;
-        ``encoded`` gives their fields when a codec spanning two layers computed them."""
+        ``encoded`` gives their fields when a codec spanning two layers computed them; ``salience``
+        ``[len(ids), page_size]``: their tokens' scores, for a codec that reads them."""
         if ids.numel() == 0:
             return
         rows = self.raw_row[ids]
@@ -317,7 +323,7 @@ class CodedPagePool(PagePool):
             raise RuntimeError("seal of a page that is sealed or free: the store and the pool disagree")
         if encoded is None:
             keys, values = self.raw_pages(ids)
-            encoded = self.codec.encode(keys, values, to_arena_device(self.page_heads[ids], self.device))
+            encoded = self.codec.encode(keys, values, to_arena_device(self.page_heads[ids], self.device), salience)
         target = to_arena_device(ids, self.device)
         if not self.encoded:
             self.encoded = self._field_arenas(self.capacity)

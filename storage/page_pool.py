@@ -226,11 +226,13 @@ class PagePool:
         """Whether :meth:`seal_full_pages` may encode pages now: never without a codec."""
         return False
 
-    def seal_full_pages(self, ids: torch.Tensor, partner_ids: torch.Tensor | None) -> int:
+    def seal_full_pages(self, ids: torch.Tensor, partner_ids: torch.Tensor | None, salience: torch.Tensor | None = None) -> int:
         """Seal those of the full pages ``ids`` (int64, CPU, in use, repeats allowed) that are
         still open; ``partner_ids[i]`` is the page of the :attr:`partner_layer` pool holding the
-        same tokens as ``ids[i]`` (None without a partner layer). Returns the pages sealed: none
-        here, pages stay in the compute dtype."""
+        same tokens as ``ids[i]`` (None without a partner layer); ``salience[i]`` float
+        ``[page_size]`` the scores of page ``ids[i]``'s tokens, for a codec that
+        :attr:`~kvlib.codec.PageCodec.uses_salience` (None: none given). Returns the pages sealed:
+        none here, pages stay in the compute dtype."""
         return 0
 
     def incref(self, ids: torch.Tensor) -> None:

@@ -96,11 +96,11 @@ class PartneredPagePool(CodedPagePool):
         self.partner[target] = partners
         self.partner_pool.incref(partners[partners >= 0])
 
-    def seal_full_pages(self, ids: torch.Tensor, partner_ids: torch.Tensor | None) -> int:
+    def seal_full_pages(self, ids: torch.Tensor, partner_ids: torch.Tensor | None, salience: torch.Tensor | None = None) -> int:
         """Seal full pages ``ids`` together with the pages ``partner_ids`` of the partner pool that
         hold the same tokens (same positions, both open); each pair is encoded by the codec at
         once. A page pairs with one partner only; pages without such a partner stay open.
-        Returns the pairs sealed."""
+        Returns the pairs sealed. Cross-layer codecs read no ``salience``."""
         open_pair = ~self.sealed[ids] & ~self.partner_pool.sealed[partner_ids]
         ids, partner_ids = ids[open_pair], partner_ids[open_pair]
         if ids.numel() == 0:

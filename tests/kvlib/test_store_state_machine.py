@@ -15,7 +15,9 @@ sequence reads).
 lossless codec that is not the identity (it stores each page's tokens reversed and negated; drawn
 with or without the ``rotated`` codec's per-head Hadamard rotation around it where a layer's dims
 allow it exactly), plus a rule that seals: the same invariants must hold whatever mix of open and sealed pages the
-operations meet, and sealed pages are full, never written, and counted at the codec's bytes.
+operations meet, and sealed pages are full, never written, and counted at the codec's bytes. The
+seal rule hands the store each slot's score (a function of its token) and the codec checks that
+each page it encodes gets its own tokens' scores (the salience ``mixed`` spends bits by).
 """
 
 from __future__ import annotations
@@ -73,6 +75,20 @@ class ReversingCodec(TensorCodec):
         return (-encoded["reversed"].flip(1)).to(self.shape.dtype)
 
 
+class SalienceCheckingCodec(PageCodec):
+    """A page codec that reads salience (as ``mixed`` does): the seal rule scores each stored slot
+    by its key's first channel (``10 * token``), so every sealed page must get exactly its own
+    tokens' scores, whatever forks, compactions and truncations moved."""
+
+    uses_salience = True
+
+    def encode(
+        self, keys: torch.Tensor, values: torch.Tensor, heads: torch.Tensor, salience: torch.Tensor | None = None
+    ) -> dict[str, torch.Tensor]:
+        assert salience is not None and torch.equal(salience, keys[:, :, 0]), "a page was sealed with other tokens' scores"
+        return super().encode(keys, values, heads, salience)
+
+
 def coded_codecs(page_size: int, rotated: bool) -> list[PageCodec]:
     """Each layer's reversing codec; with ``rotated``, layers whose dims allow it rotate their
     pages first (the ``rotated`` codec's Hadamard rotation per head around the reversing codec:
@@ -81,9 +97,11 @@ def coded_codecs(page_size: int, rotated: bool) -> list[PageCodec]:
     for i in range(len(HEADS)):
         key, value = layer_shapes(len(HEADS), HEADS[i], KEY_DIMS[i], VALUE_DIMS[i], page_size, torch.float32, torch.device("cpu"))[i]
         if rotated and is_power_of_two(key.dim) and is_power_of_two(value.dim):
-            codecs.append(PageCodec(RotatedQuantizer(ReversingCodec(key), i, 0), RotatedQuantizer(ReversingCodec(value), i, 1), "rotated"))
+            codecs.append(
+                SalienceCheckingCodec(RotatedQuantizer(ReversingCodec(key), i, 0), RotatedQuantizer(ReversingCodec(value), i, 1), "rotated")
+            )
         else:
-            codecs.append(PageCodec(ReversingCodec(key), ReversingCodec(value), "reversing"))
+            codecs.append(SalienceCheckingCodec(ReversingCodec(key), ReversingCodec(value), "reversing"))
     return codecs
 
 
@@ -337,7 +355,7 @@ class StoreMachine(RuleBasedStateMachine):
     def seal(self, data: st.DataObject, layer: int, then_append: bool) -> None:
         """Seal a batch's full pages (a no-op without codecs); maybe go on appending."""
         layer, batch = self.layer_and_batch(data, layer)
-        sealed = self.store.seal(layer, batch)
+        sealed = self.store.seal(layer, batch, lambda: self.store.read(layer, batch, mirror=False).keys[..., 0])
         if not self.coded:
             assert sealed == 0
         if then_append:
