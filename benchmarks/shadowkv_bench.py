@@ -15,10 +15,11 @@
 
 Usage:
 
-    python benchmarks/shadowkv_bench.py [--context 2048] [--steps 32] [--decode-steps 16] [--repeats 3] [--out benchmarks/results]
+    python benchmarks/shadowkv_bench.py [--context 2048] [--steps 32] [--decode-steps 16] [--repeats 3] [--sections quality,speed]
+        [--out benchmarks/results]
     python benchmarks/shadowkv_bench.py --quick --out /tmp/x
 
-Writes ``shadowkv_bench.md`` and ``shadowkv_bench.json`` to ``--out``.
+Writes ``shadowkv_bench.md`` and ``shadowkv_bench.json`` to ``--out`` (``shadowkv_bench_<section>.*`` for one section).
 """
 
 from __future__ import annotations
@@ -126,6 +127,7 @@ def run(argv: Sequence[str] | None = None) -> dict:
     parser.add_argument("--steps", type=int, help=f"teacher-forced steps for quality (default {FULL['steps']})")
     parser.add_argument("--decode-steps", type=int, help=f"greedy steps timed (default {FULL['decode_steps']})")
     parser.add_argument("--repeats", type=int, help=f"timed repeats (default {FULL['repeats']})")
+    parser.add_argument("--sections", default="quality,speed", help="comma-separated sections to run: quality, speed (default both)")
     add_run_arguments(parser, QUICK)
     args = parse_run_arguments(parser, argv, QUICK, FULL)
     loaded = load_model("smollm2")
@@ -135,13 +137,17 @@ def run(argv: Sequence[str] | None = None) -> dict:
     device = device_mb(model, WINDOW + OUTLIERS)
     load_before = os.getloadavg()[0]
     started = time.perf_counter()
+    sections = args.sections.split(",")
+    if not sections or set(sections) - {"quality", "speed"}:
+        parser.error(f"--sections takes quality and/or speed, comma-separated; got {args.sections!r}")
     result = {
         "device_mb": device,
-        "quality": quality(model, prompt, args.steps, device),
-        "speed": speed(model, prompt, args.decode_steps, args.repeats, device),
+        "quality": quality(model, prompt, args.steps, device) if "quality" in sections else [],
+        "speed": speed(model, prompt, args.decode_steps, args.repeats, device) if "speed" in sections else {},
     }
     result.update(run_metadata(args, load_before, started))
-    write_report(args.out, "shadowkv_bench", _markdown(result, argv), result)
+    name = "shadowkv_bench" if set(sections) == {"quality", "speed"} else "shadowkv_bench_" + "_".join(sections)
+    write_report(args.out, name, _markdown(result, argv), result)
     return result
 
 
@@ -152,36 +158,50 @@ def _markdown(result: dict, argv: Sequence[str] | None) -> str:
         "",
         f"Command: `{command_line('shadowkv_bench.py', argv)}`",
         "",
-        f"Prompt {c['context']} tokens of essay text; {c['steps']} teacher-forced steps against the full cache. Machine:"
+        f"Prompt {c['context']} tokens of essay text; quality: {c['steps']} teacher-forced steps against the full cache. Machine:"
         f" {result['machine']}; 1-minute load {result['load_avg_1min'][0]} before, {result['load_avg_1min'][1]} after;"
         f" {result['seconds']} s. Library revision: {result['git']}.",
         "",
-        f"Device budget for whole pages: {result['device_mb']:.3f} MiB ({WINDOW + OUTLIERS} pages per KV head and layer: the window and the outliers) for every"
-        " spec; the key summaries (min and max per page) come on top for all three.",
+        f"Device budget for whole pages: {result['device_mb']:.3f} MiB ({WINDOW + OUTLIERS} pages per KV head and layer: the window and"
+        " the outliers) for every spec; the key summaries (min and max per page) come on top for all three.",
+    ]
+    if result["quality"]:
+        lines += _quality_markdown(result["quality"])
+    if result["speed"]:
+        lines += _speed_markdown(result["speed"], c)
+    return "\n".join(lines) + "\n"
+
+
+def _quality_markdown(rows: list[dict]) -> list[str]:
+    lines = [
         "",
         "| pages read / head / step | strategy | KL (nats/step) | agreement | device bytes | host bytes | key summaries |"
         " host pages read / step / layer |",
         "|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
-    for row in result["quality"]:
+    for row in rows:
         tiers = row["by_tier"]
         lines.append(
             f"| {row['budget']} | `{row['spec']}` | {row['kl']:.4f} | {row['agreement']:.3f} | {tiers['device']:,} | {tiers['host']:,} |"
             f" {row['key_summaries']:,} | {row['host_pages_per_step_layer']:.1f} |"
         )
-    lines += [
+    return lines
+
+
+def _speed_markdown(speed: dict, c: dict) -> list[str]:
+    lines = [
         "",
         f"Decode tok/s after the prompt ({c['decode_steps']} greedy steps, median [min, max] of {c['repeats']}, configs interleaved):",
         "",
         "| config | spec | tok/s | vs exact |",
         "|---|---|---:|---:|",
     ]
-    exact = result["speed"]["exact (no mirror)"]["median"]
-    for name, row in result["speed"].items():
+    exact = speed["exact (no mirror)"]["median"]
+    for name, row in speed.items():
         lines.append(
             f"| {name} | `{row['spec']}` | {row['median']:.2f} [{row['min']:.2f}, {row['max']:.2f}] | {row['median'] / exact:.2f}x |"
         )
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 if __name__ == "__main__":

@@ -6,9 +6,12 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
+
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
+@pytest.mark.slow  # SmolLM2, numba compiles and 11 short runs: minutes on a loaded 2-core machine
 def test_shadowkv_bench_quick_compares_quest_and_shadowkv_at_equal_device_bytes(tmp_path: Path) -> None:
     spec = importlib.util.spec_from_file_location("shadowkv_bench", BENCHMARKS / "shadowkv_bench.py")
     module = importlib.util.module_from_spec(spec)
