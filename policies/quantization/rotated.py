@@ -11,8 +11,8 @@ from kvlib.policies.quantization.uniform import GroupQuantizer
 from kvlib.registry import register
 from kvlib.strategy import Quantization
 
-ROTATED_BITS = (2, 4, 8)
-"""Bit widths with packing support (3-bit codes would straddle bytes: see the class docstring)."""
+ROTATED_BITS = (2, 3, 4, 8)
+"""Bit widths of the codes (3-bit codes pack 8 to 3 bytes, :mod:`kvlib.storage.packing`)."""
 
 
 @register("rotated")
@@ -35,8 +35,8 @@ class Rotated(Quantization):
     paged-attention kernel). The open page stays in the compute dtype.
 
     Args:
-        bits: bits per element, 2, 4 or 8 (codes packed 4, 2 or 1 per byte). 3 is not offered:
-            :mod:`kvlib.storage.packing` packs codes that divide a byte.
+        bits: bits per element, 2, 3, 4 or 8 (codes packed 4, 2 or 1 per byte; 3-bit codes 8
+            per 3 bytes).
         group: value channels per quantization group; clamped to the head dim, and must then
             divide it.
         seed: fixes the random signs (one vector per layer, keys or values, and KV head).

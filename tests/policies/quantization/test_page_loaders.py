@@ -18,6 +18,8 @@ CODECS = [
     "kivi(bits=2)",
     "kivi(bits=4, group=4)",
     "kivi(bits=8)",
+    "kivi(bits=3, group=4)",
+    "kv_bits(key_bits=3, value_bits=2)",
     "kv_bits(key_bits=4, value_bits=2)",
     "kv_bits(key_bits=8, value_bits=4, group=8)",
     "int8",
@@ -29,6 +31,7 @@ CODECS = [
     "rotated(bits=2)",
     "rotated(bits=4, group=4)",
     "rotated(bits=8, seed=3)",
+    "rotated(bits=3)",
 ]
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 """Accumulation order, and the output's rounding to the query's dtype (as the kernel's own test)."""

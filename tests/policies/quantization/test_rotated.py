@@ -40,7 +40,7 @@ def codec(bits: int, heads: int, page_size: int, dim: int, dtype: torch.dtype, s
 
 @settings(max_examples=40, deadline=None)
 @given(
-    bits=st.sampled_from([2, 4, 8]),
+    bits=st.sampled_from([2, 3, 4, 8]),
     heads=st.integers(1, 3),
     page_size=st.sampled_from([1, 4, 16]),
     dim=st.sampled_from([2, 8, 32]),
@@ -93,7 +93,7 @@ def test_signs_are_fixed_by_seed_layer_part_and_head() -> None:
     assert len({tuple(row.tolist()) for row in key}) == 4  # one vector per head
 
 
-@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_page_bytes_formula(bits: int, dtype: torch.dtype) -> None:
     """Keys: codes + fp16/bf16 scale and minimum per channel + a head byte; values: codes + scale
@@ -109,7 +109,7 @@ def test_page_bytes_formula(bits: int, dtype: torch.dtype) -> None:
 
 def test_bad_parameters_and_shapes_fail_with_clear_errors() -> None:
     with pytest.raises(ValueError, match="bits must be one of"):
-        parse_strategy("rotated(bits=3)")
+        parse_strategy("rotated(bits=5)")
     with pytest.raises(ValueError, match="group"):
         parse_strategy("rotated(group=0)")
     with pytest.raises(ValueError, match="power-of-two"):
