@@ -56,14 +56,16 @@ def narrow_outliers(x: np.ndarray, per_channel: bool, group: int, count: int, cl
         flat = x[p].reshape(tokens * dim)
         ordered = np.empty((groups, size), dtype=np.float32)
         order = np.empty((groups, size), dtype=np.int64)
-        for g in range(groups):
-            values = np.empty(size, dtype=np.float32)
+        for g in range(groups):  # insertion sort of each small group (stable: ties keep their order)
             for k in range(size):
-                values[k] = flat[position(per_channel, group, dim, g, k)]
-            ranks = np.argsort(values, kind="mergesort")
-            for k in range(size):
-                order[g, k] = ranks[k]
-                ordered[g, k] = values[ranks[k]]
+                v = flat[position(per_channel, group, dim, g, k)]
+                j = k
+                while j > 0 and ordered[g, j - 1] > v:
+                    ordered[g, j] = ordered[g, j - 1]
+                    order[g, j] = order[g, j - 1]
+                    j -= 1
+                ordered[g, j] = v
+                order[g, j] = k
         lo = np.zeros(groups, dtype=np.int64)
         hi = np.full(groups, size - 1, dtype=np.int64)
         gains = np.empty((groups, 2), dtype=np.float32)

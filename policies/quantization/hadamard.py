@@ -148,7 +148,7 @@ class RotatedQuantizer(TensorCodec):
     def decode(self, encoded: dict[str, torch.Tensor], heads: torch.Tensor) -> torch.Tensor:
         """As :meth:`decode_into` (the inner codes decoded in float32, rotated back, one rounding)."""
         n = encoded["head"].shape[0]
-        out = torch.empty(n, self.shape.page_size, self.shape.dim, dtype=self.shape.dtype, device=encoded["head"].device)
+        out = torch.empty(n, self.shape.page_size, self.shape.dim, dtype=self.shape.dtype, device=self.shape.device)
         every = torch.arange(n)
         self.decode_into(encoded, every, heads, out, every)
         return out
