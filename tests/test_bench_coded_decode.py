@@ -35,4 +35,4 @@ def test_a_bad_spec_fails_before_any_model_is_loaded(tmp_path: Path) -> None:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     with pytest.raises(ValueError, match="bits must be one of"):
-        module.run(["--quick", "--specs", "kivi(bits=3)", "--stories-path", str(tmp_path / "missing"), "--out", str(tmp_path)])
+        module.run(["--quick", "--specs", "kivi(bits=5)", "--stories-path", str(tmp_path / "missing"), "--out", str(tmp_path)])

@@ -37,7 +37,7 @@ class GEAR(Quantization):
     its own factors.
 
     Args:
-        bits: bits per code, 2, 4 or 8.
+        bits: bits per code, 2, 3, 4 or 8.
         rank: rank of the residual's approximation per page (0: none).
         outliers: fraction of a page's entries kept exact, in ``[0, 0.5)`` (0: none).
         group: value channels per quantization group, as :class:`~.kivi.KIVI`'s.

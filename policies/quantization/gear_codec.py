@@ -9,13 +9,15 @@ other entry's code error is at most half a step of that narrower range before ``
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from kvlib.codec import Field, TensorCodec, TensorShape
 from kvlib.coded_page_loaders import CodedReader
 from kvlib.devices import to_arena_device
+from kvlib.policies.quantization import gear_kernels
 from kvlib.policies.quantization.page_loaders import gear_reader
-from kvlib.policies.quantization.uniform import GroupQuantizer, metadata_dtype
+from kvlib.policies.quantization.uniform import GroupQuantizer, metadata_dtype, write_rows
 
 
 class GearQuantizer(TensorCodec):
@@ -71,24 +73,43 @@ class GearQuantizer(TensorCodec):
         return grouped.reshape(n, size, dim)
 
     def encode(self, block: torch.Tensor, heads: torch.Tensor) -> dict[str, torch.Tensor]:
+        """On the CPU the outlier filter and the low-rank fit are fused numba kernels
+        (:mod:`.gear_kernels`) around the quantizer's own; elsewhere torch (:func:`narrowing_outliers`,
+        :func:`power_iteration`)."""
         x = block.float()
         n = x.shape[0]
         meta = metadata_dtype(self.shape.dtype)
-        clipped, index = x, None
+        fused = x.device.type == "cpu"
+        clipped, index = x, torch.zeros(n, 0, dtype=torch.int64, device=x.device)
         if self.count:
-            grouped = self._grouped(x)
-            low, high, chosen = narrowing_outliers(grouped, self.count)
-            clipped = self._paged(torch.maximum(torch.minimum(grouped, high.unsqueeze(-1)), low.unsqueeze(-1)))
-            index = self._positions[chosen]
+            if fused:
+                x = x.contiguous()
+                clipped = torch.empty_like(x)
+                index = torch.empty(n, self.count, dtype=torch.int64)
+                q = self.quantizer
+                gear_kernels.narrow_outliers(x.numpy(), q.per_channel, q.group, self.count, clipped.view(n, -1).numpy(), index.numpy())
+            else:
+                grouped = self._grouped(x)
+                low, high, chosen = narrowing_outliers(grouped, self.count)
+                clipped = self._paged(torch.maximum(torch.minimum(grouped, high.unsqueeze(-1)), low.unsqueeze(-1)))
+                index = self._positions[chosen]
         encoded = self.quantizer.encode(clipped, heads)
-        if index is not None:
+        if self.count:
             encoded["outlier_index"] = index.to(self._fields["outlier_index"].dtype)
             encoded["outlier_value"] = x.view(n, -1).gather(1, index).to(meta)
         if self.rank:
-            residual = x - self.quantizer.dequantize(encoded)
-            if index is not None:
+            decoded = self.quantizer.dequantize(encoded)
+            if fused:
+                tokens = torch.empty(n, self.shape.page_size, self.rank)
+                channels = torch.empty(n, self.shape.dim, self.rank)
+                x = x.contiguous()
+                gear_kernels.fit_low_rank(
+                    x.numpy(), decoded.view(n, -1).numpy(), index.numpy(), self.iterations, tokens.numpy(), channels.numpy()
+                )
+            else:
+                residual = x - decoded
                 residual.view(n, -1).scatter_(1, index, 0.0)
-            tokens, channels = power_iteration(residual, self.rank, self.iterations)
+                tokens, channels = power_iteration(residual, self.rank, self.iterations)
             encoded["token_factors"] = tokens.to(meta)
             encoded["channel_factors"] = channels.to(meta)
         return encoded
@@ -99,14 +120,52 @@ class GearQuantizer(TensorCodec):
     def decode_into(
         self, arenas: dict[str, torch.Tensor], pages: torch.Tensor, heads: torch.Tensor, out: torch.Tensor, rows: torch.Tensor
     ) -> None:
-        """Gather the pages' fields, decode in float32 and round once, to ``out``'s dtype (a float32
-        buffer gets what the page loader computes)."""
-        index = to_arena_device(pages, out.device)
-        encoded = {name: arena.index_select(0, index).view(self._fields[name].dtype) for name, arena in arenas.items()}
-        out.index_copy_(0, to_arena_device(rows, out.device), self.dequantize(encoded).to(out.dtype))
+        """Decode in float32 and round once, to ``out``'s dtype (a float32 buffer gets what the page
+        loader computes). On the CPU the quantizer's fused kernel decodes the codes (in place in a
+        float32 ``out``) and :func:`~.gear_kernels.add_corrections` adds ``U V^T`` and the outliers."""
+        if out.device.type != "cpu":
+            index = to_arena_device(pages, out.device)
+            encoded = {name: arena.index_select(0, index).view(self._fields[name].dtype) for name, arena in arenas.items()}
+            out.index_copy_(0, to_arena_device(rows, out.device), self.dequantize(encoded).to(out.dtype))
+            return
+        m = pages.numel()
+        codes = {name: arenas[name] for name in self.quantizer.fields}
+        if out.dtype == torch.float32:
+            self.quantizer.decode_into(codes, pages, heads, out, rows)
+            self._correct(arenas, pages, out, rows)
+            return
+        decoded = torch.empty(m, self.shape.page_size, self.shape.dim, dtype=torch.float32)
+        every = torch.arange(m)
+        self.quantizer.decode_into(codes, pages, heads, decoded, every)
+        self._correct(arenas, pages, decoded, every)
+        write_rows(out, rows, decoded)
+
+    def _correct(self, arenas: dict[str, torch.Tensor], pages: torch.Tensor, out: torch.Tensor, rows: torch.Tensor) -> None:
+        """Add ``U V^T`` of arena rows ``pages`` to float32 CPU ``out[rows]`` (the codes decoded) and write the outliers over."""
+        m = pages.numel()
+
+        def gathered(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> np.ndarray:
+            if name not in arenas:
+                return np.zeros((m, *shape), dtype=np.float32 if dtype.is_floating_point else np.int64)
+            taken = arenas[name].index_select(0, pages).view(self._fields[name].dtype)
+            return taken.to(dtype).numpy()
+
+        size, dim = self.shape.page_size, self.shape.dim
+        tokens = gathered("token_factors", (size, 0), torch.float32)
+        channels = gathered("channel_factors", (dim, 0), torch.float32)
+        index = gathered("outlier_index", (0,), torch.int64)
+        value = gathered("outlier_value", (0,), torch.float32)
+        gear_kernels.add_corrections(out.view(out.shape[0], -1).numpy(), rows.numpy(), tokens, channels, index, value)
 
     def dequantize(self, encoded: dict[str, torch.Tensor]) -> torch.Tensor:
-        """float32 ``[pages, page_size, dim]``: codes + ``U V^T``, outliers written over."""
+        """float32 ``[pages, page_size, dim]``: codes + ``U V^T``, outliers written over (the fused
+        kernels on the CPU, torch elsewhere)."""
+        if encoded["codes"].device.type == "cpu":
+            n = encoded["codes"].shape[0]
+            out = self.quantizer.dequantize(encoded)
+            every = torch.arange(n)
+            self._correct(encoded, every, out, every)
+            return out
         values = self.quantizer.dequantize(encoded)
         if self.rank:
             values = values.baddbmm(encoded["token_factors"].float(), encoded["channel_factors"].float().transpose(1, 2))

@@ -9,8 +9,9 @@ range shrinks (QuaRot, Ashkboos et al., 2024; SpinQuant; RotateKV). A token row 
 alone, in ``O(d log d)`` (the butterfly of the fast Walsh-Hadamard transform).
 
 Pages are stored rotated; every read undoes the rotation (``x = D_h H y / sqrt(d)``), so reads
-return keys and values in the model's basis: the dense decode here in torch (any device), and
-inside the paged-attention kernel :func:`load_rotated`, which decodes the codes as the group
+return keys and values in the model's basis: the dense encode and decode here (on the CPU one
+fused numba pass per page batch, :func:`rotate_rows`, in the same float32 operations and order as
+the torch :func:`hadamard` that serves other devices), and inside the paged-attention kernel :func:`load_rotated`, which decodes the codes as the group
 quantizer's loader does and then rotates each token row back. The kernel's loaders get a page
 id, not its head, so each sealed page also stores its KV head (one byte, ``head`` field).
 """
@@ -25,6 +26,7 @@ from kvlib.codec import Field, TensorCodec, TensorShape
 from kvlib.coded_page_loaders import OPEN_ITEMS, CodedReader, load_open
 from kvlib.devices import to_arena_device
 from kvlib.policies.quantization.page_loaders import decode_page_groups, load_group_quantized
+from kvlib.policies.quantization.uniform import write_rows
 
 MAX_HEADS = 256
 """KV heads a layer may have: a page's head is stored in one byte."""
@@ -39,6 +41,55 @@ def random_signs(seed: int, shape: TensorShape, part: int) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed * 1_000_003 + 2 * shape.layer_idx + part)
     bits = torch.randint(0, 2, (shape.kv_heads, shape.dim), generator=generator, dtype=torch.int8)
     return (2 * bits - 1).to(shape.device)
+
+
+@numba.njit(inline="always")
+def butterflies(row: np.ndarray) -> None:
+    """``row H`` in place (float32 ``[d]``, ``d`` a power of two, unnormalized): the butterfly
+    passes of :func:`hadamard`, in its order (so float32 results are the same)."""
+    dim = row.shape[0]
+    half = 1
+    while half < dim:
+        for start in range(0, dim, 2 * half):
+            for j in range(start, start + half):
+                a = row[j]
+                b = row[j + half]
+                row[j] = a + b
+                row[j + half] = a - b
+        half *= 2
+
+
+@numba.njit(parallel=True, cache=True)
+def rotate_rows(
+    x: np.ndarray, sources: np.ndarray, signs: np.ndarray, heads: np.ndarray, out: np.ndarray, targets: np.ndarray, forward: bool
+) -> None:
+    """Rotate every token row of float32 page ``x[sources[p]]`` (``x [pages, tokens, d]``) into
+    ``out[targets[p]]`` (float32 ``[rows, tokens, d]``; in place where ``out`` is ``x`` and
+    ``targets`` is ``sources``), with the signs of page ``p``'s head ``signs[heads[p]]`` (int8
+    ``[kv_heads, d]``). ``forward``: ``R_h x``
+    = ``H (D_h x) / sqrt(d)`` (encoding); else ``R_h^T y = D_h H y / sqrt(d)`` (decoding). The
+    same float32 operations in the same order as the torch path (:func:`hadamard`)."""
+    tokens, dim = x.shape[1], x.shape[2]
+    norm = np.float32(dim**-0.5)
+    for p in numba.prange(sources.shape[0]):
+        h = heads[p]
+        src = sources[p]
+        dst = targets[p]
+        row = np.empty(dim, dtype=np.float32)
+        for t in range(tokens):
+            if forward:
+                for c in range(dim):
+                    row[c] = x[src, t, c] * np.float32(signs[h, c])
+            else:
+                for c in range(dim):
+                    row[c] = x[src, t, c]
+            butterflies(row)
+            if forward:
+                for c in range(dim):
+                    out[dst, t, c] = row[c] * norm
+            else:
+                for c in range(dim):
+                    out[dst, t, c] = (row[c] * norm) * np.float32(signs[h, c])
 
 
 def hadamard(x: torch.Tensor) -> torch.Tensor:
@@ -82,23 +133,49 @@ class RotatedQuantizer(TensorCodec):
         return self._fields
 
     def encode(self, block: torch.Tensor, heads: torch.Tensor) -> dict[str, torch.Tensor]:
-        encoded = self.inner.encode(hadamard(block.float() * self._signs(heads, block.device)), heads)
+        """On the CPU the rows are rotated by one fused numba pass (:func:`rotate_rows`), elsewhere by torch."""
+        if block.device.type == "cpu":
+            x = block.float().contiguous()
+            rotated = torch.empty_like(x)
+            every = np.arange(x.shape[0])
+            rotate_rows(x.numpy(), every, self.signs.numpy(), heads.numpy(), rotated.numpy(), every, True)
+        else:
+            rotated = hadamard(block.float() * self._signs(heads, block.device))
+        encoded = self.inner.encode(rotated, heads)
         encoded["head"] = heads.to(torch.uint8).view(-1, 1)
         return encoded
 
     def decode(self, encoded: dict[str, torch.Tensor], heads: torch.Tensor) -> torch.Tensor:
-        rotated = self.inner.decode({name: t for name, t in encoded.items() if name != "head"}, heads).float()
-        return (hadamard(rotated) * self._signs(heads, rotated.device)).to(self.shape.dtype)
+        """As :meth:`decode_into` (the inner codes decoded in float32, rotated back, one rounding)."""
+        n = encoded["head"].shape[0]
+        out = torch.empty(n, self.shape.page_size, self.shape.dim, dtype=self.shape.dtype, device=self.shape.device)
+        every = torch.arange(n)
+        self.decode_into(encoded, every, heads, out, every)
+        return out
 
     def decode_into(
         self, arenas: dict[str, torch.Tensor], pages: torch.Tensor, heads: torch.Tensor, out: torch.Tensor, rows: torch.Tensor
     ) -> None:
-        """The inner quantizer decodes into a float32 buffer (its fused kernels on the CPU), which
-        is rotated back and written to ``out[rows]`` (one rounding, to ``out``'s dtype)."""
+        """The inner codec decodes into float32 (its fused kernels on the CPU), which is rotated
+        back and written to ``out[rows]`` (one rounding, to ``out``'s dtype). On the CPU a float32
+        ``out`` is decoded and rotated in place (:func:`rotate_rows`); elsewhere torch rotates."""
         m = pages.numel()
-        rotated = torch.empty(m, self.shape.page_size, self.shape.dim, dtype=torch.float32, device=out.device)
         inner = {name: t for name, t in arenas.items() if name != "head"}
-        self.inner.decode_into(inner, pages, heads, rotated, torch.arange(m))
+        every = torch.arange(m)
+        if out.device.type == "cpu":
+            if out.dtype == torch.float32:
+                self.inner.decode_into(inner, pages, heads, out, rows)
+                target, places = out.numpy(), rows.numpy()
+                rotate_rows(target, places, self.signs.numpy(), heads.numpy(), target, places, False)
+                return
+            decoded = torch.empty(m, self.shape.page_size, self.shape.dim, dtype=torch.float32)
+            self.inner.decode_into(inner, pages, heads, decoded, every)
+            buffer, places = decoded.numpy(), every.numpy()
+            rotate_rows(buffer, places, self.signs.numpy(), heads.numpy(), buffer, places, False)
+            write_rows(out, rows, decoded)
+            return
+        rotated = torch.empty(m, self.shape.page_size, self.shape.dim, dtype=torch.float32, device=out.device)
+        self.inner.decode_into(inner, pages, heads, rotated, every)
         decoded = hadamard(rotated) * self._signs(heads, out.device)
         out.index_copy_(0, to_arena_device(rows, out.device), decoded.to(out.dtype))
 
@@ -130,16 +207,8 @@ def load_rotated(source, page: int, out: np.ndarray, out_bits: np.ndarray, rows:
     decode_page_groups(codes, scale, minimum, kind, bits, per_channel, group, page, out, rows)
     h = head[page, 0]
     dim = out.shape[1]
-    norm = np.float32(1.0 / np.sqrt(dim))
+    norm = np.float32(dim**-0.5)
     for t in range(rows):
-        half = 1
-        while half < dim:
-            for start in range(0, dim, 2 * half):
-                for j in range(start, start + half):
-                    a = out[t, j]
-                    b = out[t, j + half]
-                    out[t, j] = a + b
-                    out[t, j + half] = a - b
-            half *= 2
+        butterflies(out[t])
         for c in range(dim):
-            out[t, c] *= norm * np.float32(signs[h, c])
+            out[t, c] = (out[t, c] * norm) * np.float32(signs[h, c])

@@ -4,7 +4,8 @@ code in :mod:`~kvlib.policies.quantization.uniform` is the reference (and the pa
 devices); ``tests/policies/quantization/test_kernels.py`` checks that both agree.
 
 Pages are float32 ``[n, page_size * dim]`` (token-major). Codes are packed in that same element
-order, little end first, ``8 // bits`` per byte (as :mod:`kvlib.storage.packing` packs them). The
+order, little end first, ``8 // bits`` per byte or 8 per 3 bytes at 3 bits (as
+:mod:`kvlib.storage.packing` packs them). The
 group of element ``i`` (token ``t = i // dim``, channel ``c = i % dim``) is:
 
 - ``rows`` (values, per token): ``i // group`` (``group`` consecutive channels of a token);
@@ -21,7 +22,7 @@ from collections.abc import Callable
 import numba
 import numpy as np
 
-from kvlib.storage.packing import packed_code
+from kvlib.storage.packing import packed_code, unit_codes
 
 
 @numba.njit(parallel=True, cache=True)
@@ -59,7 +60,7 @@ def min_max_cols(x: np.ndarray, dim: int, low: np.ndarray, high: np.ndarray) -> 
 def quantize_pack(bits: int, cols: bool) -> Callable[..., None]:
     """Kernel ``(x, scale, minimum, dim, out)``: codes ``rint((x - minimum) * (1 / scale))``
     clamped to ``[0, 2**bits)`` (0 where ``scale == 0``), packed into ``out`` uint8 ``[n, bytes]``."""
-    per_byte = 8 // bits
+    per_unit = unit_codes(bits)
     levels = np.float32((1 << bits) - 1)
     zero = np.float32(0.0)
     one = np.float32(1.0)
@@ -86,11 +87,20 @@ def quantize_pack(bits: int, cols: bool) -> Callable[..., None]:
                     for k in range(group):
                         q = np.rint((x[p, g * group + k] - m) * v)
                         codes[p, g * group + k] = np.uint8(min(max(q, zero), levels))
-            for j in range(count // per_byte):
-                acc = codes[p, j * per_byte]
-                for k in range(1, per_byte):
-                    acc |= codes[p, j * per_byte + k] << (bits * k)
-                out[p, j] = acc
+            if bits == 3:  # 8 codes in a 24-bit little-endian word, 3 bytes
+                for j in range(count // per_unit):
+                    word = np.int32(0)
+                    for k in range(per_unit):
+                        word |= np.int32(codes[p, j * per_unit + k]) << (3 * k)
+                    out[p, 3 * j] = np.uint8(word & 255)
+                    out[p, 3 * j + 1] = np.uint8((word >> 8) & 255)
+                    out[p, 3 * j + 2] = np.uint8(word >> 16)
+            else:
+                for j in range(count // per_unit):
+                    acc = codes[p, j * per_unit]
+                    for k in range(1, per_unit):
+                        acc |= codes[p, j * per_unit + k] << (bits * k)
+                    out[p, j] = acc
 
     return kernel
 
@@ -143,13 +153,14 @@ def lookup(table: np.ndarray, code: int, scale: np.float32) -> np.float32:
 
 
 def code_shift(bits: int) -> int:
-    """``log2(8 // bits)``: codes per byte as a shift (:func:`~kvlib.storage.packing.packed_code`)."""
+    """``log2(8 // bits)``: codes per byte as a shift (:func:`~kvlib.storage.packing.packed_code`;
+    unused at 3 bits, whose codes straddle bytes)."""
     return (8 // bits).bit_length() - 1
 
 
 def fits(bits: int, count: int) -> bool:
-    """Whether the kernels serve pages of ``count`` elements at ``bits`` (whole bytes per page)."""
-    return count % (8 // bits) == 0
+    """Whether the kernels serve pages of ``count`` elements at ``bits`` (whole packing units per page)."""
+    return count % unit_codes(bits) == 0
 
 
 @numba.njit(parallel=True, fastmath=True, cache=True)

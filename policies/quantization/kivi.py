@@ -1,4 +1,4 @@
-"""KIVI: keys quantized per channel, values per token, asymmetric, 2, 4 or 8 bits."""
+"""KIVI: keys quantized per channel, values per token, asymmetric, 2, 3, 4 or 8 bits."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from kvlib.policies.quantization.uniform import GroupQuantizer, divisors
 from kvlib.registry import register
 from kvlib.strategy import Quantization
 
-KIVI_BITS = (2, 4, 8)
+KIVI_BITS = (2, 3, 4, 8)
+"""Bit widths of the KIVI-layout codecs (3-bit codes pack 8 to 3 bytes, :mod:`kvlib.storage.packing`)."""
 
 
 @register("kivi")
@@ -24,7 +25,7 @@ class KIVI(Quantization):
     full-precision residual window.
 
     Args:
-        bits: bits per element, 2, 4 or 8 (codes packed 4, 2 or 1 per byte).
+        bits: bits per element, 2, 3, 4 or 8 (codes packed 4, 2 or 1 per byte; 3-bit codes 8 per 3 bytes).
         group: value channels per quantization group; clamped to the head dim (stories260K's
             head dim 8 gives groups of 8), and must then divide it.
     """

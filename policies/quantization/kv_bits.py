@@ -20,8 +20,8 @@ class KVBits(Quantization):
     page's tokens, values per token in groups of ``group`` channels, asymmetric.
 
     Args:
-        key_bits: bits per key element (2, 4 or 8).
-        value_bits: bits per value element (2, 4 or 8).
+        key_bits: bits per key element (2, 3, 4 or 8).
+        value_bits: bits per value element (2, 3, 4 or 8).
         group: value channels per group (clamped to the head dim, must then divide it).
     """
 

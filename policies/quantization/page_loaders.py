@@ -47,6 +47,8 @@ def decode_page_groups(
         decode_groups(codes, scale, minimum, kind, 4, 1, per_channel, group, page, out, rows)
     elif bits == 2:
         decode_groups(codes, scale, minimum, kind, 2, 2, per_channel, group, page, out, rows)
+    elif bits == 3:
+        decode_groups(codes, scale, minimum, kind, 3, 0, per_channel, group, page, out, rows)
     else:
         decode_groups(codes, scale, minimum, kind, 8, 0, per_channel, group, page, out, rows)
 
@@ -55,7 +57,8 @@ def decode_page_groups(
 def decode_groups(
     codes, scale, minimum, kind: int, bits: int, shift: int, per_channel: int, group: int, page: int, out: np.ndarray, rows: int
 ) -> None:
-    """The first ``rows`` tokens of sealed ``page`` at ``bits`` bits (``2**shift`` codes per byte)."""
+    """The first ``rows`` tokens of sealed ``page`` at ``bits`` bits (``2**shift`` codes per byte;
+    3-bit codes 8 per 3 bytes, ``shift`` unused)."""
     dim = out.shape[1]
     if per_channel:
         for c in range(dim):
@@ -96,8 +99,8 @@ def group_quantized_reader(arenas: dict[str, torch.Tensor], bits: int, per_chann
     """The :class:`CodedReader` of a group quantizer's field arenas (``codes``, ``scale``, ``minimum``)."""
     scale, kind = float_bits(_rows(arenas["scale"]))
     minimum, _ = float_bits(_rows(arenas["minimum"]))
-    if bits not in (2, 4, 8):
-        raise ValueError(f"group-quantized pages are read at 2, 4 or 8 bits, got {bits}")
+    if bits not in (2, 3, 4, 8):
+        raise ValueError(f"group-quantized pages are read at 2, 3, 4 or 8 bits, got {bits}")
     fields = (arenas["codes"].numpy(), scale, minimum, kind, bits, int(per_channel), group)
     return CodedReader(fields, load_group_quantized)
 

@@ -159,7 +159,7 @@ def test_a_reset_cache_refits_its_codec() -> None:
     ("spec", "message"),
     [
         ("kivi(group=3)", "does not divide the value head dim 8"),
-        ("kivi(bits=3)", "bits must be one of"),
+        ("kivi(bits=5)", "bits must be one of"),
         ("kivi+svd", "one codec per cache"),
         ("svd(energy=1.5)", "energy must be in"),
         ("think(keep=0)", "keep must be in"),

@@ -1,18 +1,21 @@
 """GEAR pages: outliers decode to their input, the low-rank part never adds error, the codes match
-KIVI's without corrections, the outlier filter narrows ranges, the byte formula and its target."""
+KIVI's without corrections, the outlier filter narrows ranges, the byte formula and its target;
+the fused CPU kernels agree with the torch reference."""
 
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvlib.codec import layer_shapes
+from kvlib.policies.quantization import gear_kernels
 from kvlib.policies.quantization.gear import GEAR
-from kvlib.policies.quantization.gear_codec import narrowing_outliers
+from kvlib.policies.quantization.gear_codec import narrowing_outliers, power_iteration
 from kvlib.policies.quantization.uniform import metadata_dtype
 from kvlib.spec_text import parse_strategy
 
@@ -34,7 +37,7 @@ def pages(n: int, page_size: int, dim: int, dtype: torch.dtype, seed: int) -> to
 
 @settings(max_examples=40, deadline=None)
 @given(
-    bits=st.sampled_from([2, 4, 8]),
+    bits=st.sampled_from([2, 3, 4, 8]),
     rank=st.integers(0, 3),
     outliers=st.sampled_from([0.0, 0.01, 0.1]),
     page_size=st.sampled_from([4, 16]),
@@ -122,7 +125,7 @@ def test_outliers_are_capped_at_what_the_groups_can_give_up() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"bits": 3}, "bits"),
+        ({"bits": 5}, "bits"),
         ({"rank": -1}, "rank"),
         ({"outliers": 0.5}, "outliers"),
         ({"outliers": -0.1}, "outliers"),
@@ -139,3 +142,50 @@ def test_invalid_parameters_are_refused(kwargs: dict, message: str) -> None:
 def test_a_rank_beyond_the_page_is_refused_before_model_work() -> None:
     with pytest.raises(ValueError, match="rank=5"):
         GEAR(rank=5).check_shape(layer_shapes(1, 1, 64, 64, 4, torch.float32, torch.device("cpu")))
+
+
+@settings(max_examples=30, deadline=None)
+@given(per_channel=st.booleans(), page_size=st.sampled_from([4, 16]), count=st.integers(0, 12), seed=st.integers(0, 2**16))
+def test_the_fused_outlier_filter_takes_what_the_torch_reference_takes(per_channel: bool, page_size: int, count: int, seed: int) -> None:
+    gear = codec("gear(rank=0, group=8)", page_size, (32, 32), torch.float32)
+    tensor = gear.key if per_channel else gear.value
+    x = pages(3, page_size, 32, torch.float32, seed)
+    grouped = tensor._grouped(x)
+    low, high, chosen = narrowing_outliers(grouped, count)
+    clipped = np.empty((3, page_size * 32), dtype=np.float32)
+    positions = np.empty((3, count), dtype=np.int64)
+    gear_kernels.narrow_outliers(x.numpy(), per_channel, tensor.quantizer.group, count, clipped, positions)
+    assert torch.equal(torch.from_numpy(positions), tensor._positions[chosen])
+    expected = tensor._paged(torch.maximum(torch.minimum(grouped, high.unsqueeze(-1)), low.unsqueeze(-1)))
+    assert torch.equal(torch.from_numpy(clipped).view(3, page_size, 32), expected)
+
+
+@pytest.mark.parametrize("rank", [1, 2])
+def test_the_fused_low_rank_fit_spans_what_the_torch_power_iteration_spans(rank: int) -> None:
+    """Both project the residual (outliers zeroed) on the same subspace: ``U V^T`` agree."""
+    x = pages(4, 16, 32, torch.float32, 5)
+    decoded = torch.zeros(4, 16 * 32)
+    chosen = torch.tensor([[0, 33]] * 4)
+    tokens, channels = np.empty((4, 16, rank), dtype=np.float32), np.empty((4, 32, rank), dtype=np.float32)
+    gear_kernels.fit_low_rank(x.numpy(), decoded.numpy(), chosen.numpy(), 3, tokens, channels)
+    residual = x.clone()
+    residual.view(4, -1).scatter_(1, chosen, 0.0)
+    u, v = power_iteration(residual, rank, 3)
+    ours = torch.from_numpy(tokens) @ torch.from_numpy(channels).transpose(1, 2)
+    torch.testing.assert_close(ours, u @ v.transpose(1, 2), rtol=1e-4, atol=1e-4 * float(residual.abs().max()))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_the_fused_decode_equals_the_torch_decode(dtype: torch.dtype) -> None:
+    gear = codec("gear(bits=2, rank=2, outliers=0.02, group=8)", 16, (32, 32), dtype)
+    x = pages(5, 16, 32, dtype, 3)
+    heads = torch.zeros(5, dtype=torch.int64)
+    encoded = gear.key.encode(x, heads)
+    values = gear.key.quantizer.dequantize(encoded)
+    values = values.baddbmm(encoded["token_factors"].float(), encoded["channel_factors"].float().transpose(1, 2))
+    values.view(5, -1).scatter_(1, encoded["outlier_index"].long(), encoded["outlier_value"].float())
+    torch.testing.assert_close(gear.key.dequantize(encoded), values, rtol=1e-6, atol=1e-6 * float(values.abs().max()))
+    out = torch.zeros(7, 16, 32, dtype=dtype)
+    gear.key.decode_into(encoded, torch.tensor([4, 0, 2]), heads[:3], out, torch.tensor([6, 1, 2]))
+    torch.testing.assert_close(out[[6, 1, 2]], values[[4, 0, 2]].to(dtype), rtol=0, atol=0)
+    assert bool((out[[0, 3, 4, 5]] == 0).all())

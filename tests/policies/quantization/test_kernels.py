@@ -23,7 +23,7 @@ def codec_pair(page_size: int, dim: int, bits: int, per_channel: bool, group: in
 
 @settings(max_examples=80, deadline=None)
 @given(
-    bits=st.sampled_from([2, 4, 8]),
+    bits=st.sampled_from([2, 3, 4, 8]),
     per_channel=st.booleans(),
     page_size=st.sampled_from([4, 8, 16]),
     dim=st.sampled_from([8, 32, 64]),

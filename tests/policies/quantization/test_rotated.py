@@ -40,7 +40,7 @@ def codec(bits: int, heads: int, page_size: int, dim: int, dtype: torch.dtype, s
 
 @settings(max_examples=40, deadline=None)
 @given(
-    bits=st.sampled_from([2, 4, 8]),
+    bits=st.sampled_from([2, 3, 4, 8]),
     heads=st.integers(1, 3),
     page_size=st.sampled_from([1, 4, 16]),
     dim=st.sampled_from([2, 8, 32]),
@@ -93,23 +93,56 @@ def test_signs_are_fixed_by_seed_layer_part_and_head() -> None:
     assert len({tuple(row.tolist()) for row in key}) == 4  # one vector per head
 
 
-@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_page_bytes_formula(bits: int, dtype: torch.dtype) -> None:
-    """Keys: codes + fp16/bf16 scale and minimum per channel + a head byte; values: codes + scale
-    and minimum per group of 8 channels per token + a head byte. State: an int8 sign per channel and head."""
+    """Keys at ``max(bits, 4)`` bits, per token in groups of 8 channels below 4 bits, else per
+    channel; values per token in groups of 8: codes + fp16/bf16 scale and minimum per group + a
+    head byte. State: an int8 sign per channel and head."""
     page_size, dim, heads = 16, 64, 3
     page_codec = codec(bits, heads, page_size, dim, dtype)
-    codes = packed_size(page_size * dim, bits)
-    assert page_codec.page_bytes() == 2 * codes + (2 * 2 * dim + 1) + (2 * 2 * page_size * dim // 8 + 1)
-    assert page_codec.page_bytes(metadata=False) == 2 * codes
+    key_bits = max(bits, 4)
+    key_codes, value_codes = packed_size(page_size * dim, key_bits), packed_size(page_size * dim, bits)
+    token_groups = 2 * 2 * page_size * dim // 8
+    key_groups = token_groups if key_bits > bits else 2 * 2 * dim
+    assert page_codec.page_bytes() == key_codes + value_codes + key_groups + token_groups + 2
+    assert page_codec.page_bytes(metadata=False) == key_codes + value_codes
     assert page_codec.state_bytes() == 2 * heads * dim
-    assert isinstance(page_codec.key, RotatedQuantizer) and page_codec.key.inner.bits == bits
+    assert isinstance(page_codec.key, RotatedQuantizer) and page_codec.key.inner.bits == key_bits
+    assert page_codec.key.inner.per_channel == (key_bits == bits) and page_codec.value.inner.bits == bits
+
+
+def nbytes(tensor_codec) -> int:
+    """Bytes of one page of a tensor codec's fields."""
+    return sum(field.nbytes for field in tensor_codec.fields.values())
+
+
+def test_per_channel_keys_take_kivis_key_layout() -> None:
+    shapes = layer_shapes(1, 2, 64, 64, 16, torch.float32, CPU)
+    page_codec = Rotated(bits=2, keys="channel").layer_codecs(shapes)[0]
+    assert page_codec.key.inner.per_channel and page_codec.key.inner.bits == 4
+    assert nbytes(page_codec.key) == packed_size(16 * 64, 4) + 2 * 2 * 64 + 1
+    token_keys = Rotated(bits=4, keys="token").layer_codecs(shapes)[0].key.inner
+    assert not token_keys.per_channel and token_keys.group == 64
+
+
+def test_two_bits_store_what_kivi_stores_plus_head_bytes_at_smollm2s_layout() -> None:
+    """16-token pages, head dim 64: 4-bit keys per token in groups of 64 (4.5 bits an element)
+    and 2-bit values in groups of 64 (2.5) take the 7 bits KIVI's 2-bit keys (2 + 2 of per-channel
+    scales and minima) and values in groups of 32 (2 + 1) take."""
+    shapes = layer_shapes(1, 3, 64, 64, 16, torch.float32, CPU)
+    rotated, kivi = Rotated(bits=2).layer_codecs(shapes)[0], parse_strategy("kivi(bits=2)").layer_codecs(shapes)[0]
+    assert nbytes(rotated.key) == nbytes(kivi.key) + 64 + 1
+    assert rotated.page_bytes() == kivi.page_bytes() + 2
 
 
 def test_bad_parameters_and_shapes_fail_with_clear_errors() -> None:
     with pytest.raises(ValueError, match="bits must be one of"):
-        parse_strategy("rotated(bits=3)")
+        parse_strategy("rotated(bits=5)")
+    with pytest.raises(ValueError, match="key_bits must be one of"):
+        parse_strategy("rotated(key_bits=5)")
+    with pytest.raises(ValueError, match="keys must be one of"):
+        parse_strategy('rotated(keys="diagonal")')
     with pytest.raises(ValueError, match="group"):
         parse_strategy("rotated(group=0)")
     with pytest.raises(ValueError, match="power-of-two"):

@@ -40,7 +40,7 @@ blocks = st.fixed_dictionaries(
 
 
 @settings(max_examples=150, deadline=None)
-@given(block=blocks, bits=st.sampled_from([2, 4, 8]), per_channel=st.booleans(), group=st.sampled_from([1, 2, 4, 32]))
+@given(block=blocks, bits=st.sampled_from([2, 3, 4, 8]), per_channel=st.booleans(), group=st.sampled_from([1, 2, 4, 32]))
 def test_group_quantization_error_is_at_most_half_a_step(block: dict, bits: int, per_channel: bool, group: int) -> None:
     x = pages(**block)
     dim = block["dim"]
@@ -92,7 +92,7 @@ def test_constant_groups_are_exact() -> None:
         assert torch.equal(codec.decode(codec.encode(x, heads), heads), x)
 
 
-@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_group_quantizer_bytes_follow_the_layout(bits: int, dtype: torch.dtype) -> None:
     page_size, dim, group = 16, 128, 32
