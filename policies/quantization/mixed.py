@@ -37,8 +37,8 @@ class MixedPrecision(Quantization):
     1288 bytes for keys and values, against 1408 for ``kivi(bits=4)`` and 896 for ``kivi(bits=2)``.
 
     Args:
-        high_bits: bits of a salient token's codes (2, 4 or 8).
-        low_bits: bits of the other tokens' codes (2, 4 or 8; at most ``high_bits``).
+        high_bits: bits of a salient token's codes (2, 3, 4 or 8).
+        low_bits: bits of the other tokens' codes (2, 3, 4 or 8; at most ``high_bits``).
         salient: fraction of each page's tokens kept at ``high_bits``, in [0, 1].
         group: value channels per quantization group, as :class:`~.kivi.KIVI`'s.
     """

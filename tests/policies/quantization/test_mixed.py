@@ -156,7 +156,7 @@ def test_normalized_attention_divides_by_the_queries_that_saw_each_token() -> No
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"high_bits": 3}, "high_bits must be one of"),
+        ({"high_bits": 5}, "high_bits must be one of"),
         ({"low_bits": 1}, "low_bits must be one of"),
         ({"high_bits": 2, "low_bits": 4}, "must not exceed"),
         ({"salient": 1.5}, "salient must be a fraction"),

@@ -36,6 +36,7 @@ CODECS = [
     "mixed(high_bits=4, low_bits=2, salient=0.5, group=4)",
     "mixed(high_bits=8, low_bits=4, salient=1.0)",
     "mixed(high_bits=4, low_bits=4, salient=0.0)",
+    "mixed(high_bits=3, low_bits=2, salient=0.5)",
 ]
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 """Accumulation order, and the output's rounding to the query's dtype (as the kernel's own test)."""
