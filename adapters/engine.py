@@ -68,11 +68,12 @@ class Engine:
             A quantization codec in it (``"kivi(bits=4)"``, ``"snapkv+int8"``) applies to every
             request: full pages are sealed after each layer's attention and stored encoded.
         max_batch_tokens: tokens per forward pass (decodes first, prefill chunks fill the rest).
-        page_budget_bytes: bytes of keys and values the store may hold over all layers (None:
-            the pools grow as needed and nothing is ever preempted). With a codec, pages count
-            at their encoded size (each request's open last page is held raw on top). The pools
-            take it up front, so with their positions it must fit in the memory the model's
-            device has available.
+        page_budget_bytes: bytes of keys and values the store may hold over all layers between
+            steps (None: the pools grow as needed and nothing is ever preempted). With a codec,
+            sealed pages count at their encoded size and each head's open last page at its raw
+            size (rounded up to whole encoded pages); a step's prefill chunk is raw on top until
+            its layer seals it. The pools take it up front, so with their positions (int64 per
+            page slot, not in the budget) it must fit in the memory the model's device has available.
         page_size: tokens per page (at most :data:`~kvlib.limits.MAX_PAGE_SIZE`).
         preemption: ``"recompute"`` or ``"swap"`` (to host memory), when pages run out.
         prefix_cache: index full pages for reuse across requests.

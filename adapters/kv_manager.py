@@ -7,7 +7,10 @@ drop), reclaim (evict unused prefix-cache blocks), admit (attach the cached pref
 after a step it indexes full blocks, and it releases what a finished or aborted request held.
 
 Units: pages are counted per layer (one page holds ``page_size`` tokens of one KV head), tokens
-per sequence. Invariants: a request's ``seq`` holds the keys and values of its first
+per sequence. With a codec and a page budget, pages count as *budget pages*: a sealed page is one
+(its encoded bytes), an open page (a head's partly filled last page, held raw) is
+``open_page_cost`` of them (its raw bytes over a sealed page's, rounded up), so the bytes of keys
+and values held between steps stay within ``page_budget_bytes``; without a codec both are one. Invariants: a request's ``seq`` holds the keys and values of its first
 ``computed`` tokens; it holds the prefix index entries its sequence reads and no others (so an
 unused entry's pages are held by the index alone, and reclaiming it frees one page per KV head
 in every layer); a swapped-out request holds no pages, only host memory.
@@ -42,12 +45,15 @@ GROWING_FREE_PAGES = 2**62
 @dataclass(frozen=True)
 class PageBudget:
     """The store's sizes, checked before anything is allocated: ``pages`` per layer (None: the
-    pools grow), each layer's page ``codecs`` (None: raw pages) and ``prefix_bytes``, the bytes
-    of unused cached pages the prefix index keeps."""
+    pools grow), each layer's page ``codecs`` (None: raw pages), ``prefix_bytes``, the bytes
+    of unused cached pages the prefix index keeps, and ``open_page_cost``, the budget pages an
+    open page counts for (its raw keys and values over a sealed page's encoded bytes, rounded
+    up; 1 without a codec)."""
 
     pages: int | None
     codecs: list | None
     prefix_bytes: int
+    open_page_cost: int = 1
 
 
 def page_budget(
@@ -61,25 +67,29 @@ def page_budget(
     prefix_cache_bytes: int | None,
 ) -> PageBudget:
     """The pages ``page_budget_bytes`` holds per layer (with a codec, sealed pages count at their
-    encoded size) and the prefix cache's byte budget; ``ValueError`` when the budget holds less
-    than one token or more than ``device`` has available (see :func:`_check_memory_budgets`)."""
+    encoded size, open pages at their raw size: ``open_page_cost`` encoded pages) and the prefix
+    cache's byte budget; ``ValueError`` when the budget holds less than one open page per KV head
+    or more than ``device`` has available (see :func:`_check_memory_budgets`). Positions (int64
+    per page slot) are bookkeeping on top of the budget."""
     codecs = None
     if codec is not None:
         codecs = codec.layer_codecs(
             layer_shapes(shape.num_layers, shape.num_kv_heads, shape.head_dim, shape.value_dim, page_size, dtype, device)
         )
-    kv_page_bytes = page_size * (shape.head_dim + shape.value_dim) * dtype.itemsize
+    raw_page_bytes = kv_page_bytes = page_size * (shape.head_dim + shape.value_dim) * dtype.itemsize
     if codecs is not None:  # the budget counts sealed pages at their encoded size
         kv_page_bytes = codecs[0].page_bytes()
+    open_page_cost = math.ceil(raw_page_bytes / kv_page_bytes)
     pages = None if page_budget_bytes is None else page_budget_bytes // (shape.num_layers * kv_page_bytes)
-    if pages is not None and pages < shape.num_kv_heads:
+    if pages is not None and pages < shape.num_kv_heads * open_page_cost:
         raise ValueError(
-            f"page_budget_bytes={page_budget_bytes} holds {pages} pages per layer; one token needs {shape.num_kv_heads}"
-            f" (one page of {kv_page_bytes} bytes per KV head per layer, {shape.num_layers} layers)"
+            f"page_budget_bytes={page_budget_bytes} holds {pages} pages per layer; one token needs"
+            f" {shape.num_kv_heads * open_page_cost} (one open page of {raw_page_bytes} bytes, {open_page_cost} of {kv_page_bytes}"
+            f" bytes, per KV head per layer, {shape.num_layers} layers)"
         )
     positions_bytes = 0 if pages is None else pages * shape.num_layers * page_size * 8  # int64 per page slot
     prefix_bytes = _check_memory_budgets(page_budget_bytes, prefix_cache_bytes, positions_bytes, device)
-    return PageBudget(pages, codecs, prefix_bytes)
+    return PageBudget(pages, codecs, prefix_bytes, open_page_cost)
 
 
 class KVManager:
@@ -116,6 +126,8 @@ class KVManager:
         self.dtype, self.device = dtype, device
         self.preemption = preemption
         pages, codecs = budget.pages, budget.codecs
+        self.open_page_cost = budget.open_page_cost if pages is not None else 1
+        """Budget pages an open page counts for (see the module docstring; 1 when the pools grow)."""
 
         def build() -> PagedStore:
             return PagedStore(
@@ -155,16 +167,20 @@ class KVManager:
         return min(self.free_pages_by_layer())
 
     def free_pages_by_layer(self) -> list[int]:
-        """Free pages of each layer's pool."""
+        """Free budget pages of each layer: the pool's free pages, less what its open pages count
+        for beyond their own page."""
         if not self.fixed:
             return [GROWING_FREE_PAGES] * self.store.num_layers
-        return [pool.free_pages for pool in self.store.pools]
+        extra = self.open_page_cost - 1
+        if not extra:
+            return [pool.free_pages for pool in self.store.pools]
+        return [pool.free_pages - extra * self._open_pages(table.lengths) for pool, table in zip(self.store.pools, self.store.tables)]
 
     def check_fits(self, prompt_tokens: int, new_tokens: int, reserve_pages: int) -> None:
         """``ValueError`` when a request of ``prompt_tokens + new_tokens`` tokens could never fit
         in the page budget beside ``reserve_pages`` pages."""
         pool = self.store.pools[0]
-        need = self.shape.num_kv_heads * math.ceil((prompt_tokens + new_tokens) / self.page_size)
+        need = self.pages_for(0, prompt_tokens + new_tokens)
         if pool.fixed and need + reserve_pages > pool.capacity:
             raise ValueError(
                 f"a request of {prompt_tokens} prompt + {new_tokens} new tokens needs {need} pages per layer; the page budget"
@@ -172,8 +188,18 @@ class KVManager:
             )
 
     def pages_for(self, held: int, tokens: int) -> int:
-        """Pages per layer that ``tokens`` more tokens allocate after ``held`` stored tokens."""
-        return self.shape.num_kv_heads * (math.ceil((held + tokens) / self.page_size) - math.ceil(held / self.page_size))
+        """Budget pages per layer that ``tokens`` more tokens take after ``held`` stored tokens, once
+        their full pages are sealed (negative with a codec when they fill an open page)."""
+        return self._budget_pages(held + tokens) - self._budget_pages(held)
+
+    def _budget_pages(self, tokens: int) -> int:
+        """Budget pages per layer of a sequence storing ``tokens`` tokens in every head, full pages sealed."""
+        full, partial = divmod(tokens, self.page_size)
+        return self.shape.num_kv_heads * (full + (self.open_page_cost if partial else 0))
+
+    def _open_pages(self, lengths: torch.Tensor) -> int:
+        """Open (partly filled) last pages of heads storing ``lengths`` tokens."""
+        return int((lengths % self.page_size != 0).sum())
 
     def stored_tokens(self, request: Request) -> int:
         """The most tokens any head of any layer of a running request's sequence stores (its
@@ -182,16 +208,18 @@ class KVManager:
         return max(int(self.store.physical_lengths(layer, seq).max()) for layer in range(self.store.num_layers))
 
     def swap_in_pages(self, request: Request) -> int:
-        """Pages per layer a swapped-out request takes when it comes back."""
-        return self.shape.num_kv_heads * math.ceil(self._swap_space[request.request_id].tokens / self.page_size)
+        """Budget pages per layer a swapped-out request takes when it comes back."""
+        return self._budget_pages(self._swap_space[request.request_id].tokens)
 
     def released_pages(self, request: Request) -> list[int]:
-        """Pages of each layer that releasing ``request``'s sequence frees (those nothing else holds)."""
+        """Budget pages of each layer that releasing ``request``'s sequence frees (the pages
+        nothing else holds; its open pages, never shared, count ``open_page_cost`` each)."""
         rows = torch.tensor([request.seq], dtype=torch.int64)
         freed = []
         for pool, table in zip(self.store.pools, self.store.tables):
             pages, holders = table.referenced_pages(rows).unique(return_counts=True)
-            freed.append(int((pool.refcount[pages] == holders).sum()))
+            extra = (self.open_page_cost - 1) * self._open_pages(table.lengths[rows])
+            freed.append(int((pool.refcount[pages] == holders).sum()) + extra)
         return freed
 
     def uses_prefix(self, request: Request) -> bool:

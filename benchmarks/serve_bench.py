@@ -22,6 +22,16 @@ Usage:
     python benchmarks/serve_bench.py --quick --out /tmp/x   # tiny model, 6 short requests
 
 Writes ``serve_bench.md`` and ``serve_bench.json`` to ``--out``.
+
+Fixed-memory mode (``--fixed-memory-mb N``): the exact Engine and codec Engines (``--codecs``)
+with the same page budget of N MiB serve a trace that saturates it (``--requests`` prompts of
+``--prompt-len LOW,HIGH`` tokens, all arriving at once, ``--new-tokens`` each; SmolLM2 with
+``--model smollm2``, natural-text prompts); the figures are concurrent requests, preemptions,
+output tokens/s and KL against the exact Engine (``serve_fixed_memory.py`` says how each is
+measured). Target: a codec holds >= 3.5x the exact Engine's concurrent requests at KL <= 0.01
+nats. Writes ``serve_bench_fixed_memory.md`` and ``.json``:
+
+    python benchmarks/serve_bench.py --fixed-memory-mb 64 --model llama100m --requests 32
 """
 
 from __future__ import annotations
@@ -43,6 +53,7 @@ import kvlib
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or loaded by path
 from provenance import LLAMA100M, add_run_arguments, command_line, parse_run_arguments, run_metadata, write_report  # noqa: E402
+from serve_fixed_memory import FixedMemorySettings, compare, markdown, random_prompts, saturating_trace, text_prompts  # noqa: E402
 from serve_metrics import agreement, summarize, ttft_p50_by_kind  # noqa: E402
 from serve_systems import SYSTEMS, ServeSettings, replay  # noqa: E402
 from serve_trace import KINDS, Lengths, Request, TraceConfig, make_trace  # noqa: E402
@@ -73,6 +84,9 @@ QUICK_TRACE = {
     "output_len": Lengths(2, 4),
 }
 """Trace lengths (tokens) and turn delay (s) under ``--quick``; the full run keeps ``TraceConfig``'s."""
+FIXED_MEMORY = {"model": "llama100m", "requests": 32, "prompt_len": "384,512", "new_tokens": 32}
+FIXED_MEMORY_QUICK = {"model": "tiny", "requests": 6, "prompt_len": "24,40", "new_tokens": 6}
+"""The fixed-memory mode's defaults (model, requests, prompt tokens LOW,HIGH, output tokens), full and ``--quick``."""
 
 
 def random_llama(sizes: dict) -> LlamaForCausalLM:
@@ -114,7 +128,7 @@ def warm_up_requests(requests: list[Request]) -> list[Request]:
 def run(argv: Sequence[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, from {','.join(SYSTEMS)} (default all)")
-    parser.add_argument("--model", choices=sorted(MODELS), help=f"default {FULL['model']}")
+    parser.add_argument("--model", choices=[*sorted(MODELS), "smollm2"], help=f"default {FULL['model']} (smollm2: --fixed-memory-mb only)")
     parser.add_argument("--requests", type=int, help=f"requests in the trace (default {FULL['requests']})")
     parser.add_argument("--rate", type=float, help=f"session arrivals per second (default {FULL['rate']})")
     parser.add_argument("--turn-delay", type=float, help=f"seconds between a chat's turns, 1 to 2 times this (default {FULL_TURN_DELAY_S})")
@@ -128,8 +142,20 @@ def run(argv: Sequence[str] | None = None) -> dict:
         action="store_true",
         help="the Engine keeps a dense read mirror of its decode group instead of attending over the pages",
     )
+    parser.add_argument("--fixed-memory-mb", type=float, help="fixed-memory mode: every Engine gets this page budget (MiB)")
+    parser.add_argument("--codecs", default="kivi(bits=4);rotated(bits=4);gear", help="fixed-memory mode: codec specs, ';'-separated")
+    parser.add_argument("--prompt-len", help=f"fixed-memory mode: LOW,HIGH prompt tokens (default {FIXED_MEMORY['prompt_len']})")
+    parser.add_argument(
+        "--new-tokens", type=int, help=f"fixed-memory mode: output tokens per request (default {FIXED_MEMORY['new_tokens']})"
+    )
+    parser.add_argument("--max-running", type=int, default=64, help="fixed-memory mode: requests running at once at most")
     add_run_arguments(parser, QUICK)
-    args = parse_run_arguments(parser, argv, QUICK, FULL)
+    fixed_memory = parser.parse_known_args(argv)[0].fixed_memory_mb is not None
+    args = parse_run_arguments(parser, argv, *((FIXED_MEMORY_QUICK, FIXED_MEMORY) if fixed_memory else (QUICK, FULL)))
+    if fixed_memory:
+        return run_fixed_memory(parser, args, argv)
+    if args.model == "smollm2":
+        parser.error("--model smollm2 serves the fixed-memory mode only (it has an EOS token the baselines would stop at)")
     try:
         systems = parse_systems(args.systems)
         delay = (
@@ -177,6 +203,49 @@ def run(argv: Sequence[str] | None = None) -> dict:
     }
     result.update(run_metadata(args, load_before, started))
     write_report(args.out, "serve_bench", _markdown(result, argv), result)
+    return result
+
+
+def run_fixed_memory(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequence[str] | None) -> dict:
+    """The fixed-memory mode (see the module docstring): one run, one report."""
+    try:
+        low, high = (int(n) for n in args.prompt_len.split(","))
+        lengths = Lengths(low, high)
+        settings = FixedMemorySettings(
+            round(args.fixed_memory_mb * 2**20),
+            tuple(s.strip() for s in args.codecs.split(";") if s.strip()),
+            args.page_size,
+            args.max_batch_tokens,
+            args.max_running,
+        )
+    except ValueError as error:
+        parser.error(f"{error} (--prompt-len takes LOW,HIGH tokens)")
+    if args.model == "smollm2":
+        from kvlib.eval import load_model
+
+        loaded = load_model("smollm2")
+        model, note = loaded.model.eval(), "SmolLM2-135M-Instruct, fp32, natural-text prompts"
+        prompts = text_prompts(loaded.tokenizer.encode, args.requests, lengths, args.seed)
+    else:
+        model, note = random_llama(MODELS[args.model]), "random weights, fp32, random-token prompts"
+        prompts = random_prompts(args.requests, lengths, model.config.vocab_size, args.seed)
+    requests = saturating_trace(prompts, args.new_tokens)
+    load_before, started = os.getloadavg()[0], time.perf_counter()
+    engines = compare(model, requests, settings)
+    result = {
+        "trace": {
+            "requests": len(requests),
+            "prompt_tokens": sum(len(p) for p in prompts),
+            "prompt_tokens_min": min(len(p) for p in prompts),
+            "prompt_tokens_max": max(len(p) for p in prompts),
+            "new_tokens": args.new_tokens,
+        },
+        "settings": asdict(settings),
+        "model_note": note,
+        "engines": engines,
+    }
+    result.update(run_metadata(args, load_before, started))
+    write_report(args.out, "serve_bench_fixed_memory", markdown(result, command_line("serve_bench.py", argv)), result)
     return result
 
 

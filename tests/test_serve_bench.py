@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -134,3 +135,50 @@ def test_kvlib_bench_runs_serve_bench_but_not_its_helper_modules() -> None:
     assert all('if __name__ == "__main__":' in text for text in scripts.values()), sorted(
         name for name, text in scripts.items() if 'if __name__ == "__main__":' not in text
     )
+
+
+def test_fixed_memory_mode_compares_concurrency_and_kl_at_one_budget(tmp_path: Path) -> None:
+    result = _load_bench().run(["--quick", "--fixed-memory-mb", "0.05", "--codecs", "kivi(bits=4)", "--out", str(tmp_path)])
+    saved = json.loads((tmp_path / "serve_bench_fixed_memory.json").read_text())
+    exact, kivi = saved["engines"]["exact"], saved["engines"]["kivi(bits=4)"]
+    assert exact["output_tokens"] == kivi["output_tokens"] == saved["trace"]["requests"] * saved["trace"]["new_tokens"]
+    assert exact["open_page_cost"] == 1 < kivi["open_page_cost"] and exact["pages_per_layer"] < kivi["pages_per_layer"]
+    assert 1 <= exact["max_concurrent"] < kivi["max_concurrent"]  # 12 raw pages per layer hold two of the six requests
+    assert kivi["max_concurrent_ratio"] == kivi["max_concurrent"] / exact["max_concurrent"]
+    assert 0 <= kivi["kl_mean_nats"] <= kivi["kl_max_nats"] < 0.1 and 1 <= kivi["kl_steps"] <= kivi["output_steps"]
+    assert result["engines"]["exact"] == exact
+    report = (tmp_path / "serve_bench_fixed_memory.md").read_text()
+    assert "| kivi(bits=4) |" in report and "--fixed-memory-mb 0.05" in report and str(tmp_path) not in report
+
+
+def test_kl_nats_matches_a_hand_computation() -> None:
+    _load_bench()
+    fixed = sys.modules["serve_fixed_memory"]
+    reference = torch.tensor([[0.5, 0.25, 0.25], [0.2, 0.3, 0.5]]).log()
+    logits = torch.tensor([[0.25, 0.5, 0.25], [0.2, 0.3, 0.5]]).log() + 3.0  # unnormalized: log-softmax removes the shift
+    by_hand = 0.5 * math.log(0.5 / 0.25) + 0.25 * math.log(0.25 / 0.5) + 0.25 * math.log(1.0)
+    assert fixed.kl_nats(reference, logits).tolist() == pytest.approx([by_hand, 0.0], abs=1e-6)
+
+
+def test_fixed_memory_kl_compares_only_steps_whose_context_matches_the_exact_run() -> None:
+    _load_bench()
+    fixed = sys.modules["serve_fixed_memory"]
+    logp = [torch.log_softmax(torch.randn(5, generator=torch.Generator().manual_seed(s)), -1) for s in range(3)]
+    reference = fixed.CapacityRun([[1, 2, 3]], [logp])
+    run = fixed.CapacityRun([[]])
+    for step, token in enumerate([1, 4, 3]):  # the codec run disagrees at its second token
+        fixed._record(run, reference, 0, logp[step] + 1.0)
+        run.tokens[0].append(token)
+    assert run.kl == pytest.approx([0.0, 0.0], abs=1e-6)  # steps 0 and 1 compared (same contexts); step 2's context differs
+
+
+def test_fixed_memory_exact_run_records_the_rows_of_its_own_greedy_tokens() -> None:
+    bench = _load_bench()
+    fixed = sys.modules["serve_fixed_memory"]
+    model = bench.random_llama(bench.TINY_LLAMA)
+    requests = fixed.saturating_trace(fixed.random_prompts(3, sys.modules["serve_trace"].Lengths(20, 40), 512, seed=0), 4)
+    run = fixed.run_engine(model, requests, None, fixed.FixedMemorySettings(2**20, codecs=()))
+    assert [len(t) for t in run.tokens] == [4, 4, 4]
+    assert [[int(row.argmax()) for row in rows] for rows in run.logp] == run.tokens
+    with pytest.raises(ValueError, match="quantization codecs"):
+        fixed.FixedMemorySettings(2**20, codecs=("snapkv",))
