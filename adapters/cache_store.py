@@ -17,6 +17,7 @@ from kvlib.errors import DiskTierUnavailable
 from kvlib.paged_store import PagedStore
 from kvlib.prefix_store import PrefixStore
 from kvlib.storage.disk_tier import DiskTier, open_disk_tier
+from kvlib.storage.field_rows import FieldRows
 from kvlib.storage.page_prefetch import PagePrefetcher
 from kvlib.storage.page_record import Layout, record_size
 from kvlib.storage.spill_store import SpillStore
@@ -109,8 +110,27 @@ class CacheStoreBuilder:
         return PagedStore(config, spill=disk_tier.get("spill"), prefetcher=PagePrefetcher(config.device) if prefetch else None)
 
     def _page_bytes(self, dtype: torch.dtype) -> int:
+        """Bytes a page the tiers move takes: keys and values in ``dtype``, or, with a codec whose
+        fields are known (every layer's ready), the largest layer's encoded page."""
         element = torch.empty((), dtype=dtype).element_size()
-        return self.page_size * (self.shape.head_dim + self.shape.value_dim) * element
+        raw = self.page_size * (self.shape.head_dim + self.shape.value_dim) * element
+        codecs = self._ready_codecs()
+        return raw if codecs is None else max(codec.page_bytes() for codec in codecs)
+
+    def _ready_codecs(self) -> list[PageCodec] | None:
+        """The store's per-layer codecs when every layer has one that is ready (its fields known), else None."""
+        if self.codecs is None or not all(codec is not None and codec.ready for codec in self.codecs):
+            return None
+        return self.codecs
+
+    def _record_layout(self, dtype: torch.dtype) -> Layout:
+        """The layout of a spilled page's record: keys and values in ``dtype``, or, with ready
+        codecs, the largest layer's packed fields as bytes (:class:`~kvlib.storage.field_rows.FieldRows`)."""
+        codecs = self._ready_codecs()
+        if codecs is None:
+            return Layout(bytes(16), 1, 1, self.page_size, self.shape.head_dim, self.shape.value_dim, dtype)
+        rows = max((FieldRows.of(codec.fields) for codec in codecs), key=lambda rows: rows.page_bytes)
+        return Layout(bytes(16), 1, 1, 1, rows.key_bytes, rows.value_bytes, torch.uint8)
 
     def _device_pages(self, dtype: torch.dtype) -> int | None:
         """Pages per layer the tiering strategy keeps on the device (None: no tiering)."""
@@ -126,7 +146,7 @@ class CacheStoreBuilder:
         if self.tiering is None or not self.tiering.disk_directory():
             return {}
         shape = self.shape
-        layout = Layout(bytes(16), 1, 1, self.page_size, shape.head_dim, shape.value_dim, dtype)
+        layout = self._record_layout(dtype)
         disk_pages = self.tiering.disk_pages(shape.num_layers, record_size(layout))
         if self.spill is None:
             self.spill = SpillStore(self._spill_tier, capacity_bytes=disk_pages * shape.num_layers * record_size(layout))

@@ -18,6 +18,7 @@ from kvlib.policies.budget.uniform import Uniform
 from kvlib.prefix_store import PrefixStore
 from kvlib.spec import Spec, SpecLike, parse_spec
 from kvlib.store_config import DEFAULT_PAGES_PER_LAYER, initial_arena_bytes
+from kvlib.strategy import Tiering
 
 CACHE_OPTIONS = {
     "page_size": f"tokens per page (int in [1, {MAX_PAGE_SIZE}], default 16)",
@@ -107,7 +108,9 @@ def make_cache(
     _check_first_arenas(shape, page_size, home, coded=codec is not None, tiered=parsed.tiering is not None)
     _check_reuse(model, parsed, codec, reuse, prompt)
     if parsed.tiering is not None and codec is not None:
-        raise ValueError(f"tiering ({parsed.tiering.spec()}) and codecs ({codec.spec()}) do not combine yet: keep one of them")
+        _check_tiered_codec(
+            parsed.tiering, codec, layer_shapes(shape.num_layers, shape.num_kv_heads, shape.head_dim, shape.value_dim, page_size, *home)
+        )
     _check_page_retrieval(parsed, reuse)
     attach(model)
     cache = KVCache(
@@ -179,6 +182,20 @@ def _check_page_retrieval(spec: Spec, reuse: PrefixStore | None) -> None:
         )
     if reuse is not None:
         raise ValueError(f"{spec.tiering.spec()} does not combine with prefix reuse (reuse=PrefixStore) yet")
+
+
+def _check_tiered_codec(tiering: Tiering, codec: Codec, shapes: list) -> None:
+    """``ValueError`` for a codec whose pages cannot move between tiers: a cross-layer codec's
+    deeper layers decode with their partner layer's fields, read in place by page id."""
+    partnered = [
+        layer for layer, layer_codec in enumerate(codec.layer_codecs(shapes)) if getattr(layer_codec, "partner_layer", None) is not None
+    ]
+    if partnered:
+        raise ValueError(
+            f"{tiering.spec()} moves sealed pages between tiers; {codec.spec()} is a cross-layer codec (layers {partnered} decode"
+            " with an earlier layer's pages, read in place by page id) and does not combine with tiering or quest: use a"
+            " quantization codec (kivi, int8, kv_bits, fp8, rotated, gear) or a per-layer low-rank one"
+        )
 
 
 def _codec(spec: Spec) -> Codec | None:

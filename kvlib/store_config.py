@@ -43,11 +43,13 @@ class StoreConfig:
             for a layer kept in ``dtype``), or None to keep every page in ``dtype``. A codec with a
             ``partner_layer`` (a cross-layer codec's deeper layer) leans on that earlier layer.
         device_pages: at most this many pages of each layer stay on ``device``; the others move
-            to host memory (a tiered pool). None keeps every page on the device. Not combined
-            with codecs.
+            to host memory (a tiered pool). None keeps every page on the device. With a codec it
+            bounds the sealed pages, which move encoded; open pages stay on the device. Not
+            combined with a cross-layer codec (``partner_layer``).
         host_pages: at most this many pages of each layer on the host (None: unbounded).
         key_summaries: keep each page's channel-wise key min and max on ``device`` (for
-            ``quest``). Not combined with codecs.
+            ``quest``), from the keys as written (before a codec encodes them). Not combined with
+            a cross-layer codec.
         disk_pages: with a spill (disk tier) given to the store, at most this many pages of each
             layer on disk.
         placement: with ``device_pages``, the rule ordering the pages that leave the device and
@@ -86,12 +88,14 @@ class StoreConfig:
         if isinstance(pages, bool) or not isinstance(pages, int) or pages < int(fixed):
             raise ValueError(f"pages_per_layer must be an int >= {int(fixed)}, got {quoted(pages)}")
         object.__setattr__(self, "device", resolve_device(self.device))
-        if self.device_pages is not None and self.codecs is not None:
-            raise ValueError("device_pages (tiering) and codecs do not combine yet: keep one of them")
-        if self.key_summaries and self.codecs is not None:
-            raise ValueError("key_summaries (quest) and codecs do not combine yet: keep one of them")
         if self.codecs is not None and len(self.codecs) != num_layers:
             raise ValueError(f"codecs must name one codec per layer ({num_layers}), got {len(self.codecs)}")
+        partnered = [layer for layer, codec in enumerate(self.codecs or ()) if getattr(codec, "partner_layer", None) is not None]
+        if partnered and (self.device_pages is not None or self.key_summaries):
+            raise ValueError(
+                f"layers {partnered} use a cross-layer codec (minicache), whose sealed pages decode with their partner layer's"
+                " fields read in place by page id: it does not combine with device_pages (tiering) or key_summaries (quest)"
+            )
 
     @property
     def layer_heads(self) -> list[int]:

@@ -29,6 +29,7 @@ from kvlib.coded_page_loaders import open_part
 from kvlib.devices import PagedKernel, paged_kernel, to_arena_device
 from kvlib.page_indexing import first_occurrences
 from kvlib.paged_attention import PageSource
+from kvlib.storage.field_rows import arena_dtype
 from kvlib.storage.free_stack import FreeStack
 from kvlib.storage.page_pool import PagePool, extend_rows
 
@@ -61,10 +62,18 @@ class CodedPagePool(PagePool):
         codec: PageCodec,
         capacity: int = 64,
         fixed: bool = False,
+        key_summaries: bool = False,
     ) -> None:
         self.codec = codec
         super().__init__(
-            page_size=page_size, head_dim=head_dim, value_dim=value_dim, dtype=dtype, device=device, capacity=capacity, fixed=fixed
+            page_size=page_size,
+            head_dim=head_dim,
+            value_dim=value_dim,
+            dtype=dtype,
+            device=device,
+            capacity=capacity,
+            fixed=fixed,
+            key_summaries=key_summaries,
         )
 
     def _init_data(self, capacity: int) -> None:
@@ -169,6 +178,8 @@ class CodedPagePool(PagePool):
         self.keys.view(-1, self.head_dim).index_copy_(0, index, keys)
         self.values.view(-1, self.value_dim).index_copy_(0, index, values)
         self.positions.view(-1).index_copy_(0, to_arena_device(slots, self.device), positions.to(self.device, torch.int64))
+        if self.summaries is not None:  # from the keys as written, before any encoding
+            self.summaries.add(slots, keys)
 
     gather = PagePool.gather_by_pages
 
@@ -201,7 +212,7 @@ class CodedPagePool(PagePool):
     def _field_arenas(self, rows: int) -> dict[str, torch.Tensor]:
         """Zeroed arenas of ``rows`` pages for each of the codec's fields (one-byte floats as bytes)."""
         return {
-            name: torch.zeros(rows, *field.shape, dtype=_arena_dtype(field.dtype), device=self.device)
+            name: torch.zeros(rows, *field.shape, dtype=arena_dtype(field.dtype), device=self.device)
             for name, field in self.codec.fields.items()
         }
 
@@ -263,9 +274,7 @@ class CodedPagePool(PagePool):
         self.page_heads[target] = self.page_heads[source]
         if bool(sealed.any()):
             src, dst = source[sealed], target[sealed]
-            src_index, dst_index = to_arena_device(src, self.device), to_arena_device(dst, self.device)
-            for t in self.encoded.values():
-                t.index_copy_(0, dst_index, t.index_select(0, src_index))
+            self._copy_sealed(src, dst)
             self._raw_free.push(self.raw_row[dst])
             self.raw_row[dst] = -1
             self.sealed[dst] = True
@@ -275,6 +284,14 @@ class CodedPagePool(PagePool):
             dst = to_arena_device(self.raw_row[target[~sealed]], self.device)
             self.keys.index_copy_(0, dst, self.keys.index_select(0, src))
             self.values.index_copy_(0, dst, self.values.index_select(0, src))
+        if self.summaries is not None:
+            self.summaries.copy(source, target)
+
+    def _copy_sealed(self, source: torch.Tensor, target: torch.Tensor) -> None:
+        """Copy the encoded fields of sealed pages ``source`` onto pages ``target`` (in use, not sealed yet)."""
+        src_index, dst_index = to_arena_device(source, self.device), to_arena_device(target, self.device)
+        for t in self.encoded.values():
+            t.index_copy_(0, dst_index, t.index_select(0, src_index))
 
     def open_copies(self, source: torch.Tensor, target: torch.Tensor) -> None:
         """Write the decoded contents of pages ``source`` into freshly allocated open ``target``
@@ -287,6 +304,8 @@ class CodedPagePool(PagePool):
             0, to_arena_device(target, self.device), self.positions.index_select(0, to_arena_device(source, self.device))
         )
         self.page_heads[target] = self.page_heads[source]
+        if self.summaries is not None:
+            self.summaries.copy(source, target)
 
     def raw_pages(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of open pages ``ids`` (copies, ``[n, page_size, dim]``)."""
@@ -324,6 +343,18 @@ class CodedPagePool(PagePool):
         if encoded is None:
             keys, values = self.raw_pages(ids)
             encoded = self.codec.encode(keys, values, to_arena_device(self.page_heads[ids], self.device), salience)
+        self._store_sealed(ids, encoded)
+        self._raw_free.push(rows)
+        self.raw_row[ids] = -1
+        self.sealed[ids] = True
+        self._version += 1
+        held = self.keys.shape[0] - self._raw_free.free
+        if self.keys.shape[0] > _MIN_RAW_PAGES and 4 * held < self.keys.shape[0]:
+            self._resize_raw(max(_MIN_RAW_PAGES, 2 * held))
+
+    def _store_sealed(self, ids: torch.Tensor, encoded: dict[str, torch.Tensor]) -> None:
+        """Keep the ``encoded`` fields (``[len(ids), *field.shape]``) of pages ``ids``, being sealed:
+        in the field arenas, at the pages' ids."""
         target = to_arena_device(ids, self.device)
         if not self.encoded:
             self.encoded = self._field_arenas(self.capacity)
@@ -332,13 +363,6 @@ class CodedPagePool(PagePool):
             arena = self.encoded[name]
             field = t.to(fields[name].dtype)
             arena.index_copy_(0, target, field.view(arena.dtype) if field.dtype != arena.dtype else field)
-        self._raw_free.push(rows)
-        self.raw_row[ids] = -1
-        self.sealed[ids] = True
-        self._version += 1
-        held = self.keys.shape[0] - self._raw_free.free
-        if self.keys.shape[0] > _MIN_RAW_PAGES and 4 * held < self.keys.shape[0]:
-            self._resize_raw(max(_MIN_RAW_PAGES, 2 * held))
 
 
 @dataclass
@@ -376,9 +400,3 @@ class _ReadPlan:
             to_arena_device(opened, device) if opened.numel() else None,
             to_arena_device(rows[opened], device) if opened.numel() else None,
         )
-
-
-def _arena_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype a field's arena is held in: one-byte floats (float8) as uint8 bytes, viewed back
-    on read (torch's index kernels do not take float8); every other dtype as it is."""
-    return torch.uint8 if dtype.is_floating_point and dtype.itemsize == 1 else dtype

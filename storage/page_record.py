@@ -44,7 +44,8 @@ HEADER = struct.Struct("<4sH16s16s16sHHHHHBQ7x")
 _KEY_AT = struct.calcsize("<4sH16s")
 """Byte offset of the chain key in the header (after magic, version and namespace)."""
 DIGEST = struct.Struct("<Q")
-DTYPE_CODES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}
+DTYPE_CODES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3, torch.uint8: 4}
+"""Dtype of a record's keys and values; uint8: a coded page's encoded fields as bytes (spilled pages)."""
 _ITEM = {dtype: torch.empty((), dtype=dtype).element_size() for dtype in DTYPE_CODES}
 
 
@@ -168,7 +169,7 @@ def _views(layout: Layout) -> tuple[slice, slice, tuple[int, ...], tuple[int, ..
     """Where a record of ``layout`` holds its keys and values (byte slices), their shapes, and a
     numpy dtype of their width (one cached lookup per record read)."""
     cuts, shape = _cuts(layout), (layout.layers, layout.heads, layout.page_size)
-    twin = {torch.float32: np.float32, torch.float16: np.float16, torch.bfloat16: np.int16}[layout.dtype]
+    twin = {torch.float32: np.float32, torch.float16: np.float16, torch.bfloat16: np.int16, torch.uint8: np.uint8}[layout.dtype]
     return (
         slice(cuts[2], cuts[2] + _key_bytes(layout)),
         slice(cuts[3], cuts[4]),

@@ -314,13 +314,22 @@ class TieredPagePool(PagePool):
         on the CPU, the torch path on CUDA); None on a device that reads layers densely."""
         if not reads_pages_in_place(self.device):
             return None
+        keys, values, positions, table = self.staged_arenas(pages)
+        return PagedLayer(arena_source_for(keys, values, positions), table, lengths)
+
+    def staged_arenas(self, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Pages ``pages`` (page ids, any shape, ``-1`` for none) in one arena each of keys, values
+        and positions: the device rows, then the off-device pages among ``pages`` staged after
+        them, each once (see :meth:`paged_layer`, :mod:`~kvlib.storage.staging_arena`); and
+        ``pages`` as rows of those arenas (``-1`` kept). Sets :attr:`staged_bytes`. Valid until the
+        next change to the pool or its next staging."""
         first = self.keys.shape[0]
         keys, values, positions, table, staged = self._staging.stage(
             self.keys, self.values, self.positions, self.device_row, pages, self.read_pages
         )
         self.keys, self.values = keys[:first], values[:first]
         self.staged_bytes = staged * self.kv_page_bytes
-        return PagedLayer(arena_source_for(keys, values, positions), table, lengths)
+        return keys, values, positions, table
 
     def read_pages(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Whole pages: device ones gathered, host and spilled ones taken from the prefetch of

@@ -23,7 +23,8 @@ class LRUPlacement(Tiering):
 
     Args:
         device_mb: device budget for keys and values of pages, MiB, split evenly over layers
-            (at least one page per layer).
+            (at least one page per layer). With a codec it counts sealed pages at their encoded
+            bytes; they move between tiers encoded, and open pages stay on the device.
         host_mb: host budget, MiB over all layers (0: unbounded). Past it, pages spill to
             ``disk``; without one, a move past it raises :class:`~kvlib.errors.PoolExhaustedError`
             (the call fails; the cache must then be reset).

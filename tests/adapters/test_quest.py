@@ -105,8 +105,8 @@ def test_what_quest_does_not_combine_with_is_refused() -> None:
     model = build_model("llama")
     with pytest.raises(ValueError, match="does not combine with eviction"):
         kvlib.make_cache(model, "snapkv+quest", budget=32)
-    with pytest.raises(ValueError, match="do not combine yet"):
-        kvlib.make_cache(model, "kivi+quest")
+    with pytest.raises(ValueError, match="cross-layer codec"):
+        kvlib.make_cache(model, "minicache(start=0.0)+quest")
     with pytest.raises(ValueError, match="top_k must be >= 1"):
         kvlib.make_cache(model, "quest(top_k=0)")
     with pytest.raises(ValueError, match="placement must be a device/host placement"):

@@ -54,7 +54,7 @@ def test_beams_and_sampling_are_unchanged_by_tiering() -> None:
     assert torch.equal(sampled, again)
 
 
-def test_tiering_composes_with_eviction_but_not_yet_with_codecs() -> None:
+def test_tiering_composes_with_eviction_and_refuses_cross_layer_codecs() -> None:
     model = build_model("stories")
     ids, mask = left_padded([60], seed=5, vocab=500)
     reference_cache = kvlib.make_cache(model, "snapkv", budget=24)
@@ -64,8 +64,8 @@ def test_tiering_composes_with_eviction_but_not_yet_with_codecs() -> None:
     cache = kvlib.make_cache(model, "snapkv+lru(device_mb=0.005)", budget=24)
     out = model.generate(ids, attention_mask=mask, **cache_argument(cache), max_new_tokens=12, do_sample=False, pad_token_id=PAD)
     assert torch.equal(out, reference)
-    with pytest.raises(ValueError, match="do not combine yet"):
-        kvlib.make_cache(model, "kivi+lru")
+    with pytest.raises(ValueError, match="cross-layer codec"):
+        kvlib.make_cache(model, "minicache(start=0.0)+lru")
     with pytest.raises(ValueError, match="device_mb must be > 0"):
         kvlib.make_cache(model, "lru(device_mb=0)")
 

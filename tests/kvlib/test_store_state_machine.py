@@ -18,6 +18,12 @@ allow it exactly), plus a rule that seals: the same invariants must hold whateve
 operations meet, and sealed pages are full, never written, and counted at the codec's bytes. The
 seal rule hands the store each slot's score (a function of its token) and the codec checks that
 each page it encodes gets its own tokens' scores (the salience ``mixed`` spends bits by).
+
+``TieredStoreMachine`` and ``SpillingStoreMachine`` draw a codec too: none, the reversing codec
+(checked against the model as above), or a lossy quantization codec (int8, fp8, kivi, gear). With
+a lossy codec every call also goes to a reference store holding the same pages untiered
+(:class:`Lockstep`), and reads must equal the reference's exactly: sealed pages that moved
+between device, host and disk, encoded, decode to the same values as those that never moved.
 """
 
 from __future__ import annotations
@@ -34,10 +40,12 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from kvlib import PagedStore, StoreConfig
 from kvlib.codec import Field, PageCodec, TensorCodec, layer_shapes
 from kvlib.policies.quantization.hadamard import RotatedQuantizer, is_power_of_two
+from kvlib.spec import parse_spec
 from kvlib.storage.coded_pool import CodedPagePool
 from kvlib.storage.disk_tier import DiskTier
 from kvlib.storage.page_prefetch import PagePrefetcher
 from kvlib.storage.spill_store import SpillStore
+from kvlib.storage.tiered_coded_pool import TieredCodedPagePool
 from kvlib.storage.tiered_pool import TieredPagePool
 
 HEADS = (2, 3)
@@ -105,31 +113,77 @@ def coded_codecs(page_size: int, rotated: bool) -> list[PageCodec]:
     return codecs
 
 
+LOSSY_CODECS = ("int8", "fp8", "kivi(bits=4, group=1)", "gear")
+"""Quantization codecs a tiered machine may draw (besides none and the lossless reversing codec)."""
+
+
+def quantization_codecs(spec: str, page_size: int) -> list[PageCodec]:
+    """Each layer's codec of the quantization strategy ``spec``."""
+    shapes = [
+        layer_shapes(len(HEADS), HEADS[i], KEY_DIMS[i], VALUE_DIMS[i], page_size, torch.float32, torch.device("cpu"))[i]
+        for i in range(len(HEADS))
+    ]
+    return parse_spec(spec).quantization.layer_codecs(shapes)
+
+
+class Lockstep:
+    """A store under test whose every method call but placement's (``rank_pages``: no content
+    changes) is made on a ``reference`` store too (the test's result is the first store's; its
+    attributes are the first store's)."""
+
+    def __init__(self, store: PagedStore, reference: PagedStore) -> None:
+        self.store = store
+        self.reference = reference
+
+    def __getattr__(self, name: str):
+        found = getattr(self.store, name)
+        if not callable(found) or name == "rank_pages":
+            return found
+
+        def both(*args, **kwargs):
+            result = found(*args, **kwargs)
+            getattr(self.reference, name)(*args, **kwargs)
+            return result
+
+        return both
+
+
 class StoreMachine(RuleBasedStateMachine):
     coded = False
     tiered = False
     summarized = False
     spilling = False
+    codec_choices: tuple[str | None, ...] = (None,)
+    """Codecs a tiered machine draws from (``"reversing"``: the lossless one; others: :data:`LOSSY_CODECS`)."""
 
-    @initialize(page_size=st.integers(1, 5), pages=st.integers(0, 3), prefetch=st.booleans(), rotated=st.booleans())
-    def setup(self, page_size: int, pages: int, prefetch: bool, rotated: bool) -> None:
+    @initialize(page_size=st.integers(1, 5), pages=st.integers(0, 3), prefetch=st.booleans(), rotated=st.booleans(), data=st.data())
+    def setup(self, page_size: int, pages: int, prefetch: bool, rotated: bool, data: st.DataObject) -> None:
+        codec = data.draw(st.sampled_from(self.codec_choices))
+        self.coded = self.coded or codec is not None
+        self.lossy = codec in LOSSY_CODECS
         disk_tier = self.disk_tier()
-        self.store = PagedStore(
-            StoreConfig(
+
+        def config(tiered: bool) -> StoreConfig:
+            return StoreConfig(
                 len(HEADS),
                 list(HEADS),
                 list(KEY_DIMS),
                 value_dim=list(VALUE_DIMS),
                 page_size=page_size,
                 pages_per_layer=pages,
-                codecs=coded_codecs(page_size, rotated) if self.coded else None,
-                device_pages=5 if self.tiered else None,
+                codecs=quantization_codecs(codec, page_size) if self.lossy else coded_codecs(page_size, rotated) if self.coded else None,
+                device_pages=5 if tiered else None,
                 key_summaries=self.summarized,
-                **disk_tier,
-            ),
+                **(disk_tier if tiered else {}),
+            )
+
+        self.store = PagedStore(
+            config(self.tiered),
             spill=self.spill if disk_tier else None,
             prefetcher=PagePrefetcher(torch.device("cpu"), fetch_host=True) if self.tiered and prefetch else None,
         )
+        if self.lossy:
+            self.store = Lockstep(self.store, PagedStore(config(False)))
         self.page_size = page_size
         self.model: dict[int, list[list[list[Token]]]] = {}  # seq -> layer -> head -> tokens
         self.logical: dict[int, list[int]] = {}
@@ -201,13 +255,21 @@ class StoreMachine(RuleBasedStateMachine):
         self.last_append = (layer, batch)
 
     def check_read(self, layer: int, batch: list[int], read) -> None:
+        """``read`` holds the model's tokens of ``batch`` in ``layer``: their values (with a lossy
+        codec, those the reference store reads instead), positions and validity."""
         kd, vd = KEY_DIMS[layer], VALUE_DIMS[layer]
+        reference = None
+        if self.lossy:
+            twin = self.store.reference
+            reference = twin._gather(layer, twin._rows(batch), read.keys.shape[2])
         for b, seq in enumerate(batch):
             for h, tokens in enumerate(self.model[seq][layer]):
                 n = len(tokens)
                 assert bool(read.valid[b, h, :n].all()) and not bool(read.valid[b, h, n:].any())
                 expect_k = torch.stack([key_of(t, kd) for t, _ in tokens]) if tokens else torch.zeros(0, kd)
                 expect_v = torch.stack([value_of(t, vd) for t, _ in tokens]) if tokens else torch.zeros(0, vd)
+                if reference is not None:
+                    expect_k, expect_v = reference.keys[b, h, :n], reference.values[b, h, :n]
                 assert torch.equal(read.keys[b, h, :n], expect_k), (seq, layer, h)
                 assert torch.equal(read.values[b, h, :n], expect_v), (seq, layer, h)
                 assert read.positions[b, h, :n].tolist() == [p for _, p in tokens]
@@ -392,7 +454,7 @@ class StoreMachine(RuleBasedStateMachine):
     @invariant()
     def pages_are_accounted(self) -> None:
         live = torch.tensor(sorted(self.model), dtype=torch.int64)
-        for pool, table in zip(self.store.pools, self.store.tables):
+        for layer, (pool, table) in enumerate(zip(self.store.pools, self.store.tables)):
             references = torch.zeros(pool.capacity, dtype=torch.int64)
             if len(live):
                 referenced = table.referenced_pages(live)
@@ -419,27 +481,35 @@ class StoreMachine(RuleBasedStateMachine):
             else:
                 assert pool.bytes_in_use() == in_use * pool.page_bytes
             if isinstance(pool, TieredPagePool):  # every page in use in exactly one tier, within the budgets
-                used = references > 0
-                on_device, on_host, on_disk = pool.device_row >= 0, pool.host_row >= 0, pool.on_disk
-                tiers = on_device.long() + on_host.long() + on_disk.long()
-                assert bool((tiers[used] == 1).all()), "a page in use is not in exactly one tier"
-                assert not bool(tiers[~used].any()), "a free page still holds a tier"
-                assert int(on_device.sum()) == pool.pages_on_device <= pool.device_pages
-                assert pool.host_pages is None or pool.pages_on_host <= pool.host_pages
-                assert pool.pages_on_disk <= pool.disk_pages
-                if pool.spill is not None:  # a record exists exactly for each page on disk
-                    layer = self.store.pools.index(pool)
-                    recorded = sorted(
-                        int.from_bytes(key[-8:], "big") for key in self.spill.keys() if int.from_bytes(key[16:20], "big") == layer
-                    )
-                    assert recorded == on_disk.nonzero().flatten().tolist(), "spilled records differ from the pages on disk"
-                rows = pool.device_row[on_device]
-                assert rows.unique().numel() == rows.numel()
+                self.check_tiers(pool, references > 0, layer)
+            if isinstance(pool, TieredCodedPagePool):  # sealed pages are the tier pool's pages, one each
+                sealed = pool.sealed & (references > 0)
+                assert torch.equal(pool.tier_page >= 0, sealed), "a page has a tier page exactly when it is sealed"
+                if pool.tiers is not None:
+                    held = pool.tier_page[sealed]
+                    assert pool.tiers.pages_in_use == held.numel() and bool((pool.tiers.refcount[held] == 1).all())
+                    self.check_tiers(pool.tiers, pool.tiers.refcount > 0, layer)
             if len(live):
                 pages_used = table.pages_used(table.lengths[live])
                 have = table.pages[live] >= 0
                 expected = torch.arange(table.pages.shape[2]) < pages_used.unsqueeze(-1)
                 assert torch.equal(have, expected), "block table holds pages past a head's length"
+
+    def check_tiers(self, pool: TieredPagePool, used: torch.Tensor, layer: int) -> None:
+        """Every page of ``pool`` in ``used`` lies in exactly one tier, the tiers within their budgets,
+        and records exist exactly for the pages on disk (of ``layer``)."""
+        on_device, on_host, on_disk = pool.device_row >= 0, pool.host_row >= 0, pool.on_disk
+        tiers = on_device.long() + on_host.long() + on_disk.long()
+        assert bool((tiers[used] == 1).all()), "a page in use is not in exactly one tier"
+        assert not bool(tiers[~used].any()), "a free page still holds a tier"
+        assert int(on_device.sum()) == pool.pages_on_device <= pool.device_pages
+        assert pool.host_pages is None or pool.pages_on_host <= pool.host_pages
+        assert pool.pages_on_disk <= pool.disk_pages
+        if pool.spill is not None:  # a record exists exactly for each page on disk
+            recorded = sorted(int.from_bytes(key[-8:], "big") for key in self.spill.keys() if int.from_bytes(key[16:20], "big") == layer)
+            assert recorded == on_disk.nonzero().flatten().tolist(), "spilled records differ from the pages on disk"
+        rows = pool.device_row[on_device]
+        assert rows.unique().numel() == rows.numel()
 
     @invariant()
     def sequences_read_back_their_tokens(self) -> None:
@@ -457,16 +527,19 @@ class StoreMachine(RuleBasedStateMachine):
 
     @invariant()
     def shared_pages_are_never_written(self) -> None:
-        """A page referenced more than once before and after a step kept its contents."""
+        """A page referenced more than once before and after a step kept its contents (with a
+        lossy codec: unless it was sealed in between, which changes what it reads)."""
         for layer, pool in enumerate(self.store.pools):
             shared = (pool.refcount > 1).nonzero().flatten()
-            contents = [shared, *pool.read_pages(shared), pool.positions[shared].clone()]
+            sealed = pool.sealed[shared] if self.lossy else torch.zeros_like(shared, dtype=torch.bool)
+            contents = [shared, sealed, *pool.read_pages(shared), pool.positions[shared].clone()]
             if layer in self.shared:
-                ids, *before = self.shared[layer]
+                ids, was_sealed, *before = self.shared[layer]
                 still = torch.isin(ids, shared)
                 index = torch.searchsorted(shared, ids[still])  # ``shared`` is ascending
-                for old, new in zip(before, contents[1:]):
-                    assert torch.equal(old[still], new[index]), "a shared page was written"
+                kept = was_sealed[still] == sealed[index]
+                for old, new in zip(before, contents[2:]):
+                    assert torch.equal(old[still][kept], new[index][kept]), "a shared page was written"
             self.shared[layer] = contents
 
 
@@ -490,6 +563,7 @@ class TieredStoreMachine(StoreMachine):
     layer's host pages started by each read (whatever changes between it and the next read)."""
 
     tiered = True
+    codec_choices = (None, "reversing", *LOSSY_CODECS)
 
 
 TieredStoreMachine.TestCase.settings = StoreMachine.TestCase.settings
@@ -504,6 +578,7 @@ class SpillingStoreMachine(StoreMachine):
 
     tiered = True
     spilling = True
+    codec_choices = (None, "reversing", *LOSSY_CODECS)
 
 
 SpillingStoreMachine.TestCase.settings = settings(
