@@ -184,6 +184,14 @@ class TieredCodedPagePool(CodedPagePool):
             raise
         self.tier_page[ids] = tier_ids
 
+    def record_pages(self, ids: torch.Tensor) -> dict[str, torch.Tensor] | None:
+        """The encoded fields of sealed pages ``ids`` read from whichever tier holds them (no page
+        moves), as :meth:`CodedPagePool.record_pages` gives them; None unless every one is sealed."""
+        if ids.numel() == 0 or self.tiers is None or self.record_fields() is None or not bool(self.sealed[ids].all()):
+            return None
+        key_rows, value_rows = self.tiers.read_pages(self.tier_page[ids])
+        return {name: t.contiguous() for name, t in self.field_rows.views(key_rows, value_rows).items()}
+
     def _copy_sealed(self, source: torch.Tensor, target: torch.Tensor) -> None:
         key_rows, value_rows = self.tiers.read_pages(self.tier_page[source])
         self._write_tier_pages(target, key_rows, value_rows)

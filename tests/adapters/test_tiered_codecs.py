@@ -95,3 +95,26 @@ def test_smollm2_tiered_kivi_equals_the_untiered_kivi_cache(smol, tmp_path) -> N
         assert tiers["host"] > 0, spec
         if "disk" in spec:
             assert tiers["disk"] > 0, spec
+
+
+@pytest.mark.parametrize("codec", ["kivi(bits=4)", "fp8"])
+def test_tiered_coded_prefix_blocks_reach_disk_records_and_come_back(codec: str, tmp_path) -> None:
+    """A tiered coded cache with prefix reuse writes its prompt blocks' encoded fields (read from
+    whichever tier holds them) to the disk tier; another prefix store on the same directory
+    restores them and the output is the untiered coded cache's."""
+    from kvlib.storage.disk_tier import DiskTier
+
+    model = build_model("llama")
+    prompt = torch.randint(3, 60, (1, 70), generator=torch.Generator().manual_seed(0))
+    spec = f"{codec}+lru(device_mb=0.002)"
+    kwargs = dict(max_new_tokens=8, do_sample=False, pad_token_id=PAD)
+    plain = model.generate(prompt, **cache_argument(kvlib.make_cache(model, codec)), **kwargs)
+    disk = DiskTier(tmp_path / "prefixes", capacity_bytes=2**26)
+    for reused_expected, store in ((0, kvlib.PrefixStore(model, capacity_bytes=2**24, disk=disk)), (64, None)):
+        store = store or kvlib.PrefixStore(model, capacity_bytes=2**24, disk=disk)  # a second store: only the disk
+        cache = kvlib.make_cache(model, spec, reuse=store, prompt=prompt)
+        assert cache.get_seq_length() == reused_expected
+        assert torch.equal(model.generate(prompt, **cache_argument(cache), **kwargs), plain)
+        pools = next(iter(store.stores.values())).pools
+        assert all(isinstance(pool, TieredCodedPagePool) for pool in pools)
+    assert disk.stats()["writes"] == 4 and disk.stats()["reads"] == 4 and disk.stats()["corrupt"] == 0
