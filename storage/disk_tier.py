@@ -1,8 +1,8 @@
 """The disk tier: page records in an lmdb environment, bounded in bytes, safe across processes.
 
 Keys are ``namespace digest + chain key`` (32 bytes), so a directory written by another model,
-dtype, codec or salt never answers for this one. Values are :mod:`~kvlib.storage.page_record`
-records (header, raw bytes, checksum; never pickled), each stored as an index entry and parts of
+dtype, codec or salt never answers for this one. Values are :mod:`~kvlib.storage.block_record`
+records (header, page fields, checksum; never pickled), each stored as an index entry and parts of
 at most 8 lmdb pages (:mod:`~kvlib.storage.record_parts`); readers get the parts as they lie in
 the map and copy them out once.
 
@@ -202,8 +202,7 @@ class DiskTier:
     def put_many(self, items: list[tuple[bytes, Record]]) -> bool:
         """Store every ``(key, record)`` in one transaction (one durable commit), evicting least
         recently used records to stay within capacity; a record is bytes-like, or a list of
-        bytes-like chunks that joined are the record (such as
-        :func:`~kvlib.storage.page_record.encode_parts`: stored without joining them), and the
+        bytes-like chunks that joined are the record (stored without joining them), and the
         last one of a repeated key wins. False (and nothing changed) when it cannot: more bytes
         than the capacity, or the disk or map is full (then writing stops, with one warning)."""
         records = {

@@ -18,10 +18,9 @@ Nothing is pickled and nothing read is executed: :func:`decode` checks the magic
 namespace, the shape and dtype the reader expects and the body length before touching the body,
 then copies the body out while digesting it, and raises :class:`RecordError` on any mismatch
 (the caller treats it as a miss). Encoding and decoding each pass over the page bytes once.
-:func:`encode_parts` and :func:`decode_parts` handle the same record as a list of buffers (the
-disk tier stores records in parts): the pages are not copied on the way in, and copied once,
-joined, on the way out.
-Many small records of one layout (spilled pages) are checked in one batch instead: copied into
+The records kvlib stores are spilled pages (:mod:`~kvlib.storage.spill_store`; prefix blocks are
+:mod:`~kvlib.storage.block_record` records): many small records of one layout, checked in one
+batch: copied into
 the rows of :func:`empty_rows`, checked by :func:`check_rows` (the same checks, vectorised) and
 read through :func:`row_sections`.
 """
@@ -92,22 +91,6 @@ def encode(layout: Layout, block: Block) -> memoryview:
     return memoryview(out)
 
 
-def encode_parts(layout: Layout, block: Block) -> list[memoryview]:
-    """The record of ``block`` as consecutive buffers, joined :func:`encode`'s bytes: header and
-    token ids (a fresh buffer), the keys' bytes, the values' bytes, the digest. The keys and
-    values are the block's own tensors' memory when those are contiguous CPU tensors of
-    ``layout.dtype`` (otherwise converted copies; keys whose bytes need padding to 8 are copied
-    with it): nothing of the pages is copied, for a writer that copies them anyway (the disk
-    tier, into lmdb's pages). Do not change the tensors until the record is stored."""
-    tokens, keys, values = _sections(layout, block)
-    head = np.empty(HEADER.size + tokens.nbytes, dtype=np.uint8)
-    head[: HEADER.size] = np.frombuffer(_header(layout, _pad(block.key), _pad(block.parent)), dtype=np.uint8)
-    head[HEADER.size :] = tokens
-    if keys.nbytes % 8:
-        keys = np.concatenate([keys, np.zeros(-keys.nbytes % 8, dtype=np.uint8)])
-    return [memoryview(head), memoryview(keys), memoryview(values), memoryview(DIGEST.pack(digest(head, keys, values)))]
-
-
 def _sections(layout: Layout, block: Block) -> list[np.ndarray]:
     """The token ids, keys and values of ``block`` as uint8 arrays in ``layout.dtype`` (CPU,
     contiguous; the tensors' own memory when they already are), once its shapes match ``layout``."""
@@ -144,39 +127,6 @@ def decode(layout: Layout, record: bytes | bytearray | memoryview) -> Block:
     keys = copied[keys_at : keys_at + _key_bytes(layout)].view(layout.dtype).view(*shape, layout.head_dim)
     values = copied[values_at:end].view(layout.dtype).view(*shape, layout.value_dim)
     return Block(key, parent, tokens, keys, values)
-
-
-def decode_parts(layout: Layout, parts: list) -> Block:
-    """The block in a record given as ``parts`` (buffers valid during the call, such as a
-    :class:`~kvlib.storage.disk_tier.DiskTier` record's parts in the map) whose concatenation is
-    the record; checked like :func:`decode`. The parts are joined into memory the block owns
-    (one C loop of copies: per-part Python overhead matters at tens of parts per record), then
-    the header and length are checked and the copy digested (in cache)."""
-    record = np.frombuffer(bytearray().join(parts), dtype=np.uint8)
-    cuts, (key, parent) = _checked_header(layout, record)
-    if digest(record[: cuts[-1]]) != DIGEST.unpack_from(record, cuts[-1])[0]:
-        raise RecordError("checksum mismatch")
-    keys_at, values_at, key_shape, value_shape, twin = _views(layout)
-    keys = torch.from_numpy(record[keys_at].view(twin).reshape(key_shape))
-    values = torch.from_numpy(record[values_at].view(twin).reshape(value_shape))
-    if twin is np.int16:  # numpy has no bfloat16: the same bytes, seen as torch.bfloat16
-        keys, values = keys.view(layout.dtype), values.view(layout.dtype)
-    return Block(key, parent, record[cuts[1] : cuts[2]].view(np.int64).tolist(), keys, values)
-
-
-@functools.lru_cache(maxsize=64)
-def _views(layout: Layout) -> tuple[slice, slice, tuple[int, ...], tuple[int, ...], type]:
-    """Where a record of ``layout`` holds its keys and values (byte slices), their shapes, and a
-    numpy dtype of their width (one cached lookup per record read)."""
-    cuts, shape = _cuts(layout), (layout.layers, layout.heads, layout.page_size)
-    twin = {torch.float32: np.float32, torch.float16: np.float16, torch.bfloat16: np.int16, torch.uint8: np.uint8}[layout.dtype]
-    return (
-        slice(cuts[2], cuts[2] + _key_bytes(layout)),
-        slice(cuts[3], cuts[4]),
-        (*shape, layout.head_dim),
-        (*shape, layout.value_dim),
-        twin,
-    )
 
 
 def empty_rows(layout: Layout, count: int) -> np.ndarray:

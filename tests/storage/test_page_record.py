@@ -1,4 +1,4 @@
-"""Page records: exact round trips (whole or in parts), and every corrupted byte or foreign layout is refused."""
+"""Page records: exact round trips, and every corrupted byte or foreign layout is refused."""
 
 from __future__ import annotations
 
@@ -14,10 +14,8 @@ from kvlib.storage.page_record import (
     RecordError,
     check_rows,
     decode,
-    decode_parts,
     empty_rows,
     encode,
-    encode_parts,
     row_sections,
 )
 
@@ -69,8 +67,6 @@ def test_a_record_of_an_earlier_format_is_refused() -> None:
     record[4:6] = (3).to_bytes(2, "little")
     with pytest.raises(RecordError, match="version 4"):
         decode(LAYOUT, bytes(record))
-    with pytest.raises(RecordError, match="version 4"):
-        decode_parts(LAYOUT, [memoryview(record)])
 
 
 def test_keys_padding_and_half_precision_tails_are_covered() -> None:
@@ -92,45 +88,6 @@ def test_a_block_of_the_wrong_shape_is_refused_before_encoding() -> None:
     wrong = Block(b"k" * 16, b"", [7, 8, 9, 10], torch.zeros(2, 3, 4, 6), torch.zeros(2, 3, 4, 6))
     with pytest.raises(ValueError, match="keys have shape"):
         encode(LAYOUT, wrong)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
-def test_encode_parts_joined_are_encode_and_share_the_tensors_memory(dtype: torch.dtype) -> None:
-    layout = Layout(LAYOUT.namespace, 2, 3, 4, 5, 6, dtype)
-    original = block(dtype=dtype)
-    parts = encode_parts(layout, original)
-    assert b"".join(parts) == bytes(encode(layout, original))
-    assert np.shares_memory(
-        np.asarray(parts[1]), original.keys.numpy() if dtype != torch.bfloat16 else original.keys.view(torch.int16).numpy()
-    )
-    padded = Layout(b"n" * 16, layers=2, heads=1, page_size=3, head_dim=3, value_dim=1, dtype=torch.float16)  # keys padded to 8
-    odd = Block(b"k" * 16, b"p" * 16, [1, 2, 3], torch.randn(2, 1, 3, 3).half(), torch.randn(2, 1, 3, 1).half())
-    assert b"".join(encode_parts(padded, odd)) == bytes(encode(padded, odd))
-
-
-@settings(max_examples=100, deadline=None)
-@given(cuts=st.lists(st.integers(0, 440), max_size=6), position=st.floats(0, 1, exclude_max=True), bit=st.integers(0, 7))
-def test_decode_parts_reads_any_split_and_detects_any_flipped_bit(cuts: list[int], position: float, bit: int) -> None:
-    record = bytes(encode(LAYOUT, block()))
-    bounds = [0, *sorted(cuts), len(record)]
-    parts = [memoryview(record)[a:b] for a, b in zip(bounds, bounds[1:])]
-    decoded = decode_parts(LAYOUT, parts)
-    assert decoded.tokens == [7, 8, 9, 10] and torch.equal(decoded.keys, block().keys) and torch.equal(decoded.values, block().values)
-    corrupted = bytearray(record)
-    corrupted[int(position * len(record))] ^= 1 << bit
-    with pytest.raises(RecordError):
-        decode_parts(LAYOUT, [memoryview(corrupted)[a:b] for a, b in zip(bounds, bounds[1:])])
-
-
-def test_decode_parts_refuses_a_wrong_length_and_returns_memory_of_its_own() -> None:
-    record = bytearray(encode(LAYOUT, block()))
-    with pytest.raises(RecordError, match="length"):
-        decode_parts(LAYOUT, [record, b"x"])
-    with pytest.raises(RecordError, match="another model"):
-        decode_parts(Layout(b"m" * 16, 2, 3, 4, 5, 6, torch.float32), [record])
-    decoded = decode_parts(LAYOUT, [memoryview(record)[:100], memoryview(record)[100:]])
-    record[:] = bytes(len(record))  # the parts' memory (a map, in the disk tier) changes after the call
-    assert decoded.tokens == [7, 8, 9, 10] and torch.equal(decoded.keys, block().keys) and torch.equal(decoded.values, block().values)
 
 
 ONE_HEAD = Layout(b"r" * 16, layers=1, heads=1, page_size=3, head_dim=3, value_dim=1, dtype=torch.float16)
