@@ -53,11 +53,30 @@ def teacher_forced_logprobs(model: torch.nn.Module, cache, prompt: torch.Tensor,
     return torch.log_softmax(torch.stack(steps).float(), dim=-1).cpu()
 
 
-@pytest.mark.parametrize("spec", ["kivi(bits=4)", "kivi(bits=2)", "int8", "fp8", "rotated(bits=4)", "gear", "snapkv(window=8)"])
+DEVICE_SPECS = [
+    "kivi(bits=4)",
+    "kivi(bits=2)",
+    "int8",
+    "fp8",
+    "rotated(bits=4)",
+    "rotated(bits=2)",
+    "rotated(bits=3)",
+    "gear",
+    "mixed(high_bits=4, low_bits=2, salient=0.5)",
+    "snapkv(window=8)",
+    "kivi(bits=4)+lru(device_mb=0.002)",
+    "quest(top_k=1000, dense_layers=0, placement='lru(device_mb=0.002)')",
+    "shadowkv(pages=100, window=1, outliers=1, dense_layers=0, device_mb=0.002)",
+]
+"""Codecs, an eviction strategy, a tiered codec and two page retrievals choosing every page (the
+tiny ``device_mb`` puts pages on the host)."""
+
+
+@pytest.mark.parametrize("spec", DEVICE_SPECS)
 def test_coded_and_evicting_caches_on_cuda_match_the_cpu(spec):
     """The same prompt and continuation through a cache with ``spec`` on each device: the
     next-token distributions agree (codes may round differently at a boundary, so not bit for
-    bit) and the cache holds the same bytes."""
+    bit) and the cache holds the same bytes on each tier."""
     generator = torch.Generator().manual_seed(40)
     prompt = torch.randint(3, 500, (1, 70), generator=generator)
     continuation = torch.randint(3, 500, (12,), generator=generator)
@@ -65,7 +84,9 @@ def test_coded_and_evicting_caches_on_cuda_match_the_cpu(spec):
     for device in ("cpu", "cuda"):
         model = build_model("stories").to(device)
         cache = kvlib.make_cache(model, spec, budget=40) if spec.startswith("snapkv") else kvlib.make_cache(model, spec)
-        results[device] = (teacher_forced_logprobs(model, cache, prompt, continuation), cache.memory_report()["total_bytes"])
+        logprobs = teacher_forced_logprobs(model, cache, prompt, continuation)
+        report = cache.memory_report()
+        results[device] = (logprobs, (report["total_bytes"], report["by_tier"]))
     (cpu, cpu_bytes), (cuda, cuda_bytes) = results["cpu"], results["cuda"]
     assert (cpu - cuda).abs().max() < 0.05
     assert cpu_bytes == cuda_bytes
