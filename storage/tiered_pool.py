@@ -55,6 +55,10 @@ class TieredPagePool(PagePool):
     shrinks = False
     """Per-page state beyond the arenas (encoded fields, raw rows / tier rows) is not relocated."""
 
+    writes_cpu_slots = True
+    """:meth:`write` looks each page's tier up in CPU bookkeeping (``device_row``, ``on_disk``);
+    slots on CUDA failed there (found on an H200: quest and shadowkv over ``lru`` on CUDA)."""
+
     def __init__(
         self,
         *,

@@ -10,9 +10,11 @@ from kvlib import PagedStore, StoreConfig
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-def run_script(device: str, dtype: torch.dtype) -> list[torch.Tensor]:
+def run_script(device: str, dtype: torch.dtype, **tiers) -> list[torch.Tensor]:
+    """Appends, reads, a compaction, a fork and decode steps on a store on ``device`` (with
+    ``tiers``: StoreConfig's tier options); every read, on the CPU."""
     generator = torch.Generator().manual_seed(0)
-    store = PagedStore(StoreConfig(2, 2, 8, page_size=4, dtype=dtype, device=device, pages_per_layer=2))
+    store = PagedStore(StoreConfig(2, 2, 8, page_size=4, dtype=dtype, device=device, pages_per_layer=2, **tiers))
     a, b = store.new_sequence(), store.new_sequence()
     outputs = []
     for layer in range(2):
@@ -33,4 +35,11 @@ def run_script(device: str, dtype: torch.dtype) -> list[torch.Tensor]:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_store_matches_cpu_store(dtype: torch.dtype) -> None:
     for on_cpu, on_cuda in zip(run_script("cpu", dtype), run_script("cuda", dtype)):
+        assert torch.equal(on_cpu, on_cuda)
+
+
+@pytest.mark.parametrize("tiers", [dict(device_pages=3), dict(device_pages=3, key_summaries=True)], ids=["lru", "summaries"])
+def test_cuda_tiered_store_matches_cpu_tiered_store(tiers: dict) -> None:
+    """Pages that move between the device and the host on CUDA read as on the CPU."""
+    for on_cpu, on_cuda in zip(run_script("cpu", torch.float32, **tiers), run_script("cuda", torch.float32, **tiers)):
         assert torch.equal(on_cpu, on_cuda)
