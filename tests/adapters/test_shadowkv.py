@@ -129,9 +129,19 @@ def test_smollm2_short_prompt_equals_the_untiered_cache() -> None:
     assert sum(pool.pages_on_host for pool in cache.store.pools) > 0
 
 
-def test_what_shadowkv_does_not_combine_with_is_refused() -> None:
+def test_eviction_with_shadowkv_is_refused() -> None:
     model = build_model("llama")
     with pytest.raises(ValueError, match="does not combine with eviction"):
         kvlib.make_cache(model, "snapkv+shadowkv", budget=32)
-    with pytest.raises(ValueError, match="do not combine yet"):
-        kvlib.make_cache(model, "kivi+shadowkv")
+
+
+def test_shadowkv_over_coded_pages_covering_every_page_equals_the_untiered_codec() -> None:
+    """A codec's sealed pages go to the host encoded (as with quest); choosing every page, the
+    output is the untiered coded cache's."""
+    model = build_model("llama")
+    ids, mask = left_padded([90, 70], seed=5)
+    reference = generate(model, ids, mask, kvlib.make_cache(model, "kivi(bits=4)"), steps=16)
+    cache = kvlib.make_cache(model, "kivi(bits=4)+shadowkv(pages=100, window=1, outliers=1, dense_layers=0, device_mb=0.004)")
+    out = generate(model, ids, mask, cache, steps=16)
+    assert torch.equal(out.sequences, reference.sequences)
+    assert sum(pool.pages_on_host for pool in cache.store.pools) > 0
