@@ -36,7 +36,7 @@ from kvlib.storage.field_rows import FieldRows
 from kvlib.storage.page_pool import extend_rows
 from kvlib.storage.page_prefetch import PagePrefetcher
 from kvlib.storage.spill_store import LayerSpill
-from kvlib.storage.tiered_pool import TieredPagePool
+from kvlib.storage.tiered_pool import TieredPagePool, check_tier_budgets
 
 SpillLayer = Callable[[FieldRows], LayerSpill]
 """Makes the layer spill of a pool's sealed pages, given how their fields pack into rows."""
@@ -66,10 +66,7 @@ class TieredCodedPagePool(CodedPagePool):
         disk_pages: int = 0,
         placement: Placement | None = None,
     ) -> None:
-        if not isinstance(device_pages, int) or device_pages < 1:
-            raise ValueError(f"device_pages must be an int >= 1, got {device_pages!r}")
-        if spill_layer is not None and (host_pages is None or not isinstance(disk_pages, int) or disk_pages < 1):
-            raise ValueError(f"a disk tier needs a host budget (host_pages, got {host_pages!r}) and disk_pages >= 1 (got {disk_pages!r})")
+        check_tier_budgets(device_pages, host_pages, spill_layer is not None, disk_pages)
         self.device_pages = device_pages
         self.host_pages = host_pages
         self.disk_pages = disk_pages if spill_layer is not None else 0

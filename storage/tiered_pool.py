@@ -47,6 +47,15 @@ from kvlib.storage.spill_store import LayerSpill
 from kvlib.storage.staging_arena import StagingArena
 
 
+def check_tier_budgets(device_pages: int, host_pages: int | None, disk: bool, disk_pages: int) -> None:
+    """``ValueError`` unless ``device_pages >= 1`` and, with a ``disk`` tier, a host budget and
+    ``disk_pages >= 1`` (a tiered pool's page budgets, raw or coded)."""
+    if not isinstance(device_pages, int) or device_pages < 1:
+        raise ValueError(f"device_pages must be an int >= 1, got {device_pages!r}")
+    if disk and (host_pages is None or not isinstance(disk_pages, int) or disk_pages < 1):
+        raise ValueError(f"a disk tier needs a host budget (host_pages, got {host_pages!r}) and disk_pages >= 1 (got {disk_pages!r})")
+
+
 class TieredPagePool(PagePool):
     """A :class:`PagePool` keeping at most ``device_pages`` pages on its device, the rest on the
     host (at most ``host_pages``, None: unbounded) and, with a ``spill``, at most ``disk_pages``
@@ -76,10 +85,7 @@ class TieredPagePool(PagePool):
         disk_pages: int = 0,
         placement: Placement | None = None,
     ) -> None:
-        if not isinstance(device_pages, int) or device_pages < 1:
-            raise ValueError(f"device_pages must be an int >= 1, got {device_pages!r}")
-        if spill is not None and (host_pages is None or not isinstance(disk_pages, int) or disk_pages < 1):
-            raise ValueError(f"a disk tier needs a host budget (host_pages, got {host_pages!r}) and disk_pages >= 1 (got {disk_pages!r})")
+        check_tier_budgets(device_pages, host_pages, spill is not None, disk_pages)
         self.device_pages = device_pages
         self.host_pages = host_pages
         """At most this many pages on the host (None: unbounded)."""
