@@ -1,0 +1,186 @@
+"""Every eviction strategy on the RULER-style suite, at several budgets, on SmolLM2: one table.
+
+The same configurations as ``kvlib compare`` (:mod:`kvlib.eval.compare`: a budget is a fraction of
+the tokens each task sequence sees, held as an int token cap per layer and KV head at every
+forward call; the full cache is the reference; decode speed is greedy steps on one
+``--context``-token prompt of evaluation text after its prefill), but resumable: each finished
+configuration is appended to ``ruler_suite.json`` at once, and a rerun with the same options skips
+the configurations already there. A 4k-token prefill of SmolLM2 takes tens of seconds on two cores,
+so the whole table (every strategy x 3 budgets x tasks) takes hours; it can be run in parts
+(``--policies``) and on several days. Runs recorded under other options (context, tasks, samples,
+seed, model) are not mixed in: the file records its options and a different set is refused.
+
+Usage (defaults: every registered eviction strategy with its default parameters, budgets
+0.1,0.25,0.5, tasks niah_single,niah_multikey,niah_multivalue,vt at 4096 tokens, 1 sample each):
+
+    python benchmarks/ruler_suite.py [--model smollm2] [--policies all|spec,spec] [--budgets 0.1,0.25,0.5]
+        [--tasks niah_single,niah_multikey,niah_multivalue,vt] [--context 4096] [--samples 1] [--seed 0]
+        [--speed-steps 16] [--threads N] [--out benchmarks/results]
+    python benchmarks/ruler_suite.py --report-only   # re-render ruler_suite.md from the JSON
+
+Writes ``ruler_suite.md`` (one row per strategy and budget: each task's score, their mean, KV bytes
+vs full, decode tokens/s) and ``ruler_suite.json`` to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or loaded by path
+from provenance import command_line, git_revision  # noqa: E402
+
+import kvlib  # noqa: E402
+from kvlib.devices import set_cpu_threads  # noqa: E402
+from kvlib.eval import load_model  # noqa: E402
+from kvlib.eval.compare import FULL, CompareRun, cache_factory, check_inputs, decode_speed, evicts  # noqa: E402
+from kvlib.eval.report import to_json  # noqa: E402
+from kvlib.eval.task import TaskResult, kv_bytes  # noqa: E402
+from kvlib.eval.task_table import parse_tasks  # noqa: E402
+from kvlib.eval.texts import text_ids, windows  # noqa: E402
+
+NAME = "ruler_suite"
+OPTIONS = ("model", "tasks", "context", "samples", "seed", "speed_steps")
+"""The options a recorded run must share with this one to count as done (budgets and policies
+only choose which configurations run)."""
+
+
+def all_evictions() -> list[str]:
+    """Every registered eviction strategy, by name (its default parameters)."""
+    return sorted(kvlib.available_policies()["eviction"])
+
+
+def load_runs(path: Path, options: dict) -> list[CompareRun]:
+    """The runs recorded in ``path`` (none if it does not exist); ``ValueError`` if they were run
+    with other options."""
+    if not path.exists():
+        return []
+    recorded = json.loads(path.read_text())
+    mismatched = {k: (recorded["options"].get(k), options[k]) for k in OPTIONS if recorded["options"].get(k) != options[k]}
+    if mismatched:
+        raise ValueError(f"{path} holds runs made with other options {mismatched} (recorded, now): use another --out")
+    runs = []
+    for entry in recorded["runs"]:
+        run = CompareRun(entry["policy"], entry["budget"], decode_tokens_per_s=entry["decode_tokens_per_s"], error=entry["error"])
+        run.kv_bytes, run.full_bytes = entry["kv_bytes"], entry["full_bytes"]
+        for name, r in entry["tasks"].items():
+            run.results[name] = TaskResult(
+                name, r["metric"], r["score"], r["higher_is_better"], r["kv_bytes"], r["full_bytes"], r["metrics"], r["samples"]
+            )
+        runs.append(run)
+    return runs
+
+
+def run_configuration(loaded, tasks, policy: str, budget: float | None, speed_prompt: torch.Tensor, speed_steps: int) -> CompareRun:
+    """One (policy, budget): every task, then decode speed and KV bytes; an error is recorded."""
+    run = CompareRun(policy, budget)
+    make = cache_factory(loaded.model, policy, budget)
+    try:
+        for task in tasks:
+            run.results[task.name] = task.run(loaded.model, loaded.tokenizer, make)
+        run.decode_tokens_per_s, cache = decode_speed(loaded.model, make, speed_prompt, speed_steps)
+        run.kv_bytes, run.full_bytes = kv_bytes(cache)
+    except Exception as exc:  # noqa: BLE001 - a failing strategy is reported, the rest still run
+        run.error = f"{type(exc).__name__}: {exc}".splitlines()[0]
+    return run
+
+
+def markdown(runs: Sequence[CompareRun], meta: dict) -> str:
+    """The table: one row per configuration, tasks' scores, their mean, bytes and speed."""
+    tasks = meta["options"]["tasks"].split(",")
+    header = ["policy", "budget", *tasks, "mean", "KV bytes vs full", "decode tok/s", "s"]
+    lines = [
+        f"# Eviction strategies on the RULER-style suite ({meta['options']['model']}, {meta['options']['context']} tokens)",
+        "",
+        f"`{meta['command']}` (library {meta['git']}); {meta['options']['samples']} sample(s) per task, scored with RULER's"
+        " string_match_all; budget = fraction of each sequence's tokens, an int cap per layer and KV head held at every call;"
+        " KV bytes and decode speed from the speed run (greedy steps after a prefill of the same length).",
+        " Decode tok/s ran on 2 shared cores, often with other jobs: compare them within a table, with care.",
+        "",
+        "| " + " | ".join(header) + " |",
+        "|" + "---|" * len(header),
+    ]
+    for run in runs:
+        scores = [run.results[t].score if t in run.results else None for t in tasks]
+        done = [s for s in scores if s is not None]
+        cells = [run.policy, "-" if run.budget is None else f"{run.budget:g}"]
+        cells += ["-" if s is None else f"{s:.2f}" for s in scores]
+        cells += [f"{sum(done) / len(done):.2f}" if done else "-"]
+        cells += [
+            f"{run.kv_fraction:.3f}" if run.kv_fraction else "-",
+            f"{run.decode_tokens_per_s:.2f}" if run.decode_tokens_per_s else "-",
+        ]
+        cells += [str(meta["seconds"].get(run.label, "-"))]
+        lines.append("| " + " | ".join(cells) + " |")
+    errors = [f"- {run.label}: {run.error}" for run in runs if run.error]
+    return "\n".join(lines + ([""] + errors if errors else [])) + "\n"
+
+
+def write(out: Path, runs: Sequence[CompareRun], meta: dict) -> None:
+    """Both files, each replaced whole; rows sorted: the full cache, then by policy and budget."""
+    runs = sorted(runs, key=lambda run: (run.policy != FULL, run.policy, run.budget or 0.0))
+    out.mkdir(parents=True, exist_ok=True)
+    for name, text in ((f"{NAME}.json", json.dumps(to_json(runs, meta), indent=1) + "\n"), (f"{NAME}.md", markdown(runs, meta))):
+        partial = out / (name + ".part")
+        partial.write_text(text)
+        partial.replace(out / name)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--policies", default="all", help="'all' (every eviction strategy) or comma-separated specs")
+    parser.add_argument("--budgets", default="0.1,0.25,0.5")
+    parser.add_argument("--tasks", default="niah_single,niah_multikey,niah_multivalue,vt")
+    parser.add_argument("--context", type=int, default=4096)
+    parser.add_argument("--samples", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--speed-steps", type=int, default=16)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--report-only", action="store_true", help="re-render the .md from the JSON")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    args = parser.parse_args(argv)
+    options = {k: getattr(args, k) for k in OPTIONS}
+    path = args.out / f"{NAME}.json"
+    runs = load_runs(path, options)
+    meta = json.loads(path.read_text()) if path.exists() else {}
+    meta = {"options": options, "command": command_line("ruler_suite.py", argv), "git": git_revision(), "seconds": meta.get("seconds", {})}
+    if args.report_only:
+        write(args.out, runs, meta)
+        return 0
+    set_cpu_threads(args.threads)
+    policies = all_evictions() if args.policies == "all" else [p for p in args.policies.split(",") if p]
+    budgets = [float(b) for b in args.budgets.split(",")]
+    loaded = load_model(args.model)
+    tasks = parse_tasks(args.tasks, context=args.context, samples=args.samples, seed=args.seed)
+    check_inputs(loaded, policies, budgets, tasks)
+    bos = loaded.tokenizer.encode("", bos=True)
+    steps = args.speed_steps
+    speed_prompt = torch.tensor([bos + windows(text_ids(loaded.tokenizer), args.context - steps - 2 - len(bos), 1, seed=2)[0]])
+    done = {(run.policy, run.budget) for run in runs if not run.error}
+    wanted = [(FULL, None)] + [(p, b) for p in policies for b in (budgets if evicts(p) else [None])]
+    runs = [run for run in runs if (run.policy, run.budget) in done]
+    for policy, budget in wanted:
+        if (policy, budget) in done:
+            continue
+        started = time.perf_counter()
+        run = run_configuration(loaded, tasks, policy, budget, speed_prompt, steps)
+        meta["seconds"][run.label] = round(time.perf_counter() - started)
+        runs.append(run)
+        write(args.out, runs, meta)
+        print(
+            f"{run.label}: {[round(r.score, 2) for r in run.results.values()]} {run.error or ''} (load {os.getloadavg()[0]:.1f})",
+            flush=True,
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

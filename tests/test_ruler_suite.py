@@ -1,0 +1,51 @@
+"""benchmarks/ruler_suite.py: what it records is read back whole, a rerun skips what is done, and
+runs made with other options are never mixed in (no model is run: the runs are made by hand)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from kvlib.eval.compare import CompareRun
+from kvlib.eval.task import TaskResult
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+spec = importlib.util.spec_from_file_location("ruler_suite", BENCHMARKS / "ruler_suite.py")
+ruler_suite = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(ruler_suite)
+
+OPTIONS = {"model": "smollm2", "tasks": "niah_single,vt", "context": 4096, "samples": 1, "seed": 0, "speed_steps": 16}
+
+
+def made_run(policy: str, budget: float | None, score: float, error: str | None = None) -> CompareRun:
+    run = CompareRun(policy, budget, decode_tokens_per_s=12.5, error=error)
+    run.kv_bytes, run.full_bytes = 250, 1000
+    if error is None:
+        run.results["niah_single"] = TaskResult("niah_single", "string_match_all", score, True, 25, 100, {"per_sample": [score]}, 1)
+        run.results["vt"] = TaskResult("vt", "string_match_all", 0.5, True, 25, 100, {}, 1)
+    return run
+
+
+def test_recorded_runs_read_back_whole_and_render(tmp_path: Path) -> None:
+    runs = [made_run("snapkv", 0.25, 1.0), made_run("full", None, 1.0), made_run("h2o", 0.1, 0.0, error="ValueError: bad")]
+    meta = {"options": OPTIONS, "command": "python benchmarks/ruler_suite.py", "git": "abc", "seconds": {"snapkv @ 0.25": 40}}
+    ruler_suite.write(tmp_path, runs, meta)
+    back = ruler_suite.load_runs(tmp_path / "ruler_suite.json", OPTIONS)
+    assert [(r.policy, r.budget) for r in back] == [("full", None), ("h2o", 0.1), ("snapkv", 0.25)]  # full first, then sorted
+    snap = back[2]
+    assert snap.results["niah_single"] == runs[0].results["niah_single"] and snap.kv_fraction == 0.25
+    assert back[1].error == "ValueError: bad" and not back[1].results
+    table = (tmp_path / "ruler_suite.md").read_text()
+    assert "| snapkv | 0.25 | 1.00 | 0.50 | 0.75 | 0.250 | 12.50 | 40 |" in table
+    assert "- h2o @ 0.1: ValueError: bad" in table
+
+
+def test_runs_made_with_other_options_are_refused(tmp_path: Path) -> None:
+    meta = {"options": OPTIONS, "command": "", "git": "", "seconds": {}}
+    ruler_suite.write(tmp_path, [made_run("full", None, 1.0)], meta)
+    with pytest.raises(ValueError, match="other options.*context"):
+        ruler_suite.load_runs(tmp_path / "ruler_suite.json", {**OPTIONS, "context": 2048})
+    assert json.loads((tmp_path / "ruler_suite.json").read_text())["runs"][0]["policy"] == "full"  # nothing lost
