@@ -14,6 +14,7 @@ option) is one line on stderr and exit code 2.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import subprocess
 import sys
@@ -29,6 +30,9 @@ from kvlib.devices import cpu_threads, set_cpu_threads
 from kvlib.errors import SpecError, quoted
 from kvlib.registry import available_policies, get_policy
 from kvlib.spec_text import parameters_help
+
+if typing.TYPE_CHECKING:
+    from kvlib.eval.task import Task
 
 SUMMARY_CHARS = 160
 """Longest one-line summary ``kvlib list`` prints (cut at a word, with "...")."""
@@ -124,12 +128,8 @@ def check_out_folder(text: str) -> Path:
 
 
 def run_compare(args: argparse.Namespace) -> int:
-    import transformers
-
-    from kvlib.eval import CompareRun, compare, load_model, parse_tasks
+    from kvlib.eval import parse_tasks
     from kvlib.eval.compare import check_policies_and_budgets
-    from kvlib.eval.plots import write_plots
-    from kvlib.eval.report import markdown_table, write_results
 
     policies, budgets = _policies(args.policies), _fractions(args.budgets)
     check_policies_and_budgets(policies, budgets)  # before the model loads
@@ -140,6 +140,25 @@ def run_compare(args: argparse.Namespace) -> int:
         raise UsageError(f"--samples must be >= 1, got {args.samples}")
     tasks_context = args.context or DEFAULT_CONTEXT
     tasks = parse_tasks(args.tasks, context=tasks_context, samples=args.samples, seed=args.seed)
+    if args.ray is None:
+        return load_and_compare(args, policies, budgets, tasks, tasks_context, out)
+    from kvlib.eval.ray_compare import connect
+
+    with connect(args.ray):  # a bad address or a missing ray fails here, before the model loads
+        return load_and_compare(args, policies, budgets, tasks, tasks_context, out)
+
+
+def load_and_compare(
+    args: argparse.Namespace, policies: list[str], budgets: list[float], tasks: list[Task], tasks_context: int, out: Path
+) -> int:
+    """Load the model and run the comparison (on Ray with ``--ray``, connected by the caller),
+    writing the files as configurations finish."""
+    import transformers
+
+    from kvlib.eval import CompareRun, compare, load_model, parse_tasks
+    from kvlib.eval.plots import write_plots
+    from kvlib.eval.report import markdown_table, write_results
+
     transformers.utils.logging.disable_progress_bar()  # this process's own bar is the comparison's
     loaded = load_model(args.model)
     parameters = sum(p.numel() for p in loaded.model.parameters())
@@ -147,6 +166,13 @@ def run_compare(args: argparse.Namespace) -> int:
     if args.context is None and loaded.context < tasks_context:
         tasks_context = loaded.context
         tasks = parse_tasks(args.tasks, context=tasks_context, samples=args.samples, seed=args.seed)
+    if args.ray is not None:  # each Ray task takes --threads CPUs (default 1) and as many torch threads
+        from kvlib.eval.ray_compare import compare_on_ray
+
+        threads = args.threads or 1
+        runner = functools.partial(compare_on_ray, threads=threads)
+    else:
+        threads, runner = torch.get_num_threads(), compare
     started = time.perf_counter()
     meta = {
         "model": loaded.name,
@@ -156,7 +182,8 @@ def run_compare(args: argparse.Namespace) -> int:
         "context": tasks_context,
         "kvlib": kvlib.__version__,
         "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
+        "threads": threads,
+        "ray": args.ray is not None,
     }
 
     def save(finished: list[CompareRun], complete: bool = False) -> dict[str, Path]:
@@ -165,7 +192,7 @@ def run_compare(args: argparse.Namespace) -> int:
         return write_results(finished, out, meta)
 
     try:
-        runs = compare(loaded, policies, budgets, tasks, context=tasks_context, progress=not args.quiet, on_run=save)
+        runs = runner(loaded, policies, budgets, tasks, context=tasks_context, progress=not args.quiet, on_run=save)
     except KeyboardInterrupt:
         print(f"\nkvlib compare: interrupted; the configurations that finished are in {out}", file=sys.stderr)
         return INTERRUPTED
@@ -248,6 +275,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="torch CPU threads (default: one per core; 1 for a model under 30M parameters while the machine is busy, 1-minute load >= 1)",
     )
     comp.add_argument("--quiet", action="store_true", help="no progress bar")
+    comp.add_argument(
+        "--ray",
+        nargs="?",
+        const="",
+        metavar="ADDRESS",
+        help="run the configurations x tasks as Ray tasks (pip install 'kvlib[ray]'): on a local cluster, or the one at ADDRESS"
+        " (HOST:PORT, ray://HOST:PORT or auto); each worker loads --model itself, so it must load on every node",
+    )
     bench = commands.add_parser("bench", help="run the benchmark scripts (source checkout) into benchmarks/results/")
     bench.add_argument("--only", help="comma-separated script names (default: all)")
     bench.add_argument("--quick", action="store_true", help="each script's small sizes")

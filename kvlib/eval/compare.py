@@ -9,6 +9,11 @@ runs once, with no budget; with one (``"snapkv+kivi(bits=4)"``) it runs at every
 Decode speed is measured per configuration on one ``context``-token prompt of the evaluation text:
 ``speed_steps`` greedy single-token steps after a prefill and two warm-up steps.
 
+The work comes in units (:class:`Unit`): one configuration on one task, or its decode-speed run,
+each run by :func:`run_unit` and independent of the others; :func:`compare` runs them in order
+here, :mod:`kvlib.eval.ray_compare` as Ray tasks, and both record a configuration's outcomes the
+same way (:meth:`Outcome.record`), so both give the same results.
+
 Everything that can be checked is checked before the first run: specs parse, every policy builds a
 cache for the model, every task fits the model's context, budgets are in (0, 1]. A strategy that
 raises while running is recorded with its error and the comparison goes on. Each configuration
@@ -116,6 +121,80 @@ def decode_speed(model: torch.nn.Module, make_cache: CacheFactory, prompt: torch
     return steps * prompt.shape[0] / elapsed, cache
 
 
+def speed_prompt(loaded: LoadedModel, context: int, speed_steps: int) -> torch.Tensor:
+    """The decode-speed run's prompt ``[1, context - speed_steps - 2]`` (BOS, then a window of the
+    evaluation text), on the model's device; the same for every configuration and every process."""
+    bos = loaded.tokenizer.encode("", bos=True)
+    window = windows(text_ids(loaded.tokenizer), context - speed_steps - 2 - len(bos), 1, seed=2)[0]
+    return torch.tensor([bos + window], device=next(loaded.model.parameters()).device)
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One piece of a comparison's work: configuration ``(policy, budget)`` on ``task``, or, with
+    ``task`` None, its decode-speed run. Both the serial loop and the Ray tasks run units through
+    :func:`run_unit`; a unit needs nothing from another, so they can run in any order or process."""
+
+    policy: str
+    budget: float | None
+    task: Task | None
+
+    @property
+    def label(self) -> str:
+        name = "decode speed" if self.task is None else self.task.name
+        return f"{CompareRun(self.policy, self.budget).label}: {name}"
+
+
+def units(policy: str, budget: float | None, tasks: Sequence[Task]) -> list[Unit]:
+    """A configuration's units in the order they run serially: each task, then the speed run."""
+    return [Unit(policy, budget, task) for task in tasks] + [Unit(policy, budget, None)]
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What a unit gave: a task's ``result``, or the speed run's tokens/s and KV bytes, or the
+    one-line ``error`` of a strategy that raised."""
+
+    result: TaskResult | None = None
+    decode_tokens_per_s: float | None = None
+    kv_bytes: int = 0
+    full_bytes: int = 0
+    error: str | None = None
+
+    def record(self, run: CompareRun) -> bool:
+        """Add this outcome to ``run``; False when it is an error (the configuration stops there:
+        the units after it are not recorded, as the serial loop does not run them)."""
+        if self.error is not None:
+            run.error = self.error
+            return False
+        if self.result is not None:
+            run.results[self.result.task] = self.result
+        else:
+            run.decode_tokens_per_s, run.kv_bytes, run.full_bytes = self.decode_tokens_per_s, self.kv_bytes, self.full_bytes
+        return True
+
+
+def run_unit(loaded: LoadedModel, unit: Unit, prompt: torch.Tensor, speed_steps: int) -> Outcome:
+    """Run one unit on ``loaded``; ``prompt`` is :func:`speed_prompt`'s. A strategy that raises
+    gives an :class:`Outcome` with its error (one line), not an exception."""
+    make = cache_factory(loaded.model, unit.policy, unit.budget)
+    try:
+        if unit.task is not None:
+            return Outcome(result=unit.task.run(loaded.model, loaded.tokenizer, make))
+        tokens_per_s, cache = decode_speed(loaded.model, make, prompt, speed_steps)
+        held, full = kv_bytes(cache)
+        return Outcome(decode_tokens_per_s=tokens_per_s, kv_bytes=held, full_bytes=full)
+    except Exception as exc:  # noqa: BLE001 - a failing strategy is reported, the rest still run
+        return Outcome(error=f"{type(exc).__name__}: {exc}".splitlines()[0])
+
+
+def progress_bar(configs: Sequence[tuple[str, float | None]], tasks: Sequence[Task], progress: bool):
+    """The comparison's tqdm bar: one step per unit."""
+    from tqdm.auto import tqdm
+
+    return tqdm(total=len(configs) * (len(tasks) + 1), desc="kvlib compare", unit="run", disable=not progress)
+
+
 def compare(
     loaded: LoadedModel,
     policies: Sequence[str],
@@ -127,36 +206,24 @@ def compare(
     progress: bool = True,
     on_run: Callable[[list[CompareRun]], None] | None = None,
 ) -> list[CompareRun]:
-    """Run the full cache and every (policy, budget) on every task; see the module docstring.
+    """Run the full cache and every (policy, budget) on every task, in this process; see the module
+    docstring (:func:`kvlib.eval.ray_compare.compare_on_ray` runs the same units on a Ray cluster).
     ``on_run`` is called with the finished runs, in order, each time one more finishes."""
-    from tqdm.auto import tqdm
-
     check_inputs(loaded, policies, budgets, tasks)
-    model, tokenizer = loaded.model, loaded.tokenizer
-    bos = tokenizer.encode("", bos=True)
-    speed_prompt = torch.tensor(
-        [bos + windows(text_ids(tokenizer), context - speed_steps - 2 - len(bos), 1, seed=2)[0]],
-        device=next(model.parameters()).device,
-    )
+    prompt = speed_prompt(loaded, context, speed_steps)
     configs = configurations(policies, budgets)
     runs = []
-    with tqdm(total=len(configs) * (len(tasks) + 1), desc="kvlib compare", unit="run", disable=not progress) as bar:
+    with progress_bar(configs, tasks, progress) as bar:
         for policy, budget in configs:
             run = CompareRun(policy, budget)
             runs.append(run)
-            make = cache_factory(model, policy, budget)
-            try:
-                for task in tasks:
-                    bar.set_postfix_str(f"{run.label}: {task.name}")
-                    run.results[task.name] = task.run(model, tokenizer, make)
-                    bar.update()
-                bar.set_postfix_str(f"{run.label}: decode speed")
-                run.decode_tokens_per_s, cache = decode_speed(model, make, speed_prompt, speed_steps)
-                run.kv_bytes, run.full_bytes = kv_bytes(cache)
-                bar.update()
-            except Exception as exc:  # noqa: BLE001 - a failing strategy is reported, the rest still run
-                run.error = f"{type(exc).__name__}: {exc}".splitlines()[0]
-                bar.update(len(tasks) + 1 - len(run.results) - (run.decode_tokens_per_s is not None))
+            todo = units(policy, budget, tasks)
+            for done, unit in enumerate(todo, 1):
+                bar.set_postfix_str(unit.label)
+                recorded = run_unit(loaded, unit, prompt, speed_steps).record(run)
+                bar.update(1 if recorded else len(todo) - done + 1)
+                if not recorded:
+                    break
             if on_run is not None:
                 on_run(runs)
     return runs
