@@ -40,11 +40,10 @@ from provenance import command_line, git_revision  # noqa: E402
 import kvlib  # noqa: E402
 from kvlib.devices import set_cpu_threads  # noqa: E402
 from kvlib.eval import load_model  # noqa: E402
-from kvlib.eval.compare import FULL, CompareRun, cache_factory, check_inputs, decode_speed, evicts  # noqa: E402
+from kvlib.eval.compare import FULL, CompareRun, check_inputs, evicts, run_unit, speed_prompt, units  # noqa: E402
 from kvlib.eval.report import to_json  # noqa: E402
-from kvlib.eval.task import TaskResult, kv_bytes  # noqa: E402
+from kvlib.eval.task import TaskResult  # noqa: E402
 from kvlib.eval.task_table import parse_tasks  # noqa: E402
-from kvlib.eval.texts import text_ids, windows  # noqa: E402
 
 NAME = "ruler_suite"
 OPTIONS = ("model", "tasks", "context", "samples", "seed", "speed_steps")
@@ -78,17 +77,13 @@ def load_runs(path: Path, options: dict) -> list[CompareRun]:
     return runs
 
 
-def run_configuration(loaded, tasks, policy: str, budget: float | None, speed_prompt: torch.Tensor, speed_steps: int) -> CompareRun:
-    """One (policy, budget): every task, then decode speed and KV bytes; an error is recorded."""
+def run_configuration(loaded, tasks, policy: str, budget: float | None, prompt: torch.Tensor, speed_steps: int) -> CompareRun:
+    """One (policy, budget): every task, then the speed run (:func:`kvlib.eval.compare.run_unit`,
+    as ``kvlib compare`` runs them); a strategy that raises is recorded with its error."""
     run = CompareRun(policy, budget)
-    make = cache_factory(loaded.model, policy, budget)
-    try:
-        for task in tasks:
-            run.results[task.name] = task.run(loaded.model, loaded.tokenizer, make)
-        run.decode_tokens_per_s, cache = decode_speed(loaded.model, make, speed_prompt, speed_steps)
-        run.kv_bytes, run.full_bytes = kv_bytes(cache)
-    except Exception as exc:  # noqa: BLE001 - a failing strategy is reported, the rest still run
-        run.error = f"{type(exc).__name__}: {exc}".splitlines()[0]
+    for unit in units(policy, budget, tasks):
+        if not run_unit(loaded, unit, prompt, speed_steps).record(run):
+            break
     return run
 
 
@@ -161,9 +156,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     loaded = load_model(args.model)
     tasks = parse_tasks(args.tasks, context=args.context, samples=args.samples, seed=args.seed)
     check_inputs(loaded, policies, budgets, tasks)
-    bos = loaded.tokenizer.encode("", bos=True)
-    steps = args.speed_steps
-    speed_prompt = torch.tensor([bos + windows(text_ids(loaded.tokenizer), args.context - steps - 2 - len(bos), 1, seed=2)[0]])
+    prompt = speed_prompt(loaded, args.context, args.speed_steps)
     done = {(run.policy, run.budget) for run in runs if not run.error}
     wanted = [(FULL, None)] + [(p, b) for p in policies for b in (budgets if evicts(p) else [None])]
     runs = [run for run in runs if (run.policy, run.budget) in done]
@@ -171,7 +164,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if (policy, budget) in done:
             continue
         started = time.perf_counter()
-        run = run_configuration(loaded, tasks, policy, budget, speed_prompt, steps)
+        run = run_configuration(loaded, tasks, policy, budget, prompt, args.speed_steps)
         meta["seconds"][run.label] = round(time.perf_counter() - started)
         runs.append(run)
         write(args.out, runs, meta)
