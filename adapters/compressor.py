@@ -27,6 +27,7 @@ import torch
 from kvlib.adapters.attention_weights import attention_blocks
 from kvlib.adapters.layer_step import LayerStep
 from kvlib.adapters.merge import merged_values
+from kvlib.adapters.query_history import QueryHistory
 from kvlib.adapters.slot_order import along_slots, ordered_view, position_order, to_slots
 from kvlib.policies.budget.uniform import Uniform
 from kvlib.read_cache import LayerRead
@@ -76,9 +77,11 @@ class Compressor:
     """Applies ``strategy`` within ``budget`` (see the module docstring for the budget forms).
 
     State: per layer, the attention each stored token has accumulated (only for strategies that
-    need ``accumulated_attention``), aligned with the layer's stored slots; the cache keeps it in
-    step with its rows and slots (:meth:`select_rows`, :meth:`reset`, :meth:`compacted`: the
-    caller hands on the layout of every compaction it makes).
+    need ``accumulated_attention``), aligned with the layer's stored slots, and the layer's
+    :class:`~kvlib.adapters.query_history.QueryHistory` (only for strategies that need
+    ``recent_queries`` or ``prompt_length``); the cache keeps them in step with its rows and
+    slots (:meth:`select_rows`, :meth:`reset`, :meth:`compacted`: the caller hands on the layout
+    of every compaction it makes).
 
     Selection is by position, not slot: after a compaction that reused slots (slot order no
     longer position order), each head's best tokens are chosen among its slots sorted by
@@ -99,6 +102,7 @@ class Compressor:
     merge: bool = False
     _accumulated: dict[int, torch.Tensor] = field(default_factory=dict, init=False, repr=False)
     _decode_steps: dict[int, int] = field(default_factory=dict, init=False, repr=False)
+    _history: dict[int, QueryHistory] = field(default_factory=dict, init=False, repr=False)
 
     def compaction(
         self, step: LayerStep, inputs: AttentionInputs, real_offsets: torch.Tensor, stored: Callable[[], LayerRead] | None = None
@@ -112,9 +116,10 @@ class Compressor:
         and :attr:`reads_kv`.
         """
         read = step.read
+        self._remember(step, inputs, real_offsets)
         accumulated = None
         if "accumulated_attention" in self.strategy.needs:
-            accumulated = self._accumulated[step.layer_idx] = self._accumulate(step, inputs)
+            accumulated = self._accumulated[step.layer_idx] = self._accumulate(step, inputs, real_offsets)
         if self.budget is None:
             return None
         tokens = self._tokens(step, real_offsets)
@@ -204,6 +209,8 @@ class Compressor:
         """Row ``i`` of the state becomes old row ``index[i]``."""
         for layer, state in self._accumulated.items():
             self._accumulated[layer] = state[index.to(state.device)]
+        for layer, history in self._history.items():
+            self._history[layer] = history.rows(index)
 
     def compacted(self, layer: int, layout: torch.Tensor) -> None:
         """The store compacted ``layer``: new slot ``i`` of each head holds what old slot
@@ -218,6 +225,7 @@ class Compressor:
         """Forget all state (the cache starts a new batch)."""
         self._accumulated.clear()
         self._decode_steps.clear()
+        self._history.clear()
 
     # -- helpers --------------------------------------------------------------------------------
 
@@ -230,12 +238,12 @@ class Compressor:
                 return None
             seen = step.query_offset + step.query_length - real_offsets.to(device)
             return (seen.to(torch.float64) * self.budget).ceil().clamp(min=1).to(torch.int64)
+        tokens = torch.full((batch,), self.budget, dtype=torch.int64, device=device)
         if step.query_length == 1:
             done = self._decode_steps.get(step.layer_idx, 0) + 1
             self._decode_steps[step.layer_idx] = done
-            if done % self.interval:
-                return None
-        return torch.full((batch,), self.budget, dtype=torch.int64, device=device)
+            return None if done % self.interval else tokens
+        return self.strategy.prompt_tokens(tokens)
 
     def _caps_and_over(self, request: BudgetRequest | None, counts: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Per-head caps (None until the scores are known, for score-based allocations) and bool
@@ -262,6 +270,12 @@ class Compressor:
             view.hidden_states = inputs.hidden_states
         if "rope" in needs:
             view.rope = self.rope
+        history = self._history.get(step.layer_idx)
+        if "recent_queries" in needs:
+            view.recent_attention = history.attention(view.keys, view.positions, view.valid, inputs.scaling)
+            view.recent_query_positions = history.positions
+        if "prompt_length" in needs:
+            view.prompt_lengths = history.prompt_lengths
         if "attention" in needs:
             if inputs.weights is not None:
                 view.attention = _returned_weights(inputs, total - observed)
@@ -269,8 +283,19 @@ class Compressor:
                 blocks = attention_blocks(step, inputs.query, inputs.mask, inputs.real_new, inputs.scaling, total - observed)
                 view.attention = torch.cat([weights for _, weights in blocks], dim=2)
 
-    def _accumulate(self, step: LayerStep, inputs: AttentionInputs) -> torch.Tensor:
-        """Add this call's attention to each stored token's running sum; returns ``[batch, kv_heads, slots]``."""
+    def _remember(self, step: LayerStep, inputs: AttentionInputs, real_offsets: torch.Tensor) -> None:
+        """Add this call's queries to the layer's history, for strategies that need it."""
+        needs = self.strategy.needs
+        if "recent_queries" not in needs and "prompt_length" not in needs:
+            return
+        count = (self.strategy.observed_queries() or 0) if "recent_queries" in needs else 0
+        history = self._history.get(step.layer_idx) or QueryHistory.empty(inputs.query)
+        positions = _query_positions(step, inputs.real_new, real_offsets)
+        self._history[step.layer_idx] = history.after_call(inputs.query, positions, count)
+
+    def _accumulate(self, step: LayerStep, inputs: AttentionInputs, real_offsets: torch.Tensor) -> torch.Tensor:
+        """Add this call's attention (as the strategy counts it, :meth:`~kvlib.strategy.Eviction.attention_received`)
+        to each stored token's running sum; returns ``[batch, kv_heads, slots]``."""
         valid = step.read.valid
         batch, heads, slots = valid.shape
         total = torch.zeros(batch, heads, slots, dtype=torch.float32, device=valid.device)
@@ -278,12 +303,21 @@ class Compressor:
         if previous is not None:
             width = min(previous.shape[-1], slots)
             total[..., :width] = previous[..., :width]
+        query_positions = _query_positions(step, inputs.real_new, real_offsets)
+        key_positions = torch.where(valid, step.read.positions - real_offsets.to(valid.device).view(-1, 1, 1), -1)
+        history = self._history.get(step.layer_idx)
+        prompt_lengths = None if history is None else history.prompt_lengths
+
+        def counted(first: int, weights: torch.Tensor) -> torch.Tensor:
+            shown = query_positions[:, first : first + weights.shape[2]].to(weights.device)
+            return self.strategy.attention_received(weights, shown, key_positions.to(weights.device), prompt_lengths, step.layer_idx).sum(2)
+
         if inputs.weights is not None:
-            received = _returned_weights(inputs, 0).sum(2)
+            received = counted(0, _returned_weights(inputs, 0))
         else:
             blocks = attention_blocks(step, inputs.query, inputs.mask, inputs.real_new, inputs.scaling, 0)
-            received = sum(weights.sum(2) for _, weights in blocks)
-        total += received.view(batch, heads, -1, slots).mean(2)
+            received = sum(counted(first, weights) for first, weights in blocks)
+        total += received.to(total.device).view(batch, heads, -1, slots).mean(2)
         return total.masked_fill_(~valid, 0.0)
 
 

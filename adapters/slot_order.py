@@ -46,6 +46,8 @@ def ordered_view(view: LayerView, order: torch.Tensor) -> LayerView:
     changes = {name: along_slots(getattr(view, name), order) for name in per_slot if getattr(view, name) is not None}
     if view.attention is not None:
         changes["attention"] = weights_along_slots(view.attention, order)
+    if view.recent_attention is not None:
+        changes["recent_attention"] = weights_along_slots(view.recent_attention, order)
     return dataclasses.replace(view, **changes)
 
 

@@ -35,7 +35,9 @@ from kvlib.placement import PageStats, lowest_score_first
 from kvlib.registry import declare_kinds
 from kvlib.spec_text import parse_strategy
 
-NEEDS = frozenset({"queries", "window_queries", "attention", "accumulated_attention", "hidden_states", "rope"})
+NEEDS = frozenset(
+    {"queries", "window_queries", "attention", "accumulated_attention", "hidden_states", "rope", "recent_queries", "prompt_length"}
+)
 """What an eviction strategy may ask the engine for in ``needs`` (the :class:`LayerView` fields it fills):
 
 - ``queries``: the current call's queries ``[batch, query_heads, q_len, head_dim]`` (after RoPE)
@@ -47,7 +49,17 @@ NEEDS = frozenset({"queries", "window_queries", "attention", "accumulated_attent
   has received from every query since it was stored (prefill and decoding, this call included),
   summed over queries and averaged over the query heads of its KV group;
 - ``hidden_states``: the attention module's input ``[batch, q_len, hidden]``;
-- ``rope``: the model's rotary embedding as a :class:`Rope` (None for a model without RoPE).
+- ``rope``: the model's rotary embedding as a :class:`Rope` (None for a model without RoPE);
+- ``recent_queries``: the layer's last ``observed_queries()`` real queries *across calls* (a decode
+  step adds one; the engine keeps them between calls, in step with the cache's rows): their
+  positions ``recent_query_positions`` int64 ``[batch, observed]`` (oldest first, -1 where a row
+  has seen fewer) and ``recent_attention`` float32 ``[batch, query_heads, observed, slots]``, each
+  one's softmax attention over the stored slots it can see (position <= its own), recomputed
+  over the keys stored now, 0 elsewhere and in rows of missing queries. The attention is computed
+  from the view's keys, so such a strategy keeps ``reads_kv`` True;
+- ``prompt_length``: ``prompt_lengths`` int64 ``[batch]``, the positions each row's first call and
+  its calls of more than one token (its prompt, or prompt chunks) have written; positions at or
+  past it were written by decode steps.
 """
 
 
@@ -136,6 +148,9 @@ class LayerView:
     accumulated_attention: torch.Tensor | None = None
     hidden_states: torch.Tensor | None = None
     rope: Rope | None = None
+    recent_attention: torch.Tensor | None = None
+    recent_query_positions: torch.Tensor | None = None
+    prompt_lengths: torch.Tensor | None = None
     page_size: int | None = None
     """Tokens per page of the store (slot ``s`` of a head lies in its page ``s // page_size``):
     given to :meth:`Tiering.ranking_scores`, None for eviction strategies."""
@@ -172,6 +187,8 @@ class Eviction(Strategy, abc.ABC):
         unknown = set(cls.needs) - NEEDS
         if unknown:
             raise ValueError(f"strategy {name!r} needs unknown inputs {sorted(unknown)}; valid: {sorted(NEEDS)}")
+        if "recent_queries" in cls.needs and not cls.reads_kv:
+            raise ValueError(f"strategy {name!r} needs recent_queries, whose attention is computed from the keys: reads_kv must be True")
 
     def observed_queries(self) -> int | None:
         """How many of a call's last queries ``window_queries`` and ``attention`` cover (None: all)."""
@@ -180,6 +197,28 @@ class Eviction(Strategy, abc.ABC):
     def default_budget(self) -> Budget | None:
         """The budget allocation this strategy comes with when the spec names none (None: uniform)."""
         return None
+
+    def prompt_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        """int64 ``[batch]``: the cap per (layer, head) on average that a call of more than one token
+        (a prompt or prompt chunk) compacts to, under an int budget of ``tokens`` per head (the
+        default: ``tokens``). A strategy that reserves part of the budget for decoding returns less."""
+        return tokens
+
+    def attention_received(
+        self,
+        weights: torch.Tensor,
+        query_positions: torch.Tensor,
+        key_positions: torch.Tensor,
+        prompt_lengths: torch.Tensor | None,
+        layer_idx: int,
+    ) -> torch.Tensor:
+        """What each query adds to ``accumulated_attention``: float32 ``[batch, query_heads,
+        queries, slots]`` from ``weights`` (the queries' softmax attention over the stored slots,
+        0 where they cannot see), ``query_positions`` int64 ``[batch, queries]`` (-1: padding),
+        ``key_positions`` int64 ``[batch, kv_heads, slots]`` (-1: invalid) and ``prompt_lengths``
+        (``[batch]``, given when the strategy needs ``prompt_length``). By default the weights
+        themselves (H2O's accumulated attention); it must stay 0 where ``weights`` is 0."""
+        return weights
 
 
 @dataclass

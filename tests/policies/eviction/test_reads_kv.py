@@ -35,6 +35,7 @@ def full_view(seed: int) -> LayerView:
         window_queries=torch.randn(BATCH, KV_HEADS * GROUP, OBSERVED, DIM, generator=generator),
         attention=attention / attention.sum(-1, keepdim=True).clamp(min=1e-9),
         accumulated_attention=torch.rand(BATCH, KV_HEADS, SLOTS, generator=generator).masked_fill(~valid, 0.0),
+        prompt_lengths=torch.tensor([SLOTS, SLOTS - 6]),  # row 1: six decode steps in
     )
 
 
@@ -50,6 +51,7 @@ def test_a_key_free_strategy_scores_the_same_without_keys_and_values(name: str, 
 
 
 def test_built_ins_that_read_keys_or_values_say_so() -> None:
-    assert set(KEY_FREE) == {"streaming_llm", "h2o", "snapkv", "pyramidkv", "tova", "random", "chunkkv"}
+    assert set(KEY_FREE) == {"streaming_llm", "h2o", "snapkv", "pyramidkv", "tova", "random", "chunkkv", "keyformer", "scope"}
     assert kvlib.parse_strategy("chunkkv(inner='knorm')").reads_kv  # a wrapper follows its inner strategy
     assert not kvlib.parse_strategy("chunkkv(inner='h2o')").reads_kv
+    assert kvlib.parse_strategy("scope(inner='knorm')").reads_kv
