@@ -54,6 +54,7 @@ from kvlib.spec import Spec, parse_spec
 if TYPE_CHECKING:
     from kvlib.paged_store import PagedStore
     from kvlib.prefix_store import PrefixStore
+    from kvlib.storage.remote_tier import RemoteTier
 
 PREEMPTION_MODES = ("recompute", "swap")
 
@@ -87,6 +88,11 @@ class Engine:
             ``read_cache``); off by default: the decode group attends straight over its pages
             (:mod:`~kvlib.adapters.packed_batch`), and only prefill chunks take a transient dense
             workspace (``memory_report()["peak_workspace_bytes"]``).
+        remote: a :class:`~kvlib.storage.remote_tier.RemoteTier` or a ``redis://host:port/db``
+            URL: full prefix pages also go to that server, and lookups continue there after
+            memory (with ``prefix_cache``); engines of several processes on one server share
+            prefixes. Faults of the server are counted misses (``stats()["remote"]``).
+        remote_key: the secret tagging remote records (None: ``$KVLIB_REMOTE_KEY``, if set).
     """
 
     def __init__(
@@ -105,6 +111,8 @@ class Engine:
         reserve_pages: int = 1,
         fairness_steps: int = 64,
         read_cache: bool = False,
+        remote: RemoteTier | str | None = None,
+        remote_key: str | bytes | None = None,
     ) -> None:
         if preemption not in PREEMPTION_MODES:
             raise ValueError(f"preemption must be one of {PREEMPTION_MODES}, got {quoted(preemption)}")
@@ -112,6 +120,8 @@ class Engine:
         _check_bytes("page_budget_bytes", page_budget_bytes, minimum=1)
         _check_bytes("prefix_cache_bytes", prefix_cache_bytes, minimum=0)
         _check_model(model)
+        if remote is not None and not prefix_cache:
+            raise ValueError("remote needs prefix_cache=True: the remote tier holds the prefix cache's pages")
         self.scheduler = Scheduler(max_batch_tokens, max_running, reserve_pages, fairness_steps)
         self.model = model
         self.shape = kv_shape(model)
@@ -142,6 +152,8 @@ class Engine:
             read_cache=read_cache,
             prefix_cache=prefix_cache,
             preemption=preemption,
+            remote=remote,
+            remote_key=remote_key,
         )
         self.runner = ModelRunner(model, self.kv.store, codec=self.codec, device=self.device)
         self.requests: dict[int, Request] = {}
@@ -213,6 +225,7 @@ class Engine:
         )
         self._next_id += 1
         self.requests[request.request_id] = request
+        self.kv.fetch(request)
         self.scheduler.add(request)
         if self._started is None:
             self._started = request.arrival
@@ -290,7 +303,8 @@ class Engine:
         (prompt tokens taken from the prefix cache / prompt tokens admitted), ``preemptions``,
         ``tokens_per_s`` (output tokens per second since the first request), pages in use and
         free (per layer, the fullest layer; free is None without a page budget), the store's
-        ``memory_bytes`` by component (pages, read mirror, ...), requests by state."""
+        ``memory_bytes`` by component (pages, read mirror, ...), requests by state, and the remote
+        tier's counters (``remote``: hits, misses, writes, faults; None without one)."""
         counters = dict(self._counters)
         elapsed = time.perf_counter() - self._started if self._started is not None else 0.0
         counters["prefix_hit_rate"] = counters["cached_tokens"] / counters["prompt_tokens"] if counters["prompt_tokens"] else 0.0
@@ -301,6 +315,7 @@ class Engine:
         scheduler = self.scheduler
         counters.update(waiting=len(scheduler.waiting), running=len(scheduler.running), swapped=len(scheduler.swapped))
         counters["prefix_cache"] = self.prefix.stats() if self.prefix is not None else None
+        counters["remote"] = self.prefix.remote.stats() if self.prefix is not None and self.prefix.remote is not None else None
         return counters
 
     def _count(self, plan: StepPlan) -> None:

@@ -33,6 +33,7 @@ from kvlib.devices import check_fits
 from kvlib.paged_store import PagedStore
 from kvlib.prefix_index import Entry
 from kvlib.prefix_store import PrefixStore
+from kvlib.storage.remote_tier import RemoteTier
 from kvlib.store_config import StoreConfig
 
 DEFAULT_PREFIX_CACHE_BYTES = 2**30
@@ -105,6 +106,7 @@ class KVManager:
         read_cache: keep a dense mirror of the decoding batch in the store.
         prefix_cache: index full pages for reuse across requests.
         preemption: ``"swap"`` (to host memory) or ``"recompute"``.
+        remote, remote_key: the prefix store's remote tier (:class:`~kvlib.prefix_store.PrefixStore`).
     """
 
     def __init__(
@@ -120,6 +122,8 @@ class KVManager:
         read_cache: bool,
         prefix_cache: bool,
         preemption: str,
+        remote: RemoteTier | str | None = None,
+        remote_key: str | bytes | None = None,
     ) -> None:
         self.shape = shape
         self.page_size = page_size
@@ -146,7 +150,7 @@ class KVManager:
                 )
             )
 
-        self.prefix = PrefixStore(model, budget.prefix_bytes) if prefix_cache else None
+        self.prefix = PrefixStore(model, budget.prefix_bytes, remote=remote, remote_key=remote_key) if prefix_cache else None
         if self.prefix is not None:
             self.namespace = self.prefix.namespace("" if codec is None else codec.spec(), self.dtype, self.device, page_size)
             self.store = self.prefix.paged_store(self.namespace, build)
@@ -267,12 +271,26 @@ class KVManager:
         if self.prefix is not None:
             self.prefix.index.evict(entries)
 
+    def fetch(self, request: Request) -> None:
+        """Bring the blocks of a new request that the prefix store's disk or remote tier holds
+        into memory, before any plan counts on them: the scheduler plans with what memory holds,
+        and :meth:`admit` attaches no more than that. Under a page budget, only as many blocks as
+        the free pages hold are fetched (what no plan has counted on yet)."""
+        if not self.uses_prefix(request) or not self.prefix.tiered:
+            return
+        blocks = self.lookup_blocks(request)
+        if self.fixed:
+            held = self.prefix.cached_blocks(self.block_keys(request)[: len(blocks)], blocks)
+            blocks = blocks[: held + self.free_pages() // self.shape.num_kv_heads]
+        self.prefix.fetch(self.namespace, blocks)
+
     def admit(self, request: Request) -> None:
-        """Give a waiting request a sequence holding its longest cached prefix."""
+        """Give a waiting request a sequence holding its longest prefix cached in memory (what the
+        scheduler planned with: blocks on other tiers came in with :meth:`fetch`)."""
         request.seq = self.store.new_sequence()
         if not self.uses_prefix(request):
             return
-        entries = self.prefix.lookup(self.namespace, self.lookup_blocks(request))
+        entries = self.prefix.lookup(self.namespace, self.lookup_blocks(request), load=False)
         self.prefix.attach(self.namespace, request.seq, entries)
         request.entries = entries
         request.computed = len(entries) * self.page_size
