@@ -150,6 +150,14 @@ class PrefixStore:
     def _key_space(self, namespace: str) -> bytes:
         return self.fingerprint + namespace.encode()
 
+    def key_space(self, namespace: str) -> bytes:
+        """What every chain key of ``namespace`` hashes besides tokens: the model's fingerprint and the namespace."""
+        return self._key_space(namespace)
+
+    def record_namespace(self, namespace: str) -> bytes:
+        """The 16-byte digest naming ``namespace`` in records and tier keys."""
+        return hashlib.blake2b(self._key_space(namespace), digest_size=16).digest()
+
     def block_keys(self, namespace: str, blocks: list[list[int]]) -> list[bytes]:
         """The chain keys of ``blocks`` (consecutive token blocks from a prompt's start) in ``namespace``."""
         return self.index.keys(blocks, self._key_space(namespace))
@@ -251,7 +259,7 @@ class PrefixStore:
         fields = [pool.record_fields() for pool in store.pools]
         if any(layer is None for layer in fields):
             return None
-        digest = hashlib.blake2b(self._key_space(namespace), digest_size=16).digest()
+        digest = self.record_namespace(namespace)
         layers = tuple(tuple(layer.items()) for layer in fields)
         entropy = self.disk is not None and self.disk.entropy
         return BlockLayout(digest, store.tables[0].num_heads, store.page_size, layers, entropy=entropy)
