@@ -228,16 +228,12 @@ class Engine:
         self.kv.check_fits(len(ids), max_new_tokens, self.scheduler.reserve_pages)
         compressor = self._compressor(*((spec, budget) if spec is not None else self.default_spec))
         eos = frozenset() if eos_token_id is None else frozenset([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)
+        handover = None
         if self.role == "prefill":  # run all but the last token here; the decode side draws every output token
             settings = {"max_new_tokens": max_new_tokens, "do_sample": do_sample, "temperature": temperature, "top_k": top_k}
             settings |= {"top_p": top_p, "eos_token_id": eos_token_id, "seed": seed}
             handover = HandOver.of(self._next_id, ids, settings)
-            if len(ids) == 1:  # nothing to prefill
-                self._next_id += 1
-                self._push(handover)
-                return handover.id
-            self._handovers[handover.id] = handover
-            ids, max_new_tokens, do_sample, eos, compressor = ids[:-1], 1, False, frozenset(), None
+            ids, max_new_tokens, do_sample, eos, compressor = ids[:-1] or ids, 1, False, frozenset(), None
         generator = None
         if do_sample:
             generator = torch.Generator()
@@ -257,6 +253,12 @@ class Engine:
         )
         self._next_id += 1
         self.requests[request.request_id] = request
+        if handover is not None and len(handover.tokens) == 1:  # nothing to prefill: handed over at once
+            request.state = RequestState.FINISHED
+            self._push(handover)
+            return request.request_id
+        if handover is not None:
+            self._handovers[request.request_id] = handover
         self.kv.fetch(request)
         if self.role == "decode":
             self.kv.fetch_tail(request)
@@ -287,6 +289,7 @@ class Engine:
                 handover = self._handovers.pop(request.request_id, None)
                 if handover is not None:  # prefill role: its token is the decode side's to draw
                     produced.pop(request.request_id, None)
+                    request.output.clear()
                     handover.sent_at = time.time()
                     self.kv.publish_tail(request)
                     self._push(handover)

@@ -165,7 +165,12 @@ def bench_throughput(model: torch.nn.Module, server: LocalServer, args: argparse
     ratio = {}
     for arm, base in (("put", "raw_set"), ("get", "raw_get"), ("keyed_put", "raw_set"), ("keyed_get", "raw_get")):
         ratio[arm] = spread([a / b for a, b in zip(mb_s[arm], mb_s[base])])
-    return {"records": len(records), "record_bytes": total // max(len(records), 1), "mb_s": {a: spread(v) for a, v in mb_s.items()}, "vs_raw": ratio}
+    return {
+        "records": len(records),
+        "record_bytes": total // max(len(records), 1),
+        "mb_s": {a: spread(v) for a, v in mb_s.items()},
+        "vs_raw": ratio,
+    }
 
 
 def bench_planted(model: torch.nn.Module, args: argparse.Namespace) -> dict:
