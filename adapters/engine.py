@@ -40,6 +40,7 @@ import torch
 
 from kvlib.adapters.attention import attach
 from kvlib.adapters.engine_request import Request, RequestState
+from kvlib.adapters.handover import HandOver
 from kvlib.adapters.kv_manager import KVManager, page_budget
 from kvlib.adapters.make_cache import eviction_compressor
 from kvlib.adapters.model_runner import ModelRunner
@@ -54,8 +55,10 @@ from kvlib.spec import Spec, parse_spec
 if TYPE_CHECKING:
     from kvlib.paged_store import PagedStore
     from kvlib.prefix_store import PrefixStore
+    from kvlib.storage.remote_tier import RemoteTier
 
 PREEMPTION_MODES = ("recompute", "swap")
+ROLES = ("both", "prefill", "decode")
 
 
 class Engine:
@@ -87,6 +90,16 @@ class Engine:
             ``read_cache``); off by default: the decode group attends straight over its pages
             (:mod:`~kvlib.adapters.packed_batch`), and only prefill chunks take a transient dense
             workspace (``memory_report()["peak_workspace_bytes"]``).
+        remote: a :class:`~kvlib.storage.remote_tier.RemoteTier` or a ``redis://host:port/db``
+            URL: full prefix pages also go to that server, and lookups continue there after
+            memory (with ``prefix_cache``); engines of several processes on one server share
+            prefixes. Faults of the server are counted misses (``stats()["remote"]``).
+        remote_key: the secret tagging remote records (None: ``$KVLIB_REMOTE_KEY``, if set).
+        role: ``"both"`` (prefill and decode here), ``"prefill"`` (run each prompt but its last
+            token, publish its pages to the remote tier and hand the request over through
+            ``handover_queue``) or ``"decode"`` (take requests over with :meth:`receive`); the
+            two split roles need ``remote``. Protocol: :mod:`~kvlib.adapters.handover`.
+        handover_queue: the name of the server list prefill engines push to and decode engines pop.
     """
 
     def __init__(
@@ -105,6 +118,10 @@ class Engine:
         reserve_pages: int = 1,
         fairness_steps: int = 64,
         read_cache: bool = False,
+        remote: RemoteTier | str | None = None,
+        remote_key: str | bytes | None = None,
+        role: str = "both",
+        handover_queue: str = "default",
     ) -> None:
         if preemption not in PREEMPTION_MODES:
             raise ValueError(f"preemption must be one of {PREEMPTION_MODES}, got {quoted(preemption)}")
@@ -112,6 +129,19 @@ class Engine:
         _check_bytes("page_budget_bytes", page_budget_bytes, minimum=1)
         _check_bytes("prefix_cache_bytes", prefix_cache_bytes, minimum=0)
         _check_model(model)
+        if remote is not None and not prefix_cache:
+            raise ValueError("remote needs prefix_cache=True: the remote tier holds the prefix cache's pages")
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {quoted(role)}")
+        if role != "both" and remote is None:
+            raise ValueError(f"role={quoted(role)} hands requests over through a server: give remote=")
+        if not isinstance(handover_queue, str) or not handover_queue:
+            raise ValueError(f"handover_queue must be a non-empty str, got {handover_queue!r}")
+        self.role, self.handover_queue = role, handover_queue
+        self._handovers: dict[int, HandOver] = {}
+        """Prefill role: the message of each request being prefilled, by request id."""
+        self.handover_s: dict[int, float] = {}
+        """Decode role: seconds from a hand-over's start (prefill side) to its request queued here with its pages, by request id."""
         self.scheduler = Scheduler(max_batch_tokens, max_running, reserve_pages, fairness_steps)
         self.model = model
         self.shape = kv_shape(model)
@@ -142,6 +172,8 @@ class Engine:
             read_cache=read_cache,
             prefix_cache=prefix_cache,
             preemption=preemption,
+            remote=remote,
+            remote_key=remote_key,
         )
         self.runner = ModelRunner(model, self.kv.store, codec=self.codec, device=self.device)
         self.requests: dict[int, Request] = {}
@@ -179,6 +211,8 @@ class Engine:
         (default: none, it runs ``max_new_tokens``); ``spec``/``budget``: its own eviction
         (default: the engine's spec and budget; a budget alone is refused). Checked here, before
         any model work."""
+        if self.role == "prefill" and spec is not None:
+            raise ValueError("a prefill engine computes every prompt token exactly; give eviction specs to the decode engine")
         if spec is None and budget is not None:
             raise ValueError(
                 f"budget={quoted(budget)} without spec: a request's budget goes with its own eviction spec"
@@ -194,6 +228,12 @@ class Engine:
         self.kv.check_fits(len(ids), max_new_tokens, self.scheduler.reserve_pages)
         compressor = self._compressor(*((spec, budget) if spec is not None else self.default_spec))
         eos = frozenset() if eos_token_id is None else frozenset([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)
+        handover = None
+        if self.role == "prefill":  # run all but the last token here; the decode side draws every output token
+            settings = {"max_new_tokens": max_new_tokens, "do_sample": do_sample, "temperature": temperature, "top_k": top_k}
+            settings |= {"top_p": top_p, "eos_token_id": eos_token_id, "seed": seed}
+            handover = HandOver.of(self._next_id, ids, settings)
+            ids, max_new_tokens, do_sample, eos, compressor = ids[:-1] or ids, 1, False, frozenset(), None
         generator = None
         if do_sample:
             generator = torch.Generator()
@@ -213,6 +253,15 @@ class Engine:
         )
         self._next_id += 1
         self.requests[request.request_id] = request
+        if handover is not None and len(handover.tokens) == 1:  # nothing to prefill: handed over at once
+            request.state = RequestState.FINISHED
+            self._push(handover)
+            return request.request_id
+        if handover is not None:
+            self._handovers[request.request_id] = handover
+        self.kv.fetch(request)
+        if self.role == "decode":
+            self.kv.fetch_tail(request)
         self.scheduler.add(request)
         if self._started is None:
             self._started = request.arrival
@@ -237,9 +286,44 @@ class Engine:
         for request, _ in plan.chunks:
             self.kv.index(request)
             if request.done:
+                handover = self._handovers.pop(request.request_id, None)
+                if handover is not None:  # prefill role: its token is the decode side's to draw
+                    produced.pop(request.request_id, None)
+                    request.output.clear()
+                    handover.sent_at = time.time()
+                    self.kv.publish_tail(request)
+                    self._push(handover)
                 self._leave(request, RequestState.FINISHED)
         self._counters["steps"] += 1
         return produced
+
+    def receive(self, wait_s: float = 0.0) -> dict[int, int]:
+        """Decode role: queue every request handed over so far (waiting up to ``wait_s`` seconds
+        for the first), each with the pages the prefill side published; returns the local request
+        id of each, by the prefill side's id. A message that is not a hand-over is dropped (counted
+        in ``stats()["bad_handovers"]``)."""
+        if self.role != "decode":
+            raise ValueError(f"receive() is for an Engine with role='decode'; this one's role is {quoted(self.role)}")
+        remote, received = self.prefix.remote, {}
+        message = remote.pop(self.handover_queue, wait_s)
+        while message is not None:
+            try:
+                handover = HandOver.from_bytes(message)
+            except ValueError:
+                self._counters["bad_handovers"] = self._counters.get("bad_handovers", 0) + 1
+            else:
+                local = self.add_request(handover.tokens, **handover.settings())
+                self.handover_s[local] = time.time() - handover.sent_at
+                received[handover.id] = local
+            message = remote.pop(self.handover_queue, 0.0)
+        return received
+
+    def _push(self, handover: HandOver) -> None:
+        """Prefill role: send ``handover`` to the decode side (a failed push is counted: the request is lost)."""
+        if self.prefix.remote.push(self.handover_queue, handover.to_bytes()):
+            self._counters["handed_over"] = self._counters.get("handed_over", 0) + 1
+        else:
+            self._counters["lost_handovers"] = self._counters.get("lost_handovers", 0) + 1
 
     def generate(self, prompts: Sequence[Sequence[int] | torch.Tensor], max_new_tokens: int = 32, **options) -> list[list[int]]:
         """Serve ``prompts`` to completion; returns each one's new tokens, in order."""
@@ -290,7 +374,8 @@ class Engine:
         (prompt tokens taken from the prefix cache / prompt tokens admitted), ``preemptions``,
         ``tokens_per_s`` (output tokens per second since the first request), pages in use and
         free (per layer, the fullest layer; free is None without a page budget), the store's
-        ``memory_bytes`` by component (pages, read mirror, ...), requests by state."""
+        ``memory_bytes`` by component (pages, read mirror, ...), requests by state, and the remote
+        tier's counters (``remote``: hits, misses, writes, faults; None without one)."""
         counters = dict(self._counters)
         elapsed = time.perf_counter() - self._started if self._started is not None else 0.0
         counters["prefix_hit_rate"] = counters["cached_tokens"] / counters["prompt_tokens"] if counters["prompt_tokens"] else 0.0
@@ -301,6 +386,7 @@ class Engine:
         scheduler = self.scheduler
         counters.update(waiting=len(scheduler.waiting), running=len(scheduler.running), swapped=len(scheduler.swapped))
         counters["prefix_cache"] = self.prefix.stats() if self.prefix is not None else None
+        counters["remote"] = self.prefix.remote.stats() if self.prefix is not None and self.prefix.remote is not None else None
         return counters
 
     def _count(self, plan: StepPlan) -> None:

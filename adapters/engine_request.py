@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvlib.adapters.compressor import Compressor
+from kvlib.adapters.handover import Tail
 from kvlib.prefix_index import Entry
 
 
@@ -73,6 +74,9 @@ class Request:
     waited_steps: int = 0
     indexed_blocks: int = 0
     """Leading prompt blocks attached from or inserted into the prefix index."""
+    tail: Tail | None = None
+    """A handed-over prompt's last partial page, fetched for admission (decode role; see
+    :mod:`~kvlib.adapters.handover`), dropped once attached or preempted."""
 
     @property
     def tokens(self) -> list[int]:

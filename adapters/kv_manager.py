@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from kvlib.adapters.engine_request import Request
+from kvlib.adapters.handover import Tail, read_tail, tail_key, tail_layout, tail_record
 from kvlib.adapters.model_shape import KVShape
 from kvlib.adapters.page_forecast import PageForecast
 from kvlib.adapters.swap import SwappedSequence, swap_in, swap_out
@@ -33,6 +34,8 @@ from kvlib.devices import check_fits
 from kvlib.paged_store import PagedStore
 from kvlib.prefix_index import Entry
 from kvlib.prefix_store import PrefixStore
+from kvlib.storage.block_record import BlockLayout
+from kvlib.storage.remote_tier import RemoteTier
 from kvlib.store_config import StoreConfig
 
 DEFAULT_PREFIX_CACHE_BYTES = 2**30
@@ -105,6 +108,7 @@ class KVManager:
         read_cache: keep a dense mirror of the decoding batch in the store.
         prefix_cache: index full pages for reuse across requests.
         preemption: ``"swap"`` (to host memory) or ``"recompute"``.
+        remote, remote_key: the prefix store's remote tier (:class:`~kvlib.prefix_store.PrefixStore`).
     """
 
     def __init__(
@@ -120,6 +124,8 @@ class KVManager:
         read_cache: bool,
         prefix_cache: bool,
         preemption: str,
+        remote: RemoteTier | str | None = None,
+        remote_key: str | bytes | None = None,
     ) -> None:
         self.shape = shape
         self.page_size = page_size
@@ -146,7 +152,7 @@ class KVManager:
                 )
             )
 
-        self.prefix = PrefixStore(model, budget.prefix_bytes) if prefix_cache else None
+        self.prefix = PrefixStore(model, budget.prefix_bytes, remote=remote, remote_key=remote_key) if prefix_cache else None
         if self.prefix is not None:
             self.namespace = self.prefix.namespace("" if codec is None else codec.spec(), self.dtype, self.device, page_size)
             self.store = self.prefix.paged_store(self.namespace, build)
@@ -267,16 +273,86 @@ class KVManager:
         if self.prefix is not None:
             self.prefix.index.evict(entries)
 
+    def fetch(self, request: Request) -> None:
+        """Bring the blocks of a new request that the prefix store's disk or remote tier holds
+        into memory, before any plan counts on them: the scheduler plans with what memory holds,
+        and :meth:`admit` attaches no more than that. Under a page budget, only as many blocks as
+        the free pages hold are fetched (what no plan has counted on yet)."""
+        if not self.uses_prefix(request) or not self.prefix.tiered:
+            return
+        blocks = self.lookup_blocks(request)
+        if self.fixed:
+            held = self.prefix.cached_blocks(self.block_keys(request)[: len(blocks)], blocks)
+            blocks = blocks[: held + self.free_pages() // self.shape.num_kv_heads]
+        self.prefix.fetch(self.namespace, blocks)
+
+    def publish_tail(self, request: Request) -> bool:
+        """Write the last partial page of ``request``'s computed tokens to the remote tier as a
+        tail record (the hand-over's step 2, :mod:`~kvlib.adapters.handover`); True when there was
+        none to write or the server took it."""
+        start = request.computed // self.page_size * self.page_size
+        count = request.computed - start
+        remote = self.prefix.remote if self.prefix is not None else None
+        if count == 0 or remote is None:
+            return True
+        tokens = request.tokens[start : request.computed]
+        parent = self.block_keys(request)[start // self.page_size - 1] if start else b""
+        key = tail_key(parent, tokens, self.prefix.key_space(self.namespace))
+        layers = [self.store.read(layer, [request.seq], mirror=False) for layer in range(self.store.num_layers)]
+        tail = Tail(
+            start,
+            [read.keys[0, :, start : request.computed] for read in layers],
+            [read.values[0, :, start : request.computed] for read in layers],
+        )
+        layout = self._tail_layout(count)
+        return remote.put_many([(layout.namespace + key, tail_record(layout, key, parent, tokens, tail))]) == 1
+
+    def fetch_tail(self, request: Request) -> None:
+        """Fetch the tail record of a handed-over prompt (all but its last token: the decode
+        side computes that one) into ``request.tail``; a miss leaves it None (computed instead)."""
+        remote = self.prefix.remote if self.prefix is not None else None
+        if remote is None or not self.uses_prefix(request):
+            return
+        end = len(request.prompt) - 1
+        start = end // self.page_size * self.page_size
+        if end == start:
+            return
+        tokens = request.prompt[start:end]
+        parent = self.block_keys(request)[start // self.page_size - 1] if start else b""
+        key = tail_key(parent, tokens, self.prefix.key_space(self.namespace))
+        layout = self._tail_layout(end - start)
+        (request.tail,) = remote.get_many([layout.namespace + key], lambda record: read_tail(layout, key, parent, tokens, start, record))
+
+    def _tail_layout(self, tokens: int) -> BlockLayout:
+        shape = self.shape
+        namespace = self.prefix.record_namespace(self.namespace)
+        return tail_layout(namespace, shape.num_kv_heads, tokens, shape.head_dim, shape.value_dim, self.dtype, shape.num_layers)
+
+    def tail_tokens(self, request: Request, cached: int) -> int:
+        """Tokens of ``request``'s fetched tail that attach after ``cached`` prefix tokens (0 unless they continue them)."""
+        tail = request.tail
+        return tail.length if tail is not None and tail.start == cached else 0
+
     def admit(self, request: Request) -> None:
-        """Give a waiting request a sequence holding its longest cached prefix."""
+        """Give a waiting request a sequence holding its longest prefix cached in memory (what the
+        scheduler planned with: blocks on other tiers came in with :meth:`fetch`)."""
         request.seq = self.store.new_sequence()
         if not self.uses_prefix(request):
             return
-        entries = self.prefix.lookup(self.namespace, self.lookup_blocks(request))
+        entries = self.prefix.lookup(self.namespace, self.lookup_blocks(request), load=False)
         self.prefix.attach(self.namespace, request.seq, entries)
         request.entries = entries
         request.computed = len(entries) * self.page_size
         request.indexed_blocks = len(entries)
+        if self.tail_tokens(request, request.computed):
+            tail = request.tail
+            positions = torch.arange(tail.start, tail.start + tail.length, device=self.device)
+            for layer in range(self.store.num_layers):
+                keys = tail.keys[layer].to(self.device, self.dtype, non_blocking=True)[None]
+                values = tail.values[layer].to(self.device, self.dtype, non_blocking=True)[None]
+                self.store.append(layer, [request.seq], keys, values, positions)
+            request.computed += tail.length
+        request.tail = None
         request.cached_tokens += request.computed
 
     def swap_in(self, request: Request) -> None:

@@ -49,6 +49,8 @@ class KVPages(Protocol):
 
     def block_keys(self, request: Request) -> list[bytes]: ...
 
+    def tail_tokens(self, request: Request, cached: int) -> int: ...
+
 
 class PageForecast:
     """The pages of ``kv`` after the decisions counted so far, ``running`` being the requests
@@ -103,7 +105,7 @@ class PageForecast:
         keys = kv.block_keys(request)[: len(blocks)]
         cached = kv.prefix.cached_blocks(keys, blocks)
         evicted = next((i for i, key in enumerate(keys[:cached]) if key in self._evicted), cached)
-        return evicted * kv.page_size
+        return evicted * kv.page_size + kv.tail_tokens(request, evicted * kv.page_size)
 
     def admission_pages(self, request: Request, tokens: int) -> int:
         """Pages a waiting request's first chunk of ``tokens`` computed tokens allocates after its

@@ -306,7 +306,7 @@ def run(argv: Sequence[str] | None = None) -> dict:
         cache = kvlib.make_cache(model, reuse=writer, prompt=prompts[0])  # computes and persists the prefix
         first_token(model, cache, prompts[0])
         namespace = next(iter(writer.stores))
-        layout = writer._disk_layout(namespace)
+        layout = writer._record_layout(namespace)
         records = [(key, decode_parts(layout, [disk.raw(key)])) for key in disk.keys()]
         result = {"throughput": throughput(records, layout, args.repeats, scratch)}
         restores, fulls, reused = [], [], 0

@@ -38,10 +38,20 @@ whole capacity none; either way the store warns once. A directory that cannot ho
 (read-only, say) gives one warning and the store keeps prefixes in memory only; a damaged one is
 moved aside by the tier, which starts empty (:mod:`~kvlib.storage.lmdb_files`): a disk tier never
 takes the process down, and a record that fails any check is a counted miss.
+
+Remote (``remote=RemoteTier(url)`` or a ``redis://host:port/db`` URL, with ``remote_key=`` or
+``$KVLIB_REMOTE_KEY`` for keyed records): every block indexed is also written to the
+Redis-protocol server (:mod:`~kvlib.storage.remote_tier`) as the same checked record, in one
+pipelined batch per insert; a lookup goes on from memory to disk to the server, reading the
+blocks still missing in one round trip and verifying each against its chain key, parent and token
+ids before it is loaded. Processes (or hosts) pointing at one server share prefixes. A server
+that is down, slow, restarted or full, and a record that is corrupt, untagged or another
+namespace's, are counted misses: the blocks are computed as without the tier.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import warnings
 from collections.abc import Callable
@@ -55,6 +65,7 @@ from kvlib.paged_store import PagedStore
 from kvlib.prefix_index import Entry, PrefixIndex
 from kvlib.storage.block_record import BlockLayout, FieldBlock, decode_parts, encode
 from kvlib.storage.disk_tier import DiskTier, open_disk_tier
+from kvlib.storage.remote_tier import RemoteTier
 
 
 class PrefixStore:
@@ -68,9 +79,22 @@ class PrefixStore:
         disk: a :class:`~kvlib.storage.disk_tier.DiskTier`, or a directory for one holding up to
             four times ``capacity_bytes`` of records (one that cannot hold a tier: a warning, and
             memory only); None keeps prefixes in memory only.
+        remote: a :class:`~kvlib.storage.remote_tier.RemoteTier`, or the URL of a Redis-protocol
+            server for one (``redis://host:port/db``); None: no remote tier.
+        remote_key: the secret tagging remote records (a URL's tier only; None reads
+            ``$KVLIB_REMOTE_KEY``; unset there, records are unkeyed).
     """
 
-    def __init__(self, model: torch.nn.Module, capacity_bytes: int, *, salt: str = "", disk: DiskTier | str | None = None) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        capacity_bytes: int,
+        *,
+        salt: str = "",
+        disk: DiskTier | str | None = None,
+        remote: RemoteTier | str | None = None,
+        remote_key: str | bytes | None = None,
+    ) -> None:
         if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes < 0:
             raise ValueError(f"capacity_bytes must be an int >= 0, got {capacity_bytes!r}")
         if not isinstance(salt, str):
@@ -90,6 +114,13 @@ class PrefixStore:
         if disk is not None and not isinstance(disk, DiskTier):
             raise ValueError(f"disk must be a DiskTier, a path or None, got {type(disk).__name__}")
         self.disk = disk
+        if isinstance(remote, str):
+            remote = RemoteTier(remote, key=remote_key)
+        elif remote_key is not None:
+            raise ValueError("remote_key is for a remote tier given by URL; a RemoteTier takes key= itself")
+        if remote is not None and not isinstance(remote, RemoteTier):
+            raise ValueError(f"remote must be a RemoteTier, a redis:// URL or None, got {type(remote).__name__}")
+        self.remote = remote
         self._closing: list = []
         """Sessions of caches garbage-collected since the last use (closed by :meth:`collect`)."""
         self._warned_disk_full = False
@@ -119,6 +150,14 @@ class PrefixStore:
     def _key_space(self, namespace: str) -> bytes:
         return self.fingerprint + namespace.encode()
 
+    def key_space(self, namespace: str) -> bytes:
+        """What every chain key of ``namespace`` hashes besides tokens: the model's fingerprint and the namespace."""
+        return self._key_space(namespace)
+
+    def record_namespace(self, namespace: str) -> bytes:
+        """The 16-byte digest naming ``namespace`` in records and tier keys."""
+        return hashlib.blake2b(self._key_space(namespace), digest_size=16).digest()
+
     def block_keys(self, namespace: str, blocks: list[list[int]]) -> list[bytes]:
         """The chain keys of ``blocks`` (consecutive token blocks from a prompt's start) in ``namespace``."""
         return self.index.keys(blocks, self._key_space(namespace))
@@ -134,60 +173,96 @@ class PrefixStore:
             count += 1
         return count
 
-    def lookup(self, namespace: str, blocks: list[list[int]]) -> list[Entry]:
+    def lookup(self, namespace: str, blocks: list[list[int]], *, load: bool = True) -> list[Entry]:
         """Cached entries of the leading ``blocks`` of a prompt (verified), most recently used now;
-        blocks found on disk past those in memory are loaded into fresh pages and indexed. The
-        entries are acquired for the caller (so that loading more cannot evict them): attach
-        them, and :meth:`release` those not attached."""
+        with ``load``, blocks found on disk, then on the remote tier, past those in memory are
+        loaded into fresh pages and indexed. The entries are acquired for the caller (so that
+        loading more cannot evict them): attach them, and :meth:`release` those not attached."""
         self.collect()
         found = self.index.lookup(blocks, self._key_space(namespace))
         self.index.acquire(found)
-        layout = self._disk_layout(namespace)
+        layout = self._record_layout(namespace) if load else None
         if layout is not None and len(found) < len(blocks):
             found += self._load(namespace, layout, blocks, len(found))
         return found
 
+    def fetch(self, namespace: str, blocks: list[list[int]]) -> int:
+        """Bring the leading ``blocks`` found on disk or the remote tier into memory (indexed,
+        unused: in the LRU), so that a scheduler sees them with :meth:`cached_blocks` before it
+        plans; returns how many leading blocks memory holds now."""
+        entries = self.lookup(namespace, blocks)
+        self.release(entries)
+        return len(entries)
+
+    @property
+    def tiered(self) -> bool:
+        """Whether lookups go on past memory (a disk or remote tier)."""
+        return self.disk is not None or self.remote is not None
+
     @outside_inference_mode
     def _load(self, namespace: str, layout: BlockLayout, blocks: list[list[int]], first: int) -> list[Entry]:
-        """Entries for ``blocks[first:]`` read from disk while their records check out."""
-        store = self.stores[namespace]
+        """Entries for ``blocks[first:]`` read from disk, then from the remote tier, while their
+        records check out."""
         keys = self.index.keys(blocks, self._key_space(namespace))
-        loaded = []
-        for index in range(first, len(blocks)):
-            parent = keys[index - 1] if index else b""
+        loaded: list[Entry] = []
+        index = first
+        while self.disk is not None and index < len(blocks):
             block = self.disk.get(layout.namespace + keys[index], lambda parts: decode_parts(layout, parts))
-            if block is None or block.key != keys[index] or block.parent != parent or block.tokens != list(blocks[index]):
+            entry = self._restore(namespace, layout, keys, blocks, index, block)
+            if entry is None:
                 break
-            positions = torch.arange(index * store.page_size, (index + 1) * store.page_size).repeat(layout.heads, 1)
-            pages = []
-            for layer, pool in enumerate(store.pools):
-                ids = pool.allocate(layout.heads, torch.arange(layout.heads))
-                pool.restore_pages(ids, block.layers[layer], positions)
-                pages.append(ids)
-            pages = torch.stack(pages)
-            nbytes = sum(pool.page_footprint() for pool in store.pools) * layout.heads
-            entry = self.index.insert(keys[index], parent, blocks[index], (namespace, pages), nbytes)
-            if entry is None or entry.pages[1] is not pages:  # a collision, or another holder: keep memory's
-                for layer, pool in enumerate(store.pools):
-                    pool.decref(pages[layer])
-                if entry is not None:
-                    self.index.release([entry])
-                break
-            loaded.append(entry)  # acquired by insert, for the caller
+            loaded.append(entry)
+            index += 1
+        if self.remote is not None and index < len(blocks):
+            remote = self.remote.get_many([layout.namespace + key for key in keys[index:]], lambda record: decode_parts(layout, [record]))
+            for block in remote:
+                entry = self._restore(namespace, layout, keys, blocks, index, block)
+                if entry is None:
+                    break
+                loaded.append(entry)
+                index += 1
         return loaded
 
-    def _disk_layout(self, namespace: str) -> BlockLayout | None:
-        """The record layout of ``namespace``, or None when its pages do not go to disk (no disk
-        tier, or a pool whose pages a record cannot hold: a codec fitted to data)."""
+    def _restore(
+        self, namespace: str, layout: BlockLayout, keys: list[bytes], blocks: list[list[int]], index: int, block: FieldBlock | None
+    ) -> Entry | None:
+        """The entry (acquired for the caller) of block ``index`` restored from ``block`` into fresh
+        pages, or None when ``block`` is missing, is not that block (chain key, parent, token ids)
+        or the index keeps another copy."""
+        parent = keys[index - 1] if index else b""
+        if block is None or block.key != keys[index] or block.parent != parent or block.tokens != list(blocks[index]):
+            return None
+        store = self.stores[namespace]
+        positions = torch.arange(index * store.page_size, (index + 1) * store.page_size).repeat(layout.heads, 1)
+        pages = []
+        for layer, pool in enumerate(store.pools):
+            ids = pool.allocate(layout.heads, torch.arange(layout.heads))
+            pool.restore_pages(ids, block.layers[layer], positions)
+            pages.append(ids)
+        pages = torch.stack(pages)
+        nbytes = sum(pool.page_footprint() for pool in store.pools) * layout.heads
+        entry = self.index.insert(keys[index], parent, blocks[index], (namespace, pages), nbytes)
+        if entry is None or entry.pages[1] is not pages:  # a collision, or another holder: keep memory's
+            for layer, pool in enumerate(store.pools):
+                pool.decref(pages[layer])
+            if entry is not None:
+                self.index.release([entry])
+            return None
+        return entry
+
+    def _record_layout(self, namespace: str) -> BlockLayout | None:
+        """The record layout of ``namespace``, or None when its pages go to no tier (no disk or
+        remote tier, or a pool whose pages a record cannot hold: a codec fitted to data)."""
         store = self.stores.get(namespace)
-        if self.disk is None or store is None:
+        if (self.disk is None and self.remote is None) or store is None:
             return None
         fields = [pool.record_fields() for pool in store.pools]
         if any(layer is None for layer in fields):
             return None
-        digest = hashlib.blake2b(self._key_space(namespace), digest_size=16).digest()
+        digest = self.record_namespace(namespace)
         layers = tuple(tuple(layer.items()) for layer in fields)
-        return BlockLayout(digest, store.tables[0].num_heads, store.page_size, layers, entropy=self.disk.entropy)
+        entropy = self.disk is not None and self.disk.entropy
+        return BlockLayout(digest, store.tables[0].num_heads, store.page_size, layers, entropy=entropy)
 
     @outside_inference_mode
     def attach(self, namespace: str, seq: int, entries: list[Entry]) -> None:
@@ -232,23 +307,30 @@ class PrefixStore:
 
     @outside_inference_mode
     def _persist(self, namespace: str, entries: list[Entry]) -> None:
-        """Write the blocks of ``entries`` to the disk tier in one commit: each block's pages as
-        their pools hold them (:meth:`~kvlib.storage.page_pool.PagePool.record_pages`), the
-        leading blocks whose pages a record can hold and whose records fit in the tier."""
-        layout = self._disk_layout(namespace)
+        """Write the blocks of ``entries`` to the disk tier in one commit and to the remote tier in
+        one pipelined batch: each block's pages as their pools hold them
+        (:meth:`~kvlib.storage.page_pool.PagePool.record_pages`), the leading blocks whose pages a
+        record can hold (on disk: and whose records fit in the tier). Remote records are written
+        plain (no entropy decode on the read path that a remote hit is meant to make fast)."""
+        layout = self._record_layout(namespace)
         if layout is None or not entries:
             return
-        store, items = self.stores[namespace], []
+        store, blocks = self.stores[namespace], []
         for entry in entries:
             pages = entry.pages[1]
             layers = [pool.record_pages(pages[layer]) for layer, pool in enumerate(store.pools)]
             if any(fields is None for fields in layers):
                 break
             block = FieldBlock(entry.key, entry.parent, list(entry.tokens), [{name: t.cpu() for name, t in f.items()} for f in layers])
-            items.append((layout.namespace + entry.key, encode(layout, block)))
-        items = self._fitting(items)
-        if items:
-            self.disk.put_many(items)
+            blocks.append(block)
+        keys = [layout.namespace + block.key for block in blocks]
+        if self.disk is not None:
+            items = self._fitting([(key, encode(layout, block)) for key, block in zip(keys, blocks)])
+            if items:
+                self.disk.put_many(items)
+        if self.remote is not None and blocks:
+            plain = dataclasses.replace(layout, entropy=False) if layout.entropy else layout
+            self.remote.put_many([(key, encode(plain, block)) for key, block in zip(keys, blocks)])
 
     def _fitting(self, items: list[tuple[bytes, bytes | memoryview]]) -> list[tuple[bytes, bytes | memoryview]]:
         """The leading ``items`` (key, record) that fit in the disk tier's capacity together (one

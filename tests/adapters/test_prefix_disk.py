@@ -140,7 +140,7 @@ def test_blocks_past_the_disk_tiers_capacity_are_left_out_with_one_warning(tmp_p
         return store, disk
 
     probe, _ = prefill(2**26, tmp_path / "probe")
-    record = probe._disk_layout(next(iter(probe.stores))).plain_size
+    record = probe._record_layout(next(iter(probe.stores))).plain_size
     with pytest.warns(
         RuntimeWarning,
         match=rf"4 prompt blocks need {4 * record} bytes on disk, more"
