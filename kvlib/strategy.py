@@ -35,7 +35,9 @@ from kvlib.placement import PageStats, lowest_score_first
 from kvlib.registry import declare_kinds
 from kvlib.spec_text import parse_strategy
 
-NEEDS = frozenset({"queries", "window_queries", "attention", "accumulated_attention", "hidden_states", "rope"})
+NEEDS = frozenset(
+    {"queries", "window_queries", "attention", "accumulated_attention", "hidden_states", "rope", "output_projection", "budget"}
+)
 """What an eviction strategy may ask the engine for in ``needs`` (the :class:`LayerView` fields it fills):
 
 - ``queries``: the current call's queries ``[batch, query_heads, q_len, head_dim]`` (after RoPE)
@@ -47,7 +49,12 @@ NEEDS = frozenset({"queries", "window_queries", "attention", "accumulated_attent
   has received from every query since it was stored (prefill and decoding, this call included),
   summed over queries and averaged over the query heads of its KV group;
 - ``hidden_states``: the attention module's input ``[batch, q_len, hidden]``;
-- ``rope``: the model's rotary embedding as a :class:`Rope` (None for a model without RoPE).
+- ``rope``: the model's rotary embedding as a :class:`Rope` (None for a model without RoPE);
+- ``output_projection``: the layer's attention output projection ``W_o`` split by query head,
+  ``[query_heads, value_dim, hidden]`` (the module's output is ``sum_h out_h @ W_o[h]`` plus its
+  bias), in the model's dtype and device;
+- ``budget``: ``budget_tokens`` int64 ``[batch]``, the call's budget in tokens per (layer, head) on
+  average (what :class:`BudgetRequest` ``tokens`` holds), None when the call compacts nothing.
 """
 
 
@@ -136,6 +143,8 @@ class LayerView:
     accumulated_attention: torch.Tensor | None = None
     hidden_states: torch.Tensor | None = None
     rope: Rope | None = None
+    output_projection: torch.Tensor | None = None
+    budget_tokens: torch.Tensor | None = None
     page_size: int | None = None
     """Tokens per page of the store (slot ``s`` of a head lies in its page ``s // page_size``):
     given to :meth:`Tiering.ranking_scores`, None for eviction strategies."""
@@ -190,6 +199,8 @@ class BudgetRequest:
     on average (so ``tokens * kv_heads * num_layers`` for a whole row); ``counts`` int64
     ``[batch, kv_heads]``: the tokens each head may keep from (its candidates). ``scores`` and
     ``candidates`` (``[batch, kv_heads, slots]``) are given to allocations with ``needs_scores``.
+    ``seen`` int64 ``[batch]``: the real tokens the row has seen, this call's included (None in a
+    request built without a call, e.g. by hand in a test).
     """
 
     layer_idx: int
@@ -198,6 +209,7 @@ class BudgetRequest:
     counts: torch.Tensor
     scores: torch.Tensor | None = None
     candidates: torch.Tensor | None = None
+    seen: torch.Tensor | None = None
 
 
 class Budget(Strategy, abc.ABC):
