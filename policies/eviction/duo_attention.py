@@ -53,7 +53,6 @@ class DuoAttention(Eviction):
     sinks: int = 64
     recent: int = 256
     profile: str = ""
-    weights: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
     reads_kv: ClassVar[bool] = False
     order_free: ClassVar[bool] = True
 
@@ -63,10 +62,10 @@ class DuoAttention(Eviction):
             raise ValueError(f"sinks must be >= 0 (tokens), got {self.sinks}")
         if self.recent < 1:
             raise ValueError(f"recent must be >= 1 (tokens), got {self.recent}")
-        self.weights = load_profile(self.profile) if self.profile else None
+        self.default_budget()  # reads the profile now: a bad one is refused before any model work
 
     def default_budget(self) -> Budget:
-        return DuoSplit(self.sinks + self.recent, self.weights)
+        return DuoSplit(self.sinks + self.recent, self.profile)
 
     def score(self, view: LayerView) -> torch.Tensor:
         """Sinks ``+inf``, then recency rank (newest highest); invalid slots ``-inf``. A retrieval
@@ -84,13 +83,26 @@ class DuoSplit(Budget):
     ``t`` real tokens seen and ``w = streaming`` tokens: ``R = clamp(floor(N (B - w) / (t - w)),
     0, N)`` heads retrieve (cap ``t``: all their tokens) when ``t > w``, else none; the other
     ``N - R`` heads share ``N B - R t`` tokens, equal to a token (:func:`~kvlib.selection.apportion`).
-    The retrieval heads are the ``R`` first in the ranking: ``weights`` ``[num_layers, kv_heads]``
-    descending (ties: lower layer, then lower head, first), or without weights by ``(head,
-    layer)``. A request without ``seen`` (built by hand) takes the layer's largest count for ``t``.
+    The retrieval heads are the ``R`` first in the ranking: the ``profile``'s weights ``[num_layers,
+    kv_heads]`` descending (ties: lower layer, then lower head, first), or without a profile by
+    ``(head, layer)``. A request without ``seen`` (built by hand) takes the layer's largest count
+    for ``t``.
+
+    Args:
+        streaming: tokens a streaming head keeps at least (DuoAttention's sinks + recent), >= 1.
+        profile: path of a head_importance profile ("": none).
     """
 
     streaming: int
-    weights: torch.Tensor | None = None
+    profile: str = ""
+    weights: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
+    """float64 ``[num_layers, kv_heads]``, the profile's weights (None without one)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.streaming < 1:
+            raise ValueError(f"streaming must be >= 1 (tokens), got {self.streaming}")
+        self.weights = load_profile(self.profile) if self.profile else None
 
     def check_model(self, num_layers: int, kv_heads: int) -> None:
         if self.weights is not None and tuple(self.weights.shape) != (num_layers, kv_heads):

@@ -140,6 +140,8 @@ def reconstruction_scores(
     """
     from transformers import DynamicCache
 
+    from kvlib.transformers_compat import cache_argument
+
     length = context_ids.shape[-1]
     if context_ids.ndim != 2 or length <= prompt.prefix:
         raise ValueError(
@@ -168,7 +170,7 @@ def reconstruction_scores(
     try:
         with torch.no_grad():
             cache = DynamicCache()
-            model(input_ids=context_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            model(input_ids=context_ids, **cache_argument(cache), use_cache=True, logits_to_keep=1)
             kv_heads = cache.layers[0].keys.shape[1]
             for layer in range(len(modules)):
                 scores[layer] = torch.zeros(batch, kv_heads, length, dtype=torch.float32, device=context_ids.device)
@@ -185,7 +187,7 @@ def reconstruction_scores(
                 head = torch.cat([instruction, torch.tensor(prompt.suffix, dtype=torch.int64)]).to(context_ids.device)
                 ids = torch.cat([head.expand(batch, -1), context_ids[:, start:end]], dim=1)
                 window.update(start=start, end=end, sink=min(sinks, start))
-                model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+                model(input_ids=ids, **cache_argument(cache), use_cache=True, logits_to_keep=1)
                 cache.crop(-ids.shape[1])
     finally:
         for hook in hooks:
