@@ -10,7 +10,7 @@ same budget giving each method the same bytes up to page rounding (reported per 
 
 DuoAttention's head split comes from a head_importance profile of SmolLM2 (each KV head's
 attention mass on distant tokens, :func:`kvlib.policies.budget.head_importance.calibrate`),
-measured once on a ``niah_multikey`` prompt of another seed and cached under
+measured once on a 1024-token ``niah_multikey`` prompt of another seed and cached under
 ``<kvlib cache>/profiles/``; ``--no-profile`` runs DuoAttention's profile-free default instead.
 
 Usage:
@@ -53,8 +53,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def profile_path(model, tokenizer, context: int) -> Path:
-    """SmolLM2's head_importance profile, calibrated once on a niah_multikey prompt (seed 1000)."""
+CALIBRATION_CONTEXT = 1024
+"""Tokens of the calibration prompt (its eager pass holds every layer's attention weights at once)."""
+
+
+def profile_path(model, tokenizer, context: int = CALIBRATION_CONTEXT) -> Path:
+    """SmolLM2's head_importance profile, calibrated once on a ``context``-token niah_multikey prompt (seed 1000)."""
     import torch
 
     from kvlib.eval.ruler import RULER_TASKS
@@ -118,7 +122,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     loaded = load_model("smollm2")
     model, tokenizer = loaded.model, loaded.tokenizer
     eos = {int(e) for e in [model.generation_config.eos_token_id, tokenizer.eos_token_id] if e is not None}
-    profile = "" if args.no_profile else str(profile_path(model, tokenizer, args.context))
+    profile = "" if args.no_profile else str(profile_path(model, tokenizer))
     duo = f"duo_attention(sinks={args.sinks}, recent={args.recent}" + (f", profile={profile!r})" if profile else ")")
     methods = {duo: duo, "streaming_llm": "streaming_llm", "snapkv": "snapkv"}
     tasks = [t for t in args.tasks.split(",") if t]
@@ -153,7 +157,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "budget": args.budget,
         "max_new_tokens": args.max_new_tokens,
         "tasks": tasks,
-        "profile": "head_importance profile of SmolLM2 (niah_multikey, seed 1000)" if profile else "none (the even spread)",
+        "profile": f"head_importance profile of SmolLM2 (niah_multikey, {CALIBRATION_CONTEXT} tokens, seed 1000)"
+        if profile
+        else "none (the even spread)",
         "seconds": time.perf_counter() - started,
         "rows": table,
     }
