@@ -113,6 +113,34 @@ def render(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def report(args: argparse.Namespace, argv: Sequence[str] | None, tasks: list[str], rows: dict, profile: str, seconds: float) -> dict:
+    """The result of the ``tasks`` done so far (as written to the JSON file)."""
+    table = {
+        m: {
+            "scores": {t: sum(r["scores"][t]) / len(r["scores"][t]) for t in tasks},
+            "bytes_ratio": sum(r["bytes"]) / len(r["bytes"]),
+            "case_scores": r["scores"],
+            "predictions": r["predictions"],
+        }
+        for m, r in rows.items()
+    }
+    return {
+        "command": command_line("duo_attention_niah.py", argv),
+        "kvlib_revision": git_revision(),
+        "context": args.context,
+        "samples": args.samples,
+        "seed": args.seed,
+        "budget": args.budget,
+        "max_new_tokens": args.max_new_tokens,
+        "tasks": tasks,
+        "profile": f"head_importance profile of SmolLM2 (niah_multikey, {CALIBRATION_CONTEXT} tokens, seed 1000)"
+        if profile
+        else "none (the even spread)",
+        "seconds": seconds,
+        "rows": table,
+    }
+
+
 def main(argv: Sequence[str] | None = None) -> dict:
     args = parse_args(argv)
     started = time.perf_counter()
@@ -127,7 +155,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     methods = {duo: duo, "streaming_llm": "streaming_llm", "snapkv": "snapkv"}
     tasks = [t for t in args.tasks.split(",") if t]
     rows = {m: {"scores": {}, "bytes": [], "predictions": {}} for m in methods}
-    for task_name in tasks:
+    result: dict = {}
+    for done, task_name in enumerate(tasks, 1):
         task = RULER_TASKS[task_name](context=args.context, samples=args.samples, seed=args.seed)
         for index, case in enumerate(task.cases(tokenizer)):
             for method, spec in methods.items():
@@ -139,31 +168,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
                 print(
                     f"duo_attention_niah: {task_name} case {index} {method[:20]}: {rows[method]['scores'][task_name][-1]:.2f}", flush=True
                 )
-    table = {
-        m: {
-            "scores": {t: sum(r["scores"][t]) / len(r["scores"][t]) for t in tasks},
-            "bytes_ratio": sum(r["bytes"]) / len(r["bytes"]),
-            "case_scores": r["scores"],
-            "predictions": r["predictions"],
-        }
-        for m, r in rows.items()
-    }
-    result = {
-        "command": command_line("duo_attention_niah.py", argv),
-        "kvlib_revision": git_revision(),
-        "context": args.context,
-        "samples": args.samples,
-        "seed": args.seed,
-        "budget": args.budget,
-        "max_new_tokens": args.max_new_tokens,
-        "tasks": tasks,
-        "profile": f"head_importance profile of SmolLM2 (niah_multikey, {CALIBRATION_CONTEXT} tokens, seed 1000)"
-        if profile
-        else "none (the even spread)",
-        "seconds": time.perf_counter() - started,
-        "rows": table,
-    }
-    write_report(args.out, "duo_attention_niah", render(result), result)
+        result = report(args, argv, tasks[:done], rows, profile, time.perf_counter() - started)
+        write_report(args.out, "duo_attention_niah", render(result), result)  # after each task: a partial run still reports
     return result
 
 
