@@ -100,6 +100,9 @@ class Compressor:
     interval: int = 1
     rope: Rope | None = None
     merge: bool = False
+    output_projections: list[torch.Tensor] | None = None
+    """Per layer, the attention output projection split by query head (filled by ``make_cache``
+    for strategies that need ``output_projection``)."""
     _accumulated: dict[int, torch.Tensor] = field(default_factory=dict, init=False, repr=False)
     _decode_steps: dict[int, int] = field(default_factory=dict, init=False, repr=False)
     _history: dict[int, QueryHistory] = field(default_factory=dict, init=False, repr=False)
@@ -127,14 +130,15 @@ class Compressor:
             return None
         candidates = read.valid & ~_padding_slots(step, inputs.real_new)
         counts = candidates.sum(-1)
-        request = None if tokens is None else BudgetRequest(step.layer_idx, self.num_layers, tokens, counts)
+        seen = step.query_offset + step.query_length - real_offsets.to(counts.device)
+        request = None if tokens is None else BudgetRequest(step.layer_idx, self.num_layers, tokens, counts, seen=seen)
         caps, over = self._caps_and_over(request, counts)
         if not bool(over.any()) and bool((counts == read.valid.sum(-1)).all()):
             return None
         if stored is not None and self.reads_kv:
             read = stored()
         order = position_order(read.positions, read.valid)  # None unless a compaction reused slots
-        scores = self._score(step, read, candidates, inputs, real_offsets, accumulated, order)
+        scores = self._score(step, read, candidates, inputs, real_offsets, accumulated, order, tokens)
         slot_scores = scores if order is None or self.strategy.order_free else _to_slot_order(scores, order)
         ranked = candidates
         if order is not None:  # select in position order: ties break as they would in order
@@ -174,9 +178,11 @@ class Compressor:
         real_offsets: torch.Tensor,
         accumulated: torch.Tensor | None,
         order: torch.Tensor | None,
+        tokens: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The strategy's scores of the ``candidates`` of ``read``: in slot order, or in position
-        ``order`` for a strategy that is not ``order_free`` when ``order`` is given."""
+        ``order`` for a strategy that is not ``order_free`` when ``order`` is given. ``tokens``:
+        the call's budget per head (see :meth:`_tokens`), None when it compacts nothing."""
         view = LayerView(
             layer_idx=step.layer_idx,
             num_layers=self.num_layers,
@@ -186,7 +192,7 @@ class Compressor:
             valid=candidates,
             accumulated_attention=accumulated,
         )
-        self._fill_needs(view, step, inputs, real_offsets)
+        self._fill_needs(view, step, inputs, real_offsets, tokens)
         if order is not None and not self.strategy.order_free:
             view = ordered_view(view, order)
         scores = self.strategy.score(view)
@@ -257,7 +263,9 @@ class Compressor:
         caps = self.allocation.caps(request).to(counts.device)
         return caps, counts > caps + self.slack
 
-    def _fill_needs(self, view: LayerView, step: LayerStep, inputs: AttentionInputs, real_offsets: torch.Tensor) -> None:
+    def _fill_needs(
+        self, view: LayerView, step: LayerStep, inputs: AttentionInputs, real_offsets: torch.Tensor, tokens: torch.Tensor | None
+    ) -> None:
         needs = self.strategy.needs
         total = inputs.query.shape[2]
         observed = min(self.strategy.observed_queries() or total, total)
@@ -276,6 +284,10 @@ class Compressor:
             view.recent_query_positions = history.positions
         if "prompt_length" in needs:
             view.prompt_lengths = history.prompt_lengths
+        if "output_projection" in needs:
+            view.output_projection = self.output_projections[step.layer_idx]
+        if "budget" in needs:
+            view.budget_tokens = tokens
         if "attention" in needs:
             if inputs.weights is not None:
                 view.attention = _returned_weights(inputs, total - observed)

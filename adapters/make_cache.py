@@ -8,7 +8,7 @@ import torch
 
 from kvlib.adapters.attention import attach
 from kvlib.adapters.compressor import Compressor
-from kvlib.adapters.model_shape import KVShape, kv_shape, rope_of
+from kvlib.adapters.model_shape import KVShape, kv_shape, output_projections, rope_of
 from kvlib.adapters.transformers_cache import KVCache
 from kvlib.codec import Codec, layer_shapes
 from kvlib.devices import check_fits
@@ -140,7 +140,9 @@ def eviction_compressor(
     shape = kv_shape(model)
     allocation = spec.budget or spec.eviction.default_budget() or Uniform()
     allocation.check_model(shape.num_layers, shape.num_kv_heads)
-    return Compressor(spec.eviction, budget, shape.num_layers, allocation, slack, interval, rope_of(model, shape.head_dim), merge)
+    projections = output_projections(model, shape) if "output_projection" in spec.eviction.needs else None
+    rope = rope_of(model, shape.head_dim)
+    return Compressor(spec.eviction, budget, shape.num_layers, allocation, slack, interval, rope, merge, projections)
 
 
 def salience_scorer(model: torch.nn.Module, spec: Spec) -> Compressor | None:

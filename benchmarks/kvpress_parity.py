@@ -60,6 +60,8 @@ TORCH = "torch==2.13.0"
 """The CPU wheel kvlib's own environment uses (found locally through pip's find-links)."""
 TRANSFORMERS = "transformers<5.3"
 KVPRESS_VERSION = "0.5.5"
+DUO_SINKS, DUO_RECENT = 16, 64
+"""DuoAttention's streaming heads in the parity run (kvpress's own patterns are for 7-8B models)."""
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,11 @@ class Method:
     kvlib: str
     press: dict
     note: str = ""
+    run: str = "prefill"
+    """How kvlib fills the cache: ``"prefill"`` (one model call, a float budget compresses it),
+    ``"kvzip"`` (:func:`kvlib.policies.eviction.kvzip.compress`, with kvpress's reconstruction
+    prompt for the tokenizer) or ``"duo"`` (a prefill with the SmolLM2 head profile; kvpress gets
+    the same head scores and the matching share of streaming heads, see :func:`duo_press`)."""
 
 
 def _press(name: str, **kwargs: object) -> dict:
@@ -98,6 +105,14 @@ METHODS: dict[str, Method] = {
         "chunkkv(inner='snapkv(window=64, kernel=5, pooling=\"avg\")', chunk_size=20)",
         _press("ChunkKVPress", press=_press("SnapKVPress", window_size=64, kernel_size=5), chunk_length=20),
     ),
+    "CriticalAdaKV": Method(
+        "critical_kv(inner='snapkv(window=64, kernel=5, pooling=\"avg\")', floor=0.2, first_stage=0.5, epsilon=0.0001)",
+        _press(
+            "CriticalAdaKVPress", press=_press("SnapKVPress", window_size=64, kernel_size=5), alpha_safeguard=0.2, first_stage_ratio=0.5
+        ),
+    ),
+    "KVzip": Method("kvzip(sinks=4, chunk=2048)", _press("KVzipPress", layerwise=True, n_sink=4), run="kvzip"),
+    "DuoAttention": Method(f"duo_attention(sinks={DUO_SINKS}, recent={DUO_RECENT})", _press("DuoAttentionPress"), run="duo"),
 }
 """kvpress press name (without ``Press``) -> the same method in kvlib's registry, with kvpress's
 default parameters spelled out on both sides."""
@@ -213,6 +228,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--venv", type=Path, default=None, help="kvpress environment (default <kvlib cache>/kvpress-venv)")
     parser.add_argument("--rebuild", action="store_true", help="rebuild the kvpress environment")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    parser.add_argument("--name", default="kvpress_parity", help="report file name (without .md/.json) under --out")
     parser.add_argument(
         "--report-only",
         action="store_true",
@@ -333,30 +349,58 @@ def ensure_venv(venv: Path, kvpress_version: str, rebuild: bool = False) -> Path
 # ---------------------------------------------------------------- the two sides
 
 
-def kvpress_jobs(methods: Sequence[str], budgets: Sequence[float], cases: Sequence) -> list[dict]:
+def kvpress_jobs(methods: Sequence[str], budgets: Sequence[float], cases: Sequence, head_scores: list | None = None) -> list[dict]:
+    """One job per (method, budget, case); DuoAttention's press is built per job (:func:`duo_press`)."""
     return [
         {"method": m, "press": METHODS[m].press, "ratio": round(1 - b, 10), "budget": b, "case": i, "ids": list(c.ids)}
+        | (duo_press(b, len(c.ids), head_scores) if METHODS[m].run == "duo" else {})
         for m in methods
         for b in budgets
         for i, c in enumerate(cases)
     ]
 
 
-def kvlib_run(model, method: str, budget: float, ids: Sequence[int], max_new_tokens: int, eos: set[int]) -> dict:
+def duo_press(budget: float, length: int, head_scores: list) -> dict:
+    """kvpress's DuoAttentionPress with kvlib's split: the same head scores (the profile's weights),
+    ``DUO_SINKS`` / ``DUO_RECENT``, and ``head_compression_ratio`` the share of heads kvlib's
+    :class:`~kvlib.policies.eviction.duo_attention.DuoSplit` streams at ``budget`` of ``length``
+    tokens. kvpress's ratio is then fixed by the press (``ratio`` None)."""
+    import math
+
+    heads = sum(len(row) for row in head_scores)
+    window = DUO_SINKS + DUO_RECENT
+    tokens = math.ceil(budget * length)
+    retrieval = min(heads, max(0, (tokens * heads - heads * window) // (length - window))) if length > window else 0
+    press = _press("DuoAttentionPress", head_compression_ratio=(heads - retrieval) / heads)
+    press["pattern"] = {"sink_size": DUO_SINKS, "recent_size": DUO_RECENT, "head_scores": head_scores}
+    return {"press": press, "ratio": None}
+
+
+def kvlib_run(
+    model, method: str, budget: float, ids: Sequence[int], max_new_tokens: int, eos: set[int], tokenizer=None, profile: str = ""
+) -> dict:
     """kvlib's kept positions after the prompt and its greedy answer, one row."""
     import torch
 
     import kvlib
+    from kvlib.policies.eviction.kvzip import RepeatPrompt, compress
     from kvlib.transformers_compat import cache_argument
 
-    cache = kvlib.make_cache(model, METHODS[method].kvlib, budget=budget)
+    spec = METHODS[method].kvlib
+    if METHODS[method].run == "duo":
+        spec = f"{spec[:-1]}, profile={profile!r})"
+    cache = kvlib.make_cache(model, spec, budget=budget)
     with torch.inference_mode():
-        out = model(input_ids=torch.tensor([list(ids)]), **cache_argument(cache), logits_to_keep=1)
+        prompt = torch.tensor([list(ids)])
+        if METHODS[method].run == "kvzip":
+            last = compress(model, cache, prompt, RepeatPrompt.from_tokenizer(tokenizer.tokenizer))[0]
+        else:
+            last = model(input_ids=prompt, **cache_argument(cache), logits_to_keep=1).logits[0, -1]
         kept = []
         for layer in range(model.config.num_hidden_layers):
             positions = cache.kept_positions(layer)[0]
             kept.append([[int(p) for p in head if p >= 0] for head in positions.tolist()])
-        tokens = [int(out.logits[0, -1].argmax())]
+        tokens = [int(last.argmax())]
         while len(tokens) < max_new_tokens and tokens[-1] not in eos:
             out = model(input_ids=torch.tensor([[tokens[-1]]]), **cache_argument(cache))
             tokens.append(int(out.logits[0, -1].argmax()))
@@ -366,9 +410,9 @@ def kvlib_run(model, method: str, budget: float, ids: Sequence[int], max_new_tok
 def main(argv: Sequence[str] | None = None) -> dict:
     args = parse_args(argv)
     if args.report_only:
-        result = json.loads((args.out / "kvpress_parity.json").read_text())
+        result = json.loads((args.out / f"{args.name}.json").read_text())
         result["explanations"] = {m: EXPLANATIONS[m] for m in result["methods"] if m in EXPLANATIONS}
-        write_report(args.out, "kvpress_parity", render(result), result)
+        write_report(args.out, args.name, render(result), result)
         return result
     started = time.perf_counter()
     import torch
@@ -386,12 +430,18 @@ def main(argv: Sequence[str] | None = None) -> dict:
     task = RULER_TASKS["niah_single"](context=args.context, samples=args.samples, seed=args.seed)
     cases = task.cases(tokenizer)
     eos = {int(e) for e in [model.generation_config.eos_token_id, tokenizer.eos_token_id] if e is not None}
+    profile, head_scores = "", None
+    if any(METHODS[m].run == "duo" for m in args.methods):
+        from duo_attention_niah import profile_path
+
+        profile = str(profile_path(model, tokenizer))
+        head_scores = json.loads(Path(profile).read_text())["weights"]
     request = {
         "model": str(smollm2_folder()),
         "threads": args.threads,
         "max_new_tokens": args.max_new_tokens,
         "eos": sorted(eos),
-        "jobs": kvpress_jobs(args.methods, args.budgets, cases),
+        "jobs": kvpress_jobs(args.methods, args.budgets, cases, head_scores),
     }
 
     worker = subprocess.Popen(
@@ -424,7 +474,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         for budget in args.budgets:
             for index, case in enumerate(cases):
                 try:
-                    ours[(method, budget, index)] = kvlib_run(model, method, budget, case.ids, args.max_new_tokens, eos)
+                    ours[(method, budget, index)] = kvlib_run(model, method, budget, case.ids, args.max_new_tokens, eos, tokenizer, profile)
                 except Exception as exc:  # noqa: BLE001 - reported in the cell, the run goes on
                     ours[(method, budget, index)] = {"error": f"{type(exc).__name__}: {exc}"}
                 print(
@@ -473,7 +523,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "seconds": time.perf_counter() - started,
         "rows": rows,
     }
-    write_report(args.out, "kvpress_parity", render(result), result)
+    write_report(args.out, args.name, render(result), result)
     return result
 
 

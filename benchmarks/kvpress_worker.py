@@ -54,10 +54,35 @@ def matched_positions(original: torch.Tensor, kept: torch.Tensor) -> list[list[i
     return out
 
 
+def pattern_loader(pattern: dict):
+    """A stand-in for DuoAttentionPress.load_attention_pattern (which downloads published patterns):
+    the sink and recent sizes and head scores the job names."""
+    import numpy as np
+
+    return lambda model: (pattern["sink_size"], pattern["recent_size"], np.array(pattern["head_scores"], dtype=float))
+
+
+def masked_out(model, layer: int, kept: list[list[int]]) -> list[list[int]]:
+    """``kept`` less the positions a head-wise press masks in ``layer`` (``masked_key_indices``:
+    DuoAttention, CriticalAdaKV, KVzip compress by masking keys rather than dropping them)."""
+    indices = getattr(model.model.layers[layer].self_attn, "masked_key_indices", None)
+    if indices is None:
+        return kept
+    batch, heads, positions = (index.tolist() for index in indices)
+    masked = [set() for _ in kept]
+    for b, h, p in zip(batch, heads, positions):
+        if b == 0:
+            masked[h].add(p)
+    return [[p for p in head if p not in masked[h]] for h, head in enumerate(kept)]
+
+
 def run_job(models: dict, job: dict, max_new_tokens: int, eos: set[int]) -> dict:
     """Compress one prompt with one press, decode greedily; the kept positions and the tokens."""
     press = build_press(job["press"])
-    press.compression_ratio = job["ratio"]
+    if "pattern" in job["press"]:
+        press.load_attention_pattern = pattern_loader(job["press"]["pattern"])
+    if job["ratio"] is not None:
+        press.compression_ratio = job["ratio"]
     model = models["eager" if job["press"]["class"] in EAGER else "sdpa"]
     kept: dict[int, list[list[int]]] = {}
     inner = press.compress
@@ -85,11 +110,13 @@ def run_job(models: dict, job: dict, max_new_tokens: int, eos: set[int]) -> dict
             )
             tokens.append(int(out.logits[0, -1].argmax()))
     layers = model.config.num_hidden_layers
+    heads = model.config.num_key_value_heads
+    everything = [list(range(length)) for _ in range(heads)]  # a press that only masks returns the keys it got
     return {
         "method": job["method"],
         "budget": job["budget"],
         "case": job["case"],
-        "kept": [kept[layer] for layer in range(layers)],
+        "kept": [masked_out(model, layer, kept.get(layer, everything)) for layer in range(layers)],
         "tokens": tokens,
     }
 

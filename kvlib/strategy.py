@@ -36,7 +36,18 @@ from kvlib.registry import declare_kinds
 from kvlib.spec_text import parse_strategy
 
 NEEDS = frozenset(
-    {"queries", "window_queries", "attention", "accumulated_attention", "hidden_states", "rope", "recent_queries", "prompt_length"}
+    {
+        "queries",
+        "window_queries",
+        "attention",
+        "accumulated_attention",
+        "hidden_states",
+        "rope",
+        "recent_queries",
+        "prompt_length",
+        "output_projection",
+        "budget",
+    }
 )
 """What an eviction strategy may ask the engine for in ``needs`` (the :class:`LayerView` fields it fills):
 
@@ -60,6 +71,11 @@ NEEDS = frozenset(
 - ``prompt_length``: ``prompt_lengths`` int64 ``[batch]``, the positions each row's first call and
   its calls of more than one token (its prompt, or prompt chunks) have written; positions at or
   past it were written by decode steps.
+- ``output_projection``: the layer's attention output projection ``W_o`` split by query head,
+  ``[query_heads, value_dim, hidden]`` (the module's output is ``sum_h out_h @ W_o[h]`` plus its
+  bias), in the model's dtype and device;
+- ``budget``: ``budget_tokens`` int64 ``[batch]``, the call's budget in tokens per (layer, head) on
+  average (what :class:`BudgetRequest` ``tokens`` holds), None when the call compacts nothing.
 """
 
 
@@ -151,6 +167,8 @@ class LayerView:
     recent_attention: torch.Tensor | None = None
     recent_query_positions: torch.Tensor | None = None
     prompt_lengths: torch.Tensor | None = None
+    output_projection: torch.Tensor | None = None
+    budget_tokens: torch.Tensor | None = None
     page_size: int | None = None
     """Tokens per page of the store (slot ``s`` of a head lies in its page ``s // page_size``):
     given to :meth:`Tiering.ranking_scores`, None for eviction strategies."""
@@ -229,6 +247,8 @@ class BudgetRequest:
     on average (so ``tokens * kv_heads * num_layers`` for a whole row); ``counts`` int64
     ``[batch, kv_heads]``: the tokens each head may keep from (its candidates). ``scores`` and
     ``candidates`` (``[batch, kv_heads, slots]``) are given to allocations with ``needs_scores``.
+    ``seen`` int64 ``[batch]``: the real tokens the row has seen, this call's included (None in a
+    request built without a call, e.g. by hand in a test).
     """
 
     layer_idx: int
@@ -237,6 +257,7 @@ class BudgetRequest:
     counts: torch.Tensor
     scores: torch.Tensor | None = None
     candidates: torch.Tensor | None = None
+    seen: torch.Tensor | None = None
 
 
 class Budget(Strategy, abc.ABC):

@@ -51,6 +51,9 @@ def test_every_method_maps_to_a_registered_kvlib_spec_and_a_press() -> None:
         "LagKV",
         "KeyDiff",
         "ChunkKV",
+        "CriticalAdaKV",
+        "KVzip",
+        "DuoAttention",
     ]
     for name, method in parity.METHODS.items():
         spec = parse_spec(method.kvlib)
@@ -81,6 +84,18 @@ def test_kvpress_jobs_use_the_complementary_ratio() -> None:
     jobs = parity.kvpress_jobs(["KNorm"], [0.25, 0.1], [Case()])
     assert [(j["budget"], j["ratio"]) for j in jobs] == [(0.25, 0.75), (0.1, 0.9)]
     assert jobs[0]["press"] == {"class": "KnormPress", "kwargs": {}} and jobs[0]["ids"] == [1, 2, 3]
+
+
+def test_duo_attention_jobs_carry_kvlibs_head_split() -> None:
+    class Case:
+        ids = tuple(range(1000))
+
+    scores = [[0.1, 0.9], [0.5, 0.3]]
+    job = parity.kvpress_jobs(["DuoAttention"], [0.5], [Case()], scores)[0]
+    assert job["ratio"] is None  # the press fixes its own ratio from its heads
+    # kvlib's DuoSplit: floor(4 * (500 - 80) / (1000 - 80)) = 1 retrieval head of 4, so 3/4 stream
+    assert job["press"]["kwargs"] == {"head_compression_ratio": 0.75}
+    assert job["press"]["pattern"] == {"sink_size": parity.DUO_SINKS, "recent_size": parity.DUO_RECENT, "head_scores": scores}
 
 
 def test_report_rows_and_divergences(tmp_path: Path) -> None:

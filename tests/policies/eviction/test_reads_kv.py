@@ -51,7 +51,19 @@ def test_a_key_free_strategy_scores_the_same_without_keys_and_values(name: str, 
 
 
 def test_built_ins_that_read_keys_or_values_say_so() -> None:
-    assert set(KEY_FREE) == {"streaming_llm", "h2o", "snapkv", "pyramidkv", "tova", "random", "chunkkv", "keyformer", "scope"}
+    assert set(KEY_FREE) == {
+        "streaming_llm",
+        "h2o",
+        "snapkv",
+        "pyramidkv",
+        "tova",
+        "random",
+        "chunkkv",
+        "keyformer",
+        "scope",
+        "duo_attention",
+        "kvzip",
+    }
     assert kvlib.parse_strategy("chunkkv(inner='knorm')").reads_kv  # a wrapper follows its inner strategy
     assert not kvlib.parse_strategy("chunkkv(inner='h2o')").reads_kv
     assert kvlib.parse_strategy("scope(inner='knorm')").reads_kv
