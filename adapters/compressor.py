@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -76,7 +77,8 @@ class Compressor:
     """Applies ``strategy`` within ``budget`` (see the module docstring for the budget forms).
 
     State: per layer, the attention each stored token has accumulated (only for strategies that
-    need ``accumulated_attention``), aligned with the layer's stored slots; the cache keeps it in
+    need ``accumulated_attention``), aligned with the layer's stored slots; the current model
+    call's ``call_notes`` (cleared when a layer index not above the last one arrives); the cache keeps it in
     step with its rows and slots (:meth:`select_rows`, :meth:`reset`, :meth:`compacted`: the
     caller hands on the layout of every compaction it makes).
 
@@ -99,6 +101,8 @@ class Compressor:
     merge: bool = False
     _accumulated: dict[int, torch.Tensor] = field(default_factory=dict, init=False, repr=False)
     _decode_steps: dict[int, int] = field(default_factory=dict, init=False, repr=False)
+    _call_notes: dict[str, Any] = field(default_factory=dict, init=False, repr=False)
+    _last_layer: int = field(default=-1, init=False, repr=False)
 
     def compaction(
         self, step: LayerStep, inputs: AttentionInputs, real_offsets: torch.Tensor, stored: Callable[[], LayerRead] | None = None
@@ -112,6 +116,9 @@ class Compressor:
         and :attr:`reads_kv`.
         """
         read = step.read
+        if step.layer_idx <= self._last_layer:  # layers run in order: a new model call begins
+            self._call_notes.clear()
+        self._last_layer = step.layer_idx
         accumulated = None
         if "accumulated_attention" in self.strategy.needs:
             accumulated = self._accumulated[step.layer_idx] = self._accumulate(step, inputs)
@@ -218,6 +225,8 @@ class Compressor:
         """Forget all state (the cache starts a new batch)."""
         self._accumulated.clear()
         self._decode_steps.clear()
+        self._call_notes.clear()
+        self._last_layer = -1
 
     # -- helpers --------------------------------------------------------------------------------
 
@@ -262,6 +271,8 @@ class Compressor:
             view.hidden_states = inputs.hidden_states
         if "rope" in needs:
             view.rope = self.rope
+        if "call_notes" in needs:
+            view.call_notes = self._call_notes
         if "attention" in needs:
             if inputs.weights is not None:
                 view.attention = _returned_weights(inputs, total - observed)
