@@ -306,11 +306,13 @@ class KVCacheLayer(CacheLayerMixin):
         cache = self.cache
         order = cache.tiering.arrangement(self._tiering_view(read)).cpu()
         stored = read.valid.cpu()
-        named = torch.zeros_like(stored).scatter_(-1, order.clamp(min=0), order >= 0)
-        slot = torch.arange(stored.shape[-1]).expand_as(stored)
+        slots = stored.shape[-1]
+        named = torch.zeros(*stored.shape[:2], slots + 1, dtype=torch.bool).scatter_(-1, torch.where(order >= 0, order, slots), True)
+        named = named[..., :slots]
+        slot = torch.arange(slots).expand_as(stored)
         order = torch.cat([order, torch.where(stored & ~named, slot, -1)], dim=-1)
         order = order.gather(-1, torch.sort((order < 0).to(torch.int8), dim=-1, stable=True).indices)
-        layout = cache.store.arrange(self.layer_idx, cache.rows, order[..., : stored.shape[-1]])
+        layout = cache.store.arrange(self.layer_idx, cache.rows, order[..., :slots])
         if cache.compressor is not None:
             cache.compressor.compacted(self.layer_idx, layout)
         self.identity = False

@@ -11,7 +11,7 @@ import torch
 
 import kvlib
 from kvlib.transformers_compat import cache_argument
-from tests.adapters.conftest import build_model, left_padded
+from tests.adapters.conftest import PAD, build_model, left_padded
 from tests.adapters.test_shadowkv import assert_each_page_in_one_tier, generate
 
 
@@ -41,6 +41,22 @@ def test_reading_every_page_equals_the_full_cache_with_pages_on_the_host(family:
     stored = cache.store.stored_positions(0, cache.rows)
     prompt = stored[..., : ids.shape[1]]
     assert not torch.equal(prompt, prompt.sort(-1).values)  # arranged by cluster, not by position
+
+
+def test_a_chunked_prefill_arranges_after_every_chunk_and_reading_every_page_equals_the_full_cache() -> None:
+    model = build_model("llama")
+    ids, mask = left_padded([75, 50], seed=3)
+    options = dict(
+        attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=PAD, output_logits=True, return_dict_in_generate=True
+    )
+    reference = model.generate(ids, **options, prefill_chunk_size=16)
+    cache = kvlib.make_cache(model, "clusterkv(top_k=8, dense_layers=0, cluster_tokens=8)")
+    out = model.generate(ids, **cache_argument(cache), **options, prefill_chunk_size=16)
+    assert torch.equal(out.sequences, reference.sequences)
+    for ours, theirs in zip(out.logits, reference.logits):
+        torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+    prompt = cache.store.stored_positions(1, cache.rows)[..., : ids.shape[1]]
+    assert not torch.equal(prompt, prompt.sort(-1).values)
 
 
 def test_clusters_fill_consecutive_slots_after_the_prompt() -> None:
