@@ -269,6 +269,9 @@ class KVCacheLayer(CacheLayerMixin):
                 salience = functools.partial(compaction.salience_after, layout)
             else:
                 salience = functools.partial(cache.compressor.scores, stored_step, inputs, cache.padding, stored)
+        if cache.tiering is not None and not step.sparse and cache.tiering.arranges_tokens(self.layer_idx, step.query_length):
+            self._arrange(read if read is not None else store.read(self.layer_idx, rows))
+            read, salience = None, None
         if cache.codecs is not None:
             for layer in sealing:
                 store.seal(layer, rows, salience if layer == self.layer_idx and codec is not None and codec.uses_salience else None)
@@ -296,13 +299,36 @@ class KVCacheLayer(CacheLayerMixin):
         )
         return FitSample(self.layer_idx, read.keys, read.values, real, query, query_valid)
 
+    def _arrange(self, read: LayerRead) -> None:
+        """Put the layer's stored tokens ``read`` in the tiering strategy's slot order (its view
+        holds the real tokens; padding slots follow them, in slot order); per-slot compressor
+        state follows the layout."""
+        cache = self.cache
+        order = cache.tiering.arrangement(self._tiering_view(read)).cpu()
+        stored = read.valid.cpu()
+        slots = stored.shape[-1]
+        named = torch.zeros(*stored.shape[:2], slots + 1, dtype=torch.bool).scatter_(-1, torch.where(order >= 0, order, slots), True)
+        named = named[..., :slots]
+        slot = torch.arange(slots).expand_as(stored)
+        order = torch.cat([order, torch.where(stored & ~named, slot, -1)], dim=-1)
+        order = order.gather(-1, torch.sort((order < 0).to(torch.int8), dim=-1, stable=True).indices)
+        layout = cache.store.arrange(self.layer_idx, cache.rows, order[..., :slots])
+        if cache.compressor is not None:
+            cache.compressor.compacted(self.layer_idx, layout)
+        self.identity = False
+
     def _rank_pages(self, read: LayerRead) -> None:
         """Re-rank the layer's pages for the device tier by the tiering strategy's scores of its
         stored tokens ``read`` (the layer as it now stands; padding never counts)."""
+        self.cache.store.rank_pages(self.layer_idx, self.cache.rows, self.cache.tiering.ranking_scores(self._tiering_view(read)))
+
+    def _tiering_view(self, read: LayerRead) -> LayerView:
+        """The layer's stored tokens ``read`` as the tiering strategy sees them: positions from each
+        row's first real token, padding invalid."""
         cache = self.cache
         padding = cache.padding.to(read.positions.device).view(-1, 1, 1)
         real = read.valid & (read.positions >= padding)
-        view = LayerView(
+        return LayerView(
             self.layer_idx,
             cache.shape.num_layers,
             read.keys,
@@ -311,7 +337,6 @@ class KVCacheLayer(CacheLayerMixin):
             real,
             page_size=cache.store.page_size,
         )
-        cache.store.rank_pages(self.layer_idx, cache.rows, cache.tiering.ranking_scores(view))
 
     def record_hidden_states(self, hidden_states: torch.Tensor) -> None:
         """Keep this layer call's attention input for a strategy that needs ``hidden_states``."""

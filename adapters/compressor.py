@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -79,7 +80,8 @@ class Compressor:
     State: per layer, the attention each stored token has accumulated (only for strategies that
     need ``accumulated_attention``), aligned with the layer's stored slots, and the layer's
     :class:`~kvlib.adapters.query_history.QueryHistory` (only for strategies that need
-    ``recent_queries`` or ``prompt_length``); the cache keeps them in step with its rows and
+    ``recent_queries`` or ``prompt_length``); the current model call's ``call_notes`` (cleared
+    when a layer index not above the last one arrives); the cache keeps them in step with its rows and
     slots (:meth:`select_rows`, :meth:`reset`, :meth:`compacted`: the caller hands on the layout
     of every compaction it makes).
 
@@ -106,6 +108,8 @@ class Compressor:
     _accumulated: dict[int, torch.Tensor] = field(default_factory=dict, init=False, repr=False)
     _decode_steps: dict[int, int] = field(default_factory=dict, init=False, repr=False)
     _history: dict[int, QueryHistory] = field(default_factory=dict, init=False, repr=False)
+    _call_notes: dict[str, Any] = field(default_factory=dict, init=False, repr=False)
+    _last_layer: int = field(default=-1, init=False, repr=False)
 
     def compaction(
         self, step: LayerStep, inputs: AttentionInputs, real_offsets: torch.Tensor, stored: Callable[[], LayerRead] | None = None
@@ -120,6 +124,9 @@ class Compressor:
         """
         read = step.read
         self._remember(step, inputs, real_offsets)
+        if step.layer_idx <= self._last_layer:  # layers run in order: a new model call begins
+            self._call_notes.clear()
+        self._last_layer = step.layer_idx
         accumulated = None
         if "accumulated_attention" in self.strategy.needs:
             accumulated = self._accumulated[step.layer_idx] = self._accumulate(step, inputs, real_offsets)
@@ -232,6 +239,8 @@ class Compressor:
         self._accumulated.clear()
         self._decode_steps.clear()
         self._history.clear()
+        self._call_notes.clear()
+        self._last_layer = -1
 
     # -- helpers --------------------------------------------------------------------------------
 
@@ -288,6 +297,8 @@ class Compressor:
             view.output_projection = self.output_projections[step.layer_idx]
         if "budget" in needs:
             view.budget_tokens = tokens
+        if "call_notes" in needs:
+            view.call_notes = self._call_notes
         if "attention" in needs:
             if inputs.weights is not None:
                 view.attention = _returned_weights(inputs, total - observed)

@@ -1,12 +1,13 @@
-"""ShadowKV against Quest at equal device bytes on SmolLM2-135M-Instruct: quality and decode speed.
+"""ShadowKV and ClusterKV against Quest at equal device bytes on SmolLM2-135M-Instruct: quality and decode speed.
 
 - Quality: a natural-text prompt of ``--context`` tokens (RULER's essay filler, BOS first); the
   full cache decodes ``--steps`` greedy tokens; each spec's cache is fed them one at a time
   (teacher forcing): mean KL(full || spec) in nats per step and agreement (its argmax is the full
   cache's token). For each pages-read budget K (pages per KV head and decode step): ``quest(top_k=K)``,
-  ``shadowkv(pages=K - 4, window=2, outliers=2)`` and ``random_pages(top_k=K)`` (the control), all
+  ``shadowkv(pages=K - 4, window=2, outliers=2)``, ``clusterkv(top_k=K)`` (pages arranged by key
+  cluster after the prompt, chosen by centre score) and ``random_pages(top_k=K)`` (the control), all
   with the same device budget for whole pages (``window + outliers`` pages per head and layer:
-  quest's through ``lru``), so the device holds the same bytes; the device and host bytes of
+  quest's, clusterkv's and random_pages' through ``lru``), so the device holds the same bytes; the device and host bytes of
   each at the end (``memory_report``) and the host pages read per decode step and layer.
 - Speed: greedy decode tok/s after the same prompt, configs interleaved over ``--repeats``
   (medians; the spread is reported): the exact cache (no read mirror), ``lru`` at that device
@@ -65,6 +66,7 @@ def specs(budget: int, device: float) -> dict[str, str]:
     return {
         "quest": f"quest(top_k={budget}, placement={lru!r})",
         "shadowkv": f"shadowkv(pages={budget - WINDOW - OUTLIERS}, window={WINDOW}, outliers={OUTLIERS}, device_mb={device:.6f})",
+        "clusterkv": f"clusterkv(top_k={budget}, placement={lru!r})",
         "random_pages": f"random_pages(top_k={budget}, placement={lru!r})",
     }
 
@@ -154,7 +156,7 @@ def run(argv: Sequence[str] | None = None) -> dict:
 def _markdown(result: dict, argv: Sequence[str] | None) -> str:
     c = result["config"]
     lines = [
-        "# shadowkv_bench: ShadowKV against Quest at equal device bytes (SmolLM2-135M-Instruct)",
+        "# shadowkv_bench: ShadowKV and ClusterKV against Quest at equal device bytes (SmolLM2-135M-Instruct)",
         "",
         f"Command: `{command_line('shadowkv_bench.py', argv)}`",
         "",
@@ -163,7 +165,7 @@ def _markdown(result: dict, argv: Sequence[str] | None) -> str:
         f" {result['seconds']} s. Library revision: {result['git']}.",
         "",
         f"Device budget for whole pages: {result['device_mb']:.3f} MiB ({WINDOW + OUTLIERS} pages per KV head and layer: the window and"
-        " the outliers) for every spec; the key summaries (min and max per page) come on top for all three.",
+        " the outliers) for every spec; the key summaries (min and max per page) come on top for all of them.",
     ]
     if result["quality"]:
         lines += _quality_markdown(result["quality"])

@@ -43,8 +43,9 @@ def page_coordinates(first: torch.Tensor, counts: torch.Tensor, heads: int) -> t
     return group // heads, group % heads, page_index
 
 
-def sorted_keep(keep: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """Validate ``keep`` against ``lengths [batch, heads]``; return it sorted with -1 padding last."""
+def sorted_keep(keep: torch.Tensor, lengths: torch.Tensor, *, in_given_order: bool = False) -> torch.Tensor:
+    """Validate ``keep`` against ``lengths [batch, heads]``; return it sorted with -1 padding last
+    (``in_given_order``: as given, on the CPU, its -1 padding required to come last)."""
     if not isinstance(keep, torch.Tensor) or keep.dtype.is_floating_point or keep.dtype == torch.bool:
         raise ValueError("keep must be an integer tensor [batch, kv_heads, k] of token indices (-1 pads)")
     keep = keep.to("cpu", torch.int64)
@@ -56,4 +57,8 @@ def sorted_keep(keep: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     ordered = torch.where(keep >= 0, keep, past_end).sort(dim=-1).values
     if bool(((ordered[..., 1:] == ordered[..., :-1]) & (ordered[..., 1:] != past_end)).any()):
         raise ValueError("keep indices repeat within a head")
+    if in_given_order:
+        if bool(((keep[..., 1:] >= 0) & (keep[..., :-1] < 0)).any()):
+            raise ValueError("keep must list each head's kept slots first, its -1 padding last")
+        return keep
     return torch.where(ordered == past_end, -1, ordered)

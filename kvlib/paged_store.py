@@ -417,6 +417,26 @@ class PagedStore:
             self.trim(layer)
         return done.layout
 
+    @outside_inference_mode
+    def arrange(self, layer: int, seqs: SequenceIds, order: torch.Tensor) -> torch.Tensor:
+        """Put the stored tokens of each (sequence, head) of ``layer`` in the slot ``order`` given:
+        int ``[batch, kv_heads, k]``, new slot ``i`` takes old slot ``order[..., i]``, every slot
+        of the head named once (a permutation), ``-1`` padding last. Heads whose order changes are
+        rewritten in order (:meth:`compact`'s second way) from their first moved page; each token
+        keeps its position (slots then no longer follow positions). Returns the layout, as
+        :meth:`compact` does. ``ValueError`` before any change if ``order`` drops or repeats a slot."""
+        layer = self._layer(layer)
+        rows = self._rows(seqs)
+        if not torch.equal((torch.as_tensor(order) >= 0).sum(-1).cpu(), self.tables[layer].lengths[rows].cpu()):
+            raise ValueError("order must name every stored slot of each head once (a permutation), -1 padding last")
+        done = store_compaction.compact(
+            layer, self.pools[layer], self.tables[layer], rows, order, None, reuse_slots=False, in_given_order=True
+        )
+        if done.changed:
+            self._open_pages[layer] = None
+            self.mirrors.follow_compaction(layer, rows, done.reorder, done.moves, done.new_lengths)
+        return done.layout
+
     def trim(self, layer: int) -> None:
         """Give back ``layer``'s idle arena memory when less than
         :data:`~kvlib.store_compaction.TRIM_BELOW` of it is in use (see

@@ -48,15 +48,22 @@ def compact(
     values: torch.Tensor | None,
     *,
     reuse_slots: bool,
+    in_given_order: bool = False,
 ) -> Compaction:
     """Keep only the stored tokens ``keep`` of each (row, head); free the rest (see
     :meth:`kvlib.paged_store.PagedStore.compact` for the arguments and the two ways a head takes).
-    ``ValueError`` or ``PoolExhaustedError`` before any change."""
+    ``in_given_order``: the kept tokens take the order ``keep`` gives them (heads whose order
+    changes are rewritten in order from their first moved page; see
+    :meth:`~kvlib.paged_store.PagedStore.arrange`). ``ValueError`` or ``PoolExhaustedError``
+    before any change."""
     page_size = pool.page_size
     lengths = table.lengths[rows]
-    kept = sorted_keep(keep, lengths)
+    kept = sorted_keep(keep, lengths, in_given_order=in_given_order)
     new_lengths = (kept >= 0).sum(-1)
     changed = new_lengths != lengths
+    if in_given_order:
+        reuse_slots = False
+        changed |= ((kept != torch.arange(kept.shape[-1])) & (kept >= 0)).any(-1)
     if values is not None and tuple(values.shape) != (*kept.shape, pool.value_dim):
         raise ValueError(f"values must have shape {[*kept.shape, pool.value_dim]}, got {list(values.shape)}")
     if not bool(changed.any()):

@@ -25,7 +25,7 @@ import abc
 import dataclasses
 import typing
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -47,6 +47,7 @@ NEEDS = frozenset(
         "prompt_length",
         "output_projection",
         "budget",
+        "call_notes",
     }
 )
 """What an eviction strategy may ask the engine for in ``needs`` (the :class:`LayerView` fields it fills):
@@ -76,6 +77,11 @@ NEEDS = frozenset(
   bias), in the model's dtype and device;
 - ``budget``: ``budget_tokens`` int64 ``[batch]``, the call's budget in tokens per (layer, head) on
   average (what :class:`BudgetRequest` ``tokens`` holds), None when the call compacts nothing.
+- ``call_notes``: a dict shared by the layers of one model call (one forward pass, layers in
+  order), empty at its first layer: what a layer chose, left for later layers of the same call
+  (FastKV's propagated tokens, WindowKV's group selection). The engine owns it per cache (or per
+  Engine request) and clears it when a call begins, so nothing outlives a call or passes between
+  caches; keys are the strategy's to choose.
 """
 
 
@@ -169,6 +175,7 @@ class LayerView:
     prompt_lengths: torch.Tensor | None = None
     output_projection: torch.Tensor | None = None
     budget_tokens: torch.Tensor | None = None
+    call_notes: dict[str, Any] | None = None
     page_size: int | None = None
     """Tokens per page of the store (slot ``s`` of a head lies in its page ``s // page_size``):
     given to :meth:`Tiering.ranking_scores`, None for eviction strategies."""
@@ -359,6 +366,19 @@ class Tiering(Strategy):
         """Per-token placement scores ``[batch, kv_heads, slots]``, higher stays on the device
         (asked for only when :meth:`refreshes_ranking` says so)."""
         raise NotImplementedError(f"{type(self).__name__} does not rank pages")
+
+    def arranges_tokens(self, layer_idx: int, query_length: int) -> bool:
+        """Whether, after a (non-sparse) call of layer ``layer_idx`` with ``query_length`` new
+        tokens per row, the layer's stored tokens are put in the slot order :meth:`arrangement`
+        gives (never, by default)."""
+        return False
+
+    def arrangement(self, view: LayerView) -> torch.Tensor:
+        """The new slot order of each head's stored tokens: int64 ``[batch, kv_heads, slots]``, new
+        slot ``i`` takes old slot ``order[..., i]``, every valid slot of ``view`` once, ``-1`` last
+        (asked for only when :meth:`arranges_tokens` says so; the store rewrites the heads whose
+        order changes, each token keeping its position: :meth:`~kvlib.paged_store.PagedStore.arrange`)."""
+        raise NotImplementedError(f"{type(self).__name__} does not arrange tokens")
 
 
 class PageRetrieval(Tiering, abc.ABC):
