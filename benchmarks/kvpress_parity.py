@@ -167,6 +167,19 @@ EXPLANATIONS: dict[str, str] = {
         "L2-normalised keys (`F.normalize(keys).mean`) while kvlib's is the mean of the raw keys (over each head's "
         "valid keys); heads with uneven key norms rank differently."
     ),
+    "DuoAttention": (
+        "Same head split by construction, different profile source. kvpress's `DuoAttentionPress` downloads the "
+        "published patterns (only for 7-8B models) or estimates them on BookSum (a download); neither runs offline for "
+        "SmolLM2, so the worker hands the press kvlib's head scores (the head_importance profile) and "
+        "`head_compression_ratio` = the share of heads kvlib's `DuoSplit` streams at that budget. The kept sets then "
+        "differ only in the streaming heads: kvpress keeps exactly `sink + recent` (80) tokens there and under-fills "
+        "the budget (93.2 vs 94.0 tokens per head at 0.25, 512 tokens), kvlib gives the streaming heads the rest of "
+        "the budget (a few more recent tokens each), so the budget is met exactly."
+    ),
+    "KVzip": (
+        "kvpress's `layerwise=True` (one top-k across the heads of each layer, what kvlib's default `adaptive(floor=0)` "
+        "does); kvpress's default ranks across layers too, which kvlib's per-layer compaction does not do."
+    ),
 }
 """Method -> why its kept positions differ from kvpress's (with the evidence), for the report."""
 
