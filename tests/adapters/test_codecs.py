@@ -74,8 +74,13 @@ def test_codecs_compose_with_every_eviction_strategy(eviction: str, codec: str) 
         cache = kvlib.make_cache(model, f"{eviction}+{codec}", budget=24, **options)
         model.generate(ids, attention_mask=mask, **cache_argument(cache), do_sample=False, max_new_tokens=10, pad_token_id=PAD)
         held_bytes_follow_the_layout(cache)
+        by_scores = cache.compressor.allocation.needs_scores  # a split by scores (Ada-KV) fixes each layer's total
         for layer in range(cache.shape.num_layers):
-            assert int((cache.kept_positions(layer) >= 0).sum(-1).max()) <= most
+            kept = (cache.kept_positions(layer) >= 0).sum(-1)
+            if by_scores:
+                assert int(kept.sum(-1).max()) <= most * kept.shape[-1]
+            else:
+                assert int(kept.max()) <= most
 
 
 @pytest.mark.parametrize("spec", ["svd(rank=8)", "xkv(rank=8)", "think(keep=1.0)", "minicache(start=0.2, retain=0.99)"])
