@@ -90,14 +90,15 @@ def run_configuration(loaded, tasks, policy: str, budget: float | None, prompt: 
 def markdown(runs: Sequence[CompareRun], meta: dict) -> str:
     """The table: one row per configuration, tasks' scores, their mean, bytes and speed."""
     tasks = meta["options"]["tasks"].split(",")
-    header = ["policy", "budget", *tasks, "mean", "KV bytes vs full", "decode tok/s", "s"]
+    header = ["policy", "budget", *tasks, "mean", "KV bytes vs full", "decode tok/s", "s", "load"]
     lines = [
         f"# Eviction strategies on the RULER-style suite ({meta['options']['model']}, {meta['options']['context']} tokens)",
         "",
         f"`{meta['command']}` (library {meta['git']}); {meta['options']['samples']} sample(s) per task, scored with RULER's"
         " string_match_all; budget = fraction of each sequence's tokens, an int cap per layer and KV head held at every call;"
-        " KV bytes and decode speed from the speed run (greedy steps after a prefill of the same length).",
-        " Decode tok/s ran on 2 shared cores, often with other jobs: compare them within a table, with care.",
+        " KV bytes and decode speed from the speed run (greedy steps after a prefill of the same length);"
+        " s: seconds the configuration took; load: the 1-minute load average when it finished (decode tok/s at a high"
+        " load measures the machine, not the strategy).",
         "",
         "| " + " | ".join(header) + " |",
         "|" + "---|" * len(header),
@@ -112,7 +113,7 @@ def markdown(runs: Sequence[CompareRun], meta: dict) -> str:
             f"{run.kv_fraction:.3f}" if run.kv_fraction else "-",
             f"{run.decode_tokens_per_s:.2f}" if run.decode_tokens_per_s else "-",
         ]
-        cells += [str(meta["seconds"].get(run.label, "-"))]
+        cells += [str(meta["seconds"].get(run.label, "-")), str(meta["load"].get(run.label, "-"))]
         lines.append("| " + " | ".join(cells) + " |")
     errors = [f"- {run.label}: {run.error}" for run in runs if run.error]
     return "\n".join(lines + ([""] + errors if errors else [])) + "\n"
@@ -145,8 +146,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     options = {k: getattr(args, k) for k in OPTIONS}
     path = args.out / f"{NAME}.json"
     runs = load_runs(path, options)
-    meta = json.loads(path.read_text()) if path.exists() else {}
-    meta = {"options": options, "command": command_line("ruler_suite.py", argv), "git": git_revision(), "seconds": meta.get("seconds", {})}
+    recorded = json.loads(path.read_text()) if path.exists() else {}
+    meta = {
+        "options": options,
+        "command": recorded.get("command", "") if args.report_only else command_line("ruler_suite.py", argv),
+        "git": recorded.get("git", "") if args.report_only else git_revision(),
+        "seconds": recorded.get("seconds", {}),
+        "load": recorded.get("load", {}),
+    }
     if args.report_only:
         write(args.out, runs, meta)
         return 0
@@ -166,6 +173,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         started = time.perf_counter()
         run = run_configuration(loaded, tasks, policy, budget, prompt, args.speed_steps)
         meta["seconds"][run.label] = round(time.perf_counter() - started)
+        meta["load"][run.label] = round(os.getloadavg()[0], 1)
         runs.append(run)
         write(args.out, runs, meta)
         print(

@@ -37,15 +37,15 @@ between processes on the same server under ``b"kvlib:q:" + name``: see
 
 from __future__ import annotations
 
+import importlib
 import os
 import struct
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-import blake3
-import redis
-from redis.backoff import NoBackoff
-from redis.retry import Retry
+if TYPE_CHECKING:
+    import redis
 
 KEY_ENV = "KVLIB_REMOTE_KEY"
 """The environment variable holding the records' key when ``key=None``."""
@@ -57,6 +57,17 @@ ENVELOPE = struct.Struct("<4sBB2x32s")
 """40 bytes before the record: magic, version, keyed flag, tag."""
 MAGIC, VERSION = b"KVLR", 1
 SCHEMES = ("redis://", "rediss://", "unix://")
+
+
+def client_modules() -> tuple:
+    """The ``redis`` client (with its ``retry`` and ``backoff`` modules loaded) and ``blake3``,
+    imported when a remote tier is made: they are the optional extra ``kvlib[remote]``, so kvlib
+    imports without them; ``ImportError`` naming the extra when one is missing."""
+    try:
+        modules = [importlib.import_module(name) for name in ("redis", "redis.retry", "redis.backoff", "blake3")]
+    except ImportError as missing:
+        raise ImportError(f"the remote tier needs the redis and blake3 packages: pip install 'kvlib[remote]' ({missing})") from missing
+    return modules[0], modules[-1]
 
 
 class RemoteTier:
@@ -81,13 +92,20 @@ class RemoteTier:
             key = os.environ.get(KEY_ENV) or None
         if key is not None and (not isinstance(key, (str, bytes)) or not key):
             raise ValueError(f"key must be a non-empty str or bytes (or None for ${KEY_ENV}), got {type(key).__name__}")
+        redis, blake3 = client_modules()
+        self._hasher = blake3.blake3
+        self._faults = (redis.RedisError, OSError)
         secret = key.encode() if isinstance(key, str) else key
-        self.tag_key = None if secret is None else blake3.blake3(secret, derive_key_context=TAG_CONTEXT).digest()
+        self.tag_key = None if secret is None else self._hasher(secret, derive_key_context=TAG_CONTEXT).digest()
         """32 bytes keying every record's tag, or None (unkeyed records)."""
         self.url = url
         self.timeout_s, self.retry_s = float(timeout_s), float(retry_s)
         self.client = redis.Redis.from_url(
-            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0), health_check_interval=0
+            url,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+            retry=redis.retry.Retry(redis.backoff.NoBackoff(), 0),
+            health_check_interval=0,
         )
         self.down_until = 0.0
         """``time.monotonic()`` before which the server is not contacted (after a failure)."""
@@ -124,7 +142,7 @@ class RemoteTier:
         return record
 
     def _tag(self, key: bytes, record: memoryview) -> bytes:
-        hasher = blake3.blake3(key=self.tag_key)
+        hasher = self._hasher(key=self.tag_key)
         hasher.update(struct.pack("<Q", len(key)))
         hasher.update(key)
         hasher.update(record)
@@ -214,7 +232,7 @@ class RemoteTier:
         failed the whole batch: counted, and the server is left alone for ``retry_s``."""
         try:
             return pipe.execute(raise_on_error=False)
-        except (redis.RedisError, OSError):
+        except self._faults:
             self.errors += 1
             self.down_until = time.monotonic() + self.retry_s
             self.client.connection_pool.disconnect()

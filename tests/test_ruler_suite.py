@@ -31,7 +31,13 @@ def made_run(policy: str, budget: float | None, score: float, error: str | None 
 
 def test_recorded_runs_read_back_whole_and_render(tmp_path: Path) -> None:
     runs = [made_run("snapkv", 0.25, 1.0), made_run("full", None, 1.0), made_run("h2o", 0.1, 0.0, error="ValueError: bad")]
-    meta = {"options": OPTIONS, "command": "python benchmarks/ruler_suite.py", "git": "abc", "seconds": {"snapkv @ 0.25": 40}}
+    meta = {
+        "options": OPTIONS,
+        "command": "python benchmarks/ruler_suite.py",
+        "git": "abc",
+        "seconds": {"snapkv @ 0.25": 40},
+        "load": {"snapkv @ 0.25": 1.5},
+    }
     ruler_suite.write(tmp_path, runs, meta)
     back = ruler_suite.load_runs(tmp_path / "ruler_suite.json", OPTIONS)
     assert [(r.policy, r.budget) for r in back] == [("full", None), ("h2o", 0.1), ("snapkv", 0.25)]  # full first, then sorted
@@ -39,12 +45,12 @@ def test_recorded_runs_read_back_whole_and_render(tmp_path: Path) -> None:
     assert snap.results["niah_single"] == runs[0].results["niah_single"] and snap.kv_fraction == 0.25
     assert back[1].error == "ValueError: bad" and not back[1].results
     table = (tmp_path / "ruler_suite.md").read_text()
-    assert "| snapkv | 0.25 | 1.00 | 0.50 | 0.75 | 0.250 | 12.50 | 40 |" in table
+    assert "| snapkv | 0.25 | 1.00 | 0.50 | 0.75 | 0.250 | 12.50 | 40 | 1.5 |" in table
     assert "- h2o @ 0.1: ValueError: bad" in table
 
 
 def test_runs_made_with_other_options_are_refused(tmp_path: Path) -> None:
-    meta = {"options": OPTIONS, "command": "", "git": "", "seconds": {}}
+    meta = {"options": OPTIONS, "command": "", "git": "", "seconds": {}, "load": {}}
     ruler_suite.write(tmp_path, [made_run("full", None, 1.0)], meta)
     with pytest.raises(ValueError, match="other options.*context"):
         ruler_suite.load_runs(tmp_path / "ruler_suite.json", {**OPTIONS, "context": 2048})

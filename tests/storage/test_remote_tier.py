@@ -108,3 +108,29 @@ def test_queues_carry_messages_between_tiers(redis_server) -> None:
 def test_bad_arguments_are_refused(kwargs: dict) -> None:
     with pytest.raises(ValueError):
         RemoteTier(**kwargs)
+
+
+def test_kvlib_imports_without_the_remote_and_ray_extras_and_names_the_extra_when_needed() -> None:
+    """``redis``, ``blake3`` and ``ray`` are optional extras: kvlib imports without them, and a
+    remote tier made without them says which extra to install (a child process where importing
+    them fails)."""
+    import subprocess
+    import sys
+
+    script = """
+import importlib.abc, sys
+class Missing(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in ("redis", "blake3", "ray"):
+            raise ImportError(f"No module named {name!r}")
+sys.meta_path.insert(0, Missing())
+import kvlib, kvlib.eval.ray_compare
+from kvlib.storage.remote_tier import RemoteTier
+try:
+    RemoteTier("redis://127.0.0.1:1")
+except ImportError as error:
+    print(error)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "pip install 'kvlib[remote]'" in done.stdout
