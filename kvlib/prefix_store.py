@@ -215,6 +215,9 @@ class PrefixStore:
             index += 1
         if self.remote is not None and index < len(blocks):
             remote = self.remote.get_many([layout.namespace + key for key in keys[index:]], lambda record: decode_parts(layout, [record]))
+            arrived = next((i for i, block in enumerate(remote) if block is None), len(remote))
+            for pool in self.stores[namespace].pools:  # one growth for the batch, not one every few blocks
+                pool.reserve(arrived * layout.heads)
             for block in remote:
                 entry = self._restore(namespace, layout, keys, blocks, index, block)
                 if entry is None:

@@ -178,6 +178,13 @@ class PagePool:
     def can_allocate(self, count: int) -> bool:
         return not self.fixed or count <= self._free.free
 
+    def reserve(self, count: int) -> None:
+        """Make room for ``count`` more pages in one growth, for a caller about to take them a few
+        at a time (a prefix restored block by block would otherwise grow the arena, and copy it,
+        every few blocks). A fixed pool is left as it is: its allocations say when it is full."""
+        if not self.fixed and count > self._free.free:
+            self._grow(self.pages_in_use + count)
+
     def allocate(self, count: int, heads: torch.Tensor | None = None) -> torch.Tensor:
         """Take ``count`` free pages (reference count 1 each); returns their ids, int64 on CPU.
 

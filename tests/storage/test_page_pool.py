@@ -37,6 +37,28 @@ def test_growable_pool_grows_to_what_it_needs_plus_a_margin_and_keeps_data() -> 
     assert torch.equal(keys, torch.ones(2, 2)) and positions.tolist() == [5, 6]
 
 
+def test_reserve_grows_once_for_pages_taken_a_few_at_a_time_and_leaves_fixed_pools_alone() -> None:
+    pool = make_pool(capacity=2)
+    ids = pool.allocate(2)
+    pool.write(ids * 4, torch.ones(2, 2), torch.ones(2, 3), torch.tensor([5, 6]))
+    pool.reserve(400)
+    reserved = pool.capacity
+    assert reserved == grown_to(402) and pool.free_pages >= 400
+    for _ in range(100):  # a prefix restored block by block: no growth, no copy
+        pool.allocate(4)
+    assert pool.capacity == reserved and pool.pages_in_use == 402
+    assert pool.gather(ids * 4)[2].tolist() == [5, 6]
+    pool.reserve(1)  # room already there: nothing changes
+    assert pool.capacity == reserved
+    fixed = make_pool(capacity=4, fixed=True)
+    fixed.reserve(100)
+    assert fixed.capacity == 4
+
+
+def grown_to(pages: int) -> int:
+    return pages + max(pages // 32, 16)
+
+
 def test_relocate_then_shrink_moves_pages_and_gives_memory_back() -> None:
     pool = make_pool(capacity=8)
     ids = pool.allocate(8)
