@@ -112,27 +112,38 @@ def rope_of(model: torch.nn.Module, head_dim: int) -> Rope | None:
     return None
 
 
+def attention_modules(model: torch.nn.Module, shape: KVShape) -> list[torch.nn.Module]:
+    """Each layer's attention module, in layer order: the modules with an int ``layer_idx`` and an
+    output projection (``o_proj``, a ``Linear``: Llama family; or GPT-2's ``c_attn`` with a
+    ``c_proj``). ``ValueError`` for a model without one in every layer."""
+    found: dict[int, torch.nn.Module] = {}
+    for module in model.modules():
+        layer = getattr(module, "layer_idx", None)
+        if not isinstance(layer, int):
+            continue
+        if isinstance(getattr(module, "o_proj", None), torch.nn.Linear) or (
+            hasattr(module, "c_attn") and isinstance(getattr(getattr(module, "c_proj", None), "weight", None), torch.Tensor)
+        ):
+            found[layer] = module
+    if sorted(found) != list(range(shape.num_layers)):
+        raise ValueError(
+            f"{type(model).__name__}: no attention module with an output projection (o_proj or GPT-2's c_proj) found in"
+            f" every layer (found layers {sorted(found)})"
+        )
+    return [found[layer] for layer in range(shape.num_layers)]
+
+
 def output_projections(model: torch.nn.Module, shape: KVShape) -> list[torch.Tensor]:
     """Each layer's attention output projection split by query head: ``[query_heads, value_dim,
     hidden]`` per layer (views of the weights, no copies), so that the attention module's output
     is ``sum_h out_h @ W_o[h]`` plus its bias.
 
-    Finds the attention modules by their ``layer_idx`` and their output projection: ``o_proj`` (a
-    ``Linear``, Llama family: ``weight`` is ``[hidden, heads * value_dim]``) or ``c_proj`` (GPT-2's
-    ``Conv1D``: ``weight`` is ``[heads * value_dim, hidden]``). ``ValueError`` for a model with
-    neither in every layer."""
-    found: dict[int, torch.Tensor] = {}
-    for module in model.modules():
-        layer = getattr(module, "layer_idx", None)
-        if not isinstance(layer, int):
-            continue
-        if isinstance(getattr(module, "o_proj", None), torch.nn.Linear):
-            found[layer] = module.o_proj.weight.detach().t()
-        elif hasattr(module, "c_attn") and isinstance(getattr(getattr(module, "c_proj", None), "weight", None), torch.Tensor):
-            found[layer] = module.c_proj.weight.detach()
-    if sorted(found) != list(range(shape.num_layers)):
-        raise ValueError(
-            f"{type(model).__name__}: no attention output projection (o_proj or GPT-2's c_proj) found in every layer"
-            f" (found layers {sorted(found)}); strategies that need output_projection cannot run on it"
-        )
-    return [found[layer].reshape(shape.num_query_heads, shape.value_dim, -1) for layer in range(shape.num_layers)]
+    The modules are :func:`attention_modules`'; ``o_proj`` is a ``Linear`` (``weight`` is
+    ``[hidden, heads * value_dim]``), GPT-2's ``c_proj`` a ``Conv1D`` (``weight`` is ``[heads *
+    value_dim, hidden]``). ``ValueError`` (naming output_projection) for a model without them."""
+    try:
+        modules = attention_modules(model, shape)
+    except ValueError as exc:
+        raise ValueError(f"{exc}; strategies that need output_projection cannot run on it") from None
+    weights = [m.o_proj.weight.detach().t() if hasattr(m, "o_proj") else m.c_proj.weight.detach() for m in modules]
+    return [w.reshape(shape.num_query_heads, shape.value_dim, -1) for w in weights]

@@ -8,9 +8,10 @@ compression) and then decodes greedily, one row at a time, up to ``--max-new-tok
 the cache's ``pages`` bytes after the prompt over a full cache's (``full_equivalent_bytes``), the
 same budget giving each method the same bytes up to page rounding (reported per method).
 
-DuoAttention's head split comes from a head_importance profile of SmolLM2 (each KV head's
-attention mass on distant tokens, :func:`kvlib.policies.budget.head_importance.calibrate`),
-measured once on a 1024-token ``niah_multikey`` prompt of another seed and cached under
+DuoAttention's head split comes from a retrieval profile of SmolLM2 (each KV head's attention
+from the answer's queries onto the needle while the answer is produced,
+:func:`kvlib.eval.retrieval_profile.retrieval_profile`), measured once at ``--context`` tokens on
+two ``niah_single`` and two ``niah_multikey`` prompts of other seeds (1000, 1001) and cached under
 ``<kvlib cache>/profiles/``; ``--no-profile`` runs DuoAttention's profile-free default instead.
 
 Usage:
@@ -51,26 +52,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if not 0 < args.budget < 1 or args.samples < 1 or args.context < 64:
         parser.error("--budget must be in (0, 1), --samples >= 1, --context >= 64")
     return args
-
-
-CALIBRATION_CONTEXT = 1024
-"""Tokens of the calibration prompt (its eager pass holds every layer's attention weights at once)."""
-
-
-def profile_path(model, tokenizer, context: int = CALIBRATION_CONTEXT) -> Path:
-    """SmolLM2's head_importance profile, calibrated once on a ``context``-token niah_multikey prompt (seed 1000)."""
-    import torch
-
-    from kvlib.eval.ruler import RULER_TASKS
-    from kvlib.eval.smollm2 import cache_root
-    from kvlib.policies.budget.head_importance import calibrate
-
-    path = cache_root() / "profiles" / f"smollm2-head_importance-niah_multikey-{context}.json"
-    if not path.is_file():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        case = RULER_TASKS["niah_multikey"](context=context, samples=1, seed=1000).cases(tokenizer)[0]
-        calibrate(model, torch.tensor([list(case.ids)]), path)
-    return path
 
 
 def run_case(model, spec: str, budget: float, ids: Sequence[int], max_new_tokens: int, eos: set[int]) -> dict:
@@ -133,7 +114,7 @@ def report(args: argparse.Namespace, argv: Sequence[str] | None, tasks: list[str
         "budget": args.budget,
         "max_new_tokens": args.max_new_tokens,
         "tasks": tasks,
-        "profile": f"head_importance profile of SmolLM2 (niah_multikey, {CALIBRATION_CONTEXT} tokens, seed 1000)"
+        "profile": f"retrieval profile of SmolLM2 (niah_single and niah_multikey, 2 cases each at {args.context} tokens, seeds 1000-1001)"
         if profile
         else "none (the even spread)",
         "seconds": seconds,
@@ -145,14 +126,16 @@ def main(argv: Sequence[str] | None = None) -> dict:
     args = parse_args(argv)
     started = time.perf_counter()
     from kvlib.eval import load_model
+    from kvlib.eval.retrieval_profile import retrieval_profile
     from kvlib.eval.ruler import RULER_TASKS
 
     loaded = load_model("smollm2")
     model, tokenizer = loaded.model, loaded.tokenizer
     eos = {int(e) for e in [model.generation_config.eos_token_id, tokenizer.eos_token_id] if e is not None}
-    profile = "" if args.no_profile else str(profile_path(model, tokenizer))
+    profile = "" if args.no_profile else str(retrieval_profile(loaded, context=args.context))
     duo = f"duo_attention(sinks={args.sinks}, recent={args.recent}" + (f", profile={profile!r})" if profile else ")")
-    methods = {duo: duo, "streaming_llm": "streaming_llm", "snapkv": "snapkv"}
+    label = f"duo_attention(sinks={args.sinks}, recent={args.recent}) " + ("with the retrieval profile" if profile else "(even spread)")
+    methods = {label: duo, "streaming_llm": "streaming_llm", "snapkv": "snapkv"}
     tasks = [t for t in args.tasks.split(",") if t]
     rows = {m: {"scores": {}, "bytes": [], "predictions": {}} for m in methods}
     result: dict = {}

@@ -30,12 +30,19 @@ class DuoAttention(Eviction):
     ``R`` with the highest weight in ``profile``.
 
     The paper learns a gate per head on synthetic passkey retrieval; kvpress loads those
-    published patterns or estimates them on the fly. Here the profile is a head_importance
-    profile (:func:`kvlib.policies.budget.head_importance.calibrate`: each KV head's attention
-    mass on distant tokens, measured once on any text and saved as JSON): heads that attend far
-    back are the retrieval heads. Without a profile (``profile=""``, the default) the retrieval
-    heads are spread evenly over the layers: head ``h`` of layer ``l`` ranks by ``(h, l)``, so
-    the first ``num_layers`` chosen are head 0 of every layer.
+    published patterns or estimates them on the fly. Here the profile is a head profile JSON
+    measured once per model. The one to use is a retrieval profile
+    (:func:`kvlib.policies.budget.retrieval_calibration.calibrate_retrieval`, or
+    :func:`kvlib.eval.retrieval_profile.retrieval_profile` for a loaded model: each KV head's
+    attention from the answer's queries onto the needle while the model answers RULER needle
+    questions), which picks out the few heads that copy from far back, as the paper's gates do.
+    A head_importance profile (:func:`kvlib.policies.budget.head_importance.calibrate`, distant
+    attention mass on any text) is also read, but it ranks many local-reading heads above the
+    retrieval ones: on SmolLM2 at 4k tokens and 25% of the bytes it lost the needle that the
+    retrieval profile keeps (``benchmarks/results/duo_attention_niah.md``). Without a profile
+    (``profile=""``, the default) the retrieval heads are spread evenly over the layers: head
+    ``h`` of layer ``l`` ranks by ``(h, l)``, so the first ``num_layers`` chosen are head 0 of
+    every layer.
 
     Invariants: a head's budget is met exactly when it holds at least its cap; retrieval heads
     never lose a token while they retrieve (the retrieval set only shrinks as a fixed int budget
@@ -47,7 +54,7 @@ class DuoAttention(Eviction):
         recent: recent tokens a streaming head keeps at least (the paper's recent size, 256);
             only decides how many heads retrieve: the streaming heads' actual window is their
             share of the budget.
-        profile: path of a head_importance profile for this model ("" : the even spread above).
+        profile: path of a head profile for this model, best a retrieval profile ("" : the even spread above).
     """
 
     sinks: int = 64
@@ -109,7 +116,7 @@ class DuoSplit(Budget):
             layers, heads = self.weights.shape
             raise ValueError(
                 f"duo_attention profile is for {layers} layers x {heads} KV heads, but the model has {num_layers} x {kv_heads}:"
-                " calibrate a profile for this model (kvlib.policies.budget.head_importance.calibrate)"
+                " calibrate a profile for this model (kvlib.policies.budget.retrieval_calibration.calibrate_retrieval)"
             )
 
     def layer_tokens(self, request: BudgetRequest) -> torch.Tensor:
