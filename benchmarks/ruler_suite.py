@@ -42,6 +42,7 @@ from kvlib.devices import set_cpu_threads  # noqa: E402
 from kvlib.eval import load_model  # noqa: E402
 from kvlib.eval.compare import FULL, CompareRun, check_inputs, evicts, run_unit, speed_prompt, units  # noqa: E402
 from kvlib.eval.report import to_json  # noqa: E402
+from kvlib.eval.smollm2 import cache_root  # noqa: E402
 from kvlib.eval.task import TaskResult  # noqa: E402
 from kvlib.eval.task_table import parse_tasks  # noqa: E402
 
@@ -106,7 +107,7 @@ def markdown(runs: Sequence[CompareRun], meta: dict) -> str:
     for run in runs:
         scores = [run.results[t].score if t in run.results else None for t in tasks]
         done = [s for s in scores if s is not None]
-        cells = [run.policy, "-" if run.budget is None else f"{run.budget:g}"]
+        cells = [run.policy.replace(str(cache_root()), "<kvlib cache>"), "-" if run.budget is None else f"{run.budget:g}"]
         cells += ["-" if s is None else f"{s:.2f}" for s in scores]
         cells += [f"{sum(done) / len(done):.2f}" if done else "-"]
         cells += [

@@ -55,3 +55,13 @@ def test_runs_made_with_other_options_are_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="other options.*context"):
         ruler_suite.load_runs(tmp_path / "ruler_suite.json", {**OPTIONS, "context": 2048})
     assert json.loads((tmp_path / "ruler_suite.json").read_text())["runs"][0]["policy"] == "full"  # nothing lost
+
+
+def test_a_profile_in_kvlib_s_cache_is_named_by_its_place_there(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("KVLIB_CACHE", str(tmp_path / "cache"))
+    spec = f"duo_attention(profile={str(tmp_path / 'cache' / 'profiles' / 'p.json')!r})"
+    meta = {"options": OPTIONS, "command": "", "git": "", "seconds": {}, "load": {}}
+    ruler_suite.write(tmp_path, [made_run(spec, 0.25, 1.0)], meta)
+    table = (tmp_path / "ruler_suite.md").read_text()
+    assert "| duo_attention(profile='<kvlib cache>/profiles/p.json') | 0.25 |" in table and str(tmp_path / "cache") not in table
+    assert ruler_suite.load_runs(tmp_path / "ruler_suite.json", OPTIONS)[0].policy == spec  # the record keeps the real path
