@@ -55,6 +55,7 @@ import dataclasses
 import hashlib
 import warnings
 from collections.abc import Callable
+from functools import partial
 
 import torch
 
@@ -206,25 +207,43 @@ class PrefixStore:
         keys = self.index.keys(blocks, self._key_space(namespace))
         loaded: list[Entry] = []
         index = first
-        while self.disk is not None and index < len(blocks):
-            block = self.disk.get(layout.namespace + keys[index], lambda parts: decode_parts(layout, parts))
+        if self.disk is not None:
+            run: list[FieldBlock | None] = []
+            while index + len(run) < len(blocks):
+                block = self.disk.get(layout.namespace + keys[index + len(run)], partial(decode_parts, layout))
+                if block is None:
+                    break
+                run.append(block)
+            index = self._restore_run(namespace, layout, keys, blocks, index, run, loaded)
+        if self.remote is not None and index < len(blocks):
+            remote = self.remote.get_many([layout.namespace + key for key in keys[index:]], lambda record: decode_parts(layout, [record]))
+            self._restore_run(namespace, layout, keys, blocks, index, remote, loaded)
+        return loaded
+
+    def _restore_run(
+        self,
+        namespace: str,
+        layout: BlockLayout,
+        keys: list[bytes],
+        blocks: list[list[int]],
+        index: int,
+        run: list[FieldBlock | None],
+        loaded: list[Entry],
+    ) -> int:
+        """Restore ``run`` (records read for blocks ``index, index + 1, ...``) into ``loaded`` until
+        one is missing or does not check out; returns the index of the first block not restored.
+        The pages of the leading records that arrived are reserved in one growth of each layer's
+        arena (block by block, the arenas grew and were copied every few blocks)."""
+        arrived = next((i for i, block in enumerate(run) if block is None), len(run))
+        for pool in self.stores[namespace].pools:
+            pool.reserve(arrived * layout.heads)
+        for block in run:
             entry = self._restore(namespace, layout, keys, blocks, index, block)
             if entry is None:
                 break
             loaded.append(entry)
             index += 1
-        if self.remote is not None and index < len(blocks):
-            remote = self.remote.get_many([layout.namespace + key for key in keys[index:]], lambda record: decode_parts(layout, [record]))
-            arrived = next((i for i, block in enumerate(remote) if block is None), len(remote))
-            for pool in self.stores[namespace].pools:  # one growth for the batch, not one every few blocks
-                pool.reserve(arrived * layout.heads)
-            for block in remote:
-                entry = self._restore(namespace, layout, keys, blocks, index, block)
-                if entry is None:
-                    break
-                loaded.append(entry)
-                index += 1
-        return loaded
+        return index
 
     def _restore(
         self, namespace: str, layout: BlockLayout, keys: list[bytes], blocks: list[list[int]], index: int, block: FieldBlock | None

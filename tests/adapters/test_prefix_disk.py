@@ -165,3 +165,34 @@ def test_a_directory_that_cannot_hold_a_tier_leaves_prefixes_in_memory(tmp_path:
     with pytest.warns(UserWarning, match="cannot create the directory .*prefixes stay in memory") as caught:
         store = kvlib.PrefixStore(build_model("llama"), capacity_bytes=2**20, disk=tmp_path / "file" / "prefixes")
     assert store.disk is None and len(caught) == 1
+
+
+def test_a_run_of_blocks_restored_from_disk_grows_each_arena_once(tmp_path: Path, monkeypatch) -> None:
+    """Twenty-five blocks of four heads on disk, restored into a fresh store: each layer's arena
+    grows once for the run (block by block it grew every four blocks, copying itself each time)."""
+    import torch
+
+    import kvlib
+    from kvlib.storage.page_pool import PagePool
+    from kvlib.transformers_compat import cache_argument
+    from tests.adapters.conftest import PAD, build_model
+
+    model = build_model("stories")
+    prompt = torch.randint(3, 60, (1, 410), generator=torch.Generator().manual_seed(1))
+    disk = DiskTier(tmp_path, capacity_bytes=2**28)
+    writer = kvlib.PrefixStore(model, capacity_bytes=2**28, disk=disk)
+    cache = kvlib.make_cache(model, reuse=writer, prompt=prompt)
+    model.generate(prompt, **cache_argument(cache), max_new_tokens=1, do_sample=False, pad_token_id=PAD)
+    assert disk.stats()["writes"] == 25
+    grows: list[int] = []
+    original = PagePool._grow
+
+    def counted(pool: PagePool, min_capacity: int) -> None:
+        grows.append(id(pool))
+        original(pool, min_capacity)
+
+    monkeypatch.setattr(PagePool, "_grow", counted)
+    reader = kvlib.PrefixStore(model, capacity_bytes=2**28, disk=disk)
+    assert kvlib.make_cache(model, reuse=reader, prompt=prompt).get_seq_length() == 400
+    (store,) = reader.stores.values()
+    assert all(grows.count(id(pool)) == 1 for pool in store.pools) and len(grows) == len(store.pools)
