@@ -88,8 +88,40 @@ def run_configuration(loaded, tasks, policy: str, budget: float | None, prompt: 
     return run
 
 
+def shown(policy: str) -> str:
+    """A policy as the tables show it: a path in kvlib's cache named by its place there."""
+    return policy.replace(str(cache_root()), "<kvlib cache>")
+
+
+def mean_score(run: CompareRun, tasks: Sequence[str]) -> float | None:
+    """The mean of ``run``'s task scores (None before any task finished)."""
+    done = [run.results[t].score for t in tasks if t in run.results]
+    return sum(done) / len(done) if done else None
+
+
+def summary(runs: Sequence[CompareRun], tasks: Sequence[str]) -> list[str]:
+    """One row per policy: its mean score over ``tasks`` at each budget (the full cache's in
+    every column), then its KV bytes vs full and decode tokens/s at each budget."""
+    budgets = sorted({run.budget for run in runs if run.budget is not None})
+    by_policy: dict[str, dict[float | None, CompareRun]] = {}
+    for run in runs:
+        if not run.error:
+            by_policy.setdefault(run.policy, {})[run.budget] = run
+    header = ["policy", *[f"mean @ {b:g}" for b in budgets], *[f"bytes @ {b:g}" for b in budgets], *[f"tok/s @ {b:g}" for b in budgets]]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for policy, configs in by_policy.items():
+        picked = [configs.get(None) or configs.get(b) for b in budgets]
+        score = [mean_score(r, tasks) if r else None for r in picked]
+        cells = [shown(policy), *["-" if m is None else f"{m:.2f}" for m in score]]
+        cells += ["-" if r is None or not r.kv_fraction else f"{r.kv_fraction:.3f}" for r in picked]
+        cells += ["-" if r is None or not r.decode_tokens_per_s else f"{r.decode_tokens_per_s:.2f}" for r in picked]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
 def markdown(runs: Sequence[CompareRun], meta: dict) -> str:
-    """The table: one row per configuration, tasks' scores, their mean, bytes and speed."""
+    """The summary (:func:`summary`), then one row per configuration: tasks' scores, their mean,
+    bytes and speed."""
     tasks = meta["options"]["tasks"].split(",")
     header = ["policy", "budget", *tasks, "mean", "KV bytes vs full", "decode tok/s", "s", "load"]
     lines = [
@@ -101,15 +133,21 @@ def markdown(runs: Sequence[CompareRun], meta: dict) -> str:
         " s: seconds the configuration took; load: the 1-minute load average when it finished (decode tok/s at a high"
         " load measures the machine, not the strategy).",
         "",
+        "Mean score over the tasks at each budget (the full cache's in every column), KV bytes vs full and decode tokens/s:",
+        "",
+        *summary(runs, tasks),
+        "",
+        "Each configuration:",
+        "",
         "| " + " | ".join(header) + " |",
         "|" + "---|" * len(header),
     ]
     for run in runs:
         scores = [run.results[t].score if t in run.results else None for t in tasks]
-        done = [s for s in scores if s is not None]
-        cells = [run.policy.replace(str(cache_root()), "<kvlib cache>"), "-" if run.budget is None else f"{run.budget:g}"]
+        mean = mean_score(run, tasks)
+        cells = [shown(run.policy), "-" if run.budget is None else f"{run.budget:g}"]
         cells += ["-" if s is None else f"{s:.2f}" for s in scores]
-        cells += [f"{sum(done) / len(done):.2f}" if done else "-"]
+        cells += ["-" if mean is None else f"{mean:.2f}"]
         cells += [
             f"{run.kv_fraction:.3f}" if run.kv_fraction else "-",
             f"{run.decode_tokens_per_s:.2f}" if run.decode_tokens_per_s else "-",

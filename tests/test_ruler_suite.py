@@ -47,6 +47,9 @@ def test_recorded_runs_read_back_whole_and_render(tmp_path: Path) -> None:
     table = (tmp_path / "ruler_suite.md").read_text()
     assert "| snapkv | 0.25 | 1.00 | 0.50 | 0.75 | 0.250 | 12.50 | 40 | 1.5 |" in table
     assert "- h2o @ 0.1: ValueError: bad" in table
+    assert "| policy | mean @ 0.1 | mean @ 0.25 | bytes @ 0.1 | bytes @ 0.25 | tok/s @ 0.1 | tok/s @ 0.25 |" in table
+    assert "| full | 0.75 | 0.75 | 0.250 | 0.250 | 12.50 | 12.50 |" in table  # the reference in every column
+    assert "| snapkv | - | 0.75 | - | 0.250 | - | 12.50 |" in table and "| h2o |" not in table.split("Each configuration")[0]
 
 
 def test_runs_made_with_other_options_are_refused(tmp_path: Path) -> None:
