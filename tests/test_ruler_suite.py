@@ -68,3 +68,16 @@ def test_a_profile_in_kvlib_s_cache_is_named_by_its_place_there(tmp_path: Path, 
     table = (tmp_path / "ruler_suite.md").read_text()
     assert "| duo_attention(profile='<kvlib cache>/profiles/p.json') | 0.25 |" in table and str(tmp_path / "cache") not in table
     assert ruler_suite.load_runs(tmp_path / "ruler_suite.json", OPTIONS)[0].policy == spec  # the record keeps the real path
+
+
+def test_a_recorded_configuration_s_speed_is_measured_again_on_the_embedded_model() -> None:
+    from kvlib.eval import load_model
+    from kvlib.eval.compare import speed_prompt
+
+    loaded = load_model()
+    run = made_run("streaming_llm", 0.5, 1.0)
+    meta = {"load": {"streaming_llm @ 0.5": 25.0}}
+    ruler_suite.measure_speed_again(loaded, run, speed_prompt(loaded, 256, 4), 4, meta)
+    assert run.decode_tokens_per_s != 12.5 and run.decode_tokens_per_s > 0
+    assert run.full_bytes > 0 and 0.4 <= run.kv_fraction <= 0.6  # half the tokens, up to page rounding
+    assert run.results["niah_single"].score == 1.0 and meta["load"]["streaming_llm @ 0.5"] != 25.0
