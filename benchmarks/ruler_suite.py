@@ -200,10 +200,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     path = args.out / f"{NAME}.json"
     runs = load_runs(path, options)
     recorded = json.loads(path.read_text()) if path.exists() else {}
+    keeps_record = args.report_only or args.speed_only  # the table's command and revision stay the run's
     meta = {
         "options": options,
-        "command": recorded.get("command", "") if args.report_only else command_line("ruler_suite.py", argv),
-        "git": recorded.get("git", "") if args.report_only else git_revision(),
+        "command": recorded.get("command", "") if keeps_record else command_line("ruler_suite.py", argv),
+        "git": recorded.get("git", "") if keeps_record else git_revision(),
         "seconds": recorded.get("seconds", {}),
         "load": recorded.get("load", {}),
     }
