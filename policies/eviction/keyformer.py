@@ -5,8 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+import numpy as np
 import torch
 
+from kvlib.policies.eviction import keyformer_kernel
 from kvlib.policies.eviction.h2o import protected_scores
 from kvlib.registry import register
 from kvlib.strategy import Eviction, LayerView
@@ -30,6 +32,20 @@ def _mixed(x: torch.Tensor) -> torch.Tensor:
     return x ^ _shift(x, 31)
 
 
+def noise_base(seed: int, layer: int) -> int:
+    """``splitmix64(seed) + layer`` modulo ``2**64``, as an unsigned Python int: where the noise of a layer starts."""
+    return (_mixed(torch.tensor(seed, dtype=torch.int64)).item() + layer) % (1 << 64)
+
+
+def gumbel_softmax(weights: torch.Tensor, noise: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
+    """Float32 ``[batch, heads, queries, slots]``: per query row, the softmax of ``(log w + noise) /
+    tau`` over the slots it sees (``weights > 0``); 0 at the others and on rows that see nothing.
+    ``tau`` ``[batch, queries]``. The reference of :func:`.keyformer_kernel.gumbel_softmax_rows`."""
+    seen = weights > 0
+    logits = (weights.log() + noise) / tau.view(weights.shape[0], 1, -1, 1)
+    return torch.softmax(logits.masked_fill(~seen, -torch.inf), dim=-1).nan_to_num(0.0)
+
+
 def gumbel_noise(seed: int, layer: int, query_positions: torch.Tensor, key_positions: torch.Tensor, heads: int) -> torch.Tensor:
     """Float32 ``[batch, heads, queries, slots]`` standard Gumbel noise, a pure function of
     ``(seed, layer, query head, query position, key position)``: the same logit gets the same
@@ -41,7 +57,7 @@ def gumbel_noise(seed: int, layer: int, query_positions: torch.Tensor, key_posit
     key * K)`` plus one half, over ``2**53``; the noise is ``-log(-log(u))``.
     """
     batch, kv_heads, slots = key_positions.shape
-    base = (_mixed(torch.tensor(seed, dtype=torch.int64)).item() + layer + (1 << 63)) % (1 << 64) - (1 << 63)  # wrapped to int64
+    base = (noise_base(seed, layer) + (1 << 63)) % (1 << 64) - (1 << 63)  # wrapped to int64
     head = torch.arange(heads, device=key_positions.device).view(1, heads, 1, 1)
     keys = key_positions.repeat_interleave(heads // kv_heads, dim=1).unsqueeze(2)
     x = _mixed(base + head * _HEAD + query_positions.view(batch, 1, -1, 1) * _QUERY + keys * _KEY)
@@ -112,12 +128,22 @@ class Keyformer(Eviction):
         prompt_lengths: torch.Tensor | None,
         layer_idx: int,
     ) -> torch.Tensor:
-        """The Gumbel softmax of each query's logits over the slots it sees (0 elsewhere)."""
-        seen = weights > 0
+        """The Gumbel softmax of each query's logits over the slots it sees (0 elsewhere): fused in
+        one numba pass on the CPU (:mod:`.keyformer_kernel`), torch ops elsewhere."""
+        tau = self.temperature(query_positions, prompt_lengths).to(weights.device)
+        if weights.device.type == "cpu":
+            out = torch.empty(weights.shape, dtype=torch.float32)
+            keyformer_kernel.gumbel_softmax_rows(
+                weights.float().contiguous().numpy(),
+                query_positions.contiguous().numpy(),
+                key_positions.contiguous().numpy(),
+                tau.contiguous().numpy(),
+                np.uint64(noise_base(self.seed, layer_idx)),
+                out.numpy(),
+            )
+            return out
         noise = gumbel_noise(self.seed, layer_idx, query_positions, key_positions, weights.shape[1]).to(weights.device)
-        tau = self.temperature(query_positions, prompt_lengths).to(weights.device).view(weights.shape[0], 1, -1, 1)
-        logits = (weights.log() + noise) / tau
-        return torch.softmax(logits.masked_fill(~seen, -torch.inf), dim=-1).nan_to_num(0.0)
+        return gumbel_softmax(weights, noise, tau)
 
     def score(self, view: LayerView) -> torch.Tensor:
         """Accumulated Gumbel-softmax score; the recent window above every such score, newest highest."""
