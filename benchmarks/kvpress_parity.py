@@ -406,7 +406,7 @@ def kvlib_run(
     with torch.inference_mode():
         prompt = torch.tensor([list(ids)])
         if METHODS[method].run == "kvzip":
-            last = compress(model, cache, prompt, RepeatPrompt.from_tokenizer(tokenizer.tokenizer))[0]
+            last = compress(model, cache, prompt, RepeatPrompt.for_tokenizer(tokenizer))[0]
         else:
             last = model(input_ids=prompt, **cache_argument(cache), logits_to_keep=1).logits[0, -1]
         kept = []

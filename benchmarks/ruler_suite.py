@@ -15,12 +15,15 @@ Usage (defaults: every registered eviction strategy with its default parameters,
 
     python benchmarks/ruler_suite.py [--model smollm2] [--policies all|spec,spec] [--budgets 0.1,0.25,0.5]
         [--tasks niah_single,niah_multikey,niah_multivalue,vt] [--context 4096] [--samples 1] [--seed 0]
-        [--speed-steps 16] [--threads N] [--out benchmarks/results]
+        [--speed-steps 16] [--context-first] [--threads N] [--out benchmarks/results]
     python benchmarks/ruler_suite.py --report-only   # re-render ruler_suite.md from the JSON
     python benchmarks/ruler_suite.py --speed-only --policies chunkkv   # measure recorded rows' speed again
 
 Writes ``ruler_suite.md`` (one row per strategy and budget: each task's score, their mean, KV bytes
-vs full, decode tokens/s) and ``ruler_suite.json`` to ``--out``.
+vs full, decode tokens/s) and ``ruler_suite.json`` to ``--out``. ``--context-first`` runs kvpress's
+protocol (each case's context read into the cache before its question:
+:attr:`kvlib.eval.ruler.task.RulerTask.context_first`; KVzip then reconstructs the context) into
+``ruler_suite_context_first.{md,json}``.
 """
 
 from __future__ import annotations
@@ -48,9 +51,16 @@ from kvlib.eval.task import TaskResult  # noqa: E402
 from kvlib.eval.task_table import parse_tasks  # noqa: E402
 
 NAME = "ruler_suite"
-OPTIONS = ("model", "tasks", "context", "samples", "seed", "speed_steps")
+OPTIONS = ("model", "tasks", "context", "samples", "seed", "speed_steps", "context_first")
 """The options a recorded run must share with this one to count as done (budgets and policies
 only choose which configurations run)."""
+LATER_OPTIONS = {"context_first": False}
+"""Options added after runs were recorded: a file that lacks one was run with this value."""
+
+
+def file_name(context_first: bool) -> str:
+    """The results' file name (without suffix): context-first runs have their own files."""
+    return f"{NAME}_context_first" if context_first else NAME
 
 
 def all_evictions() -> list[str]:
@@ -64,7 +74,8 @@ def load_runs(path: Path, options: dict) -> list[CompareRun]:
     if not path.exists():
         return []
     recorded = json.loads(path.read_text())
-    mismatched = {k: (recorded["options"].get(k), options[k]) for k in OPTIONS if recorded["options"].get(k) != options[k]}
+    had = {**LATER_OPTIONS, **recorded["options"]}
+    mismatched = {k: (had.get(k), options[k]) for k in OPTIONS if had.get(k) != options[k]}
     if mismatched:
         raise ValueError(f"{path} holds runs made with other options {mismatched} (recorded, now): use another --out")
     runs = []
@@ -135,9 +146,19 @@ def markdown(runs: Sequence[CompareRun], meta: dict) -> str:
     bytes and speed."""
     tasks = meta["options"]["tasks"].split(",")
     header = ["policy", "budget", *tasks, "mean", "KV bytes vs full", "decode tok/s", "s", "load"]
+    protocol = (
+        [
+            "Context first (kvpress's protocol): each case's context is read into the cache first (KVzip reconstructs it;"
+            " the others read it as a prompt under their cap), then the question and the answer; one case per generate call.",
+            "",
+        ]
+        if meta["options"].get("context_first")
+        else []
+    )
     lines = [
         f"# Eviction strategies on the RULER-style suite ({meta['options']['model']}, {meta['options']['context']} tokens)",
         "",
+        *protocol,
         f"`{meta['command']}` (library {meta['git']}); {meta['options']['samples']} sample(s) per task, scored with RULER's"
         " string_match_all; budget = fraction of each sequence's tokens, an int cap per layer and KV head held at every call;"
         " KV bytes and decode speed from the speed run (greedy steps after a prefill of the same length);"
@@ -173,7 +194,8 @@ def write(out: Path, runs: Sequence[CompareRun], meta: dict) -> None:
     """Both files, each replaced whole; rows sorted: the full cache, then by policy and budget."""
     runs = sorted(runs, key=lambda run: (run.policy != FULL, run.policy, run.budget or 0.0))
     out.mkdir(parents=True, exist_ok=True)
-    for name, text in ((f"{NAME}.json", json.dumps(to_json(runs, meta), indent=1) + "\n"), (f"{NAME}.md", markdown(runs, meta))):
+    stem = file_name(meta["options"]["context_first"])
+    for name, text in ((f"{stem}.json", json.dumps(to_json(runs, meta), indent=1) + "\n"), (f"{stem}.md", markdown(runs, meta))):
         partial = out / (name + ".part")
         partial.write_text(text)
         partial.replace(out / name)
@@ -189,6 +211,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--samples", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--speed-steps", type=int, default=16)
+    parser.add_argument(
+        "--context-first",
+        action="store_true",
+        help="kvpress's protocol: read each context into the cache first (KVzip reconstructs it), then the question",
+    )
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--report-only", action="store_true", help="re-render the .md from the JSON")
     parser.add_argument(
@@ -197,7 +224,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args(argv)
     options = {k: getattr(args, k) for k in OPTIONS}
-    path = args.out / f"{NAME}.json"
+    path = args.out / f"{file_name(args.context_first)}.json"
     runs = load_runs(path, options)
     recorded = json.loads(path.read_text()) if path.exists() else {}
     keeps_record = args.report_only or args.speed_only  # the table's command and revision stay the run's
@@ -215,7 +242,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     policies = all_evictions() if args.policies == "all" else [p for p in args.policies.split(",") if p]
     budgets = [float(b) for b in args.budgets.split(",")]
     loaded = load_model(args.model)
-    tasks = parse_tasks(args.tasks, context=args.context, samples=args.samples, seed=args.seed)
+    tasks = parse_tasks(args.tasks, context=args.context, samples=args.samples, seed=args.seed, context_first=args.context_first)
     check_inputs(loaded, policies, budgets, tasks)
     prompt = speed_prompt(loaded, args.context, args.speed_steps)
     done = {(run.policy, run.budget) for run in runs if not run.error}

@@ -139,7 +139,7 @@ def run_compare(args: argparse.Namespace) -> int:
     if args.samples is not None and args.samples < 1:
         raise UsageError(f"--samples must be >= 1, got {args.samples}")
     tasks_context = args.context or DEFAULT_CONTEXT
-    tasks = parse_tasks(args.tasks, context=tasks_context, samples=args.samples, seed=args.seed)
+    tasks = parse_tasks(args.tasks, context=tasks_context, samples=args.samples, seed=args.seed, context_first=args.context_first)
     if args.ray is None:
         return load_and_compare(args, policies, budgets, tasks, tasks_context, out)
     from kvlib.eval.ray_compare import connect
@@ -165,7 +165,7 @@ def load_and_compare(
     set_cpu_threads(cpu_threads(parameters, args.threads))
     if args.context is None and loaded.context < tasks_context:
         tasks_context = loaded.context
-        tasks = parse_tasks(args.tasks, context=tasks_context, samples=args.samples, seed=args.seed)
+        tasks = parse_tasks(args.tasks, context=tasks_context, samples=args.samples, seed=args.seed, context_first=args.context_first)
     if args.ray is not None:  # each Ray task takes --threads CPUs (default 1) and as many torch threads
         from kvlib.eval.ray_compare import compare_on_ray
 
@@ -268,6 +268,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     comp.add_argument("--samples", type=int, help="samples per task (default: each task's own)")
     comp.add_argument("--seed", type=int, default=0, help="seed of the task data")
+    comp.add_argument(
+        "--context-first",
+        action="store_true",
+        help="kvpress's protocol for the RULER tasks that ask a question apart (niah_*, vt): each context is read into the cache"
+        " first (kvzip reconstructs it), then the question",
+    )
     comp.add_argument(
         "--threads",
         type=_threads,

@@ -24,6 +24,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -34,6 +35,11 @@ from kvlib.params import coerce, field_default
 from kvlib.placement import PageStats, lowest_score_first
 from kvlib.registry import declare_kinds
 from kvlib.spec_text import parse_strategy
+
+ContextPrefill = Callable[[torch.nn.Module, Any, torch.Tensor, Any], None]
+"""``prefill(model, cache, context_ids, tokenizer)``: fill the empty ``cache`` with ``context_ids``
+(int64 ``[batch, tokens]``, no padding); ``tokenizer`` has kvlib's eval interface
+(:class:`~kvlib.eval.models.TextTokenizer`). See :meth:`Eviction.context_prefill`."""
 
 NEEDS = frozenset(
     {
@@ -221,6 +227,13 @@ class Eviction(Strategy, abc.ABC):
 
     def default_budget(self) -> Budget | None:
         """The budget allocation this strategy comes with when the spec names none (None: uniform)."""
+        return None
+
+    def context_prefill(self) -> ContextPrefill | None:
+        """How a cache with this strategy reads a context that questions will follow (kvpress's
+        protocol: the context is compressed, then each question is read and answered), where the
+        strategy has a procedure of its own for it (KVzip's reconstruction passes). None (the
+        default): the context is one more prompt, read by one forward call through the cache."""
         return None
 
     def prompt_tokens(self, tokens: torch.Tensor) -> torch.Tensor:

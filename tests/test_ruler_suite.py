@@ -17,7 +17,15 @@ spec = importlib.util.spec_from_file_location("ruler_suite", BENCHMARKS / "ruler
 ruler_suite = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(ruler_suite)
 
-OPTIONS = {"model": "smollm2", "tasks": "niah_single,vt", "context": 4096, "samples": 1, "seed": 0, "speed_steps": 16}
+OPTIONS = {
+    "model": "smollm2",
+    "tasks": "niah_single,vt",
+    "context": 4096,
+    "samples": 1,
+    "seed": 0,
+    "speed_steps": 16,
+    "context_first": False,
+}
 
 
 def made_run(policy: str, budget: float | None, score: float, error: str | None = None) -> CompareRun:
@@ -58,6 +66,22 @@ def test_runs_made_with_other_options_are_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="other options.*context"):
         ruler_suite.load_runs(tmp_path / "ruler_suite.json", {**OPTIONS, "context": 2048})
     assert json.loads((tmp_path / "ruler_suite.json").read_text())["runs"][0]["policy"] == "full"  # nothing lost
+
+
+def test_context_first_runs_have_their_own_files_and_older_files_read_as_not_context_first(tmp_path: Path) -> None:
+    apart = {**OPTIONS, "context_first": True}
+    meta = {"options": apart, "command": "", "git": "", "seconds": {}, "load": {}}
+    ruler_suite.write(tmp_path, [made_run("kvzip", 0.25, 1.0)], meta)
+    assert not (tmp_path / "ruler_suite.json").exists()
+    assert "Context first (kvpress's protocol)" in (tmp_path / "ruler_suite_context_first.md").read_text()
+    assert ruler_suite.load_runs(tmp_path / "ruler_suite_context_first.json", apart)[0].policy == "kvzip"
+    with pytest.raises(ValueError, match="other options.*context_first"):
+        ruler_suite.load_runs(tmp_path / "ruler_suite_context_first.json", OPTIONS)
+    older = {k: v for k, v in OPTIONS.items() if k != "context_first"}  # recorded before the option existed
+    ruler_suite.write(tmp_path, [made_run("snapkv", 0.25, 1.0)], {**meta, "options": OPTIONS})
+    recorded = json.loads((tmp_path / "ruler_suite.json").read_text())
+    (tmp_path / "ruler_suite.json").write_text(json.dumps({**recorded, "options": older}))
+    assert ruler_suite.load_runs(tmp_path / "ruler_suite.json", OPTIONS)[0].policy == "snapkv"
 
 
 def test_a_profile_in_kvlib_s_cache_is_named_by_its_place_there(tmp_path: Path, monkeypatch) -> None:

@@ -9,6 +9,8 @@ from typing import Protocol
 
 import torch
 
+from kvlib.transformers_compat import cache_argument
+
 CacheFactory = Callable[[int], object]
 """Builds a fresh cache for one run, given how many tokens each sequence will have seen by the end
 of it (the comparison turns its budget fraction into a token cap of that many tokens); the full
@@ -60,6 +62,18 @@ def kv_bytes(cache) -> tuple[int, int]:
     report = cache.memory_report()
     held = report["by_component"]["pages"] + report["by_component"]["codec_metadata"]
     return held, report["full_equivalent_bytes"]
+
+
+def prefill_context(model: torch.nn.Module, cache, context_ids: torch.Tensor, tokenizer) -> None:
+    """Read ``context_ids`` (int64 ``[batch, tokens]``, no padding) into the fresh kvlib ``cache``
+    ahead of a question: by its eviction strategy's own procedure where it has one
+    (:meth:`~kvlib.strategy.Eviction.context_prefill`, KVzip's reconstruction), else as a prompt,
+    one forward call through the cache."""
+    prefill = None if cache.compressor is None else cache.compressor.strategy.context_prefill()
+    if prefill is None:
+        model(input_ids=context_ids, **cache_argument(cache), use_cache=True, logits_to_keep=1)
+    else:
+        prefill(model, cache, context_ids, tokenizer)
 
 
 def pad_id(tokenizer) -> int:

@@ -17,12 +17,14 @@ TASK_NAMES = BASE_TASKS + RULER_NAMES
 """Built-in task names; ``jsonl:PATH`` adds a LongBench/RULER-style file."""
 
 
-def parse_tasks(text: str, *, context: int, samples: int | None = None, seed: int = 0) -> list[Task]:
+def parse_tasks(text: str, *, context: int, samples: int | None = None, seed: int = 0, context_first: bool = False) -> list[Task]:
     """Tasks from a comma-separated list such as ``"needle,niah_single,jsonl:data/qa.jsonl"``.
 
     ``context`` is the sequence length the tasks use (needle context, perplexity window, agreement
     prompt plus continuation, RULER prompt plus answer); ``samples`` overrides each task's default
-    sample count.
+    sample count. ``context_first``: kvpress's protocol, each case's context read into the cache
+    before its question (:attr:`~kvlib.eval.ruler.task.RulerTask.context_first`); only tasks that
+    ask a question apart from their context take it.
     """
     builders = {"needle": NeedleTask, "perplexity": PerplexityTask, "agreement": AgreementTask, **RULER_TASKS}
     extra = {} if samples is None else {"samples": samples}
@@ -30,6 +32,14 @@ def parse_tasks(text: str, *, context: int, samples: int | None = None, seed: in
     names = [part.strip() for part in text.split(",") if part.strip()]
     if not names:
         raise ValueError(f"no tasks given; choose from {', '.join(TASK_NAMES)} or jsonl:PATH")
+    if context_first:
+        apart = [name for name, make in RULER_TASKS.items() if make().asks_apart]
+        others = [name for name in names if name not in apart]
+        if others:
+            raise ValueError(
+                f"context_first needs tasks that ask a question apart from their context ({', '.join(apart)}), got {', '.join(others)}"
+            )
+        extra["context_first"] = True
     for name in names:
         if name.startswith("jsonl:"):
             tasks.append(JsonlTask(path=name.removeprefix("jsonl:"), context=context, **extra))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -9,7 +10,7 @@ import torch
 
 from kvlib.policies.budget.adaptive import Adaptive
 from kvlib.registry import register
-from kvlib.strategy import Budget, Eviction, LayerView
+from kvlib.strategy import Budget, ContextPrefill, Eviction, LayerView
 
 FIRST_PROMPT = "\n\nRepeat the previous context exactly."
 LATER_PROMPT = "\n\nRepeat the part of the previous context exactly, starting with"
@@ -63,6 +64,10 @@ class KVzip(Eviction):
     def default_budget(self) -> Budget:
         return Adaptive(floor=0.0)
 
+    def context_prefill(self) -> ContextPrefill:
+        """:func:`compress`, with the reconstruction prompt of the tokenizer's chat template."""
+        return prefill_by_reconstruction
+
     def score(self, view: LayerView) -> torch.Tensor:
         """Reconstruction scores (measured, or from the call's own queries); sinks ``+inf``, invalid ``-inf``."""
         if self.measured is not None:
@@ -107,22 +112,21 @@ class RepeatPrompt:
     overlap: int = 8
 
     @classmethod
-    def from_tokenizer(cls, tokenizer: object) -> RepeatPrompt:
-        """The prompt kvpress builds for ``tokenizer`` (its chat template, if any, split around a user turn)."""
-        prefix_text, suffix_text = "", "\n"
-        if getattr(tokenizer, "chat_template", None):
-            dummy = "dummy context"
-            separator = "\n" + "#" * len(dummy)
-            text = tokenizer.apply_chat_template(
-                [{"role": "user", "content": dummy + separator}], add_generation_prompt=True, tokenize=False
-            )
-            context, suffix_text = text.split(separator)
-            prefix_text = context.split(dummy)[0]
+    def for_tokenizer(cls, tokenizer: object) -> RepeatPrompt:
+        """The prompt kvpress builds for a tokenizer with kvlib's eval interface
+        (:class:`~kvlib.eval.models.TextTokenizer`: ``encode(text)``, ``instruct(message)``).
 
-        def encode(text: str) -> tuple[int, ...]:
-            return tuple(tokenizer.encode(text, add_special_tokens=False))
-
-        return cls(encode(FIRST_PROMPT), encode(LATER_PROMPT), encode(suffix_text), len(encode(prefix_text)))
+        The chat template's text before and after a user turn is where the ids of two unrelated
+        messages put to the model agree (their longest common prefix and suffix), which is what
+        kvpress gets by splitting the template's text around a dummy turn (the same ids on
+        SmolLM2). Without a chat template the prefix is the BOS token (if any) and the suffix
+        ``"\n"``, as kvpress has it.
+        """
+        one, other = tokenizer.instruct("dummy context\n###"), tokenizer.instruct("Other words!")
+        prefix = len(os.path.commonprefix([one, other]))  # element-wise: works on lists of ids
+        after = len(os.path.commonprefix([one[::-1], other[::-1]]))
+        suffix = tuple(one[len(one) - after :]) if after else tuple(tokenizer.encode("\n"))
+        return cls(tuple(tokenizer.encode(FIRST_PROMPT)), tuple(tokenizer.encode(LATER_PROMPT)), suffix, prefix)
 
 
 def reconstruction_scores(
@@ -224,3 +228,9 @@ def compress(model: torch.nn.Module, cache: object, context_ids: torch.Tensor, p
         strategy.measured = None
     cache.compressor = None
     return logits
+
+
+def prefill_by_reconstruction(model: torch.nn.Module, cache: object, context_ids: torch.Tensor, tokenizer: object) -> None:
+    """:func:`compress` ``context_ids`` into ``cache`` with :meth:`RepeatPrompt.for_tokenizer`'s prompt
+    (:meth:`KVzip.context_prefill`)."""
+    compress(model, cache, context_ids, RepeatPrompt.for_tokenizer(tokenizer))

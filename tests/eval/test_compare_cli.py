@@ -93,6 +93,7 @@ def test_writes_a_consistent_table_json_csv_and_one_png_per_task(compared, capsy
         (["--policies", "+".join(["a"] * 2000)], "a spec holds at most 64 strategies"),
         (["--policies", "x" * 100_000], "a spec string has at most 4096 characters; got 100000: 'xxxx"),
         (["--tasks", "y" * 100_000], "unknown task 'yyyy"),
+        (["--context-first"], "context_first needs tasks that ask a question apart from their context (niah_single"),
     ],
 )
 def test_mistakes_are_one_line_and_exit_2(compared, capsys, extra, message):

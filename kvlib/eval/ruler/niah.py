@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 from kvlib.eval.ruler.haystack import DEPTHS, NOISE, essay, insert_at_depths
 from kvlib.eval.ruler.task import Prompt, RulerTask
@@ -32,6 +32,7 @@ class NiahTask(RulerTask):
 
     name: str = "niah_single"
     tokens_to_generate: int = 128
+    asks_apart: ClassVar[bool] = True
     keys: int = 1
     values: int = 1
     queries: int = 1
@@ -64,17 +65,14 @@ class NiahTask(RulerTask):
         query = keys[asked[0]] if self.queries == 1 else ", ".join(keys[i] for i in asked[:-1]) + ", and " + keys[asked[-1]]
         answers = tuple(v for i in asked for v in values[i])
         if len(answers) == 1:
-            message = (
-                "A special magic number is hidden within the following text. Make sure to memorize it. "
-                f"I will quiz you about the number afterwards.\n{context}\n"
-                f"What is the special magic number for {query} mentioned in the provided text?"
-            )
+            intro = "A special magic number is hidden within the following text. Make sure to memorize it. I will quiz you about the number afterwards."
+            question = f"What is the special magic number for {query} mentioned in the provided text?"
             reply = f" The special magic number for {query} mentioned in the provided text is"
         else:
-            message = (
+            intro = (
                 "Some special magic numbers are hidden within the following text. Make sure to memorize it. "
-                f"I will quiz you about the numbers afterwards.\n{context}\n"
-                f"What are all the special magic numbers for {query} mentioned in the provided text?"
+                "I will quiz you about the numbers afterwards."
             )
+            question = f"What are all the special magic numbers for {query} mentioned in the provided text?"
             reply = f" The special magic numbers for {query} mentioned in the provided text are"
-        return Prompt(message, reply, answers, tuple(landed))
+        return Prompt(f"{intro}\n{context}\n{question}", reply, answers, tuple(landed), question)

@@ -19,14 +19,16 @@ from __future__ import annotations
 
 import abc
 import functools
+import os
 import random
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 import torch
 
 from kvlib.eval.scoring import ruler_postprocess, string_match_all
-from kvlib.eval.task import CacheFactory, TaskResult, check_context, kv_bytes, pad_id
+from kvlib.eval.task import CacheFactory, TaskResult, check_context, kv_bytes, pad_id, prefill_context
 from kvlib.transformers_compat import cache_argument
 
 PREDICTION_CHARS = 200
@@ -35,22 +37,34 @@ PREDICTION_CHARS = 200
 
 @dataclass(frozen=True)
 class Prompt:
-    """A task's prompt text for one haystack size, its answers, and where its items went."""
+    """A task's prompt text for one haystack size, its answers, and where its items went.
+
+    ``question``: the closing part of ``message`` that asks what the answers answer (empty for
+    tasks whose question is not apart from their context); a context-first run reads it after the
+    rest of the message.
+    """
 
     message: str
     reply_start: str
     answers: tuple[str, ...]
     depths: tuple[float, ...] = ()
+    question: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.message.endswith(self.question):
+            raise ValueError(f"the question {self.question!r} must close the message")
 
 
 @dataclass(frozen=True)
 class RulerCase:
-    """One prompt as token ids (its template included), its answers, haystack size and item depths."""
+    """One prompt as token ids (its template included), its answers, haystack size and item depths;
+    ``context_tokens`` of the ids come before the question (0: the task has no question apart)."""
 
     ids: tuple[int, ...]
     answers: tuple[str, ...]
     size: int
     depths: tuple[float, ...]
+    context_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -66,12 +80,18 @@ class RulerTask(abc.ABC):
     metric: str = "string_match_all"
     higher_is_better: bool = True
 
+    context_first: bool = False
+
     name: str = ""
     tokens_to_generate: int = 32
+    asks_apart: ClassVar[bool] = False
+    """Whether :meth:`prompt` sets a question apart from the context (``context_first`` needs it)."""
 
     def __post_init__(self) -> None:
         if self.samples < 1 or self.batch_size < 1:
             raise ValueError(f"{self.name} samples and batch_size must be >= 1")
+        if self.context_first and not self.asks_apart:
+            raise ValueError(f"{self.name} has no question apart from its context: context_first needs one (niah_*, vt)")
         if self.context <= self.tokens_to_generate:
             raise ValueError(f"{self.name} context must exceed its {self.tokens_to_generate} answer tokens, got {self.context}")
 
@@ -120,7 +140,7 @@ class RulerTask(abc.ABC):
             else:
                 high = middle
         prompt, ids = build(low)
-        return RulerCase(tuple(ids), prompt.answers, low, prompt.depths)
+        return RulerCase(tuple(ids), prompt.answers, low, prompt.depths, context_tokens(prompt, ids, tokenizer))
 
     def rng(self, index: int) -> random.Random:
         """Case ``index``'s random generator, fresh: seeded with the task's name, ``seed`` and ``index``."""
@@ -135,13 +155,16 @@ class RulerTask(abc.ABC):
         pad = pad_id(tokenizer)
         device = next(model.parameters()).device
         scores, predictions, held, full = [], [], 0, 0
-        for start in range(0, len(cases), self.batch_size):
-            chunk = cases[start : start + self.batch_size]
+        step = 1 if self.context_first else self.batch_size
+        for start in range(0, len(cases), step):
+            chunk = cases[start : start + step]
             width = max(len(c.ids) for c in chunk)
             ids = torch.tensor([[pad] * (width - len(c.ids)) + list(c.ids) for c in chunk], device=device)
             mask = torch.tensor([[0] * (width - len(c.ids)) + [1] * len(c.ids) for c in chunk], device=device)
             cache = make_cache(width)
             with torch.inference_mode():
+                if self.context_first:
+                    prefill_context(model, cache, ids[:, : chunk[0].context_tokens], tokenizer)
                 out = model.generate(
                     ids,
                     attention_mask=mask,
@@ -165,6 +188,15 @@ class RulerTask(abc.ABC):
             "prompt_tokens": [len(c.ids) for c in cases],
         }
         return TaskResult(self.name, self.metric, float(np.mean(scores)), True, held, full, metrics, len(cases))
+
+
+def context_tokens(prompt: Prompt, ids: list[int], tokenizer) -> int:
+    """How many leading ``ids`` (``prompt`` put to the model) come before its question: as many as
+    they share with the ids of the message without the question (0 when it has none)."""
+    if not prompt.question:
+        return 0
+    shorter = tokenizer.instruct(prompt.message[: len(prompt.message) - len(prompt.question)])
+    return len(os.path.commonprefix([ids, shorter]))  # element-wise: works on lists of ids
 
 
 @functools.lru_cache(maxsize=16)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import random
 import string
 from dataclasses import dataclass
+from typing import ClassVar
 
 from kvlib.eval.ruler.haystack import NOISE, insert_at_depths
 from kvlib.eval.ruler.task import Prompt, RulerTask
@@ -26,6 +27,7 @@ class VariableTrackingTask(RulerTask):
 
     name: str = "vt"
     tokens_to_generate: int = 30
+    asks_apart: ClassVar[bool] = True
     chains: int = 1
     hops: int = 4
 
@@ -37,7 +39,7 @@ class VariableTrackingTask(RulerTask):
     def prompt(self, size: int, rng: random.Random, tokenizer) -> Prompt:
         example = self._example(rng, tokenizer)
         task = self._task(size, rng)
-        return Prompt(example + "\n" + task.message, task.reply_start, task.answers, task.depths)
+        return Prompt(example + "\n" + task.message, task.reply_start, task.answers, task.depths, task.question)
 
     def _task(self, size: int, rng: random.Random) -> Prompt:
         names: list[str] = []
@@ -52,16 +54,15 @@ class VariableTrackingTask(RulerTask):
             lines += [f"VAR {chain[0]} = {value}"] + [f"VAR {chain[j + 1]} = VAR {chain[j]}" for j in range(self.hops)]
             depths += sorted(rng.random() for _ in chain)
         text, landed = insert_at_depths([NOISE] * size, lines, depths)
+        question = f"Question: Find all variables that are assigned the value {values[0]} in the text above."
         message = (
-            "Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n"
-            + "\n".join(text)
-            + f"\nQuestion: Find all variables that are assigned the value {values[0]} in the text above."
+            "Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n" + "\n".join(text) + "\n" + question
         )
         reply = (
             " Answer: According to the chain(s) of variable assignment in the text above, "
             f"{self.hops + 1} variables are assigned the value {values[0]}, they are: "
         )
-        return Prompt(message, reply, tuple(chains[0]), tuple(landed[: self.hops + 1]))
+        return Prompt(message, reply, tuple(chains[0]), tuple(landed[: self.hops + 1]), question)
 
     def _example(self, rng: random.Random, tokenizer) -> str:
         """A solved example: the largest haystack within the example's tokens (one line at least)."""

@@ -3,6 +3,8 @@ answers in the prompt, the same cases for the same seed, and a run scored as RUL
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 import kvlib
@@ -80,3 +82,40 @@ def test_byte_tokenizer_prompts_start_with_bos(words):
     assert case.ids[0] == ByteTokenizer().bos_token_id
     assert ByteTokenizer().decode(list(case.ids)).endswith("mentioned in the provided text is")
     assert all(i < 256 for i in case.ids[1:])  # no other special token
+
+
+@pytest.mark.parametrize("name", ["niah_single", "niah_multiquery", "vt"])
+def test_a_case_knows_where_its_question_starts(words, name):
+    """The ids before ``context_tokens`` are the message up to its question; the rest asks it."""
+    task = RULER_TASKS[name](context=1024, samples=2)
+    for index, case in enumerate(task.cases(words)):
+        prompt = task.prompt(case.size, task.rng(index), words)
+        assert prompt.question and prompt.message.endswith(prompt.question)
+        assert 0 < case.context_tokens < len(case.ids)
+        assert list(case.ids[: case.context_tokens]) == words.instruct(prompt.message[: -len(prompt.question)])[: case.context_tokens]
+        assert words.decode(list(case.ids[case.context_tokens :])).startswith(prompt.question.split()[0])
+
+
+def test_context_first_reads_the_context_then_the_question():
+    """On the full cache, reading the context first and the question after gives the answers of
+    one prompt (the same KV either way); under a budget the question is read after the context
+    was compressed, so the answers may differ, and bytes stay under the budget's share."""
+    model, tokenizer = tiny_byte_model(context=1024), ByteTokenizer()
+    task = RULER_TASKS["niah_single"](context=1024, samples=2, batch_size=2)
+    apart = dataclasses.replace(task, context_first=True)
+    assert all(0 < c.context_tokens < len(c.ids) for c in apart.cases(tokenizer))
+    one = task.run(model, tokenizer, lambda tokens: kvlib.make_cache(model))
+    two = apart.run(model, tokenizer, lambda tokens: kvlib.make_cache(model))
+    assert two.metrics["predictions"] == one.metrics["predictions"]
+    kept = apart.run(model, tokenizer, lambda tokens: kvlib.make_cache(model, "snapkv", budget=tokens // 4))
+    assert kept.kv_bytes < two.kv_bytes / 2
+
+
+def test_context_first_needs_a_question_apart():
+    with pytest.raises(ValueError, match="cwe has no question apart from its context"):
+        RULER_TASKS["cwe"](context_first=True)
+    assert RULER_TASKS["vt"](context_first=True).context_first
+    tasks = parse_tasks("niah_single,vt", context=1024, context_first=True)
+    assert [t.context_first for t in tasks] == [True, True]
+    with pytest.raises(ValueError, match="a question apart from their context .* got needle, jsonl:x.jsonl"):
+        parse_tasks("niah_single,needle,jsonl:x.jsonl", context=1024, context_first=True)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import kvlib
-from kvlib.policies.eviction.kvzip import KVzip, RepeatPrompt, compress, reconstruction_scores
+from kvlib.policies.eviction.kvzip import FIRST_PROMPT, LATER_PROMPT, KVzip, RepeatPrompt, compress, reconstruction_scores
 from kvlib.strategy import LayerView
 from kvlib.transformers_compat import cache_argument
 from tests.adapters.conftest import PAD, build_model
@@ -88,7 +88,7 @@ def test_smollm2_compressed_context_answers_two_questions() -> None:
 
     loaded = load_model("smollm2")
     model, tokenizer = loaded.model, loaded.tokenizer
-    prompt = RepeatPrompt.from_tokenizer(tokenizer.tokenizer)
+    prompt = RepeatPrompt.for_tokenizer(tokenizer)
     assert prompt.prefix > 0 and prompt.suffix  # SmolLM2 has a chat template
     text = "The secret code of the blue door is 7421. " + "The weather was mild and the river ran slowly past the mill. " * 10
     context = torch.tensor([tokenizer.encode(text)])
@@ -127,3 +127,48 @@ def test_compress_refuses_another_cache_and_bad_parameters() -> None:
         kvlib.parse_strategy("kvzip(chunk=0)")
     with pytest.raises(ValueError, match="sinks must be >= 0"):
         kvlib.parse_strategy("kvzip(sinks=-1)")
+
+
+def kvpress_repeat_prompt(tokenizer) -> RepeatPrompt:
+    """kvpress's construction (``KVzipPress``): the chat template's text split around a dummy
+    user turn, each part encoded alone."""
+    dummy = "dummy context"
+    separator = "\n" + "#" * len(dummy)
+    text = tokenizer.apply_chat_template([{"role": "user", "content": dummy + separator}], add_generation_prompt=True, tokenize=False)
+    context, suffix = text.split(separator)
+
+    def encode(part: str) -> tuple[int, ...]:
+        return tuple(tokenizer.encode(part, add_special_tokens=False))
+
+    return RepeatPrompt(encode(FIRST_PROMPT), encode(LATER_PROMPT), encode(suffix), len(encode(context.split(dummy)[0])))
+
+
+def test_the_repeat_prompt_is_kvpress_s_for_a_chat_template_and_plain_without() -> None:
+    from kvlib.default_model import ByteTokenizer
+    from kvlib.eval import load_model
+
+    tokenizer = load_model("smollm2").tokenizer
+    assert RepeatPrompt.for_tokenizer(tokenizer) == kvpress_repeat_prompt(tokenizer.tokenizer)
+    plain = RepeatPrompt.for_tokenizer(ByteTokenizer())
+    assert plain.suffix == tuple(ByteTokenizer().encode("\n")) and plain.prefix == 1  # BOS only
+    assert plain.first == tuple(ByteTokenizer().encode(FIRST_PROMPT))
+
+
+def test_context_prefill_is_compress_with_the_tokenizer_s_prompt() -> None:
+    from kvlib.default_model import ByteTokenizer
+    from kvlib.eval.task import prefill_context
+    from tests.eval.conftest import tiny_byte_model
+
+    model = tiny_byte_model()  # its vocabulary holds the byte tokenizer's prompt
+    context = torch.randint(11, 97, (1, 40), generator=torch.Generator().manual_seed(4))
+    tokenizer = ByteTokenizer()
+    by_hook = kvlib.make_cache(model, "kvzip", budget=0.25, page_size=4)
+    prefill_context(model, by_hook, context, tokenizer)
+    by_hand = kvlib.make_cache(model, "kvzip", budget=0.25, page_size=4)
+    compress(model, by_hand, context, RepeatPrompt.for_tokenizer(tokenizer))
+    assert by_hook.compressor is None  # compressed once, then it keeps what it holds
+    for layer in range(by_hand.shape.num_layers):
+        assert torch.equal(by_hook.kept_positions(layer), by_hand.kept_positions(layer))
+    plain = kvlib.make_cache(model, "snapkv", budget=10, page_size=4)
+    prefill_context(model, plain, context, tokenizer)  # no procedure of its own: one forward call
+    assert int((plain.kept_positions(0)[0] >= 0).sum(-1).max()) == 10
