@@ -39,7 +39,9 @@ class KVzip(Eviction):
     compare``), with no reconstruction pass, each call's own queries play the reconstruction
     queries: a token scores the largest attention any later query of the call gives it (its own
     query excluded), max over the KV group; decode steps score by the one new query. That is
-    KVzip's rule on the text at hand, not KVzip: only :func:`compress` runs the reconstruction.
+    KVzip's rule on the text at hand, not KVzip: only :func:`compress` runs the reconstruction,
+    and :meth:`context_prefill` hands it to protocols that read a context before its questions
+    (``kvlib compare --context-first``).
 
     Args:
         sinks: initial tokens always kept (kvpress's ``n_sink``, 4).
