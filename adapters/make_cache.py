@@ -165,7 +165,8 @@ def _check_reuse(model: torch.nn.Module, spec: Spec, codec: Codec | None, reuse:
         raise ValueError(f"reuse must be a kvlib.PrefixStore, got {type(reuse).__name__}")
     if spec.eviction is not None:
         raise ValueError(
-            f"prefix reuse needs every prompt token stored; {spec.eviction.spec()} drops tokens. Use reuse with an exact or quantized cache"
+            f"prefix reuse needs every prompt token stored; {spec.eviction.spec()} drops tokens. Use reuse with an exact or quantized"
+            " cache, or hold a compressed context whole (kvlib.policies.eviction.kvzip.compressed_context)"
         )
     if codec is not None and spec.lowrank is not None:
         raise ValueError(f"prefix reuse works with quantization codecs; {spec.lowrank.spec()} fits itself to each prompt")

@@ -261,6 +261,8 @@ class KVCache(Cache):
             self.session.close()
             self.session = None
         elif self.codecs is not None:  # fitted codecs belong to the old prompt: start a new store
+            if self._rows:  # a fork's store is shared: give its pages back
+                self.store.release(self._rows)
             self.builder.codecs = None
             self.store = self.builder.new_store(*self.home) if self.home is not None else None
         elif self._rows:
@@ -299,6 +301,38 @@ class KVCache(Cache):
             return
         for layer in self.layers:
             layer.crop(tokens_to_remove)
+
+    def fork(self) -> KVCache:
+        """A new cache holding what this one holds, by reference: each row's pages shared
+        (copy-on-write: tokens either cache adds later go to pages of its own), each layer's
+        length and slot order, the rows' padding. For several continuations of one computed
+        prefix, at once or one after another, without computing it again (a compressed context
+        and its questions: :func:`kvlib.policies.eviction.kvzip.compressed_context`).
+
+        The fork evicts nothing: it keeps every token added to it. Refused (``ValueError``): a
+        cache that still evicts (its strategy's per-row state is its own; fork once eviction is
+        over, as :func:`~kvlib.policies.eviction.kvzip.compress` leaves a cache), one primed from
+        a PrefixStore (its session owns its rows), one with a tiering strategy (its spilled pages
+        are its own), and one that holds nothing yet.
+        """
+        if self.compressor is not None:
+            raise ValueError(f"fork needs a cache that no longer evicts; this one runs {self.compressor.strategy.spec()}")
+        if self.session is not None:
+            raise ValueError("fork is for caches outside a PrefixStore; this one was primed from one (make_cache(reuse=...))")
+        if self.tiering is not None:
+            raise ValueError(f"fork is for caches without tiering; this one spills pages with {self.tiering.spec()}")
+        if not self._rows:
+            raise ValueError("the cache holds no tokens yet: run the model with it first")
+        copy = KVCache(self.shape, page_size=self.page_size, read_cache=self.read_cache, codec=self.codec, spec=self.spec)
+        copy.home = self.home
+        copy.builder.codecs = self.builder.codecs  # fitted codecs of the shared pages
+        copy.store = self.store
+        copy.reuse_slots = self.reuse_slots
+        copy._rows.extend(self.store.fork(row) for row in self._rows)
+        copy.padding = self.padding.clone()
+        for mine, theirs in zip(copy.layers, self.layers):
+            mine.seen, mine.identity = theirs.seen, theirs.identity
+        return copy
 
     def _select_rows(self, index: torch.Tensor) -> None:
         """Row ``i`` becomes a fork of old row ``index[i]`` in every layer (store sequences span

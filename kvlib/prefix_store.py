@@ -16,7 +16,10 @@ model alone).
 
 What is reusable: pages of exact caches, and pages of caches with a codec (keyed by the codec's
 spec: a lossless request never meets lossy pages, and two codecs never share). Caches that evict
-index nothing: after eviction a page no longer holds a run of consecutive prompt tokens.
+index nothing: after eviction a page no longer holds a run of consecutive prompt tokens. A whole
+compressed context can be held instead (:attr:`PrefixStore.contexts`, in memory, keyed by the
+model, the cache's spec and budget and the context's ids) and forked for each question that
+follows it: :func:`kvlib.policies.eviction.kvzip.compressed_context`.
 
 Memory: every indexed page holds one reference from the index; pages a live cache uses hold its
 references too. Entries no cache uses sit in an LRU and are evicted, least recently used first,
@@ -61,6 +64,7 @@ import torch
 
 from kvlib.devices import outside_inference_mode
 from kvlib.errors import DiskTierUnavailable
+from kvlib.held_contexts import HeldContexts
 from kvlib.model_identity import ModelIdentity
 from kvlib.paged_store import PagedStore
 from kvlib.prefix_index import Entry, PrefixIndex
@@ -104,6 +108,9 @@ class PrefixStore:
         self.fingerprint = self.identity.fingerprint
         self.salt = salt
         self.index = PrefixIndex(capacity_bytes, self._evicted)
+        self.contexts = HeldContexts(capacity_bytes)
+        """Whole caches of computed contexts (compressed ones: :func:`~kvlib.policies.eviction.kvzip.compressed_context`),
+        handed out as forks; keyed by :meth:`context_key`, within their own ``capacity_bytes``."""
         self.stores: dict[str, PagedStore] = {}
         """Paged stores by namespace (see :meth:`namespace`)."""
         if isinstance(disk, (str, bytes)) or hasattr(disk, "__fspath__"):
@@ -158,6 +165,16 @@ class PrefixStore:
     def record_namespace(self, namespace: str) -> bytes:
         """The 16-byte digest naming ``namespace`` in records and tier keys."""
         return hashlib.blake2b(self._key_space(namespace), digest_size=16).digest()
+
+    def context_key(self, namespace: str, context_ids: torch.Tensor) -> bytes:
+        """The key of a whole context (int ``[batch, tokens]``) computed by caches of ``namespace``
+        (its spec naming everything that shaped the cache, budget included) in :attr:`contexts`:
+        the model's fingerprint, the namespace and every token id, hashed."""
+        ids = context_ids.detach().to("cpu", torch.int64).contiguous()
+        digest = hashlib.blake2b(self._key_space(namespace), digest_size=32)
+        digest.update(repr(tuple(ids.shape)).encode())
+        digest.update(ids.numpy().tobytes())
+        return digest.digest()
 
     def block_keys(self, namespace: str, blocks: list[list[int]]) -> list[bytes]:
         """The chain keys of ``blocks`` (consecutive token blocks from a prompt's start) in ``namespace``."""
