@@ -23,14 +23,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import torch
 
-import kvlib
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or loaded by path
+from provenance import command_line, git_revision  # noqa: E402
+
+import kvlib  # noqa: E402
 from kvlib.eval import load_model
-from kvlib.eval.texts import text_ids, windows
-from kvlib.transformers_compat import cache_argument
+from kvlib.eval.texts import text_ids, windows  # noqa: E402
+from kvlib.transformers_compat import cache_argument  # noqa: E402
 
 SPECS = "keyformer,scope,morphkv,rkv,h2o,tova,streaming_llm"
 
@@ -82,11 +86,18 @@ def run(argv: list[str] | None = None) -> dict:
             totals[spec]["agreement"] += float((evicted.argmax(-1) == tokens).float().mean()) / len(prompts)
             totals[spec]["pages_vs_full"] += cache.memory_report()["by_component"]["pages"] / full_pages / len(prompts)
     config = {k: v for k, v in vars(args).items() if k != "out"}
-    result = {"config": config, "rows": [{"spec": spec, **values} for spec, values in totals.items()]}
+    result = {
+        "config": config,
+        "command": command_line("decode_eviction_smollm2.py", argv),
+        "git": git_revision(),
+        "rows": [{"spec": spec, **values} for spec, values in totals.items()],
+    }
     (out / "decode_eviction_smollm2.json").write_text(json.dumps(result, indent=2) + "\n")
     lines = [
         f"# Decode-time eviction on SmolLM2: {args.samples} prompts of {args.prompt_len} tokens, {args.new_tokens} teacher-forced steps,"
         f" int budget {args.budget} tokens per (layer, head)",
+        "",
+        f"`{result['command']}` (library {result['git']})",
         "",
         "| spec | KL(full ‖ evicted), nats/step | argmax agreement | pages vs full |",
         "|---|---|---|---|",
