@@ -274,7 +274,7 @@ def compressed_context(
         raise ValueError("this PrefixStore was built for another model (config or weights differ)")
     cache = make_cache(model, spec, budget=budget, **options)
     parameter = next(model.parameters())
-    shaped = f"{cache.compressor.strategy.spec()}|budget={budget!r}|{sorted(options.items())!r}|{prompt!r}"
+    shaped = f"{cache.spec}|budget={budget!r}|{sorted(options.items())!r}|{prompt!r}"  # the whole spec: codec and allocation too
     key = reuse.context_key(reuse.namespace(shaped, parameter.dtype, parameter.device, cache.page_size), context_ids)
     held = reuse.contexts.fork(key)
     if held is not None:

@@ -211,6 +211,8 @@ def test_a_compressed_context_is_held_in_the_prefix_store_and_forked_for_each_qu
     compressed_context(model, store, context, PROMPT, budget=0.5, page_size=4)  # another budget: another context
     compressed_context(model, store, context[:, 1:], PROMPT, budget=0.25, page_size=4)  # other ids too
     assert calls and len(store.contexts) == 3
+    coded = compressed_context(model, store, context, PROMPT, budget=0.25, spec="kvzip+kivi(bits=4)", page_size=4)
+    assert coded.codec is not None and len(store.contexts) == 4  # a codec in the spec: another context
 
 
 def test_compressed_context_refuses_bad_input_before_any_model_work() -> None:
