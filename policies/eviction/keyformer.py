@@ -13,11 +13,17 @@ from kvlib.policies.eviction.h2o import protected_scores
 from kvlib.registry import register
 from kvlib.strategy import Eviction, LayerView
 
-_MIX_1 = 0xBF58476D1CE4E5B9 - (1 << 64)  # splitmix64's multipliers, as signed int64
-_MIX_2 = 0x94D049BB133111EB - (1 << 64)
-_HEAD = 0x9E3779B97F4A7C15 - (1 << 64)  # odd constants that spread each coordinate over 64 bits
-_QUERY = 0xD1B54A32D192ED03 - (1 << 64)
-_KEY = 0x8CB92BA72F3D8DD7 - (1 << 64)
+
+def _signed(constant: np.uint64) -> int:
+    """A 64-bit constant of :mod:`.keyformer_kernel` as the int64 torch computes with (two's complement)."""
+    return (int(constant) + (1 << 63)) % (1 << 64) - (1 << 63)
+
+
+_MIX_1 = _signed(keyformer_kernel.MIX_1)  # splitmix64's multipliers
+_MIX_2 = _signed(keyformer_kernel.MIX_2)
+_HEAD = _signed(keyformer_kernel.HEAD)  # odd constants that spread each coordinate over 64 bits
+_QUERY = _signed(keyformer_kernel.QUERY)
+_KEY = _signed(keyformer_kernel.KEY)
 
 
 def _shift(x: torch.Tensor, bits: int) -> torch.Tensor:

@@ -13,11 +13,12 @@ import math
 import numba
 import numpy as np
 
-_MIX_1 = np.uint64(0xBF58476D1CE4E5B9)  # splitmix64's multipliers
-_MIX_2 = np.uint64(0x94D049BB133111EB)
-_HEAD = np.uint64(0x9E3779B97F4A7C15)  # the coordinates' spreading constants (as in keyformer.py)
-_QUERY = np.uint64(0xD1B54A32D192ED03)
-_KEY = np.uint64(0x8CB92BA72F3D8DD7)
+MIX_1 = np.uint64(0xBF58476D1CE4E5B9)  # splitmix64's multipliers
+MIX_2 = np.uint64(0x94D049BB133111EB)
+HEAD = np.uint64(0x9E3779B97F4A7C15)  # odd constants that spread each coordinate over 64 bits
+QUERY = np.uint64(0xD1B54A32D192ED03)
+KEY = np.uint64(0x8CB92BA72F3D8DD7)
+"""The noise hash's constants, shared with the torch path (:mod:`.keyformer`)."""
 _TOP_53 = np.uint64(11)
 _SCALE = 1.0 / float(1 << 53)
 
@@ -25,8 +26,8 @@ _SCALE = 1.0 / float(1 << 53)
 @numba.njit(inline="always")
 def _mixed(x: np.uint64) -> np.uint64:
     """splitmix64's finalizer (uint64 arithmetic wraps modulo 2**64)."""
-    x = (x ^ (x >> np.uint64(30))) * _MIX_1
-    x = (x ^ (x >> np.uint64(27))) * _MIX_2
+    x = (x ^ (x >> np.uint64(30))) * MIX_1
+    x = (x ^ (x >> np.uint64(27))) * MIX_2
     return x ^ (x >> np.uint64(31))
 
 
@@ -58,12 +59,12 @@ def gumbel_softmax_rows(
         w = weights[b, h, i]
         o = out[b, h, i]
         keys = key_positions[b, h // group]
-        spread = base + np.uint64(h) * _HEAD + np.uint64(query_positions[b, i]) * _QUERY
+        spread = base + np.uint64(h) * HEAD + np.uint64(query_positions[b, i]) * QUERY
         inverse_tau = np.float32(1.0) / tau[b, i]
         top = -np.inf
         for s in range(slots):
             if w[s] > 0:
-                bits = _mixed(spread + np.uint64(keys[s]) * _KEY) >> _TOP_53
+                bits = _mixed(spread + np.uint64(keys[s]) * KEY) >> _TOP_53
                 noise = np.float32(-math.log(-math.log((float(bits) + 0.5) * _SCALE)))
                 logit = (np.float32(math.log(w[s])) + noise) * inverse_tau
                 o[s] = logit
