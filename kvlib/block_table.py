@@ -13,10 +13,15 @@ Invariant: for every live ``(row, head)``, ``pages[row, head, j] >= 0`` exactly 
 ``j < ceil(lengths[row, head] / page_size)``. Rows of released sequences are all ``-1`` / 0.
 Token ``i`` of a head (its ``i``-th stored token, in order) sits in page ``i // page_size`` at
 offset ``i % page_size``.
+
+``pages_np``, ``lengths_np``, ``logical_np`` and ``sealed_np`` are numpy views of the same
+memory as ``pages``, ``lengths``, ``logical`` and ``sealed``: a planned decode step (:mod:`kvlib.step_plan`) reads and
+bumps them there, which costs no trip through torch's dispatcher.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -29,6 +34,52 @@ class BlockTable:
         self.lengths = torch.zeros(rows, num_heads, dtype=torch.int64)
         self.logical = torch.zeros(rows, dtype=torch.int64)
         self.sealed = torch.zeros(rows, num_heads, dtype=torch.int64)
+
+    @property
+    def pages(self) -> torch.Tensor:
+        """int64 ``[rows, heads, max_pages]``: each head's page ids, ``-1`` past its last."""
+        return self._pages
+
+    @pages.setter
+    def pages(self, value: torch.Tensor) -> None:
+        self._pages = value
+        self.pages_np: np.ndarray = value.numpy()
+
+    @property
+    def sealed(self) -> torch.Tensor:
+        """int64 ``[rows, heads]``: leading pages of each head known to be sealed."""
+        return self._sealed
+
+    @sealed.setter
+    def sealed(self, value: torch.Tensor) -> None:
+        self._sealed = value
+        self.sealed_np: np.ndarray = value.numpy()
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """int64 ``[rows, heads]``: tokens stored per (row, head)."""
+        return self._lengths
+
+    @lengths.setter
+    def lengths(self, value: torch.Tensor) -> None:
+        self._lengths = value
+        self.lengths_np: np.ndarray = value.numpy()
+
+    @property
+    def logical(self) -> torch.Tensor:
+        """int64 ``[rows]``: tokens each row has seen."""
+        return self._logical
+
+    @logical.setter
+    def logical(self, value: torch.Tensor) -> None:
+        self._logical = value
+        self.logical_np: np.ndarray = value.numpy()
+
+    def advance(self, rows: np.ndarray, stored: np.ndarray | int, seen: int) -> None:
+        """``rows`` (distinct) stored ``stored`` more tokens per head (an int, or int64 ``[len(rows),
+        heads]``) and saw ``seen`` more: a planned decode step's bookkeeping."""
+        self.lengths_np[rows] += stored
+        self.logical_np[rows] += seen
 
     @property
     def num_heads(self) -> int:

@@ -51,18 +51,24 @@ from kvlib.page_kernel_parts import (
 from kvlib.paged_scores import attention_weights
 
 
-@numba.njit(fastmath=FASTMATH)  # no cache=True: see _paged_attention_kernel
+@numba.njit(fastmath=FASTMATH)  # no cache=True: see paged_attention_kernel
 def _attend_pair(
-    grouped, keys, values, positions, page_ids, length, visible, query_positions, load_keys, load_values, scale, softcap, out
+    grouped, keys, values, positions, page_ids, length, visible, query_positions, load_keys, load_values, scale, softcap, out, received
 ):  # pragma: no cover - compiled
     """One (row, KV head): ``out [rows, value_dim]`` for the query vectors ``grouped [rows, dim]``
     (row ``r`` is group ``r // queries``, query ``r % queries``) over the ``length`` tokens of
     pages ``page_ids``; ``visible [queries, logical]`` is the row's mask (``logical`` 0: causal
-    by ``query_positions``)."""
+    by ``query_positions``). ``received`` (``[slots]``, or no slots: not asked for) gets, for each
+    slot ``s < length``, the softmax weight each query gave it, summed over the queries and
+    averaged over the group's heads (H2O's accumulated attention of one call), added to it."""
     rows, dim = grouped.shape
     queries = visible.shape[0]
     page_size = positions.shape[1]
     value_dim = out.shape[1]
+    pages_used = (length + page_size - 1) // page_size
+    keep = received.shape[0] > 0
+    kept = np.empty((rows, pages_used * page_size if keep else 0), dtype=np.float32)  # each page's weights ...
+    shift = np.full((rows, pages_used if keep else 0), -np.inf, dtype=np.float32)  # ... and the max they are relative to
     key_page = np.empty((page_size, dim), dtype=np.float32)
     value_page = np.empty((page_size, value_dim), dtype=np.float32)
     key_bits = key_page.view(np.uint32)
@@ -74,7 +80,7 @@ def _attend_pair(
     running_max = np.full(rows, -np.inf, dtype=np.float32)
     running_sum = np.zeros(rows, dtype=np.float32)
     acc = np.zeros((rows, value_dim), dtype=np.float32)
-    for j in range((length + page_size - 1) // page_size):
+    for j in range(pages_used):
         page = page_ids[j]
         filled = min(page_size, length - j * page_size)
         if not seen_into(seen, positions, page, filled, visible, query_positions):
@@ -96,6 +102,10 @@ def _attend_pair(
             for t in range(filled):
                 scores[t] -= new_max
             exp_into(scores, weights, weight_bits, filled)
+            if keep:
+                shift[r, j] = new_max
+                for t in range(filled):
+                    kept[r, j * page_size + t] = weights[t]
             t = 0
             while t + 4 <= filled:
                 w0, w1, w2, w3 = weights[t], weights[t + 1], weights[t + 2], weights[t + 3]
@@ -113,12 +123,22 @@ def _attend_pair(
         inverse = np.float32(1.0) / running_sum[r] if running_sum[r] > 0 else np.float32(0.0)
         for c in range(value_dim):
             out[r, c] = acc[r, c] * inverse
+        if keep and running_sum[r] > 0:
+            share = inverse * np.float32(queries) / np.float32(rows)  # the group's mean, each query's sum
+            for j in range(pages_used):
+                if shift[r, j] == -np.inf:
+                    continue
+                factor = np.float32(math.exp(shift[r, j] - running_max[r])) * share
+                for t in range(min(page_size, length - j * page_size)):
+                    received[j * page_size + t] += kept[r, j * page_size + t] * factor
 
 
 @numba.njit(parallel=True)  # no cache=True: loaders are arguments, and numba's on-disk index keys them by
-def _paged_attention_kernel(  # dispatcher identity: never a hit in another process, and unsaveable (ReferenceError)
-    query, keys, values, positions, pages, lengths, visible, query_positions, load_keys, load_values, scale, softcap, out
+def paged_attention_kernel(  # dispatcher identity: never a hit in another process, and unsaveable (ReferenceError)
+    query, keys, values, positions, pages, lengths, visible, query_positions, load_keys, load_values, scale, softcap, out, received
 ):  # pragma: no cover - compiled
+    """:func:`_attend_pair` for every (row, KV head) of ``query [batch, kv_heads, rows, dim]``;
+    ``received [batch, kv_heads, slots]`` (``slots`` 0: none asked for)."""
     batch, heads, rows, dim = query.shape
     for pair in numba.prange(batch * heads):
         b = pair // heads
@@ -137,6 +157,7 @@ def _paged_attention_kernel(  # dispatcher identity: never a hit in another proc
             scale,
             softcap,
             out[b, h],
+            received[b, h],
         )
 
 
@@ -236,7 +257,7 @@ def attend_pages(
     grouped, mask, steps = kernel_queries(query, pages, visible, query_positions)
     batch, query_heads, queries, _ = query.shape
     out = torch.empty(*grouped.shape[:3], source.value_dim, dtype=torch.float32)
-    _paged_attention_kernel(
+    paged_attention_kernel(
         grouped.numpy(),
         source.keys,
         source.values,
@@ -250,6 +271,7 @@ def attend_pages(
         np.float32(scale),
         np.float32(softcap or 0.0),
         out.numpy(),
+        np.zeros((*out.shape[:2], 0), dtype=np.float32),
     )
     return out.view(batch, query_heads, queries, -1).to(query.dtype)
 

@@ -12,7 +12,7 @@ import torch
 from kvlib.page_kernel_parts import FASTMATH, KernelPages, kernel_queries, scores_into, seen_into
 
 
-@numba.njit(fastmath=FASTMATH)  # no cache=True: see kvlib.paged_attention._paged_attention_kernel
+@numba.njit(fastmath=FASTMATH)  # no cache=True: see kvlib.paged_attention.paged_attention_kernel
 def _score_pair(
     grouped, keys, positions, page_ids, length, visible, query_positions, load_keys, scale, softcap, out
 ):  # pragma: no cover - compiled
@@ -38,7 +38,7 @@ def _score_pair(
                 out[r, j * page_size + t] = scores[t]
 
 
-@numba.njit(parallel=True)  # no cache=True: see kvlib.paged_attention._paged_attention_kernel
+@numba.njit(parallel=True)  # no cache=True: see kvlib.paged_attention.paged_attention_kernel
 def _paged_scores_kernel(
     query, keys, positions, pages, lengths, visible, query_positions, load_keys, scale, softcap, out
 ):  # pragma: no cover - compiled

@@ -50,6 +50,7 @@ from kvlib.devices import outside_inference_mode
 from kvlib.open_pages import OpenPages
 from kvlib.paged_attention import PagedLayer
 from kvlib.read_cache import LayerRead
+from kvlib.step_plan import DecodeLayout, Ring, StepPlan, build_layout
 from kvlib.storage.page_prefetch import PagePrefetcher
 from kvlib.storage.pool_factory import build_pools
 from kvlib.storage.spill_store import SpillStore
@@ -92,6 +93,9 @@ class PagedStore:
         """Per layer, the dense mirror of the last batch read (if ``config.read_cache``)."""
         self._open_pages: list[OpenPages | None] = [None] * self.num_layers
         """Per layer, where the last append's batch writes next (None: take the general path)."""
+        self._layout: DecodeLayout | None = None
+        """Where the planned decode steps of the last planned batch go (:meth:`plan_step`);
+        dropped by every change to the store other than a planned write."""
         self._ids = SequenceRows()
         self.peak_page_bytes = 0
         """High-water mark of ``memory_bytes()["pages"]`` (updated whenever an append allocates pages)."""
@@ -124,7 +128,7 @@ class PagedStore:
         """A new sequence sharing every page of ``seq`` by reference (copy-on-write on change)."""
         source = self._rows([seq])
         row = self.new_sequence()
-        self._open_pages = [None] * self.num_layers  # the source's open pages become shared
+        self._changed()  # the source's open pages become shared
         for pool, table in zip(self.pools, self.tables):
             table.copy_row(int(source[0]), row)
             pool.incref(table.referenced_pages(torch.tensor([row])))
@@ -147,14 +151,14 @@ class PagedStore:
         table.pages[rows, :, :count] = pages
         table.lengths[rows] = count * self.page_size
         table.logical[rows] = count * self.page_size
-        self._open_pages[layer] = None
+        self._changed(layer)
         self.mirrors.drop(layer, rows)
 
     @outside_inference_mode
     def release(self, seqs: SequenceIds) -> None:
         """Drop sequences: their page references are released and their ids may be reused."""
         rows = self._rows(seqs)
-        self._open_pages = [None] * self.num_layers
+        self._changed()
         for pool, table in zip(self.pools, self.tables):
             pool.decref(table.referenced_pages(rows))
             table.clear(rows)
@@ -204,6 +208,8 @@ class PagedStore:
         rows = self._rows(seqs)
         pool, table = self.pools[layer], self.tables[layer]
         _, heads, steps = store_writes.check_step(layer, pool, table, rows, keys, values)
+        if self._layout is not None and not self._layout.unaffected_by_append(rows.numpy()):
+            self._layout = None
         open_pages = self._open_pages[layer]
         if positions is None and open_pages is not None and open_pages.fits(rows, steps):
             self._append_in_open_pages(layer, rows, open_pages, keys, values)
@@ -238,8 +244,36 @@ class PagedStore:
         rows = self._rows(seqs)
         pool, table = self.pools[layer], self.tables[layer]
         store_writes.check_step(layer, pool, table, rows, keys, values)
+        self._layout = None
         store_writes.overwrite(pool, table, rows, token_index, keys, values)
         self.mirrors.drop(layer, rows)
+
+    # -- planned decode steps (kvlib.step_plan) ------------------------------------------------
+
+    @outside_inference_mode
+    def plan_step(self, seqs: SequenceIds, tokens: int, ring: Ring | None = None) -> StepPlan | None:
+        """Plan a decode step of ``tokens`` new tokens for each of ``seqs`` in every layer (see
+        :mod:`~kvlib.step_plan`): where each goes, the block tables and lengths attention reads,
+        what the step needs allocated in every layer at once, and every layer's block table
+        counting the step's tokens already; ``ring``: a held cap kept as a ring of slots. None
+        where no plan holds (a read mirror, a pool that takes no planned writes, ...; nothing
+        changed): the caller appends layer by layer. Otherwise every layer's new tokens must be
+        written where the plan says (``plan.pools[layer].write_planned(plan, layer, keys, values)``,
+        then ``attend_planned``) before anything else reads or changes the store."""
+        rows = self._rows(seqs)
+        layout = self._layout
+        if layout is None or layout.ring is not ring or not layout.fits(rows, tokens):
+            if self.mirrors.enabled or tokens < 1:
+                return None
+            layout = self._layout = build_layout(self.pools, self.tables, rows, tokens, self.device, ring)
+            self._open_pages = [None] * self.num_layers
+            self.peak_page_bytes = max(self.peak_page_bytes, self._page_bytes())
+            if layout is None:
+                return None
+        plan = layout.take(tokens)
+        for layer, table in enumerate(self.tables):
+            table.advance(plan.rows_np, plan.stored if isinstance(plan.stored, int) else plan.stored[layer], tokens)
+        return plan
 
     # -- reads ---------------------------------------------------------------------------------
 
@@ -412,7 +446,7 @@ class PagedStore:
         rows = self._rows(seqs)
         done = store_compaction.compact(layer, self.pools[layer], self.tables[layer], rows, keep, values, reuse_slots=reuse_slots)
         if done.changed:
-            self._open_pages[layer] = None
+            self._changed(layer)
             self.mirrors.follow_compaction(layer, rows, done.reorder, done.moves, done.new_lengths)
             self.trim(layer)
         return done.layout
@@ -433,7 +467,7 @@ class PagedStore:
             layer, self.pools[layer], self.tables[layer], rows, order, None, reuse_slots=False, in_given_order=True
         )
         if done.changed:
-            self._open_pages[layer] = None
+            self._changed(layer)
             self.mirrors.follow_compaction(layer, rows, done.reorder, done.moves, done.new_lengths)
         return done.layout
 
@@ -445,7 +479,7 @@ class PagedStore:
         besides this store's block tables (a prefix index) holds pages of the layer."""
         layer = self._layer(layer)
         if store_compaction.trim(self.pools[layer], self.tables[layer]):
-            self._open_pages[layer] = None
+            self._changed(layer)
 
     @outside_inference_mode
     def truncate(self, layer: int, seqs: SequenceIds, length: int) -> None:
@@ -462,7 +496,7 @@ class PagedStore:
         if not isinstance(length, int) or isinstance(length, bool) or not 0 <= length < 2**63:
             raise ValueError(f"length must be an int in [0, 2**63), got {length!r}")
         new_lengths = store_truncation.truncate(layer, self.pools[layer], self.tables[layer], rows, length)
-        self._open_pages[layer] = None
+        self._changed(layer)
         self.mirrors.follow_truncation(layer, rows, new_lengths)
 
     @outside_inference_mode
@@ -480,6 +514,7 @@ class PagedStore:
         rows = self._rows(seqs)
         sealed = store_sealing.seal(layer, self.pools, self.tables, rows, salience)
         if sealed:
+            self._layout = None  # sealing may move a coded pool's raw rows
             self.mirrors.drop(layer, rows)
             partner = self.pools[layer].partner_layer
             if partner is not None:
@@ -514,6 +549,15 @@ class PagedStore:
     def _page_bytes(self) -> int:
         """Bytes of keys and values of the pages in use, over all layers (``memory_bytes()["pages"]``)."""
         return sum(pool.data_bytes() for pool in self.pools)
+
+    def _changed(self, layer: int | None = None) -> None:
+        """``layer``'s block tables or pages (every layer's, for None) changed other than by a
+        planned write: where appends go next is worked out again."""
+        if layer is None:
+            self._open_pages = [None] * self.num_layers
+        else:
+            self._open_pages[layer] = None
+        self._layout = None
 
     def _layer(self, layer: int) -> int:
         if not isinstance(layer, int) or not 0 <= layer < self.num_layers:

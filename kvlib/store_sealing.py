@@ -35,6 +35,10 @@ def seal(
     if not pool.seals:
         return 0
     partner = pool.partner_layer
+    if partner is None:  # the common case, looked up in numpy: a decode step seals a page a page_size of steps
+        rows_np = rows.numpy()
+        if not bool((table.lengths_np[rows_np] // table.page_size > table.sealed_np[rows_np]).any()):
+            return 0
     paired = [table] if partner is None else [table, tables[partner]]
     page_size = table.page_size
     full = torch.stack([t.lengths[rows] for t in paired]).amin(0) // page_size

@@ -51,22 +51,19 @@ def step_positions(
     return positions.to(device, torch.int64).unsqueeze(1).expand(batch, heads, steps)
 
 
-def append(
-    layer: int, pool: PagePool, table: BlockTable, rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor
-) -> None:
-    """Append a step (``keys [batch, kv_heads, steps, head_dim]``, ``values``, ``positions``
-    int64 ``[batch, kv_heads, steps]``) to every head of ``rows``: a partly filled last page
-    shared with another sequence is copied first (copy-on-write), heads that fill their last page
-    get new ones. ``PoolExhaustedError`` before any change when a fixed pool lacks the pages."""
+def make_room(layer: int, pool: PagePool, table: BlockTable, rows: torch.Tensor, steps: int | torch.Tensor) -> None:
+    """Give every head of ``rows`` room for ``steps`` more tokens (an int, or int64 ``[batch,
+    kv_heads]``) in pages it alone holds, lengths unchanged: a partly filled last page shared with
+    another sequence is copied first (copy-on-write), heads that would fill their last page get
+    new ones. ``PoolExhaustedError`` before any change when a fixed pool lacks the pages."""
     page_size = pool.page_size
-    batch, heads, steps = keys.shape[:3]
+    heads = table.num_heads
     lengths = table.lengths[rows]
-    new_lengths = lengths + steps
-    have, need = table.pages_used(lengths), table.pages_used(new_lengths)
-
-    # Copy-on-write: a partly filled last page shared with another sequence is copied first.
+    have, need = table.pages_used(lengths), table.pages_used(lengths + steps)
     open_index = lengths // page_size
     is_open = lengths % page_size != 0
+    if isinstance(steps, torch.Tensor):
+        is_open &= steps > 0
     open_pages = table.pages[rows].gather(2, torch.where(is_open, open_index, 0).unsqueeze(-1)).squeeze(-1)
     shared = is_open.clone()
     shared[is_open] = pool.refcount[open_pages[is_open]] > 1
@@ -86,10 +83,20 @@ def append(
         b, h, j = page_coordinates(have, new_page_counts, heads)
         table.pages[rows[b], h, j] = pool.allocate(fresh, h)
 
+
+def append(
+    layer: int, pool: PagePool, table: BlockTable, rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor
+) -> None:
+    """Append a step (``keys [batch, kv_heads, steps, head_dim]``, ``values``, ``positions``
+    int64 ``[batch, kv_heads, steps]``) to every head of ``rows``, after :func:`make_room` for it.
+    ``PoolExhaustedError`` before any change when a fixed pool lacks the pages."""
+    steps = keys.shape[2]
+    make_room(layer, pool, table, rows, steps)
+    lengths = table.lengths[rows]
     token_index = lengths.unsqueeze(-1) + torch.arange(steps)
     slots = table.flat_slots(rows, token_index)
     pool.write(slots.flatten(), keys.reshape(-1, pool.head_dim), values.reshape(-1, pool.value_dim), positions.reshape(-1))
-    table.lengths[rows] = new_lengths
+    table.lengths[rows] = lengths + steps
     table.logical[rows] += steps
 
 

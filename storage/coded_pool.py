@@ -22,8 +22,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from kvlib import paged_ops
 from kvlib.codec import Field, PageCodec
 from kvlib.coded_page_loaders import open_part
 from kvlib.devices import PagedKernel, paged_kernel, to_arena_device
@@ -31,7 +33,7 @@ from kvlib.page_indexing import first_occurrences
 from kvlib.paged_attention import PageSource
 from kvlib.storage.field_rows import arena_dtype
 from kvlib.storage.free_stack import FreeStack
-from kvlib.storage.page_pool import PagePool, extend_rows
+from kvlib.storage.page_pool import PagePool, PlannedStep, extend_rows
 
 _MIN_RAW_PAGES = 16
 
@@ -183,17 +185,55 @@ class CodedPagePool(PagePool):
 
     gather = PagePool.gather_by_pages
 
+    planned_slots_stay = False
+
+    def planned_slots(self, slots: np.ndarray) -> np.ndarray:
+        """Raw-arena slots of open pages' flat ``slots`` (their keys and values are written raw)."""
+        rows = self.raw_row.numpy()[slots // self.page_size]
+        if bool((rows < 0).any()):
+            raise RuntimeError("planned write to a sealed page: sealed pages are immutable (the store and the pool disagree)")
+        return rows * self.page_size + slots % self.page_size
+
+    def attend_planned(
+        self,
+        plan: PlannedStep,
+        layer: int,
+        query: torch.Tensor,
+        mask: torch.Tensor | None,
+        scale: float,
+        softcap: float | None = None,
+        received: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """:meth:`PagePool.attend_planned` through the codec's page loaders (:meth:`page_source`;
+        ``kvlib::paged_decode_source``)."""
+        return paged_ops.paged_decode_source(
+            self,
+            query,
+            self.keys,
+            self.values,
+            self.positions,
+            plan.pages,
+            plan.lengths,
+            layer,
+            mask,
+            plan.query_positions,
+            scale,
+            softcap,
+            self.value_dim,
+            received,
+        )
+
     def page_source(self) -> PageSource | None:
         """Open pages read raw and sealed pages decoded page by page inside the kernel, from the
         arenas where they lie (:mod:`~kvlib.coded_page_loaders`); None for a codec that is not
         fitted yet or has no page loader, and off the CPU: the loaders are numba's, and the torch
         path (:func:`~kvlib.devices.paged_kernel`, CUDA) reads float arenas only. Attention then
         reads through :meth:`read_pages` (a dense copy of the decoded pages)."""
-        if not self.codec.ready or paged_kernel(self.device) is not PagedKernel.NUMBA:
-            return None
         arenas = (self.keys, self.values, self.sealed, self.raw_row, self.positions, *self.encoded.values())
         if self._source is not None and len(self._source[0]) == len(arenas) and all(a is b for a, b in zip(self._source[0], arenas)):
             return self._source[1]  # the same tensors, changed in place only: their views still hold
+        if not self.codec.ready or paged_kernel(self.device) is not PagedKernel.NUMBA:
+            return None
         readers = self.codec.page_readers(self.encoded or self._field_arenas(0))
         source = None
         if readers is not None:

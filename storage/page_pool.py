@@ -22,8 +22,12 @@ before changing anything. A growable pool can also shrink (:meth:`PagePool.reloc
 
 from __future__ import annotations
 
+from typing import Protocol
+
+import numpy as np
 import torch
 
+from kvlib import paged_ops
 from kvlib.arena_sources import arena_source_for
 from kvlib.codec import Field
 from kvlib.devices import to_arena_device
@@ -37,6 +41,21 @@ GROWTH_SHARE = 32
 """A growable pool grows by ``1 / GROWTH_SHARE`` of what it needs beyond what it has ..."""
 GROWTH_PAGES = 16
 """... and by at least this many pages."""
+
+
+class PlannedStep(Protocol):
+    """What a pool reads of a planned decode step (:class:`kvlib.step_plan.StepPlan`), for every
+    layer: ``slots`` and ``position_slots`` int64 ``[layers, batch, kv_heads, tokens]`` (where each
+    new token goes in the key and value arenas, and in the position arena), ``positions`` int64
+    ``[batch, tokens]``, ``query_positions`` int64 ``[tokens]``, the block tables ``pages`` int64
+    ``[layers, batch, kv_heads, max_pages]`` and ``lengths`` int64 ``[layers, batch, kv_heads]``."""
+
+    slots: torch.Tensor
+    position_slots: torch.Tensor
+    positions: torch.Tensor
+    query_positions: torch.Tensor
+    pages: torch.Tensor
+    lengths: torch.Tensor
 
 
 def grown(pages: int) -> int:
@@ -295,6 +314,66 @@ class PagePool:
         self.positions.view(-1).index_copy_(0, index, positions.to(self.device, _POSITION_DTYPE))
         if self.summaries is not None:
             self.summaries.add(slots, keys)
+
+    @property
+    def takes_planned_writes(self) -> bool:
+        """Whether a planned decode step (:mod:`~kvlib.step_plan`) may write this pool's pages
+        with :meth:`write_planned` and attend over them with :meth:`attend_planned`: where its
+        device's paged kernel reads it in place and it keeps no per-write state of its own (key
+        summaries)."""
+        return self.summaries is None and self.page_source() is not None
+
+    planned_slots_stay = True
+    """Whether :meth:`planned_slots` of pages stay where they are while other pages are allocated
+    (a coded pool's raw rows move when its raw arena is resized)."""
+
+    def planned_slots(self, slots: np.ndarray) -> np.ndarray:
+        """The key and value arena slots of a planned step's tokens at flat page ``slots`` (int64,
+        pages in use, open, this pool's own): the same slots here."""
+        return slots
+
+    def write_planned(self, plan: PlannedStep, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Write ``layer``'s new keys and values (``[batch, kv_heads, tokens, head_dim | value_dim]``,
+        the pool's dtype and device) where ``plan`` puts them: one operator
+        (``kvlib::write_planned``, :func:`kvlib.paged_ops.write_planned`), nothing else (the block
+        tables moved on when the step was planned)."""
+        if keys.shape != plan.slots.shape[1:] + (self.head_dim,) or keys.dtype != self.dtype:
+            raise ValueError(
+                f"layer {layer}: keys must be {[*plan.slots.shape[1:], self.head_dim]} in {self.dtype}, got {list(keys.shape)}"
+            )
+        paged_ops.write_planned(
+            self.keys, self.values, self.positions, plan.slots, plan.position_slots, layer, keys, values, plan.positions
+        )
+
+    def attend_planned(
+        self,
+        plan: PlannedStep,
+        layer: int,
+        query: torch.Tensor,
+        mask: torch.Tensor | None,
+        scale: float,
+        softcap: float | None = None,
+        received: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Attention of ``query`` (``[batch, query_heads, tokens, head_dim]``) over ``layer``'s
+        pages once ``plan`` wrote it, ``[batch, tokens, query_heads, value_dim]`` (``kvlib::paged_decode``,
+        :func:`kvlib.paged_ops.paged_decode`; ``mask`` the model's mask over logical positions,
+        None for causal by the new tokens' positions; ``received``: see
+        :func:`~kvlib.paged_ops.paged_decode`)."""
+        return paged_ops.paged_decode(
+            query,
+            self.keys,
+            self.values,
+            self.positions,
+            plan.pages,
+            plan.lengths,
+            layer,
+            mask,
+            plan.query_positions,
+            scale,
+            softcap,
+            received,
+        )
 
     def gather(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Read tokens at flat slots: ``(keys [n, head_dim], values [n, value_dim], positions [n])``."""
