@@ -40,6 +40,8 @@ INNER_IMPLEMENTATIONS = ("sdpa", "eager")
 """Attention implementations a kvlib attention function can delegate to."""
 
 _hooked_models: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+_recording_models: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+"""Models whose attention modules hand their input to a cache that needs it."""
 
 
 def attention_name(inner: str) -> str:
@@ -47,7 +49,7 @@ def attention_name(inner: str) -> str:
     return f"kvlib_{inner}"
 
 
-def attach(model: PreTrainedModel) -> PreTrainedModel:
+def attach(model: PreTrainedModel, *, hidden_states: bool = False) -> PreTrainedModel:
     """Route ``model``'s attention through kvlib (idempotent); returns the model.
 
     A model on SDPA or eager keeps that math; other implementations (flash, flex) switch to SDPA,
@@ -55,30 +57,34 @@ def attach(model: PreTrainedModel) -> PreTrainedModel:
     take the change (its attention does not go through ``AttentionInterface``).
 
     Hooks added to this model only: a forward pre-hook that makes a :class:`KVCache` refuse a
-    batch of another size before any work, and pre-hooks on the attention modules that hand
-    their input to a cache whose strategy needs ``hidden_states``.
+    batch of another size before any work and plan a decode step for every layer before the
+    forward runs (:meth:`KVCache.prepare_step`), and, with ``hidden_states`` (a cache whose
+    strategy needs them; once added they stay), pre-hooks on the attention modules that hand
+    their input to such a cache.
     """
     current = model.config._attn_implementation
-    if current in {attention_name(inner) for inner in INNER_IMPLEMENTATIONS}:
-        return model
-    inner = current if current in INNER_IMPLEMENTATIONS else "sdpa"
-    model.set_attn_implementation(attention_name(inner))
-    if model.config._attn_implementation != attention_name(inner):
-        raise ValueError(
-            f"{type(model).__name__} did not accept attn_implementation={attention_name(inner)!r}; kvlib needs a model"
-            " whose attention goes through transformers' AttentionInterface"
-        )
+    if current not in {attention_name(inner) for inner in INNER_IMPLEMENTATIONS}:
+        inner = current if current in INNER_IMPLEMENTATIONS else "sdpa"
+        model.set_attn_implementation(attention_name(inner))
+        if model.config._attn_implementation != attention_name(inner):
+            raise ValueError(
+                f"{type(model).__name__} did not accept attn_implementation={attention_name(inner)!r}; kvlib needs a model"
+                " whose attention goes through transformers' AttentionInterface"
+            )
     if model not in _hooked_models:
-        model.register_forward_pre_hook(_check_cache_batch, with_kwargs=True)
+        model.register_forward_pre_hook(_prepare_cache, with_kwargs=True)
+        _hooked_models.add(model)
+    if hidden_states and model not in _recording_models:
         for module in model.modules():
             if isinstance(getattr(module, "layer_idx", None), int) and type(module).__name__.endswith("Attention"):
                 module.register_forward_pre_hook(_record_hidden_states, with_kwargs=True)
-        _hooked_models.add(model)
+        _recording_models.add(model)
     return model
 
 
-def _check_cache_batch(model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-    """Forward pre-hook on an attached model: a KVCache refuses another batch size before any work."""
+def _prepare_cache(model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    """Forward pre-hook on an attached model: a KVCache refuses another batch size before any work,
+    then plans the call if it is a decode step (:meth:`KVCache.prepare_step`), outside the forward."""
     cache = passed_cache(kwargs)
     if isinstance(cache, KVCache):
         inputs = kwargs.get("input_ids", args[0] if args else None)
@@ -86,6 +92,7 @@ def _check_cache_batch(model: torch.nn.Module, args: tuple, kwargs: dict) -> Non
             inputs = kwargs.get("inputs_embeds")
         if inputs is not None:
             cache.check_batch(inputs.shape[0])
+            cache.prepare_step(inputs.shape[1], kwargs.get("attention_mask"))
 
 
 def _record_hidden_states(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:

@@ -22,11 +22,11 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from kvlib.adapters import layer_step
-from kvlib.adapters.compressor import AttentionInputs, Compressor
+from kvlib.adapters.compressor import AttentionInputs, Compressor, PlannedWork
 from kvlib.adapters.layer_step import AttentionCall, LayerStep
 from kvlib.adapters.masks import physical_mask, real_new_tokens
 from kvlib.adapters.model_shape import KVShape
-from kvlib.adapters.paged_decode import attention_over_pages, paged_attention_applies
+from kvlib.adapters.paged_decode import attention_over_pages
 from kvlib.adapters.prefix_session import PrefixSession
 from kvlib.adapters.sparse_decode import sparse_decode_attention
 from kvlib.codec import FitSample, PageCodec
@@ -34,6 +34,8 @@ from kvlib.devices import reads_pages_in_place
 from kvlib.paged_attention import PagedLayer
 from kvlib.paged_store import PagedStore
 from kvlib.read_cache import LayerRead
+from kvlib.selection import position_rank
+from kvlib.step_plan import StepPlan
 from kvlib.strategy import LayerView, Tiering
 
 PAGED_QUERY_TOKENS = 16
@@ -42,9 +44,17 @@ PAGED_QUERY_TOKENS = 16
 dense copy for SDPA."""
 
 
+NOT_THROUGH_KVLIB = (
+    "layer {layer}'s attention did not run through kvlib, so it attended over what the cache handed it (the new tokens"
+    " only) and its eviction or codec cannot run: call kvlib.attach(model) (make_cache does) and keep attn_implementation"
+    " on kvlib_sdpa / kvlib_eager"
+)
+
+
 class SharedState(Protocol):
     """What a layer reads of the cache that holds it (:class:`~kvlib.adapters.KVCache`): the state
-    its layers share. A layer changes ``padding`` (layer 0 counts it) and nothing else of it."""
+    its layers share. A layer changes ``padding`` (layer 0 counts it), ``prepared`` (layer 0
+    clears it) and ``step_real_new`` (layer 0's planned attention finds it), nothing else of it."""
 
     shape: KVShape
     store: PagedStore
@@ -57,6 +67,17 @@ class SharedState(Protocol):
     recompute: torch.Tensor | None
     read_cache: bool
     reuse_slots: bool
+    layers: list[KVCacheLayer]
+    plan: StepPlan | None
+    plan_known_real: bool
+    plan_work: tuple[PlannedWork, ...]
+    plan_idle: tuple[bool, ...]
+    step_real_new: torch.Tensor | None
+    prepared: bool
+
+    def prepare_step(self, tokens: int, attention_mask: torch.Tensor | None = None, *, mask_known: bool = True) -> None: ...
+
+    def start_call(self, layer_idx: int, key_states: torch.Tensor) -> None: ...
 
 
 class KVCacheLayer(CacheLayerMixin):
@@ -99,11 +120,29 @@ class KVCacheLayer(CacheLayerMixin):
         call's attention keyword arguments, when given: transformers 5.24+). Returns what
         attention runs over: the layer's stored tokens (dense), or just the new ones where
         attention needs no dense read of the layer (:meth:`_new_tokens_step`)."""
-        cache, store = self.cache, self.cache.store
+        cache = self.cache
+        offset, tokens = self.seen, key_states.shape[2]
+        if self.layer_idx == 0:
+            if not cache.prepared:  # no forward pre-hook planned this call (kvlib.attach adds one)
+                cache.prepare_step(tokens, mask_known=False)
+            cache.prepared = False
+        plan = cache.plan
+        if plan is not None and plan.tokens == tokens:  # a decode step planned for every layer: one write, attention over the pages
+            if cache.layers[self.layer_idx - 1].pending is not None:
+                raise RuntimeError(NOT_THROUGH_KVLIB.format(layer=self.layer_idx - 1))
+            plan.pools[self.layer_idx].write_planned(plan, self.layer_idx, key_states, value_states)
+            self.seen += tokens
+            self.identity = self.identity and isinstance(plan.stored, int)  # a ring reuses slots
+            new_tokens = LayerRead(key_states, value_states, None, None)
+            self._publish(LayerStep(self, self.layer_idx, new_tokens, offset, tokens, self.identity, plan=plan), kwargs)
+            return key_states, value_states
+        cache.start_call(self.layer_idx, key_states)
+        store = cache.store
         if cache.recompute is not None:
             return self._overwrite(key_states, value_states, kwargs)
-        offset, tokens = self.seen, key_states.shape[2]
         first_tokens = self._holds_nothing(key_states)
+        if not first_tokens:
+            self._ring_room(tokens)
         store.append(self.layer_idx, cache.rows, key_states, value_states)
         self.seen += tokens
         tiering = cache.tiering
@@ -117,6 +156,28 @@ class KVCacheLayer(CacheLayerMixin):
             step = LayerStep(self, self.layer_idx, store.read(self.layer_idx, cache.rows), offset, tokens, self.identity)
         self._publish(step, kwargs)
         return step.read.keys, step.read.values
+
+    def _ring_room(self, tokens: int) -> None:
+        """Under a held cap kept as a ring (:meth:`~kvlib.adapters.compressor.Compressor.ring`),
+        make room for a decode call's ``tokens`` before they are stored, as a planned step does by
+        reusing slots: each head over its cap once they are in drops its oldest tokens past the
+        ring's start first, so the call attends over the cap at most, whichever path it takes."""
+        cache = self.cache
+        ring = None if cache.compressor is None else cache.compressor.ring(len(cache.rows), cache.shape.num_kv_heads)
+        if ring is None or tokens > PAGED_QUERY_TOKENS or bool((ring.caps[self.layer_idx] - ring.start < tokens).any()):
+            return
+        positions = cache.store.stored_positions(self.layer_idx, cache.rows)
+        stored = positions >= 0
+        excess = torch.from_numpy(stored.sum(-1).numpy() + tokens - ring.caps[self.layer_idx]).clamp(min=0)
+        if not bool(excess.any()):
+            return
+        rank = position_rank(positions, stored)
+        dropped = (rank >= ring.start) & (rank < ring.start + excess.unsqueeze(-1))
+        slot = torch.arange(positions.shape[-1])
+        keep = torch.sort(torch.where(stored & ~dropped, slot, positions.shape[-1]), dim=-1).values
+        keep = torch.where(keep == positions.shape[-1], -1, keep)
+        cache.compressor.compacted(self.layer_idx, cache.store.compact(self.layer_idx, cache.rows, keep, reuse_slots=cache.reuse_slots))
+        self.identity = False
 
     def _publish(self, step: LayerStep, attention_kwargs: dict | None) -> None:
         self.pending = step
@@ -191,8 +252,10 @@ class KVCacheLayer(CacheLayerMixin):
         if step.sparse:
             return sparse_decode_attention(call, step)
         key, value = call.key, call.value
-        if step.paged is not None:
-            if not call.eager and paged_attention_applies(call.kwargs):
+        if step.plan is not None or step.paged is not None:
+            if call.reads_pages:
+                if step.plan is not None:
+                    return self._attend_planned(step, call)
                 return attention_over_pages(call.query, call.attention_mask, step, call.kwargs)
             step = self.dense_step(step)
             key, value = step.read.keys, step.read.values
@@ -203,6 +266,25 @@ class KVCacheLayer(CacheLayerMixin):
         real_new = real_new_tokens(call.attention_mask, step) if step.query_positions is None else None
         step.after_attention(query=call.query, mask=mask, weights=weights, real_new=real_new, scaling=call.kwargs.get("scaling"))
         return output, weights
+
+    def _attend_planned(self, step: LayerStep, call: AttentionCall) -> tuple[torch.Tensor, None]:
+        """A planned step's attention straight over the layer's pages (the store's paged kernel
+        through the plan), then :meth:`after_attention`; the real new tokens are found once per
+        step, at layer 0."""
+        cache, query, mask, plan = self.cache, call.query, call.attention_mask, step.plan
+        scale = call.kwargs.get("scaling") or query.shape[-1] ** -0.5
+        received = None
+        if cache.plan_work and cache.plan_work[self.layer_idx] is PlannedWork.ACCUMULATE:
+            slots = int(cache.store.tables[self.layer_idx].lengths_np[plan.rows_np].max())
+            received = torch.zeros(*plan.lengths.shape[1:], slots, dtype=torch.float32, device=plan.lengths.device)
+        output = plan.pools[self.layer_idx].attend_planned(plan, self.layer_idx, query, mask, scale, received=received)
+        if received is not None:
+            cache.compressor.accumulate_received(self.layer_idx, received)
+        if self.layer_idx == 0 and not cache.plan_known_real:
+            real_new = real_new_tokens(mask, step)
+            cache.step_real_new = None if real_new is None or bool(real_new.all()) else real_new
+        step.after_attention(query=query, mask=mask, weights=None, real_new=cache.step_real_new, scaling=scale)
+        return output, None
 
     def dense_step(self, step: LayerStep) -> LayerStep:
         """``step`` with the layer read back in dense form, for an attention function that
@@ -243,10 +325,18 @@ class KVCacheLayer(CacheLayerMixin):
         tokens, seals the layer's full pages (handing a codec that reads salience the compressor's
         scores of the layer's tokens, computed only if a page seals), re-ranks its pages for the device tier and, after
         the last layer, indexes the prompt's full pages in the prefix session."""
-        cache, store, rows = self.cache, self.cache.store, self.cache.rows
+        cache = self.cache
         self.pending = None
+        if step.plan is not None and cache.plan_idle[self.layer_idx]:  # the common case: nothing follows
+            return
+        store, rows = cache.store, cache.rows
         if self.layer_idx == 0 and real_new is not None:
             cache.padding += (~real_new).sum(-1)  # stays on the device: no sync per step
+        if step.plan is not None:
+            if real_new is None and (not cache.plan_work or cache.plan_work[self.layer_idx] is not PlannedWork.GENERAL):
+                self._keep_books()
+                return
+            step = dataclasses.replace(step, paged=store.paged_layer(self.layer_idx, rows))
         sealing = [self.layer_idx]
         read = step.read if step.paged is None else None  # the layer as stored, until a compaction changes it
         codec = cache.codecs[self.layer_idx] if cache.codecs is not None else None
@@ -277,6 +367,15 @@ class KVCacheLayer(CacheLayerMixin):
                 store.seal(layer, rows, salience if layer == self.layer_idx and codec is not None and codec.uses_salience else None)
         if cache.tiering is not None and not step.sparse and cache.tiering.refreshes_ranking(self.seen, step.query_length):
             self._rank_pages(read if read is not None else store.read(self.layer_idx, rows))
+        if cache.session is not None and self.layer_idx == cache.shape.num_layers - 1:
+            cache.session.index(self.seen)
+
+    def _keep_books(self) -> None:
+        """After a planned step with nothing to evict: seal the layer's full pages, index the
+        prompt's pages after the last layer."""
+        cache = self.cache
+        if cache.codecs is not None:
+            cache.store.seal(self.layer_idx, cache.rows)
         if cache.session is not None and self.layer_idx == cache.shape.num_layers - 1:
             cache.session.index(self.seen)
 

@@ -19,10 +19,12 @@ padded row holds what it would hold alone. Strategies get exactly the extras the
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvlib.adapters.attention_weights import attention_blocks
@@ -33,7 +35,20 @@ from kvlib.adapters.slot_order import along_slots, ordered_view, position_order,
 from kvlib.policies.budget.uniform import Uniform
 from kvlib.read_cache import LayerRead
 from kvlib.selection import select_keep
+from kvlib.step_plan import Ring
 from kvlib.strategy import Budget, BudgetRequest, Eviction, LayerView, Rope
+
+_STATEFUL_NEEDS = frozenset({"accumulated_attention", "recent_queries", "prompt_length", "call_notes"})
+"""Needs whose state follows every call (see :meth:`Compressor.planned_work`)."""
+_RECEIVED = frozenset({"accumulated_attention"})
+
+
+class PlannedWork(enum.Enum):
+    """What follows a planned decode step's attention in one layer (:meth:`Compressor.planned_work`)."""
+
+    NONE = "none"
+    ACCUMULATE = "accumulate"
+    GENERAL = "general"
 
 
 @dataclass
@@ -110,6 +125,97 @@ class Compressor:
     _history: dict[int, QueryHistory] = field(default_factory=dict, init=False, repr=False)
     _call_notes: dict[str, Any] = field(default_factory=dict, init=False, repr=False)
     _last_layer: int = field(default=-1, init=False, repr=False)
+    _held_caps: dict[tuple[int, int, int], np.ndarray] = field(default_factory=dict, init=False, repr=False)
+    _ring: Ring | None = field(default=None, init=False, repr=False)
+
+    # -- planned decode steps (kvlib.step_plan) ----------------------------------------------------
+
+    def ring(self, batch: int, heads: int) -> Ring | None:
+        """The held cap as a ring of slots for a decode step of ``batch`` rows of ``heads`` KV heads
+        (the same object while the shape holds), or None where the cap is not held as one: the
+        strategy scores (no :meth:`~kvlib.strategy.Eviction.ring_start`), the budget is not an int,
+        a ``slack`` or ``interval`` asks for amortised eviction, evicted values are merged, or the
+        allocation splits by scores."""
+        if self._ring is not None and self._ring.caps.shape[1:] == (batch, heads):
+            return self._ring
+        start = self.strategy.ring_start()
+        if (
+            start is None
+            or not isinstance(self.budget, int)
+            or self.slack
+            or self.interval != 1
+            or self.merge
+            or self.allocation.needs_scores
+        ):
+            return None
+        caps = np.stack([self._layer_caps(layer, batch, heads) for layer in range(self.num_layers)])
+        if bool((caps <= start).any()):
+            return None  # a cap within the sinks leaves no window to turn
+        self._ring = Ring(caps, start)
+        return self._ring
+
+    def compacts_each_step(self, tokens: int) -> bool:
+        """Whether a decode step of ``tokens`` tokens compacts every layer it runs on, unless the
+        cap is a :meth:`ring`: a held cap with no slack checked at every step."""
+        return isinstance(self.budget, int) and not self.slack and (tokens > 1 or self.interval == 1)
+
+    def planned_work(self, layer: int, query_length: int, stored: np.ndarray) -> PlannedWork:
+        """What follows the attention of a planned decode call of ``query_length`` real tokens
+        (none of them padding) in ``layer``, after which its heads hold ``stored`` tokens (int64
+        ``[batch, kv_heads]``): nothing (:meth:`compaction` would keep every token and add nothing
+        to the compressor's state), the kernel's received attention added to the accumulated
+        attention and nothing else (H2O-like strategies: :meth:`accumulate_received`), or the
+        general path (:meth:`compaction`). Unless the general path, the call counts as one of the
+        layer's decode steps (for ``interval``), as :meth:`compaction` counts it."""
+        fused = self.strategy.needs == _RECEIVED and type(self.strategy).attention_received is Eviction.attention_received
+        work = PlannedWork.ACCUMULATE if fused else PlannedWork.NONE
+        if self.strategy.needs & _STATEFUL_NEEDS and not fused:
+            return PlannedWork.GENERAL
+        if self.budget is None:
+            return work
+        if isinstance(self.budget, float):
+            return work if query_length == 1 else PlannedWork.GENERAL
+        if query_length != 1:
+            return PlannedWork.GENERAL
+        done = self._decode_steps.get(layer, 0) + 1
+        if done % self.interval == 0:
+            if self.allocation.needs_scores:
+                return PlannedWork.GENERAL
+            if bool((stored > self._layer_caps(layer, *stored.shape) + self.slack).any()):
+                return PlannedWork.GENERAL
+        self._decode_steps[layer] = done
+        return work
+
+    def accumulate_received(self, layer: int, received: torch.Tensor) -> None:
+        """Add a planned decode call's received attention (float32 ``[batch, kv_heads, slots]``,
+        the paged kernel's, :func:`kvlib.paged_ops.paged_decode`; 0 past each head's length) to
+        ``layer``'s accumulated attention, as :meth:`compaction` adds a call's weights for a
+        strategy that counts them as they are (``attention_received`` not overridden)."""
+        previous = self._accumulated.get(layer)
+        if previous is not None:
+            width = min(previous.shape[-1], received.shape[-1])
+            received[..., :width] += previous[..., :width]
+        self._accumulated[layer] = received
+
+    def over_cap(self, layer: int, stored: np.ndarray) -> int:
+        """Tokens ``layer``'s heads hold past their caps when they hold ``stored`` (int64 ``[batch,
+        kv_heads]``): what the ``slack`` holds now (0 without an int budget)."""
+        if not isinstance(self.budget, int):
+            return 0
+        if self.allocation.needs_scores:  # a layer's total is capped, not each head's
+            return int(np.maximum(stored.sum(-1) - self.budget * stored.shape[1], 0).sum())
+        return int(np.maximum(stored - self._layer_caps(layer, *stored.shape), 0).sum())
+
+    def _layer_caps(self, layer: int, batch: int, heads: int) -> np.ndarray:
+        """int64 ``[batch, heads]``: each head's cap in ``layer`` under the int budget, from an
+        allocation that needs no scores (its caps depend on the budget, layer and shape only)."""
+        key = (layer, batch, heads)
+        caps = self._held_caps.get(key)
+        if caps is None:
+            tokens = torch.full((batch,), self.budget, dtype=torch.int64)
+            request = BudgetRequest(layer, self.num_layers, tokens, torch.zeros(batch, heads, dtype=torch.int64))
+            caps = self._held_caps[key] = self.allocation.caps(request).cpu().numpy()
+        return caps
 
     def compaction(
         self, step: LayerStep, inputs: AttentionInputs, real_offsets: torch.Tensor, stored: Callable[[], LayerRead] | None = None
@@ -241,6 +347,7 @@ class Compressor:
         self._history.clear()
         self._call_notes.clear()
         self._last_layer = -1
+        self._ring = None
 
     # -- helpers --------------------------------------------------------------------------------
 

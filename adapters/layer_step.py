@@ -30,6 +30,7 @@ import torch
 
 from kvlib.paged_attention import PagedLayer
 from kvlib.read_cache import LayerRead
+from kvlib.step_plan import StepPlan
 
 
 @dataclass(kw_only=True)
@@ -60,9 +61,21 @@ class AttentionCall:
             return mask.dtype
         return self.query.dtype if self.eager else None
 
+    @property
+    def reads_pages(self) -> bool:
+        """Whether a paged kernel reproduces this call's attention: SDPA as the inner function
+        (:func:`paged_attention_applies` to its keyword arguments), not eager attention."""
+        return not self.eager and paged_attention_applies(self.kwargs)
+
     def run_inner(self, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The inner attention of ``query`` over ``key`` and ``value`` with ``mask``."""
         return self.inner(self.module, self.query, key, value, mask, **self.kwargs)
+
+
+def paged_attention_applies(kwargs: dict) -> bool:
+    """Whether SDPA with these attention kwargs is plain attention the page kernel reproduces:
+    no attention sinks (``s_aux``) and no dropout (training)."""
+    return kwargs.get("s_aux") is None and not kwargs.get("dropout")
 
 
 class Step(Protocol):
@@ -122,6 +135,9 @@ class LayerStep:
         paged: the layer's tokens where they lie in the pages, for a call whose attention runs
             straight over them (:mod:`~kvlib.paged_attention`); ``read`` then holds just the
             call's new tokens (what ``update`` returned), and no dense copy of the layer exists.
+        plan: the decode step's plan (:mod:`~kvlib.step_plan`), for a call whose tokens were
+            written where it said and whose attention runs over the pages through it; ``read``
+            then holds just the call's new keys and values (positions and validity None).
     """
 
     owner: StepOwner | None
@@ -133,6 +149,7 @@ class LayerStep:
     query_positions: torch.Tensor | None = None
     sparse: bool = False
     paged: PagedLayer | None = None
+    plan: StepPlan | None = None
 
     def is_for(self, module: torch.nn.Module, keys: torch.Tensor) -> bool:
         return self.read.keys is keys and getattr(module, "layer_idx", None) == self.layer_idx
@@ -165,7 +182,6 @@ def publish(step: Step, attention_kwargs: dict | None = None) -> None:
     ``attention_kwargs`` when the model passed them to ``update``, else in the context variable."""
     if attention_kwargs is not None:
         attention_kwargs[STEP_KEYWORD] = step
-        _active_step.set(None)
     else:
         _active_step.set(step)
 

@@ -24,7 +24,8 @@ CACHE_OPTIONS = {
     "page_size": f"tokens per page (int in [1, {MAX_PAGE_SIZE}], default 16)",
     "read_cache": "keep a dense read mirror per layer (bool; default: only for an exact cache where attention cannot"
     " read pages in place, i.e. CUDA for now)",
-    "slack": "extra tokens a head may hold over an int budget before it is compacted back (int >= 0; default 0, page_size with a codec)",
+    "slack": "extra tokens a head may hold over an int budget before it is compacted back (int >= 0; default page_size,"
+    " 0 for a strategy kept as a ring; slack=0 holds a scoring strategy's cap to the token, compacting at every step)",
     "interval": "with an int budget, decode steps compact only every this many steps (int >= 1, default 1)",
     "merge": "fold each evicted value into the most similar kept token instead of dropping it (bool, default False)",
 }
@@ -58,10 +59,15 @@ def make_cache(
     hold every token uncompressed): each read decodes the layer's pages. A tiering strategy in the
     spec (``"lru(device_mb=512)"``) keeps at most that many MiB of pages on the device and the rest
     in host memory; the read mirror is off by default with it too (it would hold every page on the
-    device). Compaction re-encodes the
-    tokens it moves (those after the first dropped one), and lossy codes re-encoded drift, so with a
-    codec and an int budget ``slack`` defaults to ``page_size``: a head is compacted once it holds a
-    page more than its budget, not at every decode step.
+    device).
+
+    An int budget is held while decoding at the cost of a page's bookkeeping a page of steps, not
+    a compaction a step: a strategy that always drops a head's oldest token past its first few
+    (``streaming_llm``) keeps the cap as a ring of slots (each new token takes the oldest one's
+    slot before the step; a head never holds more than its cap), and every other strategy gets
+    ``slack=page_size`` (a head is compacted back to its budget once it holds a page more, so a
+    head holds up to ``page_size`` tokens over it: ``memory_report()["slack_tokens"]``). Pass
+    ``slack=0`` to hold a scoring strategy's cap to the token (a compaction every step).
 
     Everything is checked before the model runs: the model must be a decoder with attention KV,
     the spec valid (``ValueError`` lists what is registered), the budget in range (numpy and
@@ -92,7 +98,7 @@ def make_cache(
     budget = _check_budget(budget, parsed)
     codec = _codec(parsed)
     page_size, read_cache, slack, interval, merge = _options(options)
-    if codec is not None and "slack" not in options and isinstance(budget, int):
+    if "slack" not in options and isinstance(budget, int) and parsed.eviction is not None and parsed.eviction.ring_start() is None:
         slack = page_size
     parameter = next(model.parameters(), None)
     home = (parameter.dtype, parameter.device) if parameter is not None else (torch.float32, torch.device("cpu"))
@@ -112,7 +118,7 @@ def make_cache(
             parsed.tiering, codec, layer_shapes(shape.num_layers, shape.num_kv_heads, shape.head_dim, shape.value_dim, page_size, *home)
         )
     _check_page_retrieval(parsed, reuse)
-    attach(model)
+    attach(model, hidden_states=compressor is not None and "hidden_states" in compressor.strategy.needs)
     cache = KVCache(
         shape,
         compressor,

@@ -30,12 +30,12 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvlib.adapters import layer_step
-from kvlib.adapters.layer_step import AttentionCall
-from kvlib.adapters.paged_decode import paged_attention_applies
+from kvlib.adapters.layer_step import AttentionCall, paged_attention_applies
 from kvlib.devices import reads_pages_in_place
 from kvlib.paged_attention import PagedLayer
 from kvlib.paged_store import PagedStore
 from kvlib.read_cache import LayerRead
+from kvlib.step_plan import StepPlan
 
 
 @dataclass
@@ -69,6 +69,8 @@ class PackedLayerStep:
     keys: torch.Tensor
     reads: list[LayerRead | None]
     paged: list[PagedLayer | None]
+    plan: StepPlan | None = None
+    """The decode group's step plan (segment 0; its ``paged`` and ``reads`` entries are then None)."""
 
     def is_for(self, module: torch.nn.Module, keys: torch.Tensor) -> bool:
         return self.keys is keys and getattr(module, "layer_idx", None) == self.layer_idx
@@ -129,6 +131,8 @@ class PackedCache(Cache):
         self.store = store
         self.segments = segments
         self.after_attention = after_attention
+        self.plan: StepPlan | None = None
+        """The decode group's step plan for every layer (made at layer 0), or None."""
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, kwargs: dict | None = None, **_
@@ -138,18 +142,38 @@ class PackedCache(Cache):
         place) or dense read (:func:`~kvlib.adapters.layer_step.publish`, in ``kwargs``, the
         layer call's attention keyword arguments, when given); returns the inputs (attention
         takes what was published). Every append comes before any read, so a page layout handed
-        over stays valid for the call."""
-        for segment in self.segments:
+        over stays valid for the call. The decode group's step is planned once for every layer
+        at layer 0 where the store can (:meth:`~kvlib.paged_store.PagedStore.plan_step`): its
+        tokens are then written where the plan puts them and it attends through the plan."""
+        if layer_idx == 0:
+            self.plan = self._plan_decode_group()
+        plan = self.plan
+        for index, segment in enumerate(self.segments):
             keys = _segment_tokens(key_states, segment)
             values = _segment_tokens(value_states, segment)
-            self.store.append(layer_idx, segment.seqs, keys, values)
-        paged = [self._paged_layer(layer_idx, segment) for segment in self.segments]
-        reads = [
-            None if pages is not None else self.store.read(layer_idx, segment.seqs, mirror=segment.length == 1)
-            for segment, pages in zip(self.segments, paged)
+            if index == 0 and plan is not None:
+                plan.pools[layer_idx].write_planned(plan, layer_idx, keys, values)
+            else:
+                self.store.append(layer_idx, segment.seqs, keys, values)
+        paged = [
+            None if index == 0 and plan is not None else self._paged_layer(layer_idx, segment)
+            for index, segment in enumerate(self.segments)
         ]
-        layer_step.publish(PackedLayerStep(self, layer_idx, key_states, reads, paged), kwargs)
+        reads = [
+            None
+            if pages is not None or (index == 0 and plan is not None)
+            else self.store.read(layer_idx, segment.seqs, mirror=segment.length == 1)
+            for index, (segment, pages) in enumerate(zip(self.segments, paged))
+        ]
+        layer_step.publish(PackedLayerStep(self, layer_idx, key_states, reads, paged, plan), kwargs)
         return key_states, value_states
+
+    def _plan_decode_group(self) -> StepPlan | None:
+        """The decode group's plan (:meth:`~kvlib.paged_store.PagedStore.plan_step`), where the
+        first segment is one and its pages are read in place; else None."""
+        if not self.segments or self.segments[0].length != 1 or not reads_pages_in_place(self.store.device):
+            return None
+        return self.store.plan_step(self.segments[0].seqs, 1)
 
     def _paged_layer(self, layer_idx: int, segment: Segment) -> PagedLayer | None:
         """The decode group's pages in place, when it may attend straight over them (no read
@@ -182,7 +206,7 @@ def packed_attention(
     ``inner`` is the SDPA or eager attention function doing the math; ``additive_mask_dtype``:
     give it an additive float mask of that dtype instead of a bool one (eager attention). A decode
     group published as pages attends over them with the page kernel (with SDPA as the inner
-    function and plain attention, see :func:`~kvlib.adapters.paged_decode.paged_attention_applies`;
+    function and plain attention, see :func:`~kvlib.adapters.layer_step.paged_attention_applies`;
     otherwise it is read densely first); a decode group read densely runs :func:`decode_attention`
     with SDPA as the inner function (the same math as SDPA's; several times faster for one query
     per row on CPU)."""
@@ -191,7 +215,12 @@ def packed_attention(
     for index, (segment, pages) in enumerate(zip(step.cache.segments, step.paged)):
         part = query[0, :, segment.start : segment.start + segment.tokens]
         part = part.view(heads, len(segment.seqs), segment.length, -1).transpose(0, 1)
-        if pages is not None and additive_mask_dtype is None and paged_attention_applies(kwargs):
+        planned = index == 0 and step.plan is not None
+        if planned and additive_mask_dtype is None and paged_attention_applies(kwargs):
+            scale = kwargs.get("scaling") or part.shape[-1] ** -0.5
+            output = step.plan.pools[step.layer_idx].attend_planned(step.plan, step.layer_idx, part, None, scale, kwargs.get("softcap"))
+            read = None  # attended over the pages: nothing was read
+        elif pages is not None and additive_mask_dtype is None and paged_attention_applies(kwargs):
             output = decode_over_pages(part, pages, segment, kwargs)
             read = None  # attended over the pages: nothing was read
         else:

@@ -16,12 +16,6 @@ from kvlib.adapters.layer_step import LayerStep
 from kvlib.adapters.masks import allowed, real_new_tokens
 
 
-def paged_attention_applies(kwargs: dict) -> bool:
-    """Whether SDPA with these attention kwargs is plain attention the page kernel reproduces:
-    no attention sinks (``s_aux``) and no dropout (training)."""
-    return kwargs.get("s_aux") is None and not kwargs.get("dropout")
-
-
 def attention_over_pages(
     query: torch.Tensor, attention_mask: torch.Tensor | None, step: LayerStep, kwargs: dict
 ) -> tuple[torch.Tensor, None]:

@@ -17,9 +17,9 @@ import dataclasses
 
 import torch
 
-from kvlib.adapters.layer_step import AttentionCall, LayerStep
+from kvlib.adapters.layer_step import AttentionCall, LayerStep, paged_attention_applies
 from kvlib.adapters.masks import physical_mask, real_new_tokens
-from kvlib.adapters.paged_decode import attention_over_pages, paged_attention_applies
+from kvlib.adapters.paged_decode import attention_over_pages
 
 
 def sparse_decode_attention(call: AttentionCall, step: LayerStep) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -26,9 +26,9 @@ from collections.abc import Iterator
 import torch
 from transformers.cache_utils import Cache
 
-from kvlib.adapters.cache_layer import KVCacheLayer
+from kvlib.adapters.cache_layer import NOT_THROUGH_KVLIB, PAGED_QUERY_TOKENS, KVCacheLayer
 from kvlib.adapters.cache_store import CacheStoreBuilder
-from kvlib.adapters.compressor import Compressor
+from kvlib.adapters.compressor import Compressor, PlannedWork
 from kvlib.adapters.memory_report import memory_report
 from kvlib.adapters.model_shape import KVShape
 from kvlib.adapters.prefix_session import PrefixSession
@@ -36,6 +36,7 @@ from kvlib.codec import Codec, PageCodec
 from kvlib.devices import reads_pages_in_place
 from kvlib.paged_store import PagedStore
 from kvlib.prefix_store import PrefixStore
+from kvlib.step_plan import StepPlan
 from kvlib.storage.spill_store import SpillStore
 from kvlib.strategy import Tiering
 
@@ -109,6 +110,20 @@ class KVCache(Cache):
         self._rows: list[int] = []
         self.padding = torch.zeros(0, dtype=torch.int64)
         """Left padding tokens of each row, int64 ``[batch]`` on the store's device (counted by layer 0's calls)."""
+        self.plan: StepPlan | None = None
+        """The current decode step's plan for every layer (see :meth:`prepare_step`), or None
+        where the step takes the general path layer by layer."""
+        self.plan_known_real = True
+        """Whether :meth:`prepare_step` knew every new token of the planned step is real."""
+        self.plan_work: tuple[PlannedWork, ...] = ()
+        """Per layer, what the compressor does after the planned step's attention (None: no compressor)."""
+        self.plan_idle: tuple[bool, ...] = ()
+        """Per layer, whether nothing at all follows the planned step's attention."""
+        self.step_real_new: torch.Tensor | None = None
+        """The planned step's real new tokens, where not all are (found by layer 0's attention when
+        :attr:`plan_known_real` is False; None: all real)."""
+        self.prepared = False
+        """Whether :meth:`prepare_step` ran for the coming call (layer 0's update clears it)."""
         self.store: PagedStore | None = self.builder.new_store(*home) if home is not None else None
 
     @property
@@ -128,27 +143,15 @@ class KVCache(Cache):
 
     # -- what generate and the model call -----------------------------------------------------
 
-    def update(
-        self,
-        key_states: torch.Tensor,
-        value_states: torch.Tensor,
-        layer_idx: int,
-        *args,
-        kwargs: dict | None = None,
-        **_,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store a layer call's new keys and values; return what its attention runs over (see
-        :meth:`KVCacheLayer.update`).
-
-        ``kwargs``: the layer call's attention keyword arguments (transformers 5.24+); the
-        :class:`~kvlib.adapters.layer_step.LayerStep` for the kvlib attention function travels
-        in them (see :mod:`~kvlib.adapters.layer_step`)."""
+    def start_call(self, layer_idx: int, key_states: torch.Tensor) -> None:
+        """What a layer call that was not planned checks and starts first (:meth:`KVCacheLayer.update`
+        calls it; ``transformers``' ``Cache.update`` hands each layer call straight to its layer):
+        the previous layer's attention ran through kvlib where its eviction or codec must run, the
+        batch fits, the store exists (in ``key_states``' dtype and device for a cache made without
+        them) and the batch's rows are started (from a prefix session where the cache reuses one)."""
         previous = self.layers[layer_idx - 1]
         if previous.pending is not None and (self.compressor is not None or self.codec is not None):
-            raise RuntimeError(
-                f"layer {previous.layer_idx}'s attention did not run through kvlib, so its eviction or codec cannot run:"
-                " call kvlib.attach(model) (make_cache does) and keep attn_implementation on kvlib_sdpa / kvlib_eager"
-            )
+            raise RuntimeError(NOT_THROUGH_KVLIB.format(layer=previous.layer_idx))
         batch = key_states.shape[0]
         self.check_batch(batch)
         if self.store is None:
@@ -160,7 +163,72 @@ class KVCache(Cache):
             else:
                 self._rows.extend(self.store.new_sequence() for _ in range(batch))
             self.padding = torch.zeros(batch, dtype=torch.int64, device=self.store.device)
-        return self.layers[layer_idx].update(key_states, value_states, kwargs=kwargs)
+
+    def prepare_step(self, tokens: int, attention_mask: torch.Tensor | None = None, *, mask_known: bool = True) -> None:
+        """Plan the coming model call of ``tokens`` new tokens per row for every layer, where it is
+        a decode step the paged store can plan (see :mod:`kvlib.step_plan`), and work out which
+        layers have anything to do after their attention. The forward pre-hook that
+        :func:`kvlib.attach` adds calls it with the call's ``attention_mask`` (2-D, or None: no
+        padding), so that the forward itself keeps no books (``model.forward`` compiled with
+        ``torch.compile(fullgraph=True)`` traces a planned step whole); layer 0's update calls it
+        when nothing did (``mask_known`` False: whether the new tokens are real is then read from
+        the mask attention gets). Each layer's update then takes :attr:`plan` if it is one of
+        its call's tokens.
+
+        No plan (the step goes layer by layer): more than
+        :data:`~kvlib.adapters.cache_layer.PAGED_QUERY_TOKENS` new tokens, a layer holding nothing
+        yet, padding among the new tokens, a read mirror, a device whose attention cannot read
+        pages in place, tiering, a selective recompute, a held cap compacted at every step (no
+        slack, not a ring), or a store with no plan for these rows."""
+        self.plan, self.plan_idle, self.plan_work, self.step_real_new = None, (), (), None
+        self.prepared = True
+        first = self.layers[0].seen
+        if (
+            tokens > PAGED_QUERY_TOKENS
+            or first == 0
+            or self.read_cache
+            or self.tiering is not None
+            or self.recompute is not None
+            or not self._rows
+            or not reads_pages_in_place(self.store.device)
+            or any(layer.seen != first for layer in self.layers)
+        ):
+            return
+        if attention_mask is not None and (attention_mask.dim() != 2 or not bool(attention_mask[:, -tokens:].all())):
+            if attention_mask.dim() == 2:
+                return  # padding among the new tokens: the general path drops it
+            mask_known = False
+        ring = None
+        if self.compressor is not None:
+            ring = self.compressor.ring(len(self._rows), self.shape.num_kv_heads)
+            if ring is None and self.compressor.compacts_each_step(tokens):
+                return
+        plan = self.store.plan_step(self._rows, tokens, ring)
+        if plan is None:
+            return
+        self.plan, self.plan_known_real = plan, mask_known
+        self.plan_work = tuple(self._work_after(layer, tokens, mask_known) for layer in range(self.shape.num_layers))
+        self.plan_idle = tuple(work is PlannedWork.NONE and not self._keeps_books_after(layer) for layer, work in enumerate(self.plan_work))
+
+    def _work_after(self, layer: int, tokens: int, mask_known: bool) -> PlannedWork:
+        """What the compressor does after this planned step's attention in ``layer``."""
+        compressor = self.compressor
+        if compressor is None:
+            return PlannedWork.NONE
+        codec = self.codecs[layer] if self.codecs is not None else None
+        if not mask_known or (codec is not None and codec.uses_salience):
+            return PlannedWork.GENERAL
+        return compressor.planned_work(layer, tokens, self.store.tables[layer].lengths_np[self.plan.rows_np])
+
+    def _keeps_books_after(self, layer: int) -> bool:
+        """Whether ``layer`` has pages to seal after this planned step, or is the last layer of a
+        cache whose prompt pages a prefix session indexes."""
+        if self.session is not None and layer == self.shape.num_layers - 1:
+            return True
+        if self.codecs is None or self.codecs[layer] is None:
+            return False
+        table, rows = self.store.tables[layer], self.plan.rows_np
+        return bool((table.lengths_np[rows] // table.page_size > table.sealed_np[rows]).any())
 
     def load(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
         """Fill this empty cache with precomputed keys (after RoPE) and values of every layer,
@@ -270,6 +338,7 @@ class KVCache(Cache):
             self.store.peak_page_bytes = self.store.memory_bytes()["pages"]
         self._rows.clear()
         self.padding = torch.zeros(0, dtype=torch.int64)
+        self.plan = None
         for layer in self.layers:
             layer.reset()
         if self.compressor is not None:
@@ -363,8 +432,17 @@ class KVCache(Cache):
 
     def memory_report(self) -> dict:
         """Bytes this cache holds, and what a full cache in the compute dtype would hold (see
-        :func:`~kvlib.adapters.memory_report.memory_report` for the keys)."""
-        return memory_report(self.store, self._rows, self.shape)
+        :func:`~kvlib.adapters.memory_report.memory_report` for the keys), and ``slack_tokens``:
+        the stored tokens over the held cap (an int budget) that its ``slack`` holds now, summed
+        over layers, rows and KV heads (0 for a ring, which never holds more than the cap)."""
+        report = memory_report(self.store, self._rows, self.shape)
+        report["slack_tokens"] = 0
+        if self.compressor is not None and self._rows:
+            report["slack_tokens"] = sum(
+                self.compressor.over_cap(layer, self.store.physical_lengths(layer, self._rows).numpy())
+                for layer in range(self.shape.num_layers)
+            )
+        return report
 
     def __repr__(self) -> str:
         spec = "exact" if self.compressor is None else f"{self.compressor.strategy.spec()}, budget={self.compressor.budget}"

@@ -221,6 +221,13 @@ class Eviction(Strategy, abc.ABC):
         if "recent_queries" in cls.needs and not cls.reads_kv:
             raise ValueError(f"strategy {name!r} needs recent_queries, whose attention is computed from the keys: reads_kv must be True")
 
+    def ring_start(self) -> int | None:
+        """For a strategy whose choice, once a head holds its cap, is always the head's oldest token
+        past its earliest ``n`` (by position): ``n``. A held cap then runs as a ring of slots
+        (:mod:`~kvlib.step_plan`): each new token takes that token's slot before the step, and
+        nothing is scored. None (the default): the strategy scores."""
+        return None
+
     def observed_queries(self) -> int | None:
         """How many of a call's last queries ``window_queries`` and ``attention`` cover (None: all)."""
         return None

@@ -19,7 +19,10 @@ class StreamingLLM(Eviction):
 
     Keeps the first ``sinks`` stored tokens of each head (the attention sinks that absorb
     surplus attention) and the most recent tokens; the recent window is whatever the budget
-    leaves after the sinks. Needs nothing from attention, so it costs no extra compute.
+    leaves after the sinks. Needs nothing from attention, so it costs no extra compute. Under a
+    held cap (an int budget) the window is a ring of slots (:meth:`ring_start`): each decode step's
+    token replaces the window's oldest before the step runs, as the paper's code evicts to make
+    space before each forward, so a head never holds more than its cap.
 
     Args:
         sinks: initial tokens always kept (the paper finds 4 enough). Counts toward the budget.
@@ -33,6 +36,10 @@ class StreamingLLM(Eviction):
         super().__post_init__()
         if self.sinks < 0:
             raise ValueError(f"sinks must be >= 0, got {self.sinks}")
+
+    def ring_start(self) -> int:
+        """The sinks: past them, a head at its cap always drops its oldest token."""
+        return self.sinks
 
     def score(self, view: LayerView) -> torch.Tensor:
         """Recency rank among valid slots (by position); sinks score +inf, invalid slots -inf."""

@@ -18,17 +18,20 @@ from tests.adapters.conftest import PAD, assert_same_logits, build_model, left_p
 SINKS, BUDGET = 4, 16
 
 
-def _keep_sinks_and_window(cache: DynamicCache) -> None:
+def _keep_sinks_and_window(cache: DynamicCache, room: int = 0) -> None:
+    """Cut every layer to the sinks and the newest ``BUDGET - SINKS - room`` tokens."""
     for layer in cache.layers:
-        if layer.keys.shape[-2] > BUDGET:
-            window = BUDGET - SINKS
+        if layer.keys.shape[-2] > BUDGET - room:
+            window = BUDGET - SINKS - room
             layer.keys = torch.cat([layer.keys[..., :SINKS, :], layer.keys[..., -window:, :]], dim=-2)
             layer.values = torch.cat([layer.values[..., :SINKS, :], layer.values[..., -window:, :]], dim=-2)
 
 
 def reference_streaming(model, ids: torch.Tensor, new_tokens: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """StreamingLLM by hand: a DynamicCache cut to sinks + window after every forward, with the
-    true positions passed explicitly. Returns the greedy tokens and the logits of each step."""
+    """StreamingLLM by hand, as its reference code runs a held cache: a DynamicCache cut to sinks +
+    window after the prompt, and cut to make room for each new token before its forward (so each
+    step attends over the budget), with the true positions passed explicitly. Returns the greedy
+    tokens and the logits of each step."""
     cache = DynamicCache(config=model.config)
     tokens, logits = [], []
     with torch.no_grad():
@@ -39,8 +42,8 @@ def reference_streaming(model, ids: torch.Tensor, new_tokens: int) -> tuple[torc
             logits.append(out.logits[:, -1])
             token = out.logits[:, -1].argmax(-1, keepdim=True)
             tokens.append(token)
+            _keep_sinks_and_window(cache, room=1)
             out = model(input_ids=token, **cache_argument(cache), position_ids=torch.tensor([[position]]))
-            _keep_sinks_and_window(cache)
             position += 1
     return torch.cat(tokens, dim=1), logits
 
@@ -195,7 +198,7 @@ def test_a_score_of_the_wrong_shape_is_a_clear_error(probes, monkeypatch):
     probe, _ = probes
     monkeypatch.setattr(probe, "score", lambda self, view: torch.zeros(3))
     model = build_model("llama")
-    cache = kvlib.make_cache(model, probe(), budget=4)
+    cache = kvlib.make_cache(model, probe(), budget=4, slack=0)  # scored at once, not a page of tokens later
     with pytest.raises(ValueError, match="must return a tensor of shape"), torch.no_grad():
         model(input_ids=torch.tensor([[5, 6, 7, 8, 9, 10]]), **cache_argument(cache))
 

@@ -164,3 +164,42 @@ def test_declares_no_needs_and_is_registered():
     assert StreamingLLM.name == "streaming_llm"
     assert kvlib.get_policy("streaming_llm") is StreamingLLM
     assert StreamingLLM().sinks == 4
+
+
+@pytest.mark.parametrize("family", ["llama", "stories"])
+@pytest.mark.parametrize("read_cache", [False, True], ids=["planned", "dense"])
+def test_a_held_cap_is_a_ring_each_step_attending_over_the_sinks_and_the_newest(family: str, read_cache: bool) -> None:
+    """Under an int budget each decode step first drops the oldest token past the sinks, then
+    attends over the cap (StreamingLLM's reference code makes space before each forward): the
+    logits equal a full forward over the same tokens whose mask lets decode query ``p`` see the
+    sinks and positions ``p - window < j <= p``; the prompt attends causally, as one call. The
+    planned path (a ring of slots) and the dense-read path agree."""
+    from kvlib.transformers_compat import cache_argument
+    from tests.adapters.conftest import assert_same_logits, build_model
+
+    model = build_model(family)
+    sinks, window, prompt_length, new = 4, 8, 20, 14
+    ids = torch.randint(3, 90, (1, prompt_length), generator=torch.Generator().manual_seed(2))
+    cache = kvlib.make_cache(model, "streaming_llm", budget=sinks + window, read_cache=read_cache)
+    out = model.generate(
+        ids,
+        **cache_argument(cache),
+        do_sample=False,
+        max_new_tokens=new,
+        min_new_tokens=new,
+        return_dict_in_generate=True,
+        output_logits=True,
+    )
+    sequence = out.sequences
+    length = sequence.shape[1]
+    query = torch.arange(length).unsqueeze(-1)
+    key = torch.arange(length).unsqueeze(0)
+    decoding = query >= prompt_length
+    visible = (key <= query) & (~decoding | (key < sinks) | (key > query - window))
+    mask = torch.zeros(1, 1, length, length).masked_fill(~visible, torch.finfo(torch.float32).min)
+    with torch.no_grad():
+        logits = model(sequence, attention_mask=mask).logits[0, prompt_length - 1 : -1]
+    assert_same_logits(list(out.logits), [row.unsqueeze(0) for row in logits])
+    kept = [*range(sinks), *range(length - 1 - window, length - 1)]  # the last token has no KV yet
+    for layer in range(model.config.num_hidden_layers):
+        assert cache.kept_positions(layer)[0].tolist() == [kept] * cache.shape.num_kv_heads
