@@ -230,6 +230,8 @@ class _Launch(NamedTuple):
     visible: torch.Tensor | None
     query_positions: torch.Tensor | None
     longest: int
+    """Tokens of the longest (row, KV head); 0 also under a mask over no positions (nothing is
+    seen): the kernels are then not launched."""
     shape: dict[str, object]
 
     @staticmethod
@@ -243,21 +245,22 @@ class _Launch(NamedTuple):
         device = source.positions.device
         rows = query_heads // kv_heads * queries
         grouped = query.detach().to(device).reshape(batch * kv_heads, rows, dim).contiguous()
-        longest = int(lengths.max()) if lengths.numel() else 0
+        nothing_visible = lengths.numel() == 0 or (visible is not None and visible.shape[-1] == 0)
+        longest = 0 if nothing_visible else int(lengths.max())
         shape = dict(
             KV_HEADS=kv_heads,
             QUERIES=queries,
             ROWS=rows,
             HEAD_DIM=dim,
             PAGE_SIZE=source.positions.shape[1],
-            BLOCK_M=max(16, triton_block(rows)),
+            BLOCK_M=triton_block(rows),
             BLOCK_D=triton_block(dim),
             CAUSAL=visible is None,
             DOT=dot_dtype(query.dtype, device),
         )
         return _Launch(
             grouped,
-            to_arena_device(pages, device).reshape(batch * kv_heads, -1).contiguous(),
+            to_arena_device(pages, device).reshape(batch * kv_heads, pages.shape[2]).contiguous(),
             to_arena_device(lengths, device).reshape(-1).contiguous(),
             None if visible is None else to_arena_device(visible, device).contiguous().view(torch.uint8),
             None if query_positions is None else to_arena_device(query_positions, device).contiguous(),
@@ -298,13 +301,13 @@ def attend_pages_triton(
     pairs, rows = launch.grouped.shape[:2]
     value_dim = source.value_dim
     device = source.positions.device
-    out = torch.empty(pairs, rows, value_dim, dtype=query.dtype, device=device)
+    out = (torch.empty if launch.longest else torch.zeros)(pairs, rows, value_dim, dtype=query.dtype, device=device)
     count, split_tokens = split_plan(launch.longest, pairs, splits)
     several = count > 1
     partial = torch.empty(pairs, count, rows, value_dim, dtype=torch.float32, device=device) if several else out
     partial_lse = torch.empty(pairs, count, rows, dtype=torch.float32, device=device) if several else out
     block_v = triton_block(value_dim)
-    if pairs:
+    if launch.longest:
         attend_splits[(pairs, count)](
             launch.grouped,
             launch.pages,
@@ -363,7 +366,7 @@ def attention_weights_triton(
     slots = launch.pages.shape[1] * source.positions.shape[1]
     scores = torch.full((pairs, rows, slots), float("-inf"), dtype=torch.float32, device=source.positions.device)
     tiles = math.ceil(launch.longest / TILE_TOKENS)
-    if pairs and tiles:
+    if tiles:
         score_tiles[(pairs, tiles)](
             launch.grouped,
             launch.pages,

@@ -44,18 +44,12 @@ LOADER_TENSORS = 8
 LOADER_PARAMS = 3
 """Constexpr ints a tile loader takes (``P0..P2``)."""
 
-OPEN_TENSORS = 3
-"""Tensors of a coded pool's open part, before the codec's fields (``T0..T2``)."""
-
-CODEC_TENSORS = LOADER_TENSORS - OPEN_TENSORS
-"""Field tensors a codec's :class:`TritonReader` may give (``T3..T7``)."""
-
 
 class TritonReader(NamedTuple):
     """How the Triton kernel decodes one tensor (keys or values) of a codec's sealed pages in
     registers: ``load``, a coded tile loader (a ``@triton.jit`` function, see the module
-    docstring), ``fields``, its tensors after the open part (at most :data:`CODEC_TENSORS`, on
-    the arenas' device, contiguous), and ``params``, its constexpr ints (at most :data:`LOADER_PARAMS`)."""
+    docstring), ``fields``, its tensors after the pool's three open-part ones (so at most five,
+    on the arenas' device, contiguous), and ``params``, its constexpr ints (at most :data:`LOADER_PARAMS`)."""
 
     load: object
     fields: tuple[torch.Tensor, ...]

@@ -333,6 +333,19 @@ def test_splits_follow_the_longest_head_and_the_programs_a_batch_already_fills()
         kernels.split_plan(40, 8, splits=0)
 
 
+def test_nothing_stored_or_nothing_visible_gives_zeros() -> None:
+    lengths = torch.tensor([[5, 0]])
+    keys, values, positions, pages, *_ = scattered_pages(lengths, 4, 8, 8, torch.float16, torch.Generator().manual_seed(4))
+    source = kernels.triton_arena_source(*on_device(keys, values, positions))
+    query = torch.randn(1, 2, 1, 8, dtype=torch.float16, device=DEVICE)
+    blind = torch.zeros(1, 1, 0, dtype=torch.bool)  # a mask over no positions
+    for table, held, mask in ((pages[:, :, :0], torch.zeros(1, 2, dtype=torch.int64), None), (pages, lengths, blind)):
+        common = dict(visible=mask, query_positions=torch.tensor([9]), scale=1.0)
+        out = source.attend(query, table, held, **common)
+        assert out.dtype == torch.float16 and out.shape == (1, 2, 1, 8) and not out.any()
+        assert not source.weights(query, table, held, **common).any()
+
+
 def test_mismatched_heads_missing_visibility_and_unsupported_dtypes_are_refused() -> None:
     lengths = torch.tensor([[4, 4]])
     keys, values, positions, pages, *_ = scattered_pages(lengths, 4, 8, 8, torch.float32, torch.Generator().manual_seed(3))
