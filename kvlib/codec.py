@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from kvlib.coded_page_loaders import CodedReader
+from kvlib.triton_readers import TritonReader
 
 
 @dataclass(frozen=True)
@@ -121,6 +122,14 @@ class TensorCodec(abc.ABC):
         None where it cannot (the layer is then read through :meth:`decode_into`). Default: None."""
         return None
 
+    def triton_reader(self, arenas: dict[str, torch.Tensor]) -> TritonReader | None:
+        """How the Triton paged-attention kernel decodes sealed pages of this codec in registers,
+        a tile of tokens at a time, from the pool's field ``arenas`` (on the pool's device, as
+        :meth:`decode_into` takes them; no copy): a tile loader and its fields and parameters
+        (:mod:`kvlib.triton_readers`). None where it cannot (the layer is then read through
+        :meth:`decode_into`). Default: None. Only called where triton is installed."""
+        return None
+
     @property
     def ready(self) -> bool:
         """Whether the codec can encode (fitted codecs: once their fit has run)."""
@@ -210,6 +219,13 @@ class PageCodec:
         (see :meth:`TensorCodec.page_reader`), or None unless both tensor codecs have one."""
         key = self.key.page_reader({n[4:]: t for n, t in arenas.items() if n.startswith("key.")})
         value = self.value.page_reader({n[6:]: t for n, t in arenas.items() if n.startswith("value.")})
+        return None if key is None or value is None else (key, value)
+
+    def triton_readers(self, arenas: dict[str, torch.Tensor]) -> tuple[TritonReader, TritonReader] | None:
+        """``(keys, values)`` readers of the pool's field ``arenas`` for the Triton paged-attention
+        kernel (see :meth:`TensorCodec.triton_reader`), or None unless both tensor codecs have one."""
+        key = self.key.triton_reader({n[4:]: t for n, t in arenas.items() if n.startswith("key.")})
+        value = self.value.triton_reader({n[6:]: t for n, t in arenas.items() if n.startswith("value.")})
         return None if key is None or value is None else (key, value)
 
     def decode(self, encoded: dict[str, torch.Tensor], heads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

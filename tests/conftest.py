@@ -6,9 +6,15 @@ import logging
 import os
 
 import pytest
+import torch
 import transformers
 
-from kvlib import registry
+if (
+    not torch.cuda.is_available()
+):  # Triton's kernels run in its interpreter; it is read as each kernel is defined, so before kvlib loads one
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from kvlib import registry  # noqa: E402
 
 DEPRECATED_CACHE_NAME = "are deprecated. Use `cache` instead"
 """What transformers 5.24+ logs (once per process, not as a warning) when a call passes a cache

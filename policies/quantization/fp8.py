@@ -12,6 +12,7 @@ from kvlib.policies.quantization.page_loaders import byte_table_reader
 from kvlib.policies.quantization.uniform import lookup_rows
 from kvlib.registry import register
 from kvlib.strategy import Quantization
+from kvlib.triton_readers import TritonReader
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = torch.finfo(E4M3).max
@@ -57,6 +58,12 @@ class PageScaledFP8(TensorCodec):
     def page_reader(self, arenas: dict[str, torch.Tensor]) -> CodedReader:
         """Bytes through the e4m3 table times the page's scale, page by page inside the kernel."""
         return byte_table_reader(arenas["codes"], E4M3_TABLE, arenas["scale"])
+
+    def triton_reader(self, arenas: dict[str, torch.Tensor]) -> TritonReader:
+        """e4m3 bit patterns widened to float32 times the page's scale, in registers inside the Triton kernel."""
+        from kvlib.policies.quantization.triton_loaders.scaled_bytes import load_e4m3, scaled_bytes_triton_reader  # triton is optional
+
+        return scaled_bytes_triton_reader(load_e4m3, arenas["codes"], arenas["scale"])
 
 
 @register("fp8")

@@ -27,6 +27,7 @@ from kvlib.coded_page_loaders import OPEN_ITEMS, CodedReader, load_open
 from kvlib.devices import to_arena_device
 from kvlib.policies.quantization.page_loaders import decode_page_groups, load_group_quantized
 from kvlib.policies.quantization.uniform import write_rows
+from kvlib.triton_readers import TritonReader
 
 MAX_HEADS = 256
 """KV heads a layer may have: a page's head is stored in one byte."""
@@ -198,6 +199,19 @@ class RotatedQuantizer(TensorCodec):
         if inner is None or inner.load is not load_group_quantized:  # load_rotated reads a group quantizer's fields
             return None
         return CodedReader((*inner.fields, arenas["head"].numpy(), self.signs.numpy()), load_rotated)
+
+    def triton_reader(self, arenas: dict[str, torch.Tensor]) -> TritonReader | None:
+        """The inner quantizer's codes decoded, then each token row rotated back, in registers
+        inside the Triton kernel (None where the inner codec is not a group quantizer, or for a
+        head dim over :data:`~.triton_loaders.rotated.MAX_DIM`: the layer is then read through
+        :meth:`decode_into`)."""
+        from kvlib.policies.quantization.triton_loaders.group import load_group_quantized  # triton is optional
+        from kvlib.policies.quantization.triton_loaders.rotated import rotated_triton_reader
+
+        inner = self.inner.triton_reader({name: t for name, t in arenas.items() if name != "head"})
+        if inner is None or inner.load is not load_group_quantized:  # load_rotated reads a group quantizer's fields
+            return None
+        return rotated_triton_reader(inner, arenas["head"], self.signs)
 
     def state_bytes(self) -> int:
         return self.signs.numel() * self.signs.element_size()

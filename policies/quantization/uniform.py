@@ -27,6 +27,7 @@ from kvlib.coded_page_loaders import CodedReader
 from kvlib.policies.quantization import kernels
 from kvlib.policies.quantization.page_loaders import byte_table_reader, group_quantized_reader
 from kvlib.storage.packing import pack, packed_size, unpack
+from kvlib.triton_readers import TritonReader
 
 
 def metadata_dtype(compute: torch.dtype) -> torch.dtype:
@@ -177,6 +178,12 @@ class GroupQuantizer(TensorCodec):
         """Codes unpacked and dequantized page by page inside the kernel."""
         return group_quantized_reader(arenas, self.bits, self.per_channel, self.group)
 
+    def triton_reader(self, arenas: dict[str, torch.Tensor]) -> TritonReader:
+        """Codes unpacked and dequantized in registers inside the Triton kernel, a tile at a time."""
+        from kvlib.policies.quantization.triton_loaders.group import group_quantized_triton_reader  # triton is optional
+
+        return group_quantized_triton_reader(arenas, self.bits, self.per_channel, self.group)
+
 
 class AbsmaxInt8(TensorCodec):
     """Symmetric int8 per token: one scale per token (``max|x| / 127``), codes in ``[-127, 127]``."""
@@ -225,6 +232,12 @@ class AbsmaxInt8(TensorCodec):
     def page_reader(self, arenas: dict[str, torch.Tensor]) -> CodedReader:
         """Codes through the int8 table times each token's scale, page by page inside the kernel."""
         return byte_table_reader(arenas["codes"], INT8_TABLE, arenas["scale"])
+
+    def triton_reader(self, arenas: dict[str, torch.Tensor]) -> TritonReader:
+        """int8 codes times each token's scale, in registers inside the Triton kernel."""
+        from kvlib.policies.quantization.triton_loaders.scaled_bytes import load_int8, scaled_bytes_triton_reader  # triton is optional
+
+        return scaled_bytes_triton_reader(load_int8, arenas["codes"], arenas["scale"])
 
 
 INT8_TABLE = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.int8).float().numpy()
