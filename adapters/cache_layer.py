@@ -34,7 +34,6 @@ from kvlib.devices import reads_pages_in_place
 from kvlib.paged_attention import PagedLayer
 from kvlib.paged_store import PagedStore
 from kvlib.read_cache import LayerRead
-from kvlib.selection import position_rank
 from kvlib.step_plan import StepPlan
 from kvlib.strategy import LayerView, Tiering
 
@@ -158,26 +157,13 @@ class KVCacheLayer(CacheLayerMixin):
         return step.read.keys, step.read.values
 
     def _ring_room(self, tokens: int) -> None:
-        """Under a held cap kept as a ring (:meth:`~kvlib.adapters.compressor.Compressor.ring`),
-        make room for a decode call's ``tokens`` before they are stored, as a planned step does by
-        reusing slots: each head over its cap once they are in drops its oldest tokens past the
-        ring's start first, so the call attends over the cap at most, whichever path it takes."""
+        """Under a held cap kept as a ring, make room for a decode call's ``tokens`` before they are
+        stored (:meth:`~kvlib.adapters.compressor.Compressor.make_ring_room`), so the call attends
+        over the cap at most, whichever path it takes."""
         cache = self.cache
-        ring = None if cache.compressor is None else cache.compressor.ring(len(cache.rows), cache.shape.num_kv_heads)
-        if ring is None or tokens > PAGED_QUERY_TOKENS or bool((ring.caps[self.layer_idx] - ring.start < tokens).any()):
-            return
-        positions = cache.store.stored_positions(self.layer_idx, cache.rows)
-        stored = positions >= 0
-        excess = torch.from_numpy(stored.sum(-1).numpy() + tokens - ring.caps[self.layer_idx]).clamp(min=0)
-        if not bool(excess.any()):
-            return
-        rank = position_rank(positions, stored)
-        dropped = (rank >= ring.start) & (rank < ring.start + excess.unsqueeze(-1))
-        slot = torch.arange(positions.shape[-1])
-        keep = torch.sort(torch.where(stored & ~dropped, slot, positions.shape[-1]), dim=-1).values
-        keep = torch.where(keep == positions.shape[-1], -1, keep)
-        cache.compressor.compacted(self.layer_idx, cache.store.compact(self.layer_idx, cache.rows, keep, reuse_slots=cache.reuse_slots))
-        self.identity = False
+        if cache.compressor is not None and tokens <= PAGED_QUERY_TOKENS:
+            if cache.compressor.make_ring_room(cache.store, self.layer_idx, cache.rows, tokens, reuse_slots=cache.reuse_slots):
+                self.identity = False
 
     def _publish(self, step: LayerStep, attention_kwargs: dict | None) -> None:
         self.pending = step

@@ -32,9 +32,10 @@ from kvlib.adapters.layer_step import LayerStep
 from kvlib.adapters.merge import merged_values
 from kvlib.adapters.query_history import QueryHistory
 from kvlib.adapters.slot_order import along_slots, ordered_view, position_order, to_slots
+from kvlib.paged_store import PagedStore
 from kvlib.policies.budget.uniform import Uniform
 from kvlib.read_cache import LayerRead
-from kvlib.selection import select_keep
+from kvlib.selection import position_rank, select_keep
 from kvlib.step_plan import Ring
 from kvlib.strategy import Budget, BudgetRequest, Eviction, LayerView, Rope
 
@@ -153,6 +154,29 @@ class Compressor:
             return None  # a cap within the sinks leaves no window to turn
         self._ring = Ring(caps, start)
         return self._ring
+
+    def make_ring_room(self, store: PagedStore, layer: int, seqs: list[int], tokens: int, *, reuse_slots: bool) -> bool:
+        """Under a held cap kept as a :meth:`ring`, make room in ``layer`` of ``seqs`` for a call's
+        ``tokens`` before they are stored, as a planned step does by reusing slots: each head that
+        would then hold more than its cap first drops its oldest tokens past the ring's start
+        (compacted away, the per-slot state following). Returns whether anything was dropped. The
+        cache's layers and the Engine's decode rows call it on the paths that are not planned, so
+        that every path keeps, and attends over, the same tokens."""
+        ring = self.ring(len(seqs), store.tables[layer].num_heads)
+        if ring is None or bool((ring.caps[layer] - ring.start < tokens).any()):
+            return False
+        positions = store.stored_positions(layer, seqs)
+        stored = positions >= 0
+        excess = torch.from_numpy(stored.sum(-1).numpy() + tokens - ring.caps[layer]).clamp(min=0)
+        if not bool(excess.any()):
+            return False
+        rank = position_rank(positions, stored)
+        dropped = (rank >= ring.start) & (rank < ring.start + excess.unsqueeze(-1))
+        slot = torch.arange(positions.shape[-1])
+        keep = torch.sort(torch.where(stored & ~dropped, slot, positions.shape[-1]), dim=-1).values
+        keep = torch.where(keep == positions.shape[-1], -1, keep)
+        self.compacted(layer, store.compact(layer, seqs, keep, reuse_slots=reuse_slots))
+        return True
 
     def compacts_each_step(self, tokens: int) -> bool:
         """Whether a decode step of ``tokens`` tokens compacts every layer it runs on, unless the

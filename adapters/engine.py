@@ -138,6 +138,7 @@ class Engine:
         if not isinstance(handover_queue, str) or not handover_queue:
             raise ValueError(f"handover_queue must be a non-empty str, got {handover_queue!r}")
         self.role, self.handover_queue = role, handover_queue
+        self.page_size = page_size
         self._handovers: dict[int, HandOver] = {}
         """Prefill role: the message of each request being prefilled, by request id."""
         self.handover_s: dict[int, float] = {}
@@ -412,7 +413,7 @@ class Engine:
                 " (a quantization codec applies to every request: Engine(model, spec='kivi(bits=4)'); prefix reuse is"
                 " built in: prefix_cache=True)"
             )
-        compressor = eviction_compressor(self.model, parsed, budget)
+        compressor = eviction_compressor(self.model, parsed, budget, page_size=self.page_size)
         if compressor is not None and "hidden_states" in compressor.strategy.needs:
             raise ValueError(f"{parsed.eviction.spec()} needs the attention input (hidden_states), which the engine does not record")
         return compressor

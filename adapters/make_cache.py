@@ -98,15 +98,13 @@ def make_cache(
     budget = _check_budget(budget, parsed)
     codec = _codec(parsed)
     page_size, read_cache, slack, interval, merge = _options(options)
-    if "slack" not in options and isinstance(budget, int) and parsed.eviction is not None and parsed.eviction.ring_start() is None:
-        slack = page_size
     parameter = next(model.parameters(), None)
     home = (parameter.dtype, parameter.device) if parameter is not None else (torch.float32, torch.device("cpu"))
     if codec is not None:
         codec.check_shape(layer_shapes(shape.num_layers, shape.num_kv_heads, shape.head_dim, shape.value_dim, page_size, *home))
     if (slack or interval != 1) and not isinstance(budget, int):
         raise ValueError(f"slack and interval apply to an int budget (a token count), not to budget={budget!r}")
-    compressor = eviction_compressor(model, parsed, budget, slack, interval, merge)
+    compressor = eviction_compressor(model, parsed, budget, slack, interval, merge, page_size=page_size)
     if compressor is None and merge:
         raise ValueError("merge=True folds evicted tokens into kept ones; it needs an eviction strategy in the spec")
     if compressor is None:
@@ -136,10 +134,18 @@ def make_cache(
 
 
 def eviction_compressor(
-    model: torch.nn.Module, spec: Spec, budget: int | float | None, slack: int = 0, interval: int = 1, merge: bool = False
+    model: torch.nn.Module,
+    spec: Spec,
+    budget: int | float | None,
+    slack: int | None = None,
+    interval: int = 1,
+    merge: bool = False,
+    *,
+    page_size: int = 16,
 ) -> Compressor | None:
     """The compressor applying ``spec``'s eviction (and budget allocation) within ``budget``, or
-    None for a spec without eviction; ``ValueError`` for a budget that does not fit the spec."""
+    None for a spec without eviction; ``ValueError`` for a budget that does not fit the spec.
+    ``slack`` None: :func:`default_slack` for pages of ``page_size`` tokens."""
     budget = _check_budget(budget, spec)
     if spec.eviction is None:
         return None
@@ -148,7 +154,18 @@ def eviction_compressor(
     allocation.check_model(shape.num_layers, shape.num_kv_heads)
     projections = output_projections(model, shape) if "output_projection" in spec.eviction.needs else None
     rope = rope_of(model, shape.head_dim)
+    slack = default_slack(spec, budget, page_size) if slack is None else slack
     return Compressor(spec.eviction, budget, shape.num_layers, allocation, slack, interval, rope, merge, projections)
+
+
+def default_slack(spec: Spec, budget: int | float | None, page_size: int) -> int:
+    """The tokens a head may hold over an int budget before it is compacted back, when none is
+    given: ``page_size`` (a compaction a page of decode steps, not one a step), 0 for a strategy
+    kept as a ring (:meth:`~kvlib.strategy.Eviction.ring_start`: it never holds more than its
+    cap) and for other budgets (prompt compression holds no cap while decoding)."""
+    if not isinstance(budget, int) or spec.eviction is None or spec.eviction.ring_start() is not None:
+        return 0
+    return page_size
 
 
 def salience_scorer(model: torch.nn.Module, spec: Spec) -> Compressor | None:
@@ -283,7 +300,7 @@ def _check_first_arenas(shape: KVShape, page_size: int, home: tuple[torch.dtype,
     check_fits(f"make_cache(page_size={page_size}) for {layers} layers", nbytes, device)
 
 
-def _options(options: dict[str, object]) -> tuple[int, bool | None, int, int, bool]:
+def _options(options: dict[str, object]) -> tuple[int, bool | None, int | None, int, bool]:
     unknown = sorted(set(options) - set(CACHE_OPTIONS))
     if unknown:
         valid = "; ".join(f"{name}: {what}" for name, what in CACHE_OPTIONS.items())
@@ -292,8 +309,8 @@ def _options(options: dict[str, object]) -> tuple[int, bool | None, int, int, bo
     read_cache = options.get("read_cache")
     if read_cache is not None and not isinstance(read_cache, bool):
         raise ValueError(f"read_cache must be a bool, got {read_cache!r}")
-    slack = options.get("slack", 0)
-    if isinstance(slack, bool) or not isinstance(slack, int) or slack < 0:
+    slack = options.get("slack")
+    if slack is not None and (isinstance(slack, bool) or not isinstance(slack, int) or slack < 0):
         raise ValueError(f"slack must be an int >= 0, got {slack!r}")
     interval = options.get("interval", 1)
     if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:

@@ -58,6 +58,10 @@ class ModelRunner:
             segments.append((Segment([r.seq for r in requests], start, length, segment_positions, uniform), requests))
             start += len(requests) * length
         self._segments = segments
+        for request in decodes:  # a held cap kept as a ring drops its oldest tokens before the step, as a KVCache's does
+            if request.compressor is not None:
+                for layer in range(self.store.num_layers):
+                    request.compressor.make_ring_room(self.store, layer, [request.seq], 1, reuse_slots=True)
         finishing, last_index = [], []
         for segment, requests in segments:
             for b, request in enumerate(requests):

@@ -200,7 +200,7 @@ class KVCache(Cache):
             mask_known = False
         ring = None
         if self.compressor is not None:
-            ring = self.compressor.ring(len(self._rows), self.shape.num_kv_heads)
+            ring = self.compressor.ring(len(self._rows), self.shape.num_kv_heads) if self.reuse_slots else None
             if ring is None and self.compressor.compacts_each_step(tokens):
                 return
         plan = self.store.plan_step(self._rows, tokens, ring)

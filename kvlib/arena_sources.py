@@ -22,6 +22,12 @@ ARENA_SOURCES: dict[PagedKernel, Callable[[torch.Tensor, torch.Tensor, torch.Ten
     PagedKernel.NUMBA: arena_source,
     PagedKernel.TORCH: torch_arena_source,
 }
+try:  # triton is optional (torch's CUDA builds bring it): without it CUDA reads through the torch path
+    from kvlib.paged_attention_triton import triton_arena_source
+
+    ARENA_SOURCES[PagedKernel.TRITON] = triton_arena_source
+except ImportError:
+    pass
 """Each paged kernel's page source over float arenas ``(keys, values, positions)``."""
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import functools
+import importlib.util
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -154,29 +155,39 @@ class PagedKernel(enum.Enum):
     NUMBA = "numba"
     """:mod:`kvlib.paged_attention`'s numba kernel: CPU pages only (read as numpy), float arenas
     and coded pools (codecs decoded page by page inside the kernel)."""
+    TRITON = "triton"
+    """:mod:`kvlib.paged_attention_triton`'s kernels (CUDA, where triton is installed, as it is
+    beside torch's CUDA builds): split-K over the block tables, float arenas and coded pools
+    (kivi, kv_bits, int8, fp8 and rotated pages decoded in registers)."""
     TORCH = "torch"
     """:mod:`kvlib.paged_attention_torch`: torch ops over blocks of pages, any device; float
-    arenas only (coded pools give no page source there and are read densely)."""
+    arenas only (coded pools give no page source there and are read densely). CUDA without
+    triton."""
 
 
-PAGED_KERNELS: dict[str, PagedKernel] = {"cpu": PagedKernel.NUMBA, "cuda": PagedKernel.TORCH}
-"""The paged kernel of each device type (:func:`paged_kernel`). A device type not listed reads
-a layer into a dense copy first: the torch path would run there, but is untested. A faster CUDA
-kernel (flex attention over a page table, FlashInfer, flash-attn's ``block_table``) would be
-chosen here, by what is installed, when one lands."""
+PAGED_KERNELS: dict[str, tuple[PagedKernel, ...]] = {"cpu": (PagedKernel.NUMBA,), "cuda": (PagedKernel.TRITON, PagedKernel.TORCH)}
+"""The paged kernels of each device type, in order of preference (:func:`paged_kernel` takes the
+first one installed). A device type not listed reads a layer into a dense copy first: the torch
+path would run there, but is untested."""
+
+
+@functools.cache
+def _installed(kernel: PagedKernel) -> bool:
+    """Whether ``kernel``'s compiler is importable (triton is optional; numba and torch are not)."""
+    return kernel is not PagedKernel.TRITON or importlib.util.find_spec("triton") is not None
 
 
 def paged_kernel(device: torch.device) -> PagedKernel | None:
     """The kernel that attends straight over pages on ``device`` (:data:`PAGED_KERNELS`), or
     None where a layer is read into a dense copy first."""
-    return PAGED_KERNELS.get(device.type)
+    return next((kernel for kernel in PAGED_KERNELS.get(device.type, ()) if _installed(kernel)), None)
 
 
 def reads_pages_in_place(device: torch.device) -> bool:
     """Whether attention runs straight over pages on ``device`` (:func:`paged_kernel`: the numba
-    kernel on the CPU, the torch path on CUDA); elsewhere a layer is read into a dense copy
-    first. A pool may still give no pages in place (coded pools off the CPU, partnered pools):
-    its reads are dense then."""
+    kernel on the CPU, Triton's or the torch path on CUDA); elsewhere a layer is read into a dense
+    copy first. A pool may still give no pages in place (a coded pool without its codec's loader
+    for the kernel, partnered pools): its reads are dense then."""
     return paged_kernel(device) is not None
 
 

@@ -12,9 +12,9 @@ Both take the plan's tensors for every layer and the layer's index, so that no p
 of them is made before the call. As operators they are single nodes for ``torch.compile``
 (their fake implementations give shapes only: a decode step traces without a graph break) and
 one trip through torch's dispatcher each in eager mode. Each has a CPU implementation (the numba
-kernel of :mod:`kvlib.paged_attention`) and a CUDA one (the Triton kernel of
-:mod:`kvlib.paged_attention_triton` where triton is installed, else the torch path of
-:mod:`kvlib.paged_attention_torch`).
+kernel of :mod:`kvlib.paged_attention`) and a CUDA one (:func:`kvlib.devices.paged_kernel`'s: the
+Triton kernels of :mod:`kvlib.paged_attention_triton` where triton is installed, else the torch
+path of :mod:`kvlib.paged_attention_torch`).
 
 Semantics of ``paged_decode`` are :func:`kvlib.paged_attention.paged_attention`'s: query
 ``[batch, query_heads, queries, head_dim]``; ``mask`` the model's mask over logical positions
@@ -31,9 +31,10 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from kvlib.arena_sources import ARENA_SOURCES
+from kvlib.devices import paged_kernel
 from kvlib.page_kernel_parts import LOADERS
 from kvlib.paged_attention import PageReader, PageSource, paged_attention_kernel
-from kvlib.paged_attention_torch import attend_pages_torch, attention_weights_torch
 
 _LIBRARY = torch.library.Library("kvlib", "DEF")  # noqa: TOR901 - the low-level API: a few microseconds a call, not tens
 
@@ -254,32 +255,11 @@ def _float_bits(arena: torch.Tensor) -> np.ndarray:
 def _paged_decode_cuda(
     query, key_arena, value_arena, position_arena, pages, lengths, layer, mask, query_positions, scale, softcap, received=None
 ):
-    if received is not None:  # the weights through the torch path's scores (one more pass over the keys)
-        weights = attention_weights_torch(
-            query,
-            key_arena,
-            position_arena,
-            pages[layer],
-            lengths[layer],
-            visible=mask_visibility(mask),
-            query_positions=query_positions,
-            scale=scale,
-            softcap=softcap or None,
-        )
-        _add_received(received, weights, pages.shape[2])
-    output = attend_pages_torch(
-        query,
-        key_arena,
-        value_arena,
-        position_arena,
-        pages[layer],
-        lengths[layer],
-        visible=mask_visibility(mask),
-        query_positions=query_positions,
-        scale=scale,
-        softcap=softcap or None,
-    )
-    return output.transpose(1, 2).contiguous()
+    reader = ARENA_SOURCES[paged_kernel(key_arena.device)](key_arena, value_arena, position_arena)
+    options = {"visible": mask_visibility(mask), "query_positions": query_positions, "scale": scale, "softcap": softcap or None}
+    if received is not None:
+        _add_received(received, reader.weights(query, pages[layer], lengths[layer], **options), pages.shape[2])
+    return reader.attend(query, pages[layer], lengths[layer], **options).transpose(1, 2).contiguous()
 
 
 def _add_received(received: torch.Tensor, weights: torch.Tensor, kv_heads: int) -> None:

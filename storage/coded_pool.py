@@ -20,6 +20,7 @@ it mostly empty (a prefill's pages are raw only between the layer's append and i
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,12 +31,23 @@ from kvlib.codec import Field, PageCodec
 from kvlib.coded_page_loaders import open_part
 from kvlib.devices import PagedKernel, paged_kernel, to_arena_device
 from kvlib.page_indexing import first_occurrences
-from kvlib.paged_attention import PageSource
+from kvlib.paged_attention import PageReader, PageSource
 from kvlib.storage.field_rows import arena_dtype
 from kvlib.storage.free_stack import FreeStack
 from kvlib.storage.page_pool import PagePool, PlannedStep, extend_rows
 
 _MIN_RAW_PAGES = 16
+
+CODED_SOURCES: dict[PagedKernel, Callable[[CodedPagePool], PageReader | None]] = {
+    PagedKernel.NUMBA: lambda pool: pool.numba_source(),
+}
+"""How each paged kernel reads a coded pool's pages (a kernel not listed reads them densely)."""
+try:  # triton is optional (torch's CUDA builds bring it): without it a coded pool on CUDA is read densely
+    from kvlib.paged_attention_triton import triton_coded_source
+
+    CODED_SOURCES[PagedKernel.TRITON] = lambda pool: pool.triton_source()
+except ImportError:
+    pass
 
 
 class CodedPagePool(PagePool):
@@ -92,8 +104,9 @@ class CodedPagePool(PagePool):
         self._version = 0
         """Bumped whenever a page changes state (allocated, freed, sealed) or raw rows move."""
         self._plan: _ReadPlan | None = None
-        self._source: tuple[tuple[torch.Tensor, ...], PageSource | None] | None = None
-        """The last :meth:`page_source` and the tensors it views (rebuilt when one is replaced)."""
+        self._source: tuple[tuple[torch.Tensor, ...], PageReader | None, int] | None = None
+        """The last :meth:`page_source`, the tensors it views and the pool version it was built at
+        (rebuilt when one is replaced; a Triton source also when a page changed state)."""
 
     # -- sizes ---------------------------------------------------------------------------------
 
@@ -223,31 +236,44 @@ class CodedPagePool(PagePool):
             received,
         )
 
-    def page_source(self) -> PageSource | None:
+    def page_source(self) -> PageReader | None:
         """Open pages read raw and sealed pages decoded page by page inside the kernel, from the
-        arenas where they lie (:mod:`~kvlib.coded_page_loaders`); None for a codec that is not
-        fitted yet or has no page loader, and off the CPU: the loaders are numba's, and the torch
-        path (:func:`~kvlib.devices.paged_kernel`, CUDA) reads float arenas only. Attention then
+        arenas where they lie: the numba kernel's loaders on the CPU (:mod:`~kvlib.coded_page_loaders`),
+        the Triton kernels' tile loaders on CUDA (:func:`~kvlib.paged_attention_triton.triton_coded_source`,
+        which copies the pages' sealed flags and raw rows to the device: rebuilt whenever a page
+        changes state). None for a codec that is not fitted yet or has no loader for the kernel,
+        and on a device whose kernel reads float arenas only (the torch path): attention then
         reads through :meth:`read_pages` (a dense copy of the decoded pages)."""
         arenas = (self.keys, self.values, self.sealed, self.raw_row, self.positions, *self.encoded.values())
-        if self._source is not None and len(self._source[0]) == len(arenas) and all(a is b for a, b in zip(self._source[0], arenas)):
+        kernel = paged_kernel(self.device)
+        current = self._source is not None and len(self._source[0]) == len(arenas) and all(a is b for a, b in zip(self._source[0], arenas))
+        if current and (kernel is PagedKernel.NUMBA or self._source[2] == self._version):
             return self._source[1]  # the same tensors, changed in place only: their views still hold
-        if not self.codec.ready or paged_kernel(self.device) is not PagedKernel.NUMBA:
+        if not self.codec.ready or kernel not in CODED_SOURCES:
             return None
+        self._source = (arenas, CODED_SOURCES[kernel](self), self._version)
+        return self._source[1]
+
+    def numba_source(self) -> PageSource | None:
+        """The numba kernel's :class:`~kvlib.paged_attention.PageSource` of this pool's pages (CPU)."""
         readers = self.codec.page_readers(self.encoded or self._field_arenas(0))
-        source = None
-        if readers is not None:
-            keys, values = readers
-            source = PageSource(
-                open_part(self.sealed, self.raw_row, self.keys) + keys.fields,
-                open_part(self.sealed, self.raw_row, self.values) + values.fields,
-                keys.load,
-                values.load,
-                self.positions.numpy(),
-                self.value_dim,
-            )
-        self._source = (arenas, source)
-        return source
+        if readers is None:
+            return None
+        keys, values = readers
+        return PageSource(
+            open_part(self.sealed, self.raw_row, self.keys) + keys.fields,
+            open_part(self.sealed, self.raw_row, self.values) + values.fields,
+            keys.load,
+            values.load,
+            self.positions.numpy(),
+            self.value_dim,
+        )
+
+    def triton_source(self) -> PageReader | None:
+        """The Triton kernels' source of this pool's pages (CUDA), or None for a codec without a
+        Triton reader."""
+        fields = self.encoded or self._field_arenas(0)
+        return triton_coded_source(self.codec, self.keys, self.values, self.sealed, self.raw_row, self.positions, fields)
 
     def _field_arenas(self, rows: int) -> dict[str, torch.Tensor]:
         """Zeroed arenas of ``rows`` pages for each of the codec's fields (one-byte floats as bytes)."""

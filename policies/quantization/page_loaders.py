@@ -60,12 +60,15 @@ def decode_groups(
     """The first ``rows`` tokens of sealed ``page`` at ``bits`` bits (``2**shift`` codes per byte;
     3-bit codes 8 per 3 bytes, ``shift`` unused)."""
     dim = out.shape[1]
-    if per_channel:
+    if per_channel:  # token-major, channels innermost over each channel's scale and minimum (vectorizes)
+        s = np.empty(dim, dtype=np.float32)
+        m = np.empty(dim, dtype=np.float32)
         for c in range(dim):
-            s = float_of(scale[page, c], kind)
-            m = float_of(minimum[page, c], kind)
-            for t in range(rows):
-                out[t, c] = dequantize(packed_code(codes, page, t * dim + c, bits, shift), s, m)
+            s[c] = float_of(scale[page, c], kind)
+            m[c] = float_of(minimum[page, c], kind)
+        for t in range(rows):
+            for c in range(dim):
+                out[t, c] = dequantize(packed_code(codes, page, t * dim + c, bits, shift), s[c], m[c])
         return
     groups = dim // group
     for t in range(rows):

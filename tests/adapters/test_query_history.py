@@ -114,7 +114,7 @@ def test_the_compressor_keeps_the_history_through_decode_steps_beams_and_resets(
     registry.register("recorder")(_Recorder)
     model = build_model("llama")
     ids, mask = left_padded([9, 12], seed=3, vocab=model.config.vocab_size)
-    cache = kvlib.make_cache(model, "recorder", budget=8)
+    cache = kvlib.make_cache(model, "recorder", budget=8, slack=0)  # scored at every decode step
     _Recorder.seen.clear()
     model.generate(ids, attention_mask=mask, **cache_argument(cache), do_sample=False, max_new_tokens=4, pad_token_id=PAD)
     prompt_positions, lengths, shape = _Recorder.seen[0]

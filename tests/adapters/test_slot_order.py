@@ -23,7 +23,7 @@ def generate_held(
 ) -> tuple[torch.Tensor, list[torch.Tensor], bool]:
     """Greedy tokens under an ``int`` budget held while decoding, each layer's kept positions, and
     whether any head's slots ended out of position order (a slot was reused)."""
-    cache = kvlib.make_cache(model, spec, budget=BUDGET)
+    cache = kvlib.make_cache(model, spec, budget=BUDGET, slack=0)  # every decode step evicts (a ring for streaming_llm)
     cache.reuse_slots = reuse_slots
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, **cache_argument(cache))
