@@ -22,6 +22,11 @@ Guarantees, from lmdb and this module:
   empty, and a directory that cannot hold a tier raises
   :class:`~kvlib.errors.DiskTierUnavailable` (see :mod:`~kvlib.storage.lmdb_files`); a file cut
   short while open makes reads misses and stops the tier (one warning);
+- a directory removed or replaced while open (``data.mdb`` no longer the file the tier opened:
+  deleted, or another file in its place) is noticed before each write of prefix records (a
+  ``stat`` beside the file's ``fstat``): a record written there would reach no other process and
+  no later store, so writing stops with one warning and is not counted (what the tier held is
+  still read); :func:`open_disk_tier` opens a new environment on that path;
 - within a process, threads other than the writer's may read (a page prefetch reads spilled
   pages): they hold :attr:`DiskTier.resize_lock` during a read transaction, and the map is
   only resized under it (lmdb resizes only with no transaction active in the process).
@@ -85,7 +90,7 @@ def open_disk_tier(path: str | Path, capacity_bytes: int) -> DiskTier:
     the directory cannot hold one."""
     key = Path(path).resolve()
     tier = _OPEN.get(key)
-    if tier is None or tier.closed:
+    if tier is None or tier.closed or not tier.attached():  # a removed or replaced directory: a new environment
         tier = DiskTier(path, capacity_bytes)
         _OPEN[key] = tier
     elif capacity_bytes > tier.capacity_bytes:
@@ -137,6 +142,9 @@ class DiskTier:
         self.lost = False
         """True once ``data.mdb`` was found cut short while open (warned once): every read is then
         a miss and nothing is written."""
+        self.detached = False
+        """True once ``data.mdb`` at :attr:`path` was found not to be the file this tier opened
+        (warned once): prefix records are no longer written."""
         self.closed = False
         self.resize_lock = threading.Lock()
         """Held while the map is resized and by reads from threads other than the writer's."""
@@ -209,7 +217,7 @@ class DiskTier:
             key: [memoryview(chunk).cast("B") for chunk in (record if isinstance(record, list) else [record])] for key, record in items
         }
         incoming = sum(chunk.nbytes for chunks in records.values() for chunk in chunks)
-        if self.stopped or not items or incoming > self.capacity_bytes:
+        if self.stopped or not items or incoming > self.capacity_bytes or not self.attached():
             return False
         try:
             self.transact(incoming, lambda txn: self._put(txn, records, incoming))
@@ -335,6 +343,27 @@ class DiskTier:
                 stacklevel=3,
             )
         return not self.lost
+
+    def attached(self) -> bool:
+        """Whether ``data.mdb`` at :attr:`path` is still the file this tier opened (same device and
+        inode, still linked): not once its directory was removed or replaced, or the file deleted
+        or renamed over. Then, with one warning, writing stops (:attr:`detached`): records written
+        to a file no other process can open would be lost. A ``stat`` and an ``fstat`` per call."""
+        if not self.detached:
+            opened = os.fstat(self._data)
+            try:
+                current = os.stat(self.path / "data.mdb")
+                same = (current.st_dev, current.st_ino) == (opened.st_dev, opened.st_ino) and opened.st_nlink > 0
+            except OSError:
+                same = False
+            if not same:
+                self.detached = self.stopped = True
+                warnings.warn(
+                    f"kvlib disk tier at {self.path}: the directory was removed or its data.mdb replaced while open; records"
+                    " written now would reach no other process, so writing stops (a new store on this path opens a new tier)",
+                    stacklevel=3,
+                )
+        return not self.detached
 
     def _stop(self, why: str) -> None:
         if not self.stopped:
