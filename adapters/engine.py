@@ -73,6 +73,9 @@ REQUEST_OPTIONS = {
     "seed": None,
 }
 """The keyword arguments of :meth:`Engine.add_request` and their defaults (``generate`` takes them too)."""
+MAX_MESSAGES_PER_RECEIVE = 1024
+"""Messages :meth:`Engine.receive` pops at most per call, so a queue fed faster than it is read
+never keeps a decode worker from stepping."""
 ROLES = ("both", "prefill", "decode")
 
 
@@ -349,28 +352,32 @@ class Engine:
         (:meth:`HandOver.from_bytes <kvlib.adapters.handover.HandOver.from_bytes>`: fields,
         sizes, this engine's model and context, page budget) or repeats one already taken is
         skipped and counted in ``stats()["bad_handovers"]``, and every genuine message popped in
-        the call is queued and returned whatever comes after it."""
+        the call is queued and returned whatever comes after it. At most
+        :data:`MAX_MESSAGES_PER_RECEIVE` messages are popped per call (the rest wait for the next)."""
         if self.role != "decode":
             raise ValueError(f"receive() is for an Engine with role='decode'; this one's role is {quoted(self.role)}")
         if isinstance(wait_s, bool) or not isinstance(wait_s, (int, float)) or not 0 <= wait_s < math.inf:
             raise ValueError(f"wait_s must be a finite number of seconds >= 0, got {quoted(wait_s)}")
         remote, received = self.prefix.remote, {}
         value = remote.pop(self.handover_queue, wait_s)
-        while value is not None:
+        for popped in range(1, MAX_MESSAGES_PER_RECEIVE + 1):
+            if value is None:
+                break
             taken = self._take_over(value)
             if taken is not None:
                 received[taken[0]] = taken[1]
-            value = remote.pop(self.handover_queue, 0.0)
+            value = remote.pop(self.handover_queue, 0.0) if popped < MAX_MESSAGES_PER_RECEIVE else None
         return received
 
     def _take_over(self, value: bytes) -> tuple[int, int] | None:
         """Queue the request in ``value`` (popped from the hand-over queue); returns ``(prefill
         side's id, local id)``, or None for a message refused (counted in ``bad_handovers``)."""
-        message = self.prefix.remote.open_message(self.handover_queue, value)
+        limits = self._message_limits()
         try:
+            message = self.prefix.remote.open_message(self.handover_queue, value, limits.max_bytes)
             if message is None:
-                raise ValueError("not sealed with this engine's remote key")
-            handover = HandOver.from_bytes(message, self._message_limits())
+                raise ValueError("longer than any hand-over message, or not sealed with this engine's remote key")
+            handover = HandOver.from_bytes(message, limits)
             origin = (handover.sender, handover.id)
             if origin in self._taken:
                 raise ValueError(f"hand-over {origin} was taken already (a replay or a duplicate id)")

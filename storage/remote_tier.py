@@ -311,9 +311,13 @@ class RemoteTier:
             if time.monotonic() >= deadline:
                 return None
 
-    def open_message(self, queue: str, value: bytes) -> memoryview | None:
-        """The message inside a value popped from ``queue``, or None (counted) when its envelope
-        fails or its tag is not this tier's (a message this tier's key did not seal)."""
+    def open_message(self, queue: str, value: bytes, max_bytes: int) -> memoryview | None:
+        """The message inside a value popped from ``queue``, or None (counted) when it is longer
+        than ``max_bytes`` (refused before its tag is computed: ``corrupt``), its envelope fails
+        or its tag is not this tier's (a message this tier's key did not seal)."""
+        if len(value) > ENVELOPE.size + max_bytes:
+            self.corrupt += 1
+            return None
         return self.open(QUEUE + queue.encode(), value)
 
     def eviction_policy(self) -> str | None:

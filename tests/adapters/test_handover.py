@@ -24,6 +24,7 @@ import redis
 import torch
 
 import kvlib
+from kvlib.adapters import engine as engine_module
 from kvlib.adapters.handover import HandOver, MessageLimits
 from kvlib.storage.block_record import DIGEST
 from kvlib.storage.local_server import LocalServer
@@ -158,7 +159,7 @@ def test_hostile_messages_between_genuine_ones_are_counted_and_skipped(module_re
     client = redis.Redis.from_url(url)
     genuine = [client.lpop(QUEUE + queue.encode()) for _ in cases]
     tier = RemoteTier(url, key=KEY)
-    first = json.loads(bytes(tier.open_message(queue, genuine[0])))
+    first = json.loads(bytes(tier.open_message(queue, genuine[0], 1 << 20)))
     hostile = hostile_messages(first)
     for message in hostile[:12]:
         tier.push(queue, message)
@@ -171,10 +172,22 @@ def test_hostile_messages_between_genuine_ones_are_counted_and_skipped(module_re
 
     decode = decode_engine(model, url, queue)
     received = decode.receive()
-    assert received == {0: 0, 1: 1, 2: 2} and prefill.stats()["handed_over"] == 3
+    assert sorted(received) == [0, 1, 2] and prefill.stats()["handed_over"] == 3
     assert decode.stats()["bad_handovers"] == len(hostile) + 3  # the replay, the unkeyed and the other key's
     assert decoded(decode, received, len(cases)) == expected
     assert decode.receive() == {} and client.llen(QUEUE + queue.encode()) == 0
+
+
+def test_receive_pops_a_bounded_number_of_messages_per_call(module_redis_server, monkeypatch) -> None:
+    model, url, queue = build_model("llama"), module_redis_server.url, "bounded"
+    cases = requests()[2:5]
+    expected = served_alone(model, cases)
+    hand_over(model, url, queue, cases)
+    monkeypatch.setattr(engine_module, "MAX_MESSAGES_PER_RECEIVE", 2)
+    decode = decode_engine(model, url, queue)
+    first, second = decode.receive(), decode.receive()
+    assert len(first) == 2 and len(second) == 1 and sorted(first | second) == [0, 1, 2]  # in the order the prefills finished
+    assert decoded(decode, first | second, len(cases)) == expected
 
 
 def test_a_message_from_an_engine_of_another_model_is_refused(module_redis_server) -> None:

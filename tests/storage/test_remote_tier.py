@@ -124,7 +124,7 @@ def test_records_are_evicted_under_volatile_lru_and_queued_messages_never() -> N
             assert tier.put_many([(i.to_bytes(32, "big"), b"ok" + bytes(256 << 10))]) == 1
         assert 0 < client.pttl(PREFIX + (63).to_bytes(32, "big")) <= RECORD_TTL_S * 1000
         assert client.dbsize() < 64 and tier.write_errors == 0  # old records evicted to make room
-        assert [bytes(tier.open_message("jobs", tier.pop("jobs", 0.0))) for _ in range(3)] == [b"job 0", b"job 1", b"job 2"]
+        assert [bytes(tier.open_message("jobs", tier.pop("jobs", 0.0), 1 << 20)) for _ in range(3)] == [b"job 0", b"job 1", b"job 2"]
     with LocalServer(policy="allkeys-lru") as server:
         assert RemoteTier(server.url, key="k").eviction_policy() == "allkeys-lru"
 
@@ -136,16 +136,18 @@ def test_queues_carry_sealed_messages_between_tiers_and_pop_waits_what_it_is_tol
         assert receiver.pop("jobs", wait_s=wait_s) is None
         assert wait_s <= time.monotonic() - started < wait_s + 0.3  # longer than the 0.25 s of one blocking request
     assert sender.push("jobs", b"one") and sender.push("jobs", b"two")
-    assert [bytes(receiver.open_message("jobs", receiver.pop("jobs", wait_s=0.1))) for _ in range(2)] == [b"one", b"two"]
+    assert [bytes(receiver.open_message("jobs", receiver.pop("jobs", wait_s=0.1), 1 << 20)) for _ in range(2)] == [b"one", b"two"]
     RemoteTier(redis_server.url, key="other").push("jobs", b"forged")
     RemoteTier(redis_server.url, trust="any-writer").push("jobs", b"unkeyed")
     redis.Redis.from_url(redis_server.url).rpush(QUEUE + b"jobs", b"raw")
-    assert [receiver.open_message("jobs", receiver.pop("jobs", 0.0)) for _ in range(3)] == [None, None, None]
+    assert [receiver.open_message("jobs", receiver.pop("jobs", 0.0), 1 << 20) for _ in range(3)] == [None, None, None]
     assert receiver.rejected == 2 and receiver.corrupt == 1
     sender.push("other-queue", b"moved")  # a sealed message moved to another queue fails its tag there
     client = redis.Redis.from_url(redis_server.url)
     client.rpush(QUEUE + b"jobs", client.lpop(QUEUE + b"other-queue"))
-    assert receiver.open_message("jobs", receiver.pop("jobs", 0.0)) is None and receiver.rejected == 3
+    assert receiver.open_message("jobs", receiver.pop("jobs", 0.0), 1 << 20) is None and receiver.rejected == 3
+    sender.push("jobs", bytes(2 << 20))  # sealed, but longer than the reader takes: refused before its tag is computed
+    assert receiver.open_message("jobs", receiver.pop("jobs", 0.0), 1 << 20) is None and receiver.corrupt == 2
 
 
 def test_a_key_of_another_type_planted_on_a_queue_is_a_counted_error(redis_server) -> None:
