@@ -53,6 +53,7 @@ from kvlib.adapters.scheduler import Scheduler, StepPlan
 from kvlib.codec import Codec
 from kvlib.errors import quoted
 from kvlib.limits import MAX_REQUEST_TOKENS, check_page_size, check_request_tokens, check_seed
+from kvlib.prefix_store import remote_tier
 from kvlib.spec import Spec, parse_spec
 
 if TYPE_CHECKING:
@@ -161,6 +162,7 @@ class Engine:
             raise ValueError(f"role={quoted(role)} hands requests over through a server: give remote=")
         if not isinstance(handover_queue, str) or not handover_queue:
             raise ValueError(f"handover_queue must be a non-empty str, got {handover_queue!r}")
+        remote = remote_tier(remote, remote_key, remote_trust)  # a missing key fails before the model is touched
         self.role, self.handover_queue = role, handover_queue
         self._handovers: dict[int, HandOver] = {}
         """Prefill role: the message of each request being prefilled, by request id."""
@@ -204,8 +206,6 @@ class Engine:
             prefix_cache=prefix_cache,
             preemption=preemption,
             remote=remote,
-            remote_key=remote_key,
-            remote_trust=remote_trust,
         )
         if role != "both":
             _warn_if_queues_evict(self.prefix.remote)

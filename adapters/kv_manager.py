@@ -108,7 +108,7 @@ class KVManager:
         read_cache: keep a dense mirror of the decoding batch in the store.
         prefix_cache: index full pages for reuse across requests.
         preemption: ``"swap"`` (to host memory) or ``"recompute"``.
-        remote, remote_key, remote_trust: the prefix store's remote tier (:class:`~kvlib.prefix_store.PrefixStore`).
+        remote: the prefix store's remote tier (:class:`~kvlib.prefix_store.PrefixStore`), or None.
     """
 
     def __init__(
@@ -124,9 +124,7 @@ class KVManager:
         read_cache: bool,
         prefix_cache: bool,
         preemption: str,
-        remote: RemoteTier | str | None = None,
-        remote_key: str | bytes | None = None,
-        remote_trust: str = "key",
+        remote: RemoteTier | None = None,
     ) -> None:
         self.shape = shape
         self.page_size = page_size
@@ -153,9 +151,7 @@ class KVManager:
                 )
             )
 
-        self.prefix = None
-        if prefix_cache:
-            self.prefix = PrefixStore(model, budget.prefix_bytes, remote=remote, remote_key=remote_key, remote_trust=remote_trust)
+        self.prefix = PrefixStore(model, budget.prefix_bytes, remote=remote) if prefix_cache else None
         if self.prefix is not None:
             self.namespace = self.prefix.namespace("" if codec is None else codec.spec(), self.dtype, self.device, page_size)
             self.store = self.prefix.paged_store(self.namespace, build)

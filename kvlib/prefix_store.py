@@ -75,6 +75,19 @@ from kvlib.storage.disk_tier import DiskTier, open_disk_tier
 from kvlib.storage.remote_tier import RemoteTier
 
 
+def remote_tier(remote: RemoteTier | str | None, key: str | bytes | None, trust: str) -> RemoteTier | None:
+    """The remote tier ``remote`` names: a :class:`~kvlib.storage.remote_tier.RemoteTier` as
+    given, one made for a URL with ``key`` and ``trust`` (``ValueError`` without a key unless
+    ``trust="any-writer"``), or None. ``key`` and ``trust`` go with a URL only."""
+    if isinstance(remote, str):
+        return RemoteTier(remote, key=key, trust=trust)
+    if key is not None or trust != "key":
+        raise ValueError("remote_key and remote_trust are for a remote tier given by URL; a RemoteTier takes key= and trust= itself")
+    if remote is not None and not isinstance(remote, RemoteTier):
+        raise ValueError(f"remote must be a RemoteTier, a redis:// URL or None, got {type(remote).__name__}")
+    return remote
+
+
 class PrefixStore:
     """Prompt prefixes of one model, reused across caches and ``generate`` calls.
 
@@ -109,6 +122,7 @@ class PrefixStore:
             raise ValueError(f"capacity_bytes must be an int >= 0, got {capacity_bytes!r}")
         if not isinstance(salt, str):
             raise ValueError(f"salt must be a str, got {salt!r}")
+        remote = remote_tier(remote, remote_key, remote_trust)  # a missing key fails before the weights are hashed
         self.identity = ModelIdentity(model)
         self.fingerprint = self.identity.fingerprint
         self.salt = salt
@@ -127,12 +141,6 @@ class PrefixStore:
         if disk is not None and not isinstance(disk, DiskTier):
             raise ValueError(f"disk must be a DiskTier, a path or None, got {type(disk).__name__}")
         self.disk = disk
-        if isinstance(remote, str):
-            remote = RemoteTier(remote, key=remote_key, trust=remote_trust)
-        elif remote_key is not None or remote_trust != "key":
-            raise ValueError("remote_key and remote_trust are for a remote tier given by URL; a RemoteTier takes key= and trust= itself")
-        if remote is not None and not isinstance(remote, RemoteTier):
-            raise ValueError(f"remote must be a RemoteTier, a redis:// URL or None, got {type(remote).__name__}")
         self.remote = remote
         self._closing: list = []
         """Sessions of caches garbage-collected since the last use (closed by :meth:`collect`)."""

@@ -111,9 +111,14 @@ def test_hits_count_only_the_records_used(redis_server, model, reference) -> Non
 
 def test_a_url_without_a_key_is_refused_before_any_work(redis_server, model, monkeypatch) -> None:
     monkeypatch.delenv("KVLIB_REMOTE_KEY", raising=False)
-    for make in (lambda: kvlib.PrefixStore(model, 2**20, remote=redis_server.url), lambda: kvlib.Engine(model, remote=redis_server.url)):
+    untouched = build_model("llama")
+    for make in (
+        lambda: kvlib.PrefixStore(untouched, 2**20, remote=redis_server.url),
+        lambda: kvlib.Engine(untouched, remote=redis_server.url),
+    ):
         with pytest.raises(ValueError, match="remote_key=.*KVLIB_REMOTE_KEY.*remote_trust='any-writer'"):
             make()
+    assert untouched.config._attn_implementation == "sdpa"  # refused before the model's attention was routed through kvlib
     with pytest.raises(ValueError, match="RemoteTier takes key= and trust= itself"):
         kvlib.PrefixStore(model, 2**20, remote=RemoteTier(redis_server.url, key="k"), remote_trust="any-writer")
     monkeypatch.setenv("KVLIB_REMOTE_KEY", "from-the-environment")
