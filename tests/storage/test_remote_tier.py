@@ -134,7 +134,7 @@ def test_queues_carry_sealed_messages_between_tiers_and_pop_waits_what_it_is_tol
     for wait_s in (0.0, 0.6):
         started = time.monotonic()
         assert receiver.pop("jobs", wait_s=wait_s) is None
-        assert wait_s <= time.monotonic() - started < wait_s + 0.3  # longer than the 0.25 s of one blocking request
+        assert wait_s <= time.monotonic() - started < wait_s + 1.0  # 0.6 s: longer than the 0.25 s of one blocking request
     assert sender.push("jobs", b"one") and sender.push("jobs", b"two")
     assert [bytes(receiver.open_message("jobs", receiver.pop("jobs", wait_s=0.1), 1 << 20)) for _ in range(2)] == [b"one", b"two"]
     RemoteTier(redis_server.url, key="other").push("jobs", b"forged")
@@ -154,7 +154,9 @@ def test_a_key_of_another_type_planted_on_a_queue_is_a_counted_error(redis_serve
     redis.Redis.from_url(redis_server.url).set(QUEUE + b"jobs", b"not a list")
     tier = RemoteTier(redis_server.url, key="k")
     started = time.monotonic()
-    assert tier.pop("jobs", wait_s=5.0) is None and tier.errors == 1 and time.monotonic() - started < 1.0
+    assert (
+        tier.pop("jobs", wait_s=5.0) is None and tier.errors == 1 and time.monotonic() - started < 2.5
+    )  # not a busy loop for the whole wait
 
 
 @pytest.mark.parametrize(
