@@ -134,6 +134,9 @@ class DiskTier:
         self.swept_runs = sweep_dead_runs(self.env)
         """Spill runs of dead processes deleted when this tier was opened."""
         self.reads = self.writes = self.misses = self.corrupt = self.evictions = 0
+        self.dropped = 0
+        """Records :meth:`put_many` was given and did not store (over the capacity, a full disk,
+        a tier lost or detached): each lost write is counted, none is silent."""
         self._touched: dict[bytes, None] = {}
         """Keys read since the last write, oldest first: their access clocks advance at the next
         commit (reads commit nothing)."""
@@ -217,15 +220,20 @@ class DiskTier:
             key: [memoryview(chunk).cast("B") for chunk in (record if isinstance(record, list) else [record])] for key, record in items
         }
         incoming = sum(chunk.nbytes for chunks in records.values() for chunk in chunks)
-        if self.stopped or not items or incoming > self.capacity_bytes or not self.attached():
+        if self.stopped or incoming > self.capacity_bytes or not self.attached():
+            self.dropped += len(records)
+            return False
+        if not items:
             return False
         try:
             self.transact(incoming, lambda txn: self._put(txn, records, incoming))
         except lmdb.MapFullError:
             self._stop("the lmdb map is full at the byte budget")
+            self.dropped += len(records)
             return False
         except lmdb.Error as error:  # disk full or unwritable: stop writing, go on without the tier
             self._stop(f"{type(error).__name__}: {error}")
+            self.dropped += len(records)
             return False
         self.writes += len(records)
         return True
@@ -377,6 +385,7 @@ class DiskTier:
             "misses": self.misses,
             "corrupt": self.corrupt,
             "evictions": self.evictions,
+            "dropped": self.dropped,
             "bytes": self.nbytes,
         }
 

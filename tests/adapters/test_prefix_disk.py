@@ -221,7 +221,7 @@ def test_a_directory_removed_while_open_loses_no_write_silently_and_a_new_store_
     shutil.rmtree(directory)
     with pytest.warns(UserWarning, match="the directory was removed or its data.mdb replaced while open") as caught:
         assert generate(first, prompts[1]) == expected[1]
-    assert len(caught) == 1 and first.disk.writes == 2  # the blocks of the second prompt are not counted as written
+    assert len(caught) == 1 and first.disk.writes == 2 and first.disk.dropped == 2  # the second prompt's blocks: dropped, counted
     second = kvlib.PrefixStore(model, capacity_bytes=2**24, disk=directory)
     assert second.disk is not first.disk and second.disk.keys() == []  # a new environment, not the deleted one
     assert generate(second, prompts[1]) == expected[1] and second.disk.writes == 2 and len(second.disk.keys()) == 2

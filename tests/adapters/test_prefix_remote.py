@@ -3,8 +3,8 @@ wrote, with identical output; records planted by a writer with the same public m
 values, a recomputed checksum), before or after the owner ran, or altered on the server, are never
 decoded by a keyed reader (the block is recomputed, the output unchanged); ``hits`` count only the
 records used; a URL without a key is refused unless the caller opts out by name; an Engine whose
-server is killed or paused in the middle of a 40-request trace finishes every request with the
-output of an Engine without a remote tier."""
+server is killed or paused in the middle of a 40-request trace, or full from the start, finishes
+every request with the output of an Engine without a remote tier."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import redis
 import torch
 
 import kvlib
+from kvlib.storage.local_server import LocalServer
 from kvlib.storage.remote_tier import ENVELOPE, PREFIX, RemoteTier
 from kvlib.transformers_compat import cache_argument
 
@@ -156,3 +157,17 @@ def test_an_engine_finishes_every_request_when_its_server_fails_mid_trace(redis_
     assert [outputs[i] for i in ids] == expected
     stats = engine.stats()["remote"]
     assert stats["hits"] > 0 and stats["errors"] >= 1 and stats["misses"] > 0
+
+
+def test_an_engine_on_a_full_server_gives_the_outputs_of_one_without_it(model) -> None:
+    prompts = trace(model.config.vocab_size, count=8)
+    expected = kvlib.Engine(model, max_batch_tokens=64).generate(prompts, max_new_tokens=4)
+    with LocalServer(maxmemory=1 << 20, policy="noeviction") as server:
+        client = redis.Redis.from_url(server.url)
+        with pytest.raises(redis.ResponseError, match="maxmemory"):
+            for i in range(64):
+                client.set(b"filler:%d" % i, bytes(64 << 10))
+        engine = kvlib.Engine(model, max_batch_tokens=64, remote=server.url, remote_key="team")
+        assert engine.generate(prompts, max_new_tokens=4) == expected
+        stats = engine.stats()["remote"]
+        assert stats["writes"] == 0 and stats["write_errors"] > 0 and stats["hits"] == 0
