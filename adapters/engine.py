@@ -48,11 +48,11 @@ from kvlib.adapters.kv_manager import KVManager, page_budget
 from kvlib.adapters.make_cache import eviction_compressor
 from kvlib.adapters.model_runner import ModelRunner
 from kvlib.adapters.model_shape import kv_shape, model_context
-from kvlib.adapters.sampling import check_sampling
+from kvlib.adapters.request_checks import REQUEST_OPTIONS, checked_request
 from kvlib.adapters.scheduler import Scheduler, StepPlan
 from kvlib.codec import Codec
 from kvlib.errors import quoted
-from kvlib.limits import MAX_REQUEST_TOKENS, check_page_size, check_request_tokens, check_seed
+from kvlib.limits import MAX_REQUEST_TOKENS, check_page_size
 from kvlib.prefix_store import remote_tier
 from kvlib.spec import Spec, parse_spec
 
@@ -62,18 +62,6 @@ if TYPE_CHECKING:
     from kvlib.storage.remote_tier import RemoteTier
 
 PREEMPTION_MODES = ("recompute", "swap")
-REQUEST_OPTIONS = {
-    "max_new_tokens": 32,
-    "do_sample": False,
-    "temperature": 1.0,
-    "top_k": 0,
-    "top_p": 1.0,
-    "eos_token_id": None,
-    "spec": None,
-    "budget": None,
-    "seed": None,
-}
-"""The keyword arguments of :meth:`Engine.add_request` and their defaults (``generate`` takes them too)."""
 MAX_MESSAGES_PER_RECEIVE = 1024
 """Messages :meth:`Engine.receive` pops at most per call, so a queue fed faster than it is read
 never keeps a decode worker from stepping."""
@@ -264,20 +252,8 @@ class Engine:
                 f"budget={quoted(budget)} without spec: a request's budget goes with its own eviction spec"
                 " (spec='snapkv', budget=...); without spec the request uses the engine's spec and budget"
             )
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be an int >= 1, got {quoted(max_new_tokens)}")
-        if isinstance(prompt, torch.Tensor) and prompt.dim() != 1:
-            raise ValueError(f"prompt must be a 1-D sequence of token ids, got a tensor of shape {tuple(prompt.shape)}")
-        if not isinstance(prompt, (Sequence, torch.Tensor)) or isinstance(prompt, (str, bytes)):
-            raise ValueError(f"prompt must be a sequence of token ids, got {type(prompt).__name__}")
-        check_request_tokens(len(prompt), max_new_tokens, self.context)
-        ids = prompt.tolist() if isinstance(prompt, torch.Tensor) else list(prompt)
-        if not ids or not all(type(t) is int and 0 <= t < self.vocab for t in ids):
-            raise ValueError(f"prompt must be a non-empty sequence of token ids in [0, {self.vocab})")
+        ids, eos = checked_request(prompt, settings, vocab=self.vocab, context=self.context)
         do_sample, temperature, top_k, top_p = (settings[name] for name in ("do_sample", "temperature", "top_k", "top_p"))
-        check_sampling(do_sample, temperature, top_k, top_p)
-        check_seed(seed)
-        eos = _eos_ids(settings["eos_token_id"], self.vocab)
         self.kv.check_fits(len(ids), max_new_tokens, self.scheduler.reserve_pages)
         compressor = self._compressor(*((spec, budget) if spec is not None else self.default_spec))
         handover = None
@@ -498,18 +474,6 @@ class Engine:
         if compressor is not None and "hidden_states" in compressor.strategy.needs:
             raise ValueError(f"{parsed.eviction.spec()} needs the attention input (hidden_states), which the engine does not record")
         return compressor
-
-
-def _eos_ids(eos_token_id: object, vocab: int) -> frozenset[int]:
-    """The end-of-sequence ids ``eos_token_id`` names (None: none); ``ValueError`` unless each is a token id."""
-    ids = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else eos_token_id
-    if (
-        not isinstance(ids, (Sequence, frozenset, set))
-        or isinstance(ids, (str, bytes))
-        or not all(type(t) is int and 0 <= t < vocab for t in ids)
-    ):
-        raise ValueError(f"eos_token_id must be None, a token id or token ids in [0, {vocab}), got {quoted(eos_token_id)}")
-    return frozenset(ids)
 
 
 def _warn_if_queues_evict(remote: RemoteTier) -> None:
