@@ -32,7 +32,10 @@ so with a budget that fits every request alone, every step either runs tokens or
 
 from __future__ import annotations
 
+import math
+import secrets
 import time
+import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -40,16 +43,17 @@ import torch
 
 from kvlib.adapters.attention import attach
 from kvlib.adapters.engine_request import Request, RequestState
-from kvlib.adapters.handover import HandOver
+from kvlib.adapters.handover import HandOver, MessageLimits
 from kvlib.adapters.kv_manager import KVManager, page_budget
 from kvlib.adapters.make_cache import eviction_compressor
 from kvlib.adapters.model_runner import ModelRunner
-from kvlib.adapters.model_shape import kv_shape
-from kvlib.adapters.sampling import check_sampling
+from kvlib.adapters.model_shape import kv_shape, model_context
+from kvlib.adapters.request_checks import REQUEST_OPTIONS, checked_request
 from kvlib.adapters.scheduler import Scheduler, StepPlan
 from kvlib.codec import Codec
 from kvlib.errors import quoted
-from kvlib.limits import check_page_size
+from kvlib.limits import MAX_REQUEST_TOKENS, check_page_size
+from kvlib.prefix_store import remote_tier
 from kvlib.spec import Spec, parse_spec
 
 if TYPE_CHECKING:
@@ -58,6 +62,9 @@ if TYPE_CHECKING:
     from kvlib.storage.remote_tier import RemoteTier
 
 PREEMPTION_MODES = ("recompute", "swap")
+MAX_MESSAGES_PER_RECEIVE = 1024
+"""Messages :meth:`Engine.receive` pops at most per call, so a queue fed faster than it is read
+never keeps a decode worker from stepping."""
 ROLES = ("both", "prefill", "decode")
 
 
@@ -94,11 +101,16 @@ class Engine:
             URL: full prefix pages also go to that server, and lookups continue there after
             memory (with ``prefix_cache``); engines of several processes on one server share
             prefixes. Faults of the server are counted misses (``stats()["remote"]``).
-        remote_key: the secret tagging remote records (None: ``$KVLIB_REMOTE_KEY``, if set).
+        remote_key: the secret tagging remote records and hand-over messages (None:
+            ``$KVLIB_REMOTE_KEY``); a URL without either is refused unless ``remote_trust``.
+        remote_trust: ``"key"`` (default) or ``"any-writer"``: no key, records and messages
+            unauthenticated, which anyone who can write to the server can forge (a private server only).
         role: ``"both"`` (prefill and decode here), ``"prefill"`` (run each prompt but its last
             token, publish its pages to the remote tier and hand the request over through
             ``handover_queue``) or ``"decode"`` (take requests over with :meth:`receive`); the
-            two split roles need ``remote``. Protocol: :mod:`~kvlib.adapters.handover`.
+            two split roles need ``remote``. Protocol: :mod:`~kvlib.adapters.handover`. A server
+            whose ``maxmemory-policy`` evicts any key (``allkeys-*``) can evict queued messages:
+            a split role warns about it (run it with ``volatile-lru``).
         handover_queue: the name of the server list prefill engines push to and decode engines pop.
     """
 
@@ -120,6 +132,7 @@ class Engine:
         read_cache: bool = False,
         remote: RemoteTier | str | None = None,
         remote_key: str | bytes | None = None,
+        remote_trust: str = "key",
         role: str = "both",
         handover_queue: str = "default",
     ) -> None:
@@ -137,15 +150,23 @@ class Engine:
             raise ValueError(f"role={quoted(role)} hands requests over through a server: give remote=")
         if not isinstance(handover_queue, str) or not handover_queue:
             raise ValueError(f"handover_queue must be a non-empty str, got {handover_queue!r}")
+        remote = remote_tier(remote, remote_key, remote_trust)  # a missing key fails before the model is touched
         self.role, self.handover_queue = role, handover_queue
         self.page_size = page_size
         self._handovers: dict[int, HandOver] = {}
         """Prefill role: the message of each request being prefilled, by request id."""
+        self._sender = secrets.token_hex(16)
+        """Prefill role: the token naming this engine in its messages (request ids repeat across engines)."""
+        self._taken: set[tuple[str, int]] = set()
+        """Decode role: the ``(sender, id)`` of every message taken, so a replay or a duplicate is refused."""
         self.handover_s: dict[int, float] = {}
         """Decode role: seconds from a hand-over's start (prefill side) to its request queued here with its pages, by request id."""
         self.scheduler = Scheduler(max_batch_tokens, max_running, reserve_pages, fairness_steps)
         self.model = model
         self.shape = kv_shape(model)
+        self.vocab = model.config.get_text_config().vocab_size
+        self.context = model_context(model)
+        """Most tokens (prompt plus new) of a request: the model's declared context (None: none declared)."""
         parsed = parse_spec(spec)
         self.codec = _engine_codec(parsed)
         self.default_spec = (_without_codec(parsed), budget)
@@ -174,12 +195,14 @@ class Engine:
             prefix_cache=prefix_cache,
             preemption=preemption,
             remote=remote,
-            remote_key=remote_key,
         )
+        if role != "both":
+            _warn_if_queues_evict(self.prefix.remote)
         self.runner = ModelRunner(model, self.kv.store, codec=self.codec, device=self.device)
         self.requests: dict[int, Request] = {}
         self._next_id = 0
         self._counters = {"steps": 0, "forward_tokens": 0, "output_tokens": 0, "prompt_tokens": 0, "cached_tokens": 0, "preemptions": 0}
+        self._counters |= {"handed_over": 0, "lost_handovers": 0, "bad_handovers": 0}
         self._started: float | None = None
 
     @property
@@ -210,8 +233,19 @@ class Engine:
     ) -> int:
         """Queue a prompt (token ids); returns its request id. ``eos_token_id`` ends it early
         (default: none, it runs ``max_new_tokens``); ``spec``/``budget``: its own eviction
-        (default: the engine's spec and budget; a budget alone is refused). Checked here, before
-        any model work."""
+        (default: the engine's spec and budget; a budget alone is refused); ``seed``: an int in
+        ``[0, 2**63)`` seeding its sampling. Checked here, before any model work: prompt plus
+        ``max_new_tokens`` within the model's context (``max_position_embeddings``; without one,
+        :data:`~kvlib.limits.MAX_REQUEST_TOKENS`) and the page budget."""
+        settings = {"max_new_tokens": max_new_tokens, "do_sample": do_sample, "temperature": temperature, "top_k": top_k}
+        settings |= {"top_p": top_p, "eos_token_id": eos_token_id, "spec": spec, "budget": budget, "seed": seed}
+        return self._enqueue(*self._prepare(prompt, settings))
+
+    def _prepare(self, prompt: Sequence[int] | torch.Tensor, settings: dict) -> tuple[Request, HandOver | None]:
+        """The request ``add_request(prompt, **settings)`` queues (its id not given yet) and, on
+        a prefill engine, its hand-over message; ``ValueError`` for any bad argument. Nothing is
+        queued or run; the prompt's length is checked before its ids are read."""
+        spec, budget, max_new_tokens, seed = settings["spec"], settings["budget"], settings["max_new_tokens"], settings["seed"]
         if self.role == "prefill" and spec is not None:
             raise ValueError("a prefill engine computes every prompt token exactly; give eviction specs to the decode engine")
         if spec is None and budget is not None:
@@ -219,41 +253,29 @@ class Engine:
                 f"budget={quoted(budget)} without spec: a request's budget goes with its own eviction spec"
                 " (spec='snapkv', budget=...); without spec the request uses the engine's spec and budget"
             )
-        ids = prompt.tolist() if isinstance(prompt, torch.Tensor) else list(prompt)
-        vocab = self.model.config.get_text_config().vocab_size
-        if not ids or not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
-            raise ValueError(f"prompt must be a non-empty sequence of token ids in [0, {vocab})")
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-        check_sampling(do_sample, temperature, top_k, top_p)
+        ids, eos = checked_request(prompt, settings, vocab=self.vocab, context=self.context)
+        do_sample, temperature, top_k, top_p = (settings[name] for name in ("do_sample", "temperature", "top_k", "top_p"))
         self.kv.check_fits(len(ids), max_new_tokens, self.scheduler.reserve_pages)
         compressor = self._compressor(*((spec, budget) if spec is not None else self.default_spec))
-        eos = frozenset() if eos_token_id is None else frozenset([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)
         handover = None
         if self.role == "prefill":  # run all but the last token here; the decode side draws every output token
-            settings = {"max_new_tokens": max_new_tokens, "do_sample": do_sample, "temperature": temperature, "top_k": top_k}
-            settings |= {"top_p": top_p, "eos_token_id": eos_token_id, "seed": seed}
-            handover = HandOver.of(self._next_id, ids, settings)
+            handover = HandOver.of(-1, ids, settings, model=self.prefix.fingerprint.hex(), sender=self._sender)
             ids, max_new_tokens, do_sample, eos, compressor = ids[:-1] or ids, 1, False, frozenset(), None
         generator = None
         if do_sample:
             generator = torch.Generator()
             generator.manual_seed(seed if seed is not None else torch.seed())
-        request = Request(
-            self._next_id,
-            ids,
-            max_new_tokens,
-            do_sample,
-            temperature,
-            top_k,
-            top_p,
-            eos,
-            compressor,
-            generator,
-            arrival=time.perf_counter(),
-        )
+        request = Request(-1, ids, max_new_tokens, do_sample, temperature, top_k, top_p, eos, compressor, generator)
+        return request, handover
+
+    def _enqueue(self, request: Request, handover: HandOver | None) -> int:
+        """Give a prepared request its id and queue it (a prefill engine's one-token prompt is
+        handed over at once); returns its id."""
+        request.request_id, request.arrival = self._next_id, time.perf_counter()
         self._next_id += 1
         self.requests[request.request_id] = request
+        if handover is not None:
+            handover.id = request.request_id
         if handover is not None and len(handover.tokens) == 1:  # nothing to prefill: handed over at once
             request.state = RequestState.FINISHED
             self._push(handover)
@@ -299,36 +321,72 @@ class Engine:
         return produced
 
     def receive(self, wait_s: float = 0.0) -> dict[int, int]:
-        """Decode role: queue every request handed over so far (waiting up to ``wait_s`` seconds
-        for the first), each with the pages the prefill side published; returns the local request
-        id of each, by the prefill side's id. A message that is not a hand-over is dropped (counted
-        in ``stats()["bad_handovers"]``)."""
+        """Decode role: queue every request handed over so far, waiting up to ``wait_s`` seconds
+        for the first (an empty queue returns after ``wait_s``), each with the pages the prefill
+        side published; returns the local request id of each, by the prefill side's id (ids of
+        several prefill engines on one queue may repeat: the later wins here). Never raises for
+        what it pops: a message that is not sealed with this engine's key, fails a check
+        (:meth:`HandOver.from_bytes <kvlib.adapters.handover.HandOver.from_bytes>`: fields,
+        sizes, this engine's model and context, page budget) or repeats one already taken is
+        skipped and counted in ``stats()["bad_handovers"]``, and every genuine message popped in
+        the call is queued and returned whatever comes after it. At most
+        :data:`MAX_MESSAGES_PER_RECEIVE` messages are popped per call (the rest wait for the next)."""
         if self.role != "decode":
             raise ValueError(f"receive() is for an Engine with role='decode'; this one's role is {quoted(self.role)}")
+        if isinstance(wait_s, bool) or not isinstance(wait_s, (int, float)) or not 0 <= wait_s < math.inf:
+            raise ValueError(f"wait_s must be a finite number of seconds >= 0, got {quoted(wait_s)}")
         remote, received = self.prefix.remote, {}
-        message = remote.pop(self.handover_queue, wait_s)
-        while message is not None:
-            try:
-                handover = HandOver.from_bytes(message)
-            except ValueError:
-                self._counters["bad_handovers"] = self._counters.get("bad_handovers", 0) + 1
-            else:
-                local = self.add_request(handover.tokens, **handover.settings())
-                self.handover_s[local] = time.time() - handover.sent_at
-                received[handover.id] = local
-            message = remote.pop(self.handover_queue, 0.0)
+        value = remote.pop(self.handover_queue, wait_s)
+        for popped in range(1, MAX_MESSAGES_PER_RECEIVE + 1):
+            if value is None:
+                break
+            taken = self._take_over(value)
+            if taken is not None:
+                received[taken[0]] = taken[1]
+            value = remote.pop(self.handover_queue, 0.0) if popped < MAX_MESSAGES_PER_RECEIVE else None
         return received
 
+    def _take_over(self, value: bytes) -> tuple[int, int] | None:
+        """Queue the request in ``value`` (popped from the hand-over queue); returns ``(prefill
+        side's id, local id)``, or None for a message refused (counted in ``bad_handovers``)."""
+        limits = self._message_limits()
+        try:
+            message = self.prefix.remote.open_message(self.handover_queue, value, limits.max_bytes)
+            if message is None:
+                raise ValueError("longer than any hand-over message, or not sealed with this engine's remote key")
+            handover = HandOver.from_bytes(message, limits)
+            origin = (handover.sender, handover.id)
+            if origin in self._taken:
+                raise ValueError(f"hand-over {origin} was taken already (a replay or a duplicate id)")
+            local = self._enqueue(*self._prepare(handover.tokens, handover.settings() | {"spec": None, "budget": None}))
+        except ValueError:
+            self._counters["bad_handovers"] += 1
+            return None
+        self._taken.add(origin)
+        self.handover_s[local] = time.time() - handover.sent_at
+        return handover.id, local
+
+    def _message_limits(self) -> MessageLimits:
+        """What this engine accepts in a hand-over message: its model, vocabulary and context."""
+        return MessageLimits(self.prefix.fingerprint.hex(), self.vocab, self.context or MAX_REQUEST_TOKENS)
+
     def _push(self, handover: HandOver) -> None:
-        """Prefill role: send ``handover`` to the decode side (a failed push is counted: the request is lost)."""
+        """Prefill role: send ``handover`` to the decode side; a push the server did not take
+        (down, full, out of memory) is counted in ``lost_handovers``, never in ``handed_over``."""
         if self.prefix.remote.push(self.handover_queue, handover.to_bytes()):
-            self._counters["handed_over"] = self._counters.get("handed_over", 0) + 1
+            self._counters["handed_over"] += 1
         else:
-            self._counters["lost_handovers"] = self._counters.get("lost_handovers", 0) + 1
+            self._counters["lost_handovers"] += 1
 
     def generate(self, prompts: Sequence[Sequence[int] | torch.Tensor], max_new_tokens: int = 32, **options) -> list[list[int]]:
-        """Serve ``prompts`` to completion; returns each one's new tokens, in order."""
-        ids = [self.add_request(prompt, max_new_tokens=max_new_tokens, **options) for prompt in prompts]
+        """Serve ``prompts`` to completion; returns each one's new tokens, in order. Every prompt
+        is checked (as :meth:`add_request` does) before any is queued."""
+        unknown = sorted(set(options) - set(REQUEST_OPTIONS))
+        if unknown:
+            raise ValueError(f"unknown options {unknown}; generate takes {sorted(REQUEST_OPTIONS)}")
+        settings = {**REQUEST_OPTIONS, "max_new_tokens": max_new_tokens, **options}
+        prepared = [self._prepare(prompt, settings) for prompt in prompts]
+        ids = [self._enqueue(*request) for request in prepared]
         while any(self.requests[i].state in (RequestState.WAITING, RequestState.RUNNING, RequestState.SWAPPED) for i in ids):
             self.step()
         return [list(self.requests[i].output) for i in ids]
@@ -417,6 +475,18 @@ class Engine:
         if compressor is not None and "hidden_states" in compressor.strategy.needs:
             raise ValueError(f"{parsed.eviction.spec()} needs the attention input (hidden_states), which the engine does not record")
         return compressor
+
+
+def _warn_if_queues_evict(remote: RemoteTier) -> None:
+    """Warn when ``remote``'s server may evict hand-over queues (``maxmemory-policy allkeys-*``)."""
+    policy = remote.eviction_policy()
+    if policy is not None and policy.startswith("allkeys"):
+        warnings.warn(
+            f"the remote server's maxmemory-policy is {policy}: when it fills, queued hand-over messages are evicted like"
+            " records (lost requests); run it with volatile-lru (records have a time to live, queues none) or noeviction",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
 def _engine_codec(spec: Spec) -> Codec | None:

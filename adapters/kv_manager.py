@@ -108,7 +108,7 @@ class KVManager:
         read_cache: keep a dense mirror of the decoding batch in the store.
         prefix_cache: index full pages for reuse across requests.
         preemption: ``"swap"`` (to host memory) or ``"recompute"``.
-        remote, remote_key: the prefix store's remote tier (:class:`~kvlib.prefix_store.PrefixStore`).
+        remote: the prefix store's remote tier (:class:`~kvlib.prefix_store.PrefixStore`), or None.
     """
 
     def __init__(
@@ -124,8 +124,7 @@ class KVManager:
         read_cache: bool,
         prefix_cache: bool,
         preemption: str,
-        remote: RemoteTier | str | None = None,
-        remote_key: str | bytes | None = None,
+        remote: RemoteTier | None = None,
     ) -> None:
         self.shape = shape
         self.page_size = page_size
@@ -152,7 +151,7 @@ class KVManager:
                 )
             )
 
-        self.prefix = PrefixStore(model, budget.prefix_bytes, remote=remote, remote_key=remote_key) if prefix_cache else None
+        self.prefix = PrefixStore(model, budget.prefix_bytes, remote=remote) if prefix_cache else None
         if self.prefix is not None:
             self.namespace = self.prefix.namespace("" if codec is None else codec.spec(), self.dtype, self.device, page_size)
             self.store = self.prefix.paged_store(self.namespace, build)
@@ -309,7 +308,8 @@ class KVManager:
 
     def fetch_tail(self, request: Request) -> None:
         """Fetch the tail record of a handed-over prompt (all but its last token: the decode
-        side computes that one) into ``request.tail``; a miss leaves it None (computed instead)."""
+        side computes that one) into ``request.tail``; a miss leaves it None (computed instead).
+        The remote tier counts it as a hit only once admission attaches it (:meth:`admit`)."""
         remote = self.prefix.remote if self.prefix is not None else None
         if remote is None or not self.uses_prefix(request):
             return
@@ -344,15 +344,17 @@ class KVManager:
         request.entries = entries
         request.computed = len(entries) * self.page_size
         request.indexed_blocks = len(entries)
-        if self.tail_tokens(request, request.computed):
-            tail = request.tail
+        tail, attached = request.tail, self.tail_tokens(request, request.computed)
+        request.tail = None
+        if tail is not None:  # a hit only when it continues the attached prefix
+            self.prefix.remote.count_use(1, int(attached > 0))
+        if attached:
             positions = torch.arange(tail.start, tail.start + tail.length, device=self.device)
             for layer in range(self.store.num_layers):
                 keys = tail.keys[layer].to(self.device, self.dtype, non_blocking=True)[None]
                 values = tail.values[layer].to(self.device, self.dtype, non_blocking=True)[None]
                 self.store.append(layer, [request.seq], keys, values, positions)
             request.computed += tail.length
-        request.tail = None
         request.cached_tokens += request.computed
 
     def swap_in(self, request: Request) -> None:
@@ -378,6 +380,9 @@ class KVManager:
         self._release(request)
 
     def _release(self, request: Request) -> None:
+        if request.tail is not None:  # fetched, never attached (aborted while waiting)
+            self.prefix.remote.count_use(1, 0)
+            request.tail = None
         if request.seq is not None:
             self.store.release([request.seq])
             request.seq = None

@@ -8,12 +8,12 @@ import torch
 
 from kvlib.adapters.attention import attach
 from kvlib.adapters.compressor import Compressor
-from kvlib.adapters.model_shape import KVShape, kv_shape, output_projections, rope_of
+from kvlib.adapters.model_shape import KVShape, kv_shape, model_context, output_projections, rope_of
 from kvlib.adapters.transformers_cache import KVCache
 from kvlib.codec import Codec, layer_shapes
 from kvlib.devices import check_fits
 from kvlib.errors import quoted
-from kvlib.limits import MAX_BUDGET_TOKENS, MAX_PAGE_SIZE, check_page_size
+from kvlib.limits import MAX_BUDGET_TOKENS, MAX_PAGE_SIZE, check_page_size, check_request_tokens
 from kvlib.policies.budget.uniform import Uniform
 from kvlib.prefix_store import PrefixStore
 from kvlib.spec import Spec, SpecLike, parse_spec
@@ -81,7 +81,8 @@ def make_cache(
     starts holding the longest cached prefix of it, so ``generate`` computes only the rest, and it
     indexes the prompt's pages for later calls (see :mod:`kvlib.prefix_store`). Reuse needs every
     prompt token stored as computed: no eviction strategy, and no codec that learns from the
-    prompt (quantization codecs are fine; their pages are keyed by the spec).
+    prompt (quantization codecs are fine; their pages are keyed by the spec); a prompt longer than
+    the model's context (``max_position_embeddings``) is refused before any lookup.
 
     Example: ``model.generate(ids, cache=kvlib.make_cache(model, "streaming_llm", budget=64))``
     (``past_key_values=`` on transformers before 5.24).
@@ -195,6 +196,8 @@ def _check_reuse(model: torch.nn.Module, spec: Spec, codec: Codec | None, reuse:
         raise ValueError(f"prefix reuse works with quantization codecs; {spec.lowrank.spec()} fits itself to each prompt")
     if not reuse.identity.matches(model):
         raise ValueError("this PrefixStore was built for another model (config or weights differ)")
+    if isinstance(prompt, torch.Tensor) and prompt.dim() >= 1:  # before the prefix store looks anything up
+        check_request_tokens(prompt.shape[-1], 0, model_context(model))
 
 
 def _check_page_retrieval(spec: Spec, reuse: PrefixStore | None) -> None:

@@ -147,3 +147,11 @@ def output_projections(model: torch.nn.Module, shape: KVShape) -> list[torch.Ten
         raise ValueError(f"{exc}; strategies that need output_projection cannot run on it") from None
     weights = [m.o_proj.weight.detach().t() if hasattr(m, "o_proj") else m.c_proj.weight.detach() for m in modules]
     return [w.reshape(shape.num_query_heads, shape.value_dim, -1) for w in weights]
+
+
+def model_context(model: torch.nn.Module) -> int | None:
+    """The most positions ``model``'s (text) config declares it takes (``max_position_embeddings``,
+    ``n_positions`` for GPT-2), or None where it declares none."""
+    text = model.config.get_text_config(decoder=True)
+    context = getattr(text, "max_position_embeddings", None)
+    return context if isinstance(context, int) and not isinstance(context, bool) and context > 0 else None

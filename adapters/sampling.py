@@ -3,7 +3,14 @@ top-k and top-p), one request at a time so that every request keeps its own rand
 
 from __future__ import annotations
 
+import math
+
 import torch
+
+from kvlib.errors import quoted
+
+MAX_TOP_K = 2**31
+"""``top_k`` is below this (far above any vocabulary; ``torch.topk`` takes an int32-sized k)."""
 
 
 def next_token(
@@ -35,12 +42,17 @@ def next_token(
 
 
 def check_sampling(do_sample: bool, temperature: float, top_k: int, top_p: float) -> None:
-    """``ValueError`` naming the first sampling argument out of range."""
+    """``ValueError`` naming the first sampling argument of the wrong type or out of range."""
     if not isinstance(do_sample, bool):
-        raise ValueError(f"do_sample must be a bool, got {do_sample!r}")
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0, got {temperature!r}")
-    if not isinstance(top_k, int) or top_k < 0:
-        raise ValueError(f"top_k must be an int >= 0 (0: no top-k filter), got {top_k!r}")
-    if not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+        raise ValueError(f"do_sample must be a bool, got {quoted(do_sample)}")
+    if not _real(temperature) or not 0 < temperature < math.inf:
+        raise ValueError(f"temperature must be a finite number > 0, got {quoted(temperature)}")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 0 <= top_k < MAX_TOP_K:
+        raise ValueError(f"top_k must be an int in [0, {MAX_TOP_K}) (0: no top-k filter), got {quoted(top_k)}")
+    if not _real(top_p) or not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be a number in (0, 1], got {quoted(top_p)}")
+
+
+def _real(value: object) -> bool:
+    """Whether ``value`` is a real number (an int or a float, not a bool)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

@@ -7,7 +7,8 @@ the prefill/decode hand-over between two processes.
   the prefix, interleaved: time to first token of each (target: restore >= 3x sooner).
 - ``throughput``: the prompt's records written with ``RemoteTier.put_many`` (keyed and unkeyed)
   and read back with ``get_many`` checking and decoding each record, against plain pipelined
-  SET/GET of the same bytes from Python, interleaved (target: >= 50%).
+  SET/GET of the same bytes from Python, interleaved (target: >= 50%); unkeyed
+  (``trust="any-writer"``) against keyed.
 - ``planted``: records written with another key, and records altered on the server, are never
   decoded (reused tokens 0, every read rejected or corrupt).
 - ``faults``: a 40-request trace (two arrivals a step) whose server is killed after 5 steps and
@@ -50,6 +51,8 @@ FULL = {"models": "llama100m,smollm2", "prefix": 2000, "repeats": 5, "trace_pref
 QUICK = {"models": "tiny", "prefix": 200, "repeats": 2, "trace_prefix": 40, "handovers": 4, "handover_prompt": 60}
 TAIL = 7
 """Prompt tokens after the restored prefix (computed in both arms)."""
+KEY = "bench"
+"""The key the benchmark's genuine engines share (a remote tier needs one: kvlib.storage.remote_tier)."""
 
 
 def build_model(name: str) -> torch.nn.Module:
@@ -87,11 +90,11 @@ def child(argv: list[str]) -> None:
     mode, name, url, count = argv[0], argv[1], argv[2], int(argv[3])
     model = build_model(name)
     if mode == "write":
-        engine = kvlib.Engine(model, max_batch_tokens=4096, remote=url, remote_key=argv[4] or None)
+        engine = kvlib.Engine(model, max_batch_tokens=4096, remote=url, remote_key=argv[4])
         first_token_s(engine, prompt_of(model, count, 1) + prompt_of(model, TAIL, 2))
         print(json.dumps(engine.stats()["remote"]))
         return
-    engine = kvlib.Engine(model, max_batch_tokens=4096, remote=url, role="prefill", handover_queue="bench")
+    engine = kvlib.Engine(model, max_batch_tokens=4096, remote=url, remote_key=KEY, role="prefill", handover_queue="bench")
     for prompt, settings in handover_requests(model, count, int(argv[4])):
         engine.add_request(prompt, **settings)
     while engine.has_unfinished:
@@ -109,14 +112,14 @@ def spread(values: list[float]) -> dict:
 
 
 def bench_restore(model: torch.nn.Module, name: str, server: LocalServer, args: argparse.Namespace) -> dict:
-    writer = spawn("write", name, server.url, args.prefix, "")
+    writer = spawn("write", name, server.url, args.prefix, KEY)
     prompt = prompt_of(model, args.prefix, 1) + prompt_of(model, TAIL, 2)
     first_token_s(kvlib.Engine(model, max_batch_tokens=4096), prompt[:64])  # warm-up
     compute, restore, cached = [], [], []
     for _ in range(args.repeats):
         seconds, _ = first_token_s(kvlib.Engine(model, max_batch_tokens=4096), prompt)
         compute.append(seconds)
-        engine = kvlib.Engine(model, max_batch_tokens=4096, remote=server.url)
+        engine = kvlib.Engine(model, max_batch_tokens=4096, remote=server.url, remote_key=KEY)
         seconds, stats = first_token_s(engine, prompt)
         restore.append(seconds)
         cached.append(stats["cached_tokens"])
@@ -136,7 +139,7 @@ def bench_throughput(model: torch.nn.Module, server: LocalServer, args: argparse
     names = sorted(client.keys(PREFIX + b"*"))
     values = [client.get(name) for name in names]
     keys = [name[len(PREFIX) :] for name in names]
-    engine = kvlib.Engine(model, remote=server.url)
+    engine = kvlib.Engine(model, remote=server.url, remote_key=KEY)
     layout = engine.prefix._record_layout(engine.kv.namespace)
     records = [memoryview(value)[40:] for value in values]
     total = sum(len(record) for record in records)
@@ -153,7 +156,7 @@ def bench_throughput(model: torch.nn.Module, server: LocalServer, args: argparse
             pipe.get(b"raw:%d" % i)
         assert sum(map(len, pipe.execute())) == sum(map(len, values))
         arms["raw_get"].append(time.perf_counter() - started)
-        for arm, tier in (("", RemoteTier(server.url)), ("keyed_", RemoteTier(server.url, key="bench"))):
+        for arm, tier in (("", RemoteTier(server.url, trust="any-writer")), ("keyed_", RemoteTier(server.url, key=KEY))):
             started = time.perf_counter()
             assert tier.put_many([(b"b" + arm.encode() + key, record) for key, record in zip(keys, records)]) == len(keys)
             arms[arm + "put"].append(time.perf_counter() - started)
@@ -202,8 +205,8 @@ def bench_faults(model: torch.nn.Module, args: argparse.Namespace) -> dict:
     prompts = trace(model, args.trace_prefix)
     expected = kvlib.Engine(model, max_batch_tokens=512).generate(prompts, max_new_tokens=4)
     with LocalServer() as server:
-        kvlib.Engine(model, max_batch_tokens=512, remote=server.url).generate(prompts[:4], max_new_tokens=4)
-        engine = kvlib.Engine(model, max_batch_tokens=512, remote=RemoteTier(server.url, timeout_s=0.2, retry_s=0.5))
+        kvlib.Engine(model, max_batch_tokens=512, remote=server.url, remote_key=KEY).generate(prompts[:4], max_new_tokens=4)
+        engine = kvlib.Engine(model, max_batch_tokens=512, remote=RemoteTier(server.url, key=KEY, timeout_s=0.2, retry_s=0.5))
         ids, outputs, steps, started = [], {}, 0, time.perf_counter()
         while engine.has_unfinished or len(ids) < len(prompts):
             ids += [engine.add_request(prompt, max_new_tokens=4) for prompt in prompts[len(ids) : len(ids) + 2]]
@@ -239,7 +242,7 @@ def bench_handover(model: torch.nn.Module, args: argparse.Namespace) -> dict:
     while single.has_unfinished:
         single.step()
     with LocalServer() as server:
-        decode = kvlib.Engine(model, max_batch_tokens=4096, remote=server.url, role="decode", handover_queue="bench")
+        decode = kvlib.Engine(model, max_batch_tokens=4096, remote=server.url, remote_key=KEY, role="decode", handover_queue="bench")
         prefill = subprocess.Popen(
             [sys.executable, __file__, "child", "prefill", args.current, server.url, str(len(requests)), str(args.handover_prompt)],
             stdout=subprocess.PIPE,

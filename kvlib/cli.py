@@ -28,6 +28,7 @@ import torch
 import kvlib
 from kvlib.devices import cpu_threads, set_cpu_threads
 from kvlib.errors import SpecError, quoted
+from kvlib.limits import MAX_SEED
 from kvlib.registry import available_policies, get_policy
 from kvlib.spec_text import parameters_help
 
@@ -90,6 +91,12 @@ def _fractions(text: str) -> list[float]:
 def _threads(text: str) -> int:
     if not text.isdigit() or int(text) < 1:
         raise UsageError(f"--threads takes a whole number >= 1, got {text!r}")
+    return int(text)
+
+
+def _seed(text: str) -> int:
+    if not text.isdigit() or int(text) >= MAX_SEED:
+        raise UsageError(f"--seed takes a whole number in [0, 2**63), got {quoted(text)}")
     return int(text)
 
 
@@ -267,7 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--context", type=int, help=f"tokens per task sequence (default {DEFAULT_CONTEXT}, or the model's context if shorter)"
     )
     comp.add_argument("--samples", type=int, help="samples per task (default: each task's own)")
-    comp.add_argument("--seed", type=int, default=0, help="seed of the task data")
+    comp.add_argument("--seed", type=_seed, default=0, help="seed of the task data (a whole number in [0, 2**63))")
     comp.add_argument(
         "--context-first",
         action="store_true",

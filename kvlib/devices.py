@@ -68,6 +68,19 @@ def _host_available_bytes() -> int:
     return available
 
 
+def host_memory_bytes() -> int:
+    """Bytes of memory this host has: physical memory, within the cgroup (v2) limit when one is set."""
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    limit = _read("/sys/fs/cgroup/memory.max").strip()
+    return min(physical, int(limit)) if limit.isdigit() else physical
+
+
+def largest_memory_bytes() -> int:
+    """Bytes of memory of the largest compute device here: the host's, or a CUDA device's."""
+    devices = range(torch.cuda.device_count()) if torch.cuda.is_available() else ()
+    return max([host_memory_bytes()] + [torch.cuda.get_device_properties(index).total_memory for index in devices])
+
+
 def _read(path: str) -> str:
     """The text of ``path``, or "" where it cannot be read."""
     try:

@@ -1,6 +1,7 @@
 """Typed, validated strategy parameters, driven by a dataclass field's type annotation.
 
 Supported annotations: ``int``, ``float`` (ints are widened; finite only), ``bool``, ``str``,
+:class:`Seed` (an int in ``[0, 2**63)``),
 ``Literal[...]`` (matched by type and value), ``X | None``, ``tuple[X, ...]`` and classes with
 a ``coerce_parameter(value)`` classmethod, which convert a value to themselves or raise
 ``TypeError`` / ``ValueError`` (strategy classes take a strategy object, or a one-strategy spec
@@ -17,6 +18,18 @@ import typing
 from typing import Any, Literal, Union
 
 from kvlib.errors import SpecError, quoted
+from kvlib.limits import MAX_SEED
+
+
+class Seed(int):
+    """A random seed parameter: an int in ``[0, 2**63)`` (:data:`kvlib.limits.MAX_SEED`), what
+    ``torch.Generator.manual_seed`` and numpy take; another value is refused when the spec is parsed."""
+
+    @classmethod
+    def coerce_parameter(cls, value: object) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < MAX_SEED:
+            raise ValueError("a seed is an int in [0, 2**63)")
+        return value
 
 
 def describe(annotation: Any) -> str:

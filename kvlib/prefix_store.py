@@ -42,14 +42,16 @@ whole capacity none; either way the store warns once. A directory that cannot ho
 moved aside by the tier, which starts empty (:mod:`~kvlib.storage.lmdb_files`): a disk tier never
 takes the process down, and a record that fails any check is a counted miss.
 
-Remote (``remote=RemoteTier(url)`` or a ``redis://host:port/db`` URL, with ``remote_key=`` or
-``$KVLIB_REMOTE_KEY`` for keyed records): every block indexed is also written to the
-Redis-protocol server (:mod:`~kvlib.storage.remote_tier`) as the same checked record, in one
+Remote (``remote=RemoteTier(url, key=...)`` or a ``redis://host:port/db`` URL with ``remote_key=``
+or ``$KVLIB_REMOTE_KEY``; without a key only with ``remote_trust="any-writer"``, for a private
+server): every block indexed is also written to the Redis-protocol server
+(:mod:`~kvlib.storage.remote_tier`) as the same checked record, tagged with the key, in one
 pipelined batch per insert; a lookup goes on from memory to disk to the server, reading the
-blocks still missing in one round trip and verifying each against its chain key, parent and token
-ids before it is loaded. Processes (or hosts) pointing at one server share prefixes. A server
-that is down, slow, restarted or full, and a record that is corrupt, untagged or another
-namespace's, are counted misses: the blocks are computed as without the tier.
+blocks still missing in one round trip and verifying each against its tag, chain key, parent and
+token ids before it is loaded. Processes (or hosts) pointing at one server share prefixes. A
+server that is down, slow, restarted or full, and a record that is corrupt, untagged or another
+namespace's, are counted misses: the blocks are computed as without the tier. The tier's
+``hits`` count the records loaded, not those that arrived.
 """
 
 from __future__ import annotations
@@ -73,6 +75,19 @@ from kvlib.storage.disk_tier import DiskTier, open_disk_tier
 from kvlib.storage.remote_tier import RemoteTier
 
 
+def remote_tier(remote: RemoteTier | str | None, key: str | bytes | None, trust: str) -> RemoteTier | None:
+    """The remote tier ``remote`` names: a :class:`~kvlib.storage.remote_tier.RemoteTier` as
+    given, one made for a URL with ``key`` and ``trust`` (``ValueError`` without a key unless
+    ``trust="any-writer"``), or None. ``key`` and ``trust`` go with a URL only."""
+    if isinstance(remote, str):
+        return RemoteTier(remote, key=key, trust=trust)
+    if key is not None or trust != "key":
+        raise ValueError("remote_key and remote_trust are for a remote tier given by URL; a RemoteTier takes key= and trust= itself")
+    if remote is not None and not isinstance(remote, RemoteTier):
+        raise ValueError(f"remote must be a RemoteTier, a redis:// URL or None, got {type(remote).__name__}")
+    return remote
+
+
 class PrefixStore:
     """Prompt prefixes of one model, reused across caches and ``generate`` calls.
 
@@ -87,7 +102,9 @@ class PrefixStore:
         remote: a :class:`~kvlib.storage.remote_tier.RemoteTier`, or the URL of a Redis-protocol
             server for one (``redis://host:port/db``); None: no remote tier.
         remote_key: the secret tagging remote records (a URL's tier only; None reads
-            ``$KVLIB_REMOTE_KEY``; unset there, records are unkeyed).
+            ``$KVLIB_REMOTE_KEY``; a URL with neither is refused unless ``remote_trust``).
+        remote_trust: ``"key"`` (default: a URL's tier needs a key) or ``"any-writer"``: unkeyed
+            records, which anyone who can write to the server can forge (a private server only).
     """
 
     def __init__(
@@ -99,11 +116,13 @@ class PrefixStore:
         disk: DiskTier | str | None = None,
         remote: RemoteTier | str | None = None,
         remote_key: str | bytes | None = None,
+        remote_trust: str = "key",
     ) -> None:
         if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes < 0:
             raise ValueError(f"capacity_bytes must be an int >= 0, got {capacity_bytes!r}")
         if not isinstance(salt, str):
             raise ValueError(f"salt must be a str, got {salt!r}")
+        remote = remote_tier(remote, remote_key, remote_trust)  # a missing key fails before the weights are hashed
         self.identity = ModelIdentity(model)
         self.fingerprint = self.identity.fingerprint
         self.salt = salt
@@ -122,12 +141,6 @@ class PrefixStore:
         if disk is not None and not isinstance(disk, DiskTier):
             raise ValueError(f"disk must be a DiskTier, a path or None, got {type(disk).__name__}")
         self.disk = disk
-        if isinstance(remote, str):
-            remote = RemoteTier(remote, key=remote_key)
-        elif remote_key is not None:
-            raise ValueError("remote_key is for a remote tier given by URL; a RemoteTier takes key= itself")
-        if remote is not None and not isinstance(remote, RemoteTier):
-            raise ValueError(f"remote must be a RemoteTier, a redis:// URL or None, got {type(remote).__name__}")
         self.remote = remote
         self._closing: list = []
         """Sessions of caches garbage-collected since the last use (closed by :meth:`collect`)."""
@@ -234,7 +247,8 @@ class PrefixStore:
             index = self._restore_run(namespace, layout, keys, blocks, index, run, loaded)
         if self.remote is not None and index < len(blocks):
             remote = self.remote.get_many([layout.namespace + key for key in keys[index:]], lambda record: decode_parts(layout, [record]))
-            self._restore_run(namespace, layout, keys, blocks, index, remote, loaded)
+            restored = self._restore_run(namespace, layout, keys, blocks, index, remote, loaded) - index
+            self.remote.count_use(sum(block is not None for block in remote), restored)
         return loaded
 
     def _restore_run(

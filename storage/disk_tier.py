@@ -22,6 +22,11 @@ Guarantees, from lmdb and this module:
   empty, and a directory that cannot hold a tier raises
   :class:`~kvlib.errors.DiskTierUnavailable` (see :mod:`~kvlib.storage.lmdb_files`); a file cut
   short while open makes reads misses and stops the tier (one warning);
+- a directory removed or replaced while open (``data.mdb`` no longer the file the tier opened:
+  deleted, or another file in its place) is noticed before each write of prefix records (a
+  ``stat`` beside the file's ``fstat``): a record written there would reach no other process and
+  no later store, so writing stops with one warning and is not counted (what the tier held is
+  still read); :func:`open_disk_tier` opens a new environment on that path;
 - within a process, threads other than the writer's may read (a page prefetch reads spilled
   pages): they hold :attr:`DiskTier.resize_lock` during a read transaction, and the map is
   only resized under it (lmdb resizes only with no transaction active in the process).
@@ -85,7 +90,7 @@ def open_disk_tier(path: str | Path, capacity_bytes: int) -> DiskTier:
     the directory cannot hold one."""
     key = Path(path).resolve()
     tier = _OPEN.get(key)
-    if tier is None or tier.closed:
+    if tier is None or tier.closed or not tier.attached():  # a removed or replaced directory: a new environment
         tier = DiskTier(path, capacity_bytes)
         _OPEN[key] = tier
     elif capacity_bytes > tier.capacity_bytes:
@@ -129,6 +134,9 @@ class DiskTier:
         self.swept_runs = sweep_dead_runs(self.env)
         """Spill runs of dead processes deleted when this tier was opened."""
         self.reads = self.writes = self.misses = self.corrupt = self.evictions = 0
+        self.dropped = 0
+        """Records :meth:`put_many` was given and did not store (over the capacity, a full disk,
+        a tier lost or detached): each lost write is counted, none is silent."""
         self._touched: dict[bytes, None] = {}
         """Keys read since the last write, oldest first: their access clocks advance at the next
         commit (reads commit nothing)."""
@@ -137,6 +145,9 @@ class DiskTier:
         self.lost = False
         """True once ``data.mdb`` was found cut short while open (warned once): every read is then
         a miss and nothing is written."""
+        self.detached = False
+        """True once ``data.mdb`` at :attr:`path` was found not to be the file this tier opened
+        (warned once): prefix records are no longer written."""
         self.closed = False
         self.resize_lock = threading.Lock()
         """Held while the map is resized and by reads from threads other than the writer's."""
@@ -209,15 +220,20 @@ class DiskTier:
             key: [memoryview(chunk).cast("B") for chunk in (record if isinstance(record, list) else [record])] for key, record in items
         }
         incoming = sum(chunk.nbytes for chunks in records.values() for chunk in chunks)
-        if self.stopped or not items or incoming > self.capacity_bytes:
+        if self.stopped or incoming > self.capacity_bytes or not self.attached():
+            self.dropped += len(records)
+            return False
+        if not items:
             return False
         try:
             self.transact(incoming, lambda txn: self._put(txn, records, incoming))
         except lmdb.MapFullError:
             self._stop("the lmdb map is full at the byte budget")
+            self.dropped += len(records)
             return False
         except lmdb.Error as error:  # disk full or unwritable: stop writing, go on without the tier
             self._stop(f"{type(error).__name__}: {error}")
+            self.dropped += len(records)
             return False
         self.writes += len(records)
         return True
@@ -336,6 +352,27 @@ class DiskTier:
             )
         return not self.lost
 
+    def attached(self) -> bool:
+        """Whether ``data.mdb`` at :attr:`path` is still the file this tier opened (same device and
+        inode, still linked): not once its directory was removed or replaced, or the file deleted
+        or renamed over. Then, with one warning, writing stops (:attr:`detached`): records written
+        to a file no other process can open would be lost. A ``stat`` and an ``fstat`` per call."""
+        if not self.detached:
+            opened = os.fstat(self._data)
+            try:
+                current = os.stat(self.path / "data.mdb")
+                same = (current.st_dev, current.st_ino) == (opened.st_dev, opened.st_ino) and opened.st_nlink > 0
+            except OSError:
+                same = False
+            if not same:
+                self.detached = self.stopped = True
+                warnings.warn(
+                    f"kvlib disk tier at {self.path}: the directory was removed or its data.mdb replaced while open; records"
+                    " written now would reach no other process, so writing stops (a new store on this path opens a new tier)",
+                    stacklevel=3,
+                )
+        return not self.detached
+
     def _stop(self, why: str) -> None:
         if not self.stopped:
             warnings.warn(f"kvlib disk tier at {self.path}: stopped writing ({why}); generation goes on without it", stacklevel=3)
@@ -348,6 +385,7 @@ class DiskTier:
             "misses": self.misses,
             "corrupt": self.corrupt,
             "evictions": self.evictions,
+            "dropped": self.dropped,
             "bytes": self.nbytes,
         }
 

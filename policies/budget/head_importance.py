@@ -9,6 +9,8 @@ from pathlib import Path
 
 import torch
 
+from kvlib.errors import cut
+from kvlib.limits import MAX_PROFILE_BYTES, read_bounded
 from kvlib.registry import register
 from kvlib.selection import apportion
 from kvlib.strategy import Budget, BudgetRequest
@@ -69,11 +71,14 @@ class HeadImportance(Budget):
 
 
 def load_profile(path: str) -> torch.Tensor:
-    """The float64 ``[num_layers, kv_heads]`` weights of a saved profile; ``ValueError`` naming the problem."""
+    """The float64 ``[num_layers, kv_heads]`` weights of a saved profile; ``ValueError`` naming the
+    problem (a file that is not a regular one, or over :data:`~kvlib.limits.MAX_PROFILE_BYTES`,
+    is refused before it is read)."""
+    content = read_bounded(path, MAX_PROFILE_BYTES, "head_importance profile")
     try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"cannot read head_importance profile {path!r}: {exc}") from None
+        data = json.loads(content)
+    except (ValueError, RecursionError) as exc:  # not JSON or UTF-8, or nested past the parser's depth
+        raise ValueError(f"cannot read head_importance profile {path!r}: {cut(str(exc))}") from None
     if not isinstance(data, dict) or data.get("format") != PROFILE_FORMAT:
         raise ValueError(f"{path!r} is not a head_importance profile (expected format {PROFILE_FORMAT!r})")
     weights = data.get("weights")

@@ -8,6 +8,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
+from kvlib.params import Seed
 from kvlib.policies.eviction import keyformer_kernel
 from kvlib.policies.eviction.h2o import protected_scores
 from kvlib.registry import register
@@ -105,7 +106,7 @@ class Keyformer(Eviction):
     tau_init: float = 1.0
     tau_end: float = 2.0
     steps: int = 128
-    seed: int = 0
+    seed: Seed = 0
     reads_kv: ClassVar[bool] = False
     needs: ClassVar[frozenset[str]] = frozenset({"accumulated_attention", "prompt_length"})
     order_free: ClassVar[bool] = True

@@ -7,6 +7,7 @@ from typing import ClassVar
 
 import torch
 
+from kvlib.params import Seed
 from kvlib.registry import register
 from kvlib.strategy import Eviction, LayerView
 
@@ -25,7 +26,7 @@ class Random(Eviction):
         seed: mixed into every token's hash.
     """
 
-    seed: int = 0
+    seed: Seed = 0
 
     reads_kv: ClassVar[bool] = False
     order_free: ClassVar[bool] = True

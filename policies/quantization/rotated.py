@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvlib.codec import PageCodec, TensorShape
+from kvlib.params import Seed
 from kvlib.policies.quantization.hadamard import MAX_HEADS, RotatedQuantizer, is_power_of_two
 from kvlib.policies.quantization.kivi import check_group, check_value_groups
 from kvlib.policies.quantization.uniform import GroupQuantizer
@@ -62,7 +63,7 @@ class Rotated(Quantization):
 
     bits: int = 2
     group: int = 64
-    seed: int = 0
+    seed: Seed = 0
     key_bits: int | None = None
     keys: str = "auto"
 

@@ -8,6 +8,7 @@ from typing import Literal
 
 import torch
 
+from kvlib.params import Seed
 from kvlib.registry import register
 from kvlib.strategy import Reuse
 
@@ -34,7 +35,7 @@ class CacheBlend(Reuse):
     recompute: float = 0.15
     select: Literal["deviation", "first", "random"] = "deviation"
     probe_layer: int = 1
-    seed: int = 0
+    seed: Seed = 0
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import shutil
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
+from kvlib.devices import host_memory_bytes, largest_memory_bytes
 from kvlib.placement import PageStats, least_recently_written
 from kvlib.registry import register
 from kvlib.strategy import Tiering
@@ -46,6 +49,9 @@ class LRUPlacement(Tiering):
     prefetch: bool = True
 
     def __post_init__(self) -> None:
+        """Each budget is checked against what this machine can hold: ``device_mb`` against the
+        memory of its largest compute device, ``host_mb`` against the host's memory, ``disk_mb``
+        against the size of the file system holding ``disk``."""
         super().__post_init__()
         if not self.device_mb > 0:
             raise ValueError(f"device_mb must be > 0, got {self.device_mb}")
@@ -55,6 +61,10 @@ class LRUPlacement(Tiering):
             raise ValueError(f"a disk tier (disk={self.disk!r}) takes pages past the host budget: set host_mb > 0")
         if not self.disk_mb > 0:
             raise ValueError(f"disk_mb must be > 0, got {self.disk_mb}")
+        _check_fits("device_mb", self.device_mb, largest_memory_bytes(), "the memory of this machine's largest device")
+        _check_fits("host_mb", self.host_mb, host_memory_bytes(), "this host's memory")
+        if self.disk:
+            _check_fits("disk_mb", self.disk_mb, file_system_bytes(self.disk), f"the file system holding {self.disk!r}")
 
     def prefetches(self) -> bool:
         return self.prefetch
@@ -76,3 +86,17 @@ class LRUPlacement(Tiering):
 
     def disk_pages(self, num_layers: int, record_bytes: int) -> int:
         return 0 if not self.disk else max(1, int(self.disk_mb * 2**20 / (num_layers * record_bytes)))
+
+
+def _check_fits(name: str, megabytes: float, most_bytes: int, what: str) -> None:
+    """``ValueError`` when a budget of ``megabytes`` MiB is more than ``what`` holds (``most_bytes``)."""
+    if megabytes * 2**20 > most_bytes:
+        raise ValueError(f"{name}={megabytes:g} MiB is more than {what} holds ({most_bytes / 2**20:.0f} MiB): lower it")
+
+
+def file_system_bytes(directory: str) -> int:
+    """Bytes of the file system that holds ``directory`` (or would: its nearest existing ancestor)."""
+    path = Path(directory).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return shutil.disk_usage(path).total

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvlib.params import Seed
 from kvlib.policies.tiering.quest import Quest
 from kvlib.registry import register
 
@@ -22,7 +23,7 @@ class RandomPages(Quest):
             order of its steps only).
     """
 
-    seed: int = 0
+    seed: Seed = 0
 
     def __post_init__(self) -> None:
         super().__post_init__()

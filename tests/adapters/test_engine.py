@@ -309,6 +309,37 @@ def test_bad_input_is_refused_before_any_work(llama) -> None:
         kvlib.Engine(build_model("mistral"))
 
 
+def test_requests_are_bounded_by_the_models_context_and_checked_before_any_is_queued(llama) -> None:
+    engine = kvlib.Engine(llama)  # max_position_embeddings 2048
+    for prompt, new in (([5] * 5001, 1), ([5] * 2040, 10), ([5] * 10, 10**12)):
+        with pytest.raises(
+            ValueError, match=rf"a request of {len(prompt)} prompt \+ {new} new tokens is longer than the model's context of 2048"
+        ):
+            engine.add_request(prompt, max_new_tokens=new)
+    bad = [
+        ({"seed": "abc", "do_sample": True}, r"seed must be None or an int in \[0, 2\*\*63\)"),
+        ({"seed": 2**80, "do_sample": True}, "seed must be"),
+        ({"temperature": "hot", "do_sample": True}, "temperature must be a finite number > 0"),
+        ({"temperature": float("nan"), "do_sample": True}, "temperature"),
+        ({"top_p": 2}, r"top_p must be a number in \(0, 1\]"),
+        ({"top_k": 1.5}, "top_k"),
+        ({"max_new_tokens": "5"}, "max_new_tokens must be an int"),
+        ({"eos_token_id": "abc"}, "eos_token_id must be None, a token id or token ids"),
+        ({"eos_token_id": [1, 97]}, "eos_token_id"),
+    ]
+    for options, message in bad:
+        with pytest.raises(ValueError, match=message):
+            engine.add_request([5, 6], **options)
+    with pytest.raises(ValueError, match="1-D sequence"):
+        engine.add_request(torch.ones(2, 3, dtype=torch.long))
+    with pytest.raises(ValueError, match="a request of 3000 prompt"):
+        engine.generate([[5] * 3, [5] * 3000], max_new_tokens=4)  # the second prompt: the first is not queued either
+    with pytest.raises(ValueError, match="unknown options"):
+        engine.generate([[5] * 3], temprature=0.5)
+    assert engine.requests == {} and not engine.has_unfinished
+    assert len(engine.generate([[5] * 2040], max_new_tokens=8)[0]) == 8  # the whole context is fine
+
+
 def test_decode_attention_equals_sdpa() -> None:
     from kvlib.adapters.packed_batch import decode_attention
 

@@ -3,6 +3,8 @@ before anything is built or run; key and value heads of different sizes are held
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 from transformers import (
@@ -19,10 +21,10 @@ from transformers import (
 )
 
 import kvlib
-from kvlib.adapters.model_shape import kv_shape
+from kvlib.adapters.model_shape import kv_shape, model_context
 from kvlib.paged_store import PagedStore
 from kvlib.transformers_compat import cache_argument
-from tests.adapters.conftest import PAD, VOCAB
+from tests.adapters.conftest import PAD, VOCAB, build_model
 
 MLA = dict(
     vocab_size=VOCAB,
@@ -126,3 +128,9 @@ def test_key_and_value_heads_of_different_sizes_are_held_exactly() -> None:
     assert cache.store.pools[0].value_dim == 8
     engine = kvlib.Engine(model, max_batch_tokens=32)
     assert engine.generate(prompts.tolist(), max_new_tokens=6) == reference[:, 37:].tolist()
+
+
+def test_the_context_is_what_the_config_declares() -> None:
+    assert [model_context(build_model(family)) for family in ("llama", "gpt2", "stories")] == [2048, 128, 512]
+    undeclared = types.SimpleNamespace(config=types.SimpleNamespace(get_text_config=lambda decoder: types.SimpleNamespace()))
+    assert model_context(undeclared) is None  # a config without max_position_embeddings

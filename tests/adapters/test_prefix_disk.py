@@ -196,3 +196,32 @@ def test_a_run_of_blocks_restored_from_disk_grows_each_arena_once(tmp_path: Path
     assert kvlib.make_cache(model, reuse=reader, prompt=prompt).get_seq_length() == 400
     (store,) = reader.stores.values()
     assert all(grows.count(id(pool)) == 1 for pool in store.pools) and len(grows) == len(store.pools)
+
+
+def test_a_directory_removed_while_open_loses_no_write_silently_and_a_new_store_opens_a_new_tier(tmp_path: Path) -> None:
+    import shutil
+
+    import torch
+
+    import kvlib
+    from kvlib.transformers_compat import cache_argument
+    from tests.adapters.conftest import PAD, build_model
+
+    model = build_model("llama")
+    prompts = [torch.randint(3, 90, (1, 40), generator=torch.Generator().manual_seed(seed)) for seed in (1, 2)]
+
+    def generate(store: kvlib.PrefixStore, prompt: torch.Tensor) -> list[int]:
+        cache = kvlib.make_cache(model, reuse=store, prompt=prompt)
+        return model.generate(prompt, **cache_argument(cache), max_new_tokens=4, do_sample=False, pad_token_id=PAD)[0].tolist()
+
+    expected = [model.generate(prompt, max_new_tokens=4, do_sample=False, pad_token_id=PAD)[0].tolist() for prompt in prompts]
+    directory = tmp_path / "prefixes"
+    first = kvlib.PrefixStore(model, capacity_bytes=2**24, disk=directory)
+    assert generate(first, prompts[0]) == expected[0] and first.disk.writes == 2
+    shutil.rmtree(directory)
+    with pytest.warns(UserWarning, match="the directory was removed or its data.mdb replaced while open") as caught:
+        assert generate(first, prompts[1]) == expected[1]
+    assert len(caught) == 1 and first.disk.writes == 2 and first.disk.dropped == 2  # the second prompt's blocks: dropped, counted
+    second = kvlib.PrefixStore(model, capacity_bytes=2**24, disk=directory)
+    assert second.disk is not first.disk and second.disk.keys() == []  # a new environment, not the deleted one
+    assert generate(second, prompts[1]) == expected[1] and second.disk.writes == 2 and len(second.disk.keys()) == 2

@@ -5,13 +5,16 @@ no disk tier.
 
 Each run is its own process, forked from a server that imported torch and kvlib and built the
 model once (a fresh interpreter per run would cost ~10 s of imports here): a SIGBUS or abort
-kills the child only and shows as its exit status.
+kills the child only and shows as its exit status. A read-only directory's child drops the
+capability to write through file modes and stays the same user (:mod:`tests.storage.tier_damage`),
+so it imports what it needs wherever the checkout lives (a child turned ``nobody`` could not read
+a virtual environment under a private ``/root``), and reports whether it could still write there:
+the test fails, never passes silently, when it could.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -23,7 +26,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from tests.storage.tier_damage import NOBODY, data_file, flip, make_read_only, make_writable, page_size, truncate
+from tests.storage.tier_damage import data_file, flip, make_read_only, make_writable, page_size, truncate
 
 REPO = Path(__file__).resolve().parents[2]
 SERVER = """
@@ -38,6 +41,7 @@ torch.set_num_threads(1)
 import kvlib
 from kvlib.transformers_compat import cache_argument
 from tests.adapters.conftest import PAD, build_model
+from tests.storage.tier_damage import writable, write_through_modes
 
 model = build_model("stories")
 prompt = torch.randint(3, 60, (1, 70), generator=torch.Generator().manual_seed(0))
@@ -61,11 +65,10 @@ for line in sys.stdin:
     pid = os.fork()
     if pid == 0:
         os.close(read)
-        if request["user"] is not None:
-            os.setgroups([])
-            os.setgid(request["user"])
-            os.setuid(request["user"])
-        os.write(write, json.dumps(run(request["disk"])).encode())
+        if request["read_only"]:
+            write_through_modes(False)
+        result = run(request["disk"]) | {{"writable": writable(request["disk"])}}
+        os.write(write, json.dumps(result).encode())
         os._exit(0)
     os.close(write)
     with os.fdopen(read, "rb") as pipe:
@@ -84,9 +87,11 @@ class Runs:
         )
         self.reference = json.loads(self.process.stdout.readline())
 
-    def run(self, disk: Path, user: int | None = None) -> dict:
-        """The child's exit code (negative: the signal that killed it) and what it reported."""
-        self.process.stdin.write(json.dumps({"disk": str(disk), "user": user}) + "\n")
+    def run(self, disk: Path, read_only: bool = False) -> dict:
+        """The child's exit code (negative: the signal that killed it) and what it reported
+        (``writable``: whether it could create a file in ``disk``); with ``read_only`` the child
+        cannot write through file modes, even as root."""
+        self.process.stdin.write(json.dumps({"disk": str(disk), "read_only": read_only}) + "\n")
         self.process.stdin.flush()
         return json.loads(self.process.stdout.readline())
 
@@ -104,7 +109,7 @@ def runs() -> Iterator[Runs]:
 
 @pytest.fixture(scope="module")
 def scratch() -> Iterator[Path]:
-    """A directory every user may pass through (a root test runs read-only cases as ``nobody``)."""
+    """A directory for the tier copies."""
     directory = Path(tempfile.mkdtemp(prefix="kvlib-damage-"))
     directory.chmod(0o755)
     yield directory
@@ -136,9 +141,9 @@ DAMAGE = st.one_of(
 )
 
 
-def damaged_copy(source: Path, into: Path, damage: list[Damage]) -> int | None:
-    """``source`` copied to ``into`` with ``damage`` done to it in order; returns the user to run
-    as (``nobody`` for a read-only directory when the tests run as root, else None)."""
+def damaged_copy(source: Path, into: Path, damage: list[Damage]) -> bool:
+    """``source`` copied to ``into`` with ``damage`` done to it in order; returns whether it was
+    made read-only."""
     shutil.rmtree(into, ignore_errors=True)
     shutil.copytree(source, into)
     read_only = False
@@ -168,7 +173,7 @@ def damaged_copy(source: Path, into: Path, damage: list[Damage]) -> int | None:
             read_only = True
     if read_only:
         make_read_only(into)
-    return NOBODY if read_only and os.geteuid() == 0 else None
+    return read_only
 
 
 @settings(max_examples=30, deadline=None)
@@ -183,13 +188,14 @@ def test_a_damaged_directory_never_fails_a_process_nor_changes_its_output(
     runs: Runs, written: Path, scratch: Path, damage: list[Damage]
 ) -> None:
     directory = scratch / "damaged"
-    user = damaged_copy(written, directory, damage)
+    read_only = damaged_copy(written, directory, damage)
     try:
-        outcome = runs.run(directory, user)
+        outcome = runs.run(directory, read_only)
     finally:
         make_writable(directory)
     assert outcome["exit"] == 0, (damage, outcome)
     assert outcome["result"]["tokens"] == runs.reference["tokens"], (damage, outcome)
+    assert outcome["result"]["writable"] != read_only, (damage, "the child could write to the read-only directory")
 
 
 def test_a_flipped_byte_in_a_record_is_a_counted_miss(runs: Runs, written: Path, scratch: Path) -> None:

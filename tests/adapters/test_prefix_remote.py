@@ -1,7 +1,10 @@
 """The remote prefix tier against a real server: a second process reuses the prefixes a first one
-wrote, with identical output; a record planted without the key, or altered on the server, is never
-decoded (the block is recomputed); an Engine whose server is killed in the middle of a 40-request
-trace finishes every request with the output of an Engine without a remote tier."""
+wrote, with identical output; records planted by a writer with the same public model (altered
+values, a recomputed checksum), before or after the owner ran, or altered on the server, are never
+decoded by a keyed reader (the block is recomputed, the output unchanged); ``hits`` count only the
+records used; a URL without a key is refused unless the caller opts out by name; an Engine whose
+server is killed or paused in the middle of a 40-request trace, or full from the start, finishes
+every request with the output of an Engine without a remote tier."""
 
 from __future__ import annotations
 
@@ -15,57 +18,112 @@ import redis
 import torch
 
 import kvlib
-from kvlib.storage.remote_tier import PREFIX, RemoteTier
+from kvlib.storage.local_server import LocalServer
+from kvlib.storage.remote_tier import ENVELOPE, PREFIX, RemoteTier
+from kvlib.transformers_compat import cache_argument
 
-from .conftest import build_model
+from .conftest import PAD, build_model
+from .test_handover import forged
 
 REPO = Path(__file__).resolve().parents[2]
+PROMPT = torch.randint(3, 90, (1, 70), generator=torch.Generator().manual_seed(0))
 PROCESS = """
-import json, sys, torch
+import json, sys
 sys.path.insert(0, {repo!r})
-import kvlib
-from kvlib.transformers_compat import cache_argument
-from tests.adapters.conftest import build_model, PAD
-model = build_model("llama")
-prompt = torch.randint(3, 90, (1, 70), generator=torch.Generator().manual_seed(0))
-key = sys.argv[2] or None
-store = kvlib.PrefixStore(model, capacity_bytes=2**24, remote=sys.argv[1], remote_key=key)
-cache = kvlib.make_cache(model, reuse=store, prompt=prompt)
-reused = cache.get_seq_length()
-out = model.generate(prompt, **cache_argument(cache), max_new_tokens=8, do_sample=False, pad_token_id=PAD)
-same = torch.equal(out, model.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=PAD))
-print(json.dumps({{"reused": reused, "same": same, "remote": store.remote.stats()}}))
+from tests.adapters.conftest import build_model
+from tests.adapters.test_prefix_remote import run
+print(json.dumps(run(build_model("llama"), sys.argv[1], key="team")))
 """
 
 
-def run(url: str, key: str = "") -> dict:
-    result = subprocess.run(
-        [sys.executable, "-c", PROCESS.format(repo=str(REPO)), url, key], capture_output=True, text=True, check=True, cwd=REPO
+def run(model: torch.nn.Module, url: str, *, key: str | None = None, trust: str = "key") -> dict:
+    """A fresh prefix store on ``url`` serving :data:`PROMPT`: tokens reused from the server, the
+    generated tokens and the tier's counters."""
+    store = kvlib.PrefixStore(model, capacity_bytes=2**24, remote=url, remote_key=key, remote_trust=trust)
+    cache = kvlib.make_cache(model, reuse=store, prompt=PROMPT)
+    reused = cache.get_seq_length()
+    out = model.generate(PROMPT, **cache_argument(cache), max_new_tokens=8, do_sample=False, pad_token_id=PAD)
+    return {"reused": reused, "tokens": out[0].tolist(), "remote": store.remote.stats()}
+
+
+@pytest.fixture(scope="module")
+def model() -> torch.nn.Module:
+    return build_model("llama")
+
+
+@pytest.fixture(scope="module")
+def reference(model: torch.nn.Module) -> list[int]:
+    """The prompt's output without any remote tier."""
+    return model.generate(PROMPT, max_new_tokens=8, do_sample=False, pad_token_id=PAD)[0].tolist()
+
+
+def test_a_second_process_reuses_what_the_first_wrote(redis_server, model, reference) -> None:
+    first = run(model, redis_server.url, key="team")
+    assert first["reused"] == 0 and first["tokens"] == reference and first["remote"]["writes"] == 4
+    done = subprocess.run(
+        [sys.executable, "-c", PROCESS.format(repo=str(REPO)), redis_server.url], capture_output=True, text=True, check=True, cwd=REPO
     )
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    second = json.loads(done.stdout.strip().splitlines()[-1])
+    assert second["reused"] == 64 and second["tokens"] == reference and second["remote"]["hits"] == 4 and second["remote"]["writes"] == 0
 
 
-def test_a_second_process_reuses_what_the_first_wrote(redis_server) -> None:
-    first = run(redis_server.url)
-    assert first["reused"] == 0 and first["same"] and first["remote"]["writes"] == 4
-    second = run(redis_server.url)
-    assert second["reused"] == 64 and second["same"] and second["remote"]["hits"] == 4 and second["remote"]["writes"] == 0
+def plant(url: str, planter: RemoteTier) -> int:
+    """Replace every record on the server by a forged copy (:func:`forged`: altered, checksum
+    recomputed) that ``planter`` seals; returns how many."""
+    client = redis.Redis.from_url(url)
+    names = client.keys(PREFIX + b"*")
+    for name in names:
+        planter.put_many([(name[len(PREFIX) :], forged(client.get(name)[ENVELOPE.size :]))])
+    return len(names)
 
 
-def test_records_planted_without_the_key_or_altered_are_never_decoded(redis_server) -> None:
-    planted = run(redis_server.url, key="intruder")  # writes the prompt's records under another key
-    assert planted["remote"]["writes"] == 4
-    owner = run(redis_server.url, key="owner")
-    assert owner["reused"] == 0 and owner["same"] and owner["remote"]["rejected"] >= 1 and owner["remote"]["hits"] == 0
-    again = run(redis_server.url, key="owner")  # the owner's own records replaced the planted ones
-    assert again["reused"] == 64 and again["same"]
-    client = redis.Redis.from_url(redis_server.url)
-    for name in client.keys(PREFIX + b"*"):
+def test_records_planted_by_a_writer_with_the_public_model_are_never_decoded(redis_server, model, reference) -> None:
+    url, anyone = redis_server.url, RemoteTier(redis_server.url, trust="any-writer")
+    run(model, url, trust="any-writer")  # the planter runs the public model, then forges its records
+    assert plant(url, anyone) == 4
+    opted_out = run(model, url, trust="any-writer")
+    assert opted_out["reused"] == 64 and opted_out["remote"]["hits"] == 4  # what remote_trust="any-writer" lets through
+    before = run(model, url, key="owner")  # planted before the owner ran
+    assert before["reused"] == 0 and before["tokens"] == reference and before["remote"]["rejected"] == 4 and before["remote"]["hits"] == 0
+    assert run(model, url, key="owner")["reused"] == 64  # the owner's own records replaced the planted ones
+    for planter in (anyone, RemoteTier(url, key="intruder")):  # planted after the owner ran
+        plant(url, planter)
+        after = run(model, url, key="owner")
+        assert after["reused"] == 0 and after["tokens"] == reference and after["remote"]["rejected"] == 4
+    client = redis.Redis.from_url(url)
+    for name in client.keys(PREFIX + b"*"):  # the owner's records (written again above), altered on the server
         value = bytearray(client.get(name))
-        value[len(value) // 2] ^= 0x10  # altered on the server
+        value[len(value) // 2] ^= 0x10
         client.set(name, bytes(value))
-    altered = run(redis_server.url, key="owner")
-    assert altered["reused"] == 0 and altered["same"] and altered["remote"]["rejected"] >= 1
+    altered = run(model, url, key="owner")
+    assert altered["reused"] == 0 and altered["tokens"] == reference and altered["remote"]["rejected"] == 4
+
+
+def test_hits_count_only_the_records_used(redis_server, model, reference) -> None:
+    store = kvlib.PrefixStore(model, capacity_bytes=2**24, remote=redis_server.url, remote_key="team")
+    model.generate(PROMPT, **cache_argument(kvlib.make_cache(model, reuse=store, prompt=PROMPT)), max_new_tokens=8, pad_token_id=PAD)
+    (namespace,) = store.stores
+    keys = store.block_keys(namespace, [PROMPT[0, i * 16 : (i + 1) * 16].tolist() for i in range(4)])
+    redis.Redis.from_url(redis_server.url).delete(PREFIX + store.record_namespace(namespace) + keys[1])  # a gap after block 0
+    gap = run(model, redis_server.url, key="team")
+    assert gap["reused"] == 16 and gap["tokens"] == reference
+    assert {name: gap["remote"][name] for name in ("hits", "misses", "unused")} == {"hits": 1, "misses": 3, "unused": 2}
+
+
+def test_a_url_without_a_key_is_refused_before_any_work(redis_server, model, monkeypatch) -> None:
+    monkeypatch.delenv("KVLIB_REMOTE_KEY", raising=False)
+    untouched = build_model("llama")
+    for make in (
+        lambda: kvlib.PrefixStore(untouched, 2**20, remote=redis_server.url),
+        lambda: kvlib.Engine(untouched, remote=redis_server.url),
+    ):
+        with pytest.raises(ValueError, match="remote_key=.*KVLIB_REMOTE_KEY.*remote_trust='any-writer'"):
+            make()
+    assert untouched.config._attn_implementation == "sdpa"  # refused before the model's attention was routed through kvlib
+    with pytest.raises(ValueError, match="RemoteTier takes key= and trust= itself"):
+        kvlib.PrefixStore(model, 2**20, remote=RemoteTier(redis_server.url, key="k"), remote_trust="any-writer")
+    monkeypatch.setenv("KVLIB_REMOTE_KEY", "from-the-environment")
+    assert kvlib.Engine(model, remote=redis_server.url).prefix.remote.keyed
 
 
 def trace(vocab: int, count: int = 40, seed: int = 0) -> list[list[int]]:
@@ -76,13 +134,12 @@ def trace(vocab: int, count: int = 40, seed: int = 0) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("fault", ["kill", "pause"])
-def test_an_engine_finishes_every_request_when_its_server_fails_mid_trace(redis_server, fault: str) -> None:
-    model = build_model("llama")
+def test_an_engine_finishes_every_request_when_its_server_fails_mid_trace(redis_server, model, fault: str) -> None:
     prompts = trace(model.config.vocab_size)
     expected = kvlib.Engine(model, max_batch_tokens=64).generate(prompts, max_new_tokens=4)
-    warm = kvlib.Engine(model, max_batch_tokens=64, remote=RemoteTier(redis_server.url))
+    warm = kvlib.Engine(model, max_batch_tokens=64, remote=RemoteTier(redis_server.url, key="team"))
     warm.generate(prompts[:4], max_new_tokens=4)  # the shared prefixes on the server
-    tier = RemoteTier(redis_server.url, timeout_s=0.2, retry_s=0.5)
+    tier = RemoteTier(redis_server.url, key="team", timeout_s=0.2, retry_s=0.5)
     engine = kvlib.Engine(model, max_batch_tokens=64, remote=tier)
     ids, outputs, steps = [], {}, 0
     try:
@@ -100,3 +157,17 @@ def test_an_engine_finishes_every_request_when_its_server_fails_mid_trace(redis_
     assert [outputs[i] for i in ids] == expected
     stats = engine.stats()["remote"]
     assert stats["hits"] > 0 and stats["errors"] >= 1 and stats["misses"] > 0
+
+
+def test_an_engine_on_a_full_server_gives_the_outputs_of_one_without_it(model) -> None:
+    prompts = trace(model.config.vocab_size, count=8)
+    expected = kvlib.Engine(model, max_batch_tokens=64).generate(prompts, max_new_tokens=4)
+    with LocalServer(maxmemory=1 << 20, policy="noeviction") as server:
+        client = redis.Redis.from_url(server.url)
+        with pytest.raises(redis.ResponseError, match="maxmemory"):
+            for i in range(64):
+                client.set(b"filler:%d" % i, bytes(64 << 10))
+        engine = kvlib.Engine(model, max_batch_tokens=64, remote=server.url, remote_key="team")
+        assert engine.generate(prompts, max_new_tokens=4) == expected
+        stats = engine.stats()["remote"]
+        assert stats["writes"] == 0 and stats["write_errors"] > 0 and stats["hits"] == 0

@@ -94,6 +94,10 @@ def test_writes_a_consistent_table_json_csv_and_one_png_per_task(compared, capsy
         (["--policies", "x" * 100_000], "a spec string has at most 4096 characters; got 100000: 'xxxx"),
         (["--tasks", "y" * 100_000], "unknown task 'yyyy"),
         (["--context-first"], "context_first needs tasks that ask a question apart from their context (niah_single"),
+        (["--seed", str(2**80)], "--seed takes a whole number in [0, 2**63)"),
+        (["--seed", "abc"], "--seed takes a whole number in [0, 2**63), got 'abc'"),
+        (["--policies", "lru(device_mb=1e308)"], "device_mb=1e+308 MiB is more than the memory of this machine's largest device"),
+        (["--policies", "rotated(seed=-1)"], "a seed is an int in [0, 2**63)"),
     ],
 )
 def test_mistakes_are_one_line_and_exit_2(compared, capsys, extra, message):

@@ -10,7 +10,7 @@ import torch
 
 from kvlib.devices import available_bytes, check_fits
 from kvlib.errors import ECHO_CHARS, cut, quoted
-from kvlib.limits import MAX_PAGE_SIZE, check_page_size
+from kvlib.limits import MAX_PAGE_SIZE, MAX_REQUEST_TOKENS, check_page_size, check_request_tokens, check_seed, read_bounded
 
 CPU = torch.device("cpu")
 
@@ -45,3 +45,35 @@ def test_messages_cut_what_they_echo() -> None:
     assert quoted("snapkv") == "'snapkv'" and cut("short") == "short"
     long = quoted("x" * 100_000)
     assert len(long) == ECHO_CHARS and long.startswith("'xxx") and long.endswith("x...")
+
+
+def test_files_are_read_only_when_regular_and_within_their_bound(tmp_path) -> None:
+    small = tmp_path / "small.txt"
+    small.write_bytes(b"12345")
+    assert read_bounded(small, 5, "text") == b"12345"
+    with pytest.raises(ValueError, match=f"text '{small}' holds more than 4 bytes, the most a text may hold"):
+        read_bounded(small, 4, "text")
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for path in ("/dev/zero", fifo, tmp_path):
+        with pytest.raises(ValueError, match=f"text '{path}' is not a regular file"):
+            read_bounded(path, 2**30, "text")
+    with pytest.raises(ValueError, match="cannot read text .*missing.*No such file"):
+        read_bounded(tmp_path / "missing", 10, "text")
+
+
+def test_requests_are_bounded_by_the_context_or_the_request_limit() -> None:
+    check_request_tokens(500, 12, 512)
+    with pytest.raises(ValueError, match=r"a request of 500 prompt \+ 13 new tokens is longer than the model's context of 512 tokens"):
+        check_request_tokens(500, 13, 512)
+    check_request_tokens(MAX_REQUEST_TOKENS - 1, 1, None)
+    with pytest.raises(ValueError, match=f"longer than the limit of {MAX_REQUEST_TOKENS} tokens"):
+        check_request_tokens(MAX_REQUEST_TOKENS, 1, None)
+
+
+def test_seeds_are_none_or_ints_in_range() -> None:
+    for seed in (None, 0, 2**63 - 1):
+        check_seed(seed)
+    for seed in (-1, 2**63, 2**80, "abc", True, 1.5):
+        with pytest.raises(ValueError, match=r"seed must be None or an int in \[0, 2\*\*63\)"):
+            check_seed(seed)

@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvlib.errors import SpecError
-from kvlib.params import coerce, describe
+from kvlib.params import Seed, coerce, describe
 from kvlib.policies.eviction.streaming_llm import StreamingLLM
 from kvlib.strategy import Budget, Eviction
 
@@ -239,3 +239,9 @@ def test_error_for_literal_names_valid_values():
     with pytest.raises(SpecError) as info:
         coerce("kivi", "bits", Literal[2, 4], 3)
     assert str(info.value) == "kivi: parameter 'bits' must be 2 | 4, got 3 (int)"
+
+
+def test_seeds_are_ints_torch_and_numpy_take() -> None:
+    assert ok(Seed, 0) == 0 and ok(Seed, 2**63 - 1) == 2**63 - 1
+    for bad in (-1, 2**63, 2**80, "abc", 1.0, True, None):
+        assert "parameter 'param' must be Seed" in rejected(Seed, bad)

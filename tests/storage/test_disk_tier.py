@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -15,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from kvlib.storage.disk_tier import DiskTier
+from kvlib.errors import DiskTierUnavailable
+from kvlib.storage.disk_tier import DiskTier, open_disk_tier
 
 DISK_TIER = Path(__file__).resolve().parents[2] / "storage" / "disk_tier.py"
 
@@ -116,27 +118,71 @@ def test_a_full_map_stops_writing_with_one_warning(tmp_path: Path) -> None:
     assert not tier.put(b"late".ljust(32, b"."), record(b"y"))
 
 
-WRITER = f"""
+@pytest.mark.parametrize("change", ["removed", "replaced by another tier's directory", "data.mdb replaced"])
+def test_a_directory_removed_or_replaced_while_open_stops_writing_and_a_new_store_opens_a_new_tier(tmp_path: Path, change: str) -> None:
+    directory, other = tmp_path / "tier", tmp_path / "other"
+    tier = open_disk_tier(directory, capacity_bytes=1 << 20)
+    kept = b"k".ljust(32, b".")
+    assert tier.put(kept, record(b"x" * 100))
+    writer = DiskTier(other, capacity_bytes=1 << 20)
+    writer.put(b"o".ljust(32, b"."), record(b"o" * 100))
+    writer.close()
+    if change == "removed":
+        shutil.rmtree(directory)
+    elif change == "replaced by another tier's directory":
+        shutil.rmtree(directory)
+        other.rename(directory)
+    else:
+        os.replace(other / "data.mdb", directory / "data.mdb")
+    with pytest.warns(UserWarning, match="the directory was removed or its data.mdb replaced while open") as caught:
+        assert not tier.put(b"a".ljust(32, b"."), record(b"a" * 100)) and not tier.put(b"b".ljust(32, b"."), record(b"b"))
+    assert len(caught) == 1 and tier.detached and tier.writes == 1 and tier.dropped == 2  # counted as dropped, not as written
+    assert tier.get(kept, checked) == b"x" * 100  # what the tier held is still read
+    if change == "data.mdb replaced":  # the old lock file is still this process's: lmdb refuses to share it
+        with pytest.raises(DiskTierUnavailable, match="lmdb cannot open it"):
+            open_disk_tier(directory, capacity_bytes=1 << 20)
+        return
+    fresh = open_disk_tier(directory, capacity_bytes=1 << 20)
+    assert fresh is not tier and [key[:1] for key in fresh.keys()] == ([] if change == "removed" else [b"o"])
+    assert fresh.put(b"n".ljust(32, b"."), record(b"n"))
+    fresh.close()
+    assert DiskTier(directory, capacity_bytes=1 << 20).get(b"n".ljust(32, b"."), checked) == b"n"  # on disk for the next opener
+
+
+WRITERS = f"""
 import hashlib, importlib.util, os, random, sys
 spec = importlib.util.spec_from_file_location("disk_tier", {str(DISK_TIER)!r})
 module = importlib.util.module_from_spec(spec); spec.loader.exec_module(module)
-tier = module.DiskTier(sys.argv[1], capacity_bytes=2 << 20)
-rng = random.Random(int(sys.argv[2]))
-print("ready", flush=True)
-while True:  # records of 1 to 8 parts, some keys rewritten, the budget churned by eviction
-    payloads = [os.urandom(rng.randint(1, 256) * 1024) for _ in range(rng.randint(1, 3))]
-    tier.put_many([(rng.randbytes(1).ljust(32, b"."), p + hashlib.blake2b(p, digest_size=16).digest()) for p in payloads])
+for line in sys.stdin:  # one writer per line: a child forked from this process, which imported the tier once
+    pid = os.fork()
+    if pid == 0:
+        tier = module.DiskTier(sys.argv[1], capacity_bytes=2 << 20)
+        rng = random.Random(int(line))
+        os.write(1, b"%d\\n" % os.getpid())
+        while True:  # records of 1 to 8 parts, some keys rewritten, the budget churned by eviction
+            payloads = [os.urandom(rng.randint(1, 256) * 1024) for _ in range(rng.randint(1, 3))]
+            tier.put_many([(rng.randbytes(1).ljust(32, b"."), p + hashlib.blake2b(p, digest_size=16).digest()) for p in payloads])
+    os.waitpid(pid, 0)
+    os.write(1, b"gone\\n")
 """
 
 
 def test_a_writer_killed_at_random_moments_leaves_no_corrupt_entry(tmp_path: Path) -> None:
+    """Twenty writer processes, each killed (SIGKILL) at a random moment while it writes; each is
+    forked from one process that imported the tier (a fresh interpreter per writer cost ~3 s)."""
     rng = random.Random(0)
-    for run in range(20):
-        writer = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path), str(run)], stdout=subprocess.PIPE)
-        assert writer.stdout.readline().strip() == b"ready"
-        time.sleep(rng.uniform(0.01, 0.3))
-        writer.send_signal(signal.SIGKILL)
-        writer.wait()
+    writers = subprocess.Popen([sys.executable, "-c", WRITERS, str(tmp_path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        for run in range(20):
+            writers.stdin.write(b"%d\n" % run)
+            writers.stdin.flush()
+            pid = int(writers.stdout.readline())
+            time.sleep(rng.uniform(0.01, 0.3))
+            os.kill(pid, signal.SIGKILL)
+            assert writers.stdout.readline().strip() == b"gone"
+    finally:
+        writers.stdin.close()
+        writers.wait(timeout=60)
     tier = DiskTier(tmp_path, capacity_bytes=2 << 20)
     keys = tier.keys()
     assert keys, "the writers stored something"

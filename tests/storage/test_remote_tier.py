@@ -1,6 +1,9 @@
 """The remote tier against a real server (Valkey from ``kvlib[remote]``): records round-trip in
-pipelined batches; keyed records are read only with their key; a server killed, paused, restarted
-or full makes counted misses, and the tier comes back with the server."""
+pipelined batches; a key is required unless the caller opts out by name; keyed records and
+messages are read only with their key; a server killed, paused, restarted or full makes counted
+misses, and the tier comes back with the server; records live under a time to live and queues
+without one, so ``volatile-lru`` evicts records and never a queued message; ``pop`` waits what it
+is told to."""
 
 from __future__ import annotations
 
@@ -10,7 +13,7 @@ import pytest
 import redis
 
 from kvlib.storage.local_server import LocalServer
-from kvlib.storage.remote_tier import PREFIX, RemoteTier
+from kvlib.storage.remote_tier import PREFIX, QUEUE, RECORD_TTL_S, RemoteTier
 
 
 def check(record: memoryview) -> bytes:
@@ -20,14 +23,17 @@ def check(record: memoryview) -> bytes:
     return bytes(record)
 
 
-def test_records_round_trip_in_one_batch(redis_server) -> None:
-    tier = RemoteTier(redis_server.url)
+def test_records_round_trip_in_one_batch_and_count_hits_only_when_used(redis_server) -> None:
+    tier = RemoteTier(redis_server.url, key="k")
     assert tier.put_many([(b"a" * 32, b"ok-first"), (b"b" * 32, memoryview(b"ok-second"))]) == 2
     assert tier.get_many([b"a" * 32, b"c" * 32, b"b" * 32], check) == [b"ok-first", None, b"ok-second"]
     assert tier.get_many([b"a" * 32], lambda record: check(b"no")) == [None]  # a failing check is a miss
-    assert tier.stats() | {} == {
-        "hits": 2,
-        "misses": 2,
+    assert tier.hits == 0 and tier.misses == 2  # the two records that arrived are not counted yet
+    tier.count_use(fetched=2, used=1)  # the caller used one of them
+    assert tier.stats() == {
+        "hits": 1,
+        "misses": 3,
+        "unused": 1,
         "writes": 2,
         "corrupt": 1,
         "rejected": 0,
@@ -37,15 +43,28 @@ def test_records_round_trip_in_one_batch(redis_server) -> None:
     }
 
 
-def test_keyed_records_are_read_only_with_their_key(redis_server, monkeypatch) -> None:
+def test_a_tier_without_a_key_is_refused_unless_the_caller_opts_out_by_name(redis_server, monkeypatch) -> None:
+    monkeypatch.delenv("KVLIB_REMOTE_KEY", raising=False)
+    with pytest.raises(ValueError, match=r"no key was given: pass key= .*KVLIB_REMOTE_KEY.*trust='any-writer'"):
+        RemoteTier(redis_server.url)
+    assert not RemoteTier(redis_server.url, trust="any-writer").keyed
+    with pytest.raises(ValueError, match="trust='any-writer' is for a tier without a key"):
+        RemoteTier(redis_server.url, key="k", trust="any-writer")
+    with pytest.raises(ValueError, match="trust must be one of"):
+        RemoteTier(redis_server.url, trust="anyone")
+    monkeypatch.setenv("KVLIB_REMOTE_KEY", "secret")
+    assert RemoteTier(redis_server.url).keyed
+
+
+def test_keyed_records_are_read_only_with_their_key(redis_server) -> None:
     owner = RemoteTier(redis_server.url, key="secret")
     owner.put_many([(b"k" * 32, b"ok-owned")])
     assert owner.get_many([b"k" * 32], check) == [b"ok-owned"]
-    for stranger in (RemoteTier(redis_server.url, key="other"), RemoteTier(redis_server.url)):
+    for stranger in (RemoteTier(redis_server.url, key="other"), RemoteTier(redis_server.url, trust="any-writer")):
         assert stranger.get_many([b"k" * 32], check) == [None] and stranger.rejected == 1
     planter = RemoteTier(redis_server.url, key="other")  # plants a record under the owner's key
     planter.put_many([(b"k" * 32, b"ok-planted")])
-    unkeyed = RemoteTier(redis_server.url)
+    unkeyed = RemoteTier(redis_server.url, trust="any-writer")
     unkeyed.put_many([(b"u" * 32, b"ok-unkeyed")])
     assert owner.get_many([b"k" * 32, b"u" * 32], check) == [None, None] and owner.rejected == 2
     client = redis.Redis.from_url(redis_server.url)
@@ -55,12 +74,10 @@ def test_keyed_records_are_read_only_with_their_key(redis_server, monkeypatch) -
     value[-1] ^= 1  # altered on the server
     client.set(PREFIX + b"k" * 32, bytes(value))
     assert owner.get_many([b"m" * 32, b"k" * 32], check) == [None, None] and owner.rejected == 4
-    monkeypatch.setenv("KVLIB_REMOTE_KEY", "secret")
-    assert RemoteTier(redis_server.url).keyed
 
 
 def test_a_killed_server_is_a_counted_miss_until_it_returns(redis_server) -> None:
-    tier = RemoteTier(redis_server.url, timeout_s=0.5, retry_s=0.2)
+    tier = RemoteTier(redis_server.url, key="k", timeout_s=0.5, retry_s=0.2)
     tier.put_many([(b"a" * 32, b"ok")])
     redis_server.kill()
     assert tier.get_many([b"a" * 32], check) == [None] and tier.errors == 1
@@ -72,7 +89,7 @@ def test_a_killed_server_is_a_counted_miss_until_it_returns(redis_server) -> Non
 
 
 def test_a_paused_server_times_out_and_the_tier_comes_back(redis_server) -> None:
-    tier = RemoteTier(redis_server.url, timeout_s=0.2, retry_s=0.2)
+    tier = RemoteTier(redis_server.url, key="k", timeout_s=0.2, retry_s=0.2)
     tier.put_many([(b"a" * 32, b"ok")])
     redis_server.pause()
     try:
@@ -86,24 +103,72 @@ def test_a_paused_server_times_out_and_the_tier_comes_back(redis_server) -> None
     assert tier.get_many([b"a" * 32], check) == [b"ok"]
 
 
-def test_a_full_server_refuses_writes_as_counted_write_errors() -> None:
+def test_a_full_server_refuses_records_and_messages_as_counted_write_errors() -> None:
     with LocalServer(maxmemory=2 << 20, policy="noeviction") as server:
-        tier = RemoteTier(server.url)
+        tier = RemoteTier(server.url, key="k")
         stored = sum(tier.put_many([(bytes([i]) * 32, b"ok" + bytes(256 << 10))]) for i in range(32))
         assert 0 < stored < 32 and tier.write_errors == 32 - stored and tier.errors == 0
         assert tier.get_many([bytes([0]) * 32], check)[0] is not None
+        assert not tier.push("jobs", bytes(256 << 10)) and tier.write_errors == 32 - stored + 1  # refused (OOM), said so
+        assert tier.pop("jobs", 0.0) is None
 
 
-def test_queues_carry_messages_between_tiers(redis_server) -> None:
-    sender, receiver = RemoteTier(redis_server.url), RemoteTier(redis_server.url)
-    assert receiver.pop("jobs", wait_s=0.05) is None
+def test_records_are_evicted_under_volatile_lru_and_queued_messages_never() -> None:
+    with LocalServer(maxmemory=4 << 20, policy="volatile-lru") as server:
+        tier = RemoteTier(server.url, key="k")
+        assert tier.eviction_policy() == "volatile-lru"
+        assert all(tier.push("jobs", b"job %d" % i) for i in range(3))
+        client = redis.Redis.from_url(server.url)
+        assert client.pttl(QUEUE + b"jobs") == -1  # no time to live: never evictable under volatile-*
+        for i in range(64):  # 16 MiB of records through a 4 MiB budget
+            assert tier.put_many([(i.to_bytes(32, "big"), b"ok" + bytes(256 << 10))]) == 1
+        assert 0 < client.pttl(PREFIX + (63).to_bytes(32, "big")) <= RECORD_TTL_S * 1000
+        assert client.dbsize() < 64 and tier.write_errors == 0  # old records evicted to make room
+        assert [bytes(tier.open_message("jobs", tier.pop("jobs", 0.0), 1 << 20)) for _ in range(3)] == [b"job 0", b"job 1", b"job 2"]
+    with LocalServer(policy="allkeys-lru") as server:
+        assert RemoteTier(server.url, key="k").eviction_policy() == "allkeys-lru"
+
+
+def test_queues_carry_sealed_messages_between_tiers_and_pop_waits_what_it_is_told(redis_server) -> None:
+    sender, receiver = RemoteTier(redis_server.url, key="k"), RemoteTier(redis_server.url, key="k")
+    for wait_s in (0.0, 0.6):
+        started = time.monotonic()
+        assert receiver.pop("jobs", wait_s=wait_s) is None
+        assert wait_s <= time.monotonic() - started < wait_s + 1.0  # 0.6 s: longer than the 0.25 s of one blocking request
     assert sender.push("jobs", b"one") and sender.push("jobs", b"two")
-    assert [receiver.pop("jobs", wait_s=0.1), receiver.pop("jobs", wait_s=0)] == [b"one", b"two"]
+    assert [bytes(receiver.open_message("jobs", receiver.pop("jobs", wait_s=0.1), 1 << 20)) for _ in range(2)] == [b"one", b"two"]
+    RemoteTier(redis_server.url, key="other").push("jobs", b"forged")
+    RemoteTier(redis_server.url, trust="any-writer").push("jobs", b"unkeyed")
+    redis.Redis.from_url(redis_server.url).rpush(QUEUE + b"jobs", b"raw")
+    assert [receiver.open_message("jobs", receiver.pop("jobs", 0.0), 1 << 20) for _ in range(3)] == [None, None, None]
+    assert receiver.rejected == 2 and receiver.corrupt == 1
+    sender.push("other-queue", b"moved")  # a sealed message moved to another queue fails its tag there
+    client = redis.Redis.from_url(redis_server.url)
+    client.rpush(QUEUE + b"jobs", client.lpop(QUEUE + b"other-queue"))
+    assert receiver.open_message("jobs", receiver.pop("jobs", 0.0), 1 << 20) is None and receiver.rejected == 3
+    sender.push("jobs", bytes(2 << 20))  # sealed, but longer than the reader takes: refused before its tag is computed
+    assert receiver.open_message("jobs", receiver.pop("jobs", 0.0), 1 << 20) is None and receiver.corrupt == 2
+
+
+def test_a_key_of_another_type_planted_on_a_queue_is_a_counted_error(redis_server) -> None:
+    redis.Redis.from_url(redis_server.url).set(QUEUE + b"jobs", b"not a list")
+    tier = RemoteTier(redis_server.url, key="k")
+    started = time.monotonic()
+    assert (
+        tier.pop("jobs", wait_s=5.0) is None and tier.errors == 1 and time.monotonic() - started < 2.5
+    )  # not a busy loop for the whole wait
 
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{"url": "http://x"}, {"url": "redis://x", "timeout_s": 0}, {"url": "redis://x", "retry_s": -1}, {"url": "redis://x", "key": ""}],
+    [
+        {"url": "http://x", "key": "k"},
+        {"url": "redis://x", "key": "k", "timeout_s": 0},
+        {"url": "redis://x", "key": "k", "retry_s": -1},
+        {"url": "redis://x", "key": "k", "record_ttl_s": float("inf")},
+        {"url": "redis://x", "key": ""},
+        {"url": "redis://x", "key": 5},
+    ],
 )
 def test_bad_arguments_are_refused(kwargs: dict) -> None:
     with pytest.raises(ValueError):
@@ -127,7 +192,7 @@ sys.meta_path.insert(0, Missing())
 import kvlib, kvlib.eval.ray_compare
 from kvlib.storage.remote_tier import RemoteTier
 try:
-    RemoteTier("redis://127.0.0.1:1")
+    RemoteTier("redis://127.0.0.1:1", key="k")
 except ImportError as error:
     print(error)
 """

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from fractions import Fraction
 
 import pytest
@@ -15,6 +16,7 @@ from tokenizers import Tokenizer
 
 import kvlib
 from kvlib.adapters.model_shape import kv_shape
+from kvlib.limits import MAX_PROFILE_BYTES
 from kvlib.policies.budget.head_importance import PROFILE_FORMAT, HeadImportance, calibrate, load_profile
 from tests.adapters.conftest import STORIES, build_model, left_padded
 from tests.policies.budget.conftest import check_memory, kept_counts, make_request, needs_stories, run, run_alone
@@ -197,6 +199,23 @@ def test_a_missing_profile_raises_value_error(tmp_path):
     assert missing in str(error.value)
     with pytest.raises(ValueError, match="cannot read head_importance profile"):
         kvlib.parse_spec(f"tova+head_importance(profile={missing!r})")
+
+
+def test_a_profile_that_is_no_regular_file_or_too_big_is_refused_before_it_is_read(tmp_path):
+    fifo = tmp_path / "pipe.json"
+    os.mkfifo(fifo)  # no writer: a plain read would block for ever
+    nested = tmp_path / "nested.json"
+    nested.write_text("[" * 100_000 + "]" * 100_000)
+    big = tmp_path / "big.json"
+    with open(big, "wb") as handle:
+        handle.truncate(MAX_PROFILE_BYTES + 1)
+    for path, problem in (("/dev/zero", "is not a regular file"), (fifo, "is not a regular file"), (tmp_path, "is not a regular file")):
+        with pytest.raises(ValueError, match=f"head_importance profile '{path}' {problem}"):
+            load_profile(str(path))
+    with pytest.raises(ValueError, match=f"holds more than {MAX_PROFILE_BYTES} bytes"):
+        load_profile(str(big))
+    with pytest.raises(ValueError, match=f"cannot read head_importance profile '{nested}'"):
+        load_profile(str(nested))
 
 
 def test_a_valid_profile_loads_as_float64_layers_by_heads(tmp_path):

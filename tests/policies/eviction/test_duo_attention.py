@@ -158,6 +158,7 @@ def test_the_engine_serves_it_per_request() -> None:
         ("duo_attention(sinks=-1)", "sinks must be >= 0"),
         ("duo_attention(recent=0)", "recent must be >= 1"),
         ("duo_attention(profile='/nonexistent.json')", "cannot read head_importance profile"),
+        ("duo_attention(profile='/dev/zero')", "head_importance profile '/dev/zero' is not a regular file"),
     ],
 )
 def test_bad_parameters_are_refused(spec: str, message: str) -> None:

@@ -50,3 +50,20 @@ def test_page_retrieval_is_declared() -> None:
     assert PageRetrieval.__abstractmethods__ == {"sparse", "select_pages"}
     with pytest.raises(ValueError, match="must be a device/host placement"):
         Quest(placement=Quest())
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("lru(device_mb=1e308)", r"device_mb=1e\+308 MiB is more than the memory of this machine's largest device holds"),
+        ("lru(host_mb=1e300)", "host_mb=1e\\+300 MiB is more than this host's memory holds"),
+        (
+            "lru(host_mb=1, disk='/tmp/kvlib-nowhere/x', disk_mb=1e15)",
+            "disk_mb=1e\\+15 MiB is more than the file system holding '/tmp/kvlib-nowhere/x' holds",
+        ),
+    ],
+)
+def test_tier_budgets_are_checked_against_what_the_machine_holds(spec: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        kvlib.parse_spec(spec)
+    assert kvlib.parse_spec("lru(device_mb=512, host_mb=1024, disk='/tmp/kvlib-nowhere', disk_mb=2048)").tiering.disk_mb == 2048
