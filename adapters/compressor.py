@@ -2,10 +2,11 @@
 
 The spec's budget is a token count per (layer, head) on average, or a fraction of the prompt:
 
-- ``int``: a cap held at all times (prefill, prefill chunks, decoding). After a layer call in
-  which a head holds more than its cap + ``slack`` real tokens, it keeps its cap best-scored
-  ones; decode steps (one new token) check only every ``interval``-th step. Peak memory of a
-  chunked prefill is therefore cap + chunk tokens per head.
+- ``int``: a cap held at all times (prefill, prefill chunks, decoding). After a layer call of
+  several tokens (a prompt or a chunk) each head over its cap keeps its cap best-scored ones; a
+  decode step (one new token) compacts a head only once it holds more than its cap + ``slack``
+  real tokens, and checks only every ``interval``-th step. Peak memory of a chunked prefill is
+  therefore cap + chunk tokens per head; while decoding, cap + ``slack``.
 - ``float`` in (0, 1]: prompt compression. After each call with more than one new token (a
   prompt, or a chunk of one under chunked prefill) each head keeps ``ceil(budget * real tokens
   seen)``; decode steps keep every new token.
@@ -269,7 +270,7 @@ class Compressor:
         counts = candidates.sum(-1)
         seen = step.query_offset + step.query_length - real_offsets.to(counts.device)
         request = None if tokens is None else BudgetRequest(step.layer_idx, self.num_layers, tokens, counts, seen=seen)
-        caps, over = self._caps_and_over(request, counts)
+        caps, over = self._caps_and_over(request, counts, self.slack if step.query_length == 1 else 0)
         if not bool(over.any()) and bool((counts == read.valid.sum(-1)).all()):
             return None
         if stored is not None and self.reads_kv:
@@ -391,17 +392,18 @@ class Compressor:
             return None if done % self.interval else tokens
         return self.strategy.prompt_tokens(tokens)
 
-    def _caps_and_over(self, request: BudgetRequest | None, counts: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+    def _caps_and_over(self, request: BudgetRequest | None, counts: torch.Tensor, slack: int) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Per-head caps (None until the scores are known, for score-based allocations) and bool
-        ``[batch, heads]``: the heads to compact (all heads of a row, for score-based allocations).
-        Without a request (a call that only drops padding) each head keeps all its candidates."""
+        ``[batch, heads]``: the heads to compact, those over their cap plus ``slack`` (all heads of
+        a row, for score-based allocations). Without a request (a call that only drops padding)
+        each head keeps all its candidates."""
         if request is None:
             return counts, torch.zeros_like(counts, dtype=torch.bool)
         if self.allocation.needs_scores:
-            limit = self.allocation.layer_tokens(request).to(counts.device) + self.slack * counts.shape[1]
+            limit = self.allocation.layer_tokens(request).to(counts.device) + slack * counts.shape[1]
             return None, (counts.sum(-1) > limit).unsqueeze(-1).expand_as(counts)
         caps = self.allocation.caps(request).to(counts.device)
-        return caps, counts > caps + self.slack
+        return caps, counts > caps + slack
 
     def _fill_needs(
         self, view: LayerView, step: LayerStep, inputs: AttentionInputs, real_offsets: torch.Tensor, tokens: torch.Tensor | None

@@ -230,18 +230,22 @@ class Engine:
         spec: str | None = None,
         budget: int | float | None = None,
         seed: int | None = None,
+        slack: int | None = None,
     ) -> int:
         """Queue a prompt (token ids); returns its request id. ``eos_token_id`` ends it early
         (default: none, it runs ``max_new_tokens``); ``spec``/``budget``: its own eviction
-        (default: the engine's spec and budget; a budget alone is refused); ``seed``: an int in
+        (default: the engine's spec and budget; a budget alone is refused); ``slack``: tokens a
+        head may hold over an int budget before it is compacted back (None: as
+        :func:`kvlib.make_cache`, a page of them, or none for a ring; 0 holds the cap to the
+        token); ``seed``: an int in
         ``[0, 2**63)`` seeding its sampling. Checked here, before any model work: prompt plus
         ``max_new_tokens`` within the model's context (``max_position_embeddings``; without one,
         :data:`~kvlib.limits.MAX_REQUEST_TOKENS`) and the page budget."""
         settings = {"max_new_tokens": max_new_tokens, "do_sample": do_sample, "temperature": temperature, "top_k": top_k}
         settings |= {"top_p": top_p, "eos_token_id": eos_token_id, "spec": spec, "budget": budget, "seed": seed}
-        return self._enqueue(*self._prepare(prompt, settings))
+        return self._enqueue(*self._prepare(prompt, settings, slack))
 
-    def _prepare(self, prompt: Sequence[int] | torch.Tensor, settings: dict) -> tuple[Request, HandOver | None]:
+    def _prepare(self, prompt: Sequence[int] | torch.Tensor, settings: dict, slack: int | None = None) -> tuple[Request, HandOver | None]:
         """The request ``add_request(prompt, **settings)`` queues (its id not given yet) and, on
         a prefill engine, its hand-over message; ``ValueError`` for any bad argument. Nothing is
         queued or run; the prompt's length is checked before its ids are read."""
@@ -256,7 +260,7 @@ class Engine:
         ids, eos = checked_request(prompt, settings, vocab=self.vocab, context=self.context)
         do_sample, temperature, top_k, top_p = (settings[name] for name in ("do_sample", "temperature", "top_k", "top_p"))
         self.kv.check_fits(len(ids), max_new_tokens, self.scheduler.reserve_pages)
-        compressor = self._compressor(*((spec, budget) if spec is not None else self.default_spec))
+        compressor = self._compressor(*((spec, budget) if spec is not None else self.default_spec), slack)
         handover = None
         if self.role == "prefill":  # run all but the last token here; the decode side draws every output token
             handover = HandOver.of(-1, ids, settings, model=self.prefix.fingerprint.hex(), sender=self._sender)
@@ -461,8 +465,10 @@ class Engine:
         self.kv.release(request)
         request.state = state
 
-    def _compressor(self, spec: str | None, budget: int | float | None):
+    def _compressor(self, spec: str | None, budget: int | float | None, slack: int | None = None):
         """A fresh compressor for ``spec`` (eviction and budget strategies only), or None."""
+        if slack is not None and (isinstance(slack, bool) or not isinstance(slack, int) or slack < 0 or not isinstance(budget, int)):
+            raise ValueError(f"slack must be an int >= 0 and goes with an int budget, got slack={quoted(slack)}, budget={quoted(budget)}")
         parsed = parse_spec(spec)
         others = [kind for kind in ("quantization", "lowrank", "reuse", "tiering") if getattr(parsed, kind)]
         if others:
@@ -471,7 +477,7 @@ class Engine:
                 " (a quantization codec applies to every request: Engine(model, spec='kivi(bits=4)'); prefix reuse is"
                 " built in: prefix_cache=True)"
             )
-        compressor = eviction_compressor(self.model, parsed, budget, page_size=self.page_size)
+        compressor = eviction_compressor(self.model, parsed, budget, slack, page_size=self.page_size)
         if compressor is not None and "hidden_states" in compressor.strategy.needs:
             raise ValueError(f"{parsed.eviction.spec()} needs the attention input (hidden_states), which the engine does not record")
         return compressor

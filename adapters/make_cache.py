@@ -24,7 +24,7 @@ CACHE_OPTIONS = {
     "page_size": f"tokens per page (int in [1, {MAX_PAGE_SIZE}], default 16)",
     "read_cache": "keep a dense read mirror per layer (bool; default: only for an exact cache where attention cannot"
     " read pages in place, i.e. CUDA for now)",
-    "slack": "extra tokens a head may hold over an int budget before it is compacted back (int >= 0; default page_size,"
+    "slack": "extra tokens a head may hold over an int budget while decoding before it is compacted back (int >= 0; default page_size,"
     " 0 for a strategy kept as a ring; slack=0 holds a scoring strategy's cap to the token, compacting at every step)",
     "interval": "with an int budget, decode steps compact only every this many steps (int >= 1, default 1)",
     "merge": "fold each evicted value into the most similar kept token instead of dropping it (bool, default False)",

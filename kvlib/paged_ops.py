@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from kvlib.arena_sources import ARENA_SOURCES
-from kvlib.devices import paged_kernel
+from kvlib.devices import PagedKernel, paged_kernel
 from kvlib.page_kernel_parts import LOADERS
 from kvlib.paged_attention import PageReader, PageSource, paged_attention_kernel
 
@@ -242,6 +242,10 @@ def decode_over(source: PageSource, query, pages, lengths, layer, mask, query_po
 def _paged_decode_cpu(
     query, key_arena, value_arena, position_arena, pages, lengths, layer, mask, query_positions, scale, softcap, received=None
 ):
+    if paged_kernel(key_arena.device) is not PagedKernel.NUMBA:  # another kernel chosen for the CPU (tests compare them)
+        return _paged_decode_by_source(
+            query, key_arena, value_arena, position_arena, pages, lengths, layer, mask, query_positions, scale, softcap, received
+        )
     load = LOADERS[key_arena.dtype]
     source = PageSource(_float_bits(key_arena), _float_bits(value_arena), load, load, position_arena.numpy(), value_arena.shape[2])
     return decode_over(source, query, pages, lengths, layer, mask, query_positions, scale, softcap, received)
@@ -252,7 +256,7 @@ def _float_bits(arena: torch.Tensor) -> np.ndarray:
     return arena.numpy() if arena.dtype == torch.float32 else arena.view(torch.int16).numpy().view(np.uint16)
 
 
-def _paged_decode_cuda(
+def _paged_decode_by_source(
     query, key_arena, value_arena, position_arena, pages, lengths, layer, mask, query_positions, scale, softcap, received=None
 ):
     reader = ARENA_SOURCES[paged_kernel(key_arena.device)](key_arena, value_arena, position_arena)
@@ -344,7 +348,7 @@ def _paged_decode_fake(
 for _key in ("CPU", "CUDA"):
     _LIBRARY.impl("write_planned", _write_planned, _key)
 _LIBRARY.impl("paged_decode", _paged_decode_cpu, "CPU")
-_LIBRARY.impl("paged_decode", _paged_decode_cuda, "CUDA")
+_LIBRARY.impl("paged_decode", _paged_decode_by_source, "CUDA")
 _LIBRARY.impl("paged_decode_source", _paged_decode_source_cpu, "CPU")
 _LIBRARY.impl("paged_decode_source", _paged_decode_source_cuda, "CUDA")
 torch.library.register_fake("kvlib::write_planned", lambda *args: None, lib=_LIBRARY)

@@ -222,12 +222,13 @@ def test_decode_steps_read_densely_only_the_rows_whose_strategy_reads_keys(llama
     their strategy reads keys or values (knorm): then that row alone is read densely."""
     prompts = prompts_with_shared_prefix(97, seed=3)
     engine = kvlib.Engine(llama)
-    reads, (evicting, _) = dense_reads_while_decoding(engine, [(prompts[4], {"spec": spec, "budget": 24}), (prompts[1], {})])
+    options = {"spec": spec, "budget": 24, "slack": 0}  # a compaction every decode step
+    reads, (evicting, _) = dense_reads_while_decoding(engine, [(prompts[4], options), (prompts[1], {})])
     if kvlib.parse_strategy(spec).reads_kv:
         assert reads and all(seqs == [evicting] for seqs in reads)
     else:
         assert reads == []
-    cache = kvlib.make_cache(llama, spec, budget=24)
+    cache = kvlib.make_cache(llama, spec, budget=24, slack=0)
     reference = llama.generate(
         torch.tensor([prompts[4]]), max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0, **cache_argument(cache)
     )

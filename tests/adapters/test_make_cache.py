@@ -153,3 +153,28 @@ def test_kept_positions_checks_its_layer_and_needs_tokens():
     with pytest.raises(ValueError, match=r"layer_idx must be an int in \[0, 2\)"):
         cache.kept_positions(2)
     assert cache.kept_positions(1).tolist() == [[[0, 1, 2], [0, 1, 2]]]
+
+
+def test_a_held_cap_decodes_with_a_page_of_slack_by_default_and_reports_it():
+    """An int budget: the prompt is compacted to the cap; while decoding a scoring strategy's head
+    grows by up to a page (``slack=page_size``) and is compacted back once over it, and
+    ``memory_report()["slack_tokens"]`` counts what it holds over the cap; a ring strategy
+    (``streaming_llm``) and ``slack=0`` hold the cap to the token."""
+    model = build_model("llama")
+    ids = torch.randint(3, 97, (1, 30), generator=torch.Generator().manual_seed(4))
+    held = {}
+    for spec, options in (("snapkv", {}), ("snapkv", {"slack": 0}), ("streaming_llm", {})):
+        cache = kvlib.make_cache(model, spec, budget=12, page_size=4, **options)
+        with torch.no_grad():
+            model(ids, **cache_argument(cache), use_cache=True)
+            assert cache.memory_report()["stored_tokens"] == 12 * cache.shape.num_kv_heads * cache.shape.num_layers
+            token, counts = ids[:, -1:], []
+            for _ in range(12):
+                token = model(token, **cache_argument(cache), use_cache=True).logits[:, -1:].argmax(-1)
+                per_head = torch.stack([(cache.kept_positions(layer) >= 0).sum(-1) for layer in range(cache.shape.num_layers)])
+                counts.append(int(per_head.max()))
+                assert cache.memory_report()["slack_tokens"] == int((per_head - 12).clamp(min=0).sum())
+        held[(spec, tuple(options.items()))] = (cache.compressor.slack, counts)
+    assert held[("snapkv", ())] == (4, [13, 14, 15, 16, 12, 13, 14, 15, 16, 12, 13, 14])
+    assert held[("snapkv", (("slack", 0),))] == (0, [12] * 12)
+    assert held[("streaming_llm", ())] == (0, [12] * 12)

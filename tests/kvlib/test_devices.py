@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import numba
 import numpy as np
 import pytest
 import torch
 
+from kvlib import devices
 from kvlib.devices import BUSY_LOAD, SMALL_MODEL_PARAMETERS, PagedKernel, cpu_threads, paged_kernel, reads_pages_in_place, set_cpu_threads
 from kvlib.policies.quantization.kernels import row_absmax
 
@@ -35,8 +38,11 @@ def test_the_thread_count_holds_after_a_numba_kernel_runs() -> None:
         numba.set_num_threads(before_numba)
 
 
-def test_the_cpu_reads_pages_with_numba_cuda_with_torch_and_other_devices_densely() -> None:
+def test_the_cpu_reads_pages_with_numba_cuda_with_triton_or_torch_and_other_devices_densely(monkeypatch) -> None:
     assert paged_kernel(torch.device("cpu")) is PagedKernel.NUMBA
-    assert paged_kernel(torch.device("cuda", 0)) is PagedKernel.TORCH  # no GPU needed to ask
+    cuda = PagedKernel.TRITON if importlib.util.find_spec("triton") else PagedKernel.TORCH
+    assert paged_kernel(torch.device("cuda", 0)) is cuda  # no GPU needed to ask
+    monkeypatch.setitem(devices.PAGED_KERNELS, "cuda", (PagedKernel.TORCH,))
+    assert paged_kernel(torch.device("cuda", 0)) is PagedKernel.TORCH
     assert paged_kernel(torch.device("meta")) is None
     assert reads_pages_in_place(torch.device("cuda", 0)) and not reads_pages_in_place(torch.device("meta"))

@@ -182,7 +182,7 @@ def test_mismatched_heads_missing_visibility_and_empty_blocks_are_refused() -> N
 def test_each_device_gets_its_kernels_page_source(monkeypatch) -> None:
     keys, values, positions = torch.zeros(2, 4, 8), torch.zeros(2, 4, 8), torch.zeros(2, 4, dtype=torch.int64)
     assert isinstance(arena_source_for(keys, values, positions), PageSource)
-    monkeypatch.setitem(devices.PAGED_KERNELS, "cpu", PagedKernel.TORCH)
+    monkeypatch.setitem(devices.PAGED_KERNELS, "cpu", (PagedKernel.TORCH,))
     assert isinstance(arena_source_for(keys, values, positions), TorchPageSource)
     monkeypatch.delitem(devices.PAGED_KERNELS, "cpu")
     assert arena_source_for(keys, values, positions) is None
@@ -215,7 +215,7 @@ def decode_over_pages_equals_dynamic_cache(device: str) -> kvlib.KVCache:
 
 
 def test_an_exact_cache_decodes_through_the_torch_path_where_it_is_chosen(monkeypatch) -> None:
-    monkeypatch.setitem(devices.PAGED_KERNELS, "cpu", PagedKernel.TORCH)
+    monkeypatch.setitem(devices.PAGED_KERNELS, "cpu", (PagedKernel.TORCH,))
     cache = decode_over_pages_equals_dynamic_cache("cpu")
     assert isinstance(cache.store.pools[0].page_source(), TorchPageSource)
 
@@ -229,7 +229,7 @@ def test_an_evicting_cache_decodes_through_the_torch_path_as_through_the_kernel(
     options = dict(attention_mask=mask, do_sample=False, max_new_tokens=10, min_new_tokens=10, pad_token_id=PAD)
     by_kernel = kvlib.make_cache(model, spec, budget=16)
     expected = model.generate(ids, **cache_argument(by_kernel), **options)
-    monkeypatch.setitem(devices.PAGED_KERNELS, "cpu", PagedKernel.TORCH)
+    monkeypatch.setitem(devices.PAGED_KERNELS, "cpu", (PagedKernel.TORCH,))
     by_torch = kvlib.make_cache(model, spec, budget=16)
     assert torch.equal(model.generate(ids, **cache_argument(by_torch), **options), expected)
     assert isinstance(by_torch.store.pools[0].page_source(), TorchPageSource)
@@ -238,7 +238,7 @@ def test_an_evicting_cache_decodes_through_the_torch_path_as_through_the_kernel(
 
 
 def test_coded_pools_read_densely_where_the_torch_path_is_chosen(monkeypatch) -> None:
-    monkeypatch.setitem(devices.PAGED_KERNELS, "cpu", PagedKernel.TORCH)
+    monkeypatch.setitem(devices.PAGED_KERNELS, "cpu", (PagedKernel.TORCH,))
     model = build_model("stories")
     ids, mask = left_padded([20], seed=6, vocab=model.config.vocab_size)
     cache = kvlib.make_cache(model, "kivi(bits=4)")

@@ -36,18 +36,23 @@ def make_request(
     )
 
 
+def held_to_the_token(budget: int | float) -> dict:
+    """``make_cache`` options that hold an int budget to the token while decoding (``slack=0``)."""
+    return {"slack": 0} if isinstance(budget, int) else {}
+
+
 def run(model, spec, budget, lengths: list[int], *, seed: int = 0, new_tokens: int = 4):
     """Greedy ``generate`` of a left-padded batch of ``lengths`` through ``make_cache(model, spec, budget)``;
     returns the cache and the input ids."""
     ids, mask = left_padded(lengths, seed=seed)
-    cache = kvlib.make_cache(model, spec, budget=budget)
+    cache = kvlib.make_cache(model, spec, budget=budget, **held_to_the_token(budget))
     model.generate(ids, attention_mask=mask, **cache_argument(cache), do_sample=False, max_new_tokens=new_tokens, pad_token_id=PAD)
     return cache, ids
 
 
 def run_alone(model, spec, budget, ids: torch.Tensor, row: int, length: int, *, new_tokens: int = 4):
     """Row ``row`` of a left-padded batch run alone (its padding cut off); returns the cache."""
-    cache = kvlib.make_cache(model, spec, budget=budget)
+    cache = kvlib.make_cache(model, spec, budget=budget, **held_to_the_token(budget))
     model.generate(
         ids[row : row + 1, ids.shape[1] - length :], **cache_argument(cache), do_sample=False, max_new_tokens=new_tokens, pad_token_id=PAD
     )

@@ -45,7 +45,7 @@ def assert_budget_and_bytes(cache, budget: int) -> None:
 def test_smollm2_holds_the_budget_exactly_while_decoding(name):
     model = smollm2()
     ids = torch.randint(100, 20000, (1, 48), generator=torch.Generator().manual_seed(0))
-    cache = kvlib.make_cache(model, SPECS[name], budget=24)
+    cache = kvlib.make_cache(model, SPECS[name], budget=24, slack=0)
     with torch.no_grad():
         out = model.generate(ids, **cache_argument(cache), do_sample=False, max_new_tokens=16, min_new_tokens=16)
     assert out.shape[1] == 64
@@ -56,7 +56,7 @@ def test_smollm2_holds_the_budget_exactly_while_decoding(name):
 def test_gpt2_holds_the_budget_exactly_while_decoding(name):
     model = build_model("gpt2")
     ids = torch.randint(3, 97, (2, 30), generator=torch.Generator().manual_seed(1))
-    cache = kvlib.make_cache(model, SPECS[name], budget=12)
+    cache = kvlib.make_cache(model, SPECS[name], budget=12, slack=0)
     model.generate(ids, **cache_argument(cache), do_sample=False, max_new_tokens=10, min_new_tokens=10)
     assert_budget_and_bytes(cache, 12)
 
@@ -65,7 +65,7 @@ def test_gpt2_holds_the_budget_exactly_while_decoding(name):
 def test_an_interval_lets_heads_grow_between_decode_compactions(name):
     model = build_model("llama")
     ids = torch.randint(3, 97, (1, 30), generator=torch.Generator().manual_seed(2))
-    cache = kvlib.make_cache(model, SPECS[name], budget=12, interval=4)
+    cache = kvlib.make_cache(model, SPECS[name], budget=12, interval=4, slack=0)
     model.generate(ids, **cache_argument(cache), do_sample=False, max_new_tokens=10, min_new_tokens=10)  # 9 decode steps
     for layer in range(cache.shape.num_layers):
         counts = (cache.kept_positions(layer) >= 0).sum(-1)

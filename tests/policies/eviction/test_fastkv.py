@@ -79,7 +79,7 @@ def test_from_the_tsp_layer_on_every_layer_and_head_keeps_one_token_set(family: 
     model = build_model(family)
     ids, mask = left_padded([30, 41], seed=6, vocab=500 if family == "stories" else 97)
     tsp = 1 if family != "stories" else 2
-    cache = kvlib.make_cache(model, f"fastkv(window=4, kernel=3, tsp_layer={tsp})", budget=12)
+    cache = kvlib.make_cache(model, f"fastkv(window=4, kernel=3, tsp_layer={tsp})", budget=12, slack=0)
     model.generate(ids, attention_mask=mask, **cache_argument(cache), do_sample=False, max_new_tokens=6, pad_token_id=PAD)
     assert_budget_and_bytes(cache, 12)
     layers = cache.shape.num_layers
@@ -106,7 +106,7 @@ def test_smollm2_short_prompt_meets_the_budget() -> None:
 
     loaded = load_model("smollm2")
     ids = smollm2_prompt(loaded)
-    cache = kvlib.make_cache(loaded.model, "fastkv", budget=24)
+    cache = kvlib.make_cache(loaded.model, "fastkv", budget=24, slack=0)
     out = loaded.model.generate(ids, **cache_argument(cache), do_sample=False, max_new_tokens=6, eos_token_id=None)
     assert out.shape[1] == ids.shape[1] + 6
     assert_budget_and_bytes(cache, 24)
@@ -147,7 +147,7 @@ def test_bad_parameters_are_refused(spec: str, message: str) -> None:
 
 def test_a_tsp_layer_past_the_model_is_refused() -> None:
     model = build_model("llama")  # 2 layers
-    cache = kvlib.make_cache(model, "fastkv(tsp_layer=2)", budget=8)
+    cache = kvlib.make_cache(model, "fastkv(tsp_layer=2)", budget=8, slack=0)
     ids, mask = left_padded([20], seed=1)
     with pytest.raises(ValueError, match="tsp_layer must be below the model's 2 layers"):
         model.generate(ids, attention_mask=mask, **cache_argument(cache), do_sample=False, max_new_tokens=2, pad_token_id=PAD)

@@ -48,9 +48,9 @@ def test_the_compressed_prompt_stays_fixed_while_decode_tokens_slide():
     model = build_model("llama")
     ids = torch.randint(3, 97, (1, 40), generator=torch.Generator().manual_seed(3))
     spec, budget = "scope(inner='snapkv(window=4)', decode_budget=0.25, recent=2)", 16  # the prompt keeps 12, decoding 4
-    after_prompt = kvlib.make_cache(model, spec, budget=budget)
+    after_prompt = kvlib.make_cache(model, spec, budget=budget, slack=0)
     model.generate(ids, **cache_argument(after_prompt), do_sample=False, max_new_tokens=1)
-    decoded = kvlib.make_cache(model, spec, budget=budget)
+    decoded = kvlib.make_cache(model, spec, budget=budget, slack=0)
     model.generate(ids, **cache_argument(decoded), do_sample=False, max_new_tokens=15, min_new_tokens=15)
     for layer in range(model.config.num_hidden_layers):
         prompt = after_prompt.kept_positions(layer)

@@ -21,7 +21,7 @@ def test_strategy_through_generate(family, name):
     model = build_model(family)
     lengths = [20, 27, 33]
     ids, mask = left_padded(lengths, seed=40)
-    cache = kvlib.make_cache(model, name, budget=BUDGET)
+    cache = kvlib.make_cache(model, name, budget=BUDGET, slack=0)
     batched = model.generate(ids, attention_mask=mask, **cache_argument(cache), do_sample=False, max_new_tokens=8, pad_token_id=PAD)
     layers = cache.shape.num_layers
     allocation = cache.compressor.allocation
@@ -38,7 +38,7 @@ def test_strategy_through_generate(family, name):
     if name not in BATCH_INDEPENDENT:
         return
     for row, length in enumerate(lengths):
-        alone_cache = kvlib.make_cache(model, name, budget=BUDGET)
+        alone_cache = kvlib.make_cache(model, name, budget=BUDGET, slack=0)
         alone = model.generate(
             ids[row : row + 1, ids.shape[1] - length :], **cache_argument(alone_cache), do_sample=False, max_new_tokens=8, pad_token_id=PAD
         )

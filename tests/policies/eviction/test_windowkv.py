@@ -74,7 +74,7 @@ def test_the_first_layer_of_a_group_chooses_for_the_group() -> None:
 def test_whole_windows_kept_and_groups_keep_the_same_tokens(family: str) -> None:
     model = build_model(family)
     ids, mask = left_padded([50, 37], seed=8, vocab=500 if family == "stories" else 97)
-    cache = kvlib.make_cache(model, "windowkv(window=4, review_window=4, group_layers=2)", budget=20)
+    cache = kvlib.make_cache(model, "windowkv(window=4, review_window=4, group_layers=2)", budget=20, slack=0)
     with torch.no_grad():  # the prompt alone: every kept context window is whole but the last one reached
         model(input_ids=ids, attention_mask=mask, **cache_argument(cache))
     lengths = [50, 37]
@@ -106,7 +106,7 @@ def test_smollm2_short_prompt_meets_the_budget() -> None:
 
     loaded = load_model("smollm2")
     ids = smollm2_prompt(loaded)
-    cache = kvlib.make_cache(loaded.model, "windowkv", budget=24)
+    cache = kvlib.make_cache(loaded.model, "windowkv", budget=24, slack=0)
     out = loaded.model.generate(ids, **cache_argument(cache), do_sample=False, max_new_tokens=6, eos_token_id=None)
     assert out.shape[1] == ids.shape[1] + 6
     assert_budget_and_bytes(cache, 24)
