@@ -34,10 +34,10 @@ from kvlib.adapters.merge import merged_values
 from kvlib.adapters.query_history import QueryHistory
 from kvlib.adapters.slot_order import along_slots, ordered_view, position_order, to_slots
 from kvlib.paged_store import PagedStore
-from kvlib.policies.budget.uniform import Uniform
 from kvlib.read_cache import LayerRead
 from kvlib.selection import position_rank, select_keep
 from kvlib.step_plan import Ring
+from kvlib.strategies.budget.uniform import Uniform
 from kvlib.strategy import Budget, BudgetRequest, Eviction, LayerView, Rope
 
 _STATEFUL_NEEDS = frozenset({"accumulated_attention", "recent_queries", "prompt_length", "call_notes"})

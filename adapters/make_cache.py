@@ -14,10 +14,10 @@ from kvlib.codec import Codec, layer_shapes
 from kvlib.devices import check_fits
 from kvlib.errors import quoted
 from kvlib.limits import MAX_BUDGET_TOKENS, MAX_PAGE_SIZE, check_page_size, check_request_tokens
-from kvlib.policies.budget.uniform import Uniform
 from kvlib.prefix_store import PrefixStore
 from kvlib.spec import Spec, SpecLike, parse_spec
 from kvlib.store_config import DEFAULT_PAGES_PER_LAYER, initial_arena_bytes
+from kvlib.strategies.budget.uniform import Uniform
 from kvlib.strategy import Tiering
 
 CACHE_OPTIONS = {
@@ -190,7 +190,7 @@ def _check_reuse(model: torch.nn.Module, spec: Spec, codec: Codec | None, reuse:
     if spec.eviction is not None:
         raise ValueError(
             f"prefix reuse needs every prompt token stored; {spec.eviction.spec()} drops tokens. Use reuse with an exact or quantized"
-            " cache, or hold a compressed context whole (kvlib.policies.eviction.kvzip.compressed_context)"
+            " cache, or hold a compressed context whole (kvlib.strategies.eviction.kvzip.compressed_context)"
         )
     if codec is not None and spec.lowrank is not None:
         raise ValueError(f"prefix reuse works with quantization codecs; {spec.lowrank.spec()} fits itself to each prompt")

@@ -153,7 +153,7 @@ def run(argv: Sequence[str] | None = None) -> dict:
     parser.add_argument("--temperature", type=float, default=0.8, help="sampling temperature of the texts")
     add_run_arguments(parser, QUICK, stories=True)
     args = parse_run_arguments(parser, argv, QUICK, FULL)
-    registered = kvlib.available_policies()["eviction"]
+    registered = kvlib.available_strategies()["eviction"]
     strategies = registered if args.strategies == "all" else [s.strip() for s in args.strategies.split(",") if s.strip()]
     unknown = sorted(set(strategies) - set(registered))
     if unknown:

@@ -189,7 +189,7 @@ def run(argv: Sequence[str] | None = None) -> dict:
     add_run_arguments(parser, QUICK)
     args = parse_run_arguments(parser, argv, QUICK, FULL)
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
-    registered = kvlib.available_policies()["eviction"]
+    registered = kvlib.available_strategies()["eviction"]
     unknown = sorted(set(strategies) - set(registered))
     if unknown:
         parser.error(f"unknown strategies {unknown}; registered: {', '.join(registered)}")

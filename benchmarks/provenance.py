@@ -21,7 +21,7 @@ import torch
 from kvlib.devices import set_cpu_threads
 
 REPO = Path(__file__).resolve().parents[1]
-LIBRARY_DIRS = ("kvlib", "adapters", "policies", "storage")
+LIBRARY_DIRS = ("kvlib", "adapters", "strategies", "storage")
 """What the revision in a report describes (benchmark and test edits do not count)."""
 
 LLAMA100M = {

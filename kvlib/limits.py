@@ -87,7 +87,7 @@ def check_seed(seed: object, name: str = "seed") -> None:
 
 
 MAX_PROFILE_BYTES = 16 * 2**20
-"""Largest head profile read (:mod:`kvlib.policies.budget.head_importance`): a profile holds one
+"""Largest head profile read (:mod:`kvlib.strategies.budget.head_importance`): a profile holds one
 number per (layer, KV head), a few KB for any model."""
 
 MAX_TASK_FILE_BYTES = 2**30

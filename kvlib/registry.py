@@ -1,7 +1,7 @@
 """The strategy registry: names to strategy classes, by kind, with entry-point plugins.
 
-Built-in strategies live in :mod:`kvlib.policies` and register on import. Third-party
-strategies register with the same decorator, or are advertised in the ``kvlib.policies``
+Built-in strategies live in :mod:`kvlib.strategies` and register on import. Third-party
+strategies register with the same decorator, or are advertised in the ``kvlib.strategies``
 entry-point group: each entry point names a module (whose import registers its strategies) or a
 strategy class (registered under the entry point's name). Built-ins and plugins load lazily on
 the first look-up. Names are unique across kinds.
@@ -23,7 +23,10 @@ from importlib.metadata import entry_points
 
 from kvlib.errors import ECHO_CHARS, SpecError, quoted
 
-ENTRY_POINT_GROUP = "kvlib.policies"
+ENTRY_POINT_GROUP = "kvlib.strategies"
+LEGACY_ENTRY_POINT_GROUP = "kvlib.policies"
+"""The group's name before 0.2 ("policy" and "strategy" were two words for one thing): still read,
+with a ``DeprecationWarning`` per plugin, for one release."""
 _NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 
 _registry: dict[str, type] = {}
@@ -67,7 +70,7 @@ def registered_name(cls: type) -> str:
     return cls.__dict__.get("name", "")
 
 
-def available_policies() -> dict[str, list[str]]:
+def available_strategies() -> dict[str, list[str]]:
     """Registered strategy names by kind (every kind present, names sorted), plugins included."""
     _load()
     by_kind: dict[str, list[str]] = {kind: [] for kind in _kind_bases}
@@ -76,7 +79,13 @@ def available_policies() -> dict[str, list[str]]:
     return {kind: sorted(names) for kind, names in by_kind.items()}
 
 
-def get_policy(name: str) -> type:
+def available_policies() -> dict[str, list[str]]:
+    """Deprecated name of :func:`available_strategies` (kept for one release)."""
+    warnings.warn("kvlib.available_policies is deprecated: use kvlib.available_strategies", DeprecationWarning, stacklevel=2)
+    return available_strategies()
+
+
+def get_strategy(name: str) -> type:
     """The strategy class registered under ``name``; ``SpecError`` listing valid names if none
     (the name quoted cut to :data:`~kvlib.errors.ECHO_CHARS` characters; names that long get no
     close-match hint)."""
@@ -85,8 +94,14 @@ def get_policy(name: str) -> type:
         return _registry[name]
     close = difflib.get_close_matches(name, list(_registry), n=3) if len(name) <= ECHO_CHARS else []
     hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
-    listing = "; ".join(f"{kind}: {', '.join(names) or '(none)'}" for kind, names in available_policies().items())
+    listing = "; ".join(f"{kind}: {', '.join(names) or '(none)'}" for kind, names in available_strategies().items())
     raise SpecError(f"unknown strategy {quoted(name)}.{hint} Valid strategies by kind: {listing}")
+
+
+def get_policy(name: str) -> type:
+    """Deprecated name of :func:`get_strategy` (kept for one release)."""
+    warnings.warn("kvlib.get_policy is deprecated: use kvlib.get_strategy", DeprecationWarning, stacklevel=2)
+    return get_strategy(name)
 
 
 def _check_class(name: str, cls: type) -> None:
@@ -108,15 +123,28 @@ def _load() -> None:
     if _loaded:
         return
     _loaded = True
-    importlib.import_module("kvlib.policies")
-    for entry in entry_points(group=ENTRY_POINT_GROUP):
-        try:
-            loaded = entry.load()
-            if isinstance(loaded, type) and loaded not in _registry.values():
-                register(entry.name)(loaded)
-        except Exception as exc:  # a broken plugin must not take kvlib down with it
-            warnings.warn(
-                f"kvlib: plugin {entry.name!r} ({entry.value}) from group {ENTRY_POINT_GROUP!r} failed to load: {exc}",
-                RuntimeWarning,
-                stacklevel=2,
-            )
+    importlib.import_module("kvlib.strategies")
+    for group in (ENTRY_POINT_GROUP, LEGACY_ENTRY_POINT_GROUP):
+        for entry in entry_points(group=group):
+            _load_plugin(group, entry)
+
+
+def _load_plugin(group: str, entry) -> None:
+    """Register what one entry point advertises; a plugin that fails to load is a warning."""
+    if group == LEGACY_ENTRY_POINT_GROUP:
+        warnings.warn(
+            f"kvlib: plugin {entry.name!r} is advertised in the deprecated entry-point group {group!r}; "
+            f"advertise it in {ENTRY_POINT_GROUP!r}",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+    try:
+        loaded = entry.load()
+        if isinstance(loaded, type) and loaded not in _registry.values():
+            register(entry.name)(loaded)
+    except Exception as exc:  # a broken plugin must not take kvlib down with it
+        warnings.warn(
+            f"kvlib: plugin {entry.name!r} ({entry.value}) from group {group!r} failed to load: {exc}",
+            RuntimeWarning,
+            stacklevel=3,
+        )

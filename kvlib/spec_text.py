@@ -21,7 +21,7 @@ import typing
 from kvlib.errors import SpecError, cut, quoted
 from kvlib.limits import MAX_SPEC_CHARS, MAX_SPEC_TERMS
 from kvlib.params import describe, field_default
-from kvlib.registry import get_policy
+from kvlib.registry import get_strategy
 
 
 def parse_strategy(text: str) -> object:
@@ -92,7 +92,7 @@ def _build(term: ast.expr, text: str) -> object:
 
 
 def _instantiate(name: str, kwargs: dict[str, object]) -> object:
-    cls = get_policy(name)
+    cls = get_strategy(name)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     unknown = [k for k in kwargs if k not in fields]
     if unknown:

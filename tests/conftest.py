@@ -41,7 +41,7 @@ def pytest_configure(config: pytest.Config) -> None:
 @pytest.fixture
 def scratch_registry(monkeypatch):
     """Give a test a private copy of the registry (built-ins loaded first), restored afterwards."""
-    registry.available_policies()
+    registry.available_strategies()
     monkeypatch.setattr(registry, "_registry", dict(registry._registry))
     return registry._registry
 

@@ -30,7 +30,7 @@ def test_eviction_quality_covers_every_registered_strategy(tmp_path: Path) -> No
     assert saved["rows"] == json.loads(json.dumps(result["rows"]))
     budgets = saved["config"]["budget_values"]
     assert budgets == [12, 0.25]  # quick: int(0.25 * 48) tokens, and 0.25 as a float
-    registered = kvlib.available_policies()["eviction"]
+    registered = kvlib.available_strategies()["eviction"]
     full, *rows = saved["rows"]
     assert full["strategy"] == "full" and full["agreement"] == 1.0 and abs(full["kl"]) < 1e-5
     assert sorted((r["strategy"], r["budget"]) for r in rows) == sorted((s, b) for s in registered for b in budgets)

@@ -11,8 +11,8 @@ import torch
 import kvlib
 from kvlib.adapters.model_shape import kv_shape, rope_of
 from kvlib.eval.agreement import agreement_metrics, greedy_reference, teacher_forced_logits
-from kvlib.policies.reuse.cacheblend import CacheBlend
 from kvlib.rope import rerotate
+from kvlib.strategies.reuse.cacheblend import CacheBlend
 from kvlib.transformers_compat import cache_argument
 from tests.adapters.conftest import PAD, build_model, edit_one_weight
 

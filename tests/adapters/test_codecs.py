@@ -16,15 +16,15 @@ from tests.adapters.conftest import PAD, build_model, left_padded
 
 CODECS = [
     "minicache(start=0.0)" if name == "minicache" else name  # the GPT-2 config has 2 layers: one pair from layer 0
-    for name in kvlib.available_policies()["quantization"] + kvlib.available_policies()["lowrank"]
+    for name in kvlib.available_strategies()["quantization"] + kvlib.available_strategies()["lowrank"]
 ]
 INT8_KL_BOUND = 0.002
 """Mean KL(full || int8) of stories260K's next-token distributions, nats (measured ~0.0003)."""
 
 
 def test_every_codec_kind_is_registered() -> None:
-    assert {"kivi", "int8", "kv_bits", "fp8"} <= set(kvlib.available_policies()["quantization"])
-    assert {"svd", "xkv", "think", "minicache"} <= set(kvlib.available_policies()["lowrank"])
+    assert {"kivi", "int8", "kv_bits", "fp8"} <= set(kvlib.available_strategies()["quantization"])
+    assert {"svd", "xkv", "think", "minicache"} <= set(kvlib.available_strategies()["lowrank"])
 
 
 def held_bytes_follow_the_layout(cache) -> None:
@@ -59,13 +59,13 @@ def test_codec_through_generate(spec: str, family: str, dtype: torch.dtype) -> N
     held_bytes_follow_the_layout(cache)
     exact = kvlib.make_cache(model)
     model.generate(ids, attention_mask=mask, **cache_argument(exact), do_sample=False, max_new_tokens=12, pad_token_id=PAD)
-    if spec in kvlib.available_policies()["quantization"]:
+    if spec in kvlib.available_strategies()["quantization"]:
         coded, full = cache.memory_report()["by_component"], exact.memory_report()["by_component"]
         assert coded["pages"] + coded["codec_metadata"] < full["pages"]
 
 
 @pytest.mark.parametrize("codec", ["kivi(bits=4)", "svd(rank=4)"])
-@pytest.mark.parametrize("eviction", kvlib.available_policies()["eviction"])
+@pytest.mark.parametrize("eviction", kvlib.available_strategies()["eviction"])
 def test_codecs_compose_with_every_eviction_strategy(eviction: str, codec: str) -> None:
     model = build_model("gpt2")
     ids, mask = left_padded([40, 33], seed=8)

@@ -10,7 +10,7 @@ from transformers import DynamicCache
 
 import kvlib
 from kvlib.paged_store import PagedStore
-from kvlib.registry import available_policies
+from kvlib.registry import available_strategies
 from kvlib.transformers_compat import cache_argument
 from tests.adapters.conftest import PAD, assert_same_logits, build_model, left_padded
 
@@ -119,7 +119,7 @@ def test_codec_decode_steps_read_no_dense_copy_and_equal_the_dense_decode(spec: 
     assert report["by_component"]["codec_metadata"] > 0  # pages sealed, and read through the kernel
 
 
-@pytest.mark.parametrize("spec", available_policies()["eviction"])
+@pytest.mark.parametrize("spec", available_strategies()["eviction"])
 def test_evicting_decode_steps_attend_over_the_pages_and_keep_what_the_dense_path_keeps(spec: str, monkeypatch) -> None:
     """A budget held while decoding (every step evicts): decode steps attend over the pages, the
     compaction after them reads positions only for strategies that score without keys and values

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import kvlib
-from kvlib.policies.eviction.knorm import KNorm
+from kvlib.strategies.eviction.knorm import KNorm
 from kvlib.strategy import LayerView
 from kvlib.transformers_compat import cache_argument
 from tests.adapters.conftest import PAD, build_model, left_padded

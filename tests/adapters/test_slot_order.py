@@ -8,13 +8,13 @@ import torch
 
 import kvlib
 from kvlib.adapters.slot_order import ordered_view, position_order, to_slots
-from kvlib.registry import available_policies
+from kvlib.registry import available_strategies
 from kvlib.strategy import LayerView
 from kvlib.transformers_compat import cache_argument
 
 from .conftest import build_model
 
-EVICTIONS = available_policies()["eviction"]
+EVICTIONS = available_strategies()["eviction"]
 BUDGET, PROMPT, NEW = 24, 40, 20
 
 

@@ -42,7 +42,7 @@ def test_list_prints_every_kind_and_streaming_llm(capsys):
 
 
 def test_list_shows_empty_kinds_and_registered_plugins(capsys, monkeypatch):
-    registry.available_policies()
+    registry.available_strategies()
     monkeypatch.setattr(registry, "_registry", {"streaming_llm": registry._registry["streaming_llm"]})
     registry.register("mytest_cli_quant")(MyTestCliQuant)
 
@@ -58,8 +58,8 @@ def test_list_shows_empty_kinds_and_registered_plugins(capsys, monkeypatch):
         assert lines[lines.index(f"{kind}:") + 1] == "  (none yet)"
 
 
-def test_list_policies_matches_main_output(capsys):
-    text = cli.list_policies()
+def test_list_strategies_matches_main_output(capsys):
+    text = cli.list_strategies()
     cli.main(["list"])
     assert capsys.readouterr().out == text + "\n"
     assert len(KIND_BASES) == len(KINDS)
@@ -90,7 +90,7 @@ def test_list_error_is_reported_with_exit_code_2(capsys, monkeypatch):
     def broken():
         raise SpecError("registry on fire")
 
-    monkeypatch.setattr(cli, "list_policies", broken)
+    monkeypatch.setattr(cli, "list_strategies", broken)
     assert cli.main(["list"]) == 2
     captured = capsys.readouterr()
     assert captured.err == "kvlib: error: registry on fire\n"

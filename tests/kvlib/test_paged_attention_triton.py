@@ -22,7 +22,7 @@ from kvlib.spec_text import parse_strategy
 from kvlib.storage.coded_pool import CodedPagePool
 from kvlib.store_config import StoreConfig
 from tests.kvlib.test_paged_attention import TOLERANCE, scattered_pages
-from tests.policies.quantization.test_page_loaders import coded_store, fill
+from tests.strategies.quantization.test_page_loaders import coded_store, fill
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 """Where the kernels run: the GPU, else the CPU under Triton's interpreter (``tests/conftest.py`` sets ``TRITON_INTERPRET``)."""
@@ -30,7 +30,7 @@ pytest.importorskip("triton", reason="the Triton kernels need triton (the dev ex
 kernels = importlib.import_module("kvlib.paged_attention_triton")
 triton = importlib.import_module("triton")
 tl = importlib.import_module("triton.language")
-e4m3_value = importlib.import_module("kvlib.policies.quantization.triton_loaders.scaled_bytes").e4m3_value
+e4m3_value = importlib.import_module("kvlib.strategies.quantization.triton_loaders.scaled_bytes").e4m3_value
 products = importlib.import_module("kvlib.triton_products")
 
 TRITON_CODECS = [
@@ -217,7 +217,7 @@ def power_of_two_dims(case: dict) -> dict:
 @given(**CODED_CASES)
 def test_kernel_over_coded_pages_equals_the_kernels_and_float64_attention_over_their_decode(**case):
     """Against the numba kernel over the pages the codec decodes (float32 arenas, one numba
-    compilation for every codec; the coded numba path equals that, tests/policies/quantization/
+    compilation for every codec; the coded numba path equals that, tests/strategies/quantization/
     test_page_loaders.py) and float64 attention over them."""
     case = power_of_two_dims(case)
     pool, paged, query, visible, common, out = coded_case(**case)

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from kvlib.errors import SpecError
 from kvlib.params import Seed, coerce, describe
-from kvlib.policies.eviction.streaming_llm import StreamingLLM
+from kvlib.strategies.eviction.streaming_llm import StreamingLLM
 from kvlib.strategy import Budget, Eviction
 
 

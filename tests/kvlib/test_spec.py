@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 import kvlib
 from kvlib import registry
 from kvlib.errors import SpecError
-from kvlib.policies.eviction.streaming_llm import StreamingLLM
 from kvlib.spec import Spec, parse_spec
 from kvlib.spec_text import parameters_help, parse_strategy
+from kvlib.strategies.eviction.streaming_llm import StreamingLLM
 from kvlib.strategy import Budget, Eviction, Reuse, Tiering
 
 # -- test-only strategies (registered only inside `extra_strategies`) -----------------------
@@ -93,7 +93,7 @@ EXTRA = {
 @contextlib.contextmanager
 def temporary_registry():
     """Register the test-only strategies in a copy of the registry; restore the original after."""
-    registry.available_policies()  # built-ins into the real registry first
+    registry.available_strategies()  # built-ins into the real registry first
     original = registry._registry
     registry._registry = dict(original)
     try:
@@ -112,8 +112,8 @@ def extra_strategies():
 
 def test_temporary_registry_restores_the_registry():
     with temporary_registry():
-        assert "mytest_evict" in registry.available_policies()["eviction"]
-    assert "mytest_evict" not in registry.available_policies()["eviction"]
+        assert "mytest_evict" in registry.available_strategies()["eviction"]
+    assert "mytest_evict" not in registry.available_strategies()["eviction"]
     with pytest.raises(SpecError):
         parse_spec("mytest_evict")
 
@@ -505,7 +505,7 @@ def test_a_list_of_too_many_strategies_is_refused():
 def test_a_huge_unknown_name_is_cut_in_the_message():
     name = "x" * 100_000
     with pytest.raises(SpecError) as info:
-        kvlib.get_policy(name)
+        kvlib.get_strategy(name)
     message = str(info.value)
     assert message.startswith("unknown strategy 'xxxx") and "x...." in message and len(message) < 1_000
     assert "Did you mean" not in message and "eviction: " in message

@@ -39,7 +39,6 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from kvlib import PagedStore, StoreConfig
 from kvlib.codec import Field, PageCodec, TensorCodec, layer_shapes
-from kvlib.policies.quantization.hadamard import RotatedQuantizer, is_power_of_two
 from kvlib.spec import parse_spec
 from kvlib.storage.coded_pool import CodedPagePool
 from kvlib.storage.disk_tier import DiskTier
@@ -47,6 +46,7 @@ from kvlib.storage.page_prefetch import PagePrefetcher
 from kvlib.storage.spill_store import SpillStore
 from kvlib.storage.tiered_coded_pool import TieredCodedPagePool
 from kvlib.storage.tiered_pool import TieredPagePool
+from kvlib.strategies.quantization.hadamard import RotatedQuantizer, is_power_of_two
 
 HEADS = (2, 3)
 KEY_DIMS = (4, 3)
