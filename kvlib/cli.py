@@ -137,9 +137,11 @@ def check_out_folder(text: str) -> Path:
 def run_compare(args: argparse.Namespace) -> int:
     from kvlib.eval import parse_tasks
     from kvlib.eval.compare import check_policies_and_budgets
+    from kvlib.eval.significance import parse_baseline
 
     policies, budgets = _policies(args.strategies), _fractions(args.budgets)
     check_policies_and_budgets(policies, budgets)  # before the model loads
+    args.baseline = parse_baseline(args.baseline, policies, budgets)
     out = check_out_folder(args.out)
     if args.context is not None and args.context < 64:
         raise UsageError(f"--context must be >= 64 tokens, got {args.context}")
@@ -191,12 +193,13 @@ def load_and_compare(
         "torch": torch.__version__,
         "threads": threads,
         "ray": args.ray is not None,
+        "seed": args.seed,
     }
 
     def save(finished: list[CompareRun], complete: bool = False) -> dict[str, Path]:
         """Write the finished runs; ``complete`` once every configuration has run."""
         meta.update(seconds=round(time.perf_counter() - started, 1), complete=complete)
-        return write_results(finished, out, meta)
+        return write_results(finished, out, meta, args.baseline)
 
     try:
         runs = runner(loaded, policies, budgets, tasks, context=tasks_context, progress=not args.quiet, on_run=save)
@@ -205,7 +208,7 @@ def load_and_compare(
         return INTERRUPTED
     paths = save(runs, complete=True)
     plots = write_plots(runs, out, loaded.name)
-    print(markdown_table(runs))
+    print(markdown_table(runs, args.baseline))
     print(
         f"\n{len(runs)} configurations x {len(tasks)} tasks in {meta['seconds']} s; wrote "
         + ", ".join(str(p) for p in [*paths.values(), *plots])
@@ -270,8 +273,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--tasks",
         default=DEFAULT_TASKS,
         help="comma-separated: needle, perplexity, agreement, the RULER-style niah_single, niah_multikey,"
-        " niah_multivalue, niah_multiquery, vt, cwe, fwe, or jsonl:PATH"
+        " niah_multivalue, niah_multiquery, vt, cwe, fwe, jsonl:PATH or kvpress:PATH (kvpress's evaluation format)"
         f" (default {DEFAULT_TASKS})",
+    )
+    comp.add_argument(
+        "--baseline",
+        metavar="NAME[@BUDGET]",
+        help="a policy of --policies that every configuration is also compared with by a paired test on the same cases"
+        " (at the same budget, or at BUDGET); every configuration is always compared with the full cache",
     )
     comp.add_argument(
         "--out", default=DEFAULT_OUT, help=f"output folder, created and checked before the model loads (default {DEFAULT_OUT})"

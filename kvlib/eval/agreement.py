@@ -6,7 +6,8 @@ cache is then fed the same tokens one at a time (:func:`teacher_forced_logits`),
 mismatch does not derail the rest. Score: greedy agreement, the share of steps whose argmax is
 the full cache's token; ``metrics["kl"]`` is the mean ``KL(full || compressed)`` of the
 next-token distributions over those steps (nats), ``metrics["first_divergence"]`` the mean first
-step that differs (``steps`` when none does).
+step that differs (``steps`` when none does). The result's ``cases`` are each prompt's agreement
+(every prompt decodes ``steps`` tokens, so their mean is the score).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 import kvlib
+from kvlib.eval.case_scores import case_scores
 from kvlib.eval.task import CacheFactory, TaskResult, check_context, kv_bytes
 from kvlib.eval.texts import text_ids, windows
 from kvlib.transformers_compat import cache_argument
@@ -94,7 +96,8 @@ class AgreementTask:
         metrics = agreement_metrics(reference, reference_logits, teacher_forced_logits(model, cache, prompt, reference))
         metrics["context"] = self.context
         held, full = kv_bytes(cache)
-        return TaskResult(self.name, self.metric, metrics["agreement"], True, held, full, metrics, self.samples)
+        cases = case_scores(metrics["agreement_per_row"], "mean", prompts)
+        return TaskResult(self.name, self.metric, metrics["agreement"], True, held, full, metrics, self.samples, cases)
 
 
 @functools.lru_cache(maxsize=4)

@@ -6,7 +6,8 @@ minus room for the answer (``key_digits + 2``), so prompt and answer fit the con
 after ``depth`` x filler length (depth 0: right after BOS, 1: right before the question). Keys
 are random ``key_digits``-digit numbers. The model decodes greedily; a case is right when the
 first number it writes is exactly the key (:func:`kvlib.eval.scoring.passkey_match`). Score:
-accuracy over ``depths`` x ``samples`` cases; ``metrics["by_depth"]`` has each depth's.
+accuracy over ``depths`` x ``samples`` cases; ``metrics["by_depth"]`` has each depth's; the
+result's ``cases`` are pass/fail.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvlib.eval.case_scores import case_scores
 from kvlib.eval.needle_format import QUESTION, needle_line
 from kvlib.eval.scoring import passkey_match
 from kvlib.eval.task import CacheFactory, TaskResult, check_context, kv_bytes, pad_id
@@ -106,6 +108,7 @@ class NeedleTask:
             full,
             {"by_depth": by_depth, "cases": len(cases), "context": self.context},
             len(cases),
+            case_scores([float(ok) for ok in correct], "pass_fail", [(c.ids, c.key) for c in cases]),
         )
 
 

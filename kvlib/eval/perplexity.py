@@ -5,7 +5,9 @@ run as one batch, fed ``chunk`` tokens per forward call, so a token-capped cache
 throughout the stream (decode-phase eviction, not just the prompt), and every token is predicted
 from whatever the cache kept of the ones before it. Score: ``exp`` of the mean negative
 log-likelihood of every token after the first (pooled over samples); ``metrics["by_sample"]``
-has each window's perplexity. ``chunk=1`` is token-by-token decoding.
+has each window's perplexity; the result's ``cases`` are each window's mean negative log-likelihood
+(``exp_mean``: windows are equally long, so the score is ``exp`` of their mean). ``chunk=1`` is
+token-by-token decoding.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvlib.eval.case_scores import case_scores
 from kvlib.eval.task import CacheFactory, TaskResult, check_context, kv_bytes
 from kvlib.eval.texts import text_ids, windows
 from kvlib.transformers_compat import cache_argument
@@ -63,4 +66,5 @@ class PerplexityTask:
             full,
             {"by_sample": nll.mean(1).exp().tolist(), "context": self.context, "chunk": self.chunk},
             self.samples,
+            case_scores(nll.mean(1).tolist(), "exp_mean", rows),
         )

@@ -3,9 +3,12 @@
 x: the configuration's KV bytes as a fraction of the full cache's, the table's "KV bytes vs full"
 figure (:attr:`~kvlib.eval.compare.CompareRun.kv_fraction`, measured in the speed run), so a point
 and its table row always agree; y: the task's score. Each point is labelled with its budget (a
-policy that keeps every token, a codec alone, is labelled "all"). Policies that land on the same
-spot stay visible: each has its own hollow marker shape, drawn smaller for each later policy, so
-coinciding points nest. The Pareto front over all compressed points (no other point has fewer
+policy that keeps every token, a codec alone, is labelled "all"). Each policy has its own colour
+and marker pair (:func:`style`: no two policies of a plot share both), and its points carry their
+95% intervals as error bars (:func:`kvlib.eval.significance.interval`; none for a result recorded
+without per-case scores). Policies that land on the same spot stay visible: markers are hollow
+and drawn smaller for each later policy, so coinciding points nest. When the bytes span more than
+:data:`LOG_SPAN` times, the x axis is logarithmic. The Pareto front over all compressed points (no other point has fewer
 bytes and a score at least as good) is a dashed step line; the full cache is a star with a dotted
 reference line at its score. The title names the task, the model, the context and the sample
 count. Uses matplotlib's Agg backend (no display).
@@ -18,10 +21,29 @@ from pathlib import Path
 
 from kvlib.eval.compare import FULL, CompareRun
 from kvlib.eval.report import task_columns
+from kvlib.eval.significance import interval
 
+COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf")
+"""matplotlib's tab10 colours."""
 MARKERS = ("o", "s", "^", "D", "v", "P", "X", "<", ">", "h")
 LARGEST_MARKER, SMALLEST_MARKER = 13.0, 5.0
 """Marker sizes (points) of the first and the last policy; those between shrink evenly."""
+LOG_SPAN = 10.0
+"""Bytes spanning more than this ratio (largest / smallest) put the x axis on a log scale."""
+
+
+def style(index: int) -> tuple[str, str]:
+    """The ``(colour, marker)`` of the ``index``-th policy: colour ``index mod 10`` and marker
+    ``(index + index // 10) mod 10``, so that the first 100 policies each get a different pair
+    (two policies of one colour are ``10 q`` apart and their markers ``q`` apart)."""
+    colour = COLOURS[index % len(COLOURS)]
+    return colour, MARKERS[(index + index // len(COLOURS)) % len(MARKERS)]
+
+
+def log_axis(fractions: Sequence[float]) -> bool:
+    """Whether KV bytes spanning ``fractions`` (all > 0) need a log axis: more than :data:`LOG_SPAN` x."""
+    positive = [f for f in fractions if f > 0]
+    return bool(positive) and max(positive) / min(positive) > LOG_SPAN
 
 
 def pareto_front(points: Sequence[tuple[float, float]], higher_is_better: bool) -> list[tuple[float, float]]:
@@ -38,11 +60,29 @@ def pareto_front(points: Sequence[tuple[float, float]], higher_is_better: bool) 
 
 def task_points(runs: Sequence[CompareRun], task: str, policy: str) -> list[tuple[float, float, str]]:
     """``(KV bytes vs full, score, budget label)`` of ``policy``'s runs that finished ``task``, by bytes."""
+    return [(x, y, label) for x, y, label, _ in task_points_with_intervals(runs, task, policy)]
+
+
+def task_points_with_intervals(
+    runs: Sequence[CompareRun], task: str, policy: str
+) -> list[tuple[float, float, str, tuple[float, float] | None]]:
+    """:func:`task_points` with each point's 95% interval (None where it has none), by bytes."""
     return sorted(
-        (r.kv_fraction, r.results[task].score, "all" if r.budget is None else f"{r.budget:g}")
-        for r in runs
-        if r.policy == policy and task in r.results and r.kv_fraction is not None
+        (
+            (r.kv_fraction, r.results[task].score, "all" if r.budget is None else f"{r.budget:g}", interval(r.results[task]))
+            for r in runs
+            if r.policy == policy and task in r.results and r.kv_fraction is not None
+        ),
+        key=lambda point: point[:3],
     )
+
+
+def error_bars(points: Sequence[tuple[float, float, str, tuple[float, float] | None]]) -> list[list[float]]:
+    """``[below, above]`` distances from each score to its interval's ends (0 where it has none), for ``errorbar``'s ``yerr``."""
+    return [
+        [0.0 if bounds is None else max(0.0, y - bounds[0]) for _, y, _, bounds in points],
+        [0.0 if bounds is None else max(0.0, bounds[1] - y) for _, y, _, bounds in points],
+    ]
 
 
 def title(task: str, model_name: str, runs: Sequence[CompareRun]) -> str:
@@ -64,25 +104,30 @@ def plot_task(runs: Sequence[CompareRun], task: str, metric: str, higher_is_bett
     policies = list(dict.fromkeys(r.policy for r in runs if r.policy != FULL))
     compressed = []
     for index, policy in enumerate(policies):
-        points = task_points(runs, task, policy)
+        points = task_points_with_intervals(runs, task, policy)
         if not points:
             continue
-        xs, ys, labels = zip(*points)
+        xs, ys = [p[0] for p in points], [p[1] for p in points]
         size = LARGEST_MARKER - (LARGEST_MARKER - SMALLEST_MARKER) * index / max(len(policies) - 1, 1)
-        line = axes.plot(
+        colour, marker = style(index)
+        axes.errorbar(
             xs,
             ys,
-            marker=MARKERS[index % len(MARKERS)],
+            yerr=error_bars(points),
+            color=colour,
+            marker=marker,
             markersize=size,
             markerfacecolor="none",
             markeredgewidth=1.5,
             linewidth=1,
+            elinewidth=0.8,
+            capsize=2,
             alpha=0.85,
             label=policy,
-        )[0]
-        for x, y, label in points:
-            axes.annotate(label, (x, y), textcoords="offset points", xytext=(4, 3 + 7 * (index % 3)), fontsize=7, color=line.get_color())
-        compressed += [(x, y) for x, y, _ in points]
+        )
+        for x, y, label, _ in points:
+            axes.annotate(label, (x, y), textcoords="offset points", xytext=(4, 3 + 7 * (index % 3)), fontsize=7, color=colour)
+        compressed += [(x, y) for x, y, _, _ in points]
     front = pareto_front(compressed, higher_is_better)
     if front:
         axes.step(*zip(*front), where="post", linestyle="--", color="grey", linewidth=1, label="Pareto front")
@@ -90,8 +135,22 @@ def plot_task(runs: Sequence[CompareRun], task: str, metric: str, higher_is_bett
         if run.policy == FULL and task in run.results and run.kv_fraction is not None:
             score = run.results[task].score
             axes.axhline(score, linestyle=":", color="black", linewidth=1)
-            axes.plot([run.kv_fraction], [score], marker="*", markersize=14, color="black", linestyle="", label="full cache")
-    axes.set_xlabel('KV bytes / full cache (the table\'s "KV bytes vs full")')
+            full_points = [(run.kv_fraction, score, "", interval(run.results[task]))]
+            axes.errorbar(
+                [run.kv_fraction],
+                [score],
+                yerr=error_bars(full_points),
+                marker="*",
+                markersize=14,
+                color="black",
+                capsize=2,
+                linestyle="",
+                label="full cache",
+            )
+    fractions = [r.kv_fraction for r in runs if task in r.results and r.kv_fraction is not None]
+    if log_axis(fractions):
+        axes.set_xscale("log")
+    axes.set_xlabel('KV bytes / full cache (the table\'s "KV bytes vs full"' + (", log scale)" if log_axis(fractions) else ")"))
     axes.set_ylabel(f"{metric} ({'higher' if higher_is_better else 'lower'} is better)")
     axes.set_title(heading, fontsize=10)
     axes.grid(alpha=0.3)

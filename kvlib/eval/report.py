@@ -1,8 +1,12 @@
 """Writing a comparison: the terminal's markdown table, JSON and CSV.
 
-Table: one row per configuration (the full cache first), one column per task score, then KV
-bytes as a fraction of the full cache's and decode tokens/s (both from the speed run). JSON:
-everything, per task metrics included. CSV: one row per (policy, budget, task).
+Table: one row per configuration (the full cache first), one column per task score with its 95%
+interval and significance marks (:mod:`kvlib.eval.significance`), then KV bytes as a fraction of
+the full cache's and decode tokens/s (both from the speed run); under it, the legend and whether
+every configuration scored the same cases. JSON: everything, per task metrics, per-case scores,
+intervals and paired tests included (:func:`runs_from_json` reads it back, files recorded before
+per-case scores were kept included). CSV: one row per (policy, budget, task), with the interval
+and the paired tests' p-values.
 """
 
 from __future__ import annotations
@@ -14,7 +18,10 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
+from kvlib.eval.case_scores import CaseScores
 from kvlib.eval.compare import CompareRun
+from kvlib.eval.significance import Baseline, cases_note, full_run, interval, legend, marks, paired, same_cases
+from kvlib.eval.task import TaskResult
 
 CSV_FIELDS = (
     "policy",
@@ -22,7 +29,15 @@ CSV_FIELDS = (
     "task",
     "metric",
     "score",
+    "score_low",
+    "score_high",
+    "interval",
     "higher_is_better",
+    "cases",
+    "p_vs_full",
+    "baseline",
+    "p_vs_baseline",
+    "paired_test",
     "task_kv_bytes",
     "task_full_bytes",
     "task_kv_fraction",
@@ -36,6 +51,14 @@ def _number(value: float | None, digits: int = 3) -> str:
     return "-" if value is None else f"{value:.{digits}g}" if abs(value) < 1000 else f"{value:.0f}"
 
 
+def score_cell(result: TaskResult, mark: str = "") -> str:
+    """A score with its interval and marks: ``0.7 [0.48, 0.85] *`` (``(no interval)`` when the
+    result has none)."""
+    bounds = interval(result)
+    shown = "(no interval)" if bounds is None else f"[{_number(bounds[0])}, {_number(bounds[1])}]"
+    return f"{_number(result.score)} {shown}" + (f" {mark}" if mark else "")
+
+
 def task_columns(runs: Sequence[CompareRun]) -> list[tuple[str, str, bool]]:
     """``(task, metric, higher_is_better)`` of every task, in the order they ran."""
     seen: dict[str, tuple[str, str, bool]] = {}
@@ -45,25 +68,50 @@ def task_columns(runs: Sequence[CompareRun]) -> list[tuple[str, str, bool]]:
     return list(seen.values())
 
 
-def markdown_table(runs: Sequence[CompareRun]) -> str:
-    """The comparison as a markdown table (arrows give each metric's better direction)."""
+def markdown_table(runs: Sequence[CompareRun], baseline: Baseline | None = None) -> str:
+    """The comparison as a markdown table (arrows give each metric's better direction), each score
+    with its interval and marks, then the legend and the cases check."""
     columns = task_columns(runs)
     header = ["policy", "budget"] + [f"{t if t == m else f'{t} {m}'} {'↑' if up else '↓'}" for t, m, up in columns]
     header += ["KV bytes vs full", "decode tok/s"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for run in runs:
         cells = [run.policy, "-" if run.budget is None else f"{run.budget:g}"]
-        cells += [_number(run.results[t].score) if t in run.results else "error" for t, _, _ in columns]
+        cells += [score_cell(run.results[t], marks(run, runs, t, baseline)) if t in run.results else "error" for t, _, _ in columns]
         cells += [_number(run.kv_fraction), _number(run.decode_tokens_per_s)]
         lines.append("| " + " | ".join(cells) + " |")
     errors = [f"- {run.label}: {run.error}" for run in runs if run.error]
-    return "\n".join(lines + ([""] + errors if errors else []))
+    notes = ["", legend(baseline), cases_note(runs, [t for t, _, _ in columns])]
+    return "\n".join(lines + notes + ([""] + errors if errors else []))
 
 
-def to_json(runs: Sequence[CompareRun], meta: dict) -> dict:
-    """A JSON-ready record of the comparison and how it was run (``meta``)."""
+def statistics(run: CompareRun, runs: Sequence[CompareRun], name: str, baseline: Baseline | None) -> dict:
+    """A task result's interval, per-case scores and paired tests, as JSON."""
+    result = run.results[name]
+    bounds = interval(result)
+    against_full = paired(run, full_run(runs), name)
+    against = None if baseline is None else paired(run, baseline.reference(run, runs), name)
+    return {
+        "interval": None if bounds is None else list(bounds),
+        "interval_method": None if bounds is None else result.cases.aggregate.interval_method,
+        "cases": None if result.cases is None else result.cases.to_json(),
+        "vs_full": None if against_full is None else against_full.to_json(),
+        "vs_baseline": None if against is None else against.to_json(),
+    }
+
+
+def to_json(runs: Sequence[CompareRun], meta: dict, baseline: Baseline | None = None) -> dict:
+    """A JSON-ready record of the comparison and how it was run (``meta``), with each score's
+    interval and paired tests and, under ``"statistics"``, the baseline and the cases check."""
+    tasks = [t for t, _, _ in task_columns(runs)]
     return {
         **meta,
+        "statistics": {
+            "confidence": 0.95,
+            "alpha": 0.05,
+            "baseline": None if baseline is None else baseline.label,
+            "same_cases": {task: same_cases(runs, task) for task in tasks},
+        },
         "runs": [
             {
                 "policy": run.policy,
@@ -83,6 +131,7 @@ def to_json(runs: Sequence[CompareRun], meta: dict) -> dict:
                         "kv_fraction": r.kv_fraction,
                         "samples": r.samples,
                         "metrics": r.metrics,
+                        **statistics(run, runs, name, baseline),
                     }
                     for name, r in run.results.items()
                 },
@@ -92,7 +141,23 @@ def to_json(runs: Sequence[CompareRun], meta: dict) -> dict:
     }
 
 
-def csv_rows(runs: Sequence[CompareRun]) -> list[dict]:
+def runs_from_json(record: dict) -> list[CompareRun]:
+    """The runs of a record :func:`to_json` wrote; a result recorded before per-case scores were
+    kept (no ``"cases"``) loads with ``cases=None`` (its reports say "no interval")."""
+    runs = []
+    for entry in record["runs"]:
+        run = CompareRun(entry["policy"], entry["budget"], decode_tokens_per_s=entry["decode_tokens_per_s"], error=entry["error"])
+        run.kv_bytes, run.full_bytes = entry["kv_bytes"], entry["full_bytes"]
+        for name, r in entry["tasks"].items():
+            cases = CaseScores.from_json(r["cases"]) if r.get("cases") else None
+            run.results[name] = TaskResult(
+                name, r["metric"], r["score"], r["higher_is_better"], r["kv_bytes"], r["full_bytes"], r["metrics"], r["samples"], cases
+            )
+        runs.append(run)
+    return runs
+
+
+def csv_rows(runs: Sequence[CompareRun], baseline: Baseline | None = None) -> list[dict]:
     """One row per (policy, budget, task); a failed configuration gets one row with its error."""
     rows = []
     for run in runs:
@@ -104,6 +169,7 @@ def csv_rows(runs: Sequence[CompareRun]) -> list[dict]:
             "error": run.error or "",
         }
         for name, r in run.results.items():
+            stats = statistics(run, runs, name, baseline)
             rows.append(
                 {
                     **common,
@@ -114,6 +180,14 @@ def csv_rows(runs: Sequence[CompareRun]) -> list[dict]:
                     "task_kv_bytes": r.kv_bytes,
                     "task_full_bytes": r.full_bytes,
                     "task_kv_fraction": r.kv_fraction,
+                    "score_low": "" if stats["interval"] is None else stats["interval"][0],
+                    "score_high": "" if stats["interval"] is None else stats["interval"][1],
+                    "interval": stats["interval_method"] or "no interval",
+                    "cases": "" if r.cases is None else len(r.cases.values),
+                    "p_vs_full": "" if stats["vs_full"] is None else stats["vs_full"]["p"],
+                    "baseline": "" if stats["vs_baseline"] is None else stats["vs_baseline"]["against"],
+                    "p_vs_baseline": "" if stats["vs_baseline"] is None else stats["vs_baseline"]["p"],
+                    "paired_test": "" if r.cases is None else r.cases.aggregate.test,
                 }
             )
         if not run.results:
@@ -121,24 +195,24 @@ def csv_rows(runs: Sequence[CompareRun]) -> list[dict]:
     return rows
 
 
-def csv_text(runs: Sequence[CompareRun]) -> str:
+def csv_text(runs: Sequence[CompareRun], baseline: Baseline | None = None) -> str:
     """:func:`csv_rows` as CSV text, with a header."""
     buffer = io.StringIO(newline="")
     writer = csv.DictWriter(buffer, fieldnames=CSV_FIELDS, restval="")
     writer.writeheader()
-    writer.writerows(csv_rows(runs))
+    writer.writerows(csv_rows(runs, baseline))
     return buffer.getvalue()
 
 
-def write_results(runs: Sequence[CompareRun], out: Path, meta: dict) -> dict[str, Path]:
+def write_results(runs: Sequence[CompareRun], out: Path, meta: dict, baseline: Baseline | None = None) -> dict[str, Path]:
     """Write ``compare.md``, ``compare.json`` and ``compare.csv`` to ``out``; returns their paths.
     Each file is replaced whole (written beside it, then renamed over it): called again as more
     runs finish, a reader, or an interruption, sees the previous version or the new one."""
     out.mkdir(parents=True, exist_ok=True)
     paths = {"markdown": out / "compare.md", "json": out / "compare.json", "csv": out / "compare.csv"}
-    _replace(paths["markdown"], markdown_table(runs) + "\n")
-    _replace(paths["json"], json.dumps(to_json(runs, meta), indent=1) + "\n")
-    _replace(paths["csv"], csv_text(runs))
+    _replace(paths["markdown"], markdown_table(runs, baseline) + "\n")
+    _replace(paths["json"], json.dumps(to_json(runs, meta, baseline), indent=1) + "\n")
+    _replace(paths["csv"], csv_text(runs, baseline))
     return paths
 
 

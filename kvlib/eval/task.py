@@ -9,6 +9,7 @@ from typing import Protocol
 
 import torch
 
+from kvlib.eval.case_scores import CaseScores
 from kvlib.transformers_compat import cache_argument
 
 CacheFactory = Callable[[int], object]
@@ -26,7 +27,9 @@ class TaskResult:
     (prompts, windows, examples) the score averages over. ``kv_bytes`` is what the cache held
     at the end of the task (key/value pages plus codec metadata: the compressed KV itself, not the
     read mirror or tables) and ``full_bytes`` what the uncompressed keys and values of every token
-    seen would take in the same dtype.
+    seen would take in the same dtype. ``cases``: the per-case scores behind ``score`` (in case
+    order, the same cases for every configuration), from which reports draw its interval and the
+    paired tests; None for a result recorded before they were kept (reports say "no interval").
     """
 
     task: str
@@ -37,6 +40,7 @@ class TaskResult:
     full_bytes: int
     metrics: dict = field(default_factory=dict)
     samples: int = 0
+    cases: CaseScores | None = None
 
     @property
     def kv_fraction(self) -> float:

@@ -28,6 +28,8 @@ def compared(byte_model_dir, tmp_path_factory):
         "streaming_llm,snapkv(window=8)",
         "--budgets",
         "0.25,0.5",
+        "--baseline",
+        "streaming_llm",
         "--out",
         str(out),
         "--quiet",
@@ -57,7 +59,7 @@ def test_writes_a_consistent_table_json_csv_and_one_png_per_task(compared, capsy
     for line, run in zip(table[2:], runs):
         cells = [c.strip() for c in line.strip("|").split("|")]
         assert cells[0] == run["policy"]
-        assert float(cells[3]) == pytest.approx(run["tasks"]["perplexity"]["score"], rel=1e-2)
+        assert float(cells[3].split()[0]) == pytest.approx(run["tasks"]["perplexity"]["score"], rel=1e-2)
         assert float(cells[5]) == pytest.approx(run["kv_fraction"], rel=1e-2)
         assert float(cells[6]) > 0
 
@@ -67,6 +69,17 @@ def test_writes_a_consistent_table_json_csv_and_one_png_per_task(compared, capsy
         run = next(r for r in runs if r["policy"] == row["policy"] and str(r["budget"] or "") == row["budget"])
         assert float(row["score"]) == pytest.approx(run["tasks"][row["task"]]["score"])
         assert float(row["task_kv_fraction"]) == pytest.approx(run["tasks"][row["task"]]["kv_fraction"])
+
+    statistics = record["statistics"]
+    assert statistics["baseline"] == "streaming_llm" and statistics["same_cases"] == dict.fromkeys(record["tasks"], True)
+    snapkv_quarter = runs[3]["tasks"]
+    assert snapkv_quarter["needle"]["cases"]["kind"] == "pass_fail" and snapkv_quarter["needle"]["interval_method"] == "Wilson"
+    assert snapkv_quarter["needle"]["vs_full"]["test"] == "exact McNemar"
+    assert snapkv_quarter["needle"]["vs_baseline"]["against"] == "streaming_llm @ 0.25"
+    assert snapkv_quarter["perplexity"]["interval"] is None  # one window: a bootstrap has no spread
+    assert runs[1]["tasks"]["needle"]["vs_baseline"] is None and runs[0]["tasks"]["needle"]["vs_full"] is None
+    assert "Cases (checked by digest): needle: the same 11 cases for every configuration" in printed
+    assert {row["interval"] for row in rows} == {"Wilson", "no interval"}  # --samples 1: one window, one prompt
 
     full = runs[0]
     assert full["tasks"]["agreement"]["score"] == 1.0 and full["kv_fraction"] >= 1.0
@@ -109,6 +122,24 @@ def test_mistakes_are_one_line_and_exit_2(compared, capsys, extra, message):
 
 def never_load(name):
     raise AssertionError("the model was loaded")
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--baseline", "h2o"], "--baseline 'h2o' is not one of the policies run; choose from streaming_llm, snapkv(window=8)"),
+        (["--baseline", "full"], "--baseline 'full' is not one of the policies run"),
+        (["--baseline", "streaming_llm@0.3"], "budget 0.3 is not run; choose from 0.25, 0.5"),
+        (["--baseline", "streaming_llm@x"], "'x' is not a budget such as 0.25"),
+        (["--policies", "kivi(bits=4)", "--baseline", "kivi(bits=4)@0.25"], "keeps every token and runs once"),
+    ],
+)
+def test_a_bad_baseline_is_refused_before_the_model_loads(compared, capsys, monkeypatch, extra, message):
+    _, argv = compared
+    monkeypatch.setattr("kvlib.eval.load_model", never_load)
+    assert cli.main(argv + extra) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvlib: error: ") and message in err and err.count("\n") == 1
 
 
 def refuse_probe(self, data):

@@ -12,7 +12,8 @@ afresh at every size tried: the same settings give the same prompts on any machi
 
 The model decodes greedily up to ``tokens_to_generate`` tokens (stopping at EOS). A case scores the
 fraction of its answers contained in what the model wrote (RULER's ``string_match_all``, after its
-clean-up); the task's score is the mean over cases.
+clean-up); the task's score is the mean over cases. The result's ``cases`` are pass/fail when every
+case has one answer (its score is then 0 or 1), else means.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
+from kvlib.eval.case_scores import case_scores
 from kvlib.eval.scoring import ruler_postprocess, string_match_all
 from kvlib.eval.task import CacheFactory, TaskResult, check_context, kv_bytes, pad_id, prefill_context
 from kvlib.transformers_compat import cache_argument
@@ -187,7 +189,9 @@ class RulerTask(abc.ABC):
             "depths": [list(c.depths) for c in cases],
             "prompt_tokens": [len(c.ids) for c in cases],
         }
-        return TaskResult(self.name, self.metric, float(np.mean(scores)), True, held, full, metrics, len(cases))
+        kind = "pass_fail" if all(len(c.answers) == 1 for c in cases) else "mean"
+        per_case = case_scores(scores, kind, [(c.ids, c.answers) for c in cases])
+        return TaskResult(self.name, self.metric, float(np.mean(scores)), True, held, full, metrics, len(cases), per_case)
 
 
 def context_tokens(prompt: Prompt, ids: list[int], tokenizer) -> int:
