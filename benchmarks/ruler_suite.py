@@ -15,12 +15,16 @@ Usage (defaults: every registered eviction strategy with its default parameters,
 
     python benchmarks/ruler_suite.py [--model smollm2] [--policies all|spec,spec] [--budgets 0.1,0.25,0.5]
         [--tasks niah_single,niah_multikey,niah_multivalue,vt] [--context 4096] [--samples 1] [--seed 0]
-        [--speed-steps 16] [--context-first] [--threads N] [--out benchmarks/results]
+        [--speed-steps 16] [--context-first] [--baseline NAME[@BUDGET]] [--threads N] [--out benchmarks/results]
     python benchmarks/ruler_suite.py --report-only   # re-render ruler_suite.md from the JSON
     python benchmarks/ruler_suite.py --speed-only --policies chunkkv   # measure recorded rows' speed again
 
 Writes ``ruler_suite.md`` (one row per strategy and budget: each task's score, their mean, KV bytes
-vs full, decode tokens/s) and ``ruler_suite.json`` to ``--out``. ``--context-first`` runs kvpress's
+vs full, decode tokens/s) and ``ruler_suite.json`` to ``--out``. Every score carries its 95% interval
+and is compared with the full cache's, and with ``--baseline``'s (:mod:`kvlib.eval.significance`),
+on the same cases by a paired test; the table marks differences significant at 0.05 and says
+whether every configuration scored the same cases. Runs recorded before per-case scores were kept
+load and show "no interval". ``--context-first`` runs kvpress's
 protocol (each case's context read into the cache before its question:
 :attr:`kvlib.eval.ruler.task.RulerTask.context_first`; KVzip then reconstructs the context) into
 ``ruler_suite_context_first.{md,json}``.
@@ -45,9 +49,9 @@ import kvlib  # noqa: E402
 from kvlib.devices import set_cpu_threads  # noqa: E402
 from kvlib.eval import load_model  # noqa: E402
 from kvlib.eval.compare import FULL, CompareRun, Unit, check_inputs, evicts, run_unit, speed_prompt, units  # noqa: E402
-from kvlib.eval.report import to_json  # noqa: E402
+from kvlib.eval.report import runs_from_json, score_cell, to_json  # noqa: E402
+from kvlib.eval.significance import Baseline, cases_note, legend, marks, mean_interval, mean_marks, parse_baseline  # noqa: E402
 from kvlib.eval.smollm2 import cache_root  # noqa: E402
-from kvlib.eval.task import TaskResult  # noqa: E402
 from kvlib.eval.task_table import parse_tasks  # noqa: E402
 
 NAME = "ruler_suite"
@@ -78,16 +82,7 @@ def load_runs(path: Path, options: dict) -> list[CompareRun]:
     mismatched = {k: (had.get(k), options[k]) for k in OPTIONS if had.get(k) != options[k]}
     if mismatched:
         raise ValueError(f"{path} holds runs made with other options {mismatched} (recorded, now): use another --out")
-    runs = []
-    for entry in recorded["runs"]:
-        run = CompareRun(entry["policy"], entry["budget"], decode_tokens_per_s=entry["decode_tokens_per_s"], error=entry["error"])
-        run.kv_bytes, run.full_bytes = entry["kv_bytes"], entry["full_bytes"]
-        for name, r in entry["tasks"].items():
-            run.results[name] = TaskResult(
-                name, r["metric"], r["score"], r["higher_is_better"], r["kv_bytes"], r["full_bytes"], r["metrics"], r["samples"]
-            )
-        runs.append(run)
-    return runs
+    return runs_from_json(recorded)
 
 
 def run_configuration(loaded, tasks, policy: str, budget: float | None, prompt: torch.Tensor, speed_steps: int) -> CompareRun:
@@ -111,9 +106,20 @@ def mean_score(run: CompareRun, tasks: Sequence[str]) -> float | None:
     return sum(done) / len(done) if done else None
 
 
-def summary(runs: Sequence[CompareRun], tasks: Sequence[str]) -> list[str]:
+def mean_cell(run: CompareRun, runs: Sequence[CompareRun], tasks: Sequence[str], baseline: Baseline | None) -> str:
+    """The mean over ``tasks`` with its interval (each task's cases resampled apart) and marks."""
+    mean = mean_score(run, tasks)
+    if mean is None:
+        return "-"
+    bounds = mean_interval(run, tasks)
+    mark = mean_marks(run, runs, tasks, baseline)
+    return f"{mean:.2f} " + ("(no interval)" if bounds is None else f"[{bounds[0]:.2f}, {bounds[1]:.2f}]") + (f" {mark}" if mark else "")
+
+
+def summary(runs: Sequence[CompareRun], tasks: Sequence[str], baseline: Baseline | None = None) -> list[str]:
     """One row per policy: its mean score over ``tasks`` at each budget (the full cache's in
-    every column), then its KV bytes vs full and decode tokens/s at each budget."""
+    every column) with its interval and marks, then its KV bytes vs full and decode tokens/s at
+    each budget."""
     budgets = sorted({run.budget for run in runs if run.budget is not None})
     by_policy: dict[str, dict[float | None, CompareRun]] = {}
     for run in runs:
@@ -123,8 +129,7 @@ def summary(runs: Sequence[CompareRun], tasks: Sequence[str]) -> list[str]:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for policy, configs in by_policy.items():
         picked = [configs.get(None) or configs.get(b) for b in budgets]
-        score = [mean_score(r, tasks) if r else None for r in picked]
-        cells = [shown(policy), *["-" if m is None else f"{m:.2f}" for m in score]]
+        cells = [shown(policy), *["-" if r is None else mean_cell(r, runs, tasks, baseline) for r in picked]]
         cells += ["-" if r is None or not r.kv_fraction else f"{r.kv_fraction:.3f}" for r in picked]
         cells += ["-" if r is None or not r.decode_tokens_per_s else f"{r.decode_tokens_per_s:.2f}" for r in picked]
         lines.append("| " + " | ".join(cells) + " |")
@@ -141,7 +146,7 @@ def measure_speed_again(loaded, run: CompareRun, prompt: torch.Tensor, speed_ste
     print(f"{run.label}: decode {run.decode_tokens_per_s:.2f} tok/s (load {os.getloadavg()[0]:.1f}) {outcome.error or ''}", flush=True)
 
 
-def markdown(runs: Sequence[CompareRun], meta: dict) -> str:
+def markdown(runs: Sequence[CompareRun], meta: dict, baseline: Baseline | None = None) -> str:
     """The summary (:func:`summary`), then one row per configuration: tasks' scores, their mean,
     bytes and speed."""
     tasks = meta["options"]["tasks"].split(",")
@@ -167,7 +172,11 @@ def markdown(runs: Sequence[CompareRun], meta: dict) -> str:
         "",
         "Mean score over the tasks at each budget (the full cache's in every column), KV bytes vs full and decode tokens/s:",
         "",
-        *summary(runs, tasks),
+        *summary(runs, tasks, baseline),
+        "",
+        legend(baseline) + " The mean's interval and tests resample each task's cases apart.",
+        "",
+        cases_note(runs, tasks),
         "",
         "Each configuration:",
         "",
@@ -175,11 +184,9 @@ def markdown(runs: Sequence[CompareRun], meta: dict) -> str:
         "|" + "---|" * len(header),
     ]
     for run in runs:
-        scores = [run.results[t].score if t in run.results else None for t in tasks]
-        mean = mean_score(run, tasks)
         cells = [shown(run.policy), "-" if run.budget is None else f"{run.budget:g}"]
-        cells += ["-" if s is None else f"{s:.2f}" for s in scores]
-        cells += ["-" if mean is None else f"{mean:.2f}"]
+        cells += [score_cell(run.results[t], marks(run, runs, t, baseline), "{:.2f}".format) if t in run.results else "-" for t in tasks]
+        cells += [mean_cell(run, runs, tasks, baseline)]
         cells += [
             f"{run.kv_fraction:.3f}" if run.kv_fraction else "-",
             f"{run.decode_tokens_per_s:.2f}" if run.decode_tokens_per_s else "-",
@@ -190,12 +197,13 @@ def markdown(runs: Sequence[CompareRun], meta: dict) -> str:
     return "\n".join(lines + ([""] + errors if errors else [])) + "\n"
 
 
-def write(out: Path, runs: Sequence[CompareRun], meta: dict) -> None:
+def write(out: Path, runs: Sequence[CompareRun], meta: dict, baseline: Baseline | None = None) -> None:
     """Both files, each replaced whole; rows sorted: the full cache, then by policy and budget."""
     runs = sorted(runs, key=lambda run: (run.policy != FULL, run.policy, run.budget or 0.0))
     out.mkdir(parents=True, exist_ok=True)
     stem = file_name(meta["options"]["context_first"])
-    for name, text in ((f"{stem}.json", json.dumps(to_json(runs, meta), indent=1) + "\n"), (f"{stem}.md", markdown(runs, meta))):
+    texts = ((f"{stem}.json", json.dumps(to_json(runs, meta, baseline), indent=1) + "\n"), (f"{stem}.md", markdown(runs, meta, baseline)))
+    for name, text in texts:
         partial = out / (name + ".part")
         partial.write_text(text)
         partial.replace(out / name)
@@ -215,6 +223,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--context-first",
         action="store_true",
         help="kvpress's protocol: read each context into the cache first (KVzip reconstructs it), then the question",
+    )
+    parser.add_argument(
+        "--baseline", metavar="NAME[@BUDGET]", help="a policy run (recorded, with --report-only) that every configuration is compared with"
     )
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--report-only", action="store_true", help="re-render the .md from the JSON")
@@ -236,11 +247,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         "load": recorded.get("load", {}),
     }
     if args.report_only:
-        write(args.out, runs, meta)
+        recorded_policies = list(dict.fromkeys(run.policy for run in runs if run.policy != FULL))
+        recorded_budgets = sorted({run.budget for run in runs if run.budget is not None})
+        write(args.out, runs, meta, parse_baseline(args.baseline, recorded_policies, recorded_budgets))
         return 0
     set_cpu_threads(args.threads)
     policies = all_evictions() if args.policies == "all" else [p for p in args.policies.split(",") if p]
     budgets = [float(b) for b in args.budgets.split(",")]
+    baseline = parse_baseline(args.baseline, policies, budgets)  # before the model loads
     loaded = load_model(args.model)
     tasks = parse_tasks(args.tasks, context=args.context, samples=args.samples, seed=args.seed, context_first=args.context_first)
     check_inputs(loaded, policies, budgets, tasks)
@@ -252,7 +266,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for run in runs:
             if (run.policy, run.budget) in wanted:
                 measure_speed_again(loaded, run, prompt, args.speed_steps, meta)
-                write(args.out, runs, meta)
+                write(args.out, runs, meta, baseline)
         return 0
     for policy, budget in wanted:
         if (policy, budget) in done:
@@ -262,7 +276,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         meta["seconds"][run.label] = round(time.perf_counter() - started)
         meta["load"][run.label] = round(os.getloadavg()[0], 1)
         runs.append(run)
-        write(args.out, runs, meta)
+        write(args.out, runs, meta, baseline)
         print(
             f"{run.label}: {[round(r.score, 2) for r in run.results.values()]} {run.error or ''} (load {os.getloadavg()[0]:.1f})",
             flush=True,

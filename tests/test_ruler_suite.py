@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from kvlib.eval.case_scores import case_scores
 from kvlib.eval.compare import CompareRun
+from kvlib.eval.significance import parse_baseline
 from kvlib.eval.task import TaskResult
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
@@ -53,11 +55,12 @@ def test_recorded_runs_read_back_whole_and_render(tmp_path: Path) -> None:
     assert snap.results["niah_single"] == runs[0].results["niah_single"] and snap.kv_fraction == 0.25
     assert back[1].error == "ValueError: bad" and not back[1].results
     table = (tmp_path / "ruler_suite.md").read_text()
-    assert "| snapkv | 0.25 | 1.00 | 0.50 | 0.75 | 0.250 | 12.50 | 40 | 1.5 |" in table
+    # recorded without per-case scores: no interval, no test
+    assert "| snapkv | 0.25 | 1.00 (no interval) | 0.50 (no interval) | 0.75 (no interval) | 0.250 | 12.50 | 40 | 1.5 |" in table
     assert "- h2o @ 0.1: ValueError: bad" in table
     assert "| policy | mean @ 0.1 | mean @ 0.25 | bytes @ 0.1 | bytes @ 0.25 | tok/s @ 0.1 | tok/s @ 0.25 |" in table
-    assert "| full | 0.75 | 0.75 | 0.250 | 0.250 | 12.50 | 12.50 |" in table  # the reference in every column
-    assert "| snapkv | - | 0.75 | - | 0.250 | - | 12.50 |" in table and "| h2o |" not in table.split("Each configuration")[0]
+    assert "| full | 0.75 (no interval) | 0.75 (no interval) | 0.250 | 0.250 | 12.50 | 12.50 |" in table  # the reference in every column
+    assert "| snapkv | - | 0.75 (no interval) | - | 0.250 | - | 12.50 |" in table and "| h2o |" not in table.split("Each configuration")[0]
 
 
 def test_runs_made_with_other_options_are_refused(tmp_path: Path) -> None:
@@ -105,3 +108,36 @@ def test_a_recorded_configuration_s_speed_is_measured_again_on_the_embedded_mode
     assert run.decode_tokens_per_s != 12.5 and run.decode_tokens_per_s > 0
     assert run.full_bytes > 0 and 0.4 <= run.kv_fraction <= 0.6  # half the tokens, up to page rounding
     assert run.results["niah_single"].score == 1.0 and meta["load"]["streaming_llm @ 0.5"] != 25.0
+
+
+def scored_run(policy: str, budget: float | None, passed: list[int]) -> CompareRun:
+    run = CompareRun(policy, budget, decode_tokens_per_s=12.5)
+    run.kv_bytes, run.full_bytes = 250, 1000
+    for task in ("niah_single", "vt"):
+        cases = case_scores(passed, "pass_fail", [(task, i) for i in range(len(passed))])
+        run.results[task] = TaskResult(task, "string_match_all", sum(passed) / len(passed), True, 25, 100, {}, len(passed), cases)
+    return run
+
+
+def test_scores_carry_intervals_and_paired_tests_against_full_and_the_baseline(tmp_path: Path) -> None:
+    runs = [
+        scored_run("full", None, [1] * 20),
+        scored_run("snapkv", 0.25, [1] * 19 + [0]),
+        scored_run("h2o", 0.25, [0] * 20),
+    ]
+    meta = {"options": {**OPTIONS, "samples": 20}, "command": "", "git": "", "seconds": {}, "load": {}}
+    ruler_suite.write(tmp_path, runs, meta, parse_baseline("snapkv", ["snapkv", "h2o"], [0.25]))
+    table = (tmp_path / "ruler_suite.md").read_text()
+    # Wilson 19/20 = [0.7639, 0.9911]; h2o fails all 20: McNemar p = 2 / 2**20 against full (20 discordant), 2 / 2**19 against snapkv (19)
+    assert "| snapkv | 0.25 | 0.95 [0.76, 0.99] | 0.95 [0.76, 0.99] |" in table
+    assert "| h2o | 0.25 | 0.00 [0.00, 0.16] *▼ | 0.00 [0.00, 0.16] *▼ | 0.00 [0.00, 0.00] *▼ |" in table
+    assert "Cases (checked by digest): niah_single: the same 20 cases for every configuration" in table
+    assert "▲ / ▼: better / worse than the baseline snapkv at the same budget" in table
+    record = json.loads((tmp_path / "ruler_suite.json").read_text())
+    h2o = next(r for r in record["runs"] if r["policy"] == "h2o")["tasks"]["vt"]
+    assert h2o["vs_full"]["p"] == 2 / 2**20 and h2o["vs_baseline"]["p"] == 2 / 2**19
+    assert record["statistics"]["baseline"] == "snapkv" and record["statistics"]["same_cases"] == {"niah_single": True, "vt": True}
+    assert (
+        ruler_suite.load_runs(tmp_path / "ruler_suite.json", {**OPTIONS, "samples": 20})[1].results["vt"].cases
+        == runs[2].results["vt"].cases
+    )

@@ -15,7 +15,7 @@ import csv
 import io
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from kvlib.eval.case_scores import CaseScores
@@ -51,12 +51,12 @@ def _number(value: float | None, digits: int = 3) -> str:
     return "-" if value is None else f"{value:.{digits}g}" if abs(value) < 1000 else f"{value:.0f}"
 
 
-def score_cell(result: TaskResult, mark: str = "") -> str:
-    """A score with its interval and marks: ``0.7 [0.48, 0.85] *`` (``(no interval)`` when the
-    result has none)."""
+def score_cell(result: TaskResult, mark: str = "", number: Callable[[float], str] = _number) -> str:
+    """A score with its interval and marks, each figure written by ``number``: ``0.7 [0.48, 0.85] *``
+    (``(no interval)`` when the result has none)."""
     bounds = interval(result)
-    shown = "(no interval)" if bounds is None else f"[{_number(bounds[0])}, {_number(bounds[1])}]"
-    return f"{_number(result.score)} {shown}" + (f" {mark}" if mark else "")
+    shown = "(no interval)" if bounds is None else f"[{number(bounds[0])}, {number(bounds[1])}]"
+    return f"{number(result.score)} {shown}" + (f" {mark}" if mark else "")
 
 
 def task_columns(runs: Sequence[CompareRun]) -> list[tuple[str, str, bool]]:

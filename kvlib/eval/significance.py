@@ -8,7 +8,9 @@ configuration with that one run. A configuration is not compared with itself, an
 is not compared with the baseline (the baseline's own row says how it compares with the full cache).
 
 Two results are paired only when their cases are the same (:meth:`CaseScores.pairs_with`); a
-result recorded without per-case scores has no interval and no test.
+result recorded without per-case scores has no interval and no test. A mean over tasks (the RULER
+suite's) gets a bootstrap interval and a paired bootstrap test that resample each task's cases
+apart (:func:`mean_interval`, :func:`paired_mean`).
 """
 
 from __future__ import annotations
@@ -17,7 +19,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvlib.errors import quoted
+from kvlib.eval.case_scores import BOOTSTRAP_SEED
 from kvlib.eval.compare import FULL, CompareRun, evicts
+from kvlib.eval.intervals import RESAMPLES, stratified_bootstrap_interval
+from kvlib.eval.paired_tests import stratified_paired_bootstrap_p
 from kvlib.eval.task import TaskResult
 
 ALPHA = 0.05
@@ -166,3 +171,45 @@ def legend(baseline: Baseline | None) -> str:
         f" *: differs from the full cache at p < {ALPHA:g} (paired on the same cases: exact McNemar for pass/fail"
         f" scores, paired bootstrap otherwise){against}."
     )
+
+
+def _task_values(run: CompareRun, tasks: Sequence[str]) -> list[tuple[float, ...]] | None:
+    """``run``'s per-case values on every task of ``tasks`` (None unless it has all of them as plain means or pass/fail)."""
+    results = [run.results.get(task) for task in tasks]
+    if any(r is None or r.cases is None or r.cases.kind == "exp_mean" for r in results):
+        return None
+    return [r.cases.values for r in results]
+
+
+def mean_interval(run: CompareRun, tasks: Sequence[str]) -> tuple[float, float] | None:
+    """95% interval of the mean of ``run``'s scores over ``tasks``: a bootstrap resampling each
+    task's cases apart (None without per-case scores on every task, or with a task of one case)."""
+    values = _task_values(run, tasks)
+    if values is None or any(len(v) < 2 for v in values):
+        return None
+    return stratified_bootstrap_interval(values, resamples=RESAMPLES, seed=BOOTSTRAP_SEED)
+
+
+def paired_mean(run: CompareRun, reference: CompareRun | None, tasks: Sequence[str]) -> PairedResult | None:
+    """The mean over ``tasks`` of ``run`` tested against ``reference``'s by a paired bootstrap that
+    resamples each task's cases apart (None unless both scored the same cases on every task)."""
+    if reference is None or reference is run:
+        return None
+    mine, theirs = _task_values(run, tasks), _task_values(reference, tasks)
+    if mine is None or theirs is None or not all(run.results[t].cases.pairs_with(reference.results[t].cases) for t in tasks):
+        return None
+    difference = sum(run.results[t].score - reference.results[t].score for t in tasks) / len(tasks)
+    p = stratified_paired_bootstrap_p(mine, theirs, resamples=RESAMPLES, seed=BOOTSTRAP_SEED)
+    return PairedResult(reference.label, "paired bootstrap (tasks apart)", difference, p)
+
+
+def mean_marks(run: CompareRun, runs: Sequence[CompareRun], tasks: Sequence[str], baseline: Baseline | None) -> str:
+    """:func:`marks` for the mean over ``tasks`` (higher is better)."""
+    text = ""
+    against_full = paired_mean(run, full_run(runs), tasks)
+    if against_full is not None and against_full.significant:
+        text += "*"
+    against = None if baseline is None else paired_mean(run, baseline.reference(run, runs), tasks)
+    if against is not None and against.significant:
+        text += "▲" if against.difference > 0 else "▼"
+    return text
