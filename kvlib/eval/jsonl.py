@@ -11,7 +11,6 @@ greedily; the first line of what it writes is scored by ``scorer`` (:data:`~kvli
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,14 +19,18 @@ import numpy as np
 import torch
 
 from kvlib.errors import cut
+from kvlib.eval.case_scores import case_scores
 from kvlib.eval.scoring import SCORERS
 from kvlib.eval.task import CacheFactory, TaskResult, check_context, kv_bytes, pad_id
-from kvlib.eval.texts import utf8_text
-from kvlib.limits import MAX_TASK_FILE_BYTES, read_bounded
+from kvlib.eval.task_lines import json_lines
 from kvlib.transformers_compat import cache_argument
 
 ANSWER_FIELDS = ("answers", "outputs", "answer")
 QUESTION_FIELDS = ("input", "question", "query")
+BINARY_SCORERS = ("exact", "string_match_part")
+"""Scorers whose per-case score is always 0 or 1."""
+SINGLE_ANSWER_BINARY = ("contains", "string_match_all")
+"""Scorers whose per-case score is 0 or 1 when the case has one answer."""
 TEMPLATE = "{context}\n\nQuestion: {question}\nAnswer:"
 CUT_CHARS_PER_TOKEN = 16
 """Characters of each end of a long prompt tokenized per token kept there, at first (:func:`middle_cut_ids`)."""
@@ -57,31 +60,14 @@ def _text(value: object, name: str, where: str) -> str:
     return value
 
 
-def _no_constant(name: str) -> None:
-    raise ValueError(f"{name} is not a number JSON allows")
-
-
 def load_jsonl(path: str | Path) -> list[JsonlExample]:
-    """Every example in a JSONL file (at most :data:`~kvlib.limits.MAX_TASK_FILE_BYTES`); a file
-    that cannot be read, a line that is not JSON (NaN and nesting past the parser's depth
-    included) and a missing field or one of the wrong type raise one line naming the file (and
-    the line)."""
+    """Every example in a JSONL file, read line by line within bounds (:func:`~kvlib.eval.task_lines.json_lines`:
+    a file that cannot be read, a line too long, not UTF-8 or not JSON, NaN and nesting past the
+    parser's depth included); a missing field or one of the wrong type raises one line naming the
+    file and the line."""
     path = Path(path)
-    if not path.exists():
-        raise ValueError(f"jsonl file not found: {path}")
     examples = []
-    for number, line in enumerate(utf8_text(read_bounded(path, MAX_TASK_FILE_BYTES, "jsonl file"), path).splitlines(), start=1):
-        if not line.strip():
-            continue
-        where = f"{path}:{number}"
-        try:
-            record = json.loads(line, parse_constant=_no_constant)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{where}: not JSON ({exc.msg})") from None
-        except (ValueError, RecursionError) as exc:
-            raise ValueError(f"{where}: not a task line ({cut(str(exc)) or 'nested too deep'})") from None
-        if not isinstance(record, dict):
-            raise ValueError(f"{where}: expected a JSON object per line")
+    for where, record in json_lines(path):
         answers = _field(record, ANSWER_FIELDS, where)
         answers = (answers,) if isinstance(answers, str) else answers
         if not isinstance(answers, (list, tuple)) or not all(isinstance(answer, str) for answer in answers):
@@ -177,4 +163,12 @@ class JsonlTask:
             full,
             {"scorer": self.scorer, "examples": len(examples), "predictions": predictions, "context": self.context},
             len(examples),
+            case_scores(scores, self.case_kind(examples), examples),
         )
+
+    def case_kind(self, examples: list[JsonlExample]) -> str:
+        """``"pass_fail"`` when the scorer gives only 0 or 1 on these examples (exact and
+        string_match_part always; contains and string_match_all when each has one answer), else ``"mean"``."""
+        if self.scorer in BINARY_SCORERS or (self.scorer in SINGLE_ANSWER_BINARY and all(len(e.answers) == 1 for e in examples)):
+            return "pass_fail"
+        return "mean"

@@ -5,6 +5,7 @@ from __future__ import annotations
 from kvlib.errors import quoted
 from kvlib.eval.agreement import AgreementTask
 from kvlib.eval.jsonl import JsonlTask
+from kvlib.eval.kvpress_task import KvpressTask
 from kvlib.eval.needle import NeedleTask
 from kvlib.eval.perplexity import PerplexityTask
 from kvlib.eval.ruler import RULER_TASKS
@@ -14,7 +15,8 @@ BASE_TASKS = ("needle", "perplexity", "agreement")
 RULER_NAMES = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe")
 """The RULER-style tasks (:mod:`kvlib.eval.ruler`)."""
 TASK_NAMES = BASE_TASKS + RULER_NAMES
-"""Built-in task names; ``jsonl:PATH`` adds a LongBench/RULER-style file."""
+"""Built-in task names; ``jsonl:PATH`` adds a LongBench/RULER-style file, ``kvpress:PATH`` a dataset
+in kvpress's evaluation format (:mod:`kvlib.eval.kvpress_task`)."""
 
 
 def parse_tasks(text: str, *, context: int, samples: int | None = None, seed: int = 0, context_first: bool = False) -> list[Task]:
@@ -31,7 +33,7 @@ def parse_tasks(text: str, *, context: int, samples: int | None = None, seed: in
     tasks: list[Task] = []
     names = [part.strip() for part in text.split(",") if part.strip()]
     if not names:
-        raise ValueError(f"no tasks given; choose from {', '.join(TASK_NAMES)} or jsonl:PATH")
+        raise ValueError(f"no tasks given; choose from {', '.join(TASK_NAMES)}, jsonl:PATH or kvpress:PATH")
     if context_first:
         apart = [name for name, make in RULER_TASKS.items() if make().asks_apart]
         others = [name for name in names if name not in apart]
@@ -43,8 +45,10 @@ def parse_tasks(text: str, *, context: int, samples: int | None = None, seed: in
     for name in names:
         if name.startswith("jsonl:"):
             tasks.append(JsonlTask(path=name.removeprefix("jsonl:"), context=context, **extra))
+        elif name.startswith("kvpress:"):
+            tasks.append(KvpressTask(path=name.removeprefix("kvpress:"), context=context, **extra))
         elif name in builders:
             tasks.append(builders[name](context=context, seed=seed, **extra))
         else:
-            raise ValueError(f"unknown task {quoted(name)}; choose from {', '.join(TASK_NAMES)} or jsonl:PATH")
+            raise ValueError(f"unknown task {quoted(name)}; choose from {', '.join(TASK_NAMES)}, jsonl:PATH or kvpress:PATH")
     return tasks

@@ -34,7 +34,13 @@ def test_z_value():
 
 @pytest.mark.parametrize(
     "k, n, message",
-    [(0, 0, "trials >= 1"), (3, 2, "0 <= successes <= trials"), (-1, 2, "0 <= successes"), (1.5, 2, "whole number"), (True, 2, "whole number")],
+    [
+        (0, 0, "trials >= 1"),
+        (3, 2, "0 <= successes <= trials"),
+        (-1, 2, "0 <= successes"),
+        (1.5, 2, "whole number"),
+        (True, 2, "whole number"),
+    ],
 )
 def test_wilson_bad_input(k, n, message):
     with pytest.raises(ValueError, match=message):
