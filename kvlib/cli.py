@@ -279,7 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
     comp.add_argument(
         "--baseline",
         metavar="NAME[@BUDGET]",
-        help="a policy of --policies that every configuration is also compared with by a paired test on the same cases"
+        help="a strategy of --strategies that every configuration is also compared with by a paired test on the same cases"
         " (at the same budget, or at BUDGET); every configuration is always compared with the full cache",
     )
     comp.add_argument(

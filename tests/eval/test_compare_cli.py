@@ -127,8 +127,8 @@ def never_load(name):
 @pytest.mark.parametrize(
     "extra, message",
     [
-        (["--baseline", "h2o"], "--baseline 'h2o' is not one of the policies run; choose from streaming_llm, snapkv(window=8)"),
-        (["--baseline", "full"], "--baseline 'full' is not one of the policies run"),
+        (["--baseline", "h2o"], "--baseline 'h2o' is not one of the strategies run; choose from streaming_llm, snapkv(window=8)"),
+        (["--baseline", "full"], "--baseline 'full' is not one of the strategies run"),
         (["--baseline", "streaming_llm@0.3"], "budget 0.3 is not run; choose from 0.25, 0.5"),
         (["--baseline", "streaming_llm@x"], "'x' is not a budget such as 0.25"),
         (["--policies", "kivi(bits=4)", "--baseline", "kivi(bits=4)@0.25"], "keeps every token and runs once"),
