@@ -104,7 +104,10 @@ class KVCacheLayer(CacheLayerMixin):
 
     @property
     def is_croppable(self) -> bool:
-        return self.cache.compressor is None
+        """Whether :meth:`crop` rolls back exactly: no eviction, and no token left a sliding window
+        (the tokens a rolled-back window needs again are gone)."""
+        window = self.window
+        return self.cache.compressor is None and (window is None or self.seen < window)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Nothing to do: the cache builds its store (at construction, or before it hands the layer its first call)."""
@@ -345,6 +348,9 @@ class KVCacheLayer(CacheLayerMixin):
                 salience = functools.partial(compaction.salience_after, layout)
             else:
                 salience = functools.partial(cache.compressor.scores, stored_step, inputs, cache.padding, stored)
+        layout = self._slide()
+        if layout is not None:
+            read, salience = None, _following(salience, layout)
         if cache.tiering is not None and not step.sparse and cache.tiering.arranges_tokens(self.layer_idx, step.query_length):
             self._arrange(read if read is not None else store.read(self.layer_idx, rows))
             read, salience = None, None
@@ -357,13 +363,50 @@ class KVCacheLayer(CacheLayerMixin):
             cache.session.index(self.seen)
 
     def _keep_books(self) -> None:
-        """After a planned step with nothing to evict: seal the layer's full pages, index the
-        prompt's pages after the last layer."""
+        """After a planned step with nothing to evict: drop what left a sliding window, seal the
+        layer's full pages, index the prompt's pages after the last layer."""
         cache = self.cache
+        self._slide()
         if cache.codecs is not None:
             cache.store.seal(self.layer_idx, cache.rows)
         if cache.session is not None and self.layer_idx == cache.shape.num_layers - 1:
             cache.session.index(self.seen)
+
+    @property
+    def window(self) -> int | None:
+        """This layer's sliding window (:meth:`KVShape.window`), or None where it sees every position."""
+        return self.cache.shape.window(self.layer_idx)
+
+    def slides(self, tokens: int) -> bool:
+        """Whether a call of ``tokens`` new tokens leaves positions behind this layer's window
+        (then :meth:`_slide` has work after its attention)."""
+        window = self.window
+        return window is not None and self.seen + tokens >= window
+
+    def _slide(self) -> torch.Tensor | None:
+        """Free what a sliding-window layer will never attend to again: every stored token at a
+        position ``<= seen - window`` (the next query, at position ``seen``, sees ``seen - window
+        + 1`` onwards), as ``DynamicCache``'s sliding layers keep ``window - 1`` tokens. The
+        positions are logical (left padding included), as the model's masks count them. Returns
+        the store's layout (the compressor's per-slot state follows it), or None where nothing
+        was dropped: a layer without a window, or one holding nothing past it."""
+        window = self.window
+        if window is None or self.seen <= window - 1:
+            return None
+        cache = self.cache
+        positions = cache.store.stored_positions(self.layer_idx, cache.rows)
+        stored = positions >= 0
+        behind = stored & (positions <= self.seen - window)
+        if not bool(behind.any()):
+            return None
+        slot = torch.arange(positions.shape[-1])
+        keep = torch.sort(torch.where(stored & ~behind, slot, positions.shape[-1]), dim=-1).values
+        keep = torch.where(keep == positions.shape[-1], -1, keep)
+        layout = cache.store.compact(self.layer_idx, cache.rows, keep, reuse_slots=cache.reuse_slots)
+        if cache.compressor is not None:
+            cache.compressor.compacted(self.layer_idx, layout)
+        self.identity = False
+        return layout
 
     def _stored_layer(self, step: LayerStep) -> LayerStep:
         """``step`` as the compressor sees it: the layer's stored tokens after the call's append.
@@ -450,6 +493,12 @@ class KVCacheLayer(CacheLayerMixin):
         they are compacted away first (the compressor's per-slot state follows)."""
         cache, store = self.cache, self.cache.store
         length = max(self.seen + tokens_to_remove, 0)
+        window = self.window
+        if window is not None and self.seen >= window and length < self.seen:
+            raise ValueError(
+                f"layer {self.layer_idx} slides over a window of {window} tokens and has dropped the tokens before it:"
+                f" it cannot go back to {length} tokens (as DynamicCache's sliding layers cannot once their window is full)"
+            )
         if cache.compressor is not None:
             positions = store.stored_positions(self.layer_idx, cache.rows)
             slot = torch.arange(positions.shape[-1])
@@ -476,3 +525,18 @@ class KVCacheLayer(CacheLayerMixin):
         past_end = torch.iinfo(torch.int64).max
         kept = torch.sort(torch.where(real, positions, past_end), dim=-1).values
         return torch.where(kept == past_end, -1, kept)[..., : int(real.sum(-1).max())]
+
+
+def _following(salience: functools.partial | None, layout: torch.Tensor) -> functools.partial | None:
+    """``salience`` (scores of a layer's slots, computed on demand) after the store compacted the
+    layer with ``layout`` (new slot ``i`` holds old slot ``layout[..., i]``; ``-1``: none, scored
+    ``-inf``)."""
+    if salience is None:
+        return None
+    return functools.partial(_gathered, salience, layout)
+
+
+def _gathered(salience: functools.partial, layout: torch.Tensor) -> torch.Tensor:
+    scores = salience()
+    layout = layout.to(scores.device)
+    return scores.gather(-1, layout.clamp(min=0)).masked_fill(layout < 0, -torch.inf)

@@ -26,7 +26,8 @@ def memory_report(store: PagedStore | None, rows: list[int], shape: KVShape) -> 
     append and its compaction included: the peak of a prefill); ``peak_workspace_bytes``: the
     largest transient dense copy of a layer a call attended over (prefill, chunks; not held
     after the call, so not in ``total_bytes``); ``full_equivalent_bytes``:
-    keys and values of every logical token of every layer, uncompressed; ``stored_tokens`` and
+    keys and values, uncompressed, of what a full cache keeps (``DynamicCache``): every logical
+    token of a layer, its last ``window - 1`` in a sliding-window layer; ``stored_tokens`` and
     ``logical_tokens``, summed over layers, rows and KV heads.
     """
     components = dict.fromkeys(COMPONENTS, 0)
@@ -48,11 +49,15 @@ def memory_report(store: PagedStore | None, rows: list[int], shape: KVShape) -> 
         report["peak_pages_bytes"] = store.peak_page_bytes
         report["peak_workspace_bytes"] = store.peak_workspace
     if rows:
+        kept = 0
         for layer in range(shape.num_layers):
             report["stored_tokens"] += int(store.physical_lengths(layer, rows).sum())
-            report["logical_tokens"] += int(store.logical_lengths(layer, rows).sum()) * shape.num_kv_heads
+            logical = store.logical_lengths(layer, rows)
+            report["logical_tokens"] += int(logical.sum()) * shape.num_kv_heads
+            window = shape.window(layer)
+            kept += int((logical if window is None else logical.clamp(max=window - 1)).sum()) * shape.num_kv_heads
         element = torch.empty((), dtype=store.dtype).element_size()
-        report["full_equivalent_bytes"] = report["logical_tokens"] * (shape.head_dim + shape.value_dim) * element
+        report["full_equivalent_bytes"] = kept * (shape.head_dim + shape.value_dim) * element
     total = sum(components.values())
     by_tier = {"device": total - host - disk, "host": host, "disk": disk}
     return {"total_bytes": total, "by_tier": by_tier, "by_component": components, **report}

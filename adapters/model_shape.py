@@ -35,6 +35,9 @@ class KVShape:
         num_kv_heads: key/value heads per layer.
         num_query_heads: query heads per layer (a multiple of ``num_kv_heads``).
         head_dim: channels per key head; ``value_dim`` per value head.
+        windows: per layer, the sliding window of a sliding-window layer (a query at position
+            ``q`` sees positions ``q - window + 1 .. q``), None for a layer that sees every
+            position; empty: no layer slides.
     """
 
     num_layers: int
@@ -42,6 +45,11 @@ class KVShape:
     num_query_heads: int
     head_dim: int
     value_dim: int
+    windows: tuple[int | None, ...] = ()
+
+    def window(self, layer: int) -> int | None:
+        """``layer``'s sliding window, or None where it attends to every position."""
+        return self.windows[layer] if self.windows else None
 
 
 def kv_shape(model: torch.nn.Module) -> KVShape:
@@ -78,7 +86,22 @@ def kv_shape(model: torch.nn.Module) -> KVShape:
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     if heads % kv_heads:
         raise ValueError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
-    return KVShape(layers, kv_heads, heads, head_dim, getattr(text, "v_head_dim", None) or head_dim)
+    return KVShape(layers, kv_heads, heads, head_dim, getattr(text, "v_head_dim", None) or head_dim, sliding_windows(text, layers))
+
+
+def sliding_windows(text: object, layers: int) -> tuple[int | None, ...]:
+    """Per layer, the sliding window the model's masks apply, as ``transformers``' ``DynamicCache``
+    reads it: ``sliding_window`` for the ``"sliding_attention"`` entries of ``layer_types``, for
+    every layer where the config has no ``layer_types`` (Mistral); empty where no layer slides.
+    Chunked attention (Llama 4) is not a window: its layers hold every token."""
+    window = getattr(text, "sliding_window", None)
+    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+        return ()
+    layer_types = getattr(text, "layer_types", None)
+    if layer_types is None:
+        return (window,) * layers
+    windows = tuple(window if kind == "sliding_attention" else None for kind in layer_types)
+    return windows if any(w is not None for w in windows) else ()
 
 
 def _check_attention_form(model: torch.nn.Module, text: object, layer_types: Sequence[str]) -> None:

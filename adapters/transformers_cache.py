@@ -221,9 +221,11 @@ class KVCache(Cache):
         return compressor.planned_work(layer, tokens, self.store.tables[layer].lengths_np[self.plan.rows_np])
 
     def _keeps_books_after(self, layer: int) -> bool:
-        """Whether ``layer`` has pages to seal after this planned step, or is the last layer of a
-        cache whose prompt pages a prefix session indexes."""
+        """Whether ``layer`` has pages to seal after this planned step, slides past its window, or
+        is the last layer of a cache whose prompt pages a prefix session indexes."""
         if self.session is not None and layer == self.shape.num_layers - 1:
+            return True
+        if self.layers[layer].slides(self.plan.tokens):
             return True
         if self.codecs is None or self.codecs[layer] is None:
             return False

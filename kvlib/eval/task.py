@@ -26,8 +26,9 @@ class TaskResult:
     ``metrics`` holds the rest (per depth, per sample, ...); ``samples`` is how many cases
     (prompts, windows, examples) the score averages over. ``kv_bytes`` is what the cache held
     at the end of the task (key/value pages plus codec metadata: the compressed KV itself, not the
-    read mirror or tables) and ``full_bytes`` what the uncompressed keys and values of every token
-    seen would take in the same dtype. ``cases``: the per-case scores behind ``score`` (in case
+    read mirror or tables) and ``full_bytes`` what the uncompressed keys and values a full cache
+    keeps would take in the same dtype (every token seen; a sliding-window layer's last ``window -
+    1``, as ``DynamicCache`` keeps them). ``cases``: the per-case scores behind ``score`` (in case
     order, the same cases for every configuration), from which reports draw its interval and the
     paired tests; None for a result recorded before they were kept (reports say "no interval").
     """

@@ -9,6 +9,8 @@ import pytest
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     GPT2Config,
     GPT2LMHeadModel,
     LlamaConfig,
@@ -22,10 +24,15 @@ from transformers import (
 STORIES = Path(__file__).resolve().parents[2].parent / "shared" / "models" / "stories260K"
 VOCAB = 97
 PAD = 0
+GEMMA3_WINDOW = 16
+"""The sliding window of the ``gemma3`` family's sliding layers (Gemma 3's is 512)."""
 
 
 def build_model(family: str, attn_implementation: str = "sdpa") -> torch.nn.Module:
-    """A fresh, seeded, eval-mode model of ``family`` (llama, mistral, qwen2, gpt2, stories)."""
+    """A fresh, seeded, eval-mode model of ``family`` (llama, mistral, qwen2, gpt2, stories, gemma3).
+
+    ``gemma3`` is Gemma 3's layer mix in small: six layers, five sliding-window layers (window
+    :data:`GEMMA3_WINDOW`) to each global one, one KV head of 32 channels for four query heads."""
     torch.manual_seed(0)
     if family == "stories":
         return AutoModelForCausalLM.from_pretrained(STORIES, attn_implementation=attn_implementation).eval()
@@ -41,6 +48,9 @@ def build_model(family: str, attn_implementation: str = "sdpa") -> torch.nn.Modu
             model = MistralForCausalLM(MistralConfig(**sizes, sliding_window=8, **common))
         elif family == "qwen2":
             model = Qwen2ForCausalLM(Qwen2Config(**sizes, **common))
+        elif family == "gemma3":
+            gemma = dict(sizes, num_hidden_layers=6, num_key_value_heads=1, head_dim=32, max_position_embeddings=256)
+            model = Gemma3ForCausalLM(Gemma3TextConfig(**gemma, sliding_window=GEMMA3_WINDOW, **common))
         else:
             raise ValueError(family)
     model.set_attn_implementation(attn_implementation)
