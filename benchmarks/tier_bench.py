@@ -58,8 +58,8 @@ from pathlib import Path
 import torch
 
 import kvlib
-from kvlib.adapters.model_shape import kv_shape
 from kvlib.eval.agreement import agreement_metrics, greedy_reference, teacher_forced_logits
+from kvlib.model_shape import kv_shape
 from kvlib.storage.block_record import decode_parts, encode
 from kvlib.storage.disk_tier import DiskTier
 from kvlib.transformers_compat import cache_argument

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlib.coded_page_loaders import CodedReader
+from kvlib.kernels.coded_page_loaders import CodedReader
 from kvlib.triton_readers import TritonReader
 
 

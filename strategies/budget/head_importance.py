@@ -107,7 +107,7 @@ def calibrate(model: torch.nn.Module, input_ids: torch.Tensor, path: str | Path,
     every head keeps a share. ``input_ids``: int ``[batch, tokens]`` with ``tokens > sinks +
     window``. Returns the weights ``[num_layers, kv_heads]`` (float64) and writes ``path``.
     """
-    from kvlib.adapters.model_shape import kv_shape
+    from kvlib.model_shape import kv_shape
 
     shape = kv_shape(model)
     length = input_ids.shape[-1]

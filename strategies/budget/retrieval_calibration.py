@@ -59,7 +59,7 @@ def calibrate_retrieval(model: torch.nn.Module, cases: Sequence[RetrievalCase], 
     float64 weights ``[num_layers, kv_heads]``. ``ValueError`` before any model work for an empty
     ``cases`` or a case that breaks :class:`RetrievalCase`'s invariants.
     """
-    from kvlib.adapters.model_shape import attention_modules, kv_shape
+    from kvlib.model_shape import attention_modules, kv_shape
 
     shape = kv_shape(model)
     if not cases:

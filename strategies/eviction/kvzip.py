@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from kvlib.prefix_store import PrefixStore
 from kvlib.registry import register
+from kvlib.storage.prefix_store import PrefixStore
 from kvlib.strategies.budget.adaptive import Adaptive
 from kvlib.strategy import Budget, ContextPrefill, Eviction, LayerView
 
