@@ -10,7 +10,8 @@
 from kvlib.adapters.attention import attach
 from kvlib.adapters.blend import blend_cache
 from kvlib.adapters.engine import Engine
+from kvlib.adapters.kvzip_context import compressed_context
 from kvlib.adapters.make_cache import make_cache
 from kvlib.adapters.transformers_cache import KVCache
 
-__all__ = ["Engine", "KVCache", "attach", "blend_cache", "make_cache"]
+__all__ = ["Engine", "KVCache", "attach", "blend_cache", "compressed_context", "make_cache"]

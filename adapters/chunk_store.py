@@ -13,6 +13,7 @@ from collections import OrderedDict
 
 import torch
 
+from kvlib.adapters.make_cache import make_cache
 from kvlib.devices import outside_inference_mode
 from kvlib.model_identity import ModelIdentity
 from kvlib.transformers_compat import cache_argument
@@ -44,8 +45,6 @@ class ChunkStore:
             self.entries.move_to_end(key)
             return self.entries[key]
         self.misses += 1
-        from kvlib.adapters import make_cache
-
         cache = make_cache(model)
         ids = torch.tensor([key], device=next(model.parameters()).device)
         with torch.no_grad():

@@ -190,7 +190,7 @@ def _check_reuse(model: torch.nn.Module, spec: Spec, codec: Codec | None, reuse:
     if spec.eviction is not None:
         raise ValueError(
             f"prefix reuse needs every prompt token stored; {spec.eviction.spec()} drops tokens. Use reuse with an exact or quantized"
-            " cache, or hold a compressed context whole (kvlib.strategies.eviction.kvzip.compressed_context)"
+            " cache, or hold a compressed context whole (kvlib.adapters.compressed_context)"
         )
     if codec is not None and spec.lowrank is not None:
         raise ValueError(f"prefix reuse works with quantization codecs; {spec.lowrank.spec()} fits itself to each prompt")

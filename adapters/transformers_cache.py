@@ -376,7 +376,7 @@ class KVCache(Cache):
         (copy-on-write: tokens either cache adds later go to pages of its own), each layer's
         length and slot order, the rows' padding. For several continuations of one computed
         prefix, at once or one after another, without computing it again (a compressed context
-        and its questions: :func:`kvlib.strategies.eviction.kvzip.compressed_context`).
+        and its questions: :func:`kvlib.adapters.compressed_context`).
 
         The fork evicts nothing: it keeps every token added to it. Refused (``ValueError``): a
         cache that still evicts (its strategy's per-row state is its own; fork once eviction is

@@ -26,12 +26,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvlib.codec import Field, PageCodec
+from kvlib.codec import Field, PageCodec, arena_dtype
 from kvlib.devices import PagedKernel, paged_kernel, to_arena_device
 from kvlib.kernels import paged_ops
 from kvlib.kernels.coded_page_loaders import open_part
 from kvlib.kernels.paged_attention import PageReader, PageSource
-from kvlib.storage.field_rows import arena_dtype
 from kvlib.storage.free_stack import FreeStack
 from kvlib.storage.page_indexing import first_occurrences
 from kvlib.storage.page_pool import PagePool, PlannedStep, extend_rows

@@ -19,7 +19,7 @@ spec: a lossless request never meets lossy pages, and two codecs never share). C
 index nothing: after eviction a page no longer holds a run of consecutive prompt tokens. A whole
 compressed context can be held instead (:attr:`PrefixStore.contexts`, in memory, keyed by the
 model, the cache's spec and budget and the context's ids) and forked for each question that
-follows it: :func:`kvlib.strategies.eviction.kvzip.compressed_context`.
+follows it: :func:`kvlib.adapters.compressed_context`.
 
 Memory: every indexed page holds one reference from the index; pages a live cache uses hold its
 references too. Entries no cache uses sit in an LRU and are evicted, least recently used first,
@@ -128,7 +128,7 @@ class PrefixStore:
         self.salt = salt
         self.index = PrefixIndex(capacity_bytes, self._evicted)
         self.contexts = HeldContexts(capacity_bytes)
-        """Whole caches of computed contexts (compressed ones: :func:`~kvlib.strategies.eviction.kvzip.compressed_context`),
+        """Whole caches of computed contexts (compressed ones: :func:`~kvlib.adapters.compressed_context`),
         handed out as forks; keyed by :meth:`context_key`, within their own ``capacity_bytes``."""
         self.stores: dict[str, PagedStore] = {}
         """Paged stores by namespace (see :meth:`namespace`)."""

@@ -13,7 +13,7 @@ take a tuple's items as their arguments, but not a tuple nested in a tuple):
   float32, uint16 for float16 and bfloat16), ``kind`` which float they are (:data:`FLOAT_KINDS`).
   :func:`load_open` reads a page from it when the page is open;
 - ``fields``: the codec's own (its field arenas, indexed by page id, and its parameters), which
-  the codec's loader decodes when the page is sealed (:class:`CodedReader`, given by
+  the codec's loader decodes when the page is sealed (:class:`~kvlib.codec.CodedReader`, given by
   :meth:`~kvlib.codec.TensorCodec.page_reader`).
 
 Bit patterns rather than floats: numba's CPU target loads neither float16 nor bfloat16, and one
@@ -21,9 +21,6 @@ array type per pool keeps the kernel to one compilation per codec layout.
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
-from typing import NamedTuple
 
 import numba
 import numpy as np
@@ -36,16 +33,6 @@ FLOAT_KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 OPEN_ITEMS = 4
 """Items of a coded loader's source before the codec's fields (``source[OPEN_ITEMS:]``)."""
-
-
-class CodedReader(NamedTuple):
-    """How the kernel reads one tensor (keys or values) of a codec's sealed pages in place:
-    ``fields``, a tuple of numpy arrays (field arenas ``[capacity, ...]``) and ints (the codec's
-    parameters), and ``load``, the loader taking ``open_part + fields`` as its source (see the
-    module docstring)."""
-
-    fields: tuple
-    load: Callable[..., None]
 
 
 def float_bits(tensor: torch.Tensor) -> tuple[np.ndarray, int]:

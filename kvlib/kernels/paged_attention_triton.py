@@ -36,20 +36,16 @@ imported): that is how the tests check them.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import torch
 
-from kvlib.codec import PageCodec
+from kvlib.codec import PageCodec, arena_dtype
 from kvlib.devices import to_arena_device
 from kvlib.kernels.triton_decode_kernels import attend_splits, merge_splits, score_tiles
 from kvlib.kernels.triton_products import dot_dtype
 from kvlib.kernels.triton_tiles import load_float_tile
-from kvlib.storage.field_rows import arena_dtype
 from kvlib.triton_readers import LOADER_PARAMS, LOADER_TENSORS, TritonReader
-
-if TYPE_CHECKING:
-    from kvlib.storage.coded_pool import CodedPagePool
 
 TILE_TOKENS = 32
 """Tokens a program reads per step (``BLOCK_N``): a tile may span several pages."""
@@ -173,16 +169,6 @@ def triton_coded_source(
 def _coded_tiles(reader: TritonReader, raw: torch.Tensor, raw_row: torch.Tensor, sealed: torch.Tensor) -> TileSource:
     """The :class:`TileSource` of a coded reader with the pool's open part before its fields."""
     return TileSource.of(reader.load, (raw.contiguous(), raw_row, sealed, *reader.fields), reader.params, raw.shape[2])
-
-
-def coded_pool_source(pool: CodedPagePool) -> TritonPageSource | None:
-    """:func:`triton_coded_source` of a :class:`~kvlib.storage.coded_pool.CodedPagePool` ``pool``
-    as it is now (the source reads its arenas in place, but holds copies of its sealed flags and
-    raw rows: valid until the pool next changes), or None while its codec is not fitted or has
-    no Triton reader."""
-    if not pool.codec.ready:
-        return None
-    return triton_coded_source(pool.codec, pool.keys, pool.values, pool.sealed, pool.raw_row, pool.positions, pool.encoded)
 
 
 def split_plan(longest: int, pairs: int, splits: int | None = None) -> tuple[int, int]:

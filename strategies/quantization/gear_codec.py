@@ -12,9 +12,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvlib.codec import Field, TensorCodec, TensorShape
+from kvlib.codec import CodedReader, Field, TensorCodec, TensorShape
 from kvlib.devices import to_arena_device
-from kvlib.kernels.coded_page_loaders import CodedReader
 from kvlib.strategies.quantization import gear_kernels
 from kvlib.strategies.quantization.page_loaders import gear_reader
 from kvlib.strategies.quantization.uniform import GroupQuantizer, metadata_dtype, write_rows

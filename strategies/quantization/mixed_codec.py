@@ -24,9 +24,8 @@ from __future__ import annotations
 
 import torch
 
-from kvlib.codec import Field, PageCodec, TensorCodec, TensorShape
+from kvlib.codec import CodedReader, Field, PageCodec, TensorCodec, TensorShape
 from kvlib.devices import to_arena_device
-from kvlib.kernels.coded_page_loaders import CodedReader
 from kvlib.kernels.packing import pack, packed_size, unpack
 from kvlib.strategies.quantization.mixed_loader import mixed_reader
 from kvlib.strategies.quantization.uniform import grid, metadata_dtype

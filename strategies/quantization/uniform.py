@@ -22,8 +22,7 @@ import math
 import numpy as np
 import torch
 
-from kvlib.codec import Field, TensorCodec, TensorShape
-from kvlib.kernels.coded_page_loaders import CodedReader
+from kvlib.codec import CodedReader, Field, TensorCodec, TensorShape
 from kvlib.kernels.packing import pack, packed_size, unpack
 from kvlib.strategies.quantization import kernels
 from kvlib.strategies.quantization.page_loaders import byte_table_reader, group_quantized_reader

@@ -258,7 +258,7 @@ def test_a_pool_with_nothing_sealed_yet_is_read_raw() -> None:
     store.append(0, [seq], keys, values)  # no seal: both pages open, no field arena yet
     pool = store.pools[0]
     assert not pool.encoded
-    source = kernels.coded_pool_source(pool)
+    source = pool.triton_source()
     table = store.tables[0]
     pages, lengths = table.pages[store._rows([seq])][:, :, :2], store.physical_lengths(0, [seq])
     query = torch.randn(1, 2, 1, 16, device=DEVICE)
@@ -274,7 +274,7 @@ def test_codecs_without_a_triton_reader_give_no_source(spec: str) -> None:
     seq = store.new_sequence()
     store.append(0, [seq], torch.randn(1, 1, 9, 16, device=DEVICE), torch.randn(1, 1, 9, 16, device=DEVICE))
     store.seal(0, [seq])
-    assert store.pools[0].codec.ready and kernels.coded_pool_source(store.pools[0]) is None
+    assert store.pools[0].codec.ready and store.pools[0].triton_source() is None
 
 
 @triton.jit

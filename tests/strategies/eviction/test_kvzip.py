@@ -175,7 +175,7 @@ def test_context_prefill_is_compress_with_the_tokenizer_s_prompt() -> None:
 
 
 def test_a_compressed_context_is_held_in_the_prefix_store_and_forked_for_each_question() -> None:
-    from kvlib.strategies.eviction.kvzip import compressed_context
+    from kvlib.adapters import compressed_context
 
     model = build_model("llama")
     calls = []
@@ -216,7 +216,7 @@ def test_a_compressed_context_is_held_in_the_prefix_store_and_forked_for_each_qu
 
 
 def test_compressed_context_refuses_bad_input_before_any_model_work() -> None:
-    from kvlib.strategies.eviction.kvzip import compressed_context
+    from kvlib.adapters import compressed_context
 
     model = build_model("llama")
     store = kvlib.PrefixStore(model, capacity_bytes=1 << 20)
@@ -228,3 +228,11 @@ def test_compressed_context_refuses_bad_input_before_any_model_work() -> None:
     with pytest.raises(ValueError, match="make_cache\\(model, 'kvzip', budget"):
         compressed_context(model, store, context, PROMPT, budget=0.5, spec="snapkv")
     assert len(store.contexts) == 0
+
+
+def test_the_old_name_of_compressed_context_warns_and_gives_the_adapters_function() -> None:
+    from kvlib.adapters import compressed_context
+    from kvlib.strategies.eviction import kvzip
+
+    with pytest.warns(DeprecationWarning, match="kvlib.adapters.compressed_context"):
+        assert kvzip.compressed_context is compressed_context
