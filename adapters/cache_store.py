@@ -17,10 +17,10 @@ from kvlib.model_shape import KVShape
 from kvlib.storage.disk_tier import DiskTier, open_disk_tier
 from kvlib.storage.field_rows import FieldRows
 from kvlib.storage.page_prefetch import PagePrefetcher
-from kvlib.storage.page_record import Layout, record_size
 from kvlib.storage.paged_store import PagedStore
 from kvlib.storage.prefix_store import PrefixStore
 from kvlib.storage.spill_store import SpillStore
+from kvlib.storage.spilled_page_record import Layout, record_size
 from kvlib.storage.store_config import StoreConfig
 from kvlib.strategy import Tiering
 

@@ -49,7 +49,7 @@ from kvlib.adapters.sampling import check_sampling
 from kvlib.codec import Field
 from kvlib.errors import cut
 from kvlib.limits import check_seed
-from kvlib.storage.block_record import BlockLayout, FieldBlock, decode_parts, encode
+from kvlib.storage.prefix_block_record import BlockLayout, FieldBlock, decode_parts, encode
 from kvlib.storage.prefix_index import chain_hash
 
 TAIL_SPACE = b"|handover-tail"

@@ -31,8 +31,8 @@ from kvlib.adapters.swap import SwappedSequence, swap_in, swap_out
 from kvlib.codec import Codec, layer_shapes
 from kvlib.devices import check_fits
 from kvlib.model_shape import KVShape
-from kvlib.storage.block_record import BlockLayout
 from kvlib.storage.paged_store import PagedStore
+from kvlib.storage.prefix_block_record import BlockLayout
 from kvlib.storage.prefix_index import Entry
 from kvlib.storage.prefix_store import PrefixStore
 from kvlib.storage.remote_tier import RemoteTier

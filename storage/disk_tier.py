@@ -1,7 +1,7 @@
 """The disk tier: page records in an lmdb environment, bounded in bytes, safe across processes.
 
 Keys are ``namespace digest + chain key`` (32 bytes), so a directory written by another model,
-dtype, codec or salt never answers for this one. Values are :mod:`~kvlib.storage.block_record`
+dtype, codec or salt never answers for this one. Values are :mod:`~kvlib.storage.prefix_block_record`
 records (header, page fields, checksum; never pickled), each stored as an index entry and parts of
 at most 8 lmdb pages (:mod:`~kvlib.storage.record_parts`); readers get the parts as they lie in
 the map and copy them out once.
@@ -105,7 +105,7 @@ class DiskTier:
     :class:`~kvlib.errors.DiskTierUnavailable` if the directory cannot hold one.
 
     ``entropy=True``: prefix block records are written entropy-coded
-    (:mod:`~kvlib.storage.block_record`, :mod:`~kvlib.storage.entropy_code`): fewer bytes on
+    (:mod:`~kvlib.storage.prefix_block_record`, :mod:`~kvlib.storage.entropy_code`): fewer bytes on
     disk, a decode pass on every read. Records of either kind are read whatever the option."""
 
     def __init__(self, path: str | Path, capacity_bytes: int, *, entropy: bool = False) -> None:

@@ -416,7 +416,7 @@ class PagePool:
         return self.keys.index_select(0, index), self.values.index_select(0, index)
 
     def record_fields(self) -> dict[str, Field] | None:
-        """What one page of this pool is in a prefix block record (:mod:`~kvlib.storage.block_record`):
+        """What one page of this pool is in a prefix block record (:mod:`~kvlib.storage.prefix_block_record`):
         its fields by name, or None when its pages cannot go to one (they hold neither the compute
         dtype nor fields that mean the same to another process). Here keys and values in the
         compute dtype; None for a subclass whose pages are not in it and that says nothing more."""

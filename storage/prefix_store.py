@@ -27,7 +27,7 @@ while the index holds more than ``capacity_bytes``; their pages are freed once n
 them.
 
 Disk (``disk=DiskTier(path, capacity_bytes)`` or a path): every block indexed is also written
-to an lmdb block record (write-through, :mod:`~kvlib.storage.block_record`), keyed by the
+to an lmdb block record (write-through, :mod:`~kvlib.storage.prefix_block_record`), keyed by the
 namespace's digest (model, codec spec, dtype, device, page size, salt) and the chain key; a
 lookup that runs out of blocks in memory goes on on disk, loading verified records into fresh
 pages. A new process with the same model thus reuses prefixes an earlier one computed. A coded
@@ -67,10 +67,10 @@ import torch
 from kvlib.devices import outside_inference_mode
 from kvlib.errors import DiskTierUnavailable
 from kvlib.model_identity import ModelIdentity
-from kvlib.storage.block_record import BlockLayout, FieldBlock, decode_parts, encode
 from kvlib.storage.disk_tier import DiskTier, open_disk_tier
 from kvlib.storage.held_contexts import HeldContexts
 from kvlib.storage.paged_store import PagedStore
+from kvlib.storage.prefix_block_record import BlockLayout, FieldBlock, decode_parts, encode
 from kvlib.storage.prefix_index import Entry, PrefixIndex
 from kvlib.storage.remote_tier import RemoteTier
 

@@ -19,7 +19,7 @@ namespace, the shape and dtype the reader expects and the body length before tou
 then copies the body out while digesting it, and raises :class:`RecordError` on any mismatch
 (the caller treats it as a miss). Encoding and decoding each pass over the page bytes once.
 The records kvlib stores are spilled pages (:mod:`~kvlib.storage.spill_store`; prefix blocks are
-:mod:`~kvlib.storage.block_record` records): many small records of one layout, checked in one
+:mod:`~kvlib.storage.prefix_block_record` records): many small records of one layout, checked in one
 batch: copied into
 the rows of :func:`empty_rows`, checked by :func:`check_rows` (the same checks, vectorised) and
 read through :func:`row_sections`.

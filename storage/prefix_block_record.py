@@ -44,8 +44,8 @@ import torch
 
 from kvlib.codec import Field
 from kvlib.storage import entropy_code
-from kvlib.storage.page_record import RecordError
 from kvlib.storage.record_digest import digest
+from kvlib.storage.spilled_page_record import RecordError
 
 MAGIC = b"KVLP"
 VERSION = 5

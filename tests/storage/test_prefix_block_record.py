@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvlib.codec import Field
-from kvlib.storage.block_record import HEADER, BlockLayout, FieldBlock, decode_parts, encode
-from kvlib.storage.page_record import RecordError
+from kvlib.storage.prefix_block_record import HEADER, BlockLayout, FieldBlock, decode_parts, encode
+from kvlib.storage.spilled_page_record import RecordError
 
 HEADS, PAGE = 3, 4
 LAYERS = (

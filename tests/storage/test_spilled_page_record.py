@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvlib.storage.page_record import (
+from kvlib.storage.spilled_page_record import (
     Block,
     Layout,
     RecordError,
