@@ -1,11 +1,13 @@
-"""The on-disk record of one prefix block: a header, token ids, each layer's stored page fields, a checksum.
+"""The record of one prefix block (on disk, on the remote tier, in a hand-over): a header, token ids,
+each layer's stored page fields, a checksum.
 
 A block is ``page_size`` prompt tokens of every layer and KV head. Each layer's pool says what
 one of its pages is stored as (:meth:`~kvlib.storage.page_pool.PagePool.record_fields`): keys
 and values in the compute dtype for an exact pool, the codec's encoded fields (codes, scales,
 zero points) for a coded one. The record holds exactly those bytes: a coded page is written and
 read back as its fields, never decoded on the way (so a restored page equals the page that was
-written, bit for bit, and the bytes on disk are the encoded bytes).
+written, bit for bit, and the bytes on disk are the encoded bytes). A live sequence's spilled
+page has its own record (:mod:`~kvlib.storage.spilled_page_record`, magic ``b"KVLS"``).
 
 Layout (little endian)::
 

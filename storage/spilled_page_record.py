@@ -1,8 +1,12 @@
-"""The on-disk record of one prefix block: a fixed header, token ids, raw page bytes, a checksum.
+"""The on-disk record of one spilled page: a fixed header, token ids, raw page bytes, a checksum.
+
+A live sequence's page that leaves the host for the disk tier (:mod:`~kvlib.storage.spill_store`)
+is written as one such record; prefix blocks, shared between requests, have their own record
+(:mod:`~kvlib.storage.prefix_block_record`, magic ``b"KVLP"``).
 
 Layout (little endian)::
 
-    header  HEADER (below): magic b"KVLP", format version, namespace digest, the block's key and
+    header  HEADER (below): magic b"KVLS", format version, namespace digest, the block's key and
             its parent's key (hash chain), layers, KV heads, page size, head dim, value dim,
             dtype code, body length in bytes
     body    token ids (int64 x page_size), then keys (layers x heads x page_size x head_dim,
@@ -11,18 +15,17 @@ Layout (little endian)::
     digest  64-bit :mod:`~kvlib.storage.record_digest` digest (XXH3-64) of the header and the
             body; the header is padded to 8 bytes so every section starts 8-byte aligned
 
-Format 4 (this one) differs from format 3 in its digest only: a record of another version fails
-its header check, so records written by an earlier kvlib are misses.
+Format 4 (this one) differs from format 3 in its digest only; its magic was ``b"KVLP"`` (the
+prefix block record's) until the two records got a magic each. A record of another magic or
+version fails its header check, so records written by an earlier kvlib are misses.
 
 Nothing is pickled and nothing read is executed: :func:`decode` checks the magic, version,
 namespace, the shape and dtype the reader expects and the body length before touching the body,
 then copies the body out while digesting it, and raises :class:`RecordError` on any mismatch
 (the caller treats it as a miss). Encoding and decoding each pass over the page bytes once.
-The records kvlib stores are spilled pages (:mod:`~kvlib.storage.spill_store`; prefix blocks are
-:mod:`~kvlib.storage.prefix_block_record` records): many small records of one layout, checked in one
-batch: copied into
-the rows of :func:`empty_rows`, checked by :func:`check_rows` (the same checks, vectorised) and
-read through :func:`row_sections`.
+A spill store reads many small records of one layout back in one batch: copied into the rows of
+:func:`empty_rows`, checked by :func:`check_rows` (the same checks, vectorised) and read through
+:func:`row_sections`.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ import torch
 
 from kvlib.storage.record_digest import digest, rows_digests
 
-MAGIC = b"KVLP"
+MAGIC = b"KVLS"
 VERSION = 4
 HEADER = struct.Struct("<4sH16s16s16sHHHHHBQ7x")
 """80 bytes: the body starts 8-byte aligned."""
@@ -172,7 +175,7 @@ def _checked_header(layout: Layout, record: bytes | bytearray | memoryview) -> t
         raise RecordError("record shorter than its header")
     magic, version, namespace, key, parent, layers, heads, size, head_dim, value_dim, dtype, length = HEADER.unpack_from(record)
     if magic != MAGIC or version != VERSION:
-        raise RecordError(f"not a kvlib page record of version {VERSION}")
+        raise RecordError(f"not a kvlib spilled page record of version {VERSION}")
     if namespace != layout.namespace:
         raise RecordError("record of another model, dtype, codec or salt")
     expected = (layout.layers, layout.heads, layout.page_size, layout.head_dim, layout.value_dim, DTYPE_CODES[layout.dtype])
