@@ -5,10 +5,10 @@ Each layer has its own :class:`~kvlib.storage.PagePool`; a head's tokens sit in 
 heads may keep different numbers of tokens and the pages they drop are really freed.
 
 This module holds the store's state and its public API; each job is done in its own module,
-by functions of a layer's pool and block table: :mod:`~kvlib.storage.store_writes` (appends,
-copy-on-write, overwrites), :mod:`~kvlib.storage.store_reads` (dense, positional and sparse reads, key
-bounds, page scores), :mod:`~kvlib.storage.store_compaction` (compaction, hole fill, trimming),
-:mod:`~kvlib.storage.store_truncation` (truncation, reopening), :mod:`~kvlib.storage.store_sealing`; the read
+by functions of a layer's pool and block table: :mod:`~kvlib.storage.layer_writes` (appends,
+copy-on-write, overwrites), :mod:`~kvlib.storage.layer_reads` (dense, positional and sparse reads, key
+bounds, page scores), :mod:`~kvlib.storage.layer_compaction` (compaction, hole fill, trimming),
+:mod:`~kvlib.storage.layer_truncation` (truncation, reopening), :mod:`~kvlib.storage.layer_sealing`; the read
 mirrors are a :class:`~kvlib.storage.read_caches.ReadMirrors`, the sequence ids a
 :class:`~kvlib.storage.store_sequences.SequenceRows`, the pools come from
 :func:`~kvlib.storage.pool_factory.build_pools` and a :class:`~kvlib.storage.store_config.StoreConfig`.
@@ -46,7 +46,7 @@ import torch
 
 from kvlib.devices import outside_inference_mode
 from kvlib.kernels.paged_attention import PagedLayer
-from kvlib.storage import store_compaction, store_reads, store_sealing, store_truncation, store_writes
+from kvlib.storage import layer_compaction, layer_reads, layer_sealing, layer_truncation, layer_writes
 from kvlib.storage.block_table import BlockTable
 from kvlib.storage.open_pages import OpenPages
 from kvlib.storage.page_prefetch import PagePrefetcher
@@ -207,17 +207,17 @@ class PagedStore:
         layer = self._layer(layer)
         rows = self._rows(seqs)
         pool, table = self.pools[layer], self.tables[layer]
-        _, heads, steps = store_writes.check_step(layer, pool, table, rows, keys, values)
+        _, heads, steps = layer_writes.check_step(layer, pool, table, rows, keys, values)
         if self._layout is not None and not self._layout.unaffected_by_append(rows.numpy()):
             self._layout = None
         open_pages = self._open_pages[layer]
         if positions is None and open_pages is not None and open_pages.fits(rows, steps):
             self._append_in_open_pages(layer, rows, open_pages, keys, values)
             return
-        positions = store_writes.step_positions(table, rows, positions, heads=heads, steps=steps, device=self.device)
+        positions = layer_writes.step_positions(table, rows, positions, heads=heads, steps=steps, device=self.device)
         if steps == 0:
             return
-        store_writes.append(layer, pool, table, rows, keys, values, positions)
+        layer_writes.append(layer, pool, table, rows, keys, values, positions)
         self._open_pages[layer] = OpenPages.after_append(table, rows, self.device)
         self.peak_page_bytes = max(self.peak_page_bytes, self._page_bytes())
         self.mirrors.follow_append(layer, rows, tuple(rows.tolist()), keys, values, positions)
@@ -227,7 +227,7 @@ class PagedStore:
     ) -> None:
         """Fast path of :meth:`append`: every head's open page has room and is this batch's own,
         so the step is a write at known slots plus length updates (no allocation, no copy)."""
-        positions = store_writes.append_in_open_pages(self.pools[layer], self.tables[layer], rows, open_pages, keys, values)
+        positions = layer_writes.append_in_open_pages(self.pools[layer], self.tables[layer], rows, open_pages, keys, values)
         self.mirrors.follow_append(layer, rows, open_pages.rows, keys, values, positions)
 
     @outside_inference_mode
@@ -243,9 +243,9 @@ class PagedStore:
         layer = self._layer(layer)
         rows = self._rows(seqs)
         pool, table = self.pools[layer], self.tables[layer]
-        store_writes.check_step(layer, pool, table, rows, keys, values)
+        layer_writes.check_step(layer, pool, table, rows, keys, values)
         self._layout = None
-        store_writes.overwrite(pool, table, rows, token_index, keys, values)
+        layer_writes.overwrite(pool, table, rows, token_index, keys, values)
         self.mirrors.drop(layer, rows)
 
     # -- planned decode steps (kvlib.storage.step_plan) ------------------------------------------------
@@ -301,7 +301,7 @@ class PagedStore:
         ``positions`` and ``valid`` are :meth:`read`'s. What an eviction strategy that scores by
         positions and attention needs after a call that attended over the pages (8 bytes a token)."""
         layer = self._layer(layer)
-        return store_reads.read_positions(self.pools[layer], self.tables[layer], self._rows(seqs))
+        return layer_reads.read_positions(self.pools[layer], self.tables[layer], self._rows(seqs))
 
     @outside_inference_mode
     def paged_layer(self, layer: int, seqs: SequenceIds) -> PagedLayer | None:
@@ -331,7 +331,7 @@ class PagedStore:
         (use :meth:`read_selected`). Valid as :meth:`paged_layer`'s result is.
         """
         layer = self._layer(layer)
-        pages, lengths = store_reads.selected_pages(self.tables[layer], self._rows(seqs), page_index)
+        pages, lengths = layer_reads.selected_pages(self.tables[layer], self._rows(seqs), page_index)
         return self._pool_pages(layer, pages, lengths)
 
     def _pool_pages(self, layer: int, pages: torch.Tensor, lengths: torch.Tensor) -> PagedLayer | None:
@@ -343,9 +343,9 @@ class PagedStore:
         return paged
 
     def _gather(self, layer: int, rows: torch.Tensor, size: int) -> LayerRead:
-        """:func:`~kvlib.storage.store_reads.gather` of ``rows`` with ``size`` slots a head, then the
+        """:func:`~kvlib.storage.layer_reads.gather` of ``rows`` with ``size`` slots a head, then the
         following layer's prefetch."""
-        read = store_reads.gather(self.pools[layer], self.tables[layer], rows, size)
+        read = layer_reads.gather(self.pools[layer], self.tables[layer], rows, size)
         if self.pools[layer].pages_in_use:  # pages were read (none from an empty pool)
             self._prefetch_following(layer, rows)
         return read
@@ -364,7 +364,7 @@ class PagedStore:
         (entries past a head's ``pages_used`` are meaningless), and ``pages_used`` int64
         ``[batch, kv_heads]`` on the CPU. Needs a store made with ``key_summaries=True``."""
         layer = self._layer(layer)
-        return store_reads.key_bounds(self.pools[layer], self.tables[layer], self._rows(seqs))
+        return layer_reads.key_bounds(self.pools[layer], self.tables[layer], self._rows(seqs))
 
     @outside_inference_mode
     def read_selected(self, layer: int, seqs: SequenceIds, page_index: torch.Tensor) -> LayerRead:
@@ -379,14 +379,14 @@ class PagedStore:
         tiered pool, only chosen host pages are copied to the device); nothing moves or changes.
         """
         layer = self._layer(layer)
-        return store_reads.read_selected(self.pools[layer], self.tables[layer], self._rows(seqs), page_index)
+        return layer_reads.read_selected(self.pools[layer], self.tables[layer], self._rows(seqs), page_index)
 
     @outside_inference_mode
     def stored_positions(self, layer: int, seqs: SequenceIds) -> torch.Tensor:
         """Positions of the stored tokens of ``seqs``: int64 ``[batch, heads, longest]`` on the CPU,
         -1 past each head's length (read from the arena without touching keys or values)."""
         layer = self._layer(layer)
-        return store_reads.stored_positions(self.pools[layer], self.tables[layer], self._rows(seqs))
+        return layer_reads.stored_positions(self.pools[layer], self.tables[layer], self._rows(seqs))
 
     @outside_inference_mode
     def rank_pages(self, layer: int, seqs: SequenceIds, token_scores: torch.Tensor) -> None:
@@ -400,7 +400,7 @@ class PagedStore:
         pool = self.pools[layer]
         if pool.device_pages is None:
             raise ValueError("rank_pages needs a tiered store (device_pages=...)")
-        pool.rank(*store_reads.page_scores(self.tables[layer], rows, token_scores))
+        pool.rank(*layer_reads.page_scores(self.tables[layer], rows, token_scores))
 
     # -- compaction, truncation, sealing -------------------------------------------------------
 
@@ -444,7 +444,7 @@ class PagedStore:
         """
         layer = self._layer(layer)
         rows = self._rows(seqs)
-        done = store_compaction.compact(layer, self.pools[layer], self.tables[layer], rows, keep, values, reuse_slots=reuse_slots)
+        done = layer_compaction.compact(layer, self.pools[layer], self.tables[layer], rows, keep, values, reuse_slots=reuse_slots)
         if done.changed:
             self._changed(layer)
             self.mirrors.follow_compaction(layer, rows, done.reorder, done.moves, done.new_lengths)
@@ -463,7 +463,7 @@ class PagedStore:
         rows = self._rows(seqs)
         if not torch.equal((torch.as_tensor(order) >= 0).sum(-1).cpu(), self.tables[layer].lengths[rows].cpu()):
             raise ValueError("order must name every stored slot of each head once (a permutation), -1 padding last")
-        done = store_compaction.compact(
+        done = layer_compaction.compact(
             layer, self.pools[layer], self.tables[layer], rows, order, None, reuse_slots=False, in_given_order=True
         )
         if done.changed:
@@ -473,12 +473,12 @@ class PagedStore:
 
     def trim(self, layer: int) -> None:
         """Give back ``layer``'s idle arena memory when less than
-        :data:`~kvlib.storage.store_compaction.TRIM_BELOW` of it is in use (see
-        :func:`~kvlib.storage.store_compaction.trim`): pages in use move down, the block tables follow.
+        :data:`~kvlib.storage.layer_compaction.TRIM_BELOW` of it is in use (see
+        :func:`~kvlib.storage.layer_compaction.trim`): pages in use move down, the block tables follow.
         Nothing happens for pools that do not shrink (fixed, coded, tiered) or when something
         besides this store's block tables (a prefix index) holds pages of the layer."""
         layer = self._layer(layer)
-        if store_compaction.trim(self.pools[layer], self.tables[layer]):
+        if layer_compaction.trim(self.pools[layer], self.tables[layer]):
             self._changed(layer)
 
     @outside_inference_mode
@@ -495,7 +495,7 @@ class PagedStore:
         rows = self._rows(seqs)
         if not isinstance(length, int) or isinstance(length, bool) or not 0 <= length < 2**63:
             raise ValueError(f"length must be an int in [0, 2**63), got {length!r}")
-        new_lengths = store_truncation.truncate(layer, self.pools[layer], self.tables[layer], rows, length)
+        new_lengths = layer_truncation.truncate(layer, self.pools[layer], self.tables[layer], rows, length)
         self._changed(layer)
         self.mirrors.follow_truncation(layer, rows, new_lengths)
 
@@ -508,11 +508,11 @@ class PagedStore:
 
         Sealed pages then hold only the codec's fields; later reads decode them. A layer whose
         codec leans on a partner layer seals its pages in pairs with that layer's (see
-        :func:`~kvlib.storage.store_sealing.seal`).
+        :func:`~kvlib.storage.layer_sealing.seal`).
         """
         layer = self._layer(layer)
         rows = self._rows(seqs)
-        sealed = store_sealing.seal(layer, self.pools, self.tables, rows, salience)
+        sealed = layer_sealing.seal(layer, self.pools, self.tables, rows, salience)
         if sealed:
             self._layout = None  # sealing may move a coded pool's raw rows
             self.mirrors.drop(layer, rows)

@@ -7,7 +7,7 @@ attention call:
 
 - a :class:`DecodeLayout` is worked out when a step finds none that fits its rows: for every
   layer it gives each head room for the step's tokens in pages it alone holds (new pages and
-  copy-on-write, :func:`~kvlib.storage.store_writes.make_room`), and lays out, for the next ``room``
+  copy-on-write, :func:`~kvlib.storage.layer_writes.make_room`), and lays out, for the next ``room``
   tokens, the slot each one takes in every (layer, row, head), the positions they get, and the
   block tables and lengths the attention kernel reads, sent to the arenas' device once. It is
   built with numpy from the block tables' views, at most once per page of tokens per head;
@@ -43,8 +43,8 @@ import torch
 
 from kvlib.devices import to_arena_device
 from kvlib.storage.block_table import BlockTable
+from kvlib.storage.layer_writes import make_room
 from kvlib.storage.page_pool import PagePool
-from kvlib.storage.store_writes import make_room
 
 
 @dataclass(frozen=True)
@@ -163,7 +163,7 @@ def build_layout(
 ) -> DecodeLayout | None:
     """A :class:`DecodeLayout` of ``rows`` for at least ``tokens`` tokens, or None where a plan
     cannot hold (see the module docstring; nothing is changed then: every check comes before
-    :func:`~kvlib.storage.store_writes.make_room`, which allocates)."""
+    :func:`~kvlib.storage.layer_writes.make_room`, which allocates)."""
     rows_np = rows.numpy()
     heads = tables[0].num_heads
     if any(table.num_heads != heads for table in tables) or any(not pool.takes_planned_writes for pool in pools):

@@ -8,8 +8,8 @@ import torch
 
 from kvlib.errors import PoolExhaustedError
 from kvlib.storage.block_table import BlockTable
+from kvlib.storage.layer_reads import stored_positions
 from kvlib.storage.page_pool import PagePool
-from kvlib.storage.store_reads import stored_positions
 
 
 def truncate(layer: int, pool: PagePool, table: BlockTable, rows: torch.Tensor, length: int) -> torch.Tensor:
