@@ -4,7 +4,7 @@ Attention kernels want ``[batch, kv_heads, tokens, head_dim]``. Gathering that f
 every decode step would copy the whole cache per step (what ``torch.cat`` does in
 ``DynamicCache``). A :class:`DenseReadCache` is filled once from the pages and then kept in step
 by the store's appends (write-through), so a decode step writes only the new tokens. A
-compaction that reuses slots is mirrored by moving the same few tokens (:meth:`DenseReadCache.fill_holes`);
+compaction that reuses slots is followed by moving the same few tokens (:meth:`DenseReadCache.fill_holes`);
 any other change to its sequences in that layer (an in-order compaction, release) drops it, and
 the next read rebuilds it from the pages.
 
@@ -38,7 +38,7 @@ class LayerRead(NamedTuple):
 
 
 class DenseReadCache:
-    """Dense mirror of one layer for the batch of sequence ids ``rows`` (in that order).
+    """Dense read cache of one layer for the batch of sequence ids ``rows`` (in that order).
 
     Buffers have room for more rows and tokens than in use (both grow geometrically), so
     sequences leaving the batch (:meth:`drop_rows`: the last rows move into their places) or
@@ -89,7 +89,7 @@ class DenseReadCache:
 
     def add_rows(self, rows: tuple[int, ...], read: LayerRead, lengths: torch.Tensor) -> None:
         """Append sequences ``rows`` (their dense ``read``, zero past ``lengths [n, H]``) after
-        the mirror's rows."""
+        the cache's rows."""
         count, added = len(self.rows), len(rows)
         self._ensure_capacity(read.keys.shape[2])
         if count + added > self._buffers[0].shape[0]:
@@ -155,7 +155,7 @@ class DenseReadCache:
 
     def fill_holes(self, row: torch.Tensor, head: torch.Tensor, hole: torch.Tensor, source: torch.Tensor, lengths: torch.Tensor) -> None:
         """Mirror a compaction that reused slots (:mod:`~kvlib.storage.slot_reuse`): slot ``hole[i]`` of
-        mirror row ``row[i]``, head ``head[i]`` takes the token at slot ``source[i]`` (int64, CPU);
+        cache row ``row[i]``, head ``head[i]`` takes the token at slot ``source[i]`` (int64, CPU);
         then each head holds its first ``lengths [B, H]`` slots (no more than it had), and the
         slots it gave up return to zeros, position -1 and invalid. Writes only those slots."""
         device = self.keys.device

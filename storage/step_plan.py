@@ -7,7 +7,7 @@ attention call:
 
 - a :class:`DecodeLayout` is worked out when a step finds none that fits its rows: for every
   layer it gives each head room for the step's tokens in pages it alone holds (new pages and
-  copy-on-write, :func:`~kvlib.storage.layer_writes.make_room`), and lays out, for the next ``room``
+  copy-on-write, :meth:`~kvlib.storage.layer_writes.LayerWrites.make_room`), and lays out, for the next ``room``
   tokens, the slot each one takes in every (layer, row, head), the positions they get, and the
   block tables and lengths the attention kernel reads, sent to the arenas' device once. It is
   built with numpy from the block tables' views, at most once per page of tokens per head;
@@ -43,7 +43,7 @@ import torch
 
 from kvlib.devices import to_arena_device
 from kvlib.storage.block_table import BlockTable
-from kvlib.storage.layer_writes import make_room
+from kvlib.storage.layer_pages import LayerPages
 from kvlib.storage.page_pool import PagePool
 
 
@@ -154,8 +154,7 @@ class DecodeLayout:
 
 
 def build_layout(
-    pools: Sequence[PagePool],
-    tables: Sequence[BlockTable],
+    layers: Sequence[LayerPages],
     rows: torch.Tensor,
     tokens: int,
     device: torch.device,
@@ -163,7 +162,9 @@ def build_layout(
 ) -> DecodeLayout | None:
     """A :class:`DecodeLayout` of ``rows`` for at least ``tokens`` tokens, or None where a plan
     cannot hold (see the module docstring; nothing is changed then: every check comes before
-    :func:`~kvlib.storage.layer_writes.make_room`, which allocates)."""
+    :meth:`~kvlib.storage.layer_writes.LayerWrites.make_room`, which allocates). ``layers``: every
+    layer of the store, in order."""
+    pools, tables = [pages.pool for pages in layers], [pages.table for pages in layers]
     rows_np = rows.numpy()
     heads = tables[0].num_heads
     if any(table.num_heads != heads for table in tables) or any(not pool.takes_planned_writes for pool in pools):
@@ -188,8 +189,8 @@ def build_layout(
         if not _private(pools, held, victims, at_cap, page_size):
             return None
     steps = tokens if at_cap is None else np.where(at_cap, 0, tokens)
-    for layer, (pool, table) in enumerate(zip(pools, tables)):
-        make_room(layer, pool, table, rows, steps if at_cap is None else torch.from_numpy(steps[layer]))
+    for layer, pages in enumerate(layers):
+        pages.make_room(rows, steps if at_cap is None else torch.from_numpy(steps[layer]))
     pages = _block_tables(tables, rows_np)
     capacity = np.where(pages >= 0, page_size, 0).sum(-1)  # slots each head holds in its pages
     room = capacity - lengths

@@ -531,7 +531,7 @@ def test_truncate_drops_the_mirror_of_another_batch() -> None:
     mirrored.read(0, [a, b])
     for store in (mirrored, plain):
         store.truncate(0, [b], 3)
-    assert mirrored.mirrors[0] is None
+    assert mirrored.read_caches[0] is None
     assert_reads_equal(mirrored.read(0, [a, b]), plain.read(0, [a, b]))
     assert_reads_equal(mirrored.read(0, [b, a]), plain.read(0, [b, a]))
 
@@ -891,12 +891,12 @@ def test_read_mirror_follows_sequences_leaving_and_joining_the_batch() -> None:
     same([0, 1, 2])
     for store, ids in zip(stores, seqs):
         store.release([ids[1]])
-    assert stores[0].mirrors[0].rows == (seqs[0][0], seqs[0][2])  # kept, without the released row
+    assert stores[0].read_caches[0].rows == (seqs[0][0], seqs[0][2])  # kept, without the released row
     append([0, 2], 1)
     same([0, 2])
     append([0, 2, 3], 1)  # the mirror extends its rows; sequence 3 joins at the read
     same([0, 2, 3])
-    assert stores[0].mirrors[1].rows == (seqs[0][0], seqs[0][2], seqs[0][3])
+    assert stores[0].read_caches[1].rows == (seqs[0][0], seqs[0][2], seqs[0][3])
     append([0, 2, 3], 3)
     same([0, 2, 3])
 
