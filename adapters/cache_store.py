@@ -14,8 +14,9 @@ import torch
 from kvlib.codec import Codec, PageCodec, layer_shapes
 from kvlib.errors import DiskTierUnavailable
 from kvlib.model_shape import KVShape
-from kvlib.storage.disk_tier import DiskTier, open_disk_tier
+from kvlib.storage.disk_tier import DiskTier
 from kvlib.storage.field_rows import FieldRows
+from kvlib.storage.open_tiers import open_disk_tier
 from kvlib.storage.page_prefetch import PagePrefetcher
 from kvlib.storage.paged_store import PagedStore
 from kvlib.storage.prefix_store import PrefixStore

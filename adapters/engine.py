@@ -54,7 +54,7 @@ from kvlib.errors import quoted
 from kvlib.limits import MAX_REQUEST_TOKENS, check_page_size
 from kvlib.model_shape import kv_shape, model_context
 from kvlib.spec import Spec, parse_spec
-from kvlib.storage.prefix_store import remote_tier
+from kvlib.storage.open_tiers import remote_tier
 
 if TYPE_CHECKING:
     from kvlib.storage.paged_store import PagedStore

@@ -174,3 +174,15 @@ class PrefixIndex:
         self.nbytes -= entry.nbytes
         self.evictions += 1
         self.on_evict(entry)
+
+    def stats(self) -> dict[str, int]:
+        """Hits and misses (blocks), evictions, collisions, entries and bytes indexed, entries no one uses."""
+        return {
+            "hits": self.hits,
+            "misses": self.misses,
+            "evictions": self.evictions,
+            "collisions": self.collisions,
+            "entries": len(self.entries),
+            "bytes": self.nbytes,
+            "unused_entries": len(self.lru),
+        }

@@ -65,27 +65,14 @@ from functools import partial
 import torch
 
 from kvlib.devices import outside_inference_mode
-from kvlib.errors import DiskTierUnavailable
 from kvlib.model_identity import ModelIdentity
-from kvlib.storage.disk_tier import DiskTier, open_disk_tier
+from kvlib.storage.disk_tier import DiskTier
 from kvlib.storage.held_contexts import HeldContexts
+from kvlib.storage.open_tiers import disk_tier, remote_tier
 from kvlib.storage.paged_store import PagedStore
 from kvlib.storage.prefix_block_record import BlockLayout, FieldBlock, decode_parts, encode
 from kvlib.storage.prefix_index import Entry, PrefixIndex
 from kvlib.storage.remote_tier import RemoteTier
-
-
-def remote_tier(remote: RemoteTier | str | None, key: str | bytes | None, trust: str) -> RemoteTier | None:
-    """The remote tier ``remote`` names: a :class:`~kvlib.storage.remote_tier.RemoteTier` as
-    given, one made for a URL with ``key`` and ``trust`` (``ValueError`` without a key unless
-    ``trust="any-writer"``), or None. ``key`` and ``trust`` go with a URL only."""
-    if isinstance(remote, str):
-        return RemoteTier(remote, key=key, trust=trust)
-    if key is not None or trust != "key":
-        raise ValueError("remote_key and remote_trust are for a remote tier given by URL; a RemoteTier takes key= and trust= itself")
-    if remote is not None and not isinstance(remote, RemoteTier):
-        raise ValueError(f"remote must be a RemoteTier, a redis:// URL or None, got {type(remote).__name__}")
-    return remote
 
 
 class PrefixStore:
@@ -132,15 +119,7 @@ class PrefixStore:
         handed out as forks; keyed by :meth:`context_key`, within their own ``capacity_bytes``."""
         self.stores: dict[str, PagedStore] = {}
         """Paged stores by namespace (see :meth:`namespace`)."""
-        if isinstance(disk, (str, bytes)) or hasattr(disk, "__fspath__"):
-            try:
-                disk = open_disk_tier(disk, capacity_bytes=max(capacity_bytes, 1) * 4)
-            except DiskTierUnavailable as error:
-                warnings.warn(f"{error}; prefixes stay in memory", stacklevel=2)
-                disk = None
-        if disk is not None and not isinstance(disk, DiskTier):
-            raise ValueError(f"disk must be a DiskTier, a path or None, got {type(disk).__name__}")
-        self.disk = disk
+        self.disk = disk_tier(disk, capacity_bytes=max(capacity_bytes, 1) * 4)
         self.remote = remote
         self._closing: list = []
         """Sessions of caches garbage-collected since the last use (closed by :meth:`collect`)."""
@@ -168,30 +147,27 @@ class PrefixStore:
             self.stores[namespace] = build()
         return self.stores[namespace]
 
-    def _key_space(self, namespace: str) -> bytes:
-        return self.fingerprint + namespace.encode()
-
     def key_space(self, namespace: str) -> bytes:
         """What every chain key of ``namespace`` hashes besides tokens: the model's fingerprint and the namespace."""
-        return self._key_space(namespace)
+        return self.fingerprint + namespace.encode()
 
     def record_namespace(self, namespace: str) -> bytes:
         """The 16-byte digest naming ``namespace`` in records and tier keys."""
-        return hashlib.blake2b(self._key_space(namespace), digest_size=16).digest()
+        return hashlib.blake2b(self.key_space(namespace), digest_size=16).digest()
 
     def context_key(self, namespace: str, context_ids: torch.Tensor) -> bytes:
         """The key of a whole context (int ``[batch, tokens]``) computed by caches of ``namespace``
         (its spec naming everything that shaped the cache, budget included) in :attr:`contexts`:
         the model's fingerprint, the namespace and every token id, hashed."""
         ids = context_ids.detach().to("cpu", torch.int64).contiguous()
-        digest = hashlib.blake2b(self._key_space(namespace), digest_size=32)
+        digest = hashlib.blake2b(self.key_space(namespace), digest_size=32)
         digest.update(repr(tuple(ids.shape)).encode())
         digest.update(ids.numpy().tobytes())
         return digest.digest()
 
     def block_keys(self, namespace: str, blocks: list[list[int]]) -> list[bytes]:
         """The chain keys of ``blocks`` (consecutive token blocks from a prompt's start) in ``namespace``."""
-        return self.index.keys(blocks, self._key_space(namespace))
+        return self.index.keys(blocks, self.key_space(namespace))
 
     def cached_blocks(self, keys: list[bytes], blocks: list[list[int]]) -> int:
         """How many leading blocks (with chain ``keys``) are in memory now, verified against
@@ -210,7 +186,7 @@ class PrefixStore:
         loaded into fresh pages and indexed. The entries are acquired for the caller (so that
         loading more cannot evict them): attach them, and :meth:`release` those not attached."""
         self.collect()
-        found = self.index.lookup(blocks, self._key_space(namespace))
+        found = self.index.lookup(blocks, self.key_space(namespace))
         self.index.acquire(found)
         layout = self._record_layout(namespace) if load else None
         if layout is not None and len(found) < len(blocks):
@@ -234,7 +210,7 @@ class PrefixStore:
     def _load(self, namespace: str, layout: BlockLayout, blocks: list[list[int]], first: int) -> list[Entry]:
         """Entries for ``blocks[first:]`` read from disk, then from the remote tier, while their
         records check out."""
-        keys = self.index.keys(blocks, self._key_space(namespace))
+        keys = self.index.keys(blocks, self.key_space(namespace))
         loaded: list[Entry] = []
         index = first
         if self.disk is not None:
@@ -338,7 +314,7 @@ class PrefixStore:
         a second copy of the block that ``seq`` never reads, so a request could hold more pages
         than its own tokens fill (and, alone under a page budget that fits it, never finish)."""
         store = self.stores[namespace]
-        keys = self.index.keys(blocks, self._key_space(namespace))
+        keys = self.index.keys(blocks, self.key_space(namespace))
         held, new = [], []
         for block in range(first, len(blocks)):
             pages = torch.stack([store.tables[layer].pages[seq, :, block] for layer in range(store.num_layers)])
@@ -420,13 +396,4 @@ class PrefixStore:
         """Hits and misses (blocks), evictions, collisions, entries and bytes indexed (after
         releasing what garbage-collected caches held)."""
         self.collect()
-        index = self.index
-        return {
-            "hits": index.hits,
-            "misses": index.misses,
-            "evictions": index.evictions,
-            "collisions": index.collisions,
-            "entries": len(index.entries),
-            "bytes": index.nbytes,
-            "unused_entries": len(index.lru),
-        }
+        return self.index.stats()
