@@ -1,16 +1,18 @@
-"""Adapters that put the paged store to work: the transformers cache (and, as it lands, the scheduler).
+"""Adapters that put the paged store to work on a model: the drop-in transformers cache and the Engine.
 
 - :func:`make_cache` builds a :class:`KVCache`, a drop-in ``transformers`` cache for
   ``model.generate``;
 - :func:`attach` routes a model's attention through kvlib (``make_cache`` calls it);
 - :func:`blend_cache` assembles a prompt's cache from chunks computed on their own (CacheBlend);
-- :class:`Engine` serves many requests at once: continuous batching over the paged store.
+- :class:`Engine` serves many requests at once: continuous batching over the paged store;
+- :func:`compressed_context` holds a KVzip-compressed context whole and forks it for each question.
 """
 
 from kvlib.adapters.attention import attach
 from kvlib.adapters.blend import blend_cache
 from kvlib.adapters.engine import Engine
+from kvlib.adapters.kvzip_context import compressed_context
 from kvlib.adapters.make_cache import make_cache
 from kvlib.adapters.transformers_cache import KVCache
 
-__all__ = ["Engine", "KVCache", "attach", "blend_cache", "make_cache"]
+__all__ = ["Engine", "KVCache", "attach", "blend_cache", "compressed_context", "make_cache"]

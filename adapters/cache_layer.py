@@ -25,16 +25,16 @@ from kvlib.adapters import layer_step
 from kvlib.adapters.compressor import AttentionInputs, Compressor, PlannedWork
 from kvlib.adapters.layer_step import AttentionCall, LayerStep
 from kvlib.adapters.masks import physical_mask, real_new_tokens
-from kvlib.adapters.model_shape import KVShape
 from kvlib.adapters.paged_decode import attention_over_pages
 from kvlib.adapters.prefix_session import PrefixSession
 from kvlib.adapters.sparse_decode import sparse_decode_attention
 from kvlib.codec import FitSample, PageCodec
 from kvlib.devices import reads_pages_in_place
-from kvlib.paged_attention import PagedLayer
-from kvlib.paged_store import PagedStore
-from kvlib.read_cache import LayerRead
-from kvlib.step_plan import StepPlan
+from kvlib.kernels.paged_attention import PagedLayer
+from kvlib.model_shape import KVShape
+from kvlib.storage.paged_store import PagedStore
+from kvlib.storage.read_cache import LayerRead
+from kvlib.storage.step_plan import StepPlan
 from kvlib.strategy import LayerView, Tiering
 
 PAGED_QUERY_TOKENS = 16

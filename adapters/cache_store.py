@@ -11,17 +11,18 @@ from __future__ import annotations
 
 import torch
 
-from kvlib.adapters.model_shape import KVShape
 from kvlib.codec import Codec, PageCodec, layer_shapes
 from kvlib.errors import DiskTierUnavailable
-from kvlib.paged_store import PagedStore
-from kvlib.prefix_store import PrefixStore
-from kvlib.storage.disk_tier import DiskTier, open_disk_tier
+from kvlib.model_shape import KVShape
+from kvlib.storage.disk_tier import DiskTier
 from kvlib.storage.field_rows import FieldRows
+from kvlib.storage.open_tiers import open_disk_tier
 from kvlib.storage.page_prefetch import PagePrefetcher
-from kvlib.storage.page_record import Layout, record_size
+from kvlib.storage.paged_store import PagedStore
+from kvlib.storage.prefix_store import PrefixStore
 from kvlib.storage.spill_store import SpillStore
-from kvlib.store_config import StoreConfig
+from kvlib.storage.spilled_page_record import Layout, record_size
+from kvlib.storage.store_config import StoreConfig
 from kvlib.strategy import Tiering
 
 

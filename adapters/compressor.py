@@ -33,10 +33,10 @@ from kvlib.adapters.layer_step import LayerStep
 from kvlib.adapters.merge import merged_values
 from kvlib.adapters.query_history import QueryHistory
 from kvlib.adapters.slot_order import along_slots, ordered_view, position_order, to_slots
-from kvlib.paged_store import PagedStore
-from kvlib.read_cache import LayerRead
 from kvlib.selection import position_rank, select_keep
-from kvlib.step_plan import Ring
+from kvlib.storage.paged_store import PagedStore
+from kvlib.storage.read_cache import LayerRead
+from kvlib.storage.step_plan import Ring
 from kvlib.strategies.budget.uniform import Uniform
 from kvlib.strategy import Budget, BudgetRequest, Eviction, LayerView, Rope
 
@@ -130,7 +130,7 @@ class Compressor:
     _held_caps: dict[tuple[int, int, int], np.ndarray] = field(default_factory=dict, init=False, repr=False)
     _ring: Ring | None = field(default=None, init=False, repr=False)
 
-    # -- planned decode steps (kvlib.step_plan) ----------------------------------------------------
+    # -- planned decode steps (kvlib.storage.step_plan) ----------------------------------------------------
 
     def ring(self, batch: int, heads: int) -> Ring | None:
         """The held cap as a ring of slots for a decode step of ``batch`` rows of ``heads`` KV heads
@@ -213,7 +213,7 @@ class Compressor:
 
     def accumulate_received(self, layer: int, received: torch.Tensor) -> None:
         """Add a planned decode call's received attention (float32 ``[batch, kv_heads, slots]``,
-        the paged kernel's, :func:`kvlib.paged_ops.paged_decode`; 0 past each head's length) to
+        the paged kernel's, :func:`kvlib.kernels.paged_ops.paged_decode`; 0 past each head's length) to
         ``layer``'s accumulated attention, as :meth:`compaction` adds a call's weights for a
         strategy that counts them as they are (``attention_received`` not overridden)."""
         previous = self._accumulated.get(layer)
@@ -359,7 +359,7 @@ class Compressor:
     def compacted(self, layer: int, layout: torch.Tensor) -> None:
         """The store compacted ``layer``: new slot ``i`` of each head holds what old slot
         ``layout[..., i]`` held (int64 ``[batch, heads, k]``, ``-1`` past the new length, as
-        :meth:`~kvlib.paged_store.PagedStore.compact` returns it); per-slot state follows."""
+        :meth:`~kvlib.storage.paged_store.PagedStore.compact` returns it); per-slot state follows."""
         state = self._accumulated.get(layer)
         if state is not None:
             layout = layout.to(state.device)

@@ -47,18 +47,18 @@ from kvlib.adapters.handover import HandOver, MessageLimits
 from kvlib.adapters.kv_manager import KVManager, page_budget
 from kvlib.adapters.make_cache import eviction_compressor
 from kvlib.adapters.model_runner import ModelRunner
-from kvlib.adapters.model_shape import kv_shape, model_context
 from kvlib.adapters.request_checks import REQUEST_OPTIONS, checked_request
 from kvlib.adapters.scheduler import Scheduler, StepPlan
 from kvlib.codec import Codec
 from kvlib.errors import quoted
 from kvlib.limits import MAX_REQUEST_TOKENS, check_page_size
-from kvlib.prefix_store import remote_tier
+from kvlib.model_shape import kv_shape, model_context
 from kvlib.spec import Spec, parse_spec
+from kvlib.storage.open_tiers import remote_tier
 
 if TYPE_CHECKING:
-    from kvlib.paged_store import PagedStore
-    from kvlib.prefix_store import PrefixStore
+    from kvlib.storage.paged_store import PagedStore
+    from kvlib.storage.prefix_store import PrefixStore
     from kvlib.storage.remote_tier import RemoteTier
 
 PREEMPTION_MODES = ("recompute", "swap")

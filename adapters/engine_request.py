@@ -16,7 +16,7 @@ import torch
 
 from kvlib.adapters.compressor import Compressor
 from kvlib.adapters.handover import Tail
-from kvlib.prefix_index import Entry
+from kvlib.storage.prefix_index import Entry
 
 
 class RequestState(enum.Enum):

@@ -49,8 +49,8 @@ from kvlib.adapters.sampling import check_sampling
 from kvlib.codec import Field
 from kvlib.errors import cut
 from kvlib.limits import check_seed
-from kvlib.prefix_index import chain_hash
-from kvlib.storage.block_record import BlockLayout, FieldBlock, decode_parts, encode
+from kvlib.storage.prefix_block_record import BlockLayout, FieldBlock, decode_parts, encode
+from kvlib.storage.prefix_index import chain_hash
 
 TAIL_SPACE = b"|handover-tail"
 """Appended to the namespace key space for tail records' chain keys (never a full block's)."""

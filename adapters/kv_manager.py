@@ -26,17 +26,17 @@ import torch
 
 from kvlib.adapters.engine_request import Request
 from kvlib.adapters.handover import Tail, read_tail, tail_key, tail_layout, tail_record
-from kvlib.adapters.model_shape import KVShape
 from kvlib.adapters.page_forecast import PageForecast
 from kvlib.adapters.swap import SwappedSequence, swap_in, swap_out
 from kvlib.codec import Codec, layer_shapes
 from kvlib.devices import check_fits
-from kvlib.paged_store import PagedStore
-from kvlib.prefix_index import Entry
-from kvlib.prefix_store import PrefixStore
-from kvlib.storage.block_record import BlockLayout
+from kvlib.model_shape import KVShape
+from kvlib.storage.paged_store import PagedStore
+from kvlib.storage.prefix_block_record import BlockLayout
+from kvlib.storage.prefix_index import Entry
+from kvlib.storage.prefix_store import PrefixStore
 from kvlib.storage.remote_tier import RemoteTier
-from kvlib.store_config import StoreConfig
+from kvlib.storage.store_config import StoreConfig
 
 DEFAULT_PREFIX_CACHE_BYTES = 2**30
 """Bytes of unused cached pages kept without a page budget or ``prefix_cache_bytes``."""
@@ -108,7 +108,7 @@ class KVManager:
         read_cache: keep a dense mirror of the decoding batch in the store.
         prefix_cache: index full pages for reuse across requests.
         preemption: ``"swap"`` (to host memory) or ``"recompute"``.
-        remote: the prefix store's remote tier (:class:`~kvlib.prefix_store.PrefixStore`), or None.
+        remote: the prefix store's remote tier (:class:`~kvlib.storage.prefix_store.PrefixStore`), or None.
     """
 
     def __init__(

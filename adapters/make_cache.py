@@ -8,15 +8,15 @@ import torch
 
 from kvlib.adapters.attention import attach
 from kvlib.adapters.compressor import Compressor
-from kvlib.adapters.model_shape import KVShape, kv_shape, model_context, output_projections, rope_of
 from kvlib.adapters.transformers_cache import KVCache
 from kvlib.codec import Codec, layer_shapes
 from kvlib.devices import check_fits
 from kvlib.errors import quoted
 from kvlib.limits import MAX_BUDGET_TOKENS, MAX_PAGE_SIZE, check_page_size, check_request_tokens
-from kvlib.prefix_store import PrefixStore
+from kvlib.model_shape import KVShape, kv_shape, model_context, output_projections, rope_of
 from kvlib.spec import Spec, SpecLike, parse_spec
-from kvlib.store_config import DEFAULT_PAGES_PER_LAYER, initial_arena_bytes
+from kvlib.storage.prefix_store import PrefixStore
+from kvlib.storage.store_config import DEFAULT_PAGES_PER_LAYER, initial_arena_bytes
 from kvlib.strategies.budget.uniform import Uniform
 from kvlib.strategy import Tiering
 
@@ -79,7 +79,7 @@ def make_cache(
     With ``reuse=kvlib.PrefixStore(model, capacity_bytes=...)`` the cache lives in that store's
     pages: given ``prompt`` (the ids ``generate`` will get; ``attention_mask`` if padded), it
     starts holding the longest cached prefix of it, so ``generate`` computes only the rest, and it
-    indexes the prompt's pages for later calls (see :mod:`kvlib.prefix_store`). Reuse needs every
+    indexes the prompt's pages for later calls (see :mod:`kvlib.storage.prefix_store`). Reuse needs every
     prompt token stored as computed: no eviction strategy, and no codec that learns from the
     prompt (quantization codecs are fine; their pages are keyed by the spec); a prompt longer than
     the model's context (``max_position_embeddings``) is refused before any lookup.
@@ -190,7 +190,7 @@ def _check_reuse(model: torch.nn.Module, spec: Spec, codec: Codec | None, reuse:
     if spec.eviction is not None:
         raise ValueError(
             f"prefix reuse needs every prompt token stored; {spec.eviction.spec()} drops tokens. Use reuse with an exact or quantized"
-            " cache, or hold a compressed context whole (kvlib.strategies.eviction.kvzip.compressed_context)"
+            " cache, or hold a compressed context whole (kvlib.adapters.compressed_context)"
         )
     if codec is not None and spec.lowrank is not None:
         raise ValueError(f"prefix reuse works with quantization codecs; {spec.lowrank.spec()} fits itself to each prompt")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from kvlib.adapters.model_shape import KVShape
-from kvlib.paged_store import PagedStore
+from kvlib.model_shape import KVShape
+from kvlib.storage.paged_store import PagedStore
 
 COMPONENTS = ("pages", "positions", "codec_metadata", "key_summaries", "tables", "read_cache")
 """What ``by_component`` splits the bytes held into."""

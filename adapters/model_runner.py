@@ -24,8 +24,8 @@ from kvlib.adapters.layer_step import LayerStep
 from kvlib.adapters.packed_batch import PackedCache, Segment, visibility
 from kvlib.adapters.sampling import next_token
 from kvlib.codec import Codec
-from kvlib.paged_store import PagedStore
-from kvlib.read_cache import LayerRead
+from kvlib.storage.paged_store import PagedStore
+from kvlib.storage.read_cache import LayerRead
 from kvlib.transformers_compat import cache_argument
 
 

@@ -11,7 +11,7 @@ block table over its rows, ragged lengths per (row, head); no dense copy), each 
 tokens read into a transient dense workspace (reported as the store's ``peak_workspace``). The
 kvlib attention function then lets the step attend, :func:`packed_attention`: each segment attends over its own
 sequences' stored tokens (the decode group in one call of the page kernel,
-:mod:`~kvlib.paged_attention`; each chunk causally by stored position through SDPA), and the
+:mod:`~kvlib.kernels.paged_attention`; each chunk causally by stored position through SDPA), and the
 outputs are laid back on the packed token axis. The decode group reads densely instead where the
 pages cannot be read in place (codecs, a device without the kernel), where the store keeps a
 read mirror (``read_cache=True``) and where the attention is one the kernel does not reproduce
@@ -32,10 +32,10 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from kvlib.adapters import layer_step
 from kvlib.adapters.layer_step import AttentionCall, paged_attention_applies
 from kvlib.devices import reads_pages_in_place
-from kvlib.paged_attention import PagedLayer
-from kvlib.paged_store import PagedStore
-from kvlib.read_cache import LayerRead
-from kvlib.step_plan import StepPlan
+from kvlib.kernels.paged_attention import PagedLayer
+from kvlib.storage.paged_store import PagedStore
+from kvlib.storage.read_cache import LayerRead
+from kvlib.storage.step_plan import StepPlan
 
 
 @dataclass
@@ -143,7 +143,7 @@ class PackedCache(Cache):
         layer call's attention keyword arguments, when given); returns the inputs (attention
         takes what was published). Every append comes before any read, so a page layout handed
         over stays valid for the call. The decode group's step is planned once for every layer
-        at layer 0 where the store can (:meth:`~kvlib.paged_store.PagedStore.plan_step`): its
+        at layer 0 where the store can (:meth:`~kvlib.storage.paged_store.PagedStore.plan_step`): its
         tokens are then written where the plan puts them and it attends through the plan."""
         if layer_idx == 0:
             self.plan = self._plan_decode_group()
@@ -169,7 +169,7 @@ class PackedCache(Cache):
         return key_states, value_states
 
     def _plan_decode_group(self) -> StepPlan | None:
-        """The decode group's plan (:meth:`~kvlib.paged_store.PagedStore.plan_step`), where the
+        """The decode group's plan (:meth:`~kvlib.storage.paged_store.PagedStore.plan_step`), where the
         first segment is one and its pages are read in place; else None."""
         if not self.segments or self.segments[0].length != 1 or not reads_pages_in_place(self.store.device):
             return None

@@ -1,6 +1,6 @@
 """Position order of a layer's stored slots, for strategies and selection that need it.
 
-After a compaction that reused slots (:mod:`~kvlib.slot_reuse`), a head's slots are no longer in
+After a compaction that reused slots (:mod:`~kvlib.storage.slot_reuse`), a head's slots are no longer in
 position order. Eviction must keep the same tokens as if they were: the compressor selects among
 slots sorted by position (ties in scores then break by position, as they always did), and hands a
 strategy that is not :attr:`~kvlib.strategy.Eviction.order_free` a view permuted into that order.

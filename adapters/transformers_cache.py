@@ -30,14 +30,14 @@ from kvlib.adapters.cache_layer import NOT_THROUGH_KVLIB, PAGED_QUERY_TOKENS, KV
 from kvlib.adapters.cache_store import CacheStoreBuilder
 from kvlib.adapters.compressor import Compressor, PlannedWork
 from kvlib.adapters.memory_report import memory_report
-from kvlib.adapters.model_shape import KVShape
 from kvlib.adapters.prefix_session import PrefixSession
 from kvlib.codec import Codec, PageCodec
 from kvlib.devices import reads_pages_in_place
-from kvlib.paged_store import PagedStore
-from kvlib.prefix_store import PrefixStore
-from kvlib.step_plan import StepPlan
+from kvlib.model_shape import KVShape
+from kvlib.storage.paged_store import PagedStore
+from kvlib.storage.prefix_store import PrefixStore
 from kvlib.storage.spill_store import SpillStore
+from kvlib.storage.step_plan import StepPlan
 from kvlib.strategy import Tiering
 
 
@@ -166,7 +166,7 @@ class KVCache(Cache):
 
     def prepare_step(self, tokens: int, attention_mask: torch.Tensor | None = None, *, mask_known: bool = True) -> None:
         """Plan the coming model call of ``tokens`` new tokens per row for every layer, where it is
-        a decode step the paged store can plan (see :mod:`kvlib.step_plan`), and work out which
+        a decode step the paged store can plan (see :mod:`kvlib.storage.step_plan`), and work out which
         layers have anything to do after their attention. The forward pre-hook that
         :func:`kvlib.attach` adds calls it with the call's ``attention_mask`` (2-D, or None: no
         padding), so that the forward itself keeps no books (``model.forward`` compiled with
@@ -378,7 +378,7 @@ class KVCache(Cache):
         (copy-on-write: tokens either cache adds later go to pages of its own), each layer's
         length and slot order, the rows' padding. For several continuations of one computed
         prefix, at once or one after another, without computing it again (a compressed context
-        and its questions: :func:`kvlib.strategies.eviction.kvzip.compressed_context`).
+        and its questions: :func:`kvlib.adapters.compressed_context`).
 
         The fork evicts nothing: it keeps every token added to it. Refused (``ValueError``): a
         cache that still evicts (its strategy's per-row state is its own; fork once eviction is

@@ -35,8 +35,8 @@ import torch
 
 from kvlib import devices
 from kvlib.devices import PagedKernel
-from kvlib.paged_attention import paged_attention
-from kvlib.paged_attention_torch import attend_pages_torch
+from kvlib.kernels.paged_attention import paged_attention
+from kvlib.kernels.paged_attention_torch import attend_pages_torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or loaded by path
 from provenance import add_run_arguments, command_line, parse_run_arguments, run_metadata, write_report  # noqa: E402

@@ -7,7 +7,7 @@ counted three ways against ``DynamicCache`` on the same model and prompt:
   operator called inside another operator, or inside one of kvlib's custom ops, does not count:
   each top-level call is one trip through torch's dispatcher, and on CUDA a kernel launch or more);
   ``with kvlib's inner ops`` adds the ``aten::`` operators kvlib's own operators (``kvlib::*``,
-  :mod:`kvlib.paged_ops`) call inside (their CPU implementations' tensor conversions);
+  :mod:`kvlib.kernels.paged_ops`) call inside (their CPU implementations' tensor conversions);
 - ``python calls``: Python function calls under ``cProfile`` in the step;
 - ``files entered`` and ``moves`` per layer (on the small ``stories`` model, ``--trace-model``):
   while one middle layer's attention module runs (from its forward pre-hook to the next layer's),

@@ -5,7 +5,7 @@
   (``in cache``: the same buffer again and again, as a record is digested right after it is
   copied out of the map) and over ``--spread-mb`` of distinct records (``from memory``).
 - ``batch``: ``--batch`` spilled-page records of ``--row-kb`` KB (one head's fp16 page of 16
-  tokens, header and token ids included), one checksum per row, as ``page_record.check_rows``
+  tokens, header and token ids included), one checksum per row, as ``spilled_page_record.check_rows``
   checks a layer's spilled pages read in one transaction.
 
 Candidates: XXH3-64 (``xxhash``), CRC32C in hardware through ``google-crc32c`` and through

@@ -27,7 +27,7 @@ carried as wheels, see the device tool's README), from the repository root:
 
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:.
     python3 benchmarks/gpu_decode.py --out $OUT            # about 4 minutes on an H100
-    python3 -m pytest -q tests/kvlib/test_paged_attention_torch.py tests/kvlib/test_store_devices.py tests/adapters/test_cache_devices.py
+    python3 -m pytest -q tests/kernels/test_paged_attention_torch.py tests/storage/test_store_devices.py tests/adapters/test_cache_devices.py
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, StaticCache
 
 import kvlib
-from kvlib import paged_ops
+from kvlib.kernels import paged_ops
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or loaded by path
 from provenance import git_revision  # noqa: E402

@@ -39,8 +39,8 @@ import redis
 import torch
 
 import kvlib
-from kvlib.storage.block_record import decode_parts
 from kvlib.storage.local_server import LocalServer
+from kvlib.storage.prefix_block_record import decode_parts
 from kvlib.storage.remote_tier import PREFIX, RemoteTier
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -36,9 +36,9 @@ from pathlib import Path
 import torch
 
 import kvlib
-from kvlib.adapters.model_shape import kv_shape
 from kvlib.eval import load_model
 from kvlib.eval.agreement import agreement_metrics, greedy_reference
+from kvlib.model_shape import kv_shape
 from kvlib.transformers_compat import cache_argument
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or loaded by path

@@ -7,16 +7,16 @@ requests at once (continuous batching with chunked prefill, preemption and prefi
 """
 
 from kvlib.adapters import Engine, KVCache, attach, blend_cache, make_cache
-from kvlib.chunk_store import ChunkStore
+from kvlib.adapters.chunk_store import ChunkStore
 from kvlib.codec import Field, FitSample, PageCodec, TensorCodec, TensorShape
 from kvlib.errors import DiskTierUnavailable, PoolExhaustedError, SpecError
-from kvlib.paged_store import PagedStore
-from kvlib.prefix_store import PrefixStore
-from kvlib.read_cache import LayerRead
 from kvlib.registry import available_policies, available_strategies, get_policy, get_strategy, register
 from kvlib.spec import Spec, parse_spec
 from kvlib.spec_text import parse_strategy
-from kvlib.store_config import StoreConfig
+from kvlib.storage.paged_store import PagedStore
+from kvlib.storage.prefix_store import PrefixStore
+from kvlib.storage.read_cache import LayerRead
+from kvlib.storage.store_config import StoreConfig
 from kvlib.strategy import Budget, Eviction, LayerView, LowRank, Quantization, Reuse, Strategy, Tiering
 
 __version__ = "0.1.0"

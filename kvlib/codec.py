@@ -19,12 +19,23 @@ pages wait open. Per-layer state they learn (bases) is reported by :meth:`Tensor
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
-from kvlib.coded_page_loaders import CodedReader
 from kvlib.triton_readers import TritonReader
+
+
+class CodedReader(NamedTuple):
+    """How the numba paged kernel reads one tensor (keys or values) of a codec's sealed pages in
+    place: ``fields``, a tuple of numpy arrays (field arenas ``[capacity, ...]``) and ints (the
+    codec's parameters), and ``load``, the loader taking ``open_part + fields`` as its source
+    (the loader contract: :mod:`kvlib.kernels.coded_page_loaders`)."""
+
+    fields: tuple
+    load: Callable[..., None]
 
 
 @dataclass(frozen=True)
@@ -43,6 +54,12 @@ class Field:
         for size in self.shape:
             count *= size
         return count * torch.empty((), dtype=self.dtype).element_size()
+
+
+def arena_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a field's arena is held in: one-byte floats (float8) as uint8 bytes, viewed back
+    on read (torch's index kernels do not take float8); every other dtype as it is."""
+    return torch.uint8 if dtype.is_floating_point and dtype.itemsize == 1 else dtype
 
 
 @dataclass(frozen=True)

@@ -166,14 +166,14 @@ class PagedKernel(enum.Enum):
     """What attends over a layer's pages where they lie (no dense copy of the cache)."""
 
     NUMBA = "numba"
-    """:mod:`kvlib.paged_attention`'s numba kernel: CPU pages only (read as numpy), float arenas
+    """:mod:`kvlib.kernels.paged_attention`'s numba kernel: CPU pages only (read as numpy), float arenas
     and coded pools (codecs decoded page by page inside the kernel)."""
     TRITON = "triton"
-    """:mod:`kvlib.paged_attention_triton`'s kernels (CUDA, where triton is installed, as it is
+    """:mod:`kvlib.kernels.paged_attention_triton`'s kernels (CUDA, where triton is installed, as it is
     beside torch's CUDA builds): split-K over the block tables, float arenas and coded pools
     (kivi, kv_bits, int8, fp8 and rotated pages decoded in registers)."""
     TORCH = "torch"
-    """:mod:`kvlib.paged_attention_torch`: torch ops over blocks of pages, any device; float
+    """:mod:`kvlib.kernels.paged_attention_torch`: torch ops over blocks of pages, any device; float
     arenas only (coded pools give no page source there and are read densely). CUDA without
     triton."""
 

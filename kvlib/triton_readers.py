@@ -2,7 +2,7 @@
 how a codec describes its sealed pages to it (:class:`TritonReader`). Nothing here imports triton,
 so codecs can name this contract on machines without it.
 
-The kernel (:mod:`kvlib.paged_attention_triton`) reads a tile of ``BLOCK_N`` tokens of one
+The kernel (:mod:`kvlib.kernels.paged_attention_triton`) reads a tile of ``BLOCK_N`` tokens of one
 (row, KV head) at a time, each token on its own page, through a loader: a ``@triton.jit``
 function handed to the kernel as a constexpr (one compilation per loader and parameters)::
 
@@ -16,7 +16,7 @@ function handed to the kernel as a constexpr (one compilation per loader and par
   is any tensor), ``P0..P2``: :data:`LOADER_PARAMS` constexpr ints;
 - ``DIM``: the tensor's channels, ``PAGE_SIZE``: tokens per page, ``BLOCK_D``: ``DIM`` rounded up
   to a power of two, at least 16 (a ``tl.dot`` operand on the GPU), ``DOT``: the dtype of the
-  kernel's matrix products, for a loader that multiplies matrices (:mod:`kvlib.triton_products`),
+  kernel's matrix products, for a loader that multiplies matrices (:mod:`kvlib.kernels.triton_products`),
   all constexpr.
 
 It returns the tokens' channels as float32 (decoded in registers, never rounded to the compute
@@ -25,10 +25,10 @@ Every arena is contiguous, so a loader finds a page's row of any field from the 
 the constexpr shapes alone.
 
 Two kinds of loaders exist: a float arena's (``T0`` the arena ``[capacity, page_size, DIM]``,
-:func:`kvlib.triton_tiles.load_float_tile`), and a coded pool's, where ``T0..T2`` are the pool's
+:func:`kvlib.kernels.triton_tiles.load_float_tile`), and a coded pool's, where ``T0..T2`` are the pool's
 open part (the raw arena of open pages ``[raw_rows, page_size, DIM]`` in the compute dtype,
 each page's row there int64 ``[capacity]``, each page's sealed flag as uint8 ``[capacity]``;
-:func:`kvlib.triton_tiles.open_tile` reads it) and ``T3..T7`` the codec's fields, decoded where
+:func:`kvlib.kernels.triton_tiles.open_tile` reads it) and ``T3..T7`` the codec's fields, decoded where
 a page is sealed. A codec gives the latter through :meth:`kvlib.codec.TensorCodec.triton_reader`.
 """
 

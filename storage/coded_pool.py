@@ -26,14 +26,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvlib import paged_ops
-from kvlib.codec import Field, PageCodec
-from kvlib.coded_page_loaders import open_part
+from kvlib.codec import Field, PageCodec, arena_dtype
 from kvlib.devices import PagedKernel, paged_kernel, to_arena_device
-from kvlib.page_indexing import first_occurrences
-from kvlib.paged_attention import PageReader, PageSource
-from kvlib.storage.field_rows import arena_dtype
+from kvlib.kernels import paged_ops
+from kvlib.kernels.coded_page_loaders import open_part
+from kvlib.kernels.paged_attention import PageReader, PageSource
 from kvlib.storage.free_stack import FreeStack
+from kvlib.storage.page_indexing import first_occurrences
 from kvlib.storage.page_pool import PagePool, PlannedStep, extend_rows
 
 _MIN_RAW_PAGES = 16
@@ -43,7 +42,7 @@ CODED_SOURCES: dict[PagedKernel, Callable[[CodedPagePool], PageReader | None]] =
 }
 """How each paged kernel reads a coded pool's pages (a kernel not listed reads them densely)."""
 try:  # triton is optional (torch's CUDA builds bring it): without it a coded pool on CUDA is read densely
-    from kvlib.paged_attention_triton import triton_coded_source
+    from kvlib.kernels.paged_attention_triton import triton_coded_source
 
     CODED_SOURCES[PagedKernel.TRITON] = lambda pool: pool.triton_source()
 except ImportError:
@@ -238,8 +237,8 @@ class CodedPagePool(PagePool):
 
     def page_source(self) -> PageReader | None:
         """Open pages read raw and sealed pages decoded page by page inside the kernel, from the
-        arenas where they lie: the numba kernel's loaders on the CPU (:mod:`~kvlib.coded_page_loaders`),
-        the Triton kernels' tile loaders on CUDA (:func:`~kvlib.paged_attention_triton.triton_coded_source`,
+        arenas where they lie: the numba kernel's loaders on the CPU (:mod:`~kvlib.kernels.coded_page_loaders`),
+        the Triton kernels' tile loaders on CUDA (:func:`~kvlib.kernels.paged_attention_triton.triton_coded_source`,
         which copies the pages' sealed flags and raw rows to the device: rebuilt whenever a page
         changes state). None for a codec that is not fitted yet or has no loader for the kernel,
         and on a device whose kernel reads float arenas only (the torch path): attention then
@@ -255,7 +254,7 @@ class CodedPagePool(PagePool):
         return self._source[1]
 
     def numba_source(self) -> PageSource | None:
-        """The numba kernel's :class:`~kvlib.paged_attention.PageSource` of this pool's pages (CPU)."""
+        """The numba kernel's :class:`~kvlib.kernels.paged_attention.PageSource` of this pool's pages (CPU)."""
         readers = self.codec.page_readers(self.encoded or self._field_arenas(0))
         if readers is None:
             return None

@@ -1,7 +1,7 @@
 """The disk tier: page records in an lmdb environment, bounded in bytes, safe across processes.
 
 Keys are ``namespace digest + chain key`` (32 bytes), so a directory written by another model,
-dtype, codec or salt never answers for this one. Values are :mod:`~kvlib.storage.block_record`
+dtype, codec or salt never answers for this one. Values are :mod:`~kvlib.storage.prefix_block_record`
 records (header, page fields, checksum; never pickled), each stored as an index entry and parts of
 at most 8 lmdb pages (:mod:`~kvlib.storage.record_parts`); readers get the parts as they lie in
 the map and copy them out once.
@@ -26,7 +26,7 @@ Guarantees, from lmdb and this module:
   deleted, or another file in its place) is noticed before each write of prefix records (a
   ``stat`` beside the file's ``fstat``): a record written there would reach no other process and
   no later store, so writing stops with one warning and is not counted (what the tier held is
-  still read); :func:`open_disk_tier` opens a new environment on that path;
+  still read); :func:`~kvlib.storage.open_tiers.open_disk_tier` opens a new environment on that path;
 - within a process, threads other than the writer's may read (a page prefetch reads spilled
   pages): they hold :attr:`DiskTier.resize_lock` during a read transaction, and the map is
   only resized under it (lmdb resizes only with no transaction active in the process).
@@ -78,26 +78,6 @@ class TierLostError(lmdb.Error):
 Record = bytes | bytearray | memoryview | list
 """A record to store: bytes-like, or a list of bytes-like chunks that joined are the record."""
 
-_OPEN: weakref.WeakValueDictionary[Path, DiskTier] = weakref.WeakValueDictionary()
-"""The tiers open in this process, by resolved directory (see :func:`open_disk_tier`)."""
-
-
-def open_disk_tier(path: str | Path, capacity_bytes: int) -> DiskTier:
-    """The :class:`DiskTier` at ``path`` already open in this process (its capacity raised to
-    ``capacity_bytes`` if lower), or a new one holding up to ``capacity_bytes`` of prefix
-    records: lmdb allows one environment per file per process, so a prefix store and spilling
-    caches given the same directory share one. :class:`~kvlib.errors.DiskTierUnavailable` if
-    the directory cannot hold one."""
-    key = Path(path).resolve()
-    tier = _OPEN.get(key)
-    if tier is None or tier.closed or not tier.attached():  # a removed or replaced directory: a new environment
-        tier = DiskTier(path, capacity_bytes)
-        _OPEN[key] = tier
-    elif capacity_bytes > tier.capacity_bytes:
-        tier.extend_limit(capacity_bytes - tier.capacity_bytes)
-        tier.capacity_bytes = capacity_bytes
-    return tier
-
 
 class DiskTier:
     """Page records in the lmdb environment at ``path`` (created if missing; verified, and
@@ -105,7 +85,7 @@ class DiskTier:
     :class:`~kvlib.errors.DiskTierUnavailable` if the directory cannot hold one.
 
     ``entropy=True``: prefix block records are written entropy-coded
-    (:mod:`~kvlib.storage.block_record`, :mod:`~kvlib.storage.entropy_code`): fewer bytes on
+    (:mod:`~kvlib.storage.prefix_block_record`, :mod:`~kvlib.storage.entropy_code`): fewer bytes on
     disk, a decode pass on every read. Records of either kind are read whatever the option."""
 
     def __init__(self, path: str | Path, capacity_bytes: int, *, entropy: bool = False) -> None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlib.codec import Field
+from kvlib.codec import Field, arena_dtype
 
 ROW_ALIGN = 8
 """Bytes a packed row's length is a multiple of (the largest item size of a field)."""
@@ -83,9 +83,3 @@ class FieldRows:
             dtype = arena_dtype(field.dtype)
             out[name] = rows[row][:, offset : offset + field.nbytes].view(dtype).unflatten(1, field.shape)
         return out
-
-
-def arena_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype a field's arena is held in: one-byte floats (float8) as uint8 bytes, viewed back
-    on read (torch's index kernels do not take float8); every other dtype as it is."""
-    return torch.uint8 if dtype.is_floating_point and dtype.itemsize == 1 else dtype

@@ -6,7 +6,7 @@ A page holds ``page_size`` consecutive stored tokens of one KV head:
 - ``values[page]``: ``[page_size, value_dim]`` in the compute dtype,
 - ``positions[page]``: ``[page_size]`` int64, the original absolute position of each token.
 
-Invariants (checked by ``tests/kvlib/test_store_state_machine.py`` after every step):
+Invariants (checked by ``tests/storage/test_store_state_machine.py`` after every step):
 
 - every page id in ``[0, capacity)`` is either *free* (reference count 0, on the free stack
   exactly once) or *in use* (reference count >= 1, not on the free stack);
@@ -27,12 +27,12 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from kvlib import paged_ops
-from kvlib.arena_sources import arena_source_for
 from kvlib.codec import Field
 from kvlib.devices import to_arena_device
 from kvlib.errors import PoolExhaustedError
-from kvlib.paged_attention import PagedLayer, PageReader
+from kvlib.kernels import paged_ops
+from kvlib.kernels.arena_sources import arena_source_for
+from kvlib.kernels.paged_attention import PagedLayer, PageReader
 from kvlib.storage.free_stack import FreeStack
 from kvlib.storage.key_summaries import KeySummaries
 
@@ -44,7 +44,7 @@ GROWTH_PAGES = 16
 
 
 class PlannedStep(Protocol):
-    """What a pool reads of a planned decode step (:class:`kvlib.step_plan.StepPlan`), for every
+    """What a pool reads of a planned decode step (:class:`kvlib.storage.step_plan.StepPlan`), for every
     layer: ``slots`` and ``position_slots`` int64 ``[layers, batch, kv_heads, tokens]`` (where each
     new token goes in the key and value arenas, and in the position arena), ``positions`` int64
     ``[batch, tokens]``, ``query_positions`` int64 ``[tokens]``, the block tables ``pages`` int64
@@ -317,7 +317,7 @@ class PagePool:
 
     @property
     def takes_planned_writes(self) -> bool:
-        """Whether a planned decode step (:mod:`~kvlib.step_plan`) may write this pool's pages
+        """Whether a planned decode step (:mod:`~kvlib.storage.step_plan`) may write this pool's pages
         with :meth:`write_planned` and attend over them with :meth:`attend_planned`: where its
         device's paged kernel reads it in place and it keeps no per-write state of its own (key
         summaries)."""
@@ -335,7 +335,7 @@ class PagePool:
     def write_planned(self, plan: PlannedStep, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Write ``layer``'s new keys and values (``[batch, kv_heads, tokens, head_dim | value_dim]``,
         the pool's dtype and device) where ``plan`` puts them: one operator
-        (``kvlib::write_planned``, :func:`kvlib.paged_ops.write_planned`), nothing else (the block
+        (``kvlib::write_planned``, :func:`kvlib.kernels.paged_ops.write_planned`), nothing else (the block
         tables moved on when the step was planned)."""
         if keys.shape != plan.slots.shape[1:] + (self.head_dim,) or keys.dtype != self.dtype:
             raise ValueError(
@@ -357,9 +357,9 @@ class PagePool:
     ) -> torch.Tensor:
         """Attention of ``query`` (``[batch, query_heads, tokens, head_dim]``) over ``layer``'s
         pages once ``plan`` wrote it, ``[batch, tokens, query_heads, value_dim]`` (``kvlib::paged_decode``,
-        :func:`kvlib.paged_ops.paged_decode`; ``mask`` the model's mask over logical positions,
+        :func:`kvlib.kernels.paged_ops.paged_decode`; ``mask`` the model's mask over logical positions,
         None for causal by the new tokens' positions; ``received``: see
-        :func:`~kvlib.paged_ops.paged_decode`)."""
+        :func:`~kvlib.kernels.paged_ops.paged_decode`)."""
         return paged_ops.paged_decode(
             query,
             self.keys,
@@ -416,7 +416,7 @@ class PagePool:
         return self.keys.index_select(0, index), self.values.index_select(0, index)
 
     def record_fields(self) -> dict[str, Field] | None:
-        """What one page of this pool is in a prefix block record (:mod:`~kvlib.storage.block_record`):
+        """What one page of this pool is in a prefix block record (:mod:`~kvlib.storage.prefix_block_record`):
         its fields by name, or None when its pages cannot go to one (they hold neither the compute
         dtype nor fields that mean the same to another process). Here keys and values in the
         compute dtype; None for a subclass whose pages are not in it and that says nothing more."""

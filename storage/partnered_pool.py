@@ -19,8 +19,8 @@ import torch
 
 from kvlib.codec import PageCodec
 from kvlib.devices import to_arena_device
-from kvlib.page_indexing import first_occurrences
 from kvlib.storage.coded_pool import CodedPagePool
+from kvlib.storage.page_indexing import first_occurrences
 from kvlib.storage.page_pool import extend_rows
 
 PARTNER_ID_BYTES = 8

@@ -1,4 +1,4 @@
-"""Builds the page pools of a paged store from its :class:`~kvlib.store_config.StoreConfig`:
+"""Builds the page pools of a paged store from its :class:`~kvlib.storage.store_config.StoreConfig`:
 one pool per layer, of the kind the config asks for that layer."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from kvlib.storage.coded_pool import CodedPagePool
 from kvlib.storage.page_pool import PagePool
 from kvlib.storage.partnered_pool import PartneredPagePool
 from kvlib.storage.spill_store import SpillStore
+from kvlib.storage.store_config import StoreConfig
 from kvlib.storage.tiered_coded_pool import SpillLayer, TieredCodedPagePool
 from kvlib.storage.tiered_pool import TieredPagePool
-from kvlib.store_config import StoreConfig
 
 
 def build_pools(config: StoreConfig, *, spill: SpillStore | None = None) -> list[PagePool]:

@@ -51,7 +51,7 @@ def digest(*buffers: Buffer) -> int:
 
 def rows_digests(rows: np.ndarray) -> np.ndarray:
     """:func:`digest` of every row of ``rows`` (2-d uint8, each row contiguous: one record per
-    row, such as :func:`kvlib.storage.page_record.empty_rows` lays them out): uint64 ``[rows]``."""
+    row, such as :func:`kvlib.storage.spilled_page_record.empty_rows` lays them out): uint64 ``[rows]``."""
     if rows.dtype != np.uint8 or rows.ndim != 2 or (rows.shape[1] > 1 and rows.strides[1] != 1):
         raise ValueError(
             f"rows_digests reads 2-d uint8 rows, each contiguous; got {rows.dtype} with {rows.ndim} dims and strides {rows.strides}"

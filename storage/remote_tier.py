@@ -1,7 +1,7 @@
 """The remote tier: page records on a Redis-protocol server (Redis or Valkey), shared by processes and hosts.
 
 A :class:`RemoteTier` stores the same checked block records as the disk tier
-(:mod:`~kvlib.storage.block_record`: header, namespace digest of model, dtype, codec and salt,
+(:mod:`~kvlib.storage.prefix_block_record`: header, namespace digest of model, dtype, codec and salt,
 chain keys, token ids, checksum; never pickled) under server keys ``b"kvlib:p:" + namespace digest
 + chain key``, so several processes pointing at one server share prefixes and tenants stay apart
 exactly as on disk. Writes and reads are pipelined: one round trip per batch of records.

@@ -3,7 +3,7 @@
 A :class:`SpillStore` is one *run*: a random 16-byte run id registered in the tier's ``runs``
 database with its process id and start time. Its records live in the ``spill`` database under
 ``run id + layer (u32) + page id (u64)`` (big endian, so one run's keys are contiguous), one
-:mod:`~kvlib.storage.page_record` record per page: namespace = run id, one layer and one head,
+:mod:`~kvlib.storage.spilled_page_record` record per page: namespace = run id, one layer and one head,
 the chain key field holding ``layer, page`` (checked on read), the token field the page's
 positions. They are outside the tier's LRU: a live page is never evicted; its pool's disk
 budget bounds them instead.
@@ -29,8 +29,8 @@ import torch
 from kvlib.devices import byte_rows, host_staging
 from kvlib.errors import PoolExhaustedError
 from kvlib.storage.disk_tier import DiskTier
-from kvlib.storage.page_record import Block, Layout, check_rows, empty_rows, encode, record_size, row_sections
 from kvlib.storage.spill_runs import RUNS_DB, SPILL_DB, delete_run_records, this_process_entry
+from kvlib.storage.spilled_page_record import Block, Layout, check_rows, empty_rows, encode, record_size, row_sections
 
 _PAGE_KEY = struct.Struct(">IQ")
 _RECORD_KEY = struct.Struct(">QQ")

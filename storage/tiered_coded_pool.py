@@ -27,9 +27,9 @@ from collections.abc import Callable
 import torch
 
 from kvlib.codec import PageCodec
-from kvlib.coded_page_loaders import open_part
 from kvlib.devices import PagedKernel, paged_kernel
-from kvlib.paged_attention import PagedLayer, PageSource
+from kvlib.kernels.coded_page_loaders import open_part
+from kvlib.kernels.paged_attention import PagedLayer, PageSource
 from kvlib.placement import Placement
 from kvlib.storage.coded_pool import CodedPagePool
 from kvlib.storage.field_rows import FieldRows

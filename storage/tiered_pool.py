@@ -21,7 +21,7 @@ pages: :mod:`kvlib.storage.staging_arena`). :meth:`TieredPagePool.prefetch` star
 and spilled pages towards the device on a thread (:mod:`kvlib.storage.pending_fetch`); every
 method that changes the tiers first waits for it.
 
-Invariants (``tests/kvlib/test_store_state_machine.py``, ``TieredStoreMachine`` and
+Invariants (``tests/storage/test_store_state_machine.py``, ``TieredStoreMachine`` and
 ``SpillingStoreMachine``): a page in use is in exactly one tier; the pages on each tier never
 exceed its budget; a record exists exactly for each page on disk; reads return what was
 written, whatever tier holds it.
@@ -31,10 +31,10 @@ from __future__ import annotations
 
 import torch
 
-from kvlib.arena_sources import arena_source_for
 from kvlib.devices import reads_pages_in_place, to_arena_device
 from kvlib.errors import PoolExhaustedError
-from kvlib.paged_attention import PagedLayer
+from kvlib.kernels.arena_sources import arena_source_for
+from kvlib.kernels.paged_attention import PagedLayer
 from kvlib.placement import Placement, lowest_score_first
 from kvlib.storage.disk_pages import DiskPages
 from kvlib.storage.free_stack import FreeStack

@@ -11,6 +11,7 @@ import torch
 
 from kvlib.errors import cut
 from kvlib.limits import MAX_PROFILE_BYTES, read_bounded
+from kvlib.model_shape import kv_shape
 from kvlib.registry import register
 from kvlib.selection import apportion
 from kvlib.strategy import Budget, BudgetRequest
@@ -107,8 +108,6 @@ def calibrate(model: torch.nn.Module, input_ids: torch.Tensor, path: str | Path,
     every head keeps a share. ``input_ids``: int ``[batch, tokens]`` with ``tokens > sinks +
     window``. Returns the weights ``[num_layers, kv_heads]`` (float64) and writes ``path``.
     """
-    from kvlib.adapters.model_shape import kv_shape
-
     shape = kv_shape(model)
     length = input_ids.shape[-1]
     if input_ids.ndim != 2 or length <= sinks + window:

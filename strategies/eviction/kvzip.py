@@ -3,18 +3,15 @@
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import torch
 
-from kvlib.prefix_store import PrefixStore
 from kvlib.registry import register
 from kvlib.strategies.budget.adaptive import Adaptive
 from kvlib.strategy import Budget, ContextPrefill, Eviction, LayerView
-
-if TYPE_CHECKING:
-    from kvlib.adapters.transformers_cache import KVCache
 
 FIRST_PROMPT = "\n\nRepeat the previous context exactly."
 LATER_PROMPT = "\n\nRepeat the part of the previous context exactly, starting with"
@@ -242,43 +239,16 @@ def prefill_by_reconstruction(model: torch.nn.Module, cache: object, context_ids
     compress(model, cache, context_ids, RepeatPrompt.for_tokenizer(tokenizer))
 
 
-def compressed_context(
-    model: torch.nn.Module,
-    reuse: PrefixStore,
-    context_ids: torch.Tensor,
-    prompt: RepeatPrompt,
-    *,
-    budget: int | float,
-    spec: str = "kvzip",
-    **options: object,
-) -> KVCache:
-    """A cache holding ``context_ids`` (int ``[batch, tokens]``, no padding) compressed by KVzip,
-    ready for a question: ``generate(torch.cat([context_ids, question], 1), cache=...)`` then
-    reads the question only.
+def __getattr__(name: str) -> object:
+    """The deprecated name ``compressed_context`` (kept for one release): it builds a cache, so it
+    lives with the adapters now (:func:`kvlib.adapters.compressed_context`)."""
+    if name != "compressed_context":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    warnings.warn(
+        "kvlib.strategies.eviction.kvzip.compressed_context is deprecated: use kvlib.adapters.compressed_context",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    from kvlib.adapters.kvzip_context import compressed_context  # the alias only: pyproject.toml's contract names it
 
-    The first call for a context compresses it (:func:`compress`: two prefills and the
-    reconstruction passes) and holds a fork of the result in ``reuse``
-    (:attr:`~kvlib.PrefixStore.contexts`, in memory, within its ``capacity_bytes``); later calls
-    for the same model, spec, budget, options, reconstruction prompt and context ids get a fork
-    of it (pages shared, copy-on-write) and compute nothing. Each returned cache is the caller's
-    own: what it appends (a question, an answer) never reaches the held one or another fork.
-
-    ``spec``, ``budget`` and ``options`` are :func:`kvlib.make_cache`'s (``spec`` must put KVzip
-    first); everything is checked before the model runs.
-    """
-    from kvlib.adapters.make_cache import make_cache
-
-    if not isinstance(reuse, PrefixStore):
-        raise ValueError(f"reuse must be a kvlib.PrefixStore, got {type(reuse).__name__}")
-    if not reuse.identity.matches(model):
-        raise ValueError("this PrefixStore was built for another model (config or weights differ)")
-    cache = make_cache(model, spec, budget=budget, **options)
-    parameter = next(model.parameters())
-    shaped = f"{cache.spec}|budget={budget!r}|{sorted(options.items())!r}|{prompt!r}"  # the whole spec: codec and allocation too
-    key = reuse.context_key(reuse.namespace(shaped, parameter.dtype, parameter.device, cache.page_size), context_ids)
-    held = reuse.contexts.fork(key)
-    if held is not None:
-        return held
-    compress(model, cache, context_ids, prompt)
-    reuse.contexts.hold(key, cache)
-    return cache
+    return compressed_context

@@ -6,8 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlib.codec import Field, PageCodec, TensorCodec, TensorShape
-from kvlib.coded_page_loaders import CodedReader
+from kvlib.codec import CodedReader, Field, PageCodec, TensorCodec, TensorShape
 from kvlib.registry import register
 from kvlib.strategies.quantization.page_loaders import byte_table_reader
 from kvlib.strategies.quantization.uniform import lookup_rows

@@ -12,8 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvlib.codec import Field, TensorCodec, TensorShape
-from kvlib.coded_page_loaders import CodedReader
+from kvlib.codec import CodedReader, Field, TensorCodec, TensorShape
 from kvlib.devices import to_arena_device
 from kvlib.strategies.quantization import gear_kernels
 from kvlib.strategies.quantization.page_loaders import gear_reader

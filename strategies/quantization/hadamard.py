@@ -22,9 +22,9 @@ import numba
 import numpy as np
 import torch
 
-from kvlib.codec import Field, TensorCodec, TensorShape
-from kvlib.coded_page_loaders import OPEN_ITEMS, CodedReader, load_open
+from kvlib.codec import CodedReader, Field, TensorCodec, TensorShape
 from kvlib.devices import to_arena_device
+from kvlib.kernels.coded_page_loaders import OPEN_ITEMS, load_open
 from kvlib.strategies.quantization.page_loaders import decode_page_groups, load_group_quantized
 from kvlib.strategies.quantization.uniform import write_rows
 from kvlib.triton_readers import TritonReader

@@ -5,7 +5,7 @@ devices); ``tests/strategies/quantization/test_kernels.py`` checks that both agr
 
 Pages are float32 ``[n, page_size * dim]`` (token-major). Codes are packed in that same element
 order, little end first, ``8 // bits`` per byte or 8 per 3 bytes at 3 bits (as
-:mod:`kvlib.storage.packing` packs them). The
+:mod:`kvlib.kernels.packing` packs them). The
 group of element ``i`` (token ``t = i // dim``, channel ``c = i % dim``) is:
 
 - ``rows`` (values, per token): ``i // group`` (``group`` consecutive channels of a token);
@@ -22,7 +22,7 @@ from collections.abc import Callable
 import numba
 import numpy as np
 
-from kvlib.storage.packing import packed_code, unit_codes
+from kvlib.kernels.packing import packed_code, unit_codes
 
 
 @numba.njit(parallel=True, cache=True)
@@ -153,7 +153,7 @@ def lookup(table: np.ndarray, code: int, scale: np.float32) -> np.float32:
 
 
 def code_shift(bits: int) -> int:
-    """``log2(8 // bits)``: codes per byte as a shift (:func:`~kvlib.storage.packing.packed_code`;
+    """``log2(8 // bits)``: codes per byte as a shift (:func:`~kvlib.kernels.packing.packed_code`;
     unused at 3 bits, whose codes straddle bytes)."""
     return (8 // bits).bit_length() - 1
 

@@ -10,7 +10,7 @@ from kvlib.strategies.quantization.uniform import GroupQuantizer, divisors
 from kvlib.strategy import Quantization
 
 KIVI_BITS = (2, 3, 4, 8)
-"""Bit widths of the KIVI-layout codecs (3-bit codes pack 8 to 3 bytes, :mod:`kvlib.storage.packing`)."""
+"""Bit widths of the KIVI-layout codecs (3-bit codes pack 8 to 3 bytes, :mod:`kvlib.kernels.packing`)."""
 
 
 @register("kivi")

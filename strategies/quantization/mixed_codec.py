@@ -24,10 +24,9 @@ from __future__ import annotations
 
 import torch
 
-from kvlib.codec import Field, PageCodec, TensorCodec, TensorShape
-from kvlib.coded_page_loaders import CodedReader
+from kvlib.codec import CodedReader, Field, PageCodec, TensorCodec, TensorShape
 from kvlib.devices import to_arena_device
-from kvlib.storage.packing import pack, packed_size, unpack
+from kvlib.kernels.packing import pack, packed_size, unpack
 from kvlib.strategies.quantization.mixed_loader import mixed_reader
 from kvlib.strategies.quantization.uniform import grid, metadata_dtype
 

@@ -10,8 +10,9 @@ import numba
 import numpy as np
 import torch
 
-from kvlib.coded_page_loaders import OPEN_ITEMS, CodedReader, float_bits, float_of, load_open
-from kvlib.storage.packing import packed_code
+from kvlib.codec import CodedReader
+from kvlib.kernels.coded_page_loaders import OPEN_ITEMS, float_bits, float_of, load_open
+from kvlib.kernels.packing import packed_code
 from kvlib.strategies.quantization.kernels import code_shift, dequantize
 
 

@@ -1,13 +1,13 @@
 """The quantization codecs' page loaders: sealed pages decoded inside the paged-attention kernel.
 
 Each loader is ``load(source, page, out, out_bits, rows)`` with ``source = open_part + fields``
-(see :mod:`kvlib.coded_page_loaders`): an open page is read raw, a sealed page is decoded
+(see :mod:`kvlib.kernels.coded_page_loaders`): an open page is read raw, a sealed page is decoded
 token-major into ``out [page_size, dim]`` (float32) with the same element helpers as the
-codecs' decode kernels (:func:`~kvlib.storage.packing.packed_code`,
+codecs' decode kernels (:func:`~kvlib.kernels.packing.packed_code`,
 :func:`~.kernels.dequantize`, :func:`~.kernels.lookup`), so the kernel reads what
 :meth:`~kvlib.codec.TensorCodec.decode` returns, in float32 (no rounding to the compute dtype).
 Metadata (scales, minima) stays in its stored dtype and is read as bit patterns
-(:func:`~kvlib.coded_page_loaders.float_of`). Parameters are runtime ints in ``fields``, so one
+(:func:`~kvlib.kernels.coded_page_loaders.float_of`). Parameters are runtime ints in ``fields``, so one
 compilation of the kernel serves every bit width (each width a branch with constant shifts).
 """
 
@@ -19,8 +19,9 @@ import numba
 import numpy as np
 import torch
 
-from kvlib.coded_page_loaders import OPEN_ITEMS, CodedReader, float_bits, float_of, load_open
-from kvlib.storage.packing import packed_code
+from kvlib.codec import CodedReader
+from kvlib.kernels.coded_page_loaders import OPEN_ITEMS, float_bits, float_of, load_open
+from kvlib.kernels.packing import packed_code
 from kvlib.strategies.quantization.kernels import dequantize, lookup
 
 

@@ -13,7 +13,7 @@ from kvlib.strategies.quantization.uniform import GroupQuantizer
 from kvlib.strategy import Quantization
 
 ROTATED_BITS = (2, 3, 4, 8)
-"""Bit widths of the codes (3-bit codes pack 8 to 3 bytes, :mod:`kvlib.storage.packing`)."""
+"""Bit widths of the codes (3-bit codes pack 8 to 3 bytes, :mod:`kvlib.kernels.packing`)."""
 KEY_LAYOUTS = ("auto", "token", "channel")
 """Key quantization groups: ``group`` rotated channels of a token, or one channel across a page's
 tokens (KIVI's); ``auto``: per token where keys get more bits than values, else per channel."""

@@ -4,7 +4,7 @@ Asymmetric min/max quantization of a group ``x`` to ``bits`` bits: ``minimum`` i
 minimum rounded *down* to the metadata dtype, ``scale`` its range over ``2**bits - 1`` rounded
 *up*, so the grid ``minimum + scale * [0, 2**bits)`` covers the whole group and every element
 is within half a step (``scale / 2``) of its decoded value (before the decoded value is rounded
-to the compute dtype). Codes are packed (:mod:`kvlib.storage.packing`); scales and minima are
+to the compute dtype). Codes are packed (:mod:`kvlib.kernels.packing`); scales and minima are
 metadata, stored in fp16 (bf16 for a bf16 compute dtype, whose range fp16 lacks); a float32
 model's keys or values beyond fp16's range (|x| > 65504, which do not occur in practice) saturate.
 
@@ -22,9 +22,8 @@ import math
 import numpy as np
 import torch
 
-from kvlib.codec import Field, TensorCodec, TensorShape
-from kvlib.coded_page_loaders import CodedReader
-from kvlib.storage.packing import pack, packed_size, unpack
+from kvlib.codec import CodedReader, Field, TensorCodec, TensorShape
+from kvlib.kernels.packing import pack, packed_size, unpack
 from kvlib.strategies.quantization import kernels
 from kvlib.strategies.quantization.page_loaders import byte_table_reader, group_quantized_reader
 from kvlib.triton_readers import TritonReader

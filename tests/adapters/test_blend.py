@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import kvlib
-from kvlib.adapters.model_shape import kv_shape, rope_of
 from kvlib.eval.agreement import agreement_metrics, greedy_reference, teacher_forced_logits
+from kvlib.model_shape import kv_shape, rope_of
 from kvlib.rope import rerotate
 from kvlib.strategies.reuse.cacheblend import CacheBlend
 from kvlib.transformers_compat import cache_argument

@@ -231,7 +231,7 @@ def test_heads_grow_past_the_budget_then_compact_back(options):
 @pytest.mark.parametrize("budget", [0.25, 40])
 def test_chunked_prefill_bounds_peak_pages_by_budget_plus_chunk(budget):
     model = build_model("stories")
-    shape = kvlib.adapters.model_shape.kv_shape(model)
+    shape = kvlib.model_shape.kv_shape(model)
     ids = torch.randint(1, 90, (1, 400), generator=torch.Generator().manual_seed(17))
     chunk, page = 32, 16
     caches = {}

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import kvlib
-from kvlib.adapters.model_shape import kv_shape
+from kvlib.model_shape import kv_shape
 from kvlib.transformers_compat import cache_argument
 from tests.adapters.conftest import PAD, assert_same_logits, build_model, left_padded
 

@@ -50,7 +50,7 @@ def pages_held(engine: kvlib.Engine) -> int:
 
 def page_bytes(model: torch.nn.Module, page_size: int = 16) -> int:
     """Bytes of one page of every layer (keys and values of one KV head)."""
-    shape = kvlib.adapters.model_shape.kv_shape(model)
+    shape = kvlib.model_shape.kv_shape(model)
     return shape.num_layers * page_size * (shape.head_dim + shape.value_dim) * next(model.parameters()).element_size()
 
 

@@ -26,8 +26,8 @@ import torch
 import kvlib
 from kvlib.adapters import engine as engine_module
 from kvlib.adapters.handover import HandOver, MessageLimits
-from kvlib.storage.block_record import DIGEST
 from kvlib.storage.local_server import LocalServer
+from kvlib.storage.prefix_block_record import DIGEST
 from kvlib.storage.record_digest import digest
 from kvlib.storage.remote_tier import ENVELOPE, PREFIX, QUEUE, RemoteTier
 

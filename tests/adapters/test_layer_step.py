@@ -11,7 +11,7 @@ from kvlib.adapters import layer_step
 from kvlib.adapters.cache_layer import KVCacheLayer
 from kvlib.adapters.layer_step import LayerStep
 from kvlib.adapters.packed_batch import PackedCache
-from kvlib.read_cache import LayerRead
+from kvlib.storage.read_cache import LayerRead
 from kvlib.transformers_compat import cache_argument
 from tests.adapters.conftest import PAD, build_model, left_padded
 

@@ -9,8 +9,8 @@ import torch
 from transformers import DynamicCache
 
 import kvlib
-from kvlib.paged_store import PagedStore
 from kvlib.registry import available_strategies
+from kvlib.storage.paged_store import PagedStore
 from kvlib.transformers_compat import cache_argument
 from tests.adapters.conftest import PAD, assert_same_logits, build_model, left_padded
 

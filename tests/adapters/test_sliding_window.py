@@ -10,7 +10,7 @@ import torch
 from transformers import DynamicCache
 
 import kvlib
-from kvlib.adapters.model_shape import kv_shape
+from kvlib.model_shape import kv_shape
 from kvlib.transformers_compat import cache_argument
 from tests.adapters.conftest import GEMMA3_WINDOW, PAD, build_model, left_padded
 

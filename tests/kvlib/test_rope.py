@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from kvlib.adapters.model_shape import kv_shape, rope_of
+from kvlib.model_shape import kv_shape, rope_of
 from kvlib.rope import rerotate
 from kvlib.strategy import Rope
 from kvlib.transformers_compat import cache_argument

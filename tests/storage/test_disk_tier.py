@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from kvlib.errors import DiskTierUnavailable
-from kvlib.storage.disk_tier import DiskTier, open_disk_tier
+from kvlib.storage.disk_tier import DiskTier
+from kvlib.storage.open_tiers import open_disk_tier
 
 DISK_TIER = Path(__file__).resolve().parents[2] / "storage" / "disk_tier.py"
 

@@ -13,7 +13,7 @@ from hypothesis.extra.numpy import arrays
 from hypothesis.stateful import invariant
 
 from kvlib.strategies.tiering.quest import Quest
-from tests.kvlib.test_store_state_machine import StoreMachine
+from tests.storage.test_store_state_machine import StoreMachine
 
 
 class SummarizedStoreMachine(StoreMachine):

@@ -4,7 +4,7 @@ inside the Triton paged-attention kernel (the loader contract: :mod:`kvlib.trito
 
 ``fields = (codes uint8 [capacity, bytes], scale, minimum [capacity, groups] metadata floats)``,
 ``params = (bits, per_channel, group)``. Code ``i = t * dim + c`` of token ``t``, channel ``c``
-is read from the packed bytes (:mod:`kvlib.storage.packing`'s layout: ``8 // bits`` codes per
+is read from the packed bytes (:mod:`kvlib.kernels.packing`'s layout: ``8 // bits`` codes per
 byte, little end first; 3-bit codes 8 per 3 bytes) and decoded as ``minimum + scale * code``
 of its group (channel ``c`` per channel, else ``i // group``), as the numba loader does
 (:func:`~kvlib.strategies.quantization.page_loaders.decode_groups`): the kernel reads the codec's
@@ -19,14 +19,14 @@ import torch
 import triton
 import triton.language as tl
 
+from kvlib.kernels.triton_tiles import open_tile
 from kvlib.triton_readers import TritonReader
-from kvlib.triton_tiles import open_tile
 
 
 @triton.jit
 def packed_codes(codes, page, element, inside, BITS: tl.constexpr, COUNT: tl.constexpr):
     """int32 codes ``element`` (``[BLOCK_N, BLOCK_D]``, each token's own page ``page``) of
-    ``codes`` (uint8 rows of ``COUNT`` codes at ``BITS`` bits, :func:`~kvlib.storage.packing.pack`'s
+    ``codes`` (uint8 rows of ``COUNT`` codes at ``BITS`` bits, :func:`~kvlib.kernels.packing.pack`'s
     layout), 0 where not ``inside``."""
     if BITS == 3:  # 8 codes per 3-byte unit: a code may straddle two bytes of its unit
         base = codes + page[:, None] * ((COUNT + 7) // 8 * 3)

@@ -6,7 +6,7 @@ A sealed page's rows are the group quantizer's codes of ``y = R_h x`` (``R_h = H
 sqrt(d)``, :mod:`~kvlib.strategies.quantization.hadamard`); the loader decodes ``y`` as
 :func:`~.group.group_tile` does, then undoes the rotation, ``x = (y H / sqrt(d)) * signs[h]``,
 with ``H`` (Sylvester's, ``H[j, c] = (-1)**popcount(j & c)``, built in registers) applied at
-float32's precision (:func:`~kvlib.triton_products.dot_exact_right`, on tensor cores for a half
+float32's precision (:func:`~kvlib.kernels.triton_products.dot_exact_right`, on tensor cores for a half
 ``DOT``) and ``h`` the page's KV head, read from its ``head`` field. Open pages (never rotated)
 are read raw. The product sums each row in another order than the numba loader's butterflies
 (:func:`~kvlib.strategies.quantization.hadamard.butterflies`): results agree to float32 rounding,
@@ -22,10 +22,10 @@ import torch
 import triton
 import triton.language as tl
 
+from kvlib.kernels.triton_products import dot_exact_right
+from kvlib.kernels.triton_tiles import open_tile
 from kvlib.strategies.quantization.triton_loaders.group import group_tile
-from kvlib.triton_products import dot_exact_right
 from kvlib.triton_readers import TritonReader
-from kvlib.triton_tiles import open_tile
 
 
 @triton.jit

@@ -18,8 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvlib.kernels.triton_tiles import open_tile
 from kvlib.triton_readers import TritonReader
-from kvlib.triton_tiles import open_tile
 
 
 @triton.jit

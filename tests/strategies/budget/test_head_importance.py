@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
 import kvlib
-from kvlib.adapters.model_shape import kv_shape
 from kvlib.limits import MAX_PROFILE_BYTES
+from kvlib.model_shape import kv_shape
 from kvlib.strategies.budget.head_importance import PROFILE_FORMAT, HeadImportance, calibrate, load_profile
 from tests.adapters.conftest import STORIES, build_model, left_padded
 from tests.strategies.budget.conftest import check_memory, kept_counts, make_request, needs_stories, run, run_alone

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import kvlib
-from kvlib.adapters.model_shape import kv_shape, output_projections
+from kvlib.model_shape import kv_shape, output_projections
 from kvlib.strategies.eviction.critical_kv import CriticalKV
 from kvlib.strategies.eviction.snapkv import SnapKV
 from kvlib.strategy import LayerView

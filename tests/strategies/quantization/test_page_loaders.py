@@ -9,10 +9,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvlib.codec import layer_shapes
-from kvlib.paged_store import PagedStore
 from kvlib.spec_text import parse_strategy
-from kvlib.store_config import StoreConfig
-from tests.kvlib.test_paged_attention import sdpa_reference
+from kvlib.storage.paged_store import PagedStore
+from kvlib.storage.store_config import StoreConfig
+from tests.kernels.test_paged_attention import sdpa_reference
 
 CODECS = [
     "kivi(bits=2)",

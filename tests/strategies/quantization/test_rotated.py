@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvlib.codec import layer_shapes
+from kvlib.kernels.packing import packed_size
 from kvlib.spec_text import parse_strategy
-from kvlib.storage.packing import packed_size
 from kvlib.strategies.quantization.hadamard import RotatedQuantizer, hadamard, random_signs
 from kvlib.strategies.quantization.rotated import Rotated
 from tests.strategies.quantization.test_page_loaders import coded_store

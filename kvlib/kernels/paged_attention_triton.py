@@ -1,0 +1,378 @@
+"""Attention of a few queries per row over a layer's pages with Triton kernels: a paged decode
+path for CUDA that reads float pages and a coded pool's sealed pages in place.
+
+:func:`attend_pages_triton` computes what :func:`kvlib.kernels.paged_attention.paged_attention` computes
+(the same arguments, shapes and mask rules: query head ``i`` uses KV head ``i // (query_heads //
+kv_heads)``; a stored token at position ``p`` is visible to query ``q`` of row ``b`` iff
+``visible[b, q, p]``, or with no mask iff ``0 <= p <= query_positions[q]``; scores ``scale *
+q.k``, optionally ``softcap * tanh(s / softcap)``; float32 accumulation whatever the pages'
+dtype; zeros for a query that sees no token; output ``[batch, query_heads, queries, value_dim]``
+in the query's dtype), with no dense copy of the layer:
+
+- one program per (row, KV head, split) holds the whole GQA group's ``group * queries`` query
+  rows as one tile, so each key and value is read once for the group, and walks its split's
+  tokens :data:`TILE_TOKENS` at a time with an online softmax; a second kernel merges the
+  splits by their log-sum-exps (:mod:`kvlib.kernels.triton_decode_kernels`);
+- splits: the tokens of the longest (row, KV head) cut into at most :data:`MAX_SPLITS` runs of
+  at least :data:`SPLIT_TOKENS` tokens, and no more than fill :data:`TARGET_PROGRAMS` programs
+  (:func:`split_plan`): one split for a short context or a large batch, several for a long
+  context over few heads. Each split is a whole number of tiles;
+- pages are read through tile loaders (:mod:`kvlib.triton_readers`): a float arena's tokens,
+  or a coded pool's, where open pages are read raw and sealed pages decoded in registers from
+  the codec's fields (:meth:`kvlib.codec.TensorCodec.triton_reader`; kivi, kv_bits, int8, fp8
+  and rotated have one). A codec without one gives no source (:func:`triton_coded_source`
+  returns None): its layer is then read densely.
+
+Index and bookkeeping tensors (``pages``, ``lengths``, ``visible``, ``query_positions``, a coded
+pool's ``sealed`` and ``raw_row``) may be on the CPU: they move to the arenas' device through
+:func:`kvlib.devices.to_arena_device`. The number of splits is read from ``lengths`` (a device
+synchronisation unless it is on the CPU, as the torch path's block count).
+Products run on tensor cores in the query's half dtype with split operands, or in IEEE float32
+for float32 queries (:mod:`kvlib.kernels.triton_products`). Without a GPU the kernels run in Triton's
+interpreter on CPU tensors (``TRITON_INTERPRET=1`` set before the kernels' modules are
+imported): that is how the tests check them.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+from kvlib.codec import PageCodec, arena_dtype
+from kvlib.devices import to_arena_device
+from kvlib.kernels.triton_decode_kernels import attend_splits, merge_splits, score_tiles
+from kvlib.kernels.triton_products import dot_dtype
+from kvlib.kernels.triton_tiles import load_float_tile
+from kvlib.triton_readers import LOADER_PARAMS, LOADER_TENSORS, TritonReader
+
+TILE_TOKENS = 32
+"""Tokens a program reads per step (``BLOCK_N``): a tile may span several pages."""
+
+SPLIT_TOKENS = 256
+"""The fewest tokens a split covers when a context is cut into several (:func:`split_plan`)."""
+
+MAX_SPLITS = 32
+"""The most splits of one (row, KV head)."""
+
+TARGET_PROGRAMS = 512
+"""Programs of the first kernel beyond which more splits do not pay: a few per SM of a current
+GPU (an H100 has 132), enough to fill it while each split still reads hundreds of tokens."""
+
+WIDE_CHANNELS = 128
+"""Head or value dims from which the attention kernel runs 8 warps instead of 4: at 128 channels
+its tiles (keys and values of :data:`TILE_TOKENS` tokens, the accumulator) took all 255 registers
+of 4 warps' threads and spilled (ptxas for sm_90, float arenas); 8 warps held them without
+spilling (128 registers for float32 pages, under 200 for half ones)."""
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+"""Dtypes of float arenas (and of a coded pool's open pages) the kernels read."""
+
+
+class TileSource(NamedTuple):
+    """How the kernels read one tensor (keys or values) of a layer's pages: a tile loader and its
+    :data:`~kvlib.triton_readers.LOADER_TENSORS` tensors and :data:`~kvlib.triton_readers.LOADER_PARAMS`
+    params (:mod:`kvlib.triton_readers`), and the tensor's channels."""
+
+    load: object
+    tensors: tuple[torch.Tensor, ...]
+    params: tuple[int, ...]
+    dim: int
+
+    @staticmethod
+    def of(load: object, tensors: tuple[torch.Tensor, ...], params: tuple[int, ...], dim: int) -> TileSource:
+        """A tile source with ``tensors`` and ``params`` padded to the loader's arity (the first
+        tensor repeated, zeros)."""
+        if len(tensors) > LOADER_TENSORS or len(params) > LOADER_PARAMS:
+            raise ValueError(f"a tile loader takes at most {LOADER_TENSORS} tensors and {LOADER_PARAMS} params")
+        padded = tensors + (tensors[0],) * (LOADER_TENSORS - len(tensors))
+        return TileSource(load, padded, params + (0,) * (LOADER_PARAMS - len(params)), dim)
+
+
+class TritonPageSource(NamedTuple):
+    """A layer's pages as the Triton kernels read them, on their own device: keys and values as
+    :class:`TileSource` s, and each page's token positions (int64 ``[capacity, page_size]``, same
+    device). The counterpart of :class:`kvlib.kernels.paged_attention_torch.TorchPageSource` (float
+    arenas only) that also reads coded pools; a :class:`~kvlib.kernels.paged_attention.PageReader`."""
+
+    keys: TileSource
+    values: TileSource
+    positions: torch.Tensor
+
+    @property
+    def value_dim(self) -> int:
+        """Value channels per token."""
+        return self.values.dim
+
+    def attend(self, query: torch.Tensor, pages: torch.Tensor, lengths: torch.Tensor, **options) -> torch.Tensor:
+        """:func:`attend_pages_triton` of ``query`` over these pages; ``options``: its keyword arguments."""
+        return attend_pages_triton(query, self, pages, lengths, **options)
+
+    def weights(self, query: torch.Tensor, pages: torch.Tensor, lengths: torch.Tensor, **options) -> torch.Tensor:
+        """:func:`attention_weights_triton` of ``query`` over these pages; ``options``: its keyword arguments."""
+        return attention_weights_triton(query, self, pages, lengths, **options)
+
+
+def triton_arena_source(key_arena: torch.Tensor, value_arena: torch.Tensor, positions: torch.Tensor) -> TritonPageSource:
+    """The :class:`TritonPageSource` of float arenas ``[capacity, page_size, head_dim | value_dim]``
+    (one of :data:`FLOAT_DTYPES`, keys and values alike, contiguous) and their positions."""
+    if key_arena.dtype not in FLOAT_DTYPES or value_arena.dtype != key_arena.dtype:
+        raise ValueError(f"pages must be one of {FLOAT_DTYPES} (keys and values alike), got {key_arena.dtype} / {value_arena.dtype}")
+    if not (key_arena.is_contiguous() and value_arena.is_contiguous() and positions.is_contiguous()):
+        raise ValueError("the Triton kernels read contiguous arenas and positions")
+    return TritonPageSource(
+        TileSource.of(load_float_tile, (key_arena,), (), key_arena.shape[2]),
+        TileSource.of(load_float_tile, (value_arena,), (), value_arena.shape[2]),
+        positions,
+    )
+
+
+def triton_coded_source(
+    codec: PageCodec,
+    raw_keys: torch.Tensor,
+    raw_values: torch.Tensor,
+    sealed: torch.Tensor,
+    raw_row: torch.Tensor,
+    positions: torch.Tensor,
+    fields: dict[str, torch.Tensor],
+) -> TritonPageSource | None:
+    """The :class:`TritonPageSource` of a coded pool's pages (:class:`~kvlib.storage.coded_pool.CodedPagePool`'s
+    layout): open pages in the raw arenas ``[raw_rows, page_size, head_dim | value_dim]`` (a
+    float compute dtype) at ``raw_row`` (int64 ``[capacity]``), sealed ones (bool ``sealed
+    [capacity]``) as ``codec``'s field arenas ``fields`` (by field name, ``[capacity, ...]``, on
+    the raw arenas' device; before the first seal there are none yet: one zeroed row of each
+    stands in, never read since every page is open); ``positions`` int64 ``[capacity,
+    page_size]``. None where the codec has no Triton reader for keys or values (the layer is
+    then read densely)."""
+    if not fields:
+        fields = {
+            name: torch.zeros(1, *field.shape, dtype=arena_dtype(field.dtype), device=raw_keys.device)
+            for name, field in codec.fields.items()
+        }
+    readers = codec.triton_readers(fields)
+    if readers is None:
+        return None
+    if raw_keys.dtype not in FLOAT_DTYPES or raw_values.dtype != raw_keys.dtype:
+        raise ValueError(f"open pages must be one of {FLOAT_DTYPES}, got {raw_keys.dtype} / {raw_values.dtype}")
+    device = raw_keys.device
+    flags = to_arena_device(sealed, device).to(torch.uint8)
+    rows = to_arena_device(raw_row, device)
+    key_reader, value_reader = readers
+    return TritonPageSource(
+        _coded_tiles(key_reader, raw_keys, rows, flags),
+        _coded_tiles(value_reader, raw_values, rows, flags),
+        positions,
+    )
+
+
+def _coded_tiles(reader: TritonReader, raw: torch.Tensor, raw_row: torch.Tensor, sealed: torch.Tensor) -> TileSource:
+    """The :class:`TileSource` of a coded reader with the pool's open part before its fields."""
+    return TileSource.of(reader.load, (raw.contiguous(), raw_row, sealed, *reader.fields), reader.params, raw.shape[2])
+
+
+def split_plan(longest: int, pairs: int, splits: int | None = None) -> tuple[int, int]:
+    """``(splits, tokens per split)`` for ``pairs`` (row, KV head) pairs whose longest holds
+    ``longest`` tokens: ``splits`` when given (at most; fewer where the tiles run out), else
+    ``ceil(longest / SPLIT_TOKENS)`` capped by :data:`MAX_SPLITS` and by ``TARGET_PROGRAMS /
+    pairs``, at least 1. Each split covers a whole number of :data:`TILE_TOKENS` tiles."""
+    if splits is None:
+        splits = min(math.ceil(longest / SPLIT_TOKENS), MAX_SPLITS, math.ceil(TARGET_PROGRAMS / max(pairs, 1)))
+    elif splits < 1:
+        raise ValueError(f"splits must be >= 1, got {splits}")
+    tiles = max(1, math.ceil(longest / TILE_TOKENS))
+    per_split = math.ceil(tiles / max(splits, 1))
+    return math.ceil(tiles / per_split), per_split * TILE_TOKENS
+
+
+def triton_paged_attention(
+    query: torch.Tensor,
+    key_arena: torch.Tensor,
+    value_arena: torch.Tensor,
+    positions: torch.Tensor,
+    pages: torch.Tensor,
+    lengths: torch.Tensor,
+    *,
+    visible: torch.Tensor | None,
+    query_positions: torch.Tensor | None,
+    scale: float,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """:func:`kvlib.kernels.paged_attention.paged_attention` by the Triton kernels over float arenas
+    (arguments and result as documented there; the arenas on a device Triton runs on)."""
+    source = triton_arena_source(key_arena, value_arena, positions)
+    return attend_pages_triton(
+        query, source, pages, lengths, visible=visible, query_positions=query_positions, scale=scale, softcap=softcap
+    )
+
+
+class _Launch(NamedTuple):
+    """What every kernel launch of a call shares: the grouped queries, index tensors on the
+    arenas' device, and the constexprs of the shapes and the visibility rule."""
+
+    grouped: torch.Tensor
+    pages: torch.Tensor
+    lengths: torch.Tensor
+    visible: torch.Tensor | None
+    query_positions: torch.Tensor | None
+    longest: int
+    """Tokens of the longest (row, KV head); 0 also under a mask over no positions (nothing is
+    seen): the kernels are then not launched."""
+    shape: dict[str, object]
+
+    @staticmethod
+    def of(query, source: TritonPageSource, pages, lengths, visible, query_positions) -> _Launch:
+        batch, query_heads, queries, dim = query.shape
+        kv_heads = pages.shape[1]
+        if query_heads % kv_heads:
+            raise ValueError(f"query heads ({query_heads}) must be a multiple of KV heads ({kv_heads})")
+        if visible is None and query_positions is None:
+            raise ValueError("paged_attention needs the model's mask (visible) or the queries' positions")
+        device = source.positions.device
+        rows = query_heads // kv_heads * queries
+        grouped = query.detach().to(device).reshape(batch * kv_heads, rows, dim).contiguous()
+        nothing_visible = lengths.numel() == 0 or (visible is not None and visible.shape[-1] == 0)
+        longest = 0 if nothing_visible else int(lengths.max())
+        shape = dict(
+            KV_HEADS=kv_heads,
+            QUERIES=queries,
+            ROWS=rows,
+            HEAD_DIM=dim,
+            PAGE_SIZE=source.positions.shape[1],
+            BLOCK_M=triton_block(rows),
+            BLOCK_D=triton_block(dim),
+            CAUSAL=visible is None,
+            DOT=dot_dtype(query.dtype, device),
+        )
+        return _Launch(
+            grouped,
+            to_arena_device(pages, device).reshape(batch * kv_heads, pages.shape[2]).contiguous(),
+            to_arena_device(lengths, device).reshape(-1).contiguous(),
+            None if visible is None else to_arena_device(visible, device).contiguous().view(torch.uint8),
+            None if query_positions is None else to_arena_device(query_positions, device).contiguous(),
+            longest,
+            shape,
+        )
+
+    @property
+    def mask_arguments(self) -> tuple:
+        """``(visible, query_positions, logical)`` as the kernels take them (``logical``: the mask's columns, 0 when causal)."""
+        logical = 0 if self.visible is None else self.visible.shape[2]
+        return self.visible, self.query_positions, logical
+
+
+def triton_block(size: int) -> int:
+    """``size`` rounded up to a power of two, at least 16 (the smallest ``tl.dot`` operand side)."""
+    return max(16, 1 << max(size - 1, 0).bit_length())
+
+
+def attend_pages_triton(
+    query: torch.Tensor,
+    source: TritonPageSource,
+    pages: torch.Tensor,
+    lengths: torch.Tensor,
+    *,
+    visible: torch.Tensor | None,
+    query_positions: torch.Tensor | None,
+    scale: float,
+    softcap: float | None = None,
+    splits: int | None = None,
+) -> torch.Tensor:
+    """:func:`kvlib.kernels.paged_attention.paged_attention` over pages however ``source`` holds them
+    (float arenas, or a coded pool's open and sealed pages), by the Triton kernels; ``splits``:
+    at most this many splits per (row, KV head) (None: :func:`split_plan`'s choice). The other
+    arguments and the result are :func:`~kvlib.kernels.paged_attention.paged_attention`'s; the result is
+    on the arenas' device."""
+    launch = _Launch.of(query, source, pages, lengths, visible, query_positions)
+    pairs, rows = launch.grouped.shape[:2]
+    value_dim = source.value_dim
+    device = source.positions.device
+    out = (torch.empty if launch.longest else torch.zeros)(pairs, rows, value_dim, dtype=query.dtype, device=device)
+    count, split_tokens = split_plan(launch.longest, pairs, splits)
+    several = count > 1
+    partial = torch.empty(pairs, count, rows, value_dim, dtype=torch.float32, device=device) if several else out
+    partial_lse = torch.empty(pairs, count, rows, dtype=torch.float32, device=device) if several else out
+    block_v = triton_block(value_dim)
+    if launch.longest:
+        attend_splits[(pairs, count)](
+            launch.grouped,
+            launch.pages,
+            launch.pages.shape[1],
+            launch.lengths,
+            source.positions,
+            *launch.mask_arguments,
+            out,
+            partial,
+            partial_lse,
+            split_tokens,
+            float(scale),
+            float(softcap or 1.0),
+            *source.keys.tensors,
+            *source.values.tensors,
+            LOAD_KEYS=source.keys.load,
+            KP0=source.keys.params[0],
+            KP1=source.keys.params[1],
+            KP2=source.keys.params[2],
+            LOAD_VALUES=source.values.load,
+            VP0=source.values.params[0],
+            VP1=source.values.params[1],
+            VP2=source.values.params[2],
+            VALUE_DIM=value_dim,
+            BLOCK_N=TILE_TOKENS,
+            BLOCK_V=block_v,
+            SOFTCAP=bool(softcap),
+            SPLIT=several,
+            num_warps=8 if max(launch.shape["HEAD_DIM"], value_dim) >= WIDE_CHANNELS else 4,
+            **launch.shape,
+        )
+        if several:
+            merge_splits[(pairs,)](
+                partial, partial_lse, out, count, ROWS=rows, VALUE_DIM=value_dim, BLOCK_M=launch.shape["BLOCK_M"], BLOCK_V=block_v
+            )
+    batch, query_heads, queries, _ = query.shape
+    return out.view(batch, query_heads, queries, value_dim)
+
+
+def attention_weights_triton(
+    query: torch.Tensor,
+    source: TritonPageSource,
+    pages: torch.Tensor,
+    lengths: torch.Tensor,
+    *,
+    visible: torch.Tensor | None,
+    query_positions: torch.Tensor | None,
+    scale: float,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """:func:`kvlib.kernels.paged_scores.attention_weights` over pages however ``source`` holds them (keys
+    only): the scores by a Triton kernel, slot by slot, then a softmax in torch. float32
+    ``[batch, query_heads, queries, pages.shape[2] * page_size]`` on the arenas' device."""
+    launch = _Launch.of(query, source, pages, lengths, visible, query_positions)
+    pairs, rows = launch.grouped.shape[:2]
+    slots = launch.pages.shape[1] * source.positions.shape[1]
+    scores = torch.full((pairs, rows, slots), float("-inf"), dtype=torch.float32, device=source.positions.device)
+    tiles = math.ceil(launch.longest / TILE_TOKENS)
+    if tiles:
+        score_tiles[(pairs, tiles)](
+            launch.grouped,
+            launch.pages,
+            launch.pages.shape[1],
+            launch.lengths,
+            source.positions,
+            *launch.mask_arguments,
+            scores,
+            slots,
+            float(scale),
+            float(softcap or 1.0),
+            *source.keys.tensors,
+            LOAD_KEYS=source.keys.load,
+            KP0=source.keys.params[0],
+            KP1=source.keys.params[1],
+            KP2=source.keys.params[2],
+            BLOCK_N=TILE_TOKENS,
+            SOFTCAP=bool(softcap),
+            **launch.shape,
+        )
+    batch, query_heads, queries, _ = query.shape
+    weights = torch.softmax(scores.view(batch, query_heads, queries, slots), dim=-1)
+    return weights.nan_to_num_(0.0)  # a query that sees nothing: all -inf, softmax NaN
