@@ -49,10 +49,17 @@ def allocate_and_write(pool: PagePool, count: int) -> torch.Tensor:
 def test_the_device_pages_that_leave_are_the_first_in_the_rules_order() -> None:
     """Four pages taken and written one at a time through a device of two: the default rule
     keeps the two written last on the device; newest-first keeps the first page and the last."""
-    default = PagePool(page_size=PAGE, head_dim=HEAD_DIM, value_dim=VALUE_DIM, dtype=torch.float32, device=CPU, format=TieredPages(TierBudgets(2)))
+    default = PagePool(
+        page_size=PAGE, head_dim=HEAD_DIM, value_dim=VALUE_DIM, dtype=torch.float32, device=CPU, format=TieredPages(TierBudgets(2))
+    )
     rule = Recorded(newest_first)
     reverse = PagePool(
-        page_size=PAGE, head_dim=HEAD_DIM, value_dim=VALUE_DIM, dtype=torch.float32, device=CPU, format=TieredPages(TierBudgets(2, placement=rule))
+        page_size=PAGE,
+        head_dim=HEAD_DIM,
+        value_dim=VALUE_DIM,
+        dtype=torch.float32,
+        device=CPU,
+        format=TieredPages(TierBudgets(2, placement=rule)),
     )
     for pool in (default, reverse):
         assert allocate_and_write(pool, 4).tolist() == [0, 1, 2, 3]
@@ -67,7 +74,12 @@ def test_the_device_pages_that_leave_are_the_first_in_the_rules_order() -> None:
 def test_a_ranking_keeps_the_last_pages_of_the_order_on_the_device() -> None:
     rule = Recorded(lowest_score_first)
     pool = PagePool(
-        page_size=PAGE, head_dim=HEAD_DIM, value_dim=VALUE_DIM, dtype=torch.float32, device=CPU, format=TieredPages(TierBudgets(2, placement=rule))
+        page_size=PAGE,
+        head_dim=HEAD_DIM,
+        value_dim=VALUE_DIM,
+        dtype=torch.float32,
+        device=CPU,
+        format=TieredPages(TierBudgets(2, placement=rule)),
     )
     ids = allocate_and_write(pool, 5)
     asked = len(rule.asked)
@@ -103,7 +115,12 @@ def test_host_pages_go_to_disk_in_the_rules_host_order(tmp_path: Path) -> None:
 @pytest.mark.parametrize("answer", [lambda pages: torch.zeros_like(pages.ids), lambda pages: pages.ids[:-1] * 0])
 def test_an_order_that_is_not_a_permutation_is_refused(answer) -> None:
     pool = PagePool(
-        page_size=PAGE, head_dim=HEAD_DIM, value_dim=VALUE_DIM, dtype=torch.float32, device=CPU, format=TieredPages(TierBudgets(2, placement=Recorded(answer)))
+        page_size=PAGE,
+        head_dim=HEAD_DIM,
+        value_dim=VALUE_DIM,
+        dtype=torch.float32,
+        device=CPU,
+        format=TieredPages(TierBudgets(2, placement=Recorded(answer))),
     )
     with pytest.raises(ValueError, match="must be a permutation"):
         allocate_and_write(pool, 3)
