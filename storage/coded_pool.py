@@ -98,21 +98,21 @@ class CodedPages(PageFormat):
     def page_footprint(self) -> int:
         if not self.codec.ready and not self.encoded:  # fields unknown until fitted
             return self.pool.page_bytes
-        return self.codec.page_bytes() + self.position_page_bytes
+        return self.codec.page_bytes() + self.pool.position_page_bytes
 
     def data_bytes(self) -> int:
         sealed = self.sealed_pages
         coded = sealed * self.codec.page_bytes(metadata=False) if sealed else 0
-        return (self.pool.pages_in_use - sealed) * self.kv_page_bytes + coded
+        return (self.pool.pages_in_use - sealed) * self.pool.kv_page_bytes + coded
 
     def metadata_bytes(self) -> int:
         sealed = self.sealed_pages
         return (sealed * self.codec.page_bytes(metadata=True) if sealed else 0) + self.codec.state_bytes()
 
     def bytes_reserved(self) -> int:
-        raw = self.keys.shape[0] * self.kv_page_bytes
+        raw = self.keys.shape[0] * self.pool.kv_page_bytes
         encoded = sum(t.numel() * t.element_size() for t in self.encoded.values())
-        return raw + encoded + self.capacity * self.position_page_bytes
+        return raw + encoded + self.pool.capacity * self.pool.position_page_bytes
 
     # -- the pool's changes --------------------------------------------------------------------
 
@@ -187,7 +187,7 @@ class CodedPages(PageFormat):
             query,
             self.keys,
             self.values,
-            self.positions,
+            self.pool.positions,
             plan.pages,
             plan.lengths,
             layer,
@@ -207,7 +207,7 @@ class CodedPages(PageFormat):
         changes state). None for a codec that is not fitted yet or has no loader for the kernel,
         and on a device whose kernel reads float arenas only (the torch path): attention then
         reads through :meth:`read_pages` (a dense copy of the decoded pages)."""
-        arenas = (self.keys, self.values, self.sealed, self.raw_row, self.positions, *self.encoded.values())
+        arenas = (self.keys, self.values, self.sealed, self.raw_row, self.pool.positions, *self.encoded.values())
         kernel = paged_kernel(self.device)
         current = self._source is not None and len(self._source[0]) == len(arenas) and all(a is b for a, b in zip(self._source[0], arenas))
         if current and (kernel is PagedKernel.NUMBA or self._source[2] == self.version):
@@ -228,7 +228,7 @@ class CodedPages(PageFormat):
             open_part(self.sealed, self.raw_row, self.values) + values.fields,
             keys.load,
             values.load,
-            self.positions.numpy(),
+            self.pool.positions.numpy(),
             self.value_dim,
         )
 
@@ -236,7 +236,7 @@ class CodedPages(PageFormat):
         """The Triton kernels' source of this pool's pages (CUDA), or None for a codec without a
         Triton reader."""
         fields = self.encoded or self._field_arenas(0)
-        return triton_coded_source(self.codec, self.keys, self.values, self.sealed, self.raw_row, self.positions, fields)
+        return triton_coded_source(self.codec, self.keys, self.values, self.sealed, self.raw_row, self.pool.positions, fields)
 
     def _field_arenas(self, rows: int) -> dict[str, torch.Tensor]:
         """Zeroed arenas of ``rows`` pages for each of the codec's fields (one-byte floats as bytes)."""
@@ -283,7 +283,7 @@ class CodedPages(PageFormat):
     def restore_pages(self, ids: torch.Tensor, fields: dict[str, torch.Tensor], positions: torch.Tensor) -> None:
         """Seal freshly allocated pages ``ids`` with stored ``fields`` (no encoding: they are the
         codec's output) at ``positions`` (int64 ``[n, page_size]``)."""
-        self.positions.index_copy_(0, to_arena_device(ids, self.device), positions.to(self.device, torch.int64))
+        self.pool.positions.index_copy_(0, to_arena_device(ids, self.device), positions.to(self.device, torch.int64))
         codec_fields = self.codec.fields
         self.seal(ids, {name: fields[name].to(self.device).view(codec_fields[name].dtype) for name in codec_fields})
 

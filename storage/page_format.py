@@ -80,6 +80,13 @@ class PageFormat:
     """Bytes the last :meth:`paged_layer` copied to hand its pages over (none: they lie in the arenas)."""
 
     pool: PagePool
+    """The pool this format belongs to (its positions, reference counts and capacity are read there)."""
+    page_size: int
+    head_dim: int
+    value_dim: int
+    dtype: torch.dtype
+    device: torch.device
+    """The pool's shape, copied at :meth:`bind` (it never changes)."""
     keys: torch.Tensor
     """The device arena of keys the format writes (``[rows, page_size, head_dim]``)."""
     values: torch.Tensor
@@ -90,49 +97,13 @@ class PageFormat:
         if getattr(self, "pool", None) is not None:
             raise ValueError("a page format belongs to one pool: build a new one for each")
         self.pool = pool
+        self.page_size, self.head_dim, self.value_dim = pool.page_size, pool.head_dim, pool.value_dim
+        self.dtype, self.device = pool.dtype, pool.device
         self.create(capacity)
 
     def create(self, capacity: int) -> None:
         """Create the arenas for ``capacity`` pages (called once, by :meth:`bind`)."""
         raise NotImplementedError
-
-    # -- the pool's shape, read through it -----------------------------------------------------
-
-    @property
-    def page_size(self) -> int:
-        return self.pool.page_size
-
-    @property
-    def head_dim(self) -> int:
-        return self.pool.head_dim
-
-    @property
-    def value_dim(self) -> int:
-        return self.pool.value_dim
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.pool.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.pool.device
-
-    @property
-    def positions(self) -> torch.Tensor:
-        return self.pool.positions
-
-    @property
-    def capacity(self) -> int:
-        return self.pool.capacity
-
-    @property
-    def kv_page_bytes(self) -> int:
-        return self.pool.kv_page_bytes
-
-    @property
-    def position_page_bytes(self) -> int:
-        return self.pool.position_page_bytes
 
     # -- the pool's changes --------------------------------------------------------------------
 
@@ -202,7 +173,7 @@ class PageFormat:
             query,
             self.keys,
             self.values,
-            self.positions,
+            self.pool.positions,
             plan.pages,
             plan.lengths,
             layer,
@@ -242,13 +213,13 @@ class PageFormat:
         return self.pool.page_bytes
 
     def data_bytes(self) -> int:
-        return self.pool.pages_in_use * self.kv_page_bytes
+        return self.pool.pages_in_use * self.pool.kv_page_bytes
 
     def metadata_bytes(self) -> int:
         return 0
 
     def bytes_reserved(self) -> int:
-        return self.capacity * self.pool.page_bytes
+        return self.pool.capacity * self.pool.page_bytes
 
     def tier_bytes(self) -> dict[str, int]:
         return {"device": self.data_bytes(), "host": 0, "disk": 0}
@@ -290,7 +261,7 @@ class ArenaPages(PageFormat):
 
     def page_source(self) -> PageReader | None:
         """The arenas, in the compute dtype (None on a device that reads layers densely)."""
-        return arena_source_for(self.keys, self.values, self.positions)
+        return arena_source_for(self.keys, self.values, self.pool.positions)
 
 
 def extend_rows(tensor: torch.Tensor, rows: int, fill: int) -> torch.Tensor:

@@ -87,7 +87,7 @@ class PartneredPages(CodedPages):
         if ids.numel() == 0:
             return 0
         same = (
-            self.positions[to_arena_device(ids, self.device)] == self.partner_pool.positions[to_arena_device(partner_ids, self.device)]
+            self.pool.positions[to_arena_device(ids, self.device)] == self.partner_pool.positions[to_arena_device(partner_ids, self.device)]
         ).all(-1)
         ids, partner_ids = ids[same.cpu()], partner_ids[same.cpu()]
         _, first = first_occurrences(ids)

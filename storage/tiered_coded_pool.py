@@ -83,7 +83,7 @@ class TieredCodedPages(CodedPages):
                 value_dim=rows.value_bytes,
                 dtype=torch.uint8,
                 device=self.device,
-                capacity=self.capacity,
+                capacity=self.pool.capacity,
                 format=TieredPages(self.budgets, spill),
             )
             self.field_rows = rows
@@ -109,14 +109,14 @@ class TieredCodedPages(CodedPages):
         sealed pages at the codec's bytes (fields and metadata) wherever they lie."""
         coded = self.codec.page_bytes() if self.tiers is not None else 0
         return {
-            "device": self.open_pages * self.kv_page_bytes + (self.pages_on_device - self.open_pages) * coded,
+            "device": self.open_pages * self.pool.kv_page_bytes + (self.pages_on_device - self.open_pages) * coded,
             "host": self.pages_on_host * coded,
             "disk": self.pages_on_disk * coded,
         }
 
     def bytes_reserved(self) -> int:
         tiers = 0 if self.tiers is None else self.tiers.bytes_reserved()
-        return self.keys.shape[0] * self.kv_page_bytes + tiers + self.capacity * self.position_page_bytes
+        return self.keys.shape[0] * self.pool.kv_page_bytes + tiers + self.pool.capacity * self.pool.position_page_bytes
 
     def rank(self, ids: torch.Tensor, scores: torch.Tensor) -> None:
         """Give pages ``ids`` placement ``scores`` (see :meth:`TieredPages.rank`); open pages
@@ -217,7 +217,7 @@ class TieredCodedPages(CodedPages):
         raw_row = torch.full((count,), -1, dtype=torch.int64)
         raw_row[first_open:] = self.raw_row[opened]
         positions = torch.zeros(count, self.page_size, dtype=torch.int64)
-        positions[rows] = self.positions[ids]
+        positions[rows] = self.pool.positions[ids]
         keys, values = readers
         source = PageSource(
             open_part(is_sealed, raw_row, self.keys) + keys.fields,

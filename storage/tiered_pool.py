@@ -151,14 +151,14 @@ class TieredPages(PageFormat):
         """Bytes of keys and values held on each tier (``device``, ``host``, ``disk``: the pages'
         bytes, not counting their records' headers)."""
         return {
-            "device": self.pages_on_device * self.kv_page_bytes,
-            "host": self.pages_on_host * self.kv_page_bytes,
-            "disk": self.pages_on_disk * self.kv_page_bytes,
+            "device": self.pages_on_device * self.pool.kv_page_bytes,
+            "host": self.pages_on_host * self.pool.kv_page_bytes,
+            "disk": self.pages_on_disk * self.pool.kv_page_bytes,
         }
 
     def bytes_reserved(self) -> int:
         rows = self.keys.shape[0] + self.host.rows + self._staging.rows(self.keys, self.values)
-        return rows * self.kv_page_bytes + self.capacity * self.position_page_bytes
+        return rows * self.pool.kv_page_bytes + self.pool.capacity * self.pool.position_page_bytes
 
     def allocated(self, ids: torch.Tensor, heads: torch.Tensor | None) -> None:
         """New pages take device rows, as many as half its budget allows; the rest wait unplaced
@@ -191,7 +191,7 @@ class TieredPages(PageFormat):
     def _to_disk(self, ids: torch.Tensor) -> None:
         """Move host pages ``ids`` to disk (one transaction; if it fails nothing moved)."""
         rows = self.host_row[ids]
-        positions = self.positions.index_select(0, to_arena_device(ids, self.device))
+        positions = self.pool.positions.index_select(0, to_arena_device(ids, self.device))
         self.disk.put(ids, *self.host.load(rows, "cpu"), positions)
         self.host.release(rows)
         self.host_row[ids] = -1
@@ -318,10 +318,10 @@ class TieredPages(PageFormat):
         next change to the pool or its next staging."""
         first = self.keys.shape[0]
         keys, values, positions, table, staged = self._staging.stage(
-            self.keys, self.values, self.positions, self.device_row, pages, self.read_pages
+            self.keys, self.values, self.pool.positions, self.device_row, pages, self.read_pages
         )
         self.keys, self.values = keys[:first], values[:first]
-        self.staged_bytes = staged * self.kv_page_bytes
+        self.staged_bytes = staged * self.pool.kv_page_bytes
         return keys, values, positions, table
 
     def read_pages(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
