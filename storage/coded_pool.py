@@ -1,4 +1,4 @@
-"""Page arena whose sealed pages are held encoded by a :class:`~kvlib.codec.PageCodec`.
+"""The coded page format: a pool's sealed pages held encoded by a :class:`~kvlib.codec.PageCodec`.
 
 A page in use is either
 
@@ -10,7 +10,7 @@ A page in use is either
 
 Positions of every page stay int64 in ``positions`` (they are bookkeeping, never encoded).
 
-Invariants (beside :class:`~kvlib.storage.PagePool`'s): a page in use has ``raw_row >= 0``
+Invariants (beside :class:`~kvlib.storage.PagePool`'s; ``tests/kvlib/test_store_state_machine.py``): a page in use has ``raw_row >= 0``
 exactly when it is not sealed; free pages are neither sealed nor hold a raw row; the raw rows
 held are distinct. ``data_bytes()`` counts open pages at the compute dtype and sealed pages at
 the codec's payload bytes; ``metadata_bytes()`` counts sealed pages' scales and zero points and
@@ -21,7 +21,6 @@ it mostly empty (a prefill's pages are raw only between the layer's append and i
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -32,12 +31,12 @@ from kvlib.kernels import paged_ops
 from kvlib.kernels.coded_page_loaders import open_part
 from kvlib.kernels.paged_attention import PageReader, PageSource
 from kvlib.storage.free_stack import FreeStack
-from kvlib.storage.page_indexing import first_occurrences
-from kvlib.storage.page_pool import PagePool, PlannedStep, extend_rows
+from kvlib.storage.page_format import PageFormat, PlannedStep, extend_rows
+from kvlib.storage.read_plan import ReadPlan
 
 _MIN_RAW_PAGES = 16
 
-CODED_SOURCES: dict[PagedKernel, Callable[[CodedPagePool], PageReader | None]] = {
+CODED_SOURCES: dict[PagedKernel, Callable[[CodedPages], PageReader | None]] = {
     PagedKernel.NUMBA: lambda pool: pool.numba_source(),
 }
 """How each paged kernel reads a coded pool's pages (a kernel not listed reads them densely)."""
@@ -49,13 +48,12 @@ except ImportError:
     pass
 
 
-class CodedPagePool(PagePool):
-    """A :class:`PagePool` that encodes sealed pages with ``codec`` (see the module docstring)."""
+class CodedPages(PageFormat):
+    """The format of a pool that encodes sealed pages with ``codec`` (see the module docstring).
+    Per-page state beyond arenas indexed by page id (raw rows, fields) is not relocated: the
+    pool does not shrink."""
 
     pages_in_compute_dtype = False
-
-    shrinks = False
-    """Per-page state beyond the arenas (encoded fields, raw rows / tier rows) is not relocated."""
 
     writes_cpu_slots = True
     """:meth:`write` looks each page's raw row up in CPU bookkeeping."""
@@ -64,32 +62,10 @@ class CodedPagePool(PagePool):
     """A truncation ending inside a sealed page reopens it: appends then write after the kept
     tokens, and a sharer for which the page is still full may keep it sealed."""
 
-    def __init__(
-        self,
-        *,
-        page_size: int,
-        head_dim: int,
-        value_dim: int,
-        dtype: torch.dtype,
-        device: torch.device,
-        codec: PageCodec,
-        capacity: int = 64,
-        fixed: bool = False,
-        key_summaries: bool = False,
-    ) -> None:
+    def __init__(self, codec: PageCodec) -> None:
         self.codec = codec
-        super().__init__(
-            page_size=page_size,
-            head_dim=head_dim,
-            value_dim=value_dim,
-            dtype=dtype,
-            device=device,
-            capacity=capacity,
-            fixed=fixed,
-            key_summaries=key_summaries,
-        )
 
-    def _init_data(self, capacity: int) -> None:
+    def create(self, capacity: int) -> None:
         self.encoded: dict[str, torch.Tensor] = {}
         """Field arenas ``[capacity, *field.shape]``, created at the first seal (a fitted codec
         knows its fields only once fitted)."""
@@ -100,9 +76,9 @@ class CodedPagePool(PagePool):
         self.keys = torch.zeros(raw, self.page_size, self.head_dim, dtype=self.dtype, device=self.device)
         self.values = torch.zeros(raw, self.page_size, self.value_dim, dtype=self.dtype, device=self.device)
         self._raw_free = FreeStack(raw)
-        self._version = 0
+        self.version = 0
         """Bumped whenever a page changes state (allocated, freed, sealed) or raw rows move."""
-        self._plan: _ReadPlan | None = None
+        self._plan: ReadPlan | None = None
         self._source: tuple[tuple[torch.Tensor, ...], PageReader | None, int] | None = None
         """The last :meth:`page_source`, the tensors it views and the pool version it was built at
         (rebuilt when one is replaced; a Triton source also when a page changed state)."""
@@ -115,45 +91,45 @@ class CodedPagePool(PagePool):
 
     @property
     def open_pages(self) -> int:
-        return self.pages_in_use - self.sealed_pages
+        return self.pool.pages_in_use - self.sealed_pages
 
     def page_footprint(self) -> int:
         if not self.codec.ready and not self.encoded:  # fields unknown until fitted
-            return self.page_bytes
-        return self.codec.page_bytes() + self.position_page_bytes
+            return self.pool.page_bytes
+        return self.codec.page_bytes() + self.pool.position_page_bytes
 
     def data_bytes(self) -> int:
         sealed = self.sealed_pages
         coded = sealed * self.codec.page_bytes(metadata=False) if sealed else 0
-        return (self.pages_in_use - sealed) * self.kv_page_bytes + coded
+        return (self.pool.pages_in_use - sealed) * self.pool.kv_page_bytes + coded
 
     def metadata_bytes(self) -> int:
         sealed = self.sealed_pages
         return (sealed * self.codec.page_bytes(metadata=True) if sealed else 0) + self.codec.state_bytes()
 
     def bytes_reserved(self) -> int:
-        raw = self.keys.shape[0] * self.kv_page_bytes
+        raw = self.keys.shape[0] * self.pool.kv_page_bytes
         encoded = sum(t.numel() * t.element_size() for t in self.encoded.values())
-        return raw + encoded + self.capacity * self.position_page_bytes
+        return raw + encoded + self.pool.capacity * self.pool.position_page_bytes
 
-    # -- allocation hooks ----------------------------------------------------------------------
+    # -- the pool's changes --------------------------------------------------------------------
 
-    def _on_allocate(self, ids: torch.Tensor, heads: torch.Tensor | None) -> None:
-        self._version += 1
+    def allocated(self, ids: torch.Tensor, heads: torch.Tensor | None) -> None:
+        self.version += 1
         if self._raw_free.free < ids.numel():
             self._resize_raw(max(2 * self.keys.shape[0], self.keys.shape[0] - self._raw_free.free + ids.numel()))
         self.raw_row[ids] = self._raw_free.pop(ids.numel())
         self.sealed[ids] = False
         self.page_heads[ids] = 0 if heads is None else heads
 
-    def _on_free(self, ids: torch.Tensor) -> None:
-        self._version += 1
+    def freed(self, ids: torch.Tensor) -> None:
+        self.version += 1
         held = self.raw_row[ids]
         self._raw_free.push(held[held >= 0])
         self.raw_row[ids] = -1
         self.sealed[ids] = False
 
-    def _grow_data(self, capacity: int) -> None:
+    def grow(self, capacity: int) -> None:
         self.encoded = {name: extend_rows(t, capacity, 0) for name, t in self.encoded.items()}
         self.sealed = extend_rows(self.sealed, capacity, False)
         self.raw_row = extend_rows(self.raw_row, capacity, -1)
@@ -161,7 +137,7 @@ class CodedPagePool(PagePool):
 
     def _resize_raw(self, rows: int) -> None:
         """Give the raw arena ``rows`` rows, moving the rows in use to the front."""
-        self._version += 1
+        self.version += 1
         held = (self.raw_row >= 0).nonzero().squeeze(-1)
         old_rows = self.raw_row[held]
         keys = torch.zeros(rows, self.page_size, self.head_dim, dtype=self.dtype, device=self.device)
@@ -174,9 +150,9 @@ class CodedPagePool(PagePool):
         self._raw_free = FreeStack(rows)
         self._raw_free.pop(held.numel())
 
-    def writable(self, ids: torch.Tensor) -> torch.Tensor:
+    def writable(self, ids: torch.Tensor, private: torch.Tensor) -> torch.Tensor:
         """Referenced once and open: a sealed page is immutable."""
-        return super().writable(ids) & ~self.sealed[ids]
+        return private & ~self.sealed[ids]
 
     # -- data ----------------------------------------------------------------------------------
 
@@ -187,15 +163,11 @@ class CodedPagePool(PagePool):
             raise RuntimeError("write to a sealed page: sealed pages are immutable (the store and the pool disagree)")
         return self.raw_row[pages] * self.page_size + slots % self.page_size
 
-    def write(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
-        index = to_arena_device(self._raw_slots(slots), self.device)
-        self.keys.view(-1, self.head_dim).index_copy_(0, index, keys)
-        self.values.view(-1, self.value_dim).index_copy_(0, index, values)
-        self.positions.view(-1).index_copy_(0, to_arena_device(slots, self.device), positions.to(self.device, torch.int64))
-        if self.summaries is not None:  # from the keys as written, before any encoding
-            self.summaries.add(slots, keys)
-
-    gather = PagePool.gather_by_pages
+    def write(self, slots: torch.Tensor, index: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Open pages' raw rows (sealed pages are immutable)."""
+        raw = to_arena_device(self._raw_slots(slots), self.device)
+        self.keys.view(-1, self.head_dim).index_copy_(0, raw, keys)
+        self.values.view(-1, self.value_dim).index_copy_(0, raw, values)
 
     planned_slots_stay = False
 
@@ -206,24 +178,14 @@ class CodedPagePool(PagePool):
             raise RuntimeError("planned write to a sealed page: sealed pages are immutable (the store and the pool disagree)")
         return rows * self.page_size + slots % self.page_size
 
-    def attend_planned(
-        self,
-        plan: PlannedStep,
-        layer: int,
-        query: torch.Tensor,
-        mask: torch.Tensor | None,
-        scale: float,
-        softcap: float | None = None,
-        received: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """:meth:`PagePool.attend_planned` through the codec's page loaders (:meth:`page_source`;
-        ``kvlib::paged_decode_source``)."""
+    def attend_planned(self, plan: PlannedStep, layer: int, query: torch.Tensor, mask, scale, softcap, received) -> torch.Tensor:
+        """Attention through the codec's page loaders (:meth:`page_source`; ``kvlib::paged_decode_source``)."""
         return paged_ops.paged_decode_source(
             self,
             query,
             self.keys,
             self.values,
-            self.positions,
+            self.pool.positions,
             plan.pages,
             plan.lengths,
             layer,
@@ -243,14 +205,14 @@ class CodedPagePool(PagePool):
         changes state). None for a codec that is not fitted yet or has no loader for the kernel,
         and on a device whose kernel reads float arenas only (the torch path): attention then
         reads through :meth:`read_pages` (a dense copy of the decoded pages)."""
-        arenas = (self.keys, self.values, self.sealed, self.raw_row, self.positions, *self.encoded.values())
+        arenas = (self.keys, self.values, self.sealed, self.raw_row, self.pool.positions, *self.encoded.values())
         kernel = paged_kernel(self.device)
         current = self._source is not None and len(self._source[0]) == len(arenas) and all(a is b for a, b in zip(self._source[0], arenas))
-        if current and (kernel is PagedKernel.NUMBA or self._source[2] == self._version):
+        if current and (kernel is PagedKernel.NUMBA or self._source[2] == self.version):
             return self._source[1]  # the same tensors, changed in place only: their views still hold
         if not self.codec.ready or kernel not in CODED_SOURCES:
             return None
-        self._source = (arenas, CODED_SOURCES[kernel](self), self._version)
+        self._source = (arenas, CODED_SOURCES[kernel](self), self.version)
         return self._source[1]
 
     def numba_source(self) -> PageSource | None:
@@ -264,7 +226,7 @@ class CodedPagePool(PagePool):
             open_part(self.sealed, self.raw_row, self.values) + values.fields,
             keys.load,
             values.load,
-            self.positions.numpy(),
+            self.pool.positions.numpy(),
             self.value_dim,
         )
 
@@ -272,7 +234,7 @@ class CodedPagePool(PagePool):
         """The Triton kernels' source of this pool's pages (CUDA), or None for a codec without a
         Triton reader."""
         fields = self.encoded or self._field_arenas(0)
-        return triton_coded_source(self.codec, self.keys, self.values, self.sealed, self.raw_row, self.positions, fields)
+        return triton_coded_source(self.codec, self.keys, self.values, self.sealed, self.raw_row, self.pool.positions, fields)
 
     def _field_arenas(self, rows: int) -> dict[str, torch.Tensor]:
         """Zeroed arenas of ``rows`` pages for each of the codec's fields (one-byte floats as bytes)."""
@@ -284,13 +246,13 @@ class CodedPagePool(PagePool):
     def read_pages(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Whole pages in the compute dtype: sealed pages decoded, open pages copied, free pages zero.
 
-        Where each page is read from (a :class:`_ReadPlan`) is worked out once and reused while
+        Where each page is read from (a :class:`ReadPlan`) is worked out once and reused while
         the same ids are read and no page changed state: a decode step reads the same pages as
         the step before it until one fills.
         """
         plan = self._plan
-        if plan is None or plan.version != self._version or plan.ids.shape != ids.shape or not torch.equal(plan.ids, ids):
-            plan = self._plan = _ReadPlan.of(self, ids)
+        if plan is None or plan.version != self.version or plan.ids.shape != ids.shape or not torch.equal(plan.ids, ids):
+            plan = self._plan = ReadPlan.of(self, ids)
         keys = torch.empty(ids.numel(), self.page_size, self.head_dim, dtype=self.dtype, device=self.device)
         values = torch.empty(ids.numel(), self.page_size, self.value_dim, dtype=self.dtype, device=self.device)
         if plan.pages.numel():
@@ -319,7 +281,7 @@ class CodedPagePool(PagePool):
     def restore_pages(self, ids: torch.Tensor, fields: dict[str, torch.Tensor], positions: torch.Tensor) -> None:
         """Seal freshly allocated pages ``ids`` with stored ``fields`` (no encoding: they are the
         codec's output) at ``positions`` (int64 ``[n, page_size]``)."""
-        self.positions.index_copy_(0, to_arena_device(ids, self.device), positions.to(self.device, torch.int64))
+        self.pool.positions.index_copy_(0, to_arena_device(ids, self.device), positions.to(self.device, torch.int64))
         codec_fields = self.codec.fields
         self.seal(ids, {name: fields[name].to(self.device).view(codec_fields[name].dtype) for name in codec_fields})
 
@@ -329,13 +291,10 @@ class CodedPagePool(PagePool):
         """Decode sealed ``pages`` into ``keys[rows]`` and ``values[rows]``."""
         self.codec.decode_into(self.encoded, pages, heads, keys, values, rows)
 
-    def copy_pages(self, source: torch.Tensor, target: torch.Tensor) -> None:
+    def copy(self, source: torch.Tensor, target: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy pages onto freshly allocated ``target`` pages: a sealed source stays sealed in its
         copy (its fields are copied), an open one is copied raw."""
         sealed = self.sealed[source]
-        self.positions.index_copy_(
-            0, to_arena_device(target, self.device), self.positions.index_select(0, to_arena_device(source, self.device))
-        )
         self.page_heads[target] = self.page_heads[source]
         if bool(sealed.any()):
             src, dst = source[sealed], target[sealed]
@@ -343,14 +302,12 @@ class CodedPagePool(PagePool):
             self._raw_free.push(self.raw_row[dst])
             self.raw_row[dst] = -1
             self.sealed[dst] = True
-            self._version += 1
+            self.version += 1
         if not bool(sealed.all()):
             src = to_arena_device(self.raw_row[source[~sealed]], self.device)
             dst = to_arena_device(self.raw_row[target[~sealed]], self.device)
             self.keys.index_copy_(0, dst, self.keys.index_select(0, src))
             self.values.index_copy_(0, dst, self.values.index_select(0, src))
-        if self.summaries is not None:
-            self.summaries.copy(source, target)
 
     def _copy_sealed(self, source: torch.Tensor, target: torch.Tensor) -> None:
         """Copy the encoded fields of sealed pages ``source`` onto pages ``target`` (in use, not sealed yet)."""
@@ -358,19 +315,14 @@ class CodedPagePool(PagePool):
         for t in self.encoded.values():
             t.index_copy_(0, dst_index, t.index_select(0, src_index))
 
-    def open_copies(self, source: torch.Tensor, target: torch.Tensor) -> None:
+    def open_copy(self, source: torch.Tensor, target: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Write the decoded contents of pages ``source`` into freshly allocated open ``target``
         pages (to append after a truncation that left a sealed page partly kept)."""
         keys, values = self.read_pages(source)
         rows = to_arena_device(self.raw_row[target], self.device)
         self.keys.index_copy_(0, rows, keys)
         self.values.index_copy_(0, rows, values)
-        self.positions.index_copy_(
-            0, to_arena_device(target, self.device), self.positions.index_select(0, to_arena_device(source, self.device))
-        )
         self.page_heads[target] = self.page_heads[source]
-        if self.summaries is not None:
-            self.summaries.copy(source, target)
 
     def raw_pages(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of open pages ``ids`` (copies, ``[n, page_size, dim]``)."""
@@ -385,7 +337,7 @@ class CodedPagePool(PagePool):
         """Pages are sealed once the codec is fitted."""
         return self.codec.ready
 
-    def seal_full_pages(self, ids: torch.Tensor, partner_ids: torch.Tensor | None, salience: torch.Tensor | None = None) -> int:
+    def seal_full_pages(self, ids: torch.Tensor, partner_ids: torch.Tensor | None, salience: torch.Tensor | None) -> int:
         """Encode the distinct pages of ``ids`` not sealed yet (``partner_ids``: None, no partner),
         with the ``salience`` of their first occurrence in ``ids``."""
         ids, first = first_occurrences(ids)
@@ -412,7 +364,7 @@ class CodedPagePool(PagePool):
         self._raw_free.push(rows)
         self.raw_row[ids] = -1
         self.sealed[ids] = True
-        self._version += 1
+        self.version += 1
         held = self.keys.shape[0] - self._raw_free.free
         if self.keys.shape[0] > _MIN_RAW_PAGES and 4 * held < self.keys.shape[0]:
             self._resize_raw(max(_MIN_RAW_PAGES, 2 * held))
@@ -422,46 +374,9 @@ class CodedPagePool(PagePool):
         in the field arenas, at the pages' ids."""
         target = to_arena_device(ids, self.device)
         if not self.encoded:
-            self.encoded = self._field_arenas(self.capacity)
+            self.encoded = self._field_arenas(self.pool.capacity)
         fields = self.codec.fields
         for name, t in encoded.items():
             arena = self.encoded[name]
             field = t.to(fields[name].dtype)
             arena.index_copy_(0, target, field.view(arena.dtype) if field.dtype != arena.dtype else field)
-
-
-@dataclass
-class _ReadPlan:
-    """Where :meth:`CodedPagePool.read_pages` reads each of ``ids`` from, valid for one pool
-    ``version``: ``sealed_rows`` (CPU) of the output are decoded from arena ``pages`` (CPU) with
-    ``heads`` (device); ``free`` output rows (device) are zeroed; ``open_target`` rows are copied
-    from raw rows ``open_source`` (device)."""
-
-    ids: torch.Tensor
-    version: int
-    sealed_rows: torch.Tensor
-    pages: torch.Tensor
-    heads: torch.Tensor
-    free: torch.Tensor | None
-    open_target: torch.Tensor | None
-    open_source: torch.Tensor | None
-
-    @classmethod
-    def of(cls, pool: CodedPagePool, ids: torch.Tensor) -> _ReadPlan:
-        sealed = pool.sealed[ids]
-        rows = pool.raw_row[ids]
-        sealed_rows = sealed.nonzero().squeeze(-1)
-        pages = ids[sealed_rows]
-        free = (~sealed & (rows < 0)).nonzero().squeeze(-1)
-        opened = (rows >= 0).nonzero().squeeze(-1)
-        device = pool.device
-        return cls(
-            ids.clone(),
-            pool._version,
-            sealed_rows,
-            pages,
-            to_arena_device(pool.page_heads[pages], device),
-            to_arena_device(free, device) if free.numel() else None,
-            to_arena_device(opened, device) if opened.numel() else None,
-            to_arena_device(rows[opened], device) if opened.numel() else None,
-        )

@@ -1,10 +1,13 @@
-"""Page arena for one layer on one device: key, value and position pages with a free list.
+"""The page pool of one layer on one device: page ids with reference counts, a free list, the
+positions of every page, and a *format* part holding the keys and values.
 
-A page holds ``page_size`` consecutive stored tokens of one KV head:
-
-- ``keys[page]``: ``[page_size, head_dim]`` in the compute dtype,
-- ``values[page]``: ``[page_size, value_dim]`` in the compute dtype,
-- ``positions[page]``: ``[page_size]`` int64, the original absolute position of each token.
+A page holds ``page_size`` consecutive stored tokens of one KV head: ``positions[page]``
+(``[page_size]`` int64, the original absolute position of each token) here, its keys and values
+where the pool's :class:`~kvlib.storage.page_format.PageFormat` keeps them (by default
+:class:`~kvlib.storage.page_format.ArenaPages`: ``keys[page]`` ``[page_size, head_dim]`` and
+``values[page]`` ``[page_size, value_dim]`` in the compute dtype). A codec, tiers or a partner
+layer are formats the pool is given (:mod:`~kvlib.storage.pool_factory` composes them), not
+classes of pool: there is one pool class, with one constructor.
 
 Invariants (checked by ``tests/storage/test_store_state_machine.py`` after every step):
 
@@ -22,12 +25,10 @@ before changing anything. A growable pool can also shrink (:meth:`PagePool.reloc
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import numpy as np
 import torch
 
-from kvlib.codec import Field
+from kvlib import paged_ops
 from kvlib.devices import to_arena_device
 from kvlib.errors import PoolExhaustedError
 from kvlib.kernels import paged_ops
@@ -35,6 +36,9 @@ from kvlib.kernels.arena_sources import arena_source_for
 from kvlib.kernels.paged_attention import PagedLayer, PageReader
 from kvlib.storage.free_stack import FreeStack
 from kvlib.storage.key_summaries import KeySummaries
+from kvlib.storage.page_format import ArenaPages, PageFormat, PlannedStep, extend_rows
+
+__all__ = ["GROWTH_PAGES", "GROWTH_SHARE", "PagePool", "PlannedStep", "extend_rows", "grown"]
 
 _POSITION_DTYPE = torch.int64
 GROWTH_SHARE = 32
@@ -43,59 +47,34 @@ GROWTH_PAGES = 16
 """... and by at least this many pages."""
 
 
-class PlannedStep(Protocol):
-    """What a pool reads of a planned decode step (:class:`kvlib.storage.step_plan.StepPlan`), for every
-    layer: ``slots`` and ``position_slots`` int64 ``[layers, batch, kv_heads, tokens]`` (where each
-    new token goes in the key and value arenas, and in the position arena), ``positions`` int64
-    ``[batch, tokens]``, ``query_positions`` int64 ``[tokens]``, the block tables ``pages`` int64
-    ``[layers, batch, kv_heads, max_pages]`` and ``lengths`` int64 ``[layers, batch, kv_heads]``."""
-
-    slots: torch.Tensor
-    position_slots: torch.Tensor
-    positions: torch.Tensor
-    query_positions: torch.Tensor
-    pages: torch.Tensor
-    lengths: torch.Tensor
-
-
 def grown(pages: int) -> int:
     """The capacity a growable pool takes to hold ``pages`` pages with room to grow."""
     return pages + max(pages // GROWTH_SHARE, GROWTH_PAGES)
 
 
 class PagePool:
-    """Arena of KV pages for one layer on one device.
+    """Pages of one layer on one device: ids, reference counts, positions, and ``format``.
 
     Args:
         page_size: tokens per page.
         head_dim: key channels per token.
         value_dim: value channels per token (equal to ``head_dim`` for most models).
         dtype: compute dtype of keys and values.
-        device: where the arena lives.
+        device: where the arenas live.
         capacity: pages allocated up front.
         fixed: if True the pool never grows (the scheduler's mode); otherwise it grows (:func:`grown`).
         key_summaries: keep each page's channel-wise key min and max on the device, current on
             every write, copy and free (:class:`~kvlib.storage.key_summaries.KeySummaries`, for
             ``quest``).
+        format: how the keys and values are held (a fresh :class:`~kvlib.storage.page_format.PageFormat`,
+            bound to this pool; default :class:`~kvlib.storage.page_format.ArenaPages`).
+
+    The pool's methods are its own; the rest of its interface is its format's, read through
+    the pool (``pool.data_bytes()`` is ``pool.format.data_bytes()``): the attributes and methods
+    of :class:`~kvlib.storage.page_format.PageFormat` (sizes, records, ``codec``,
+    ``device_pages``, ``seals``, ...) and what one format adds (a codec's ``sealed``, a tier's
+    ``rank`` or ``pages_on_host``).
     """
-
-    staged_bytes = 0
-    """Bytes the last :meth:`paged_layer` copied to hand its pages over (none: they lie in the arena)."""
-
-    device_pages: int | None = None
-    """At most this many pages stay on ``device`` (None: every page does; tiered pools set a budget)."""
-
-    writes_cpu_slots = False
-    """Whether :meth:`write` wants its slots on the CPU (where it looks page state up) rather than
-    on the arena device."""
-
-    pages_in_compute_dtype = True
-    """Whether every page holds its keys and values in the compute dtype (then :meth:`record_fields`
-    are keys and values); a coded pool's sealed pages do not."""
-
-    partner_layer: int | None = None
-    """The earlier layer whose pool this pool's sealed pages lean on (None: none; see
-    :class:`~kvlib.storage.partnered_pool.PartneredPagePool`)."""
 
     def __init__(
         self,
@@ -108,6 +87,7 @@ class PagePool:
         capacity: int = 64,
         fixed: bool = False,
         key_summaries: bool = False,
+        format: PageFormat | None = None,
     ) -> None:
         for name, value in (("page_size", page_size), ("head_dim", head_dim), ("value_dim", value_dim)):
             if not isinstance(value, int) or value < 1:
@@ -123,14 +103,17 @@ class PagePool:
         self.positions = torch.full((capacity, page_size), -1, dtype=_POSITION_DTYPE, device=device)
         self.refcount = torch.zeros(capacity, dtype=torch.int64)
         self._free = FreeStack(capacity)
-        self._init_data(capacity)
         self.summaries = KeySummaries(capacity, page_size, head_dim, dtype, device) if key_summaries else None
         """Per-page key minima and maxima (None unless ``key_summaries``)."""
+        self.format = ArenaPages() if format is None else format
+        self.format.bind(self, capacity)
 
-    def _init_data(self, capacity: int) -> None:
-        """Create the key and value arenas for ``capacity`` pages."""
-        self.keys = torch.zeros(capacity, self.page_size, self.head_dim, dtype=self.dtype, device=self.device)
-        self.values = torch.zeros(capacity, self.page_size, self.value_dim, dtype=self.dtype, device=self.device)
+    def __getattr__(self, name: str):
+        """What the format adds (called only for names the pool itself does not have)."""
+        format = self.__dict__.get("format")
+        if format is None:
+            raise AttributeError(name)
+        return getattr(format, name)
 
     # -- sizes ---------------------------------------------------------------------------------
 
@@ -149,9 +132,8 @@ class PagePool:
 
     @property
     def kv_page_bytes(self) -> int:
-        """Bytes of keys and values in one page."""
-        item = self.keys.element_size()
-        return self.page_size * (self.head_dim + self.value_dim) * item
+        """Bytes of keys and values in one page in the compute dtype."""
+        return self.page_size * (self.head_dim + self.value_dim) * self.dtype.itemsize
 
     @property
     def position_page_bytes(self) -> int:
@@ -160,33 +142,12 @@ class PagePool:
 
     @property
     def page_bytes(self) -> int:
-        """All bytes one page holds: keys, values and positions."""
+        """All bytes one page in the compute dtype holds: keys, values and positions."""
         return self.kv_page_bytes + self.position_page_bytes
 
-    def page_footprint(self) -> int:
-        """Bytes one full page of this pool holds (keys, values, positions; a sealed page with a codec)."""
-        return self.page_bytes
-
     def bytes_in_use(self) -> int:
-        """Bytes held by pages in use (keys, values, positions); free pages are not counted."""
+        """Bytes held by pages in use (keys, values, metadata, positions); free pages are not counted."""
         return self.data_bytes() + self.metadata_bytes() + self.pages_in_use * self.position_page_bytes
-
-    def data_bytes(self) -> int:
-        """Bytes of keys and values (payload) held by pages in use."""
-        return self.pages_in_use * self.kv_page_bytes
-
-    def metadata_bytes(self) -> int:
-        """Bytes of codec metadata (scales, zero points, fitted state) held; none without a codec."""
-        return 0
-
-    def bytes_reserved(self) -> int:
-        """Bytes of the whole arena, free pages included."""
-        return self.capacity * self.page_bytes
-
-    def tier_bytes(self) -> dict[str, int]:
-        """Bytes of keys and values held on each tier (``device``, ``host``, ``disk``): all on the
-        device here."""
-        return {"device": self.data_bytes(), "host": 0, "disk": 0}
 
     def free_page_ids(self) -> torch.Tensor:
         """The free stack's contents (a copy), for checks and debugging."""
@@ -208,7 +169,9 @@ class PagePool:
         """Take ``count`` free pages (reference count 1 each); returns their ids, int64 on CPU.
 
         ``heads`` (int64 ``[count]``, optional) names the KV head each page will hold, for codecs
-        with per-head state; pages allocated without it are taken to hold head 0.
+        with per-head state; pages allocated without it are taken to hold head 0. If the format
+        cannot place them (a tier full: :class:`~kvlib.errors.PoolExhaustedError`) they go back
+        to the free stack and the error propagates.
         """
         if count < 0:
             raise ValueError(f"cannot allocate a negative number of pages ({count})")
@@ -218,48 +181,37 @@ class PagePool:
             self._grow(self.pages_in_use + count)
         ids = self._free.pop(count)
         self.refcount[ids] = 1
-        self._on_allocate(ids, heads)
+        try:
+            self.format.allocated(ids, heads)
+        except PoolExhaustedError:
+            self.format.freed(ids)
+            self.refcount[ids] = 0
+            self._free.push(ids)
+            raise
         return ids
-
-    def _on_allocate(self, ids: torch.Tensor, heads: torch.Tensor | None) -> None:
-        """Hook: pages ``ids`` were just taken. Nothing to do without a codec."""
-
-    def _on_free(self, ids: torch.Tensor) -> None:
-        """Hook: pages ``ids`` just returned to the free stack. Nothing to do without a codec."""
 
     def writable(self, ids: torch.Tensor) -> torch.Tensor:
         """bool per id of ``ids`` (int64, CPU, pages in use): whether its slots may be written in
-        place, i.e. it is referenced once (shared pages are copied before any write)."""
-        return self.refcount[ids] == 1
+        place, i.e. it is referenced once (shared pages are copied before any write) and its
+        format lets it be written (a sealed page is immutable)."""
+        return self.format.writable(ids, self.refcount[ids] == 1)
 
     @property
     def reopens_partial_pages(self) -> bool:
         """Whether a truncation that ends inside a page this pool may not write in place (see
-        :meth:`writable`) gives the head an open, private copy of it (:meth:`open_copies`): so
-        that the copy's key summary covers only the tokens its head keeps. Only with key summaries
-        here (a shared page is otherwise copied by the next append that writes it)."""
-        return self.summaries is not None
+        :meth:`writable`) gives the head an open, private copy of it (:meth:`open_copies`): with
+        key summaries (so that the copy's summary covers only the tokens its head keeps), and
+        where the format says so (a sealed page reopens, to append after the kept tokens)."""
+        return self.summaries is not None or self.format.reopens_partial_pages
 
     def open_copies(self, source: torch.Tensor, target: torch.Tensor) -> None:
         """Copy pages ``source`` onto freshly allocated ``target`` pages that may be written in
-        place (a truncation's reopened pages): a plain copy here."""
-        self.copy_pages(source, target)
-
-    # -- sealing -------------------------------------------------------------------------------
-
-    @property
-    def seals(self) -> bool:
-        """Whether :meth:`seal_full_pages` may encode pages now: never without a codec."""
-        return False
-
-    def seal_full_pages(self, ids: torch.Tensor, partner_ids: torch.Tensor | None, salience: torch.Tensor | None = None) -> int:
-        """Seal those of the full pages ``ids`` (int64, CPU, in use, repeats allowed) that are
-        still open; ``partner_ids[i]`` is the page of the :attr:`partner_layer` pool holding the
-        same tokens as ``ids[i]`` (None without a partner layer); ``salience[i]`` float
-        ``[page_size]`` the scores of page ``ids[i]``'s tokens, for a codec that
-        :attr:`~kvlib.codec.PageCodec.uses_salience` (None: none given). Returns the pages sealed:
-        none here, pages stay in the compute dtype."""
-        return 0
+        place (a truncation's reopened pages): a plain copy unless the format seals pages."""
+        src, dst = to_arena_device(source, self.device), to_arena_device(target, self.device)
+        self.format.open_copy(source, target, src, dst)
+        self.positions.index_copy_(0, dst, self.positions.index_select(0, src))
+        if self.summaries is not None:
+            self.summaries.copy(source, target)
 
     def incref(self, ids: torch.Tensor) -> None:
         """Add one reference per occurrence of each id; every id must be in use."""
@@ -280,24 +232,28 @@ class PagePool:
         self.refcount[unique] = remaining
         freed = unique[remaining == 0]
         self._free.push(freed)
-        self._on_free(freed)
+        self.format.freed(freed)
         if self.summaries is not None:
             self.summaries.clear(freed)
 
     def _grow(self, min_capacity: int) -> None:
-        """Grow the arena to :func:`grown` of ``min_capacity`` pages; page ids stay valid."""
+        """Grow to :func:`grown` of ``min_capacity`` pages; page ids stay valid."""
         new = grown(min_capacity)
-        self._grow_data(new)
+        self.format.grow(new)
         self.positions = extend_rows(self.positions, new, -1)
         self.refcount = extend_rows(self.refcount, new, 0)
         self._free.grow(new)
         if self.summaries is not None:
             self.summaries.grow(new)
 
-    def _grow_data(self, capacity: int) -> None:
-        """Extend the key and value arenas to ``capacity`` pages."""
-        self.keys = extend_rows(self.keys, capacity, 0)
-        self.values = extend_rows(self.values, capacity, 0)
+    def seal_full_pages(self, ids: torch.Tensor, partner_ids: torch.Tensor | None, salience: torch.Tensor | None = None) -> int:
+        """Seal those of the full pages ``ids`` (int64, CPU, in use, repeats allowed) that are
+        still open; ``partner_ids[i]`` is the page of the :attr:`partner_layer` pool holding the
+        same tokens as ``ids[i]`` (None without a partner layer); ``salience[i]`` float
+        ``[page_size]`` the scores of page ``ids[i]``'s tokens, for a codec that
+        :attr:`~kvlib.codec.PageCodec.uses_salience` (None: none given). Returns the pages sealed
+        (none without a codec: pages stay in the compute dtype)."""
+        return self.format.seal_full_pages(ids, partner_ids, salience)
 
     # -- data ----------------------------------------------------------------------------------
 
@@ -309,10 +265,9 @@ class PagePool:
         store's job).
         """
         index = to_arena_device(slots, self.device)
-        self.keys.view(-1, self.head_dim).index_copy_(0, index, keys)
-        self.values.view(-1, self.value_dim).index_copy_(0, index, values)
+        self.format.write(slots, index, keys, values)
         self.positions.view(-1).index_copy_(0, index, positions.to(self.device, _POSITION_DTYPE))
-        if self.summaries is not None:
+        if self.summaries is not None:  # from the keys as written, before any encoding
             self.summaries.add(slots, keys)
 
     @property
@@ -323,14 +278,16 @@ class PagePool:
         summaries)."""
         return self.summaries is None and self.page_source() is not None
 
-    planned_slots_stay = True
-    """Whether :meth:`planned_slots` of pages stay where they are while other pages are allocated
-    (a coded pool's raw rows move when its raw arena is resized)."""
+    @property
+    def planned_slots_stay(self) -> bool:
+        """Whether :meth:`planned_slots` of pages stay where they are while other pages are
+        allocated (a coded format's raw rows move when its raw arena is resized)."""
+        return self.format.planned_slots_stay
 
     def planned_slots(self, slots: np.ndarray) -> np.ndarray:
         """The key and value arena slots of a planned step's tokens at flat page ``slots`` (int64,
-        pages in use, open, this pool's own): the same slots here."""
-        return slots
+        pages in use, open, this pool's own): the same slots for arenas indexed by page id."""
+        return self.format.planned_slots(slots)
 
     def write_planned(self, plan: PlannedStep, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Write ``layer``'s new keys and values (``[batch, kv_heads, tokens, head_dim | value_dim]``,
@@ -341,8 +298,9 @@ class PagePool:
             raise ValueError(
                 f"layer {layer}: keys must be {[*plan.slots.shape[1:], self.head_dim]} in {self.dtype}, got {list(keys.shape)}"
             )
+        format = self.format
         paged_ops.write_planned(
-            self.keys, self.values, self.positions, plan.slots, plan.position_slots, layer, keys, values, plan.positions
+            format.keys, format.values, self.positions, plan.slots, plan.position_slots, layer, keys, values, plan.positions
         )
 
     def attend_planned(
@@ -356,93 +314,43 @@ class PagePool:
         received: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attention of ``query`` (``[batch, query_heads, tokens, head_dim]``) over ``layer``'s
-        pages once ``plan`` wrote it, ``[batch, tokens, query_heads, value_dim]`` (``kvlib::paged_decode``,
-        :func:`kvlib.kernels.paged_ops.paged_decode`; ``mask`` the model's mask over logical positions,
-        None for causal by the new tokens' positions; ``received``: see
-        :func:`~kvlib.kernels.paged_ops.paged_decode`)."""
-        return paged_ops.paged_decode(
-            query,
-            self.keys,
-            self.values,
-            self.positions,
-            plan.pages,
-            plan.lengths,
-            layer,
-            mask,
-            plan.query_positions,
-            scale,
-            softcap,
-            received,
-        )
+        pages once ``plan`` wrote it, ``[batch, tokens, query_heads, value_dim]`` (one operator:
+        ``kvlib::paged_decode`` over float arenas, ``kvlib::paged_decode_source`` through a coded
+        format's page loaders; ``mask`` the model's mask over logical positions, None for causal
+        by the new tokens' positions; ``received``: see :func:`~kvlib.paged_ops.paged_decode`)."""
+        return self.format.attend_planned(plan, layer, query, mask, scale, softcap, received)
 
     def gather(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Read tokens at flat slots: ``(keys [n, head_dim], values [n, value_dim], positions [n])``."""
         index = to_arena_device(slots, self.device)
-        return (
-            self.keys.view(-1, self.head_dim).index_select(0, index),
-            self.values.view(-1, self.value_dim).index_select(0, index),
-            self.positions.view(-1).index_select(0, index),
-        )
-
-    def gather_by_pages(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """:meth:`gather` through :meth:`read_pages` (whole pages, then the slots' rows): for
-        pools whose arenas are not indexed by page id (coded, tiered)."""
-        pages, inverse = torch.unique(slots // self.page_size, return_inverse=True)
-        keys, values = self.read_pages(pages)
-        index = to_arena_device(inverse * self.page_size + slots % self.page_size, self.device)
-        positions = self.positions.view(-1).index_select(0, to_arena_device(slots, self.device))
-        return keys.view(-1, self.head_dim)[index], values.view(-1, self.value_dim)[index], positions
+        keys, values = self.format.gather(slots, index)
+        return keys, values, self.positions.view(-1).index_select(0, index)
 
     def page_source(self) -> PageReader | None:
         """How the paged-attention kernel of the pool's device reads its pages in place
-        (:func:`~kvlib.devices.paged_kernel`: the numba kernel on the CPU, the torch path on
-        CUDA), or None for a pool whose pages it cannot read where they lie, or a device that
-        reads layers densely (read those with :meth:`read_pages`). Here: the arenas, in the
-        compute dtype. Valid until the pool next changes."""
-        return arena_source_for(self.keys, self.values, self.positions)
+        (:func:`~kvlib.devices.paged_kernel`: the numba kernel on the CPU, the torch path or
+        Triton on CUDA), or None for a format whose pages it cannot read where they lie, or a
+        device that reads layers densely (read those with :meth:`read_pages`). Valid until the
+        pool next changes."""
+        return self.format.page_source()
 
     def paged_layer(self, pages: torch.Tensor, lengths: torch.Tensor) -> PagedLayer | None:
         """A block table's tokens where the page kernel reads them: ``pages`` int64 ``[batch,
         kv_heads, n]`` (page ids in order, ``-1`` past each head's last) holding ``lengths`` int64
         ``[batch, kv_heads]`` tokens (only a head's last page may be partly filled). None where
-        :meth:`page_source` is None. Valid until the next change to the pool."""
-        source = self.page_source()
-        return None if source is None else PagedLayer(source, pages, lengths)
+        the kernel cannot read them in place. Valid until the next change to the pool."""
+        return self.format.paged_layer(pages, lengths)
 
     def read_pages(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Whole pages ``ids`` (int64 on CPU) in the compute dtype: ``(keys [n, page_size, head_dim],
-        values [n, page_size, value_dim])``."""
-        index = to_arena_device(ids, self.device)
-        return self.keys.index_select(0, index), self.values.index_select(0, index)
-
-    def record_fields(self) -> dict[str, Field] | None:
-        """What one page of this pool is in a prefix block record (:mod:`~kvlib.storage.prefix_block_record`):
-        its fields by name, or None when its pages cannot go to one (they hold neither the compute
-        dtype nor fields that mean the same to another process). Here keys and values in the
-        compute dtype; None for a subclass whose pages are not in it and that says nothing more."""
-        if not self.pages_in_compute_dtype:
-            return None
-        return {"keys": Field((self.page_size, self.head_dim), self.dtype), "values": Field((self.page_size, self.value_dim), self.dtype)}
-
-    def record_pages(self, ids: torch.Tensor) -> dict[str, torch.Tensor] | None:
-        """The :meth:`record_fields` of full pages ``ids`` (int64, CPU), each ``[n, *shape]``, or
-        None when one of them is in no state a record holds."""
-        keys, values = self.read_pages(ids)
-        return {"keys": keys, "values": values}
-
-    def restore_pages(self, ids: torch.Tensor, fields: dict[str, torch.Tensor], positions: torch.Tensor) -> None:
-        """Fill freshly allocated pages ``ids`` (int64, CPU) with the fields :meth:`record_pages`
-        gave (any device) and ``positions`` (int64 ``[n, page_size]``): full pages again."""
-        slots = (ids.unsqueeze(-1) * self.page_size + torch.arange(self.page_size)).flatten()
-        keys = fields["keys"].reshape(-1, self.head_dim).to(self.device, self.dtype)
-        values = fields["values"].reshape(-1, self.value_dim).to(self.device, self.dtype)
-        self.write(slots, keys, values, to_arena_device(positions.reshape(-1), self.device))
+        values [n, page_size, value_dim])``; free pages read as zeros."""
+        return self.format.read_pages(ids)
 
     @property
     def shrinks(self) -> bool:
-        """Whether :meth:`relocate` and :meth:`shrink` apply: a growable pool without per-page
-        state beyond its arenas (codecs and tiers keep more, and do not shrink)."""
-        return not self.fixed
+        """Whether :meth:`relocate` and :meth:`shrink` apply: a growable pool whose format keeps
+        no per-page state beyond arenas indexed by page id (codecs and tiers keep more)."""
+        return not self.fixed and self.format.shrinks
 
     def relocate(self, source: torch.Tensor, target: torch.Tensor) -> None:
         """Move in-use pages ``source[i]`` onto free pages ``target[i]`` (int64 on CPU, distinct):
@@ -462,8 +370,7 @@ class PagePool:
         to their new size so the memory is given back."""
         if bool((self.refcount[capacity:] != 0).any()):
             raise ValueError(f"shrink to {capacity} pages needs every page from {capacity} on free")
-        self.keys = self.keys[:capacity].clone()
-        self.values = self.values[:capacity].clone()
+        self.format.shrink(capacity)
         self.positions = self.positions[:capacity].clone()
         self.refcount = self.refcount[:capacity].clone()
         free = self._free.contents()
@@ -472,18 +379,9 @@ class PagePool:
             self.summaries.shrink(capacity)
 
     def copy_pages(self, source: torch.Tensor, target: torch.Tensor) -> None:
-        """Copy whole pages ``source[i]`` onto ``target[i]`` (copy-on-write)."""
-        src = to_arena_device(source, self.device)
-        dst = to_arena_device(target, self.device)
-        self.keys.index_copy_(0, dst, self.keys.index_select(0, src))
-        self.values.index_copy_(0, dst, self.values.index_select(0, src))
+        """Copy whole pages ``source[i]`` onto ``target[i]`` (copy-on-write; a sealed page stays sealed)."""
+        src, dst = to_arena_device(source, self.device), to_arena_device(target, self.device)
+        self.format.copy(source, target, src, dst)
         self.positions.index_copy_(0, dst, self.positions.index_select(0, src))
         if self.summaries is not None:
             self.summaries.copy(source, target)
-
-
-def extend_rows(tensor: torch.Tensor, rows: int, fill: int) -> torch.Tensor:
-    """A copy of ``tensor`` with ``rows`` rows along dim 0, new rows set to ``fill``."""
-    out = torch.full((rows, *tensor.shape[1:]), fill, dtype=tensor.dtype, device=tensor.device)
-    out[: tensor.shape[0]] = tensor
-    return out

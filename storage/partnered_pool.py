@@ -1,11 +1,11 @@
-"""A coded pool whose sealed pages each lean on a *partner* page of another layer's pool.
+"""The partnered page format: a coded pool whose sealed pages each lean on a *partner* page of another layer's pool.
 
 Cross-layer codecs (MiniCache) store what two layers share once: the shallower layer's sealed
 page holds the shared part (merged directions), the deeper layer's page holds the rest
 (magnitudes, tokens kept unmerged) and the id of its partner page in the shallower pool. Decoding
 a deep page reads its partner's fields.
 
-Invariants (beside :class:`~kvlib.storage.coded_pool.CodedPagePool`'s): a sealed page of this
+Invariants (beside :class:`~kvlib.storage.coded_pool.CodedPages`'): a sealed page of this
 pool has a partner page in ``partner_pool`` (``partner[page] >= 0``), on which it holds one
 reference, so the partner outlives it whatever the shallower layer's table does (eviction,
 truncation, release); the reference is returned when the page is freed. Open pages have no
@@ -19,45 +19,26 @@ import torch
 
 from kvlib.codec import PageCodec
 from kvlib.devices import to_arena_device
-from kvlib.storage.coded_pool import CodedPagePool
-from kvlib.storage.page_indexing import first_occurrences
-from kvlib.storage.page_pool import extend_rows
+from kvlib.page_indexing import first_occurrences
+from kvlib.storage.coded_pool import CodedPages
+from kvlib.storage.page_format import extend_rows
+from kvlib.storage.page_pool import PagePool
 
 PARTNER_ID_BYTES = 8
 """Bytes of the partner page id each sealed page holds (int64), counted as codec metadata."""
 
 
-class PartneredPagePool(CodedPagePool):
-    """A :class:`CodedPagePool` for the deeper layer of a cross-layer codec (see the module docstring).
+class PartneredPages(CodedPages):
+    """The format of the deeper layer's pool of a cross-layer codec (see the module docstring):
+    ``partner_pool`` is the shallower layer's pool (a coded one).
 
     ``codec`` must implement ``decode_with_partner(own, partner, heads) -> (keys, values)``
     (``own``/``partner``: field dicts of the pages and of their partners).
     """
 
-    def __init__(
-        self,
-        *,
-        page_size: int,
-        head_dim: int,
-        value_dim: int,
-        dtype: torch.dtype,
-        device: torch.device,
-        codec: PageCodec,
-        partner_pool: CodedPagePool,
-        capacity: int = 64,
-        fixed: bool = False,
-    ) -> None:
+    def __init__(self, codec: PageCodec, partner_pool: PagePool) -> None:
+        super().__init__(codec)
         self.partner_pool = partner_pool
-        super().__init__(
-            page_size=page_size,
-            head_dim=head_dim,
-            value_dim=value_dim,
-            dtype=dtype,
-            device=device,
-            codec=codec,
-            capacity=capacity,
-            fixed=fixed,
-        )
 
     @property
     def partner_layer(self) -> int:
@@ -69,12 +50,12 @@ class PartneredPagePool(CodedPagePool):
         """Pairs are sealed whenever both pages are full and open (the codec fits on the pair)."""
         return True
 
-    def _init_data(self, capacity: int) -> None:
-        super()._init_data(capacity)
+    def create(self, capacity: int) -> None:
+        super().create(capacity)
         self.partner = torch.full((capacity,), -1, dtype=torch.int64)
 
-    def _grow_data(self, capacity: int) -> None:
-        super()._grow_data(capacity)
+    def grow(self, capacity: int) -> None:
+        super().grow(capacity)
         self.partner = extend_rows(self.partner, capacity, -1)
 
     def page_source(self) -> None:
@@ -84,19 +65,19 @@ class PartneredPagePool(CodedPagePool):
     def metadata_bytes(self) -> int:
         return super().metadata_bytes() + self.sealed_pages * PARTNER_ID_BYTES
 
-    def _on_free(self, ids: torch.Tensor) -> None:
+    def freed(self, ids: torch.Tensor) -> None:
         partners = self.partner[ids]
         self.partner[ids] = -1
-        super()._on_free(ids)
+        super().freed(ids)
         self.partner_pool.decref(partners[partners >= 0])
 
-    def copy_pages(self, source: torch.Tensor, target: torch.Tensor) -> None:
-        super().copy_pages(source, target)
+    def copy(self, source: torch.Tensor, target: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+        super().copy(source, target, src, dst)
         partners = self.partner[source]
         self.partner[target] = partners
         self.partner_pool.incref(partners[partners >= 0])
 
-    def seal_full_pages(self, ids: torch.Tensor, partner_ids: torch.Tensor | None, salience: torch.Tensor | None = None) -> int:
+    def seal_full_pages(self, ids: torch.Tensor, partner_ids: torch.Tensor | None, salience: torch.Tensor | None) -> int:
         """Seal full pages ``ids`` together with the pages ``partner_ids`` of the partner pool that
         hold the same tokens (same positions, both open); each pair is encoded by the codec at
         once. A page pairs with one partner only; pages without such a partner stay open.
@@ -106,7 +87,7 @@ class PartneredPagePool(CodedPagePool):
         if ids.numel() == 0:
             return 0
         same = (
-            self.positions[to_arena_device(ids, self.device)] == self.partner_pool.positions[to_arena_device(partner_ids, self.device)]
+            self.pool.positions[to_arena_device(ids, self.device)] == self.partner_pool.positions[to_arena_device(partner_ids, self.device)]
         ).all(-1)
         ids, partner_ids = ids[same.cpu()], partner_ids[same.cpu()]
         _, first = first_occurrences(ids)

@@ -1,8 +1,8 @@
-"""Page arena whose sealed pages are held encoded and move, still encoded, between device, host and disk.
+"""The tiered coded page format: sealed pages held encoded that move, still encoded, between device, host and disk.
 
-A :class:`~kvlib.storage.coded_pool.CodedPagePool` whose sealed pages' fields do not lie in
-field arenas indexed by page id but in ``tiers``, a :class:`~kvlib.storage.tiered_pool.TieredPagePool`
-of byte pages: each sealed page is one page there (``tier_page[page]``) whose key row and value
+A :class:`~kvlib.storage.coded_pool.CodedPages` whose sealed pages' fields do not lie in
+field arenas indexed by page id but in ``tiers``, a pool of byte pages of the
+:class:`~kvlib.storage.tiered_pool.TieredPages` format (the budgets are a :class:`~kvlib.storage.tiered_pool.TierBudgets`): each sealed page is one page there (``tier_page[page]``) whose key row and value
 row hold the codec's fields packed (:class:`~kvlib.storage.field_rows.FieldRows`). That pool
 moves them between the device (at most ``device_pages`` sealed pages), the host (at most
 ``host_pages``) and disk (records of a layer spill, at most ``disk_pages``) in the placement's
@@ -15,7 +15,7 @@ Open pages (each head's last, partly filled page, in the compute dtype) stay on 
 the raw arena, and do not count against ``device_pages``. The tier pool is built at the first
 seal (a fitted codec knows its fields only once fitted).
 
-Invariants (beside :class:`~kvlib.storage.coded_pool.CodedPagePool`'s and the tier pool's): a
+Invariants (beside :class:`~kvlib.storage.coded_pool.CodedPages`' and the tier pool's): a
 page in use is sealed exactly when ``tier_page[page] >= 0``; the tier pool's pages in use are
 exactly the sealed pages' ``tier_page``, each referenced once; a free page has ``tier_page -1``.
 """
@@ -28,93 +28,62 @@ import torch
 
 from kvlib.codec import PageCodec
 from kvlib.devices import PagedKernel, paged_kernel
-from kvlib.kernels.coded_page_loaders import open_part
-from kvlib.kernels.paged_attention import PagedLayer, PageSource
-from kvlib.placement import Placement
-from kvlib.storage.coded_pool import CodedPagePool
+from kvlib.paged_attention import PagedLayer, PageSource
+from kvlib.storage.coded_pool import CodedPages
 from kvlib.storage.field_rows import FieldRows
-from kvlib.storage.page_pool import extend_rows
+from kvlib.storage.page_format import extend_rows
+from kvlib.storage.page_pool import PagePool
 from kvlib.storage.page_prefetch import PagePrefetcher
 from kvlib.storage.spill_store import LayerSpill
-from kvlib.storage.tiered_pool import TieredPagePool, check_tier_budgets
+from kvlib.storage.tiered_pool import TierBudgets, TieredPages
 
 SpillLayer = Callable[[FieldRows], LayerSpill]
 """Makes the layer spill of a pool's sealed pages, given how their fields pack into rows."""
 
 
-class TieredCodedPagePool(CodedPagePool):
-    """A :class:`CodedPagePool` keeping at most ``device_pages`` sealed pages on its device, the
-    rest on the host (at most ``host_pages``, None: unbounded) and, with ``spill_layer``, at most
-    ``disk_pages`` on disk, moved encoded in the order of ``placement`` (None: lowest score
-    first). See the module docstring."""
+class TieredCodedPages(CodedPages):
+    """A :class:`CodedPages` keeping at most ``budgets.device_pages`` sealed pages on its pool's
+    device, the rest on the host and, with ``spill_layer``, on disk, moved encoded (see the
+    module docstring)."""
 
-    def __init__(
-        self,
-        *,
-        page_size: int,
-        head_dim: int,
-        value_dim: int,
-        dtype: torch.dtype,
-        device: torch.device,
-        codec: PageCodec,
-        device_pages: int,
-        capacity: int = 64,
-        fixed: bool = False,
-        host_pages: int | None = None,
-        key_summaries: bool = False,
-        spill_layer: SpillLayer | None = None,
-        disk_pages: int = 0,
-        placement: Placement | None = None,
-    ) -> None:
-        check_tier_budgets(device_pages, host_pages, spill_layer is not None, disk_pages)
-        self.device_pages = device_pages
-        self.host_pages = host_pages
-        self.disk_pages = disk_pages if spill_layer is not None else 0
+    def __init__(self, codec: PageCodec, budgets: TierBudgets, spill_layer: SpillLayer | None = None) -> None:
+        if spill_layer is not None:
+            budgets.check_disk()
+        super().__init__(codec)
+        self.budgets = budgets
+        self.device_pages = budgets.device_pages
+        self.host_pages = budgets.host_pages
+        self.disk_pages = budgets.disk_pages if spill_layer is not None else 0
         self._spill_layer = spill_layer
-        self._placement = placement
-        super().__init__(
-            page_size=page_size,
-            head_dim=head_dim,
-            value_dim=value_dim,
-            dtype=dtype,
-            device=device,
-            codec=codec,
-            capacity=capacity,
-            fixed=fixed,
-            key_summaries=key_summaries,
-        )
 
-    def _init_data(self, capacity: int) -> None:
-        super()._init_data(capacity)
+    def create(self, capacity: int) -> None:
+        super().create(capacity)
         self.tier_page = torch.full((capacity,), -1, dtype=torch.int64)
         """Per page id (int64, CPU): a sealed page's page in :attr:`tiers` (-1: open or free)."""
-        self.tiers: TieredPagePool | None = None
+        self.tiers: PagePool | None = None
         """The sealed pages' fields as byte pages on their tiers (None before the first seal)."""
         self.field_rows: FieldRows | None = None
         """How the codec's fields pack into a tier page's rows (None before the first seal)."""
         self.staged_bytes = 0
         """Encoded bytes the last :meth:`paged_layer` staged (its transient workspace)."""
 
-    def _grow_data(self, capacity: int) -> None:
-        super()._grow_data(capacity)
+    def grow(self, capacity: int) -> None:
+        super().grow(capacity)
         self.tier_page = extend_rows(self.tier_page, capacity, -1)
 
-    def _tier_pool(self) -> TieredPagePool:
+    def _tier_pool(self) -> PagePool:
         """:attr:`tiers`, built on first use (the codec is fitted by then: it seals)."""
         if self.tiers is None:
             rows = FieldRows.of(self.codec.fields)
-            self.tiers = TieredPagePool(
+            spill = None if self._spill_layer is None else self._spill_layer(rows)
+            self.tiers = PagePool(
                 page_size=1,
                 head_dim=rows.key_bytes,
                 value_dim=rows.value_bytes,
                 dtype=torch.uint8,
                 device=self.device,
-                device_pages=self.device_pages,
-                capacity=self.capacity,
-                host_pages=self.host_pages,
-                spill=None if self._spill_layer is None else self._spill_layer(rows),
-                disk_pages=self.disk_pages,
-                placement=self._placement,
+                capacity=self.pool.capacity,
+                format=TieredPages(self.budgets, spill),
             )
             self.field_rows = rows
         return self.tiers
@@ -139,24 +108,24 @@ class TieredCodedPagePool(CodedPagePool):
         sealed pages at the codec's bytes (fields and metadata) wherever they lie."""
         coded = self.codec.page_bytes() if self.tiers is not None else 0
         return {
-            "device": self.open_pages * self.kv_page_bytes + (self.pages_on_device - self.open_pages) * coded,
+            "device": self.open_pages * self.pool.kv_page_bytes + (self.pages_on_device - self.open_pages) * coded,
             "host": self.pages_on_host * coded,
             "disk": self.pages_on_disk * coded,
         }
 
     def bytes_reserved(self) -> int:
         tiers = 0 if self.tiers is None else self.tiers.bytes_reserved()
-        return self.keys.shape[0] * self.kv_page_bytes + tiers + self.capacity * self.position_page_bytes
+        return self.keys.shape[0] * self.pool.kv_page_bytes + tiers + self.pool.capacity * self.pool.position_page_bytes
 
     def rank(self, ids: torch.Tensor, scores: torch.Tensor) -> None:
-        """Give pages ``ids`` placement ``scores`` (see :meth:`TieredPagePool.rank`); open pages
+        """Give pages ``ids`` placement ``scores`` (see :meth:`TieredPages.rank`); open pages
         among them are on the device anyway and are left out."""
         sealed = self.sealed[ids]
         if self.tiers is not None and bool(sealed.any()):
             self.tiers.rank(self.tier_page[ids[sealed]], scores[sealed])
 
     def prefetch(self, ids: torch.Tensor, prefetcher: PagePrefetcher) -> None:
-        """Start fetching the sealed pages among ``ids`` that are off the device (see :meth:`TieredPagePool.prefetch`)."""
+        """Start fetching the sealed pages among ``ids`` that are off the device (see :meth:`TieredPages.prefetch`)."""
         if self.tiers is not None:
             self.tiers.prefetch(self.tier_page[ids[self.sealed[ids]]], prefetcher)
 
@@ -183,7 +152,7 @@ class TieredCodedPagePool(CodedPagePool):
 
     def record_pages(self, ids: torch.Tensor) -> dict[str, torch.Tensor] | None:
         """The encoded fields of sealed pages ``ids`` read from whichever tier holds them (no page
-        moves), as :meth:`CodedPagePool.record_pages` gives them; None unless every one is sealed."""
+        moves), as :meth:`CodedPages.record_pages` gives them; None unless every one is sealed."""
         if ids.numel() == 0 or self.tiers is None or self.record_fields() is None or not bool(self.sealed[ids].all()):
             return None
         key_rows, value_rows = self.tiers.read_pages(self.tier_page[ids])
@@ -193,13 +162,13 @@ class TieredCodedPagePool(CodedPagePool):
         key_rows, value_rows = self.tiers.read_pages(self.tier_page[source])
         self._write_tier_pages(target, key_rows, value_rows)
 
-    def _on_free(self, ids: torch.Tensor) -> None:
+    def freed(self, ids: torch.Tensor) -> None:
         held = self.tier_page[ids]
         held = held[held >= 0]
         if held.numel():
             self.tiers.decref(held)
         self.tier_page[ids] = -1
-        super()._on_free(ids)
+        super().freed(ids)
 
     def _decode_sealed(
         self, pages: torch.Tensor, heads: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor
@@ -219,7 +188,7 @@ class TieredCodedPagePool(CodedPagePool):
         """A block table's tokens where the CPU page kernel reads them (see
         :meth:`~kvlib.storage.page_pool.PagePool.paged_layer`): the sealed pages' fields as views
         of the tier pool's device rows followed by its off-device pages the table names, staged
-        (:meth:`TieredPagePool.staged_arenas`, encoded: the kernel decodes them); open pages in
+        (:meth:`TieredPages.staged_arenas`, encoded: the kernel decodes them); open pages in
         the raw arena, numbered after those rows. None off the CPU, for a codec not fitted yet or
         without page loaders (attention then reads through :meth:`read_pages`)."""
         if not self.codec.ready or paged_kernel(self.device) is not PagedKernel.NUMBA:
@@ -247,7 +216,7 @@ class TieredCodedPagePool(CodedPagePool):
         raw_row = torch.full((count,), -1, dtype=torch.int64)
         raw_row[first_open:] = self.raw_row[opened]
         positions = torch.zeros(count, self.page_size, dtype=torch.int64)
-        positions[rows] = self.positions[ids]
+        positions[rows] = self.pool.positions[ids]
         keys, values = readers
         source = PageSource(
             open_part(is_sealed, raw_row, self.keys) + keys.fields,

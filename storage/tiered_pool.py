@@ -1,23 +1,24 @@
-"""Page arena split over three tiers: a device arena with a page budget, a host arena, and
-(optionally) page records on disk behind the host.
+"""The tiered page format: a pool's pages split over three tiers, a device arena with a page
+budget, a host arena, and (optionally) page records on disk behind the host.
 
 Every page in use has its keys and values in exactly one tier: ``device_row[page] >= 0`` (a row
 of the device arena), ``host_row[page] >= 0`` (a row of the pool's :mod:`~kvlib.storage.host_arena`)
 or ``on_disk[page]`` (a record of the layer's spill, :mod:`kvlib.storage.disk_pages`). Positions
-stay in the base pool's arena for every page (bookkeeping).
+stay in the pool's arena for every page (bookkeeping). The budgets are a :class:`TierBudgets`,
+which the coded format's tiers (:mod:`~kvlib.storage.tiered_coded_pool`) take too.
 
 Placement: the pool keeps each page's facts (:class:`~kvlib.placement.PageStats`) and moves pages
 in the order of its placement rule (:mod:`kvlib.placement`; default
 :func:`~kvlib.placement.lowest_score_first`): device pages that leave first go to the host when
 a page needs a device row, host pages that leave first go to disk (one transaction; past
 ``disk_pages``: :class:`~kvlib.errors.PoolExhaustedError`, nothing moved) when the host is full;
-:meth:`TieredPagePool.rank` scores pages and brings those the order keeps onto the device.
+:meth:`TieredPages.rank` scores pages and brings those the order keeps onto the device.
 
 Writes go to the device (a host or spilled page written is brought back first, its record
 deleted; freeing deletes it too). Reads copy host and spilled pages straight into the read
 buffer without moving them (a decode step reads every page; moving them would thrash the device).
-Attention reads the pages in place (:meth:`TieredPagePool.paged_layer`, staging only off-device
-pages: :mod:`kvlib.storage.staging_arena`). :meth:`TieredPagePool.prefetch` starts copying host
+Attention reads the pages in place (:meth:`TieredPages.paged_layer`, staging only off-device
+pages: :mod:`kvlib.storage.staging_arena`). :meth:`TieredPages.prefetch` starts copying host
 and spilled pages towards the device on a thread (:mod:`kvlib.storage.pending_fetch`); every
 method that changes the tiers first waits for it.
 
@@ -29,6 +30,8 @@ written, whatever tier holds it.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from kvlib.devices import reads_pages_in_place, to_arena_device
@@ -39,7 +42,7 @@ from kvlib.placement import Placement, lowest_score_first
 from kvlib.storage.disk_pages import DiskPages
 from kvlib.storage.free_stack import FreeStack
 from kvlib.storage.host_arena import MIN_HOST_PAGES, HostArena
-from kvlib.storage.page_pool import PagePool, extend_rows
+from kvlib.storage.page_format import PageFormat, extend_rows
 from kvlib.storage.page_prefetch import PagePrefetcher
 from kvlib.storage.pending_fetch import PendingFetch
 from kvlib.storage.placement_state import PlacementState
@@ -47,64 +50,56 @@ from kvlib.storage.spill_store import LayerSpill
 from kvlib.storage.staging_arena import StagingArena
 
 
-def check_tier_budgets(device_pages: int, host_pages: int | None, disk: bool, disk_pages: int) -> None:
-    """``ValueError`` unless ``device_pages >= 1`` and, with a ``disk`` tier, a host budget and
-    ``disk_pages >= 1`` (a tiered pool's page budgets, raw or coded)."""
-    if not isinstance(device_pages, int) or device_pages < 1:
-        raise ValueError(f"device_pages must be an int >= 1, got {device_pages!r}")
-    if disk and (host_pages is None or not isinstance(disk_pages, int) or disk_pages < 1):
-        raise ValueError(f"a disk tier needs a host budget (host_pages, got {host_pages!r}) and disk_pages >= 1 (got {disk_pages!r})")
+@dataclass(frozen=True)
+class TierBudgets:
+    """How many pages each tier of a tiered format holds, and in what order pages leave one.
+
+    Attributes:
+        device_pages: at most this many pages on the device (an int >= 1).
+        host_pages: at most this many on the host (None: unbounded; needed for a disk tier).
+        disk_pages: with a disk tier, at most this many on disk (>= 1 then; ignored without one).
+        placement: the rule ordering the pages that leave a tier (None: lowest score first).
+    """
+
+    device_pages: int
+    host_pages: int | None = None
+    disk_pages: int = 0
+    placement: Placement | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.device_pages, int) or self.device_pages < 1:
+            raise ValueError(f"device_pages must be an int >= 1, got {self.device_pages!r}")
+
+    def check_disk(self) -> None:
+        """``ValueError`` unless a disk tier may go behind these budgets: a host budget and ``disk_pages >= 1``."""
+        if self.host_pages is None or not isinstance(self.disk_pages, int) or self.disk_pages < 1:
+            raise ValueError(
+                f"a disk tier needs a host budget (host_pages, got {self.host_pages!r}) and disk_pages >= 1 (got {self.disk_pages!r})"
+            )
 
 
-class TieredPagePool(PagePool):
-    """A :class:`PagePool` keeping at most ``device_pages`` pages on its device, the rest on the
-    host (at most ``host_pages``, None: unbounded) and, with a ``spill``, at most ``disk_pages``
-    on disk behind it, moved in the order of ``placement`` (None: lowest score first)."""
-
-    shrinks = False
-    """Per-page state beyond the arenas (encoded fields, raw rows / tier rows) is not relocated."""
+class TieredPages(PageFormat):
+    """A pool's pages in the compute dtype, at most ``budgets.device_pages`` of them on its
+    device, the rest on the host and, with a ``spill``, on disk behind it (see the module
+    docstring). Per-page state beyond arenas indexed by page id (tier rows) is not relocated:
+    the pool does not shrink."""
 
     writes_cpu_slots = True
     """:meth:`write` looks each page's tier up in CPU bookkeeping (``device_row``, ``on_disk``);
     slots on CUDA failed there (found on an H200: quest and shadowkv over ``lru`` on CUDA)."""
 
-    def __init__(
-        self,
-        *,
-        page_size: int,
-        head_dim: int,
-        value_dim: int,
-        dtype: torch.dtype,
-        device: torch.device,
-        device_pages: int,
-        capacity: int = 64,
-        fixed: bool = False,
-        host_pages: int | None = None,
-        key_summaries: bool = False,
-        spill: LayerSpill | None = None,
-        disk_pages: int = 0,
-        placement: Placement | None = None,
-    ) -> None:
-        check_tier_budgets(device_pages, host_pages, spill is not None, disk_pages)
-        self.device_pages = device_pages
-        self.host_pages = host_pages
+    def __init__(self, budgets: TierBudgets, spill: LayerSpill | None = None) -> None:
+        if spill is not None:
+            budgets.check_disk()
+        self.device_pages = budgets.device_pages
+        self.host_pages = budgets.host_pages
         """At most this many pages on the host (None: unbounded)."""
         self.spill = spill
-        self.disk_pages = disk_pages if spill is not None else 0
+        self.disk_pages = budgets.disk_pages if spill is not None else 0
         """At most this many pages on disk (0: no disk tier)."""
-        self._leaving_order = lowest_score_first if placement is None else placement.leaving_order
-        super().__init__(
-            page_size=page_size,
-            head_dim=head_dim,
-            value_dim=value_dim,
-            dtype=dtype,
-            device=device,
-            capacity=capacity,
-            fixed=fixed,
-            key_summaries=key_summaries,
-        )
+        self._leaving_order = lowest_score_first if budgets.placement is None else budgets.placement.leaving_order
 
-    def _init_data(self, capacity: int) -> None:
+    def create(self, capacity: int) -> None:
         rows = min(self.device_pages, max(capacity, MIN_HOST_PAGES))  # grows up to the budget as needed
         self.keys = torch.zeros(rows, self.page_size, self.head_dim, dtype=self.dtype, device=self.device)
         self.values = torch.zeros(rows, self.page_size, self.value_dim, dtype=self.dtype, device=self.device)
@@ -124,7 +119,7 @@ class TieredPagePool(PagePool):
         self.staged_bytes = 0
         """Keys and values bytes the last :meth:`paged_layer` staged (its transient workspace)."""
 
-    def _grow_data(self, capacity: int) -> None:
+    def grow(self, capacity: int) -> None:
         self.device_row = extend_rows(self.device_row, capacity, -1)
         self.host_row = extend_rows(self.host_row, capacity, -1)
         self.disk.grow(capacity)
@@ -156,30 +151,24 @@ class TieredPagePool(PagePool):
         """Bytes of keys and values held on each tier (``device``, ``host``, ``disk``: the pages'
         bytes, not counting their records' headers)."""
         return {
-            "device": self.pages_on_device * self.kv_page_bytes,
-            "host": self.pages_on_host * self.kv_page_bytes,
-            "disk": self.pages_on_disk * self.kv_page_bytes,
+            "device": self.pages_on_device * self.pool.kv_page_bytes,
+            "host": self.pages_on_host * self.pool.kv_page_bytes,
+            "disk": self.pages_on_disk * self.pool.kv_page_bytes,
         }
 
     def bytes_reserved(self) -> int:
         rows = self.keys.shape[0] + self.host.rows + self._staging.rows(self.keys, self.values)
-        return rows * self.kv_page_bytes + self.capacity * self.position_page_bytes
+        return rows * self.pool.kv_page_bytes + self.pool.capacity * self.pool.position_page_bytes
 
-    def _on_allocate(self, ids: torch.Tensor, heads: torch.Tensor | None) -> None:
+    def allocated(self, ids: torch.Tensor, heads: torch.Tensor | None) -> None:
         """New pages take device rows, as many as half its budget allows; the rest wait unplaced
         (no row, no record: they read as zeros) until written, as every new page is right after
         allocation (:meth:`write`, :meth:`copy_pages` stream them through the device). They count
-        as just used and score ``+inf`` until ranked. If the tiers cannot take them the pages go
-        back to the free stack and the error propagates (pages already held only moved)."""
+        as just used and score ``+inf`` until ranked. If the tiers cannot take them,
+        :class:`PoolExhaustedError` (the pool frees them again; pages already held only moved)."""
         self._pending.settle()
         self.placement_state.allocated(ids)
-        try:
-            self._to_device_rows(ids[-max(1, self.device_pages // 2) :])
-        except PoolExhaustedError:
-            self._on_free(ids)
-            self.refcount[ids] = 0
-            self._free.push(ids)
-            raise
+        self._to_device_rows(ids[-max(1, self.device_pages // 2) :])
 
     def _make_host_room(self, count: int, keep: torch.Tensor) -> None:
         """Make room on the host for ``count`` more pages, counting the host pages in ``keep`` (on
@@ -202,13 +191,13 @@ class TieredPagePool(PagePool):
     def _to_disk(self, ids: torch.Tensor) -> None:
         """Move host pages ``ids`` to disk (one transaction; if it fails nothing moved)."""
         rows = self.host_row[ids]
-        positions = self.positions.index_select(0, to_arena_device(ids, self.device))
+        positions = self.pool.positions.index_select(0, to_arena_device(ids, self.device))
         self.disk.put(ids, *self.host.load(rows, "cpu"), positions)
         self.host.release(rows)
         self.host_row[ids] = -1
         self.moves_to_disk += ids.numel()
 
-    def _on_free(self, ids: torch.Tensor) -> None:
+    def freed(self, ids: torch.Tensor) -> None:
         self._pending.settle()
         self.disk.drop(ids)
         on_device, on_host = self.device_row[ids], self.host_row[ids]
@@ -265,7 +254,7 @@ class TieredPagePool(PagePool):
         take each)."""
         self._pending.settle()
         self.placement_state.rank(ids, scores)
-        in_use = (self.refcount > 0).nonzero().squeeze(-1)
+        in_use = (self.pool.refcount > 0).nonzero().squeeze(-1)
         staying = self.placement_state.leaving(in_use, "device").flip(0)[: self.device_pages]
         coming = staying[self.device_row[staying] < 0]
         step = min(self.device_pages, self.host_pages or self.device_pages)
@@ -288,7 +277,7 @@ class TieredPagePool(PagePool):
         self.host_row[ids] = rows
         self.moves_to_host += ids.numel()
 
-    def write(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
+    def write(self, slots: torch.Tensor, index: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Write tokens through the device, at most half its budget of pages at a time (a long
         prefill streams through: its earlier pages move to the host as later ones arrive)."""
         self._pending.settle()
@@ -301,20 +290,14 @@ class TieredPagePool(PagePool):
             self.placement_state.used(batch)
             chosen = torch.isin(page_of, batch)
             where = chosen.nonzero().squeeze(-1)
-            index = to_arena_device(self.device_row[page_of[where]] * self.page_size + slots[where] % self.page_size, self.device)
+            target = to_arena_device(self.device_row[page_of[where]] * self.page_size + slots[where] % self.page_size, self.device)
             rows = to_arena_device(where, keys.device)
-            self.keys.view(-1, self.head_dim).index_copy_(0, index, keys.index_select(0, rows))
-            self.values.view(-1, self.value_dim).index_copy_(0, index, values.index_select(0, rows))
-        self.positions.view(-1).index_copy_(0, to_arena_device(slots, self.device), positions.to(self.device, torch.int64))
-        if self.summaries is not None:
-            self.summaries.add(slots, keys)
-
-    def page_source(self) -> None:
-        """None: pages may be on the host or disk (attention reads them through :meth:`paged_layer`)."""
-        return None
+            self.keys.view(-1, self.head_dim).index_copy_(0, target, keys.index_select(0, rows))
+            self.values.view(-1, self.value_dim).index_copy_(0, target, values.index_select(0, rows))
 
     def paged_layer(self, pages: torch.Tensor, lengths: torch.Tensor) -> PagedLayer | None:
-        """A block table's tokens where the page kernel reads them (see :meth:`PagePool.paged_layer`):
+        """A block table's tokens where the page kernel reads them (see
+        :meth:`~kvlib.storage.page_pool.PagePool.paged_layer`); no :meth:`page_source` (pages may be off the device):
         device pages at their device rows; the table's host and spilled pages, each once, copied
         into staging rows after the device rows (read as :meth:`read_pages` reads them: from a
         prefetch that holds them, else from the host or their records; no page moves tier). The
@@ -335,10 +318,10 @@ class TieredPagePool(PagePool):
         next change to the pool or its next staging."""
         first = self.keys.shape[0]
         keys, values, positions, table, staged = self._staging.stage(
-            self.keys, self.values, self.positions, self.device_row, pages, self.read_pages
+            self.keys, self.values, self.pool.positions, self.device_row, pages, self.read_pages
         )
         self.keys, self.values = keys[:first], values[:first]
-        self.staged_bytes = staged * self.kv_page_bytes
+        self.staged_bytes = staged * self.pool.kv_page_bytes
         return keys, values, positions, table
 
     def read_pages(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -359,7 +342,7 @@ class TieredPagePool(PagePool):
         self.pages_read += ids.numel()
         self.host_pages_read += int((on_host >= 0).sum())
         filled = self._pending.fill(
-            ids, keys, values, stamps=self.placement_state.last_use[ids], in_use=self.refcount[ids] > 0, wanted=elsewhere
+            ids, keys, values, stamps=self.placement_state.last_use[ids], in_use=self.pool.refcount[ids] > 0, wanted=elsewhere
         )
         self.prefetched_pages_read += int(filled.sum())
         elsewhere &= ~filled
@@ -384,7 +367,7 @@ class TieredPagePool(PagePool):
         :mod:`kvlib.storage.page_prefetch`."""
         self._pending.settle()
         ids = torch.unique(ids)
-        ids = ids[(self.refcount[ids] > 0) & (self.device_row[ids] < 0)]
+        ids = ids[(self.pool.refcount[ids] > 0) & (self.device_row[ids] < 0)]
         host_ids = ids[self.host_row[ids] >= 0] if prefetcher.fetch_host else ids[:0]
         disk_ids = ids[self.on_disk[ids]]
         self._pending.start(
@@ -397,9 +380,7 @@ class TieredPagePool(PagePool):
             stamps=self.placement_state.last_use[torch.cat([host_ids, disk_ids])],
         )
 
-    gather = PagePool.gather_by_pages
-
-    def copy_pages(self, source: torch.Tensor, target: torch.Tensor) -> None:
+    def copy(self, source: torch.Tensor, target: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy whole pages onto new ``target`` pages: a write, so targets land on the device,
         streamed in half-budget batches (each batch's sources read before its targets move in)."""
         self._pending.settle()
@@ -412,8 +393,3 @@ class TieredPagePool(PagePool):
             rows = to_arena_device(self.device_row[batch], self.device)
             self.keys.index_copy_(0, rows, keys)
             self.values.index_copy_(0, rows, values)
-        self.positions.index_copy_(
-            0, to_arena_device(target, self.device), self.positions.index_select(0, to_arena_device(source, self.device))
-        )
-        if self.summaries is not None:
-            self.summaries.copy(source, target)

@@ -9,8 +9,8 @@ import torch
 
 import kvlib
 from kvlib.eval.agreement import agreement_metrics, greedy_reference, teacher_forced_logits
-from kvlib.storage.coded_pool import CodedPagePool
-from kvlib.storage.partnered_pool import PARTNER_ID_BYTES, PartneredPagePool
+from kvlib.storage.coded_pool import CodedPages
+from kvlib.storage.partnered_pool import PARTNER_ID_BYTES, PartneredPages
 from kvlib.transformers_compat import cache_argument
 from tests.adapters.conftest import PAD, build_model, left_padded
 
@@ -31,7 +31,7 @@ def held_bytes_follow_the_layout(cache) -> None:
     """``pages`` and ``codec_metadata`` equal what the pools' open and sealed pages hold."""
     pages = metadata = sealed_total = 0
     for pool in cache.store.pools:
-        if not isinstance(pool, CodedPagePool):  # a layer the codec leaves alone (MiniCache's first layers)
+        if not isinstance(pool.format, CodedPages):  # a layer the codec leaves alone (MiniCache's first layers)
             pages += pool.pages_in_use * pool.kv_page_bytes
             continue
         sealed = int(pool.sealed.sum())
@@ -39,7 +39,7 @@ def held_bytes_follow_the_layout(cache) -> None:
         open_pages = pool.pages_in_use - sealed
         pages += open_pages * pool.kv_page_bytes + (sealed * pool.codec.page_bytes(metadata=False) if sealed else 0)
         metadata += (sealed * pool.codec.page_bytes(metadata=True) if sealed else 0) + pool.codec.state_bytes()
-        if isinstance(pool, PartneredPagePool):
+        if isinstance(pool.format, PartneredPages):
             metadata += sealed * PARTNER_ID_BYTES
     report = cache.memory_report()["by_component"]
     assert report["pages"] == pages and report["codec_metadata"] == metadata

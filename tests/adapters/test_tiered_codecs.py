@@ -10,7 +10,7 @@ import torch
 
 import kvlib
 from kvlib.eval import load_model
-from kvlib.storage.tiered_coded_pool import TieredCodedPagePool
+from kvlib.storage.tiered_coded_pool import TieredCodedPages
 from kvlib.transformers_compat import cache_argument
 from tests.adapters.conftest import PAD, build_model, left_padded
 
@@ -42,7 +42,7 @@ def test_tiered_coded_generate_equals_the_untiered_coded_cache(codec: str, tmp_p
         out, cache = generate(model, f"{codec}+{tiering}", ids, mask, 20)
         assert torch.equal(out, reference), tiering
         pools = cache.store.pools
-        assert all(isinstance(pool, TieredCodedPagePool) and pool.tiers.pages_on_device <= pool.device_pages for pool in pools)
+        assert all(isinstance(pool.format, TieredCodedPages) and pool.tiers.pages_on_device <= pool.device_pages for pool in pools)
         report = cache.memory_report()
         host = sum(pool.pages_on_host for pool in pools) * pools[0].codec.page_bytes()
         assert report["by_tier"]["host"] == host > 0, tiering  # encoded bytes: the codec's, not the compute dtype's
@@ -116,5 +116,5 @@ def test_tiered_coded_prefix_blocks_reach_disk_records_and_come_back(codec: str,
         assert cache.get_seq_length() == reused_expected
         assert torch.equal(model.generate(prompt, **cache_argument(cache), **kwargs), plain)
         pools = next(iter(store.stores.values())).pools
-        assert all(isinstance(pool, TieredCodedPagePool) for pool in pools)
+        assert all(isinstance(pool.format, TieredCodedPages) for pool in pools)
     assert disk.stats()["writes"] == 4 and disk.stats()["reads"] == 4 and disk.stats()["corrupt"] == 0

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import kvlib
-from kvlib.storage.tiered_pool import TieredPagePool
+from kvlib.storage.tiered_pool import TieredPages
 from kvlib.transformers_compat import cache_argument
 from tests.adapters.conftest import PAD, build_model, left_padded
 
@@ -22,7 +22,7 @@ def test_tiered_generate_equals_the_untiered_cache(family: str, device_mb: float
     out = model.generate(ids, attention_mask=mask, **cache_argument(cache), max_new_tokens=24, do_sample=False, pad_token_id=PAD)
     assert torch.equal(out, reference)
     pools = cache.store.pools
-    assert all(isinstance(pool, TieredPagePool) and pool.pages_on_device <= pool.device_pages for pool in pools)
+    assert all(isinstance(pool.format, TieredPages) and pool.pages_on_device <= pool.device_pages for pool in pools)
     assert sum(pool.pages_on_host for pool in pools) > 0 and sum(pool.moves_to_host for pool in pools) > 0
     report = cache.memory_report()
     assert report["by_tier"]["host"] == sum(pool.pages_on_host * pool.kv_page_bytes for pool in pools)

@@ -18,10 +18,9 @@ from kvlib.codec import layer_shapes
 from kvlib.kernels.paged_attention import arena_source, paged_attention
 from kvlib.kernels.paged_scores import attention_weights
 from kvlib.spec_text import parse_strategy
-from kvlib.storage.coded_pool import CodedPagePool
-from kvlib.storage.paged_store import PagedStore
-from kvlib.storage.store_config import StoreConfig
-from tests.kernels.test_paged_attention import TOLERANCE, scattered_pages
+from kvlib.storage.page_pool import PagePool
+from kvlib.store_config import StoreConfig
+from tests.kvlib.test_paged_attention import TOLERANCE, scattered_pages
 from tests.strategies.quantization.test_page_loaders import coded_store, fill
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -157,7 +156,7 @@ def test_weights_equal_the_numba_kernels(batch, kv_heads, group, queries, page_s
     torch.testing.assert_close(weights.cpu(), expected, atol=1e-5, rtol=1e-4)
 
 
-def decoded_arenas(pool: CodedPagePool) -> tuple[torch.Tensor, torch.Tensor]:
+def decoded_arenas(pool: PagePool) -> tuple[torch.Tensor, torch.Tensor]:
     """A coded pool's pages as float32 arenas ``[capacity, page_size, dim]``: sealed pages by its
     codec's ``decode_into`` a float32 buffer (no rounding to the compute dtype, as the kernels
     read them), open pages raw."""

@@ -7,7 +7,7 @@ import torch
 
 from kvlib.codec import layer_shapes
 from kvlib.spec import parse_spec
-from kvlib.storage.coded_pool import CodedPagePool
+from kvlib.storage.coded_pool import CodedPages
 from kvlib.storage.page_pool import PagePool
 
 PAGE, DIM = 16, 32
@@ -19,7 +19,7 @@ def pool(spec: str | None) -> PagePool:
         return PagePool(**shape)
     strategy = parse_spec(spec).quantization or parse_spec(spec).lowrank
     codec = strategy.layer_codecs(layer_shapes(1, 2, DIM, DIM, PAGE, torch.float32, torch.device("cpu")))[0]
-    return CodedPagePool(**shape, codec=codec)
+    return PagePool(**shape, format=CodedPages(codec))
 
 
 def filled(target: PagePool, pages: int, seed: int = 0) -> torch.Tensor:

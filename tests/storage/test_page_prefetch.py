@@ -14,31 +14,28 @@ from kvlib.storage.disk_tier import DiskTier
 from kvlib.storage.page_pool import PagePool
 from kvlib.storage.page_prefetch import FetchedPages, PagePrefetcher
 from kvlib.storage.spill_store import LayerSpill, SpilledPageLost, SpillStore
-from kvlib.storage.tiered_pool import TieredPagePool
+from kvlib.storage.tiered_pool import TierBudgets, TieredPages
 
 PAGE, HEAD_DIM, VALUE_DIM = 4, 3, 2
 CPU = torch.device("cpu")
 
 
-def spilling_pool(directory: Path, spill_type: type[LayerSpill] = LayerSpill) -> tuple[TieredPagePool, SpillStore]:
+def spilling_pool(directory: Path, spill_type: type[LayerSpill] = LayerSpill) -> tuple[PagePool, SpillStore]:
     """A pool keeping 2 pages on the device and 3 on the host, the rest on disk."""
     spill = SpillStore(DiskTier(directory, capacity_bytes=1), capacity_bytes=1 << 22)
     layer = spill.layer(0, PAGE, HEAD_DIM, VALUE_DIM, torch.float32)
     layer = spill_type(layer.store, layer.layer, layer.layout)
-    return TieredPagePool(
+    return PagePool(
         page_size=PAGE,
         head_dim=HEAD_DIM,
         value_dim=VALUE_DIM,
         dtype=torch.float32,
         device=CPU,
-        device_pages=2,
-        host_pages=3,
-        spill=layer,
-        disk_pages=64,
+        format=TieredPages(TierBudgets(device_pages=2, host_pages=3, disk_pages=64), spill=layer),
     ), spill
 
 
-def write_pages(pool: TieredPagePool, ids: torch.Tensor, seed: int) -> None:
+def write_pages(pool: PagePool, ids: torch.Tensor, seed: int) -> None:
     """Fill pages ``ids`` with distinct values (``seed`` tells writes apart)."""
     slots = (ids.unsqueeze(-1) * PAGE + torch.arange(PAGE)).flatten()
     keys = torch.arange(slots.numel() * HEAD_DIM, dtype=torch.float32).view(-1, HEAD_DIM) + 1000 * seed
@@ -46,7 +43,7 @@ def write_pages(pool: TieredPagePool, ids: torch.Tensor, seed: int) -> None:
     pool.write(slots, keys, values, slots % PAGE)
 
 
-def filled_pool(directory: Path, spill_type: type[LayerSpill] = LayerSpill) -> tuple[TieredPagePool, SpillStore, torch.Tensor]:
+def filled_pool(directory: Path, spill_type: type[LayerSpill] = LayerSpill) -> tuple[PagePool, SpillStore, torch.Tensor]:
     pool, spill = spilling_pool(directory, spill_type)
     ids = pool.allocate(8)
     for page in ids:  # one page at a time: the earlier ones leave the device, then the host

@@ -40,12 +40,13 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from kvlib import PagedStore, StoreConfig
 from kvlib.codec import Field, PageCodec, TensorCodec, layer_shapes
 from kvlib.spec import parse_spec
-from kvlib.storage.coded_pool import CodedPagePool
+from kvlib.storage.coded_pool import CodedPages
 from kvlib.storage.disk_tier import DiskTier
+from kvlib.storage.page_pool import PagePool
 from kvlib.storage.page_prefetch import PagePrefetcher
 from kvlib.storage.spill_store import SpillStore
-from kvlib.storage.tiered_coded_pool import TieredCodedPagePool
-from kvlib.storage.tiered_pool import TieredPagePool
+from kvlib.storage.tiered_coded_pool import TieredCodedPages
+from kvlib.storage.tiered_pool import TieredPages
 from kvlib.strategies.quantization.hadamard import RotatedQuantizer, is_power_of_two
 
 HEADS = (2, 3)
@@ -464,7 +465,7 @@ class StoreMachine(RuleBasedStateMachine):
             assert free.unique().numel() == free.numel(), "a page is on the free list twice"
             assert sorted(free.tolist()) == (references == 0).nonzero().flatten().tolist(), "leaked or lost page"
             in_use = int((references > 0).sum())
-            if isinstance(pool, CodedPagePool):
+            if isinstance(pool.format, CodedPages):
                 sealed = int(pool.sealed.sum())
                 assert not bool(pool.sealed[references == 0].any()) and bool((pool.raw_row[references == 0] == -1).all())
                 assert torch.equal(pool.raw_row[references > 0] >= 0, ~pool.sealed[references > 0]), "open xor sealed"
@@ -480,9 +481,9 @@ class StoreMachine(RuleBasedStateMachine):
                     assert bool(full[sealed_here].all()), "a sealed page is not full"
             else:
                 assert pool.bytes_in_use() == in_use * pool.page_bytes
-            if isinstance(pool, TieredPagePool):  # every page in use in exactly one tier, within the budgets
+            if isinstance(pool.format, TieredPages):  # every page in use in exactly one tier, within the budgets
                 self.check_tiers(pool, references > 0, layer)
-            if isinstance(pool, TieredCodedPagePool):  # sealed pages are the tier pool's pages, one each
+            if isinstance(pool.format, TieredCodedPages):  # sealed pages are the tier pool's pages, one each
                 sealed = pool.sealed & (references > 0)
                 assert torch.equal(pool.tier_page >= 0, sealed), "a page has a tier page exactly when it is sealed"
                 if pool.tiers is not None:
@@ -495,7 +496,7 @@ class StoreMachine(RuleBasedStateMachine):
                 expected = torch.arange(table.pages.shape[2]) < pages_used.unsqueeze(-1)
                 assert torch.equal(have, expected), "block table holds pages past a head's length"
 
-    def check_tiers(self, pool: TieredPagePool, used: torch.Tensor, layer: int) -> None:
+    def check_tiers(self, pool: PagePool, used: torch.Tensor, layer: int) -> None:
         """Every page of ``pool`` in ``used`` lies in exactly one tier, the tiers within their budgets,
         and records exist exactly for the pages on disk (of ``layer``)."""
         on_device, on_host, on_disk = pool.device_row >= 0, pool.host_row >= 0, pool.on_disk

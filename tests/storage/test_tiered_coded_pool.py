@@ -12,11 +12,13 @@ import torch
 
 from kvlib.codec import layer_shapes
 from kvlib.spec import parse_spec
-from kvlib.storage.coded_pool import CodedPagePool
+from kvlib.storage.coded_pool import CodedPages
 from kvlib.storage.disk_tier import DiskTier
+from kvlib.storage.page_pool import PagePool
 from kvlib.storage.page_prefetch import PagePrefetcher
 from kvlib.storage.spill_store import SpillStore
-from kvlib.storage.tiered_coded_pool import TieredCodedPagePool
+from kvlib.storage.tiered_coded_pool import TieredCodedPages
+from kvlib.storage.tiered_pool import TierBudgets
 
 PAGE, DIM, HEADS = 4, 8, 2
 CPU = torch.device("cpu")
@@ -48,15 +50,15 @@ def fill(pools: list, count: int, seed: int = 0) -> tuple[torch.Tensor, torch.Te
 @pytest.mark.parametrize("spec", ["kivi(bits=4)", "int8", "fp8", "gear"])
 def test_sealed_pages_move_encoded_and_read_as_the_untiered_pool_reads(spec: str, tmp_path) -> None:
     spill = SpillStore(DiskTier(tmp_path, capacity_bytes=1), capacity_bytes=1 << 24)
-    tiered = TieredCodedPagePool(
+    tiered = PagePool(
         **shape(),
-        codec=codec(spec),
-        device_pages=3,
-        host_pages=3,
-        spill_layer=lambda rows: spill.layer(0, 1, rows.key_bytes, rows.value_bytes, torch.uint8),
-        disk_pages=100,
+        format=TieredCodedPages(
+            codec(spec),
+            TierBudgets(device_pages=3, host_pages=3, disk_pages=100),
+            spill_layer=lambda rows: spill.layer(0, 1, rows.key_bytes, rows.value_bytes, torch.uint8),
+        ),
     )
-    plain = CodedPagePool(**shape(), codec=codec(spec))
+    plain = PagePool(**shape(), format=CodedPages(codec(spec)))
     ids, keys, values = fill([tiered, plain], 12)
     sealed = ids[:10]
     for pool in (tiered, plain):
@@ -91,7 +93,7 @@ def test_sealed_pages_move_encoded_and_read_as_the_untiered_pool_reads(spec: str
 
 
 def test_prefetched_sealed_pages_read_the_same() -> None:
-    tiered = TieredCodedPagePool(**shape(), codec=codec(), device_pages=2)
+    tiered = PagePool(**shape(), format=TieredCodedPages(codec(), TierBudgets(device_pages=2)))
     ids, _, _ = fill([tiered], 8)
     tiered.seal(ids)
     expected = tiered.read_pages(ids)
@@ -104,7 +106,7 @@ def test_prefetched_sealed_pages_read_the_same() -> None:
 
 
 def test_key_summaries_are_the_raw_keys_and_frees_release_the_tiers() -> None:
-    tiered = TieredCodedPagePool(**shape(), codec=codec("kivi(bits=2)"), device_pages=2, key_summaries=True)
+    tiered = PagePool(**shape(), key_summaries=True, format=TieredCodedPages(codec("kivi(bits=2)"), TierBudgets(device_pages=2)))
     ids, keys, _ = fill([tiered], 6)
     tiered.seal(ids)
     assert torch.equal(tiered.summaries.key_min[ids], keys.amin(1)) and torch.equal(tiered.summaries.key_max[ids], keys.amax(1))
@@ -122,4 +124,4 @@ def test_key_summaries_are_the_raw_keys_and_frees_release_the_tiers() -> None:
 )
 def test_bad_budgets_are_refused(bad: dict) -> None:
     with pytest.raises(ValueError, match="device_pages must be|a disk tier needs"):
-        TieredCodedPagePool(**shape(), codec=codec(), **bad)
+        PagePool(**shape(), format=TieredCodedPages(codec(), TierBudgets(bad["device_pages"]), bad.get("spill_layer")))

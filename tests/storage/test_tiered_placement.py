@@ -11,8 +11,9 @@ import torch
 
 from kvlib.placement import PageStats, least_recently_written, lowest_score_first
 from kvlib.storage.disk_tier import DiskTier
+from kvlib.storage.page_pool import PagePool
 from kvlib.storage.spill_store import SpillStore
-from kvlib.storage.tiered_pool import TieredPagePool
+from kvlib.storage.tiered_pool import TierBudgets, TieredPages
 
 PAGE, HEAD_DIM, VALUE_DIM = 4, 3, 2
 CPU = torch.device("cpu")
@@ -30,11 +31,16 @@ class Recorded:
         return self.rule(pages)
 
 
+def tiered(format: TieredPages) -> PagePool:
+    """A pool of this module's shape whose pages are held in ``format``."""
+    return PagePool(page_size=PAGE, head_dim=HEAD_DIM, value_dim=VALUE_DIM, dtype=torch.float32, device=CPU, format=format)
+
+
 def newest_first(pages: PageStats) -> torch.Tensor:
     return pages.last_write.argsort(descending=True, stable=True)
 
 
-def allocate_and_write(pool: TieredPagePool, count: int) -> torch.Tensor:
+def allocate_and_write(pool: PagePool, count: int) -> torch.Tensor:
     """Allocate ``count`` pages one at a time, each filled with its id as soon as it is taken."""
     ids = []
     for _ in range(count):
@@ -48,11 +54,9 @@ def allocate_and_write(pool: TieredPagePool, count: int) -> torch.Tensor:
 def test_the_device_pages_that_leave_are_the_first_in_the_rules_order() -> None:
     """Four pages taken and written one at a time through a device of two: the default rule
     keeps the two written last on the device; newest-first keeps the first page and the last."""
-    default = TieredPagePool(page_size=PAGE, head_dim=HEAD_DIM, value_dim=VALUE_DIM, dtype=torch.float32, device=CPU, device_pages=2)
+    default = tiered(TieredPages(TierBudgets(2)))
     rule = Recorded(newest_first)
-    reverse = TieredPagePool(
-        page_size=PAGE, head_dim=HEAD_DIM, value_dim=VALUE_DIM, dtype=torch.float32, device=CPU, device_pages=2, placement=rule
-    )
+    reverse = tiered(TieredPages(TierBudgets(2, placement=rule)))
     for pool in (default, reverse):
         assert allocate_and_write(pool, 4).tolist() == [0, 1, 2, 3]
     assert (default.device_row >= 0).nonzero().flatten().tolist() == [2, 3]
@@ -65,9 +69,7 @@ def test_the_device_pages_that_leave_are_the_first_in_the_rules_order() -> None:
 
 def test_a_ranking_keeps_the_last_pages_of_the_order_on_the_device() -> None:
     rule = Recorded(lowest_score_first)
-    pool = TieredPagePool(
-        page_size=PAGE, head_dim=HEAD_DIM, value_dim=VALUE_DIM, dtype=torch.float32, device=CPU, device_pages=2, placement=rule
-    )
+    pool = tiered(TieredPages(TierBudgets(2, placement=rule)))
     ids = allocate_and_write(pool, 5)
     asked = len(rule.asked)
     pool.rank(ids, torch.tensor([5.0, 1.0, 4.0, 2.0, 3.0]))
@@ -79,17 +81,11 @@ def test_a_ranking_keeps_the_last_pages_of_the_order_on_the_device() -> None:
 def test_host_pages_go_to_disk_in_the_rules_host_order(tmp_path: Path) -> None:
     spill = SpillStore(DiskTier(tmp_path, capacity_bytes=1), capacity_bytes=1 << 22)
     rule = Recorded(least_recently_written)
-    pool = TieredPagePool(
-        page_size=PAGE,
-        head_dim=HEAD_DIM,
-        value_dim=VALUE_DIM,
-        dtype=torch.float32,
-        device=CPU,
-        device_pages=2,
-        host_pages=2,
-        spill=spill.layer(0, PAGE, HEAD_DIM, VALUE_DIM, torch.float32),
-        disk_pages=64,
-        placement=rule,
+    pool = tiered(
+        TieredPages(
+            TierBudgets(device_pages=2, host_pages=2, disk_pages=64, placement=rule),
+            spill=spill.layer(0, PAGE, HEAD_DIM, VALUE_DIM, torch.float32),
+        )
     )
     ids = allocate_and_write(pool, 6)
     host_asks = [stats for stats in rule.asked if stats.tier == "host"]
@@ -102,8 +98,6 @@ def test_host_pages_go_to_disk_in_the_rules_host_order(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("answer", [lambda pages: torch.zeros_like(pages.ids), lambda pages: pages.ids[:-1] * 0])
 def test_an_order_that_is_not_a_permutation_is_refused(answer) -> None:
-    pool = TieredPagePool(
-        page_size=PAGE, head_dim=HEAD_DIM, value_dim=VALUE_DIM, dtype=torch.float32, device=CPU, device_pages=2, placement=Recorded(answer)
-    )
+    pool = tiered(TieredPages(TierBudgets(2, placement=Recorded(answer))))
     with pytest.raises(ValueError, match="must be a permutation"):
         allocate_and_write(pool, 3)

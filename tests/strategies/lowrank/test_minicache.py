@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from kvlib import PagedStore, StoreConfig
 from kvlib.codec import layer_shapes
-from kvlib.storage.partnered_pool import PartneredPagePool
+from kvlib.storage.partnered_pool import PartneredPages
 from kvlib.strategies.lowrank.minicache import MiniCache, merge_pages
 
 
@@ -53,7 +53,7 @@ def test_pairs_are_sealed_together_and_decode_to_the_merge() -> None:
     assert store.seal(2, [seq]) == 0  # the shallow layer waits for its partner
     assert store.seal(3, [seq]) == 4  # 10 tokens: two full pages per head, paired
     shallow, deep = store.pools[2], store.pools[3]
-    assert isinstance(deep, PartneredPagePool) and int(shallow.sealed.sum()) == int(deep.sealed.sum()) == 4
+    assert isinstance(deep.format, PartneredPages) and int(shallow.sealed.sum()) == int(deep.sealed.sum()) == 4
     assert bool((shallow.refcount[deep.partner[deep.sealed]] == 2).all())  # table + partner reference
     direction, norm_a, norm_b, kept, slots = merge_pages(
         data[2][0, :, :8].reshape(4, 4, 8), data[3][0, :, :8].reshape(4, 4, 8), strategy.t, 1
