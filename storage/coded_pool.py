@@ -32,6 +32,7 @@ from kvlib.kernels.coded_page_loaders import open_part
 from kvlib.kernels.paged_attention import PageReader, PageSource
 from kvlib.storage.free_stack import FreeStack
 from kvlib.storage.page_format import PageFormat, PlannedStep, extend_rows
+from kvlib.storage.page_indexing import first_occurrences
 from kvlib.storage.read_plan import ReadPlan
 
 _MIN_RAW_PAGES = 16

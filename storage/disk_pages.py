@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from kvlib.errors import PoolExhaustedError
-from kvlib.storage.page_pool import extend_rows
+from kvlib.storage.page_format import extend_rows
 from kvlib.storage.spill_store import LayerSpill
 
 

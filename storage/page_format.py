@@ -27,18 +27,18 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 import torch
 
-from kvlib import paged_ops
-from kvlib.arena_sources import arena_source_for
 from kvlib.codec import Field, PageCodec
 from kvlib.devices import to_arena_device
-from kvlib.paged_attention import PagedLayer, PageReader
+from kvlib.kernels import paged_ops
+from kvlib.kernels.arena_sources import arena_source_for
+from kvlib.kernels.paged_attention import PagedLayer, PageReader
 
 if TYPE_CHECKING:
     from kvlib.storage.page_pool import PagePool
 
 
 class PlannedStep(Protocol):
-    """What a pool reads of a planned decode step (:class:`kvlib.step_plan.StepPlan`), for every
+    """What a pool reads of a planned decode step (:class:`kvlib.storage.step_plan.StepPlan`), for every
     layer: ``slots`` and ``position_slots`` int64 ``[layers, batch, kv_heads, tokens]`` (where each
     new token goes in the key and value arenas, and in the position arena), ``positions`` int64
     ``[batch, tokens]``, ``query_positions`` int64 ``[tokens]``, the block tables ``pages`` int64

@@ -28,11 +28,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvlib import paged_ops
 from kvlib.devices import to_arena_device
 from kvlib.errors import PoolExhaustedError
 from kvlib.kernels import paged_ops
-from kvlib.kernels.arena_sources import arena_source_for
 from kvlib.kernels.paged_attention import PagedLayer, PageReader
 from kvlib.storage.free_stack import FreeStack
 from kvlib.storage.key_summaries import KeySummaries
@@ -317,7 +315,7 @@ class PagePool:
         pages once ``plan`` wrote it, ``[batch, tokens, query_heads, value_dim]`` (one operator:
         ``kvlib::paged_decode`` over float arenas, ``kvlib::paged_decode_source`` through a coded
         format's page loaders; ``mask`` the model's mask over logical positions, None for causal
-        by the new tokens' positions; ``received``: see :func:`~kvlib.paged_ops.paged_decode`)."""
+        by the new tokens' positions; ``received``: see :func:`~kvlib.kernels.paged_ops.paged_decode`)."""
         return self.format.attend_planned(plan, layer, query, mask, scale, softcap, received)
 
     def gather(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

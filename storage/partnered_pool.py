@@ -19,9 +19,9 @@ import torch
 
 from kvlib.codec import PageCodec
 from kvlib.devices import to_arena_device
-from kvlib.page_indexing import first_occurrences
 from kvlib.storage.coded_pool import CodedPages
 from kvlib.storage.page_format import extend_rows
+from kvlib.storage.page_indexing import first_occurrences
 from kvlib.storage.page_pool import PagePool
 
 PARTNER_ID_BYTES = 8

@@ -16,7 +16,7 @@ from typing import Literal
 import torch
 
 from kvlib.placement import PageStats
-from kvlib.storage.page_pool import extend_rows
+from kvlib.storage.page_format import extend_rows
 
 
 class PlacementState:

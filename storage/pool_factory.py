@@ -1,4 +1,4 @@
-"""Builds the page pools of a paged store from its :class:`~kvlib.store_config.StoreConfig`:
+"""Builds the page pools of a paged store from its :class:`~kvlib.storage.store_config.StoreConfig`:
 one :class:`~kvlib.storage.page_pool.PagePool` per layer, given the format the config asks for
 that layer (the one place a pool's parts are chosen)."""
 
@@ -12,9 +12,9 @@ from kvlib.storage.page_format import ArenaPages, PageFormat
 from kvlib.storage.page_pool import PagePool
 from kvlib.storage.partnered_pool import PartneredPages
 from kvlib.storage.spill_store import SpillStore
+from kvlib.storage.store_config import StoreConfig
 from kvlib.storage.tiered_coded_pool import SpillLayer, TieredCodedPages
 from kvlib.storage.tiered_pool import TierBudgets, TieredPages
-from kvlib.store_config import StoreConfig
 
 
 def build_pools(config: StoreConfig, *, spill: SpillStore | None = None) -> list[PagePool]:

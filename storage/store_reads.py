@@ -46,7 +46,7 @@ class StoreReads(StoreState):
     def paged_layer(self, layer: int, seqs: SequenceIds) -> PagedLayer | None:
         """``seqs``' tokens of ``layer`` where they lie, for attention straight over the pages
         (:mod:`~kvlib.kernels.paged_attention`; coded pages are decoded inside the kernel; a tiered pool stages only its off-device pages, see
-        :meth:`~kvlib.storage.tiered_pool.TieredPagePool.paged_layer`, and the next layer's are
+        :meth:`~kvlib.storage.tiered_pool.TieredPages.paged_layer`, and the next layer's are
         prefetched as for :meth:`read`); None when the layer's pool cannot give its pages in place
         (codecs without a page loader: use :meth:`read`). Valid until the next change to the store or the next hand-over
         of the layer's pages (:meth:`paged_layer`, :meth:`paged_selection`: a tiered pool restages)."""
@@ -133,7 +133,7 @@ class StoreReads(StoreState):
         ``[batch, kv_heads, slots]``, aligned with :meth:`read`'s slots; ``-inf`` for tokens that
         should not count): a page scores its best stored token, a page shared by several heads the
         best over them. The best-scored pages in use then sit on the device (see
-        :meth:`~kvlib.storage.tiered_pool.TieredPagePool.rank`). Needs a tiered store."""
+        :meth:`~kvlib.storage.tiered_pool.TieredPages.rank`). Needs a tiered store."""
         layer = self._layer(layer)
         rows = self._rows(seqs)
         pool = self.layers[layer].pool

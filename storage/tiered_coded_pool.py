@@ -28,7 +28,8 @@ import torch
 
 from kvlib.codec import PageCodec
 from kvlib.devices import PagedKernel, paged_kernel
-from kvlib.paged_attention import PagedLayer, PageSource
+from kvlib.kernels.coded_page_loaders import open_part
+from kvlib.kernels.paged_attention import PagedLayer, PageSource
 from kvlib.storage.coded_pool import CodedPages
 from kvlib.storage.field_rows import FieldRows
 from kvlib.storage.page_format import extend_rows

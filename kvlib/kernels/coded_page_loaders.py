@@ -3,7 +3,7 @@
 The paged-attention kernel (:mod:`kvlib.kernels.paged_attention`) reads each page through a loader
 ``load(source, page, out, out_bits, rows)`` that writes the page's first ``rows`` tokens as
 float32 into scratch ``out [page_size, dim]`` (``out_bits``: the same scratch viewed as uint32).
-A coded pool (:class:`~kvlib.storage.coded_pool.CodedPagePool`) holds two kinds of pages, so a
+A coded pool (:class:`~kvlib.storage.coded_pool.CodedPages`) holds two kinds of pages, so a
 coded loader's ``source`` is the flat tuple ``open_part + fields`` (flat: numba's parallel loops
 take a tuple's items as their arguments, but not a tuple nested in a tuple):
 

@@ -137,7 +137,7 @@ def triton_coded_source(
     positions: torch.Tensor,
     fields: dict[str, torch.Tensor],
 ) -> TritonPageSource | None:
-    """The :class:`TritonPageSource` of a coded pool's pages (:class:`~kvlib.storage.coded_pool.CodedPagePool`'s
+    """The :class:`TritonPageSource` of a coded pool's pages (:class:`~kvlib.storage.coded_pool.CodedPages`'s
     layout): open pages in the raw arenas ``[raw_rows, page_size, head_dim | value_dim]`` (a
     float compute dtype) at ``raw_row`` (int64 ``[capacity]``), sealed ones (bool ``sealed
     [capacity]``) as ``codec``'s field arenas ``fields`` (by field name, ``[capacity, ...]``, on

@@ -19,8 +19,9 @@ from kvlib.kernels.paged_attention import arena_source, paged_attention
 from kvlib.kernels.paged_scores import attention_weights
 from kvlib.spec_text import parse_strategy
 from kvlib.storage.page_pool import PagePool
-from kvlib.store_config import StoreConfig
-from tests.kvlib.test_paged_attention import TOLERANCE, scattered_pages
+from kvlib.storage.paged_store import PagedStore
+from kvlib.storage.store_config import StoreConfig
+from tests.kernels.test_paged_attention import TOLERANCE, scattered_pages
 from tests.strategies.quantization.test_page_loaders import coded_store, fill
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
