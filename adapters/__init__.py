@@ -7,10 +7,10 @@
 - :class:`Engine` serves many requests at once: continuous batching over the paged store.
 """
 
-from kvlib.adapters.attention import attach
-from kvlib.adapters.blend import blend_cache
-from kvlib.adapters.engine import Engine
-from kvlib.adapters.make_cache import make_cache
-from kvlib.adapters.transformers_cache import KVCache
+from kvlib.adapters.cache.blend import blend_cache
+from kvlib.adapters.cache.make_cache import make_cache
+from kvlib.adapters.cache.transformers_cache import KVCache
+from kvlib.adapters.engine.engine import Engine
+from kvlib.adapters.runtime.attention import attach
 
 __all__ = ["Engine", "KVCache", "attach", "blend_cache", "make_cache"]

@@ -4,7 +4,7 @@ A layer keeps what is its own: the tokens it has seen (its logical length), whet
 token still sits at the slot equal to its position (``identity``), the step it published and
 whose attention has not yet run (``pending``) and the attention input a strategy needing
 ``hidden_states`` asked for. It does its own work: :meth:`~KVCacheLayer.update` appends the
-call's keys and values and publishes a :class:`~kvlib.adapters.layer_step.LayerStep`; the step's
+call's keys and values and publishes a :class:`~kvlib.adapters.runtime.layer_step.LayerStep`; the step's
 attention runs through :meth:`~KVCacheLayer.attend`; :meth:`~KVCacheLayer.after_attention`
 then evicts, seals, re-ranks and indexes this layer. What layers share (the paged store, the
 batch rows and their padding, the compressor, codecs, tiering and prefix session) is the
@@ -21,14 +21,14 @@ from typing import Protocol
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from kvlib.adapters import layer_step
-from kvlib.adapters.compressor import AttentionInputs, Compressor, PlannedWork
-from kvlib.adapters.layer_step import AttentionCall, LayerStep
-from kvlib.adapters.masks import physical_mask, real_new_tokens
+from kvlib.adapters.cache.paged_decode import attention_over_pages
+from kvlib.adapters.cache.prefix_session import PrefixSession
+from kvlib.adapters.cache.sparse_decode import sparse_decode_attention
 from kvlib.adapters.model_shape import KVShape
-from kvlib.adapters.paged_decode import attention_over_pages
-from kvlib.adapters.prefix_session import PrefixSession
-from kvlib.adapters.sparse_decode import sparse_decode_attention
+from kvlib.adapters.runtime import layer_step
+from kvlib.adapters.runtime.compressor import AttentionInputs, Compressor, PlannedWork
+from kvlib.adapters.runtime.layer_step import AttentionCall, LayerStep
+from kvlib.adapters.runtime.masks import physical_mask, real_new_tokens
 from kvlib.codec import FitSample, PageCodec
 from kvlib.devices import reads_pages_in_place
 from kvlib.paged_attention import PagedLayer
@@ -158,7 +158,7 @@ class KVCacheLayer(CacheLayerMixin):
 
     def _ring_room(self, tokens: int) -> None:
         """Under a held cap kept as a ring, make room for a decode call's ``tokens`` before they are
-        stored (:meth:`~kvlib.adapters.compressor.Compressor.make_ring_room`), so the call attends
+        stored (:meth:`~kvlib.adapters.runtime.compressor.Compressor.make_ring_room`), so the call attends
         over the cap at most, whichever path it takes."""
         cache = self.cache
         if cache.compressor is not None and tokens <= PAGED_QUERY_TOKENS:

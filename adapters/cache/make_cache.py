@@ -6,10 +6,10 @@ import numbers
 
 import torch
 
-from kvlib.adapters.attention import attach
-from kvlib.adapters.compressor import Compressor
+from kvlib.adapters.cache.transformers_cache import KVCache
 from kvlib.adapters.model_shape import KVShape, kv_shape, model_context, output_projections, rope_of
-from kvlib.adapters.transformers_cache import KVCache
+from kvlib.adapters.runtime.attention import attach
+from kvlib.adapters.runtime.compressor import Compressor
 from kvlib.codec import Codec, layer_shapes
 from kvlib.devices import check_fits
 from kvlib.errors import quoted

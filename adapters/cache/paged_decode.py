@@ -1,6 +1,6 @@
 """The kvlib SDPA attention function's path for a call that reads the layer's pages in place.
 
-:meth:`KVCacheLayer.update <kvlib.adapters.cache_layer.KVCacheLayer.update>` stores a few new
+:meth:`KVCacheLayer.update <kvlib.adapters.cache.cache_layer.KVCacheLayer.update>` stores a few new
 tokens (a decode step, assisted decoding's candidates) and hands over the layer's pages
 (``LayerStep.paged``) instead of a dense read. :func:`attention_over_pages` then gives what
 ``transformers``' SDPA attention gives over the dense layer: the model's mask over logical
@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from kvlib.adapters.layer_step import LayerStep
-from kvlib.adapters.masks import allowed, real_new_tokens
+from kvlib.adapters.runtime.layer_step import LayerStep
+from kvlib.adapters.runtime.masks import allowed, real_new_tokens
 
 
 def attention_over_pages(

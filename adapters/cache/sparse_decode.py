@@ -4,7 +4,7 @@ With ``quest`` a decode step's ``KVCache.update`` stores the new token but reads
 the pages worth attending over depend on the query, which only the attention function sees.
 (:func:`sparse_decode_attention`) asks the step's cache layer which pages the query chooses and attends over
 them where they lie, through the page kernel with a block table restricted to them
-(:func:`~kvlib.adapters.paged_decode.attention_over_pages`: the model's mask looked up at each
+(:func:`~kvlib.adapters.cache.paged_decode.attention_over_pages`: the model's mask looked up at each
 stored token's position). Where the kernel does not apply (eager attention, attention sinks, a
 pool or device that cannot read pages in place) the chosen pages are read into a dense copy
 instead, the model's mask moved onto their slots, and the inner attention runs over them. Either
@@ -17,9 +17,9 @@ import dataclasses
 
 import torch
 
-from kvlib.adapters.layer_step import AttentionCall, LayerStep, paged_attention_applies
-from kvlib.adapters.masks import physical_mask, real_new_tokens
-from kvlib.adapters.paged_decode import attention_over_pages
+from kvlib.adapters.cache.paged_decode import attention_over_pages
+from kvlib.adapters.runtime.layer_step import AttentionCall, LayerStep, paged_attention_applies
+from kvlib.adapters.runtime.masks import physical_mask, real_new_tokens
 
 
 def sparse_decode_attention(call: AttentionCall, step: LayerStep) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -3,9 +3,9 @@
 Each batch row is a store sequence. The cache holds what its layers share: the paged store (built
 when the cache is, from the model's dtype and device), the rows and their left padding, the
 compressor, codecs, tiering strategy and prefix session. Each
-:class:`~kvlib.adapters.cache_layer.KVCacheLayer` owns its layer's state and work: ``update``
+:class:`~kvlib.adapters.cache.cache_layer.KVCacheLayer` owns its layer's state and work: ``update``
 appends the layer's new keys and values and publishes a
-:class:`~kvlib.adapters.layer_step.LayerStep` for the kvlib attention function, which attends
+:class:`~kvlib.adapters.runtime.layer_step.LayerStep` for the kvlib attention function, which attends
 through the step and then runs the layer's after-attention work (eviction, sealing, ranking,
 prefix indexing).
 
@@ -26,12 +26,12 @@ from collections.abc import Iterator
 import torch
 from transformers.cache_utils import Cache
 
-from kvlib.adapters.cache_layer import NOT_THROUGH_KVLIB, PAGED_QUERY_TOKENS, KVCacheLayer
-from kvlib.adapters.cache_store import CacheStoreBuilder
-from kvlib.adapters.compressor import Compressor, PlannedWork
-from kvlib.adapters.memory_report import memory_report
+from kvlib.adapters.cache.cache_layer import NOT_THROUGH_KVLIB, PAGED_QUERY_TOKENS, KVCacheLayer
+from kvlib.adapters.cache.cache_store import CacheStoreBuilder
+from kvlib.adapters.cache.memory_report import memory_report
+from kvlib.adapters.cache.prefix_session import PrefixSession
 from kvlib.adapters.model_shape import KVShape
-from kvlib.adapters.prefix_session import PrefixSession
+from kvlib.adapters.runtime.compressor import Compressor, PlannedWork
 from kvlib.codec import Codec, PageCodec
 from kvlib.devices import reads_pages_in_place
 from kvlib.paged_store import PagedStore
@@ -176,7 +176,7 @@ class KVCache(Cache):
         its call's tokens.
 
         No plan (the step goes layer by layer): more than
-        :data:`~kvlib.adapters.cache_layer.PAGED_QUERY_TOKENS` new tokens, a layer holding nothing
+        :data:`~kvlib.adapters.cache.cache_layer.PAGED_QUERY_TOKENS` new tokens, a layer holding nothing
         yet, padding among the new tokens, a read mirror, a device whose attention cannot read
         pages in place, tiering, a selective recompute, a held cap compacted at every step (no
         slack, not a ring), or a store with no plan for these rows."""
@@ -432,7 +432,7 @@ class KVCache(Cache):
 
     def memory_report(self) -> dict:
         """Bytes this cache holds, and what a full cache in the compute dtype would hold (see
-        :func:`~kvlib.adapters.memory_report.memory_report` for the keys), and ``slack_tokens``:
+        :func:`~kvlib.adapters.cache.memory_report.memory_report` for the keys), and ``slack_tokens``:
         the stored tokens over the held cap (an int budget) that its ``slack`` holds now, summed
         over layers, rows and KV heads (0 for a ring, which never holds more than the cap)."""
         report = memory_report(self.store, self._rows, self.shape)

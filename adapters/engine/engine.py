@@ -2,14 +2,14 @@
 
 The Engine wires three parts, each with one job, and data flows one way through a step:
 
-- the :class:`~kvlib.adapters.scheduler.Scheduler` owns the request queues; its ``plan`` decides
+- the :class:`~kvlib.adapters.engine.scheduler.Scheduler` owns the request queues; its ``plan`` decides
   what the step runs (decodes first, then prefill chunks, then admissions, within
   ``max_batch_tokens`` and the free pages) and changes nothing; its ``apply`` carries the plan out;
-- the :class:`~kvlib.adapters.kv_manager.KVManager` owns the paged store, the page budget, the
+- the :class:`~kvlib.adapters.engine.kv_manager.KVManager` owns the paged store, the page budget, the
   prefix index and swap space: it forecasts pages for the plan, then preempts, reclaims, admits
   and swaps in as the applied plan says, indexes full blocks and releases finished requests;
-- the :class:`~kvlib.adapters.model_runner.ModelRunner` runs the plan's chunks in one forward pass
-  of the model as a packed ragged batch (:mod:`kvlib.adapters.packed_batch`: no padding,
+- the :class:`~kvlib.adapters.engine.model_runner.ModelRunner` runs the plan's chunks in one forward pass
+  of the model as a packed ragged batch (:mod:`kvlib.adapters.engine.packed_batch`: no padding,
   positions per token, each sequence attending over its own block table), evicts per request
   and chooses each finished request's next token.
 
@@ -27,7 +27,7 @@ budget and preemption; every page is released when requests finish or abort (onl
 index holds pages then); the pools never exceed the budget; a running request holds only the
 prefix index entries its own sequence reads (never a second copy of a block it computed again),
 so with a budget that fits every request alone, every step either runs tokens or frees pages
-(or swaps a request back in to run next), and the engine finishes (``tests/adapters/test_engine_schedules.py``).
+(or swaps a request back in to run next), and the engine finishes (``tests/adapters/engine/test_engine_schedules.py``).
 """
 
 from __future__ import annotations
@@ -41,15 +41,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvlib.adapters.attention import attach
-from kvlib.adapters.engine_request import Request, RequestState
-from kvlib.adapters.handover import HandOver, MessageLimits
-from kvlib.adapters.kv_manager import KVManager, page_budget
-from kvlib.adapters.make_cache import eviction_compressor
-from kvlib.adapters.model_runner import ModelRunner
+from kvlib.adapters.cache.make_cache import eviction_compressor
+from kvlib.adapters.engine.engine_request import Request, RequestState
+from kvlib.adapters.engine.handover import HandOver, MessageLimits
+from kvlib.adapters.engine.kv_manager import KVManager, page_budget
+from kvlib.adapters.engine.model_runner import ModelRunner
+from kvlib.adapters.engine.request_checks import REQUEST_OPTIONS, checked_request
+from kvlib.adapters.engine.scheduler import Scheduler, StepPlan
 from kvlib.adapters.model_shape import kv_shape, model_context
-from kvlib.adapters.request_checks import REQUEST_OPTIONS, checked_request
-from kvlib.adapters.scheduler import Scheduler, StepPlan
+from kvlib.adapters.runtime.attention import attach
 from kvlib.codec import Codec
 from kvlib.errors import quoted
 from kvlib.limits import MAX_REQUEST_TOKENS, check_page_size
@@ -95,7 +95,7 @@ class Engine:
         fairness_steps: steps a waiting request may be passed over by prefix-aware ordering.
         read_cache: keep a dense mirror of the decoding batch (its bytes reported as
             ``read_cache``); off by default: the decode group attends straight over its pages
-            (:mod:`~kvlib.adapters.packed_batch`), and only prefill chunks take a transient dense
+            (:mod:`~kvlib.adapters.engine.packed_batch`), and only prefill chunks take a transient dense
             workspace (``memory_report()["peak_workspace_bytes"]``).
         remote: a :class:`~kvlib.storage.remote_tier.RemoteTier` or a ``redis://host:port/db``
             URL: full prefix pages also go to that server, and lookups continue there after
@@ -108,7 +108,7 @@ class Engine:
         role: ``"both"`` (prefill and decode here), ``"prefill"`` (run each prompt but its last
             token, publish its pages to the remote tier and hand the request over through
             ``handover_queue``) or ``"decode"`` (take requests over with :meth:`receive`); the
-            two split roles need ``remote``. Protocol: :mod:`~kvlib.adapters.handover`. A server
+            two split roles need ``remote``. Protocol: :mod:`~kvlib.adapters.engine.handover`. A server
             whose ``maxmemory-policy`` evicts any key (``allkeys-*``) can evict queued messages:
             a split role warns about it (run it with ``volatile-lru``).
         handover_queue: the name of the server list prefill engines push to and decode engines pop.
@@ -330,7 +330,7 @@ class Engine:
         side published; returns the local request id of each, by the prefill side's id (ids of
         several prefill engines on one queue may repeat: the later wins here). Never raises for
         what it pops: a message that is not sealed with this engine's key, fails a check
-        (:meth:`HandOver.from_bytes <kvlib.adapters.handover.HandOver.from_bytes>`: fields,
+        (:meth:`HandOver.from_bytes <kvlib.adapters.engine.handover.HandOver.from_bytes>`: fields,
         sizes, this engine's model and context, page budget) or repeats one already taken is
         skipped and counted in ``stats()["bad_handovers"]``, and every genuine message popped in
         the call is queued and returned whatever comes after it. At most

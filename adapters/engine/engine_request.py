@@ -1,4 +1,4 @@
-"""One request of the :class:`~kvlib.adapters.engine.Engine`: its tokens, its state and its timings.
+"""One request of the :class:`~kvlib.adapters.engine.engine.Engine`: its tokens, its state and its timings.
 
 Token bookkeeping (invariant after every engine step): ``tokens = prompt + output``; the store
 sequence ``seq`` holds the keys and values of ``tokens[:computed]`` (``computed <= len(tokens)``);
@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvlib.adapters.compressor import Compressor
-from kvlib.adapters.handover import Tail
+from kvlib.adapters.engine.handover import Tail
+from kvlib.adapters.runtime.compressor import Compressor
 from kvlib.prefix_index import Entry
 
 
@@ -76,7 +76,7 @@ class Request:
     """Leading prompt blocks attached from or inserted into the prefix index."""
     tail: Tail | None = None
     """A handed-over prompt's last partial page, fetched for admission (decode role; see
-    :mod:`~kvlib.adapters.handover`), dropped once attached or preempted."""
+    :mod:`~kvlib.adapters.engine.handover`), dropped once attached or preempted."""
 
     @property
     def tokens(self) -> list[int]:

@@ -24,7 +24,7 @@ The protocol, all on the server of the engines' remote tier (:mod:`~kvlib.storag
    ``eos_token_ids``, ``seed`` (drawn by the prefill side when sampling without one) and
    ``sent_at`` (``time.time()`` when pushed, for hand-over timings).
 
-The decode side pops messages (:meth:`Engine.receive <kvlib.adapters.engine.Engine.receive>`),
+The decode side pops messages (:meth:`Engine.receive <kvlib.adapters.engine.engine.Engine.receive>`),
 opens each (its tag must be this engine's key's), validates every field before anything is
 queued (:meth:`HandOver.from_bytes` against :class:`MessageLimits`: the size before parsing, then
 types, ranges, token ids within the vocabulary, prompt plus new tokens within the model's context,
@@ -45,7 +45,7 @@ from dataclasses import asdict, dataclass, fields
 
 import torch
 
-from kvlib.adapters.sampling import check_sampling
+from kvlib.adapters.engine.sampling import check_sampling
 from kvlib.codec import Field
 from kvlib.errors import cut
 from kvlib.limits import check_seed

@@ -1,6 +1,6 @@
 """The Engine's KV manager: the paged store, its page budget, the prefix index and swap space.
 
-It answers the scheduler's page questions through a :class:`~kvlib.adapters.page_forecast.PageForecast`
+It answers the scheduler's page questions through a :class:`~kvlib.adapters.engine.page_forecast.PageForecast`
 (pages a request's tokens need, cached tokens, admission and swap-in pages, what a reclaim or a
 preemption would free) and carries out the decisions of an applied plan: preempt (swap out or
 drop), reclaim (evict unused prefix-cache blocks), admit (attach the cached prefix), swap in;
@@ -24,11 +24,11 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlib.adapters.engine_request import Request
-from kvlib.adapters.handover import Tail, read_tail, tail_key, tail_layout, tail_record
+from kvlib.adapters.engine.engine_request import Request
+from kvlib.adapters.engine.handover import Tail, read_tail, tail_key, tail_layout, tail_record
+from kvlib.adapters.engine.page_forecast import PageForecast
+from kvlib.adapters.engine.swap import SwappedSequence, swap_in, swap_out
 from kvlib.adapters.model_shape import KVShape
-from kvlib.adapters.page_forecast import PageForecast
-from kvlib.adapters.swap import SwappedSequence, swap_in, swap_out
 from kvlib.codec import Codec, layer_shapes
 from kvlib.devices import check_fits
 from kvlib.paged_store import PagedStore
@@ -287,7 +287,7 @@ class KVManager:
 
     def publish_tail(self, request: Request) -> bool:
         """Write the last partial page of ``request``'s computed tokens to the remote tier as a
-        tail record (the hand-over's step 2, :mod:`~kvlib.adapters.handover`); True when there was
+        tail record (the hand-over's step 2, :mod:`~kvlib.adapters.engine.handover`); True when there was
         none to write or the server took it."""
         start = request.computed // self.page_size * self.page_size
         count = request.computed - start

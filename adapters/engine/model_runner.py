@@ -1,10 +1,10 @@
 """The Engine's model runner: one step's chunks through the model as one packed row.
 
-:meth:`ModelRunner.run` packs the chunks (:mod:`kvlib.adapters.packed_batch`: the decode group
+:meth:`ModelRunner.run` packs the chunks (:mod:`kvlib.adapters.engine.packed_batch`: the decode group
 as one segment, then one segment per prefill chunk; positions per token, no padding), runs the
 model with the LM head only at the last token of each request that completes its tokens, runs
 each segment's per-request eviction and page sealing after its attention in every layer, and
-samples each completing request's next token (:mod:`kvlib.adapters.sampling`).
+samples each completing request's next token (:mod:`kvlib.adapters.engine.sampling`).
 
 Invariant: after :meth:`ModelRunner.run`, each request's ``computed`` counts the tokens its
 sequence has been given (its chunk added), and each request whose last token ran has one more
@@ -18,11 +18,11 @@ import time
 
 import torch
 
-from kvlib.adapters.compressor import AttentionInputs
-from kvlib.adapters.engine_request import Request
-from kvlib.adapters.layer_step import LayerStep
-from kvlib.adapters.packed_batch import PackedCache, Segment, visibility
-from kvlib.adapters.sampling import next_token
+from kvlib.adapters.engine.engine_request import Request
+from kvlib.adapters.engine.packed_batch import PackedCache, Segment, visibility
+from kvlib.adapters.engine.sampling import next_token
+from kvlib.adapters.runtime.compressor import AttentionInputs
+from kvlib.adapters.runtime.layer_step import LayerStep
 from kvlib.codec import Codec
 from kvlib.paged_store import PagedStore
 from kvlib.read_cache import LayerRead

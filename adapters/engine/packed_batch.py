@@ -5,7 +5,7 @@ token) as :class:`Segment` s: first one segment with the decoding sequences' sin
 ``start + b`` belongs to ``seqs[b]``), then one segment per prefill chunk. A model called with a
 :class:`PackedCache` as its cache hands each layer's new keys and values to
 :meth:`PackedCache.update`, which appends every segment's tokens to its sequences in the paged
-store and publishes a :class:`PackedLayerStep` (through :mod:`~kvlib.adapters.layer_step`, as
+store and publishes a :class:`PackedLayerStep` (through :mod:`~kvlib.adapters.runtime.layer_step`, as
 every kvlib cache layer does): the decode group's pages where they lie (one
 block table over its rows, ragged lengths per (row, head); no dense copy), each chunk's stored
 tokens read into a transient dense workspace (reported as the store's ``peak_workspace``). The
@@ -29,8 +29,8 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from kvlib.adapters import layer_step
-from kvlib.adapters.layer_step import AttentionCall, paged_attention_applies
+from kvlib.adapters.runtime import layer_step
+from kvlib.adapters.runtime.layer_step import AttentionCall, paged_attention_applies
 from kvlib.devices import reads_pages_in_place
 from kvlib.paged_attention import PagedLayer
 from kvlib.paged_store import PagedStore
@@ -139,7 +139,7 @@ class PackedCache(Cache):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Append each segment's new keys and values (``[1, kv_heads, tokens, dim]``) to its
         sequences, then publish each segment's pages (the decode group, where it reads them in
-        place) or dense read (:func:`~kvlib.adapters.layer_step.publish`, in ``kwargs``, the
+        place) or dense read (:func:`~kvlib.adapters.runtime.layer_step.publish`, in ``kwargs``, the
         layer call's attention keyword arguments, when given); returns the inputs (attention
         takes what was published). Every append comes before any read, so a page layout handed
         over stays valid for the call. The decode group's step is planned once for every layer
@@ -206,7 +206,7 @@ def packed_attention(
     ``inner`` is the SDPA or eager attention function doing the math; ``additive_mask_dtype``:
     give it an additive float mask of that dtype instead of a bool one (eager attention). A decode
     group published as pages attends over them with the page kernel (with SDPA as the inner
-    function and plain attention, see :func:`~kvlib.adapters.layer_step.paged_attention_applies`;
+    function and plain attention, see :func:`~kvlib.adapters.runtime.layer_step.paged_attention_applies`;
     otherwise it is read densely first); a decode group read densely runs :func:`decode_attention`
     with SDPA as the inner function (the same math as SDPA's; several times faster for one query
     per row on CPU)."""

@@ -8,8 +8,8 @@ releases its index entries (those it alone used join the LRU, newest last, and t
 the oldest unused ones while it holds more than its capacity); an admission takes its cached
 prefix (those entries are no longer reclaimable) and starts computing its next blocks. The
 store, the index, the requests and the queues are never changed: applying the plan does that
-(:meth:`~kvlib.adapters.scheduler.Scheduler.apply`), and ends where the forecast did. This is the
-concrete :class:`~kvlib.adapters.scheduler.Forecast` the KV manager hands the scheduler.
+(:meth:`~kvlib.adapters.engine.scheduler.Scheduler.apply`), and ends where the forecast did. This is the
+concrete :class:`~kvlib.adapters.engine.scheduler.Forecast` the KV manager hands the scheduler.
 """
 
 from __future__ import annotations
@@ -17,13 +17,13 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Protocol
 
-from kvlib.adapters.engine_request import Request
+from kvlib.adapters.engine.engine_request import Request
 from kvlib.prefix_index import Entry
 from kvlib.prefix_store import PrefixStore
 
 
 class KVPages(Protocol):
-    """What a forecast reads of the KV manager (:class:`~kvlib.adapters.kv_manager.KVManager`);
+    """What a forecast reads of the KV manager (:class:`~kvlib.adapters.engine.kv_manager.KVManager`);
     pages per layer, tokens per sequence."""
 
     page_size: int

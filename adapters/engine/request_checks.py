@@ -1,11 +1,11 @@
-"""What one request to the :class:`~kvlib.adapters.engine.Engine` may ask for, checked before
-anything is queued or run: :meth:`Engine.add_request <kvlib.adapters.engine.Engine.add_request>`,
+"""What one request to the :class:`~kvlib.adapters.engine.engine.Engine` may ask for, checked before
+anything is queued or run: :meth:`Engine.add_request <kvlib.adapters.engine.engine.Engine.add_request>`,
 ``generate`` and every hand-over message a decode engine takes go through :func:`checked_request`.
 
 Bounds: a prompt of token ids in ``[0, vocab)``, at least one; prompt plus ``max_new_tokens``
 within the model's context (:func:`~kvlib.limits.check_request_tokens`; the prompt's length is
 checked before its ids are read, so a prompt of millions of tokens costs nothing); sampling
-values of the right types and ranges (:func:`~kvlib.adapters.sampling.check_sampling`); a seed in
+values of the right types and ranges (:func:`~kvlib.adapters.engine.sampling.check_sampling`); a seed in
 ``[0, 2**63)``; end-of-sequence ids that are token ids. Every failure is a ``ValueError`` naming
 the argument and what is valid.
 """
@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kvlib.adapters.sampling import check_sampling
+from kvlib.adapters.engine.sampling import check_sampling
 from kvlib.errors import quoted
 from kvlib.limits import check_request_tokens, check_seed
 
@@ -31,7 +31,7 @@ REQUEST_OPTIONS = {
     "budget": None,
     "seed": None,
 }
-"""The keyword arguments of :meth:`Engine.add_request <kvlib.adapters.engine.Engine.add_request>`
+"""The keyword arguments of :meth:`Engine.add_request <kvlib.adapters.engine.engine.Engine.add_request>`
 and their defaults (``generate`` takes them too)."""
 
 

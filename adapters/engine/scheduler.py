@@ -6,7 +6,7 @@ A step is two calls, with data flowing one way:
 
 - :meth:`Scheduler.plan` decides, and changes nothing: it spends, reclaims and preempts on a
   :class:`Forecast` (a what-if copy of the KV manager's page counts,
-  :class:`~kvlib.adapters.page_forecast.PageForecast`), and returns a
+  :class:`~kvlib.adapters.engine.page_forecast.PageForecast`), and returns a
   :class:`StepPlan` holding every decision;
 - :meth:`Scheduler.apply` carries the plan out: it moves requests between the queues and asks
   the KV manager (:class:`PageLedger`) to preempt and reclaim (in the plan's order), then to
@@ -42,7 +42,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from kvlib.adapters.engine_request import Request, RequestState
+from kvlib.adapters.engine.engine_request import Request, RequestState
 
 
 class Forecast(Protocol):

@@ -6,14 +6,14 @@ names are registered in `transformers`' ``AttentionInterface`` (and its mask int
 module is imported. Only models that are attached use them: nothing existing is replaced.
 
 A kvlib attention function delegates the math to SDPA or to the model's own eager attention. It
-takes the step the cache layer published for this call (:func:`~kvlib.adapters.layer_step.take`)
-and lets the step attend (:meth:`~kvlib.adapters.layer_step.Step.attend`):
+takes the step the cache layer published for this call (:func:`~kvlib.adapters.runtime.layer_step.take`)
+and lets the step attend (:meth:`~kvlib.adapters.runtime.layer_step.Step.attend`):
 
 - a :class:`~kvlib.adapters.KVCache` layer's step translates the model's mask, built over logical
-  positions, to the stored physical slots (:func:`~kvlib.adapters.masks.physical_mask`) once
+  positions, to the stored physical slots (:func:`~kvlib.adapters.runtime.masks.physical_mask`) once
   tokens have been dropped, attends straight over the pages where it may, or over the pages the
   query chooses (``quest``), then runs the layer's after-attention work (eviction, sealing...);
-- a packed ragged batch of the engine (:mod:`kvlib.adapters.packed_batch`) runs each segment's
+- a packed ragged batch of the engine (:mod:`kvlib.adapters.engine.packed_batch`) runs each segment's
   attention over its own sequences.
 
 Calls with no step (keys from any other cache, cross-attention) run the inner attention unchanged.
@@ -31,9 +31,9 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import eager_attention_forward as generic_eager_attention
 
-from kvlib.adapters import layer_step
-from kvlib.adapters.layer_step import AttentionCall
-from kvlib.adapters.transformers_cache import KVCache
+from kvlib.adapters.cache.transformers_cache import KVCache
+from kvlib.adapters.runtime import layer_step
+from kvlib.adapters.runtime.layer_step import AttentionCall
 from kvlib.transformers_compat import passed_cache
 
 INNER_IMPLEMENTATIONS = ("sdpa", "eager")

@@ -11,8 +11,8 @@ from collections.abc import Iterator
 
 import torch
 
-from kvlib.adapters.layer_step import LayerStep
-from kvlib.adapters.masks import allowed
+from kvlib.adapters.runtime.layer_step import LayerStep
+from kvlib.adapters.runtime.masks import allowed
 
 BLOCK_ELEMENTS = 1 << 24
 """Most weight elements (``batch * query_heads * queries * slots``) computed in one block."""

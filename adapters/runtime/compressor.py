@@ -28,11 +28,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvlib.adapters.attention_weights import attention_blocks
-from kvlib.adapters.layer_step import LayerStep
-from kvlib.adapters.merge import merged_values
-from kvlib.adapters.query_history import QueryHistory
-from kvlib.adapters.slot_order import along_slots, ordered_view, position_order, to_slots
+from kvlib.adapters.runtime.attention_weights import attention_blocks
+from kvlib.adapters.runtime.layer_step import LayerStep
+from kvlib.adapters.runtime.merge import merged_values
+from kvlib.adapters.runtime.query_history import QueryHistory
+from kvlib.adapters.runtime.slot_order import along_slots, ordered_view, position_order, to_slots
 from kvlib.paged_store import PagedStore
 from kvlib.read_cache import LayerRead
 from kvlib.selection import position_rank, select_keep
@@ -96,7 +96,7 @@ class Compressor:
 
     State: per layer, the attention each stored token has accumulated (only for strategies that
     need ``accumulated_attention``), aligned with the layer's stored slots, and the layer's
-    :class:`~kvlib.adapters.query_history.QueryHistory` (only for strategies that need
+    :class:`~kvlib.adapters.runtime.query_history.QueryHistory` (only for strategies that need
     ``recent_queries`` or ``prompt_length``); the current model call's ``call_notes`` (cleared
     when a layer index not above the last one arrives); the cache keeps them in step with its rows and
     slots (:meth:`select_rows`, :meth:`reset`, :meth:`compacted`: the caller hands on the layout

@@ -3,7 +3,7 @@
 A `transformers` attention layer calls ``cache.update(k, v, layer_idx)`` and then, at once, its
 attention function with the tensors ``update`` returned. The cache layer publishes a step (a
 :class:`Step`: :class:`LayerStep` for a :class:`~kvlib.adapters.KVCache`,
-:class:`~kvlib.adapters.packed_batch.PackedLayerStep` for the engine's packed batch) that the
+:class:`~kvlib.adapters.engine.packed_batch.PackedLayerStep` for the engine's packed batch) that the
 kvlib attention function of the same call takes back and runs (:meth:`Step.attend`):
 
 - from transformers 5.24 on, attention layers pass their attention keyword arguments to the
@@ -95,7 +95,7 @@ class Step(Protocol):
 
 class StepOwner(Protocol):
     """The cache layer that stored a :class:`LayerStep`: it attends over its own tokens and does
-    the work that follows attention (see :class:`~kvlib.adapters.cache_layer.KVCacheLayer`)."""
+    the work that follows attention (see :class:`~kvlib.adapters.cache.cache_layer.KVCacheLayer`)."""
 
     def attend(self, step: LayerStep, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor | None]: ...
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from kvlib.adapters.layer_step import LayerStep
+from kvlib.adapters.runtime.layer_step import LayerStep
 
 
 def allowed(mask: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ from kvlib.strategies.budget.adaptive import Adaptive
 from kvlib.strategy import Budget, ContextPrefill, Eviction, LayerView
 
 if TYPE_CHECKING:
-    from kvlib.adapters.transformers_cache import KVCache
+    from kvlib.adapters.cache.transformers_cache import KVCache
 
 FIRST_PROMPT = "\n\nRepeat the previous context exactly."
 LATER_PROMPT = "\n\nRepeat the part of the previous context exactly, starting with"
@@ -266,7 +266,7 @@ def compressed_context(
     ``spec``, ``budget`` and ``options`` are :func:`kvlib.make_cache`'s (``spec`` must put KVzip
     first); everything is checked before the model runs.
     """
-    from kvlib.adapters.make_cache import make_cache
+    from kvlib.adapters.cache.make_cache import make_cache
 
     if not isinstance(reuse, PrefixStore):
         raise ValueError(f"reuse must be a kvlib.PrefixStore, got {type(reuse).__name__}")

@@ -26,8 +26,8 @@ from kvlib.paged_attention_torch import (
 )
 from kvlib.paged_scores import attention_weights
 from kvlib.transformers_compat import cache_argument
+from tests.adapters.cache.test_paged_decode import count_dense_reads
 from tests.adapters.conftest import PAD, build_model, left_padded
-from tests.adapters.test_paged_decode import count_dense_reads
 from tests.kvlib.test_paged_attention import TOLERANCE, padded_causal_mask, scattered_pages, sdpa_reference
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

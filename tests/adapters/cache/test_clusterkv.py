@@ -11,8 +11,8 @@ import torch
 
 import kvlib
 from kvlib.transformers_compat import cache_argument
+from tests.adapters.cache.test_shadowkv import assert_each_page_in_one_tier, generate
 from tests.adapters.conftest import PAD, build_model, left_padded
-from tests.adapters.test_shadowkv import assert_each_page_in_one_tier, generate
 
 
 def head_dim(model) -> int:

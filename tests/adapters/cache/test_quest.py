@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import kvlib
-from kvlib.adapters.cache_layer import KVCacheLayer
+from kvlib.adapters.cache.cache_layer import KVCacheLayer
 from kvlib.eval.agreement import agreement_metrics, greedy_reference, teacher_forced_logits
 from kvlib.transformers_compat import cache_argument
 from tests.adapters.conftest import PAD, assert_same_logits, build_model, left_padded

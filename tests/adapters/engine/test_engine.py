@@ -9,10 +9,9 @@ import pytest
 import torch
 
 import kvlib
-from kvlib.adapters.engine_request import RequestState
+from kvlib.adapters.engine.engine_request import RequestState
 from kvlib.transformers_compat import cache_argument
-
-from .conftest import build_model
+from tests.adapters.conftest import build_model
 
 NEW = 6
 
@@ -342,7 +341,7 @@ def test_requests_are_bounded_by_the_models_context_and_checked_before_any_is_qu
 
 
 def test_decode_attention_equals_sdpa() -> None:
-    from kvlib.adapters.packed_batch import decode_attention
+    from kvlib.adapters.engine.packed_batch import decode_attention
 
     generator = torch.Generator().manual_seed(0)
     query, keys, values = (
@@ -430,8 +429,8 @@ def test_bad_engine_sizes_fail_before_anything_is_allocated_or_run(monkeypatch, 
     model = build_model("llama")
     calls = []
     model.register_forward_pre_hook(lambda module, args: calls.append(1))
-    monkeypatch.setattr("kvlib.adapters.kv_manager.PagedStore", refuse_to_build)
-    monkeypatch.setattr("kvlib.adapters.kv_manager.PrefixStore", refuse_to_build)
+    monkeypatch.setattr("kvlib.adapters.engine.kv_manager.PagedStore", refuse_to_build)
+    monkeypatch.setattr("kvlib.adapters.engine.kv_manager.PrefixStore", refuse_to_build)
     with pytest.raises(ValueError, match=message):
         kvlib.Engine(model, **options)
     assert calls == [] and model.config._attn_implementation == "sdpa"

@@ -14,8 +14,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import kvlib
-
-from .conftest import build_model
+from tests.adapters.conftest import build_model
 
 NEW = 4
 MAX_STEPS = 3000

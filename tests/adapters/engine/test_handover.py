@@ -24,14 +24,13 @@ import redis
 import torch
 
 import kvlib
-from kvlib.adapters import engine as engine_module
-from kvlib.adapters.handover import HandOver, MessageLimits
+from kvlib.adapters.engine import engine as engine_module
+from kvlib.adapters.engine.handover import HandOver, MessageLimits
 from kvlib.storage.block_record import DIGEST
 from kvlib.storage.local_server import LocalServer
 from kvlib.storage.record_digest import digest
 from kvlib.storage.remote_tier import ENVELOPE, PREFIX, QUEUE, RemoteTier
-
-from .conftest import VOCAB, build_model, edit_one_weight
+from tests.adapters.conftest import VOCAB, build_model, edit_one_weight
 
 KEY = "team"
 REPO = Path(__file__).resolve().parents[2]
@@ -40,7 +39,7 @@ import json, sys
 sys.path.insert(0, {repo!r})
 import kvlib
 from tests.adapters.conftest import build_model
-from tests.adapters.test_handover import KEY, requests
+from tests.adapters.engine.test_handover import KEY, requests
 engine = kvlib.Engine(build_model("llama"), max_batch_tokens=64, remote=sys.argv[1], remote_key=KEY, role="prefill", handover_queue="q")
 for prompt, settings in requests():
     engine.add_request(prompt, **settings)

@@ -8,10 +8,9 @@ import pytest
 import torch
 
 import kvlib
-from kvlib.adapters.kv_manager import page_budget
+from kvlib.adapters.engine.kv_manager import page_budget
 from kvlib.adapters.model_shape import kv_shape
-
-from .conftest import build_model
+from tests.adapters.conftest import build_model
 
 
 @pytest.fixture(scope="module")

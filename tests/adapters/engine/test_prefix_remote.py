@@ -21,8 +21,8 @@ import kvlib
 from kvlib.storage.local_server import LocalServer
 from kvlib.storage.remote_tier import ENVELOPE, PREFIX, RemoteTier
 from kvlib.transformers_compat import cache_argument
+from tests.adapters.conftest import PAD, build_model
 
-from .conftest import PAD, build_model
 from .test_handover import forged
 
 REPO = Path(__file__).resolve().parents[2]
@@ -31,7 +31,7 @@ PROCESS = """
 import json, sys
 sys.path.insert(0, {repo!r})
 from tests.adapters.conftest import build_model
-from tests.adapters.test_prefix_remote import run
+from tests.adapters.engine.test_prefix_remote import run
 print(json.dumps(run(build_model("llama"), sys.argv[1], key="team")))
 """
 

@@ -1,4 +1,4 @@
-"""What one Engine request may ask for (kvlib.adapters.request_checks): a request is refused
+"""What one Engine request may ask for (kvlib.adapters.engine.request_checks): a request is refused
 exactly when its prompt plus new tokens pass the model's context, or any value is of the wrong
 type or out of range; a long prompt is refused before its ids are read."""
 
@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvlib.adapters.request_checks import REQUEST_OPTIONS, checked_request
+from kvlib.adapters.engine.request_checks import REQUEST_OPTIONS, checked_request
 
 
 @given(prompt=st.integers(1, 300), new=st.integers(1, 300), context=st.one_of(st.none(), st.integers(1, 512)))

@@ -16,10 +16,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import kvlib
-from kvlib.adapters.engine_request import Request, RequestState
-from kvlib.adapters.scheduler import Scheduler, StepPlan
-
-from .conftest import build_model
+from kvlib.adapters.engine.engine_request import Request, RequestState
+from kvlib.adapters.engine.scheduler import Scheduler, StepPlan
+from tests.adapters.conftest import build_model
 
 PAGE = 4
 

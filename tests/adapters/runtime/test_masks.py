@@ -6,8 +6,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvlib.adapters.layer_step import LayerStep
-from kvlib.adapters.masks import allowed, physical_mask, real_new_tokens
+from kvlib.adapters.runtime.layer_step import LayerStep
+from kvlib.adapters.runtime.masks import allowed, physical_mask, real_new_tokens
 from kvlib.read_cache import LayerRead
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 import kvlib
-from kvlib.adapters.merge import merged_values
+from kvlib.adapters.runtime.merge import merged_values
 from kvlib.transformers_compat import cache_argument
 from tests.adapters.conftest import PAD, build_model, left_padded
 

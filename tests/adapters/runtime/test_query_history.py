@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import kvlib
 from kvlib import registry
-from kvlib.adapters.query_history import QueryHistory
+from kvlib.adapters.runtime.query_history import QueryHistory
 from kvlib.strategy import Eviction, LayerView
 from kvlib.transformers_compat import cache_argument
 from tests.adapters.conftest import PAD, build_model, left_padded

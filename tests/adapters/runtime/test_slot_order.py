@@ -7,12 +7,11 @@ import pytest
 import torch
 
 import kvlib
-from kvlib.adapters.slot_order import ordered_view, position_order, to_slots
+from kvlib.adapters.runtime.slot_order import ordered_view, position_order, to_slots
 from kvlib.registry import available_strategies
 from kvlib.strategy import LayerView
 from kvlib.transformers_compat import cache_argument
-
-from .conftest import build_model
+from tests.adapters.conftest import build_model
 
 EVICTIONS = available_strategies()["eviction"]
 BUDGET, PROMPT, NEW = 24, 40, 20
