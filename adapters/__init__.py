@@ -8,11 +8,10 @@
 - :func:`compressed_context` holds a KVzip-compressed context whole and forks it for each question.
 """
 
-from kvlib.adapters.attention import attach
-from kvlib.adapters.blend import blend_cache
-from kvlib.adapters.engine import Engine
-from kvlib.adapters.kvzip_context import compressed_context
-from kvlib.adapters.make_cache import make_cache
-from kvlib.adapters.transformers_cache import KVCache
+from kvlib.adapters.cache.blend import blend_cache
+from kvlib.adapters.cache.make_cache import make_cache
+from kvlib.adapters.cache.transformers_cache import KVCache
+from kvlib.adapters.engine.engine import Engine
+from kvlib.adapters.runtime.attention import attach
 
 __all__ = ["Engine", "KVCache", "attach", "blend_cache", "compressed_context", "make_cache"]

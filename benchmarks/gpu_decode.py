@@ -27,7 +27,7 @@ carried as wheels, see the device tool's README), from the repository root:
 
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:.
     python3 benchmarks/gpu_decode.py --out $OUT            # about 4 minutes on an H100
-    python3 -m pytest -q tests/kernels/test_paged_attention_torch.py tests/storage/test_store_devices.py tests/adapters/test_cache_devices.py
+    python3 -m pytest -q tests/kvlib/test_paged_attention_torch.py tests/kvlib/test_store_devices.py tests/adapters/cache/test_cache_devices.py
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 page budget in bytes, on a trace that saturates it, and what a serving user buys with the codec.
 
 Every Engine gets ``page_budget_bytes = memory_bytes`` (sealed pages count at their encoded
-size, each head's open last page at its raw size: see :mod:`kvlib.adapters.kv_manager`), no
+size, each head's open last page at its raw size: see :mod:`kvlib.adapters.engine.kv_manager`), no
 prefix cache (the prompts share nothing), and every request of the trace at once (they all
 arrive at 0 s), so admission and preemption are decided by the pages alone. Figures per Engine:
 
@@ -36,7 +36,7 @@ from serve_metrics import agreement
 from serve_trace import Lengths, Request
 
 import kvlib
-from kvlib.adapters.engine_request import RequestState
+from kvlib.adapters.engine.engine_request import RequestState
 
 
 @dataclass(frozen=True)

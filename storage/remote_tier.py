@@ -49,7 +49,7 @@ reported to the caller, never taken as sent.
 
 Hand-over queues (:meth:`RemoteTier.push` and :meth:`RemoteTier.pop`) carry small messages
 between processes on the same server under ``b"kvlib:q:" + name``: see
-:mod:`kvlib.adapters.handover` for what an Engine sends there.
+:mod:`kvlib.adapters.engine.handover` for what an Engine sends there.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """A damaged or unwritable disk tier directory never takes the process down: a data file cut short,
 with a broken meta page or B-tree page is moved aside with one warning and the tier starts empty;
 a directory that cannot hold a tier is a clear error; a file cut short while open makes reads
-misses. (Through a prefix store and generate, in a subprocess: tests/adapters/test_prefix_disk_damage.py.)"""
+misses. (Through a prefix store and generate, in a subprocess: tests/adapters/cache/test_prefix_disk_damage.py.)"""
 
 from __future__ import annotations
 

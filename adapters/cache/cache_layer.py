@@ -1,0 +1,543 @@
+"""``KVCacheLayer``: one layer of a :class:`~kvlib.adapters.KVCache`, owning that layer's state and work.
+
+A layer keeps what is its own: the tokens it has seen (its logical length), whether every stored
+token still sits at the slot equal to its position (``identity``), the step it published and
+whose attention has not yet run (``pending``) and the attention input a strategy needing
+``hidden_states`` asked for. It does its own work: :meth:`~KVCacheLayer.update` appends the
+call's keys and values and publishes a :class:`~kvlib.adapters.runtime.layer_step.LayerStep`; the step's
+attention runs through :meth:`~KVCacheLayer.attend`; :meth:`~KVCacheLayer.after_attention`
+then evicts, seals, re-ranks and indexes this layer. What layers share (the paged store, the
+batch rows and their padding, the compressor, codecs, tiering and prefix session) is the
+cache's; the rows are store sequences spanning every layer, so selecting rows (beams) is the
+cache's too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Protocol
+
+import torch
+from transformers.cache_utils import CacheLayerMixin
+
+from kvlib.adapters.cache.paged_decode import attention_over_pages
+from kvlib.adapters.cache.prefix_session import PrefixSession
+from kvlib.adapters.cache.sparse_decode import sparse_decode_attention
+from kvlib.adapters.model_shape import KVShape
+from kvlib.adapters.runtime import layer_step
+from kvlib.adapters.runtime.compressor import AttentionInputs, Compressor, PlannedWork
+from kvlib.adapters.runtime.layer_step import AttentionCall, LayerStep
+from kvlib.adapters.runtime.masks import physical_mask, real_new_tokens
+from kvlib.codec import FitSample, PageCodec
+from kvlib.devices import reads_pages_in_place
+from kvlib.kernels.paged_attention import PagedLayer
+from kvlib.model_shape import KVShape
+from kvlib.storage.paged_store import PagedStore
+from kvlib.storage.read_cache import LayerRead
+from kvlib.storage.step_plan import StepPlan
+from kvlib.strategy import LayerView, Tiering
+
+PAGED_QUERY_TOKENS = 16
+"""Calls with at most this many new tokens attend straight over the pages (see
+:meth:`KVCacheLayer._paged_layer`); longer ones (prefill, chunks) read the layer into a transient
+dense copy for SDPA."""
+
+
+NOT_THROUGH_KVLIB = (
+    "layer {layer}'s attention did not run through kvlib, so it attended over what the cache handed it (the new tokens"
+    " only) and its eviction or codec cannot run: call kvlib.attach(model) (make_cache does) and keep attn_implementation"
+    " on kvlib_sdpa / kvlib_eager"
+)
+
+
+class SharedState(Protocol):
+    """What a layer reads of the cache that holds it (:class:`~kvlib.adapters.KVCache`): the state
+    its layers share. A layer changes ``padding`` (layer 0 counts it), ``prepared`` (layer 0
+    clears it) and ``step_real_new`` (layer 0's planned attention finds it), nothing else of it."""
+
+    shape: KVShape
+    store: PagedStore
+    rows: list[int]
+    padding: torch.Tensor
+    compressor: Compressor | None
+    codecs: list[PageCodec | None] | None
+    tiering: Tiering | None
+    session: PrefixSession | None
+    recompute: torch.Tensor | None
+    read_cache: bool
+    reuse_slots: bool
+    layers: list[KVCacheLayer]
+    plan: StepPlan | None
+    plan_known_real: bool
+    plan_work: tuple[PlannedWork, ...]
+    plan_idle: tuple[bool, ...]
+    step_real_new: torch.Tensor | None
+    prepared: bool
+
+    def prepare_step(self, tokens: int, attention_mask: torch.Tensor | None = None, *, mask_known: bool = True) -> None: ...
+
+    def start_call(self, layer_idx: int, key_states: torch.Tensor) -> None: ...
+
+
+class KVCacheLayer(CacheLayerMixin):
+    """One layer of a :class:`~kvlib.adapters.KVCache` (see the module docstring).
+
+    Invariant: ``seen`` is the layer's logical length (tokens seen, padding included, as
+    ``DynamicCache`` counts them); ``pending`` is the step published by the last ``update``
+    until its attention's after-attention work ran."""
+
+    is_sliding = False
+    is_compileable = False
+
+    def __init__(self, cache: SharedState, layer_idx: int) -> None:
+        self.keys = self.values = None
+        self.cache = cache
+        self.layer_idx = layer_idx
+        self.seen = 0
+        self.identity = True
+        self.pending: LayerStep | None = None
+        self.hidden_states: torch.Tensor | None = None
+
+    @property
+    def is_initialized(self) -> bool:
+        return bool(self.cache.rows)
+
+    @property
+    def is_croppable(self) -> bool:
+        """Whether :meth:`crop` rolls back exactly: no eviction, and no token left a sliding window
+        (the tokens a rolled-back window needs again are gone)."""
+        window = self.window
+        return self.cache.compressor is None and (window is None or self.seen < window)
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Nothing to do: the cache builds its store (at construction, or before it hands the layer its first call)."""
+
+    # -- one layer call -------------------------------------------------------------------------
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, kwargs: dict | None = None, **_
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the call's new keys and values (``[batch, kv_heads, tokens, dim]``, the cache's
+        rows started) and publish the step for this call's attention (in ``kwargs``, the layer
+        call's attention keyword arguments, when given: transformers 5.24+). Returns what
+        attention runs over: the layer's stored tokens (dense), or just the new ones where
+        attention needs no dense read of the layer (:meth:`_new_tokens_step`)."""
+        cache = self.cache
+        offset, tokens = self.seen, key_states.shape[2]
+        if self.layer_idx == 0:
+            if not cache.prepared:  # no forward pre-hook planned this call (kvlib.attach adds one)
+                cache.prepare_step(tokens, mask_known=False)
+            cache.prepared = False
+        plan = cache.plan
+        if plan is not None and plan.tokens == tokens:  # a decode step planned for every layer: one write, attention over the pages
+            if cache.layers[self.layer_idx - 1].pending is not None:
+                raise RuntimeError(NOT_THROUGH_KVLIB.format(layer=self.layer_idx - 1))
+            plan.pools[self.layer_idx].write_planned(plan, self.layer_idx, key_states, value_states)
+            self.seen += tokens
+            self.identity = self.identity and isinstance(plan.stored, int)  # a ring reuses slots
+            new_tokens = LayerRead(key_states, value_states, None, None)
+            self._publish(LayerStep(self, self.layer_idx, new_tokens, offset, tokens, self.identity, plan=plan), kwargs)
+            return key_states, value_states
+        cache.start_call(self.layer_idx, key_states)
+        store = cache.store
+        if cache.recompute is not None:
+            return self._overwrite(key_states, value_states, kwargs)
+        first_tokens = self._holds_nothing(key_states)
+        if not first_tokens:
+            self._ring_room(tokens)
+        store.append(self.layer_idx, cache.rows, key_states, value_states)
+        self.seen += tokens
+        tiering = cache.tiering
+        if tiering is not None and tiering.retrieves_pages and tiering.sparse(self.layer_idx, tokens):
+            step = self._new_tokens_step(key_states, value_states, offset, sparse=True)
+        elif first_tokens:  # the layer holds exactly this call's tokens: attention runs over them as given
+            step = self._new_tokens_step(key_states, value_states, offset, identity=self.identity)
+        elif (paged := self._paged_layer(tokens)) is not None:
+            step = self._new_tokens_step(key_states, value_states, offset, paged=paged)
+        else:
+            step = LayerStep(self, self.layer_idx, store.read(self.layer_idx, cache.rows), offset, tokens, self.identity)
+        self._publish(step, kwargs)
+        return step.read.keys, step.read.values
+
+    def _ring_room(self, tokens: int) -> None:
+        """Under a held cap kept as a ring, make room for a decode call's ``tokens`` before they are
+        stored (:meth:`~kvlib.adapters.runtime.compressor.Compressor.make_ring_room`), so the call attends
+        over the cap at most, whichever path it takes."""
+        cache = self.cache
+        if cache.compressor is not None and tokens <= PAGED_QUERY_TOKENS:
+            if cache.compressor.make_ring_room(cache.store, self.layer_idx, cache.rows, tokens, reuse_slots=cache.reuse_slots):
+                self.identity = False
+
+    def _publish(self, step: LayerStep, attention_kwargs: dict | None) -> None:
+        self.pending = step
+        layer_step.publish(step, attention_kwargs)
+
+    def _new_tokens_step(
+        self,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        offset: int,
+        *,
+        sparse: bool = False,
+        paged: PagedLayer | None = None,
+        identity: bool = False,
+    ) -> LayerStep:
+        """The step of a call whose attention needs no dense read of the layer: a decode step of
+        a page-retrieval strategy (``sparse``, ``quest``: the pages its query chooses,
+        :meth:`read_chosen_pages`), a few tokens attending straight over the layer's pages
+        (``paged``), or the first tokens of a layer that held none (a prefill: the layer is
+        these tokens, at slots equal to their positions when ``identity``). Its read holds the
+        new tokens, at positions ``offset ..``."""
+        batch, heads, tokens = key_states.shape[:3]
+        positions = (offset + torch.arange(tokens, device=key_states.device)).expand(batch, heads, tokens).contiguous()
+        valid = torch.ones(batch, heads, tokens, dtype=torch.bool, device=key_states.device)
+        new_tokens = LayerRead(key_states, value_states, positions, valid)
+        return LayerStep(self, self.layer_idx, new_tokens, offset, tokens, identity, sparse=sparse, paged=paged)
+
+    def _holds_nothing(self, key_states: torch.Tensor) -> bool:
+        """Whether this layer holds no token of the batch yet (no prefix attached either) and the
+        store keeps ``key_states``' dtype, so that after the append it reads back exactly the
+        call's own tensors (pools encode pages only once sealed, after attention)."""
+        store = self.cache.store
+        return (
+            self.seen == 0 and key_states.dtype == store.dtype and not bool(store.physical_lengths(self.layer_idx, self.cache.rows).any())
+        )
+
+    def _paged_layer(self, query_length: int) -> PagedLayer | None:
+        """The layer's pages for attention straight over them (no dense copy; with tiering only
+        the off-device pages are staged), when this call may use them: at most
+        :data:`PAGED_QUERY_TOKENS` new tokens (decoding, assisted decoding's candidates; under
+        eviction the compressor then reads what it needs itself, see :meth:`_stored_layer`), no
+        read mirror asked for, a device the kernel runs on and a pool that gives its pages; else None."""
+        store = self.cache.store
+        if self.cache.read_cache or query_length > PAGED_QUERY_TOKENS or not reads_pages_in_place(store.device):
+            return None
+        return store.paged_layer(self.layer_idx, self.cache.rows)
+
+    def _overwrite(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, attention_kwargs: dict | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`update` inside :meth:`KVCache.recomputing`: the call's tokens are stored ones, rewritten."""
+        store, rows, positions = self.cache.store, self.cache.rows, self.cache.recompute
+        store.overwrite(self.layer_idx, rows, positions, key_states, value_states)
+        read = store.read(self.layer_idx, rows)
+        step = LayerStep(self, self.layer_idx, read, self.seen, key_states.shape[2], False, positions.to(read.positions.device))
+        self._publish(step, attention_kwargs)
+        return read.keys, read.values
+
+    def load(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Append precomputed ``keys`` and ``values`` (``[batch, kv_heads, tokens, dim]``) as the
+        layer's first tokens, at positions ``0 .. tokens - 1``."""
+        self.cache.store.append(self.layer_idx, self.cache.rows, keys, values)
+        self.seen = keys.shape[2]
+
+    # -- attention and what follows it ----------------------------------------------------------
+
+    def attend(self, step: LayerStep, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The attention of ``call`` over ``step``'s tokens, then :meth:`after_attention`: over the
+        pages the query chooses (a sparse step), straight over the layer's pages (a paged step,
+        with SDPA and plain attention; else over a transient dense read), or over the step's
+        dense read, the model's mask moved onto the stored slots once tokens were dropped."""
+        if step.sparse:
+            return sparse_decode_attention(call, step)
+        key, value = call.key, call.value
+        if step.plan is not None or step.paged is not None:
+            if call.reads_pages:
+                if step.plan is not None:
+                    return self._attend_planned(step, call)
+                return attention_over_pages(call.query, call.attention_mask, step, call.kwargs)
+            step = self.dense_step(step)
+            key, value = step.read.keys, step.read.values
+        mask = call.attention_mask
+        if not step.identity:
+            mask = physical_mask(mask, step, call.query.shape[1], call.float_mask_dtype)
+        output, weights = call.run_inner(key, value, mask)
+        real_new = real_new_tokens(call.attention_mask, step) if step.query_positions is None else None
+        step.after_attention(query=call.query, mask=mask, weights=weights, real_new=real_new, scaling=call.kwargs.get("scaling"))
+        return output, weights
+
+    def _attend_planned(self, step: LayerStep, call: AttentionCall) -> tuple[torch.Tensor, None]:
+        """A planned step's attention straight over the layer's pages (the store's paged kernel
+        through the plan), then :meth:`after_attention`; the real new tokens are found once per
+        step, at layer 0."""
+        cache, query, mask, plan = self.cache, call.query, call.attention_mask, step.plan
+        scale = call.kwargs.get("scaling") or query.shape[-1] ** -0.5
+        received = None
+        if cache.plan_work and cache.plan_work[self.layer_idx] is PlannedWork.ACCUMULATE:
+            slots = int(cache.store.tables[self.layer_idx].lengths_np[plan.rows_np].max())
+            received = torch.zeros(*plan.lengths.shape[1:], slots, dtype=torch.float32, device=plan.lengths.device)
+        output = plan.pools[self.layer_idx].attend_planned(plan, self.layer_idx, query, mask, scale, received=received)
+        if received is not None:
+            cache.compressor.accumulate_received(self.layer_idx, received)
+        if self.layer_idx == 0 and not cache.plan_known_real:
+            real_new = real_new_tokens(mask, step)
+            cache.step_real_new = None if real_new is None or bool(real_new.all()) else real_new
+        step.after_attention(query=query, mask=mask, weights=None, real_new=cache.step_real_new, scaling=scale)
+        return output, None
+
+    def dense_step(self, step: LayerStep) -> LayerStep:
+        """``step`` with the layer read back in dense form, for an attention function that
+        cannot read pages (eager attention, attention sinks): a transient copy, not kept."""
+        read = self.cache.store.read(self.layer_idx, self.cache.rows, mirror=False)
+        return LayerStep(self, self.layer_idx, read, step.query_offset, step.query_length, self.identity)
+
+    def choose_pages(self, query: torch.Tensor) -> torch.Tensor:
+        """The pages the tiering strategy chooses for ``query`` (``[batch, query_heads, 1,
+        head_dim]``, after RoPE): int64 ``[batch, kv_heads, k]`` indices into each head's block
+        table, ``-1`` for none (CPU)."""
+        key_min, key_max, pages_used = self.cache.store.key_bounds(self.layer_idx, self.cache.rows)
+        return self.cache.tiering.select_pages(query, key_min, key_max, pages_used)
+
+    def chosen_pages(self, chosen: torch.Tensor) -> PagedLayer | None:
+        """The ``chosen`` pages (:meth:`choose_pages`) where they lie, for attention straight over
+        them; None where pages cannot be read in place (then :meth:`read_chosen_pages`)."""
+        if not reads_pages_in_place(self.cache.store.device):
+            return None
+        return self.cache.store.paged_selection(self.layer_idx, self.cache.rows, chosen)
+
+    def read_chosen_pages(self, chosen: torch.Tensor) -> LayerRead:
+        """The ``chosen`` pages (:meth:`choose_pages`), read sparsely into a dense copy."""
+        return self.cache.store.read_selected(self.layer_idx, self.cache.rows, chosen)
+
+    def after_attention(
+        self,
+        step: LayerStep,
+        *,
+        query: torch.Tensor,
+        mask: torch.Tensor | None,
+        weights: torch.Tensor | None,
+        real_new: torch.Tensor | None,
+        scaling: float | None,
+    ) -> None:
+        """Once the layer's attention has run: records padding (layer 0; counted per row, on the
+        device), lets a fitted codec learn from the layer's first call, lets the compressor drop
+        tokens, seals the layer's full pages (handing a codec that reads salience the compressor's
+        scores of the layer's tokens, computed only if a page seals), re-ranks its pages for the device tier and, after
+        the last layer, indexes the prompt's full pages in the prefix session."""
+        cache = self.cache
+        self.pending = None
+        if step.plan is not None and cache.plan_idle[self.layer_idx]:  # the common case: nothing follows
+            return
+        store, rows = cache.store, cache.rows
+        if self.layer_idx == 0 and real_new is not None:
+            cache.padding += (~real_new).sum(-1)  # stays on the device: no sync per step
+        if step.plan is not None:
+            if real_new is None and (not cache.plan_work or cache.plan_work[self.layer_idx] is not PlannedWork.GENERAL):
+                self._keep_books()
+                return
+            step = dataclasses.replace(step, paged=store.paged_layer(self.layer_idx, rows))
+        sealing = [self.layer_idx]
+        read = step.read if step.paged is None else None  # the layer as stored, until a compaction changes it
+        codec = cache.codecs[self.layer_idx] if cache.codecs is not None else None
+        if codec is not None and codec.learns and not codec.ready:
+            codec.observe(self._fit_sample(step, query, real_new))
+            if codec.ready:  # a cross-layer fit readies earlier layers too
+                sealing = list(range(self.layer_idx + 1))
+        salience = None
+        if cache.compressor is not None:
+            inputs = AttentionInputs(query, mask, weights, scaling, real_new, self.hidden_states)
+            self.hidden_states = None
+            stored = None if step.paged is None else (lambda: store.read(self.layer_idx, rows, mirror=False))
+            stored_step = self._stored_layer(step)
+            compaction = cache.compressor.compaction(stored_step, inputs, cache.padding, stored)
+            if compaction is not None:
+                layout = store.compact(self.layer_idx, rows, compaction.keep, compaction.values, reuse_slots=cache.reuse_slots)
+                cache.compressor.compacted(self.layer_idx, layout)
+                self.identity = False
+                read = None
+                salience = functools.partial(compaction.salience_after, layout)
+            else:
+                salience = functools.partial(cache.compressor.scores, stored_step, inputs, cache.padding, stored)
+        layout = self._slide()
+        if layout is not None:
+            read, salience = None, _following(salience, layout)
+        if cache.tiering is not None and not step.sparse and cache.tiering.arranges_tokens(self.layer_idx, step.query_length):
+            self._arrange(read if read is not None else store.read(self.layer_idx, rows))
+            read, salience = None, None
+        if cache.codecs is not None:
+            for layer in sealing:
+                store.seal(layer, rows, salience if layer == self.layer_idx and codec is not None and codec.uses_salience else None)
+        if cache.tiering is not None and not step.sparse and cache.tiering.refreshes_ranking(self.seen, step.query_length):
+            self._rank_pages(read if read is not None else store.read(self.layer_idx, rows))
+        if cache.session is not None and self.layer_idx == cache.shape.num_layers - 1:
+            cache.session.index(self.seen)
+
+    def _keep_books(self) -> None:
+        """After a planned step with nothing to evict: drop what left a sliding window, seal the
+        layer's full pages, index the prompt's pages after the last layer."""
+        cache = self.cache
+        self._slide()
+        if cache.codecs is not None:
+            cache.store.seal(self.layer_idx, cache.rows)
+        if cache.session is not None and self.layer_idx == cache.shape.num_layers - 1:
+            cache.session.index(self.seen)
+
+    @property
+    def window(self) -> int | None:
+        """This layer's sliding window (:meth:`KVShape.window`), or None where it sees every position."""
+        return self.cache.shape.window(self.layer_idx)
+
+    def slides(self, tokens: int) -> bool:
+        """Whether a call of ``tokens`` new tokens leaves positions behind this layer's window
+        (then :meth:`_slide` has work after its attention)."""
+        window = self.window
+        return window is not None and self.seen + tokens >= window
+
+    def _slide(self) -> torch.Tensor | None:
+        """Free what a sliding-window layer will never attend to again: every stored token at a
+        position ``<= seen - window`` (the next query, at position ``seen``, sees ``seen - window
+        + 1`` onwards), as ``DynamicCache``'s sliding layers keep ``window - 1`` tokens. The
+        positions are logical (left padding included), as the model's masks count them. Returns
+        the store's layout (the compressor's per-slot state follows it), or None where nothing
+        was dropped: a layer without a window, or one holding nothing past it."""
+        window = self.window
+        if window is None or self.seen <= window - 1:
+            return None
+        cache = self.cache
+        positions = cache.store.stored_positions(self.layer_idx, cache.rows)
+        stored = positions >= 0
+        behind = stored & (positions <= self.seen - window)
+        if not bool(behind.any()):
+            return None
+        slot = torch.arange(positions.shape[-1])
+        keep = torch.sort(torch.where(stored & ~behind, slot, positions.shape[-1]), dim=-1).values
+        keep = torch.where(keep == positions.shape[-1], -1, keep)
+        layout = cache.store.compact(self.layer_idx, cache.rows, keep, reuse_slots=cache.reuse_slots)
+        if cache.compressor is not None:
+            cache.compressor.compacted(self.layer_idx, layout)
+        self.identity = False
+        return layout
+
+    def _stored_layer(self, step: LayerStep) -> LayerStep:
+        """``step`` as the compressor sees it: the layer's stored tokens after the call's append.
+        A call that attended over the pages (``step.paged``) read none of them: it gets their
+        positions (:meth:`PagedStore.read_positions`; attention weights come from the pages), and
+        the compressor reads keys and values into a transient dense copy only when it compacts
+        with a strategy that scores with them (``reads_kv``)."""
+        if step.paged is None:
+            return step
+        return dataclasses.replace(step, read=self.cache.store.read_positions(self.layer_idx, self.cache.rows))
+
+    def _fit_sample(self, step: LayerStep, query: torch.Tensor, real_new: torch.Tensor | None) -> FitSample:
+        """The layer's stored tokens and this call's queries, padding marked invalid."""
+        read = step.read
+        real = read.valid & (read.positions >= self.cache.padding.view(-1, 1, 1))
+        query_valid = (
+            real_new if real_new is not None else torch.ones(query.shape[0], query.shape[2], dtype=torch.bool, device=query.device)
+        )
+        return FitSample(self.layer_idx, read.keys, read.values, real, query, query_valid)
+
+    def _arrange(self, read: LayerRead) -> None:
+        """Put the layer's stored tokens ``read`` in the tiering strategy's slot order (its view
+        holds the real tokens; padding slots follow them, in slot order); per-slot compressor
+        state follows the layout."""
+        cache = self.cache
+        order = cache.tiering.arrangement(self._tiering_view(read)).cpu()
+        stored = read.valid.cpu()
+        slots = stored.shape[-1]
+        named = torch.zeros(*stored.shape[:2], slots + 1, dtype=torch.bool).scatter_(-1, torch.where(order >= 0, order, slots), True)
+        named = named[..., :slots]
+        slot = torch.arange(slots).expand_as(stored)
+        order = torch.cat([order, torch.where(stored & ~named, slot, -1)], dim=-1)
+        order = order.gather(-1, torch.sort((order < 0).to(torch.int8), dim=-1, stable=True).indices)
+        layout = cache.store.arrange(self.layer_idx, cache.rows, order[..., :slots])
+        if cache.compressor is not None:
+            cache.compressor.compacted(self.layer_idx, layout)
+        self.identity = False
+
+    def _rank_pages(self, read: LayerRead) -> None:
+        """Re-rank the layer's pages for the device tier by the tiering strategy's scores of its
+        stored tokens ``read`` (the layer as it now stands; padding never counts)."""
+        self.cache.store.rank_pages(self.layer_idx, self.cache.rows, self.cache.tiering.ranking_scores(self._tiering_view(read)))
+
+    def _tiering_view(self, read: LayerRead) -> LayerView:
+        """The layer's stored tokens ``read`` as the tiering strategy sees them: positions from each
+        row's first real token, padding invalid."""
+        cache = self.cache
+        padding = cache.padding.to(read.positions.device).view(-1, 1, 1)
+        real = read.valid & (read.positions >= padding)
+        return LayerView(
+            self.layer_idx,
+            cache.shape.num_layers,
+            read.keys,
+            read.values,
+            torch.where(real, read.positions - padding, -1),
+            real,
+            page_size=cache.store.page_size,
+        )
+
+    def record_hidden_states(self, hidden_states: torch.Tensor) -> None:
+        """Keep this layer call's attention input for a strategy that needs ``hidden_states``."""
+        compressor = self.cache.compressor
+        if compressor is not None and "hidden_states" in compressor.strategy.needs:
+            self.hidden_states = hidden_states
+
+    # -- lengths, crop, reset, inspection -------------------------------------------------------
+
+    def get_seq_length(self) -> int:
+        """Tokens seen (logical length, padding included)."""
+        return self.seen
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """Masks span every logical position (kv length = seen + new, offset 0)."""
+        return self.seen + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    get_max_cache_shape = get_max_length  # the same question under its name before transformers 5.x (x < 24)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last ``-tokens_to_remove`` tokens seen (``<= 0``, checked by the cache, which
+        holds rows). Under eviction the tokens to forget may sit in reused slots, not at the end:
+        they are compacted away first (the compressor's per-slot state follows)."""
+        cache, store = self.cache, self.cache.store
+        length = max(self.seen + tokens_to_remove, 0)
+        window = self.window
+        if window is not None and self.seen >= window and length < self.seen:
+            raise ValueError(
+                f"layer {self.layer_idx} slides over a window of {window} tokens and has dropped the tokens before it:"
+                f" it cannot go back to {length} tokens (as DynamicCache's sliding layers cannot once their window is full)"
+            )
+        if cache.compressor is not None:
+            positions = store.stored_positions(self.layer_idx, cache.rows)
+            slot = torch.arange(positions.shape[-1])
+            keep = torch.where((positions >= 0) & (positions < length), slot, -1)
+            cache.compressor.compacted(self.layer_idx, store.compact(self.layer_idx, cache.rows, keep, reuse_slots=cache.reuse_slots))
+        store.truncate(self.layer_idx, cache.rows, length)
+        self.seen = min(self.seen, length)
+
+    def reset(self, seen: int = 0) -> None:
+        """Forget the layer's state (the cache releases the tokens): ``seen`` tokens seen (a
+        primed cache's reused prefix), nothing pending, slots equal to positions."""
+        self.seen = seen
+        self.identity = True
+        self.pending = None
+        self.hidden_states = None
+
+    def kept_positions(self) -> torch.Tensor:
+        """Original positions of the tokens this layer stores: int64 ``[batch, kv_heads, max_kept]``,
+        ascending (whatever slots hold them), padded with -1 (CPU); counted from each row's first
+        real token (left padding excluded), as if the row had been run alone."""
+        stored = self.cache.store.stored_positions(self.layer_idx, self.cache.rows)
+        positions = stored - self.cache.padding.cpu().view(-1, 1, 1)
+        real = (stored >= 0) & (positions >= 0)
+        past_end = torch.iinfo(torch.int64).max
+        kept = torch.sort(torch.where(real, positions, past_end), dim=-1).values
+        return torch.where(kept == past_end, -1, kept)[..., : int(real.sum(-1).max())]
+
+
+def _following(salience: functools.partial | None, layout: torch.Tensor) -> functools.partial | None:
+    """``salience`` (scores of a layer's slots, computed on demand) after the store compacted the
+    layer with ``layout`` (new slot ``i`` holds old slot ``layout[..., i]``; ``-1``: none, scored
+    ``-inf``)."""
+    if salience is None:
+        return None
+    return functools.partial(_gathered, salience, layout)
+
+
+def _gathered(salience: functools.partial, layout: torch.Tensor) -> torch.Tensor:
+    scores = salience()
+    layout = layout.to(scores.device)
+    return scores.gather(-1, layout.clamp(min=0)).masked_fill(layout < 0, -torch.inf)

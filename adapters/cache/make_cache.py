@@ -1,0 +1,325 @@
+"""``make_cache``: the entry point that turns a model and a spec into a ``KVCache``."""
+
+from __future__ import annotations
+
+import numbers
+
+import torch
+
+from kvlib.adapters.cache.transformers_cache import KVCache
+from kvlib.adapters.model_shape import KVShape, kv_shape, model_context, output_projections, rope_of
+from kvlib.adapters.runtime.attention import attach
+from kvlib.adapters.runtime.compressor import Compressor
+from kvlib.codec import Codec, layer_shapes
+from kvlib.devices import check_fits
+from kvlib.errors import quoted
+from kvlib.limits import MAX_BUDGET_TOKENS, MAX_PAGE_SIZE, check_page_size, check_request_tokens
+from kvlib.model_shape import KVShape, kv_shape, model_context, output_projections, rope_of
+from kvlib.spec import Spec, SpecLike, parse_spec
+from kvlib.storage.prefix_store import PrefixStore
+from kvlib.storage.store_config import DEFAULT_PAGES_PER_LAYER, initial_arena_bytes
+from kvlib.strategies.budget.uniform import Uniform
+from kvlib.strategy import Tiering
+
+CACHE_OPTIONS = {
+    "page_size": f"tokens per page (int in [1, {MAX_PAGE_SIZE}], default 16)",
+    "read_cache": "keep a dense read mirror per layer (bool; default: only for an exact cache where attention cannot"
+    " read pages in place, i.e. CUDA for now)",
+    "slack": "extra tokens a head may hold over an int budget while decoding before it is compacted back (int >= 0; default page_size,"
+    " 0 for a strategy kept as a ring; slack=0 holds a scoring strategy's cap to the token, compacting at every step)",
+    "interval": "with an int budget, decode steps compact only every this many steps (int >= 1, default 1)",
+    "merge": "fold each evicted value into the most similar kept token instead of dropping it (bool, default False)",
+}
+"""Keyword options of :func:`make_cache` and what each one takes."""
+
+_NOT_YET_APPLIED = ("reuse",)
+
+
+def make_cache(
+    model: torch.nn.Module,
+    spec: SpecLike | None = None,
+    *,
+    budget: int | float | None = None,
+    reuse: PrefixStore | None = None,
+    prompt: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+    **options: object,
+) -> KVCache:
+    """A ``transformers`` cache for ``model`` backed by kvlib's paged store.
+
+    With no spec the cache is exact: ``generate`` gives what it gives with ``DynamicCache``. With
+    an eviction strategy, ``budget`` is how much each (layer, KV head) keeps on average: a token
+    count (``int >= 1``, held at all times) or a fraction of the prompt (``float`` in (0, 1],
+    applied to the prompt, chunk by chunk under ``generate(..., prefill_chunk_size=N)``). A budget
+    strategy in the spec (``"snapkv+adaptive"``) splits it over layers and heads; without one the
+    eviction strategy's own default applies (``pyramidkv``: pyramid), else uniform.
+
+    A quantization or low-rank strategy in the spec (``"snapkv+kivi(bits=2)"``, ``"svd"``) encodes
+    every sealed page (full pages, after the layer's attention); the open page of each head stays
+    in the compute dtype. With a codec the read mirror is off by default (a dense mirror would
+    hold every token uncompressed): each read decodes the layer's pages. A tiering strategy in the
+    spec (``"lru(device_mb=512)"``) keeps at most that many MiB of pages on the device and the rest
+    in host memory; the read mirror is off by default with it too (it would hold every page on the
+    device).
+
+    An int budget is held while decoding at the cost of a page's bookkeeping a page of steps, not
+    a compaction a step: a strategy that always drops a head's oldest token past its first few
+    (``streaming_llm``) keeps the cap as a ring of slots (each new token takes the oldest one's
+    slot before the step; a head never holds more than its cap), and every other strategy gets
+    ``slack=page_size`` (a head is compacted back to its budget once it holds a page more, so a
+    head holds up to ``page_size`` tokens over it: ``memory_report()["slack_tokens"]``). Pass
+    ``slack=0`` to hold a scoring strategy's cap to the token (a compaction every step).
+
+    Everything is checked before the model runs: the model must be a decoder with attention KV,
+    the spec valid (``ValueError`` lists what is registered), the budget in range (numpy and
+    torch scalars count as ints and floats; at most :data:`~kvlib.limits.MAX_BUDGET_TOKENS`
+    tokens; none without an eviction strategy), the options known and the first page arenas
+    within the memory the model's device has available. The model's attention is routed through
+    kvlib (:func:`kvlib.attach`).
+
+    With ``reuse=kvlib.PrefixStore(model, capacity_bytes=...)`` the cache lives in that store's
+    pages: given ``prompt`` (the ids ``generate`` will get; ``attention_mask`` if padded), it
+    starts holding the longest cached prefix of it, so ``generate`` computes only the rest, and it
+    indexes the prompt's pages for later calls (see :mod:`kvlib.storage.prefix_store`). Reuse needs every
+    prompt token stored as computed: no eviction strategy, and no codec that learns from the
+    prompt (quantization codecs are fine; their pages are keyed by the spec); a prompt longer than
+    the model's context (``max_position_embeddings``) is refused before any lookup.
+
+    Example: ``model.generate(ids, cache=kvlib.make_cache(model, "streaming_llm", budget=64))``
+    (``past_key_values=`` on transformers before 5.24).
+    """
+    shape = kv_shape(model)
+    parsed = parse_spec(spec)
+    unsupported = [kind for kind in _NOT_YET_APPLIED if getattr(parsed, kind)]
+    if unsupported:
+        raise ValueError(
+            f"make_cache applies eviction, budget, quantization, low-rank and tiering strategies; this spec also has"
+            f" {', '.join(unsupported)} ({parsed}). Reuse works through make_cache(reuse=kvlib.PrefixStore(...)) and"
+            " kvlib.blend_cache(model, chunks, kvlib.ChunkStore(...), strategy)"
+        )
+    budget = _check_budget(budget, parsed)
+    codec = _codec(parsed)
+    page_size, read_cache, slack, interval, merge = _options(options)
+    parameter = next(model.parameters(), None)
+    home = (parameter.dtype, parameter.device) if parameter is not None else (torch.float32, torch.device("cpu"))
+    if codec is not None:
+        codec.check_shape(layer_shapes(shape.num_layers, shape.num_kv_heads, shape.head_dim, shape.value_dim, page_size, *home))
+    if (slack or interval != 1) and not isinstance(budget, int):
+        raise ValueError(f"slack and interval apply to an int budget (a token count), not to budget={budget!r}")
+    compressor = eviction_compressor(model, parsed, budget, slack, interval, merge, page_size=page_size)
+    if compressor is None and merge:
+        raise ValueError("merge=True folds evicted tokens into kept ones; it needs an eviction strategy in the spec")
+    if compressor is None:
+        compressor = salience_scorer(model, parsed)
+    _check_first_arenas(shape, page_size, home, coded=codec is not None, tiered=parsed.tiering is not None)
+    _check_reuse(model, parsed, codec, reuse, prompt)
+    if parsed.tiering is not None and codec is not None:
+        _check_tiered_codec(
+            parsed.tiering, codec, layer_shapes(shape.num_layers, shape.num_kv_heads, shape.head_dim, shape.value_dim, page_size, *home)
+        )
+    _check_page_retrieval(parsed, reuse)
+    attach(model, hidden_states=compressor is not None and "hidden_states" in compressor.strategy.needs)
+    cache = KVCache(
+        shape,
+        compressor,
+        page_size=page_size,
+        read_cache=read_cache,
+        codec=codec,
+        reuse=reuse,
+        spec="" if not parsed.strategies() else str(parsed),
+        home=home,
+        tiering=parsed.tiering,
+    )
+    if prompt is not None:
+        cache.prime(prompt, attention_mask)
+    return cache
+
+
+def eviction_compressor(
+    model: torch.nn.Module,
+    spec: Spec,
+    budget: int | float | None,
+    slack: int | None = None,
+    interval: int = 1,
+    merge: bool = False,
+    *,
+    page_size: int = 16,
+) -> Compressor | None:
+    """The compressor applying ``spec``'s eviction (and budget allocation) within ``budget``, or
+    None for a spec without eviction; ``ValueError`` for a budget that does not fit the spec.
+    ``slack`` None: :func:`default_slack` for pages of ``page_size`` tokens."""
+    budget = _check_budget(budget, spec)
+    if spec.eviction is None:
+        return None
+    shape = kv_shape(model)
+    allocation = spec.budget or spec.eviction.default_budget() or Uniform()
+    allocation.check_model(shape.num_layers, shape.num_kv_heads)
+    projections = output_projections(model, shape) if "output_projection" in spec.eviction.needs else None
+    rope = rope_of(model, shape.head_dim)
+    slack = default_slack(spec, budget, page_size) if slack is None else slack
+    return Compressor(spec.eviction, budget, shape.num_layers, allocation, slack, interval, rope, merge, projections)
+
+
+def default_slack(spec: Spec, budget: int | float | None, page_size: int) -> int:
+    """The tokens a head may hold over an int budget before it is compacted back, when none is
+    given: ``page_size`` (a compaction a page of decode steps, not one a step), 0 for a strategy
+    kept as a ring (:meth:`~kvlib.strategy.Eviction.ring_start`: it never holds more than its
+    cap) and for other budgets (prompt compression holds no cap while decoding)."""
+    if not isinstance(budget, int) or spec.eviction is None or spec.eviction.ring_start() is not None:
+        return 0
+    return page_size
+
+
+def salience_scorer(model: torch.nn.Module, spec: Spec) -> Compressor | None:
+    """For a spec without eviction whose codec reads token salience (``mixed``): a compressor
+    that never evicts (no budget) and scores tokens with the codec's own scorer; else None (with
+    an eviction strategy, the eviction compressor's scores decide salience)."""
+    scorer = spec.quantization.salience_scorer() if spec.quantization is not None and spec.eviction is None else None
+    if scorer is None:
+        return None
+    shape = kv_shape(model)
+    return Compressor(scorer, None, shape.num_layers, rope=rope_of(model, shape.head_dim))
+
+
+def _check_reuse(model: torch.nn.Module, spec: Spec, codec: Codec | None, reuse: PrefixStore | None, prompt: object) -> None:
+    if reuse is None:
+        if prompt is not None:
+            raise ValueError("prompt= primes a cache from a PrefixStore; pass reuse=kvlib.PrefixStore(model, ...) too")
+        return
+    if not isinstance(reuse, PrefixStore):
+        raise ValueError(f"reuse must be a kvlib.PrefixStore, got {type(reuse).__name__}")
+    if spec.eviction is not None:
+        raise ValueError(
+            f"prefix reuse needs every prompt token stored; {spec.eviction.spec()} drops tokens. Use reuse with an exact or quantized"
+            " cache, or hold a compressed context whole (kvlib.adapters.compressed_context)"
+        )
+    if codec is not None and spec.lowrank is not None:
+        raise ValueError(f"prefix reuse works with quantization codecs; {spec.lowrank.spec()} fits itself to each prompt")
+    if not reuse.identity.matches(model):
+        raise ValueError("this PrefixStore was built for another model (config or weights differ)")
+    if isinstance(prompt, torch.Tensor) and prompt.dim() >= 1:  # before the prefix store looks anything up
+        check_request_tokens(prompt.shape[-1], 0, model_context(model))
+
+
+def _check_page_retrieval(spec: Spec, reuse: PrefixStore | None) -> None:
+    """``ValueError`` for what a page-retrieval strategy (``quest``) does not combine with yet."""
+    if spec.tiering is None or not spec.tiering.retrieves_pages:
+        return
+    if spec.eviction is not None:
+        raise ValueError(
+            f"{spec.tiering.spec()} attends over pages chosen per step and evicts nothing; it does not combine with"
+            f" eviction ({spec.eviction.spec()}) yet: keep one of them"
+        )
+    if reuse is not None:
+        raise ValueError(f"{spec.tiering.spec()} does not combine with prefix reuse (reuse=PrefixStore) yet")
+
+
+def _check_tiered_codec(tiering: Tiering, codec: Codec, shapes: list) -> None:
+    """``ValueError`` for a codec whose pages cannot move between tiers: a cross-layer codec's
+    deeper layers decode with their partner layer's fields, read in place by page id."""
+    partnered = [
+        layer for layer, layer_codec in enumerate(codec.layer_codecs(shapes)) if getattr(layer_codec, "partner_layer", None) is not None
+    ]
+    if partnered:
+        raise ValueError(
+            f"{tiering.spec()} moves sealed pages between tiers; {codec.spec()} is a cross-layer codec (layers {partnered} decode"
+            " with an earlier layer's pages, read in place by page id) and does not combine with tiering or quest: use a"
+            " quantization codec (kivi, int8, kv_bits, fp8, rotated, gear) or a per-layer low-rank one"
+        )
+
+
+def _codec(spec: Spec) -> Codec | None:
+    """The spec's codec strategy (quantization or low-rank), or None; ``ValueError`` for both."""
+    if spec.quantization is not None and spec.lowrank is not None:
+        raise ValueError(
+            f"one codec per cache: {spec.quantization.spec()} and {spec.lowrank.spec()} both encode sealed pages; keep one of them"
+        )
+    return spec.quantization or spec.lowrank
+
+
+def _check_budget(budget: object, spec: Spec) -> int | float | None:
+    """``budget`` as a Python int (tokens) or float (fraction of the prompt) fit for ``spec``, or
+    None when the spec evicts nothing; ``ValueError`` naming the problem otherwise (a budget with
+    no eviction strategy, none with one, a bad type, out of range)."""
+    if spec.eviction is None and spec.budget is not None:
+        raise ValueError(f"budget strategy {spec.budget.spec()} splits an eviction budget; add an eviction strategy")
+    budget = _plain_number(budget)
+    if spec.eviction is None:
+        if budget is not None:
+            raise ValueError(f"budget={quoted(budget)} needs an eviction strategy in the spec (e.g. 'streaming_llm')")
+        return None
+    name = spec.eviction.spec()
+    if budget is None:
+        raise ValueError(
+            f"{name} needs a budget: a token count per layer and head (int >= 1) or a fraction of the prompt (float in (0, 1])"
+        )
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)):
+        raise ValueError(
+            f"budget must be an int >= 1 or a float in (0, 1] (or a numpy or torch scalar of one), got {quoted(budget)}"
+            f" ({type(budget).__name__})"
+        )
+    if isinstance(budget, int) and budget < 1:
+        raise ValueError(f"budget as a token count must be >= 1, got {budget}")
+    if isinstance(budget, int) and budget > MAX_BUDGET_TOKENS:
+        raise ValueError(
+            f"budget as a token count must be at most {MAX_BUDGET_TOKENS} (2**32: more than any context, a larger"
+            f" budget evicts nothing), got {budget}"
+        )
+    if isinstance(budget, float) and not 0.0 < budget <= 1.0:
+        raise ValueError(f"budget as a fraction of the prompt must be in (0, 1], got {budget}")
+    return budget
+
+
+def _plain_number(value: object) -> object:
+    """``value`` as a Python int or float when it is a numpy integer or real scalar or a
+    one-element torch tensor of an integer or floating dtype; anything else (bools included)
+    unchanged."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.dtype == torch.bool or value.is_complex():
+            return value
+        value = value.item()
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    return value
+
+
+def _check_first_arenas(shape: KVShape, page_size: int, home: tuple[torch.dtype, torch.device], *, coded: bool, tiered: bool) -> None:
+    """``ValueError`` when the store the cache builds would preallocate more than the model's
+    device has available (its first ``DEFAULT_PAGES_PER_LAYER`` pages a layer), before it is built."""
+    dtype, device = home
+    layers = shape.num_layers
+    nbytes = initial_arena_bytes(
+        [shape.head_dim] * layers,
+        [shape.value_dim] * layers,
+        page_size,
+        dtype,
+        DEFAULT_PAGES_PER_LAYER,
+        coded=coded,
+        tiered=tiered,
+    )
+    check_fits(f"make_cache(page_size={page_size}) for {layers} layers", nbytes, device)
+
+
+def _options(options: dict[str, object]) -> tuple[int, bool | None, int | None, int, bool]:
+    unknown = sorted(set(options) - set(CACHE_OPTIONS))
+    if unknown:
+        valid = "; ".join(f"{name}: {what}" for name, what in CACHE_OPTIONS.items())
+        raise ValueError(f"unknown make_cache options {unknown}; valid options are {valid}")
+    page_size = check_page_size(options.get("page_size", 16))
+    read_cache = options.get("read_cache")
+    if read_cache is not None and not isinstance(read_cache, bool):
+        raise ValueError(f"read_cache must be a bool, got {read_cache!r}")
+    slack = options.get("slack")
+    if slack is not None and (isinstance(slack, bool) or not isinstance(slack, int) or slack < 0):
+        raise ValueError(f"slack must be an int >= 0, got {slack!r}")
+    interval = options.get("interval", 1)
+    if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
+        raise ValueError(f"interval must be an int >= 1, got {interval!r}")
+    merge = options.get("merge", False)
+    if not isinstance(merge, bool):
+        raise ValueError(f"merge must be a bool, got {merge!r}")
+    return page_size, read_cache, slack, interval, merge

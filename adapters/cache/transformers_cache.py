@@ -1,0 +1,454 @@
+"""``KVCache``: a `transformers` ``Cache`` backed by the paged store.
+
+Each batch row is a store sequence. The cache holds what its layers share: the paged store (built
+when the cache is, from the model's dtype and device), the rows and their left padding, the
+compressor, codecs, tiering strategy and prefix session. Each
+:class:`~kvlib.adapters.cache.cache_layer.KVCacheLayer` owns its layer's state and work: ``update``
+appends the layer's new keys and values and publishes a
+:class:`~kvlib.adapters.runtime.layer_step.LayerStep` for the kvlib attention function, which attends
+through the step and then runs the layer's after-attention work (eviction, sealing, ranking,
+prefix indexing).
+
+Lengths: ``get_seq_length`` is the logical length (tokens seen, padding included, as in
+``DynamicCache``) so models place new tokens at their true positions after eviction; masks are
+built over logical positions (``get_mask_sizes``) and translated to the stored slots.
+
+Batch operations (``reorder_cache`` for beam search, ``batch_repeat_interleave``,
+``batch_select_indices``) fork store sequences, which span every layer: rows that share a history
+share its pages by reference, copy-on-write.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from transformers.cache_utils import Cache
+
+from kvlib.adapters.cache.cache_layer import NOT_THROUGH_KVLIB, PAGED_QUERY_TOKENS, KVCacheLayer
+from kvlib.adapters.cache.cache_store import CacheStoreBuilder
+from kvlib.adapters.cache.memory_report import memory_report
+from kvlib.adapters.cache.prefix_session import PrefixSession
+from kvlib.adapters.model_shape import KVShape
+from kvlib.adapters.runtime.compressor import Compressor, PlannedWork
+from kvlib.codec import Codec, PageCodec
+from kvlib.devices import reads_pages_in_place
+from kvlib.model_shape import KVShape
+from kvlib.storage.paged_store import PagedStore
+from kvlib.storage.prefix_store import PrefixStore
+from kvlib.storage.spill_store import SpillStore
+from kvlib.storage.step_plan import StepPlan
+from kvlib.strategy import Tiering
+
+
+class KVCache(Cache):
+    """A drop-in ``transformers`` cache over kvlib's paged store; build it with :func:`kvlib.make_cache`.
+
+    Args:
+        shape: the model's KV layout.
+        compressor: eviction to run after each layer's attention, or None (exact cache).
+        page_size: tokens per page.
+        read_cache: keep a dense mirror of each layer so decode steps copy only new tokens (its
+            bytes are reported as ``read_cache``). None chooses: a mirror only where attention
+            cannot read pages in place (:func:`~kvlib.devices.reads_pages_in_place`: an exact
+            cache on CUDA until its paged kernel is wired), never with an eviction strategy, a
+            codec or tiering. Decode steps attend straight over the pages; under eviction the
+            compaction after them reads each layer's positions only when the strategy scores
+            without keys and values (``Eviction.reads_kv``), else a transient dense copy.
+        codec: the quantization or low-rank strategy that encodes sealed pages, or None. Its
+            per-layer codecs are built with the store (fitted codecs learn from each layer's
+            first call), and full pages are sealed after each layer's attention.
+        reuse: a :class:`~kvlib.PrefixStore` whose paged store this cache lives in (see :meth:`prime`).
+        spec: the spec string that keys this cache's pages in ``reuse`` (``""``: exact).
+        home: the model's ``(dtype, device)`` (:func:`~kvlib.make_cache` passes its parameters'):
+            the store is built there at construction. None (a cache constructed without it):
+            the store is built by the first update (or :meth:`load`) in its tensors' dtype and
+            device, and :meth:`prime` builds it in float32 on the CPU.
+        tiering: a placement strategy (``lru``, ``score_aware``) keeping part of the pages in host
+            memory and, with ``lru``'s ``disk``, in page records there (this cache's run: see
+            :attr:`spill`; a directory that cannot hold a disk tier is a ``ValueError`` here, as
+            spilled pages would have nowhere to go), or ``quest``, whose decode steps attend over
+            the pages their query chooses.
+    """
+
+    def __init__(
+        self,
+        shape: KVShape,
+        compressor: Compressor | None = None,
+        *,
+        page_size: int = 16,
+        read_cache: bool | None = None,
+        codec: Codec | None = None,
+        reuse: PrefixStore | None = None,
+        spec: str = "",
+        home: tuple[torch.dtype, torch.device] | None = None,
+        tiering: Tiering | None = None,
+    ) -> None:
+        super().__init__(layers=[KVCacheLayer(self, i) for i in range(shape.num_layers)])
+        self.shape = shape
+        self.compressor = compressor
+        self.page_size = page_size
+        if read_cache is None:
+            device = home[1] if home is not None else torch.device("cpu")
+            read_cache = not reads_pages_in_place(device) and compressor is None and codec is None and tiering is None
+        self.read_cache = read_cache
+        self.reuse_slots = True
+        """Decode-step evictions move the newest kept token into the evicted one's slot
+        (:meth:`PagedStore.compact`'s slot reuse); False keeps every head's slots in position
+        order at the cost of rewriting its pages from the first hole (what benchmarks compare)."""
+        self.codec = codec
+        self.reuse = reuse
+        self.spec = spec
+        self.home = home
+        self.tiering = tiering
+        self.builder = CacheStoreBuilder(
+            shape, page_size=page_size, read_cache=read_cache, codec=codec, tiering=tiering, reuse=reuse, spec=spec
+        )
+        self.session: PrefixSession | None = None
+        self.recompute: torch.Tensor | None = None
+        """Inside :meth:`recomputing`: the stored positions the forward calls rewrite."""
+        self._rows: list[int] = []
+        self.padding = torch.zeros(0, dtype=torch.int64)
+        """Left padding tokens of each row, int64 ``[batch]`` on the store's device (counted by layer 0's calls)."""
+        self.plan: StepPlan | None = None
+        """The current decode step's plan for every layer (see :meth:`prepare_step`), or None
+        where the step takes the general path layer by layer."""
+        self.plan_known_real = True
+        """Whether :meth:`prepare_step` knew every new token of the planned step is real."""
+        self.plan_work: tuple[PlannedWork, ...] = ()
+        """Per layer, what the compressor does after the planned step's attention (None: no compressor)."""
+        self.plan_idle: tuple[bool, ...] = ()
+        """Per layer, whether nothing at all follows the planned step's attention."""
+        self.step_real_new: torch.Tensor | None = None
+        """The planned step's real new tokens, where not all are (found by layer 0's attention when
+        :attr:`plan_known_real` is False; None: all real)."""
+        self.prepared = False
+        """Whether :meth:`prepare_step` ran for the coming call (layer 0's update clears it)."""
+        self.store: PagedStore | None = self.builder.new_store(*home) if home is not None else None
+
+    @property
+    def rows(self) -> list[int]:
+        """The store sequence of each batch row (the list a prefix session shares)."""
+        return self._rows
+
+    @property
+    def codecs(self) -> list[PageCodec | None] | None:
+        """The store's per-layer codecs (None without a codec, or before the store exists)."""
+        return self.builder.codecs
+
+    @property
+    def spill(self) -> SpillStore | None:
+        """This cache's spilled pages on disk (see :class:`CacheStoreBuilder`)."""
+        return self.builder.spill
+
+    # -- what generate and the model call -----------------------------------------------------
+
+    def start_call(self, layer_idx: int, key_states: torch.Tensor) -> None:
+        """What a layer call that was not planned checks and starts first (:meth:`KVCacheLayer.update`
+        calls it; ``transformers``' ``Cache.update`` hands each layer call straight to its layer):
+        the previous layer's attention ran through kvlib where its eviction or codec must run, the
+        batch fits, the store exists (in ``key_states``' dtype and device for a cache made without
+        them) and the batch's rows are started (from a prefix session where the cache reuses one)."""
+        previous = self.layers[layer_idx - 1]
+        if previous.pending is not None and (self.compressor is not None or self.codec is not None):
+            raise RuntimeError(NOT_THROUGH_KVLIB.format(layer=previous.layer_idx))
+        batch = key_states.shape[0]
+        self.check_batch(batch)
+        if self.store is None:
+            self.store = self.builder.new_store(key_states.dtype, key_states.device)
+        if not self._rows:
+            if self.reuse is not None:  # rows in the PrefixStore's store: a session gives them back
+                namespace = self.builder.namespace(key_states.dtype, key_states.device)
+                self.session = PrefixSession.start(self, self.reuse, namespace, self.store, self._rows, None, batch)
+            else:
+                self._rows.extend(self.store.new_sequence() for _ in range(batch))
+            self.padding = torch.zeros(batch, dtype=torch.int64, device=self.store.device)
+
+    def prepare_step(self, tokens: int, attention_mask: torch.Tensor | None = None, *, mask_known: bool = True) -> None:
+        """Plan the coming model call of ``tokens`` new tokens per row for every layer, where it is
+        a decode step the paged store can plan (see :mod:`kvlib.storage.step_plan`), and work out which
+        layers have anything to do after their attention. The forward pre-hook that
+        :func:`kvlib.attach` adds calls it with the call's ``attention_mask`` (2-D, or None: no
+        padding), so that the forward itself keeps no books (``model.forward`` compiled with
+        ``torch.compile(fullgraph=True)`` traces a planned step whole); layer 0's update calls it
+        when nothing did (``mask_known`` False: whether the new tokens are real is then read from
+        the mask attention gets). Each layer's update then takes :attr:`plan` if it is one of
+        its call's tokens.
+
+        No plan (the step goes layer by layer): more than
+        :data:`~kvlib.adapters.cache.cache_layer.PAGED_QUERY_TOKENS` new tokens, a layer holding nothing
+        yet, padding among the new tokens, a read mirror, a device whose attention cannot read
+        pages in place, tiering, a selective recompute, a held cap compacted at every step (no
+        slack, not a ring), or a store with no plan for these rows."""
+        self.plan, self.plan_idle, self.plan_work, self.step_real_new = None, (), (), None
+        self.prepared = True
+        first = self.layers[0].seen
+        if (
+            tokens > PAGED_QUERY_TOKENS
+            or first == 0
+            or self.read_cache
+            or self.tiering is not None
+            or self.recompute is not None
+            or not self._rows
+            or not reads_pages_in_place(self.store.device)
+            or any(layer.seen != first for layer in self.layers)
+        ):
+            return
+        if attention_mask is not None and (attention_mask.dim() != 2 or not bool(attention_mask[:, -tokens:].all())):
+            if attention_mask.dim() == 2:
+                return  # padding among the new tokens: the general path drops it
+            mask_known = False
+        ring = None
+        if self.compressor is not None:
+            ring = self.compressor.ring(len(self._rows), self.shape.num_kv_heads) if self.reuse_slots else None
+            if ring is None and self.compressor.compacts_each_step(tokens):
+                return
+        plan = self.store.plan_step(self._rows, tokens, ring)
+        if plan is None:
+            return
+        self.plan, self.plan_known_real = plan, mask_known
+        self.plan_work = tuple(self._work_after(layer, tokens, mask_known) for layer in range(self.shape.num_layers))
+        self.plan_idle = tuple(work is PlannedWork.NONE and not self._keeps_books_after(layer) for layer, work in enumerate(self.plan_work))
+
+    def _work_after(self, layer: int, tokens: int, mask_known: bool) -> PlannedWork:
+        """What the compressor does after this planned step's attention in ``layer``."""
+        compressor = self.compressor
+        if compressor is None:
+            return PlannedWork.NONE
+        codec = self.codecs[layer] if self.codecs is not None else None
+        if not mask_known or (codec is not None and codec.uses_salience):
+            return PlannedWork.GENERAL
+        return compressor.planned_work(layer, tokens, self.store.tables[layer].lengths_np[self.plan.rows_np])
+
+    def _keeps_books_after(self, layer: int) -> bool:
+        """Whether ``layer`` has pages to seal after this planned step, slides past its window, or
+        is the last layer of a cache whose prompt pages a prefix session indexes."""
+        if self.session is not None and layer == self.shape.num_layers - 1:
+            return True
+        if self.layers[layer].slides(self.plan.tokens):
+            return True
+        if self.codecs is None or self.codecs[layer] is None:
+            return False
+        table, rows = self.store.tables[layer], self.plan.rows_np
+        return bool((table.lengths_np[rows] // table.page_size > table.sealed_np[rows]).any())
+
+    def load(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+        """Fill this empty cache with precomputed keys (after RoPE) and values of every layer,
+        ``[batch, kv_heads, tokens, dim]`` each, as tokens at positions ``0 .. tokens - 1``."""
+        if self._rows or any(layer.seen for layer in self.layers):
+            raise ValueError("load needs an empty cache: call reset() first")
+        if len(keys) != self.shape.num_layers or len(values) != self.shape.num_layers:
+            raise ValueError(f"load takes keys and values for each of the {self.shape.num_layers} layers")
+        if self.store is None:
+            self.store = self.builder.new_store(keys[0].dtype, keys[0].device)
+        self._rows.extend(self.store.new_sequence() for _ in range(keys[0].shape[0]))
+        for layer, k, v in zip(self.layers, keys, values):
+            layer.load(k, v)
+        self.padding = torch.zeros(keys[0].shape[0], dtype=torch.int64, device=self.store.device)
+
+    @contextlib.contextmanager
+    def recomputing(self, positions: torch.Tensor) -> Iterator[None]:
+        """Forward calls inside recompute stored tokens at ``positions`` (int ``[tokens]``, ascending,
+        the order of the call's inputs): each layer overwrites their keys and values with the new
+        ones, and their queries attend causally by these positions (CacheBlend's selective
+        recompute). Pass ``position_ids=positions[None]`` to the model."""
+        if not self._rows:
+            raise ValueError("recomputing needs a cache holding the tokens (load() or a prefill first)")
+        self.recompute = torch.as_tensor(positions, dtype=torch.int64).cpu()
+        try:
+            yield
+        finally:
+            self.recompute = None
+
+    def check_batch(self, batch: int) -> None:
+        """``ValueError`` unless a batch of ``batch`` rows may use this cache (it is empty, or holds that many)."""
+        if self._rows and batch != len(self._rows):
+            raise ValueError(
+                f"this cache holds a batch of {len(self._rows)} sequences but got a batch of {batch}; call cache.reset()"
+                " before reusing it for another batch"
+            )
+
+    def prime(self, prompt: torch.Tensor, attention_mask: torch.Tensor | None = None) -> int:
+        """Start this (empty) cache from the longest prefix of ``prompt`` (int ``[batch, tokens]``)
+        cached in its :class:`~kvlib.PrefixStore`, and index the prompt's full pages once computed.
+
+        Returns the tokens reused: whole pages common to every row, never the prompt's last token.
+        ``generate(prompt, cache=cache)`` then runs the model on the rest only. Prime
+        with the rows ``generate`` runs (beam search: each prompt ``num_beams`` times). A
+        left-padded ``attention_mask`` (any zero) disables reuse: padded pages depend on the mask.
+        """
+        if self.reuse is None:
+            raise ValueError("prime needs a cache made with reuse=PrefixStore(...)")
+        if self._rows or any(layer.seen for layer in self.layers):
+            raise ValueError("prime needs an empty cache: call reset() first")
+        if not isinstance(prompt, torch.Tensor) or prompt.dim() != 2 or prompt.dtype.is_floating_point or prompt.shape[1] < 1:
+            raise ValueError("prompt must be an integer tensor [batch, tokens] with at least one token")
+        if attention_mask is not None and not bool(attention_mask.all()):
+            return 0
+        dtype, device = self.home or (torch.float32, torch.device("cpu"))
+        self.store = self.builder.shared_store(dtype, device)
+        namespace = self.builder.namespace(dtype, device)
+        self.session = PrefixSession.start(self, self.reuse, namespace, self.store, self._rows, prompt.cpu(), prompt.shape[0])
+        reused = self.session.reused_tokens
+        for layer in self.layers:
+            layer.reset(seen=reused)
+        self.padding = torch.zeros(prompt.shape[0], dtype=torch.int64, device=self.store.device)
+        return reused
+
+    def index_tokens(self, tokens: torch.Tensor) -> None:
+        """Index, in the cache's PrefixStore, the full pages of ``tokens`` (int ``[batch, n]``: the
+        prompt the cache was primed with, then what it generated, as ``generate`` returns them), so
+        that the next turn of a conversation reuses the answer too. Only tokens the cache holds
+        count (the last generated token has no KV yet)."""
+        if self.session is None or not self.session.blocks or self.reuse is None:
+            raise ValueError("index_tokens needs a cache primed from a PrefixStore (make_cache(reuse=..., prompt=...))")
+        if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2:
+            raise ValueError("tokens must be an integer tensor [batch, tokens]")
+        self.session.extend(tokens.cpu(), min(layer.seen for layer in self.layers))
+
+    def record_hidden_states(self, layer_idx: int, hidden_states: torch.Tensor) -> None:
+        """Keep a layer's attention input for a strategy that needs ``hidden_states``."""
+        self.layers[layer_idx].record_hidden_states(hidden_states)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Tokens seen (logical length, padding included) by ``layer_idx``."""
+        return self.layers[layer_idx].get_seq_length()
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        """Masks span every logical position (kv length = seen + new, offset 0)."""
+        return self.layers[layer_idx].get_mask_sizes(query_length)
+
+    @property
+    def batch_size(self) -> int:
+        """Rows held, or -1 before the first update."""
+        return len(self._rows) or -1
+
+    # -- batch operations -----------------------------------------------------------------------
+
+    def reset(self) -> None:
+        """Forget every stored token (pages go back to the pool); the next update starts a new batch."""
+        if self.session is not None:  # the store is the PrefixStore's: give back what this cache held
+            self.session.close()
+            self.session = None
+        elif self.codecs is not None:  # fitted codecs belong to the old prompt: start a new store
+            if self._rows:  # a fork's store is shared: give its pages back
+                self.store.release(self._rows)
+            self.builder.codecs = None
+            self.store = self.builder.new_store(*self.home) if self.home is not None else None
+        elif self._rows:
+            self.store.release(self._rows)
+            self.store.peak_page_bytes = self.store.memory_bytes()["pages"]
+        self._rows.clear()
+        self.padding = torch.zeros(0, dtype=torch.int64)
+        self.plan = None
+        for layer in self.layers:
+            layer.reset()
+        if self.compressor is not None:
+            self.compressor.reset()
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Row ``i`` becomes a copy of old row ``beam_idx[i]`` (beam search)."""
+        self._select_rows(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Each row repeated ``repeats`` times in place (``[a, b] -> [a, a, b, b]``)."""
+        if not isinstance(repeats, int) or repeats < 1:
+            raise ValueError(f"repeats must be a positive int, got {repeats!r}")
+        self._select_rows(torch.arange(max(len(self._rows), 0)).repeat_interleave(repeats))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep the rows at ``indices`` (in that order; repeats allowed)."""
+        self._select_rows(indices)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last ``-tokens_to_remove`` tokens seen (``tokens_to_remove <= 0``, as in ``DynamicCache``).
+
+        Rolling back is exact for the tokens themselves; tokens an eviction already dropped to
+        make room for them stay dropped (``is_croppable`` is False when the spec evicts).
+        """
+        if not isinstance(tokens_to_remove, int) or tokens_to_remove > 0:
+            raise ValueError(f"crop takes a negative int, the number of tokens to remove (0 does nothing); got {tokens_to_remove!r}")
+        if tokens_to_remove == 0 or not self._rows:
+            return
+        for layer in self.layers:
+            layer.crop(tokens_to_remove)
+
+    def fork(self) -> KVCache:
+        """A new cache holding what this one holds, by reference: each row's pages shared
+        (copy-on-write: tokens either cache adds later go to pages of its own), each layer's
+        length and slot order, the rows' padding. For several continuations of one computed
+        prefix, at once or one after another, without computing it again (a compressed context
+        and its questions: :func:`kvlib.adapters.compressed_context`).
+
+        The fork evicts nothing: it keeps every token added to it. Refused (``ValueError``): a
+        cache that still evicts (its strategy's per-row state is its own; fork once eviction is
+        over, as :func:`~kvlib.strategies.eviction.kvzip.compress` leaves a cache), one primed from
+        a PrefixStore (its session owns its rows), one with a tiering strategy (its spilled pages
+        are its own), and one that holds nothing yet.
+        """
+        if self.compressor is not None:
+            raise ValueError(f"fork needs a cache that no longer evicts; this one runs {self.compressor.strategy.spec()}")
+        if self.session is not None:
+            raise ValueError("fork is for caches outside a PrefixStore; this one was primed from one (make_cache(reuse=...))")
+        if self.tiering is not None:
+            raise ValueError(f"fork is for caches without tiering; this one spills pages with {self.tiering.spec()}")
+        if not self._rows:
+            raise ValueError("the cache holds no tokens yet: run the model with it first")
+        copy = KVCache(self.shape, page_size=self.page_size, read_cache=self.read_cache, codec=self.codec, spec=self.spec)
+        copy.home = self.home
+        copy.builder.codecs = self.builder.codecs  # fitted codecs of the shared pages
+        copy.store = self.store
+        copy.reuse_slots = self.reuse_slots
+        copy._rows.extend(self.store.fork(row) for row in self._rows)
+        copy.padding = self.padding.clone()
+        for mine, theirs in zip(copy.layers, self.layers):
+            mine.seen, mine.identity = theirs.seen, theirs.identity
+        return copy
+
+    def _select_rows(self, index: torch.Tensor) -> None:
+        """Row ``i`` becomes a fork of old row ``index[i]`` in every layer (store sequences span
+        layers); the padding and the compressor's per-row state follow."""
+        if not self._rows:
+            return
+        index = torch.as_tensor(index).to("cpu", torch.int64).flatten()
+        if bool(((index < 0) | (index >= len(self._rows))).any()):
+            raise ValueError(f"row indices must be in [0, {len(self._rows)}), got {index.tolist()}")
+        if index.tolist() == list(range(len(self._rows))):
+            return
+        old = list(self._rows)
+        self._rows[:] = [self.store.fork(old[i]) for i in index.tolist()]  # in place: a prefix session shares the list
+        self.store.release(old)
+        self.padding = self.padding[index.to(self.padding.device)]
+        if self.compressor is not None:
+            self.compressor.select_rows(index)
+
+    # -- inspection -----------------------------------------------------------------------------
+
+    def kept_positions(self, layer_idx: int) -> torch.Tensor:
+        """Original positions of the tokens ``layer_idx`` stores (see :meth:`KVCacheLayer.kept_positions`)."""
+        if not isinstance(layer_idx, int) or not 0 <= layer_idx < self.shape.num_layers:
+            raise ValueError(f"layer_idx must be an int in [0, {self.shape.num_layers}), got {layer_idx!r}")
+        if not self._rows:
+            raise ValueError("the cache holds no tokens yet: run the model with it first")
+        return self.layers[layer_idx].kept_positions()
+
+    def memory_report(self) -> dict:
+        """Bytes this cache holds, and what a full cache in the compute dtype would hold (see
+        :func:`~kvlib.adapters.cache.memory_report.memory_report` for the keys), and ``slack_tokens``:
+        the stored tokens over the held cap (an int budget) that its ``slack`` holds now, summed
+        over layers, rows and KV heads (0 for a ring, which never holds more than the cap)."""
+        report = memory_report(self.store, self._rows, self.shape)
+        report["slack_tokens"] = 0
+        if self.compressor is not None and self._rows:
+            report["slack_tokens"] = sum(
+                self.compressor.over_cap(layer, self.store.physical_lengths(layer, self._rows).numpy())
+                for layer in range(self.shape.num_layers)
+            )
+        return report
+
+    def __repr__(self) -> str:
+        spec = "exact" if self.compressor is None else f"{self.compressor.strategy.spec()}, budget={self.compressor.budget}"
+        if self.codec is not None:
+            spec += f", codec={self.codec.spec()}"
+        return f"KVCache({spec}, layers={self.shape.num_layers}, batch={len(self._rows)})"

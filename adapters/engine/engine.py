@@ -1,0 +1,534 @@
+"""``kvlib.Engine``: continuous batching of many requests over one paged store.
+
+The Engine wires three parts, each with one job, and data flows one way through a step:
+
+- the :class:`~kvlib.adapters.engine.scheduler.Scheduler` owns the request queues; its ``plan`` decides
+  what the step runs (decodes first, then prefill chunks, then admissions, within
+  ``max_batch_tokens`` and the free pages) and changes nothing; its ``apply`` carries the plan out;
+- the :class:`~kvlib.adapters.engine.kv_manager.KVManager` owns the paged store, the page budget, the
+  prefix index and swap space: it forecasts pages for the plan, then preempts, reclaims, admits
+  and swaps in as the applied plan says, indexes full blocks and releases finished requests;
+- the :class:`~kvlib.adapters.engine.model_runner.ModelRunner` runs the plan's chunks in one forward pass
+  of the model as a packed ragged batch (:mod:`kvlib.adapters.engine.packed_batch`: no padding,
+  positions per token, each sequence attending over its own block table), evicts per request
+  and chooses each finished request's next token.
+
+Memory: with ``page_budget_bytes`` the store's pools are fixed (keys and values of that many
+bytes over all layers). Admission keeps pages in reserve for decode tokens; when pages still
+run out, the most recently admitted requests are preempted: swapped to host memory
+(``preemption="swap"``) or dropped and recomputed later (``"recompute"``). Full pages of
+prompts and outputs go into a prefix index (:class:`~kvlib.PrefixStore`), so requests sharing
+a prefix (system prompts, documents, earlier chat turns) attach its pages instead of
+recomputing them; unused cached pages are reclaimed before anyone is preempted.
+
+Invariants (``tests/adapters/test_engine*.py``): with no eviction, each request's greedy
+output equals ``model.generate`` on its prompt alone, whatever the batch mix, chunking, page
+budget and preemption; every page is released when requests finish or abort (only the prefix
+index holds pages then); the pools never exceed the budget; a running request holds only the
+prefix index entries its own sequence reads (never a second copy of a block it computed again),
+so with a budget that fits every request alone, every step either runs tokens or frees pages
+(or swaps a request back in to run next), and the engine finishes (``tests/adapters/engine/test_engine_schedules.py``).
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+import time
+import warnings
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvlib.adapters.cache.make_cache import eviction_compressor
+from kvlib.adapters.engine.engine_request import Request, RequestState
+from kvlib.adapters.engine.handover import HandOver, MessageLimits
+from kvlib.adapters.engine.kv_manager import KVManager, page_budget
+from kvlib.adapters.engine.model_runner import ModelRunner
+from kvlib.adapters.engine.request_checks import REQUEST_OPTIONS, checked_request
+from kvlib.adapters.engine.scheduler import Scheduler, StepPlan
+from kvlib.adapters.model_shape import kv_shape, model_context
+from kvlib.adapters.runtime.attention import attach
+from kvlib.codec import Codec
+from kvlib.errors import quoted
+from kvlib.limits import MAX_REQUEST_TOKENS, check_page_size
+from kvlib.model_shape import kv_shape, model_context
+from kvlib.spec import Spec, parse_spec
+from kvlib.storage.open_tiers import remote_tier
+
+if TYPE_CHECKING:
+    from kvlib.storage.paged_store import PagedStore
+    from kvlib.storage.prefix_store import PrefixStore
+    from kvlib.storage.remote_tier import RemoteTier
+
+PREEMPTION_MODES = ("recompute", "swap")
+MAX_MESSAGES_PER_RECEIVE = 1024
+"""Messages :meth:`Engine.receive` pops at most per call, so a queue fed faster than it is read
+never keeps a decode worker from stepping."""
+ROLES = ("both", "prefill", "decode")
+
+
+class Engine:
+    """Serve many prompts at once on ``model`` (a `transformers` causal LM).
+
+    Args:
+        model: the model; its attention is routed through kvlib (:func:`kvlib.attach`).
+        spec: default eviction spec for requests that name none (None: keep every token);
+            with ``budget`` (tokens per head, or a fraction of the prompt), as in ``make_cache``.
+            A quantization codec in it (``"kivi(bits=4)"``, ``"snapkv+int8"``) applies to every
+            request: full pages are sealed after each layer's attention and stored encoded.
+        max_batch_tokens: tokens per forward pass (decodes first, prefill chunks fill the rest).
+        page_budget_bytes: bytes of keys and values the store may hold over all layers between
+            steps (None: the pools grow as needed and nothing is ever preempted). With a codec,
+            sealed pages count at their encoded size and each head's open last page at its raw
+            size (rounded up to whole encoded pages); a step's prefill chunk is raw on top until
+            its layer seals it. The pools take it up front, so with their positions (int64 per
+            page slot, not in the budget) it must fit in the memory the model's device has available.
+        page_size: tokens per page (at most :data:`~kvlib.limits.MAX_PAGE_SIZE`).
+        preemption: ``"recompute"`` or ``"swap"`` (to host memory), when pages run out.
+        prefix_cache: index full pages for reuse across requests.
+        prefix_cache_bytes: bytes of cached pages kept once no request uses them (default:
+            the page budget, or 1 GiB); at most the page budget (the cached pages live in it),
+            or without one, the memory the model's device has available.
+        max_running: requests running at once at most.
+        reserve_pages: pages per layer held back per running request at admission.
+        fairness_steps: steps a waiting request may be passed over by prefix-aware ordering.
+        read_cache: keep a dense mirror of the decoding batch (its bytes reported as
+            ``read_cache``); off by default: the decode group attends straight over its pages
+            (:mod:`~kvlib.adapters.engine.packed_batch`), and only prefill chunks take a transient dense
+            workspace (``memory_report()["peak_workspace_bytes"]``).
+        remote: a :class:`~kvlib.storage.remote_tier.RemoteTier` or a ``redis://host:port/db``
+            URL: full prefix pages also go to that server, and lookups continue there after
+            memory (with ``prefix_cache``); engines of several processes on one server share
+            prefixes. Faults of the server are counted misses (``stats()["remote"]``).
+        remote_key: the secret tagging remote records and hand-over messages (None:
+            ``$KVLIB_REMOTE_KEY``); a URL without either is refused unless ``remote_trust``.
+        remote_trust: ``"key"`` (default) or ``"any-writer"``: no key, records and messages
+            unauthenticated, which anyone who can write to the server can forge (a private server only).
+        role: ``"both"`` (prefill and decode here), ``"prefill"`` (run each prompt but its last
+            token, publish its pages to the remote tier and hand the request over through
+            ``handover_queue``) or ``"decode"`` (take requests over with :meth:`receive`); the
+            two split roles need ``remote``. Protocol: :mod:`~kvlib.adapters.engine.handover`. A server
+            whose ``maxmemory-policy`` evicts any key (``allkeys-*``) can evict queued messages:
+            a split role warns about it (run it with ``volatile-lru``).
+        handover_queue: the name of the server list prefill engines push to and decode engines pop.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        spec: str | None = None,
+        *,
+        budget: int | float | None = None,
+        max_batch_tokens: int = 256,
+        page_budget_bytes: int | None = None,
+        page_size: int = 16,
+        preemption: str = "recompute",
+        prefix_cache: bool = True,
+        prefix_cache_bytes: int | None = None,
+        max_running: int = 64,
+        reserve_pages: int = 1,
+        fairness_steps: int = 64,
+        read_cache: bool = False,
+        remote: RemoteTier | str | None = None,
+        remote_key: str | bytes | None = None,
+        remote_trust: str = "key",
+        role: str = "both",
+        handover_queue: str = "default",
+    ) -> None:
+        if preemption not in PREEMPTION_MODES:
+            raise ValueError(f"preemption must be one of {PREEMPTION_MODES}, got {quoted(preemption)}")
+        check_page_size(page_size)
+        _check_bytes("page_budget_bytes", page_budget_bytes, minimum=1)
+        _check_bytes("prefix_cache_bytes", prefix_cache_bytes, minimum=0)
+        _check_model(model)
+        if remote is not None and not prefix_cache:
+            raise ValueError("remote needs prefix_cache=True: the remote tier holds the prefix cache's pages")
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {quoted(role)}")
+        if role != "both" and remote is None:
+            raise ValueError(f"role={quoted(role)} hands requests over through a server: give remote=")
+        if not isinstance(handover_queue, str) or not handover_queue:
+            raise ValueError(f"handover_queue must be a non-empty str, got {handover_queue!r}")
+        remote = remote_tier(remote, remote_key, remote_trust)  # a missing key fails before the model is touched
+        self.role, self.handover_queue = role, handover_queue
+        self.page_size = page_size
+        self._handovers: dict[int, HandOver] = {}
+        """Prefill role: the message of each request being prefilled, by request id."""
+        self._sender = secrets.token_hex(16)
+        """Prefill role: the token naming this engine in its messages (request ids repeat across engines)."""
+        self._taken: set[tuple[str, int]] = set()
+        """Decode role: the ``(sender, id)`` of every message taken, so a replay or a duplicate is refused."""
+        self.handover_s: dict[int, float] = {}
+        """Decode role: seconds from a hand-over's start (prefill side) to its request queued here with its pages, by request id."""
+        self.scheduler = Scheduler(max_batch_tokens, max_running, reserve_pages, fairness_steps)
+        self.model = model
+        self.shape = kv_shape(model)
+        self.vocab = model.config.get_text_config().vocab_size
+        self.context = model_context(model)
+        """Most tokens (prompt plus new) of a request: the model's declared context (None: none declared)."""
+        parsed = parse_spec(spec)
+        self.codec = _engine_codec(parsed)
+        self.default_spec = (_without_codec(parsed), budget)
+        self._compressor(*self.default_spec)  # a bad default spec fails now
+        parameter = next(model.parameters())
+        self.dtype, self.device = parameter.dtype, parameter.device
+        sizes = page_budget(
+            self.shape,
+            codec=self.codec,
+            page_size=page_size,
+            dtype=self.dtype,
+            device=self.device,
+            page_budget_bytes=page_budget_bytes,
+            prefix_cache_bytes=prefix_cache_bytes,
+        )
+        attach(model)  # everything is checked: the model's attention goes through kvlib from now on
+        self.kv = KVManager(
+            model,
+            self.shape,
+            sizes,
+            codec=self.codec,
+            page_size=page_size,
+            dtype=self.dtype,
+            device=self.device,
+            read_cache=read_cache,
+            prefix_cache=prefix_cache,
+            preemption=preemption,
+            remote=remote,
+        )
+        if role != "both":
+            _warn_if_queues_evict(self.prefix.remote)
+        self.runner = ModelRunner(model, self.kv.store, codec=self.codec, device=self.device)
+        self.requests: dict[int, Request] = {}
+        self._next_id = 0
+        self._counters = {"steps": 0, "forward_tokens": 0, "output_tokens": 0, "prompt_tokens": 0, "cached_tokens": 0, "preemptions": 0}
+        self._counters |= {"handed_over": 0, "lost_handovers": 0, "bad_handovers": 0}
+        self._started: float | None = None
+
+    @property
+    def store(self) -> PagedStore:
+        """The paged store every request's keys and values live in (the KV manager's)."""
+        return self.kv.store
+
+    @property
+    def prefix(self) -> PrefixStore | None:
+        """The prefix cache (the KV manager's), or None with ``prefix_cache=False``."""
+        return self.kv.prefix
+
+    # -- public API ----------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        prompt: Sequence[int] | torch.Tensor,
+        *,
+        max_new_tokens: int = 32,
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        eos_token_id: int | Sequence[int] | None = None,
+        spec: str | None = None,
+        budget: int | float | None = None,
+        seed: int | None = None,
+        slack: int | None = None,
+    ) -> int:
+        """Queue a prompt (token ids); returns its request id. ``eos_token_id`` ends it early
+        (default: none, it runs ``max_new_tokens``); ``spec``/``budget``: its own eviction
+        (default: the engine's spec and budget; a budget alone is refused); ``slack``: tokens a
+        head may hold over an int budget before it is compacted back (None: as
+        :func:`kvlib.make_cache`, a page of them, or none for a ring; 0 holds the cap to the
+        token); ``seed``: an int in
+        ``[0, 2**63)`` seeding its sampling. Checked here, before any model work: prompt plus
+        ``max_new_tokens`` within the model's context (``max_position_embeddings``; without one,
+        :data:`~kvlib.limits.MAX_REQUEST_TOKENS`) and the page budget."""
+        settings = {"max_new_tokens": max_new_tokens, "do_sample": do_sample, "temperature": temperature, "top_k": top_k}
+        settings |= {"top_p": top_p, "eos_token_id": eos_token_id, "spec": spec, "budget": budget, "seed": seed}
+        return self._enqueue(*self._prepare(prompt, settings, slack))
+
+    def _prepare(self, prompt: Sequence[int] | torch.Tensor, settings: dict, slack: int | None = None) -> tuple[Request, HandOver | None]:
+        """The request ``add_request(prompt, **settings)`` queues (its id not given yet) and, on
+        a prefill engine, its hand-over message; ``ValueError`` for any bad argument. Nothing is
+        queued or run; the prompt's length is checked before its ids are read."""
+        spec, budget, max_new_tokens, seed = settings["spec"], settings["budget"], settings["max_new_tokens"], settings["seed"]
+        if self.role == "prefill" and spec is not None:
+            raise ValueError("a prefill engine computes every prompt token exactly; give eviction specs to the decode engine")
+        if spec is None and budget is not None:
+            raise ValueError(
+                f"budget={quoted(budget)} without spec: a request's budget goes with its own eviction spec"
+                " (spec='snapkv', budget=...); without spec the request uses the engine's spec and budget"
+            )
+        ids, eos = checked_request(prompt, settings, vocab=self.vocab, context=self.context)
+        do_sample, temperature, top_k, top_p = (settings[name] for name in ("do_sample", "temperature", "top_k", "top_p"))
+        self.kv.check_fits(len(ids), max_new_tokens, self.scheduler.reserve_pages)
+        compressor = self._compressor(*((spec, budget) if spec is not None else self.default_spec), slack)
+        handover = None
+        if self.role == "prefill":  # run all but the last token here; the decode side draws every output token
+            handover = HandOver.of(-1, ids, settings, model=self.prefix.fingerprint.hex(), sender=self._sender)
+            ids, max_new_tokens, do_sample, eos, compressor = ids[:-1] or ids, 1, False, frozenset(), None
+        generator = None
+        if do_sample:
+            generator = torch.Generator()
+            generator.manual_seed(seed if seed is not None else torch.seed())
+        request = Request(-1, ids, max_new_tokens, do_sample, temperature, top_k, top_p, eos, compressor, generator)
+        return request, handover
+
+    def _enqueue(self, request: Request, handover: HandOver | None) -> int:
+        """Give a prepared request its id and queue it (a prefill engine's one-token prompt is
+        handed over at once); returns its id."""
+        request.request_id, request.arrival = self._next_id, time.perf_counter()
+        self._next_id += 1
+        self.requests[request.request_id] = request
+        if handover is not None:
+            handover.id = request.request_id
+        if handover is not None and len(handover.tokens) == 1:  # nothing to prefill: handed over at once
+            request.state = RequestState.FINISHED
+            self._push(handover)
+            return request.request_id
+        if handover is not None:
+            self._handovers[request.request_id] = handover
+        self.kv.fetch(request)
+        if self.role == "decode":
+            self.kv.fetch_tail(request)
+        self.scheduler.add(request)
+        if self._started is None:
+            self._started = request.arrival
+        return request.request_id
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    def step(self) -> dict[int, list[int]]:
+        """Run one forward pass; returns the tokens produced, per request id."""
+        plan = self.scheduler.plan(self.kv)
+        self.scheduler.apply(plan, self.kv)
+        self._count(plan)
+        if not plan.chunks:
+            if self.scheduler.stalled:
+                raise RuntimeError("no waiting or swapped request fits in the free pages and none runs: the page budget is too small")
+            return {}
+        produced = self.runner.run(plan.chunks)
+        self._counters["forward_tokens"] += plan.tokens
+        self._counters["output_tokens"] += len(produced)
+        for request, _ in plan.chunks:
+            self.kv.index(request)
+            if request.done:
+                handover = self._handovers.pop(request.request_id, None)
+                if handover is not None:  # prefill role: its token is the decode side's to draw
+                    produced.pop(request.request_id, None)
+                    request.output.clear()
+                    handover.sent_at = time.time()
+                    self.kv.publish_tail(request)
+                    self._push(handover)
+                self._leave(request, RequestState.FINISHED)
+        self._counters["steps"] += 1
+        return produced
+
+    def receive(self, wait_s: float = 0.0) -> dict[int, int]:
+        """Decode role: queue every request handed over so far, waiting up to ``wait_s`` seconds
+        for the first (an empty queue returns after ``wait_s``), each with the pages the prefill
+        side published; returns the local request id of each, by the prefill side's id (ids of
+        several prefill engines on one queue may repeat: the later wins here). Never raises for
+        what it pops: a message that is not sealed with this engine's key, fails a check
+        (:meth:`HandOver.from_bytes <kvlib.adapters.engine.handover.HandOver.from_bytes>`: fields,
+        sizes, this engine's model and context, page budget) or repeats one already taken is
+        skipped and counted in ``stats()["bad_handovers"]``, and every genuine message popped in
+        the call is queued and returned whatever comes after it. At most
+        :data:`MAX_MESSAGES_PER_RECEIVE` messages are popped per call (the rest wait for the next)."""
+        if self.role != "decode":
+            raise ValueError(f"receive() is for an Engine with role='decode'; this one's role is {quoted(self.role)}")
+        if isinstance(wait_s, bool) or not isinstance(wait_s, (int, float)) or not 0 <= wait_s < math.inf:
+            raise ValueError(f"wait_s must be a finite number of seconds >= 0, got {quoted(wait_s)}")
+        remote, received = self.prefix.remote, {}
+        value = remote.pop(self.handover_queue, wait_s)
+        for popped in range(1, MAX_MESSAGES_PER_RECEIVE + 1):
+            if value is None:
+                break
+            taken = self._take_over(value)
+            if taken is not None:
+                received[taken[0]] = taken[1]
+            value = remote.pop(self.handover_queue, 0.0) if popped < MAX_MESSAGES_PER_RECEIVE else None
+        return received
+
+    def _take_over(self, value: bytes) -> tuple[int, int] | None:
+        """Queue the request in ``value`` (popped from the hand-over queue); returns ``(prefill
+        side's id, local id)``, or None for a message refused (counted in ``bad_handovers``)."""
+        limits = self._message_limits()
+        try:
+            message = self.prefix.remote.open_message(self.handover_queue, value, limits.max_bytes)
+            if message is None:
+                raise ValueError("longer than any hand-over message, or not sealed with this engine's remote key")
+            handover = HandOver.from_bytes(message, limits)
+            origin = (handover.sender, handover.id)
+            if origin in self._taken:
+                raise ValueError(f"hand-over {origin} was taken already (a replay or a duplicate id)")
+            local = self._enqueue(*self._prepare(handover.tokens, handover.settings() | {"spec": None, "budget": None}))
+        except ValueError:
+            self._counters["bad_handovers"] += 1
+            return None
+        self._taken.add(origin)
+        self.handover_s[local] = time.time() - handover.sent_at
+        return handover.id, local
+
+    def _message_limits(self) -> MessageLimits:
+        """What this engine accepts in a hand-over message: its model, vocabulary and context."""
+        return MessageLimits(self.prefix.fingerprint.hex(), self.vocab, self.context or MAX_REQUEST_TOKENS)
+
+    def _push(self, handover: HandOver) -> None:
+        """Prefill role: send ``handover`` to the decode side; a push the server did not take
+        (down, full, out of memory) is counted in ``lost_handovers``, never in ``handed_over``."""
+        if self.prefix.remote.push(self.handover_queue, handover.to_bytes()):
+            self._counters["handed_over"] += 1
+        else:
+            self._counters["lost_handovers"] += 1
+
+    def generate(self, prompts: Sequence[Sequence[int] | torch.Tensor], max_new_tokens: int = 32, **options) -> list[list[int]]:
+        """Serve ``prompts`` to completion; returns each one's new tokens, in order. Every prompt
+        is checked (as :meth:`add_request` does) before any is queued."""
+        unknown = sorted(set(options) - set(REQUEST_OPTIONS))
+        if unknown:
+            raise ValueError(f"unknown options {unknown}; generate takes {sorted(REQUEST_OPTIONS)}")
+        settings = {**REQUEST_OPTIONS, "max_new_tokens": max_new_tokens, **options}
+        prepared = [self._prepare(prompt, settings) for prompt in prompts]
+        ids = [self._enqueue(*request) for request in prepared]
+        while any(self.requests[i].state in (RequestState.WAITING, RequestState.RUNNING, RequestState.SWAPPED) for i in ids):
+            self.step()
+        return [list(self.requests[i].output) for i in ids]
+
+    def abort(self, request_id: int) -> None:
+        """Stop a request; its pages are released at once."""
+        request = self.requests.get(request_id)
+        if request is None:
+            raise ValueError(f"unknown request id {request_id!r}")
+        if request.state in (RequestState.FINISHED, RequestState.ABORTED):
+            return
+        self._leave(request, RequestState.ABORTED)
+
+    def request_stats(self, request_id: int) -> dict:
+        """Timings and counts of one request (see :meth:`Request.stats`)."""
+        if request_id not in self.requests:
+            raise ValueError(f"unknown request id {request_id!r}")
+        return self.requests[request_id].stats()
+
+    def memory_report(self) -> dict:
+        """Bytes the engine's store holds now, by component, and its high-water marks.
+
+        Keys: ``total_bytes`` (the sum of ``by_component``); ``by_component``: ``pages`` (keys
+        and values of pages in use, running requests' and the prefix index's), ``positions``,
+        ``codec_metadata``, ``tables`` (block tables and lengths), ``read_cache`` (the decode
+        group's dense mirror, 0 unless ``read_cache=True``); ``reserved_bytes``: whole arenas,
+        free pages included; ``peak_pages_bytes``: the most ``pages`` bytes held at any moment;
+        ``peak_workspace_bytes``: the largest transient dense copy a segment attended over
+        (prefill chunks, decode groups that could not read their pages in place), freed after
+        its forward pass, so not in ``total_bytes``.
+        """
+        held = self.store.memory_bytes()
+        components = {name: held[name] for name in ("pages", "positions", "codec_metadata", "tables", "read_cache")}
+        return {
+            "total_bytes": sum(components.values()),
+            "by_component": components,
+            "reserved_bytes": held["reserved"],
+            "peak_pages_bytes": self.store.peak_page_bytes,
+            "peak_workspace_bytes": self.store.peak_workspace,
+        }
+
+    def stats(self) -> dict:
+        """Engine counters: steps, tokens (forward, output, prompt, cached), ``prefix_hit_rate``
+        (prompt tokens taken from the prefix cache / prompt tokens admitted), ``preemptions``,
+        ``tokens_per_s`` (output tokens per second since the first request), pages in use and
+        free (per layer, the fullest layer; free is None without a page budget), the store's
+        ``memory_bytes`` by component (pages, read mirror, ...), requests by state, and the remote
+        tier's counters (``remote``: hits, misses, writes, faults; None without one)."""
+        counters = dict(self._counters)
+        elapsed = time.perf_counter() - self._started if self._started is not None else 0.0
+        counters["prefix_hit_rate"] = counters["cached_tokens"] / counters["prompt_tokens"] if counters["prompt_tokens"] else 0.0
+        counters["tokens_per_s"] = counters["output_tokens"] / elapsed if elapsed > 0 else 0.0
+        counters["pages_in_use"] = max(pool.pages_in_use for pool in self.store.pools)
+        counters["pages_free"] = self.kv.free_pages() if self.kv.fixed else None  # None: the pools grow
+        counters["memory_bytes"] = self.store.memory_bytes()
+        scheduler = self.scheduler
+        counters.update(waiting=len(scheduler.waiting), running=len(scheduler.running), swapped=len(scheduler.swapped))
+        counters["prefix_cache"] = self.prefix.stats() if self.prefix is not None else None
+        counters["remote"] = self.prefix.remote.stats() if self.prefix is not None and self.prefix.remote is not None else None
+        return counters
+
+    def _count(self, plan: StepPlan) -> None:
+        """Count an applied plan's preemptions and admissions (prompt tokens, cached tokens)."""
+        self._counters["preemptions"] += len(plan.preempted)
+        for request in plan.admitted:
+            self._counters["prompt_tokens"] += len(request.tokens)
+            self._counters["cached_tokens"] += request.computed
+
+    def _leave(self, request: Request, state: RequestState) -> None:
+        """The request ends (finished or aborted): its pages and swap space are released."""
+        self.scheduler.remove(request)
+        self.kv.release(request)
+        request.state = state
+
+    def _compressor(self, spec: str | None, budget: int | float | None, slack: int | None = None):
+        """A fresh compressor for ``spec`` (eviction and budget strategies only), or None."""
+        if slack is not None and (isinstance(slack, bool) or not isinstance(slack, int) or slack < 0 or not isinstance(budget, int)):
+            raise ValueError(f"slack must be an int >= 0 and goes with an int budget, got slack={quoted(slack)}, budget={quoted(budget)}")
+        parsed = parse_spec(spec)
+        others = [kind for kind in ("quantization", "lowrank", "reuse", "tiering") if getattr(parsed, kind)]
+        if others:
+            raise ValueError(
+                f"the engine applies eviction (and budget) strategies per request; {parsed} also has {', '.join(others)}"
+                " (a quantization codec applies to every request: Engine(model, spec='kivi(bits=4)'); prefix reuse is"
+                " built in: prefix_cache=True)"
+            )
+        compressor = eviction_compressor(self.model, parsed, budget, slack, page_size=self.page_size)
+        if compressor is not None and "hidden_states" in compressor.strategy.needs:
+            raise ValueError(f"{parsed.eviction.spec()} needs the attention input (hidden_states), which the engine does not record")
+        return compressor
+
+
+def _warn_if_queues_evict(remote: RemoteTier) -> None:
+    """Warn when ``remote``'s server may evict hand-over queues (``maxmemory-policy allkeys-*``)."""
+    policy = remote.eviction_policy()
+    if policy is not None and policy.startswith("allkeys"):
+        warnings.warn(
+            f"the remote server's maxmemory-policy is {policy}: when it fills, queued hand-over messages are evicted like"
+            " records (lost requests); run it with volatile-lru (records have a time to live, queues none) or noeviction",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
+def _engine_codec(spec: Spec) -> Codec | None:
+    """The spec's quantization codec (every request's pages), or None; ``ValueError`` for codecs
+    the engine cannot share between requests and for tiering."""
+    if spec.lowrank is not None:
+        raise ValueError(
+            f"{spec.lowrank.spec()} fits itself to each prompt; the engine's pages are shared by requests: use a quantization codec"
+        )
+    if spec.tiering is not None or spec.reuse:
+        raise ValueError(f"the engine does not apply tiering or reuse strategies yet ({spec}); prefix reuse is built in: prefix_cache=True")
+    return spec.quantization
+
+
+def _without_codec(spec: Spec) -> str | None:
+    """The spec's eviction and budget strategies as a spec string (None when it has neither)."""
+    kept = [strategy.spec() for strategy in (spec.eviction, spec.budget) if strategy is not None]
+    return "+".join(kept) or None
+
+
+def _check_bytes(name: str, value: object, *, minimum: int) -> None:
+    """``ValueError`` unless ``value`` is None or an int >= ``minimum`` (bytes)."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < minimum):
+        raise ValueError(f"{name} must be an int >= {minimum} (bytes) or None, got {quoted(value)}")
+
+
+def _check_model(model: torch.nn.Module) -> None:
+    """``ValueError`` for models kvlib cannot cache (:func:`kv_shape`: MLA, no attention KV, ...)
+    or the packed batch cannot serve exactly (sliding-window attention); before ``attach``."""
+    kv_shape(model)
+    config = model.config.get_text_config()
+    layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
+    sliding = getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True)
+    if layer_types != {"full_attention"} or sliding:
+        raise ValueError(
+            f"the engine serves models whose layers all use full causal attention; {type(model).__name__} has"
+            f" {sorted(layer_types)} layers{' with a sliding window' if sliding else ''}"
+        )

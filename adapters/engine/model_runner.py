@@ -1,0 +1,145 @@
+"""The Engine's model runner: one step's chunks through the model as one packed row.
+
+:meth:`ModelRunner.run` packs the chunks (:mod:`kvlib.adapters.engine.packed_batch`: the decode group
+as one segment, then one segment per prefill chunk; positions per token, no padding), runs the
+model with the LM head only at the last token of each request that completes its tokens, runs
+each segment's per-request eviction and page sealing after its attention in every layer, and
+samples each completing request's next token (:mod:`kvlib.adapters.engine.sampling`).
+
+Invariant: after :meth:`ModelRunner.run`, each request's ``computed`` counts the tokens its
+sequence has been given (its chunk added), and each request whose last token ran has one more
+output token, with its time.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import torch
+
+from kvlib.adapters.engine.engine_request import Request
+from kvlib.adapters.engine.packed_batch import PackedCache, Segment, visibility
+from kvlib.adapters.engine.sampling import next_token
+from kvlib.adapters.runtime.compressor import AttentionInputs
+from kvlib.adapters.runtime.layer_step import LayerStep
+from kvlib.codec import Codec
+from kvlib.storage.paged_store import PagedStore
+from kvlib.storage.read_cache import LayerRead
+from kvlib.transformers_compat import cache_argument
+
+
+class ModelRunner:
+    """Runs ``model`` over ``store``'s sequences; ``codec`` (None: raw pages) seals full pages
+    after each segment's attention, as ``KVCache.after_attention`` does."""
+
+    def __init__(self, model: torch.nn.Module, store: PagedStore, *, codec: Codec | None, device: torch.device) -> None:
+        self.model = model
+        self.store = store
+        self.codec = codec
+        self.device = device
+        self._segments: list[tuple[Segment, list[Request]]] = []
+
+    def run(self, chunks: list[tuple[Request, int]]) -> dict[int, list[int]]:
+        """One forward pass over ``chunks`` ((request, tokens to run), decodes first); returns the
+        tokens produced, per request id."""
+        decodes = self._decode_order([request for request, tokens in chunks if tokens == 1])
+        prefills = [(request, tokens) for request, tokens in chunks if tokens > 1]
+        ids, positions, segments, start = [], [], [], 0
+        groups = ([(decodes, 1)] if decodes else []) + [([request], tokens) for request, tokens in prefills]
+        for requests, length in groups:
+            rows = []
+            for request in requests:
+                rows.append(list(range(request.computed, request.computed + length)))
+                ids.extend(request.tokens[request.computed : request.computed + length])
+            segment_positions = torch.tensor(rows, dtype=torch.int64)
+            positions.append(segment_positions.flatten())
+            uniform = all(request.compressor is None for request in requests)
+            segments.append((Segment([r.seq for r in requests], start, length, segment_positions, uniform), requests))
+            start += len(requests) * length
+        self._segments = segments
+        for request in decodes:  # a held cap kept as a ring drops its oldest tokens before the step, as a KVCache's does
+            if request.compressor is not None:
+                for layer in range(self.store.num_layers):
+                    request.compressor.make_ring_room(self.store, layer, [request.seq], 1, reuse_slots=True)
+        finishing, last_index = [], []
+        for segment, requests in segments:
+            for b, request in enumerate(requests):
+                if segment.length == request.remaining:
+                    finishing.append(request)
+                    last_index.append(segment.start + (b + 1) * segment.length - 1)
+        cache = PackedCache(self.store, [segment for segment, _ in segments], self._after_attention)
+        input_ids = torch.tensor([ids], dtype=torch.int64, device=self.device)
+        position_ids = torch.cat(positions).unsqueeze(0).to(self.device)
+        with torch.inference_mode():
+            logits = self.model(
+                input_ids=input_ids,
+                position_ids=position_ids,
+                **cache_argument(cache),
+                use_cache=True,
+                attention_mask=torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device),  # unused: kvlib masks each segment
+                logits_to_keep=torch.tensor(last_index, dtype=torch.int64, device=self.device),
+            ).logits[0]
+        for segment, requests in segments:
+            for request in requests:
+                request.computed += segment.length
+        return self._sample(logits, finishing)
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, finishing: list[Request]) -> dict[int, list[int]]:
+        """Each finishing request's next token from its row of ``logits``, appended to its output."""
+        now = time.perf_counter()
+        produced: dict[int, list[int]] = {}
+        for row, request in zip(logits, finishing):
+            token = next_token(
+                row,
+                do_sample=request.do_sample,
+                temperature=request.temperature,
+                top_k=request.top_k,
+                top_p=request.top_p,
+                generator=request.generator,
+            )
+            request.output.append(token)
+            request.token_times.append(now)
+            produced[request.request_id] = [token]
+        return produced
+
+    def _decode_order(self, decodes: list[Request]) -> list[Request]:
+        """The decode group in the order of the store's read mirror, then the requests new to it:
+        the mirror then only appends rows (finished ones already left it)."""
+        mirrored = {seq: rank for rank, seq in enumerate(self.store.mirrored_rows(0))}
+        return sorted(decodes, key=lambda request: mirrored.get(request.seq, len(mirrored)))
+
+    def _after_attention(self, layer: int, index: int, query: torch.Tensor, read: LayerRead | None, scaling: float | None) -> None:
+        """Per-request eviction after a segment's attention in ``layer``, then sealing its full
+        pages. ``read``: the segment's dense read, or None where it attended over its pages."""
+        segment, requests = self._segments[index]
+        self._evict(layer, segment, requests, query, read, scaling)
+        if self.codec is not None:
+            self.store.seal(layer, segment.seqs)
+
+    def _evict(
+        self, layer: int, segment: Segment, requests: list[Request], query: torch.Tensor, read: LayerRead | None, scaling: float | None
+    ) -> None:
+        """Each request with an eviction spec scores its row of the layer and compacts it; rows
+        without one are not read. The row is its slice of ``read``, or, after attention over the
+        pages, its positions, with attention weights from its pages and, when it compacts with a
+        strategy that scores with keys or values (``reads_kv``), a transient dense read of that row.
+        A row whose pages cannot be read in place is read densely."""
+        for b, request in enumerate(requests):
+            if request.compressor is None:
+                continue
+            pages = None if read is not None else self.store.paged_layer(layer, [request.seq])
+            stored = None
+            if pages is not None:  # causal by the row's own positions: no mask needed
+                row, mask = self.store.read_positions(layer, [request.seq]), None
+                stored = functools.partial(self.store.read, layer, [request.seq], mirror=False)
+            else:
+                row = LayerRead(*(t[b : b + 1] for t in read)) if read is not None else self.store.read(layer, [request.seq], mirror=False)
+                mask = visibility(row, segment.positions[b : b + 1], query.shape[1], uniform_heads=False)
+            step = LayerStep(None, layer, row, request.computed, segment.length, False, paged=pages)
+            inputs = AttentionInputs(query[b : b + 1], mask, None, scaling, None)
+            compaction = request.compressor.compaction(step, inputs, torch.zeros(1, dtype=torch.int64, device=self.device), stored)
+            if compaction is not None:
+                layout = self.store.compact(layer, [request.seq], compaction.keep, compaction.values, reuse_slots=True)
+                request.compressor.compacted(layer, layout)

@@ -1,0 +1,329 @@
+"""What the engine runs each step: decodes first, then prefill chunks, then admissions, within a
+token budget and the free pages (Sarathi-Serve's stall-free batching over vLLM-style paging).
+
+The :class:`Scheduler` owns the request queues (waiting, running, swapped, each oldest first).
+A step is two calls, with data flowing one way:
+
+- :meth:`Scheduler.plan` decides, and changes nothing: it spends, reclaims and preempts on a
+  :class:`Forecast` (a what-if copy of the KV manager's page counts,
+  :class:`~kvlib.adapters.engine.page_forecast.PageForecast`), and returns a
+  :class:`StepPlan` holding every decision;
+- :meth:`Scheduler.apply` carries the plan out: it moves requests between the queues and asks
+  the KV manager (:class:`PageLedger`) to preempt and reclaim (in the plan's order), then to
+  admit and swap in, which leaves the pages where the forecast said they would be.
+
+The decisions of one plan:
+
+1. every running request that decodes (one token to run) gets its token; if the pages for
+   those tokens are short, unused prefix-cache pages are reclaimed, then the most recently
+   admitted requests are preempted (swapped out or dropped for recompute) until they fit;
+2. swapped requests come back, oldest first, while their pages fit;
+3. running requests still prefilling get chunks from the remaining token budget, oldest first;
+4. waiting requests are admitted while the budget and the pages allow, in prefix-aware order:
+   requests whose prompt has the longest cached prefix first, a request whose next uncached
+   block another request is computing right now waits for it (so a shared prefix is computed
+   once), and a request that waited more than ``fairness_steps`` steps goes first, by arrival.
+   Admission keeps ``reserve_pages`` free per running request for its coming decode tokens.
+
+Invariant: a plan never needs more pages than are free once it is applied, and never more than
+``max_batch_tokens`` tokens (decodes alone may exceed it: they are never stalled).
+
+Progress: with a page budget that fits every request alone, every step either runs tokens or
+frees pages (reclaiming cached pages, preempting the newest requests, down to the oldest alone)
+or swaps a request back in to run next, so the engine finishes. This rests on the KV manager's
+side: a running request holds no pages but those its own sequence reads (the prefix index pins
+no second copy of a block for it, :meth:`~kvlib.PrefixStore.insert`), and everything else is
+either held by the other running requests or reclaimable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from kvlib.adapters.engine.engine_request import Request, RequestState
+
+
+class Forecast(Protocol):
+    """The KV manager's page counts as they would be after the decisions a plan took so far; the
+    plan spends, reclaims and preempts on it while the KV manager itself stays as it is."""
+
+    reclaimed: list
+    """The unused prefix-cache blocks the forecast reclaimed, in order (opaque to the scheduler)."""
+
+    def free_pages(self) -> int:
+        """Pages free in the layer with the fewest free pages."""
+
+    def computed(self, request: Request) -> int:
+        """Tokens ``request``'s sequence holds (after a planned admission: its cached prefix)."""
+
+    def pages_for(self, request: Request, tokens: int) -> int:
+        """Pages (per layer, at most) that running ``tokens`` more tokens of ``request`` allocates."""
+
+    def cached_tokens(self, request: Request) -> int:
+        """Leading tokens of a waiting request that the prefix cache holds (whole pages, never
+        its last token)."""
+
+    def admission_pages(self, request: Request, tokens: int) -> int:
+        """Pages a waiting request's first chunk of ``tokens`` computed tokens allocates after its
+        cached prefix."""
+
+    def swap_in_pages(self, request: Request) -> int:
+        """Pages a swapped request needs to come back."""
+
+    def reclaim(self, pages: int) -> None:
+        """Free up to ``pages`` pages held only by the prefix cache (least recently used first)."""
+
+    def preempt(self, request: Request) -> None:
+        """Count ``request``'s pages as given back."""
+
+    def admit(self, request: Request) -> None:
+        """Count ``request`` as started, holding its longest cached prefix (whatever the cache
+        holds now, which may differ from :meth:`cached_tokens` before a reclaim)."""
+
+    def in_flight(self, request: Request) -> bool:
+        """Whether ``request``'s next uncached prompt block is being computed by a running request."""
+
+
+class PageLedger(Protocol):
+    """The KV manager as the scheduler sees it: a forecast to plan on, and the actions that apply
+    a plan."""
+
+    def forecast(self, running: Sequence[Request]) -> Forecast:
+        """A fresh forecast of the pages now, ``running`` being the running requests."""
+
+    def preempt(self, request: Request) -> bool:
+        """Take ``request``'s pages back: True when swapped out (it comes back by :meth:`swap_in`),
+        False when dropped (it is computed again)."""
+
+    def reclaim(self, blocks: list) -> None:
+        """Evict the unused prefix-cache blocks a forecast reclaimed."""
+
+    def admit(self, request: Request) -> None:
+        """Give ``request`` a sequence holding its longest cached prefix."""
+
+    def swap_in(self, request: Request) -> None:
+        """Bring a swapped-out request's pages back."""
+
+
+@dataclass
+class StepPlan:
+    """Every decision of one step. ``chunks`` lists (request, tokens to run) with the decodes
+    first; ``admitted`` and ``resumed`` name the requests that start or come back (their chunks
+    are in ``chunks``); ``preempted`` the requests that lose their pages, newest first;
+    ``reclaimed`` the unused prefix-cache blocks evicted for pages (least recently used first),
+    the first ``reclaimed_before[i]`` of them before ``preempted[i]`` is (the plan's order, which
+    the pools' free lists, and so the page ids handed out next, follow)."""
+
+    chunks: list[tuple[Request, int]] = field(default_factory=list)
+    admitted: list[Request] = field(default_factory=list)
+    resumed: list[Request] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    reclaimed: list = field(default_factory=list)
+    reclaimed_before: list[int] = field(default_factory=list)
+
+    @property
+    def tokens(self) -> int:
+        return sum(n for _, n in self.chunks)
+
+
+@dataclass
+class Scheduler:
+    """Chunked-prefill continuous batching under a token budget and a page budget.
+
+    Args:
+        max_batch_tokens: tokens per step (decodes count one each; prefill chunks fill the rest).
+        max_running: requests running at once at most.
+        reserve_pages: pages per layer kept free for each running request's coming decode tokens
+            when admitting (0: admit whatever fits now; preemption handles the rest).
+        fairness_steps: a waiting request that has waited more steps than this is admitted
+            before any other (by arrival), whatever its prefix match.
+
+    Queues (oldest first; a request is in at most one): ``waiting`` (not admitted, or preempted
+    for recompute: first in line), ``running`` (admitted, in admission order), ``swapped``.
+    """
+
+    max_batch_tokens: int = 256
+    max_running: int = 64
+    reserve_pages: int = 1
+    fairness_steps: int = 64
+    waiting: list[Request] = field(default_factory=list)
+    running: list[Request] = field(default_factory=list)
+    swapped: list[Request] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch_tokens", "max_running", "fairness_steps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if isinstance(self.reserve_pages, bool) or not isinstance(self.reserve_pages, int) or self.reserve_pages < 0:
+            raise ValueError(f"reserve_pages must be an int >= 0, got {self.reserve_pages!r}")
+
+    # -- the queues ------------------------------------------------------------------------------
+
+    def add(self, request: Request) -> None:
+        """Queue a new request last in line."""
+        self.waiting.append(request)
+
+    def remove(self, request: Request) -> None:
+        """Take ``request`` out of whichever queue holds it (it finished or was aborted)."""
+        for queue in (self.waiting, self.running, self.swapped):
+            if request in queue:
+                queue.remove(request)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    @property
+    def stalled(self) -> bool:
+        """Requests wait or are swapped out while none runs (after a plan that runs nothing, the
+        page budget cannot hold any of them)."""
+        return bool(self.waiting or self.swapped) and not self.running
+
+    # -- deciding --------------------------------------------------------------------------------
+
+    def plan(self, ledger: PageLedger) -> StepPlan:
+        """Decide the next step on a forecast of ``ledger``'s pages; the queues, the requests and
+        the ledger are left as they are (:meth:`apply` carries the plan out)."""
+        forecast = ledger.forecast(self.running)
+        plan = StepPlan()
+        active = list(self.running)
+        decodes = self._fit_decodes(active, forecast, plan)
+        plan.chunks.extend((request, 1) for request in decodes)
+        budget = self.max_batch_tokens - len(decodes)
+        free = forecast.free_pages()
+        spent = sum(forecast.pages_for(request, 1) for request in decodes)
+        if not plan.preempted:
+            for request in self.swapped:
+                need = forecast.swap_in_pages(request) + forecast.pages_for(request, 1)
+                if len(active) >= self.max_running:
+                    break
+                if spent + need > free:
+                    forecast.reclaim(spent + need - free)
+                    free = forecast.free_pages()
+                    if spent + need > free:
+                        break
+                plan.resumed.append(request)
+                active.append(request)
+                spent += need
+        for request in list(active):
+            if request.remaining <= 1 or budget <= 0 or request in plan.resumed or request in plan.preempted:
+                continue
+            tokens = self._chunk(request, min(request.remaining, budget), free - spent, forecast)
+            if not tokens and not plan.chunks:  # nothing would run: the cache, then newer requests give pages back
+                forecast.reclaim(forecast.pages_for(request, 1))
+                while (
+                    not self._chunk(request, 1, forecast.free_pages() - spent, forecast)
+                    and active[-1] is not request
+                    and active[-1] not in plan.resumed
+                ):
+                    self._preempt(active.pop(), forecast, plan)
+                free = forecast.free_pages()
+                tokens = self._chunk(request, min(request.remaining, budget), free - spent, forecast)
+            if tokens:
+                plan.chunks.append((request, tokens))
+                budget -= tokens
+                spent += forecast.pages_for(request, tokens)
+        if not (plan.preempted or self.swapped and not plan.resumed):  # memory is short: admit nothing new
+            self._admit(plan, forecast, active=active, budget=budget, free=free, spent=spent)
+        plan.reclaimed = list(forecast.reclaimed)
+        return plan
+
+    def _admit(self, plan: StepPlan, forecast: Forecast, *, active: list[Request], budget: int, free: int, spent: int) -> None:
+        """Add admissions (and their first chunks) to ``plan`` while the token ``budget`` left and
+        the pages allow (``free`` pages, of which the plan's chunks so far take ``spent``)."""
+        reserve = self.reserve_pages * len(active)
+        for request in self._admission_order(self.waiting, forecast):
+            if budget <= 0 or len(active) >= self.max_running:
+                break
+            if request.waited_steps <= self.fairness_steps and forecast.in_flight(request):
+                continue  # its next block is being computed: it will find it cached
+            tokens = min(len(request.tokens) - forecast.cached_tokens(request), budget)
+            need = forecast.admission_pages(request, tokens)
+            if spent + need + reserve + self.reserve_pages > free:
+                forecast.reclaim(spent + need + reserve + self.reserve_pages - free)
+                free = forecast.free_pages()
+                if spent + need + reserve + self.reserve_pages > free:
+                    break
+            forecast.admit(request)  # takes its cached prefix now, so nothing later reclaims it
+            free = forecast.free_pages()
+            plan.admitted.append(request)
+            active.append(request)
+            reserve += self.reserve_pages
+            tokens = self._chunk(request, min(len(request.tokens) - forecast.computed(request), budget), free - spent, forecast)
+            if tokens:
+                plan.chunks.append((request, tokens))
+                budget -= tokens
+                spent += forecast.pages_for(request, tokens)
+
+    def _fit_decodes(self, active: list[Request], forecast: Forecast, plan: StepPlan) -> list[Request]:
+        """The decoding requests of ``active`` whose next token fits, preempting the most recently
+        admitted requests (removed from ``active``) until the rest fit."""
+        while True:
+            decodes = [r for r in active if r.remaining == 1]
+            need = sum(forecast.pages_for(r, 1) for r in decodes)
+            if need <= forecast.free_pages():
+                return decodes
+            forecast.reclaim(need - forecast.free_pages())
+            if need <= forecast.free_pages():
+                return decodes
+            self._preempt(active.pop(), forecast, plan)
+            if not active:
+                return []
+
+    @staticmethod
+    def _preempt(victim: Request, forecast: Forecast, plan: StepPlan) -> None:
+        """Preempt ``victim`` on the forecast, after the blocks reclaimed so far."""
+        plan.reclaimed_before.append(len(forecast.reclaimed))
+        forecast.preempt(victim)
+        plan.preempted.append(victim)
+
+    @staticmethod
+    def _chunk(request: Request, tokens: int, free: int, forecast: Forecast) -> int:
+        """The largest chunk of at most ``tokens`` tokens of ``request`` whose pages fit in ``free``."""
+        while tokens > 0 and forecast.pages_for(request, tokens) > free:
+            tokens = tokens // 2
+        return tokens
+
+    def _admission_order(self, waiting: list[Request], forecast: Forecast) -> list[Request]:
+        """Overdue requests first (by arrival), then the longest cached prefix first (arrival
+        order among equals)."""
+        overdue = [r for r in waiting if r.waited_steps > self.fairness_steps]
+        rest = [r for r in waiting if r.waited_steps <= self.fairness_steps]
+        return overdue + sorted(rest, key=lambda r: -forecast.cached_tokens(r))
+
+    # -- applying --------------------------------------------------------------------------------
+
+    def apply(self, plan: StepPlan, ledger: PageLedger) -> None:
+        """Carry ``plan`` out: preemptions (newest first; a dropped request goes first in line) and
+        reclaims in the plan's order, then admissions and swap-ins; every request left waiting
+        has waited one more step."""
+        reclaimed = 0
+        for victim, before in zip(plan.preempted, plan.reclaimed_before):
+            ledger.reclaim(plan.reclaimed[reclaimed:before])
+            reclaimed = before
+            self.running.remove(victim)
+            victim.preemptions += 1
+            if ledger.preempt(victim):
+                victim.state = RequestState.SWAPPED
+                self.swapped.append(victim)
+            else:
+                victim.state = RequestState.WAITING
+                victim.waited_steps = 0
+                self.waiting.insert(0, victim)  # recomputed first: it was admitted before those waiting
+        ledger.reclaim(plan.reclaimed[reclaimed:])
+        for request in plan.admitted:
+            self.waiting.remove(request)
+            ledger.admit(request)
+            request.state = RequestState.RUNNING
+            request.waited_steps = 0
+            self.running.append(request)
+        for request in plan.resumed:
+            self.swapped.remove(request)
+            ledger.swap_in(request)
+            request.state = RequestState.RUNNING
+            self.running.append(request)
+        for request in self.waiting:
+            request.waited_steps += 1

@@ -1,0 +1,519 @@
+"""Eviction after a layer's attention: which stored tokens each head keeps within its budget.
+
+The spec's budget is a token count per (layer, head) on average, or a fraction of the prompt:
+
+- ``int``: a cap held at all times (prefill, prefill chunks, decoding). After a layer call of
+  several tokens (a prompt or a chunk) each head over its cap keeps its cap best-scored ones; a
+  decode step (one new token) compacts a head only once it holds more than its cap + ``slack``
+  real tokens, and checks only every ``interval``-th step. Peak memory of a chunked prefill is
+  therefore cap + chunk tokens per head; while decoding, cap + ``slack``.
+- ``float`` in (0, 1]: prompt compression. After each call with more than one new token (a
+  prompt, or a chunk of one under chunked prefill) each head keeps ``ceil(budget * real tokens
+  seen)``; decode steps keep every new token.
+
+How the per-call budget splits over layers and heads is the allocation's job (a
+:class:`~kvlib.strategy.Budget`; uniform unless the spec or the eviction strategy says
+otherwise). Padding tokens (left padding of a batch) are never kept once a strategy runs, so a
+padded row holds what it would hold alone. Strategies get exactly the extras they declare in
+``needs``; for one that needs nothing, nothing beyond the scores is computed.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvlib.adapters.runtime.attention_weights import attention_blocks
+from kvlib.adapters.runtime.layer_step import LayerStep
+from kvlib.adapters.runtime.merge import merged_values
+from kvlib.adapters.runtime.query_history import QueryHistory
+from kvlib.adapters.runtime.slot_order import along_slots, ordered_view, position_order, to_slots
+from kvlib.paged_store import PagedStore
+from kvlib.read_cache import LayerRead
+from kvlib.selection import position_rank, select_keep
+from kvlib.storage.paged_store import PagedStore
+from kvlib.storage.read_cache import LayerRead
+from kvlib.storage.step_plan import Ring
+from kvlib.strategies.budget.uniform import Uniform
+from kvlib.strategy import Budget, BudgetRequest, Eviction, LayerView, Rope
+
+_STATEFUL_NEEDS = frozenset({"accumulated_attention", "recent_queries", "prompt_length", "call_notes"})
+"""Needs whose state follows every call (see :meth:`Compressor.planned_work`)."""
+_RECEIVED = frozenset({"accumulated_attention"})
+
+
+class PlannedWork(enum.Enum):
+    """What follows a planned decode step's attention in one layer (:meth:`Compressor.planned_work`)."""
+
+    NONE = "none"
+    ACCUMULATE = "accumulate"
+    GENERAL = "general"
+
+
+@dataclass
+class AttentionInputs:
+    """What the attention function saw, for strategies that need it (references, no copies).
+
+    query ``[batch, query_heads, query_length, head_dim]``; mask: the mask attention ran with
+    (model mask if the layer was untouched, else the physical one); weights: attention weights
+    if the inner attention returned them; scaling: softmax scale; hidden_states: the attention
+    module's input, when a strategy needs it; real_new: bool ``[batch, query_length]`` or None.
+    """
+
+    query: torch.Tensor
+    mask: torch.Tensor | None
+    weights: torch.Tensor | None
+    scaling: float | None
+    real_new: torch.Tensor | None
+    hidden_states: torch.Tensor | None = None
+
+
+@dataclass
+class Compaction:
+    """What a layer keeps: ``keep`` int64 ``[batch, heads, k]`` kept slots (slot indices, not
+    positions), ascending, -1 last;
+    ``values``: their new values when evicted tokens were merged in, else None;
+    ``scores``: the strategy's keep-scores of every slot before the compaction ``[batch, heads,
+    slots]`` (what a codec that reads salience gets, see :meth:`salience_after`)."""
+
+    keep: torch.Tensor
+    values: torch.Tensor | None = None
+    scores: torch.Tensor | None = None
+
+    def salience_after(self, layout: torch.Tensor) -> torch.Tensor:
+        """The scores of the slots after the store compacted with ``layout`` (new slot ``i`` holds
+        old slot ``layout[..., i]``; ``-1``: none, scored ``-inf``)."""
+        layout = layout.to(self.scores.device)
+        return self.scores.gather(-1, layout.clamp(min=0)).masked_fill(layout < 0, -torch.inf)
+
+
+@dataclass
+class Compressor:
+    """Applies ``strategy`` within ``budget`` (see the module docstring for the budget forms).
+
+    State: per layer, the attention each stored token has accumulated (only for strategies that
+    need ``accumulated_attention``), aligned with the layer's stored slots, and the layer's
+    :class:`~kvlib.adapters.runtime.query_history.QueryHistory` (only for strategies that need
+    ``recent_queries`` or ``prompt_length``); the current model call's ``call_notes`` (cleared
+    when a layer index not above the last one arrives); the cache keeps them in step with its rows and
+    slots (:meth:`select_rows`, :meth:`reset`, :meth:`compacted`: the caller hands on the layout
+    of every compaction it makes).
+
+    Selection is by position, not slot: after a compaction that reused slots (slot order no
+    longer position order), each head's best tokens are chosen among its slots sorted by
+    position, and strategies that are not ``order_free`` score a view in that order, so the kept
+    set is the one an in-order store would keep.
+
+    ``budget=None``: a scorer that never evicts (its state still follows every call); its
+    :meth:`scores` decide a codec's token salience where the spec has no eviction strategy.
+    """
+
+    strategy: Eviction
+    budget: int | float | None
+    num_layers: int
+    allocation: Budget = field(default_factory=Uniform)
+    slack: int = 0
+    interval: int = 1
+    rope: Rope | None = None
+    merge: bool = False
+    output_projections: list[torch.Tensor] | None = None
+    """Per layer, the attention output projection split by query head (filled by ``make_cache``
+    for strategies that need ``output_projection``)."""
+    _accumulated: dict[int, torch.Tensor] = field(default_factory=dict, init=False, repr=False)
+    _decode_steps: dict[int, int] = field(default_factory=dict, init=False, repr=False)
+    _history: dict[int, QueryHistory] = field(default_factory=dict, init=False, repr=False)
+    _call_notes: dict[str, Any] = field(default_factory=dict, init=False, repr=False)
+    _last_layer: int = field(default=-1, init=False, repr=False)
+    _held_caps: dict[tuple[int, int, int], np.ndarray] = field(default_factory=dict, init=False, repr=False)
+    _ring: Ring | None = field(default=None, init=False, repr=False)
+
+    # -- planned decode steps (kvlib.storage.step_plan) ----------------------------------------------------
+
+    def ring(self, batch: int, heads: int) -> Ring | None:
+        """The held cap as a ring of slots for a decode step of ``batch`` rows of ``heads`` KV heads
+        (the same object while the shape holds), or None where the cap is not held as one: the
+        strategy scores (no :meth:`~kvlib.strategy.Eviction.ring_start`), the budget is not an int,
+        a ``slack`` or ``interval`` asks for amortised eviction, evicted values are merged, or the
+        allocation splits by scores."""
+        if self._ring is not None and self._ring.caps.shape[1:] == (batch, heads):
+            return self._ring
+        start = self.strategy.ring_start()
+        if (
+            start is None
+            or not isinstance(self.budget, int)
+            or self.slack
+            or self.interval != 1
+            or self.merge
+            or self.allocation.needs_scores
+        ):
+            return None
+        caps = np.stack([self._layer_caps(layer, batch, heads) for layer in range(self.num_layers)])
+        if bool((caps <= start).any()):
+            return None  # a cap within the sinks leaves no window to turn
+        self._ring = Ring(caps, start)
+        return self._ring
+
+    def make_ring_room(self, store: PagedStore, layer: int, seqs: list[int], tokens: int, *, reuse_slots: bool) -> bool:
+        """Under a held cap kept as a :meth:`ring`, make room in ``layer`` of ``seqs`` for a call's
+        ``tokens`` before they are stored, as a planned step does by reusing slots: each head that
+        would then hold more than its cap first drops its oldest tokens past the ring's start
+        (compacted away, the per-slot state following). Returns whether anything was dropped. The
+        cache's layers and the Engine's decode rows call it on the paths that are not planned, so
+        that every path keeps, and attends over, the same tokens."""
+        ring = self.ring(len(seqs), store.tables[layer].num_heads)
+        if ring is None or bool((ring.caps[layer] - ring.start < tokens).any()):
+            return False
+        positions = store.stored_positions(layer, seqs)
+        stored = positions >= 0
+        excess = torch.from_numpy(stored.sum(-1).numpy() + tokens - ring.caps[layer]).clamp(min=0)
+        if not bool(excess.any()):
+            return False
+        rank = position_rank(positions, stored)
+        dropped = (rank >= ring.start) & (rank < ring.start + excess.unsqueeze(-1))
+        slot = torch.arange(positions.shape[-1])
+        keep = torch.sort(torch.where(stored & ~dropped, slot, positions.shape[-1]), dim=-1).values
+        keep = torch.where(keep == positions.shape[-1], -1, keep)
+        self.compacted(layer, store.compact(layer, seqs, keep, reuse_slots=reuse_slots))
+        return True
+
+    def compacts_each_step(self, tokens: int) -> bool:
+        """Whether a decode step of ``tokens`` tokens compacts every layer it runs on, unless the
+        cap is a :meth:`ring`: a held cap with no slack checked at every step."""
+        return isinstance(self.budget, int) and not self.slack and (tokens > 1 or self.interval == 1)
+
+    def planned_work(self, layer: int, query_length: int, stored: np.ndarray) -> PlannedWork:
+        """What follows the attention of a planned decode call of ``query_length`` real tokens
+        (none of them padding) in ``layer``, after which its heads hold ``stored`` tokens (int64
+        ``[batch, kv_heads]``): nothing (:meth:`compaction` would keep every token and add nothing
+        to the compressor's state), the kernel's received attention added to the accumulated
+        attention and nothing else (H2O-like strategies: :meth:`accumulate_received`), or the
+        general path (:meth:`compaction`). Unless the general path, the call counts as one of the
+        layer's decode steps (for ``interval``), as :meth:`compaction` counts it."""
+        fused = self.strategy.needs == _RECEIVED and type(self.strategy).attention_received is Eviction.attention_received
+        work = PlannedWork.ACCUMULATE if fused else PlannedWork.NONE
+        if self.strategy.needs & _STATEFUL_NEEDS and not fused:
+            return PlannedWork.GENERAL
+        if self.budget is None:
+            return work
+        if isinstance(self.budget, float):
+            return work if query_length == 1 else PlannedWork.GENERAL
+        if query_length != 1:
+            return PlannedWork.GENERAL
+        done = self._decode_steps.get(layer, 0) + 1
+        if done % self.interval == 0:
+            if self.allocation.needs_scores:
+                return PlannedWork.GENERAL
+            if bool((stored > self._layer_caps(layer, *stored.shape) + self.slack).any()):
+                return PlannedWork.GENERAL
+        self._decode_steps[layer] = done
+        return work
+
+    def accumulate_received(self, layer: int, received: torch.Tensor) -> None:
+        """Add a planned decode call's received attention (float32 ``[batch, kv_heads, slots]``,
+        the paged kernel's, :func:`kvlib.kernels.paged_ops.paged_decode`; 0 past each head's length) to
+        ``layer``'s accumulated attention, as :meth:`compaction` adds a call's weights for a
+        strategy that counts them as they are (``attention_received`` not overridden)."""
+        previous = self._accumulated.get(layer)
+        if previous is not None:
+            width = min(previous.shape[-1], received.shape[-1])
+            received[..., :width] += previous[..., :width]
+        self._accumulated[layer] = received
+
+    def over_cap(self, layer: int, stored: np.ndarray) -> int:
+        """Tokens ``layer``'s heads hold past their caps when they hold ``stored`` (int64 ``[batch,
+        kv_heads]``): what the ``slack`` holds now (0 without an int budget)."""
+        if not isinstance(self.budget, int):
+            return 0
+        if self.allocation.needs_scores:  # a layer's total is capped, not each head's
+            return int(np.maximum(stored.sum(-1) - self.budget * stored.shape[1], 0).sum())
+        return int(np.maximum(stored - self._layer_caps(layer, *stored.shape), 0).sum())
+
+    def _layer_caps(self, layer: int, batch: int, heads: int) -> np.ndarray:
+        """int64 ``[batch, heads]``: each head's cap in ``layer`` under the int budget, from an
+        allocation that needs no scores (its caps depend on the budget, layer and shape only)."""
+        key = (layer, batch, heads)
+        caps = self._held_caps.get(key)
+        if caps is None:
+            tokens = torch.full((batch,), self.budget, dtype=torch.int64)
+            request = BudgetRequest(layer, self.num_layers, tokens, torch.zeros(batch, heads, dtype=torch.int64))
+            caps = self._held_caps[key] = self.allocation.caps(request).cpu().numpy()
+        return caps
+
+    def compaction(
+        self, step: LayerStep, inputs: AttentionInputs, real_offsets: torch.Tensor, stored: Callable[[], LayerRead] | None = None
+    ) -> Compaction | None:
+        """What each head keeps after this layer call, or None if every stored token stays.
+
+        ``real_offsets [batch]`` (on the store's device) is each row's count of padding tokens
+        before its first real one: subtracted from stored positions, it gives the positions
+        strategies see. ``stored``: for a step whose ``read`` holds positions only (it attended
+        over the pages), reads the layer's keys and values; called only when a compaction is due
+        and :attr:`reads_kv`.
+        """
+        read = step.read
+        self._remember(step, inputs, real_offsets)
+        if step.layer_idx <= self._last_layer:  # layers run in order: a new model call begins
+            self._call_notes.clear()
+        self._last_layer = step.layer_idx
+        accumulated = None
+        if "accumulated_attention" in self.strategy.needs:
+            accumulated = self._accumulated[step.layer_idx] = self._accumulate(step, inputs, real_offsets)
+        if self.budget is None:
+            return None
+        tokens = self._tokens(step, real_offsets)
+        if tokens is None and inputs.real_new is None:
+            return None
+        candidates = read.valid & ~_padding_slots(step, inputs.real_new)
+        counts = candidates.sum(-1)
+        seen = step.query_offset + step.query_length - real_offsets.to(counts.device)
+        request = None if tokens is None else BudgetRequest(step.layer_idx, self.num_layers, tokens, counts, seen=seen)
+        caps, over = self._caps_and_over(request, counts, self.slack if step.query_length == 1 else 0)
+        if not bool(over.any()) and bool((counts == read.valid.sum(-1)).all()):
+            return None
+        if stored is not None and self.reads_kv:
+            read = stored()
+        order = position_order(read.positions, read.valid)  # None unless a compaction reused slots
+        scores = self._score(step, read, candidates, inputs, real_offsets, accumulated, order, tokens)
+        slot_scores = scores if order is None or self.strategy.order_free else _to_slot_order(scores, order)
+        ranked = candidates
+        if order is not None:  # select in position order: ties break as they would in order
+            ranked = along_slots(candidates, order)
+            scores = along_slots(scores, order) if self.strategy.order_free else scores
+        if caps is None:  # a score-based allocation splits the layer once the scores are known
+            request.scores, request.candidates = scores, ranked
+            caps = self.allocation.caps(request).to(counts.device)
+        keep = select_keep(scores, ranked, torch.where(over, caps, counts))
+        keep = _ascending((keep if order is None else to_slots(keep, order)).to(read.valid.device))
+        values = merged_values(read.keys, read.values, candidates, keep) if self.merge else None
+        return Compaction(keep, values, slot_scores)
+
+    def scores(
+        self, step: LayerStep, inputs: AttentionInputs, real_offsets: torch.Tensor, stored: Callable[[], LayerRead] | None = None
+    ) -> torch.Tensor:
+        """The strategy's keep-scores ``[batch, heads, slots]`` of every stored slot of the layer
+        (slot order; padding and invalid slots ``-inf``), for a call after which :meth:`compaction`
+        changed nothing (its per-call state is then up to date: this adds nothing to it).
+        Arguments as :meth:`compaction`'s."""
+        read = step.read
+        candidates = read.valid & ~_padding_slots(step, inputs.real_new)
+        if stored is not None and self.reads_kv:
+            read = stored()
+        order = position_order(read.positions, read.valid)
+        scores = self._score(step, read, candidates, inputs, real_offsets, self._accumulated.get(step.layer_idx), order)
+        if order is not None and not self.strategy.order_free:
+            scores = _to_slot_order(scores, order)
+        return scores.masked_fill(~candidates, -torch.inf)
+
+    def _score(
+        self,
+        step: LayerStep,
+        read: LayerRead,
+        candidates: torch.Tensor,
+        inputs: AttentionInputs,
+        real_offsets: torch.Tensor,
+        accumulated: torch.Tensor | None,
+        order: torch.Tensor | None,
+        tokens: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The strategy's scores of the ``candidates`` of ``read``: in slot order, or in position
+        ``order`` for a strategy that is not ``order_free`` when ``order`` is given. ``tokens``:
+        the call's budget per head (see :meth:`_tokens`), None when it compacts nothing."""
+        view = LayerView(
+            layer_idx=step.layer_idx,
+            num_layers=self.num_layers,
+            keys=read.keys,
+            values=read.values,
+            positions=torch.where(candidates, read.positions - real_offsets.to(read.positions.device).view(-1, 1, 1), -1),
+            valid=candidates,
+            accumulated_attention=accumulated,
+        )
+        self._fill_needs(view, step, inputs, real_offsets, tokens)
+        if order is not None and not self.strategy.order_free:
+            view = ordered_view(view, order)
+        scores = self.strategy.score(view)
+        if not isinstance(scores, torch.Tensor) or scores.shape != candidates.shape:
+            raise ValueError(
+                f"{type(self.strategy).__name__}.score must return a tensor of shape {list(candidates.shape)}, got"
+                f" {getattr(scores, 'shape', type(scores).__name__)}"
+            )
+        return scores
+
+    @property
+    def reads_kv(self) -> bool:
+        """Whether compactions need the layer's stored keys and values (the strategy reads them,
+        or evicted values are merged into kept ones), not only their positions."""
+        return self.strategy.reads_kv or self.merge
+
+    # -- state kept in step with the cache's rows -----------------------------------------------
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        """Row ``i`` of the state becomes old row ``index[i]``."""
+        for layer, state in self._accumulated.items():
+            self._accumulated[layer] = state[index.to(state.device)]
+        for layer, history in self._history.items():
+            self._history[layer] = history.rows(index)
+
+    def compacted(self, layer: int, layout: torch.Tensor) -> None:
+        """The store compacted ``layer``: new slot ``i`` of each head holds what old slot
+        ``layout[..., i]`` held (int64 ``[batch, heads, k]``, ``-1`` past the new length, as
+        :meth:`~kvlib.storage.paged_store.PagedStore.compact` returns it); per-slot state follows."""
+        state = self._accumulated.get(layer)
+        if state is not None:
+            layout = layout.to(state.device)
+            self._accumulated[layer] = state.gather(-1, layout.clamp(min=0)) * (layout >= 0)
+
+    def reset(self) -> None:
+        """Forget all state (the cache starts a new batch)."""
+        self._accumulated.clear()
+        self._decode_steps.clear()
+        self._history.clear()
+        self._call_notes.clear()
+        self._last_layer = -1
+        self._ring = None
+
+    # -- helpers --------------------------------------------------------------------------------
+
+    def _tokens(self, step: LayerStep, real_offsets: torch.Tensor) -> torch.Tensor | None:
+        """int64 ``[batch]``: this call's budget per head on average, or None if it compresses nothing."""
+        batch = step.read.valid.shape[0]
+        device = step.read.valid.device
+        if isinstance(self.budget, float):
+            if step.query_length == 1:
+                return None
+            seen = step.query_offset + step.query_length - real_offsets.to(device)
+            return (seen.to(torch.float64) * self.budget).ceil().clamp(min=1).to(torch.int64)
+        tokens = torch.full((batch,), self.budget, dtype=torch.int64, device=device)
+        if step.query_length == 1:
+            done = self._decode_steps.get(step.layer_idx, 0) + 1
+            self._decode_steps[step.layer_idx] = done
+            return None if done % self.interval else tokens
+        return self.strategy.prompt_tokens(tokens)
+
+    def _caps_and_over(self, request: BudgetRequest | None, counts: torch.Tensor, slack: int) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Per-head caps (None until the scores are known, for score-based allocations) and bool
+        ``[batch, heads]``: the heads to compact, those over their cap plus ``slack`` (all heads of
+        a row, for score-based allocations). Without a request (a call that only drops padding)
+        each head keeps all its candidates."""
+        if request is None:
+            return counts, torch.zeros_like(counts, dtype=torch.bool)
+        if self.allocation.needs_scores:
+            limit = self.allocation.layer_tokens(request).to(counts.device) + slack * counts.shape[1]
+            return None, (counts.sum(-1) > limit).unsqueeze(-1).expand_as(counts)
+        caps = self.allocation.caps(request).to(counts.device)
+        return caps, counts > caps + slack
+
+    def _fill_needs(
+        self, view: LayerView, step: LayerStep, inputs: AttentionInputs, real_offsets: torch.Tensor, tokens: torch.Tensor | None
+    ) -> None:
+        needs = self.strategy.needs
+        total = inputs.query.shape[2]
+        observed = min(self.strategy.observed_queries() or total, total)
+        if "queries" in needs:
+            view.queries = inputs.query
+            view.query_positions = _query_positions(step, inputs.real_new, real_offsets)
+        if "window_queries" in needs:
+            view.window_queries = inputs.query[:, :, total - observed :]
+        if "hidden_states" in needs:
+            view.hidden_states = inputs.hidden_states
+        if "rope" in needs:
+            view.rope = self.rope
+        history = self._history.get(step.layer_idx)
+        if "recent_queries" in needs:
+            view.recent_attention = history.attention(view.keys, view.positions, view.valid, inputs.scaling)
+            view.recent_query_positions = history.positions
+        if "prompt_length" in needs:
+            view.prompt_lengths = history.prompt_lengths
+        if "output_projection" in needs:
+            view.output_projection = self.output_projections[step.layer_idx]
+        if "budget" in needs:
+            view.budget_tokens = tokens
+        if "call_notes" in needs:
+            view.call_notes = self._call_notes
+        if "attention" in needs:
+            if inputs.weights is not None:
+                view.attention = _returned_weights(inputs, total - observed)
+            else:
+                blocks = attention_blocks(step, inputs.query, inputs.mask, inputs.real_new, inputs.scaling, total - observed)
+                view.attention = torch.cat([weights for _, weights in blocks], dim=2)
+
+    def _remember(self, step: LayerStep, inputs: AttentionInputs, real_offsets: torch.Tensor) -> None:
+        """Add this call's queries to the layer's history, for strategies that need it."""
+        needs = self.strategy.needs
+        if "recent_queries" not in needs and "prompt_length" not in needs:
+            return
+        count = (self.strategy.observed_queries() or 0) if "recent_queries" in needs else 0
+        history = self._history.get(step.layer_idx) or QueryHistory.empty(inputs.query)
+        positions = _query_positions(step, inputs.real_new, real_offsets)
+        self._history[step.layer_idx] = history.after_call(inputs.query, positions, count)
+
+    def _accumulate(self, step: LayerStep, inputs: AttentionInputs, real_offsets: torch.Tensor) -> torch.Tensor:
+        """Add this call's attention (as the strategy counts it, :meth:`~kvlib.strategy.Eviction.attention_received`)
+        to each stored token's running sum; returns ``[batch, kv_heads, slots]``."""
+        valid = step.read.valid
+        batch, heads, slots = valid.shape
+        total = torch.zeros(batch, heads, slots, dtype=torch.float32, device=valid.device)
+        previous = self._accumulated.get(step.layer_idx)
+        if previous is not None:
+            width = min(previous.shape[-1], slots)
+            total[..., :width] = previous[..., :width]
+        query_positions = _query_positions(step, inputs.real_new, real_offsets)
+        key_positions = torch.where(valid, step.read.positions - real_offsets.to(valid.device).view(-1, 1, 1), -1)
+        history = self._history.get(step.layer_idx)
+        prompt_lengths = None if history is None else history.prompt_lengths
+
+        def counted(first: int, weights: torch.Tensor) -> torch.Tensor:
+            shown = query_positions[:, first : first + weights.shape[2]].to(weights.device)
+            return self.strategy.attention_received(weights, shown, key_positions.to(weights.device), prompt_lengths, step.layer_idx).sum(2)
+
+        if inputs.weights is not None:
+            received = counted(0, _returned_weights(inputs, 0))
+        else:
+            blocks = attention_blocks(step, inputs.query, inputs.mask, inputs.real_new, inputs.scaling, 0)
+            received = sum(counted(first, weights) for first, weights in blocks)
+        total += received.to(total.device).view(batch, heads, -1, slots).mean(2)
+        return total.masked_fill_(~valid, 0.0)
+
+
+def _returned_weights(inputs: AttentionInputs, first: int) -> torch.Tensor:
+    """The inner attention's weights of queries ``first..``, float32, with padding queries' rows zeroed."""
+    weights = inputs.weights[:, :, first:].float()
+    if inputs.real_new is not None:
+        weights = weights * inputs.real_new[:, first:].view(weights.shape[0], 1, -1, 1)
+    return weights
+
+
+def _to_slot_order(scores: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """Scores of position-ordered slots (``order[..., j]`` is the slot of the ``j``-th) back in slot order."""
+    return torch.empty_like(scores).scatter_(-1, order.to(scores.device), scores)
+
+
+def _ascending(keep: torch.Tensor) -> torch.Tensor:
+    """``keep`` sorted ascending per head with its -1 padding last (the store's compacted order)."""
+    past_end = torch.iinfo(torch.int64).max
+    ordered = torch.sort(torch.where(keep < 0, past_end, keep), dim=-1).values
+    return torch.where(ordered == past_end, -1, ordered)
+
+
+def _query_positions(step: LayerStep, real_new: torch.Tensor | None, real_offsets: torch.Tensor) -> torch.Tensor:
+    """int64 ``[batch, query_length]``: each query's position from its row's first real token, -1 for padding."""
+    device = step.read.positions.device
+    logical = step.query_offset + torch.arange(step.query_length, device=device)
+    positions = logical.unsqueeze(0) - real_offsets.to(device).view(-1, 1)
+    return positions if real_new is None else torch.where(real_new.to(device), positions, -1)
+
+
+def _padding_slots(step: LayerStep, real_new: torch.Tensor | None) -> torch.Tensor:
+    """Bool ``[batch, heads, slots]``: stored slots holding this call's padding tokens."""
+    read = step.read
+    if real_new is None:
+        return torch.zeros_like(read.valid)
+    new_index = read.positions - step.query_offset
+    is_new = read.valid & (new_index >= 0)
+    batch = torch.arange(read.valid.shape[0], device=read.valid.device).view(-1, 1, 1)
+    real = real_new[batch, new_index.clamp(0, step.query_length - 1)]
+    return is_new & ~real

@@ -1,0 +1,201 @@
+"""The one hand-off between a cache's ``update`` and the kvlib attention function of the same layer call.
+
+A `transformers` attention layer calls ``cache.update(k, v, layer_idx)`` and then, at once, its
+attention function with the tensors ``update`` returned. The cache layer publishes a step (a
+:class:`Step`: :class:`LayerStep` for a :class:`~kvlib.adapters.KVCache`,
+:class:`~kvlib.adapters.engine.packed_batch.PackedLayerStep` for the engine's packed batch) that the
+kvlib attention function of the same call takes back and runs (:meth:`Step.attend`):
+
+- from transformers 5.24 on, attention layers pass their attention keyword arguments to the
+  cache (``update(k, v, layer_idx, kwargs=attention_kwargs)``) and then the same dict to the
+  attention function (as transformers' own paged cache hands its block table over): the step
+  travels in that dict under :data:`STEP_KEYWORD`, from one call to the same call's attention;
+- otherwise (older releases, models that pass no kwargs) it waits in a context variable, so
+  threads and async tasks never see each other's steps.
+
+Either way a step is taken only by the attention call it is for (same layer, and the key tensor
+object ``update`` returned), at most once. Attention over anything else (another cache class,
+cross-attention) finds no step and runs unchanged. Data flows one way: ``update`` -> step ->
+attention -> the step's after-attention work (eviction, sealing, ranking, prefix indexing).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from kvlib.kernels.paged_attention import PagedLayer
+from kvlib.storage.read_cache import LayerRead
+from kvlib.storage.step_plan import StepPlan
+
+
+@dataclass(kw_only=True)
+class AttentionCall:
+    """One call of a kvlib attention function, as the step attending it sees it.
+
+    ``query [batch, query_heads, queries, head_dim]`` (after RoPE), ``key`` and ``value``: what the
+    cache's ``update`` returned; ``attention_mask``: the model's mask over logical positions, or
+    None (SDPA's causal shortcut); ``inner``: the SDPA or eager attention function doing the math
+    (``eager`` tells which: eager takes an additive float mask); ``kwargs``: the attention keyword
+    arguments (``scaling``, ``softcap``, ``s_aux``, ``dropout``...), the step's keyword removed."""
+
+    module: torch.nn.Module
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    attention_mask: torch.Tensor | None
+    inner: Callable
+    eager: bool
+    kwargs: dict
+
+    @property
+    def float_mask_dtype(self) -> torch.dtype | None:
+        """The dtype of the additive float mask the inner attention takes over stored slots (the
+        model's float mask's, or the query's for eager attention), or None for a bool mask."""
+        mask = self.attention_mask
+        if mask is not None and mask.dtype != torch.bool:
+            return mask.dtype
+        return self.query.dtype if self.eager else None
+
+    @property
+    def reads_pages(self) -> bool:
+        """Whether a paged kernel reproduces this call's attention: SDPA as the inner function
+        (:func:`paged_attention_applies` to its keyword arguments), not eager attention."""
+        return not self.eager and paged_attention_applies(self.kwargs)
+
+    def run_inner(self, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The inner attention of ``query`` over ``key`` and ``value`` with ``mask``."""
+        return self.inner(self.module, self.query, key, value, mask, **self.kwargs)
+
+
+def paged_attention_applies(kwargs: dict) -> bool:
+    """Whether SDPA with these attention kwargs is plain attention the page kernel reproduces:
+    no attention sinks (``s_aux``) and no dropout (training)."""
+    return kwargs.get("s_aux") is None and not kwargs.get("dropout")
+
+
+class Step(Protocol):
+    """What a cache layer publishes for the attention call of the same layer call."""
+
+    layer_idx: int
+
+    def is_for(self, module: torch.nn.Module, keys: torch.Tensor) -> bool:
+        """Whether the attention call of ``module`` over ``keys`` is the one this step was published for."""
+        ...
+
+    def attend(self, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The attention output (``[batch, queries, query_heads, value_dim]``) and weights (or None),
+        then the step's after-attention work."""
+        ...
+
+
+class StepOwner(Protocol):
+    """The cache layer that stored a :class:`LayerStep`: it attends over its own tokens and does
+    the work that follows attention (see :class:`~kvlib.adapters.cache.cache_layer.KVCacheLayer`)."""
+
+    def attend(self, step: LayerStep, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+
+    def after_attention(
+        self,
+        step: LayerStep,
+        *,
+        query: torch.Tensor,
+        mask: torch.Tensor | None,
+        weights: torch.Tensor | None,
+        real_new: torch.Tensor | None,
+        scaling: float | None,
+    ) -> None: ...
+
+
+@dataclass
+class LayerStep:
+    """One layer call of a :class:`~kvlib.adapters.KVCache`: the tokens attention will run over and
+    how they map to positions.
+
+    Attributes:
+        owner: the cache layer that stored the step (None for a step built only to score a
+            compaction, as the engine does: such a step is never published).
+        layer_idx: the attention layer.
+        read: the layer's stored tokens after the append (physical slots, KV heads).
+        query_offset: logical position of the first new token (tokens seen before this call).
+        query_length: new tokens in this call (the query length).
+        identity: every stored token of every row and head sits at the slot equal to its
+            logical position (nothing was ever dropped), so the model's mask applies as it is.
+        query_positions: int64 ``[query_length]``, the true positions of a call whose queries
+            are scattered tokens already stored (a selective recompute); each attends to the
+            stored tokens at or before its position, and the model's mask is not used. None
+            for an ordinary call (queries at ``query_offset + i``).
+        sparse: a decode step whose attention reads only the pages it chooses by the query
+            (``quest``): ``read`` then holds just the call's new tokens (what ``update``
+            returned), and attention asks the owner for the chosen pages.
+        paged: the layer's tokens where they lie in the pages, for a call whose attention runs
+            straight over them (:mod:`~kvlib.kernels.paged_attention`); ``read`` then holds just the
+            call's new tokens (what ``update`` returned), and no dense copy of the layer exists.
+        plan: the decode step's plan (:mod:`~kvlib.storage.step_plan`), for a call whose tokens were
+            written where it said and whose attention runs over the pages through it; ``read``
+            then holds just the call's new keys and values (positions and validity None).
+    """
+
+    owner: StepOwner | None
+    layer_idx: int
+    read: LayerRead
+    query_offset: int
+    query_length: int
+    identity: bool
+    query_positions: torch.Tensor | None = None
+    sparse: bool = False
+    paged: PagedLayer | None = None
+    plan: StepPlan | None = None
+
+    def is_for(self, module: torch.nn.Module, keys: torch.Tensor) -> bool:
+        return self.read.keys is keys and getattr(module, "layer_idx", None) == self.layer_idx
+
+    def attend(self, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.owner.attend(self, call)
+
+    def after_attention(
+        self,
+        *,
+        query: torch.Tensor,
+        mask: torch.Tensor | None,
+        weights: torch.Tensor | None,
+        real_new: torch.Tensor | None,
+        scaling: float | None,
+    ) -> None:
+        """Hand the attention's inputs to the owner's after-attention work (eviction, sealing,
+        ranking, prefix indexing of this layer)."""
+        self.owner.after_attention(self, query=query, mask=mask, weights=weights, real_new=real_new, scaling=scaling)
+
+
+STEP_KEYWORD = "kvlib_layer_step"
+"""The attention keyword argument that carries a step from ``update`` to attention (5.24+)."""
+
+_active_step: ContextVar[Step | None] = ContextVar("kvlib_active_step", default=None)
+
+
+def publish(step: Step, attention_kwargs: dict | None = None) -> None:
+    """Make ``step`` the one the attention call of its layer takes: put it in the layer call's
+    ``attention_kwargs`` when the model passed them to ``update``, else in the context variable."""
+    if attention_kwargs is not None:
+        attention_kwargs[STEP_KEYWORD] = step
+    else:
+        _active_step.set(step)
+
+
+def take(module: torch.nn.Module, keys: torch.Tensor, attention_kwargs: dict) -> Step | None:
+    """The published step for this attention call, or None if the call is not for it; removes
+    :data:`STEP_KEYWORD` from ``attention_kwargs`` (the inner attention never sees it).
+
+    A step is taken at most once: a second attention call with the same tensors finds nothing.
+    """
+    step = attention_kwargs.pop(STEP_KEYWORD, None)
+    if step is None:
+        step = _active_step.get()
+        if step is None:
+            return None
+        _active_step.set(None)
+    return step if step.is_for(module, keys) else None
