@@ -23,8 +23,8 @@ import torch
 
 from kvlib.adapters.cache.make_cache import make_cache
 from kvlib.adapters.cache.transformers_cache import KVCache
-from kvlib.adapters.model_shape import kv_shape, rope_of
-from kvlib.chunk_store import ChunkStore
+from kvlib.adapters.chunk_store import ChunkStore
+from kvlib.model_shape import kv_shape, rope_of
 from kvlib.rope import rerotate
 from kvlib.strategies.reuse.cacheblend import CacheBlend
 from kvlib.transformers_compat import cache_argument

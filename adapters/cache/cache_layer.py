@@ -24,7 +24,6 @@ from transformers.cache_utils import CacheLayerMixin
 from kvlib.adapters.cache.paged_decode import attention_over_pages
 from kvlib.adapters.cache.prefix_session import PrefixSession
 from kvlib.adapters.cache.sparse_decode import sparse_decode_attention
-from kvlib.adapters.model_shape import KVShape
 from kvlib.adapters.runtime import layer_step
 from kvlib.adapters.runtime.compressor import AttentionInputs, Compressor, PlannedWork
 from kvlib.adapters.runtime.layer_step import AttentionCall, LayerStep

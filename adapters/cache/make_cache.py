@@ -7,7 +7,6 @@ import numbers
 import torch
 
 from kvlib.adapters.cache.transformers_cache import KVCache
-from kvlib.adapters.model_shape import KVShape, kv_shape, model_context, output_projections, rope_of
 from kvlib.adapters.runtime.attention import attach
 from kvlib.adapters.runtime.compressor import Compressor
 from kvlib.codec import Codec, layer_shapes

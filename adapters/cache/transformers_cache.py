@@ -30,7 +30,6 @@ from kvlib.adapters.cache.cache_layer import NOT_THROUGH_KVLIB, PAGED_QUERY_TOKE
 from kvlib.adapters.cache.cache_store import CacheStoreBuilder
 from kvlib.adapters.cache.memory_report import memory_report
 from kvlib.adapters.cache.prefix_session import PrefixSession
-from kvlib.adapters.model_shape import KVShape
 from kvlib.adapters.runtime.compressor import Compressor, PlannedWork
 from kvlib.codec import Codec, PageCodec
 from kvlib.devices import reads_pages_in_place

@@ -48,7 +48,6 @@ from kvlib.adapters.engine.kv_manager import KVManager, page_budget
 from kvlib.adapters.engine.model_runner import ModelRunner
 from kvlib.adapters.engine.request_checks import REQUEST_OPTIONS, checked_request
 from kvlib.adapters.engine.scheduler import Scheduler, StepPlan
-from kvlib.adapters.model_shape import kv_shape, model_context
 from kvlib.adapters.runtime.attention import attach
 from kvlib.codec import Codec
 from kvlib.errors import quoted

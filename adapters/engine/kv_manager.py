@@ -28,7 +28,6 @@ from kvlib.adapters.engine.engine_request import Request
 from kvlib.adapters.engine.handover import Tail, read_tail, tail_key, tail_layout, tail_record
 from kvlib.adapters.engine.page_forecast import PageForecast
 from kvlib.adapters.engine.swap import SwappedSequence, swap_in, swap_out
-from kvlib.adapters.model_shape import KVShape
 from kvlib.codec import Codec, layer_shapes
 from kvlib.devices import check_fits
 from kvlib.model_shape import KVShape

@@ -33,8 +33,6 @@ from kvlib.adapters.runtime.layer_step import LayerStep
 from kvlib.adapters.runtime.merge import merged_values
 from kvlib.adapters.runtime.query_history import QueryHistory
 from kvlib.adapters.runtime.slot_order import along_slots, ordered_view, position_order, to_slots
-from kvlib.paged_store import PagedStore
-from kvlib.read_cache import LayerRead
 from kvlib.selection import position_rank, select_keep
 from kvlib.storage.paged_store import PagedStore
 from kvlib.storage.read_cache import LayerRead

@@ -13,9 +13,6 @@ from kvlib.registry import register
 from kvlib.strategies.budget.adaptive import Adaptive
 from kvlib.strategy import Budget, ContextPrefill, Eviction, LayerView
 
-if TYPE_CHECKING:
-    from kvlib.adapters.cache.transformers_cache import KVCache
-
 FIRST_PROMPT = "\n\nRepeat the previous context exactly."
 LATER_PROMPT = "\n\nRepeat the part of the previous context exactly, starting with"
 """KVzip's reconstruction instructions (the official code's and kvpress's): for the first chunk,
@@ -252,31 +249,6 @@ def __getattr__(name: str) -> object:
         DeprecationWarning,
         stacklevel=2,
     )
-    from kvlib.adapters.kvzip_context import compressed_context  # the alias only: pyproject.toml's contract names it
+    from kvlib.adapters.cache.kvzip_context import compressed_context  # the alias only: pyproject.toml's contract names it
 
-    The first call for a context compresses it (:func:`compress`: two prefills and the
-    reconstruction passes) and holds a fork of the result in ``reuse``
-    (:attr:`~kvlib.PrefixStore.contexts`, in memory, within its ``capacity_bytes``); later calls
-    for the same model, spec, budget, options, reconstruction prompt and context ids get a fork
-    of it (pages shared, copy-on-write) and compute nothing. Each returned cache is the caller's
-    own: what it appends (a question, an answer) never reaches the held one or another fork.
-
-    ``spec``, ``budget`` and ``options`` are :func:`kvlib.make_cache`'s (``spec`` must put KVzip
-    first); everything is checked before the model runs.
-    """
-    from kvlib.adapters.cache.make_cache import make_cache
-
-    if not isinstance(reuse, PrefixStore):
-        raise ValueError(f"reuse must be a kvlib.PrefixStore, got {type(reuse).__name__}")
-    if not reuse.identity.matches(model):
-        raise ValueError("this PrefixStore was built for another model (config or weights differ)")
-    cache = make_cache(model, spec, budget=budget, **options)
-    parameter = next(model.parameters())
-    shaped = f"{cache.spec}|budget={budget!r}|{sorted(options.items())!r}|{prompt!r}"  # the whole spec: codec and allocation too
-    key = reuse.context_key(reuse.namespace(shaped, parameter.dtype, parameter.device, cache.page_size), context_ids)
-    held = reuse.contexts.fork(key)
-    if held is not None:
-        return held
-    compress(model, cache, context_ids, prompt)
-    reuse.contexts.hold(key, cache)
-    return cache
+    return compressed_context

@@ -28,7 +28,7 @@ from kvlib.kernels.paged_scores import attention_weights
 from kvlib.transformers_compat import cache_argument
 from tests.adapters.cache.test_paged_decode import count_dense_reads
 from tests.adapters.conftest import PAD, build_model, left_padded
-from tests.kvlib.test_paged_attention import TOLERANCE, padded_causal_mask, scattered_pages, sdpa_reference
+from tests.kernels.test_paged_attention import TOLERANCE, padded_causal_mask, scattered_pages, sdpa_reference
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

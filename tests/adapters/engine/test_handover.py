@@ -26,7 +26,6 @@ import torch
 import kvlib
 from kvlib.adapters.engine import engine as engine_module
 from kvlib.adapters.engine.handover import HandOver, MessageLimits
-from kvlib.storage.block_record import DIGEST
 from kvlib.storage.local_server import LocalServer
 from kvlib.storage.prefix_block_record import DIGEST
 from kvlib.storage.record_digest import digest

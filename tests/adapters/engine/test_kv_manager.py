@@ -9,7 +9,7 @@ import torch
 
 import kvlib
 from kvlib.adapters.engine.kv_manager import page_budget
-from kvlib.adapters.model_shape import kv_shape
+from kvlib.model_shape import kv_shape
 from tests.adapters.conftest import build_model
 
 

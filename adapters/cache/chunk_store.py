@@ -13,7 +13,7 @@ from collections import OrderedDict
 
 import torch
 
-from kvlib.adapters.make_cache import make_cache
+from kvlib.adapters.cache.make_cache import make_cache
 from kvlib.devices import outside_inference_mode
 from kvlib.model_identity import ModelIdentity
 from kvlib.transformers_compat import cache_argument

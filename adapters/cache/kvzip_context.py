@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from kvlib.adapters.make_cache import make_cache
-from kvlib.adapters.transformers_cache import KVCache
+from kvlib.adapters.cache.make_cache import make_cache
+from kvlib.adapters.cache.transformers_cache import KVCache
 from kvlib.storage.prefix_store import PrefixStore
 from kvlib.strategies.eviction.kvzip import RepeatPrompt, compress
 
