@@ -9,6 +9,7 @@
 """
 
 from kvlib.adapters.cache.blend import blend_cache
+from kvlib.adapters.cache.kvzip_context import compressed_context
 from kvlib.adapters.cache.make_cache import make_cache
 from kvlib.adapters.cache.transformers_cache import KVCache
 from kvlib.adapters.engine.engine import Engine

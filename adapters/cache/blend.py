@@ -21,9 +21,9 @@ from collections.abc import Sequence
 
 import torch
 
+from kvlib.adapters.cache.chunk_store import ChunkStore
 from kvlib.adapters.cache.make_cache import make_cache
 from kvlib.adapters.cache.transformers_cache import KVCache
-from kvlib.adapters.chunk_store import ChunkStore
 from kvlib.model_shape import kv_shape, rope_of
 from kvlib.rope import rerotate
 from kvlib.strategies.reuse.cacheblend import CacheBlend
