@@ -32,8 +32,8 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 # CUDA tests: the paged kernels (torch and Triton) against the CPU path, the store and the cache on
 # the device, the compiled decode step.
 timeout 180 python3 -m pytest -q -p no:cacheprovider -x \
-    tests/kvlib/test_paged_attention_torch.py tests/kvlib/test_paged_attention_triton.py \
-    tests/kvlib/test_store_devices.py tests/adapters/test_cache_devices.py 2>&1 | tee "$out/cuda_tests.txt" | tail -5
+    tests/kernels/test_paged_attention_torch.py tests/kernels/test_paged_attention_triton.py \
+    tests/storage/test_store_devices.py tests/adapters/cache/test_cache_devices.py 2>&1 | tee "$out/cuda_tests.txt" | tail -5
 
 # Decode speed against DynamicCache and StaticCache (Llama-3-8B shapes, bf16), the kernel against a copy.
 timeout 300 python3 benchmarks/gpu_decode.py --out "$out" 2>&1 | tail -40

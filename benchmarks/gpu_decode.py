@@ -22,12 +22,10 @@ Targets: exact >= 1.0x DynamicCache at b1-8k and >= 1.5x at b8-32k; exact >= 0.9
 b8-32k; held25 >= 3x DynamicCache at b8-32k; kivi4 >= 1.2x exact at b8-32k; the kernel at >= 60%
 of the copy's bandwidth. Writes ``gpu_decode.md`` and ``gpu_decode.json`` to ``--out``.
 
-On a lent GPU machine (torch, triton and numba there; kvlib needs transformers >= 5.18 and lmdb,
-carried as wheels, see the device tool's README), from the repository root:
-
-    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:.
-    python3 benchmarks/gpu_decode.py --out $OUT            # about 4 minutes on an H100
-    python3 -m pytest -q tests/kvlib/test_paged_attention_torch.py tests/kvlib/test_store_devices.py tests/adapters/cache/test_cache_devices.py
+On a lent GPU machine (torch, triton and numba there; kvlib also needs transformers >= 5.18 and
+lmdb, carried as wheels), ``benchmarks/gpu_check.sh`` runs the CUDA tests and this benchmark in
+one go: ``benchmarks/gpu_check.sh --download`` here once, then ``benchmarks/gpu_check.sh`` there
+with ``.whl`` carried (the device tool's README).
 """
 
 from __future__ import annotations
