@@ -6,8 +6,7 @@ One paged KV store (:class:`PagedStore`), a registry of strategies (:func:`regis
 requests at once (continuous batching with chunked prefill, preemption and prefix reuse).
 """
 
-from kvlib.adapters import Engine, KVCache, attach, blend_cache
-from kvlib.adapters.cache import make_cache
+from kvlib.adapters import Engine, KVCache, attach, blend_cache, make_cache
 from kvlib.adapters.cache.chunk_store import ChunkStore
 from kvlib.codec import Field, FitSample, PageCodec, TensorCodec, TensorShape
 from kvlib.errors import DiskTierUnavailable, PoolExhaustedError, SpecError
