@@ -204,7 +204,8 @@ class PagedStore(StoreReads):
             if self.read_caches.enabled or tokens < 1:
                 return None
             layout = self._layout = build_layout(self.layers, rows, tokens, self.device, ring)
-            self._changed()
+            for pages in self.layers:
+                pages.open_pages = None  # the layout allocated pages: not self._changed(), which drops it
             self.peak_page_bytes = max(self.peak_page_bytes, self._page_bytes())
             if layout is None:
                 return None

@@ -207,3 +207,22 @@ def test_any_other_change_drops_the_layout() -> None:
     plan.pools[0].write_planned(plan, 0, tokens(1, 1, 1, 4), tokens(1, 1, 1, 5))
     assert store.read(0, [row]).positions[0, 0].tolist() == [0, 1, 7]
     assert_consistent(store)
+
+
+def test_a_page_of_steps_is_laid_out_once(monkeypatch) -> None:
+    """Where each step's token goes is worked out once a page of steps (the bookkeeping a decode
+    step saves): planning must not drop the layout it just built."""
+    import kvlib.storage.paged_store as paged_store
+
+    build, built = paged_store.build_layout, []
+    monkeypatch.setattr(paged_store, "build_layout", lambda *args: built.append(args) or build(*args))
+    store = PagedStore(StoreConfig(2, 1, DIM, page_size=4, pages_per_layer=4, read_cache=False))
+    row = store.new_sequence()
+    for layer in range(2):
+        store.append(layer, [row], tokens(1, 1, 4, layer), tokens(1, 1, 4, layer + 2))
+    for step in range(4):
+        plan = store.plan_step([row], 1)
+        for layer in range(2):
+            plan.pools[layer].write_planned(plan, layer, tokens(1, 1, 1, 10 + step), tokens(1, 1, 1, 20 + step))
+    assert len(built) == 1
+    assert_consistent(store)
