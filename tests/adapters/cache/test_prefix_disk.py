@@ -15,7 +15,7 @@ import pytest
 
 from kvlib.storage.disk_tier import DiskTier
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 PROCESS = """
 import json, sys, torch
 sys.path.insert(0, {repo!r})

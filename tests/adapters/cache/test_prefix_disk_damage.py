@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 
 from tests.storage.tier_damage import data_file, flip, make_read_only, make_writable, page_size, truncate
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 SERVER = """
 import json, os, sys, warnings
 # Fork-safe threading before any fork: GNU OpenMP refuses to run in a child forked from a process

@@ -33,7 +33,7 @@ from kvlib.storage.remote_tier import ENVELOPE, PREFIX, QUEUE, RemoteTier
 from tests.adapters.conftest import VOCAB, build_model, edit_one_weight
 
 KEY = "team"
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 PREFILL = """
 import json, sys
 sys.path.insert(0, {repo!r})

@@ -25,7 +25,7 @@ from tests.adapters.conftest import PAD, build_model
 
 from .test_handover import forged
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 PROMPT = torch.randint(3, 90, (1, 70), generator=torch.Generator().manual_seed(0))
 PROCESS = """
 import json, sys
