@@ -109,6 +109,7 @@ def test_a_decode_step_reads_top_k_pages_per_head() -> None:
     assert all(4 * 4 - 1 <= r <= 4 * 4 for r in read[2:]), read
 
 
+@pytest.mark.slow  # the real model (about a minute here): the stories-level tests above cover it in CI
 def test_smollm2_short_prompt_reading_every_page_equals_the_full_cache() -> None:
     from kvlib.eval import load_model
 

@@ -112,6 +112,7 @@ def test_a_decode_step_reads_window_outliers_and_pages_per_head() -> None:
     assert all(4 * 4 - 1 <= r <= 4 * 4 for r in read[2:]), read
 
 
+@pytest.mark.slow  # the real model (about a minute here): the stories-level tests above cover it in CI
 def test_smollm2_short_prompt_equals_the_untiered_cache() -> None:
     from kvlib.eval import load_model
 
