@@ -84,7 +84,7 @@ class DeepRemainder(TensorCodec):
         raise RuntimeError("MiniCache pages are sealed in pairs (PagedStore.seal on the deeper layer)")
 
     def decode(self, encoded: dict[str, torch.Tensor], heads: torch.Tensor) -> torch.Tensor:
-        raise RuntimeError("a MiniCache deep page decodes with its partner (PartneredPagePool)")
+        raise RuntimeError("a MiniCache deep page decodes with its partner (PartneredPages)")
 
     def decode_with_partner(self, own: dict[str, torch.Tensor], partner: dict[str, torch.Tensor]) -> torch.Tensor:
         """``magnitude x partner direction``, with the kept tokens put back whole."""
