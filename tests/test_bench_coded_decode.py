@@ -12,6 +12,7 @@ BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_coded_decode
 STORIES = Path(__file__).resolve().parents[1].parent / "shared" / "models" / "stories260K"
 
 
+@pytest.mark.slow  # a benchmark's quick run or a quality comparison: run with -m slow (CI's 15 minutes)
 @pytest.mark.skipif(not (STORIES / "config.json").exists(), reason="stories260K checkpoint not available")
 def test_bench_coded_decode_writes_its_report(tmp_path: Path) -> None:
     spec = importlib.util.spec_from_file_location("bench_coded_decode", BENCH)

@@ -46,6 +46,7 @@ def test_eviction_quality_covers_every_registered_strategy(tmp_path: Path) -> No
     assert str(tmp_path) not in report
 
 
+@pytest.mark.slow  # a benchmark's quick run or a quality comparison: run with -m slow (CI's 15 minutes)
 def test_eviction_speed_reports_ratios(tmp_path: Path) -> None:
     result = _load("eviction_speed").run(["--quick", "--strategies", "streaming_llm", "--out", str(tmp_path)])
     saved = json.loads((tmp_path / "eviction_speed.json").read_text())

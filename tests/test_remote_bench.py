@@ -8,9 +8,12 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
+@pytest.mark.slow  # a benchmark's quick run or a quality comparison: run with -m slow (CI's 15 minutes)
 def test_remote_bench_quick(tmp_path: Path, redis_server) -> None:
     sys.path.insert(0, str(BENCHMARKS))
     spec = importlib.util.spec_from_file_location("remote_bench", BENCHMARKS / "remote_bench.py")

@@ -11,6 +11,7 @@ import pytest
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
+@pytest.mark.slow  # a benchmark's quick run or a quality comparison: run with -m slow (CI's 15 minutes)
 @pytest.mark.slow  # SmolLM2, numba compiles and 11 short runs: minutes on a loaded 2-core machine
 def test_shadowkv_bench_quick_compares_quest_shadowkv_and_clusterkv_at_equal_device_bytes(tmp_path: Path) -> None:
     spec = importlib.util.spec_from_file_location("shadowkv_bench", BENCHMARKS / "shadowkv_bench.py")

@@ -52,6 +52,7 @@ def test_recomputing_nothing_keeps_each_chunks_own_kv_at_its_new_place() -> None
     assert store.hits == 3 * model.config.num_hidden_layers and store.misses == 3
 
 
+@pytest.mark.slow  # a benchmark's quick run or a quality comparison: run with -m slow (CI's 15 minutes)
 def test_kv_deviation_restores_more_than_other_rules_and_more_recompute_helps() -> None:
     model = build_model("stories")
     chunks, question = rag_prompt(500, seed=1)

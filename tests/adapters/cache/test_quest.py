@@ -88,6 +88,7 @@ def test_read_selected_returns_exactly_the_chosen_pages() -> None:
         store.read_selected(0, [seq], torch.tensor([[[4], [0]]]))
 
 
+@pytest.mark.slow  # a benchmark's quick run or a quality comparison: run with -m slow (CI's 15 minutes)
 @pytest.mark.slow  # about 100 s on a loaded 2-core machine
 def test_small_top_k_beats_random_pages_on_stories() -> None:
     model = build_model("stories")
