@@ -41,8 +41,9 @@ import torch
 from kvlib.adapters.engine.engine_options import check_engine, engine_codec, request_compressor, without_codec
 from kvlib.adapters.engine.engine_request import Request, RequestState
 from kvlib.adapters.engine.handover_roles import HandOverRole, check_role
-from kvlib.adapters.engine.kv_manager import KVManager, page_budget
+from kvlib.adapters.engine.kv_manager import KVManager
 from kvlib.adapters.engine.model_runner import ModelRunner
+from kvlib.adapters.engine.page_budget import page_budget
 from kvlib.adapters.engine.request_checks import REQUEST_OPTIONS, checked_request
 from kvlib.adapters.engine.scheduler import Scheduler, StepPlan
 from kvlib.adapters.runtime.attention import attach
