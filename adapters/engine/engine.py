@@ -128,15 +128,7 @@ class Engine:
         role: str = "both",
         handover_queue: str = "default",
     ) -> None:
-        check_engine(
-            model,
-            preemption=preemption,
-            page_size=page_size,
-            page_budget_bytes=page_budget_bytes,
-            prefix_cache_bytes=prefix_cache_bytes,
-            prefix_cache=prefix_cache,
-            remote=remote,
-        )
+        check_engine(model, preemption, page_size, page_budget_bytes, prefix_cache_bytes, prefix_cache, remote)
         check_role(role, handover_queue, remote)
         remote = remote_tier(remote, remote_key, remote_trust)  # a missing key fails before the model is touched
         self.role, self.handover_queue = role, handover_queue

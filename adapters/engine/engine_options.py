@@ -28,7 +28,6 @@ PREEMPTION_MODES = ("recompute", "swap")
 
 def check_engine(
     model: torch.nn.Module,
-    *,
     preemption: str,
     page_size: int,
     page_budget_bytes: int | None,
@@ -36,8 +35,9 @@ def check_engine(
     prefix_cache: bool,
     remote: object,
 ) -> None:
-    """``ValueError`` for the first of ``Engine``'s options (as it takes them) that is not valid
-    (the hand-over role's are checked by :func:`~kvlib.adapters.engine.handover_roles.check_role`)."""
+    """``ValueError`` for the first of these ``Engine`` options that is not valid (each argument is
+    the option of its name; the hand-over role's are checked by
+    :func:`~kvlib.adapters.engine.handover_roles.check_role`)."""
     if preemption not in PREEMPTION_MODES:
         raise ValueError(f"preemption must be one of {PREEMPTION_MODES}, got {quoted(preemption)}")
     check_page_size(page_size)
