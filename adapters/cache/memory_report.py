@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from kvlib.adapters.runtime.compressor import Compressor
 from kvlib.model_shape import KVShape
 from kvlib.storage.paged_store import PagedStore
 
@@ -11,7 +12,7 @@ COMPONENTS = ("pages", "positions", "codec_metadata", "key_summaries", "tables",
 """What ``by_component`` splits the bytes held into."""
 
 
-def memory_report(store: PagedStore | None, rows: list[int], shape: KVShape) -> dict:
+def memory_report(store: PagedStore | None, rows: list[int], shape: KVShape, compressor: Compressor | None = None) -> dict:
     """Bytes a cache whose ``rows`` (store sequences) live in ``store`` holds, and what a full
     cache in the compute dtype would hold. A cache holding no rows (before its first update, after
     ``reset``) holds nothing: only its store's reserved arenas and peaks are reported then (all
@@ -28,7 +29,9 @@ def memory_report(store: PagedStore | None, rows: list[int], shape: KVShape) -> 
     after the call, so not in ``total_bytes``); ``full_equivalent_bytes``:
     keys and values, uncompressed, of what a full cache keeps (``DynamicCache``): every logical
     token of a layer, its last ``window - 1`` in a sliding-window layer; ``stored_tokens`` and
-    ``logical_tokens``, summed over layers, rows and KV heads.
+    ``logical_tokens``, summed over layers, rows and KV heads; ``slack_tokens``: the stored tokens
+    over ``compressor``'s held cap (an int budget) that its ``slack`` holds now, summed likewise
+    (0 without a compressor, and for a ring, which never holds more than the cap).
     """
     components = dict.fromkeys(COMPONENTS, 0)
     host = disk = 0
@@ -60,4 +63,9 @@ def memory_report(store: PagedStore | None, rows: list[int], shape: KVShape) -> 
         report["full_equivalent_bytes"] = kept * (shape.head_dim + shape.value_dim) * element
     total = sum(components.values())
     by_tier = {"device": total - host - disk, "host": host, "disk": disk}
+    report["slack_tokens"] = 0
+    if compressor is not None and rows:
+        report["slack_tokens"] = sum(
+            compressor.over_cap(layer, store.physical_lengths(layer, rows).numpy()) for layer in range(shape.num_layers)
+        )
     return {"total_bytes": total, "by_tier": by_tier, "by_component": components, **report}

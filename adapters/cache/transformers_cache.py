@@ -15,7 +15,8 @@ built over logical positions (``get_mask_sizes``) and translated to the stored s
 
 Batch operations (``reorder_cache`` for beam search, ``batch_repeat_interleave``,
 ``batch_select_indices``) fork store sequences, which span every layer: rows that share a history
-share its pages by reference, copy-on-write.
+share its pages by reference, copy-on-write (:mod:`~kvlib.adapters.cache.cache_fork`). A decode
+step is planned for every layer before the forward runs (:mod:`~kvlib.adapters.cache.step_planning`).
 """
 
 from __future__ import annotations
@@ -26,10 +27,12 @@ from collections.abc import Iterator
 import torch
 from transformers.cache_utils import Cache
 
-from kvlib.adapters.cache.cache_layer import NOT_THROUGH_KVLIB, PAGED_QUERY_TOKENS, KVCacheLayer
+from kvlib.adapters.cache.cache_fork import check_forkable, select_rows, share_rows
+from kvlib.adapters.cache.cache_layer import NOT_THROUGH_KVLIB, KVCacheLayer
 from kvlib.adapters.cache.cache_store import CacheStoreBuilder
 from kvlib.adapters.cache.memory_report import memory_report
 from kvlib.adapters.cache.prefix_session import PrefixSession
+from kvlib.adapters.cache.step_planning import plan_decode_step
 from kvlib.adapters.runtime.compressor import Compressor, PlannedWork
 from kvlib.codec import Codec, PageCodec
 from kvlib.devices import reads_pages_in_place
@@ -173,64 +176,9 @@ class KVCache(Cache):
         ``torch.compile(fullgraph=True)`` traces a planned step whole); layer 0's update calls it
         when nothing did (``mask_known`` False: whether the new tokens are real is then read from
         the mask attention gets). Each layer's update then takes :attr:`plan` if it is one of
-        its call's tokens.
-
-        No plan (the step goes layer by layer): more than
-        :data:`~kvlib.adapters.cache.cache_layer.PAGED_QUERY_TOKENS` new tokens, a layer holding nothing
-        yet, padding among the new tokens, a read mirror, a device whose attention cannot read
-        pages in place, tiering, a selective recompute, a held cap compacted at every step (no
-        slack, not a ring), or a store with no plan for these rows."""
-        self.plan, self.plan_idle, self.plan_work, self.step_real_new = None, (), (), None
-        self.prepared = True
-        first = self.layers[0].seen
-        if (
-            tokens > PAGED_QUERY_TOKENS
-            or first == 0
-            or self.read_cache
-            or self.tiering is not None
-            or self.recompute is not None
-            or not self._rows
-            or not reads_pages_in_place(self.store.device)
-            or any(layer.seen != first for layer in self.layers)
-        ):
-            return
-        if attention_mask is not None and (attention_mask.dim() != 2 or not bool(attention_mask[:, -tokens:].all())):
-            if attention_mask.dim() == 2:
-                return  # padding among the new tokens: the general path drops it
-            mask_known = False
-        ring = None
-        if self.compressor is not None:
-            ring = self.compressor.ring(len(self._rows), self.shape.num_kv_heads) if self.reuse_slots else None
-            if ring is None and self.compressor.compacts_each_step(tokens):
-                return
-        plan = self.store.plan_step(self._rows, tokens, ring)
-        if plan is None:
-            return
-        self.plan, self.plan_known_real = plan, mask_known
-        self.plan_work = tuple(self._work_after(layer, tokens, mask_known) for layer in range(self.shape.num_layers))
-        self.plan_idle = tuple(work is PlannedWork.NONE and not self._keeps_books_after(layer) for layer, work in enumerate(self.plan_work))
-
-    def _work_after(self, layer: int, tokens: int, mask_known: bool) -> PlannedWork:
-        """What the compressor does after this planned step's attention in ``layer``."""
-        compressor = self.compressor
-        if compressor is None:
-            return PlannedWork.NONE
-        codec = self.codecs[layer] if self.codecs is not None else None
-        if not mask_known or (codec is not None and codec.uses_salience):
-            return PlannedWork.GENERAL
-        return compressor.planned_work(layer, tokens, self.store.tables[layer].lengths_np[self.plan.rows_np])
-
-    def _keeps_books_after(self, layer: int) -> bool:
-        """Whether ``layer`` has pages to seal after this planned step, slides past its window, or
-        is the last layer of a cache whose prompt pages a prefix session indexes."""
-        if self.session is not None and layer == self.shape.num_layers - 1:
-            return True
-        if self.layers[layer].slides(self.plan.tokens):
-            return True
-        if self.codecs is None or self.codecs[layer] is None:
-            return False
-        table, rows = self.store.tables[layer], self.plan.rows_np
-        return bool((table.lengths_np[rows] // table.page_size > table.sealed_np[rows]).any())
+        its call's tokens. When there is no plan (the step goes layer by layer), and what a plan
+        sets: :mod:`~kvlib.adapters.cache.step_planning`."""
+        plan_decode_step(self, tokens, attention_mask, mask_known)
 
     def load(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
         """Fill this empty cache with precomputed keys (after RoPE) and values of every layer,
@@ -348,17 +296,17 @@ class KVCache(Cache):
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Row ``i`` becomes a copy of old row ``beam_idx[i]`` (beam search)."""
-        self._select_rows(beam_idx)
+        select_rows(self, beam_idx)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         """Each row repeated ``repeats`` times in place (``[a, b] -> [a, a, b, b]``)."""
         if not isinstance(repeats, int) or repeats < 1:
             raise ValueError(f"repeats must be a positive int, got {repeats!r}")
-        self._select_rows(torch.arange(max(len(self._rows), 0)).repeat_interleave(repeats))
+        select_rows(self, torch.arange(max(len(self._rows), 0)).repeat_interleave(repeats))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         """Keep the rows at ``indices`` (in that order; repeats allowed)."""
-        self._select_rows(indices)
+        select_rows(self, indices)
 
     def crop(self, tokens_to_remove: int) -> None:
         """Drop the last ``-tokens_to_remove`` tokens seen (``tokens_to_remove <= 0``, as in ``DynamicCache``).
@@ -386,41 +334,10 @@ class KVCache(Cache):
         a PrefixStore (its session owns its rows), one with a tiering strategy (its spilled pages
         are its own), and one that holds nothing yet.
         """
-        if self.compressor is not None:
-            raise ValueError(f"fork needs a cache that no longer evicts; this one runs {self.compressor.strategy.spec()}")
-        if self.session is not None:
-            raise ValueError("fork is for caches outside a PrefixStore; this one was primed from one (make_cache(reuse=...))")
-        if self.tiering is not None:
-            raise ValueError(f"fork is for caches without tiering; this one spills pages with {self.tiering.spec()}")
-        if not self._rows:
-            raise ValueError("the cache holds no tokens yet: run the model with it first")
+        check_forkable(self)
         copy = KVCache(self.shape, page_size=self.page_size, read_cache=self.read_cache, codec=self.codec, spec=self.spec)
-        copy.home = self.home
-        copy.builder.codecs = self.builder.codecs  # fitted codecs of the shared pages
-        copy.store = self.store
-        copy.reuse_slots = self.reuse_slots
-        copy._rows.extend(self.store.fork(row) for row in self._rows)
-        copy.padding = self.padding.clone()
-        for mine, theirs in zip(copy.layers, self.layers):
-            mine.seen, mine.identity = theirs.seen, theirs.identity
+        share_rows(self, copy)
         return copy
-
-    def _select_rows(self, index: torch.Tensor) -> None:
-        """Row ``i`` becomes a fork of old row ``index[i]`` in every layer (store sequences span
-        layers); the padding and the compressor's per-row state follow."""
-        if not self._rows:
-            return
-        index = torch.as_tensor(index).to("cpu", torch.int64).flatten()
-        if bool(((index < 0) | (index >= len(self._rows))).any()):
-            raise ValueError(f"row indices must be in [0, {len(self._rows)}), got {index.tolist()}")
-        if index.tolist() == list(range(len(self._rows))):
-            return
-        old = list(self._rows)
-        self._rows[:] = [self.store.fork(old[i]) for i in index.tolist()]  # in place: a prefix session shares the list
-        self.store.release(old)
-        self.padding = self.padding[index.to(self.padding.device)]
-        if self.compressor is not None:
-            self.compressor.select_rows(index)
 
     # -- inspection -----------------------------------------------------------------------------
 
@@ -437,14 +354,7 @@ class KVCache(Cache):
         :func:`~kvlib.adapters.cache.memory_report.memory_report` for the keys), and ``slack_tokens``:
         the stored tokens over the held cap (an int budget) that its ``slack`` holds now, summed
         over layers, rows and KV heads (0 for a ring, which never holds more than the cap)."""
-        report = memory_report(self.store, self._rows, self.shape)
-        report["slack_tokens"] = 0
-        if self.compressor is not None and self._rows:
-            report["slack_tokens"] = sum(
-                self.compressor.over_cap(layer, self.store.physical_lengths(layer, self._rows).numpy())
-                for layer in range(self.shape.num_layers)
-            )
-        return report
+        return memory_report(self.store, self._rows, self.shape, self.compressor)
 
     def __repr__(self) -> str:
         spec = "exact" if self.compressor is None else f"{self.compressor.strategy.spec()}, budget={self.compressor.budget}"

@@ -21,7 +21,7 @@ prompts and outputs go into a prefix index (:class:`~kvlib.PrefixStore`), so req
 a prefix (system prompts, documents, earlier chat turns) attach its pages instead of
 recomputing them; unused cached pages are reclaimed before anyone is preempted.
 
-Invariants (``tests/adapters/test_engine*.py``): with no eviction, each request's greedy
+Invariants (``tests/adapters/engine/test_engine*.py``): with no eviction, each request's greedy
 output equals ``model.generate`` on its prompt alone, whatever the batch mix, chunking, page
 budget and preemption; every page is released when requests finish or abort (only the prefix
 index holds pages then); the pools never exceed the budget; a running request holds only the
@@ -32,40 +32,32 @@ so with a budget that fits every request alone, every step either runs tokens or
 
 from __future__ import annotations
 
-import math
-import secrets
 import time
-import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
-from kvlib.adapters.cache.make_cache import eviction_compressor
+from kvlib.adapters.engine.engine_options import check_engine, engine_codec, request_compressor, without_codec
 from kvlib.adapters.engine.engine_request import Request, RequestState
-from kvlib.adapters.engine.handover import HandOver, MessageLimits
-from kvlib.adapters.engine.kv_manager import KVManager, page_budget
+from kvlib.adapters.engine.handover_roles import HandOverRole, check_role
+from kvlib.adapters.engine.kv_manager import KVManager
 from kvlib.adapters.engine.model_runner import ModelRunner
+from kvlib.adapters.engine.page_budget import page_budget
 from kvlib.adapters.engine.request_checks import REQUEST_OPTIONS, checked_request
 from kvlib.adapters.engine.scheduler import Scheduler, StepPlan
 from kvlib.adapters.runtime.attention import attach
-from kvlib.codec import Codec
 from kvlib.errors import quoted
-from kvlib.limits import MAX_REQUEST_TOKENS, check_page_size
+from kvlib.limits import MAX_REQUEST_TOKENS
 from kvlib.model_shape import kv_shape, model_context
-from kvlib.spec import Spec, parse_spec
+from kvlib.spec import parse_spec
 from kvlib.storage.open_tiers import remote_tier
 
 if TYPE_CHECKING:
+    from kvlib.adapters.engine.handover import HandOver
     from kvlib.storage.paged_store import PagedStore
     from kvlib.storage.prefix_store import PrefixStore
     from kvlib.storage.remote_tier import RemoteTier
-
-PREEMPTION_MODES = ("recompute", "swap")
-MAX_MESSAGES_PER_RECEIVE = 1024
-"""Messages :meth:`Engine.receive` pops at most per call, so a queue fed faster than it is read
-never keeps a decode worker from stepping."""
-ROLES = ("both", "prefill", "decode")
 
 
 class Engine:
@@ -136,31 +128,11 @@ class Engine:
         role: str = "both",
         handover_queue: str = "default",
     ) -> None:
-        if preemption not in PREEMPTION_MODES:
-            raise ValueError(f"preemption must be one of {PREEMPTION_MODES}, got {quoted(preemption)}")
-        check_page_size(page_size)
-        _check_bytes("page_budget_bytes", page_budget_bytes, minimum=1)
-        _check_bytes("prefix_cache_bytes", prefix_cache_bytes, minimum=0)
-        _check_model(model)
-        if remote is not None and not prefix_cache:
-            raise ValueError("remote needs prefix_cache=True: the remote tier holds the prefix cache's pages")
-        if role not in ROLES:
-            raise ValueError(f"role must be one of {ROLES}, got {quoted(role)}")
-        if role != "both" and remote is None:
-            raise ValueError(f"role={quoted(role)} hands requests over through a server: give remote=")
-        if not isinstance(handover_queue, str) or not handover_queue:
-            raise ValueError(f"handover_queue must be a non-empty str, got {handover_queue!r}")
+        check_engine(model, preemption, page_size, page_budget_bytes, prefix_cache_bytes, prefix_cache, remote)
+        check_role(role, handover_queue, remote)
         remote = remote_tier(remote, remote_key, remote_trust)  # a missing key fails before the model is touched
         self.role, self.handover_queue = role, handover_queue
         self.page_size = page_size
-        self._handovers: dict[int, HandOver] = {}
-        """Prefill role: the message of each request being prefilled, by request id."""
-        self._sender = secrets.token_hex(16)
-        """Prefill role: the token naming this engine in its messages (request ids repeat across engines)."""
-        self._taken: set[tuple[str, int]] = set()
-        """Decode role: the ``(sender, id)`` of every message taken, so a replay or a duplicate is refused."""
-        self.handover_s: dict[int, float] = {}
-        """Decode role: seconds from a hand-over's start (prefill side) to its request queued here with its pages, by request id."""
         self.scheduler = Scheduler(max_batch_tokens, max_running, reserve_pages, fairness_steps)
         self.model = model
         self.shape = kv_shape(model)
@@ -168,41 +140,23 @@ class Engine:
         self.context = model_context(model)
         """Most tokens (prompt plus new) of a request: the model's declared context (None: none declared)."""
         parsed = parse_spec(spec)
-        self.codec = _engine_codec(parsed)
-        self.default_spec = (_without_codec(parsed), budget)
-        self._compressor(*self.default_spec)  # a bad default spec fails now
+        self.codec = engine_codec(parsed)
+        self.default_spec = (without_codec(parsed), budget)
+        request_compressor(model, *self.default_spec, None, page_size=page_size)  # a bad default spec fails now
         parameter = next(model.parameters())
         self.dtype, self.device = parameter.dtype, parameter.device
-        sizes = page_budget(
-            self.shape,
-            codec=self.codec,
-            page_size=page_size,
-            dtype=self.dtype,
-            device=self.device,
-            page_budget_bytes=page_budget_bytes,
-            prefix_cache_bytes=prefix_cache_bytes,
-        )
+        pages = {"codec": self.codec, "page_size": page_size, "dtype": self.dtype, "device": self.device}
+        sizes = page_budget(self.shape, **pages, page_budget_bytes=page_budget_bytes, prefix_cache_bytes=prefix_cache_bytes)
         attach(model)  # everything is checked: the model's attention goes through kvlib from now on
         self.kv = KVManager(
-            model,
-            self.shape,
-            sizes,
-            codec=self.codec,
-            page_size=page_size,
-            dtype=self.dtype,
-            device=self.device,
-            read_cache=read_cache,
-            prefix_cache=prefix_cache,
-            preemption=preemption,
-            remote=remote,
+            model, self.shape, sizes, **pages, read_cache=read_cache, prefix_cache=prefix_cache, preemption=preemption, remote=remote
         )
-        if role != "both":
-            _warn_if_queues_evict(self.prefix.remote)
+        self.handover_role = HandOverRole(role, handover_queue, self.kv, vocab=self.vocab, max_tokens=self.context or MAX_REQUEST_TOKENS)
+        """The prefill or decode side of hand-overs (:mod:`~kvlib.adapters.engine.handover_roles`; idle for role ``"both"``)."""
         self.runner = ModelRunner(model, self.kv.store, codec=self.codec, device=self.device)
         self.requests: dict[int, Request] = {}
         self._next_id = 0
         self._counters = {"steps": 0, "forward_tokens": 0, "output_tokens": 0, "prompt_tokens": 0, "cached_tokens": 0, "preemptions": 0}
-        self._counters |= {"handed_over": 0, "lost_handovers": 0, "bad_handovers": 0}
         self._started: float | None = None
 
     @property
@@ -214,6 +168,11 @@ class Engine:
     def prefix(self) -> PrefixStore | None:
         """The prefix cache (the KV manager's), or None with ``prefix_cache=False``."""
         return self.kv.prefix
+
+    @property
+    def handover_s(self) -> dict[int, float]:
+        """Decode role: seconds from a hand-over's start (prefill side) to its request queued here with its pages, by request id."""
+        return self.handover_role.handover_s
 
     # -- public API ----------------------------------------------------------------------------
 
@@ -260,10 +219,12 @@ class Engine:
         ids, eos = checked_request(prompt, settings, vocab=self.vocab, context=self.context)
         do_sample, temperature, top_k, top_p = (settings[name] for name in ("do_sample", "temperature", "top_k", "top_p"))
         self.kv.check_fits(len(ids), max_new_tokens, self.scheduler.reserve_pages)
-        compressor = self._compressor(*((spec, budget) if spec is not None else self.default_spec), slack)
+        compressor = request_compressor(
+            self.model, *((spec, budget) if spec is not None else self.default_spec), slack, page_size=self.page_size
+        )
         handover = None
         if self.role == "prefill":  # run all but the last token here; the decode side draws every output token
-            handover = HandOver.of(-1, ids, settings, model=self.prefix.fingerprint.hex(), sender=self._sender)
+            handover = self.handover_role.message(ids, settings)
             ids, max_new_tokens, do_sample, eos, compressor = ids[:-1] or ids, 1, False, frozenset(), None
         generator = None
         if do_sample:
@@ -278,14 +239,9 @@ class Engine:
         request.request_id, request.arrival = self._next_id, time.perf_counter()
         self._next_id += 1
         self.requests[request.request_id] = request
-        if handover is not None:
-            handover.id = request.request_id
-        if handover is not None and len(handover.tokens) == 1:  # nothing to prefill: handed over at once
+        if handover is not None and self.handover_role.queued(request, handover):  # nothing to prefill: handed over at once
             request.state = RequestState.FINISHED
-            self._push(handover)
             return request.request_id
-        if handover is not None:
-            self._handovers[request.request_id] = handover
         self.kv.fetch(request)
         if self.role == "decode":
             self.kv.fetch_tail(request)
@@ -313,13 +269,7 @@ class Engine:
         for request, _ in plan.chunks:
             self.kv.index(request)
             if request.done:
-                handover = self._handovers.pop(request.request_id, None)
-                if handover is not None:  # prefill role: its token is the decode side's to draw
-                    produced.pop(request.request_id, None)
-                    request.output.clear()
-                    handover.sent_at = time.time()
-                    self.kv.publish_tail(request)
-                    self._push(handover)
+                self.handover_role.finish(request, produced)  # prefill role: its token is the decode side's to draw
                 self._leave(request, RequestState.FINISHED)
         self._counters["steps"] += 1
         return produced
@@ -334,53 +284,11 @@ class Engine:
         sizes, this engine's model and context, page budget) or repeats one already taken is
         skipped and counted in ``stats()["bad_handovers"]``, and every genuine message popped in
         the call is queued and returned whatever comes after it. At most
-        :data:`MAX_MESSAGES_PER_RECEIVE` messages are popped per call (the rest wait for the next)."""
+        :data:`~kvlib.adapters.engine.handover_roles.MAX_MESSAGES_PER_RECEIVE` messages are popped per
+        call (the rest wait for the next)."""
         if self.role != "decode":
             raise ValueError(f"receive() is for an Engine with role='decode'; this one's role is {quoted(self.role)}")
-        if isinstance(wait_s, bool) or not isinstance(wait_s, (int, float)) or not 0 <= wait_s < math.inf:
-            raise ValueError(f"wait_s must be a finite number of seconds >= 0, got {quoted(wait_s)}")
-        remote, received = self.prefix.remote, {}
-        value = remote.pop(self.handover_queue, wait_s)
-        for popped in range(1, MAX_MESSAGES_PER_RECEIVE + 1):
-            if value is None:
-                break
-            taken = self._take_over(value)
-            if taken is not None:
-                received[taken[0]] = taken[1]
-            value = remote.pop(self.handover_queue, 0.0) if popped < MAX_MESSAGES_PER_RECEIVE else None
-        return received
-
-    def _take_over(self, value: bytes) -> tuple[int, int] | None:
-        """Queue the request in ``value`` (popped from the hand-over queue); returns ``(prefill
-        side's id, local id)``, or None for a message refused (counted in ``bad_handovers``)."""
-        limits = self._message_limits()
-        try:
-            message = self.prefix.remote.open_message(self.handover_queue, value, limits.max_bytes)
-            if message is None:
-                raise ValueError("longer than any hand-over message, or not sealed with this engine's remote key")
-            handover = HandOver.from_bytes(message, limits)
-            origin = (handover.sender, handover.id)
-            if origin in self._taken:
-                raise ValueError(f"hand-over {origin} was taken already (a replay or a duplicate id)")
-            local = self._enqueue(*self._prepare(handover.tokens, handover.settings() | {"spec": None, "budget": None}))
-        except ValueError:
-            self._counters["bad_handovers"] += 1
-            return None
-        self._taken.add(origin)
-        self.handover_s[local] = time.time() - handover.sent_at
-        return handover.id, local
-
-    def _message_limits(self) -> MessageLimits:
-        """What this engine accepts in a hand-over message: its model, vocabulary and context."""
-        return MessageLimits(self.prefix.fingerprint.hex(), self.vocab, self.context or MAX_REQUEST_TOKENS)
-
-    def _push(self, handover: HandOver) -> None:
-        """Prefill role: send ``handover`` to the decode side; a push the server did not take
-        (down, full, out of memory) is counted in ``lost_handovers``, never in ``handed_over``."""
-        if self.prefix.remote.push(self.handover_queue, handover.to_bytes()):
-            self._counters["handed_over"] += 1
-        else:
-            self._counters["lost_handovers"] += 1
+        return self.handover_role.receive(wait_s, lambda tokens, settings: self._enqueue(*self._prepare(tokens, settings)))
 
     def generate(self, prompts: Sequence[Sequence[int] | torch.Tensor], max_new_tokens: int = 32, **options) -> list[list[int]]:
         """Serve ``prompts`` to completion; returns each one's new tokens, in order. Every prompt
@@ -439,7 +347,7 @@ class Engine:
         free (per layer, the fullest layer; free is None without a page budget), the store's
         ``memory_bytes`` by component (pages, read mirror, ...), requests by state, and the remote
         tier's counters (``remote``: hits, misses, writes, faults; None without one)."""
-        counters = dict(self._counters)
+        counters = self._counters | self.handover_role.counters
         elapsed = time.perf_counter() - self._started if self._started is not None else 0.0
         counters["prefix_hit_rate"] = counters["cached_tokens"] / counters["prompt_tokens"] if counters["prompt_tokens"] else 0.0
         counters["tokens_per_s"] = counters["output_tokens"] / elapsed if elapsed > 0 else 0.0
@@ -464,70 +372,3 @@ class Engine:
         self.scheduler.remove(request)
         self.kv.release(request)
         request.state = state
-
-    def _compressor(self, spec: str | None, budget: int | float | None, slack: int | None = None):
-        """A fresh compressor for ``spec`` (eviction and budget strategies only), or None."""
-        if slack is not None and (isinstance(slack, bool) or not isinstance(slack, int) or slack < 0 or not isinstance(budget, int)):
-            raise ValueError(f"slack must be an int >= 0 and goes with an int budget, got slack={quoted(slack)}, budget={quoted(budget)}")
-        parsed = parse_spec(spec)
-        others = [kind for kind in ("quantization", "lowrank", "reuse", "tiering") if getattr(parsed, kind)]
-        if others:
-            raise ValueError(
-                f"the engine applies eviction (and budget) strategies per request; {parsed} also has {', '.join(others)}"
-                " (a quantization codec applies to every request: Engine(model, spec='kivi(bits=4)'); prefix reuse is"
-                " built in: prefix_cache=True)"
-            )
-        compressor = eviction_compressor(self.model, parsed, budget, slack, page_size=self.page_size)
-        if compressor is not None and "hidden_states" in compressor.strategy.needs:
-            raise ValueError(f"{parsed.eviction.spec()} needs the attention input (hidden_states), which the engine does not record")
-        return compressor
-
-
-def _warn_if_queues_evict(remote: RemoteTier) -> None:
-    """Warn when ``remote``'s server may evict hand-over queues (``maxmemory-policy allkeys-*``)."""
-    policy = remote.eviction_policy()
-    if policy is not None and policy.startswith("allkeys"):
-        warnings.warn(
-            f"the remote server's maxmemory-policy is {policy}: when it fills, queued hand-over messages are evicted like"
-            " records (lost requests); run it with volatile-lru (records have a time to live, queues none) or noeviction",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-
-
-def _engine_codec(spec: Spec) -> Codec | None:
-    """The spec's quantization codec (every request's pages), or None; ``ValueError`` for codecs
-    the engine cannot share between requests and for tiering."""
-    if spec.lowrank is not None:
-        raise ValueError(
-            f"{spec.lowrank.spec()} fits itself to each prompt; the engine's pages are shared by requests: use a quantization codec"
-        )
-    if spec.tiering is not None or spec.reuse:
-        raise ValueError(f"the engine does not apply tiering or reuse strategies yet ({spec}); prefix reuse is built in: prefix_cache=True")
-    return spec.quantization
-
-
-def _without_codec(spec: Spec) -> str | None:
-    """The spec's eviction and budget strategies as a spec string (None when it has neither)."""
-    kept = [strategy.spec() for strategy in (spec.eviction, spec.budget) if strategy is not None]
-    return "+".join(kept) or None
-
-
-def _check_bytes(name: str, value: object, *, minimum: int) -> None:
-    """``ValueError`` unless ``value`` is None or an int >= ``minimum`` (bytes)."""
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < minimum):
-        raise ValueError(f"{name} must be an int >= {minimum} (bytes) or None, got {quoted(value)}")
-
-
-def _check_model(model: torch.nn.Module) -> None:
-    """``ValueError`` for models kvlib cannot cache (:func:`kv_shape`: MLA, no attention KV, ...)
-    or the packed batch cannot serve exactly (sliding-window attention); before ``attach``."""
-    kv_shape(model)
-    config = model.config.get_text_config()
-    layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
-    sliding = getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True)
-    if layer_types != {"full_attention"} or sliding:
-        raise ValueError(
-            f"the engine serves models whose layers all use full causal attention; {type(model).__name__} has"
-            f" {sorted(layer_types)} layers{' with a sliding window' if sliding else ''}"
-        )

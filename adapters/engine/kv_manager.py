@@ -1,4 +1,5 @@
-"""The Engine's KV manager: the paged store, its page budget, the prefix index and swap space.
+"""The Engine's KV manager: the paged store, its page budget, the prefix index and swap space (the
+store's sizes are worked out and checked by :mod:`~kvlib.adapters.engine.page_budget`).
 
 It answers the scheduler's page questions through a :class:`~kvlib.adapters.engine.page_forecast.PageForecast`
 (pages a request's tokens need, cached tokens, admission and swap-in pages, what a reclaim or a
@@ -18,18 +19,16 @@ in every layer); a swapped-out request holds no pages, only host memory.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
 from kvlib.adapters.engine.engine_request import Request
 from kvlib.adapters.engine.handover import Tail, read_tail, tail_key, tail_layout, tail_record
+from kvlib.adapters.engine.page_budget import PageBudget
 from kvlib.adapters.engine.page_forecast import PageForecast
 from kvlib.adapters.engine.swap import SwappedSequence, swap_in, swap_out
-from kvlib.codec import Codec, layer_shapes
-from kvlib.devices import check_fits
+from kvlib.codec import Codec
 from kvlib.model_shape import KVShape
 from kvlib.storage.paged_store import PagedStore
 from kvlib.storage.prefix_block_record import BlockLayout
@@ -38,61 +37,8 @@ from kvlib.storage.prefix_store import PrefixStore
 from kvlib.storage.remote_tier import RemoteTier
 from kvlib.storage.store_config import StoreConfig
 
-DEFAULT_PREFIX_CACHE_BYTES = 2**30
-"""Bytes of unused cached pages kept without a page budget or ``prefix_cache_bytes``."""
-
 GROWING_FREE_PAGES = 2**62
 """Free pages reported for pools that grow as needed (never short)."""
-
-
-@dataclass(frozen=True)
-class PageBudget:
-    """The store's sizes, checked before anything is allocated: ``pages`` per layer (None: the
-    pools grow), each layer's page ``codecs`` (None: raw pages), ``prefix_bytes``, the bytes
-    of unused cached pages the prefix index keeps, and ``open_page_cost``, the budget pages an
-    open page counts for (its raw keys and values over a sealed page's encoded bytes, rounded
-    up; 1 without a codec)."""
-
-    pages: int | None
-    codecs: list | None
-    prefix_bytes: int
-    open_page_cost: int = 1
-
-
-def page_budget(
-    shape: KVShape,
-    *,
-    codec: Codec | None,
-    page_size: int,
-    dtype: torch.dtype,
-    device: torch.device,
-    page_budget_bytes: int | None,
-    prefix_cache_bytes: int | None,
-) -> PageBudget:
-    """The pages ``page_budget_bytes`` holds per layer (with a codec, sealed pages count at their
-    encoded size, open pages at their raw size: ``open_page_cost`` encoded pages) and the prefix
-    cache's byte budget; ``ValueError`` when the budget holds less than one open page per KV head
-    or more than ``device`` has available (see :func:`_check_memory_budgets`). Positions (int64
-    per page slot) are bookkeeping on top of the budget."""
-    codecs = None
-    if codec is not None:
-        codecs = codec.layer_codecs(
-            layer_shapes(shape.num_layers, shape.num_kv_heads, shape.head_dim, shape.value_dim, page_size, dtype, device)
-        )
-    raw_page_bytes = kv_page_bytes = page_size * (shape.head_dim + shape.value_dim) * dtype.itemsize
-    if codecs is not None:  # the budget counts sealed pages at their encoded size
-        kv_page_bytes = codecs[0].page_bytes()
-    open_page_cost = math.ceil(raw_page_bytes / kv_page_bytes)
-    pages = None if page_budget_bytes is None else page_budget_bytes // (shape.num_layers * kv_page_bytes)
-    if pages is not None and pages < shape.num_kv_heads * open_page_cost:
-        raise ValueError(
-            f"page_budget_bytes={page_budget_bytes} holds {pages} pages per layer; one token needs"
-            f" {shape.num_kv_heads * open_page_cost} (one open page of {raw_page_bytes} bytes, {open_page_cost} of {kv_page_bytes}"
-            f" bytes, per KV head per layer, {shape.num_layers} layers)"
-        )
-    positions_bytes = 0 if pages is None else pages * shape.num_layers * page_size * 8  # int64 per page slot
-    prefix_bytes = _check_memory_budgets(page_budget_bytes, prefix_cache_bytes, positions_bytes, device)
-    return PageBudget(pages, codecs, prefix_bytes, open_page_cost)
 
 
 class KVManager:
@@ -101,7 +47,7 @@ class KVManager:
     Args:
         model: the served model (its fingerprint keys the prefix index).
         shape: its KV shape (layers, KV heads, head sizes).
-        budget: the checked sizes (:func:`page_budget`).
+        budget: the checked sizes (:func:`~kvlib.adapters.engine.page_budget.page_budget`).
         codec: the engine-wide page codec (its spec names the prefix namespace), or None.
         page_size: tokens per page.
         dtype, device: of the model's parameters (the pages').
@@ -397,22 +343,3 @@ class KVManager:
     def _blocks(self, tokens: list[int], count: int) -> list[list[int]]:
         size = self.page_size
         return [tokens[i * size : (i + 1) * size] for i in range(count)]
-
-
-def _check_memory_budgets(page_budget_bytes: int | None, prefix_cache_bytes: int | None, positions_bytes: int, device: torch.device) -> int:
-    """The prefix cache's byte budget; ``ValueError`` (before anything is allocated) when the
-    page budget, which the pools take up front with ``positions_bytes`` of their pages'
-    positions, is more than ``device`` has available, or when ``prefix_cache_bytes`` is more than
-    the page budget its pages live in (without one, more than the device has available)."""
-    if page_budget_bytes is not None:
-        check_fits(f"page_budget_bytes={page_budget_bytes}", page_budget_bytes + positions_bytes, device)
-    if prefix_cache_bytes is None:
-        return page_budget_bytes or DEFAULT_PREFIX_CACHE_BYTES
-    if page_budget_bytes is not None and prefix_cache_bytes > page_budget_bytes:
-        raise ValueError(
-            f"prefix_cache_bytes={prefix_cache_bytes} is more than page_budget_bytes={page_budget_bytes}: the cached"
-            " pages live in the page budget"
-        )
-    if page_budget_bytes is None:
-        check_fits(f"prefix_cache_bytes={prefix_cache_bytes} (cached pages, no page budget)", prefix_cache_bytes, device)
-    return prefix_cache_bytes

@@ -24,7 +24,7 @@ import redis
 import torch
 
 import kvlib
-from kvlib.adapters.engine import engine as engine_module
+from kvlib.adapters.engine import handover_roles
 from kvlib.adapters.engine.handover import HandOver, MessageLimits
 from kvlib.storage.local_server import LocalServer
 from kvlib.storage.prefix_block_record import DIGEST
@@ -182,7 +182,7 @@ def test_receive_pops_a_bounded_number_of_messages_per_call(module_redis_server,
     cases = requests()[2:5]
     expected = served_alone(model, cases)
     hand_over(model, url, queue, cases)
-    monkeypatch.setattr(engine_module, "MAX_MESSAGES_PER_RECEIVE", 2)
+    monkeypatch.setattr(handover_roles, "MAX_MESSAGES_PER_RECEIVE", 2)
     decode = decode_engine(model, url, queue)
     first, second = decode.receive(), decode.receive()
     assert len(first) == 2 and len(second) == 1 and sorted(first | second) == [0, 1, 2]  # in the order the prefills finished

@@ -1,6 +1,6 @@
 """The KV manager's page budget with a codec: open pages count at their raw size, so the keys and
-values an Engine holds between steps stay within ``page_budget_bytes``, whatever the codec; the
-exact Engine's page counts are unchanged."""
+values an Engine holds between steps stay within ``page_budget_bytes``, whatever the codec (the
+budget's sizes and the exact Engine's page counts: ``test_page_budget.py``)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import pytest
 import torch
 
 import kvlib
-from kvlib.adapters.engine.kv_manager import page_budget
 from kvlib.model_shape import kv_shape
 from tests.adapters.conftest import build_model
 
@@ -39,20 +38,3 @@ def test_a_codec_engine_holds_no_more_than_its_page_budget_between_steps(llama, 
         most_running = max(most_running, engine.stats()["running"])
         assert held_kv_bytes(engine) <= budget
     assert engine.stats()["output_tokens"] == 6 * 12 and most_running > 1
-
-
-def test_an_open_page_costs_its_raw_bytes_in_encoded_pages(llama) -> None:
-    shape = kv_shape(llama)
-    common = {"page_size": 16, "dtype": torch.float32, "device": torch.device("cpu"), "prefix_cache_bytes": None}
-    exact = page_budget(shape, codec=None, page_budget_bytes=2**20, **common)
-    kivi = page_budget(shape, codec=kvlib.parse_spec("kivi(bits=4)").quantization, page_budget_bytes=2**20, **common)
-    raw = 16 * (shape.head_dim + shape.value_dim) * 4
-    coded = kivi.codecs[0].page_bytes()
-    assert exact.open_page_cost == 1 and exact.pages == 2**20 // (shape.num_layers * raw)
-    assert kivi.open_page_cost == -(-raw // coded) > 1 and kivi.pages == 2**20 // (shape.num_layers * coded)
-    engine = kvlib.Engine(llama, "kivi(bits=4)", page_budget_bytes=2**20)
-    kv = engine.kv
-    assert kv.pages_for(0, 1) == shape.num_kv_heads * kivi.open_page_cost  # a new open page
-    assert kv.pages_for(1, 14) == 0  # filling the open page costs nothing more
-    assert kv.pages_for(15, 1) == shape.num_kv_heads * (1 - kivi.open_page_cost)  # sealed: its raw bytes come back
-    assert kv.pages_for(0, 40) == shape.num_kv_heads * (2 + kivi.open_page_cost)

@@ -1,0 +1,95 @@
+"""A :class:`~kvlib.adapters.cache.transformers_cache.KVCache`'s decode step planned for every layer
+at once, before the forward runs (what :meth:`KVCache.prepare_step
+<kvlib.adapters.cache.transformers_cache.KVCache.prepare_step>` does).
+
+:func:`plan_decode_step` asks the paged store for one plan of the coming call (a
+:class:`~kvlib.storage.step_plan.StepPlan`: see :mod:`kvlib.storage.step_plan`) and works out,
+per layer, what follows its attention: the compressor's planned work
+(:class:`~kvlib.adapters.runtime.compressor.PlannedWork`) and whether nothing at all follows (no
+eviction work, no page to seal, no window to slide past, no prompt pages to index), so that an
+idle layer's update and attention keep no books of their own.
+
+No plan (the step goes layer by layer): more than
+:data:`~kvlib.adapters.cache.cache_layer.PAGED_QUERY_TOKENS` new tokens, a layer holding nothing
+yet, padding among the new tokens, a read mirror, a device whose attention cannot read pages in
+place, tiering, a selective recompute, a held cap compacted at every step (no slack, not a ring),
+or a store with no plan for these rows.
+
+Invariants: of the cache, only its plan state is written (``plan``, ``plan_known_real``,
+``plan_work``, ``plan_idle``, ``step_real_new``, ``prepared``: the attributes
+:class:`~kvlib.adapters.cache.cache_layer.KVCacheLayer` reads); every call first clears the
+previous plan, so a call that cannot be planned takes the general path; ``plan_work`` and
+``plan_idle`` hold one entry per layer when ``plan`` is set, none otherwise.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvlib.adapters.cache.cache_layer import PAGED_QUERY_TOKENS
+from kvlib.adapters.runtime.compressor import PlannedWork
+from kvlib.devices import reads_pages_in_place
+
+if TYPE_CHECKING:
+    from kvlib.adapters.cache.transformers_cache import KVCache
+
+
+def plan_decode_step(cache: KVCache, tokens: int, attention_mask: torch.Tensor | None, mask_known: bool) -> None:
+    """Plan ``cache``'s coming call of ``tokens`` new tokens per row (see the module docstring);
+    ``attention_mask``: the call's mask (2-D, or None: no padding); ``mask_known`` False: whether
+    the new tokens are real is read later, from the mask layer 0's attention gets."""
+    cache.plan, cache.plan_idle, cache.plan_work, cache.step_real_new = None, (), (), None
+    cache.prepared = True
+    first = cache.layers[0].seen
+    if (
+        tokens > PAGED_QUERY_TOKENS
+        or first == 0
+        or cache.read_cache
+        or cache.tiering is not None
+        or cache.recompute is not None
+        or not cache.rows
+        or not reads_pages_in_place(cache.store.device)
+        or any(layer.seen != first for layer in cache.layers)
+    ):
+        return
+    if attention_mask is not None and (attention_mask.dim() != 2 or not bool(attention_mask[:, -tokens:].all())):
+        if attention_mask.dim() == 2:
+            return  # padding among the new tokens: the general path drops it
+        mask_known = False
+    ring = None
+    if cache.compressor is not None:
+        ring = cache.compressor.ring(len(cache.rows), cache.shape.num_kv_heads) if cache.reuse_slots else None
+        if ring is None and cache.compressor.compacts_each_step(tokens):
+            return
+    plan = cache.store.plan_step(cache.rows, tokens, ring)
+    if plan is None:
+        return
+    cache.plan, cache.plan_known_real = plan, mask_known
+    cache.plan_work = tuple(_work_after(cache, layer, tokens, mask_known) for layer in range(cache.shape.num_layers))
+    cache.plan_idle = tuple(work is PlannedWork.NONE and not _keeps_books_after(cache, layer) for layer, work in enumerate(cache.plan_work))
+
+
+def _work_after(cache: KVCache, layer: int, tokens: int, mask_known: bool) -> PlannedWork:
+    """What the compressor does after this planned step's attention in ``layer``."""
+    compressor = cache.compressor
+    if compressor is None:
+        return PlannedWork.NONE
+    codec = cache.codecs[layer] if cache.codecs is not None else None
+    if not mask_known or (codec is not None and codec.uses_salience):
+        return PlannedWork.GENERAL
+    return compressor.planned_work(layer, tokens, cache.store.tables[layer].lengths_np[cache.plan.rows_np])
+
+
+def _keeps_books_after(cache: KVCache, layer: int) -> bool:
+    """Whether ``layer`` has pages to seal after this planned step, slides past its window, or
+    is the last layer of a cache whose prompt pages a prefix session indexes."""
+    if cache.session is not None and layer == cache.shape.num_layers - 1:
+        return True
+    if cache.layers[layer].slides(cache.plan.tokens):
+        return True
+    if cache.codecs is None or cache.codecs[layer] is None:
+        return False
+    table, rows = cache.store.tables[layer], cache.plan.rows_np
+    return bool((table.lengths_np[rows] // table.page_size > table.sealed_np[rows]).any())

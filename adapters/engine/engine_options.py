@@ -1,0 +1,106 @@
+"""What an :class:`~kvlib.adapters.engine.engine.Engine` may be built with, and how its specs split
+between the engine and its requests.
+
+Checks: every option of ``Engine(...)`` is checked here before the model is touched (before
+:func:`~kvlib.adapters.runtime.attention.attach`) or a page is allocated; each failure is a
+``ValueError`` naming the option and what is valid.
+
+Specs: a quantization codec applies to every request's pages (:func:`engine_codec`: the pages
+are shared between requests, so a codec fitted per prompt or a tiering strategy is refused);
+eviction and budget strategies apply per request, each with a fresh compressor
+(:func:`request_compressor`: the engine's default spec, or the request's own).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvlib.adapters.cache.make_cache import eviction_compressor
+from kvlib.adapters.runtime.compressor import Compressor
+from kvlib.codec import Codec
+from kvlib.errors import quoted
+from kvlib.limits import check_page_size
+from kvlib.model_shape import kv_shape
+from kvlib.spec import Spec, parse_spec
+
+PREEMPTION_MODES = ("recompute", "swap")
+
+
+def check_engine(
+    model: torch.nn.Module,
+    preemption: str,
+    page_size: int,
+    page_budget_bytes: int | None,
+    prefix_cache_bytes: int | None,
+    prefix_cache: bool,
+    remote: object,
+) -> None:
+    """``ValueError`` for the first of these ``Engine`` options that is not valid (each argument is
+    the option of its name; the hand-over role's are checked by
+    :func:`~kvlib.adapters.engine.handover_roles.check_role`)."""
+    if preemption not in PREEMPTION_MODES:
+        raise ValueError(f"preemption must be one of {PREEMPTION_MODES}, got {quoted(preemption)}")
+    check_page_size(page_size)
+    _check_bytes("page_budget_bytes", page_budget_bytes, minimum=1)
+    _check_bytes("prefix_cache_bytes", prefix_cache_bytes, minimum=0)
+    _check_model(model)
+    if remote is not None and not prefix_cache:
+        raise ValueError("remote needs prefix_cache=True: the remote tier holds the prefix cache's pages")
+
+
+def engine_codec(spec: Spec) -> Codec | None:
+    """The spec's quantization codec (every request's pages), or None; ``ValueError`` for codecs
+    the engine cannot share between requests and for tiering."""
+    if spec.lowrank is not None:
+        raise ValueError(
+            f"{spec.lowrank.spec()} fits itself to each prompt; the engine's pages are shared by requests: use a quantization codec"
+        )
+    if spec.tiering is not None or spec.reuse:
+        raise ValueError(f"the engine does not apply tiering or reuse strategies yet ({spec}); prefix reuse is built in: prefix_cache=True")
+    return spec.quantization
+
+
+def without_codec(spec: Spec) -> str | None:
+    """The spec's eviction and budget strategies as a spec string (None when it has neither)."""
+    kept = [strategy.spec() for strategy in (spec.eviction, spec.budget) if strategy is not None]
+    return "+".join(kept) or None
+
+
+def request_compressor(
+    model: torch.nn.Module, spec: str | None, budget: int | float | None, slack: int | None, *, page_size: int
+) -> Compressor | None:
+    """A fresh compressor for ``spec`` (eviction and budget strategies only) on ``model``, or None."""
+    if slack is not None and (isinstance(slack, bool) or not isinstance(slack, int) or slack < 0 or not isinstance(budget, int)):
+        raise ValueError(f"slack must be an int >= 0 and goes with an int budget, got slack={quoted(slack)}, budget={quoted(budget)}")
+    parsed = parse_spec(spec)
+    others = [kind for kind in ("quantization", "lowrank", "reuse", "tiering") if getattr(parsed, kind)]
+    if others:
+        raise ValueError(
+            f"the engine applies eviction (and budget) strategies per request; {parsed} also has {', '.join(others)}"
+            " (a quantization codec applies to every request: Engine(model, spec='kivi(bits=4)'); prefix reuse is"
+            " built in: prefix_cache=True)"
+        )
+    compressor = eviction_compressor(model, parsed, budget, slack, page_size=page_size)
+    if compressor is not None and "hidden_states" in compressor.strategy.needs:
+        raise ValueError(f"{parsed.eviction.spec()} needs the attention input (hidden_states), which the engine does not record")
+    return compressor
+
+
+def _check_bytes(name: str, value: object, *, minimum: int) -> None:
+    """``ValueError`` unless ``value`` is None or an int >= ``minimum`` (bytes)."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < minimum):
+        raise ValueError(f"{name} must be an int >= {minimum} (bytes) or None, got {quoted(value)}")
+
+
+def _check_model(model: torch.nn.Module) -> None:
+    """``ValueError`` for models kvlib cannot cache (:func:`kv_shape`: MLA, no attention KV, ...)
+    or the packed batch cannot serve exactly (sliding-window attention); before ``attach``."""
+    kv_shape(model)
+    config = model.config.get_text_config()
+    layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
+    sliding = getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True)
+    if layer_types != {"full_attention"} or sliding:
+        raise ValueError(
+            f"the engine serves models whose layers all use full causal attention; {type(model).__name__} has"
+            f" {sorted(layer_types)} layers{' with a sliding window' if sliding else ''}"
+        )
