@@ -41,14 +41,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvlib.adapters.cache.make_cache import eviction_compressor
 from kvlib.adapters.engine.engine_request import Request, RequestState
 from kvlib.adapters.engine.handover import HandOver, MessageLimits
 from kvlib.adapters.engine.kv_manager import KVManager, page_budget
 from kvlib.adapters.engine.model_runner import ModelRunner
 from kvlib.adapters.engine.request_checks import REQUEST_OPTIONS, checked_request
 from kvlib.adapters.engine.scheduler import Scheduler, StepPlan
-from kvlib.adapters.runtime.attention import attach
+from kvlib.adapters.runtime.attention import route_attention as attach
+from kvlib.adapters.runtime.make_compressor import eviction_compressor
 from kvlib.codec import Codec
 from kvlib.errors import quoted
 from kvlib.limits import MAX_REQUEST_TOKENS, check_page_size
