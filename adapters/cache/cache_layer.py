@@ -15,7 +15,6 @@ cache's too.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Protocol
 
 import torch
@@ -25,9 +24,12 @@ from kvlib.adapters.cache.paged_decode import attention_over_pages
 from kvlib.adapters.cache.prefix_session import PrefixSession
 from kvlib.adapters.cache.sparse_decode import sparse_decode_attention
 from kvlib.adapters.runtime import layer_step
-from kvlib.adapters.runtime.compressor import AttentionInputs, Compressor, PlannedWork
+from kvlib.adapters.runtime.after_attention import compact, evict, following, make_ring_room
+from kvlib.adapters.runtime.compressor import Compressor, PlannedWork
 from kvlib.adapters.runtime.layer_step import AttentionCall, LayerStep
 from kvlib.adapters.runtime.masks import physical_mask, real_new_tokens
+from kvlib.adapters.runtime.needs import AttentionInputs
+from kvlib.adapters.runtime.slot_order import keep_all_but
 from kvlib.codec import FitSample, PageCodec
 from kvlib.devices import reads_pages_in_place
 from kvlib.kernels.paged_attention import PagedLayer
@@ -161,11 +163,11 @@ class KVCacheLayer(CacheLayerMixin):
 
     def _ring_room(self, tokens: int) -> None:
         """Under a held cap kept as a ring, make room for a decode call's ``tokens`` before they are
-        stored (:meth:`~kvlib.adapters.runtime.compressor.Compressor.make_ring_room`), so the call attends
+        stored (:func:`~kvlib.adapters.runtime.after_attention.make_ring_room`), so the call attends
         over the cap at most, whichever path it takes."""
         cache = self.cache
         if cache.compressor is not None and tokens <= PAGED_QUERY_TOKENS:
-            if cache.compressor.make_ring_room(cache.store, self.layer_idx, cache.rows, tokens, reuse_slots=cache.reuse_slots):
+            if make_ring_room(cache.compressor, cache.store, self.layer_idx, cache.rows, tokens, reuse_slots=cache.reuse_slots):
                 self.identity = False
 
     def _publish(self, step: LayerStep, attention_kwargs: dict | None) -> None:
@@ -337,20 +339,13 @@ class KVCacheLayer(CacheLayerMixin):
         if cache.compressor is not None:
             inputs = AttentionInputs(query, mask, weights, scaling, real_new, self.hidden_states)
             self.hidden_states = None
-            stored = None if step.paged is None else (lambda: store.read(self.layer_idx, rows, mirror=False))
-            stored_step = self._stored_layer(step)
-            compaction = cache.compressor.compaction(stored_step, inputs, cache.padding, stored)
-            if compaction is not None:
-                layout = store.compact(self.layer_idx, rows, compaction.keep, compaction.values, reuse_slots=cache.reuse_slots)
-                cache.compressor.compacted(self.layer_idx, layout)
-                self.identity = False
-                read = None
-                salience = functools.partial(compaction.salience_after, layout)
-            else:
-                salience = functools.partial(cache.compressor.scores, stored_step, inputs, cache.padding, stored)
+            evicted = evict(cache.compressor, store, rows, self._stored_layer(step), inputs, cache.padding, reuse_slots=cache.reuse_slots)
+            salience = evicted.salience
+            if evicted.layout is not None:
+                self.identity, read = False, None
         layout = self._slide()
         if layout is not None:
-            read, salience = None, _following(salience, layout)
+            read, salience = None, following(salience, layout)
         if cache.tiering is not None and not step.sparse and cache.tiering.arranges_tokens(self.layer_idx, step.query_length):
             self._arrange(read if read is not None else store.read(self.layer_idx, rows))
             read, salience = None, None
@@ -395,16 +390,12 @@ class KVCacheLayer(CacheLayerMixin):
             return None
         cache = self.cache
         positions = cache.store.stored_positions(self.layer_idx, cache.rows)
-        stored = positions >= 0
-        behind = stored & (positions <= self.seen - window)
+        behind = (positions >= 0) & (positions <= self.seen - window)
         if not bool(behind.any()):
             return None
-        slot = torch.arange(positions.shape[-1])
-        keep = torch.sort(torch.where(stored & ~behind, slot, positions.shape[-1]), dim=-1).values
-        keep = torch.where(keep == positions.shape[-1], -1, keep)
-        layout = cache.store.compact(self.layer_idx, cache.rows, keep, reuse_slots=cache.reuse_slots)
-        if cache.compressor is not None:
-            cache.compressor.compacted(self.layer_idx, layout)
+        layout = compact(
+            cache.store, cache.compressor, self.layer_idx, cache.rows, keep_all_but(positions, behind), reuse_slots=cache.reuse_slots
+        )
         self.identity = False
         return layout
 
@@ -525,18 +516,3 @@ class KVCacheLayer(CacheLayerMixin):
         past_end = torch.iinfo(torch.int64).max
         kept = torch.sort(torch.where(real, positions, past_end), dim=-1).values
         return torch.where(kept == past_end, -1, kept)[..., : int(real.sum(-1).max())]
-
-
-def _following(salience: functools.partial | None, layout: torch.Tensor) -> functools.partial | None:
-    """``salience`` (scores of a layer's slots, computed on demand) after the store compacted the
-    layer with ``layout`` (new slot ``i`` holds old slot ``layout[..., i]``; ``-1``: none, scored
-    ``-inf``)."""
-    if salience is None:
-        return None
-    return functools.partial(_gathered, salience, layout)
-
-
-def _gathered(salience: functools.partial, layout: torch.Tensor) -> torch.Tensor:
-    scores = salience()
-    layout = layout.to(scores.device)
-    return scores.gather(-1, layout.clamp(min=0)).masked_fill(layout < 0, -torch.inf)
