@@ -212,12 +212,12 @@ class Compressor:
         and :attr:`reads_kv`.
         """
         read, layer = step.read, step.layer_idx
-        history = history_after_call(self.strategy, self._history.get(layer), step, inputs, real_offsets)
-        if history is not None:
-            self._history[layer] = history
-        if step.layer_idx <= self._last_layer:  # layers run in order: a new model call begins
+        remembered = history_after_call(self.strategy, self._history.get(layer), step, inputs, real_offsets)
+        if remembered is not None:
+            self._history[layer] = remembered
+        if layer <= self._last_layer:  # layers run in order: a new model call begins
             self._call_notes.clear()
-        self._last_layer = step.layer_idx
+        self._last_layer = layer
         accumulated = None
         if "accumulated_attention" in self.strategy.needs:
             previous, history = self._accumulated.get(layer), self._history.get(layer)
