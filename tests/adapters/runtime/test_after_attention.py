@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from kvlib import PagedStore, StoreConfig
-from kvlib.adapters.runtime.after_attention import compact, evict, following, make_ring_room
+from kvlib.adapters.runtime.after_attention import Evicted, compact, evict, following, make_ring_room
 from kvlib.adapters.runtime.compressor import Compressor
 from kvlib.adapters.runtime.layer_step import LayerStep
 from kvlib.adapters.runtime.needs import AttentionInputs
@@ -46,23 +46,24 @@ def test_compact_hands_the_compressor_the_stores_layout() -> None:
     assert compact(store, None, 0, [seq], torch.tensor([[[0, -1, -1], [0, -1, -1]]]), reuse_slots=False) is not None
 
 
+def evicted_prefill(tokens: int, budget: int) -> tuple[PagedStore, int, Evicted]:
+    """A prefill of ``tokens`` tokens, then :func:`evict` under ``streaming_llm`` (2 sinks) within ``budget``."""
+    store, seq = filled_store(tokens)
+    step = LayerStep(None, 0, store.read(0, [seq]), 0, tokens, True)
+    inputs = AttentionInputs(torch.randn(1, HEADS, tokens, DIM), None, None, None, None)
+    compressor = Compressor(StreamingLLM(sinks=2), budget, 1)
+    return store, seq, evict(compressor, store, [seq], step, inputs, torch.zeros(1, dtype=torch.int64), reuse_slots=False)
+
+
 def test_evict_compacts_a_head_over_its_budget_and_scores_what_it_kept() -> None:
-    store, seq = filled_store(10)
-    compressor = Compressor(StreamingLLM(sinks=2), 5, 1)
-    step = LayerStep(None, 0, store.read(0, [seq]), 0, 10, True)
-    inputs = AttentionInputs(torch.randn(1, HEADS, 10, DIM), None, None, None, None)
-    evicted = evict(compressor, store, [seq], step, inputs, torch.zeros(1, dtype=torch.int64), reuse_slots=False)
+    store, seq, evicted = evicted_prefill(10, 5)
     assert evicted.layout is not None
     assert store.stored_positions(0, [seq]).tolist() == [[[0, 1, 7, 8, 9]] * HEADS]
     assert evicted.salience().shape == (1, HEADS, 5)
 
 
 def test_evict_within_the_budget_keeps_every_token_and_scores_them_all() -> None:
-    store, seq = filled_store(6)
-    compressor = Compressor(StreamingLLM(sinks=2), 8, 1)
-    step = LayerStep(None, 0, store.read(0, [seq]), 0, 6, True)
-    inputs = AttentionInputs(torch.randn(1, HEADS, 6, DIM), None, None, None, None)
-    evicted = evict(compressor, store, [seq], step, inputs, torch.zeros(1, dtype=torch.int64), reuse_slots=False)
+    store, seq, evicted = evicted_prefill(6, 8)
     assert evicted.layout is None and store.physical_lengths(0, [seq]).tolist() == [[6, 6]]
     assert evicted.salience().shape == (1, HEADS, 6)
 
