@@ -11,8 +11,8 @@
 from kvlib.adapters.cache.blend import blend_cache
 from kvlib.adapters.cache.kvzip_context import compressed_context
 from kvlib.adapters.cache.make_cache import make_cache
+from kvlib.adapters.cache.model_hooks import attach
 from kvlib.adapters.cache.transformers_cache import KVCache
 from kvlib.adapters.engine.engine import Engine
-from kvlib.adapters.runtime.attention import attach
 
 __all__ = ["Engine", "KVCache", "attach", "blend_cache", "compressed_context", "make_cache"]

@@ -15,27 +15,26 @@ cache's too.
 from __future__ import annotations
 
 import dataclasses
-import functools
-from typing import Protocol
 
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from kvlib.adapters.cache.paged_decode import attention_over_pages
-from kvlib.adapters.cache.prefix_session import PrefixSession
+from kvlib.adapters.cache.layer_sealing import layers_to_seal, seal
+from kvlib.adapters.cache.layer_tiering import arrange, rank_pages
+from kvlib.adapters.cache.paged_decode import attention_over_pages, planned_attention
+from kvlib.adapters.cache.shared_state import SharedState
+from kvlib.adapters.cache.sliding_window import slide
 from kvlib.adapters.cache.sparse_decode import sparse_decode_attention
 from kvlib.adapters.runtime import layer_step
-from kvlib.adapters.runtime.compressor import AttentionInputs, Compressor, PlannedWork
+from kvlib.adapters.runtime.after_attention import evict, following, make_ring_room
+from kvlib.adapters.runtime.compressor import PlannedWork
 from kvlib.adapters.runtime.layer_step import AttentionCall, LayerStep
 from kvlib.adapters.runtime.masks import physical_mask, real_new_tokens
-from kvlib.codec import FitSample, PageCodec
+from kvlib.adapters.runtime.needs import AttentionInputs
+from kvlib.adapters.runtime.slot_order import ascending
 from kvlib.devices import reads_pages_in_place
 from kvlib.kernels.paged_attention import PagedLayer
-from kvlib.model_shape import KVShape
-from kvlib.storage.paged_store import PagedStore
 from kvlib.storage.read_cache import LayerRead
-from kvlib.storage.step_plan import StepPlan
-from kvlib.strategy import LayerView, Tiering
 
 PAGED_QUERY_TOKENS = 16
 """Calls with at most this many new tokens attend straight over the pages (see
@@ -48,35 +47,6 @@ NOT_THROUGH_KVLIB = (
     " only) and its eviction or codec cannot run: call kvlib.attach(model) (make_cache does) and keep attn_implementation"
     " on kvlib_sdpa / kvlib_eager"
 )
-
-
-class SharedState(Protocol):
-    """What a layer reads of the cache that holds it (:class:`~kvlib.adapters.KVCache`): the state
-    its layers share. A layer changes ``padding`` (layer 0 counts it), ``prepared`` (layer 0
-    clears it) and ``step_real_new`` (layer 0's planned attention finds it), nothing else of it."""
-
-    shape: KVShape
-    store: PagedStore
-    rows: list[int]
-    padding: torch.Tensor
-    compressor: Compressor | None
-    codecs: list[PageCodec | None] | None
-    tiering: Tiering | None
-    session: PrefixSession | None
-    recompute: torch.Tensor | None
-    read_cache: bool
-    reuse_slots: bool
-    layers: list[KVCacheLayer]
-    plan: StepPlan | None
-    plan_known_real: bool
-    plan_work: tuple[PlannedWork, ...]
-    plan_idle: tuple[bool, ...]
-    step_real_new: torch.Tensor | None
-    prepared: bool
-
-    def prepare_step(self, tokens: int, attention_mask: torch.Tensor | None = None, *, mask_known: bool = True) -> None: ...
-
-    def start_call(self, layer_idx: int, key_states: torch.Tensor) -> None: ...
 
 
 class KVCacheLayer(CacheLayerMixin):
@@ -161,11 +131,11 @@ class KVCacheLayer(CacheLayerMixin):
 
     def _ring_room(self, tokens: int) -> None:
         """Under a held cap kept as a ring, make room for a decode call's ``tokens`` before they are
-        stored (:meth:`~kvlib.adapters.runtime.compressor.Compressor.make_ring_room`), so the call attends
+        stored (:func:`~kvlib.adapters.runtime.after_attention.make_ring_room`), so the call attends
         over the cap at most, whichever path it takes."""
         cache = self.cache
         if cache.compressor is not None and tokens <= PAGED_QUERY_TOKENS:
-            if cache.compressor.make_ring_room(cache.store, self.layer_idx, cache.rows, tokens, reuse_slots=cache.reuse_slots):
+            if make_ring_room(cache.compressor, cache.store, self.layer_idx, cache.rows, tokens, reuse_slots=cache.reuse_slots):
                 self.identity = False
 
     def _publish(self, step: LayerStep, attention_kwargs: dict | None) -> None:
@@ -244,7 +214,7 @@ class KVCacheLayer(CacheLayerMixin):
         if step.plan is not None or step.paged is not None:
             if call.reads_pages:
                 if step.plan is not None:
-                    return self._attend_planned(step, call)
+                    return planned_attention(self.cache, step, call)
                 return attention_over_pages(call.query, call.attention_mask, step, call.kwargs)
             step = self.dense_step(step)
             key, value = step.read.keys, step.read.values
@@ -255,25 +225,6 @@ class KVCacheLayer(CacheLayerMixin):
         real_new = real_new_tokens(call.attention_mask, step) if step.query_positions is None else None
         step.after_attention(query=call.query, mask=mask, weights=weights, real_new=real_new, scaling=call.kwargs.get("scaling"))
         return output, weights
-
-    def _attend_planned(self, step: LayerStep, call: AttentionCall) -> tuple[torch.Tensor, None]:
-        """A planned step's attention straight over the layer's pages (the store's paged kernel
-        through the plan), then :meth:`after_attention`; the real new tokens are found once per
-        step, at layer 0."""
-        cache, query, mask, plan = self.cache, call.query, call.attention_mask, step.plan
-        scale = call.kwargs.get("scaling") or query.shape[-1] ** -0.5
-        received = None
-        if cache.plan_work and cache.plan_work[self.layer_idx] is PlannedWork.ACCUMULATE:
-            slots = int(cache.store.tables[self.layer_idx].lengths_np[plan.rows_np].max())
-            received = torch.zeros(*plan.lengths.shape[1:], slots, dtype=torch.float32, device=plan.lengths.device)
-        output = plan.pools[self.layer_idx].attend_planned(plan, self.layer_idx, query, mask, scale, received=received)
-        if received is not None:
-            cache.compressor.accumulate_received(self.layer_idx, received)
-        if self.layer_idx == 0 and not cache.plan_known_real:
-            real_new = real_new_tokens(mask, step)
-            cache.step_real_new = None if real_new is None or bool(real_new.all()) else real_new
-        step.after_attention(query=query, mask=mask, weights=None, real_new=cache.step_real_new, scaling=scale)
-        return output, None
 
     def dense_step(self, step: LayerStep) -> LayerStep:
         """``step`` with the layer read back in dense form, for an attention function that
@@ -326,39 +277,25 @@ class KVCacheLayer(CacheLayerMixin):
                 self._keep_books()
                 return
             step = dataclasses.replace(step, paged=store.paged_layer(self.layer_idx, rows))
-        sealing = [self.layer_idx]
         read = step.read if step.paged is None else None  # the layer as stored, until a compaction changes it
-        codec = cache.codecs[self.layer_idx] if cache.codecs is not None else None
-        if codec is not None and codec.learns and not codec.ready:
-            codec.observe(self._fit_sample(step, query, real_new))
-            if codec.ready:  # a cross-layer fit readies earlier layers too
-                sealing = list(range(self.layer_idx + 1))
+        sealing = layers_to_seal(cache, self.layer_idx, step, query, real_new)
         salience = None
         if cache.compressor is not None:
             inputs = AttentionInputs(query, mask, weights, scaling, real_new, self.hidden_states)
             self.hidden_states = None
-            stored = None if step.paged is None else (lambda: store.read(self.layer_idx, rows, mirror=False))
-            stored_step = self._stored_layer(step)
-            compaction = cache.compressor.compaction(stored_step, inputs, cache.padding, stored)
-            if compaction is not None:
-                layout = store.compact(self.layer_idx, rows, compaction.keep, compaction.values, reuse_slots=cache.reuse_slots)
-                cache.compressor.compacted(self.layer_idx, layout)
-                self.identity = False
-                read = None
-                salience = functools.partial(compaction.salience_after, layout)
-            else:
-                salience = functools.partial(cache.compressor.scores, stored_step, inputs, cache.padding, stored)
+            evicted = evict(cache.compressor, store, rows, self._stored_layer(step), inputs, cache.padding, reuse_slots=cache.reuse_slots)
+            salience = evicted.salience
+            if evicted.layout is not None:
+                self.identity, read = False, None
         layout = self._slide()
         if layout is not None:
-            read, salience = None, _following(salience, layout)
+            read, salience = None, following(salience, layout)
         if cache.tiering is not None and not step.sparse and cache.tiering.arranges_tokens(self.layer_idx, step.query_length):
-            self._arrange(read if read is not None else store.read(self.layer_idx, rows))
-            read, salience = None, None
-        if cache.codecs is not None:
-            for layer in sealing:
-                store.seal(layer, rows, salience if layer == self.layer_idx and codec is not None and codec.uses_salience else None)
+            arrange(cache, self.layer_idx, read if read is not None else store.read(self.layer_idx, rows))
+            self.identity, read, salience = False, None, None
+        seal(cache, self.layer_idx, sealing, salience)
         if cache.tiering is not None and not step.sparse and cache.tiering.refreshes_ranking(self.seen, step.query_length):
-            self._rank_pages(read if read is not None else store.read(self.layer_idx, rows))
+            rank_pages(cache, self.layer_idx, read if read is not None else store.read(self.layer_idx, rows))
         if cache.session is not None and self.layer_idx == cache.shape.num_layers - 1:
             cache.session.index(self.seen)
 
@@ -367,8 +304,7 @@ class KVCacheLayer(CacheLayerMixin):
         layer's full pages, index the prompt's pages after the last layer."""
         cache = self.cache
         self._slide()
-        if cache.codecs is not None:
-            cache.store.seal(self.layer_idx, cache.rows)
+        seal(cache, self.layer_idx, [self.layer_idx])
         if cache.session is not None and self.layer_idx == cache.shape.num_layers - 1:
             cache.session.index(self.seen)
 
@@ -384,28 +320,10 @@ class KVCacheLayer(CacheLayerMixin):
         return window is not None and self.seen + tokens >= window
 
     def _slide(self) -> torch.Tensor | None:
-        """Free what a sliding-window layer will never attend to again: every stored token at a
-        position ``<= seen - window`` (the next query, at position ``seen``, sees ``seen - window
-        + 1`` onwards), as ``DynamicCache``'s sliding layers keep ``window - 1`` tokens. The
-        positions are logical (left padding included), as the model's masks count them. Returns
-        the store's layout (the compressor's per-slot state follows it), or None where nothing
-        was dropped: a layer without a window, or one holding nothing past it."""
-        window = self.window
-        if window is None or self.seen <= window - 1:
-            return None
-        cache = self.cache
-        positions = cache.store.stored_positions(self.layer_idx, cache.rows)
-        stored = positions >= 0
-        behind = stored & (positions <= self.seen - window)
-        if not bool(behind.any()):
-            return None
-        slot = torch.arange(positions.shape[-1])
-        keep = torch.sort(torch.where(stored & ~behind, slot, positions.shape[-1]), dim=-1).values
-        keep = torch.where(keep == positions.shape[-1], -1, keep)
-        layout = cache.store.compact(self.layer_idx, cache.rows, keep, reuse_slots=cache.reuse_slots)
-        if cache.compressor is not None:
-            cache.compressor.compacted(self.layer_idx, layout)
-        self.identity = False
+        """Free what this layer's sliding window left behind (:func:`~.sliding_window.slide`);
+        returns the store's layout, or None where nothing was dropped."""
+        layout = slide(self.cache, self.layer_idx, self.seen)
+        self.identity = self.identity and layout is None
         return layout
 
     def _stored_layer(self, step: LayerStep) -> LayerStep:
@@ -417,54 +335,6 @@ class KVCacheLayer(CacheLayerMixin):
         if step.paged is None:
             return step
         return dataclasses.replace(step, read=self.cache.store.read_positions(self.layer_idx, self.cache.rows))
-
-    def _fit_sample(self, step: LayerStep, query: torch.Tensor, real_new: torch.Tensor | None) -> FitSample:
-        """The layer's stored tokens and this call's queries, padding marked invalid."""
-        read = step.read
-        real = read.valid & (read.positions >= self.cache.padding.view(-1, 1, 1))
-        query_valid = (
-            real_new if real_new is not None else torch.ones(query.shape[0], query.shape[2], dtype=torch.bool, device=query.device)
-        )
-        return FitSample(self.layer_idx, read.keys, read.values, real, query, query_valid)
-
-    def _arrange(self, read: LayerRead) -> None:
-        """Put the layer's stored tokens ``read`` in the tiering strategy's slot order (its view
-        holds the real tokens; padding slots follow them, in slot order); per-slot compressor
-        state follows the layout."""
-        cache = self.cache
-        order = cache.tiering.arrangement(self._tiering_view(read)).cpu()
-        stored = read.valid.cpu()
-        slots = stored.shape[-1]
-        named = torch.zeros(*stored.shape[:2], slots + 1, dtype=torch.bool).scatter_(-1, torch.where(order >= 0, order, slots), True)
-        named = named[..., :slots]
-        slot = torch.arange(slots).expand_as(stored)
-        order = torch.cat([order, torch.where(stored & ~named, slot, -1)], dim=-1)
-        order = order.gather(-1, torch.sort((order < 0).to(torch.int8), dim=-1, stable=True).indices)
-        layout = cache.store.arrange(self.layer_idx, cache.rows, order[..., :slots])
-        if cache.compressor is not None:
-            cache.compressor.compacted(self.layer_idx, layout)
-        self.identity = False
-
-    def _rank_pages(self, read: LayerRead) -> None:
-        """Re-rank the layer's pages for the device tier by the tiering strategy's scores of its
-        stored tokens ``read`` (the layer as it now stands; padding never counts)."""
-        self.cache.store.rank_pages(self.layer_idx, self.cache.rows, self.cache.tiering.ranking_scores(self._tiering_view(read)))
-
-    def _tiering_view(self, read: LayerRead) -> LayerView:
-        """The layer's stored tokens ``read`` as the tiering strategy sees them: positions from each
-        row's first real token, padding invalid."""
-        cache = self.cache
-        padding = cache.padding.to(read.positions.device).view(-1, 1, 1)
-        real = read.valid & (read.positions >= padding)
-        return LayerView(
-            self.layer_idx,
-            cache.shape.num_layers,
-            read.keys,
-            read.values,
-            torch.where(real, read.positions - padding, -1),
-            real,
-            page_size=cache.store.page_size,
-        )
 
     def record_hidden_states(self, hidden_states: torch.Tensor) -> None:
         """Keep this layer call's attention input for a strategy that needs ``hidden_states``."""
@@ -522,21 +392,4 @@ class KVCacheLayer(CacheLayerMixin):
         stored = self.cache.store.stored_positions(self.layer_idx, self.cache.rows)
         positions = stored - self.cache.padding.cpu().view(-1, 1, 1)
         real = (stored >= 0) & (positions >= 0)
-        past_end = torch.iinfo(torch.int64).max
-        kept = torch.sort(torch.where(real, positions, past_end), dim=-1).values
-        return torch.where(kept == past_end, -1, kept)[..., : int(real.sum(-1).max())]
-
-
-def _following(salience: functools.partial | None, layout: torch.Tensor) -> functools.partial | None:
-    """``salience`` (scores of a layer's slots, computed on demand) after the store compacted the
-    layer with ``layout`` (new slot ``i`` holds old slot ``layout[..., i]``; ``-1``: none, scored
-    ``-inf``)."""
-    if salience is None:
-        return None
-    return functools.partial(_gathered, salience, layout)
-
-
-def _gathered(salience: functools.partial, layout: torch.Tensor) -> torch.Tensor:
-    scores = salience()
-    layout = layout.to(scores.device)
-    return scores.gather(-1, layout.clamp(min=0)).masked_fill(layout < 0, -torch.inf)
+        return ascending(torch.where(real, positions, -1))[..., : int(real.sum(-1).max())]

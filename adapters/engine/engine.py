@@ -46,7 +46,7 @@ from kvlib.adapters.engine.model_runner import ModelRunner
 from kvlib.adapters.engine.page_budget import page_budget
 from kvlib.adapters.engine.request_checks import REQUEST_OPTIONS, checked_request
 from kvlib.adapters.engine.scheduler import Scheduler, StepPlan
-from kvlib.adapters.runtime.attention import attach
+from kvlib.adapters.runtime.attention import route_attention as attach
 from kvlib.errors import quoted
 from kvlib.limits import MAX_REQUEST_TOKENS
 from kvlib.model_shape import kv_shape, model_context

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from kvlib.adapters.cache.make_cache import eviction_compressor
 from kvlib.adapters.runtime.compressor import Compressor
+from kvlib.adapters.runtime.make_compressor import eviction_compressor
 from kvlib.codec import Codec
 from kvlib.errors import quoted
 from kvlib.limits import check_page_size

@@ -13,7 +13,6 @@ output token, with its time.
 
 from __future__ import annotations
 
-import functools
 import time
 
 import torch
@@ -21,8 +20,9 @@ import torch
 from kvlib.adapters.engine.engine_request import Request
 from kvlib.adapters.engine.packed_batch import PackedCache, Segment, visibility
 from kvlib.adapters.engine.sampling import next_token
-from kvlib.adapters.runtime.compressor import AttentionInputs
+from kvlib.adapters.runtime.after_attention import evict, make_ring_room
 from kvlib.adapters.runtime.layer_step import LayerStep
+from kvlib.adapters.runtime.needs import AttentionInputs
 from kvlib.codec import Codec
 from kvlib.storage.paged_store import PagedStore
 from kvlib.storage.read_cache import LayerRead
@@ -61,7 +61,7 @@ class ModelRunner:
         for request in decodes:  # a held cap kept as a ring drops its oldest tokens before the step, as a KVCache's does
             if request.compressor is not None:
                 for layer in range(self.store.num_layers):
-                    request.compressor.make_ring_room(self.store, layer, [request.seq], 1, reuse_slots=True)
+                    make_ring_room(request.compressor, self.store, layer, [request.seq], 1, reuse_slots=True)
         finishing, last_index = [], []
         for segment, requests in segments:
             for b, request in enumerate(requests):
@@ -129,17 +129,15 @@ class ModelRunner:
         for b, request in enumerate(requests):
             if request.compressor is None:
                 continue
-            pages = None if read is not None else self.store.paged_layer(layer, [request.seq])
-            stored = None
+            rows = [request.seq]
+            pages = None if read is not None else self.store.paged_layer(layer, rows)
             if pages is not None:  # causal by the row's own positions: no mask needed
-                row, mask = self.store.read_positions(layer, [request.seq]), None
-                stored = functools.partial(self.store.read, layer, [request.seq], mirror=False)
+                row, mask = self.store.read_positions(layer, rows), None
             else:
-                row = LayerRead(*(t[b : b + 1] for t in read)) if read is not None else self.store.read(layer, [request.seq], mirror=False)
+                row = LayerRead(*(t[b : b + 1] for t in read)) if read is not None else self.store.read(layer, rows, mirror=False)
                 mask = visibility(row, segment.positions[b : b + 1], query.shape[1], uniform_heads=False)
             step = LayerStep(None, layer, row, request.computed, segment.length, False, paged=pages)
             inputs = AttentionInputs(query[b : b + 1], mask, None, scaling, None)
-            compaction = request.compressor.compaction(step, inputs, torch.zeros(1, dtype=torch.int64, device=self.device), stored)
-            if compaction is not None:
-                layout = self.store.compact(layer, [request.seq], compaction.keep, compaction.values, reuse_slots=True)
-                request.compressor.compacted(layer, layout)
+            evict(
+                request.compressor, self.store, rows, step, inputs, torch.zeros(1, dtype=torch.int64, device=self.device), reuse_slots=True
+            )

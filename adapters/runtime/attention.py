@@ -1,9 +1,11 @@
-"""The kvlib attention functions and :func:`attach`.
+"""The kvlib attention functions and :func:`route_attention`.
 
-``attach(model)`` sets the model's attention implementation to ``kvlib_sdpa`` (or
+``route_attention(model)`` sets the model's attention implementation to ``kvlib_sdpa`` (or
 ``kvlib_eager`` for a model that ran eager attention) through ``set_attn_implementation``; both
 names are registered in `transformers`' ``AttentionInterface`` (and its mask interface) when this
-module is imported. Only models that are attached use them: nothing existing is replaced.
+module is imported. Only models routed so use them: nothing existing is replaced. The Engine
+routes its model; :func:`kvlib.attach` (:mod:`kvlib.adapters.cache.model_hooks`) routes it and
+adds the forward hooks a :class:`~kvlib.adapters.KVCache` needs.
 
 A kvlib attention function delegates the math to SDPA or to the model's own eager attention. It
 takes the step the cache layer published for this call (:func:`~kvlib.adapters.runtime.layer_step.take`)
@@ -22,7 +24,6 @@ Calls with no step (keys from any other cache, cross-attention) run the inner at
 from __future__ import annotations
 
 import sys
-import weakref
 from collections.abc import Callable
 
 import torch
@@ -31,17 +32,11 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import eager_attention_forward as generic_eager_attention
 
-from kvlib.adapters.cache.transformers_cache import KVCache
 from kvlib.adapters.runtime import layer_step
 from kvlib.adapters.runtime.layer_step import AttentionCall
-from kvlib.transformers_compat import passed_cache
 
 INNER_IMPLEMENTATIONS = ("sdpa", "eager")
 """Attention implementations a kvlib attention function can delegate to."""
-
-_hooked_models: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
-_recording_models: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
-"""Models whose attention modules hand their input to a cache that needs it."""
 
 
 def attention_name(inner: str) -> str:
@@ -49,18 +44,12 @@ def attention_name(inner: str) -> str:
     return f"kvlib_{inner}"
 
 
-def attach(model: PreTrainedModel, *, hidden_states: bool = False) -> PreTrainedModel:
+def route_attention(model: PreTrainedModel) -> PreTrainedModel:
     """Route ``model``'s attention through kvlib (idempotent); returns the model.
 
     A model on SDPA or eager keeps that math; other implementations (flash, flex) switch to SDPA,
     which handles per-head masks over physical slots. Raises ``ValueError`` if the model does not
     take the change (its attention does not go through ``AttentionInterface``).
-
-    Hooks added to this model only: a forward pre-hook that makes a :class:`KVCache` refuse a
-    batch of another size before any work and plan a decode step for every layer before the
-    forward runs (:meth:`KVCache.prepare_step`), and, with ``hidden_states`` (a cache whose
-    strategy needs them; once added they stay), pre-hooks on the attention modules that hand
-    their input to such a cache.
     """
     current = model.config._attn_implementation
     if current not in {attention_name(inner) for inner in INNER_IMPLEMENTATIONS}:
@@ -71,35 +60,7 @@ def attach(model: PreTrainedModel, *, hidden_states: bool = False) -> PreTrained
                 f"{type(model).__name__} did not accept attn_implementation={attention_name(inner)!r}; kvlib needs a model"
                 " whose attention goes through transformers' AttentionInterface"
             )
-    if model not in _hooked_models:
-        model.register_forward_pre_hook(_prepare_cache, with_kwargs=True)
-        _hooked_models.add(model)
-    if hidden_states and model not in _recording_models:
-        for module in model.modules():
-            if isinstance(getattr(module, "layer_idx", None), int) and type(module).__name__.endswith("Attention"):
-                module.register_forward_pre_hook(_record_hidden_states, with_kwargs=True)
-        _recording_models.add(model)
     return model
-
-
-def _prepare_cache(model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-    """Forward pre-hook on an attached model: a KVCache refuses another batch size before any work,
-    then plans the call if it is a decode step (:meth:`KVCache.prepare_step`), outside the forward."""
-    cache = passed_cache(kwargs)
-    if isinstance(cache, KVCache):
-        inputs = kwargs.get("input_ids", args[0] if args else None)
-        if inputs is None:
-            inputs = kwargs.get("inputs_embeds")
-        if inputs is not None:
-            cache.check_batch(inputs.shape[0])
-            cache.prepare_step(inputs.shape[1], kwargs.get("attention_mask"))
-
-
-def _record_hidden_states(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-    """Forward pre-hook on attention modules: hands the input to a KVCache whose strategy needs it."""
-    cache = passed_cache(kwargs)
-    if isinstance(cache, KVCache):
-        cache.record_hidden_states(module.layer_idx, kwargs.get("hidden_states", args[0] if args else None))
 
 
 def _inner_attention(inner: str, module: torch.nn.Module) -> Callable:

@@ -28,13 +28,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvlib.adapters.runtime.attention_weights import attention_blocks
 from kvlib.adapters.runtime.layer_step import LayerStep
 from kvlib.adapters.runtime.merge import merged_values
+from kvlib.adapters.runtime.needs import AttentionInputs, accumulated_attention, fill_needs, history_after_call, padding_slots
 from kvlib.adapters.runtime.query_history import QueryHistory
-from kvlib.adapters.runtime.slot_order import along_slots, ordered_view, position_order, to_slots
-from kvlib.selection import position_rank, select_keep
-from kvlib.storage.paged_store import PagedStore
+from kvlib.adapters.runtime.slot_order import along_slots, ascending, ordered_view, position_order, scores_in_slot_order, to_slots
+from kvlib.selection import select_keep
 from kvlib.storage.read_cache import LayerRead
 from kvlib.storage.step_plan import Ring
 from kvlib.strategies.budget.uniform import Uniform
@@ -51,24 +50,6 @@ class PlannedWork(enum.Enum):
     NONE = "none"
     ACCUMULATE = "accumulate"
     GENERAL = "general"
-
-
-@dataclass
-class AttentionInputs:
-    """What the attention function saw, for strategies that need it (references, no copies).
-
-    query ``[batch, query_heads, query_length, head_dim]``; mask: the mask attention ran with
-    (model mask if the layer was untouched, else the physical one); weights: attention weights
-    if the inner attention returned them; scaling: softmax scale; hidden_states: the attention
-    module's input, when a strategy needs it; real_new: bool ``[batch, query_length]`` or None.
-    """
-
-    query: torch.Tensor
-    mask: torch.Tensor | None
-    weights: torch.Tensor | None
-    scaling: float | None
-    real_new: torch.Tensor | None
-    hidden_states: torch.Tensor | None = None
 
 
 @dataclass
@@ -156,29 +137,6 @@ class Compressor:
         self._ring = Ring(caps, start)
         return self._ring
 
-    def make_ring_room(self, store: PagedStore, layer: int, seqs: list[int], tokens: int, *, reuse_slots: bool) -> bool:
-        """Under a held cap kept as a :meth:`ring`, make room in ``layer`` of ``seqs`` for a call's
-        ``tokens`` before they are stored, as a planned step does by reusing slots: each head that
-        would then hold more than its cap first drops its oldest tokens past the ring's start
-        (compacted away, the per-slot state following). Returns whether anything was dropped. The
-        cache's layers and the Engine's decode rows call it on the paths that are not planned, so
-        that every path keeps, and attends over, the same tokens."""
-        ring = self.ring(len(seqs), store.tables[layer].num_heads)
-        if ring is None or bool((ring.caps[layer] - ring.start < tokens).any()):
-            return False
-        positions = store.stored_positions(layer, seqs)
-        stored = positions >= 0
-        excess = torch.from_numpy(stored.sum(-1).numpy() + tokens - ring.caps[layer]).clamp(min=0)
-        if not bool(excess.any()):
-            return False
-        rank = position_rank(positions, stored)
-        dropped = (rank >= ring.start) & (rank < ring.start + excess.unsqueeze(-1))
-        slot = torch.arange(positions.shape[-1])
-        keep = torch.sort(torch.where(stored & ~dropped, slot, positions.shape[-1]), dim=-1).values
-        keep = torch.where(keep == positions.shape[-1], -1, keep)
-        self.compacted(layer, store.compact(layer, seqs, keep, reuse_slots=reuse_slots))
-        return True
-
     def compacts_each_step(self, tokens: int) -> bool:
         """Whether a decode step of ``tokens`` tokens compacts every layer it runs on, unless the
         cap is a :meth:`ring`: a held cap with no slack checked at every step."""
@@ -253,20 +211,23 @@ class Compressor:
         over the pages), reads the layer's keys and values; called only when a compaction is due
         and :attr:`reads_kv`.
         """
-        read = step.read
-        self._remember(step, inputs, real_offsets)
-        if step.layer_idx <= self._last_layer:  # layers run in order: a new model call begins
+        read, layer = step.read, step.layer_idx
+        remembered = history_after_call(self.strategy, self._history.get(layer), step, inputs, real_offsets)
+        if remembered is not None:
+            self._history[layer] = remembered
+        if layer <= self._last_layer:  # layers run in order: a new model call begins
             self._call_notes.clear()
-        self._last_layer = step.layer_idx
+        self._last_layer = layer
         accumulated = None
         if "accumulated_attention" in self.strategy.needs:
-            accumulated = self._accumulated[step.layer_idx] = self._accumulate(step, inputs, real_offsets)
+            previous, history = self._accumulated.get(layer), self._history.get(layer)
+            accumulated = self._accumulated[layer] = accumulated_attention(self.strategy, step, inputs, real_offsets, previous, history)
         if self.budget is None:
             return None
         tokens = self._tokens(step, real_offsets)
         if tokens is None and inputs.real_new is None:
             return None
-        candidates = read.valid & ~_padding_slots(step, inputs.real_new)
+        candidates = read.valid & ~padding_slots(step, inputs.real_new)
         counts = candidates.sum(-1)
         seen = step.query_offset + step.query_length - real_offsets.to(counts.device)
         request = None if tokens is None else BudgetRequest(step.layer_idx, self.num_layers, tokens, counts, seen=seen)
@@ -277,7 +238,7 @@ class Compressor:
             read = stored()
         order = position_order(read.positions, read.valid)  # None unless a compaction reused slots
         scores = self._score(step, read, candidates, inputs, real_offsets, accumulated, order, tokens)
-        slot_scores = scores if order is None or self.strategy.order_free else _to_slot_order(scores, order)
+        slot_scores = scores if order is None or self.strategy.order_free else scores_in_slot_order(scores, order)
         ranked = candidates
         if order is not None:  # select in position order: ties break as they would in order
             ranked = along_slots(candidates, order)
@@ -286,7 +247,7 @@ class Compressor:
             request.scores, request.candidates = scores, ranked
             caps = self.allocation.caps(request).to(counts.device)
         keep = select_keep(scores, ranked, torch.where(over, caps, counts))
-        keep = _ascending((keep if order is None else to_slots(keep, order)).to(read.valid.device))
+        keep = ascending((keep if order is None else to_slots(keep, order)).to(read.valid.device))
         values = merged_values(read.keys, read.values, candidates, keep) if self.merge else None
         return Compaction(keep, values, slot_scores)
 
@@ -298,13 +259,13 @@ class Compressor:
         changed nothing (its per-call state is then up to date: this adds nothing to it).
         Arguments as :meth:`compaction`'s."""
         read = step.read
-        candidates = read.valid & ~_padding_slots(step, inputs.real_new)
+        candidates = read.valid & ~padding_slots(step, inputs.real_new)
         if stored is not None and self.reads_kv:
             read = stored()
         order = position_order(read.positions, read.valid)
         scores = self._score(step, read, candidates, inputs, real_offsets, self._accumulated.get(step.layer_idx), order)
         if order is not None and not self.strategy.order_free:
-            scores = _to_slot_order(scores, order)
+            scores = scores_in_slot_order(scores, order)
         return scores.masked_fill(~candidates, -torch.inf)
 
     def _score(
@@ -330,7 +291,18 @@ class Compressor:
             valid=candidates,
             accumulated_attention=accumulated,
         )
-        self._fill_needs(view, step, inputs, real_offsets, tokens)
+        fill_needs(
+            view,
+            self.strategy,
+            step,
+            inputs,
+            real_offsets,
+            tokens,
+            history=self._history.get(step.layer_idx),
+            rope=self.rope,
+            output_projections=self.output_projections,
+            call_notes=self._call_notes,
+        )
         if order is not None and not self.strategy.order_free:
             view = ordered_view(view, order)
         scores = self.strategy.score(view)
@@ -404,114 +376,3 @@ class Compressor:
             return None, (counts.sum(-1) > limit).unsqueeze(-1).expand_as(counts)
         caps = self.allocation.caps(request).to(counts.device)
         return caps, counts > caps + slack
-
-    def _fill_needs(
-        self, view: LayerView, step: LayerStep, inputs: AttentionInputs, real_offsets: torch.Tensor, tokens: torch.Tensor | None
-    ) -> None:
-        needs = self.strategy.needs
-        total = inputs.query.shape[2]
-        observed = min(self.strategy.observed_queries() or total, total)
-        if "queries" in needs:
-            view.queries = inputs.query
-            view.query_positions = _query_positions(step, inputs.real_new, real_offsets)
-        if "window_queries" in needs:
-            view.window_queries = inputs.query[:, :, total - observed :]
-        if "hidden_states" in needs:
-            view.hidden_states = inputs.hidden_states
-        if "rope" in needs:
-            view.rope = self.rope
-        history = self._history.get(step.layer_idx)
-        if "recent_queries" in needs:
-            view.recent_attention = history.attention(view.keys, view.positions, view.valid, inputs.scaling)
-            view.recent_query_positions = history.positions
-        if "prompt_length" in needs:
-            view.prompt_lengths = history.prompt_lengths
-        if "output_projection" in needs:
-            view.output_projection = self.output_projections[step.layer_idx]
-        if "budget" in needs:
-            view.budget_tokens = tokens
-        if "call_notes" in needs:
-            view.call_notes = self._call_notes
-        if "attention" in needs:
-            if inputs.weights is not None:
-                view.attention = _returned_weights(inputs, total - observed)
-            else:
-                blocks = attention_blocks(step, inputs.query, inputs.mask, inputs.real_new, inputs.scaling, total - observed)
-                view.attention = torch.cat([weights for _, weights in blocks], dim=2)
-
-    def _remember(self, step: LayerStep, inputs: AttentionInputs, real_offsets: torch.Tensor) -> None:
-        """Add this call's queries to the layer's history, for strategies that need it."""
-        needs = self.strategy.needs
-        if "recent_queries" not in needs and "prompt_length" not in needs:
-            return
-        count = (self.strategy.observed_queries() or 0) if "recent_queries" in needs else 0
-        history = self._history.get(step.layer_idx) or QueryHistory.empty(inputs.query)
-        positions = _query_positions(step, inputs.real_new, real_offsets)
-        self._history[step.layer_idx] = history.after_call(inputs.query, positions, count)
-
-    def _accumulate(self, step: LayerStep, inputs: AttentionInputs, real_offsets: torch.Tensor) -> torch.Tensor:
-        """Add this call's attention (as the strategy counts it, :meth:`~kvlib.strategy.Eviction.attention_received`)
-        to each stored token's running sum; returns ``[batch, kv_heads, slots]``."""
-        valid = step.read.valid
-        batch, heads, slots = valid.shape
-        total = torch.zeros(batch, heads, slots, dtype=torch.float32, device=valid.device)
-        previous = self._accumulated.get(step.layer_idx)
-        if previous is not None:
-            width = min(previous.shape[-1], slots)
-            total[..., :width] = previous[..., :width]
-        query_positions = _query_positions(step, inputs.real_new, real_offsets)
-        key_positions = torch.where(valid, step.read.positions - real_offsets.to(valid.device).view(-1, 1, 1), -1)
-        history = self._history.get(step.layer_idx)
-        prompt_lengths = None if history is None else history.prompt_lengths
-
-        def counted(first: int, weights: torch.Tensor) -> torch.Tensor:
-            shown = query_positions[:, first : first + weights.shape[2]].to(weights.device)
-            return self.strategy.attention_received(weights, shown, key_positions.to(weights.device), prompt_lengths, step.layer_idx).sum(2)
-
-        if inputs.weights is not None:
-            received = counted(0, _returned_weights(inputs, 0))
-        else:
-            blocks = attention_blocks(step, inputs.query, inputs.mask, inputs.real_new, inputs.scaling, 0)
-            received = sum(counted(first, weights) for first, weights in blocks)
-        total += received.to(total.device).view(batch, heads, -1, slots).mean(2)
-        return total.masked_fill_(~valid, 0.0)
-
-
-def _returned_weights(inputs: AttentionInputs, first: int) -> torch.Tensor:
-    """The inner attention's weights of queries ``first..``, float32, with padding queries' rows zeroed."""
-    weights = inputs.weights[:, :, first:].float()
-    if inputs.real_new is not None:
-        weights = weights * inputs.real_new[:, first:].view(weights.shape[0], 1, -1, 1)
-    return weights
-
-
-def _to_slot_order(scores: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
-    """Scores of position-ordered slots (``order[..., j]`` is the slot of the ``j``-th) back in slot order."""
-    return torch.empty_like(scores).scatter_(-1, order.to(scores.device), scores)
-
-
-def _ascending(keep: torch.Tensor) -> torch.Tensor:
-    """``keep`` sorted ascending per head with its -1 padding last (the store's compacted order)."""
-    past_end = torch.iinfo(torch.int64).max
-    ordered = torch.sort(torch.where(keep < 0, past_end, keep), dim=-1).values
-    return torch.where(ordered == past_end, -1, ordered)
-
-
-def _query_positions(step: LayerStep, real_new: torch.Tensor | None, real_offsets: torch.Tensor) -> torch.Tensor:
-    """int64 ``[batch, query_length]``: each query's position from its row's first real token, -1 for padding."""
-    device = step.read.positions.device
-    logical = step.query_offset + torch.arange(step.query_length, device=device)
-    positions = logical.unsqueeze(0) - real_offsets.to(device).view(-1, 1)
-    return positions if real_new is None else torch.where(real_new.to(device), positions, -1)
-
-
-def _padding_slots(step: LayerStep, real_new: torch.Tensor | None) -> torch.Tensor:
-    """Bool ``[batch, heads, slots]``: stored slots holding this call's padding tokens."""
-    read = step.read
-    if real_new is None:
-        return torch.zeros_like(read.valid)
-    new_index = read.positions - step.query_offset
-    is_new = read.valid & (new_index >= 0)
-    batch = torch.arange(read.valid.shape[0], device=read.valid.device).view(-1, 1, 1)
-    real = real_new[batch, new_index.clamp(0, step.query_length - 1)]
-    return is_new & ~real

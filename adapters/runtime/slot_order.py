@@ -55,3 +55,27 @@ def to_slots(keep: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
     """Kept indices into the position-ordered slots (int64 ``[batch, heads, k]``, ``-1`` pads) as
     slot indices."""
     return torch.where(keep >= 0, order.to(keep.device).gather(-1, keep.clamp(min=0)), -1)
+
+
+def scores_in_slot_order(scores: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """Scores of position-ordered slots (``order[..., j]`` is the slot of the ``j``-th) back in slot order."""
+    return torch.empty_like(scores).scatter_(-1, order.to(scores.device), scores)
+
+
+def ascending(keep: torch.Tensor) -> torch.Tensor:
+    """``keep`` (slot indices, ``-1`` pads) sorted ascending per head with its ``-1`` padding last
+    (the store's compacted order)."""
+    past_end = torch.iinfo(torch.int64).max
+    ordered = torch.sort(torch.where(keep < 0, past_end, keep), dim=-1).values
+    return torch.where(ordered == past_end, -1, ordered)
+
+
+def keep_all_but(positions: torch.Tensor, dropped: torch.Tensor) -> torch.Tensor:
+    """int64 ``[batch, heads, slots]``: each head's stored slots (``positions >= 0``, as
+    :meth:`~kvlib.storage.paged_store.PagedStore.stored_positions` gives them) but the bool
+    ``dropped`` ones, ascending, ``-1`` after them: the ``keep`` of a compaction that drops just
+    those."""
+    slots = positions.shape[-1]
+    slot = torch.arange(slots, device=positions.device)
+    keep = torch.sort(torch.where((positions >= 0) & ~dropped, slot, slots), dim=-1).values
+    return torch.where(keep == slots, -1, keep)

@@ -5,9 +5,19 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import kvlib
-from kvlib.adapters.runtime.slot_order import ordered_view, position_order, to_slots
+from kvlib.adapters.runtime.slot_order import (
+    along_slots,
+    ascending,
+    keep_all_but,
+    ordered_view,
+    position_order,
+    scores_in_slot_order,
+    to_slots,
+)
 from kvlib.registry import available_strategies
 from kvlib.strategy import LayerView
 from kvlib.transformers_compat import cache_argument
@@ -59,3 +69,44 @@ def test_selection_and_views_follow_positions_not_slots():
     assert ordered.keys[..., 0].tolist() == [[[0, 2, 5, 9, -1]]]
     assert ordered.attention[0, :, 0].tolist() == [[0, 2, 5, 9, -1]] * 2
     assert to_slots(torch.tensor([[[1, 3, -1]]]), order).tolist() == [[[2, 3, -1]]]
+
+
+@st.composite
+def stored_heads(draw) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stored positions ``[batch, heads, slots]`` (distinct per head, any slot order, ``-1`` for an
+    empty slot) and a bool mask of slots to drop."""
+    batch, heads, slots = draw(st.integers(1, 2)), draw(st.integers(1, 3)), draw(st.integers(1, 8))
+    cells = draw(st.lists(st.integers(-1, 30), min_size=batch * heads * slots, max_size=batch * heads * slots))
+    positions = torch.tensor(cells, dtype=torch.int64).view(batch, heads, slots)
+    dropped = torch.tensor(draw(st.lists(st.booleans(), min_size=positions.numel(), max_size=positions.numel()))).view_as(positions)
+    return positions, dropped
+
+
+@settings(max_examples=60, deadline=None)
+@given(stored_heads())
+def test_keep_all_but_lists_each_heads_other_stored_slots_ascending(case) -> None:
+    positions, dropped = case
+    keep = keep_all_but(positions, dropped)
+    assert keep.shape == positions.shape
+    for b in range(positions.shape[0]):
+        for h in range(positions.shape[1]):
+            expected = [s for s in range(positions.shape[-1]) if positions[b, h, s] >= 0 and not dropped[b, h, s]]
+            assert keep[b, h].tolist() == expected + [-1] * (positions.shape[-1] - len(expected))
+
+
+@settings(max_examples=60, deadline=None)
+@given(stored_heads())
+def test_ascending_sorts_each_head_with_its_padding_last(case) -> None:
+    keep, _ = case
+    ordered = ascending(keep)
+    for b in range(keep.shape[0]):
+        for h in range(keep.shape[1]):
+            kept = sorted(s for s in keep[b, h].tolist() if s >= 0)
+            assert ordered[b, h].tolist() == kept + [-1] * (keep.shape[-1] - len(kept))
+
+
+def test_scores_in_slot_order_undoes_taking_them_in_position_order() -> None:
+    positions = torch.tensor([[[7, 2, -1, 5], [0, 1, 2, 3]]])
+    order = torch.sort(torch.where(positions >= 0, positions, 99), dim=-1, stable=True).indices
+    scores = torch.tensor([[[0.5, 1.5, -1.0, 2.5], [1.0, 2.0, 3.0, 4.0]]])
+    assert torch.equal(scores_in_slot_order(along_slots(scores, order), order), scores)

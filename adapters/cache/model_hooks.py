@@ -1,0 +1,68 @@
+""":func:`attach`: a model's attention routed through kvlib, with the forward hooks a
+:class:`~kvlib.adapters.KVCache` needs.
+
+The routing itself (:func:`~kvlib.adapters.runtime.attention.route_attention`) is the runtime's,
+shared with the Engine; the hooks are the cache's: they act on a ``KVCache`` passed to the
+forward and leave any other cache (the Engine's packed batch, ``DynamicCache``) alone.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from transformers import PreTrainedModel
+
+from kvlib.adapters.cache.transformers_cache import KVCache
+from kvlib.adapters.runtime.attention import route_attention
+from kvlib.transformers_compat import passed_cache
+
+_hooked_models: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+"""Models with the forward pre-hook that prepares a KVCache's call."""
+_recording_models: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+"""Models whose attention modules hand their input to a cache that needs it."""
+
+
+def attach(model: PreTrainedModel, *, hidden_states: bool = False) -> PreTrainedModel:
+    """Route ``model``'s attention through kvlib (idempotent); returns the model.
+
+    A model on SDPA or eager keeps that math; other implementations (flash, flex) switch to SDPA,
+    which handles per-head masks over physical slots. Raises ``ValueError`` if the model does not
+    take the change (its attention does not go through ``AttentionInterface``).
+
+    Hooks added to this model only: a forward pre-hook that makes a :class:`KVCache` refuse a
+    batch of another size before any work and plan a decode step for every layer before the
+    forward runs (:meth:`KVCache.prepare_step`), and, with ``hidden_states`` (a cache whose
+    strategy needs them; once added they stay), pre-hooks on the attention modules that hand
+    their input to such a cache.
+    """
+    route_attention(model)
+    if model not in _hooked_models:
+        model.register_forward_pre_hook(_prepare_cache, with_kwargs=True)
+        _hooked_models.add(model)
+    if hidden_states and model not in _recording_models:
+        for module in model.modules():
+            if isinstance(getattr(module, "layer_idx", None), int) and type(module).__name__.endswith("Attention"):
+                module.register_forward_pre_hook(_record_hidden_states, with_kwargs=True)
+        _recording_models.add(model)
+    return model
+
+
+def _prepare_cache(model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    """Forward pre-hook on an attached model: a KVCache refuses another batch size before any work,
+    then plans the call if it is a decode step (:meth:`KVCache.prepare_step`), outside the forward."""
+    cache = passed_cache(kwargs)
+    if isinstance(cache, KVCache):
+        inputs = kwargs.get("input_ids", args[0] if args else None)
+        if inputs is None:
+            inputs = kwargs.get("inputs_embeds")
+        if inputs is not None:
+            cache.check_batch(inputs.shape[0])
+            cache.prepare_step(inputs.shape[1], kwargs.get("attention_mask"))
+
+
+def _record_hidden_states(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    """Forward pre-hook on attention modules: hands the input to a KVCache whose strategy needs it."""
+    cache = passed_cache(kwargs)
+    if isinstance(cache, KVCache):
+        cache.record_hidden_states(module.layer_idx, kwargs.get("hidden_states", args[0] if args else None))

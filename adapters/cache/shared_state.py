@@ -1,0 +1,54 @@
+"""What a :class:`~kvlib.adapters.cache.cache_layer.KVCacheLayer` and the helpers doing its work
+(:mod:`.layer_tiering`, :mod:`.sliding_window`, :mod:`.paged_decode`) read of the cache that holds
+it: the state its layers share (:class:`~kvlib.adapters.KVCache` is the one implementation)."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from kvlib.adapters.cache.prefix_session import PrefixSession
+from kvlib.adapters.runtime.compressor import Compressor, PlannedWork
+from kvlib.adapters.runtime.layer_step import LayerStep
+from kvlib.codec import PageCodec
+from kvlib.model_shape import KVShape
+from kvlib.storage.paged_store import PagedStore
+from kvlib.storage.step_plan import StepPlan
+from kvlib.strategy import Tiering
+
+
+class PendingLayer(Protocol):
+    """What a layer reads of another layer of its cache: the step that layer published whose
+    attention has not run yet (None once it ran)."""
+
+    pending: LayerStep | None
+
+
+class SharedState(Protocol):
+    """The state a cache's layers share. A layer changes ``padding`` (layer 0 counts it),
+    ``prepared`` (layer 0 clears it) and ``step_real_new`` (layer 0's planned attention finds it),
+    nothing else of it."""
+
+    shape: KVShape
+    store: PagedStore
+    rows: list[int]
+    padding: torch.Tensor
+    compressor: Compressor | None
+    codecs: list[PageCodec | None] | None
+    tiering: Tiering | None
+    session: PrefixSession | None
+    recompute: torch.Tensor | None
+    read_cache: bool
+    reuse_slots: bool
+    layers: list[PendingLayer]
+    plan: StepPlan | None
+    plan_known_real: bool
+    plan_work: tuple[PlannedWork, ...]
+    plan_idle: tuple[bool, ...]
+    step_real_new: torch.Tensor | None
+    prepared: bool
+
+    def prepare_step(self, tokens: int, attention_mask: torch.Tensor | None = None, *, mask_known: bool = True) -> None: ...
+
+    def start_call(self, layer_idx: int, key_states: torch.Tensor) -> None: ...

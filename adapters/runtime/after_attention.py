@@ -1,0 +1,127 @@
+"""Where the compressor meets the store, written once for the drop-in cache and the Engine.
+
+After a layer's attention, :func:`evict` hands the compressor the layer as attention left it;
+when a head is over its budget the store compacts the layer and the compressor's per-slot state
+follows the layout (:func:`compact`, also what a caller that knows which slots it drops uses: a
+sliding window). What the caller does next (sealing pages, tiering, prefix indexing) is its own:
+:class:`Evicted` says whether the slots moved and gives the layer's token salience for a codec
+that reads it. Before a decode call under a cap held as a ring, :func:`make_ring_room` drops
+each full head's oldest tokens past the ring's start, so the call attends over its cap at most
+on every path (a planned step reuses those slots instead). The compressor itself never touches
+the store: it decides, these routines compact.
+
+Invariant: after each routine here, the compressor's per-slot state (accumulated attention) is
+aligned with the layer's stored slots again.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from kvlib.adapters.runtime.compressor import Compressor
+from kvlib.adapters.runtime.layer_step import LayerStep
+from kvlib.adapters.runtime.needs import AttentionInputs
+from kvlib.adapters.runtime.slot_order import keep_all_but
+from kvlib.selection import position_rank
+from kvlib.storage.paged_store import PagedStore
+
+Salience = Callable[[], torch.Tensor]
+"""Scores of a layer's slots, computed only when called: ``[batch, kv_heads, slots]``, slot order,
+``-inf`` for a slot holding no token worth keeping."""
+
+
+@dataclass(frozen=True)
+class Evicted:
+    """What :func:`evict` did to one layer: ``layout`` the store's compaction layout (new slot ``i``
+    holds old slot ``layout[..., i]``, ``-1`` none), or None when every stored token stayed (the
+    slots did not move); ``salience`` the strategy's keep-scores of the layer's slots as they now
+    stand."""
+
+    layout: torch.Tensor | None
+    salience: Salience
+
+
+def evict(
+    compressor: Compressor,
+    store: PagedStore,
+    rows: list[int],
+    step: LayerStep,
+    inputs: AttentionInputs,
+    real_offsets: torch.Tensor,
+    *,
+    reuse_slots: bool,
+) -> Evicted:
+    """Let ``compressor`` drop tokens from layer ``step.layer_idx`` of the store's ``rows`` after the
+    call's attention, and compact what it drops.
+
+    ``step.read``: the layer's stored tokens after the call's append, dense; or, for a call that
+    attended straight over the pages (``step.paged``), their positions only
+    (:meth:`~kvlib.storage.paged_store.PagedStore.read_positions`): keys and values are then read
+    here, into a transient copy, only when a compaction is due with a strategy that scores with
+    them. ``inputs``: what the attention saw; ``real_offsets [batch]``: each row's padding tokens
+    before its first real one (on the store's device)."""
+    layer = step.layer_idx
+    stored = None if step.paged is None else functools.partial(store.read, layer, rows, mirror=False)
+    compaction = compressor.compaction(step, inputs, real_offsets, stored)
+    if compaction is None:
+        return Evicted(None, functools.partial(compressor.scores, step, inputs, real_offsets, stored))
+    layout = compact(store, compressor, layer, rows, compaction.keep, compaction.values, reuse_slots=reuse_slots)
+    return Evicted(layout, functools.partial(compaction.salience_after, layout))
+
+
+def make_ring_room(compressor: Compressor, store: PagedStore, layer: int, rows: list[int], tokens: int, *, reuse_slots: bool) -> bool:
+    """Under a held cap kept as a ring (:meth:`Compressor.ring`), make room in ``layer`` of ``rows``
+    for a call's ``tokens`` before they are stored, as a planned step does by reusing slots: each
+    head that would then hold more than its cap first drops its oldest tokens past the ring's
+    start (compacted away, the per-slot state following). Returns whether anything was dropped.
+    The cache's layers and the Engine's decode rows call it on the paths that are not planned, so
+    that every path keeps, and attends over, the same tokens."""
+    ring = compressor.ring(len(rows), store.tables[layer].num_heads)
+    if ring is None or bool((ring.caps[layer] - ring.start < tokens).any()):
+        return False
+    positions = store.stored_positions(layer, rows)
+    stored = positions >= 0
+    excess = torch.from_numpy(stored.sum(-1).numpy() + tokens - ring.caps[layer]).clamp(min=0)
+    if not bool(excess.any()):
+        return False
+    rank = position_rank(positions, stored)
+    dropped = (rank >= ring.start) & (rank < ring.start + excess.unsqueeze(-1))
+    compressor.compacted(layer, store.compact(layer, rows, keep_all_but(positions, dropped), reuse_slots=reuse_slots))
+    return True
+
+
+def compact(
+    store: PagedStore,
+    compressor: Compressor | None,
+    layer: int,
+    rows: list[int],
+    keep: torch.Tensor,
+    values: torch.Tensor | None = None,
+    *,
+    reuse_slots: bool,
+) -> torch.Tensor:
+    """Keep only the ``keep`` slots of ``layer`` of ``rows`` (:meth:`PagedStore.compact`, ``values``
+    the kept tokens' merged values or None), the compressor's per-slot state following; returns
+    the layout."""
+    layout = store.compact(layer, rows, keep, values, reuse_slots=reuse_slots)
+    if compressor is not None:
+        compressor.compacted(layer, layout)
+    return layout
+
+
+def following(salience: Salience | None, layout: torch.Tensor) -> Salience | None:
+    """``salience`` after the store compacted the layer with ``layout`` (new slot ``i`` holds old
+    slot ``layout[..., i]``; ``-1``: none, scored ``-inf``)."""
+    if salience is None:
+        return None
+    return functools.partial(_gathered, salience, layout)
+
+
+def _gathered(salience: Salience, layout: torch.Tensor) -> torch.Tensor:
+    scores = salience()
+    layout = layout.to(scores.device)
+    return scores.gather(-1, layout.clamp(min=0)).masked_fill(layout < 0, -torch.inf)
