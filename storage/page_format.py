@@ -22,7 +22,8 @@ here is the default the formats share; a format overrides what differs.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -37,8 +38,9 @@ if TYPE_CHECKING:
     from kvlib.storage.page_pool import PagePool
 
 
-class PlannedStep(Protocol):
-    """What a pool reads of a planned decode step (:class:`kvlib.storage.step_plan.StepPlan`), for every
+@dataclass
+class PlannedStep:
+    """What a pool reads of a planned decode step (the base of :class:`kvlib.storage.step_plan.StepPlan`), for every
     layer: ``slots`` and ``position_slots`` int64 ``[layers, batch, kv_heads, tokens]`` (where each
     new token goes in the key and value arenas, and in the position arena), ``positions`` int64
     ``[batch, tokens]``, ``query_positions`` int64 ``[tokens]``, the block tables ``pages`` int64
