@@ -25,8 +25,37 @@ import numpy as np
 import torch
 
 
+class _NumpyMirrored:
+    """A CPU tensor attribute kept with a numpy view of its memory under ``<name>_np``: assigning
+    the tensor assigns both, so the two never point at different memory."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+        self.mirror = name + "_np"
+
+    def __get__(self, table: object | None, owner: type | None = None) -> torch.Tensor:
+        return self if table is None else table.__dict__[self.name]
+
+    def __set__(self, table: object, value: torch.Tensor) -> None:
+        table.__dict__[self.name] = value
+        table.__dict__[self.mirror] = value.numpy()
+
+
 class BlockTable:
     """Per-layer block tables of all sequences of a store (one row per sequence id)."""
+
+    pages = _NumpyMirrored()
+    """int64 ``[rows, heads, max_pages]``: each head's page ids, ``-1`` past its last (``pages_np``: its numpy view)."""
+    sealed = _NumpyMirrored()
+    """int64 ``[rows, heads]``: leading pages of each head known to be sealed (``sealed_np``: its numpy view)."""
+    lengths = _NumpyMirrored()
+    """int64 ``[rows, heads]``: tokens stored per (row, head) (``lengths_np``: its numpy view)."""
+    logical = _NumpyMirrored()
+    """int64 ``[rows]``: tokens each row has seen (``logical_np``: its numpy view)."""
+    pages_np: np.ndarray
+    sealed_np: np.ndarray
+    lengths_np: np.ndarray
+    logical_np: np.ndarray
 
     def __init__(self, num_heads: int, page_size: int, rows: int = 1, max_pages: int = 1) -> None:
         self.page_size = page_size
@@ -34,46 +63,6 @@ class BlockTable:
         self.lengths = torch.zeros(rows, num_heads, dtype=torch.int64)
         self.logical = torch.zeros(rows, dtype=torch.int64)
         self.sealed = torch.zeros(rows, num_heads, dtype=torch.int64)
-
-    @property
-    def pages(self) -> torch.Tensor:
-        """int64 ``[rows, heads, max_pages]``: each head's page ids, ``-1`` past its last."""
-        return self._pages
-
-    @pages.setter
-    def pages(self, value: torch.Tensor) -> None:
-        self._pages = value
-        self.pages_np: np.ndarray = value.numpy()
-
-    @property
-    def sealed(self) -> torch.Tensor:
-        """int64 ``[rows, heads]``: leading pages of each head known to be sealed."""
-        return self._sealed
-
-    @sealed.setter
-    def sealed(self, value: torch.Tensor) -> None:
-        self._sealed = value
-        self.sealed_np: np.ndarray = value.numpy()
-
-    @property
-    def lengths(self) -> torch.Tensor:
-        """int64 ``[rows, heads]``: tokens stored per (row, head)."""
-        return self._lengths
-
-    @lengths.setter
-    def lengths(self, value: torch.Tensor) -> None:
-        self._lengths = value
-        self.lengths_np: np.ndarray = value.numpy()
-
-    @property
-    def logical(self) -> torch.Tensor:
-        """int64 ``[rows]``: tokens each row has seen."""
-        return self._logical
-
-    @logical.setter
-    def logical(self, value: torch.Tensor) -> None:
-        self._logical = value
-        self.logical_np: np.ndarray = value.numpy()
 
     def advance(self, rows: np.ndarray, stored: np.ndarray | int, seen: int) -> None:
         """``rows`` (distinct) stored ``stored`` more tokens per head (an int, or int64 ``[len(rows),

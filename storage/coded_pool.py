@@ -27,11 +27,10 @@ import torch
 
 from kvlib.codec import Field, PageCodec, arena_dtype
 from kvlib.devices import PagedKernel, paged_kernel, to_arena_device
-from kvlib.kernels import paged_ops
 from kvlib.kernels.coded_page_loaders import open_part
 from kvlib.kernels.paged_attention import PageReader, PageSource
 from kvlib.storage.free_stack import FreeStack
-from kvlib.storage.page_format import PageFormat, PlannedStep, extend_rows
+from kvlib.storage.page_format import PageFormat, extend_rows
 from kvlib.storage.page_indexing import first_occurrences
 from kvlib.storage.read_plan import ReadPlan
 
@@ -171,6 +170,7 @@ class CodedPages(PageFormat):
         self.values.view(-1, self.value_dim).index_copy_(0, raw, values)
 
     planned_slots_stay = False
+    decodes_through_source = True
 
     def planned_slots(self, slots: np.ndarray) -> np.ndarray:
         """Raw-arena slots of open pages' flat ``slots`` (their keys and values are written raw)."""
@@ -178,25 +178,6 @@ class CodedPages(PageFormat):
         if bool((rows < 0).any()):
             raise RuntimeError("planned write to a sealed page: sealed pages are immutable (the store and the pool disagree)")
         return rows * self.page_size + slots % self.page_size
-
-    def attend_planned(self, plan: PlannedStep, layer: int, query: torch.Tensor, mask, scale, softcap, received) -> torch.Tensor:
-        """Attention through the codec's page loaders (:meth:`page_source`; ``kvlib::paged_decode_source``)."""
-        return paged_ops.paged_decode_source(
-            self,
-            query,
-            self.keys,
-            self.values,
-            self.pool.positions,
-            plan.pages,
-            plan.lengths,
-            layer,
-            mask,
-            plan.query_positions,
-            scale,
-            softcap,
-            self.value_dim,
-            received,
-        )
 
     def page_source(self) -> PageReader | None:
         """Open pages read raw and sealed pages decoded page by page inside the kernel, from the

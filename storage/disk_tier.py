@@ -325,11 +325,7 @@ class DiskTier:
         the writer's call it holding :attr:`resize_lock` (it reads lmdb's meta page in the map)."""
         if not self.lost and os.fstat(self._data).st_size < committed_bytes(self.env, self.page_bytes):
             self.lost = self.stopped = True
-            warnings.warn(
-                f"kvlib disk tier at {self.path}: data.mdb was cut short while open; its reads are misses "
-                "and nothing is written from now on",
-                stacklevel=3,
-            )
+            self._warn("data.mdb was cut short while open; its reads are misses and nothing is written from now on")
         return not self.lost
 
     def attached(self) -> bool:
@@ -346,17 +342,20 @@ class DiskTier:
                 same = False
             if not same:
                 self.detached = self.stopped = True
-                warnings.warn(
-                    f"kvlib disk tier at {self.path}: the directory was removed or its data.mdb replaced while open; records"
-                    " written now would reach no other process, so writing stops (a new store on this path opens a new tier)",
-                    stacklevel=3,
+                self._warn(
+                    "the directory was removed or its data.mdb replaced while open; records written now would reach"
+                    " no other process, so writing stops (a new store on this path opens a new tier)"
                 )
         return not self.detached
 
     def _stop(self, why: str) -> None:
         if not self.stopped:
-            warnings.warn(f"kvlib disk tier at {self.path}: stopped writing ({why}); generation goes on without it", stacklevel=3)
+            self._warn(f"stopped writing ({why}); generation goes on without it")
         self.stopped = True
+
+    def _warn(self, what: str) -> None:
+        """One warning about this tier, naming its path, at the caller of the method that calls this."""
+        warnings.warn(f"kvlib disk tier at {self.path}: {what}", stacklevel=4)
 
     def stats(self) -> dict[str, int]:
         return {

@@ -22,7 +22,8 @@ here is the default the formats share; a format overrides what differs.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -37,8 +38,9 @@ if TYPE_CHECKING:
     from kvlib.storage.page_pool import PagePool
 
 
-class PlannedStep(Protocol):
-    """What a pool reads of a planned decode step (:class:`kvlib.storage.step_plan.StepPlan`), for every
+@dataclass
+class PlannedStep:
+    """What a pool reads of a planned decode step (the base of :class:`kvlib.storage.step_plan.StepPlan`), for every
     layer: ``slots`` and ``position_slots`` int64 ``[layers, batch, kv_heads, tokens]`` (where each
     new token goes in the key and value arenas, and in the position arena), ``positions`` int64
     ``[batch, tokens]``, ``query_positions`` int64 ``[tokens]``, the block tables ``pages`` int64
@@ -68,6 +70,9 @@ class PageFormat:
     """The earlier layer whose pool this pool's sealed pages lean on (None: none)."""
     planned_slots_stay = True
     """Whether :meth:`planned_slots` of pages stay put while other pages are allocated."""
+    decodes_through_source = False
+    """Whether a planned step's decode reads the pages through :meth:`page_source` (a codec's
+    sealed pages, decoded in the kernel) rather than straight from the arenas."""
     reopens_partial_pages = False
     """Whether a truncation ending inside a page the pool may not write reopens it (beside key summaries)."""
     shrinks = False
@@ -168,7 +173,7 @@ class PageFormat:
 
     def attend_planned(self, plan: PlannedStep, layer: int, query: torch.Tensor, mask, scale, softcap, received) -> torch.Tensor:
         """Attention over ``layer``'s pages once ``plan`` wrote it (see :meth:`PagePool.attend_planned`):
-        one ``kvlib::paged_decode`` over the arenas."""
+        one decode operator over the arenas, or through :meth:`page_source` where :attr:`decodes_through_source`."""
         return paged_ops.paged_decode(
             query,
             self.keys,
@@ -182,6 +187,7 @@ class PageFormat:
             scale,
             softcap,
             received,
+            self if self.decodes_through_source else None,
         )
 
     # -- sealing and records -------------------------------------------------------------------

@@ -47,7 +47,7 @@ import torch
 from kvlib.codec import Field
 from kvlib.storage import entropy_code
 from kvlib.storage.record_digest import digest
-from kvlib.storage.spilled_page_record import RecordError
+from kvlib.storage.spilled_page_record import NO_PARENT, RecordError, stored_chain_key
 
 MAGIC = b"KVLP"
 VERSION = 5
@@ -55,8 +55,6 @@ HEADER = struct.Struct("<4sH16s16s16sHHH16sBQ3x")
 """88 bytes: the body starts 8-byte aligned."""
 DIGEST = struct.Struct("<Q")
 PLAIN, ENTROPY = 0, 1
-NO_PARENT = bytes(16)
-"""The parent field of a chain's first block."""
 
 
 @dataclass(frozen=True)
@@ -271,8 +269,8 @@ def _header(layout: BlockLayout, block: FieldBlock, coding: int, length: int) ->
         MAGIC,
         VERSION,
         layout.namespace,
-        _pad(block.key),
-        _pad(block.parent),
+        stored_chain_key(block.key),
+        stored_chain_key(block.parent),
         len(layout.layers),
         layout.heads,
         layout.page_size,
@@ -284,12 +282,3 @@ def _header(layout: BlockLayout, block: FieldBlock, coding: int, length: int) ->
 
 def _padded(nbytes: int) -> int:
     return -(-nbytes // 8) * 8
-
-
-def _pad(key: bytes) -> bytes:
-    """A 16-byte chain key as stored (``b""``, no parent, as 16 zero bytes)."""
-    if key == b"":
-        return NO_PARENT
-    if len(key) != 16:
-        raise ValueError(f"chain keys are 16 bytes, got {len(key)}")
-    return key

@@ -86,7 +86,7 @@ def encode(layout: Layout, block: Block) -> memoryview:
     sections = _sections(layout, block)
     cuts = _cuts(layout)
     out = np.empty(cuts[-1] + DIGEST.size, dtype=np.uint8)
-    out[: HEADER.size] = np.frombuffer(_header(layout, _pad(block.key), _pad(block.parent)), dtype=np.uint8)
+    out[: HEADER.size] = np.frombuffer(_header(layout, stored_chain_key(block.key), stored_chain_key(block.parent)), dtype=np.uint8)
     for section, start, end in zip(sections, cuts[1:], cuts[2:]):
         out[start : start + section.nbytes] = section
         out[start + section.nbytes : end] = 0  # the keys' padding to 8 bytes
@@ -229,8 +229,8 @@ NO_PARENT = bytes(16)
 """The parent field of a chain's first block."""
 
 
-def _pad(key: bytes) -> bytes:
-    """A 16-byte chain key as stored (``b""``, no parent, as 16 zero bytes)."""
+def stored_chain_key(key: bytes) -> bytes:
+    """A 16-byte chain key as stored in a record's header (both record kinds) (``b""``, no parent, as 16 zero bytes)."""
     if key == b"":
         return NO_PARENT
     if len(key) != 16:

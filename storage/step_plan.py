@@ -44,6 +44,7 @@ import torch
 from kvlib.devices import to_arena_device
 from kvlib.storage.block_table import BlockTable
 from kvlib.storage.layer_pages import LayerPages
+from kvlib.storage.page_format import PlannedStep
 from kvlib.storage.page_pool import PagePool
 
 
@@ -57,7 +58,7 @@ class Ring:
 
 
 @dataclass
-class StepPlan:
+class StepPlan(PlannedStep):
     """One decode step of ``rows`` in every layer (tensors on the arenas' device unless noted).
 
     Attributes:
@@ -81,12 +82,6 @@ class StepPlan:
     rows: torch.Tensor
     rows_np: np.ndarray
     tokens: int
-    slots: torch.Tensor
-    position_slots: torch.Tensor
-    positions: torch.Tensor
-    query_positions: torch.Tensor
-    pages: torch.Tensor
-    lengths: torch.Tensor
     stored: int | np.ndarray
     pools: Sequence[PagePool]
 
@@ -139,17 +134,17 @@ class DecodeLayout:
             self.lengths += self.grows_device * tokens
             stored = self.grows * tokens
         return StepPlan(
-            self.rows,
-            self.rows_np,
-            tokens,
-            self.slots[..., start : self.used].contiguous(),
-            self.position_slots[..., start : self.used].contiguous(),
-            positions,
-            positions.amax(0),
-            self.pages,
-            self.lengths,
-            stored,
-            self.pools,
+            slots=self.slots[..., start : self.used].contiguous(),
+            position_slots=self.position_slots[..., start : self.used].contiguous(),
+            positions=positions,
+            query_positions=positions.amax(0),
+            pages=self.pages,
+            lengths=self.lengths,
+            rows=self.rows,
+            rows_np=self.rows_np,
+            tokens=tokens,
+            stored=stored,
+            pools=self.pools,
         )
 
 

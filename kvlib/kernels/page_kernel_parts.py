@@ -12,12 +12,12 @@ directly).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from typing import Protocol
 
 import numba
 import numpy as np
 import torch
+
+from kvlib.kernels.query_groups import grouped_rows
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 """Page dtypes the kernel reads."""
@@ -153,33 +153,15 @@ LOADERS = {torch.float32: load_float32, torch.float16: load_float16, torch.bfloa
 """Each page dtype's loader; the kernel is compiled once per pair of loaders (and argument types)."""
 
 
-class KernelPages(Protocol):
-    """A layer's pages as the CPU kernels take them (:class:`~kvlib.kernels.paged_attention.PageSource`):
-    keys and values as numba arguments with their loaders, each page's token positions (int64
-    ``[capacity, page_size]``), and the value channels."""
-
-    keys: object
-    values: object
-    load_keys: Callable[..., None]
-    load_values: Callable[..., None]
-    positions: np.ndarray
-    value_dim: int
-
-
 def kernel_queries(
     query: torch.Tensor, pages: torch.Tensor, visible: torch.Tensor | None, query_positions: torch.Tensor | None
 ) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
     """The kernels' query arguments: float32 queries grouped by KV head ``[batch, kv_heads, group
     * queries, head_dim]`` (row ``g * queries + q`` is query ``q`` of the group's ``g``-th head),
     the mask (no columns for causal) and the causal positions (empty with a mask)."""
-    batch, query_heads, queries, dim = query.shape
-    kv_heads = pages.shape[1]
-    if query_heads % kv_heads:
-        raise ValueError(f"query heads ({query_heads}) must be a multiple of KV heads ({kv_heads})")
-    if visible is None and query_positions is None:
-        raise ValueError("paged_attention needs the model's mask (visible) or the queries' positions")
-    group = query_heads // kv_heads
-    grouped = query.detach().reshape(batch, kv_heads, group * queries, dim).to(torch.float32).contiguous()
+    batch, _, queries, dim = query.shape
+    rows = grouped_rows(query, pages, visible, query_positions)
+    grouped = query.detach().reshape(batch, pages.shape[1], rows, dim).to(torch.float32).contiguous()
     mask = np.zeros((batch, queries, 0), dtype=np.bool_) if visible is None else visible.cpu().contiguous().numpy()
     steps = np.zeros(0, dtype=np.int64) if query_positions is None else query_positions.cpu().contiguous().numpy()
     return grouped, mask, steps

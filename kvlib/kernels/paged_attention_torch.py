@@ -31,6 +31,7 @@ from typing import NamedTuple
 import torch
 
 from kvlib.devices import to_arena_device
+from kvlib.kernels.query_groups import grouped_rows
 
 PAGES_PER_BLOCK = 32
 """The fewest pages of each (row, KV head) a step gathers by default: 512 tokens at 16 tokens a page."""
@@ -174,17 +175,13 @@ class _Blocks(NamedTuple):
     def over(query, key_arena, pages, lengths, visible, query_positions, pages_per_block, value_dim) -> _Blocks:
         """Checked arguments of :func:`attend_pages_torch` as a block walk (``value_dim`` 0 when
         only keys are read; ``pages_per_block`` None: :func:`block_pages`)."""
-        batch, query_heads, queries, dim = query.shape
+        batch, _, _, dim = query.shape
         kv_heads = pages.shape[1]
-        if query_heads % kv_heads:
-            raise ValueError(f"query heads ({query_heads}) must be a multiple of KV heads ({kv_heads})")
-        if visible is None and query_positions is None:
-            raise ValueError("paged_attention needs the model's mask (visible) or the queries' positions")
+        rows = grouped_rows(query, pages, visible, query_positions)
         if pages_per_block is not None and pages_per_block < 1:
             raise ValueError(f"pages_per_block must be >= 1, got {pages_per_block}")
         device, page_size = key_arena.device, key_arena.shape[1]
         used = -(-int(lengths.max()) // page_size) if lengths.numel() else 0  # pages of the longest head
-        rows = (query_heads // kv_heads) * queries
         if pages_per_block is None:
             pages_per_block = block_pages(batch, kv_heads, rows, page_size, dim + value_dim, used)
         grouped = query.detach().to(device=device, dtype=torch.float32).reshape(batch, kv_heads, rows, dim)

@@ -42,10 +42,11 @@ import torch
 
 from kvlib.codec import PageCodec, arena_dtype
 from kvlib.devices import to_arena_device
+from kvlib.kernels.query_groups import grouped_rows
 from kvlib.kernels.triton_decode_kernels import attend_splits, merge_splits, score_tiles
 from kvlib.kernels.triton_products import dot_dtype
 from kvlib.kernels.triton_tiles import load_float_tile
-from kvlib.triton_readers import LOADER_PARAMS, LOADER_TENSORS, TritonReader
+from kvlib.triton_readers import TritonReader
 
 TILE_TOKENS = 32
 """Tokens a program reads per step (``BLOCK_N``): a tile may span several pages."""
@@ -71,23 +72,14 @@ FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 class TileSource(NamedTuple):
-    """How the kernels read one tensor (keys or values) of a layer's pages: a tile loader and its
-    :data:`~kvlib.triton_readers.LOADER_TENSORS` tensors and :data:`~kvlib.triton_readers.LOADER_PARAMS`
-    params (:mod:`kvlib.triton_readers`), and the tensor's channels."""
+    """How the kernels read one tensor (keys or values) of a layer's pages: a tile loader, the
+    tuple of tensors and the tuple of constexpr params it takes (:mod:`kvlib.triton_readers`),
+    and the tensor's channels."""
 
     load: object
     tensors: tuple[torch.Tensor, ...]
     params: tuple[int, ...]
     dim: int
-
-    @staticmethod
-    def of(load: object, tensors: tuple[torch.Tensor, ...], params: tuple[int, ...], dim: int) -> TileSource:
-        """A tile source with ``tensors`` and ``params`` padded to the loader's arity (the first
-        tensor repeated, zeros)."""
-        if len(tensors) > LOADER_TENSORS or len(params) > LOADER_PARAMS:
-            raise ValueError(f"a tile loader takes at most {LOADER_TENSORS} tensors and {LOADER_PARAMS} params")
-        padded = tensors + (tensors[0],) * (LOADER_TENSORS - len(tensors))
-        return TileSource(load, padded, params + (0,) * (LOADER_PARAMS - len(params)), dim)
 
 
 class TritonPageSource(NamedTuple):
@@ -122,8 +114,8 @@ def triton_arena_source(key_arena: torch.Tensor, value_arena: torch.Tensor, posi
     if not (key_arena.is_contiguous() and value_arena.is_contiguous() and positions.is_contiguous()):
         raise ValueError("the Triton kernels read contiguous arenas and positions")
     return TritonPageSource(
-        TileSource.of(load_float_tile, (key_arena,), (), key_arena.shape[2]),
-        TileSource.of(load_float_tile, (value_arena,), (), value_arena.shape[2]),
+        TileSource(load_float_tile, (key_arena,), (), key_arena.shape[2]),
+        TileSource(load_float_tile, (value_arena,), (), value_arena.shape[2]),
         positions,
     )
 
@@ -168,7 +160,7 @@ def triton_coded_source(
 
 def _coded_tiles(reader: TritonReader, raw: torch.Tensor, raw_row: torch.Tensor, sealed: torch.Tensor) -> TileSource:
     """The :class:`TileSource` of a coded reader with the pool's open part before its fields."""
-    return TileSource.of(reader.load, (raw.contiguous(), raw_row, sealed, *reader.fields), reader.params, raw.shape[2])
+    return TileSource(reader.load, (raw.contiguous(), raw_row, sealed, *reader.fields), reader.params, raw.shape[2])
 
 
 def split_plan(longest: int, pairs: int, splits: int | None = None) -> tuple[int, int]:
@@ -183,27 +175,6 @@ def split_plan(longest: int, pairs: int, splits: int | None = None) -> tuple[int
     tiles = max(1, math.ceil(longest / TILE_TOKENS))
     per_split = math.ceil(tiles / max(splits, 1))
     return math.ceil(tiles / per_split), per_split * TILE_TOKENS
-
-
-def triton_paged_attention(
-    query: torch.Tensor,
-    key_arena: torch.Tensor,
-    value_arena: torch.Tensor,
-    positions: torch.Tensor,
-    pages: torch.Tensor,
-    lengths: torch.Tensor,
-    *,
-    visible: torch.Tensor | None,
-    query_positions: torch.Tensor | None,
-    scale: float,
-    softcap: float | None = None,
-) -> torch.Tensor:
-    """:func:`kvlib.kernels.paged_attention.paged_attention` by the Triton kernels over float arenas
-    (arguments and result as documented there; the arenas on a device Triton runs on)."""
-    source = triton_arena_source(key_arena, value_arena, positions)
-    return attend_pages_triton(
-        query, source, pages, lengths, visible=visible, query_positions=query_positions, scale=scale, softcap=softcap
-    )
 
 
 class _Launch(NamedTuple):
@@ -222,14 +193,10 @@ class _Launch(NamedTuple):
 
     @staticmethod
     def of(query, source: TritonPageSource, pages, lengths, visible, query_positions) -> _Launch:
-        batch, query_heads, queries, dim = query.shape
+        batch, _, queries, dim = query.shape
         kv_heads = pages.shape[1]
-        if query_heads % kv_heads:
-            raise ValueError(f"query heads ({query_heads}) must be a multiple of KV heads ({kv_heads})")
-        if visible is None and query_positions is None:
-            raise ValueError("paged_attention needs the model's mask (visible) or the queries' positions")
+        rows = grouped_rows(query, pages, visible, query_positions)
         device = source.positions.device
-        rows = query_heads // kv_heads * queries
         grouped = query.detach().to(device).reshape(batch * kv_heads, rows, dim).contiguous()
         nothing_visible = lengths.numel() == 0 or (visible is not None and visible.shape[-1] == 0)
         longest = 0 if nothing_visible else int(lengths.max())
@@ -307,16 +274,12 @@ def attend_pages_triton(
             split_tokens,
             float(scale),
             float(softcap or 1.0),
-            *source.keys.tensors,
-            *source.values.tensors,
+            source.keys.tensors,
+            source.values.tensors,
             LOAD_KEYS=source.keys.load,
-            KP0=source.keys.params[0],
-            KP1=source.keys.params[1],
-            KP2=source.keys.params[2],
+            KEY_PARAMS=source.keys.params,
             LOAD_VALUES=source.values.load,
-            VP0=source.values.params[0],
-            VP1=source.values.params[1],
-            VP2=source.values.params[2],
+            VALUE_PARAMS=source.values.params,
             VALUE_DIM=value_dim,
             BLOCK_N=TILE_TOKENS,
             BLOCK_V=block_v,
@@ -364,11 +327,9 @@ def attention_weights_triton(
             slots,
             float(scale),
             float(softcap or 1.0),
-            *source.keys.tensors,
+            source.keys.tensors,
             LOAD_KEYS=source.keys.load,
-            KP0=source.keys.params[0],
-            KP1=source.keys.params[1],
-            KP2=source.keys.params[2],
+            KEY_PARAMS=source.keys.params,
             BLOCK_N=TILE_TOKENS,
             SOFTCAP=bool(softcap),
             **launch.shape,

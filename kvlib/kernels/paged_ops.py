@@ -44,8 +44,8 @@ _LIBRARY.define(
 )
 _LIBRARY.define(
     "paged_decode_source(int source, Tensor query, Tensor key_arena, Tensor value_arena, Tensor position_arena, Tensor pages,"
-    " Tensor lengths, int layer, Tensor? mask, Tensor? query_positions, float scale, float softcap, int value_dim,"
-    " Tensor(d!)? received=None) -> Tensor"
+    " Tensor lengths, int layer, Tensor? mask, Tensor? query_positions, float scale, float softcap, Tensor(d!)? received=None)"
+    " -> Tensor"
 )
 _LIBRARY.define(
     "paged_decode(Tensor query, Tensor key_arena, Tensor value_arena, Tensor position_arena, Tensor pages, Tensor lengths,"
@@ -79,6 +79,17 @@ def write_planned(
     torch.ops.kvlib.write_planned(key_arena, value_arena, position_arena, slots, position_slots, layer, keys, values, positions)
 
 
+class SourceOwner(Protocol):
+    """What reads its pages through a source of its own (a coded pool: its codec's fields decoded
+    in the kernel): :meth:`page_source` gives the current one, or None."""
+
+    def page_source(self) -> PageReader | None: ...
+
+
+_SOURCES: weakref.WeakValueDictionary[int, SourceOwner] = weakref.WeakValueDictionary()
+"""The owners ``kvlib::paged_decode_source`` reads through, by handle (their ``id``; held weakly)."""
+
+
 def paged_decode(
     query: torch.Tensor,
     key_arena: torch.Tensor,
@@ -92,50 +103,25 @@ def paged_decode(
     scale: float,
     softcap: float | None = None,
     received: torch.Tensor | None = None,
+    owner: SourceOwner | None = None,
 ) -> torch.Tensor:
     """Attention of ``query`` over layer ``layer``'s pages (see the module docstring): ``pages``
     int64 ``[layers, batch, kv_heads, max_pages]`` and ``lengths`` int64 ``[layers, batch,
     kv_heads]`` are the plan's, for every layer. ``received`` (float32 ``[batch, kv_heads,
     slots]``, zeros, at least each head's length of slots; optional) gets the attention each
     stored slot (block-table order) received: the softmax weights summed over the queries and
-    averaged over the query heads of its KV head (H2O's accumulated attention of this call)."""
-    return torch.ops.kvlib.paged_decode(
-        query, key_arena, value_arena, position_arena, pages, lengths, layer, mask, query_positions, scale, softcap or 0.0, received
-    )
+    averaged over the query heads of its KV head (H2O's accumulated attention of this call).
 
-
-class SourceOwner(Protocol):
-    """What reads its pages through a source of its own (a coded pool: its codec's fields decoded
-    in the kernel): :meth:`page_source` gives the current one, or None."""
-
-    def page_source(self) -> PageReader | None: ...
-
-
-_SOURCES: weakref.WeakValueDictionary[int, SourceOwner] = weakref.WeakValueDictionary()
-"""The owners ``paged_decode_source`` reads through, by handle (their ``id``; held weakly)."""
-
-
-def paged_decode_source(
-    owner: SourceOwner,
-    query: torch.Tensor,
-    key_arena: torch.Tensor,
-    value_arena: torch.Tensor,
-    position_arena: torch.Tensor,
-    pages: torch.Tensor,
-    lengths: torch.Tensor,
-    layer: int,
-    mask: torch.Tensor | None,
-    query_positions: torch.Tensor | None,
-    scale: float,
-    softcap: float | None,
-    value_dim: int,
-    received: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """:func:`paged_decode` over pages that ``owner`` reads through its own source (a coded pool:
-    open pages raw in ``key_arena`` / ``value_arena``, sealed pages as its codec's fields, decoded
-    inside the kernel). The arenas a planned write changes are the operator's inputs, so that it
-    is ordered after that write wherever a compiler moves operators; the rest is read through
-    ``owner.page_source()``. One operator (``kvlib::paged_decode_source``)."""
+    One operator: ``kvlib::paged_decode`` over the float arenas (``owner`` None), else
+    ``kvlib::paged_decode_source`` over pages that ``owner`` reads through its own source (a
+    coded pool: open pages raw in ``key_arena`` / ``value_arena``, sealed pages as its codec's
+    fields, decoded inside the kernel; values of ``value_arena.shape[-1]`` channels). There the
+    arenas a planned write changes are still the operator's inputs, so that it is ordered after
+    that write wherever a compiler moves operators; the rest is read through ``owner.page_source()``."""
+    if owner is None:
+        return torch.ops.kvlib.paged_decode(
+            query, key_arena, value_arena, position_arena, pages, lengths, layer, mask, query_positions, scale, softcap or 0.0, received
+        )
     _SOURCES[id(owner)] = owner
     return torch.ops.kvlib.paged_decode_source(
         id(owner),
@@ -150,7 +136,6 @@ def paged_decode_source(
         query_positions,
         scale,
         softcap or 0.0,
-        value_dim,
         received,
     )
 
@@ -174,29 +159,19 @@ def mask_visibility(mask: torch.Tensor | None) -> torch.Tensor | None:
 _CAUSAL = np.zeros(0, dtype=np.int64)
 
 
-def decode_pages(
-    query: torch.Tensor,
-    source: PageSource,
-    pages: np.ndarray,
-    lengths: np.ndarray,
-    *,
-    visible: np.ndarray | None,
-    query_positions: np.ndarray | None,
-    scale: float,
-    softcap: float | None = None,
-    received: np.ndarray | None = None,
-) -> torch.Tensor:
-    """:func:`~kvlib.kernels.paged_attention.attend_pages` for a decode step's few queries, with its
-    bookkeeping as numpy (``pages`` int64 ``[batch, kv_heads, max_pages]``, ``lengths`` int64
-    ``[batch, kv_heads]``, ``visible`` bool ``[batch, queries, logical]`` or None with
-    ``query_positions`` int64 ``[queries]``, each C-contiguous; ``received``: float32 ``[batch,
-    kv_heads, slots]`` or None, see :func:`paged_decode`), and its result laid out as
-    `transformers` attention functions return it: ``[batch, queries, query_heads, value_dim]`` in
-    ``query``'s dtype. No torch operator but the query's conversion to float32 and the result's back."""
+def decode_over(source: PageSource, query, pages, lengths, layer, mask, query_positions, scale, softcap, received=None) -> torch.Tensor:
+    """``paged_decode``'s CPU work over any :class:`~kvlib.kernels.paged_attention.PageSource` (float
+    arenas, or a codec's fields decoded in the kernel): the numba kernel of
+    :func:`~kvlib.kernels.paged_attention.attend_pages` for a decode step's few queries, over the
+    plan's CPU tensors read as numpy (each C-contiguous), and its result laid out as `transformers`
+    attention functions return it: ``[batch, queries, query_heads, value_dim]`` in ``query``'s
+    dtype. No torch operator but the query's conversion to float32, the mask's to bool and the
+    result's back."""
     batch, query_heads, queries, dim = query.shape
-    kv_heads = pages.shape[1]
+    kv_heads = pages.shape[2]
     if query_heads % kv_heads:
         raise ValueError(f"query heads ({query_heads}) must be a multiple of KV heads ({kv_heads})")
+    visible = mask_visibility(mask)
     floats = query.detach() if query.dtype == torch.float32 else query.detach().float()
     grouped = np.ascontiguousarray(floats.numpy().reshape(batch, kv_heads, query_heads // kv_heads * queries, dim))
     out = np.empty((*grouped.shape[:3], source.value_dim), dtype=np.float32)
@@ -205,38 +180,21 @@ def decode_pages(
         source.keys,
         source.values,
         source.positions,
-        pages,
-        lengths,
-        np.zeros((batch, queries, 0), dtype=np.bool_) if visible is None else visible,
-        _CAUSAL if query_positions is None else query_positions,
+        pages.numpy()[layer],
+        lengths.numpy()[layer],
+        np.zeros((batch, queries, 0), dtype=np.bool_) if visible is None else visible.numpy(),
+        _CAUSAL if query_positions is None else query_positions.numpy(),
         source.load_keys,
         source.load_values,
         np.float32(scale),
         np.float32(softcap or 0.0),
         out,
-        np.zeros((batch, kv_heads, 0), dtype=np.float32) if received is None else received,
+        np.zeros((batch, kv_heads, 0), dtype=np.float32) if received is None else received.numpy(),
     )
     if queries > 1:  # [batch, kv_heads, group, queries, dim] -> [batch, queries, kv_heads, group, dim]
         out = np.ascontiguousarray(out.reshape(batch, kv_heads, -1, queries, out.shape[-1]).transpose(0, 3, 1, 2, 4))
     output = torch.from_numpy(out.reshape(batch, queries, query_heads, -1))
     return output if query.dtype == torch.float32 else output.to(query.dtype)
-
-
-def decode_over(source: PageSource, query, pages, lengths, layer, mask, query_positions, scale, softcap, received=None) -> torch.Tensor:
-    """``paged_decode``'s CPU work over any :class:`~kvlib.kernels.paged_attention.PageSource` (float
-    arenas, or a codec's fields decoded in the kernel): the plan's CPU tensors read as numpy."""
-    visible = mask_visibility(mask)
-    return decode_pages(
-        query,
-        source,
-        pages.numpy()[layer],
-        lengths.numpy()[layer],
-        visible=None if visible is None else visible.numpy(),
-        query_positions=None if query_positions is None else query_positions.numpy(),
-        scale=scale,
-        softcap=softcap,
-        received=None if received is None else received.numpy(),
-    )
 
 
 def _paged_decode_cpu(
@@ -276,40 +234,14 @@ def _add_received(received: torch.Tensor, weights: torch.Tensor, kv_heads: int) 
 
 
 def _paged_decode_source_cpu(
-    source,
-    query,
-    key_arena,
-    value_arena,
-    position_arena,
-    pages,
-    lengths,
-    layer,
-    mask,
-    query_positions,
-    scale,
-    softcap,
-    value_dim,
-    received=None,
+    source, query, key_arena, value_arena, position_arena, pages, lengths, layer, mask, query_positions, scale, softcap, received=None
 ):
     reader = _SOURCES[source].page_source()
     return decode_over(reader, query, pages, lengths, layer, mask, query_positions, scale, softcap, received)
 
 
 def _paged_decode_source_cuda(
-    source,
-    query,
-    key_arena,
-    value_arena,
-    position_arena,
-    pages,
-    lengths,
-    layer,
-    mask,
-    query_positions,
-    scale,
-    softcap,
-    value_dim,
-    received=None,
+    source, query, key_arena, value_arena, position_arena, pages, lengths, layer, mask, query_positions, scale, softcap, received=None
 ):
     reader = _SOURCES[source].page_source()
     options = {"visible": mask_visibility(mask), "query_positions": query_positions, "scale": scale, "softcap": softcap or None}
@@ -318,31 +250,15 @@ def _paged_decode_source_cuda(
     return reader.attend(query, pages[layer], lengths[layer], **options).transpose(1, 2).contiguous()
 
 
-def _paged_decode_source_fake(
-    source,
-    query,
-    key_arena,
-    value_arena,
-    position_arena,
-    pages,
-    lengths,
-    layer,
-    mask,
-    query_positions,
-    scale,
-    softcap,
-    value_dim,
-    received=None,
-):
-    batch, heads, queries, _ = query.shape
-    return query.new_empty(batch, queries, heads, value_dim)
-
-
 def _paged_decode_fake(
     query, key_arena, value_arena, position_arena, pages, lengths, layer, mask, query_positions, scale, softcap, received=None
 ):
     batch, heads, queries, _ = query.shape
     return query.new_empty(batch, queries, heads, value_arena.shape[-1])
+
+
+def _paged_decode_source_fake(source, *arguments, **keywords):
+    return _paged_decode_fake(*arguments, **keywords)
 
 
 for _key in ("CPU", "CUDA"):

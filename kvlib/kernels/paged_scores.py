@@ -5,11 +5,16 @@ loop of :mod:`kvlib.kernels.paged_attention`'s kernel, kept per slot, then a sof
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numba
 import numpy as np
 import torch
 
-from kvlib.kernels.page_kernel_parts import FASTMATH, KernelPages, kernel_queries, scores_into, seen_into
+from kvlib.kernels.page_kernel_parts import FASTMATH, kernel_queries, scores_into, seen_into
+
+if TYPE_CHECKING:
+    from kvlib.kernels.paged_attention import PageSource
 
 
 @numba.njit(fastmath=FASTMATH)  # no cache=True: see kvlib.kernels.paged_attention.paged_attention_kernel
@@ -53,7 +58,7 @@ def _paged_scores_kernel(
 
 def attention_weights(
     query: torch.Tensor,
-    source: KernelPages,
+    source: PageSource,
     pages: torch.Tensor,
     lengths: torch.Tensor,
     *,

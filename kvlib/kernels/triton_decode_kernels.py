@@ -10,8 +10,9 @@ Layout (every tensor contiguous, on the arenas' device):
 - ``pages`` int64 ``[pairs, max_pages]``, ``lengths`` int64 ``[pairs]``, ``positions`` int64
   ``[capacity, PAGE_SIZE]``; visibility from ``visible`` uint8 ``[batch, QUERIES, logical]`` at
   each token's position, or (``CAUSAL``) ``0 <= position <= query_positions[q]``;
-- keys and values through tile loaders ``LOAD_KEYS`` / ``LOAD_VALUES`` with their tensors and
-  params (:mod:`kvlib.triton_readers`).
+- keys and values through tile loaders ``LOAD_KEYS`` / ``LOAD_VALUES`` with their tuples of
+  tensors (``key_tensors`` / ``value_tensors``) and of constexpr params (``KEY_PARAMS`` /
+  ``VALUE_PARAMS``; :mod:`kvlib.triton_readers`).
 
 :func:`attend_splits` runs one program per (pair, split): split ``s`` covers the pair's tokens
 ``[s * split_tokens, (s + 1) * split_tokens)`` (cut at its length), ``BLOCK_N`` tokens per step
@@ -54,18 +55,9 @@ def tile_scores(
     logical,
     scale,
     softcap,
-    K0,
-    K1,
-    K2,
-    K3,
-    K4,
-    K5,
-    K6,
-    K7,
+    key_tensors,
     LOAD_KEYS: tl.constexpr,
-    KP0: tl.constexpr,
-    KP1: tl.constexpr,
-    KP2: tl.constexpr,
+    KEY_PARAMS: tl.constexpr,
     KV_HEADS: tl.constexpr,
     QUERIES: tl.constexpr,
     ROWS: tl.constexpr,
@@ -84,7 +76,7 @@ def tile_scores(
     stored = token < length
     page = tl.load(pages + pair * max_pages + token // PAGE_SIZE, mask=stored, other=0)
     slot = token % PAGE_SIZE
-    keys = LOAD_KEYS(page, slot, stored, K0, K1, K2, K3, K4, K5, K6, K7, KP0, KP1, KP2, HEAD_DIM, PAGE_SIZE, BLOCK_D, DOT)
+    keys = LOAD_KEYS(page, slot, stored, key_tensors, KEY_PARAMS, HEAD_DIM, PAGE_SIZE, BLOCK_D, DOT)
     scores = split_dot(grouped, tl.trans(keys), DOT) * scale
     if SOFTCAP:
         scores = soft_cap(scores, softcap)
@@ -129,30 +121,12 @@ def attend_splits(
     split_tokens,
     scale,
     softcap,
-    K0,
-    K1,
-    K2,
-    K3,
-    K4,
-    K5,
-    K6,
-    K7,
-    V0,
-    V1,
-    V2,
-    V3,
-    V4,
-    V5,
-    V6,
-    V7,
+    key_tensors,
+    value_tensors,
     LOAD_KEYS: tl.constexpr,
-    KP0: tl.constexpr,
-    KP1: tl.constexpr,
-    KP2: tl.constexpr,
+    KEY_PARAMS: tl.constexpr,
     LOAD_VALUES: tl.constexpr,
-    VP0: tl.constexpr,
-    VP1: tl.constexpr,
-    VP2: tl.constexpr,
+    VALUE_PARAMS: tl.constexpr,
     KV_HEADS: tl.constexpr,
     QUERIES: tl.constexpr,
     ROWS: tl.constexpr,
@@ -193,18 +167,9 @@ def attend_splits(
             logical,
             scale,
             softcap,
-            K0,
-            K1,
-            K2,
-            K3,
-            K4,
-            K5,
-            K6,
-            K7,
+            key_tensors,
             LOAD_KEYS,
-            KP0,
-            KP1,
-            KP2,
+            KEY_PARAMS,
             KV_HEADS,
             QUERIES,
             ROWS,
@@ -221,7 +186,7 @@ def attend_splits(
         weights = tl.exp(scores - shift[:, None])
         rescale = tl.exp(running_max - shift)
         running_sum = running_sum * rescale + tl.sum(weights, 1)
-        values = LOAD_VALUES(page, slot, stored, V0, V1, V2, V3, V4, V5, V6, V7, VP0, VP1, VP2, VALUE_DIM, PAGE_SIZE, BLOCK_V, DOT)
+        values = LOAD_VALUES(page, slot, stored, value_tensors, VALUE_PARAMS, VALUE_DIM, PAGE_SIZE, BLOCK_V, DOT)
         acc = acc * rescale[:, None] + split_dot(weights, values, DOT)
         running_max = new_max
     row = tl.arange(0, BLOCK_M)
@@ -288,18 +253,9 @@ def score_tiles(
     slots,
     scale,
     softcap,
-    K0,
-    K1,
-    K2,
-    K3,
-    K4,
-    K5,
-    K6,
-    K7,
+    key_tensors,
     LOAD_KEYS: tl.constexpr,
-    KP0: tl.constexpr,
-    KP1: tl.constexpr,
-    KP2: tl.constexpr,
+    KEY_PARAMS: tl.constexpr,
     KV_HEADS: tl.constexpr,
     QUERIES: tl.constexpr,
     ROWS: tl.constexpr,
@@ -332,18 +288,9 @@ def score_tiles(
         logical,
         scale,
         softcap,
-        K0,
-        K1,
-        K2,
-        K3,
-        K4,
-        K5,
-        K6,
-        K7,
+        key_tensors,
         LOAD_KEYS,
-        KP0,
-        KP1,
-        KP2,
+        KEY_PARAMS,
         KV_HEADS,
         QUERIES,
         ROWS,

@@ -23,36 +23,23 @@ def token_channels(page, slot, stored, arena, DIM: tl.constexpr, PAGE_SIZE: tl.c
 
 @triton.jit
 def load_float_tile(
-    page,
-    slot,
-    stored,
-    arena,
-    T1,
-    T2,
-    T3,
-    T4,
-    T5,
-    T6,
-    T7,
-    P0: tl.constexpr,
-    P1: tl.constexpr,
-    P2: tl.constexpr,
-    DIM: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    DOT: tl.constexpr,
+    page, slot, stored, tensors, params, DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, DOT: tl.constexpr
 ):
-    """The loader of pages held in a float compute dtype: ``arena [capacity, PAGE_SIZE, DIM]``
-    (float32, float16 or bfloat16) indexed by page id; ``T1..T7``, ``P0..P2`` and ``DOT`` unused."""
-    return token_channels(page, slot, stored, arena, DIM, PAGE_SIZE, BLOCK_D)
+    """The loader of pages held in a float compute dtype: ``tensors`` is ``(arena,)``, ``arena
+    [capacity, PAGE_SIZE, DIM]`` (float32, float16 or bfloat16) indexed by page id; ``params``
+    (``()``) and ``DOT`` unused."""
+    return token_channels(page, slot, stored, tensors[0], DIM, PAGE_SIZE, BLOCK_D)
 
 
 @triton.jit
-def open_tile(page, slot, stored, raw, raw_row, sealed, DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_D: tl.constexpr):
+def open_tile(page, slot, stored, tensors, DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_D: tl.constexpr):
     """A coded pool's open part of a tile: ``(tokens, coded)``, the tokens of open pages read
-    from ``raw`` at their page's ``raw_row`` as float32 ``[BLOCK_N, BLOCK_D]`` (0 for the rest),
-    and bool ``[BLOCK_N]``, which stored tokens lie on sealed pages (``sealed`` uint8 per page),
-    for the codec's loader to decode."""
+    from the raw arena at their page's raw row as float32 ``[BLOCK_N, BLOCK_D]`` (0 for the rest),
+    and bool ``[BLOCK_N]``, which stored tokens lie on sealed pages, for the codec's loader to
+    decode. ``tensors`` is a coded loader's: ``(raw, raw_row, sealed uint8 per page, *fields)``."""
+    raw = tensors[0]
+    raw_row = tensors[1]
+    sealed = tensors[2]
     is_sealed = tl.load(sealed + page, mask=stored, other=0) != 0
     opened = stored & ~is_sealed
     row = tl.load(raw_row + page, mask=opened, other=0)

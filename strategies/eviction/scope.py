@@ -90,15 +90,9 @@ class SCOPE(Eviction):
             )
         return self.inner.prompt_tokens(prompt)
 
-    def attention_received(
-        self,
-        weights: torch.Tensor,
-        query_positions: torch.Tensor,
-        key_positions: torch.Tensor,
-        prompt_lengths: torch.Tensor | None,
-        layer_idx: int,
-    ) -> torch.Tensor:
-        return self.inner.attention_received(weights, query_positions, key_positions, prompt_lengths, layer_idx)
+    def attention_received(self, *arguments, **keywords) -> torch.Tensor:
+        """The inner strategy's (the arguments of :meth:`kvlib.strategy.Eviction.attention_received`, forwarded)."""
+        return self.inner.attention_received(*arguments, **keywords)
 
     def score(self, view: LayerView) -> torch.Tensor:
         """Inner scores in rows still in their prompt; in decoding rows, every prompt token above

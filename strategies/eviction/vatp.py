@@ -8,18 +8,18 @@ from typing import ClassVar
 import torch
 
 from kvlib.registry import register
-from kvlib.strategies.eviction.h2o import protected_scores
-from kvlib.strategy import Eviction, LayerView
+from kvlib.strategies.eviction.h2o import H2O, protected_scores
+from kvlib.strategy import LayerView
 
 
 @register("vatp")
 @dataclass
-class VATP(Eviction):
+class VATP(H2O):
     """Value-Aware Token Pruning (Guo et al., 2024, "Attention Score is not All You Need for Token
     Importance Indicator in KV Cache Reduction: Value Also Matters"), in its H2O form: a token's
-    importance is its accumulated attention (as in :class:`~kvlib.strategies.eviction.h2o.H2O`)
-    times the L1 norm of its value vector, since a token contributes to the attention output in
-    proportion to both.
+    importance is its accumulated attention (an :class:`~kvlib.strategies.eviction.h2o.H2O`, whose
+    ``recent`` window and checks it keeps) times the L1 norm of its value vector, since a token
+    contributes to the attention output in proportion to both.
 
     Attention sinks draw much attention but have tiny value norms, so the importance would drop
     them; like the paper, the first ``sinks`` tokens are always kept. Like H2O, each head also
@@ -35,15 +35,11 @@ class VATP(Eviction):
             (tokens, >= 0; the authors' LongBench runs use 20). Count toward the budget.
     """
 
-    recent: int = 32
     sinks: int = 20
-    needs: ClassVar[frozenset[str]] = frozenset({"accumulated_attention"})
-    order_free: ClassVar[bool] = True
+    reads_kv: ClassVar[bool] = True  # the value norms
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.recent < 0:
-            raise ValueError(f"recent must be >= 0, got {self.recent}")
         if self.sinks < 0:
             raise ValueError(f"sinks must be >= 0, got {self.sinks}")
 

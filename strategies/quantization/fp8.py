@@ -6,12 +6,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlib.codec import CodedReader, Field, PageCodec, TensorCodec, TensorShape
+from kvlib.codec import Field, PageCodec, TensorShape
 from kvlib.registry import register
-from kvlib.strategies.quantization.page_loaders import byte_table_reader
-from kvlib.strategies.quantization.uniform import lookup_rows
+from kvlib.strategies.quantization.uniform import ScaledBytes
 from kvlib.strategy import Quantization
-from kvlib.triton_readers import TritonReader
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = torch.finfo(E4M3).max
@@ -19,9 +17,11 @@ E4M3_TABLE = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(E4M3).flo
 """float32 value of every e4m3 bit pattern (encode never produces the two NaN patterns)."""
 
 
-class PageScaledFP8(TensorCodec):
+class PageScaledFP8(ScaledBytes):
     """float8 e4m3 elements with one float32 scale per page (``max|x| / 448``): relative error
     at most 2**-4 for elements in e4m3's normal range, absolute ``scale * 2**-10`` below it."""
+
+    TABLE = E4M3_TABLE
 
     def __init__(self, shape: TensorShape) -> None:
         super().__init__(shape)
@@ -41,28 +41,11 @@ class PageScaledFP8(TensorCodec):
         codes = torch.div(block, scale.unsqueeze(-1)).clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3)  # float32 by promotion
         return {"codes": codes, "scale": scale}
 
-    def decode(self, encoded: dict[str, torch.Tensor], heads: torch.Tensor) -> torch.Tensor:
-        return (encoded["codes"].float() * encoded["scale"].unsqueeze(-1)).to(self.shape.dtype)
+    def triton_load(self) -> object:
+        """e4m3 bit patterns."""
+        from kvlib.strategies.quantization.triton_loaders.scaled_bytes import load_e4m3  # triton is optional
 
-    def decode_into(
-        self, arenas: dict[str, torch.Tensor], pages: torch.Tensor, heads: torch.Tensor, out: torch.Tensor, rows: torch.Tensor
-    ) -> None:
-        """On the CPU one fused kernel: bytes through a table of the 256 e4m3 values, times the page's scale."""
-        if out.device.type != "cpu":
-            super().decode_into(arenas, pages, heads, out, rows)
-            return
-        scale = arenas["scale"].index_select(0, pages).numpy()
-        lookup_rows(arenas["codes"].view(torch.uint8), pages, E4M3_TABLE, scale, out, rows)
-
-    def page_reader(self, arenas: dict[str, torch.Tensor]) -> CodedReader:
-        """Bytes through the e4m3 table times the page's scale, page by page inside the kernel."""
-        return byte_table_reader(arenas["codes"], E4M3_TABLE, arenas["scale"])
-
-    def triton_reader(self, arenas: dict[str, torch.Tensor]) -> TritonReader:
-        """e4m3 bit patterns widened to float32 times the page's scale, in registers inside the Triton kernel."""
-        from kvlib.strategies.quantization.triton_loaders.scaled_bytes import load_e4m3, scaled_bytes_triton_reader  # triton is optional
-
-        return scaled_bytes_triton_reader(load_e4m3, arenas["codes"], arenas["scale"])
+        return load_e4m3
 
 
 @register("fp8")

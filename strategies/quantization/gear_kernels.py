@@ -93,6 +93,16 @@ def narrow_outliers(x: np.ndarray, per_channel: bool, group: int, count: int, cl
                 clipped[p, i] = max(min(flat[i], high), low)
 
 
+@numba.njit(inline="always")
+def _project(matrix: np.ndarray, vectors: np.ndarray, k: int, out: np.ndarray) -> None:
+    """Column ``k`` of ``out = matrix @ vectors`` (float32, each sum in index order)."""
+    for i in range(matrix.shape[0]):
+        acc = np.float32(0.0)
+        for j in range(matrix.shape[1]):
+            acc += matrix[i, j] * vectors[j, k]
+        out[i, k] = acc
+
+
 @numba.njit(parallel=True, cache=True)
 def fit_low_rank(
     x: np.ndarray, decoded: np.ndarray, chosen: np.ndarray, iterations: int, tokens_out: np.ndarray, channels_out: np.ndarray
@@ -123,11 +133,7 @@ def fit_low_rank(
         basis = np.zeros((rows, rank), dtype=np.float32)
         for _ in range(iterations):
             for k in range(rank):
-                for t in range(rows):
-                    acc = np.float32(0.0)
-                    for c in range(cols):
-                        acc += residual[t, c] * channels[c, k]
-                    basis[t, k] = acc
+                _project(residual, channels, k, basis)  # U = R V, column k
                 for j in range(k):
                     dot = np.float32(0.0)
                     for t in range(rows):
@@ -141,11 +147,7 @@ def fit_low_rank(
                 for t in range(rows):
                     basis[t, k] *= inverse
             for k in range(rank):
-                for c in range(cols):
-                    acc = np.float32(0.0)
-                    for t in range(rows):
-                        acc += residual[t, c] * basis[t, k]
-                    channels[c, k] = acc
+                _project(residual.T, basis, k, channels)  # V = R^T U, column k
         for t in range(rows):
             for k in range(rank):
                 tokens_out[p, t, k] = basis[t, k]

@@ -28,7 +28,7 @@ from kvlib.codec import CodedReader, Field, PageCodec, TensorCodec, TensorShape
 from kvlib.devices import to_arena_device
 from kvlib.kernels.packing import pack, packed_size, unpack
 from kvlib.strategies.quantization.mixed_loader import mixed_reader
-from kvlib.strategies.quantization.uniform import grid, metadata_dtype
+from kvlib.strategies.quantization.uniform import grid, group_size, metadata_dtype
 
 
 class MixedQuantizer(TensorCodec):
@@ -48,9 +48,7 @@ class MixedQuantizer(TensorCodec):
         self.low_bits = low_bits
         self.count = count
         self.per_channel = per_channel
-        self.group = shape.page_size if per_channel else min(group, shape.dim)
-        if not per_channel and shape.dim % self.group:
-            raise ValueError(f"group {group} does not divide head_dim {shape.dim}")
+        self.group = group_size(shape, per_channel, group)
         self.meta = metadata_dtype(shape.dtype)
         self.ratio = ((1 << low_bits) - 1) / ((1 << high_bits) - 1)
         """A salient key's step over the channel's ``scale``: the same span in ``2**high_bits - 1`` steps."""

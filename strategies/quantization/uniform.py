@@ -17,7 +17,9 @@ Symmetric absmax quantization (int8): ``scale = max|x| / 127`` rounded up, codes
 
 from __future__ import annotations
 
+import abc
 import math
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -73,6 +75,18 @@ def dequantize_min_max(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.
     return torch.addcmul(minimum.float().unsqueeze(-1), codes.float(), scale.float().unsqueeze(-1))
 
 
+def group_size(shape: TensorShape, per_channel: bool, group: int) -> int:
+    """Elements per quantization group of a page ``[page_size, dim]``: its ``page_size`` tokens
+    for ``per_channel`` (one group a channel), else ``group`` clamped to ``dim``, which it must
+    then divide (ValueError naming the valid groups)."""
+    if per_channel:
+        return shape.page_size
+    size = min(group, shape.dim)
+    if shape.dim % size:
+        raise ValueError(f"group {group} does not divide head_dim {shape.dim}; valid groups: {divisors(shape.dim)}")
+    return size
+
+
 class GroupQuantizer(TensorCodec):
     """Asymmetric ``bits``-bit quantization of pages ``[n, page_size, dim]``.
 
@@ -86,9 +100,7 @@ class GroupQuantizer(TensorCodec):
         super().__init__(shape)
         self.bits = bits
         self.per_channel = per_channel
-        self.group = shape.page_size if per_channel else min(group, shape.dim)
-        if not per_channel and shape.dim % self.group:
-            raise ValueError(f"group {group} does not divide head_dim {shape.dim}; valid groups: {divisors(shape.dim)}")
+        self.group = group_size(shape, per_channel, group)
         self.meta = metadata_dtype(shape.dtype)
         self._count = shape.page_size * shape.dim
         self._kernels = kernels.fits(bits, self._count)
@@ -184,8 +196,50 @@ class GroupQuantizer(TensorCodec):
         return group_quantized_triton_reader(arenas, self.bits, self.per_channel, self.group)
 
 
-class AbsmaxInt8(TensorCodec):
+INT8_TABLE = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.int8).float().numpy()
+"""float32 value of every int8 bit pattern, indexed by the pattern as a byte."""
+
+
+class ScaledBytes(TensorCodec):
+    """A codec of one byte per element (field ``codes``) and a scale per run of elements (field
+    ``scale``, float metadata, one per page or per token): an element decodes as
+    ``TABLE[byte] * scale``, ``TABLE`` being the float32 value of each of the 256 bit patterns.
+    Subclasses give the table, their fields and encoding, and their Triton tile loader."""
+
+    TABLE: ClassVar[np.ndarray]
+
+    def decode(self, encoded: dict[str, torch.Tensor], heads: torch.Tensor) -> torch.Tensor:
+        return (encoded["codes"].float() * encoded["scale"].float().unsqueeze(-1)).to(self.shape.dtype)
+
+    def decode_into(
+        self, arenas: dict[str, torch.Tensor], pages: torch.Tensor, heads: torch.Tensor, out: torch.Tensor, rows: torch.Tensor
+    ) -> None:
+        """On the CPU one fused kernel (bytes through :attr:`TABLE`, times their scale)."""
+        if out.device.type != "cpu":
+            super().decode_into(arenas, pages, heads, out, rows)
+            return
+        scale = arenas["scale"].index_select(0, pages).float().numpy()
+        lookup_rows(arenas["codes"].view(torch.uint8), pages, self.TABLE, scale, out, rows)
+
+    def page_reader(self, arenas: dict[str, torch.Tensor]) -> CodedReader:
+        """Bytes through :attr:`TABLE` times their scale, page by page inside the kernel."""
+        return byte_table_reader(arenas["codes"], self.TABLE, arenas["scale"])
+
+    def triton_reader(self, arenas: dict[str, torch.Tensor]) -> TritonReader:
+        """The bytes widened to float32 by :meth:`triton_load` times their scale, in registers inside the Triton kernel."""
+        from kvlib.strategies.quantization.triton_loaders.scaled_bytes import scaled_bytes_triton_reader  # triton is optional
+
+        return scaled_bytes_triton_reader(self.triton_load(), arenas["codes"], arenas["scale"])
+
+    @abc.abstractmethod
+    def triton_load(self) -> object:
+        """The Triton tile loader of :mod:`kvlib.strategies.quantization.triton_loaders.scaled_bytes` for these bytes."""
+
+
+class AbsmaxInt8(ScaledBytes):
     """Symmetric int8 per token: one scale per token (``max|x| / 127``), codes in ``[-127, 127]``."""
+
+    TABLE = INT8_TABLE
 
     def __init__(self, shape: TensorShape) -> None:
         super().__init__(shape)
@@ -215,32 +269,11 @@ class AbsmaxInt8(TensorCodec):
         codes = (x * inverse).round_().clamp_(-127, 127)
         return {"codes": codes.to(torch.int8), "scale": scale}
 
-    def decode(self, encoded: dict[str, torch.Tensor], heads: torch.Tensor) -> torch.Tensor:
-        return (encoded["codes"].float() * encoded["scale"].float().unsqueeze(-1)).to(self.shape.dtype)
+    def triton_load(self) -> object:
+        """int8 codes."""
+        from kvlib.strategies.quantization.triton_loaders.scaled_bytes import load_int8  # triton is optional
 
-    def decode_into(
-        self, arenas: dict[str, torch.Tensor], pages: torch.Tensor, heads: torch.Tensor, out: torch.Tensor, rows: torch.Tensor
-    ) -> None:
-        """On the CPU one fused kernel (codes through a table of the 256 int8 values, times each token's scale)."""
-        if out.device.type != "cpu":
-            super().decode_into(arenas, pages, heads, out, rows)
-            return
-        scale = arenas["scale"].index_select(0, pages).float().numpy()
-        lookup_rows(arenas["codes"].view(torch.uint8), pages, INT8_TABLE, scale, out, rows)
-
-    def page_reader(self, arenas: dict[str, torch.Tensor]) -> CodedReader:
-        """Codes through the int8 table times each token's scale, page by page inside the kernel."""
-        return byte_table_reader(arenas["codes"], INT8_TABLE, arenas["scale"])
-
-    def triton_reader(self, arenas: dict[str, torch.Tensor]) -> TritonReader:
-        """int8 codes times each token's scale, in registers inside the Triton kernel."""
-        from kvlib.strategies.quantization.triton_loaders.scaled_bytes import load_int8, scaled_bytes_triton_reader  # triton is optional
-
-        return scaled_bytes_triton_reader(load_int8, arenas["codes"], arenas["scale"])
-
-
-INT8_TABLE = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.int8).float().numpy()
-"""float32 value of every int8 bit pattern, indexed by the pattern as a byte."""
+        return load_int8
 
 
 def lookup_rows(

@@ -44,22 +44,12 @@ def packed_codes(codes, page, element, inside, BITS: tl.constexpr, COUNT: tl.con
 
 
 @triton.jit
-def group_tile(
-    page,
-    slot,
-    coded,
-    codes,
-    scale,
-    minimum,
-    BITS: tl.constexpr,
-    PER_CHANNEL: tl.constexpr,
-    GROUP: tl.constexpr,
-    DIM: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
+def group_tile(page, slot, coded, codes, scale, minimum, params, DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_D: tl.constexpr):
     """float32 ``[BLOCK_N, BLOCK_D]``: the ``coded`` tokens of a group quantizer's sealed pages,
-    decoded (0 elsewhere); see the module docstring."""
+    decoded (0 elsewhere); ``params`` ``(bits, per_channel, group)``, see the module docstring."""
+    BITS: tl.constexpr = params[0]
+    PER_CHANNEL: tl.constexpr = params[1]
+    GROUP: tl.constexpr = params[2]
     channel = tl.arange(0, BLOCK_D)[None, :]
     inside = coded[:, None] & (channel < DIM)
     element = slot[:, None] * DIM + channel
@@ -75,28 +65,12 @@ def group_tile(
 
 @triton.jit
 def load_group_quantized(
-    page,
-    slot,
-    stored,
-    raw,
-    raw_row,
-    sealed,
-    codes,
-    scale,
-    minimum,
-    T6,
-    T7,
-    BITS: tl.constexpr,
-    PER_CHANNEL: tl.constexpr,
-    GROUP: tl.constexpr,
-    DIM: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    DOT: tl.constexpr,
+    page, slot, stored, tensors, params, DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, DOT: tl.constexpr
 ):
-    """A group quantizer's tile loader (open pages raw, sealed ones through :func:`group_tile`)."""
-    tokens, coded = open_tile(page, slot, stored, raw, raw_row, sealed, DIM, PAGE_SIZE, BLOCK_D)
-    decoded = group_tile(page, slot, coded, codes, scale, minimum, BITS, PER_CHANNEL, GROUP, DIM, PAGE_SIZE, BLOCK_D)
+    """A group quantizer's tile loader (open pages raw, sealed ones through :func:`group_tile`);
+    ``tensors`` ``(raw, raw_row, sealed, codes, scale, minimum)``."""
+    tokens, coded = open_tile(page, slot, stored, tensors, DIM, PAGE_SIZE, BLOCK_D)
+    decoded = group_tile(page, slot, coded, tensors[3], tensors[4], tensors[5], params, DIM, PAGE_SIZE, BLOCK_D)
     return tl.where(coded[:, None], decoded, tokens)
 
 

@@ -44,34 +44,16 @@ def hadamard_matrix(DIM: tl.constexpr, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
-def load_rotated(
-    page,
-    slot,
-    stored,
-    raw,
-    raw_row,
-    sealed,
-    codes,
-    scale,
-    minimum,
-    head,
-    signs,
-    BITS: tl.constexpr,
-    PER_CHANNEL: tl.constexpr,
-    GROUP: tl.constexpr,
-    DIM: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    DOT: tl.constexpr,
-):
-    """A rotated quantizer's tile loader (see the module docstring)."""
-    tokens, coded = open_tile(page, slot, stored, raw, raw_row, sealed, DIM, PAGE_SIZE, BLOCK_D)
-    rotated = group_tile(page, slot, coded, codes, scale, minimum, BITS, PER_CHANNEL, GROUP, DIM, PAGE_SIZE, BLOCK_D)
+def load_rotated(page, slot, stored, tensors, params, DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, DOT: tl.constexpr):
+    """A rotated quantizer's tile loader (see the module docstring); ``tensors`` ``(raw, raw_row,
+    sealed, codes, scale, minimum, head, signs)``, ``params`` the inner group quantizer's."""
+    tokens, coded = open_tile(page, slot, stored, tensors, DIM, PAGE_SIZE, BLOCK_D)
+    rotated = group_tile(page, slot, coded, tensors[3], tensors[4], tensors[5], params, DIM, PAGE_SIZE, BLOCK_D)
     summed = dot_exact_right(rotated, hadamard_matrix(DIM, BLOCK_D), DOT)
     channel = tl.arange(0, BLOCK_D)[None, :]
     inside = coded[:, None] & (channel < DIM)
-    kv_head = tl.load(head + page, mask=coded, other=0).to(tl.int32)
-    sign = tl.load(signs + kv_head[:, None] * DIM + channel, mask=inside, other=0).to(tl.float32)
+    kv_head = tl.load(tensors[6] + page, mask=coded, other=0).to(tl.int32)
+    sign = tl.load(tensors[7] + kv_head[:, None] * DIM + channel, mask=inside, other=0).to(tl.float32)
     NORM: tl.constexpr = DIM**-0.5
     return tl.where(coded[:, None], (summed * NORM) * sign, tokens)
 

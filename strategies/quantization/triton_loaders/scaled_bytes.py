@@ -23,42 +23,26 @@ from kvlib.triton_readers import TritonReader
 
 
 @triton.jit
-def scaled_bytes(page, slot, coded, codes, scale, RUN: tl.constexpr, DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_D: tl.constexpr):
-    """``(byte codes, scales)`` of the ``coded`` tokens, each ``[BLOCK_N, BLOCK_D]``: ``codes``
-    rows of ``PAGE_SIZE * DIM`` one-byte codes (as loaded: int8 or uint8), ``scale`` rows of one
-    scale per ``RUN`` elements (float32); 0 where not ``coded`` and past ``DIM``."""
+def scaled_bytes(page, slot, stored, tensors, params, DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_D: tl.constexpr):
+    """``(tokens, coded, byte codes, scales)`` of a tile: the open part (:func:`~kvlib.kernels.triton_tiles.open_tile`),
+    then, each ``[BLOCK_N, BLOCK_D]``, the ``coded`` tokens' codes (``tensors`` ``(raw, raw_row,
+    sealed, codes, scale)``: ``codes`` rows of ``PAGE_SIZE * DIM`` one-byte codes, as loaded: int8
+    or uint8) and their scales (``scale`` rows of one scale per ``params[0]`` elements, as
+    float32); 0 where not ``coded`` and past ``DIM``."""
+    RUN: tl.constexpr = params[0]
+    tokens, coded = open_tile(page, slot, stored, tensors, DIM, PAGE_SIZE, BLOCK_D)
     channel = tl.arange(0, BLOCK_D)[None, :]
     inside = coded[:, None] & (channel < DIM)
     element = slot[:, None] * DIM + channel
-    code = tl.load(codes + page[:, None] * (PAGE_SIZE * DIM) + element, mask=inside, other=0)
-    step = tl.load(scale + page[:, None] * (PAGE_SIZE * DIM // RUN) + element // RUN, mask=inside, other=0.0).to(tl.float32)
-    return code, step
+    code = tl.load(tensors[3] + page[:, None] * (PAGE_SIZE * DIM) + element, mask=inside, other=0)
+    step = tl.load(tensors[4] + page[:, None] * (PAGE_SIZE * DIM // RUN) + element // RUN, mask=inside, other=0.0).to(tl.float32)
+    return tokens, coded, code, step
 
 
 @triton.jit
-def load_int8(
-    page,
-    slot,
-    stored,
-    raw,
-    raw_row,
-    sealed,
-    codes,
-    scale,
-    T5,
-    T6,
-    T7,
-    RUN: tl.constexpr,
-    P1: tl.constexpr,
-    P2: tl.constexpr,
-    DIM: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    DOT: tl.constexpr,
-):
-    """An absmax int8 tile loader: ``code * scale`` (int8 codes, a scale per ``RUN`` elements)."""
-    tokens, coded = open_tile(page, slot, stored, raw, raw_row, sealed, DIM, PAGE_SIZE, BLOCK_D)
-    code, step = scaled_bytes(page, slot, coded, codes, scale, RUN, DIM, PAGE_SIZE, BLOCK_D)
+def load_int8(page, slot, stored, tensors, params, DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, DOT: tl.constexpr):
+    """An absmax int8 tile loader: ``code * scale`` (int8 codes, a scale per ``params[0]`` elements)."""
+    tokens, coded, code, step = scaled_bytes(page, slot, stored, tensors, params, DIM, PAGE_SIZE, BLOCK_D)
     return tl.where(coded[:, None], code.to(tl.float32) * step, tokens)
 
 
@@ -78,29 +62,9 @@ def e4m3_value(byte):
 
 
 @triton.jit
-def load_e4m3(
-    page,
-    slot,
-    stored,
-    raw,
-    raw_row,
-    sealed,
-    codes,
-    scale,
-    T5,
-    T6,
-    T7,
-    RUN: tl.constexpr,
-    P1: tl.constexpr,
-    P2: tl.constexpr,
-    DIM: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    DOT: tl.constexpr,
-):
-    """A page-scaled fp8 tile loader: the e4m3 value of each byte times its scale (one per ``RUN`` elements)."""
-    tokens, coded = open_tile(page, slot, stored, raw, raw_row, sealed, DIM, PAGE_SIZE, BLOCK_D)
-    code, step = scaled_bytes(page, slot, coded, codes, scale, RUN, DIM, PAGE_SIZE, BLOCK_D)
+def load_e4m3(page, slot, stored, tensors, params, DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, DOT: tl.constexpr):
+    """A page-scaled fp8 tile loader: the e4m3 value of each byte times its scale (one per ``params[0]`` elements)."""
+    tokens, coded, code, step = scaled_bytes(page, slot, stored, tensors, params, DIM, PAGE_SIZE, BLOCK_D)
     return tl.where(coded[:, None], e4m3_value(code) * step, tokens)
 
 
