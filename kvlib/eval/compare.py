@@ -51,6 +51,10 @@ class CompareRun:
     kv_bytes: int = 0
     full_bytes: int = 0
     error: str | None = None
+    prefill: dict[str, str] = field(default_factory=dict)
+    """Per task, how its prompts were computed: ``"shared"`` (once for every configuration that
+    shares them, :mod:`kvlib.eval.shared_compare`) or ``"separate: <reason>"``; empty for runs
+    made before this was recorded."""
 
     @property
     def kv_fraction(self) -> float | None:
@@ -205,13 +209,22 @@ def compare(
     speed_steps: int = 32,
     progress: bool = True,
     on_run: Callable[[list[CompareRun]], None] | None = None,
+    shared_prefill: bool = True,
 ) -> list[CompareRun]:
     """Run the full cache and every (policy, budget) on every task, in this process; see the module
     docstring (:func:`kvlib.eval.ray_compare.compare_on_ray` runs the same units on a Ray cluster).
-    ``on_run`` is called with the finished runs, in order, each time one more finishes."""
+    ``on_run`` is called with the finished runs, in order, each time one more finishes.
+
+    ``shared_prefill`` (the default): the tasks run case by case, each batch's prompt computed
+    once for every configuration that can share it (:mod:`kvlib.eval.shared_compare`; the same
+    results), then each configuration's speed run; ``on_run`` is then called with every run after
+    each task and each speed run. False: configuration by configuration, each computing its own
+    prompts."""
     check_inputs(loaded, policies, budgets, tasks)
     prompt = speed_prompt(loaded, context, speed_steps)
     configs = configurations(policies, budgets)
+    if shared_prefill:
+        return _compare_shared(loaded, configs, tasks, prompt, speed_steps, progress, on_run)
     runs = []
     with progress_bar(configs, tasks, progress) as bar:
         for policy, budget in configs:
@@ -226,4 +239,34 @@ def compare(
                     break
             if on_run is not None:
                 on_run(runs)
+    return runs
+
+
+def _compare_shared(
+    loaded: LoadedModel,
+    configs: Sequence[tuple[str, float | None]],
+    tasks: Sequence[Task],
+    prompt: torch.Tensor,
+    speed_steps: int,
+    progress: bool,
+    on_run: Callable[[list[CompareRun]], None] | None,
+) -> list[CompareRun]:
+    """:func:`compare` with shared prefills: every task case by case, then each speed run."""
+    from kvlib.eval.shared_compare import run_tasks_shared  # it builds on this module
+
+    runs = [CompareRun(policy, budget) for policy, budget in configs]
+    with progress_bar(configs, tasks, progress) as bar:
+
+        def done(run: CompareRun, count: int) -> None:
+            bar.set_postfix_str(run.label)
+            bar.update(count)
+
+        run_tasks_shared(loaded, runs, tasks, done=done, after_task=lambda: on_run(runs) if on_run is not None else None)
+        for run in runs:
+            if run.error is None:
+                bar.set_postfix_str(Unit(run.policy, run.budget, None).label)
+                run_unit(loaded, Unit(run.policy, run.budget, None), prompt, speed_steps).record(run)
+                bar.update(1)
+                if on_run is not None:
+                    on_run(runs)
     return runs

@@ -16,7 +16,7 @@ the prompt and the first token, with rows that ended on their first token padded
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -25,9 +25,12 @@ from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria,
 import kvlib
 from kvlib.adapters.cache.shared_prefill import PrefillNeeds, PrefillRecorder, prefill_needs, recording, replay, sharing_refusal
 from kvlib.adapters.cache.transformers_cache import KVCache
+from kvlib.eval.task import CacheFactory
 from kvlib.transformers_compat import cache_argument
 
-CacheFactory = Callable[[int], object]
+
+PROBE_TOKENS = 1024
+"""The sequence length :func:`shares` builds its probe cache for (any length the factory takes)."""
 
 
 @dataclass(frozen=True)
@@ -44,7 +47,7 @@ def shares(model: torch.nn.Module, make_cache: CacheFactory) -> Sharing:
     cache that is not a kvlib cache or that :func:`sharing_refusal` refuses."""
     if getattr(model.generation_config, "prefill_chunk_size", None):
         return Sharing(PrefillNeeds(), "the model prefills in chunks (generation_config.prefill_chunk_size)")
-    probe = make_cache(1)
+    probe = make_cache(PROBE_TOKENS)
     if not isinstance(probe, KVCache):
         return Sharing(PrefillNeeds(), f"{type(probe).__name__} is not a kvlib cache")
     needs = prefill_needs(probe)
@@ -82,9 +85,9 @@ def generate_shared(
     source = kvlib.make_cache(model)
     recorder = PrefillRecorder(needs)
     with recording(source, recorder), torch.inference_mode():
-        first = model.generate(
-            ids, attention_mask=mask, **cache_argument(source), max_new_tokens=1, do_sample=False, pad_token_id=pad
-        )[:, width:]
+        first = model.generate(ids, attention_mask=mask, **cache_argument(source), max_new_tokens=1, do_sample=False, pad_token_id=pad)[
+            :, width:
+        ]
     for make in factories:
         try:
             cache = make(width)

@@ -33,7 +33,9 @@ def factory(model: torch.nn.Module, spec: str | None, fraction: float | None):
 def separate(model: torch.nn.Module, make, ids: torch.Tensor, mask: torch.Tensor):
     cache = make(ids.shape[1])
     with torch.inference_mode():
-        out = model.generate(ids, attention_mask=mask, **cache_argument(cache), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=PAD)
+        out = model.generate(
+            ids, attention_mask=mask, **cache_argument(cache), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=PAD
+        )
     return out[:, ids.shape[1] :], cache
 
 
