@@ -28,7 +28,6 @@ from kvlib.adapters.cache.transformers_cache import KVCache
 from kvlib.eval.task import CacheFactory
 from kvlib.transformers_compat import cache_argument
 
-
 PROBE_TOKENS = 1024
 """The sequence length :func:`shares` builds its probe cache for (any length the factory takes)."""
 
