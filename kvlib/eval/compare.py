@@ -217,8 +217,8 @@ def compare(
 
     ``shared_prefill`` (the default): the tasks run case by case, each batch's prompt computed
     once for every configuration that can share it (:mod:`kvlib.eval.shared_compare`; the same
-    results), then each configuration's speed run; ``on_run`` is then called with every run after
-    each task and each speed run. False: configuration by configuration, each computing its own
+    results), then each configuration's speed run, after which ``on_run`` gets the runs finished
+    so far (an interruption during the tasks keeps none). False: configuration by configuration, each computing its own
     prompts."""
     check_inputs(loaded, policies, budgets, tasks)
     prompt = speed_prompt(loaded, context, speed_steps)
@@ -255,18 +255,20 @@ def _compare_shared(
     from kvlib.eval.shared_compare import run_tasks_shared  # it builds on this module
 
     runs = [CompareRun(policy, budget) for policy, budget in configs]
+    finished: set[int] = set()
     with progress_bar(configs, tasks, progress) as bar:
 
         def done(run: CompareRun, count: int) -> None:
             bar.set_postfix_str(run.label)
             bar.update(count)
 
-        run_tasks_shared(loaded, runs, tasks, done=done, after_task=lambda: on_run(runs) if on_run is not None else None)
-        for run in runs:
+        run_tasks_shared(loaded, runs, tasks, done=done)
+        for index, run in enumerate(runs):
             if run.error is None:
                 bar.set_postfix_str(Unit(run.policy, run.budget, None).label)
                 run_unit(loaded, Unit(run.policy, run.budget, None), prompt, speed_steps).record(run)
                 bar.update(1)
-                if on_run is not None:
-                    on_run(runs)
+            finished.add(index)
+            if on_run is not None:
+                on_run([run for i, run in enumerate(runs) if i in finished])
     return runs

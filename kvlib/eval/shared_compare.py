@@ -42,19 +42,20 @@ def run_tasks_shared(
     tasks: Sequence[Task],
     *,
     done: Callable[[CompareRun, int], None] = lambda run, units: None,
-    after_task: Callable[[], None] = lambda: None,
 ) -> None:
     """Record every task's result (or the first error) in each of ``runs`` (configurations not yet
     run), task by task; see the module docstring. ``done(run, units)`` is called as units finish:
     ``units`` is 1 for a task, or 2 + the tasks left for a run that failed (it runs none of them,
-    nor its speed run); ``after_task()`` once each task is done for every run."""
+    nor its speed run)."""
     model = loaded.model
     paths = [sharing(model, run) for run in runs]
     for index, task in enumerate(tasks):
         remaining = len(tasks) - index - 1
         live = [i for i, run in enumerate(runs) if run.error is None]
-        together = [i for i in live if paths[i].refusal is None] if getattr(task, "shares_prefill", False) else []
-        reasons = {i: f"separate: {paths[i].refusal or f'{task.name} runs each configuration apart'}" for i in live}
+        task_shares = getattr(task, "shares_prefill", False)
+        together = [i for i in live if paths[i].refusal is None] if task_shares else []
+        apart = f"{task.name} runs each configuration apart"
+        reasons = {i: f"separate: {paths[i].refusal if task_shares else apart}" for i in live}
         if together:
             needs = PrefillNeeds()
             for i in together:
@@ -77,4 +78,3 @@ def run_tasks_shared(
             runs[i].prefill[task.name] = reasons[i]
             recorded = run_unit(loaded, Unit(runs[i].policy, runs[i].budget, task), torch.empty(0), 0).record(runs[i])
             done(runs[i], 1 if recorded else 2 + remaining)
-        after_task()
