@@ -54,7 +54,7 @@ from kvlib.devices import set_cpu_threads  # noqa: E402
 from kvlib.eval import load_model  # noqa: E402
 from kvlib.eval.compare import FULL, CompareRun, Unit, check_inputs, evicts, run_unit, speed_prompt, units  # noqa: E402
 from kvlib.eval.report import prefill_note, runs_from_json, score_cell, to_json  # noqa: E402
-from kvlib.eval.shared_compare import run_tasks_shared  # noqa: E402
+from kvlib.eval.shared_compare import run_speeds_shared, run_tasks_shared  # noqa: E402
 from kvlib.eval.significance import Baseline, cases_note, legend, marks, mean_interval, mean_marks, parse_baseline  # noqa: E402
 from kvlib.eval.smollm2 import cache_root  # noqa: E402
 from kvlib.eval.task_table import parse_tasks  # noqa: E402
@@ -298,18 +298,18 @@ def main(argv: Sequence[str] | None = None) -> int:
 def run_shared(loaded, tasks, todo, runs, prompt, args, meta: dict, baseline: Baseline | None) -> None:
     """The configurations ``todo`` together: every task case by case, each batch's prompt run once
     for every configuration that can share it (:mod:`kvlib.eval.shared_compare`; the same results),
-    then each one's speed run. ``meta["shared_seconds"]`` records the tasks' seconds; a row's
-    ``s`` is then its speed run's."""
+    then the speed runs (one prefill of the speed prompt, shared too). ``meta["shared_seconds"]``
+    records the tasks' seconds; a row's ``s`` is then its speed run's (the first's includes the
+    shared prefill)."""
     fresh = [CompareRun(policy, budget) for policy, budget in todo]
     started = time.perf_counter()
     run_tasks_shared(loaded, fresh, tasks)
     meta["shared_seconds"] = round(time.perf_counter() - started)
     print(f"tasks of {len(fresh)} configurations, prefills shared: {meta['shared_seconds']} s", flush=True)
-    for run in fresh:
-        started = time.perf_counter()
-        if run.error is None:
-            run_unit(loaded, Unit(run.policy, run.budget, None), prompt, args.speed_steps).record(run)
+    started = time.perf_counter()
+    for run, _ in run_speeds_shared(loaded, fresh, prompt, args.speed_steps):
         finish(run, time.perf_counter() - started, runs, args, meta, baseline)
+        started = time.perf_counter()
 
 
 def finish(run: CompareRun, seconds: float, runs: list[CompareRun], args, meta: dict, baseline: Baseline | None) -> None:

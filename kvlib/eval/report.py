@@ -86,8 +86,8 @@ def markdown_table(runs: Sequence[CompareRun], baseline: Baseline | None = None)
 
 
 def prefill_note(runs: Sequence[CompareRun]) -> str:
-    """One line: how many (configuration, task) pairs shared each batch's prompt call, and for
-    those computed apart, why (each reason with up to three of its pairs)."""
+    """One line: how many (configuration, task) pairs (a speed run counts as a task) shared each
+    batch's prompt call, and for those computed apart, why (each reason with up to three of its pairs)."""
     shared = sum(path == "shared" for run in runs for path in run.prefill.values())
     apart: dict[str, list[str]] = {}
     for run in runs:

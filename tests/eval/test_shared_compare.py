@@ -34,7 +34,8 @@ def test_shared_prefills_give_separate_runs_results_and_say_which_path_each_took
         "separate: tiering (lru(device_mb=0.02)) places pages as the calls run",
     ]
     assert all(run.prefill["perplexity"].startswith("separate: perplexity runs each") for run in shared)
-    assert "Prefill: 2 (configuration, task) pairs shared" in markdown_table(shared)
+    assert [run.prefill["decode speed"] for run in shared] == [SHARED, SHARED, shared[2].prefill["niah_single"]]
+    assert "Prefill: 4 (configuration, task) pairs shared" in markdown_table(shared)
     first = dataclasses.replace(ruler, context_first=True)
     apart = compare(loaded, ["snapkv"], [0.25], [first], **options)
     assert all(run.prefill["niah_single"].startswith("separate: niah_single runs each") for run in apart)
