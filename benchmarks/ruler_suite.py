@@ -5,7 +5,10 @@ the tokens each task sequence sees, held as an int token cap per layer and KV he
 forward call; the full cache is the reference; decode speed is greedy steps on one
 ``--context``-token prompt of evaluation text after its prefill), but resumable: each finished
 configuration is appended to ``ruler_suite.json`` at once, and a rerun with the same options skips
-the configurations already there. A 4k-token prefill of SmolLM2 takes tens of seconds on two cores,
+the configurations already there. By default the configurations still to run share each batch's
+prompt call (:mod:`kvlib.eval.shared_compare`: computed once, each configuration's eviction replayed
+on it; the same results as separate runs), so their tasks run together before their speed runs;
+``--separate-prefill`` runs each configuration alone, as before. A 4k-token prefill of SmolLM2 takes tens of seconds on two cores,
 so the whole table (every strategy x 3 budgets x tasks) takes hours; it can be run in parts
 (``--policies``) and on several days. Runs recorded under other options (context, tasks, samples,
 seed, model) are not mixed in: the file records its options and a different set is refused.
@@ -15,7 +18,8 @@ Usage (defaults: every registered eviction strategy with its default parameters,
 
     python benchmarks/ruler_suite.py [--model smollm2] [--policies all|spec,spec] [--budgets 0.1,0.25,0.5]
         [--tasks niah_single,niah_multikey,niah_multivalue,vt] [--context 4096] [--samples 1] [--seed 0]
-        [--speed-steps 16] [--context-first] [--baseline NAME[@BUDGET]] [--threads N] [--out benchmarks/results]
+        [--speed-steps 16] [--context-first] [--baseline NAME[@BUDGET]] [--threads N] [--separate-prefill]
+        [--out benchmarks/results]
     python benchmarks/ruler_suite.py --report-only   # re-render ruler_suite.md from the JSON
     python benchmarks/ruler_suite.py --speed-only --policies chunkkv   # measure recorded rows' speed again
 
@@ -49,7 +53,8 @@ import kvlib  # noqa: E402
 from kvlib.devices import set_cpu_threads  # noqa: E402
 from kvlib.eval import load_model  # noqa: E402
 from kvlib.eval.compare import FULL, CompareRun, Unit, check_inputs, evicts, run_unit, speed_prompt, units  # noqa: E402
-from kvlib.eval.report import runs_from_json, score_cell, to_json  # noqa: E402
+from kvlib.eval.report import prefill_note, runs_from_json, score_cell, to_json  # noqa: E402
+from kvlib.eval.shared_compare import run_speeds_shared, run_tasks_shared  # noqa: E402
 from kvlib.eval.significance import Baseline, cases_note, legend, marks, mean_interval, mean_marks, parse_baseline  # noqa: E402
 from kvlib.eval.smollm2 import cache_root  # noqa: E402
 from kvlib.eval.task_table import parse_tasks  # noqa: E402
@@ -178,6 +183,11 @@ def markdown(runs: Sequence[CompareRun], meta: dict, baseline: Baseline | None =
         "",
         cases_note(runs, tasks),
         "",
+        prefill_note(runs)
+        + (
+            f" The shared tasks took {meta['shared_seconds']} s in all; s is then each row's speed run." if "shared_seconds" in meta else ""
+        ),
+        "",
         "Each configuration:",
         "",
         "| " + " | ".join(header) + " |",
@@ -227,6 +237,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--baseline", metavar="NAME[@BUDGET]", help="a policy run (recorded, with --report-only) that every configuration is compared with"
     )
+    parser.add_argument(
+        "--separate-prefill",
+        action="store_true",
+        help="each configuration computes its own prompts (default: each batch's prompt once for all that can share it)",
+    )
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--report-only", action="store_true", help="re-render the .md from the JSON")
     parser.add_argument(
@@ -245,6 +260,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "git": recorded.get("git", "") if keeps_record else git_revision(),
         "seconds": recorded.get("seconds", {}),
         "load": recorded.get("load", {}),
+        **({"shared_seconds": recorded["shared_seconds"]} if "shared_seconds" in recorded else {}),
     }
     if args.report_only:
         recorded_policies = list(dict.fromkeys(run.policy for run in runs if run.policy != FULL))
@@ -268,20 +284,44 @@ def main(argv: Sequence[str] | None = None) -> int:
                 measure_speed_again(loaded, run, prompt, args.speed_steps, meta)
                 write(args.out, runs, meta, baseline)
         return 0
-    for policy, budget in wanted:
-        if (policy, budget) in done:
-            continue
+    todo = [(policy, budget) for policy, budget in wanted if (policy, budget) not in done]
+    if not args.separate_prefill:
+        run_shared(loaded, tasks, todo, runs, prompt, args, meta, baseline)
+        return 0
+    for policy, budget in todo:
         started = time.perf_counter()
         run = run_configuration(loaded, tasks, policy, budget, prompt, args.speed_steps)
-        meta["seconds"][run.label] = round(time.perf_counter() - started)
-        meta["load"][run.label] = round(os.getloadavg()[0], 1)
-        runs.append(run)
-        write(args.out, runs, meta, baseline)
-        print(
-            f"{run.label}: {[round(r.score, 2) for r in run.results.values()]} {run.error or ''} (load {os.getloadavg()[0]:.1f})",
-            flush=True,
-        )
+        finish(run, time.perf_counter() - started, runs, args, meta, baseline)
     return 0
+
+
+def run_shared(loaded, tasks, todo, runs, prompt, args, meta: dict, baseline: Baseline | None) -> None:
+    """The configurations ``todo`` together: every task case by case, each batch's prompt run once
+    for every configuration that can share it (:mod:`kvlib.eval.shared_compare`; the same results),
+    then the speed runs (one prefill of the speed prompt, shared too). ``meta["shared_seconds"]``
+    records the tasks' seconds; a row's ``s`` is then its speed run's (the first's includes the
+    shared prefill)."""
+    fresh = [CompareRun(policy, budget) for policy, budget in todo]
+    started = time.perf_counter()
+    run_tasks_shared(loaded, fresh, tasks)
+    meta["shared_seconds"] = round(time.perf_counter() - started)
+    print(f"tasks of {len(fresh)} configurations, prefills shared: {meta['shared_seconds']} s", flush=True)
+    started = time.perf_counter()
+    for run, _ in run_speeds_shared(loaded, fresh, prompt, args.speed_steps):
+        finish(run, time.perf_counter() - started, runs, args, meta, baseline)
+        started = time.perf_counter()
+
+
+def finish(run: CompareRun, seconds: float, runs: list[CompareRun], args, meta: dict, baseline: Baseline | None) -> None:
+    """Record a finished configuration: its seconds and load, the files written again, one line printed."""
+    meta["seconds"][run.label] = round(seconds)
+    meta["load"][run.label] = round(os.getloadavg()[0], 1)
+    runs.append(run)
+    write(args.out, runs, meta, baseline)
+    print(
+        f"{run.label}: {[round(r.score, 2) for r in run.results.values()]} {run.error or ''} (load {os.getloadavg()[0]:.1f})",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -181,7 +181,7 @@ def load_and_compare(
         threads = args.threads or 1
         runner = functools.partial(compare_on_ray, threads=threads)
     else:
-        threads, runner = torch.get_num_threads(), compare
+        threads, runner = torch.get_num_threads(), functools.partial(compare, shared_prefill=not args.separate_prefill)
     started = time.perf_counter()
     meta = {
         "model": loaded.name,
@@ -193,6 +193,7 @@ def load_and_compare(
         "torch": torch.__version__,
         "threads": threads,
         "ray": args.ray is not None,
+        "shared_prefill": args.ray is None and not args.separate_prefill,
         "seed": args.seed,
     }
 
@@ -302,6 +303,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=_threads,
         default=None,
         help="torch CPU threads (default: one per core; 1 for a model under 30M parameters while the machine is busy, 1-minute load >= 1)",
+    )
+    comp.add_argument(
+        "--separate-prefill",
+        action="store_true",
+        help="compute each configuration's prompts itself (default: each batch's prompt once for every configuration that can"
+        " share it, then each one's eviction replayed on it; the same results, see JSON 'prefill')",
     )
     comp.add_argument("--quiet", action="store_true", help="no progress bar")
     comp.add_argument(

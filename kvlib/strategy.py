@@ -108,6 +108,12 @@ class Eviction(Strategy, abc.ABC):
     (it ranks by ``positions``, never by slot index or slot neighbours): it then scores the slots
     where they lie. Otherwise, once a compaction has put slots out of position order, it scores a
     view permuted into position order (a copy of the layer's keys and values per call)."""
+    shares_prefill: ClassVar[bool] = True
+    """Whether a comparison may run the prompt once for this strategy and many others and replay
+    the prompt call's after-attention inputs into its cache (:mod:`kvlib.adapters.cache.shared_prefill`).
+    True where the strategy's state after a prompt call depends only on what :meth:`score` and
+    :meth:`attention_received` are given (its ``needs``); a strategy that keeps state of its own
+    across calls, or reads anything else of the model call, sets False and runs apart."""
 
     @abc.abstractmethod
     def score(self, view: LayerView) -> torch.Tensor:

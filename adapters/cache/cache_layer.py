@@ -22,7 +22,7 @@ from transformers.cache_utils import CacheLayerMixin
 from kvlib.adapters.cache.layer_sealing import layers_to_seal, seal
 from kvlib.adapters.cache.layer_tiering import arrange, rank_pages
 from kvlib.adapters.cache.paged_decode import attention_over_pages, planned_attention
-from kvlib.adapters.cache.shared_state import SharedState
+from kvlib.adapters.cache.shared_state import PrefillRecorder, SharedState
 from kvlib.adapters.cache.sliding_window import slide
 from kvlib.adapters.cache.sparse_decode import sparse_decode_attention
 from kvlib.adapters.runtime import layer_step
@@ -67,6 +67,7 @@ class KVCacheLayer(CacheLayerMixin):
         self.identity = True
         self.pending: LayerStep | None = None
         self.hidden_states: torch.Tensor | None = None
+        self.recorder: PrefillRecorder | None = None  # a shared prefill's source records its after-attention inputs
 
     @property
     def is_initialized(self) -> bool:
@@ -267,6 +268,8 @@ class KVCacheLayer(CacheLayerMixin):
         the last layer, indexes the prompt's full pages in the prefix session."""
         cache = self.cache
         self.pending = None
+        if self.recorder is not None:
+            self.recorder.observe(self.layer_idx, step, query=query, mask=mask, weights=weights, real_new=real_new, scaling=scaling)
         if step.plan is not None and cache.plan_idle[self.layer_idx]:  # the common case: nothing follows
             return
         store, rows = cache.store, cache.rows
@@ -338,6 +341,8 @@ class KVCacheLayer(CacheLayerMixin):
 
     def record_hidden_states(self, hidden_states: torch.Tensor) -> None:
         """Keep this layer call's attention input for a strategy that needs ``hidden_states``."""
+        if self.recorder is not None:
+            self.recorder.hidden(self.layer_idx, hidden_states)
         compressor = self.cache.compressor
         if compressor is not None and "hidden_states" in compressor.strategy.needs:
             self.hidden_states = hidden_states

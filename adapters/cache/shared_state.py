@@ -18,6 +18,14 @@ from kvlib.storage.step_plan import StepPlan
 from kvlib.strategy import Tiering
 
 
+class PrefillRecorder(Protocol):
+    """What records a prompt call's after-attention inputs (:class:`kvlib.adapters.cache.shared_prefill.PrefillRecorder`)."""
+
+    def observe(self, layer: int, step: LayerStep, **inputs: object) -> None: ...
+
+    def hidden(self, layer: int, hidden_states: torch.Tensor) -> None: ...
+
+
 class PendingLayer(Protocol):
     """What a layer reads of another layer of its cache: the step that layer published whose
     attention has not run yet (None once it ran)."""

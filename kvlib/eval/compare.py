@@ -51,6 +51,10 @@ class CompareRun:
     kv_bytes: int = 0
     full_bytes: int = 0
     error: str | None = None
+    prefill: dict[str, str] = field(default_factory=dict)
+    """Per task, how its prompts were computed: ``"shared"`` (once for every configuration that
+    shares them, :mod:`kvlib.eval.shared_compare`) or ``"separate: <reason>"``; empty for runs
+    made before this was recorded."""
 
     @property
     def kv_fraction(self) -> float | None:
@@ -107,12 +111,19 @@ def check_inputs(loaded: LoadedModel, policies: Sequence[str], budgets: Sequence
         task.check(loaded.model, loaded.tokenizer, loaded.context)
 
 
-def decode_speed(model: torch.nn.Module, make_cache: CacheFactory, prompt: torch.Tensor, steps: int) -> tuple[float, object]:
+def decode_speed(
+    model: torch.nn.Module, make_cache: CacheFactory, prompt: torch.Tensor, steps: int, first: torch.Tensor | None = None
+) -> tuple[float, object]:
     """Greedy decode tokens/s over ``steps`` single-token steps after a prefill and 2 warm-up steps,
-    and the cache at the end."""
+    and the cache at the end. ``first``: the prefill's greedy token (int64 ``[batch, 1]``) where
+    ``make_cache``'s cache already holds ``prompt`` (a shared prefill), else None (it runs here)."""
     cache = make_cache(prompt.shape[1] + steps + 2)
     with torch.inference_mode():
-        token = model(input_ids=prompt, **cache_argument(cache), use_cache=True, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
+        token = first
+        if token is None:
+            token = (
+                model(input_ids=prompt, **cache_argument(cache), use_cache=True, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
+            )
         for step in range(steps + 2):
             if step == 2:
                 started = time.perf_counter()
@@ -174,14 +185,22 @@ class Outcome:
         return True
 
 
-def run_unit(loaded: LoadedModel, unit: Unit, prompt: torch.Tensor, speed_steps: int) -> Outcome:
+def run_unit(
+    loaded: LoadedModel,
+    unit: Unit,
+    prompt: torch.Tensor,
+    speed_steps: int,
+    make: CacheFactory | None = None,
+    first: torch.Tensor | None = None,
+) -> Outcome:
     """Run one unit on ``loaded``; ``prompt`` is :func:`speed_prompt`'s. A strategy that raises
-    gives an :class:`Outcome` with its error (one line), not an exception."""
-    make = cache_factory(loaded.model, unit.policy, unit.budget)
+    gives an :class:`Outcome` with its error (one line), not an exception. ``make`` and ``first``:
+    a speed run from a shared prefill (see :func:`decode_speed`); by default the unit's own caches."""
     try:
+        make = make or cache_factory(loaded.model, unit.policy, unit.budget)
         if unit.task is not None:
             return Outcome(result=unit.task.run(loaded.model, loaded.tokenizer, make))
-        tokens_per_s, cache = decode_speed(loaded.model, make, prompt, speed_steps)
+        tokens_per_s, cache = decode_speed(loaded.model, make, prompt, speed_steps, first)
         held, full = kv_bytes(cache)
         return Outcome(decode_tokens_per_s=tokens_per_s, kv_bytes=held, full_bytes=full)
     except Exception as exc:  # noqa: BLE001 - a failing strategy is reported, the rest still run
@@ -205,13 +224,22 @@ def compare(
     speed_steps: int = 32,
     progress: bool = True,
     on_run: Callable[[list[CompareRun]], None] | None = None,
+    shared_prefill: bool = True,
 ) -> list[CompareRun]:
     """Run the full cache and every (policy, budget) on every task, in this process; see the module
     docstring (:func:`kvlib.eval.ray_compare.compare_on_ray` runs the same units on a Ray cluster).
-    ``on_run`` is called with the finished runs, in order, each time one more finishes."""
+    ``on_run`` is called with the finished runs, in order, each time one more finishes.
+
+    ``shared_prefill`` (the default): the tasks run case by case, each batch's prompt computed
+    once for every configuration that can share it (:mod:`kvlib.eval.shared_compare`; the same
+    results), then each configuration's speed run, after which ``on_run`` gets the runs finished
+    so far (an interruption during the tasks keeps none). False: configuration by configuration, each computing its own
+    prompts."""
     check_inputs(loaded, policies, budgets, tasks)
     prompt = speed_prompt(loaded, context, speed_steps)
     configs = configurations(policies, budgets)
+    if shared_prefill:
+        return _compare_shared(loaded, configs, tasks, prompt, speed_steps, progress, on_run)
     runs = []
     with progress_bar(configs, tasks, progress) as bar:
         for policy, budget in configs:
@@ -226,4 +254,32 @@ def compare(
                     break
             if on_run is not None:
                 on_run(runs)
+    return runs
+
+
+def _compare_shared(
+    loaded: LoadedModel,
+    configs: Sequence[tuple[str, float | None]],
+    tasks: Sequence[Task],
+    prompt: torch.Tensor,
+    speed_steps: int,
+    progress: bool,
+    on_run: Callable[[list[CompareRun]], None] | None,
+) -> list[CompareRun]:
+    """:func:`compare` with shared prefills: every task case by case, then each speed run."""
+    from kvlib.eval.shared_compare import run_speeds_shared, run_tasks_shared  # they build on this module
+
+    runs = [CompareRun(policy, budget) for policy, budget in configs]
+    with progress_bar(configs, tasks, progress) as bar:
+
+        def done(run: CompareRun, count: int) -> None:
+            bar.set_postfix_str(run.label)
+            bar.update(count)
+
+        run_tasks_shared(loaded, runs, tasks, done=done)
+        for index, (run, ran) in enumerate(run_speeds_shared(loaded, runs, prompt, speed_steps)):
+            bar.set_postfix_str(Unit(run.policy, run.budget, None).label)
+            bar.update(int(ran))
+            if on_run is not None:
+                on_run(runs[: index + 1])
     return runs

@@ -81,8 +81,25 @@ def markdown_table(runs: Sequence[CompareRun], baseline: Baseline | None = None)
         cells += [_number(run.kv_fraction), _number(run.decode_tokens_per_s)]
         lines.append("| " + " | ".join(cells) + " |")
     errors = [f"- {run.label}: {run.error}" for run in runs if run.error]
-    notes = ["", legend(baseline), cases_note(runs, [t for t, _, _ in columns])]
+    notes = ["", legend(baseline), cases_note(runs, [t for t, _, _ in columns]), prefill_note(runs)]
     return "\n".join(lines + notes + ([""] + errors if errors else []))
+
+
+def prefill_note(runs: Sequence[CompareRun]) -> str:
+    """One line: how many (configuration, task) pairs (a speed run counts as a task) shared each
+    batch's prompt call, and for those computed apart, why (each reason with up to three of its pairs)."""
+    shared = sum(path == "shared" for run in runs for path in run.prefill.values())
+    apart: dict[str, list[str]] = {}
+    for run in runs:
+        for task, path in run.prefill.items():
+            if path != "shared":
+                apart.setdefault(path.removeprefix("separate: "), []).append(f"{run.label} on {task}")
+    if not shared and not apart:
+        return "Prefill: each configuration computed its own prompts."
+    reasons = [f"{len(pairs)} ({', '.join(pairs[:3])}{', ...' if len(pairs) > 3 else ''}): {why}" for why, pairs in apart.items()]
+    return f"Prefill: {shared} (configuration, task) pairs shared each batch's prompt call" + (
+        f"; computed apart: {'; '.join(reasons)}." if reasons else "."
+    )
 
 
 def statistics(run: CompareRun, runs: Sequence[CompareRun], name: str, baseline: Baseline | None) -> dict:
@@ -121,6 +138,7 @@ def to_json(runs: Sequence[CompareRun], meta: dict, baseline: Baseline | None = 
                 "full_bytes": run.full_bytes,
                 "kv_fraction": run.kv_fraction,
                 "error": run.error,
+                "prefill": run.prefill,
                 "tasks": {
                     name: {
                         "metric": r.metric,
@@ -148,6 +166,7 @@ def runs_from_json(record: dict) -> list[CompareRun]:
     for entry in record["runs"]:
         run = CompareRun(entry["policy"], entry["budget"], decode_tokens_per_s=entry["decode_tokens_per_s"], error=entry["error"])
         run.kv_bytes, run.full_bytes = entry["kv_bytes"], entry["full_bytes"]
+        run.prefill = entry.get("prefill", {})
         for name, r in entry["tasks"].items():
             cases = CaseScores.from_json(r["cases"]) if r.get("cases") else None
             run.results[name] = TaskResult(

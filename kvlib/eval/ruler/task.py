@@ -22,14 +22,17 @@ import abc
 import functools
 import os
 import random
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import numpy as np
 import torch
 
+from kvlib.adapters.cache.shared_prefill import PrefillNeeds
 from kvlib.eval.case_scores import case_scores
 from kvlib.eval.scoring import ruler_postprocess, string_match_all
+from kvlib.eval.shared_generation import generate_shared
 from kvlib.eval.task import CacheFactory, TaskResult, check_context, kv_bytes, pad_id, prefill_context
 from kvlib.transformers_compat import cache_argument
 
@@ -155,14 +158,9 @@ class RulerTask(abc.ABC):
     def run(self, model: torch.nn.Module, tokenizer, make_cache: CacheFactory) -> TaskResult:
         cases = self.cases(tokenizer)
         pad = pad_id(tokenizer)
-        device = next(model.parameters()).device
-        scores, predictions, held, full = [], [], 0, 0
-        step = 1 if self.context_first else self.batch_size
-        for start in range(0, len(cases), step):
-            chunk = cases[start : start + step]
-            width = max(len(c.ids) for c in chunk)
-            ids = torch.tensor([[pad] * (width - len(c.ids)) + list(c.ids) for c in chunk], device=device)
-            mask = torch.tensor([[0] * (width - len(c.ids)) + [1] * len(c.ids) for c in chunk], device=device)
+        outcome = _Outcome()
+        for chunk, ids, mask in self._batches(cases, tokenizer, model, 1 if self.context_first else self.batch_size):
+            width = ids.shape[1]
             cache = make_cache(width)
             with torch.inference_mode():
                 if self.context_first:
@@ -175,23 +173,86 @@ class RulerTask(abc.ABC):
                     do_sample=False,
                     pad_token_id=pad,
                 )
-            for case, row in zip(chunk, out[:, width:].tolist()):
-                text = tokenizer.decode(row)
-                predictions.append(text[:PREDICTION_CHARS])
-                scores.append(self.score(text, case.answers))
-            kv, whole = kv_bytes(cache)
-            held, full = held + kv, full + whole
+            outcome.add(self, tokenizer, chunk, out[:, width:], cache)
+        return outcome.result(self, cases)
+
+    @property
+    def shares_prefill(self) -> bool:
+        """Whether :meth:`run_shared` may run this task's configurations from one prompt call per
+        batch: not when the context is read first (its strategy's own procedure, KVzip's)."""
+        return not self.context_first
+
+    def run_shared(
+        self, model: torch.nn.Module, tokenizer, factories: Sequence[CacheFactory], needs: PrefillNeeds
+    ) -> list[TaskResult | str]:
+        """:meth:`run` for every factory's configuration, each batch's prompt run once
+        (:func:`~kvlib.eval.shared_generation.generate_shared`; ``needs``: the configurations'
+        union); each result equals :meth:`run`'s. A configuration that raises gets its one-line
+        error in its place and is left out of the later batches."""
+        if not self.shares_prefill:
+            raise ValueError(f"{self.name} reads its context first: its configurations run apart")
+        cases = self.cases(tokenizer)
+        pad = pad_id(tokenizer)
+        outcomes = [_Outcome() for _ in factories]
+        for chunk, ids, mask in self._batches(cases, tokenizer, model, self.batch_size):
+            live = [i for i, outcome in enumerate(outcomes) if outcome.error is None]
+            if not live:
+                break
+            generations = generate_shared(
+                model, ids, mask, [factories[i] for i in live], needs, max_new_tokens=self.tokens_to_generate, pad=pad
+            )
+            for i, generation in zip(live, generations):
+                if generation.error is not None:
+                    outcomes[i].error = generation.error
+                else:
+                    outcomes[i].add(self, tokenizer, chunk, generation.tokens, generation.cache)
+        return [outcome.error if outcome.error is not None else outcome.result(self, cases) for outcome in outcomes]
+
+    def _batches(
+        self, cases: list[RulerCase], tokenizer, model: torch.nn.Module, step: int
+    ) -> Iterator[tuple[list[RulerCase], torch.Tensor, torch.Tensor]]:
+        """The cases ``step`` at a time, with their ids left-padded to the longest and its mask (on the model's device)."""
+        pad = pad_id(tokenizer)
+        device = next(model.parameters()).device
+        for start in range(0, len(cases), step):
+            chunk = cases[start : start + step]
+            width = max(len(c.ids) for c in chunk)
+            ids = torch.tensor([[pad] * (width - len(c.ids)) + list(c.ids) for c in chunk], device=device)
+            mask = torch.tensor([[0] * (width - len(c.ids)) + [1] * len(c.ids) for c in chunk], device=device)
+            yield chunk, ids, mask
+
+
+@dataclass
+class _Outcome:
+    """One configuration's scores, predictions and cache bytes over the batches run so far."""
+
+    scores: list[float] = field(default_factory=list)
+    predictions: list[str] = field(default_factory=list)
+    held: int = 0
+    full: int = 0
+    error: str | None = None
+
+    def add(self, task: RulerTask, tokenizer, chunk: list[RulerCase], generated: torch.Tensor, cache) -> None:
+        """A batch's generated tokens (``[batch, new]``) and its cache at the end."""
+        for case, row in zip(chunk, generated.tolist()):
+            text = tokenizer.decode(row)
+            self.predictions.append(text[:PREDICTION_CHARS])
+            self.scores.append(task.score(text, case.answers))
+        kv, whole = kv_bytes(cache)
+        self.held, self.full = self.held + kv, self.full + whole
+
+    def result(self, task: RulerTask, cases: list[RulerCase]) -> TaskResult:
         metrics = {
             "cases": len(cases),
-            "context": self.context,
-            "scores": scores,
-            "predictions": predictions,
+            "context": task.context,
+            "scores": self.scores,
+            "predictions": self.predictions,
             "depths": [list(c.depths) for c in cases],
             "prompt_tokens": [len(c.ids) for c in cases],
         }
         kind = "pass_fail" if all(len(c.answers) == 1 for c in cases) else "mean"
-        per_case = case_scores(scores, kind, [(c.ids, c.answers) for c in cases])
-        return TaskResult(self.name, self.metric, float(np.mean(scores)), True, held, full, metrics, len(cases), per_case)
+        per_case = case_scores(self.scores, kind, [(c.ids, c.answers) for c in cases])
+        return TaskResult(task.name, task.metric, float(np.mean(self.scores)), True, self.held, self.full, metrics, len(cases), per_case)
 
 
 def context_tokens(prompt: Prompt, ids: list[int], tokenizer) -> int:

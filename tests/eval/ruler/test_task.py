@@ -119,3 +119,18 @@ def test_context_first_needs_a_question_apart():
     assert [t.context_first for t in tasks] == [True, True]
     with pytest.raises(ValueError, match="a question apart from their context .* got needle, jsonl:x.jsonl"):
         parse_tasks("niah_single,needle,jsonl:x.jsonl", context=1024, context_first=True)
+
+
+def test_run_shared_gives_each_configuration_what_run_gives_it():
+    """One prompt call per batch for every configuration: scores, predictions and bytes equal
+    separate runs'; a context-first task refuses (its configurations run apart)."""
+    from kvlib.eval.shared_generation import shares
+
+    model, tokenizer = tiny_byte_model(context=1024), ByteTokenizer()
+    task = RULER_TASKS["niah_single"](context=512, samples=2, batch_size=2, tokens_to_generate=8)
+    factories = [lambda tokens: kvlib.make_cache(model), lambda tokens: kvlib.make_cache(model, "snapkv", budget=tokens // 4)]
+    needs = shares(model, factories[1]).needs
+    shared = task.run_shared(model, tokenizer, factories, needs)
+    assert shared == [task.run(model, tokenizer, make) for make in factories]
+    with pytest.raises(ValueError, match="run apart"):
+        dataclasses.replace(task, context_first=True).run_shared(model, tokenizer, factories, needs)

@@ -1,0 +1,182 @@
+"""One prompt call, many caches: record what a prompt call gives each layer's after-attention
+work, then replay it into other caches as if each had run the call itself.
+
+A cache's first model call (the prompt, not chunked) attends over exactly the call's own keys and
+values whatever the cache does afterwards: eviction, codec fits and sealing all run after the
+layer's attention (:meth:`~kvlib.adapters.cache.cache_layer.KVCacheLayer.after_attention`), so
+the call's outputs (logits, every layer's hidden states, keys and values) are the same for an
+exact cache and for one that compresses. A comparison of many configurations can therefore run the
+prompt once, through an exact ``source`` cache carrying a :class:`PrefillRecorder`, and give each
+configuration's cache the prompt by :func:`replay`: layer by layer, the source's keys and values go
+through the cache's own ``update`` (the same append a separate run makes) and the recorded
+after-attention inputs through its own ``after_attention``, in layer order. The cache's store,
+compressor state (accumulated attention, query history, call notes), codec fits and padding then
+equal those of a separate run of the same call, token for token.
+
+What is recorded is what the caches to be replayed need (:func:`prefill_needs`): each layer's
+mask (one tensor shared by the layers, kept once), real new tokens and softmax scale always; its
+queries (``[batch, query_heads, tokens, head_dim]``, the compute dtype) only for a strategy that
+reads them (scores, attention, history) or a codec that learns from them; the attention module's
+input only for a strategy that needs ``hidden_states``. Attention weights are never recorded:
+a prompt call that returned them (eager attention) cannot be replayed for a strategy that reads
+attention (:meth:`PrefillRecorder.observe` refuses).
+
+Caches that cannot take a replay (:func:`sharing_refusal`): tiering (its placement and spilled
+pages follow the calls), a prefix store (its session owns the rows), a cache that already holds
+tokens, and an eviction strategy that declares it does not share a prefill
+(:attr:`~kvlib.strategy.Eviction.shares_prefill`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from kvlib.adapters.cache.transformers_cache import KVCache
+from kvlib.adapters.runtime.layer_step import LayerStep
+
+QUERY_NEEDS = frozenset({"queries", "window_queries", "recent_queries", "prompt_length", "attention", "accumulated_attention"})
+"""Strategy needs that read the prompt call's queries (directly, or to compute attention)."""
+ATTENTION_NEEDS = frozenset({"attention", "accumulated_attention"})
+"""Strategy needs that read attention weights (returned by eager attention when it ran)."""
+
+
+@dataclass(frozen=True)
+class PrefillNeeds:
+    """What a replay needs recorded beyond masks: ``queries`` and ``hidden_states`` per layer;
+    ``attention``: whether the replayed strategy reads attention weights (see :data:`ATTENTION_NEEDS`)."""
+
+    queries: bool = False
+    hidden_states: bool = False
+    attention: bool = False
+
+    def __or__(self, other: PrefillNeeds) -> PrefillNeeds:
+        return PrefillNeeds(self.queries or other.queries, self.hidden_states or other.hidden_states, self.attention or other.attention)
+
+
+def prefill_needs(cache: KVCache) -> PrefillNeeds:
+    """What replaying a prompt call into ``cache`` needs recorded (its strategy's and codec's needs)."""
+    needs = frozenset() if cache.compressor is None else cache.compressor.strategy.needs
+    learns = cache.codec is not None and _codec_reads_queries(cache)
+    return PrefillNeeds(bool(needs & QUERY_NEEDS) or learns, "hidden_states" in needs, bool(needs & ATTENTION_NEEDS))
+
+
+def _codec_reads_queries(cache: KVCache) -> bool:
+    """Whether the cache's codec learns from the prompt (its fit sees the queries) or reads the
+    compressor's salience (which may score with them). Before the store exists, a codec is assumed to."""
+    codecs = cache.codecs
+    if codecs is None:
+        return True
+    return any(codec is not None and (codec.learns or codec.uses_salience) for codec in codecs)
+
+
+def sharing_refusal(cache: KVCache) -> str | None:
+    """Why ``cache`` cannot take a replayed prompt call (one line), or None when it can."""
+    if cache.tiering is not None:
+        return f"tiering ({cache.tiering.spec()}) places pages as the calls run"
+    if cache.reuse is not None:
+        return "a prefix store's session owns the cache's rows"
+    if cache.rows or any(layer.seen for layer in cache.layers):
+        return "the cache already holds tokens"
+    if cache.compressor is not None and not cache.compressor.strategy.shares_prefill:
+        return f"{cache.compressor.strategy.spec()} does not share a prefill (shares_prefill = False)"
+    return None
+
+
+@dataclass
+class LayerCall:
+    """What one layer's after-attention work got from the prompt call (references, no copies):
+    ``query`` None where no replay reads it (then only its ``query_shape`` is kept)."""
+
+    query: torch.Tensor | None
+    query_shape: torch.Size
+    mask: torch.Tensor | None
+    real_new: torch.Tensor | None
+    scaling: float | None
+    hidden_states: torch.Tensor | None = None
+
+
+@dataclass
+class PrefillRecorder:
+    """Records, for every layer of a source cache's prompt call, the after-attention inputs that
+    ``needs`` asks for (see the module docstring). Attach it with :func:`recording`."""
+
+    needs: PrefillNeeds
+    calls: dict[int, LayerCall] = field(default_factory=dict)
+    _hidden: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def hidden(self, layer: int, hidden_states: torch.Tensor) -> None:
+        """The attention module's input of ``layer`` (kept where a replay needs it)."""
+        if self.needs.hidden_states:
+            self._hidden[layer] = hidden_states
+
+    def observe(
+        self,
+        layer: int,
+        step: LayerStep,
+        *,
+        query: torch.Tensor,
+        mask: torch.Tensor | None,
+        weights: torch.Tensor | None,
+        real_new: torch.Tensor | None,
+        scaling: float | None,
+    ) -> None:
+        """The inputs of ``layer``'s after-attention work in the prompt call. Raises
+        ``RuntimeError`` for a call that is not a first, whole prompt call (the layer held tokens
+        before it), or one whose attention returned weights that a replayed strategy reads."""
+        if layer in self.calls or step.query_offset != 0:
+            raise RuntimeError("a shared prefill records one prompt call into an empty cache; this call is not one")
+        if weights is not None and self.needs.attention:
+            raise RuntimeError("the prompt call's attention returned weights (eager attention): a replay cannot recompute them")
+        kept = query if self.needs.queries else None
+        self.calls[layer] = LayerCall(kept, query.shape, mask, real_new, scaling, self._hidden.pop(layer, None))
+
+    def call(self, layer: int) -> LayerCall:
+        """``layer``'s recorded call (``RuntimeError`` where the prompt call never reached it)."""
+        recorded = self.calls.get(layer)
+        if recorded is None:
+            raise RuntimeError(f"layer {layer}'s prompt call was not recorded (did it run through kvlib?)")
+        return recorded
+
+
+@contextlib.contextmanager
+def recording(source: KVCache, recorder: PrefillRecorder) -> Iterator[PrefillRecorder]:
+    """Attach ``recorder`` to every layer of ``source`` (an empty exact cache) for the calls inside."""
+    if source.compressor is not None or source.codec is not None or source.tiering is not None:
+        raise ValueError("a shared prefill's source is an exact cache (kvlib.make_cache(model)): no strategy")
+    for layer in source.layers:
+        layer.recorder = recorder
+    try:
+        yield recorder
+    finally:
+        for layer in source.layers:
+            layer.recorder = None
+
+
+def replay(cache: KVCache, source: KVCache, recorder: PrefillRecorder) -> None:
+    """Give the empty ``cache`` the prompt call ``source`` ran while ``recorder`` recorded it, as
+    if ``cache`` had run the call itself (see the module docstring); ``cache`` must take it
+    (:func:`sharing_refusal` None) and its needs must be within the recorder's."""
+    refusal = sharing_refusal(cache)
+    if refusal is not None:
+        raise ValueError(f"this cache cannot take a shared prefill: {refusal}")
+    needs = prefill_needs(cache)
+    if (needs.queries and not recorder.needs.queries) or (needs.hidden_states and not recorder.needs.hidden_states):
+        raise ValueError(f"the shared prefill recorded {recorder.needs}, this cache needs {needs}")
+    rows = source.rows
+    for layer in cache.layers:
+        recorded = recorder.call(layer.layer_idx)
+        read = source.store.read(layer.layer_idx, rows, mirror=False)
+        tokens = source.layers[layer.layer_idx].seen
+        if read.keys.shape[2] != tokens or not bool(read.valid.all()):
+            raise RuntimeError("the shared prefill's source must hold its whole prompt, in position order")
+        if recorded.hidden_states is not None:
+            cache.record_hidden_states(layer.layer_idx, recorded.hidden_states)
+        layer.update(read.keys, read.values, kwargs={})  # publishes into the dict: no attention will take it
+        query = recorded.query if recorded.query is not None else read.keys.new_zeros(()).expand(recorded.query_shape)
+        layer.after_attention(
+            layer.pending, query=query, mask=recorded.mask, weights=None, real_new=recorded.real_new, scaling=recorded.scaling
+        )

@@ -1,0 +1,131 @@
+"""The comparison's tasks case by case: each batch's prompt runs once for every configuration.
+
+:func:`run_tasks_shared` runs every task for every configuration, task by task. A task that
+shares a prefill (``shares_prefill``, the RULER tasks unless their context is read first) runs the
+configurations that can share it (:func:`~kvlib.eval.shared_generation.shares`) together through
+its ``run_shared``: each batch's prompt is computed once, with an exact cache, and each
+configuration's cache gets that prompt call replayed into it before it decodes
+(:mod:`kvlib.adapters.cache.shared_prefill`); the results equal separate runs', token for token.
+The other configurations (and every configuration of a task without a shared path) run apart, as
+:func:`~kvlib.eval.compare.run_unit` runs them. :func:`run_speeds_shared` does the same for the
+speed runs: one prefill of the speed prompt, replayed into each configuration's cache before its
+timed decode steps (the prefill is not timed). Each run's :attr:`~kvlib.eval.compare.CompareRun.prefill`
+says, per task, which path it took: :data:`SHARED`, or ``"separate: <reason>"``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+
+import kvlib
+from kvlib.adapters.cache.shared_prefill import PrefillNeeds, PrefillRecorder, recording, replay
+from kvlib.eval.compare import CompareRun, Outcome, Unit, cache_factory, run_unit
+from kvlib.eval.models import LoadedModel
+from kvlib.eval.shared_generation import Sharing, shares
+from kvlib.eval.task import CacheFactory, Task
+from kvlib.transformers_compat import cache_argument
+
+SPEED = "decode speed"
+"""The key of a run's speed run in :attr:`~kvlib.eval.compare.CompareRun.prefill`."""
+SHARED = "shared"
+"""A run's prefill path on a task where its prompts were computed once for every configuration."""
+
+
+def sharing(model: torch.nn.Module, run: CompareRun) -> Sharing:
+    """Whether ``run``'s configuration can take a shared prefill (a probe cache that cannot be built
+    is a refusal: the separate run then reports its error)."""
+    try:
+        return shares(model, cache_factory(model, run.policy, run.budget))
+    except Exception as exc:  # noqa: BLE001 - the separate run records the error
+        return Sharing(PrefillNeeds(), f"its cache cannot be built ({type(exc).__name__})")
+
+
+def run_tasks_shared(
+    loaded: LoadedModel,
+    runs: Sequence[CompareRun],
+    tasks: Sequence[Task],
+    *,
+    done: Callable[[CompareRun, int], None] = lambda run, units: None,
+) -> None:
+    """Record every task's result (or the first error) in each of ``runs`` (configurations not yet
+    run), task by task; see the module docstring. ``done(run, units)`` is called as units finish:
+    ``units`` is 1 for a task, or 2 + the tasks left for a run that failed (it runs none of them,
+    nor its speed run)."""
+    model = loaded.model
+    paths = [sharing(model, run) for run in runs]
+    for index, task in enumerate(tasks):
+        remaining = len(tasks) - index - 1
+        live = [i for i, run in enumerate(runs) if run.error is None]
+        task_shares = getattr(task, "shares_prefill", False)
+        together = [i for i in live if paths[i].refusal is None] if task_shares else []
+        apart = f"{task.name} runs each configuration apart"
+        reasons = {i: f"separate: {paths[i].refusal if task_shares else apart}" for i in live}
+        if together:
+            needs = PrefillNeeds()
+            for i in together:
+                needs = needs | paths[i].needs
+            factories = [cache_factory(model, runs[i].policy, runs[i].budget) for i in together]
+            try:
+                results = task.run_shared(model, loaded.tokenizer, factories, needs)
+            except Exception as exc:  # noqa: BLE001 - the shared prompt call failed: each runs apart
+                reason = f"separate: the shared prompt call raised {type(exc).__name__}"
+                reasons.update(dict.fromkeys(together, reason))
+                together = []
+            else:
+                for i, result in zip(together, results):
+                    runs[i].prefill[task.name] = SHARED
+                    outcome = Outcome(error=result) if isinstance(result, str) else Outcome(result=result)
+                    done(runs[i], 1 if outcome.record(runs[i]) else 2 + remaining)
+        for i in live:
+            if i in together:
+                continue
+            runs[i].prefill[task.name] = reasons[i]
+            recorded = run_unit(loaded, Unit(runs[i].policy, runs[i].budget, task), torch.empty(0), 0).record(runs[i])
+            done(runs[i], 1 if recorded else 2 + remaining)
+
+
+def run_speeds_shared(
+    loaded: LoadedModel, runs: Sequence[CompareRun], prompt: torch.Tensor, speed_steps: int
+) -> Iterator[tuple[CompareRun, bool]]:
+    """Each run's speed run (:func:`~kvlib.eval.compare.decode_speed`), in order, recorded in it;
+    yields the run and whether its speed run ran (not for a run that failed before). The prompt
+    runs once for the runs that can share it (recorded under :data:`SPEED` in their ``prefill``)."""
+    model = loaded.model
+    paths = [sharing(model, run) if run.error is None else None for run in runs]
+    sharers = [path for path in paths if path is not None and path.refusal is None]
+    source = first = recorder = None
+    if sharers:
+        needs = PrefillNeeds()
+        for path in sharers:
+            needs = needs | path.needs
+        source, recorder = kvlib.make_cache(model), PrefillRecorder(needs)
+        with recording(source, recorder), torch.inference_mode():
+            logits = model(input_ids=prompt, **cache_argument(source), use_cache=True, logits_to_keep=1).logits
+        first = logits[:, -1].argmax(-1, keepdim=True)
+    for run, path in zip(runs, paths):
+        if path is None:
+            yield run, False
+            continue
+        unit = Unit(run.policy, run.budget, None)
+        if path.refusal is None:
+            run.prefill[SPEED] = SHARED
+            make = _replaying(cache_factory(model, run.policy, run.budget), source, recorder)
+            run_unit(loaded, unit, prompt, speed_steps, make, first).record(run)
+        else:
+            run.prefill[SPEED] = f"separate: {path.refusal}"
+            run_unit(loaded, unit, prompt, speed_steps).record(run)
+        yield run, True
+
+
+def _replaying(make: CacheFactory, source, recorder: PrefillRecorder) -> CacheFactory:
+    """``make``'s caches, each given the prompt call ``source`` ran while ``recorder`` recorded it."""
+
+    def made(tokens: int):
+        cache = make(tokens)
+        with torch.inference_mode():
+            replay(cache, source, recorder)
+        return cache
+
+    return made
