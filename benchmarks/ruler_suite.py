@@ -52,7 +52,7 @@ from provenance import command_line, git_revision  # noqa: E402
 import kvlib  # noqa: E402
 from kvlib.devices import set_cpu_threads  # noqa: E402
 from kvlib.eval import load_model  # noqa: E402
-from kvlib.eval.compare import FULL, CompareRun, Unit, check_inputs, evicts, run_unit, speed_prompt, units  # noqa: E402
+from kvlib.eval.compare_units import FULL, CompareRun, Unit, check_inputs, evicts, run_unit, speed_prompt, units  # noqa: E402
 from kvlib.eval.report import prefill_note, runs_from_json, score_cell, to_json  # noqa: E402
 from kvlib.eval.shared_compare import run_speeds_shared, run_tasks_shared  # noqa: E402
 from kvlib.eval.significance import Baseline, cases_note, legend, marks, mean_interval, mean_marks, parse_baseline  # noqa: E402
@@ -91,7 +91,7 @@ def load_runs(path: Path, options: dict) -> list[CompareRun]:
 
 
 def run_configuration(loaded, tasks, policy: str, budget: float | None, prompt: torch.Tensor, speed_steps: int) -> CompareRun:
-    """One (policy, budget): every task, then the speed run (:func:`kvlib.eval.compare.run_unit`,
+    """One (policy, budget): every task, then the speed run (:func:`kvlib.eval.compare_units.run_unit`,
     as ``kvlib compare`` runs them); a strategy that raises is recorded with its error."""
     run = CompareRun(policy, budget)
     for unit in units(policy, budget, tasks):

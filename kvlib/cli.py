@@ -136,7 +136,7 @@ def check_out_folder(text: str) -> Path:
 
 def run_compare(args: argparse.Namespace) -> int:
     from kvlib.eval import parse_tasks
-    from kvlib.eval.compare import check_policies_and_budgets
+    from kvlib.eval.compare_units import check_policies_and_budgets
     from kvlib.eval.significance import parse_baseline
 
     policies, budgets = _policies(args.strategies), _fractions(args.budgets)

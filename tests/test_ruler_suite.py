@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvlib.eval.case_scores import case_scores
-from kvlib.eval.compare import CompareRun
+from kvlib.eval.compare_units import CompareRun
 from kvlib.eval.significance import parse_baseline
 from kvlib.eval.task import TaskResult
 
@@ -99,7 +99,7 @@ def test_a_profile_in_kvlib_s_cache_is_named_by_its_place_there(tmp_path: Path, 
 
 def test_a_recorded_configuration_s_speed_is_measured_again_on_the_embedded_model() -> None:
     from kvlib.eval import load_model
-    from kvlib.eval.compare import speed_prompt
+    from kvlib.eval.compare_units import speed_prompt
 
     loaded = load_model()
     run = made_run("streaming_llm", 0.5, 1.0)

@@ -46,7 +46,7 @@ from kvlib.adapters.engine.model_runner import ModelRunner
 from kvlib.adapters.engine.page_budget import page_budget
 from kvlib.adapters.engine.request_checks import REQUEST_OPTIONS, checked_request
 from kvlib.adapters.engine.scheduler import Scheduler, StepPlan
-from kvlib.adapters.runtime.attention import route_attention as attach
+from kvlib.adapters.runtime.attention import route_attention
 from kvlib.errors import quoted
 from kvlib.limits import MAX_REQUEST_TOKENS
 from kvlib.model_shape import kv_shape, model_context
@@ -64,7 +64,7 @@ class Engine:
     """Serve many prompts at once on ``model`` (a `transformers` causal LM).
 
     Args:
-        model: the model; its attention is routed through kvlib (:func:`kvlib.attach`).
+        model: the model; its attention is routed through kvlib (:func:`~kvlib.adapters.runtime.attention.route_attention`).
         spec: default eviction spec for requests that name none (None: keep every token);
             with ``budget`` (tokens per head, or a fraction of the prompt), as in ``make_cache``.
             A quantization codec in it (``"kivi(bits=4)"``, ``"snapkv+int8"``) applies to every
@@ -147,7 +147,7 @@ class Engine:
         self.dtype, self.device = parameter.dtype, parameter.device
         pages = {"codec": self.codec, "page_size": page_size, "dtype": self.dtype, "device": self.device}
         sizes = page_budget(self.shape, **pages, page_budget_bytes=page_budget_bytes, prefix_cache_bytes=prefix_cache_bytes)
-        attach(model)  # everything is checked: the model's attention goes through kvlib from now on
+        route_attention(model)  # everything is checked: the model's attention goes through kvlib from now on
         self.kv = KVManager(
             model, self.shape, sizes, **pages, read_cache=read_cache, prefix_cache=prefix_cache, preemption=preemption, remote=remote
         )

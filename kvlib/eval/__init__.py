@@ -8,7 +8,8 @@ tests of :mod:`.significance`.
 """
 
 from kvlib.eval.agreement import AgreementTask
-from kvlib.eval.compare import CompareRun, compare
+from kvlib.eval.compare import compare
+from kvlib.eval.compare_units import CompareRun
 from kvlib.eval.jsonl import JsonlTask, load_jsonl
 from kvlib.eval.kvpress_task import KvpressTask, load_kvpress
 from kvlib.eval.models import ModelLoadError, load_model

@@ -1,7 +1,7 @@
 """One PNG per task: quality against KV bytes, every policy as a line over its budgets.
 
 x: the configuration's KV bytes as a fraction of the full cache's, the table's "KV bytes vs full"
-figure (:attr:`~kvlib.eval.compare.CompareRun.kv_fraction`, measured in the speed run), so a point
+figure (:attr:`~kvlib.eval.compare_units.CompareRun.kv_fraction`, measured in the speed run), so a point
 and its table row always agree; y: the task's score. Each point is labelled with its budget (a
 policy that keeps every token, a codec alone, is labelled "all"). Each policy has its own colour
 and marker pair (:func:`style`: no two policies of a plot share both), and its points carry their
@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvlib.eval.compare import FULL, CompareRun
+from kvlib.eval.compare_units import FULL, CompareRun
 from kvlib.eval.report import task_columns
 from kvlib.eval.significance import interval
 

@@ -1,7 +1,7 @@
 """The policy comparison on a Ray cluster (``kvlib compare --ray [ADDRESS]``).
 
-The comparison's units (:class:`kvlib.eval.compare.Unit`: one configuration on one task, or its
-decode-speed run) run as Ray tasks, through the same :func:`~kvlib.eval.compare.run_unit` as the
+The comparison's units (:class:`kvlib.eval.compare_units.Unit`: one configuration on one task, or its
+decode-speed run) run as Ray tasks, through the same :func:`~kvlib.eval.compare_units.run_unit` as the
 serial loop. Each worker process loads the model by its name once (:func:`worker_model`, cached
 per process: Ray reuses its workers), so the model name must load on every node (``default``,
 ``smollm2`` and ``gemma3-270m`` do, the last where the ``models`` extra is installed; a folder or
@@ -29,7 +29,7 @@ import torch
 
 from kvlib.devices import set_cpu_threads
 from kvlib.errors import quoted
-from kvlib.eval.compare import CompareRun, Outcome, Unit, check_inputs, configurations, progress_bar, run_unit, speed_prompt, units
+from kvlib.eval.compare_units import CompareRun, Outcome, Unit, check_inputs, configurations, progress_bar, run_unit, speed_prompt, units
 from kvlib.eval.models import LoadedModel, load_model
 from kvlib.eval.task import Task
 
@@ -90,12 +90,12 @@ def worker_model(name: str) -> LoadedModel:
 
 @functools.lru_cache(maxsize=4)
 def worker_prompt(name: str, context: int, speed_steps: int) -> torch.Tensor:
-    """:func:`~kvlib.eval.compare.speed_prompt` for the model ``name``, once per process."""
+    """:func:`~kvlib.eval.compare_units.speed_prompt` for the model ``name``, once per process."""
     return speed_prompt(worker_model(name), context, speed_steps)
 
 
 def run_unit_on_worker(name: str, unit: Unit, context: int, speed_steps: int, threads: int) -> Outcome:
-    """The body of one Ray task: :func:`~kvlib.eval.compare.run_unit` on the model ``name``."""
+    """The body of one Ray task: :func:`~kvlib.eval.compare_units.run_unit` on the model ``name``."""
     set_cpu_threads(threads)
     return run_unit(worker_model(name), unit, worker_prompt(name, context, speed_steps), speed_steps)
 

@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from kvlib.eval.case_scores import CaseScores
-from kvlib.eval.compare import CompareRun
+from kvlib.eval.compare_units import CompareRun
 from kvlib.eval.significance import Baseline, cases_note, full_run, interval, legend, marks, paired, same_cases
 from kvlib.eval.task import TaskResult
 

@@ -7,9 +7,9 @@ its ``run_shared``: each batch's prompt is computed once, with an exact cache, a
 configuration's cache gets that prompt call replayed into it before it decodes
 (:mod:`kvlib.adapters.cache.shared_prefill`); the results equal separate runs', token for token.
 The other configurations (and every configuration of a task without a shared path) run apart, as
-:func:`~kvlib.eval.compare.run_unit` runs them. :func:`run_speeds_shared` does the same for the
+:func:`~kvlib.eval.compare_units.run_unit` runs them. :func:`run_speeds_shared` does the same for the
 speed runs: one prefill of the speed prompt, replayed into each configuration's cache before its
-timed decode steps (the prefill is not timed). Each run's :attr:`~kvlib.eval.compare.CompareRun.prefill`
+timed decode steps (the prefill is not timed). Each run's :attr:`~kvlib.eval.compare_units.CompareRun.prefill`
 says, per task, which path it took: :data:`SHARED`, or ``"separate: <reason>"``.
 """
 
@@ -21,14 +21,14 @@ import torch
 
 import kvlib
 from kvlib.adapters.cache.shared_prefill import PrefillNeeds, PrefillRecorder, recording, replay
-from kvlib.eval.compare import CompareRun, Outcome, Unit, cache_factory, run_unit
+from kvlib.eval.compare_units import CompareRun, Outcome, Unit, cache_factory, run_unit
 from kvlib.eval.models import LoadedModel
 from kvlib.eval.shared_generation import Sharing, shares
 from kvlib.eval.task import CacheFactory, Task
 from kvlib.transformers_compat import cache_argument
 
 SPEED = "decode speed"
-"""The key of a run's speed run in :attr:`~kvlib.eval.compare.CompareRun.prefill`."""
+"""The key of a run's speed run in :attr:`~kvlib.eval.compare_units.CompareRun.prefill`."""
 SHARED = "shared"
 """A run's prefill path on a task where its prompts were computed once for every configuration."""
 
@@ -89,7 +89,7 @@ def run_tasks_shared(
 def run_speeds_shared(
     loaded: LoadedModel, runs: Sequence[CompareRun], prompt: torch.Tensor, speed_steps: int
 ) -> Iterator[tuple[CompareRun, bool]]:
-    """Each run's speed run (:func:`~kvlib.eval.compare.decode_speed`), in order, recorded in it;
+    """Each run's speed run (:func:`~kvlib.eval.compare_units.decode_speed`), in order, recorded in it;
     yields the run and whether its speed run ran (not for a run that failed before). The prompt
     runs once for the runs that can share it (recorded under :data:`SPEED` in their ``prefill``)."""
     model = loaded.model

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from kvlib.errors import quoted
 from kvlib.eval.case_scores import BOOTSTRAP_SEED
-from kvlib.eval.compare import FULL, CompareRun, evicts
+from kvlib.eval.compare_units import FULL, CompareRun, evicts
 from kvlib.eval.intervals import RESAMPLES, stratified_bootstrap_interval
 from kvlib.eval.paired_tests import stratified_paired_bootstrap_p
 from kvlib.eval.task import TaskResult

@@ -170,7 +170,7 @@ def test_an_unusable_out_folder_fails_before_the_model_loads(compared, capsys, m
 def test_an_interrupted_comparison_keeps_every_finished_configuration(byte_model_dir, capsys, monkeypatch, tmp_path):
     """Ctrl-C during the second configuration's speed run: the first (the full cache) is in the
     table, JSON and CSV, marked incomplete; exit code 130 with one line on stderr."""
-    module = importlib.import_module("kvlib.eval.compare")
+    module = importlib.import_module("kvlib.eval.compare_units")
     speed_runs = []
 
     def interrupted_second(*args):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import matplotlib
 
 from kvlib.eval.case_scores import case_scores
-from kvlib.eval.compare import CompareRun
+from kvlib.eval.compare_units import CompareRun
 from kvlib.eval.plots import error_bars, log_axis, plot_task, style, task_points, task_points_with_intervals, title
 from kvlib.eval.report import markdown_table
 from kvlib.eval.task import TaskResult

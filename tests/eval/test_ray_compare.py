@@ -104,7 +104,7 @@ def test_without_ray_installed_the_extra_is_named(tmp_path, capsys, monkeypatch)
 
 
 def test_a_configuration_stops_at_its_first_error_as_the_serial_loop_does():
-    from kvlib.eval.compare import Outcome
+    from kvlib.eval.compare_units import Outcome
     from kvlib.eval.ray_compare import _assemble
     from kvlib.eval.task import TaskResult
 

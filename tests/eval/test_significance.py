@@ -7,7 +7,7 @@ import math
 import pytest
 
 from kvlib.eval.case_scores import CaseScores, case_scores, cases_digest
-from kvlib.eval.compare import CompareRun
+from kvlib.eval.compare_units import CompareRun
 from kvlib.eval.report import csv_rows, markdown_table, runs_from_json, to_json
 from kvlib.eval.significance import Baseline, paired, parse_baseline, same_cases
 from kvlib.eval.task import TaskResult
