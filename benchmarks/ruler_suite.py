@@ -3,24 +3,28 @@
 The same configurations as ``kvlib compare`` (:mod:`kvlib.eval.compare`: a budget is a fraction of
 the tokens each task sequence sees, held as an int token cap per layer and KV head at every
 forward call; the full cache is the reference; decode speed is greedy steps on one
-``--context``-token prompt of evaluation text after its prefill), but resumable: each finished
-configuration is appended to ``ruler_suite.json`` at once, and a rerun with the same options skips
-the configurations already there. By default the configurations still to run share each batch's
-prompt call (:mod:`kvlib.eval.shared_compare`: computed once, each configuration's eviction replayed
-on it; the same results as separate runs), so their tasks run together before their speed runs;
-``--separate-prefill`` runs each configuration alone, as before. A 4k-token prefill of SmolLM2 takes tens of seconds on two cores,
-so the whole table (every strategy x 3 budgets x tasks) takes hours; it can be run in parts
-(``--policies``) and on several days. Runs recorded under other options (context, tasks, samples,
-seed, model) are not mixed in: the file records its options and a different set is refused.
+``--context``-token prompt of evaluation text after its prefill), but resumable: the suite runs
+task by task, every configuration still lacking a task together, and writes ``ruler_suite.json``
+after each task; a rerun with the same options runs only the (configuration, task) pairs and speed
+runs the file lacks, so ``--policies``, ``--budgets`` and ``--tasks`` choose what to add. By default
+a task's configurations share each batch's prompt call (:mod:`kvlib.eval.shared_compare`: computed
+once, each configuration's eviction replayed on it; the same results as separate runs);
+``--separate-prefill`` runs each configuration alone, as before. A 4k-token prefill of SmolLM2
+takes seconds per case on two cores, so the whole table takes hours; it can be run in parts and on
+several days. Runs recorded under other options (model, dtype, context, samples, seed, speed
+steps) are not mixed in: the file records its options and a different set is refused.
+
+The means rank strategies over the tasks the full cache scores at least :data:`RANKED_FROM` on;
+a task the model itself fails is shown but left out of them.
 
 Usage (defaults: every registered eviction strategy with its default parameters, budgets
 0.1,0.25,0.5, tasks niah_single,niah_multikey,niah_multivalue,vt at 4096 tokens, 1 sample each):
 
-    python benchmarks/ruler_suite.py [--model smollm2] [--policies all|spec,spec] [--budgets 0.1,0.25,0.5]
-        [--tasks niah_single,niah_multikey,niah_multivalue,vt] [--context 4096] [--samples 1] [--seed 0]
-        [--speed-steps 16] [--context-first] [--baseline NAME[@BUDGET]] [--threads N] [--separate-prefill]
+    python benchmarks/ruler_suite.py [--model smollm2] [--dtype float32|bfloat16] [--policies all|spec,spec]
+        [--budgets 0.1,0.25,0.5] [--tasks niah_single,niah_multikey,niah_multivalue,vt] [--context 4096] [--samples 1]
+        [--seed 0] [--speed-steps 16] [--context-first] [--baseline NAME[@BUDGET]] [--threads N] [--separate-prefill]
         [--out benchmarks/results]
-    python benchmarks/ruler_suite.py --report-only   # re-render ruler_suite.md from the JSON
+    python benchmarks/ruler_suite.py --report-only [--readme README.md]  # re-render the .md (and the README's table) from the JSON
     python benchmarks/ruler_suite.py --speed-only --policies chunkkv   # measure recorded rows' speed again
 
 Writes ``ruler_suite.md`` (one row per strategy and budget: each task's score, their mean, KV bytes
@@ -52,19 +56,25 @@ from provenance import command_line, git_revision  # noqa: E402
 import kvlib  # noqa: E402
 from kvlib.devices import set_cpu_threads  # noqa: E402
 from kvlib.eval import load_model  # noqa: E402
-from kvlib.eval.compare_units import FULL, CompareRun, Unit, check_inputs, evicts, run_unit, speed_prompt, units  # noqa: E402
+from kvlib.eval.compare_units import FULL, CompareRun, Unit, check_inputs, configurations, run_unit, speed_prompt  # noqa: E402
 from kvlib.eval.report import prefill_note, runs_from_json, score_cell, to_json  # noqa: E402
 from kvlib.eval.shared_compare import run_speeds_shared, run_tasks_shared  # noqa: E402
 from kvlib.eval.significance import Baseline, cases_note, legend, marks, mean_interval, mean_marks, parse_baseline  # noqa: E402
 from kvlib.eval.smollm2 import cache_root  # noqa: E402
 from kvlib.eval.task_table import parse_tasks  # noqa: E402
+from kvlib.spec_text import split_specs  # noqa: E402
 
 NAME = "ruler_suite"
-OPTIONS = ("model", "tasks", "context", "samples", "seed", "speed_steps", "context_first")
-"""The options a recorded run must share with this one to count as done (budgets and policies
-only choose which configurations run)."""
-LATER_OPTIONS = {"context_first": False}
+OPTIONS = ("model", "dtype", "context", "samples", "seed", "speed_steps", "context_first")
+"""The options a recorded run must share with this one to count as done (budgets, policies and
+tasks only choose what runs: a rerun adds what the file lacks)."""
+LATER_OPTIONS = {"context_first": False, "dtype": "float32"}
 """Options added after runs were recorded: a file that lacks one was run with this value."""
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+"""``--dtype`` choices: the model's weights and its caches' element type."""
+RANKED_FROM = 0.5
+"""A task enters the ranking (the mean columns) when the full cache scores at least this on it:
+below, the model itself fails the task and a strategy's score there says nothing of the strategy."""
 
 
 def file_name(context_first: bool) -> str:
@@ -90,25 +100,25 @@ def load_runs(path: Path, options: dict) -> list[CompareRun]:
     return runs_from_json(recorded)
 
 
-def run_configuration(loaded, tasks, policy: str, budget: float | None, prompt: torch.Tensor, speed_steps: int) -> CompareRun:
-    """One (policy, budget): every task, then the speed run (:func:`kvlib.eval.compare_units.run_unit`,
-    as ``kvlib compare`` runs them); a strategy that raises is recorded with its error."""
-    run = CompareRun(policy, budget)
-    for unit in units(policy, budget, tasks):
-        if not run_unit(loaded, unit, prompt, speed_steps).record(run):
-            break
-    return run
-
-
 def shown(policy: str) -> str:
     """A policy as the tables show it: a path in kvlib's cache named by its place there."""
     return policy.replace(str(cache_root()), "<kvlib cache>")
 
 
 def mean_score(run: CompareRun, tasks: Sequence[str]) -> float | None:
-    """The mean of ``run``'s task scores (None before any task finished)."""
-    done = [run.results[t].score for t in tasks if t in run.results]
-    return sum(done) / len(done) if done else None
+    """The mean of ``run``'s scores on ``tasks`` (None until it has all of them)."""
+    if not tasks or any(t not in run.results for t in tasks):
+        return None
+    return sum(run.results[t].score for t in tasks) / len(tasks)
+
+
+def ranked_tasks(runs: Sequence[CompareRun], tasks: Sequence[str]) -> list[str]:
+    """The ``tasks`` the full cache scores at least :data:`RANKED_FROM` on (all of them before the
+    full cache has run): the ones the means rank strategies by."""
+    full = next((run for run in runs if run.policy == FULL and not run.error), None)
+    if full is None:
+        return list(tasks)
+    return [t for t in tasks if t in full.results and full.results[t].score >= RANKED_FROM]
 
 
 def mean_cell(run: CompareRun, runs: Sequence[CompareRun], tasks: Sequence[str], baseline: Baseline | None) -> str:
@@ -121,22 +131,24 @@ def mean_cell(run: CompareRun, runs: Sequence[CompareRun], tasks: Sequence[str],
     return f"{mean:.2f} " + ("(no interval)" if bounds is None else f"[{bounds[0]:.2f}, {bounds[1]:.2f}]") + (f" {mark}" if mark else "")
 
 
-def summary(runs: Sequence[CompareRun], tasks: Sequence[str], baseline: Baseline | None = None) -> list[str]:
+def summary(runs: Sequence[CompareRun], tasks: Sequence[str], baseline: Baseline | None = None, *, speed: bool = True) -> list[str]:
     """One row per policy: its mean score over ``tasks`` at each budget (the full cache's in
-    every column) with its interval and marks, then its KV bytes vs full and decode tokens/s at
-    each budget."""
+    every column) with its interval and marks, then its KV bytes vs full and (with ``speed``)
+    decode tokens/s at each budget."""
     budgets = sorted({run.budget for run in runs if run.budget is not None})
     by_policy: dict[str, dict[float | None, CompareRun]] = {}
     for run in runs:
         if not run.error:
             by_policy.setdefault(run.policy, {})[run.budget] = run
-    header = ["policy", *[f"mean @ {b:g}" for b in budgets], *[f"bytes @ {b:g}" for b in budgets], *[f"tok/s @ {b:g}" for b in budgets]]
+    header = ["policy", *[f"mean @ {b:g}" for b in budgets], *[f"bytes @ {b:g}" for b in budgets]]
+    header += [f"tok/s @ {b:g}" for b in budgets] if speed else []
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for policy, configs in by_policy.items():
         picked = [configs.get(None) or configs.get(b) for b in budgets]
         cells = [shown(policy), *["-" if r is None else mean_cell(r, runs, tasks, baseline) for r in picked]]
         cells += ["-" if r is None or not r.kv_fraction else f"{r.kv_fraction:.3f}" for r in picked]
-        cells += ["-" if r is None or not r.decode_tokens_per_s else f"{r.decode_tokens_per_s:.2f}" for r in picked]
+        if speed:
+            cells += ["-" if r is None or not r.decode_tokens_per_s else f"{r.decode_tokens_per_s:.2f}" for r in picked]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
@@ -152,9 +164,11 @@ def measure_speed_again(loaded, run: CompareRun, prompt: torch.Tensor, speed_ste
 
 
 def markdown(runs: Sequence[CompareRun], meta: dict, baseline: Baseline | None = None) -> str:
-    """The summary (:func:`summary`), then one row per configuration: tasks' scores, their mean,
-    bytes and speed."""
+    """The summary (:func:`summary`), then one row per configuration: tasks' scores, their mean
+    over the ranked tasks (:func:`ranked_tasks`), bytes and speed."""
     tasks = meta["options"]["tasks"].split(",")
+    ranked = ranked_tasks(runs, tasks)
+    left_out = [t for t in tasks if t not in ranked]
     header = ["policy", "budget", *tasks, "mean", "KV bytes vs full", "decode tok/s", "s", "load"]
     protocol = (
         [
@@ -169,24 +183,29 @@ def markdown(runs: Sequence[CompareRun], meta: dict, baseline: Baseline | None =
         f"# Eviction strategies on the RULER-style suite ({meta['options']['model']}, {meta['options']['context']} tokens)",
         "",
         *protocol,
-        f"`{meta['command']}` (library {meta['git']}); {meta['options']['samples']} sample(s) per task, scored with RULER's"
+        f"`{meta['command']}` (library {meta['git']}, {meta['options'].get('dtype', 'float32')} weights and caches);"
+        f" {meta['options']['samples']} sample(s) per task, scored with RULER's"
         " string_match_all; budget = fraction of each sequence's tokens, an int cap per layer and KV head held at every call;"
         " KV bytes and decode speed from the speed run (greedy steps after a prefill of the same length);"
         " s: seconds the configuration took; load: the 1-minute load average when its speed was measured (decode tok/s"
         " at a high load measures the machine, not the strategy).",
         "",
-        "Mean score over the tasks at each budget (the full cache's in every column), KV bytes vs full and decode tokens/s:",
+        f"Mean score over {', '.join(ranked) or 'no task'} at each budget (the full cache's in every column), KV bytes vs full"
+        " and decode tokens/s"
+        + (
+            f"; left out of the means: {', '.join(left_out)}, where the full cache itself scores under {RANKED_FROM:g}"
+            " (the model fails the task, so a strategy's score there ranks nothing):"
+            if left_out
+            else ":"
+        ),
         "",
-        *summary(runs, tasks, baseline),
+        *summary(runs, ranked, baseline),
         "",
         legend(baseline) + " The mean's interval and tests resample each task's cases apart.",
         "",
         cases_note(runs, tasks),
         "",
-        prefill_note(runs)
-        + (
-            f" The shared tasks took {meta['shared_seconds']} s in all; s is then each row's speed run." if "shared_seconds" in meta else ""
-        ),
+        prefill_note(runs) + seconds_note(meta),
         "",
         "Each configuration:",
         "",
@@ -196,7 +215,7 @@ def markdown(runs: Sequence[CompareRun], meta: dict, baseline: Baseline | None =
     for run in runs:
         cells = [shown(run.policy), "-" if run.budget is None else f"{run.budget:g}"]
         cells += [score_cell(run.results[t], marks(run, runs, t, baseline), "{:.2f}".format) if t in run.results else "-" for t in tasks]
-        cells += [mean_cell(run, runs, tasks, baseline)]
+        cells += [mean_cell(run, runs, ranked, baseline)]
         cells += [
             f"{run.kv_fraction:.3f}" if run.kv_fraction else "-",
             f"{run.decode_tokens_per_s:.2f}" if run.decode_tokens_per_s else "-",
@@ -207,9 +226,71 @@ def markdown(runs: Sequence[CompareRun], meta: dict, baseline: Baseline | None =
     return "\n".join(lines + ([""] + errors if errors else [])) + "\n"
 
 
+README_BEGIN = "<!-- ruler_suite table: begin (benchmarks/ruler_suite.py --report-only --readme README.md writes it) -->"
+README_END = "<!-- ruler_suite table: end -->"
+
+
+def readme_block(runs: Sequence[CompareRun], meta: dict, results: str, baseline: Baseline | None = None) -> str:
+    """The README's table (between :data:`README_BEGIN` and :data:`README_END`): what was run, the
+    ranked tasks and those left out, then :func:`summary` without speeds; ``results``: the folder
+    of the result files, as the README names it."""
+    options = meta["options"]
+    tasks = options["tasks"].split(",")
+    ranked = ranked_tasks(runs, tasks)
+    left_out = [t for t in tasks if t not in ranked]
+    full = next((run for run in runs if run.policy == FULL and not run.error), None)
+    scores = ", ".join(f"{t} {full.results[t].score:.2f}" for t in left_out if full is not None and t in full.results)
+    lines = [
+        README_BEGIN,
+        "",
+        f"{options['model']} at {options['context']} tokens ({options.get('dtype', 'float32')}), {options['samples']} cases per task,"
+        f" the same cases for every configuration: mean score over {', '.join(ranked)} at each budget, then KV bytes against"
+        " the full cache"
+        + (
+            f"; left out of the means: {', '.join(left_out)}, where the full cache itself scores under {RANKED_FROM:g} ({scores})"
+            if left_out
+            else ""
+        )
+        + f". `{meta['command']}` (library {meta['git']}); every configuration, each task's score and the decode speeds in"
+        f" `{results}/`.",
+        "",
+        legend(baseline),
+        "",
+        *summary(runs, ranked, baseline, speed=False),
+        "",
+        README_END,
+    ]
+    return "\n".join(lines)
+
+
+def replace_readme_block(text: str, block: str) -> str:
+    """``text`` with its ruler_suite block replaced by ``block``; ``ValueError`` when it has no
+    block (both markers, in order)."""
+    begin, end = text.find(README_BEGIN), text.find(README_END)
+    if begin < 0 or end < begin:
+        raise ValueError(f"no ruler_suite block: the file needs the lines {README_BEGIN!r} and {README_END!r}, in that order")
+    return text[:begin] + block + text[end + len(README_END) :]
+
+
+def seconds_note(meta: dict) -> str:
+    """What the ``s`` column measures, and the shared tasks' wall time per task."""
+    per_task = meta.get("task_seconds", {})
+    if per_task:
+        each = ", ".join(f"{task} {seconds} s" for task, seconds in per_task.items())
+        return f" Tasks' wall time, every configuration together: {each} ({sum(per_task.values())} s); s is then each row's speed run."
+    if "shared_seconds" in meta:
+        return f" The shared tasks took {meta['shared_seconds']} s in all; s is then each row's speed run."
+    return ""
+
+
+def sorted_runs(runs: Sequence[CompareRun]) -> list[CompareRun]:
+    """The full cache first, then by policy and budget."""
+    return sorted(runs, key=lambda run: (run.policy != FULL, run.policy, run.budget or 0.0))
+
+
 def write(out: Path, runs: Sequence[CompareRun], meta: dict, baseline: Baseline | None = None) -> None:
-    """Both files, each replaced whole; rows sorted: the full cache, then by policy and budget."""
-    runs = sorted(runs, key=lambda run: (run.policy != FULL, run.policy, run.budget or 0.0))
+    """Both files, each replaced whole; rows sorted (:func:`sorted_runs`)."""
+    runs = sorted_runs(runs)
     out.mkdir(parents=True, exist_ok=True)
     stem = file_name(meta["options"]["context_first"])
     texts = ((f"{stem}.json", json.dumps(to_json(runs, meta, baseline), indent=1) + "\n"), (f"{stem}.md", markdown(runs, meta, baseline)))
@@ -222,6 +303,7 @@ def write(out: Path, runs: Sequence[CompareRun], meta: dict, baseline: Baseline 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="the model's weights and its caches' element type")
     parser.add_argument("--policies", default="all", help="'all' (every eviction strategy) or comma-separated specs")
     parser.add_argument("--budgets", default="0.1,0.25,0.5")
     parser.add_argument("--tasks", default="niah_single,niah_multikey,niah_multivalue,vt")
@@ -244,6 +326,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--report-only", action="store_true", help="re-render the .md from the JSON")
+    parser.add_argument("--readme", type=Path, help="with --report-only: also rewrite this file's ruler_suite table (README.md)")
     parser.add_argument(
         "--speed-only", action="store_true", help="measure again the decode speed and bytes of the recorded configurations chosen"
     )
@@ -253,75 +336,93 @@ def main(argv: Sequence[str] | None = None) -> int:
     path = args.out / f"{file_name(args.context_first)}.json"
     runs = load_runs(path, options)
     recorded = json.loads(path.read_text()) if path.exists() else {}
+    recorded_tasks = [t for t in recorded.get("options", {}).get("tasks", "").split(",") if t]
     keeps_record = args.report_only or args.speed_only  # the table's command and revision stay the run's
     meta = {
-        "options": options,
+        "options": {
+            **options,
+            "tasks": ",".join(recorded_tasks if keeps_record else dict.fromkeys([*recorded_tasks, *args.tasks.split(",")])),
+        },
         "command": recorded.get("command", "") if keeps_record else command_line("ruler_suite.py", argv),
         "git": recorded.get("git", "") if keeps_record else git_revision(),
         "seconds": recorded.get("seconds", {}),
         "load": recorded.get("load", {}),
+        "task_seconds": recorded.get("task_seconds", {}),
         **({"shared_seconds": recorded["shared_seconds"]} if "shared_seconds" in recorded else {}),
     }
     if args.report_only:
         recorded_policies = list(dict.fromkeys(run.policy for run in runs if run.policy != FULL))
         recorded_budgets = sorted({run.budget for run in runs if run.budget is not None})
-        write(args.out, runs, meta, parse_baseline(args.baseline, recorded_policies, recorded_budgets))
+        baseline = parse_baseline(args.baseline, recorded_policies, recorded_budgets)
+        write(args.out, runs, meta, baseline)
+        if args.readme:
+            block = readme_block(sorted_runs(runs), meta, args.out.as_posix(), baseline)
+            args.readme.write_text(replace_readme_block(args.readme.read_text(), block))
         return 0
     set_cpu_threads(args.threads)
-    policies = all_evictions() if args.policies == "all" else [p for p in args.policies.split(",") if p]
+    policies = all_evictions() if args.policies == "all" else split_specs(args.policies)
     budgets = [float(b) for b in args.budgets.split(",")]
     baseline = parse_baseline(args.baseline, policies, budgets)  # before the model loads
-    loaded = load_model(args.model)
+    loaded = load_model(args.model, dtype=DTYPES[args.dtype])
     tasks = parse_tasks(args.tasks, context=args.context, samples=args.samples, seed=args.seed, context_first=args.context_first)
     check_inputs(loaded, policies, budgets, tasks)
     prompt = speed_prompt(loaded, args.context, args.speed_steps)
-    done = {(run.policy, run.budget) for run in runs if not run.error}
-    wanted = [(FULL, None)] + [(p, b) for p in policies for b in (budgets if evicts(p) else [None])]
-    runs = [run for run in runs if (run.policy, run.budget) in done]
+    kept = {(run.policy, run.budget): run for run in runs if not run.error}  # a failed configuration runs again, whole
+    runs = list(kept.values())
+    chosen = [kept.get(config) or CompareRun(*config) for config in configurations(policies, budgets)]
     if args.speed_only:
-        for run in runs:
-            if (run.policy, run.budget) in wanted:
+        for run in chosen:
+            if run in runs:
                 measure_speed_again(loaded, run, prompt, args.speed_steps, meta)
                 write(args.out, runs, meta, baseline)
         return 0
-    todo = [(policy, budget) for policy, budget in wanted if (policy, budget) not in done]
-    if not args.separate_prefill:
-        run_shared(loaded, tasks, todo, runs, prompt, args, meta, baseline)
-        return 0
-    for policy, budget in todo:
-        started = time.perf_counter()
-        run = run_configuration(loaded, tasks, policy, budget, prompt, args.speed_steps)
-        finish(run, time.perf_counter() - started, runs, args, meta, baseline)
+    runs += [run for run in chosen if run not in runs]
+    for task in tasks:
+        run_task(loaded, task, [run for run in chosen if run.error is None and task.name not in run.results], args, meta)
+        write(args.out, runs, meta, baseline)
+    run_speeds(loaded, [run for run in chosen if run.error is None and run.decode_tokens_per_s is None], prompt, args, meta)
+    write(args.out, runs, meta, baseline)
     return 0
 
 
-def run_shared(loaded, tasks, todo, runs, prompt, args, meta: dict, baseline: Baseline | None) -> None:
-    """The configurations ``todo`` together: every task case by case, each batch's prompt run once
-    for every configuration that can share it (:mod:`kvlib.eval.shared_compare`; the same results),
-    then the speed runs (one prefill of the speed prompt, shared too). ``meta["shared_seconds"]``
-    records the tasks' seconds; a row's ``s`` is then its speed run's (the first's includes the
-    shared prefill)."""
-    fresh = [CompareRun(policy, budget) for policy, budget in todo]
+def run_task(loaded, task, missing: list[CompareRun], args, meta: dict) -> None:
+    """``task`` for the configurations ``missing`` it: together, each batch's prompt run once for
+    every configuration that can share it (:func:`kvlib.eval.shared_compare.run_tasks_shared`; the
+    same results), or with ``--separate-prefill`` one configuration after another. The task's wall
+    time is added to ``meta["task_seconds"]``; each configuration's score is printed."""
+    if not missing:
+        return
     started = time.perf_counter()
-    run_tasks_shared(loaded, fresh, tasks)
-    meta["shared_seconds"] = round(time.perf_counter() - started)
-    print(f"tasks of {len(fresh)} configurations, prefills shared: {meta['shared_seconds']} s", flush=True)
+    if args.separate_prefill:
+        for run in missing:
+            unit_started = time.perf_counter()
+            run_unit(loaded, Unit(run.policy, run.budget, task), torch.empty(0), 0).record(run)
+            meta["seconds"][run.label] = meta["seconds"].get(run.label, 0) + round(time.perf_counter() - unit_started)
+    else:
+        run_tasks_shared(loaded, missing, [task])
+    seconds = round(time.perf_counter() - started)
+    meta["task_seconds"][task.name] = meta["task_seconds"].get(task.name, 0) + seconds
+    print(f"{task.name}: {len(missing)} configurations in {seconds} s (load {os.getloadavg()[0]:.1f})", flush=True)
+    for run in missing:
+        result = run.results.get(task.name)
+        print(f"  {run.label}: {run.error or round(result.score, 2)}", flush=True)
+
+
+def run_speeds(loaded, runs: list[CompareRun], prompt: torch.Tensor, args, meta: dict) -> None:
+    """Each run's decode speed and bytes (one prefill of the speed prompt shared, unless
+    ``--separate-prefill``); a row's seconds and load are its speed run's."""
+    if not runs:
+        return
     started = time.perf_counter()
-    for run, _ in run_speeds_shared(loaded, fresh, prompt, args.speed_steps):
-        finish(run, time.perf_counter() - started, runs, args, meta, baseline)
+    if args.separate_prefill:
+        measured = ((run, run_unit(loaded, Unit(run.policy, run.budget, None), prompt, args.speed_steps).record(run)) for run in runs)
+    else:
+        measured = run_speeds_shared(loaded, runs, prompt, args.speed_steps)
+    for run, _ in measured:
+        meta["seconds"][run.label] = meta["seconds"].get(run.label, 0) + round(time.perf_counter() - started)
+        meta["load"][run.label] = round(os.getloadavg()[0], 1)
+        print(f"{run.label}: decode {run.decode_tokens_per_s or 0:.2f} tok/s {run.error or ''} (load {os.getloadavg()[0]:.1f})", flush=True)
         started = time.perf_counter()
-
-
-def finish(run: CompareRun, seconds: float, runs: list[CompareRun], args, meta: dict, baseline: Baseline | None) -> None:
-    """Record a finished configuration: its seconds and load, the files written again, one line printed."""
-    meta["seconds"][run.label] = round(seconds)
-    meta["load"][run.label] = round(os.getloadavg()[0], 1)
-    runs.append(run)
-    write(args.out, runs, meta, baseline)
-    print(
-        f"{run.label}: {[round(r.score, 2) for r in run.results.values()]} {run.error or ''} (load {os.getloadavg()[0]:.1f})",
-        flush=True,
-    )
 
 
 if __name__ == "__main__":

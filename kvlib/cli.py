@@ -30,7 +30,7 @@ from kvlib.devices import cpu_threads, set_cpu_threads
 from kvlib.errors import SpecError, quoted
 from kvlib.limits import MAX_SEED
 from kvlib.registry import available_strategies, get_strategy
-from kvlib.spec_text import parameters_help
+from kvlib.spec_text import parameters_help, split_specs
 
 if typing.TYPE_CHECKING:
     from kvlib.eval.task import Task
@@ -100,19 +100,6 @@ def _seed(text: str) -> int:
     return int(text)
 
 
-def _policies(text: str) -> list[str]:
-    """Split a policy list on commas outside parentheses (``kivi(bits=4,group=32)`` stays whole)."""
-    policies, depth, current = [], 0, ""
-    for char in text:
-        depth += {"(": 1, ")": -1}.get(char, 0)
-        if char == "," and depth == 0:
-            policies.append(current.strip())
-            current = ""
-        else:
-            current += char
-    return [p for p in policies + [current.strip()] if p]
-
-
 INTERRUPTED = 130
 """Exit code of a comparison stopped by Ctrl-C (128 + SIGINT), its finished runs written."""
 
@@ -139,7 +126,7 @@ def run_compare(args: argparse.Namespace) -> int:
     from kvlib.eval.compare_units import check_policies_and_budgets
     from kvlib.eval.significance import parse_baseline
 
-    policies, budgets = _policies(args.strategies), _fractions(args.budgets)
+    policies, budgets = split_specs(args.strategies), _fractions(args.budgets)
     check_policies_and_budgets(policies, budgets)  # before the model loads
     args.baseline = parse_baseline(args.baseline, policies, budgets)
     out = check_out_folder(args.out)

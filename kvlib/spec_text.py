@@ -24,6 +24,19 @@ from kvlib.params import describe, field_default
 from kvlib.registry import get_strategy
 
 
+def split_specs(text: str) -> list[str]:
+    """Split a comma-separated list of specs on the commas outside parentheses (``kivi(bits=4,group=32)`` stays whole)."""
+    policies, depth, current = [], 0, ""
+    for char in text:
+        depth += {"(": 1, ")": -1}.get(char, 0)
+        if char == "," and depth == 0:
+            policies.append(current.strip())
+            current = ""
+        else:
+            current += char
+    return [p for p in policies + [current.strip()] if p]
+
+
 def parse_strategy(text: str) -> object:
     """The one strategy a spec string names (:class:`~kvlib.errors.SpecError` for none or several)."""
     strategies = parse_terms(text)

@@ -21,7 +21,7 @@ spec.loader.exec_module(ruler_suite)
 
 OPTIONS = {
     "model": "smollm2",
-    "tasks": "niah_single,vt",
+    "dtype": "float32",
     "context": 4096,
     "samples": 1,
     "seed": 0,
@@ -42,7 +42,7 @@ def made_run(policy: str, budget: float | None, score: float, error: str | None 
 def test_recorded_runs_read_back_whole_and_render(tmp_path: Path) -> None:
     runs = [made_run("snapkv", 0.25, 1.0), made_run("full", None, 1.0), made_run("h2o", 0.1, 0.0, error="ValueError: bad")]
     meta = {
-        "options": OPTIONS,
+        "options": {**OPTIONS, "tasks": "niah_single,vt"},
         "command": "python benchmarks/ruler_suite.py",
         "git": "abc",
         "seconds": {"snapkv @ 0.25": 40},
@@ -64,7 +64,7 @@ def test_recorded_runs_read_back_whole_and_render(tmp_path: Path) -> None:
 
 
 def test_runs_made_with_other_options_are_refused(tmp_path: Path) -> None:
-    meta = {"options": OPTIONS, "command": "", "git": "", "seconds": {}, "load": {}}
+    meta = {"options": {**OPTIONS, "tasks": "niah_single,vt"}, "command": "", "git": "", "seconds": {}, "load": {}}
     ruler_suite.write(tmp_path, [made_run("full", None, 1.0)], meta)
     with pytest.raises(ValueError, match="other options.*context"):
         ruler_suite.load_runs(tmp_path / "ruler_suite.json", {**OPTIONS, "context": 2048})
@@ -73,7 +73,7 @@ def test_runs_made_with_other_options_are_refused(tmp_path: Path) -> None:
 
 def test_context_first_runs_have_their_own_files_and_older_files_read_as_not_context_first(tmp_path: Path) -> None:
     apart = {**OPTIONS, "context_first": True}
-    meta = {"options": apart, "command": "", "git": "", "seconds": {}, "load": {}}
+    meta = {"options": {**apart, "tasks": "niah_single,vt"}, "command": "", "git": "", "seconds": {}, "load": {}}
     ruler_suite.write(tmp_path, [made_run("kvzip", 0.25, 1.0)], meta)
     assert not (tmp_path / "ruler_suite.json").exists()
     assert "Context first (kvpress's protocol)" in (tmp_path / "ruler_suite_context_first.md").read_text()
@@ -81,7 +81,7 @@ def test_context_first_runs_have_their_own_files_and_older_files_read_as_not_con
     with pytest.raises(ValueError, match="other options.*context_first"):
         ruler_suite.load_runs(tmp_path / "ruler_suite_context_first.json", OPTIONS)
     older = {k: v for k, v in OPTIONS.items() if k != "context_first"}  # recorded before the option existed
-    ruler_suite.write(tmp_path, [made_run("snapkv", 0.25, 1.0)], {**meta, "options": OPTIONS})
+    ruler_suite.write(tmp_path, [made_run("snapkv", 0.25, 1.0)], {**meta, "options": {**OPTIONS, "tasks": "niah_single,vt"}})
     recorded = json.loads((tmp_path / "ruler_suite.json").read_text())
     (tmp_path / "ruler_suite.json").write_text(json.dumps({**recorded, "options": older}))
     assert ruler_suite.load_runs(tmp_path / "ruler_suite.json", OPTIONS)[0].policy == "snapkv"
@@ -90,7 +90,7 @@ def test_context_first_runs_have_their_own_files_and_older_files_read_as_not_con
 def test_a_profile_in_kvlib_s_cache_is_named_by_its_place_there(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("KVLIB_CACHE", str(tmp_path / "cache"))
     spec = f"duo_attention(profile={str(tmp_path / 'cache' / 'profiles' / 'p.json')!r})"
-    meta = {"options": OPTIONS, "command": "", "git": "", "seconds": {}, "load": {}}
+    meta = {"options": {**OPTIONS, "tasks": "niah_single,vt"}, "command": "", "git": "", "seconds": {}, "load": {}}
     ruler_suite.write(tmp_path, [made_run(spec, 0.25, 1.0)], meta)
     table = (tmp_path / "ruler_suite.md").read_text()
     assert "| duo_attention(profile='<kvlib cache>/profiles/p.json') | 0.25 |" in table and str(tmp_path / "cache") not in table
@@ -125,7 +125,7 @@ def test_scores_carry_intervals_and_paired_tests_against_full_and_the_baseline(t
         scored_run("snapkv", 0.25, [1] * 19 + [0]),
         scored_run("h2o", 0.25, [0] * 20),
     ]
-    meta = {"options": {**OPTIONS, "samples": 20}, "command": "", "git": "", "seconds": {}, "load": {}}
+    meta = {"options": {**OPTIONS, "tasks": "niah_single,vt", "samples": 20}, "command": "", "git": "", "seconds": {}, "load": {}}
     ruler_suite.write(tmp_path, runs, meta, parse_baseline("snapkv", ["snapkv", "h2o"], [0.25]))
     table = (tmp_path / "ruler_suite.md").read_text()
     # Wilson 19/20 = [0.7639, 0.9911]; h2o fails all 20: McNemar p = 2 / 2**20 against full (20 discordant), 2 / 2**19 against snapkv (19)
@@ -141,3 +141,60 @@ def test_scores_carry_intervals_and_paired_tests_against_full_and_the_baseline(t
         ruler_suite.load_runs(tmp_path / "ruler_suite.json", {**OPTIONS, "samples": 20})[1].results["vt"].cases
         == runs[2].results["vt"].cases
     )
+
+
+def test_a_task_the_full_cache_fails_is_left_out_of_the_means(tmp_path: Path) -> None:
+    full, snap = scored_run("full", None, [1] * 10), scored_run("snapkv", 0.25, [1] * 5 + [0] * 5)
+    full.results["vt"] = scored_run("full", None, [1] * 4 + [0] * 6).results["vt"]  # 0.4: under RANKED_FROM
+    meta = {"options": {**OPTIONS, "tasks": "niah_single,vt", "samples": 10}, "command": "", "git": "", "seconds": {}, "load": {}}
+    ruler_suite.write(tmp_path, [full, snap], meta)
+    table = (tmp_path / "ruler_suite.md").read_text()
+    assert (
+        "Mean score over niah_single at each budget" in table
+        and "left out of the means: vt, where the full cache itself scores under 0.5" in table
+    )
+    assert "| full | - | 1.00 [0.72, 1.00] | 0.40 [0.17, 0.69] | 1.00 [1.00, 1.00] |" in table  # the mean is niah_single's alone
+    assert ruler_suite.ranked_tasks([snap], ["niah_single", "vt"]) == ["niah_single", "vt"]  # before the full cache ran: every task
+
+
+def test_a_rerun_adds_the_tasks_and_configurations_the_file_lacks(tmp_path: Path) -> None:
+    common = ["--model", "default", "--budgets", "0.5", "--context", "768", "--samples", "2", "--speed-steps", "2", "--threads", "1"]
+    assert ruler_suite.main([*common, "--policies", "streaming_llm", "--tasks", "niah_single", "--out", str(tmp_path)]) == 0
+    record = json.loads((tmp_path / "ruler_suite.json").read_text())
+    assert [(r["policy"], sorted(r["tasks"])) for r in record["runs"]] == [("full", ["niah_single"]), ("streaming_llm", ["niah_single"])]
+    assert all(r["prefill"] == {"niah_single": "shared", "decode speed": "shared"} for r in record["runs"])
+    before = record["runs"][1]["tasks"]["niah_single"]
+    assert (
+        ruler_suite.main([*common, "--policies", "streaming_llm,snapkv", "--tasks", "niah_single,niah_multikey", "--out", str(tmp_path)])
+        == 0
+    )
+    record = json.loads((tmp_path / "ruler_suite.json").read_text())
+    assert record["options"]["tasks"] == "niah_single,niah_multikey" and set(record["task_seconds"]) == {"niah_single", "niah_multikey"}
+    by_policy = {r["policy"]: r for r in record["runs"]}
+    assert {p: sorted(r["tasks"]) for p, r in by_policy.items()} == dict.fromkeys(
+        ["full", "snapkv", "streaming_llm"], ["niah_multikey", "niah_single"]
+    )
+    assert by_policy["streaming_llm"]["tasks"]["niah_single"] == before  # kept, not run again
+    assert all(r["decode_tokens_per_s"] > 0 for r in record["runs"])
+    with pytest.raises(ValueError, match="other options.*dtype"):
+        ruler_suite.main([*common, "--dtype", "bfloat16", "--tasks", "niah_multikey", "--out", str(tmp_path)])
+
+
+def test_the_readme_table_is_rendered_from_the_record_between_its_markers(tmp_path: Path) -> None:
+    runs = [scored_run("full", None, [1] * 20), scored_run("snapkv", 0.25, [1] * 19 + [0]), scored_run("kivi(bits=4)", None, [1] * 20)]
+    meta = {
+        "options": {**OPTIONS, "tasks": "niah_single,vt", "samples": 20},
+        "command": "python x.py",
+        "git": "abc",
+        "seconds": {},
+        "load": {},
+    }
+    block = ruler_suite.readme_block(ruler_suite.sorted_runs(runs), meta, "benchmarks/results/r")
+    assert block.startswith(ruler_suite.README_BEGIN) and block.endswith(ruler_suite.README_END)
+    assert "smollm2 at 4096 tokens (float32), 20 cases per task" in block and "`benchmarks/results/r/`" in block
+    assert "| policy | mean @ 0.25 | bytes @ 0.25 |" in block and "tok/s" not in block
+    assert "| kivi(bits=4) | 1.00 [1.00, 1.00] | 0.250 |" in block  # a codec: no budget; the mean bootstraps over each task's cases
+    text = f"# kvlib\n\nbefore\n{ruler_suite.README_BEGIN}\nold table\n{ruler_suite.README_END}\nafter\n"
+    assert ruler_suite.replace_readme_block(text, block) == f"# kvlib\n\nbefore\n{block}\nafter\n"
+    with pytest.raises(ValueError, match="no ruler_suite block"):
+        ruler_suite.replace_readme_block("# kvlib\n", block)
