@@ -58,6 +58,7 @@ from kvlib.devices import set_cpu_threads  # noqa: E402
 from kvlib.eval import load_model  # noqa: E402
 from kvlib.eval.compare_units import FULL, CompareRun, Unit, check_inputs, configurations, run_unit, speed_prompt  # noqa: E402
 from kvlib.eval.report import prefill_note, runs_from_json, score_cell, to_json  # noqa: E402
+from kvlib.eval.ruler import RULER_TASKS  # noqa: E402
 from kvlib.eval.shared_compare import run_speeds_shared, run_tasks_shared  # noqa: E402
 from kvlib.eval.significance import Baseline, cases_note, legend, marks, mean_interval, mean_marks, parse_baseline  # noqa: E402
 from kvlib.eval.smollm2 import cache_root  # noqa: E402
@@ -283,6 +284,14 @@ def seconds_note(meta: dict) -> str:
     return ""
 
 
+def task_order(names: Sequence[str]) -> list[str]:
+    """``names`` once each, RULER's tasks in their registry's order first, then any other in the
+    order given: the table's columns stay put whatever order the runs added them in."""
+    known = list(RULER_TASKS)
+    unique = [name for name in dict.fromkeys(names) if name]
+    return sorted(unique, key=lambda name: (known.index(name), 0) if name in known else (len(known), unique.index(name)))
+
+
 def sorted_runs(runs: Sequence[CompareRun]) -> list[CompareRun]:
     """The full cache first, then by policy and budget."""
     return sorted(runs, key=lambda run: (run.policy != FULL, run.policy, run.budget or 0.0))
@@ -341,7 +350,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     meta = {
         "options": {
             **options,
-            "tasks": ",".join(recorded_tasks if keeps_record else dict.fromkeys([*recorded_tasks, *args.tasks.split(",")])),
+            "tasks": ",".join(task_order(recorded_tasks if keeps_record else [*recorded_tasks, *args.tasks.split(",")])),
         },
         "command": recorded.get("command", "") if keeps_record else command_line("ruler_suite.py", argv),
         "git": recorded.get("git", "") if keeps_record else git_revision(),

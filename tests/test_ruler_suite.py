@@ -198,3 +198,13 @@ def test_the_readme_table_is_rendered_from_the_record_between_its_markers(tmp_pa
     assert ruler_suite.replace_readme_block(text, block) == f"# kvlib\n\nbefore\n{block}\nafter\n"
     with pytest.raises(ValueError, match="no ruler_suite block"):
         ruler_suite.replace_readme_block("# kvlib\n", block)
+
+
+def test_the_table_s_task_columns_keep_ruler_s_order_whatever_order_runs_added_them_in() -> None:
+    assert ruler_suite.task_order(["vt", "niah_multivalue", "niah_single", "vt", "mine", "niah_multiquery"]) == [
+        "niah_single",
+        "niah_multivalue",
+        "niah_multiquery",
+        "vt",
+        "mine",
+    ]
