@@ -114,12 +114,12 @@ def mean_score(run: CompareRun, tasks: Sequence[str]) -> float | None:
 
 
 def ranked_tasks(runs: Sequence[CompareRun], tasks: Sequence[str]) -> list[str]:
-    """The ``tasks`` the full cache scores at least :data:`RANKED_FROM` on (all of them before the
-    full cache has run): the ones the means rank strategies by."""
+    """The ``tasks`` the full cache scores at least :data:`RANKED_FROM` on, or has not run yet: the
+    ones the means rank strategies by."""
     full = next((run for run in runs if run.policy == FULL and not run.error), None)
     if full is None:
         return list(tasks)
-    return [t for t in tasks if t in full.results and full.results[t].score >= RANKED_FROM]
+    return [t for t in tasks if t not in full.results or full.results[t].score >= RANKED_FROM]
 
 
 def mean_cell(run: CompareRun, runs: Sequence[CompareRun], tasks: Sequence[str], baseline: Baseline | None) -> str:
@@ -184,7 +184,7 @@ def markdown(runs: Sequence[CompareRun], meta: dict, baseline: Baseline | None =
         f"# Eviction strategies on the RULER-style suite ({meta['options']['model']}, {meta['options']['context']} tokens)",
         "",
         *protocol,
-        f"`{meta['command']}` (library {meta['git']}, {meta['options'].get('dtype', 'float32')} weights and caches);"
+        f"{commands_text(meta)}; {meta['options'].get('dtype', 'float32')} weights and caches;"
         f" {meta['options']['samples']} sample(s) per task, scored with RULER's"
         " string_match_all; budget = fraction of each sequence's tokens, an int cap per layer and KV head held at every call;"
         " KV bytes and decode speed from the speed run (greedy steps after a prefill of the same length);"
@@ -252,8 +252,7 @@ def readme_block(runs: Sequence[CompareRun], meta: dict, results: str, baseline:
             if left_out
             else ""
         )
-        + f". `{meta['command']}` (library {meta['git']}); every configuration, each task's score and the decode speeds in"
-        f" `{results}/`.",
+        + f". Every configuration, each task's score, the decode speeds and the commands that ran them: `{results}/ruler_suite.md`.",
         "",
         legend(baseline),
         "",
@@ -271,6 +270,21 @@ def replace_readme_block(text: str, block: str) -> str:
     if begin < 0 or end < begin:
         raise ValueError(f"no ruler_suite block: the file needs the lines {README_BEGIN!r} and {README_END!r}, in that order")
     return text[:begin] + block + text[end + len(README_END) :]
+
+
+def recorded_commands(recorded: dict) -> list[dict]:
+    """Every earlier command that added to a record (oldest first, each with its revision): the
+    record's ``runs_before`` and its last ``command``."""
+    earlier = list(recorded.get("runs_before", []))
+    if recorded.get("command"):
+        earlier.append({"command": recorded["command"], "git": recorded.get("git", "")})
+    return earlier
+
+
+def commands_text(meta: dict) -> str:
+    """The commands that made the table, oldest first, each with its library revision."""
+    runs = [*meta.get("runs_before", []), {"command": meta["command"], "git": meta["git"]}]
+    return "; then ".join(f"`{run['command']}` (library {run['git']})" for run in runs)
 
 
 def seconds_note(meta: dict) -> str:
@@ -341,10 +355,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args(argv)
-    options = {k: getattr(args, k) for k in OPTIONS}
     path = args.out / f"{file_name(args.context_first)}.json"
-    runs = load_runs(path, options)
     recorded = json.loads(path.read_text()) if path.exists() else {}
+    options = {k: getattr(args, k) for k in OPTIONS}
+    if args.report_only:  # the record's own options: nothing runs
+        options = {k: {**LATER_OPTIONS, **recorded.get("options", {})}.get(k, options[k]) for k in OPTIONS}
+    runs = load_runs(path, options)
     recorded_tasks = [t for t in recorded.get("options", {}).get("tasks", "").split(",") if t]
     keeps_record = args.report_only or args.speed_only  # the table's command and revision stay the run's
     meta = {
@@ -354,6 +370,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         },
         "command": recorded.get("command", "") if keeps_record else command_line("ruler_suite.py", argv),
         "git": recorded.get("git", "") if keeps_record else git_revision(),
+        "runs_before": recorded_commands(recorded) if not keeps_record else recorded.get("runs_before", []),
         "seconds": recorded.get("seconds", {}),
         "load": recorded.get("load", {}),
         "task_seconds": recorded.get("task_seconds", {}),

@@ -155,6 +155,8 @@ def test_a_task_the_full_cache_fails_is_left_out_of_the_means(tmp_path: Path) ->
     )
     assert "| full | - | 1.00 [0.72, 1.00] | 0.40 [0.17, 0.69] | 1.00 [1.00, 1.00] |" in table  # the mean is niah_single's alone
     assert ruler_suite.ranked_tasks([snap], ["niah_single", "vt"]) == ["niah_single", "vt"]  # before the full cache ran: every task
+    del full.results["vt"]
+    assert ruler_suite.ranked_tasks([full, snap], ["niah_single", "vt"]) == ["niah_single", "vt"]  # a task it has not run yet stays
 
 
 def test_a_rerun_adds_the_tasks_and_configurations_the_file_lacks(tmp_path: Path) -> None:
@@ -170,6 +172,12 @@ def test_a_rerun_adds_the_tasks_and_configurations_the_file_lacks(tmp_path: Path
     )
     record = json.loads((tmp_path / "ruler_suite.json").read_text())
     assert record["options"]["tasks"] == "niah_single,niah_multikey" and set(record["task_seconds"]) == {"niah_single", "niah_multikey"}
+    assert [run["command"].split("--policies ")[1].split()[0] for run in record["runs_before"]] == [
+        "streaming_llm"
+    ]  # the first command kept
+    assert record["command"].split("--policies ")[1].startswith("streaming_llm,snapkv")
+    table = (tmp_path / "ruler_suite.md").read_text()
+    assert "--policies streaming_llm --tasks niah_single" in table and "; then `" in table
     by_policy = {r["policy"]: r for r in record["runs"]}
     assert {p: sorted(r["tasks"]) for p, r in by_policy.items()} == dict.fromkeys(
         ["full", "snapkv", "streaming_llm"], ["niah_multikey", "niah_single"]
@@ -191,7 +199,7 @@ def test_the_readme_table_is_rendered_from_the_record_between_its_markers(tmp_pa
     }
     block = ruler_suite.readme_block(ruler_suite.sorted_runs(runs), meta, "benchmarks/results/r")
     assert block.startswith(ruler_suite.README_BEGIN) and block.endswith(ruler_suite.README_END)
-    assert "smollm2 at 4096 tokens (float32), 20 cases per task" in block and "`benchmarks/results/r/`" in block
+    assert "smollm2 at 4096 tokens (float32), 20 cases per task" in block and "`benchmarks/results/r/ruler_suite.md`" in block
     assert "| policy | mean @ 0.25 | bytes @ 0.25 |" in block and "tok/s" not in block
     assert "| kivi(bits=4) | 1.00 [1.00, 1.00] | 0.250 |" in block  # a codec: no budget; the mean bootstraps over each task's cases
     text = f"# kvlib\n\nbefore\n{ruler_suite.README_BEGIN}\nold table\n{ruler_suite.README_END}\nafter\n"
