@@ -122,6 +122,17 @@ def ranked_tasks(runs: Sequence[CompareRun], tasks: Sequence[str]) -> list[str]:
     return [t for t in tasks if t not in full.results or full.results[t].score >= RANKED_FROM]
 
 
+def pending_tasks(runs: Sequence[CompareRun], ranked: Sequence[str]) -> list[str]:
+    """The ``ranked`` tasks some configuration (that did not fail) has not run yet: a mean over
+    them would compare configurations on different tasks, so they wait outside the means."""
+    return [t for t in ranked if any(t not in run.results for run in runs if not run.error)]
+
+
+def pending_text(pending: Sequence[str]) -> str:
+    """The note on :func:`pending_tasks` (empty when none)."""
+    return f"; not yet run by every configuration, so out of the means for now: {', '.join(pending)}" if pending else ""
+
+
 def mean_cell(run: CompareRun, runs: Sequence[CompareRun], tasks: Sequence[str], baseline: Baseline | None) -> str:
     """The mean over ``tasks`` with its interval (each task's cases resampled apart) and marks."""
     mean = mean_score(run, tasks)
@@ -168,8 +179,10 @@ def markdown(runs: Sequence[CompareRun], meta: dict, baseline: Baseline | None =
     """The summary (:func:`summary`), then one row per configuration: tasks' scores, their mean
     over the ranked tasks (:func:`ranked_tasks`), bytes and speed."""
     tasks = meta["options"]["tasks"].split(",")
-    ranked = ranked_tasks(runs, tasks)
-    left_out = [t for t in tasks if t not in ranked]
+    passed = ranked_tasks(runs, tasks)
+    left_out = [t for t in tasks if t not in passed]
+    pending = pending_tasks(runs, passed)
+    ranked = [t for t in passed if t not in pending]
     header = ["policy", "budget", *tasks, "mean", "KV bytes vs full", "decode tok/s", "s", "load"]
     protocol = (
         [
@@ -195,10 +208,12 @@ def markdown(runs: Sequence[CompareRun], meta: dict, baseline: Baseline | None =
         " and decode tokens/s"
         + (
             f"; left out of the means: {', '.join(left_out)}, where the full cache itself scores under {RANKED_FROM:g}"
-            " (the model fails the task, so a strategy's score there ranks nothing):"
+            " (the model fails the task, so a strategy's score there ranks nothing)"
             if left_out
-            else ":"
-        ),
+            else ""
+        )
+        + pending_text(pending)
+        + ":",
         "",
         *summary(runs, ranked, baseline),
         "",
@@ -237,8 +252,10 @@ def readme_block(runs: Sequence[CompareRun], meta: dict, results: str, baseline:
     of the result files, as the README names it."""
     options = meta["options"]
     tasks = options["tasks"].split(",")
-    ranked = ranked_tasks(runs, tasks)
-    left_out = [t for t in tasks if t not in ranked]
+    passed = ranked_tasks(runs, tasks)
+    left_out = [t for t in tasks if t not in passed]
+    pending = pending_tasks(runs, passed)
+    ranked = [t for t in passed if t not in pending]
     full = next((run for run in runs if run.policy == FULL and not run.error), None)
     scores = ", ".join(f"{t} {full.results[t].score:.2f}" for t in left_out if full is not None and t in full.results)
     lines = [
@@ -252,6 +269,7 @@ def readme_block(runs: Sequence[CompareRun], meta: dict, results: str, baseline:
             if left_out
             else ""
         )
+        + pending_text(pending)
         + f". Every configuration, each task's score, the decode speeds and the commands that ran them: `{results}/ruler_suite.md`.",
         "",
         legend(baseline),

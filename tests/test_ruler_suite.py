@@ -11,6 +11,7 @@ import pytest
 
 from kvlib.eval.case_scores import case_scores
 from kvlib.eval.compare_units import CompareRun
+from kvlib.eval.report import runs_from_json
 from kvlib.eval.significance import parse_baseline
 from kvlib.eval.task import TaskResult
 
@@ -216,3 +217,27 @@ def test_the_table_s_task_columns_keep_ruler_s_order_whatever_order_runs_added_t
         "vt",
         "mine",
     ]
+
+
+def test_the_readme_s_table_is_the_one_the_committed_record_renders() -> None:
+    results = "benchmarks/results/ruler_smollm2"
+    record = json.loads((BENCHMARKS.parent / results / "ruler_suite.json").read_text())
+    runs = ruler_suite.sorted_runs(runs_from_json(record))
+    baseline = parse_baseline(record["statistics"]["baseline"], [r.policy for r in runs if r.policy != "full"], [0.1, 0.25, 0.5])
+    block = ruler_suite.readme_block(runs, record, results, baseline)
+    assert block in (BENCHMARKS.parent / "README.md").read_text(), (
+        f"README's table is stale: python benchmarks/ruler_suite.py --report-only --readme README.md --out {results} --baseline snapkv"
+    )
+
+
+def test_a_passed_task_some_configuration_lacks_waits_outside_the_means(tmp_path: Path) -> None:
+    full, snap = scored_run("full", None, [1] * 10), scored_run("snapkv", 0.25, [1] * 5 + [0] * 5)
+    del snap.results["vt"]  # not run yet
+    meta = {"options": {**OPTIONS, "tasks": "niah_single,vt", "samples": 10}, "command": "", "git": "", "seconds": {}, "load": {}}
+    ruler_suite.write(tmp_path, [full, snap], meta)
+    table = (tmp_path / "ruler_suite.md").read_text()
+    assert (
+        "Mean score over niah_single at each budget" in table
+        and "not yet run by every configuration, so out of the means for now: vt" in table
+    )
+    assert "| snapkv | 0.50 [0.20, 0.80] * | 0.250 | 12.50 |" in table  # the mean: niah_single alone, bootstrapped
