@@ -224,10 +224,6 @@ def test_unknown_option_is_one_line(capsys):
     assert capsys.readouterr().err == "kvlib: error: unrecognized arguments: --bogus\n"
 
 
-def test_policies_split_on_commas_outside_parentheses():
-    assert cli._policies("snapkv(window=8,kernel=3), h2o ,,streaming_llm") == ["snapkv(window=8,kernel=3)", "h2o", "streaming_llm"]
-
-
 @pytest.mark.parametrize("higher", [True, False])
 def test_pareto_front(higher):
     points = [(0.5, 0.9), (0.25, 0.5), (0.25, 0.7), (0.5, 0.6), (1.0, 0.95), (0.1, 0.1)]
