@@ -260,12 +260,14 @@ class KVCacheLayer(CacheLayerMixin):
         weights: torch.Tensor | None,
         real_new: torch.Tensor | None,
         scaling: float | None,
+        prompt_memo: dict[tuple[str, int], torch.Tensor] | None = None,
     ) -> None:
         """Once the layer's attention has run: records padding (layer 0; counted per row, on the
         device), lets a fitted codec learn from the layer's first call, lets the compressor drop
         tokens, seals the layer's full pages (handing a codec that reads salience the compressor's
         scores of the layer's tokens, computed only if a page seals), re-ranks its pages for the device tier and, after
-        the last layer, indexes the prompt's full pages in the prefix session."""
+        the last layer, indexes the prompt's full pages in the prefix session. ``prompt_memo``: given
+        by a shared prefill's replay (:class:`~kvlib.adapters.runtime.needs.AttentionInputs`)."""
         cache = self.cache
         self.pending = None
         if self.recorder is not None:
@@ -284,7 +286,7 @@ class KVCacheLayer(CacheLayerMixin):
         sealing = layers_to_seal(cache, self.layer_idx, step, query, real_new)
         salience = None
         if cache.compressor is not None:
-            inputs = AttentionInputs(query, mask, weights, scaling, real_new, self.hidden_states)
+            inputs = AttentionInputs(query, mask, weights, scaling, real_new, self.hidden_states, prompt_memo)
             self.hidden_states = None
             evicted = evict(cache.compressor, store, rows, self._stored_layer(step), inputs, cache.padding, reuse_slots=cache.reuse_slots)
             salience = evicted.salience

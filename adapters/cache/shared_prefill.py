@@ -11,7 +11,9 @@ configuration's cache the prompt by :func:`replay`: layer by layer, the source's
 through the cache's own ``update`` (the same append a separate run makes) and the recorded
 after-attention inputs through its own ``after_attention``, in layer order. The cache's store,
 compressor state (accumulated attention, query history, call notes), codec fits and padding then
-equal those of a separate run of the same call, token for token.
+equal those of a separate run of the same call, token for token. What a replay computes from the
+call alone (the attention a strategy accumulates from it) is kept in the recorder's ``memo`` and
+reused by the caches replayed after it, once per strategy and layer.
 
 What is recorded is what the caches to be replayed need (:func:`prefill_needs`): each layer's
 mask (one tensor shared by the layers, kept once), real new tokens and softmax scale always; its
@@ -106,6 +108,9 @@ class PrefillRecorder:
 
     needs: PrefillNeeds
     calls: dict[int, LayerCall] = field(default_factory=dict)
+    memo: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)
+    """What the replays computed from the recorded call, for the replays after them
+    (:attr:`~kvlib.adapters.runtime.needs.AttentionInputs.prompt_memo`)."""
     _hidden: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def hidden(self, layer: int, hidden_states: torch.Tensor) -> None:
@@ -178,5 +183,11 @@ def replay(cache: KVCache, source: KVCache, recorder: PrefillRecorder) -> None:
         layer.update(read.keys, read.values, kwargs={})  # publishes into the dict: no attention will take it
         query = recorded.query if recorded.query is not None else read.keys.new_zeros(()).expand(recorded.query_shape)
         layer.after_attention(
-            layer.pending, query=query, mask=recorded.mask, weights=None, real_new=recorded.real_new, scaling=recorded.scaling
+            layer.pending,
+            query=query,
+            mask=recorded.mask,
+            weights=None,
+            real_new=recorded.real_new,
+            scaling=recorded.scaling,
+            prompt_memo=recorder.memo,
         )

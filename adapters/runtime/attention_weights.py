@@ -49,14 +49,21 @@ def attention_blocks(
     block = max(1, BLOCK_ELEMENTS // max(1, batch * heads * slots))
     for first in range(start, total, block):
         last = min(first + block, total)
-        rows = query[:, :, first:last].reshape(batch, kv_heads, groups * (last - first), -1)
-        logits = torch.matmul(rows, keys.transpose(-1, -2)).float().mul_(scale)
-        logits = logits.view(batch, heads, last - first, slots)
         visible = _visible(step, mask, first, last, heads)
         if real_new is not None:
             visible = visible & real_new[:, first:last].view(batch, 1, -1, 1)
-        weights = torch.softmax(logits.masked_fill_(~visible, -torch.inf), dim=-1).nan_to_num_(0.0)
-        yield first, weights
+        seen = _slots_seen(visible)  # a causal prompt's early blocks see its first slots only
+        rows = query[:, :, first:last].reshape(batch, kv_heads, groups * (last - first), -1)
+        logits = torch.matmul(rows, keys[:, :, :seen].transpose(-1, -2)).float().mul_(scale)
+        logits = logits.view(batch, heads, last - first, seen)
+        weights = torch.softmax(logits.masked_fill_(~visible[..., :seen], -torch.inf), dim=-1).nan_to_num_(0.0)
+        yield first, torch.nn.functional.pad(weights, (0, slots - seen))
+
+
+def _slots_seen(visible: torch.Tensor) -> int:
+    """One past the last slot any query of ``visible`` (bool ``[..., slots]``) sees (0: none)."""
+    seen = visible.flatten(0, -2).any(0).nonzero()
+    return int(seen[-1]) + 1 if seen.numel() else 0
 
 
 def _visible(step: LayerStep, mask: torch.Tensor | None, first: int, last: int, heads: int) -> torch.Tensor:

@@ -30,6 +30,8 @@ class AttentionInputs:
     (model mask if the layer was untouched, else the physical one); weights: attention weights
     if the inner attention returned them; scaling: softmax scale; hidden_states: the attention
     module's input, when a strategy needs it; real_new: bool ``[batch, query_length]`` or None.
+    prompt_memo: where a shared prefill replays one prompt call into many caches, what the caches
+    before computed from it (see :func:`accumulated_attention`), shared by them; None otherwise.
     """
 
     query: torch.Tensor
@@ -38,6 +40,7 @@ class AttentionInputs:
     scaling: float | None
     real_new: torch.Tensor | None
     hidden_states: torch.Tensor | None = None
+    prompt_memo: dict[tuple[str, int], torch.Tensor] | None = None
 
 
 def fill_needs(
@@ -112,7 +115,13 @@ def accumulated_attention(
     layer's running sums before this call, aligned with its slots; None: none) plus this call's (as
     the strategy counts it, :meth:`~kvlib.strategy.Eviction.attention_received`, given the prompt
     lengths of the layer's query ``history`` if it keeps one, averaged over the query heads of
-    each KV head); 0 for slots holding no token."""
+    each KV head); 0 for slots holding no token.
+
+    This call's part is a function of the call (queries, mask, the layer's stored keys) and of the
+    strategy's fields (``repr``), so a replayed prompt call computes it once per strategy and
+    layer: ``inputs.prompt_memo`` keeps it for the next cache the same call is replayed into
+    (H2O at three budgets recomputes no attention).
+    """
     valid = step.read.valid
     batch, heads, slots = valid.shape
     total = torch.zeros(batch, heads, slots, dtype=torch.float32, device=valid.device)
@@ -127,12 +136,18 @@ def accumulated_attention(
         shown = shown_positions[:, first : first + weights.shape[2]].to(weights.device)
         return strategy.attention_received(weights, shown, key_positions.to(weights.device), prompt_lengths, step.layer_idx).sum(2)
 
-    if inputs.weights is not None:
-        received = counted(0, returned_weights(inputs, 0))
-    else:
-        blocks = attention_blocks(step, inputs.query, inputs.mask, inputs.real_new, inputs.scaling, 0)
-        received = sum(counted(first, weights) for first, weights in blocks)
-    total += received.to(total.device).view(batch, heads, -1, slots).mean(2)
+    memo_key = (repr(strategy), step.layer_idx)
+    received = None if inputs.prompt_memo is None else inputs.prompt_memo.get(memo_key)
+    if received is None:
+        if inputs.weights is not None:
+            received = counted(0, returned_weights(inputs, 0))
+        else:
+            blocks = attention_blocks(step, inputs.query, inputs.mask, inputs.real_new, inputs.scaling, 0)
+            received = sum(counted(first, weights) for first, weights in blocks)
+        received = received.to(total.device).view(batch, heads, -1, slots).mean(2)
+        if inputs.prompt_memo is not None:
+            inputs.prompt_memo[memo_key] = received
+    total += received
     return total.masked_fill_(~valid, 0.0)
 
 

@@ -64,3 +64,18 @@ def test_every_eviction_strategy_shares_a_prefill_exactly(model: torch.nn.Module
 
 def test_the_full_cache_codecs_and_a_composition_share_a_prefill_exactly(model: torch.nn.Module) -> None:
     assert_shared_equals_separate(model, [(None, None)] + [(spec, 0.3 if "+" in spec else None) for spec in CODECS])
+
+
+def test_caches_replayed_after_one_another_reuse_its_attention_and_still_equal_separate_runs(model: torch.nn.Module) -> None:
+    """The replays share the attention they accumulate from the prompt call (the recorder's memo):
+    the same strategy at other budgets, inside a composition, and strategies whose fields change
+    what they accumulate (keyformer's seed) each still equal their separate run."""
+    configs = [
+        ("h2o(recent=2)", 0.2),
+        ("h2o(recent=2)", 0.5),
+        ("h2o(recent=2)+kivi(bits=2)", 0.3),
+        ("keyformer(recent=2)", 0.3),
+        ("keyformer(recent=2,seed=1)", 0.3),  # keeps other positions than seed 0 here
+        ("vatp(recent=2)", 0.3),
+    ]
+    assert_shared_equals_separate(model, configs)
