@@ -414,13 +414,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     kept = {(run.policy, run.budget): run for run in runs if not run.error}  # a failed configuration runs again, whole
     runs = list(kept.values())
     chosen = [kept.get(config) or CompareRun(*config) for config in configurations(policies, budgets)]
+    recorded_runs = {id(run) for run in runs}  # the chosen configurations already in the record (by identity)
     if args.speed_only:
         for run in chosen:
-            if run in runs:
+            if id(run) in recorded_runs:
                 measure_speed_again(loaded, run, prompt, args.speed_steps, meta)
                 write(args.out, runs, meta, baseline)
         return 0
-    runs += [run for run in chosen if run not in runs]
+    runs += [run for run in chosen if id(run) not in recorded_runs]
     for task in tasks:
         run_task(loaded, task, [run for run in chosen if run.error is None and task.name not in run.results], args, meta)
         write(args.out, runs, meta, baseline)
