@@ -270,8 +270,11 @@ class KVCacheLayer(CacheLayerMixin):
         by a shared prefill's replay (:class:`~kvlib.adapters.runtime.needs.AttentionInputs`)."""
         cache = self.cache
         self.pending = None
-        if self.recorder is not None:
-            self.recorder.observe(self.layer_idx, step, query=query, mask=mask, weights=weights, real_new=real_new, scaling=scaling)
+        if self.recorder is not None:  # a layer the call took past its window is read before it slides
+            stored = cache.store.read(self.layer_idx, cache.rows, mirror=False) if self.slides(0) else None
+            self.recorder.observe(
+                self.layer_idx, step, query=query, mask=mask, weights=weights, real_new=real_new, scaling=scaling, stored=stored
+            )
         if step.plan is not None and cache.plan_idle[self.layer_idx]:  # the common case: nothing follows
             return
         store, rows = cache.store, cache.rows

@@ -13,7 +13,10 @@ after-attention inputs through its own ``after_attention``, in layer order. The 
 compressor state (accumulated attention, query history, call notes), codec fits and padding then
 equal those of a separate run of the same call, token for token. What a replay computes from the
 call alone (the attention a strategy accumulates from it) is kept in the recorder's ``memo`` and
-reused by the caches replayed after it, once per strategy and layer.
+reused by the caches replayed after it, once per strategy and layer. A sliding-window layer
+(Gemma 3's local layers) that the call took past its window frees what left the window once
+attention has run; the recorder keeps its keys and values as the call stored them, so a replay
+gets the whole prompt, as a separate run would.
 
 What is recorded is what the caches to be replayed need (:func:`prefill_needs`): each layer's
 mask (one tensor shared by the layers, kept once), real new tokens and softmax scale always; its
@@ -39,6 +42,7 @@ import torch
 
 from kvlib.adapters.cache.transformers_cache import KVCache
 from kvlib.adapters.runtime.layer_step import LayerStep
+from kvlib.storage.read_cache import LayerRead
 
 QUERY_NEEDS = frozenset({"queries", "window_queries", "recent_queries", "prompt_length", "attention", "accumulated_attention"})
 """Strategy needs that read the prompt call's queries (directly, or to compute attention)."""
@@ -91,7 +95,9 @@ def sharing_refusal(cache: KVCache) -> str | None:
 @dataclass
 class LayerCall:
     """What one layer's after-attention work got from the prompt call (references, no copies):
-    ``query`` None where no replay reads it (then only its ``query_shape`` is kept)."""
+    ``query`` None where no replay reads it (then only its ``query_shape`` is kept); ``stored``:
+    the layer's keys and values after the call's append, kept only for a sliding-window layer that
+    the call took past its window (the source then frees what left the window, a replay needs all)."""
 
     query: torch.Tensor | None
     query_shape: torch.Size
@@ -99,6 +105,7 @@ class LayerCall:
     real_new: torch.Tensor | None
     scaling: float | None
     hidden_states: torch.Tensor | None = None
+    stored: LayerRead | None = None
 
 
 @dataclass
@@ -128,8 +135,10 @@ class PrefillRecorder:
         weights: torch.Tensor | None,
         real_new: torch.Tensor | None,
         scaling: float | None,
+        stored: LayerRead | None = None,
     ) -> None:
-        """The inputs of ``layer``'s after-attention work in the prompt call. Raises
+        """The inputs of ``layer``'s after-attention work in the prompt call (``stored``: see
+        :class:`LayerCall`). Raises
         ``RuntimeError`` for a call that is not a first, whole prompt call (the layer held tokens
         before it), or one whose attention returned weights that a replayed strategy reads."""
         if layer in self.calls or step.query_offset != 0:
@@ -137,7 +146,7 @@ class PrefillRecorder:
         if weights is not None and self.needs.attention:
             raise RuntimeError("the prompt call's attention returned weights (eager attention): a replay cannot recompute them")
         kept = query if self.needs.queries else None
-        self.calls[layer] = LayerCall(kept, query.shape, mask, real_new, scaling, self._hidden.pop(layer, None))
+        self.calls[layer] = LayerCall(kept, query.shape, mask, real_new, scaling, self._hidden.pop(layer, None), stored)
 
     def call(self, layer: int) -> LayerCall:
         """``layer``'s recorded call (``RuntimeError`` where the prompt call never reached it)."""
@@ -174,7 +183,7 @@ def replay(cache: KVCache, source: KVCache, recorder: PrefillRecorder) -> None:
     rows = source.rows
     for layer in cache.layers:
         recorded = recorder.call(layer.layer_idx)
-        read = source.store.read(layer.layer_idx, rows, mirror=False)
+        read = recorded.stored if recorded.stored is not None else source.store.read(layer.layer_idx, rows, mirror=False)
         tokens = source.layers[layer.layer_idx].seen
         if read.keys.shape[2] != tokens or not bool(read.valid.all()):
             raise RuntimeError("the shared prefill's source must hold its whole prompt, in position order")

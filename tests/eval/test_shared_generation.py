@@ -79,3 +79,16 @@ def test_caches_replayed_after_one_another_reuse_its_attention_and_still_equal_s
         ("vatp(recent=2)", 0.3),
     ]
     assert_shared_equals_separate(model, configs)
+
+
+@pytest.fixture(scope="module")
+def gemma() -> torch.nn.Module:
+    return build_model("gemma3")
+
+
+def test_sliding_window_layers_past_their_window_share_a_prefill_exactly(gemma: torch.nn.Module) -> None:
+    """Gemma 3's layer mix: the prompt (30 tokens) passes the sliding layers' window (16), so the
+    source frees what left it; the replays get the whole prompt the call stored."""
+    configs = [(None, None), ("snapkv", 0.3), ("h2o(recent=2)", 0.3), ("h2o(recent=2)", 0.6), ("streaming_llm", 0.5)]
+    configs += [("kivi(bits=2)", None), ("snapkv+kivi(bits=2)", 0.3)]
+    assert_shared_equals_separate(gemma, configs)
