@@ -242,14 +242,18 @@ def markdown(runs: Sequence[CompareRun], meta: dict, baseline: Baseline | None =
     return "\n".join(lines + ([""] + errors if errors else [])) + "\n"
 
 
-README_BEGIN = "<!-- ruler_suite table: begin (benchmarks/ruler_suite.py --report-only --readme README.md writes it) -->"
-README_END = "<!-- ruler_suite table: end -->"
+def readme_markers(results: str) -> tuple[str, str]:
+    """The lines around the README's table of the record in folder ``results`` (one table per
+    record, so a file can hold several models' tables)."""
+    begin = f"<!-- ruler_suite table {results}: begin (benchmarks/ruler_suite.py --report-only --out {results} --readme FILE writes it) -->"
+    return begin, f"<!-- ruler_suite table {results}: end -->"
 
 
 def readme_block(runs: Sequence[CompareRun], meta: dict, results: str, baseline: Baseline | None = None) -> str:
-    """The README's table (between :data:`README_BEGIN` and :data:`README_END`): what was run, the
-    ranked tasks and those left out, then :func:`summary` without speeds; ``results``: the folder
-    of the result files, as the README names it."""
+    """The README's table (between :func:`readme_markers`): what was run, the ranked tasks and those
+    left out, then :func:`summary` without speeds; ``results``: the folder of the result files, as
+    the README names it."""
+    begin, end = readme_markers(results)
     options = meta["options"]
     tasks = options["tasks"].split(",")
     passed = ranked_tasks(runs, tasks)
@@ -259,7 +263,7 @@ def readme_block(runs: Sequence[CompareRun], meta: dict, results: str, baseline:
     full = next((run for run in runs if run.policy == FULL and not run.error), None)
     scores = ", ".join(f"{t} {full.results[t].score:.2f}" for t in left_out if full is not None and t in full.results)
     lines = [
-        README_BEGIN,
+        begin,
         "",
         f"{options['model']} at {options['context']} tokens ({options.get('dtype', 'float32')}), {options['samples']} cases per task,"
         f" the same cases for every configuration: mean score over {', '.join(ranked)} at each budget, then KV bytes against"
@@ -276,18 +280,19 @@ def readme_block(runs: Sequence[CompareRun], meta: dict, results: str, baseline:
         "",
         *summary(runs, ranked, baseline, speed=False),
         "",
-        README_END,
+        end,
     ]
     return "\n".join(lines)
 
 
-def replace_readme_block(text: str, block: str) -> str:
-    """``text`` with its ruler_suite block replaced by ``block``; ``ValueError`` when it has no
-    block (both markers, in order)."""
-    begin, end = text.find(README_BEGIN), text.find(README_END)
+def replace_readme_block(text: str, block: str, results: str) -> str:
+    """``text`` with the block of the record in ``results`` replaced by ``block``; ``ValueError``
+    when it has no such block (both :func:`readme_markers`, in order)."""
+    begin_line, end_line = readme_markers(results)
+    begin, end = text.find(begin_line), text.find(end_line)
     if begin < 0 or end < begin:
-        raise ValueError(f"no ruler_suite block: the file needs the lines {README_BEGIN!r} and {README_END!r}, in that order")
-    return text[:begin] + block + text[end + len(README_END) :]
+        raise ValueError(f"no ruler_suite block for {results}: the file needs the lines {begin_line!r} and {end_line!r}, in that order")
+    return text[:begin] + block + text[end + len(end_line) :]
 
 
 def recorded_commands(recorded: dict) -> list[dict]:
@@ -401,7 +406,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         write(args.out, runs, meta, baseline)
         if args.readme:
             block = readme_block(sorted_runs(runs), meta, args.out.as_posix(), baseline)
-            args.readme.write_text(replace_readme_block(args.readme.read_text(), block))
+            args.readme.write_text(replace_readme_block(args.readme.read_text(), block, args.out.as_posix()))
         return 0
     set_cpu_threads(args.threads)
     policies = all_evictions() if args.policies == "all" else split_specs(args.policies)

@@ -199,14 +199,17 @@ def test_the_readme_table_is_rendered_from_the_record_between_its_markers(tmp_pa
         "load": {},
     }
     block = ruler_suite.readme_block(ruler_suite.sorted_runs(runs), meta, "benchmarks/results/r")
-    assert block.startswith(ruler_suite.README_BEGIN) and block.endswith(ruler_suite.README_END)
+    begin, end = ruler_suite.readme_markers("benchmarks/results/r")
+    assert block.startswith(begin) and block.endswith(end)
     assert "smollm2 at 4096 tokens (float32), 20 cases per task" in block and "`benchmarks/results/r/ruler_suite.md`" in block
     assert "| policy | mean @ 0.25 | bytes @ 0.25 |" in block and "tok/s" not in block
     assert "| kivi(bits=4) | 1.00 [1.00, 1.00] | 0.250 |" in block  # a codec: no budget; the mean bootstraps over each task's cases
-    text = f"# kvlib\n\nbefore\n{ruler_suite.README_BEGIN}\nold table\n{ruler_suite.README_END}\nafter\n"
-    assert ruler_suite.replace_readme_block(text, block) == f"# kvlib\n\nbefore\n{block}\nafter\n"
-    with pytest.raises(ValueError, match="no ruler_suite block"):
-        ruler_suite.replace_readme_block("# kvlib\n", block)
+    other_begin, other_end = ruler_suite.readme_markers("benchmarks/results/other")  # another model's table stays
+    other = f"{other_begin}\nits table\n{other_end}"
+    text = f"# kvlib\n\nbefore\n{begin}\nold table\n{end}\n{other}\nafter\n"
+    assert ruler_suite.replace_readme_block(text, block, "benchmarks/results/r") == f"# kvlib\n\nbefore\n{block}\n{other}\nafter\n"
+    with pytest.raises(ValueError, match="no ruler_suite block for benchmarks/results/r"):
+        ruler_suite.replace_readme_block(f"# kvlib\n{other}\n", block, "benchmarks/results/r")
 
 
 def test_the_table_s_task_columns_keep_ruler_s_order_whatever_order_runs_added_them_in() -> None:
