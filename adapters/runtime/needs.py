@@ -136,8 +136,8 @@ def accumulated_attention(
         shown = shown_positions[:, first : first + weights.shape[2]].to(weights.device)
         return strategy.attention_received(weights, shown, key_positions.to(weights.device), prompt_lengths, step.layer_idx).sum(2)
 
-    memo_key = (repr(strategy), step.layer_idx)
-    received = None if inputs.prompt_memo is None else inputs.prompt_memo.get(memo_key)
+    memo_key = None if inputs.prompt_memo is None else (repr(strategy), step.layer_idx)  # decode steps build no key
+    received = None if memo_key is None else inputs.prompt_memo.get(memo_key)
     if received is None:
         if inputs.weights is not None:
             received = counted(0, returned_weights(inputs, 0))
@@ -145,7 +145,7 @@ def accumulated_attention(
             blocks = attention_blocks(step, inputs.query, inputs.mask, inputs.real_new, inputs.scaling, 0)
             received = sum(counted(first, weights) for first, weights in blocks)
         received = received.to(total.device).view(batch, heads, -1, slots).mean(2)
-        if inputs.prompt_memo is not None:
+        if memo_key is not None:
             inputs.prompt_memo[memo_key] = received
     total += received
     return total.masked_fill_(~valid, 0.0)
