@@ -38,10 +38,14 @@ from kvlib.placement import PageStats, lowest_score_first
 from kvlib.registry import declare_kinds
 from kvlib.spec_text import parse_strategy
 
-ContextPrefill = Callable[[torch.nn.Module, Any, torch.Tensor, Any], None]
-"""``prefill(model, cache, context_ids, tokenizer)``: fill the empty ``cache`` with ``context_ids``
-(int64 ``[batch, tokens]``, no padding); ``tokenizer`` has kvlib's eval interface
-(:class:`~kvlib.eval.models.TextTokenizer`). See :meth:`Eviction.context_prefill`."""
+ContextPrefill = Callable[[torch.nn.Module, Any, torch.Tensor, Any, dict], None]
+"""``prefill(model, cache, context_ids, tokenizer, memo)``: fill the empty ``cache`` with
+``context_ids`` (int64 ``[batch, tokens]``, no padding); ``tokenizer`` has kvlib's eval interface
+(:class:`~kvlib.eval.models.TextTokenizer`); ``memo`` is a dict the caller keeps for this context
+and model across the caches it reads the context into (other budgets, other strategies): what the
+procedure computes from the context alone may be kept there under a key that names everything it
+depends on, and reused (an empty dict when the context is read once). See
+:meth:`Eviction.context_prefill`."""
 
 
 class Strategy:

@@ -138,9 +138,10 @@ def reconstruction_scores(
     """Per layer, float32 ``[batch, kv_heads, tokens]``: KVzip's score of each context token.
 
     Prefills ``context_ids`` (int ``[batch, tokens]``, no padding) into a plain ``DynamicCache``
-    with eager attention (the model's implementation is switched for the passes and restored),
-    then for each chunk of ``chunk`` tokens after ``prompt.prefix`` runs the reconstruction prompt
-    over it and drops those tokens from the cache again. Attention weights are read by a forward
+    with the model's own attention (eager attention, which the passes need for their weights,
+    costs 4x a 4k prefill's time on a CPU), then, with eager attention (switched for the passes
+    and restored), for each chunk of ``chunk`` tokens after ``prompt.prefix`` runs the
+    reconstruction prompt over it and drops those tokens from the cache again. Attention weights are read by a forward
     hook on each attention module for the duration of the passes and renormalised over the
     subsampled keys (the first ``min(sinks, prefix)`` tokens, the chunk, the prompt), as kvpress
     computes them. Tokens before ``prompt.prefix`` score 0 (the caller keeps the sinks).
@@ -171,16 +172,17 @@ def reconstruction_scores(
         scores[module.layer_idx][..., start:end] = best.to(scores[module.layer_idx].device)
         return (output[0], None, *output[2:])
 
+    with torch.no_grad():
+        cache = DynamicCache()
+        model(input_ids=context_ids, **cache_argument(cache), use_cache=True, logits_to_keep=1)
+    kv_heads = cache.layers[0].keys.shape[1]
+    for layer in range(len(modules)):
+        scores[layer] = torch.zeros(batch, kv_heads, length, dtype=torch.float32, device=context_ids.device)
     previous = model.config._attn_implementation
     model.set_attn_implementation("eager")
     hooks = []
     try:
         with torch.no_grad():
-            cache = DynamicCache()
-            model(input_ids=context_ids, **cache_argument(cache), use_cache=True, logits_to_keep=1)
-            kv_heads = cache.layers[0].keys.shape[1]
-            for layer in range(len(modules)):
-                scores[layer] = torch.zeros(batch, kv_heads, length, dtype=torch.float32, device=context_ids.device)
             hooks = [m.register_forward_hook(record) for m in modules]
             starts = list(range(prompt.prefix, length, chunk))
             for index, start in enumerate(starts):
@@ -203,7 +205,9 @@ def reconstruction_scores(
     return scores
 
 
-def compress(model: torch.nn.Module, cache: object, context_ids: torch.Tensor, prompt: RepeatPrompt) -> torch.Tensor:
+def compress(
+    model: torch.nn.Module, cache: object, context_ids: torch.Tensor, prompt: RepeatPrompt, scores: list[torch.Tensor] | None = None
+) -> torch.Tensor:
     """Fill the empty ``cache`` (made with ``make_cache(model, "kvzip...", budget=...)``) with
     ``context_ids`` compressed by KVzip, and return the context's last logits ``[batch, vocab]``.
 
@@ -213,17 +217,16 @@ def compress(model: torch.nn.Module, cache: object, context_ids: torch.Tensor, p
     questions and answers are added to the compressed context, which is what KVzip's
     query-agnostic cache is for; ``cache.batch_repeat_interleave(n)`` gives ``n`` rows sharing its
     pages for ``n`` questions, and ``cache.crop(-k)`` drops a finished question and answer.
-    Costs two context prefills plus the reconstruction passes (kvpress: two to three prefills).
+    Costs two context prefills plus the reconstruction passes (kvpress: two to three prefills);
+    one prefill when ``scores`` (:func:`reconstruction_scores` of this context, prompt and the
+    strategy's ``sinks`` and ``chunk``, computed for another budget) are given.
     """
     from kvlib.transformers_compat import cache_argument
 
-    compressor = getattr(cache, "compressor", None)
-    strategy = getattr(compressor, "strategy", None)
-    if not isinstance(strategy, KVzip) or compressor.budget is None:
-        raise ValueError("compress needs a cache made with make_cache(model, 'kvzip', budget=...)")
-    if cache.batch_size != -1:
-        raise ValueError("compress needs an empty cache: call cache.reset() first")
-    strategy.measured = reconstruction_scores(model, context_ids, prompt, sinks=strategy.sinks, chunk=strategy.chunk)
+    strategy = _empty_kvzip_cache_strategy(cache)
+    if scores is None:
+        scores = reconstruction_scores(model, context_ids, prompt, sinks=strategy.sinks, chunk=strategy.chunk)
+    strategy.measured = scores
     try:
         with torch.no_grad():
             logits = model(input_ids=context_ids, **cache_argument(cache), logits_to_keep=1).logits[:, -1]
@@ -233,10 +236,30 @@ def compress(model: torch.nn.Module, cache: object, context_ids: torch.Tensor, p
     return logits
 
 
-def prefill_by_reconstruction(model: torch.nn.Module, cache: object, context_ids: torch.Tensor, tokenizer: object) -> None:
+def _empty_kvzip_cache_strategy(cache: object) -> KVzip:
+    """The KVzip strategy of ``cache``; ``ValueError`` unless it is an empty kvlib cache made with
+    ``make_cache(model, "kvzip", budget=...)``."""
+    compressor = getattr(cache, "compressor", None)
+    strategy = getattr(compressor, "strategy", None)
+    if not isinstance(strategy, KVzip) or compressor.budget is None:
+        raise ValueError("compress needs a cache made with make_cache(model, 'kvzip', budget=...)")
+    if cache.batch_size != -1:
+        raise ValueError("compress needs an empty cache: call cache.reset() first")
+    return strategy
+
+
+def prefill_by_reconstruction(model: torch.nn.Module, cache: object, context_ids: torch.Tensor, tokenizer: object, memo: dict) -> None:
     """:func:`compress` ``context_ids`` into ``cache`` with :meth:`RepeatPrompt.for_tokenizer`'s prompt
-    (:meth:`KVzip.context_prefill`)."""
-    compress(model, cache, context_ids, RepeatPrompt.for_tokenizer(tokenizer))
+    (:meth:`KVzip.context_prefill`). The reconstruction scores depend on the context, the prompt,
+    ``sinks`` and ``chunk``, not on the budget: they are kept in ``memo`` under those, so the same
+    context compressed to another budget costs one prefill."""
+    prompt = RepeatPrompt.for_tokenizer(tokenizer)
+    strategy = _empty_kvzip_cache_strategy(cache)
+    key = ("kvzip.reconstruction_scores", prompt, strategy.sinks, strategy.chunk)
+    scores = memo.get(key)
+    if scores is None:
+        scores = memo[key] = reconstruction_scores(model, context_ids, prompt, sinks=strategy.sinks, chunk=strategy.chunk)
+    compress(model, cache, context_ids, prompt, scores)
 
 
 def __getattr__(name: str) -> object:

@@ -111,6 +111,19 @@ def test_context_first_reads_the_context_then_the_question():
     assert kept.kv_bytes < two.kv_bytes / 2
 
 
+def test_context_first_configurations_reuse_kvzip_s_scores_and_equal_fresh_runs():
+    """KVzip at two budgets on one context-first task: the second reuses the reconstruction scores
+    the first kept per case, and each equals its run on a task of its own."""
+    model, tokenizer = tiny_byte_model(context=1024), ByteTokenizer()
+    task = RULER_TASKS["niah_single"](context=1024, samples=2, context_first=True)
+    for budget in (0.25, 0.5):
+        make = lambda tokens: kvlib.make_cache(model, "kvzip", budget=budget)  # noqa: E731
+        shared = task.run(model, tokenizer, make)
+        alone = dataclasses.replace(task).run(model, tokenizer, make)
+        assert shared.metrics["predictions"] == alone.metrics["predictions"] and shared.kv_bytes == alone.kv_bytes
+        assert len(task.context_memos) == 2 and all(len(memo) == 1 for memo in task.context_memos.values())
+
+
 def test_context_first_needs_a_question_apart():
     with pytest.raises(ValueError, match="cwe has no question apart from its context"):
         RULER_TASKS["cwe"](context_first=True)

@@ -172,3 +172,36 @@ def test_context_prefill_is_compress_with_the_tokenizer_s_prompt() -> None:
     plain = kvlib.make_cache(model, "snapkv", budget=10, page_size=4)
     prefill_context(model, plain, context, tokenizer)  # no procedure of its own: one forward call
     assert int((plain.kept_positions(0)[0] >= 0).sum(-1).max()) == 10
+
+
+def test_the_memo_keeps_the_reconstruction_scores_for_other_budgets() -> None:
+    """The scores depend on the context, not the budget: the first compression keeps them in the
+    memo and a later one, at another budget, compresses by the memo's scores (here replaced by
+    reversed ones, to see that they are the ones used) instead of recomputing them."""
+    from kvlib.default_model import ByteTokenizer
+    from kvlib.eval.task import prefill_context
+    from tests.eval.conftest import tiny_byte_model
+
+    model, tokenizer = tiny_byte_model(), ByteTokenizer()
+    context = torch.randint(11, 97, (1, 40), generator=torch.Generator().manual_seed(5))
+    memo: dict = {}
+    quarter = kvlib.make_cache(model, "kvzip", budget=0.25, page_size=4)
+    prefill_context(model, quarter, context, tokenizer, memo)
+    prompt = RepeatPrompt.for_tokenizer(tokenizer)
+    ((key, scores),) = memo.items()
+    expected = reconstruction_scores(model, context, prompt, sinks=4, chunk=2048)
+    assert all(torch.equal(ours, theirs) for ours, theirs in zip(scores, expected))
+    reversed_scores = [layer.flip(-1) for layer in scores]
+    memo[key] = reversed_scores
+    half = kvlib.make_cache(model, "kvzip", budget=0.5, page_size=4)
+    prefill_context(model, half, context, tokenizer, memo)
+    by_hand = kvlib.make_cache(model, "kvzip", budget=0.5, page_size=4)
+    compress(model, by_hand, context, prompt, reversed_scores)
+    fresh = kvlib.make_cache(model, "kvzip", budget=0.5, page_size=4)
+    compress(model, fresh, context, prompt)
+    assert any(not torch.equal(by_hand.kept_positions(layer), fresh.kept_positions(layer)) for layer in range(half.shape.num_layers))
+    for layer in range(half.shape.num_layers):
+        assert torch.equal(half.kept_positions(layer), by_hand.kept_positions(layer))
+    other = kvlib.make_cache(model, "kvzip(chunk=16)", budget=0.5, page_size=4)
+    prefill_context(model, other, context, tokenizer, memo)  # another chunk: scores of its own
+    assert len(memo) == 2
