@@ -28,7 +28,9 @@ class RKV(Eviction):
       and averaged over the query heads of its KV group;
     - redundancy: per head, its key's cosine similarity to the other stored keys of the head
       (``"mean"`` over them, as the official code, or their ``"max"``), turned into a
-      distribution over the head's context tokens by a softmax.
+      distribution over the head's context tokens by a softmax. The mean is taken through the
+      sum of the head's unit keys (``O(slots * head_dim)`` a call); the max needs every pair
+      (``O(slots^2 * head_dim)``), which costs seconds a decode step on a CPU at 2k slots.
 
     The official code also spares, among near-duplicate keys (similarity above 0.5), the newest
     one from the redundancy penalty; that refinement is not reproduced here.
@@ -89,12 +91,16 @@ class RKV(Eviction):
         mean (or max) cosine similarity to the head's other valid keys (0 elsewhere)."""
         keys = view.keys.float()
         unit = keys / (keys.norm(dim=-1, keepdim=True) + 1e-8)
-        similarity = torch.matmul(unit, unit.transpose(-1, -2))
-        slots = similarity.shape[-1]
-        others = view.valid.unsqueeze(-2) & ~torch.eye(slots, dtype=torch.bool, device=similarity.device)
-        if self.redundancy == "mean":
-            per_token = (similarity * others).sum(-1) / others.sum(-1).clamp(min=1)
+        valid = view.valid
+        if self.redundancy == "mean":  # sum_{j != i} u_i . u_j = u_i . (sum_j u_j) - u_i . u_i: no slots x slots matrix
+            total = (unit * valid.unsqueeze(-1)).sum(dim=-2, keepdim=True)
+            own = (unit * unit).sum(-1) * valid
+            others = valid.sum(-1, keepdim=True) - valid.to(torch.int64)
+            per_token = ((unit * total).sum(-1) - own) / others.clamp(min=1)
         else:
+            similarity = torch.matmul(unit, unit.transpose(-1, -2))
+            slots = similarity.shape[-1]
+            others = valid.unsqueeze(-2) & ~torch.eye(slots, dtype=torch.bool, device=similarity.device)
             per_token = similarity.masked_fill(~others, -torch.inf).amax(-1).nan_to_num(0.0, neginf=0.0)
         distribution = torch.softmax(per_token.masked_fill(~context, -torch.inf), dim=-1).nan_to_num(0.0)
         return torch.where(context, distribution, 0.0)
