@@ -138,13 +138,13 @@ def reconstruction_scores(
     """Per layer, float32 ``[batch, kv_heads, tokens]``: KVzip's score of each context token.
 
     Prefills ``context_ids`` (int ``[batch, tokens]``, no padding) into a plain ``DynamicCache``
-    with the model's own attention (eager attention, which the passes need for their weights,
-    costs 4x a 4k prefill's time on a CPU), then, with eager attention (switched for the passes
-    and restored), for each chunk of ``chunk`` tokens after ``prompt.prefix`` runs the
-    reconstruction prompt over it and drops those tokens from the cache again. Attention weights are read by a forward
-    hook on each attention module for the duration of the passes and renormalised over the
-    subsampled keys (the first ``min(sinks, prefix)`` tokens, the chunk, the prompt), as kvpress
-    computes them. Tokens before ``prompt.prefix`` score 0 (the caller keeps the sinks).
+    with the model's own attention, then, with eager attention (the passes need its weights; it
+    is switched on for them only, as it costs 4x a 4k prefill's time on a CPU, and restored), for
+    each chunk of ``chunk`` tokens after ``prompt.prefix`` runs the reconstruction prompt over it
+    and drops those tokens from the cache again. Attention weights are read by a forward hook on
+    each attention module for the duration of the passes and renormalised over the subsampled
+    keys (the first ``min(sinks, prefix)`` tokens, the chunk, the prompt), as kvpress computes
+    them. Tokens before ``prompt.prefix`` score 0 (the caller keeps the sinks).
     """
     from transformers import DynamicCache
 
