@@ -12,8 +12,9 @@ import time
 import pytest
 import redis
 
+from kvlib.errors import RemoteAccessDenied
 from kvlib.storage.local_server import LocalServer
-from kvlib.storage.remote_tier import PREFIX, RECORD_TTL_S, RemoteTier
+from kvlib.storage.remote_tier import PREFIX, RECORD_TTL_S, RemoteTier, redacted
 
 KEY = "kvlib-test-key-0123456789abcdef"
 OTHER = "another-tenant-key-0123456789"
@@ -237,3 +238,75 @@ except ImportError as error:
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert "pip install 'kvlib[remote]'" in done.stdout
+
+
+def test_a_refused_password_or_acl_raises_with_the_password_redacted(redis_server) -> None:
+    """A wrong or missing password, or an ACL that refuses kvlib's commands, is not an outage: it
+    raises RemoteAccessDenied (when the tier is made, for a password), naming the server without its
+    password, and counts nothing."""
+    client = redis.Redis.from_url(redis_server.url)
+    client.execute_command("ACL", "SETUSER", "reader", "on", ">reader-password-1234", "~elsewhere:*", "+@all")
+    client.config_set("requirepass", "the-right-password-1234")
+    host = redis_server.url.split("//", 1)[1]
+    for url in (redis_server.url, f"redis://:a-wrong-password-5678@{host}"):
+        with pytest.raises(RemoteAccessDenied, match="refused kvlib's access") as refused:
+            RemoteTier(url, key=KEY)
+        assert "wrong-password" not in str(refused.value) and "right-password" not in str(refused.value)
+    limited = RemoteTier(f"redis://reader:reader-password-1234@{host}", key=KEY)  # PING passes; kvlib:* keys are refused
+    for call in (
+        lambda: limited.put_many([(b"k" * 32, b"ok")]),
+        lambda: limited.get_many([b"k" * 32], check),
+        lambda: limited.push("q", b"m"),
+    ):
+        with pytest.raises(RemoteAccessDenied, match=r"\*\*\*@.*NoPermissionError") as refused:
+            call()
+        assert "reader-password" not in str(refused.value)
+    assert limited.stats()["errors"] == 0 and limited.down_until == 0.0  # not taken for an outage
+    allowed = RemoteTier(f"redis://:the-right-password-1234@{host}", key=KEY)
+    assert allowed.put_many([(b"k" * 32, b"ok")]) == 1 and "the-right-password" not in repr(allowed) + allowed.url + str(allowed.stats())
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["redsi://:hunter2-secret@host:6379/0", "redis:/user:hunter2-secret@host", "http://host/?password=hunter2-secret", "hunter2-secret"],
+)
+def test_a_mistyped_url_never_echoes_its_password(url: str) -> None:
+    with pytest.raises(ValueError, match="remote must be a URL") as refused:
+        RemoteTier(url, key=KEY)
+    if "@" in url or "password=" in url:
+        assert "hunter2" not in str(refused.value)
+    assert "hunter2" not in redacted("rediss://user:hunter2-secret@host:1/0?password=hunter2-secret")
+
+
+def test_weak_keys_are_refused_naming_the_fix(redis_server, monkeypatch) -> None:
+    for weak in ("team", b"0123456789", "x" * 30):
+        with pytest.raises(ValueError, match=r"remote_key is too weak.*os\.urandom\(16\)"):
+            RemoteTier(redis_server.url, key=weak)
+    monkeypatch.setenv("KVLIB_REMOTE_KEY", "team")
+    with pytest.raises(ValueError, match=r"\$KVLIB_REMOTE_KEY is too weak"):
+        RemoteTier(redis_server.url)
+
+
+def test_tenants_with_different_keys_never_share_a_name(redis_server) -> None:
+    """Records and queues are named from the key: another tenant's writes never overwrite this
+    one's records, and its readers never see this one's messages."""
+    mine, theirs = RemoteTier(redis_server.url, key=KEY), RemoteTier(redis_server.url, key=OTHER)
+    mine.put_many([(b"k" * 32, b"ok-mine")])
+    theirs.put_many([(b"k" * 32, b"ok-theirs")])
+    assert mine.get_many([b"k" * 32], check) == [b"ok-mine"] and theirs.get_many([b"k" * 32], check) == [b"ok-theirs"]
+    mine.push("default", b"my message")
+    assert theirs.peek("default", 0.0) == [] and [bytes(mine.open_message("default", v, 1 << 20)) for v in mine.peek("default", 0.0)] == [
+        b"my message"
+    ]
+    assert mine.queue_names("default") != theirs.queue_names("default") and mine.rejected == theirs.rejected == 0
+
+
+def test_sealed_values_hide_what_they_carry_and_tagged_ones_do_not(redis_server) -> None:
+    client = redis.Redis.from_url(redis_server.url)
+    secret_prompt = b"the patient's diagnosis is"
+    for encrypt, visible in ((True, False), (False, True)):
+        tier = RemoteTier(redis_server.url, key=KEY, encrypt=encrypt)
+        tier.put_many([(b"r" * 32, b"ok " + secret_prompt)])
+        tier.push(f"q{encrypt}", secret_prompt)
+        stored = client.get(tier.record_name(b"r" * 32)) + b"".join(client.lrange(tier.queue_names(f"q{encrypt}")[0], 0, -1))
+        assert (secret_prompt in stored) == visible and tier.encrypted == encrypt

@@ -27,6 +27,7 @@ import kvlib
 from kvlib.adapters.engine import handover_roles
 from kvlib.adapters.engine.handover import HandOver, MessageLimits
 from kvlib.adapters.engine.handover_roles import HandOverKey
+from kvlib.errors import RemoteAccessDenied
 from kvlib.storage.local_server import LocalServer
 from kvlib.storage.prefix_block_record import DIGEST
 from kvlib.storage.record_digest import digest
@@ -39,6 +40,7 @@ PREFILL = """
 import json, sys
 sys.path.insert(0, {repo!r})
 import kvlib
+from kvlib.errors import RemoteAccessDenied
 from tests.adapters.conftest import build_model
 from tests.adapters.engine.test_handover import KEY, requests
 engine = kvlib.Engine(build_model("llama"), max_batch_tokens=64, remote=sys.argv[1], remote_key=KEY, role="prefill", handover_queue="q")
@@ -288,3 +290,88 @@ def test_roles_and_messages_are_checked() -> None:
     message = HandOver.of(7, [5] * 2047, {"max_new_tokens": 1, "eos_token_id": list(range(64))}, model="ab" * 16, sender="cd" * 16)
     assert len(message.to_bytes()) <= limits.max_bytes  # the longest valid message fits
     assert HandOver.from_bytes(message.to_bytes(), limits) == message
+
+
+def test_a_captured_message_is_refused_by_every_decode_engine_and_after_restarts(module_redis_server) -> None:
+    """Taken ids live on the server: a sealed message captured off the queue and pushed again is
+    refused by the engine that took it, by another decode engine, and by one started afresh."""
+    model, url, queue = build_model("llama"), module_redis_server.url, "replayed"
+    cases = requests()[2:3]
+    expected = served_alone(model, cases)
+    hand_over(model, url, queue, cases)
+    client, name = redis.Redis.from_url(url), RemoteTier(url, key=KEY).queue_names(queue)[0]
+    (captured,) = client.lrange(name, 0, -1)
+    first = decode_engine(model, url, queue)
+    assert decoded(first, first.receive(), 1) == expected
+    for decode in (first, decode_engine(model, url, queue), decode_engine(model, url, queue)):  # the taker, another, a restart
+        client.rpush(name, captured)
+        assert decode.receive() == {} and decode.stats()["bad_handovers"] == 1 and client.llen(name) == 0
+
+
+def test_a_stale_message_is_refused(module_redis_server) -> None:
+    """A genuine message sealed with the key but sent 30 days ago (or from far in the future) is
+    refused: replay protection does not rest on the server remembering ids forever."""
+    model, url, queue = build_model("llama"), module_redis_server.url, "stale"
+    prompt, settings = requests()[2]
+    tier = RemoteTier(url, key=KEY)
+    decode = decode_engine(model, url, queue)
+    limits = decode.handover_role._message_limits()
+    for i, sent_at in enumerate((time.time() - 30 * 24 * 3600, time.time() + 3600)):
+        message = HandOver.of(i, prompt, settings, model=limits.model, sender="ab" * 16)
+        message.sent_at = sent_at
+        tier.push(queue, message.to_bytes())
+    assert decode.receive() == {} and decode.stats()["bad_handovers"] == 2 and not decode.has_unfinished
+
+
+def test_equal_request_ids_from_two_prefill_engines_never_collide(module_redis_server) -> None:
+    """Two prefill engines number their requests from 0: the decode side keys each request by its
+    sender and id, so neither replaces the other and each output is its own prompt's."""
+    model, url, queue = build_model("llama"), module_redis_server.url, "two-senders"
+    cases_a, cases_b = requests()[2:4], requests()[4:6]
+    expected = served_alone(model, cases_a + cases_b)
+    a, b = hand_over(model, url, queue, cases_a), hand_over(model, url, queue, cases_b)
+    decode = decode_engine(model, url, queue)
+    received = decode.receive()
+    assert sorted(received) == sorted([(a.handover_sender, 0), (a.handover_sender, 1), (b.handover_sender, 0), (b.handover_sender, 1)])
+    while decode.has_unfinished:
+        decode.step()
+    outputs = [decode.requests[received[(sender, i)]].output for sender in (a.handover_sender, b.handover_sender) for i in range(2)]
+    assert outputs == expected
+
+
+def test_tenants_sharing_a_queue_name_never_take_each_others_hand_overs(module_redis_server) -> None:
+    """A decode engine of another tenant (another key) on the same queue name takes nothing of
+    this tenant's and loses nothing: the queue's server name comes from the key."""
+    model, url, queue = build_model("llama"), module_redis_server.url, "default"
+    cases = requests()[2:5]
+    expected = served_alone(model, cases)
+    prefill = hand_over(model, url, queue, cases)
+    other = kvlib.Engine(
+        model, max_batch_tokens=64, remote=url, remote_key="other-tenant-key-0123456789", role="decode", handover_queue=queue
+    )
+    assert other.receive() == {} and other.stats()["bad_handovers"] == 0
+    decode = decode_engine(model, url, queue)
+    received = decode.receive()
+    assert decoded(decode, received, len(cases)) == expected and prefill.stats()["handed_over"] == 3
+
+
+def test_a_refused_password_raises_before_any_hand_over(redis_server) -> None:
+    """A prefill Engine on a server that refuses its password raises when it is built (it used to
+    count every push as an outage and lose every request)."""
+    redis.Redis.from_url(redis_server.url).config_set("requirepass", "the-server-password-1234")
+    wrong = redis_server.url.replace("redis://", "redis://:not-the-password-1234@")
+    with pytest.raises(RemoteAccessDenied, match=r"redis://\*\*\*@"):
+        kvlib.Engine(build_model("llama"), remote=wrong, remote_key=KEY, role="prefill")
+
+
+def test_a_decode_engine_holds_a_bounded_amount_over_many_hand_overs(module_redis_server) -> None:
+    """Finished requests leave ``requests`` and ``handover_s`` beyond ``max_finished``; taken ids
+    are not kept in the engine at all (the server keeps them, pruned by age)."""
+    model, url, queue = build_model("llama"), module_redis_server.url, "long-running"
+    cases = [([5 + i % 50, 7], {"max_new_tokens": 1}) for i in range(40)]
+    hand_over(model, url, queue, cases)
+    decode = kvlib.Engine(model, max_batch_tokens=64, remote=url, remote_key=KEY, role="decode", handover_queue=queue, max_finished=4)
+    assert len(decode.receive()) == 40
+    while decode.has_unfinished:
+        decode.step()
+    assert len(decode.requests) == 4 and len(decode.handover_s) == 4 and not vars(decode.handover_role).get("taken")

@@ -121,7 +121,9 @@ def test_hits_count_only_the_records_used(redis_server, model, reference) -> Non
     model.generate(PROMPT, **cache_argument(kvlib.make_cache(model, reuse=store, prompt=PROMPT)), max_new_tokens=8, pad_token_id=PAD)
     (namespace,) = store.stores
     keys = store.block_keys(namespace, [PROMPT[0, i * 16 : (i + 1) * 16].tolist() for i in range(4)])
-    redis.Redis.from_url(redis_server.url).delete(store.remote.record_name(store.record_namespace(namespace) + keys[1]))  # a gap after block 0
+    redis.Redis.from_url(redis_server.url).delete(
+        store.remote.record_name(store.record_namespace(namespace) + keys[1])
+    )  # a gap after block 0
     gap = run(model, redis_server.url, key=KEY)
     assert gap["reused"] == 16 and gap["tokens"] == reference
     assert {name: gap["remote"][name] for name in ("hits", "misses", "unused")} == {"hits": 1, "misses": 3, "unused": 2}
@@ -188,3 +190,13 @@ def test_an_engine_on_a_full_server_gives_the_outputs_of_one_without_it(model) -
         assert engine.generate(prompts, max_new_tokens=4) == expected
         stats = engine.stats()["remote"]
         assert stats["writes"] == 0 and stats["write_errors"] > 0 and stats["hits"] == 0
+
+
+def test_tenants_with_different_keys_keep_their_own_records(redis_server, model, reference) -> None:
+    """Two tenants serving the same model on one server: records are named from the key, so the
+    second tenant's writes never replace the first's (its reuse stays whole)."""
+    first = run(model, redis_server.url, key=KEY)
+    other = run(model, redis_server.url, key=OWNER)
+    again = run(model, redis_server.url, key=KEY)
+    assert first["reused"] == other["reused"] == 0 and other["remote"]["writes"] == 4
+    assert again["reused"] == 64 and again["tokens"] == reference and again["remote"]["rejected"] == 0
