@@ -86,6 +86,9 @@ class PrefixStore:
         disk: a :class:`~kvlib.storage.disk_tier.DiskTier`, or a directory for one holding up to
             four times ``capacity_bytes`` of records (one that cannot hold a tier: a warning, and
             memory only); None keeps prefixes in memory only.
+        disk_key: the secret tagging disk records (a directory's tier only; None reads
+            ``$KVLIB_DISK_KEY``, and without it records are unkeyed: anyone who can write the
+            directory can change outputs; see :mod:`~kvlib.storage.disk_tier`).
         remote: a :class:`~kvlib.storage.remote_tier.RemoteTier`, or the URL of a Redis-protocol
             server for one (``redis://host:port/db``); None: no remote tier.
         remote_key: the secret tagging remote records (a URL's tier only; None reads
@@ -101,6 +104,7 @@ class PrefixStore:
         *,
         salt: str = "",
         disk: DiskTier | str | None = None,
+        disk_key: str | bytes | None = None,
         remote: RemoteTier | str | None = None,
         remote_key: str | bytes | None = None,
         remote_trust: str = "key",
@@ -119,7 +123,7 @@ class PrefixStore:
         handed out as forks; keyed by :meth:`context_key`, within their own ``capacity_bytes``."""
         self.stores: dict[str, PagedStore] = {}
         """Paged stores by namespace (see :meth:`namespace`)."""
-        self.disk = disk_tier(disk, capacity_bytes=max(capacity_bytes, 1) * 4)
+        self.disk = disk_tier(disk, capacity_bytes=max(capacity_bytes, 1) * 4, key=disk_key)
         self.remote = remote
         self._closing: list = []
         """Sessions of caches garbage-collected since the last use (closed by :meth:`collect`)."""
