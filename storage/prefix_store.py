@@ -52,12 +52,20 @@ token ids before it is loaded. Processes (or hosts) pointing at one server share
 server that is down, slow, restarted or full, and a record that is corrupt, untagged or another
 namespace's, are counted misses: the blocks are computed as without the tier. The tier's
 ``hits`` count the records loaded, not those that arrived.
+
+Threads: a store may serve caches in several threads. Every method holds :attr:`PrefixStore.lock`
+(a re-entrant lock), and a cache living in the store's paged store (shared by all its caches)
+holds it for each model call and for each of its own calls that change the store
+(:meth:`KVCache.enter_call <kvlib.adapters.KVCache.enter_call>`): the threads' generations
+interleave call by call, never inside one. The disk and remote tiers are used under the same lock.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
+import threading
 import warnings
 from collections.abc import Callable
 from functools import partial
@@ -73,6 +81,17 @@ from kvlib.storage.paged_store import PagedStore
 from kvlib.storage.prefix_block_record import BlockLayout, FieldBlock, decode_parts, encode
 from kvlib.storage.prefix_index import Entry, PrefixIndex
 from kvlib.storage.remote_tier import RemoteTier
+
+
+def _locked(method: Callable) -> Callable:
+    """``method`` of a :class:`PrefixStore` run holding its :attr:`~PrefixStore.lock`."""
+
+    @functools.wraps(method)
+    def run(store: PrefixStore, *args, **kwargs):
+        with store.lock:
+            return method(store, *args, **kwargs)
+
+    return run
 
 
 class PrefixStore:
@@ -129,12 +148,15 @@ class PrefixStore:
         """Sessions of caches garbage-collected since the last use (closed by :meth:`collect`)."""
         self._warned_disk_full = False
         """Whether blocks left out of the disk tier for its capacity were warned about (once)."""
+        self.lock = threading.RLock()
+        """Held by every method, and by the caches in this store's paged store while they change it."""
 
     def defer_close(self, session: object) -> None:
         """Close ``session`` at the next use of this store (called from a cache's finalizer)."""
         self._closing.append(session)
 
     @outside_inference_mode
+    @_locked
     def collect(self) -> None:
         """Release what garbage-collected caches held (their sequences and index entries)."""
         while self._closing:
@@ -144,6 +166,7 @@ class PrefixStore:
         """The name of the pages a cache of ``spec`` (``""``: exact) produces in ``dtype`` on ``device``."""
         return f"{spec}|{dtype}|{device}|{page_size}|{self.salt}"
 
+    @_locked
     def paged_store(self, namespace: str, build: Callable[[], PagedStore]) -> PagedStore:
         """The paged store of ``namespace``, built by ``build()`` the first time."""
         self.collect()
@@ -173,6 +196,7 @@ class PrefixStore:
         """The chain keys of ``blocks`` (consecutive token blocks from a prompt's start) in ``namespace``."""
         return self.index.keys(blocks, self.key_space(namespace))
 
+    @_locked
     def cached_blocks(self, keys: list[bytes], blocks: list[list[int]]) -> int:
         """How many leading blocks (with chain ``keys``) are in memory now, verified against
         their token ids; no counter or LRU order changes (a peek for scheduling)."""
@@ -184,6 +208,7 @@ class PrefixStore:
             count += 1
         return count
 
+    @_locked
     def lookup(self, namespace: str, blocks: list[list[int]], *, load: bool = True) -> list[Entry]:
         """Cached entries of the leading ``blocks`` of a prompt (verified), most recently used now;
         with ``load``, blocks found on disk, then on the remote tier, past those in memory are
@@ -197,6 +222,7 @@ class PrefixStore:
             found += self._load(namespace, layout, blocks, len(found))
         return found
 
+    @_locked
     def fetch(self, namespace: str, blocks: list[list[int]]) -> int:
         """Bring the leading ``blocks`` found on disk or the remote tier into memory (indexed,
         unused: in the LRU), so that a scheduler sees them with :meth:`cached_blocks` before it
@@ -298,6 +324,7 @@ class PrefixStore:
         return BlockLayout(digest, store.tables[0].num_heads, store.page_size, layers, entropy=entropy)
 
     @outside_inference_mode
+    @_locked
     def attach(self, namespace: str, seq: int, entries: list[Entry]) -> None:
         """Give empty sequence ``seq`` the pages of ``entries`` (by reference; acquired by
         :meth:`lookup`, released when the sequence's holder is done)."""
@@ -308,6 +335,7 @@ class PrefixStore:
                 store.attach_prefix(layer, seq, pages[layer])
 
     @outside_inference_mode
+    @_locked
     def insert(self, namespace: str, seq: int, blocks: list[list[int]], first: int) -> list[Entry]:
         """Index blocks ``first..`` of ``seq`` (its full pages holding ``blocks``' tokens); the
         index takes a reference on their pages. Returns the entries, acquired for the caller.
@@ -386,6 +414,7 @@ class PrefixStore:
             )
         return items[:count]
 
+    @_locked
     def release(self, entries: list[Entry]) -> None:
         """A cache stops using ``entries`` (they may now be evicted)."""
         self.index.release(entries)
@@ -396,6 +425,7 @@ class PrefixStore:
         for layer in range(store.num_layers):
             store.pools[layer].decref(pages[layer])
 
+    @_locked
     def stats(self) -> dict[str, int]:
         """Hits and misses (blocks), evictions, collisions, entries and bytes indexed (after
         releasing what garbage-collected caches held)."""
