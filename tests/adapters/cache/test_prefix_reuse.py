@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import sys
 import threading
 
 import pytest
@@ -244,7 +245,7 @@ def test_coded_and_exact_pages_go_to_disk_each_under_their_own_namespace(tmp_pat
 
 
 def test_threads_with_their_own_caches_share_one_small_evicting_store() -> None:
-    """Two threads, each generating with caches of its own, on one PrefixStore too small for their
+    """Four threads, each generating with caches of its own, on one PrefixStore too small for their
     prompts (blocks evicted and indexed while the other thread's forward runs): every output equals
     the model's alone, and nothing raises. Each model call holds the store's lock."""
     model = build_model("llama")
@@ -266,11 +267,18 @@ def test_threads_with_their_own_caches_share_one_small_evicting_store() -> None:
         except Exception as error:  # noqa: BLE001 - every failure of a thread is reported by the test
             failures.append(f"{type(error).__name__}: {error}")
 
-    threads = [threading.Thread(target=serve, args=(order,)) for order in (list(range(12)), list(range(11, -1, -1)))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    evens, odds = list(range(0, 12, 2)), list(range(1, 12, 2))
+    orders = (list(range(12)), list(range(11, -1, -1)), evens + odds, odds + evens)
+    threads = [threading.Thread(target=serve, args=(order,)) for order in orders]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)  # threads switch often: a race shows in a short run
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(interval)
     assert failures == []
     assert store.stats()["evictions"] > 0 and store.stats()["hits"] > 0
     gc.collect()
