@@ -138,12 +138,13 @@ def bench_restore(model: torch.nn.Module, name: str, server: LocalServer, args: 
 
 def bench_throughput(model: torch.nn.Module, server: LocalServer, args: argparse.Namespace) -> dict:
     client = redis.Redis.from_url(server.url)
-    names = sorted(client.keys(PREFIX + b"*"))
+    reader = RemoteTier(server.url, key=KEY)  # the records the restore run wrote, sealed: opened with the key
+    names = [name for name in sorted(client.keys(PREFIX + b"*")) if reader.open(name, client.get(name)) is not None]
     values = [client.get(name) for name in names]
     keys = [name[len(PREFIX) :] for name in names]
     engine = kvlib.Engine(model, remote=server.url, remote_key=KEY)
     layout = engine.prefix._record_layout(engine.kv.namespace)
-    records = [memoryview(value)[40:] for value in values]
+    records = [reader.open(name, value) for name, value in zip(names, values)]
     total = sum(len(record) for record in records)
     arms: dict[str, list[float]] = {arm: [] for arm in ("raw_set", "raw_get", "put", "get", "keyed_put", "keyed_get")}
     for _ in range(args.repeats):
