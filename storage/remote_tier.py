@@ -27,7 +27,7 @@ other way round. From the key come three keys of their own (one per job):
   the server name as associated data. Only values whose tag (or AEAD tag) checks out are read: a
   writer without the key can neither plant KV that this process decodes, nor move a value under
   another name, nor (mode 2) read the prompts and pages. A keyed tier reads modes 1 and 2.
-  Encryption costs nothing here: AES-GCM ran at ~9,500 MB/s on a 394 KB record against ~6,200
+  Encryption costs nothing here: AES-GCM ran at ~9,500 MB/s on a 394 KB record against ~6,200 (best of 5)
   for the BLAKE3 tag it replaces (AES-NI; ``docs/security.md``). Random nonces bound a key to
   about 2**32 writes; rotate it well before.
 
