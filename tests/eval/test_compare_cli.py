@@ -3,7 +3,6 @@
 import csv
 import importlib
 import json
-import pathlib
 
 import pytest
 
@@ -142,7 +141,7 @@ def test_a_bad_baseline_is_refused_before_the_model_loads(compared, capsys, monk
     assert err.startswith("kvlib: error: ") and message in err and err.count("\n") == 1
 
 
-def refuse_probe(self, data):
+def refuse_probe(folder):
     raise PermissionError(13, "Permission denied")
 
 
@@ -157,8 +156,8 @@ def refuse_probe(self, data):
 def test_an_unusable_out_folder_fails_before_the_model_loads(compared, capsys, monkeypatch, tmp_path, out, message):
     _, argv = compared
     (tmp_path / "file").write_text("keep me")
-    if out == "unwritable":  # as root a read-only mode does not stop writes: refuse the probe file instead
-        monkeypatch.setattr(pathlib.Path, "write_bytes", refuse_probe)
+    if out == "unwritable":  # as root a read-only mode does not stop writes: refuse the probe instead
+        monkeypatch.setattr("kvlib.eval.output_files.check_writable", refuse_probe)
     monkeypatch.setattr("kvlib.eval.load_model", never_load)
     assert cli.main(argv + ["--out", str(tmp_path / out)]) == 2
     assert capsys.readouterr().err == f"kvlib: error: --out {str(tmp_path / out)!r} {message}\n"
