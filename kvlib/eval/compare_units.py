@@ -229,8 +229,10 @@ def speed_prompt(loaded: LoadedModel, context: int, speed_steps: int) -> torch.T
 @dataclass(frozen=True)
 class Unit:
     """One piece of a comparison's work: configuration ``(policy, budget)`` on ``task``, or, with
-    ``task`` None, its decode-speed run. Both the serial loop and the Ray tasks run units through
-    :func:`run_unit`; a unit needs nothing from another, so they can run in any order or process."""
+    ``task`` None, its decode-speed run (against the full cache's, in the same process). The serial
+    loop runs task units through :func:`run_unit` (and every configuration's speed together,
+    :mod:`kvlib.eval.compare_speed`), the Ray tasks every unit; a unit needs nothing from another,
+    so they can run in any order or process."""
 
     policy: str
     budget: float | None
@@ -243,7 +245,7 @@ class Unit:
 
 
 def units(policy: str, budget: float | None, tasks: Sequence[Task]) -> list[Unit]:
-    """A configuration's units in the order they run serially: each task, then the speed run."""
+    """A configuration's units: each task, then the speed run."""
     return [Unit(policy, budget, task) for task in tasks] + [Unit(policy, budget, None)]
 
 
