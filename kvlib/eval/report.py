@@ -96,16 +96,18 @@ SPEED_HEADER = ["decode tok/s", "vs full", "first call s"]
 
 def speed_note(runs: Sequence[CompareRun]) -> str:
     """What the speed columns measure, with the number of rounds the runs were timed in."""
-    rounds = sorted({len(run.speed.tokens_per_s) for run in runs if run.speed is not None and run.speed.first_call_s is not None})
+    older = "one speed run per configuration, recorded before speeds were warmed up and repeated"
+    timed = [run.speed for run in runs if run.speed is not None]
+    rounds = sorted({len(speed.tokens_per_s) for speed in timed if speed.first_call_s is not None})
     if not rounds:
-        return "Decode tok/s: one speed run per configuration, recorded before speeds were warmed up and repeated."
+        return f"Decode tok/s: {older}."
     counts = " or ".join(str(count) for count in rounds)
     return (
         f"Decode tok/s: median [min, max] over {counts} timed rounds, interleaved (every configuration once per round,"
         " the full cache first), after a warm-up run of every configuration; vs full: each round's ratio to the full"
         " cache's tokens/s in the same round, median [min, max]; first call s: what the warm-up run took beyond a timed"
         " one (compiling the kernels it was the first to reach, first allocations), paid once per process, by a"
-        " user's first call too."
+        " user's first call too" + (f"; (1 run): {older}." if any(speed.first_call_s is None for speed in timed) else ".")
     )
 
 

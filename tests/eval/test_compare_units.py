@@ -7,7 +7,7 @@ import pytest
 
 from kvlib.eval.compare_units import CompareRun, DecodeSpeed, check_speed
 from kvlib.eval.decode_timing import Decoded, Spread, Timing
-from kvlib.eval.report import csv_rows, runs_from_json, speed_cells, spread_cell, to_json
+from kvlib.eval.report import csv_rows, runs_from_json, speed_cells, speed_note, spread_cell, to_json
 
 
 def timing(tokens_per_s: list[float], warmup_wall: float = 2.0, walls: list[float] | None = None) -> Timing:
@@ -64,3 +64,15 @@ def test_the_speed_run_s_options_are_checked(context, steps, rounds, message):
     with pytest.raises(ValueError, match=message):
         check_speed(context, steps, rounds)
     check_speed(128, 64, 1)
+
+
+def test_the_speed_note_says_how_many_rounds_and_what_an_older_figure_is():
+    warmed = CompareRun("full", None, speed=DecodeSpeed((2.0, 3.0, 1.0), (1.0, 1.0, 1.0), 0.5))
+    older = CompareRun("snapkv", 0.25, speed=DecodeSpeed((12.5,)))
+    assert speed_note([warmed]).startswith("Decode tok/s: median [min, max] over 3 timed rounds") and "(1 run)" not in speed_note([warmed])
+    assert speed_note([warmed, older]).endswith(
+        "; (1 run): one speed run per configuration, recorded before speeds were warmed up and repeated."
+    )
+    assert speed_note([older, CompareRun("h2o", 0.25)]) == (
+        "Decode tok/s: one speed run per configuration, recorded before speeds were warmed up and repeated."
+    )
