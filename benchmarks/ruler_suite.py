@@ -508,7 +508,10 @@ def run_speeds(
                 meta["load"][run.label] = [min(loads), max(loads)]
             save()
 
-    measured = measure_speeds(loaded, chosen, speed, shared=not args.separate_prefill, on_round=after)
+    def called(round_: int, index: int) -> None:
+        print(f"  {'warm-up' if round_ == 0 else f'round {round_}'}: {chosen[index].label} done", flush=True)
+
+    measured = measure_speeds(loaded, chosen, speed, shared=not args.separate_prefill, on_call=called, on_round=after)
     for run, timing in measured:
         if count_seconds:
             meta["seconds"][run.label] = meta["seconds"].get(run.label, 0) + round(timing.seconds)
