@@ -16,8 +16,10 @@ Sections (``--sections``, all by default):
 - ``decode``: greedy decode tokens/s of the ~100M random Llama (``--decode-model``) after a
   ``--prompt-len`` prompt, batch 1, ``--new-tokens`` steps, with ``kvlib.make_cache(model)`` (no
   codec: exact, with its read mirror) and with each of ``--decode-specs`` (no mirror: every read
-  decodes the pages), runs interleaved for ``--repeats`` rounds after an untimed warm-up that
-  also compiles the numba kernels; medians. Target: ``kivi(bits=4)`` >= 0.7x the exact cache.
+  decodes the pages), through :func:`kvlib.eval.decode_timing.measure`: a warm-up run of each (the
+  same run, untimed: the numba kernels compile there; its extra seconds are the first call's),
+  then ``--repeats`` interleaved rounds; tokens/s medians, the ratio to the exact cache the median
+  [min, max] of each round's. Target: ``kivi(bits=4)`` >= 0.7x the exact cache.
 - ``quality``: stories260K, as ``eviction_quality.py`` measures it (model-sampled stories; greedy
   agreement and KL(full || compressed) over ``--new-tokens-quality`` teacher-forced steps;
   perplexity of a held-out continuation), for each codec of ``--codecs`` alone, then at equal
@@ -47,7 +49,6 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import statistics
 import sys
 import time
 from collections.abc import Sequence
@@ -58,6 +59,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 import kvlib
 from kvlib.codec import FitSample, PageCodec, layer_shapes
+from kvlib.eval.decode_timing import Decoded, Spread, measure
 from kvlib.spec import parse_spec
 from kvlib.transformers_compat import cache_argument
 
@@ -246,7 +248,9 @@ def throughput_section(mib: int, repeats: int) -> list[dict]:
     return rows
 
 
-def decode_once(model: torch.nn.Module, spec: str | None, prompt: torch.Tensor, new_tokens: int) -> dict:
+def decode_once(model: torch.nn.Module, spec: str | None, prompt: torch.Tensor, new_tokens: int) -> Decoded:
+    """One run: a fresh cache, the prompt's prefill, then ``new_tokens`` greedy steps, timed; the detail
+    is the cache's bytes at the end."""
     gc.collect()
     cache = kvlib.make_cache(model) if spec is None else kvlib.make_cache(model, spec)
     with torch.inference_mode():
@@ -257,7 +261,7 @@ def decode_once(model: torch.nn.Module, spec: str | None, prompt: torch.Tensor, 
             token = model(input_ids=token, **cache_argument(cache), use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
         seconds = time.perf_counter() - start
     report = cache.memory_report()
-    return {"tok_s": new_tokens / seconds, "total_bytes": report["total_bytes"], "by_component": report["by_component"]}
+    return Decoded(new_tokens, seconds, {"total_bytes": report["total_bytes"], "by_component": report["by_component"]})
 
 
 def decode_section(args: argparse.Namespace, stories_path: Path) -> list[dict]:
@@ -265,25 +269,26 @@ def decode_section(args: argparse.Namespace, stories_path: Path) -> list[dict]:
     kvlib.attach(model)
     specs: list[str | None] = [None, *[s.strip() for s in args.decode_specs.split(";") if s.strip()]]
     prompt = torch.randint(0, model.config.vocab_size, (1, args.prompt_len), generator=torch.Generator().manual_seed(2))
-    for spec in specs:  # warm-up: allocations, kernel compilation
-        decode_once(model, spec, prompt[:, :64], 2)
-    runs: dict[str | None, list[dict]] = {spec: [] for spec in specs}
-    for _ in range(args.repeats):
-        for spec in specs:
-            runs[spec].append(decode_once(model, spec, prompt, args.new_tokens))
-            print(f"decode {spec or 'exact'}: {runs[spec][-1]['tok_s']:.1f} tok/s", flush=True)
-    exact = statistics.median(r["tok_s"] for r in runs[None])
-    return [
-        {
-            "spec": spec or "exact",
-            "tok_s": statistics.median(r["tok_s"] for r in runs[spec]),
-            "all_tok_s": [r["tok_s"] for r in runs[spec]],
-            "vs_exact": statistics.median(r["tok_s"] for r in runs[spec]) / exact,
-            "total_bytes": runs[spec][-1]["total_bytes"],
-            "by_component": runs[spec][-1]["by_component"],
-        }
-        for spec in specs
-    ]
+    timers = [lambda spec=spec: decode_once(model, spec, prompt, args.new_tokens) for spec in specs]
+    timings = measure(timers, args.repeats, errors=())
+    rows = []
+    for spec, timing in zip(specs, timings):
+        ratio = Spread.of(timing.vs(timings[0]))
+        rows.append(
+            {
+                "spec": spec or "exact",
+                "tok_s": timing.speed.median,
+                "all_tok_s": timing.tokens_per_s,
+                "first_call_s": timing.first_call_s,
+                "vs_exact": ratio.median,
+                "vs_exact_low": ratio.low,
+                "vs_exact_high": ratio.high,
+                "total_bytes": timing.runs[-1].detail["total_bytes"],
+                "by_component": timing.runs[-1].detail["by_component"],
+            }
+        )
+        print(f"decode {spec or 'exact'}: {timing.speed.text('{:.1f}'.format)} tok/s", flush=True)
+    return rows
 
 
 def kv_bytes(row: dict) -> int:
@@ -464,13 +469,17 @@ def _markdown(result: dict, argv: Sequence[str] | None) -> str:
             "",
             f"## Decode speed ({c['decode_model']}, prompt {c['prompt_len']}, {c['new_tokens']} greedy steps, batch 1, median of {c['repeats']})",
             "",
-            "| cache | tok/s | vs exact | bytes held | pages + codec metadata | read mirror |",
-            "|---|---:|---:|---:|---:|---:|",
+            "A warm-up run of each cache, then interleaved rounds; vs exact: median [min, max] of each round's ratio; first call:"
+            " the seconds the warm-up run took beyond a timed one (kernel compilation included).",
+            "",
+            "| cache | tok/s | vs exact | first call (s) | bytes held | pages + codec metadata | read mirror |",
+            "|---|---:|---:|---:|---:|---:|---:|",
         ]
         for r in result["decode"]:
             b = r["by_component"]
             lines.append(
-                f"| {r['spec']} | {r['tok_s']:.1f} | {r['vs_exact']:.2f} | {r['total_bytes'] / 2**20:.1f} MiB "
+                f"| {r['spec']} | {r['tok_s']:.1f} | {Spread(r['vs_exact'], r['vs_exact_low'], r['vs_exact_high']).text('{:.2f}'.format)} "
+                f"| {r['first_call_s']:.2f} | {r['total_bytes'] / 2**20:.1f} MiB "
                 f"| {(b['pages'] + b['codec_metadata']) / 2**20:.1f} MiB | {b['read_cache'] / 2**20:.1f} MiB |"
             )
         lines += [

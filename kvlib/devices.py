@@ -8,7 +8,7 @@ side stream from :func:`copy_stream` and are joined to the compute stream only t
 :func:`mark_done` and :func:`wait_done`. What a device has free is asked only through
 :func:`available_bytes` (and checked against a planned allocation by :func:`check_fits`).
 Which kernel attends over pages in place on a device (or none: a dense read first) is chosen only
-by :func:`paged_kernel`.
+by :func:`paged_kernel`. A clock that times device work reads it after :func:`synchronize`.
 """
 
 from __future__ import annotations
@@ -251,6 +251,13 @@ on one thread against 137/74/489 s on two, load 2 to 6). README, "Threads"."""
 
 BUSY_LOAD = 1.0
 """A 1-minute load average at or above this means another job is running (:func:`cpu_threads`)."""
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait until the work queued on ``device`` has run (CUDA launches return before their kernels
+    finish); a no-op on the CPU. For timing: a clock read after it counts the work issued before."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def set_cpu_threads(threads: int) -> None:
