@@ -7,6 +7,7 @@ import json
 import pytest
 
 from kvlib import cli
+from kvlib.errors import quoted
 from kvlib.eval.plots import pareto_front
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -176,7 +177,7 @@ def test_an_unusable_out_folder_fails_before_the_model_loads(compared, capsys, m
         monkeypatch.setattr("kvlib.eval.output_files.check_writable", refuse_probe)
     monkeypatch.setattr("kvlib.eval.load_model", never_load)
     assert cli.main(argv + ["--out", str(tmp_path / out)]) == 2
-    assert capsys.readouterr().err == f"kvlib: error: --out {str(tmp_path / out)!r} {message}\n"
+    assert capsys.readouterr().err == f"kvlib: error: --out {quoted(str(tmp_path / out))} {message}\n"
     assert (tmp_path / "file").read_text() == "keep me" and sorted(p.name for p in tmp_path.rglob("*")) == (
         ["file", "unwritable"] if out == "unwritable" else ["file"]
     )
