@@ -36,7 +36,23 @@ def quick_start_commands() -> list[str]:
     return [line.split("#")[0].strip() for line in block.splitlines() if line.split("#")[0].strip()]
 
 
+def ci_lines() -> list[str]:
+    """The lines of ``.ci/run`` that run (comments dropped)."""
+    return [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines() if not line.lstrip().startswith("#")]
+
+
 def test_the_quick_start_is_two_commands_and_ci_runs_the_second() -> None:
     assert quick_start_commands() == ["python3 quickstart.py compare", "python3 quickstart.py test"]
-    ci_lines = [line for line in (ROOT / ".ci" / "run").read_text().splitlines() if not line.lstrip().startswith("#")]
-    assert any(f"if ! {quick_start_commands()[1]}; then" in line for line in ci_lines)
+    assert f"if ! {quick_start_commands()[1]} --strict-skips; then" in ci_lines()
+
+
+def test_ci_runs_in_a_clone_with_nothing_beside_it() -> None:
+    """Before its first step, CI clones the checkout into a fresh temporary folder and moves there."""
+    lines = ci_lines()
+    first_step = next(i for i, line in enumerate(lines) if "quickstart.py" in line)
+    assert (
+        lines.index("scratch=$(mktemp -d)")
+        < lines.index('git clone -q . "$scratch/kvlib"')
+        < lines.index('cd "$scratch/kvlib"')
+        < first_step
+    )
