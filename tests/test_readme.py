@@ -20,12 +20,13 @@ BLOCKS = [
 
 
 @pytest.mark.parametrize("name, block", BLOCKS)
-def test_python_examples_run(name: str, block: str, monkeypatch: pytest.MonkeyPatch, scratch_registry) -> None:
-    """Every Python block of the README and docs/ runs on its own. Examples may register plugins:
-    they do so in a scratch registry."""
+def test_python_examples_run(name: str, block: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, scratch_registry) -> None:
+    """Every Python block of the README and docs/ runs on its own, from any folder (it loads
+    nothing outside the installed package). Examples may register plugins: they do so in a
+    scratch registry."""
     module = types.ModuleType("readme_example")  # dataclasses look their module up in sys.modules
     monkeypatch.setitem(sys.modules, module.__name__, module)
-    monkeypatch.chdir(ROOT)  # examples name ../shared relative to the repository root
+    monkeypatch.chdir(tmp_path)  # not the checkout: an example must not read a file beside it
     exec(compile(block, name, "exec"), module.__dict__)
 
 
