@@ -17,7 +17,7 @@ DynamicCache's (fp32 model).
 
     python benchmarks/bench_coded_decode.py [--models llama100m] [--specs "kivi(bits=4);int8"]
         [--batch-sizes 1] [--prompt-len 2048] [--new-tokens 64] [--repeats 3] [--threads N]
-    python benchmarks/bench_coded_decode.py --quick --out /tmp/x   # stories, prompt 40, 8 tokens, 1 round
+    python benchmarks/bench_coded_decode.py --quick --out /tmp/x   # the default model, prompt 40, 8 tokens, 1 round
 """
 
 from __future__ import annotations
@@ -37,11 +37,11 @@ import kvlib
 from kvlib.eval.decode_timing import Spread, measure
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or loaded by path
-from bench_generate import MODELS, REPO, decode_timer, load_model, new_cache  # noqa: E402
-from provenance import add_run_arguments, command_line, parse_run_arguments, run_metadata, write_report  # noqa: E402
+from bench_generate import MODELS, REPO, decode_timer, new_cache  # noqa: E402
+from provenance import add_run_arguments, command_line, load_bench_model, parse_run_arguments, run_metadata, write_report  # noqa: E402
 
 FULL = {"models": "llama100m", "specs": "kivi(bits=4)", "batch_sizes": "1", "prompt_len": 2048, "new_tokens": 64, "repeats": 3}
-QUICK = {"models": "stories", "specs": "kivi(bits=4)", "batch_sizes": "1", "prompt_len": 40, "new_tokens": 8, "repeats": 1}
+QUICK = {"models": "default", "specs": "kivi(bits=4)", "batch_sizes": "1", "prompt_len": 40, "new_tokens": 8, "repeats": 1}
 BASELINES = ("dynamic", "kvlib")
 """DynamicCache and the exact kvlib cache (``make_cache(model)``)."""
 
@@ -87,7 +87,7 @@ def run(argv: Sequence[str] | None = None) -> dict:
     parser.add_argument("--prompt-len", type=int, help=f"prompt tokens (default {FULL['prompt_len']})")
     parser.add_argument("--new-tokens", type=int, help=f"decode steps (default {FULL['new_tokens']})")
     parser.add_argument("--repeats", type=int, help=f"interleaved rounds per case (default {FULL['repeats']})")
-    add_run_arguments(parser, QUICK, stories=True)
+    add_run_arguments(parser, QUICK)
     args = parse_run_arguments(parser, argv, QUICK, FULL)
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     unknown = sorted(set(models) - set(MODELS))
@@ -96,10 +96,9 @@ def run(argv: Sequence[str] | None = None) -> dict:
     specs = [s.strip() for s in args.specs.split(";") if s.strip()]
     for spec in specs:
         kvlib.parse_spec(spec)  # a bad spec is a ValueError before any model is loaded
-    stories_path = args.stories_path if args.stories_path.is_absolute() else REPO / args.stories_path
     rows = []
     for name in models:
-        model = load_model(name, stories_path)
+        model = load_bench_model(name)
         kvlib.attach(model)
         for batch in [int(b) for b in args.batch_sizes.split(",")]:
             row = {"model": name, "params": sum(p.numel() for p in model.parameters()), **bench_case(model, specs, batch, args)}
@@ -108,7 +107,6 @@ def run(argv: Sequence[str] | None = None) -> dict:
         del model
         gc.collect()
     result = {**run_metadata(args, load_before, started), "rows": rows}
-    result["config"]["stories_path"] = str(args.stories_path)
     write_report(args.out, "bench_coded_decode", _markdown(result, argv), result)
     return result
 

@@ -19,8 +19,9 @@ every 16 decode steps instead of one every step), ``snapkv_0.25`` (prompt compre
 quarter), ``kivi4`` (``kivi(bits=4)``).
 The exact cache's greedy tokens must equal DynamicCache's (asserted after the report is written).
 
-Models: ``llama100m`` (a seeded random-weight ~100M Llama, fp32, see ``provenance.LLAMA100M``) and
-``smollm2`` (SmolLM2-135M-Instruct through ``kvlib.eval.load_model``; 30 layers, 3 KV heads).
+Models (``provenance.load_bench_model``): ``llama100m`` (a seeded random-weight ~100M Llama, fp32,
+see ``provenance.LLAMA100M``), ``smollm2`` (SmolLM2-135M-Instruct through ``kvlib.eval.load_model``;
+30 layers, 3 KV heads) and ``default`` (the embedded default model; ``--quick`` runs it).
 
     python benchmarks/bench_decode_caches.py [--models llama100m,smollm2] [--contexts 2048,8192]
         [--caches exact,streaming_llm_int25,...] [--new-tokens 32] [--repeats 2] [--threads N] [--device cuda]
@@ -44,10 +45,9 @@ from kvlib.eval.decode_timing import Spread, measure
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or loaded by path
 from bench_generate import decode_timer  # noqa: E402
-from bench_generate import load_model as load_bench_model
-from provenance import add_run_arguments, command_line, parse_run_arguments, run_metadata, write_report  # noqa: E402
+from provenance import add_run_arguments, command_line, load_bench_model, parse_run_arguments, run_metadata, write_report  # noqa: E402
 
-MODELS = ("llama100m", "smollm2", "stories")
+MODELS = ("llama100m", "smollm2", "default")
 FULL = {
     "models": "llama100m,smollm2",
     "contexts": "2048,8192",
@@ -55,7 +55,7 @@ FULL = {
     "new_tokens": 32,
     "repeats": 2,
 }
-QUICK = {"models": "stories", "contexts": "64", "caches": "exact,streaming_llm_int25,snapkv_0.25,kivi4", "new_tokens": 4, "repeats": 1}
+QUICK = {"models": "default", "contexts": "64", "caches": "exact,streaming_llm_int25,snapkv_0.25,kivi4", "new_tokens": 4, "repeats": 1}
 
 
 def cache_factories(context: int) -> dict[str, Callable[[torch.nn.Module], object]]:
@@ -72,14 +72,6 @@ def cache_factories(context: int) -> dict[str, Callable[[torch.nn.Module], objec
         "snapkv_0.25": lambda model: kvlib.make_cache(model, "snapkv", budget=0.25),
         "kivi4": lambda model: kvlib.make_cache(model, "kivi(bits=4)"),
     }
-
-
-def load_model(name: str, stories_path: Path) -> torch.nn.Module:
-    if name == "smollm2":
-        from kvlib.eval import load_model as load_named_model
-
-        return load_named_model("smollm2").model
-    return load_bench_model(name, stories_path)
 
 
 def bench_context(model: torch.nn.Module, context: int, caches: list[str], args: argparse.Namespace) -> dict:
@@ -125,7 +117,7 @@ def run(argv: Sequence[str] | None = None) -> dict:
     parser.add_argument("--new-tokens", type=int, help=f"decode steps (default {FULL['new_tokens']})")
     parser.add_argument("--repeats", type=int, help=f"interleaved rounds (default {FULL['repeats']})")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the model and caches live (default cpu)")
-    add_run_arguments(parser, QUICK, stories=True)
+    add_run_arguments(parser, QUICK)
     args = parse_run_arguments(parser, argv, QUICK, FULL)
     load_before, started = os.getloadavg()[0], time.perf_counter()
     models = [m for m in args.models.split(",") if m]
@@ -138,10 +130,9 @@ def run(argv: Sequence[str] | None = None) -> dict:
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda needs a CUDA device; none is available")
     contexts = [int(c) for c in args.contexts.split(",")]
-    stories_path = args.stories_path if args.stories_path.is_absolute() else Path(__file__).resolve().parents[1] / args.stories_path
     rows = []
     for name in models:
-        model = load_model(name, stories_path).to(args.device)
+        model = load_bench_model(name).to(args.device)
         kvlib.attach(model)  # every cache runs through the same attention function
         for context in contexts:
             load_before = os.getloadavg()[0]

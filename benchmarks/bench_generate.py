@@ -16,17 +16,18 @@ Every run's greedy tokens must equal the first DynamicCache run's (asserted afte
 written). Memory at the end of decode: kvlib's ``memory_report()["total_bytes"]`` (pages,
 positions, tables and the dense read mirror) and the DynamicCache's keys and values bytes.
 
-Models: ``stories`` (the trained stories260K checkpoint at ``--stories-path``, resolved against
-the repository root) and ``llama100m`` (a seeded random-weight ``LlamaForCausalLM``: hidden 768,
-12 layers, 12 heads, 4 KV heads, MLP 2048, vocab 32000, tied embeddings: ~100M parameters, fp32).
-Prompts are random token ids (seeded).
+Models: ``default`` (kvlib's embedded trained model, which ships in the package: a byte-level
+Llama of 4 layers, 2 KV heads of 32 channels, 1024 trained positions, ~0.8M parameters) and
+``llama100m`` (a seeded random-weight ``LlamaForCausalLM``: hidden 768, 12 layers, 12 heads, 4 KV
+heads, MLP 2048, vocab 32000, tied embeddings: ~100M parameters, fp32); both through
+``provenance.load_bench_model``. Prompts are random token ids (seeded).
 
 Usage (defaults: both models, prompt 2048, 256 new tokens, batch 1 and 8, 3 repeats):
 
-    python benchmarks/bench_generate.py [--models stories,llama100m] [--batch-sizes 1,8]
+    python benchmarks/bench_generate.py [--models default,llama100m] [--batch-sizes 1,8]
         [--prompt-len 2048] [--new-tokens 256] [--repeats 3] [--repeats-llama100m N] [--threads N]
-        [--stories-path ../shared/models/stories260K] [--out benchmarks/results]
-    python benchmarks/bench_generate.py --quick --out /tmp/x   # stories, prompt 32, 8 tokens, batch 1,2, 1 repeat
+        [--out benchmarks/results]
+    python benchmarks/bench_generate.py --quick --out /tmp/x   # default, prompt 32, 8 tokens, batch 1,2, 1 repeat
 
 Writes ``bench_generate.md`` and ``bench_generate.json`` to ``--out``. Target: kvlib / DynamicCache >= 0.9.
 """
@@ -45,7 +46,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from transformers import DynamicCache
 
 import kvlib
 from kvlib.eval.decode_timing import Decoded, Spread, Timer, measure
@@ -53,31 +54,20 @@ from kvlib.transformers_compat import cache_argument
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or loaded by path
 from provenance import (  # noqa: E402
-    LLAMA100M,
+    RANDOM_LLAMA,
     add_run_arguments,
     git_revision,
+    load_bench_model,
     no_machine_path,
     parse_run_arguments,
     write_report,
 )
 
 REPO = Path(__file__).resolve().parents[1]
-MODELS = ("stories", "llama100m")
-FULL = {"models": "stories,llama100m", "batch_sizes": "1,8", "prompt_len": 2048, "new_tokens": 256, "repeats": 3}
-QUICK = {"models": "stories", "batch_sizes": "1,2", "prompt_len": 32, "new_tokens": 8, "repeats": 1}
+MODELS = ("default", RANDOM_LLAMA)
+FULL = {"models": "default,llama100m", "batch_sizes": "1,8", "prompt_len": 2048, "new_tokens": 256, "repeats": 3}
+QUICK = {"models": "default", "batch_sizes": "1,2", "prompt_len": 32, "new_tokens": 8, "repeats": 1}
 CACHES = ("dynamic", "kvlib")
-
-
-def load_model(name: str, stories_path: Path) -> torch.nn.Module:
-    if name == "stories":
-        model = LlamaForCausalLM.from_pretrained(stories_path, dtype=torch.float32)
-    elif name == "llama100m":
-        torch.manual_seed(0)
-        config = LlamaConfig(**LLAMA100M, max_position_embeddings=4096, tie_word_embeddings=True, dtype=torch.float32)
-        model = LlamaForCausalLM(config).to(torch.float32)
-    else:
-        raise ValueError(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
-    return model.eval()
 
 
 def new_cache(kind: str, model: torch.nn.Module):
@@ -179,18 +169,17 @@ def run(argv: Sequence[str] | None = None) -> dict:
     parser.add_argument("--new-tokens", type=int, help=f"decode steps (default {FULL['new_tokens']})")
     parser.add_argument("--repeats", type=int, help=f"interleaved rounds per case (default {FULL['repeats']})")
     parser.add_argument("--repeats-llama100m", type=int, default=None, help="rounds for llama100m only (default: --repeats)")
-    add_run_arguments(parser, QUICK, stories=True)
+    add_run_arguments(parser, QUICK)
     args = parse_run_arguments(parser, argv, QUICK, FULL)
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     unknown = sorted(set(models) - set(MODELS))
     if unknown:
         parser.error(f"unknown models {unknown}; choose from {', '.join(MODELS)}")
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    stories_path = args.stories_path if args.stories_path.is_absolute() else REPO / args.stories_path
 
     rows = []
     for name in models:
-        model = load_model(name, stories_path)
+        model = load_bench_model(name)
         kvlib.attach(model)  # both caches measured on the same attention function (kvlib_sdpa)
         repeats = args.repeats_llama100m if name == "llama100m" and args.repeats_llama100m else args.repeats
         for batch in batch_sizes:
@@ -207,8 +196,7 @@ def run(argv: Sequence[str] | None = None) -> dict:
         del model
         gc.collect()
 
-    config = {k: v for k, v in vars(args).items() if k not in ("out", "stories_path")}
-    config["stories_path"] = str(args.stories_path)  # as given (relative to the repo root by default)
+    config = {k: v for k, v in vars(args).items() if k != "out"}
     result = {
         "config": config,
         "machine": f"{platform.machine()}, torch {torch.__version__}, {torch.get_num_threads()} threads",

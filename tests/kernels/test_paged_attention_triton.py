@@ -305,7 +305,7 @@ def _products(a, b, signs, split_out, exact_out, DOT: tl.constexpr):
     [
         ("float32", 1e-6),
         ("float16", 1e-6),
-        pytest.param("bfloat16", 1e-4, marks=pytest.mark.skipif(DEVICE.type == "cpu", reason="GPU only")),
+        pytest.param("bfloat16", 1e-4, marks=pytest.mark.skipif(DEVICE.type == "cpu", reason="needs a CUDA device")),
     ],
 )
 def test_split_products_keep_float32s_precision(dot: str, tolerance: float) -> None:

@@ -78,7 +78,7 @@ def test_eager_attention_matches_and_stays_eager(family):
     _assert_same(reference, ours)
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2", "stories"])
+@pytest.mark.parametrize("family", ["llama", "gpt2", "default"])
 def test_assisted_generation_crops_like_dynamic_cache(family):
     model = build_model(family)
     assistant = build_model(family)
@@ -135,7 +135,7 @@ def test_batch_operations_match_dynamic_cache(operation):
 
 
 def test_reset_then_reuse_with_another_batch_equals_a_fresh_cache():
-    model = build_model("stories")
+    model = build_model("default")
     cache = kvlib.make_cache(model)
     first, _ = left_padded([10], seed=6)
     model.generate(first, **cache_argument(cache), do_sample=False, max_new_tokens=5, pad_token_id=PAD)
@@ -167,7 +167,7 @@ def test_crop_then_continue_equals_never_having_seen_the_tokens():
 
 
 def test_memory_report_counts_what_is_held():
-    model = build_model("stories")
+    model = build_model("default")
     cache = kvlib.make_cache(model, page_size=8)
     ids, _ = left_padded([20], seed=9)
     with torch.no_grad():

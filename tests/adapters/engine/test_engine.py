@@ -157,7 +157,7 @@ def test_a_recomputed_block_pins_no_second_copy(llama, llama_case) -> None:
     assert request.output == llama_case[1][1]
 
 
-@pytest.mark.parametrize("family", ["qwen2", "gpt2", "stories"])
+@pytest.mark.parametrize("family", ["qwen2", "gpt2", "default"])
 def test_other_families_stay_exact(family) -> None:
     model = build_model(family)
     prompts = prompts_with_shared_prefix(model.config.vocab_size, seed=1)[:5]
