@@ -37,7 +37,7 @@ import kvlib
 from kvlib.eval.decode_timing import Spread, measure
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or loaded by path
-from bench_generate import MODELS, REPO, decode_timer, new_cache  # noqa: E402
+from bench_generate import MODELS, decode_timer, new_cache  # noqa: E402
 from provenance import add_run_arguments, command_line, load_bench_model, parse_run_arguments, run_metadata, write_report  # noqa: E402
 
 FULL = {"models": "llama100m", "specs": "kivi(bits=4)", "batch_sizes": "1", "prompt_len": 2048, "new_tokens": 64, "repeats": 3}
