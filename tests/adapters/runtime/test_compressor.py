@@ -276,7 +276,8 @@ def test_accumulated_attention_sums_every_query_over_prefill_and_decoding(scratc
     kv_heads = cache.shape.num_kv_heads
     for layer, total in enumerate(expected):
         grouped = total.view(1, kv_heads, -1, total.shape[-1]).mean(2)
-        assert torch.allclose(cache.compressor._accumulated[layer], grouped, atol=1e-5)
+        state = cache.compressor._accumulated[layer]  # planned steps leave it room to grow, at 0
+        assert torch.allclose(state[..., : grouped.shape[-1]], grouped, atol=1e-5) and (state[..., grouped.shape[-1] :] == 0).all()
 
 
 def test_accumulated_attention_follows_beam_reordering(scratch_registry):
