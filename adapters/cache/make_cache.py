@@ -10,7 +10,7 @@ from kvlib.adapters.runtime.make_compressor import check_budget, eviction_compre
 from kvlib.codec import Codec, layer_shapes
 from kvlib.devices import check_fits
 from kvlib.limits import MAX_PAGE_SIZE, check_page_size, check_request_tokens
-from kvlib.model_shape import KVShape, kv_shape, model_context
+from kvlib.model_shape import KVShape, kv_shape, model_context, shares_kv_across_layers
 from kvlib.spec import Spec, SpecLike, parse_spec
 from kvlib.storage.prefix_store import PrefixStore
 from kvlib.storage.store_config import DEFAULT_PAGES_PER_LAYER, initial_arena_bytes
@@ -125,6 +125,8 @@ def make_cache(
         home=home,
         tiering=parsed.tiering,
     )
+    if shares_kv_across_layers(model):  # the sharing layers attend over what their source layer's update returns
+        cache.serve_densely("shares one layer's keys and values with other layers", True, shapes_kept=True)
     if prompt is not None:
         cache.prime(prompt, attention_mask)
     return cache

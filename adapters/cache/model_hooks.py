@@ -52,7 +52,7 @@ def _prepare_cache(model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
     """Forward pre-hook on an attached model: a KVCache refuses another batch size before any work,
     then plans the call if it is a decode step (:meth:`KVCache.prepare_step`), outside the forward."""
     cache = passed_cache(kwargs)
-    if isinstance(cache, KVCache):
+    if isinstance(cache, KVCache) and not torch.compiler.is_compiling():  # traced: layer 0's operator plans the step
         inputs = kwargs.get("input_ids", args[0] if args else None)
         if inputs is None:
             inputs = kwargs.get("inputs_embeds")
