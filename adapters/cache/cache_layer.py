@@ -58,9 +58,6 @@ class KVCacheLayer(CacheLayerMixin):
     until its attention's after-attention work ran."""
 
     is_sliding = False
-    is_compileable = True
-    """Inside a compiled forward, a layer call is two operators (:mod:`~kvlib.adapters.cache.compiled_calls`):
-    ``generate`` compiles its decode steps itself where it would for a ``StaticCache``."""
 
     def __init__(self, cache: SharedState, layer_idx: int) -> None:
         self.keys = self.values = None
@@ -78,6 +75,12 @@ class KVCacheLayer(CacheLayerMixin):
     @property
     def is_initialized(self) -> bool:
         return bool(self.cache.rows)
+
+    @property
+    def is_compileable(self) -> bool:
+        """The cache's ``compileable`` (inside a compiled forward, a layer call is two operators:
+        :mod:`~kvlib.adapters.cache.compiled_calls`; this says whether ``generate`` compiles by itself)."""
+        return self.cache.compileable
 
     @property
     def is_croppable(self) -> bool:

@@ -73,6 +73,12 @@ class KVCache(Cache):
             :attr:`spill`; a directory that cannot hold a disk tier is a ``ValueError`` here, as
             spilled pages would have nowhere to go), or ``quest``, whose decode steps attend over
             the pages their query chooses.
+        compileable: what ``is_compileable`` reports. True lets ``generate`` compile its decode
+            steps itself (``get_compiled_call``; on CUDA by default, with ``mode="reduce-overhead"``)
+            and build 4-D masks outside the forward; False by default, because the cache's masks
+            grow by one column each step: inductor then compiles dynamic shapes once, but CUDA
+            graphs would be recorded anew for every width. Compiling ``model.forward`` or the
+            model yourself works either way.
     """
 
     def __init__(
@@ -87,8 +93,10 @@ class KVCache(Cache):
         spec: str = "",
         home: tuple[torch.dtype, torch.device] | None = None,
         tiering: Tiering | None = None,
+        compileable: bool = False,
     ) -> None:
         super().__init__(layers=[KVCacheLayer(self, i) for i in range(shape.num_layers)])
+        self.compileable = compileable
         self.shape = shape
         self.compressor = compressor
         self.page_size = page_size
@@ -363,7 +371,10 @@ class KVCache(Cache):
         are its own), and one that holds nothing yet.
         """
         check_forkable(self)
-        copy = KVCache(self.shape, page_size=self.page_size, read_cache=self.read_cache, codec=self.codec, spec=self.spec)
+        copy = KVCache(
+            self.shape, page_size=self.page_size, read_cache=self.read_cache, codec=self.codec, spec=self.spec, compileable=self.compileable
+        )
+        copy.dense_returns = self.dense_returns
         share_rows(self, copy)
         return copy
 

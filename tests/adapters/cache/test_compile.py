@@ -171,13 +171,14 @@ def test_a_loop_over_the_compiled_module(prompt) -> None:
 
 
 def test_generates_own_compile_path(prompt) -> None:
-    """The cache is compileable (``is_compileable``): ``generate`` compiles its decode steps itself
-    (``compile_config``; on the CPU only when asked with ``_compile_all_devices``, as for
-    ``StaticCache``), handing the forward a 4-D mask it builds outside: eager tokens, at most two
-    graphs (the decode step's, then with its lengths dynamic)."""
+    """``make_cache(..., compileable=True)`` reports ``is_compileable``: ``generate`` compiles its
+    decode steps itself (``compile_config``; on the CPU only when asked with
+    ``_compile_all_devices``, as for ``StaticCache``), handing the forward a 4-D mask it builds
+    outside: eager tokens, at most two graphs (the decode step's, then with its lengths dynamic).
+    By default the cache is not compileable and ``generate`` compiles nothing."""
     model = build_model("llama")
     cases = [("", None), ("snapkv+kivi(bits=4)", BUDGET)]
-    eager = [generate(model, make(model, spec, budget), prompt, disable_compile=True) for spec, budget in cases]
+    eager = [generate(model, make(model, spec, budget), prompt) for spec, budget in cases]
     graphs: list[int] = []
 
     def backend(graph: torch.fx.GraphModule, example_inputs: list) -> object:
@@ -187,8 +188,11 @@ def test_generates_own_compile_path(prompt) -> None:
     config = CompileConfig(backend=backend, fullgraph=True, mode=None)
     config._compile_all_devices = True
     try:
+        assert not make(model, "", None).is_compileable
+        generate(model, make(model, "", None), prompt, compile_config=config)
+        assert graphs == []
         for (spec, budget), expected in zip(cases, eager):
-            cache = make(model, spec, budget)
+            cache = kvlib.make_cache(model, spec or None, compileable=True, **({} if budget is None else {"budget": budget}))
             assert cache.is_compileable
             assert torch.equal(generate(model, cache, prompt, compile_config=config), expected), spec
     finally:
