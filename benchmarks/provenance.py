@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from kvlib.devices import set_cpu_threads
+from kvlib.eval.output_files import replace_file  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 LIBRARY_DIRS = ("kvlib", "adapters", "strategies", "storage")
@@ -112,5 +113,5 @@ def write_report(out: Path, name: str, report: str, result: dict) -> None:
     """Print ``report`` and write it as ``out/name.md`` beside ``result`` as ``out/name.json``."""
     print(report)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{name}.md").write_text(report + "\n")
-    (out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    replace_file(out / f"{name}.md", report + "\n")
+    replace_file(out / f"{name}.json", json.dumps(result, indent=2) + "\n")

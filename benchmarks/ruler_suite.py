@@ -57,6 +57,7 @@ import kvlib  # noqa: E402
 from kvlib.devices import set_cpu_threads  # noqa: E402
 from kvlib.eval import load_model  # noqa: E402
 from kvlib.eval.compare_units import FULL, CompareRun, Unit, check_inputs, configurations, run_unit, speed_prompt  # noqa: E402
+from kvlib.eval.output_files import replace_file  # noqa: E402
 from kvlib.eval.report import prefill_note, runs_from_json, score_cell, to_json  # noqa: E402
 from kvlib.eval.ruler import RULER_TASKS  # noqa: E402
 from kvlib.eval.shared_compare import run_speeds_shared, run_tasks_shared  # noqa: E402
@@ -341,9 +342,7 @@ def write(out: Path, runs: Sequence[CompareRun], meta: dict, baseline: Baseline 
     stem = file_name(meta["options"]["context_first"])
     texts = ((f"{stem}.json", json.dumps(to_json(runs, meta, baseline), indent=1) + "\n"), (f"{stem}.md", markdown(runs, meta, baseline)))
     for name, text in texts:
-        partial = out / (name + ".part")
-        partial.write_text(text)
-        partial.replace(out / name)
+        replace_file(out / name, text)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

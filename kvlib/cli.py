@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import os
 import subprocess
 import sys
 import time
@@ -106,16 +105,17 @@ INTERRUPTED = 130
 
 def check_out_folder(text: str) -> Path:
     """The ``--out`` folder, made ready before any model work: created with its parents, and
-    shown to take files by writing and deleting a probe file. ``UsageError`` (one line) for a
-    path that exists and is not a folder, or a folder that cannot be created or written."""
+    shown to take files by creating an unnamed one (:func:`~kvlib.eval.output_files.check_writable`:
+    no file of a guessable name is opened). ``UsageError`` (one line) for a path that exists and is
+    not a folder, or a folder that cannot be created or written."""
+    from kvlib.eval.output_files import check_writable
+
     out = Path(text)
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {quoted(text)} exists and is not a folder")
     try:
         out.mkdir(parents=True, exist_ok=True)
-        probe = out / f".kvlib-probe-{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
+        check_writable(out)
     except OSError as exc:
         raise UsageError(f"--out {quoted(text)} cannot be written: {exc.strerror or exc}") from None
     return out

@@ -27,7 +27,10 @@ ordered after the previous one, and none is dropped as unused. They are tagged
 
 The step handed from one operator to the other exists only while tracing (:class:`TracedLayerStep`,
 published as the eager step is: in the attention keyword arguments); at run time the operators
-find the layer's step through the handle.
+find the layer's step through the handle. The forward hooks of :func:`kvlib.attach` do nothing
+while traced; each operator checks the calling thread and holds the cache's PrefixStore lock for
+its own work (:meth:`~kvlib.adapters.KVCache.enter_call`), where an eager call holds it for the
+whole model call.
 """
 
 from __future__ import annotations
@@ -59,6 +62,10 @@ class HandledCache(Protocol):
     layers: list[HandledLayer]
     dense_returns: str | None
 
+    def enter_call(self, claim: bool = True) -> None: ...
+
+    def leave_call(self) -> None: ...
+
 
 _CACHES: weakref.WeakValueDictionary[int, HandledCache] = weakref.WeakValueDictionary()
 """Caches by the number their handle holds (held weakly: a cache freed is gone from here)."""
@@ -88,8 +95,12 @@ _LIBRARY.define(
 
 
 def _update(handle: torch.Tensor, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-    cache_layer = _cache(handle).layers[layer]
-    cache_layer.pending = cache_layer.store_call(keys, values)
+    cache = _cache(handle)
+    cache.enter_call()
+    try:
+        cache.layers[layer].pending = cache.layers[layer].store_call(keys, values)
+    finally:
+        cache.leave_call()
 
 
 def _attend(
@@ -109,7 +120,8 @@ def _attend(
     eager: bool,
     value_dim: int,
 ) -> torch.Tensor:
-    step = _cache(handle).layers[layer].pending
+    cache = _cache(handle)
+    step = cache.layers[layer].pending
     attention = attention_module(module)
     kwargs = {"scaling": scaling, "dropout": dropout, "softcap": softcap, "sliding_window": sliding_window, "s_aux": sinks}
     kwargs = {name: value for name, value in kwargs.items() if value is not None}
@@ -125,7 +137,11 @@ def _attend(
         eager=eager,
         kwargs=kwargs,
     )
-    output, _ = step.attend(call)
+    cache.enter_call()
+    try:
+        output, _ = step.attend(call)
+    finally:
+        cache.leave_call()
     return output.contiguous()
 
 

@@ -22,7 +22,9 @@ step is planned for every layer before the forward runs (:mod:`~kvlib.adapters.c
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import functools
+import threading
+from collections.abc import Callable, Iterator
 
 import torch
 from transformers.cache_utils import Cache
@@ -43,6 +45,22 @@ from kvlib.storage.prefix_store import PrefixStore
 from kvlib.storage.spill_store import SpillStore
 from kvlib.storage.step_plan import StepPlan
 from kvlib.strategy import Tiering
+
+
+def _exclusive(method: Callable) -> Callable:
+    """``method`` of a :class:`KVCache` run as :meth:`KVCache.enter_call` (no claim) ...
+    :meth:`KVCache.leave_call`: refused from a thread other than the owner's, and holding the
+    cache's PrefixStore lock while it changes the shared store."""
+
+    @functools.wraps(method)
+    def run(cache: KVCache, *args, **kwargs):
+        cache.enter_call(claim=False)
+        try:
+            return method(cache, *args, **kwargs)
+        finally:
+            cache.leave_call()
+
+    return run
 
 
 class KVCache(Cache):
@@ -135,6 +153,11 @@ class KVCache(Cache):
         """The planned step's real new tokens, where not all are (found by layer 0's attention when
         :attr:`plan_known_real` is False; None: all real)."""
         self.prepared = False
+        self._owner: int | None = None
+        """The thread using this cache (``threading.get_ident()``), recorded at its first model call
+        and released by :meth:`reset`; another thread is refused (:meth:`check_thread`)."""
+        self._store_lock_depth, self._store_lock_thread = 0, 0
+        """How many times, and by which thread, this cache holds its PrefixStore's lock now."""
         """Whether :meth:`prepare_step` ran for the coming call (layer 0's update clears it)."""
         self.store: PagedStore | None = self.builder.new_store(*home) if home is not None else None
         self.dense_returns: str | None = None
@@ -171,6 +194,7 @@ class KVCache(Cache):
         if previous.pending is not None and (self.compressor is not None or self.codec is not None):
             raise RuntimeError(NOT_THROUGH_KVLIB.format(layer=previous.layer_idx))
         batch = key_states.shape[0]
+        self.check_thread()
         self.check_batch(batch)
         if self.store is None:
             self.store = self.builder.new_store(key_states.dtype, key_states.device)
@@ -244,6 +268,40 @@ class KVCache(Cache):
         finally:
             self.recompute = None
 
+    # -- threads ------------------------------------------------------------------------------
+
+    def check_thread(self, claim: bool = True) -> None:
+        """``RuntimeError`` (one line) when a thread other than this cache's owner uses it; with
+        ``claim``, a cache no thread owns yet becomes the calling thread's. A cache serves one
+        generation at a time: kvlib refuses the second thread rather than let both write wrong
+        output (``DynamicCache`` does not check)."""
+        me = threading.get_ident()
+        if self._owner is None:
+            if claim:
+                self._owner = me
+        elif self._owner != me:
+            raise RuntimeError(
+                f"this KVCache is in use by thread {self._owner}, and thread {me} called it: a cache serves one thread at a"
+                " time; make a cache per thread (kvlib.make_cache), or reset() it in its thread before handing it over"
+            )
+
+    def enter_call(self, claim: bool = True) -> None:
+        """Start a call that may change the store: the thread is checked (:meth:`check_thread`) and,
+        for a cache living in a :class:`~kvlib.PrefixStore`'s paged store (shared with other
+        caches, other threads' included), the store's lock is taken until :meth:`leave_call`. The
+        forward hooks of :func:`kvlib.attach` hold it for each model call."""
+        self.check_thread(claim)
+        if self.reuse is not None:
+            self.reuse.lock.acquire()
+            self._store_lock_depth += 1
+            self._store_lock_thread = threading.get_ident()
+
+    def leave_call(self) -> None:
+        """End a call :meth:`enter_call` started (nothing when this thread holds no lock for it)."""
+        if self._store_lock_depth and self._store_lock_thread == threading.get_ident():
+            self._store_lock_depth -= 1
+            self.reuse.lock.release()
+
     def check_batch(self, batch: int) -> None:
         """``ValueError`` unless a batch of ``batch`` rows may use this cache (it is empty, or holds that many)."""
         if self._rows and batch != len(self._rows):
@@ -252,6 +310,7 @@ class KVCache(Cache):
                 " before reusing it for another batch"
             )
 
+    @_exclusive
     def prime(self, prompt: torch.Tensor, attention_mask: torch.Tensor | None = None) -> int:
         """Start this (empty) cache from the longest prefix of ``prompt`` (int ``[batch, tokens]``)
         cached in its :class:`~kvlib.PrefixStore`, and index the prompt's full pages once computed.
@@ -279,6 +338,7 @@ class KVCache(Cache):
         self.padding = torch.zeros(prompt.shape[0], dtype=torch.int64, device=self.store.device)
         return reused
 
+    @_exclusive
     def index_tokens(self, tokens: torch.Tensor) -> None:
         """Index, in the cache's PrefixStore, the full pages of ``tokens`` (int ``[batch, n]``: the
         prompt the cache was primed with, then what it generated, as ``generate`` returns them), so
@@ -309,6 +369,7 @@ class KVCache(Cache):
 
     # -- batch operations -----------------------------------------------------------------------
 
+    @_exclusive
     def reset(self) -> None:
         """Forget every stored token (pages go back to the pool); the next update starts a new batch."""
         if self.session is not None:  # the store is the PrefixStore's: give back what this cache held
@@ -329,21 +390,26 @@ class KVCache(Cache):
             layer.reset()
         if self.compressor is not None:
             self.compressor.reset()
+        self._owner = None  # empty again: any thread may take it
 
+    @_exclusive
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Row ``i`` becomes a copy of old row ``beam_idx[i]`` (beam search)."""
         select_rows(self, beam_idx)
 
+    @_exclusive
     def batch_repeat_interleave(self, repeats: int) -> None:
         """Each row repeated ``repeats`` times in place (``[a, b] -> [a, a, b, b]``)."""
         if not isinstance(repeats, int) or repeats < 1:
             raise ValueError(f"repeats must be a positive int, got {repeats!r}")
         select_rows(self, torch.arange(max(len(self._rows), 0)).repeat_interleave(repeats))
 
+    @_exclusive
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         """Keep the rows at ``indices`` (in that order; repeats allowed)."""
         select_rows(self, indices)
 
+    @_exclusive
     def crop(self, tokens_to_remove: int) -> None:
         """Drop the last ``-tokens_to_remove`` tokens seen (``tokens_to_remove <= 0``, as in ``DynamicCache``).
 

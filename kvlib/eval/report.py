@@ -14,12 +14,12 @@ from __future__ import annotations
 import csv
 import io
 import json
-import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from kvlib.eval.case_scores import CaseScores
 from kvlib.eval.compare_units import CompareRun
+from kvlib.eval.output_files import replace_file
 from kvlib.eval.significance import Baseline, cases_note, full_run, interval, legend, marks, paired, same_cases
 from kvlib.eval.task import TaskResult
 
@@ -236,8 +236,6 @@ def write_results(runs: Sequence[CompareRun], out: Path, meta: dict, baseline: B
 
 
 def _replace(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file renamed over it (atomic on POSIX)."""
-    partial = path.with_name(path.name + ".part")
-    with partial.open("w", newline="") as handle:
-        handle.write(text)
-    os.replace(partial, path)
+    """Write ``text`` to ``path`` through a new file renamed over it (atomic on POSIX; safe in a
+    shared folder: :mod:`~kvlib.eval.output_files`)."""
+    replace_file(path, text)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import copy
 import gc
+import sys
+import threading
 
 import pytest
 import torch
@@ -240,3 +242,46 @@ def test_coded_and_exact_pages_go_to_disk_each_under_their_own_namespace(tmp_pat
     assert store.disk.stats()["writes"] == 8  # the exact cache's own four: lossless never meets lossy pages
     again = kvlib.make_cache(model, "kivi(bits=2)", reuse=store, prompt=prompt)
     assert again.get_seq_length() == 64  # the coded pages are reused from memory
+
+
+def test_threads_with_their_own_caches_share_one_small_evicting_store() -> None:
+    """Four threads, each generating with caches of its own, on one PrefixStore too small for their
+    prompts (blocks evicted and indexed while the other thread's forward runs): every output equals
+    the model's alone, and nothing raises. Each model call holds the store's lock."""
+    model = build_model("llama")
+    cases = [prompts(90, shared=48, tails=(5, 21), seed=seed) for seed in range(6)]
+    cases = [prompt for pair in cases for prompt in pair]
+    reference = [model.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=PAD) for prompt in cases]
+    page = 16 * 2 * 2 * (8 * 4 * 2 + 8)  # a block's bytes: layers x KV heads x (keys + values float32, positions)
+    store = kvlib.PrefixStore(model, capacity_bytes=5 * page)
+    failures: list[str] = []
+
+    def serve(order: list[int]) -> None:
+        try:
+            for _ in range(3):
+                for i in order:
+                    cache = kvlib.make_cache(model, reuse=store, prompt=cases[i])
+                    out = model.generate(cases[i], **cache_argument(cache), max_new_tokens=6, do_sample=False, pad_token_id=PAD)
+                    if not torch.equal(out, reference[i]):
+                        failures.append(f"prompt {i}: wrong output")
+        except Exception as error:  # noqa: BLE001 - every failure of a thread is reported by the test
+            failures.append(f"{type(error).__name__}: {error}")
+
+    evens, odds = list(range(0, 12, 2)), list(range(1, 12, 2))
+    orders = (list(range(12)), list(range(11, -1, -1)), evens + odds, odds + evens)
+    threads = [threading.Thread(target=serve, args=(order,)) for order in orders]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)  # threads switch often: a race shows in a short run
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert failures == []
+    assert store.stats()["evictions"] > 0 and store.stats()["hits"] > 0
+    gc.collect()
+    store.collect()
+    (paged,) = store.stores.values()
+    assert len(paged.sequences) == 0  # every cache's rows given back
