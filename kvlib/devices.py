@@ -115,6 +115,13 @@ def to_arena_device(index: torch.Tensor, device: torch.device) -> torch.Tensor:
     return index.to(device, non_blocking=True)
 
 
+def host_readable(tensor: torch.Tensor) -> bool:
+    """Whether reading ``tensor``'s values on the host (``bool``, ``.item()``, ``.tolist()``) costs
+    no device-to-host synchronisation: it lives in host memory. A decode step reads no other
+    tensor on the host (CUDA graphs can hold it; ``tests/adapters/cache/test_sync_free.py``)."""
+    return tensor.device.type == "cpu"
+
+
 def check_tensor(name: str, tensor: torch.Tensor, dtype: torch.dtype, device: torch.device) -> None:
     """Raise ``ValueError`` unless ``tensor`` has the store's dtype and device."""
     if not isinstance(tensor, torch.Tensor):

@@ -178,3 +178,12 @@ def model_context(model: torch.nn.Module) -> int | None:
     text = model.config.get_text_config(decoder=True)
     context = getattr(text, "max_position_embeddings", None)
     return context if isinstance(context, int) and not isinstance(context, bool) and context > 0 else None
+
+
+def shares_kv_across_layers(model: torch.nn.Module) -> bool:
+    """Whether some layers of ``model`` attend over keys and values another layer computed and
+    stored, calling no cache ``update`` of their own (Gemma 3n and Gemma 4's KV sharing: the
+    config's ``kv_sharing_modes`` has ``"reuse"`` layers)."""
+    text = model.config.get_text_config(decoder=True)
+    modes = getattr(text, "kv_sharing_modes", None) or ()
+    return "reuse" in modes

@@ -55,7 +55,7 @@ def _prepare_cache(model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
     """Forward pre-hook on an attached model: a KVCache refuses another batch size before any work,
     then plans the call if it is a decode step (:meth:`KVCache.prepare_step`), outside the forward."""
     cache = passed_cache(kwargs)
-    if isinstance(cache, KVCache):
+    if isinstance(cache, KVCache) and not torch.compiler.is_compiling():  # traced: each operator does this (compiled_calls)
         cache.enter_call()
         inputs = kwargs.get("input_ids", args[0] if args else None)
         if inputs is None:
@@ -69,7 +69,7 @@ def _finish_call(model: torch.nn.Module, args: tuple, kwargs: dict, output: obje
     """Forward hook on an attached model, run however the call ends: the call :func:`_prepare_cache`
     started is over (:meth:`KVCache.leave_call`)."""
     cache = passed_cache(kwargs)
-    if isinstance(cache, KVCache):
+    if isinstance(cache, KVCache) and not torch.compiler.is_compiling():
         cache.leave_call()
 
 

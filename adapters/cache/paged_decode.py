@@ -18,6 +18,7 @@ from kvlib.adapters.cache.shared_state import SharedState
 from kvlib.adapters.runtime.compressor import PlannedWork
 from kvlib.adapters.runtime.layer_step import AttentionCall, LayerStep
 from kvlib.adapters.runtime.masks import allowed, real_new_tokens
+from kvlib.devices import host_readable
 
 
 def attention_over_pages(
@@ -52,6 +53,9 @@ def planned_attention(cache: SharedState, step: LayerStep, call: AttentionCall) 
     output = plan.pools[layer_idx].attend_planned(plan, layer_idx, query, mask, scale, received=received)
     if layer_idx == 0 and not cache.plan_known_real:
         real_new = real_new_tokens(mask, step)
-        cache.step_real_new = None if real_new is None or bool(real_new.all()) else real_new
+        if real_new is not None and not host_readable(real_new):  # counted on the device, not looked at: no sync
+            cache.padding += (~real_new).sum(-1)
+        elif real_new is not None and not bool(real_new.all()):
+            cache.step_real_new = real_new
     step.after_attention(query=query, mask=mask, weights=None, real_new=cache.step_real_new, scaling=scale)
     return output, None

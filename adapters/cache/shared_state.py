@@ -49,6 +49,8 @@ class SharedState(Protocol):
     recompute: torch.Tensor | None
     read_cache: bool
     reuse_slots: bool
+    compileable: bool
+    dense_returns: str | None
     layers: list[PendingLayer]
     plan: StepPlan | None
     plan_known_real: bool
@@ -60,3 +62,5 @@ class SharedState(Protocol):
     def prepare_step(self, tokens: int, attention_mask: torch.Tensor | None = None, *, mask_known: bool = True) -> None: ...
 
     def start_call(self, layer_idx: int, key_states: torch.Tensor) -> None: ...
+
+    def serve_densely(self, reason: str, complete: bool, *, shapes_kept: bool) -> None: ...

@@ -32,6 +32,7 @@ from transformers.cache_utils import Cache
 from kvlib.adapters.cache.cache_fork import check_forkable, select_rows, share_rows
 from kvlib.adapters.cache.cache_layer import NOT_THROUGH_KVLIB, KVCacheLayer
 from kvlib.adapters.cache.cache_store import CacheStoreBuilder
+from kvlib.adapters.cache.compiled_calls import new_handle
 from kvlib.adapters.cache.memory_report import memory_report
 from kvlib.adapters.cache.prefix_session import PrefixSession
 from kvlib.adapters.cache.step_planning import plan_decode_step
@@ -90,6 +91,12 @@ class KVCache(Cache):
             :attr:`spill`; a directory that cannot hold a disk tier is a ``ValueError`` here, as
             spilled pages would have nowhere to go), or ``quest``, whose decode steps attend over
             the pages their query chooses.
+        compileable: what ``is_compileable`` reports. True lets ``generate`` compile its decode
+            steps itself (``get_compiled_call``; on CUDA by default, with ``mode="reduce-overhead"``)
+            and build 4-D masks outside the forward; False by default, because the cache's masks
+            grow by one column each step: inductor then compiles dynamic shapes once, but CUDA
+            graphs would be recorded anew for every width. Compiling ``model.forward`` or the
+            model yourself works either way.
     """
 
     def __init__(
@@ -104,8 +111,10 @@ class KVCache(Cache):
         spec: str = "",
         home: tuple[torch.dtype, torch.device] | None = None,
         tiering: Tiering | None = None,
+        compileable: bool = False,
     ) -> None:
         super().__init__(layers=[KVCacheLayer(self, i) for i in range(shape.num_layers)])
+        self.compileable = compileable
         self.shape = shape
         self.compressor = compressor
         self.page_size = page_size
@@ -151,6 +160,12 @@ class KVCache(Cache):
         """How many times, and by which thread, this cache holds its PrefixStore's lock now."""
         """Whether :meth:`prepare_step` ran for the coming call (layer 0's update clears it)."""
         self.store: PagedStore | None = self.builder.new_store(*home) if home is not None else None
+        self.dense_returns: str | None = None
+        """Why this cache's layers return every stored token from ``update`` (what the model does
+        with them besides attending, :meth:`serve_densely`), or None: a decode step returns just
+        its new tokens and attends straight over the pages."""
+        self.handle = new_handle(self)
+        """What names this cache to the operators of a compiled forward (:mod:`~kvlib.adapters.cache.compiled_calls`)."""
 
     @property
     def rows(self) -> list[int]:
@@ -203,6 +218,27 @@ class KVCache(Cache):
         its call's tokens. When there is no plan (the step goes layer by layer), and what a plan
         sets: :mod:`~kvlib.adapters.cache.step_planning`."""
         plan_decode_step(self, tokens, attention_mask, mask_known)
+
+    def serve_densely(self, reason: str, complete: bool, *, shapes_kept: bool) -> None:
+        """From now on, every layer's ``update`` returns all the tokens it stores, as
+        ``DynamicCache.update`` does, and attention runs over what the model hands it: the
+        model's attention ``reason`` (does more with what the cache returns than attend over it).
+
+        Refused (``ValueError``, before the call's attention runs): a call that was handed only
+        its new tokens (``complete`` False: the model must meet the cache first in a prefill),
+        and eviction where the model's use of the keys and values does not keep their batch, head
+        and token layout (``shapes_kept`` False: their slots no longer match the stored ones)."""
+        if not complete:
+            raise ValueError(
+                f"this model's attention {reason}, which kvlib learned only after returning the new tokens alone;"
+                " start the cache with a prefill of the prompt (a fresh cache), not a primed, loaded or forked one"
+            )
+        if self.compressor is not None and not shapes_kept:
+            raise ValueError(
+                f"this model's attention {reason}: kvlib serves it exactly without eviction (codecs and tiering"
+                f" included), but cannot apply {self.compressor.strategy.spec()} to it"
+            )
+        self.dense_returns = reason
 
     def load(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
         """Fill this empty cache with precomputed keys (after RoPE) and values of every layer,
@@ -401,7 +437,10 @@ class KVCache(Cache):
         are its own), and one that holds nothing yet.
         """
         check_forkable(self)
-        copy = KVCache(self.shape, page_size=self.page_size, read_cache=self.read_cache, codec=self.codec, spec=self.spec)
+        copy = KVCache(
+            self.shape, page_size=self.page_size, read_cache=self.read_cache, codec=self.codec, spec=self.spec, compileable=self.compileable
+        )
+        copy.dense_returns = self.dense_returns
         share_rows(self, copy)
         return copy
 

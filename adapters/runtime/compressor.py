@@ -113,6 +113,7 @@ class Compressor:
     _call_notes: dict[str, Any] = field(default_factory=dict, init=False, repr=False)
     _last_layer: int = field(default=-1, init=False, repr=False)
     _held_caps: dict[tuple[int, int, int], np.ndarray] = field(default_factory=dict, init=False, repr=False)
+    _layer_limits: dict[tuple[int, int, int], np.ndarray] = field(default_factory=dict, init=False, repr=False)
     _ring: Ring | None = field(default=None, init=False, repr=False)
 
     # -- planned decode steps (kvlib.storage.step_plan) ----------------------------------------------------
@@ -166,9 +167,10 @@ class Compressor:
             return PlannedWork.GENERAL
         done = self._decode_steps.get(layer, 0) + 1
         if done % self.interval == 0:
-            if self.allocation.needs_scores:
-                return PlannedWork.GENERAL
-            if bool((stored > self._layer_caps(layer, *stored.shape) + self.slack).any()):
+            if self.allocation.needs_scores:  # the layer's total is fixed before the scores split it
+                if bool((stored.sum(-1) > self._layer_limit(layer, *stored.shape)).any()):
+                    return PlannedWork.GENERAL
+            elif bool((stored > self._layer_caps(layer, *stored.shape) + self.slack).any()):
                 return PlannedWork.GENERAL
         self._decode_steps[layer] = done
         return work
@@ -207,6 +209,18 @@ class Compressor:
             request = BudgetRequest(layer, self.num_layers, tokens, torch.zeros(batch, heads, dtype=torch.int64))
             caps = self._held_caps[key] = self.allocation.caps(request).cpu().numpy()
         return caps
+
+    def _layer_limit(self, layer: int, batch: int, heads: int) -> np.ndarray:
+        """int64 ``[batch]``: the tokens ``layer``'s heads may hold together under the int budget
+        before a score-based allocation splits it again (its ``layer_tokens``, which scores do not
+        change, plus a ``slack`` per head), as :meth:`_caps_and_over` compares them."""
+        key = (layer, batch, heads)
+        limit = self._layer_limits.get(key)
+        if limit is None:
+            tokens = torch.full((batch,), self.budget, dtype=torch.int64)
+            request = BudgetRequest(layer, self.num_layers, tokens, torch.zeros(batch, heads, dtype=torch.int64))
+            limit = self._layer_limits[key] = self.allocation.layer_tokens(request).cpu().numpy() + self.slack * heads
+        return limit
 
     def compaction(
         self, step: LayerStep, inputs: AttentionInputs, real_offsets: torch.Tensor, stored: Callable[[], LayerRead] | None = None
