@@ -5,7 +5,12 @@ too), ``model.compile()`` (the module form: its forward pre-hooks traced with it
 traces with ``fullgraph=True`` (no graph break), compiles at most twice over 64 decode steps that
 cross page boundaries, evictions and codec seals (the prompt's shape, then the decode step with its
 lengths dynamic: one graph serves every cache and every strategy), and gives the eager tokens.
-Inductor runs too, on a few strategies (``slow``: its C++ compilation takes minutes here)."""
+Inductor runs too, on a few strategies (``slow``: its C++ compilation takes minutes here).
+
+The default suite walks :data:`IN_THE_SUITE` (the exact cache, an eviction with its received
+attention folded by the kernel and a codec sealing pages) and the module flows once; the whole
+registry, the manual loop and inductor are ``slow`` (CI runs them after the suite: each case pays
+numba's kernel compilation for its codec and eviction, about half a minute here)."""
 
 from __future__ import annotations
 
@@ -36,9 +41,13 @@ _CODECS = {"minicache": "minicache(start=0.0)"}  # the test model has 2 layers: 
 _BUDGETS = {"head_importance": "head_importance(profile={profile!r})"}  # a profile written by the ``profile`` fixture
 
 
+IN_THE_SUITE = {"exact", "h2o+kivi"}
+"""The cases of the compiled-forward walk that run in the default suite; the others are ``slow``."""
+
+
 def _specs() -> list[pytest.param]:
     """Every registered strategy a cache can run alone (eviction at :data:`BUDGET`), and the
-    compositions the README shows."""
+    compositions the README shows; the cases outside :data:`IN_THE_SUITE` marked ``slow``."""
     strategies = kvlib.available_strategies()
     specs = [pytest.param("", None, id="exact")]
     specs += [pytest.param(name, BUDGET, id=name) for name in strategies["eviction"]]
@@ -46,7 +55,7 @@ def _specs() -> list[pytest.param]:
     specs += [pytest.param(_TIERING[name], None, id=name) for name in strategies["tiering"]]
     specs += [pytest.param(f"snapkv+{_BUDGETS.get(name, name)}", BUDGET, id=f"snapkv+{name}") for name in strategies["budget"]]
     specs += [pytest.param("snapkv+kivi(bits=4)", BUDGET, id="snapkv+kivi"), pytest.param("h2o+kivi(bits=4)", BUDGET, id="h2o+kivi")]
-    return specs
+    return [spec if spec.id in IN_THE_SUITE else pytest.param(*spec.values, id=spec.id, marks=pytest.mark.slow) for spec in specs]
 
 
 SPECS = _specs()
@@ -144,6 +153,7 @@ def test_model_compile_traces_the_hooks_with_the_forward(prompt) -> None:
     assert frames.graphs <= 2
 
 
+@pytest.mark.slow
 def test_a_loop_over_the_compiled_module(prompt) -> None:
     """A manual decode loop over ``torch.compile(model, fullgraph=True)`` (the module wrapper
     called directly, as a serving loop does) with a streaming_llm ring: the eager tokens."""
