@@ -18,7 +18,8 @@ Targets (issue 45): exact compiled (inductor) >= 1.0x the compiled StaticCache a
 cap compiled >= 1.3x at 8k. The exact cache's tokens must equal the StaticCache's (reported).
 
     python benchmarks/bench_compiled_decode.py [--models smollm2] [--contexts 2048,8192]
-        [--caches static,exact,snapkv_int25] [--backend inductor] [--new-tokens 32] [--repeats 3]
+        [--caches static,exact,snapkv_int25] [--backend inductor] [--mode reduce-overhead] [--device cuda]
+        [--new-tokens 32] [--repeats 3]
     python benchmarks/bench_compiled_decode.py --quick --out /tmp/x
 """
 
@@ -47,6 +48,7 @@ FULL = {"models": "smollm2", "contexts": "2048,8192", "caches": "exact,snapkv_in
 QUICK = {"models": "default", "contexts": "64", "caches": "exact,snapkv_int25", "new_tokens": 4, "repeats": 1}
 REFERENCE = "static"
 BACKENDS = ("inductor", "aot_eager", "eager")
+MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
 GRAPHS_PER_CACHE = 8
 """Room for each cache's graphs in dynamo's recompile limit (a prompt shape per context, the decode step)."""
 
@@ -92,6 +94,10 @@ def run(argv: Sequence[str] | None = None) -> dict:
     parser.add_argument("--contexts", help=f"prompt tokens, comma-separated (default {FULL['contexts']})")
     parser.add_argument("--caches", help=f"comma-separated, from {','.join(list(compiled_factories(4, 1))[1:])} (default {FULL['caches']})")
     parser.add_argument("--backend", default="inductor", choices=BACKENDS, help="torch.compile's backend (default inductor)")
+    parser.add_argument(
+        "--mode", default="default", choices=MODES, help="torch.compile's mode (reduce-overhead: CUDA graphs; default default)"
+    )
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the model and caches live (default cpu)")
     parser.add_argument("--new-tokens", type=int, help=f"decode steps (default {FULL['new_tokens']})")
     parser.add_argument("--repeats", type=int, help=f"interleaved rounds (default {FULL['repeats']})")
     add_run_arguments(parser, QUICK)
@@ -103,18 +109,23 @@ def run(argv: Sequence[str] | None = None) -> dict:
         unknown = sorted(set(given) - set(allowed))
         if unknown:
             parser.error(f"unknown {what} {unknown}; choose from {', '.join(allowed)}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda needs a CUDA device; none is available")
+    if args.mode != "default" and args.backend != "inductor":
+        parser.error(f"--mode {args.mode} is inductor's; --backend {args.backend} takes only --mode default")
     contexts = [int(c) for c in args.contexts.split(",")]
     load_before, started = os.getloadavg()[0], time.perf_counter()
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, GRAPHS_PER_CACHE * (len(caches) + 1))
     rows = []
     for name in models:
-        model = load_bench_model(name)
+        model = load_bench_model(name).to(args.device)
         kvlib.attach(model)
         eager_forward = model.forward
-        model.forward = torch.compile(eager_forward, backend=args.backend)
+        options = {"mode": args.mode} if args.mode != "default" else {}
+        model.forward = torch.compile(eager_forward, backend=args.backend, **options)
         for context in contexts:
             load = os.getloadavg()[0]
-            row = {"model": name, **bench_context(model, context, caches, args)}
+            row = {"model": name, "device": args.device, **bench_context(model, context, caches, args)}
             row["load_avg_1min"] = [round(load, 2), round(os.getloadavg()[0], 2)]
             rows.append(row)
             for kind, figures in row["caches"].items():
@@ -126,6 +137,7 @@ def run(argv: Sequence[str] | None = None) -> dict:
         **run_metadata(args, load_before, started),
         "command": command_line("bench_compiled_decode.py", argv),
         "backend": args.backend,
+        "mode": args.mode,
         "rows": rows,
     }
     write_report(args.out, "bench_compiled_decode", _markdown(result), result)
@@ -136,7 +148,7 @@ def _markdown(result: dict) -> str:
     lines = [
         "# bench_compiled_decode: kvlib caches under torch.compile against a compiled StaticCache",
         "",
-        f"Command: `{result['command']}`. Backend: {result['backend']}. Machine: {result['machine']}. "
+        f"Command: `{result['command']}`. Backend: {result['backend']}, mode {result['mode']}, device {', '.join(sorted({row['device'] for row in result['rows']})) or '-'}. Machine: {result['machine']}. "
         f"Library revision: {result['git']}. 1-minute load before/after: {result['load_avg_1min']}; {result['seconds']} s.",
         "",
         "`model.forward` compiled once; every cache through it (its own graphs). Ratios of decode tokens/s against the "

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks of a decode step (issue 34), as one prepared script for a lent GPU machine
-# (the `device` tool; about 6 minutes on an H100, under its 8-minute budget).
+# (the `device` tool; at most 7.5 minutes by its timeouts, under the 8-minute budget).
 #
 # Here, once (the GPU image has torch, triton, numba, xxhash; kvlib also needs transformers >= 5.18
 # and lmdb, which travel as wheels in the ignored folder .whl):
@@ -30,10 +30,18 @@ export PYTHONPATH=/tmp/site
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/device.txt"
 
 # CUDA tests: the paged kernels (torch and Triton) against the CPU path, the store and the cache on
-# the device, the compiled decode step.
-timeout 180 python3 -m pytest -q -p no:cacheprovider -x \
+# the device, decode steps under set_sync_debug_mode("error") (no host sync), CUDA graphs captured
+# by mode="reduce-overhead" giving the eager tokens (issue 45).
+timeout 170 python3 -m pytest -q -p no:cacheprovider \
     tests/kernels/test_paged_attention_torch.py tests/kernels/test_paged_attention_triton.py \
-    tests/storage/test_store_devices.py tests/adapters/cache/test_cache_devices.py 2>&1 | tee "$out/cuda_tests.txt" | tail -5
+    tests/storage/test_store_devices.py tests/adapters/cache/test_cache_devices.py \
+    tests/adapters/cache/test_sync_free.py 2>&1 | tee "$out/cuda_tests.txt" | tail -5
+timeout 90 python3 -m pytest -q -p no:cacheprovider tests/adapters/cache/test_compile.py -k cuda_graphs 2>&1 \
+    | tee "$out/cuda_graph_tests.txt" | tail -5
 
 # Decode speed against DynamicCache and StaticCache (Llama-3-8B shapes, bf16), the kernel against a copy.
-timeout 300 python3 benchmarks/gpu_decode.py --out "$out" 2>&1 | tail -40
+timeout 200 python3 benchmarks/gpu_decode.py --out "$out" 2>&1 | tail -40
+
+# Compiled decode against a compiled StaticCache, CUDA graphs (reduce-overhead), the ~100M Llama at 2k.
+timeout 100 python3 benchmarks/bench_compiled_decode.py --device cuda --mode reduce-overhead --models llama100m \
+    --contexts 2048 --caches exact,snapkv_int25 --new-tokens 32 --repeats 2 --out "$out" 2>&1 | tail -8

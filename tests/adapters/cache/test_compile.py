@@ -222,3 +222,20 @@ def test_inductor(prompt, spec: str, budget: int | None) -> None:
         assert torch.equal(generate(model, make(model, spec, budget), prompt), eager)
     finally:
         torch._dynamo.reset()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("spec, budget", [("", None), ("snapkv", BUDGET), ("kivi(bits=4)", None)], ids=["exact", "snapkv", "kivi4"])
+def test_cuda_graphs_captured_by_reduce_overhead(spec: str, budget: int | None) -> None:
+    """``torch.compile(model.forward, mode="reduce-overhead")`` on a CUDA device: the decode steps
+    run as captured CUDA graphs around kvlib's operators and give the eager tokens."""
+    model = build_model("llama").cuda()
+    ids, mask = left_padded([40, 33], seed=3, vocab=model.config.vocab_size)
+    ids, mask = ids.cuda(), mask.cuda()
+    eager = generate(model, make(model, spec, budget), (ids, mask))
+    model.forward = torch.compile(model.forward, mode="reduce-overhead")
+    try:
+        compiled = generate(model, make(model, spec, budget), (ids, mask))
+    finally:
+        torch._dynamo.reset()
+    assert torch.equal(compiled, eager)

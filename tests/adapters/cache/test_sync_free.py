@@ -76,3 +76,22 @@ def test_held_cap_decode_steps_never_read_the_device(meta_kernel, spec: str) -> 
         layer.checked = True
     decode(model, cache, torch.ones(2, 12, dtype=torch.long, device="meta"), 27)
     assert int(cache.store.tables[0].lengths_np.max()) == 39
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("spec", ["", "snapkv", "h2o", "kivi(bits=4)"], ids=["exact", "snapkv", "h2o", "kivi4"])
+def test_cuda_decode_steps_raise_on_any_sync(spec: str) -> None:
+    """On a real device: ``torch.cuda.set_sync_debug_mode("error")`` over 40 planned decode steps
+    (a held cap of 24 tokens for the evictions) raises at the first synchronising call; none comes."""
+    model = build_model("llama").cuda()
+    ids, mask = left_padded([20, 13], seed=5)
+    cache = kvlib.make_cache(model, spec or None, **({"budget": 24} if spec in ("snapkv", "h2o") else {}))
+    with torch.no_grad():
+        model(ids.cuda(), attention_mask=mask.cuda(), cache=cache, use_cache=True)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        decode(model, cache, mask.cuda(), 40)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert cache.layers[0].seen == ids.shape[1] + 40
