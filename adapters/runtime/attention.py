@@ -35,6 +35,7 @@ from transformers.models.llama.modeling_llama import eager_attention_forward as 
 
 from kvlib.adapters.runtime import layer_step
 from kvlib.adapters.runtime.layer_step import AttentionCall, module_key
+from kvlib.devices import host_readable
 
 INNER_IMPLEMENTATIONS = ("sdpa", "eager")
 """Attention implementations a kvlib attention function can delegate to."""
@@ -118,8 +119,20 @@ def _kvlib_attention(inner: str) -> Callable:
     return attention
 
 
+def sdpa_mask_on_device(
+    *args, attention_mask: torch.Tensor | None = None, allow_is_causal_skip: bool = True, **kwargs
+) -> torch.Tensor | None:
+    """transformers' ``sdpa_mask``, but built on the device where the padding mask lives there:
+    its causal skip asks whether every position is real (``padding_mask.all()`` read on the host),
+    a device-to-host synchronisation each decode step on CUDA that no CUDA graph can hold. On the
+    host the skip stays (no mask for an unpadded batch); on a device the mask is always built."""
+    if attention_mask is not None and not host_readable(attention_mask):
+        allow_is_causal_skip = False
+    return sdpa_mask(*args, attention_mask=attention_mask, allow_is_causal_skip=allow_is_causal_skip, **kwargs)
+
+
 def _register() -> None:
-    masks = {"sdpa": sdpa_mask, "eager": eager_mask}
+    masks = {"sdpa": sdpa_mask_on_device, "eager": eager_mask}
     for inner in INNER_IMPLEMENTATIONS:
         AttentionInterface.register(attention_name(inner), _kvlib_attention(inner))
         AttentionMaskInterface.register(attention_name(inner), masks[inner])
