@@ -59,10 +59,13 @@ class KVCacheLayer(CacheLayerMixin):
     is_sliding = False
     is_compileable = False
 
-    def __init__(self, cache: SharedState, layer_idx: int) -> None:
+    def __init__(self, cache: SharedState, layer_idx: int, module_layer: int | None) -> None:
         self.keys = self.values = None
         self.cache = cache
         self.layer_idx = layer_idx
+        self.module_layer = module_layer
+        """The ``layer_idx`` of the attention module whose calls this layer serves (``layer_idx``
+        numbers the KV layers, which skip a hybrid model's recurrent layers)."""
         self.seen = 0
         self.identity = True
         self.pending: LayerStep | None = None
@@ -101,7 +104,7 @@ class KVCacheLayer(CacheLayerMixin):
             cache.prepared = False
         plan = cache.plan
         if plan is not None and plan.tokens == tokens:  # a decode step planned for every layer: one write, attention over the pages
-            if cache.layers[self.layer_idx - 1].pending is not None:
+            if cache.kv_layers[self.layer_idx - 1].pending is not None:
                 raise RuntimeError(NOT_THROUGH_KVLIB.format(layer=self.layer_idx - 1))
             plan.pools[self.layer_idx].write_planned(plan, self.layer_idx, key_states, value_states)
             self.seen += tokens

@@ -49,7 +49,7 @@ class SharedState(Protocol):
     recompute: torch.Tensor | None
     read_cache: bool
     reuse_slots: bool
-    layers: list[PendingLayer]
+    kv_layers: list[PendingLayer]
     plan: StepPlan | None
     plan_known_real: bool
     plan_work: tuple[PlannedWork, ...]
@@ -60,3 +60,8 @@ class SharedState(Protocol):
     def prepare_step(self, tokens: int, attention_mask: torch.Tensor | None = None, *, mask_known: bool = True) -> None: ...
 
     def start_call(self, layer_idx: int, key_states: torch.Tensor) -> None: ...
+
+    @property
+    def measures_layout(self) -> bool: ...
+
+    def measure_layout(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None: ...

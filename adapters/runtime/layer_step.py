@@ -95,7 +95,10 @@ class Step(Protocol):
 
 class StepOwner(Protocol):
     """The cache layer that stored a :class:`LayerStep`: it attends over its own tokens and does
-    the work that follows attention (see :class:`~kvlib.adapters.cache.cache_layer.KVCacheLayer`)."""
+    the work that follows attention (see :class:`~kvlib.adapters.cache.cache_layer.KVCacheLayer`).
+    ``module_layer``: the ``layer_idx`` of the attention module its steps are for."""
+
+    module_layer: int | None
 
     def attend(self, step: LayerStep, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor | None]: ...
 
@@ -152,7 +155,7 @@ class LayerStep:
     plan: StepPlan | None = None
 
     def is_for(self, module: torch.nn.Module, keys: torch.Tensor) -> bool:
-        return self.read.keys is keys and getattr(module, "layer_idx", None) == self.layer_idx
+        return self.read.keys is keys and getattr(module, "layer_idx", None) == self.owner.module_layer
 
     def attend(self, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor | None]:
         return self.owner.attend(self, call)
