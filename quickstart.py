@@ -4,6 +4,9 @@
     python3 quickstart.py compare [kvlib compare options]   # the main job
     python3 quickstart.py test [pytest options]             # the test suite (what CI runs)
 
+``test`` runs pytest on every usable core (pytest-xdist's ``-n N``, from the ``dev`` extra); a
+``-n``/``--numprocesses`` or ``-p no:xdist`` of the caller's own wins.
+
 The first run creates a virtual environment in ``.venv`` (or ``$KVLIB_VENV``), installs torch
 (the CPU build, ``torch==2.13.0``, where no NVIDIA GPU is present; the default build where
 ``nvidia-smi`` finds one; ``$KVLIB_TORCH`` overrides the requirement), then kvlib with its
@@ -74,6 +77,24 @@ def ensure_environment() -> Path:
     return Path(python)
 
 
+def usable_cores() -> int:
+    """CPU cores this process may run on (its affinity where the platform reports it)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def pytest_arguments(given: list[str], cores: int) -> list[str]:
+    """pytest's arguments for ``quickstart.py test``: ``given``, after ``-n cores`` (one
+    pytest-xdist worker per core) when there is more than one core and ``given`` neither chooses
+    its workers (``-n``, ``--numprocesses``) nor turns xdist off (``-p no:xdist``)."""
+    chooses_workers = any(arg.startswith(("-n", "--numprocesses")) for arg in given)
+    plugins = [value for flag, value in zip(given, given[1:]) if flag == "-p"] + [arg[2:] for arg in given if arg.startswith("-p")]
+    if chooses_workers or "no:xdist" in plugins or cores < 2:
+        return list(given)
+    return ["-n", str(cores), *given]
+
+
 def main(argv: list[str]) -> int:
     if not argv or argv[0] not in COMMANDS:
         print(f"usage: python3 quickstart.py {{{'|'.join(COMMANDS)}}} [options]", file=sys.stderr)
@@ -87,7 +108,7 @@ def main(argv: list[str]) -> int:
     if command == "compare":
         invocation = [python, "-m", "kvlib.cli", "compare", *rest]
     else:
-        invocation = [python, "-m", "pytest", *rest]
+        invocation = [python, "-m", "pytest", *pytest_arguments(rest, usable_cores())]
     print("+", " ".join(invocation), flush=True)
     return subprocess.run(invocation, cwd=ROOT).returncode
 

@@ -4,8 +4,10 @@ kernel) against the exact kvlib cache and ``DynamicCache``, in one run.
 Each run is :func:`bench_generate.generate_once`: one forward over the prompt with a fresh cache
 (prefill), then ``--new-tokens`` single-token greedy forwards (decode, timed); decode tok/s is
 ``batch * new_tokens / decode_seconds``. ``kvlib.attach(model)`` runs first, so every cache goes
-through ``kvlib_sdpa``. Runs are interleaved (DynamicCache, exact, each spec, ...) for
-``--repeats`` rounds after a small untimed warm-up of each; medians are compared. Bytes: at the
+through ``kvlib_sdpa``. Runs go through :func:`kvlib.eval.decode_timing.measure`: a warm-up run of
+each cache (the same run, untimed; what it took beyond a timed run, kernel compilation included,
+is its first call's extra seconds), then ``--repeats`` interleaved rounds (DynamicCache, exact,
+each spec, ...); speeds are medians with their range, ratios the median and range of each round's. Bytes: at the
 end of decode, ``memory_report()["total_bytes"]`` of the kvlib caches and the DynamicCache's keys
 and values. A quantized cache's greedy tokens need not equal the exact ones: the share of
 decode steps whose token agrees with the exact cache's is reported.
@@ -15,7 +17,7 @@ DynamicCache's (fp32 model).
 
     python benchmarks/bench_coded_decode.py [--models llama100m] [--specs "kivi(bits=4);int8"]
         [--batch-sizes 1] [--prompt-len 2048] [--new-tokens 64] [--repeats 3] [--threads N]
-    python benchmarks/bench_coded_decode.py --quick --out /tmp/x   # stories, prompt 40, 8 tokens, 1 round
+    python benchmarks/bench_coded_decode.py --quick --out /tmp/x   # the default model, prompt 40, 8 tokens, 1 round
 """
 
 from __future__ import annotations
@@ -32,13 +34,14 @@ from pathlib import Path
 import torch
 
 import kvlib
+from kvlib.eval.decode_timing import Spread, measure
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or loaded by path
-from bench_generate import MODELS, REPO, generate_once, load_model, new_cache  # noqa: E402
-from provenance import add_run_arguments, command_line, parse_run_arguments, run_metadata, write_report  # noqa: E402
+from bench_generate import MODELS, decode_timer, new_cache  # noqa: E402
+from provenance import add_run_arguments, command_line, load_bench_model, parse_run_arguments, run_metadata, write_report  # noqa: E402
 
 FULL = {"models": "llama100m", "specs": "kivi(bits=4)", "batch_sizes": "1", "prompt_len": 2048, "new_tokens": 64, "repeats": 3}
-QUICK = {"models": "stories", "specs": "kivi(bits=4)", "batch_sizes": "1", "prompt_len": 40, "new_tokens": 8, "repeats": 1}
+QUICK = {"models": "default", "specs": "kivi(bits=4)", "batch_sizes": "1", "prompt_len": 40, "new_tokens": 8, "repeats": 1}
 BASELINES = ("dynamic", "kvlib")
 """DynamicCache and the exact kvlib cache (``make_cache(model)``)."""
 
@@ -47,28 +50,30 @@ def bench_case(model: torch.nn.Module, specs: list[str], batch: int, args: argpa
     generator = torch.Generator().manual_seed(1000 + batch)
     prompt = torch.randint(0, model.config.vocab_size, (batch, args.prompt_len), generator=generator)
     kinds = [*BASELINES, *specs]
-    for kind in kinds:  # untimed warm-up (first-call allocations, kernel compilation)
-        generate_once(model, lambda: new_cache(kind, model), prompt[:, : min(args.prompt_len, 40)], min(args.new_tokens, 2))
-    runs: dict[str, list[dict]] = {kind: [] for kind in kinds}
-    for _ in range(args.repeats):
-        for kind in kinds:
-            runs[kind].append(generate_once(model, lambda: new_cache(kind, model), prompt, args.new_tokens))
+    timers = [decode_timer(model, lambda kind=kind: new_cache(kind, model), prompt, args.new_tokens) for kind in kinds]
+    timings = dict(zip(kinds, measure(timers, args.repeats, errors=())))
+    runs = {kind: [run.detail for run in timing.runs] for kind, timing in timings.items()}
     exact = runs["kvlib"][0]["tokens"]
     row: dict = {"batch": batch, "repeats": args.repeats, "caches": {}}
-    for kind in kinds:
-        speed = statistics.median(run["decode_tok_s"] for run in runs[kind])
+    for kind, timing in timings.items():
+        speed = timing.speed
+        against = {"dynamic": Spread.of(timing.vs(timings["dynamic"])), "exact": Spread.of(timing.vs(timings["kvlib"]))}
         row["caches"][kind] = {
-            "decode_tok_s": speed,
-            "all_decode_tok_s": [run["decode_tok_s"] for run in runs[kind]],
+            "decode_tok_s": speed.median,
+            "decode_tok_s_low": speed.low,
+            "decode_tok_s_high": speed.high,
+            "all_decode_tok_s": timing.tokens_per_s,
+            "first_call_s": timing.first_call_s,
             "prefill_s": statistics.median(run["prefill_s"] for run in runs[kind]),
             "cache_bytes": runs[kind][-1]["cache_bytes"],
             "cache_components": runs[kind][-1]["cache_components"],
             "token_agreement_with_exact": float((runs[kind][0]["tokens"] == exact).float().mean()),
+            **{f"speed_vs_{name}": spread.median for name, spread in against.items()},
+            **{f"speed_vs_{name}_low": spread.low for name, spread in against.items()},
+            **{f"speed_vs_{name}_high": spread.high for name, spread in against.items()},
         }
-    dynamic, full = row["caches"]["dynamic"], row["caches"]["kvlib"]
+    dynamic = row["caches"]["dynamic"]
     for entry in row["caches"].values():
-        entry["speed_vs_dynamic"] = entry["decode_tok_s"] / dynamic["decode_tok_s"]
-        entry["speed_vs_exact"] = entry["decode_tok_s"] / full["decode_tok_s"]
         entry["bytes_vs_dynamic"] = entry["cache_bytes"] / dynamic["cache_bytes"]
     return row
 
@@ -82,7 +87,7 @@ def run(argv: Sequence[str] | None = None) -> dict:
     parser.add_argument("--prompt-len", type=int, help=f"prompt tokens (default {FULL['prompt_len']})")
     parser.add_argument("--new-tokens", type=int, help=f"decode steps (default {FULL['new_tokens']})")
     parser.add_argument("--repeats", type=int, help=f"interleaved rounds per case (default {FULL['repeats']})")
-    add_run_arguments(parser, QUICK, stories=True)
+    add_run_arguments(parser, QUICK)
     args = parse_run_arguments(parser, argv, QUICK, FULL)
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     unknown = sorted(set(models) - set(MODELS))
@@ -91,10 +96,9 @@ def run(argv: Sequence[str] | None = None) -> dict:
     specs = [s.strip() for s in args.specs.split(";") if s.strip()]
     for spec in specs:
         kvlib.parse_spec(spec)  # a bad spec is a ValueError before any model is loaded
-    stories_path = args.stories_path if args.stories_path.is_absolute() else REPO / args.stories_path
     rows = []
     for name in models:
-        model = load_model(name, stories_path)
+        model = load_bench_model(name)
         kvlib.attach(model)
         for batch in [int(b) for b in args.batch_sizes.split(",")]:
             row = {"model": name, "params": sum(p.numel() for p in model.parameters()), **bench_case(model, specs, batch, args)}
@@ -103,7 +107,6 @@ def run(argv: Sequence[str] | None = None) -> dict:
         del model
         gc.collect()
     result = {**run_metadata(args, load_before, started), "rows": rows}
-    result["config"]["stories_path"] = str(args.stories_path)
     write_report(args.out, "bench_coded_decode", _markdown(result, argv), result)
     return result
 
@@ -118,20 +121,24 @@ def _markdown(result: dict, argv: Sequence[str] | None) -> str:
         "",
         f"Prompt {c['prompt_len']} random token ids, {c['new_tokens']} greedy decode steps, fp32, CPU. Machine: "
         f"{result['machine']}. Library revision: {result['git']}. 1-minute load before and after: "
-        f"{result['load_avg_1min'][0]}, {result['load_avg_1min'][1]}. Medians of {c['repeats']} interleaved rounds; "
-        "ratios against the DynamicCache and the exact kvlib cache of the same run. Agreement: share of the greedy "
+        f"{result['load_avg_1min'][0]}, {result['load_avg_1min'][1]}. Median [min, max] of {c['repeats']} interleaved rounds "
+        "after a warm-up run of each cache (first call: what the warm-up took beyond a timed run, kernel compilation "
+        "included); ratios against the DynamicCache and the exact kvlib cache of the same round. Agreement: share of the greedy "
         "tokens equal to the exact cache's (a quantized cache may diverge after its first differing token).",
         "",
-        "| model | batch | cache | decode tok/s | vs DynamicCache | vs exact | bytes (MiB) | bytes vs DynamicCache "
+        "| model | batch | cache | decode tok/s | vs DynamicCache | vs exact | first call (s) | bytes (MiB) | bytes vs DynamicCache "
         "| codec metadata (MiB) | agreement with exact |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in result["rows"]:
         for kind, e in row["caches"].items():
             label = {"dynamic": "DynamicCache", "kvlib": "exact (`make_cache(model)`)"}.get(kind, f"`{kind}`")
             lines.append(
-                f"| {row['model']} ({row['params'] / 1e6:.1f}M) | {row['batch']} | {label} | {e['decode_tok_s']:.1f} | "
-                f"{e['speed_vs_dynamic']:.3f} | {e['speed_vs_exact']:.3f} | {e['cache_bytes'] / mib:.1f} | "
+                f"| {row['model']} ({row['params'] / 1e6:.1f}M) | {row['batch']} | {label} | "
+                f"{Spread(e['decode_tok_s'], e['decode_tok_s_low'], e['decode_tok_s_high']).text('{:.1f}'.format)} | "
+                f"{Spread(e['speed_vs_dynamic'], e['speed_vs_dynamic_low'], e['speed_vs_dynamic_high']).text('{:.3f}'.format)} | "
+                f"{Spread(e['speed_vs_exact'], e['speed_vs_exact_low'], e['speed_vs_exact_high']).text('{:.3f}'.format)} | "
+                f"{e['first_call_s']:.2f} | {e['cache_bytes'] / mib:.1f} | "
                 f"{e['bytes_vs_dynamic']:.3f} | {e['cache_components'].get('codec_metadata', 0) / mib:.1f} | "
                 f"{e['token_agreement_with_exact']:.2f} |"
             )

@@ -2,8 +2,10 @@
 
 For each model and context length, every cache runs the same prompt (random token ids, seeded):
 one forward over the prompt, then ``--new-tokens`` greedy single-token forwards (see
-``bench_generate.generate_once``), interleaved for ``--repeats`` rounds after an untimed warm-up.
-Reported per cache, as ratios against the DynamicCache of the same round (medians):
+``bench_generate.generate_once``), through :func:`kvlib.eval.decode_timing.measure`: a warm-up run
+of each cache (the same run, untimed: kernels compile there, and what it took beyond a timed run
+is reported as the first call's extra seconds), then ``--repeats`` interleaved rounds. Reported
+per cache, as ratios against the DynamicCache of the same round (median and range):
 
 - ``bytes``: what the cache holds at the end of decode (kvlib: ``memory_report()["total_bytes"]``,
   pages, positions, tables and any read mirror; DynamicCache: its keys and values), and kvlib's
@@ -17,8 +19,9 @@ every 16 decode steps instead of one every step), ``snapkv_0.25`` (prompt compre
 quarter), ``kivi4`` (``kivi(bits=4)``).
 The exact cache's greedy tokens must equal DynamicCache's (asserted after the report is written).
 
-Models: ``llama100m`` (a seeded random-weight ~100M Llama, fp32, see ``provenance.LLAMA100M``) and
-``smollm2`` (SmolLM2-135M-Instruct through ``kvlib.eval.load_model``; 30 layers, 3 KV heads).
+Models (``provenance.load_bench_model``): ``llama100m`` (a seeded random-weight ~100M Llama, fp32,
+see ``provenance.LLAMA100M``), ``smollm2`` (SmolLM2-135M-Instruct through ``kvlib.eval.load_model``;
+30 layers, 3 KV heads) and ``default`` (the embedded default model; ``--quick`` runs it).
 
     python benchmarks/bench_decode_caches.py [--models llama100m,smollm2] [--contexts 2048,8192]
         [--caches exact,streaming_llm_int25,...] [--new-tokens 32] [--repeats 2] [--threads N] [--device cuda]
@@ -29,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -39,13 +41,13 @@ import torch
 from transformers import DynamicCache
 
 import kvlib
+from kvlib.eval.decode_timing import Spread, measure
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or loaded by path
-from bench_generate import generate_once  # noqa: E402
-from bench_generate import load_model as load_bench_model
-from provenance import add_run_arguments, command_line, parse_run_arguments, run_metadata, write_report  # noqa: E402
+from bench_generate import decode_timer  # noqa: E402
+from provenance import add_run_arguments, command_line, load_bench_model, parse_run_arguments, run_metadata, write_report  # noqa: E402
 
-MODELS = ("llama100m", "smollm2", "stories")
+MODELS = ("llama100m", "smollm2", "default")
 FULL = {
     "models": "llama100m,smollm2",
     "contexts": "2048,8192",
@@ -53,7 +55,7 @@ FULL = {
     "new_tokens": 32,
     "repeats": 2,
 }
-QUICK = {"models": "stories", "contexts": "64", "caches": "exact,streaming_llm_int25,snapkv_0.25,kivi4", "new_tokens": 4, "repeats": 1}
+QUICK = {"models": "default", "contexts": "64", "caches": "exact,streaming_llm_int25,snapkv_0.25,kivi4", "new_tokens": 4, "repeats": 1}
 
 
 def cache_factories(context: int) -> dict[str, Callable[[torch.nn.Module], object]]:
@@ -72,42 +74,36 @@ def cache_factories(context: int) -> dict[str, Callable[[torch.nn.Module], objec
     }
 
 
-def load_model(name: str, stories_path: Path) -> torch.nn.Module:
-    if name == "smollm2":
-        from kvlib.eval import load_model as load_named_model
-
-        return load_named_model("smollm2").model
-    return load_bench_model(name, stories_path)
-
-
 def bench_context(model: torch.nn.Module, context: int, caches: list[str], args: argparse.Namespace) -> dict:
     factories = cache_factories(context)
     prompt = torch.randint(0, model.config.vocab_size, (1, context), generator=torch.Generator().manual_seed(context)).to(model.device)
     kinds = ["dynamic", *caches]
-    for kind in kinds:  # untimed warm-up: numba compilation, first-call allocations
-        generate_once(model, lambda: factories[kind](model), prompt[:, :64], 2)
-    runs: dict[str, list[dict]] = {kind: [] for kind in kinds}
-    for _ in range(args.repeats):
-        for kind in kinds:
-            runs[kind].append(generate_once(model, lambda: factories[kind](model), prompt, args.new_tokens))
+    timers = [decode_timer(model, lambda kind=kind: factories[kind](model), prompt, args.new_tokens) for kind in kinds]
+    timings = dict(zip(kinds, measure(timers, args.repeats, errors=())))
+    runs = {kind: [run.detail for run in timing.runs] for kind, timing in timings.items()}
     dynamic = runs["dynamic"]
     row: dict = {
         "context": context,
         "dynamic_bytes": dynamic[-1]["cache_bytes"],
-        "dynamic_decode_tok_s": statistics.median(run["decode_tok_s"] for run in dynamic),
+        "dynamic_decode_tok_s": timings["dynamic"].speed.median,
+        "dynamic_first_call_s": timings["dynamic"].first_call_s,
         "caches": {},
     }
     for kind in caches:
-        speed = [run["decode_tok_s"] / base["decode_tok_s"] for run, base in zip(runs[kind], dynamic)]
+        speed = timings[kind].vs(timings["dynamic"])
+        ratio = Spread.of(speed)
         last = runs[kind][-1]
         row["caches"][kind] = {
             "bytes": last["cache_bytes"],
             "bytes_vs_dynamic": last["cache_bytes"] / row["dynamic_bytes"],
             "components": last["cache_components"],
             "peak_workspace_bytes": last["peak_workspace_bytes"],
-            "decode_tok_s": statistics.median(run["decode_tok_s"] for run in runs[kind]),
-            "decode_vs_dynamic": statistics.median(speed),
+            "decode_tok_s": timings[kind].speed.median,
+            "decode_vs_dynamic": ratio.median,
+            "decode_vs_dynamic_low": ratio.low,
+            "decode_vs_dynamic_high": ratio.high,
             "all_decode_vs_dynamic": speed,
+            "first_call_s": timings[kind].first_call_s,
             "tokens_match": all(torch.equal(run["tokens"], dynamic[0]["tokens"]) for run in runs[kind]),
         }
     return row
@@ -121,7 +117,7 @@ def run(argv: Sequence[str] | None = None) -> dict:
     parser.add_argument("--new-tokens", type=int, help=f"decode steps (default {FULL['new_tokens']})")
     parser.add_argument("--repeats", type=int, help=f"interleaved rounds (default {FULL['repeats']})")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the model and caches live (default cpu)")
-    add_run_arguments(parser, QUICK, stories=True)
+    add_run_arguments(parser, QUICK)
     args = parse_run_arguments(parser, argv, QUICK, FULL)
     load_before, started = os.getloadavg()[0], time.perf_counter()
     models = [m for m in args.models.split(",") if m]
@@ -134,10 +130,9 @@ def run(argv: Sequence[str] | None = None) -> dict:
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda needs a CUDA device; none is available")
     contexts = [int(c) for c in args.contexts.split(",")]
-    stories_path = args.stories_path if args.stories_path.is_absolute() else Path(__file__).resolve().parents[1] / args.stories_path
     rows = []
     for name in models:
-        model = load_model(name, stories_path).to(args.device)
+        model = load_bench_model(name).to(args.device)
         kvlib.attach(model)  # every cache runs through the same attention function
         for context in contexts:
             load_before = os.getloadavg()[0]
@@ -164,14 +159,16 @@ def _markdown(result: dict) -> str:
         f"Command: `{result['command']}`. Machine: {result['machine']}. Library revision: {result['git']}. "
         f"1-minute load before/after: {result['load_avg_1min']}; {result['seconds']} s.",
         "",
-        "Ratios against DynamicCache measured in the same run (interleaved rounds; decode: median of the per-round "
-        "ratios, all rounds listed). Bytes: held at the end of decode; workspace: kvlib's peak transient dense copy "
-        "(freed after each call), as a share of DynamicCache's bytes.",
+        "Ratios against DynamicCache measured in the same run (a warm-up run of every cache, then interleaved rounds; "
+        "decode: median [min, max] of the per-round ratios, all rounds listed; first call: the seconds the warm-up run "
+        "took beyond a timed one, kernel compilation included). Bytes: held at the end of decode; workspace: kvlib's "
+        "peak transient dense copy (freed after each call), as a share of DynamicCache's bytes.",
         "",
         f"Device: {', '.join(sorted({row['device'] for row in result['rows']})) or '-'}.",
         "",
-        "| model | context | cache | bytes vs DynamicCache | workspace peak | decode vs DynamicCache | rounds | tokens = DynamicCache | load |",
-        "|---|---:|---|---:|---:|---:|---|---|---|",
+        "| model | context | cache | bytes vs DynamicCache | workspace peak | decode vs DynamicCache | rounds | first call (s) "
+        "| tokens = DynamicCache | load |",
+        "|---|---:|---|---:|---:|---:|---|---:|---|---|",
     ]
     for row in result["rows"]:
         for kind, f in row["caches"].items():
@@ -179,7 +176,8 @@ def _markdown(result: dict) -> str:
             rounds = ", ".join(f"{r:.2f}" for r in f["all_decode_vs_dynamic"])
             lines.append(
                 f"| {row['model']} | {row['context']} | {kind} | {f['bytes_vs_dynamic']:.3f}x | {workspace:.3f}x | "
-                f"{f['decode_vs_dynamic']:.2f}x | {rounds} | {'yes' if f['tokens_match'] else 'no'} | "
+                f"{Spread(f['decode_vs_dynamic'], f['decode_vs_dynamic_low'], f['decode_vs_dynamic_high']).text('{:.2f}x'.format)} | "
+                f"{rounds} | {f['first_call_s']:.2f} | {'yes' if f['tokens_match'] else 'no'} | "
                 f"{row['load_avg_1min'][0]:.1f}, {row['load_avg_1min'][1]:.1f} |"
             )
     return "\n".join(lines) + "\n"

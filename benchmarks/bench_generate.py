@@ -7,23 +7,27 @@ greedy forwards feeding the cache (timed as decode). Decode tokens/s is
 
 Fairness: ``kvlib.attach(model)`` runs once before anything is measured, so both caches go
 through the same attention function (``kvlib_sdpa``; for a cache that is not a kvlib cache it
-calls plain SDPA unchanged). Runs are interleaved (DynamicCache, kvlib, DynamicCache, kvlib, ...
-for ``--repeats`` rounds, after one small untimed warm-up of each) and the medians are compared.
+calls plain SDPA unchanged). Runs go through :func:`kvlib.eval.decode_timing.measure`: a warm-up
+run of each cache (the same run as a timed one; what it took beyond a timed one is reported as
+the first call's extra seconds), then ``--repeats`` interleaved rounds (DynamicCache, kvlib,
+DynamicCache, kvlib, ...); tokens/s are medians with their range, and the ratio is the median of
+each round's kvlib / DynamicCache (with its range).
 Every run's greedy tokens must equal the first DynamicCache run's (asserted after the report is
 written). Memory at the end of decode: kvlib's ``memory_report()["total_bytes"]`` (pages,
 positions, tables and the dense read mirror) and the DynamicCache's keys and values bytes.
 
-Models: ``stories`` (the trained stories260K checkpoint at ``--stories-path``, resolved against
-the repository root) and ``llama100m`` (a seeded random-weight ``LlamaForCausalLM``: hidden 768,
-12 layers, 12 heads, 4 KV heads, MLP 2048, vocab 32000, tied embeddings: ~100M parameters, fp32).
-Prompts are random token ids (seeded).
+Models: ``default`` (kvlib's embedded trained model, which ships in the package: a byte-level
+Llama of 4 layers, 2 KV heads of 32 channels, 1024 trained positions, ~0.8M parameters) and
+``llama100m`` (a seeded random-weight ``LlamaForCausalLM``: hidden 768, 12 layers, 12 heads, 4 KV
+heads, MLP 2048, vocab 32000, tied embeddings: ~100M parameters, fp32); both through
+``provenance.load_bench_model``. Prompts are random token ids (seeded).
 
 Usage (defaults: both models, prompt 2048, 256 new tokens, batch 1 and 8, 3 repeats):
 
-    python benchmarks/bench_generate.py [--models stories,llama100m] [--batch-sizes 1,8]
+    python benchmarks/bench_generate.py [--models default,llama100m] [--batch-sizes 1,8]
         [--prompt-len 2048] [--new-tokens 256] [--repeats 3] [--repeats-llama100m N] [--threads N]
-        [--stories-path ../shared/models/stories260K] [--out benchmarks/results]
-    python benchmarks/bench_generate.py --quick --out /tmp/x   # stories, prompt 32, 8 tokens, batch 1,2, 1 repeat
+        [--out benchmarks/results]
+    python benchmarks/bench_generate.py --quick --out /tmp/x   # default, prompt 32, 8 tokens, batch 1,2, 1 repeat
 
 Writes ``bench_generate.md`` and ``bench_generate.json`` to ``--out``. Target: kvlib / DynamicCache >= 0.9.
 """
@@ -42,38 +46,28 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from transformers import DynamicCache
 
 import kvlib
+from kvlib.eval.decode_timing import Decoded, Spread, Timer, measure
 from kvlib.transformers_compat import cache_argument
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or loaded by path
 from provenance import (  # noqa: E402
-    LLAMA100M,
+    RANDOM_LLAMA,
     add_run_arguments,
     git_revision,
+    load_bench_model,
     no_machine_path,
     parse_run_arguments,
     write_report,
 )
 
 REPO = Path(__file__).resolve().parents[1]
-MODELS = ("stories", "llama100m")
-FULL = {"models": "stories,llama100m", "batch_sizes": "1,8", "prompt_len": 2048, "new_tokens": 256, "repeats": 3}
-QUICK = {"models": "stories", "batch_sizes": "1,2", "prompt_len": 32, "new_tokens": 8, "repeats": 1}
+MODELS = ("default", RANDOM_LLAMA)
+FULL = {"models": "default,llama100m", "batch_sizes": "1,8", "prompt_len": 2048, "new_tokens": 256, "repeats": 3}
+QUICK = {"models": "default", "batch_sizes": "1,2", "prompt_len": 32, "new_tokens": 8, "repeats": 1}
 CACHES = ("dynamic", "kvlib")
-
-
-def load_model(name: str, stories_path: Path) -> torch.nn.Module:
-    if name == "stories":
-        model = LlamaForCausalLM.from_pretrained(stories_path, dtype=torch.float32)
-    elif name == "llama100m":
-        torch.manual_seed(0)
-        config = LlamaConfig(**LLAMA100M, max_position_embeddings=4096, tie_word_embeddings=True, dtype=torch.float32)
-        model = LlamaForCausalLM(config).to(torch.float32)
-    else:
-        raise ValueError(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
-    return model.eval()
 
 
 def new_cache(kind: str, model: torch.nn.Module):
@@ -127,29 +121,43 @@ def generate_once(model: torch.nn.Module, make: Callable[[], object], prompt: to
     return result
 
 
+def decode_timer(model: torch.nn.Module, make: Callable[[], object], prompt: torch.Tensor, new_tokens: int) -> Timer:
+    """A timer (:func:`kvlib.eval.decode_timing.measure`) of :func:`generate_once`: its decode seconds,
+    its whole result as the detail."""
+
+    def timed() -> Decoded:
+        result = generate_once(model, make, prompt, new_tokens)
+        return Decoded(prompt.shape[0] * new_tokens, result["decode_s"], result)
+
+    return timed
+
+
 def bench_case(model: torch.nn.Module, vocab: int, batch: int, args: argparse.Namespace, repeats: int) -> dict:
     generator = torch.Generator().manual_seed(1000 + batch)
     prompt = torch.randint(0, vocab, (batch, args.prompt_len), generator=generator)
-    for kind in CACHES:  # untimed warm-up (first-call allocations, kernel selection)
-        generate_once(model, lambda: new_cache(kind, model), prompt[:, : min(args.prompt_len, 16)], min(args.new_tokens, 2))
-    runs: dict[str, list[dict]] = {kind: [] for kind in CACHES}
-    for _ in range(repeats):
-        for kind in CACHES:
-            runs[kind].append(generate_once(model, lambda: new_cache(kind, model), prompt, args.new_tokens))
+    timers = [decode_timer(model, lambda kind=kind: new_cache(kind, model), prompt, args.new_tokens) for kind in CACHES]
+    timings = dict(zip(CACHES, measure(timers, repeats, errors=())))
+    runs = {kind: [run.detail for run in timing.runs] for kind, timing in timings.items()}
     reference = runs["dynamic"][0]["tokens"]
     tokens_match = all(torch.equal(run["tokens"], reference) for kind in CACHES for run in runs[kind])
     row = {"batch": batch, "repeats": repeats, "tokens_match": tokens_match}
-    for kind in CACHES:
+    for kind, timing in timings.items():
+        speed = timing.speed
         row[kind] = {
-            "decode_tok_s": statistics.median(run["decode_tok_s"] for run in runs[kind]),
+            "decode_tok_s": speed.median,
+            "decode_tok_s_low": speed.low,
+            "decode_tok_s_high": speed.high,
+            "first_call_s": timing.first_call_s,
             "decode_s": statistics.median(run["decode_s"] for run in runs[kind]),
             "prefill_s": statistics.median(run["prefill_s"] for run in runs[kind]),
             "cache_bytes": runs[kind][-1]["cache_bytes"],
             "cache_components": runs[kind][-1]["cache_components"],
-            "all_decode_tok_s": [run["decode_tok_s"] for run in runs[kind]],
+            "all_decode_tok_s": timing.tokens_per_s,
             "all_prefill_s": [run["prefill_s"] for run in runs[kind]],
         }
-    row["ratio"] = row["kvlib"]["decode_tok_s"] / row["dynamic"]["decode_tok_s"]
+    ratios = timings["kvlib"].vs(timings["dynamic"])
+    ratio = Spread.of(ratios)
+    row.update(ratio=ratio.median, ratio_low=ratio.low, ratio_high=ratio.high, all_ratios=ratios)
     return row
 
 
@@ -161,18 +169,17 @@ def run(argv: Sequence[str] | None = None) -> dict:
     parser.add_argument("--new-tokens", type=int, help=f"decode steps (default {FULL['new_tokens']})")
     parser.add_argument("--repeats", type=int, help=f"interleaved rounds per case (default {FULL['repeats']})")
     parser.add_argument("--repeats-llama100m", type=int, default=None, help="rounds for llama100m only (default: --repeats)")
-    add_run_arguments(parser, QUICK, stories=True)
+    add_run_arguments(parser, QUICK)
     args = parse_run_arguments(parser, argv, QUICK, FULL)
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     unknown = sorted(set(models) - set(MODELS))
     if unknown:
         parser.error(f"unknown models {unknown}; choose from {', '.join(MODELS)}")
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    stories_path = args.stories_path if args.stories_path.is_absolute() else REPO / args.stories_path
 
     rows = []
     for name in models:
-        model = load_model(name, stories_path)
+        model = load_bench_model(name)
         kvlib.attach(model)  # both caches measured on the same attention function (kvlib_sdpa)
         repeats = args.repeats_llama100m if name == "llama100m" and args.repeats_llama100m else args.repeats
         for batch in batch_sizes:
@@ -189,8 +196,7 @@ def run(argv: Sequence[str] | None = None) -> dict:
         del model
         gc.collect()
 
-    config = {k: v for k, v in vars(args).items() if k not in ("out", "stories_path")}
-    config["stories_path"] = str(args.stories_path)  # as given (relative to the repo root by default)
+    config = {k: v for k, v in vars(args).items() if k != "out"}
     result = {
         "config": config,
         "machine": f"{platform.machine()}, torch {torch.__version__}, {torch.get_num_threads()} threads",
@@ -208,7 +214,8 @@ def run(argv: Sequence[str] | None = None) -> dict:
 def _row_line(row: dict) -> str:
     return (
         f"{row['model']} batch {row['batch']}: DynamicCache {row['dynamic']['decode_tok_s']:.1f} tok/s, "
-        f"kvlib {row['kvlib']['decode_tok_s']:.1f} tok/s, ratio {row['ratio']:.3f}, tokens match {row['tokens_match']}"
+        f"kvlib {row['kvlib']['decode_tok_s']:.1f} tok/s, ratio {row['ratio']:.3f} [{row['ratio_low']:.3f}, {row['ratio_high']:.3f}], "
+        f"tokens match {row['tokens_match']}"
     )
 
 
@@ -229,9 +236,11 @@ def _markdown(result: dict, argv: Sequence[str] | None) -> str:
         "Prefill (one forward over the prompt) and decode are timed separately; decode tok/s = batch x new tokens / "
         "decode seconds (the machine's 1-minute load average before and after each case is listed: other processes "
         "on this machine skew absolute figures; interleaving keeps the ratio fairer). `kvlib.attach(model)` runs "
-        "before any measurement, so both caches run through the same attention function (`kvlib_sdpa`, which calls plain SDPA for a DynamicCache). Runs are interleaved "
-        "(DynamicCache, kvlib, ...) after one small untimed warm-up each; figures are medians over the rounds, ratio = "
-        "median kvlib / median DynamicCache (target >= 0.9). Memory: at the end of decode, kvlib "
+        "before any measurement, so both caches run through the same attention function (`kvlib_sdpa`, which calls plain SDPA "
+        "for a DynamicCache). Each cache runs once untimed first (the same run: kernels compile there; first call = the seconds "
+        "it took beyond a timed run), then runs are interleaved (DynamicCache, kvlib, ...); decode tok/s are medians "
+        "[min, max] over the rounds, ratio = the median [min, max] of each round's kvlib / DynamicCache (target >= 0.9). "
+        "Memory: at the end of decode, kvlib "
         "`memory_report()['total_bytes']` (pages, positions, tables and the dense read mirror; the read mirror's "
         "share is listed) and the DynamicCache's keys + values bytes.",
         "",
@@ -242,16 +251,20 @@ def _markdown(result: dict, argv: Sequence[str] | None) -> str:
             "",
         ]
     lines += [
-        "| model | batch | rounds | DynamicCache tok/s | kvlib tok/s | ratio | prefill DynamicCache (s) | prefill kvlib (s) "
+        "| model | batch | rounds | DynamicCache tok/s | kvlib tok/s | ratio | first call DynamicCache, kvlib (s) "
+        "| prefill DynamicCache (s) | prefill kvlib (s) "
         "| DynamicCache memory (MiB) | kvlib memory (MiB) | of which read mirror (MiB) | tokens match "
         "| load avg (before, after) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
     ]
     for row in result["rows"]:
         d, k = row["dynamic"], row["kvlib"]
         lines.append(
             f"| {row['model']} ({row['params'] / 1e6:.2f}M params) | {row['batch']} | {row['repeats']} | "
-            f"{d['decode_tok_s']:.1f} | {k['decode_tok_s']:.1f} | {row['ratio']:.3f} | {d['prefill_s']:.2f} | "
+            f"{Spread(d['decode_tok_s'], d['decode_tok_s_low'], d['decode_tok_s_high']).text('{:.1f}'.format)} | "
+            f"{Spread(k['decode_tok_s'], k['decode_tok_s_low'], k['decode_tok_s_high']).text('{:.1f}'.format)} | "
+            f"{Spread(row['ratio'], row['ratio_low'], row['ratio_high']).text('{:.3f}'.format)} | "
+            f"{d['first_call_s']:.2f}, {k['first_call_s']:.2f} | {d['prefill_s']:.2f} | "
             f"{k['prefill_s']:.2f} | {d['cache_bytes'] / mib:.1f} | {k['cache_bytes'] / mib:.1f} | "
             f"{k['cache_components'].get('read_cache', 0) / mib:.1f} | "
             f"{'yes' if row['tokens_match'] else '**NO**'} | {row['load_avg_1min'][0]:.1f}, {row['load_avg_1min'][1]:.1f} |"

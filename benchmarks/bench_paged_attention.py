@@ -17,7 +17,15 @@ query heads on 3 KV heads, head_dim 64) and ``llama100m`` (12 on 4, head_dim 64)
 Reported: microseconds per call, and the kernel's effective bandwidth as a share of the copy's
 (``copy_us / paged_us``: the issue's target is >= 50%).
 
+Coded pages (``--codecs``, CPU): the same layer stored by a codec (sealed pages read in the kernel,
+scales folded into the query or the weights) against the same layer in float32 pages, both
+through a store's paged layer (``PagedStore.paged_layer(...).attend``: the kernel a decode step
+runs), each call on the next of ``--layers`` layers, so that every call reads pages the caches
+do not hold, as in a decode step over a model's layers. Ratios are fp32 pages' time over the
+codec's, per round, interleaved (issue 45's target: kivi(bits=4) >= 2x at 8k x 3 KV heads x 64).
+
     python benchmarks/bench_paged_attention.py [--contexts 2048,8192] [--batch-sizes 1,4] [--repeats 20] [--threads N] [--device cuda]
+        [--codecs "kivi(bits=4);int8"] [--layers 8]
     python benchmarks/bench_paged_attention.py --quick --out /tmp/x
 """
 
@@ -34,9 +42,13 @@ from pathlib import Path
 import torch
 
 from kvlib import devices
+from kvlib.codec import layer_shapes
 from kvlib.devices import PagedKernel
-from kvlib.kernels.paged_attention import paged_attention
+from kvlib.kernels.paged_attention import PagedLayer, paged_attention
 from kvlib.kernels.paged_attention_torch import attend_pages_torch
+from kvlib.spec_text import parse_strategy
+from kvlib.storage.paged_store import PagedStore
+from kvlib.storage.store_config import StoreConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or loaded by path
 from provenance import add_run_arguments, command_line, parse_run_arguments, run_metadata, write_report  # noqa: E402
@@ -44,9 +56,16 @@ from provenance import add_run_arguments, command_line, parse_run_arguments, run
 SHAPES = {"smollm2": (9, 3, 64), "llama100m": (12, 4, 64)}
 """Per model: query heads, KV heads, head_dim."""
 PAGE_SIZE = 16
-FULL = {"contexts": "2048,8192", "batch_sizes": "1,4", "repeats": 20}
-QUICK = {"contexts": "64", "batch_sizes": "1", "repeats": 2}
+FULL = {
+    "contexts": "2048,8192",
+    "batch_sizes": "1,4",
+    "repeats": 20,
+    "codecs": "kivi(bits=4);kivi(bits=2);int8;fp8;rotated(bits=4)",
+    "layers": 8,
+}
+QUICK = {"contexts": "64", "batch_sizes": "1", "repeats": 2, "codecs": "kivi(bits=4)", "layers": 2}
 CASES = ("paged", "sdpa_dense", "gather_sdpa", "copy")
+FP32_PAGES = "fp32 pages"
 
 
 def layer_pages(batch: int, kv_heads: int, dim: int, tokens: int, generator: torch.Generator):
@@ -118,6 +137,61 @@ def bench_case(model: str, batch: int, tokens: int, repeats: int, device: torch.
     return row
 
 
+def stored_layers(spec: str | None, batch: int, kv_heads: int, dim: int, tokens: int, layers: int, seed: int) -> list[PagedLayer]:
+    """``layers`` layers of ``batch`` rows of ``tokens`` random tokens per KV head in a store, full
+    pages sealed by ``spec``'s codec (None: float32 pages), as a decode step reads them."""
+    codecs = (
+        None
+        if spec is None
+        else parse_strategy(spec).layer_codecs(layer_shapes(layers, kv_heads, dim, dim, PAGE_SIZE, torch.float32, devices.CPU))
+    )
+    store = PagedStore(StoreConfig(layers, kv_heads, dim, page_size=PAGE_SIZE, codecs=codecs, read_cache=False))
+    rows = [store.new_sequence() for _ in range(batch)]
+    generator = torch.Generator().manual_seed(seed)
+    for layer in range(layers):
+        store.append(
+            layer,
+            rows,
+            torch.randn(batch, kv_heads, tokens, dim, generator=generator),
+            torch.randn(batch, kv_heads, tokens, dim, generator=generator),
+        )
+        if codecs is not None:
+            store.seal(layer, rows)
+    paged = [store.paged_layer(layer, rows) for layer in range(layers)]
+    assert all(layer is not None for layer in paged), f"{spec}: no paged read of its pages"
+    return paged
+
+
+def bench_codecs(model: str, batch: int, tokens: int, specs: list[str], layers: int, repeats: int) -> dict:
+    """Microseconds per call of the kernel over each codec's pages and over float32 pages, each
+    call on the next of ``layers`` layers (pages the caches do not hold), rounds interleaved."""
+    query_heads, kv_heads, dim = SHAPES[model]
+    kinds = {FP32_PAGES: None} | {spec: spec for spec in specs}
+    stores = {kind: stored_layers(spec, batch, kv_heads, dim, tokens, layers, tokens + batch) for kind, spec in kinds.items()}
+    query = torch.randn(batch, query_heads, 1, dim, generator=torch.Generator().manual_seed(tokens))
+    options = {"visible": None, "query_positions": torch.tensor([tokens]), "scale": dim**-0.5}
+    for paged in stores.values():  # warm-up: numba compilation, allocator
+        paged[0].attend(query, **options)
+    times: dict[str, list[float]] = {kind: [] for kind in kinds}
+    with torch.inference_mode():
+        for _ in range(repeats):
+            for kind, paged in stores.items():
+                times[kind].append(
+                    statistics.median(micros(lambda layer=layer: layer.attend(query, **options), devices.CPU) for layer in paged)
+                )
+    row = {
+        "model": model,
+        "batch": batch,
+        "tokens": tokens,
+        "layers": layers,
+        "us": {kind: statistics.median(t) for kind, t in times.items()},
+    }
+    row["vs_fp32_pages"] = {
+        kind: sorted(base / t for base, t in zip(times[FP32_PAGES], times[kind])) for kind in kinds if kind != FP32_PAGES
+    }  # per round: the spread
+    return row
+
+
 def run(argv: Sequence[str] | None = None) -> dict:
     started = time.perf_counter()
     load_before = os.getloadavg()[0]
@@ -127,6 +201,11 @@ def run(argv: Sequence[str] | None = None) -> dict:
     parser.add_argument("--batch-sizes", help=f"comma-separated (default {FULL['batch_sizes']})")
     parser.add_argument("--repeats", type=int, help=f"interleaved rounds (default {FULL['repeats']})")
     parser.add_argument("--device", default="cpu", help="where the pages and query live: cpu (numba kernel) or cuda (torch path)")
+    parser.add_argument(
+        "--codecs",
+        help=f"';'-separated codec specs whose pages are read against fp32 pages on the CPU ('' for none; default {FULL['codecs']!r})",
+    )
+    parser.add_argument("--layers", type=int, help=f"layers cycled through in the coded-pages cases (default {FULL['layers']})")
     add_run_arguments(parser, QUICK)
     args = parse_run_arguments(parser, argv, QUICK, FULL)
     models = [m for m in args.models.split(",") if m]
@@ -138,13 +217,24 @@ def run(argv: Sequence[str] | None = None) -> dict:
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda needs a CUDA device; none is available")
     device = devices.resolve_device(args.device)
-    rows = []
+    specs = [spec.strip() for spec in args.codecs.split(";") if spec.strip()] if device.type == "cpu" else []
+    for spec in specs:
+        parse_strategy(spec)  # a bad spec is a ValueError before any work
+    rows, coded = [], []
     for model in models:
         for tokens in (int(c) for c in args.contexts.split(",")):
             for batch in (int(b) for b in args.batch_sizes.split(",")):
                 rows.append(bench_case(model, batch, tokens, args.repeats, device))
                 print(_row_line(rows[-1]), flush=True)
-    result = {**run_metadata(args, load_before, started), "command": command_line("bench_paged_attention.py", argv), "rows": rows}
+                if specs:
+                    coded.append(bench_codecs(model, batch, tokens, specs, args.layers, args.repeats))
+                    print(_coded_line(coded[-1]), flush=True)
+    result = {
+        **run_metadata(args, load_before, started),
+        "command": command_line("bench_paged_attention.py", argv),
+        "rows": rows,
+        "coded": coded,
+    }
     write_report(args.out, "bench_paged_attention", _markdown(result), result)
     return result
 
@@ -155,6 +245,11 @@ def _row_line(row: dict) -> str:
         f"{row['sdpa_dense_us']:.0f} us, gather+SDPA {row['gather_sdpa_us']:.0f} us, copy {row['copy_us']:.0f} us, "
         f"bandwidth {row['bandwidth_share_of_copy']:.0%} of a copy"
     )
+
+
+def _coded_line(row: dict) -> str:
+    ratios = ", ".join(f"{kind} {statistics.median(r):.2f}x" for kind, r in row["vs_fp32_pages"].items())
+    return f"{row['model']} batch {row['batch']} tokens {row['tokens']}: fp32 pages {row['us'][FP32_PAGES]:.0f} us; vs fp32 pages: {ratios}"
 
 
 def _markdown(result: dict) -> str:
@@ -178,6 +273,23 @@ def _markdown(result: dict) -> str:
             f"{r['sdpa_dense_us']:.0f} | {r['gather_sdpa_us']:.0f} | {r['copy_us']:.0f} | {r['bandwidth_share_of_copy']:.0%} | "
             f"{r['paged_vs_sdpa_dense']:.2f}x | {r['paged_vs_gather_sdpa']:.2f}x |"
         )
+    if result["coded"]:
+        lines += [
+            "",
+            "## Coded pages against float32 pages",
+            "",
+            f"Microseconds per call through a store's paged layer (the decode kernel), each call on the next of "
+            f"{result['coded'][0]['layers']} layers (pages the caches do not hold); ratio = fp32 pages' time / the codec's, "
+            "median (min-max) over the interleaved rounds.",
+            "",
+            "| model | batch | tokens | pages | us | vs fp32 pages |",
+            "|---|---:|---:|---|---:|---:|",
+        ]
+        for r in result["coded"]:
+            for kind, us in r["us"].items():
+                spread = r["vs_fp32_pages"].get(kind)
+                ratio = "1" if spread is None else f"{statistics.median(spread):.2f}x ({spread[0]:.2f}-{spread[-1]:.2f})"
+                lines.append(f"| {r['model']} | {r['batch']} | {r['tokens']} | `{kind}` | {us:.0f} | {ratio} |")
     return "\n".join(lines) + "\n"
 
 

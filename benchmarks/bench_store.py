@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from kvlib import PagedStore, StoreConfig
+from kvlib.eval.output_files import replace_file  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or loaded by path
 from provenance import add_run_arguments, parse_run_arguments  # noqa: E402
@@ -140,8 +141,8 @@ def run(argv: Sequence[str] | None = None) -> dict:
     report = _markdown(result)
     print(report)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "bench_store.md").write_text(report + "\n")
-    (args.out / "bench_store.json").write_text(json.dumps(result, indent=2) + "\n")
+    replace_file(args.out / "bench_store.md", report + "\n")
+    replace_file(args.out / "bench_store.json", json.dumps(result, indent=2) + "\n")
     return result
 
 

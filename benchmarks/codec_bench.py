@@ -1,5 +1,6 @@
 """Page codecs in one run: bytes held, encode/decode throughput against a plain copy, decode speed
-on the ~100M random Llama, and quality on stories260K (alone, and beside eviction at equal bytes).
+on the ~100M random Llama, and quality on a trained model (``--quality-model``, default the embedded
+``default`` model; alone, and beside eviction at equal bytes).
 
 Sections (``--sections``, all by default):
 
@@ -16,9 +17,11 @@ Sections (``--sections``, all by default):
 - ``decode``: greedy decode tokens/s of the ~100M random Llama (``--decode-model``) after a
   ``--prompt-len`` prompt, batch 1, ``--new-tokens`` steps, with ``kvlib.make_cache(model)`` (no
   codec: exact, with its read mirror) and with each of ``--decode-specs`` (no mirror: every read
-  decodes the pages), runs interleaved for ``--repeats`` rounds after an untimed warm-up that
-  also compiles the numba kernels; medians. Target: ``kivi(bits=4)`` >= 0.7x the exact cache.
-- ``quality``: stories260K, as ``eviction_quality.py`` measures it (model-sampled stories; greedy
+  decodes the pages), through :func:`kvlib.eval.decode_timing.measure`: a warm-up run of each (the
+  same run, untimed: the numba kernels compile there; its extra seconds are the first call's),
+  then ``--repeats`` interleaved rounds; tokens/s medians, the ratio to the exact cache the median
+  [min, max] of each round's. Target: ``kivi(bits=4)`` >= 0.7x the exact cache.
+- ``quality``: ``--quality-model``, as ``eviction_quality.py`` measures it (model-sampled texts; greedy
   agreement and KL(full || compressed) over ``--new-tokens-quality`` teacher-forced steps;
   perplexity of a held-out continuation), for each codec of ``--codecs`` alone, then at equal
   bytes: for each target fraction in ``--byte-budgets`` of the full cache's KV bytes and each
@@ -36,8 +39,8 @@ Usage:
 
     python benchmarks/codec_bench.py [--sections bytes,throughput,decode,quality] [--threads N]
         [--throughput-mib 512] [--repeats 3] [--prompt-len 2048] [--new-tokens 64]
-        [--stories-path ../shared/models/stories260K] [--out benchmarks/results]
-    python benchmarks/codec_bench.py --quick --out /tmp/x   # tiny sizes, stories only
+        [--quality-model default] [--out benchmarks/results]
+    python benchmarks/codec_bench.py --quick --out /tmp/x   # tiny sizes, the default model only
 
 Writes ``codec_bench.md`` and ``codec_bench.json`` to ``--out``.
 """
@@ -47,34 +50,34 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import statistics
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers import DynamicCache
 
 import kvlib
 from kvlib.codec import FitSample, PageCodec, layer_shapes
+from kvlib.eval import load_model
+from kvlib.eval.decode_timing import Decoded, Spread, measure
 from kvlib.spec import parse_spec
 from kvlib.transformers_compat import cache_argument
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or loaded by path
-from bench_generate import load_model  # noqa: E402
 from codec_quality_smollm2 import SMOLLM2_HEADER, smollm2_kl, smollm2_line  # noqa: E402
 from eviction_quality import evaluate, sample_texts  # noqa: E402
 from provenance import (  # noqa: E402
     add_run_arguments,
     command_line,
+    load_bench_model,
     median_seconds,
     parse_run_arguments,
     run_metadata,
     write_report,
 )
 
-REPO = Path(__file__).resolve().parents[1]
 SECTIONS = ("bytes", "throughput", "decode", "quality", "smollm2")
 BYTE_CODECS = (
     "int8",
@@ -146,7 +149,7 @@ QUICK = {
     "target_page_size": 64,
     "throughput_mib": 4,
     "repeats": 1,
-    "decode_model": "stories",
+    "decode_model": "default",
     "prompt_len": 64,
     "new_tokens": 4,
     "decode_specs": "kivi(bits=4)",
@@ -246,7 +249,9 @@ def throughput_section(mib: int, repeats: int) -> list[dict]:
     return rows
 
 
-def decode_once(model: torch.nn.Module, spec: str | None, prompt: torch.Tensor, new_tokens: int) -> dict:
+def decode_once(model: torch.nn.Module, spec: str | None, prompt: torch.Tensor, new_tokens: int) -> Decoded:
+    """One run: a fresh cache, the prompt's prefill, then ``new_tokens`` greedy steps, timed; the detail
+    is the cache's bytes at the end."""
     gc.collect()
     cache = kvlib.make_cache(model) if spec is None else kvlib.make_cache(model, spec)
     with torch.inference_mode():
@@ -257,42 +262,43 @@ def decode_once(model: torch.nn.Module, spec: str | None, prompt: torch.Tensor, 
             token = model(input_ids=token, **cache_argument(cache), use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
         seconds = time.perf_counter() - start
     report = cache.memory_report()
-    return {"tok_s": new_tokens / seconds, "total_bytes": report["total_bytes"], "by_component": report["by_component"]}
+    return Decoded(new_tokens, seconds, {"total_bytes": report["total_bytes"], "by_component": report["by_component"]})
 
 
-def decode_section(args: argparse.Namespace, stories_path: Path) -> list[dict]:
-    model = load_model(args.decode_model, stories_path)
+def decode_section(args: argparse.Namespace) -> list[dict]:
+    model = load_bench_model(args.decode_model)
     kvlib.attach(model)
     specs: list[str | None] = [None, *[s.strip() for s in args.decode_specs.split(";") if s.strip()]]
     prompt = torch.randint(0, model.config.vocab_size, (1, args.prompt_len), generator=torch.Generator().manual_seed(2))
-    for spec in specs:  # warm-up: allocations, kernel compilation
-        decode_once(model, spec, prompt[:, :64], 2)
-    runs: dict[str | None, list[dict]] = {spec: [] for spec in specs}
-    for _ in range(args.repeats):
-        for spec in specs:
-            runs[spec].append(decode_once(model, spec, prompt, args.new_tokens))
-            print(f"decode {spec or 'exact'}: {runs[spec][-1]['tok_s']:.1f} tok/s", flush=True)
-    exact = statistics.median(r["tok_s"] for r in runs[None])
-    return [
-        {
-            "spec": spec or "exact",
-            "tok_s": statistics.median(r["tok_s"] for r in runs[spec]),
-            "all_tok_s": [r["tok_s"] for r in runs[spec]],
-            "vs_exact": statistics.median(r["tok_s"] for r in runs[spec]) / exact,
-            "total_bytes": runs[spec][-1]["total_bytes"],
-            "by_component": runs[spec][-1]["by_component"],
-        }
-        for spec in specs
-    ]
+    timers = [lambda spec=spec: decode_once(model, spec, prompt, args.new_tokens) for spec in specs]
+    timings = measure(timers, args.repeats, errors=())
+    rows = []
+    for spec, timing in zip(specs, timings):
+        ratio = Spread.of(timing.vs(timings[0]))
+        rows.append(
+            {
+                "spec": spec or "exact",
+                "tok_s": timing.speed.median,
+                "all_tok_s": timing.tokens_per_s,
+                "first_call_s": timing.first_call_s,
+                "vs_exact": ratio.median,
+                "vs_exact_low": ratio.low,
+                "vs_exact_high": ratio.high,
+                "total_bytes": timing.runs[-1].detail["total_bytes"],
+                "by_component": timing.runs[-1].detail["by_component"],
+            }
+        )
+        print(f"decode {spec or 'exact'}: {timing.speed.text('{:.1f}'.format)} tok/s", flush=True)
+    return rows
 
 
 def kv_bytes(row: dict) -> int:
     return row["pages_bytes"] + row["codec_metadata_bytes"] + row["positions_bytes"]
 
 
-def quality_section(args: argparse.Namespace, stories_path: Path) -> dict:
-    model = AutoModelForCausalLM.from_pretrained(stories_path, dtype=torch.float32).eval()
-    tokenizer = AutoTokenizer.from_pretrained(stories_path)
+def quality_section(args: argparse.Namespace) -> dict:
+    loaded = load_model(args.quality_model)
+    model, tokenizer = loaded.model, loaded.tokenizer
     texts = sample_texts(model, tokenizer, args.contexts, args.context_len + args.continuation_len, 0, 0.8)
     context, continuation = texts[:, : args.context_len], texts[:, args.context_len :]
     kvlib.attach(model)
@@ -374,10 +380,11 @@ def run(argv: Sequence[str] | None = None) -> dict:
     parser.add_argument("--target-page-size", type=int, help="page size the byte targets are checked at (default 64)")
     parser.add_argument("--throughput-mib", type=int, help=f"MiB of keys + values (default {FULL['throughput_mib']})")
     parser.add_argument("--repeats", type=int, help=f"timed repeats (default {FULL['repeats']})")
-    parser.add_argument("--decode-model", choices=["llama100m", "stories"], help="decode section model (default llama100m)")
+    parser.add_argument("--decode-model", choices=["llama100m", "default"], help="decode section model (default llama100m)")
     parser.add_argument("--prompt-len", type=int, help=f"decode section prompt (default {FULL['prompt_len']})")
     parser.add_argument("--new-tokens", type=int, help=f"decode steps timed (default {FULL['new_tokens']})")
     parser.add_argument("--decode-specs", help=f"';'-separated codecs timed (default {FULL['decode_specs']})")
+    parser.add_argument("--quality-model", default="default", help="quality: any kvlib.eval.load_model name (default: the embedded model)")
     parser.add_argument("--contexts", type=int, help=f"quality: contexts (default {FULL['contexts']})")
     parser.add_argument("--context-len", type=int, help=f"quality: context tokens (default {FULL['context_len']})")
     parser.add_argument("--new-tokens-quality", type=int, help=f"quality: greedy steps (default {FULL['new_tokens_quality']})")
@@ -389,13 +396,12 @@ def run(argv: Sequence[str] | None = None) -> dict:
     parser.add_argument("--smollm2-specs", help=f"smollm2: ';'-separated codecs (default {FULL['smollm2_specs']})")
     parser.add_argument("--smollm2-contexts", help=f"smollm2: prompt tokens, comma-separated (default {FULL['smollm2_contexts']})")
     parser.add_argument("--smollm2-steps", type=int, help=f"smollm2: teacher-forced steps (default {FULL['smollm2_steps']})")
-    add_run_arguments(parser, QUICK, stories=True)
+    add_run_arguments(parser, QUICK)
     args = parse_run_arguments(parser, argv, QUICK, FULL)
     sections = [s.strip() for s in args.sections.split(",") if s.strip()]
     unknown = sorted(set(sections) - set(SECTIONS))
     if unknown:
         parser.error(f"unknown sections {unknown}; choose from {', '.join(SECTIONS)}")
-    stories_path = args.stories_path if args.stories_path.is_absolute() else REPO / args.stories_path
     page_sizes = [int(p) for p in args.page_sizes.split(",") if p.strip()]
     if args.target_page_size not in page_sizes:
         parser.error(f"--target-page-size {args.target_page_size} must be one of --page-sizes {page_sizes}")
@@ -407,14 +413,13 @@ def run(argv: Sequence[str] | None = None) -> dict:
     if "throughput" in sections:
         result["throughput"] = throughput_section(args.throughput_mib, args.repeats)
     if "decode" in sections:
-        result["decode"] = decode_section(args, stories_path)
+        result["decode"] = decode_section(args)
     if "quality" in sections:
-        result["quality"] = quality_section(args, stories_path)
+        result["quality"] = quality_section(args)
     if "smollm2" in sections:
         contexts = [int(c) for c in args.smollm2_contexts.split(",") if c.strip()]
         result["smollm2"] = smollm2_kl(args.smollm2_specs.split(";"), contexts, args.smollm2_steps)
     result.update(run_metadata(args, load_before, started))
-    result["config"]["stories_path"] = str(args.stories_path)
     write_report(args.out, "codec_bench", _markdown(result, argv), result)
     return result
 
@@ -464,13 +469,17 @@ def _markdown(result: dict, argv: Sequence[str] | None) -> str:
             "",
             f"## Decode speed ({c['decode_model']}, prompt {c['prompt_len']}, {c['new_tokens']} greedy steps, batch 1, median of {c['repeats']})",
             "",
-            "| cache | tok/s | vs exact | bytes held | pages + codec metadata | read mirror |",
-            "|---|---:|---:|---:|---:|---:|",
+            "A warm-up run of each cache, then interleaved rounds; vs exact: median [min, max] of each round's ratio; first call:"
+            " the seconds the warm-up run took beyond a timed one (kernel compilation included).",
+            "",
+            "| cache | tok/s | vs exact | first call (s) | bytes held | pages + codec metadata | read mirror |",
+            "|---|---:|---:|---:|---:|---:|---:|",
         ]
         for r in result["decode"]:
             b = r["by_component"]
             lines.append(
-                f"| {r['spec']} | {r['tok_s']:.1f} | {r['vs_exact']:.2f} | {r['total_bytes'] / 2**20:.1f} MiB "
+                f"| {r['spec']} | {r['tok_s']:.1f} | {Spread(r['vs_exact'], r['vs_exact_low'], r['vs_exact_high']).text('{:.2f}'.format)} "
+                f"| {r['first_call_s']:.2f} | {r['total_bytes'] / 2**20:.1f} MiB "
                 f"| {(b['pages'] + b['codec_metadata']) / 2**20:.1f} MiB | {b['read_cache'] / 2**20:.1f} MiB |"
             )
         lines += [
@@ -482,7 +491,7 @@ def _markdown(result: dict, argv: Sequence[str] | None) -> str:
         full = q["full"]
         lines += [
             "",
-            f"## Quality on stories260K ({c['contexts']} contexts of {c['context_len']} tokens, {c['new_tokens_quality']} greedy steps, {c['continuation_len']}-token continuation)",
+            f"## Quality on the {c['quality_model']} model ({c['contexts']} contexts of {c['context_len']} tokens, {c['new_tokens_quality']} greedy steps, {c['continuation_len']}-token continuation)",
             "",
             f"Full cache: perplexity {full['ppl']:.3f}. KV bytes: pages + codec metadata + positions.",
             "",

@@ -33,6 +33,7 @@ from provenance import command_line, git_revision  # noqa: E402
 
 import kvlib  # noqa: E402
 from kvlib.eval import load_model
+from kvlib.eval.output_files import replace_file  # noqa: E402
 from kvlib.eval.texts import text_ids, windows  # noqa: E402
 from kvlib.transformers_compat import cache_argument  # noqa: E402
 
@@ -92,7 +93,7 @@ def run(argv: list[str] | None = None) -> dict:
         "git": git_revision(),
         "rows": [{"spec": spec, **values} for spec, values in totals.items()],
     }
-    (out / "decode_eviction_smollm2.json").write_text(json.dumps(result, indent=2) + "\n")
+    replace_file(out / "decode_eviction_smollm2.json", json.dumps(result, indent=2) + "\n")
     lines = [
         f"# Decode-time eviction on SmolLM2: {args.samples} prompts of {args.prompt_len} tokens, {args.new_tokens} teacher-forced steps,"
         f" int budget {args.budget} tokens per (layer, head)",
@@ -103,7 +104,7 @@ def run(argv: list[str] | None = None) -> dict:
         "|---|---|---|---|",
         *(f"| {row['spec']} | {row['kl']:.4f} | {row['agreement']:.3f} | {row['pages_vs_full']:.3f} |" for row in result["rows"]),
     ]
-    (out / "decode_eviction_smollm2.md").write_text("\n".join(lines) + "\n")
+    replace_file(out / "decode_eviction_smollm2.md", "\n".join(lines) + "\n")
     print("\n".join(lines))
     return result
 

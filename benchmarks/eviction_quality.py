@@ -1,10 +1,11 @@
-"""Output quality of every registered eviction strategy on stories260K, against the full cache.
+"""Output quality of every registered eviction strategy on a trained model (``--model``, default the
+embedded ``default`` model), against the full cache.
 
-Text: the model writes it. The contexts are sampled as one batch from ``BOS + "Once upon a time"``
-with the full cache (``DynamicCache``), row ``i`` drawing from a generator seeded ``--seed + i``,
-temperature ``--temperature``, BOS (id 1, which the model emits to end a story) forbidden, so
-each sample is one long story whose later text can refer back to names and objects introduced
-early (what eviction must keep). Its first ``--context-len`` tokens are the context; the next
+Text: the model writes it. The contexts are sampled as one batch from ``BOS + PROMPT`` (the
+default model learnt Python's standard library, so ``PROMPT`` opens a class) with the full cache
+(``DynamicCache``), row ``i`` drawing from a generator seeded ``--seed + i``, temperature
+``--temperature``, BOS and EOS (which end a text) forbidden, so each sample is one long text whose
+later lines can refer back to names introduced early (what eviction must keep). Its first ``--context-len`` tokens are the context; the next
 ``--continuation-len`` are the held-out continuation. Perplexity on the model's own samples is
 lower than on human text: compare it across strategies, not with published figures.
 
@@ -32,12 +33,11 @@ positions, and tokens per head by layer (JSON). A strategy that raises is report
 and the run goes on.
 
 Usage (defaults: 8 contexts of 400 tokens, 100 new tokens, 100 continuation tokens, budgets
-0.25,0.5 as token counts and 0.25,0.5 as floats; stories260K's trained context is 512 tokens):
+0.25,0.5 as token counts and 0.25,0.5 as floats; the default model's trained context is 1024 tokens):
 
     python benchmarks/eviction_quality.py [--strategies all|name,name] [--contexts 8] [--context-len 400]
         [--new-tokens 100] [--continuation-len 100] [--budgets 0.25,0.5] [--float-budgets 0.25,0.5]
-        [--seed 0] [--temperature 0.8] [--threads N] [--stories-path ../shared/models/stories260K]
-        [--out benchmarks/results]
+        [--seed 0] [--temperature 0.8] [--threads N] [--model default] [--out benchmarks/results]
     python benchmarks/eviction_quality.py --quick --out /tmp/x   # 2 contexts of 48 tokens, 8 + 8 tokens
 
 Writes ``eviction_quality.md`` and ``eviction_quality.json`` to ``--out``.
@@ -56,9 +56,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers import DynamicCache
 
 import kvlib
+from kvlib.eval import load_model
 from kvlib.eval.agreement import agreement_metrics, greedy_reference, teacher_forced_logits
 from kvlib.transformers_compat import cache_argument
 
@@ -71,24 +72,25 @@ from provenance import (  # noqa: E402
     write_report,
 )
 
-REPO = Path(__file__).resolve().parents[1]
 FULL = {"contexts": 8, "context_len": 400, "new_tokens": 100, "continuation_len": 100, "budgets": "0.25,0.5", "float_budgets": "0.25,0.5"}
 QUICK = {"contexts": 2, "context_len": 48, "new_tokens": 8, "continuation_len": 8, "budgets": "0.25", "float_budgets": "0.25"}
-PROMPT = "Once upon a time"
-BOS = 1
+PROMPT = "class "
+"""Where every sampled text starts (after BOS)."""
 
 
 def sample_texts(model, tokenizer, count: int, length: int, seed: int, temperature: float) -> torch.Tensor:
-    """int64 ``[count, length]``: ``count`` stories sampled as one batch from BOS + PROMPT with the full
-    cache, row ``i`` drawing from a generator seeded ``seed + i``; BOS is forbidden after the first token."""
-    tokens = torch.tensor([[BOS] + tokenizer(PROMPT, add_special_tokens=False).input_ids]).repeat(count, 1)
+    """int64 ``[count, length]``: ``count`` texts sampled as one batch from BOS + PROMPT with the full
+    cache, row ``i`` drawing from a generator seeded ``seed + i``; BOS and EOS are forbidden after the
+    first token. ``tokenizer``: a ``kvlib.eval`` text tokenizer (``encode(text, bos=...)``)."""
+    tokens = torch.tensor([tokenizer.encode(PROMPT, bos=True)]).repeat(count, 1)
+    forbidden = [i for i in (tokenizer.bos_token_id, tokenizer.eos_token_id) if i is not None]
     generators = [torch.Generator().manual_seed(seed + i) for i in range(count)]
     cache = DynamicCache(config=model.config)
     fed = tokens
     with torch.inference_mode():
         while tokens.shape[1] < length:
             logits = model(input_ids=fed, **cache_argument(cache), use_cache=True).logits[:, -1].float()
-            logits[:, BOS] = -torch.inf
+            logits[:, forbidden] = -torch.inf
             probs = torch.softmax(logits / temperature, dim=-1)
             fed = torch.cat([torch.multinomial(p, 1, generator=g) for p, g in zip(probs, generators)]).unsqueeze(-1)
             tokens = torch.cat([tokens, fed], dim=1)
@@ -151,7 +153,8 @@ def run(argv: Sequence[str] | None = None) -> dict:
     parser.add_argument("--float-budgets", help=f"fractions passed as float budgets; '' for none (default {FULL['float_budgets']})")
     parser.add_argument("--seed", type=int, default=0, help="context i is sampled with seed + i")
     parser.add_argument("--temperature", type=float, default=0.8, help="sampling temperature of the texts")
-    add_run_arguments(parser, QUICK, stories=True)
+    parser.add_argument("--model", default="default", help="any kvlib.eval.load_model name (default: the embedded model)")
+    add_run_arguments(parser, QUICK)
     args = parse_run_arguments(parser, argv, QUICK, FULL)
     registered = kvlib.available_strategies()["eviction"]
     strategies = registered if args.strategies == "all" else [s.strip() for s in args.strategies.split(",") if s.strip()]
@@ -160,11 +163,10 @@ def run(argv: Sequence[str] | None = None) -> dict:
         parser.error(f"unknown strategies {unknown}; registered: {', '.join(registered)}")
     budgets = [max(1, int(f * args.context_len)) for f in _fractions(args.budgets)]
     budgets += _fractions(args.float_budgets)
-    stories_path = args.stories_path if args.stories_path.is_absolute() else REPO / args.stories_path
     steps = max(args.new_tokens, args.continuation_len)
 
-    model = AutoModelForCausalLM.from_pretrained(stories_path, dtype=torch.float32).eval()
-    tokenizer = AutoTokenizer.from_pretrained(stories_path)
+    loaded = load_model(args.model)
+    model, tokenizer = loaded.model, loaded.tokenizer
     if args.context_len + steps > model.config.max_position_embeddings:
         print(
             f"note: {args.context_len} + {steps} tokens run past the trained context ({model.config.max_position_embeddings})",
@@ -198,15 +200,15 @@ def run(argv: Sequence[str] | None = None) -> dict:
             rows.append(row)
             print(_row_line(row), flush=True)
 
-    config = {k: v for k, v in vars(args).items() if k not in ("out", "stories_path")}
-    config.update(stories_path=str(args.stories_path), strategies=strategies, budget_values=budgets)
+    config = {k: v for k, v in vars(args).items() if k != "out"}
+    config.update(strategies=strategies, budget_values=budgets)
     result = {
         "config": config,
         "machine": f"{platform.machine()}, torch {torch.__version__}, {torch.get_num_threads()} threads",
         "git": git_revision(),
         "load_avg_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)],
         "seconds": round(time.perf_counter() - started, 1),
-        "sample_text": tokenizer.decode(texts[0]),
+        "sample_text": tokenizer.decode(texts[0].tolist()),
         "rows": rows,
     }
     report = _markdown(result, argv)
@@ -237,12 +239,12 @@ def _markdown(result: dict, argv: Sequence[str] | None) -> str:
     command = shlex.join(["python", "benchmarks/eviction_quality.py", *given])
     full = result["rows"][0]
     lines = [
-        "# eviction_quality: eviction strategies vs the full cache on stories260K",
+        f"# eviction_quality: eviction strategies vs the full cache on the {c['model']} model",
         "",
         f"Command: `{command}`",
         "",
-        f"{c['contexts']} contexts of {c['context_len']} tokens (model-sampled stories, seeds {c['seed']}.."
-        f"{c['seed'] + c['contexts'] - 1}, temperature {c['temperature']}, BOS forbidden), one batch. Greedy "
+        f"{c['contexts']} contexts of {c['context_len']} tokens (model-sampled texts from {PROMPT!r}, seeds {c['seed']}.."
+        f"{c['seed'] + c['contexts'] - 1}, temperature {c['temperature']}, BOS and EOS forbidden), one batch. Greedy "
         f"agreement, first divergence and KL(full || evicted) over {c['new_tokens']} steps teacher-forced on the full "
         f"cache's greedy tokens; perplexity of the {c['continuation_len']}-token held-out continuation, teacher-forced "
         f"while the cache "

@@ -24,8 +24,10 @@ A run: ``model.generate(prompt, cache=cache, prefill_chunk_size=--chunk,
 max_new_tokens=1)`` (the chunked prefill, timed), then ``--new-tokens`` greedy single-token
 forwards by hand under ``torch.inference_mode()`` (timed as decode; tokens/s = new tokens /
 seconds). ``kvlib.attach(model)`` runs first, so every cache goes through the same attention
-function. Runs are interleaved (each cache once per round, ``--repeats`` rounds, after one small
-untimed warm-up of each) and medians are compared.
+function. Runs go through :func:`kvlib.eval.decode_timing.measure`: a warm-up run of each cache
+(the same run, untimed; what it took beyond a timed run, kernel compilation included, is its
+first call's extra seconds), then ``--repeats`` interleaved rounds (each cache once per round);
+speeds are medians, and each ratio is the median of the rounds' ratios (with its range).
 
 Reported ratios:
 
@@ -33,7 +35,7 @@ Reported ratios:
   (DynamicCache's keys + values; target <= 0.3 for the cache without mirror), and over
   kvlib exact's ``total_bytes`` (which holds a mirror too); and the same after one more
   (untimed) decode step, between compactions for the interval variants;
-- decode tokens/s over kvlib exact's and over DynamicCache's (target >= 1.3);
+- decode tokens/s over kvlib exact's and over DynamicCache's, round by round (target >= 1.3);
 - ``memory_report()["peak_pages_bytes"]`` (the most page bytes held at any moment of the run:
   the chunked prefill's peak, unless decoding between compactions goes higher) over kvlib
   exact's peak pages bytes (the full K/V; target <= 0.5).
@@ -73,6 +75,7 @@ import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 import kvlib
+from kvlib.eval.decode_timing import Decoded, Spread, measure
 from kvlib.transformers_compat import cache_argument
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or loaded by path
@@ -203,27 +206,32 @@ def run(argv: Sequence[str] | None = None) -> dict:
     kvlib.attach(model)
     generator = torch.Generator().manual_seed(1001)
     prompt = torch.randint(0, model.config.vocab_size, (1, args.prompt_len), generator=generator)
-    warm = argparse.Namespace(chunk=min(args.chunk, 8), new_tokens=2, interval=2)
-    for kind in kinds:  # untimed warm-up (first-call allocations, kernel selection)
-        run_once(model, kind, prompt[:, :16], warm, 4)
-    runs: dict[str, list[dict]] = {kind: [] for kind in kinds}
     loads = []
     started = time.perf_counter()
-    for _ in range(args.repeats):
-        before = os.getloadavg()[0]
-        for kind in kinds:
-            runs[kind].append(run_once(model, kind, prompt, args, budget))
-            last = runs[kind][-1]
-            print(f"{kind}: decode {last['decode_tok_s']:.1f} tok/s, prefill {last['prefill_s']:.2f} s", flush=True)
-        loads.append([round(before, 2), round(os.getloadavg()[0], 2)])
+
+    def timer(kind: str):
+        def timed() -> Decoded:
+            result = run_once(model, kind, prompt, args, budget)
+            print(f"{kind}: decode {result['decode_tok_s']:.1f} tok/s, prefill {result['prefill_s']:.2f} s", flush=True)
+            return Decoded(args.new_tokens, result["decode_s"], result)
+
+        return timed
+
+    def after_round(round_: int, _) -> None:
+        loads.append(round(os.getloadavg()[0], 2))
+
+    loads.append(round(os.getloadavg()[0], 2))
+    timings = dict(zip(kinds, measure([timer(kind) for kind in kinds], args.repeats, errors=(), on_round=after_round)))
+    runs = {kind: [run.detail for run in timing.runs] for kind, timing in timings.items()}
 
     rows = {}
     for kind in kinds:
         last = runs[kind][-1]
         rows[kind] = {
-            "decode_tok_s": statistics.median(r["decode_tok_s"] for r in runs[kind]),
+            "decode_tok_s": timings[kind].speed.median,
+            "first_call_s": timings[kind].first_call_s,
             "prefill_s": statistics.median(r["prefill_s"] for r in runs[kind]),
-            "all_decode_tok_s": [r["decode_tok_s"] for r in runs[kind]],
+            "all_decode_tok_s": timings[kind].tokens_per_s,
             **{
                 key: last[key]
                 for key in (
@@ -238,12 +246,13 @@ def run(argv: Sequence[str] | None = None) -> dict:
         }
     full_kv = rows["dynamic"]["total_bytes"]
     exact = rows["kvlib"]
-    for row in rows.values():
+    for kind, row in rows.items():
         row["bytes_vs_full_kv"] = row["total_bytes"] / full_kv
         row["next_step_bytes_vs_full_kv"] = row["next_step_total_bytes"] / rows["dynamic"]["next_step_total_bytes"]
         row["bytes_vs_kvlib_exact"] = row["total_bytes"] / exact["total_bytes"]
-        row["speed_vs_kvlib_exact"] = row["decode_tok_s"] / exact["decode_tok_s"]
-        row["speed_vs_dynamic"] = row["decode_tok_s"] / rows["dynamic"]["decode_tok_s"]
+        for name, base in (("kvlib_exact", "kvlib"), ("dynamic", "dynamic")):
+            ratio = Spread.of(timings[kind].vs(timings[base]))
+            row[f"speed_vs_{name}"], row[f"speed_vs_{name}_low"], row[f"speed_vs_{name}_high"] = ratio.median, ratio.low, ratio.high
         if row["peak_pages_bytes"] is not None:
             row["peak_pages_vs_full"] = row["peak_pages_bytes"] / exact["peak_pages_bytes"]
     reference = runs["dynamic"][0]["tokens"]
@@ -254,7 +263,7 @@ def run(argv: Sequence[str] | None = None) -> dict:
         "params": sum(p.numel() for p in model.parameters()),
         "machine": f"{platform.machine()}, torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs",
         "git": git_revision(),
-        "load_avg_1min_per_round": loads,
+        "load_avg_1min_per_round": [[before, after] for before, after in zip(loads[1:], loads[2:])],
         "seconds": round(time.perf_counter() - started, 1),
         "exact_tokens_match": all(r["tokens"] == reference for kind in BASELINES for r in runs[kind]),
         "rows": rows,
@@ -291,8 +300,9 @@ def _markdown(result: dict, argv: Sequence[str] | None) -> str:
         f"max_new_tokens=1)`), then {c['new_tokens']} greedy single-token forwards timed. Budget {c['budget_tokens']} "
         f"tokens per (layer, KV head) ({c['budget']:g} of the prompt), an int cap: without an interval every decode "
         f"step compacts back to it; with interval {c['interval']} every {c['interval']}th step does, so a head holds "
-        f"up to {c['budget_tokens'] + c['interval'] - 1} tokens in between. {c['repeats']} interleaved rounds, "
-        f"medians. Machine: {result['machine']}. 1-minute load average before, after each round: {loads}. Library "
+        f"up to {c['budget_tokens'] + c['interval'] - 1} tokens in between. A warm-up run of every cache, then "
+        f"{c['repeats']} interleaved rounds: decode tok/s the median, ratios the median [min, max] of each round's; first "
+        f"call: the seconds the warm-up run took beyond a timed one (kernel compilation included). Machine: {result['machine']}. 1-minute load average before, after each round: {loads}. Library "
         f"revision: {result['git']}. {result['seconds']} s.",
         "",
         "Memory: `total_bytes` (pages, positions, tables, read mirror) after decode, and after one more untimed decode "
@@ -302,18 +312,19 @@ def _markdown(result: dict, argv: Sequence[str] | None) -> str:
         "run (the chunked prefill's peak, unless decoding between compactions goes higher), over kvlib exact's. "
         "Targets: memory without mirror <= 0.3x full K/V; decode >= 1.3x the full cache; peak pages <= 0.5x.",
         "",
-        "| cache | decode tok/s | vs kvlib exact | vs DynamicCache | prefill (s) | memory after decode (MiB) "
+        "| cache | decode tok/s | vs kvlib exact | vs DynamicCache | first call (s) | prefill (s) | memory after decode (MiB) "
         "| vs full K/V | vs kvlib exact memory | one step later (MiB) | of which read mirror (MiB) | vs full K/V "
         "| peak pages (MiB) | peak pages vs full |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for kind, r in result["rows"].items():
         peak = "-" if r["peak_pages_bytes"] is None else f"{r['peak_pages_bytes'] / mib:.1f}"
         peak_ratio = f"{r['peak_pages_vs_full']:.3f}" if "peak_pages_vs_full" in r else "-"
         lines.append(
             f"| {_label(kind, c['budget_tokens'], c['interval'])} | {r['decode_tok_s']:.1f} | "
-            f"{r['speed_vs_kvlib_exact']:.3f} | "
-            f"{r['speed_vs_dynamic']:.3f} | {r['prefill_s']:.2f} | {r['total_bytes'] / mib:.1f} | "
+            f"{Spread(r['speed_vs_kvlib_exact'], r['speed_vs_kvlib_exact_low'], r['speed_vs_kvlib_exact_high']).text('{:.3f}'.format)} | "
+            f"{Spread(r['speed_vs_dynamic'], r['speed_vs_dynamic_low'], r['speed_vs_dynamic_high']).text('{:.3f}'.format)} | "
+            f"{r['first_call_s']:.2f} | {r['prefill_s']:.2f} | {r['total_bytes'] / mib:.1f} | "
             f"{r['bytes_vs_full_kv']:.3f} | {r['bytes_vs_kvlib_exact']:.3f} | {r['next_step_total_bytes'] / mib:.1f} | "
             f"{r['next_step_read_cache_bytes'] / mib:.1f} | {r['next_step_bytes_vs_full_kv']:.3f} | {peak} | "
             f"{peak_ratio} |"

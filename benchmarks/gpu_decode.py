@@ -43,6 +43,7 @@ import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, StaticCache
 
 import kvlib
+from kvlib.eval.output_files import replace_file  # noqa: E402
 from kvlib.kernels import paged_ops
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or loaded by path
@@ -245,8 +246,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     text = markdown(result)
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "gpu_decode.md").write_text(text)
-    (args.out / "gpu_decode.json").write_text(json.dumps(result, indent=2) + "\n")
+    replace_file(args.out / "gpu_decode.md", text)
+    replace_file(args.out / "gpu_decode.json", json.dumps(result, indent=2) + "\n")
     return result
 
 

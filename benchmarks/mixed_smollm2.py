@@ -23,6 +23,7 @@ import torch
 import kvlib
 from kvlib.eval import load_model
 from kvlib.eval.agreement import greedy_reference, teacher_forced_logits
+from kvlib.eval.output_files import replace_file  # noqa: E402
 from kvlib.eval.task import kv_bytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or loaded by path
@@ -72,7 +73,7 @@ def main() -> None:
     rows = run(args.configs.split(";"), context, steps, args.seed)
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "mixed_smollm2.json").write_text(json.dumps(rows, indent=1))
+        replace_file(Path(args.out) / "mixed_smollm2.json", json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """What the benchmarks share: the options every one takes, how a report is written, what it
 records about where it ran (library revision, command line without machine paths), and the
-~100M random-weight Llama the speed benchmarks use."""
+models they load: the ~100M random-weight Llama the speed benchmarks use, and every model
+``kvlib.eval.load_model`` names (the embedded default model first)."""
 
 from __future__ import annotations
 
@@ -17,8 +18,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from kvlib.devices import set_cpu_threads
+from kvlib.eval import load_model
+from kvlib.eval.output_files import replace_file
 
 REPO = Path(__file__).resolve().parents[1]
 LIBRARY_DIRS = ("kvlib", "adapters", "strategies", "storage")
@@ -33,6 +37,8 @@ LLAMA100M = {
     "vocab_size": 32000,
 }
 """``LlamaConfig`` sizes of the ~100M-parameter random Llama (tied embeddings, fp32)."""
+RANDOM_LLAMA = "llama100m"
+"""The name :func:`load_bench_model` gives the ~100M random Llama."""
 
 
 def git_revision() -> str:
@@ -53,19 +59,23 @@ def no_machine_path(arg: str) -> str:
     return "<path>" if Path(arg).is_absolute() else arg
 
 
-def add_run_arguments(parser: argparse.ArgumentParser, quick: dict, *, stories: bool = False) -> None:
-    """The options every benchmark takes: ``--threads``, ``--quick`` (the sizes in ``quick``),
-    ``--out`` and, for those that load it, ``--stories-path``."""
+def load_bench_model(name: str) -> torch.nn.Module:
+    """The model a benchmark runs on, fp32, in eval mode: ``llama100m`` (:data:`RANDOM_LLAMA`), a
+    seeded random-weight ``LlamaForCausalLM`` of :data:`LLAMA100M`'s sizes (4096 positions, ~100M
+    parameters); any other name goes to ``kvlib.eval.load_model`` (``default``: the embedded model
+    that ships in the package; ``smollm2``, ``gemma3-270m``, a local folder)."""
+    if name == RANDOM_LLAMA:
+        torch.manual_seed(0)
+        config = LlamaConfig(**LLAMA100M, max_position_embeddings=4096, tie_word_embeddings=True, dtype=torch.float32)
+        return LlamaForCausalLM(config).to(torch.float32).eval()
+    return load_model(name).model
+
+
+def add_run_arguments(parser: argparse.ArgumentParser, quick: dict) -> None:
+    """The options every benchmark takes: ``--threads``, ``--quick`` (the sizes in ``quick``) and ``--out``."""
     parser.add_argument(
         "--threads", type=int, default=torch.get_num_threads(), help="torch and numba CPU threads (kvlib.devices.set_cpu_threads)"
     )
-    if stories:
-        parser.add_argument(
-            "--stories-path",
-            type=Path,
-            default=Path("../shared/models/stories260K"),
-            help="stories260K checkpoint; a relative path is resolved against the repository root",
-        )
     parser.add_argument("--quick", action="store_true", help="tiny sizes for a smoke test: " + str(quick))
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
 
@@ -94,7 +104,7 @@ def run_metadata(args: argparse.Namespace, load_before: float, started: float) -
     """What a report records about its run: the options (no machine paths), the machine, the
     library revision, the 1-minute load before and after, and the seconds taken."""
     return {
-        "config": {k: v for k, v in vars(args).items() if k not in ("out", "stories_path")},
+        "config": {k: v for k, v in vars(args).items() if k != "out"},
         "machine": f"{platform.machine()}, torch {torch.__version__}, {torch.get_num_threads()} threads",
         "git": git_revision(),
         "load_avg_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)],
@@ -112,5 +122,5 @@ def write_report(out: Path, name: str, report: str, result: dict) -> None:
     """Print ``report`` and write it as ``out/name.md`` beside ``result`` as ``out/name.json``."""
     print(report)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{name}.md").write_text(report + "\n")
-    (out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    replace_file(out / f"{name}.md", report + "\n")
+    replace_file(out / f"{name}.json", json.dumps(result, indent=2) + "\n")

@@ -51,7 +51,9 @@ FULL = {"models": "llama100m,smollm2", "prefix": 2000, "repeats": 5, "trace_pref
 QUICK = {"models": "tiny", "prefix": 200, "repeats": 2, "trace_prefix": 40, "handovers": 4, "handover_prompt": 60}
 TAIL = 7
 """Prompt tokens after the restored prefix (computed in both arms)."""
-KEY = "bench"
+KEY = "remote-bench-key-0123456789"
+"""The tier key of the benchmark's engines (a passphrase of at least 20 characters)."""
+OWNER, INTRUDER = "the-owner-key-0123456789ab", "an-intruder-key-0123456789"
 """The key the benchmark's genuine engines share (a remote tier needs one: kvlib.storage.remote_tier)."""
 
 
@@ -136,12 +138,13 @@ def bench_restore(model: torch.nn.Module, name: str, server: LocalServer, args: 
 
 def bench_throughput(model: torch.nn.Module, server: LocalServer, args: argparse.Namespace) -> dict:
     client = redis.Redis.from_url(server.url)
-    names = sorted(client.keys(PREFIX + b"*"))
+    reader = RemoteTier(server.url, key=KEY)  # the records the restore run wrote, sealed: opened with the key
+    names = [name for name in sorted(client.keys(PREFIX + b"*")) if reader.open(name, client.get(name)) is not None]
     values = [client.get(name) for name in names]
     keys = [name[len(PREFIX) :] for name in names]
     engine = kvlib.Engine(model, remote=server.url, remote_key=KEY)
     layout = engine.prefix._record_layout(engine.kv.namespace)
-    records = [memoryview(value)[40:] for value in values]
+    records = [reader.open(name, value) for name, value in zip(names, values)]
     total = sum(len(record) for record in records)
     arms: dict[str, list[float]] = {arm: [] for arm in ("raw_set", "raw_get", "put", "get", "keyed_put", "keyed_get")}
     for _ in range(args.repeats):
@@ -178,9 +181,9 @@ def bench_throughput(model: torch.nn.Module, server: LocalServer, args: argparse
 
 def bench_planted(model: torch.nn.Module, args: argparse.Namespace) -> dict:
     with LocalServer() as server:
-        spawn("write", args.current, server.url, args.trace_prefix, "intruder")
+        spawn("write", args.current, server.url, args.trace_prefix, INTRUDER)
         prompt = prompt_of(model, args.trace_prefix, 1) + prompt_of(model, TAIL, 2)
-        owner = kvlib.Engine(model, remote=server.url, remote_key="owner")
+        owner = kvlib.Engine(model, remote=server.url, remote_key=OWNER)
         _, planted = first_token_s(owner, prompt)
         planted_stats = owner.stats()["remote"]
         client = redis.Redis.from_url(server.url)
@@ -188,7 +191,7 @@ def bench_planted(model: torch.nn.Module, args: argparse.Namespace) -> dict:
             value = bytearray(client.get(name))
             value[len(value) // 2] ^= 0x10
             client.set(name, bytes(value))
-        again = kvlib.Engine(model, remote=server.url, remote_key="owner")
+        again = kvlib.Engine(model, remote=server.url, remote_key=OWNER)
         _, altered = first_token_s(again, prompt)
         return {
             "planted": {"reused_tokens": planted["cached_tokens"], **planted_stats},
@@ -248,7 +251,7 @@ def bench_handover(model: torch.nn.Module, args: argparse.Namespace) -> dict:
             stdout=subprocess.PIPE,
             text=True,
         )
-        received: dict[int, int] = {}
+        received = {}
         deadline = time.monotonic() + 600
         while len(received) < len(requests) and time.monotonic() < deadline:
             received |= decode.receive(wait_s=0.1)
@@ -257,6 +260,7 @@ def bench_handover(model: torch.nn.Module, args: argparse.Namespace) -> dict:
         while decode.has_unfinished:
             decode.step()
         prefill.communicate(timeout=60)
+    received = {key.id: local for key, local in received.items()}  # one prefill process: its ids are unique
     outputs = [decode.requests[received[i]].output if i in received else None for i in range(len(requests))]
     seconds = [decode.handover_s[received[i]] for i in range(len(requests)) if i in received]
     return {

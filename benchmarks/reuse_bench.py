@@ -1,7 +1,8 @@
 """Prefix reuse in one run: time to first token with a cached prefix against a full prefill, the
 index's cost per prompt token, and the memory of requests sharing a prefix against copies.
 
-Model: the ~100M random Llama (``--model llama100m``, fp32) or stories260K. Prompts are random
+Model: the ~100M random Llama (``--model llama100m``, fp32) or the embedded default model
+(``--model default``). Prompts are random
 token ids (seeded): a ``--prefix-len`` shared prefix (a system prompt, a document) and distinct
 ``--tail-len`` tails.
 
@@ -17,9 +18,9 @@ token ids (seeded): a ``--prefix-len`` shared prefix (a system prompt, a documen
 
 Chunk reuse (CacheBlend, ``kvlib.blend_cache``):
 
-- quality on stories260K against full recomputation: ``--chunk-contexts`` model-sampled stories,
-  each cut into three consecutive ``--chunk-len``-token chunks (computed alone, so a chunk misses
-  the story so far) and the next 16 tokens as the question; KL(full || blended) and greedy
+- quality on the embedded default model (trained) against full recomputation: ``--chunk-contexts``
+  model-sampled texts, each cut into three consecutive ``--chunk-len``-token chunks (computed
+  alone, so a chunk misses the text so far) and the next 16 tokens as the question; KL(full || blended) and greedy
   agreement over 32 teacher-forced steps, for recompute shares 0, 0.15, 0.3 and 1 (KV-deviation
   rule) and 0.15 with the ``first`` and ``random`` rules;
 - time to first token on the benchmark model: three ``--prefix-len / 3``-token chunks already in
@@ -30,9 +31,9 @@ Target: cached TTFT >= 5x faster than the full prefill.
 
 Usage:
 
-    python benchmarks/reuse_bench.py [--model llama100m|stories] [--prefix-len 2000] [--tail-len 32]
+    python benchmarks/reuse_bench.py [--model llama100m|default] [--prefix-len 2000] [--tail-len 32]
         [--requests 8] [--repeats 3] [--threads N] [--out benchmarks/results]
-    python benchmarks/reuse_bench.py --quick --out /tmp/x   # stories, prefix 64, tail 8
+    python benchmarks/reuse_bench.py --quick --out /tmp/x   # the default model, prefix 64, tail 8
 
 Writes ``reuse_bench.md`` and ``reuse_bench.json`` to ``--out``.
 """
@@ -54,13 +55,19 @@ import kvlib
 from kvlib.transformers_compat import cache_argument
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or loaded by path
-from bench_generate import load_model  # noqa: E402
 from eviction_quality import sample_texts  # noqa: E402
-from provenance import add_run_arguments, command_line, median_seconds, parse_run_arguments, run_metadata, write_report  # noqa: E402
+from provenance import (  # noqa: E402
+    add_run_arguments,
+    command_line,
+    load_bench_model,
+    median_seconds,
+    parse_run_arguments,
+    run_metadata,
+    write_report,
+)
 
-REPO = Path(__file__).resolve().parents[1]
 FULL = {"model": "llama100m", "prefix_len": 2000, "tail_len": 32, "requests": 8, "repeats": 3, "chunk_contexts": 8, "chunk_len": 128}
-QUICK = {"model": "stories", "prefix_len": 64, "tail_len": 8, "requests": 3, "repeats": 1, "chunk_contexts": 1, "chunk_len": 32}
+QUICK = {"model": "default", "prefix_len": 64, "tail_len": 8, "requests": 3, "repeats": 1, "chunk_contexts": 1, "chunk_len": 32}
 BLENDS = (("deviation", 0.0), ("deviation", 0.15), ("deviation", 0.3), ("deviation", 1.0), ("first", 0.15), ("random", 0.15))
 
 
@@ -148,21 +155,21 @@ def memory(model: torch.nn.Module, store: kvlib.PrefixStore, prompts: list[torch
     }
 
 
-def chunk_quality(stories_path: Path, contexts: int, length: int) -> list[dict]:
-    """KL and agreement of blended caches against full recomputation on stories260K."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+def chunk_quality(contexts: int, length: int) -> list[dict]:
+    """KL and agreement of blended caches against full recomputation on the embedded default model."""
+    from kvlib.eval import load_model
     from kvlib.eval.agreement import agreement_metrics, greedy_reference, teacher_forced_logits
     from kvlib.strategies.reuse.cacheblend import CacheBlend
 
-    model = AutoModelForCausalLM.from_pretrained(stories_path, dtype=torch.float32).eval()
-    texts = sample_texts(model, AutoTokenizer.from_pretrained(stories_path), contexts, 3 * length + 16, 100, 0.8)
+    loaded = load_model("default")
+    model = loaded.model
+    texts = sample_texts(model, loaded.tokenizer, contexts, 3 * length + 16, 100, 0.8)
     kvlib.attach(model)
     store = kvlib.ChunkStore(model, capacity_bytes=2**30)
     rows = {rule_share: {"kl": [], "agreement": []} for rule_share in BLENDS}
-    for story in texts:
-        chunks = [story[i * length : (i + 1) * length] for i in range(3)]
-        question = story[None, 3 * length :]
+    for text in texts:
+        chunks = [text[i * length : (i + 1) * length] for i in range(3)]
+        question = text[None, 3 * length :]
         prompt = torch.cat([torch.cat(chunks)[None], question], 1)
         tokens, reference = greedy_reference(model, kvlib.make_cache(model), prompt, 32)
         for rule, share in BLENDS:
@@ -208,17 +215,16 @@ def chunk_ttft(model: torch.nn.Module, chunks: list[torch.Tensor], question: tor
 
 def run(argv: Sequence[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", choices=["llama100m", "stories"], help="default llama100m")
+    parser.add_argument("--model", choices=["llama100m", "default"], help="default llama100m")
     parser.add_argument("--prefix-len", type=int, help=f"shared prefix tokens (default {FULL['prefix_len']})")
     parser.add_argument("--tail-len", type=int, help=f"distinct tail tokens per request (default {FULL['tail_len']})")
     parser.add_argument("--requests", type=int, help=f"requests sharing the prefix (default {FULL['requests']})")
     parser.add_argument("--repeats", type=int, help=f"TTFT measurements (default {FULL['repeats']})")
     parser.add_argument("--chunk-contexts", type=int, help=f"chunk quality prompts (default {FULL['chunk_contexts']})")
     parser.add_argument("--chunk-len", type=int, help=f"tokens per chunk in the quality runs (default {FULL['chunk_len']})")
-    add_run_arguments(parser, QUICK, stories=True)
+    add_run_arguments(parser, QUICK)
     args = parse_run_arguments(parser, argv, QUICK, FULL)
-    stories_path = args.stories_path if args.stories_path.is_absolute() else REPO / args.stories_path
-    model = load_model(args.model, stories_path)
+    model = load_bench_model(args.model)
     kvlib.attach(model)
     vocab = model.config.vocab_size
     generator = torch.Generator().manual_seed(0)
@@ -245,7 +251,7 @@ def run(argv: Sequence[str] | None = None) -> dict:
         "index": index_cost(model, kvlib.PrefixStore(model, capacity_bytes=2**34), prompts[-1]),
         "memory": memory(model, store, prompts[-args.requests - 1 : -1]),
         "stats": store.stats(),
-        "chunk_quality": chunk_quality(stories_path, args.chunk_contexts, args.chunk_len),
+        "chunk_quality": chunk_quality(args.chunk_contexts, args.chunk_len),
         "chunk_ttft": chunk_ttft(
             model, [prefix[:, i * (args.prefix_len // 3) : (i + 1) * (args.prefix_len // 3)][0] for i in range(3)], tails[-1], args.repeats
         ),
@@ -283,7 +289,7 @@ def _markdown(result: dict, argv: Sequence[str] | None) -> str:
             "",
             f"Index counters at the end: {result['stats']}.",
             "",
-            f"## Chunk reuse (CacheBlend) on stories260K: {c['chunk_contexts']} stories cut into three {c['chunk_len']}-token chunks + the next 16 tokens",
+            f"## Chunk reuse (CacheBlend) on the default model: {c['chunk_contexts']} sampled texts cut into three {c['chunk_len']}-token chunks + the next 16 tokens",
             "",
             "Against full recomputation, over 32 teacher-forced greedy steps.",
             "",

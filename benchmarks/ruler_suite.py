@@ -3,7 +3,9 @@
 The same configurations as ``kvlib compare`` (:mod:`kvlib.eval.compare`: a budget is a fraction of
 the tokens each task sequence sees, held as an int token cap per layer and KV head at every
 forward call; the full cache is the reference; decode speed is greedy steps on one
-``--context``-token prompt of evaluation text after its prefill), but resumable: the suite runs
+``--context``-token prompt of evaluation text after its prefill, every configuration warmed up
+and then timed in ``--speed-rounds`` interleaved rounds with the full cache in each,
+:mod:`kvlib.eval.compare_speed`), but resumable: the suite runs
 task by task, every configuration still lacking a task together, and writes ``ruler_suite.json``
 after each task; a rerun with the same options runs only the (configuration, task) pairs and speed
 runs the file lacks, so ``--policies``, ``--budgets`` and ``--tasks`` choose what to add. By default
@@ -22,13 +24,16 @@ Usage (defaults: every registered eviction strategy with its default parameters,
 
     python benchmarks/ruler_suite.py [--model smollm2] [--dtype float32|bfloat16] [--policies all|spec,spec]
         [--budgets 0.1,0.25,0.5] [--tasks niah_single,niah_multikey,niah_multivalue,vt] [--context 4096] [--samples 1]
-        [--seed 0] [--speed-steps 16] [--context-first] [--baseline NAME[@BUDGET]] [--threads N] [--separate-prefill]
-        [--out benchmarks/results]
+        [--seed 0] [--speed-steps 16] [--speed-rounds 3] [--context-first] [--baseline NAME[@BUDGET]] [--threads N]
+        [--separate-prefill] [--out benchmarks/results]
     python benchmarks/ruler_suite.py --report-only [--readme README.md]  # re-render the .md (and the README's table) from the JSON
     python benchmarks/ruler_suite.py --speed-only --policies chunkkv   # measure recorded rows' speed again
 
 Writes ``ruler_suite.md`` (one row per strategy and budget: each task's score, their mean, KV bytes
-vs full, decode tokens/s) and ``ruler_suite.json`` to ``--out``. Every score carries its 95% interval
+vs full, decode tokens/s as the median and range of the rounds, its per-round ratio to the full
+cache's, the first call's extra seconds) and ``ruler_suite.json`` to ``--out``. ``--speed-only``
+measures the chosen recorded configurations' speed again, with the full cache's (its speed is
+replaced too: each ratio is taken against the full cache of the same rounds). Every score carries its 95% interval
 and is compared with the full cache's, and with ``--baseline``'s (:mod:`kvlib.eval.significance`),
 on the same cases by a paired test; the table marks differences significant at 0.05 and says
 whether every configuration scored the same cases. Runs recorded before per-case scores were kept
@@ -56,10 +61,12 @@ from provenance import command_line, git_revision  # noqa: E402
 import kvlib  # noqa: E402
 from kvlib.devices import set_cpu_threads  # noqa: E402
 from kvlib.eval import load_model  # noqa: E402
-from kvlib.eval.compare_units import FULL, CompareRun, Unit, check_inputs, configurations, run_unit, speed_prompt  # noqa: E402
-from kvlib.eval.report import prefill_note, runs_from_json, score_cell, to_json  # noqa: E402
+from kvlib.eval.compare_speed import measure_speeds  # noqa: E402
+from kvlib.eval.compare_units import FULL, CompareRun, SpeedRun, Unit, check_inputs, configurations, run_unit, speed_run  # noqa: E402
+from kvlib.eval.output_files import replace_file  # noqa: E402
+from kvlib.eval.report import SPEED_HEADER, prefill_note, runs_from_json, score_cell, speed_cells, speed_note, spread_cell, to_json  # noqa: E402
 from kvlib.eval.ruler import RULER_TASKS  # noqa: E402
-from kvlib.eval.shared_compare import run_speeds_shared, run_tasks_shared  # noqa: E402
+from kvlib.eval.shared_compare import run_tasks_shared  # noqa: E402
 from kvlib.eval.significance import Baseline, cases_note, legend, marks, mean_interval, mean_marks, parse_baseline  # noqa: E402
 from kvlib.eval.smollm2 import cache_root  # noqa: E402
 from kvlib.eval.task_table import parse_tasks  # noqa: E402
@@ -160,19 +167,9 @@ def summary(runs: Sequence[CompareRun], tasks: Sequence[str], baseline: Baseline
         cells = [shown(policy), *["-" if r is None else mean_cell(r, runs, tasks, baseline) for r in picked]]
         cells += ["-" if r is None or not r.kv_fraction else f"{r.kv_fraction:.3f}" for r in picked]
         if speed:
-            cells += ["-" if r is None or not r.decode_tokens_per_s else f"{r.decode_tokens_per_s:.2f}" for r in picked]
+            cells += ["-" if r is None or r.speed is None else spread_cell(r.speed.tokens_per_s, "{:.2f}".format) for r in picked]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
-
-
-def measure_speed_again(loaded, run: CompareRun, prompt: torch.Tensor, speed_steps: int, meta: dict) -> None:
-    """Replace ``run``'s decode speed and bytes by a new speed run (for configurations whose speed
-    was measured while other jobs loaded the machine); its load is recorded as the row's."""
-    outcome = run_unit(loaded, Unit(run.policy, run.budget, None), prompt, speed_steps)
-    if outcome.error is None:
-        outcome.record(run)
-        meta["load"][run.label] = round(os.getloadavg()[0], 1)
-    print(f"{run.label}: decode {run.decode_tokens_per_s:.2f} tok/s (load {os.getloadavg()[0]:.1f}) {outcome.error or ''}", flush=True)
 
 
 def markdown(runs: Sequence[CompareRun], meta: dict, baseline: Baseline | None = None) -> str:
@@ -183,7 +180,7 @@ def markdown(runs: Sequence[CompareRun], meta: dict, baseline: Baseline | None =
     left_out = [t for t in tasks if t not in passed]
     pending = pending_tasks(runs, passed)
     ranked = [t for t in passed if t not in pending]
-    header = ["policy", "budget", *tasks, "mean", "KV bytes vs full", "decode tok/s", "s", "load"]
+    header = ["policy", "budget", *tasks, "mean", "KV bytes vs full", *SPEED_HEADER, "s", "load"]
     protocol = (
         [
             "Context first (kvpress's protocol): each case's context is read into the cache first (KVzip reconstructs it;"
@@ -201,8 +198,8 @@ def markdown(runs: Sequence[CompareRun], meta: dict, baseline: Baseline | None =
         f" {meta['options']['samples']} sample(s) per task, scored with RULER's"
         " string_match_all; budget = fraction of each sequence's tokens, an int cap per layer and KV head held at every call;"
         " KV bytes and decode speed from the speed run (greedy steps after a prefill of the same length);"
-        " s: seconds the configuration took; load: the 1-minute load average when its speed was measured (decode tok/s"
-        " at a high load measures the machine, not the strategy).",
+        " s: seconds the configuration took; load: the 1-minute load average when its speed was measured (the range over"
+        " the rounds; decode tok/s at a high load measures the machine, not the strategy)" + speed_commands_text(meta) + ".",
         "",
         f"Mean score over {', '.join(ranked) or 'no task'} at each budget (the full cache's in every column), KV bytes vs full"
         " and decode tokens/s"
@@ -219,6 +216,8 @@ def markdown(runs: Sequence[CompareRun], meta: dict, baseline: Baseline | None =
         "",
         legend(baseline) + " The mean's interval and tests resample each task's cases apart.",
         "",
+        speed_note(runs),
+        "",
         cases_note(runs, tasks),
         "",
         prefill_note(runs) + seconds_note(meta),
@@ -232,14 +231,28 @@ def markdown(runs: Sequence[CompareRun], meta: dict, baseline: Baseline | None =
         cells = [shown(run.policy), "-" if run.budget is None else f"{run.budget:g}"]
         cells += [score_cell(run.results[t], marks(run, runs, t, baseline), "{:.2f}".format) if t in run.results else "-" for t in tasks]
         cells += [mean_cell(run, runs, ranked, baseline)]
-        cells += [
-            f"{run.kv_fraction:.3f}" if run.kv_fraction else "-",
-            f"{run.decode_tokens_per_s:.2f}" if run.decode_tokens_per_s else "-",
-        ]
-        cells += [str(meta["seconds"].get(run.label, "-")), str(meta["load"].get(run.label, "-"))]
+        cells += [f"{run.kv_fraction:.3f}" if run.kv_fraction else "-", *speed_cells(run.speed, "{:.2f}".format)]
+        cells += [str(meta["seconds"].get(run.label, "-")), load_cell(meta["load"].get(run.label))]
         lines.append("| " + " | ".join(cells) + " |")
     errors = [f"- {run.label}: {run.error}" for run in runs if run.error]
     return "\n".join(lines + ([""] + errors if errors else [])) + "\n"
+
+
+def load_cell(load: float | list[float] | None) -> str:
+    """A row's load: the 1-minute load average (a record's one reading, or the range over its speed rounds)."""
+    if load is None:
+        return "-"
+    if isinstance(load, list):
+        return f"{load[0]:g}-{load[1]:g}"
+    return str(load)
+
+
+def speed_commands_text(meta: dict) -> str:
+    """The ``--speed-only`` commands that measured speeds again, each with its revision (empty if none)."""
+    again = meta.get("speed_runs", [])
+    if not again:
+        return ""
+    return "; decode speeds measured again by " + "; then ".join(f"`{run['command']}` (library {run['git']})" for run in again)
 
 
 def readme_markers(results: str) -> tuple[str, str]:
@@ -341,9 +354,7 @@ def write(out: Path, runs: Sequence[CompareRun], meta: dict, baseline: Baseline 
     stem = file_name(meta["options"]["context_first"])
     texts = ((f"{stem}.json", json.dumps(to_json(runs, meta, baseline), indent=1) + "\n"), (f"{stem}.md", markdown(runs, meta, baseline)))
     for name, text in texts:
-        partial = out / (name + ".part")
-        partial.write_text(text)
-        partial.replace(out / name)
+        replace_file(out / name, text)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -356,7 +367,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--samples", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--speed-steps", type=int, default=16)
+    parser.add_argument("--speed-steps", type=int, default=16, help="greedy decode steps timed per speed run")
+    parser.add_argument(
+        "--speed-rounds", type=int, default=3, help="timed rounds, interleaved across the configurations after a warm-up run of each"
+    )
     parser.add_argument(
         "--context-first",
         action="store_true",
@@ -398,6 +412,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "load": recorded.get("load", {}),
         "task_seconds": recorded.get("task_seconds", {}),
         **({"shared_seconds": recorded["shared_seconds"]} if "shared_seconds" in recorded else {}),
+        **({"speed_runs": recorded["speed_runs"]} if "speed_runs" in recorded else {}),
     }
     if args.report_only:
         recorded_policies = list(dict.fromkeys(run.policy for run in runs if run.policy != FULL))
@@ -415,22 +430,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     loaded = load_model(args.model, dtype=DTYPES[args.dtype])
     tasks = parse_tasks(args.tasks, context=args.context, samples=args.samples, seed=args.seed, context_first=args.context_first)
     check_inputs(loaded, policies, budgets, tasks)
-    prompt = speed_prompt(loaded, args.context, args.speed_steps)
+    speed = speed_run(loaded, args.context, args.speed_steps, args.speed_rounds)
     kept = {(run.policy, run.budget): run for run in runs if not run.error}  # a failed configuration runs again, whole
     runs = list(kept.values())
     chosen = [kept.get(config) or CompareRun(*config) for config in configurations(policies, budgets)]
     recorded_runs = {id(run) for run in runs}  # the chosen configurations already in the record (by identity)
     if args.speed_only:
-        for run in chosen:
-            if id(run) in recorded_runs:
-                measure_speed_again(loaded, run, prompt, args.speed_steps, meta)
-                write(args.out, runs, meta, baseline)
+        meta.setdefault("speed_runs", []).append(
+            {"command": command_line("ruler_suite.py", argv), "git": git_revision(), "rounds": args.speed_rounds}
+        )
+        again = [run for run in chosen if id(run) in recorded_runs]
+        run_speeds(loaded, runs, again, speed, args, meta, lambda: write(args.out, runs, meta, baseline), count_seconds=False)
         return 0
     runs += [run for run in chosen if id(run) not in recorded_runs]
     for task in tasks:
         run_task(loaded, task, [run for run in chosen if run.error is None and task.name not in run.results], args, meta)
         write(args.out, runs, meta, baseline)
-    run_speeds(loaded, [run for run in chosen if run.error is None and run.decode_tokens_per_s is None], prompt, args, meta)
+    lacking = [run for run in chosen if run.error is None and run.speed is None]
+    run_speeds(loaded, runs, lacking, speed, args, meta, lambda: write(args.out, runs, meta, baseline))
     write(args.out, runs, meta, baseline)
     return 0
 
@@ -446,7 +463,7 @@ def run_task(loaded, task, missing: list[CompareRun], args, meta: dict) -> None:
     if args.separate_prefill:
         for run in missing:
             unit_started = time.perf_counter()
-            run_unit(loaded, Unit(run.policy, run.budget, task), torch.empty(0), 0).record(run)
+            run_unit(loaded, Unit(run.policy, run.budget, task)).record(run)
             meta["seconds"][run.label] = meta["seconds"].get(run.label, 0) + round(time.perf_counter() - unit_started)
     else:
         run_tasks_shared(loaded, missing, [task])
@@ -458,21 +475,47 @@ def run_task(loaded, task, missing: list[CompareRun], args, meta: dict) -> None:
         print(f"  {run.label}: {run.error or round(result.score, 2)}", flush=True)
 
 
-def run_speeds(loaded, runs: list[CompareRun], prompt: torch.Tensor, args, meta: dict) -> None:
-    """Each run's decode speed and bytes (one prefill of the speed prompt shared, unless
-    ``--separate-prefill``); a row's seconds and load are its speed run's."""
-    if not runs:
+def run_speeds(
+    loaded,
+    runs: Sequence[CompareRun],
+    timed: Sequence[CompareRun],
+    speed: SpeedRun,
+    args,
+    meta: dict,
+    save,
+    *,
+    count_seconds: bool = True,
+) -> None:
+    """The decode speed and bytes of ``timed`` (configurations of ``runs``), measured together with
+    the full cache of ``runs`` (:func:`kvlib.eval.compare_speed.measure_speeds`: warmed up, then
+    interleaved rounds, the full cache first in each; its speed is replaced too). One prefill of the
+    speed prompt is shared, unless ``--separate-prefill``. ``save()`` runs after each round. A row's
+    load is the range of the 1-minute load average over the rounds; with ``count_seconds`` its
+    seconds grow by its speed calls' (the warm-up's included)."""
+    if not timed:
         return
-    started = time.perf_counter()
-    if args.separate_prefill:
-        measured = ((run, run_unit(loaded, Unit(run.policy, run.budget, None), prompt, args.speed_steps).record(run)) for run in runs)
-    else:
-        measured = run_speeds_shared(loaded, runs, prompt, args.speed_steps)
-    for run, _ in measured:
-        meta["seconds"][run.label] = meta["seconds"].get(run.label, 0) + round(time.perf_counter() - started)
-        meta["load"][run.label] = round(os.getloadavg()[0], 1)
-        print(f"{run.label}: decode {run.decode_tokens_per_s or 0:.2f} tok/s {run.error or ''} (load {os.getloadavg()[0]:.1f})", flush=True)
-        started = time.perf_counter()
+    full = next(run for run in runs if run.policy == FULL)
+    chosen = [full, *(run for run in timed if run is not full)]
+    loads: list[float] = []
+
+    def after(round_: int) -> None:
+        load = round(os.getloadavg()[0], 1)
+        print(f"decode speed, {'warm-up' if round_ == 0 else f'round {round_} of {speed.rounds}'} done (load {load})", flush=True)
+        if round_ > 0:
+            loads.append(load)
+            for run in chosen:
+                meta["load"][run.label] = [min(loads), max(loads)]
+            save()
+
+    def called(round_: int, index: int) -> None:
+        print(f"  {'warm-up' if round_ == 0 else f'round {round_}'}: {chosen[index].label} done", flush=True)
+
+    measured = measure_speeds(loaded, chosen, speed, shared=not args.separate_prefill, on_call=called, on_round=after)
+    for run, timing in measured:
+        if count_seconds:
+            meta["seconds"][run.label] = meta["seconds"].get(run.label, 0) + round(timing.seconds)
+        cells = speed_cells(run.speed, "{:.2f}".format)
+        print(f"{run.label}: decode {cells[0]} tok/s, vs full {cells[1]}, first call {cells[2]} s {run.error or ''}", flush=True)
 
 
 if __name__ == "__main__":

@@ -25,19 +25,19 @@ I/O of the same bytes, and restoring a cached prefix from disk against recomputi
   ``PrefixStore`` over the same lmdb directory): ``make_cache(reuse=..., prompt=...)`` (reading,
   checking and loading the records) + the forward pass over the tail, against a full prefill.
 
-- Quest (always on stories260K, whose attention is trained): the model's own greedy story from
-  BOS; the first ``QUEST["context"]`` tokens are the prompt, the next ``QUEST["steps"]`` are fed
+- Quest (always on the embedded default model, whose attention is trained): the model's own
+  greedy text from BOS; the first ``QUEST["context"]`` tokens are the prompt, the next ``QUEST["steps"]`` are fed
   one at a time (teacher forcing) to ``quest(top_k=K)`` and to ``random_pages(top_k=K)`` for K at
   1/8, 1/4 and 1/2 of the prompt's pages: greedy agreement and KL(full || sparse) against the full
   cache, and pages read per decode step and layer (all layers averaged, the dense ones included). Placement: ``quest`` at 1/4 of the pages over ``lru`` and over
   ``score_aware`` (knorm) with a device tier of 1/4 of the pages: the share of the pages quest
   reads that were already on the device.
 
-Model: the ~100M random Llama (``--model llama100m``) or stories260K.
+Model: the ~100M random Llama (``--model llama100m``) or the embedded default model (``--model default``).
 
 Usage:
 
-    python benchmarks/tier_bench.py [--model llama100m|stories] [--prefix-len 2000] [--tail-len 32]
+    python benchmarks/tier_bench.py [--model llama100m|default] [--prefix-len 2000] [--tail-len 32]
         [--repeats 3] [--threads N] [--out benchmarks/results]
     python benchmarks/tier_bench.py --quick --out /tmp/x
 
@@ -65,13 +65,11 @@ from kvlib.storage.prefix_block_record import decode_parts, encode
 from kvlib.transformers_compat import cache_argument
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or loaded by path
-from bench_generate import load_model  # noqa: E402
-from provenance import add_run_arguments, command_line, parse_run_arguments, run_metadata, write_report  # noqa: E402
+from provenance import add_run_arguments, command_line, load_bench_model, parse_run_arguments, run_metadata, write_report  # noqa: E402
 from reuse_bench import first_token  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
 FULL = {"model": "llama100m", "prefix_len": 2000, "tail_len": 32, "repeats": 3, "decode_steps": 32}
-QUICK = {"model": "stories", "prefix_len": 64, "tail_len": 8, "repeats": 1, "decode_steps": 4}
+QUICK = {"model": "default", "prefix_len": 64, "tail_len": 8, "repeats": 1, "decode_steps": 4}
 QUEST = {"context": 256, "steps": 128}
 QUEST_QUICK = {"context": 64, "steps": 4}
 QUEST_FRACTIONS = (1 / 8, 1 / 4, 1 / 2)
@@ -167,18 +165,19 @@ def host_tier(model: torch.nn.Module, prompt: torch.Tensor, steps: int, repeats:
     return {"spec": half + ")", "tok_s": medians, "by_tier": tiers}
 
 
-def quest_story(model: torch.nn.Module, context: int, steps: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The full cache's greedy story from BOS: ``(prompt [1, context], fed [1, steps], reference
+def quest_text(model: torch.nn.Module, context: int, steps: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The full cache's greedy text from BOS: ``(prompt [1, context], fed [1, steps], reference
     logits [1, steps, vocab])``, step ``t``'s logits predicting ``fed[:, t]``."""
-    tokens, logits = greedy_reference(model, kvlib.make_cache(model), torch.tensor([[1]]), context + steps - 1)
-    story = torch.cat([torch.tensor([[1]]), tokens], 1)
-    return story[:, :context], story[:, context:], logits[:, context - 1 :]
+    bos = torch.tensor([[model.config.bos_token_id]])
+    tokens, logits = greedy_reference(model, kvlib.make_cache(model), bos, context + steps - 1)
+    text = torch.cat([bos, tokens], 1)
+    return text[:, :context], text[:, context:], logits[:, context - 1 :]
 
 
-def quest_run(model: torch.nn.Module, spec: str, story: tuple) -> dict:
-    """Teacher-forced ``spec`` (a tiered one) over ``story``: agreement, KL, and pages read and
-    host pages copied per decode step and layer."""
-    prompt, fed, reference = story
+def quest_run(model: torch.nn.Module, spec: str, text: tuple) -> dict:
+    """Teacher-forced ``spec`` (a tiered one) over ``text`` (:func:`quest_text`): agreement, KL, and
+    pages read and host pages copied per decode step and layer."""
+    prompt, fed, reference = text
     counts = []
     for steps in (1, fed.shape[1]):  # the prefill alone, then the whole run: the difference is decoding
         cache = kvlib.make_cache(model, spec)
@@ -198,7 +197,7 @@ def quest_run(model: torch.nn.Module, spec: str, story: tuple) -> dict:
 def quest_quality(model: torch.nn.Module, context: int, steps: int) -> dict:
     """Quest against random pages at several top-K budgets, and the device-hit rate of its reads
     under lru and score_aware placement (see the module docstring)."""
-    story = quest_story(model, context, steps)
+    text = quest_text(model, context, steps)
     shape = kv_shape(model)
     pages = -(-context // 16)
     one_page = "lru(device_mb=1e-9)"  # one device page per layer: reads are counted by the tiered pool
@@ -209,7 +208,7 @@ def quest_quality(model: torch.nn.Module, context: int, steps: int) -> dict:
             {
                 "fraction": fraction,
                 "top_k": top_k,
-                **{name: quest_run(model, f"{name}(top_k={top_k}, placement={one_page!r})", story) for name in ("quest", "random_pages")},
+                **{name: quest_run(model, f"{name}(top_k={top_k}, placement={one_page!r})", text) for name in ("quest", "random_pages")},
             }
         )
     page_bytes = 16 * (shape.head_dim + shape.value_dim) * next(model.parameters()).element_size()
@@ -217,17 +216,17 @@ def quest_quality(model: torch.nn.Module, context: int, steps: int) -> dict:
     top_k = max(1, round(pages / 4))
     placements = {}
     for placement in (f"lru(device_mb={device_mb:.6f})", f"score_aware(device_mb={device_mb:.6f})"):
-        result = quest_run(model, f"quest(top_k={top_k}, placement={placement!r})", story)
+        result = quest_run(model, f"quest(top_k={top_k}, placement={placement!r})", text)
         result["device_hit_rate"] = 1 - result["host_pages_per_step_layer"] / result["pages_per_step_layer"]
         placements[placement.split("(")[0]] = result
-    return {"context": context, "steps": steps, "pages": pages, "budgets": budgets, "placement": placements}
+    return {"context": context, "steps": steps, "pages": pages, "layers": shape.num_layers, "budgets": budgets, "placement": placements}
 
 
 def _quest_markdown(quest: dict) -> list[str]:
     lines = [
         "",
-        f"Quest on stories260K: prompt {quest['context']} tokens ({quest['pages']} pages per head), {quest['steps']} teacher-forced"
-        " decode steps against the full cache (first 2 of 5 layers dense, as in the paper).",
+        f"Quest on the default model: prompt {quest['context']} tokens ({quest['pages']} pages per head), {quest['steps']} teacher-forced"
+        f" decode steps against the full cache (first 2 of {quest['layers']} layers dense, as in the paper).",
         "",
         "| top-K pages | quest agreement | quest KL | random agreement | random KL | pages read / step / layer (quest) |",
         "|---|---:|---:|---:|---:|---:|",
@@ -281,15 +280,14 @@ def _spill_markdown(result: dict) -> str:
 
 def run(argv: Sequence[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", choices=["llama100m", "stories"], help="default llama100m")
+    parser.add_argument("--model", choices=["llama100m", "default"], help="default llama100m")
     parser.add_argument("--prefix-len", type=int, help=f"prefix tokens (default {FULL['prefix_len']})")
     parser.add_argument("--tail-len", type=int, help=f"tail tokens (default {FULL['tail_len']})")
     parser.add_argument("--repeats", type=int, help=f"timed repeats (default {FULL['repeats']})")
     parser.add_argument("--decode-steps", type=int, help=f"host tier: decode steps timed (default {FULL['decode_steps']})")
-    add_run_arguments(parser, QUICK, stories=True)
+    add_run_arguments(parser, QUICK)
     args = parse_run_arguments(parser, argv, QUICK, FULL)
-    stories_path = args.stories_path if args.stories_path.is_absolute() else REPO / args.stories_path
-    model = load_model(args.model, stories_path)
+    model = load_bench_model(args.model)
     kvlib.attach(model)
     generator = torch.Generator().manual_seed(0)
     prefix = torch.randint(0, model.config.vocab_size, (1, args.prefix_len), generator=generator)
@@ -323,7 +321,7 @@ def run(argv: Sequence[str] | None = None) -> dict:
             assert torch.equal(logits.argmax(-1), full_logits.argmax(-1))
             restored.reset()
         result["host"] = host_tier(model, prompts[0][:, : args.prefix_len], args.decode_steps, args.repeats)
-        result["quest"] = quest_quality(load_model("stories", stories_path), **(QUEST_QUICK if args.quick else QUEST))
+        result["quest"] = quest_quality(load_bench_model("default"), **(QUEST_QUICK if args.quick else QUEST))
         result["spill"] = spill_tier(model, prompts[0][:, : args.prefix_len], args.decode_steps, args.repeats, scratch / "spill")
         result["restore"] = {
             "reused_tokens": reused,

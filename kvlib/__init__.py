@@ -9,7 +9,7 @@ requests at once (continuous batching with chunked prefill, preemption and prefi
 from kvlib.adapters import Engine, KVCache, attach, blend_cache, make_cache
 from kvlib.adapters.cache.chunk_store import ChunkStore
 from kvlib.codec import Field, FitSample, PageCodec, TensorCodec, TensorShape
-from kvlib.errors import DiskTierUnavailable, PoolExhaustedError, SpecError
+from kvlib.errors import DiskTierUnavailable, PoolExhaustedError, RemoteAccessDenied, SpecError
 from kvlib.registry import available_policies, available_strategies, get_policy, get_strategy, register
 from kvlib.spec import Spec, parse_spec
 from kvlib.spec_text import parse_strategy
@@ -37,6 +37,7 @@ __all__ = [
     "PagedStore",
     "PrefixStore",
     "PoolExhaustedError",
+    "RemoteAccessDenied",
     "Quantization",
     "Reuse",
     "Spec",

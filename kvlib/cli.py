@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import os
 import subprocess
 import sys
 import time
@@ -66,6 +65,8 @@ DEFAULT_POLICIES = "streaming_llm,h2o,snapkv,pyramidkv,tova,kivi(bits=4),h2o+kiv
 DEFAULT_BUDGETS = "0.125,0.25,0.5"
 DEFAULT_TASKS = "needle,perplexity,agreement"
 DEFAULT_OUT = "kvlib-compare"
+DEFAULT_SPEED_STEPS = 32
+DEFAULT_SPEED_ROUNDS = 3
 BENCHMARKS_DIR = Path(__file__).resolve().parents[1] / "benchmarks"
 """Where a source checkout keeps the benchmark scripts (``kvlib bench``)."""
 
@@ -88,10 +89,15 @@ def _fractions(text: str) -> list[float]:
         raise UsageError(f"--budgets takes comma-separated fractions such as 0.125,0.25, got {quoted(text)}") from None
 
 
-def _threads(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise UsageError(f"--threads takes a whole number >= 1, got {text!r}")
-    return int(text)
+def _whole(option: str) -> typing.Callable[[str], int]:
+    """A parser of ``option``'s value: a whole number >= 1, else a one-line ``UsageError``."""
+
+    def parse(text: str) -> int:
+        if not text.isdigit() or int(text) < 1:
+            raise UsageError(f"{option} takes a whole number >= 1, got {text!r}")
+        return int(text)
+
+    return parse
 
 
 def _seed(text: str) -> int:
@@ -106,16 +112,17 @@ INTERRUPTED = 130
 
 def check_out_folder(text: str) -> Path:
     """The ``--out`` folder, made ready before any model work: created with its parents, and
-    shown to take files by writing and deleting a probe file. ``UsageError`` (one line) for a
-    path that exists and is not a folder, or a folder that cannot be created or written."""
+    shown to take files by creating an unnamed one (:func:`~kvlib.eval.output_files.check_writable`:
+    no file of a guessable name is opened). ``UsageError`` (one line) for a path that exists and is
+    not a folder, or a folder that cannot be created or written."""
+    from kvlib.eval.output_files import check_writable
+
     out = Path(text)
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {quoted(text)} exists and is not a folder")
     try:
         out.mkdir(parents=True, exist_ok=True)
-        probe = out / f".kvlib-probe-{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
+        check_writable(out)
     except OSError as exc:
         raise UsageError(f"--out {quoted(text)} cannot be written: {exc.strerror or exc}") from None
     return out
@@ -123,7 +130,7 @@ def check_out_folder(text: str) -> Path:
 
 def run_compare(args: argparse.Namespace) -> int:
     from kvlib.eval import parse_tasks
-    from kvlib.eval.compare_units import check_policies_and_budgets
+    from kvlib.eval.compare_units import check_policies_and_budgets, check_speed
     from kvlib.eval.significance import parse_baseline
 
     policies, budgets = split_specs(args.strategies), _fractions(args.budgets)
@@ -135,6 +142,7 @@ def run_compare(args: argparse.Namespace) -> int:
     if args.samples is not None and args.samples < 1:
         raise UsageError(f"--samples must be >= 1, got {args.samples}")
     tasks_context = args.context or DEFAULT_CONTEXT
+    check_speed(tasks_context, args.speed_steps, args.speed_rounds)
     tasks = parse_tasks(args.tasks, context=tasks_context, samples=args.samples, seed=args.seed, context_first=args.context_first)
     if args.ray is None:
         return load_and_compare(args, policies, budgets, tasks, tasks_context, out)
@@ -169,6 +177,7 @@ def load_and_compare(
         runner = functools.partial(compare_on_ray, threads=threads)
     else:
         threads, runner = torch.get_num_threads(), functools.partial(compare, shared_prefill=not args.separate_prefill)
+    runner = functools.partial(runner, speed_steps=args.speed_steps, speed_rounds=args.speed_rounds)
     started = time.perf_counter()
     meta = {
         "model": loaded.name,
@@ -182,6 +191,8 @@ def load_and_compare(
         "ray": args.ray is not None,
         "shared_prefill": args.ray is None and not args.separate_prefill,
         "seed": args.seed,
+        "speed_steps": args.speed_steps,
+        "speed_rounds": args.speed_rounds,
     }
 
     def save(finished: list[CompareRun], complete: bool = False) -> dict[str, Path]:
@@ -287,7 +298,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     comp.add_argument(
         "--threads",
-        type=_threads,
+        type=_whole("--threads"),
         default=None,
         help="torch CPU threads (default: one per core; 1 for a model under 30M parameters while the machine is busy, 1-minute load >= 1)",
     )
@@ -296,6 +307,19 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="compute each configuration's prompts itself (default: each batch's prompt once for every configuration that can"
         " share it, then each one's eviction replayed on it; the same results, see JSON 'prefill')",
+    )
+    comp.add_argument(
+        "--speed-steps",
+        type=_whole("--speed-steps"),
+        default=DEFAULT_SPEED_STEPS,
+        help=f"greedy decode steps timed per speed run, after a prefill of the rest of --context (default {DEFAULT_SPEED_STEPS})",
+    )
+    comp.add_argument(
+        "--speed-rounds",
+        type=_whole("--speed-rounds"),
+        default=DEFAULT_SPEED_ROUNDS,
+        help="timed rounds of decode speed, interleaved across the configurations (the full cache in each) after a warm-up run"
+        f" of each; the table shows the median and range (default {DEFAULT_SPEED_ROUNDS})",
     )
     comp.add_argument("--quiet", action="store_true", help="no progress bar")
     comp.add_argument(

@@ -19,23 +19,12 @@ pages wait open. Per-layer state they learn (bases) is reported by :meth:`Tensor
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 
-from kvlib.triton_readers import TritonReader
-
-
-class CodedReader(NamedTuple):
-    """How the numba paged kernel reads one tensor (keys or values) of a codec's sealed pages in
-    place: ``fields``, a tuple of numpy arrays (field arenas ``[capacity, ...]``) and ints (the
-    codec's parameters), and ``load``, the loader taking ``open_part + fields`` as its source
-    (the loader contract: :mod:`kvlib.kernels.coded_page_loaders`)."""
-
-    fields: tuple
-    load: Callable[..., None]
+from kvlib.kernel_readers import KernelReader
 
 
 @dataclass(frozen=True)
@@ -133,18 +122,12 @@ class TensorCodec(abc.ABC):
         encoded = {name: arena.index_select(0, index).view(fields[name].dtype) for name, arena in arenas.items()}
         out.index_copy_(0, rows.to(out.device, non_blocking=True), self.decode(encoded, heads))
 
-    def page_reader(self, arenas: dict[str, torch.Tensor]) -> CodedReader | None:
-        """How the paged-attention kernel decodes sealed pages of this codec in place, page by
-        page, from the pool's field ``arenas`` (CPU, as :meth:`decode_into` takes them; no copy);
-        None where it cannot (the layer is then read through :meth:`decode_into`). Default: None."""
-        return None
-
-    def triton_reader(self, arenas: dict[str, torch.Tensor]) -> TritonReader | None:
-        """How the Triton paged-attention kernel decodes sealed pages of this codec in registers,
-        a tile of tokens at a time, from the pool's field ``arenas`` (on the pool's device, as
-        :meth:`decode_into` takes them; no copy): a tile loader and its fields and parameters
-        (:mod:`kvlib.triton_readers`). None where it cannot (the layer is then read through
-        :meth:`decode_into`). Default: None. Only called where triton is installed."""
+    def kernel_reader(self, arenas: dict[str, torch.Tensor]) -> KernelReader | None:
+        """How the paged kernels read sealed pages of this codec where they lie, from the pool's
+        field ``arenas`` (on the pool's device, as :meth:`decode_into` takes them; no copy): the
+        name of a reader registered in :mod:`kvlib.kernels.page_readers`, the tensors it reads and
+        its int parameters (:class:`~kvlib.kernel_readers.KernelReader`). None where it cannot be
+        read in place (the layer is then read through :meth:`decode_into`). Default: None."""
         return None
 
     @property
@@ -231,18 +214,11 @@ class PageCodec:
         self.key.decode_into({n[4:]: t for n, t in arenas.items() if n.startswith("key.")}, pages, heads, keys, rows)
         self.value.decode_into({n[6:]: t for n, t in arenas.items() if n.startswith("value.")}, pages, heads, values, rows)
 
-    def page_readers(self, arenas: dict[str, torch.Tensor]) -> tuple[CodedReader, CodedReader] | None:
-        """``(keys, values)`` readers of the pool's field ``arenas`` for the paged-attention kernel
-        (see :meth:`TensorCodec.page_reader`), or None unless both tensor codecs have one."""
-        key = self.key.page_reader({n[4:]: t for n, t in arenas.items() if n.startswith("key.")})
-        value = self.value.page_reader({n[6:]: t for n, t in arenas.items() if n.startswith("value.")})
-        return None if key is None or value is None else (key, value)
-
-    def triton_readers(self, arenas: dict[str, torch.Tensor]) -> tuple[TritonReader, TritonReader] | None:
-        """``(keys, values)`` readers of the pool's field ``arenas`` for the Triton paged-attention
-        kernel (see :meth:`TensorCodec.triton_reader`), or None unless both tensor codecs have one."""
-        key = self.key.triton_reader({n[4:]: t for n, t in arenas.items() if n.startswith("key.")})
-        value = self.value.triton_reader({n[6:]: t for n, t in arenas.items() if n.startswith("value.")})
+    def kernel_readers(self, arenas: dict[str, torch.Tensor]) -> tuple[KernelReader, KernelReader] | None:
+        """``(keys, values)`` readers of the pool's field ``arenas`` for the paged kernels (see
+        :meth:`TensorCodec.kernel_reader`), or None unless both tensor codecs have one."""
+        key = self.key.kernel_reader({n[4:]: t for n, t in arenas.items() if n.startswith("key.")})
+        value = self.value.kernel_reader({n[6:]: t for n, t in arenas.items() if n.startswith("value.")})
         return None if key is None or value is None else (key, value)
 
     def decode(self, encoded: dict[str, torch.Tensor], heads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

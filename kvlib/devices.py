@@ -8,7 +8,7 @@ side stream from :func:`copy_stream` and are joined to the compute stream only t
 :func:`mark_done` and :func:`wait_done`. What a device has free is asked only through
 :func:`available_bytes` (and checked against a planned allocation by :func:`check_fits`).
 Which kernel attends over pages in place on a device (or none: a dense read first) is chosen only
-by :func:`paged_kernel`.
+by :func:`paged_kernel`. A clock that times device work reads it after :func:`synchronize`.
 """
 
 from __future__ import annotations
@@ -113,6 +113,13 @@ def to_arena_device(index: torch.Tensor, device: torch.device) -> torch.Tensor:
     if index.device == device:
         return index
     return index.to(device, non_blocking=True)
+
+
+def host_readable(tensor: torch.Tensor) -> bool:
+    """Whether reading ``tensor``'s values on the host (``bool``, ``.item()``, ``.tolist()``) costs
+    no device-to-host synchronisation: it lives in host memory. A decode step reads no other
+    tensor on the host (CUDA graphs can hold it; ``tests/adapters/cache/test_sync_free.py``)."""
+    return tensor.device.type == "cpu"
 
 
 def check_tensor(name: str, tensor: torch.Tensor, dtype: torch.dtype, device: torch.device) -> None:
@@ -251,6 +258,13 @@ on one thread against 137/74/489 s on two, load 2 to 6). README, "Threads"."""
 
 BUSY_LOAD = 1.0
 """A 1-minute load average at or above this means another job is running (:func:`cpu_threads`)."""
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait until the work queued on ``device`` has run (CUDA launches return before their kernels
+    finish); a no-op on the CPU. For timing: a clock read after it counts the work issued before."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def set_cpu_threads(threads: int) -> None:

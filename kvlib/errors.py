@@ -35,3 +35,9 @@ def quoted(value: object, limit: int = ECHO_CHARS) -> str:
 class DiskTierUnavailable(RuntimeError):
     """A directory cannot hold a disk tier: it cannot be created or written, or its damaged
     files cannot be moved aside. The message names the directory and what failed."""
+
+
+class RemoteAccessDenied(RuntimeError):
+    """A remote tier's server refused kvlib's credentials (a wrong or missing password) or a command
+    it needs (an ACL). Not an outage: raised, never counted as a miss. The message names the
+    server with its password redacted."""

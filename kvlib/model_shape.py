@@ -379,15 +379,23 @@ def _check_layer_types(name: str, kinds: Sequence[str]) -> None:
 def _attention_modules_by_layer(model: torch.nn.Module) -> dict[int | None, list[torch.nn.Module]]:
     """Each ``layer_idx``'s attention modules (a class name ending with ``Attention`` and a
     ``layer_idx``: an int, or None set on modules shared by layers; an attention block and the
-    self-attention inside it), in ``modules()`` order."""
+    self-attention inside it), in ``modules()`` order, within the decoder (:func:`_decoder`)."""
     found: dict[int | None, list[torch.nn.Module]] = {}
-    for module in model.modules():
+    for module in _decoder(model).modules():
         if not type(module).__name__.endswith("Attention") or "layer_idx" not in vars(module):
             continue
         layer = module.layer_idx
         if layer is None or (isinstance(layer, int) and not isinstance(layer, bool)):
             found.setdefault(layer, []).append(module)
     return found
+
+
+def _decoder(model: torch.nn.Module) -> torch.nn.Module:
+    """The text decoder of ``model`` (``get_decoder``: a multimodal model's language model, whose
+    vision and audio towers number their own attention modules' ``layer_idx`` alike), else the model."""
+    get_decoder = getattr(model, "get_decoder", None)
+    decoder = get_decoder() if callable(get_decoder) else None
+    return decoder if isinstance(decoder, torch.nn.Module) else model
 
 
 def rope_of(model: torch.nn.Module, shape: KVShape) -> Rope | None:
@@ -411,7 +419,7 @@ def attention_modules(model: torch.nn.Module, shape: KVShape) -> list[torch.nn.M
     KV layer's model layer) and an output projection (``o_proj``, a ``Linear``: Llama family; or
     GPT-2's ``c_attn`` with a ``c_proj``). ``ValueError`` for a model without one in every KV layer."""
     found: dict[int, torch.nn.Module] = {}
-    for module in model.modules():
+    for module in _decoder(model).modules():
         layer = getattr(module, "layer_idx", None)
         if not isinstance(layer, int):
             continue
@@ -450,3 +458,12 @@ def model_context(model: torch.nn.Module) -> int | None:
     text = model.config.get_text_config(decoder=True)
     context = getattr(text, "max_position_embeddings", None)
     return context if isinstance(context, int) and not isinstance(context, bool) and context > 0 else None
+
+
+def shares_kv_across_layers(model: torch.nn.Module) -> bool:
+    """Whether some layers of ``model`` attend over keys and values another layer computed and
+    stored, calling no cache ``update`` of their own (Gemma 3n and Gemma 4's KV sharing: the
+    config's ``kv_sharing_modes`` has ``"reuse"`` layers)."""
+    text = model.config.get_text_config(decoder=True)
+    modes = getattr(text, "kv_sharing_modes", None) or ()
+    return "reuse" in modes

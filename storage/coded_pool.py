@@ -27,10 +27,11 @@ import torch
 
 from kvlib.codec import Field, PageCodec, arena_dtype
 from kvlib.devices import PagedKernel, paged_kernel, to_arena_device
-from kvlib.kernels.coded_page_loaders import open_part
-from kvlib.kernels.paged_attention import PageReader, PageSource
+from kvlib.kernel_readers import KernelReader
+from kvlib.kernels import paged_ops
+from kvlib.kernels.paged_attention import PageReader, coded_source
 from kvlib.storage.free_stack import FreeStack
-from kvlib.storage.page_format import PageFormat, extend_rows
+from kvlib.storage.page_format import PageFormat, PlannedStep, extend_rows
 from kvlib.storage.page_indexing import first_occurrences
 from kvlib.storage.read_plan import ReadPlan
 
@@ -41,7 +42,7 @@ CODED_SOURCES: dict[PagedKernel, Callable[[CodedPages], PageReader | None]] = {
 }
 """How each paged kernel reads a coded pool's pages (a kernel not listed reads them densely)."""
 try:  # triton is optional (torch's CUDA builds bring it): without it a coded pool on CUDA is read densely
-    from kvlib.kernels.paged_attention_triton import triton_coded_source
+    from kvlib.kernels.paged_attention_triton import has_triton_loaders, triton_coded_source
 
     CODED_SOURCES[PagedKernel.TRITON] = lambda pool: pool.triton_source()
 except ImportError:
@@ -79,9 +80,14 @@ class CodedPages(PageFormat):
         self.version = 0
         """Bumped whenever a page changes state (allocated, freed, sealed) or raw rows move."""
         self._plan: ReadPlan | None = None
-        self._source: tuple[tuple[torch.Tensor, ...], PageReader | None, int] | None = None
-        """The last :meth:`page_source`, the tensors it views and the pool version it was built at
-        (rebuilt when one is replaced; a Triton source also when a page changed state)."""
+        self.kernel_readers: tuple[KernelReader, KernelReader] | None = None
+        """How the paged kernels read the sealed keys and values (:meth:`~kvlib.codec.PageCodec.kernel_readers`
+        of the field arenas), kept while the arenas are the same tensors; None until the codec is
+        ready, and for a codec the kernels cannot read in place."""
+        self._readers_of: tuple[torch.Tensor, ...] | None = None
+        self.kernel_sealed, self.kernel_raw_row = self.sealed, self.raw_row
+        """``sealed`` and ``raw_row`` where the kernels read them: the bookkeeping itself on the CPU,
+        copies on the arenas' device kept in step with it elsewhere (:meth:`_changed`)."""
 
     # -- sizes ---------------------------------------------------------------------------------
 
@@ -115,29 +121,58 @@ class CodedPages(PageFormat):
     # -- the pool's changes --------------------------------------------------------------------
 
     def allocated(self, ids: torch.Tensor, heads: torch.Tensor | None) -> None:
-        self.version += 1
         if self._raw_free.free < ids.numel():
             self._resize_raw(max(2 * self.keys.shape[0], self.keys.shape[0] - self._raw_free.free + ids.numel()))
         self.raw_row[ids] = self._raw_free.pop(ids.numel())
         self.sealed[ids] = False
         self.page_heads[ids] = 0 if heads is None else heads
+        self._changed()
 
     def freed(self, ids: torch.Tensor) -> None:
-        self.version += 1
         held = self.raw_row[ids]
         self._raw_free.push(held[held >= 0])
         self.raw_row[ids] = -1
         self.sealed[ids] = False
+        self._changed()
 
     def grow(self, capacity: int) -> None:
         self.encoded = {name: extend_rows(t, capacity, 0) for name, t in self.encoded.items()}
         self.sealed = extend_rows(self.sealed, capacity, False)
         self.raw_row = extend_rows(self.raw_row, capacity, -1)
         self.page_heads = extend_rows(self.page_heads, capacity, 0)
+        self._changed()
+
+    def _changed(self) -> None:
+        """A page changed state, raw rows moved or arenas were replaced: bump :attr:`version`,
+        bring the kernels' copies of ``sealed`` and ``raw_row`` up to date (off the CPU: copied
+        into device tensors that stay put while the capacity does) and drop readers of replaced
+        field arenas."""
+        self.version += 1
+        if self.device.type == "cpu":
+            self.kernel_sealed, self.kernel_raw_row = self.sealed, self.raw_row
+        elif self.kernel_sealed.device != self.device or self.kernel_sealed.shape != self.sealed.shape:
+            self.kernel_sealed = to_arena_device(self.sealed, self.device)
+            self.kernel_raw_row = to_arena_device(self.raw_row, self.device)
+        else:
+            self.kernel_sealed.copy_(self.sealed, non_blocking=True)
+            self.kernel_raw_row.copy_(self.raw_row, non_blocking=True)
+        self._refresh_readers()
+
+    def _refresh_readers(self) -> None:
+        """Rebuild :attr:`kernel_readers` where the field arenas are other tensors than those they
+        were built of (or the codec became ready since)."""
+        arenas = tuple(self.encoded.values())
+        built = self._readers_of
+        if built is not None and len(built) == len(arenas) and all(a is b for a, b in zip(built, arenas)):
+            return
+        if not self.codec.ready:
+            self.kernel_readers, self._readers_of = None, None
+            return
+        self.kernel_readers = self.codec.kernel_readers(self.encoded or self._field_arenas(0))
+        self._readers_of = arenas
 
     def _resize_raw(self, rows: int) -> None:
         """Give the raw arena ``rows`` rows, moving the rows in use to the front."""
-        self.version += 1
         held = (self.raw_row >= 0).nonzero().squeeze(-1)
         old_rows = self.raw_row[held]
         keys = torch.zeros(rows, self.page_size, self.head_dim, dtype=self.dtype, device=self.device)
@@ -149,6 +184,7 @@ class CodedPages(PageFormat):
         self.raw_row[held] = torch.arange(held.numel())
         self._raw_free = FreeStack(rows)
         self._raw_free.pop(held.numel())
+        self._changed()
 
     def writable(self, ids: torch.Tensor, private: torch.Tensor) -> torch.Tensor:
         """Referenced once and open: a sealed page is immutable."""
@@ -170,7 +206,6 @@ class CodedPages(PageFormat):
         self.values.view(-1, self.value_dim).index_copy_(0, raw, values)
 
     planned_slots_stay = False
-    decodes_through_source = True
 
     def planned_slots(self, slots: np.ndarray) -> np.ndarray:
         """Raw-arena slots of open pages' flat ``slots`` (their keys and values are written raw)."""
@@ -179,44 +214,55 @@ class CodedPages(PageFormat):
             raise RuntimeError("planned write to a sealed page: sealed pages are immutable (the store and the pool disagree)")
         return rows * self.page_size + slots % self.page_size
 
-    def page_source(self) -> PageReader | None:
-        """Open pages read raw and sealed pages decoded page by page inside the kernel, from the
-        arenas where they lie: the numba kernel's loaders on the CPU (:mod:`~kvlib.kernels.coded_page_loaders`),
-        the Triton kernels' tile loaders on CUDA (:func:`~kvlib.kernels.paged_attention_triton.triton_coded_source`,
-        which copies the pages' sealed flags and raw rows to the device: rebuilt whenever a page
-        changes state). None for a codec that is not fitted yet or has no loader for the kernel,
-        and on a device whose kernel reads float arenas only (the torch path): attention then
-        reads through :meth:`read_pages` (a dense copy of the decoded pages)."""
-        arenas = (self.keys, self.values, self.sealed, self.raw_row, self.pool.positions, *self.encoded.values())
-        kernel = paged_kernel(self.device)
-        current = self._source is not None and len(self._source[0]) == len(arenas) and all(a is b for a, b in zip(self._source[0], arenas))
-        if current and (kernel is PagedKernel.NUMBA or self._source[2] == self.version):
-            return self._source[1]  # the same tensors, changed in place only: their views still hold
-        if not self.codec.ready or kernel not in CODED_SOURCES:
-            return None
-        self._source = (arenas, CODED_SOURCES[kernel](self), self.version)
-        return self._source[1]
-
-    def numba_source(self) -> PageSource | None:
-        """The numba kernel's :class:`~kvlib.kernels.paged_attention.PageSource` of this pool's pages (CPU)."""
-        readers = self.codec.page_readers(self.encoded or self._field_arenas(0))
-        if readers is None:
-            return None
-        keys, values = readers
-        return PageSource(
-            open_part(self.sealed, self.raw_row, self.keys) + keys.fields,
-            open_part(self.sealed, self.raw_row, self.values) + values.fields,
-            keys.load,
-            values.load,
-            self.pool.positions.numpy(),
-            self.value_dim,
+    def attend_planned(self, plan: PlannedStep, layer: int, query: torch.Tensor, mask, scale, softcap, received) -> torch.Tensor:
+        """One ``kvlib::paged_decode_coded`` over the open pages' raw arenas and the codec's fields,
+        read by its :attr:`kernel_readers` (set while :meth:`page_source` gives a source, which a
+        planned step checked)."""
+        keys, values = self.kernel_readers
+        return paged_ops.paged_decode_coded(
+            query,
+            self.keys,
+            self.values,
+            self.pool.positions,
+            plan.pages,
+            plan.lengths,
+            layer,
+            mask,
+            plan.query_positions,
+            scale,
+            softcap,
+            self.kernel_sealed,
+            self.kernel_raw_row,
+            keys,
+            values,
+            received,
         )
 
+    def page_source(self) -> PageReader | None:
+        """Open pages read raw and sealed pages read inside the kernel, from the arenas where they
+        lie: the numba kernel's readers on the CPU (:func:`~kvlib.kernels.paged_attention.coded_source`,
+        the codec's scales folded in), the Triton kernels' tile loaders on CUDA
+        (:func:`~kvlib.kernels.paged_attention_triton.triton_coded_source`). None for a codec that is
+        not fitted yet or has no reader for the kernel, and on a device whose kernel reads float
+        arenas only (the torch path): attention then reads through :meth:`read_pages` (a dense
+        copy of the decoded pages)."""
+        self._refresh_readers()
+        kernel = paged_kernel(self.device)
+        if self.kernel_readers is None or kernel not in CODED_SOURCES:
+            return None
+        return CODED_SOURCES[kernel](self)
+
+    def numba_source(self) -> PageReader:
+        """The numba kernel's :class:`~kvlib.kernels.paged_attention.PageSource` of this pool's pages (CPU)."""
+        return coded_source(self.keys, self.values, self.sealed, self.raw_row, self.pool.positions, *self.kernel_readers)
+
     def triton_source(self) -> PageReader | None:
-        """The Triton kernels' source of this pool's pages (CUDA), or None for a codec without a
-        Triton reader."""
-        fields = self.encoded or self._field_arenas(0)
-        return triton_coded_source(self.codec, self.keys, self.values, self.sealed, self.raw_row, self.pool.positions, fields)
+        """The Triton kernels' source of this pool's pages (CUDA), or None for a codec without
+        Triton tile loaders."""
+        keys, values = self.kernel_readers
+        if not has_triton_loaders(keys, values):
+            return None
+        return triton_coded_source(self.keys, self.values, self.kernel_sealed, self.kernel_raw_row, self.pool.positions, keys, values)
 
     def _field_arenas(self, rows: int) -> dict[str, torch.Tensor]:
         """Zeroed arenas of ``rows`` pages for each of the codec's fields (one-byte floats as bytes)."""
@@ -284,7 +330,7 @@ class CodedPages(PageFormat):
             self._raw_free.push(self.raw_row[dst])
             self.raw_row[dst] = -1
             self.sealed[dst] = True
-            self.version += 1
+            self._changed()
         if not bool(sealed.all()):
             src = to_arena_device(self.raw_row[source[~sealed]], self.device)
             dst = to_arena_device(self.raw_row[target[~sealed]], self.device)
@@ -346,7 +392,7 @@ class CodedPages(PageFormat):
         self._raw_free.push(rows)
         self.raw_row[ids] = -1
         self.sealed[ids] = True
-        self.version += 1
+        self._changed()
         held = self.keys.shape[0] - self._raw_free.free
         if self.keys.shape[0] > _MIN_RAW_PAGES and 4 * held < self.keys.shape[0]:
             self._resize_raw(max(_MIN_RAW_PAGES, 2 * held))

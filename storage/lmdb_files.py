@@ -10,6 +10,20 @@ counters; the free list and the reachable pages are disjoint and cover the file'
 while a read transaction pins the snapshot it checks (so a writer in another process cannot
 reuse its pages meanwhile).
 
+Whose directory: lmdb opens ``data.mdb`` and ``lock.mdb`` with ``O_CREAT`` and follows symbolic
+links, so a user who can write the directory could point them at any file this process can write
+(and lmdb would truncate and overwrite it). So before lmdb sees a directory it must be this
+process's: owned by its effective user (a directory path that is itself a symbolic link must be
+one of its own links), and not writable by every user (mode ``o+w``; the sticky bit does not
+make it safe: another user can still create ``data.mdb`` or ``lock.mdb`` there first); and the
+two files, created here if missing (``O_CREAT | O_NOFOLLOW``, mode 0600), must be regular files
+of this user with one link each (no symbolic link, no hard link to another file). The files
+are held open while lmdb opens them, and lmdb's files must then be those same files (device and
+inode), or the environment is closed and refused. A refused directory is
+:class:`~kvlib.errors.DiskTierUnavailable` naming the problem; what such a directory holds is
+never touched. A group-writable directory is allowed: a group that shares a cache is trusted
+with it (a key on the tier makes its records tamper-evident: :class:`~kvlib.storage.disk_tier.DiskTier`).
+
 What happens to a directory:
 
 - fine: the environment is returned;
@@ -42,6 +56,7 @@ from __future__ import annotations
 import datetime
 import errno
 import os
+import stat
 import warnings
 from pathlib import Path
 
@@ -59,9 +74,10 @@ def open_environment(directory: Path, map_size: int, max_dbs: int) -> lmdb.Envir
     damaged files moved aside with one warning (then empty); :class:`DiskTierUnavailable` if the
     directory cannot hold one. See the module docstring."""
     try:
-        directory.mkdir(parents=True, exist_ok=True)
+        directory.mkdir(parents=True, exist_ok=True, mode=0o700)
     except OSError as error:
         raise DiskTierUnavailable(f"disk tier at {directory}: cannot create the directory ({_reason(error)})") from None
+    check_directory(directory)
     try:
         env = _open(directory, map_size, max_dbs)
     except lmdb.Error as error:
@@ -85,7 +101,79 @@ def open_environment(directory: Path, map_size: int, max_dbs: int) -> lmdb.Envir
 
 
 def _open(directory: Path, map_size: int, max_dbs: int) -> lmdb.Environment:
-    return lmdb.open(str(directory), map_size=map_size, max_dbs=max_dbs, subdir=True)
+    """lmdb's environment on ``directory``'s files, pinned first (:func:`pinned_files`) and
+    checked to be the files lmdb opened; :class:`DiskTierUnavailable` if either fails."""
+    pinned = pinned_files(directory)
+    try:
+        env = lmdb.open(str(directory), map_size=map_size, max_dbs=max_dbs, subdir=True)
+        try:
+            for name, (fd, _) in pinned.items():
+                now, held = os.lstat(directory / name), os.fstat(fd)
+                if (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino):
+                    raise DiskTierUnavailable(f"disk tier at {directory}: {name} was replaced while the tier opened it; refused")
+        except BaseException:
+            env.close()
+            raise
+        return env
+    finally:
+        for fd, _ in pinned.values():
+            os.close(fd)
+
+
+def check_directory(directory: Path) -> None:
+    """:class:`DiskTierUnavailable` unless ``directory`` is this process's to hold a tier in (see
+    the module docstring: owned by this effective user, not writable by every user, not a
+    symbolic link of another user)."""
+    me = os.geteuid()
+    try:
+        link = os.lstat(directory)
+        held = os.stat(directory)
+    except OSError as error:
+        raise DiskTierUnavailable(f"disk tier at {directory}: cannot read the directory ({_reason(error)})") from None
+    if stat.S_ISLNK(link.st_mode) and link.st_uid != me:
+        raise DiskTierUnavailable(f"disk tier at {directory}: the path is a symbolic link of another user (uid {link.st_uid}); refused")
+    if held.st_uid != me:
+        raise DiskTierUnavailable(
+            f"disk tier at {directory}: the directory is owned by uid {held.st_uid}, not by this process's user (uid {me}):"
+            " its owner could point the tier's files anywhere; use a directory of your own"
+        )
+    if held.st_mode & stat.S_IWOTH:
+        raise DiskTierUnavailable(
+            f"disk tier at {directory}: the directory is writable by every user (mode {stat.S_IMODE(held.st_mode):#o}; a sticky"
+            " bit does not help: anyone can create data.mdb or lock.mdb there first); use a directory of your own (mode 0700)"
+        )
+
+
+def pinned_files(directory: Path) -> dict[str, tuple[int, os.stat_result]]:
+    """``directory``'s lmdb files, opened (created if missing, mode 0600) without following a
+    symbolic link: file descriptor and status by name. :class:`DiskTierUnavailable` for a
+    symbolic link, anything but a regular file, a file of another user or with another link."""
+    pinned: dict[str, tuple[int, os.stat_result]] = {}
+    try:
+        for name in FILES:
+            try:
+                fd = os.open(directory / name, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, 0o600)
+            except OSError as error:
+                if error.errno == errno.ELOOP:
+                    raise DiskTierUnavailable(f"disk tier at {directory}: {name} is a symbolic link; refused (remove it)") from None
+                raise DiskTierUnavailable(f"disk tier at {directory}: lmdb cannot open it ({name}: {_reason(error)})") from None
+            held = os.fstat(fd)
+            pinned[name] = (fd, held)
+            if not stat.S_ISREG(held.st_mode):
+                raise DiskTierUnavailable(f"disk tier at {directory}: {name} is not a regular file; refused")
+            if held.st_uid != os.geteuid():
+                raise DiskTierUnavailable(
+                    f"disk tier at {directory}: {name} belongs to uid {held.st_uid}, not to this process's user; refused"
+                )
+            if held.st_nlink != 1:
+                raise DiskTierUnavailable(
+                    f"disk tier at {directory}: {name} has {held.st_nlink} links (a hard link to another file?); refused"
+                )
+    except BaseException:
+        for fd, _ in pinned.values():
+            os.close(fd)
+        raise
+    return pinned
 
 
 def _damage(directory: Path) -> str | None:

@@ -70,9 +70,6 @@ class PageFormat:
     """The earlier layer whose pool this pool's sealed pages lean on (None: none)."""
     planned_slots_stay = True
     """Whether :meth:`planned_slots` of pages stay put while other pages are allocated."""
-    decodes_through_source = False
-    """Whether a planned step's decode reads the pages through :meth:`page_source` (a codec's
-    sealed pages, decoded in the kernel) rather than straight from the arenas."""
     reopens_partial_pages = False
     """Whether a truncation ending inside a page the pool may not write reopens it (beside key summaries)."""
     shrinks = False
@@ -173,7 +170,7 @@ class PageFormat:
 
     def attend_planned(self, plan: PlannedStep, layer: int, query: torch.Tensor, mask, scale, softcap, received) -> torch.Tensor:
         """Attention over ``layer``'s pages once ``plan`` wrote it (see :meth:`PagePool.attend_planned`):
-        one decode operator over the arenas, or through :meth:`page_source` where :attr:`decodes_through_source`."""
+        one decode operator over the arenas (``kvlib::paged_decode``; a coded format overrides it)."""
         return paged_ops.paged_decode(
             query,
             self.keys,
@@ -187,7 +184,6 @@ class PageFormat:
             scale,
             softcap,
             received,
-            self if self.decodes_through_source else None,
         )
 
     # -- sealing and records -------------------------------------------------------------------

@@ -313,8 +313,8 @@ class PagePool:
     ) -> torch.Tensor:
         """Attention of ``query`` (``[batch, query_heads, tokens, head_dim]``) over ``layer``'s
         pages once ``plan`` wrote it, ``[batch, tokens, query_heads, value_dim]`` (one operator:
-        ``kvlib::paged_decode`` over float arenas, ``kvlib::paged_decode_source`` through a coded
-        format's page loaders; ``mask`` the model's mask over logical positions, None for causal
+        ``kvlib::paged_decode`` over float arenas, ``kvlib::paged_decode_coded`` over a coded
+        format's fields through its kernel readers; ``mask`` the model's mask over logical positions, None for causal
         by the new tokens' positions; ``received``: see :func:`~kvlib.kernels.paged_ops.paged_decode`)."""
         return self.format.attend_planned(plan, layer, query, mask, scale, softcap, received)
 

@@ -52,12 +52,20 @@ token ids before it is loaded. Processes (or hosts) pointing at one server share
 server that is down, slow, restarted or full, and a record that is corrupt, untagged or another
 namespace's, are counted misses: the blocks are computed as without the tier. The tier's
 ``hits`` count the records loaded, not those that arrived.
+
+Threads: a store may serve caches in several threads. Every method holds :attr:`PrefixStore.lock`
+(a re-entrant lock), and a cache living in the store's paged store (shared by all its caches)
+holds it for each model call and for each of its own calls that change the store
+(:meth:`KVCache.enter_call <kvlib.adapters.KVCache.enter_call>`): the threads' generations
+interleave call by call, never inside one. The disk and remote tiers are used under the same lock.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
+import threading
 import warnings
 from collections.abc import Callable
 from functools import partial
@@ -75,6 +83,17 @@ from kvlib.storage.prefix_index import Entry, PrefixIndex
 from kvlib.storage.remote_tier import RemoteTier
 
 
+def _locked(method: Callable) -> Callable:
+    """``method`` of a :class:`PrefixStore` run holding its :attr:`~PrefixStore.lock`."""
+
+    @functools.wraps(method)
+    def run(store: PrefixStore, *args, **kwargs):
+        with store.lock:
+            return method(store, *args, **kwargs)
+
+    return run
+
+
 class PrefixStore:
     """Prompt prefixes of one model, reused across caches and ``generate`` calls.
 
@@ -86,6 +105,9 @@ class PrefixStore:
         disk: a :class:`~kvlib.storage.disk_tier.DiskTier`, or a directory for one holding up to
             four times ``capacity_bytes`` of records (one that cannot hold a tier: a warning, and
             memory only); None keeps prefixes in memory only.
+        disk_key: the secret tagging disk records (a directory's tier only; None reads
+            ``$KVLIB_DISK_KEY``, and without it records are unkeyed: anyone who can write the
+            directory can change outputs; see :mod:`~kvlib.storage.disk_tier`).
         remote: a :class:`~kvlib.storage.remote_tier.RemoteTier`, or the URL of a Redis-protocol
             server for one (``redis://host:port/db``); None: no remote tier.
         remote_key: the secret tagging remote records (a URL's tier only; None reads
@@ -101,6 +123,7 @@ class PrefixStore:
         *,
         salt: str = "",
         disk: DiskTier | str | None = None,
+        disk_key: str | bytes | None = None,
         remote: RemoteTier | str | None = None,
         remote_key: str | bytes | None = None,
         remote_trust: str = "key",
@@ -119,18 +142,21 @@ class PrefixStore:
         handed out as forks; keyed by :meth:`context_key`, within their own ``capacity_bytes``."""
         self.stores: dict[str, PagedStore] = {}
         """Paged stores by namespace (see :meth:`namespace`)."""
-        self.disk = disk_tier(disk, capacity_bytes=max(capacity_bytes, 1) * 4)
+        self.disk = disk_tier(disk, capacity_bytes=max(capacity_bytes, 1) * 4, key=disk_key)
         self.remote = remote
         self._closing: list = []
         """Sessions of caches garbage-collected since the last use (closed by :meth:`collect`)."""
         self._warned_disk_full = False
         """Whether blocks left out of the disk tier for its capacity were warned about (once)."""
+        self.lock = threading.RLock()
+        """Held by every method, and by the caches in this store's paged store while they change it."""
 
     def defer_close(self, session: object) -> None:
         """Close ``session`` at the next use of this store (called from a cache's finalizer)."""
         self._closing.append(session)
 
     @outside_inference_mode
+    @_locked
     def collect(self) -> None:
         """Release what garbage-collected caches held (their sequences and index entries)."""
         while self._closing:
@@ -140,6 +166,7 @@ class PrefixStore:
         """The name of the pages a cache of ``spec`` (``""``: exact) produces in ``dtype`` on ``device``."""
         return f"{spec}|{dtype}|{device}|{page_size}|{self.salt}"
 
+    @_locked
     def paged_store(self, namespace: str, build: Callable[[], PagedStore]) -> PagedStore:
         """The paged store of ``namespace``, built by ``build()`` the first time."""
         self.collect()
@@ -169,6 +196,7 @@ class PrefixStore:
         """The chain keys of ``blocks`` (consecutive token blocks from a prompt's start) in ``namespace``."""
         return self.index.keys(blocks, self.key_space(namespace))
 
+    @_locked
     def cached_blocks(self, keys: list[bytes], blocks: list[list[int]]) -> int:
         """How many leading blocks (with chain ``keys``) are in memory now, verified against
         their token ids; no counter or LRU order changes (a peek for scheduling)."""
@@ -180,6 +208,7 @@ class PrefixStore:
             count += 1
         return count
 
+    @_locked
     def lookup(self, namespace: str, blocks: list[list[int]], *, load: bool = True) -> list[Entry]:
         """Cached entries of the leading ``blocks`` of a prompt (verified), most recently used now;
         with ``load``, blocks found on disk, then on the remote tier, past those in memory are
@@ -193,6 +222,7 @@ class PrefixStore:
             found += self._load(namespace, layout, blocks, len(found))
         return found
 
+    @_locked
     def fetch(self, namespace: str, blocks: list[list[int]]) -> int:
         """Bring the leading ``blocks`` found on disk or the remote tier into memory (indexed,
         unused: in the LRU), so that a scheduler sees them with :meth:`cached_blocks` before it
@@ -294,6 +324,7 @@ class PrefixStore:
         return BlockLayout(digest, store.tables[0].num_heads, store.page_size, layers, entropy=entropy)
 
     @outside_inference_mode
+    @_locked
     def attach(self, namespace: str, seq: int, entries: list[Entry]) -> None:
         """Give empty sequence ``seq`` the pages of ``entries`` (by reference; acquired by
         :meth:`lookup`, released when the sequence's holder is done)."""
@@ -304,6 +335,7 @@ class PrefixStore:
                 store.attach_prefix(layer, seq, pages[layer])
 
     @outside_inference_mode
+    @_locked
     def insert(self, namespace: str, seq: int, blocks: list[list[int]], first: int) -> list[Entry]:
         """Index blocks ``first..`` of ``seq`` (its full pages holding ``blocks``' tokens); the
         index takes a reference on their pages. Returns the entries, acquired for the caller.
@@ -382,6 +414,7 @@ class PrefixStore:
             )
         return items[:count]
 
+    @_locked
     def release(self, entries: list[Entry]) -> None:
         """A cache stops using ``entries`` (they may now be evicted)."""
         self.index.release(entries)
@@ -392,6 +425,7 @@ class PrefixStore:
         for layer in range(store.num_layers):
             store.pools[layer].decref(pages[layer])
 
+    @_locked
     def stats(self) -> dict[str, int]:
         """Hits and misses (blocks), evictions, collisions, entries and bytes indexed (after
         releasing what garbage-collected caches held)."""

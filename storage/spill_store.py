@@ -1,7 +1,7 @@
 """Live sequences' pages spilled to the disk tier: sequence-scoped page records, cleaned up.
 
 A :class:`SpillStore` is one *run*: a random 16-byte run id registered in the tier's ``runs``
-database with its process id and start time. Its records live in the ``spill`` database under
+database, alive while it holds the lock of its lock file (:class:`~kvlib.storage.spill_runs.RunLock`). Its records live in the ``spill`` database under
 ``run id + layer (u32) + page id (u64)`` (big endian, so one run's keys are contiguous), one
 :mod:`~kvlib.storage.spilled_page_record` record per page: namespace = run id, one layer and one head,
 the chain key field holding ``layer, page`` (checked on read), the token field the page's
@@ -11,8 +11,19 @@ budget bounds them instead.
 Lifetime: a freed page's record is deleted with it; :meth:`SpillStore.close` (also run when the
 store is garbage collected or the process exits) deletes the run's records and its
 registration; a process killed before that leaves them, and the next :class:`DiskTier` opened
-on the directory deletes them (:func:`~kvlib.storage.spill_runs.sweep_dead_runs`), leaving prefix records and live runs
-alone. Every write is one lmdb transaction, so a killed writer leaves whole records only.
+on the directory deletes them (:func:`~kvlib.storage.spill_runs.sweep_dead_runs`: its lock is
+free), leaving prefix records and live runs alone, in this PID namespace or another. Every write is
+one lmdb transaction, so a killed writer leaves whole records only.
+
+A full disk: a run that cannot be registered, and pages that cannot be written, raise
+:class:`~kvlib.errors.PoolExhaustedError` (the documented error of a tier out of room) with
+nothing written; a delete the disk cannot take leaves the records where they are, counted in
+:attr:`SpillStore.nbytes` still, until the run closes. The store stays consistent: every page
+it holds has its whole record, and ``nbytes`` is never less than what its records take.
+
+Keys: with a keyed tier (:class:`~kvlib.storage.disk_tier.DiskTier` ``key=``) each record is
+followed by a 32-byte keyed BLAKE2b tag over its key and bytes, checked before the record is
+used: a page changed by anyone without the key is a lost page, never wrong output.
 """
 
 from __future__ import annotations
@@ -28,8 +39,8 @@ import torch
 
 from kvlib.devices import byte_rows, host_staging
 from kvlib.errors import PoolExhaustedError
-from kvlib.storage.disk_tier import DiskTier
-from kvlib.storage.spill_runs import RUNS_DB, SPILL_DB, delete_run_records, this_process_entry
+from kvlib.storage.disk_tier import TAG_BYTES, DiskTier
+from kvlib.storage.spill_runs import RUN_ENTRY, RUNS_DB, SPILL_DB, RunLock, delete_run_records
 from kvlib.storage.spilled_page_record import Block, Layout, check_rows, empty_rows, encode, record_size, row_sections
 
 _PAGE_KEY = struct.Struct(">IQ")
@@ -55,9 +66,16 @@ class SpillStore:
         self.nbytes = 0
         """Record bytes this run holds."""
         disk.extend_limit(capacity_bytes)
-        entry = this_process_entry()
-        disk.transact(len(entry), lambda txn: txn.put(self.run, entry, db=self.runs))
-        self._close = weakref.finalize(self, _delete_run, disk, self.spill, self.runs, self.run)
+        try:
+            lock = RunLock(disk.path, self.run)
+        except OSError as error:
+            raise PoolExhaustedError(f"disk tier at {disk.path} cannot hold a spill run's lock file ({error.strerror or error})") from None
+        try:
+            disk.transact(len(RUN_ENTRY), lambda txn: txn.put(self.run, RUN_ENTRY, db=self.runs))
+        except lmdb.Error as error:
+            lock.release()
+            raise PoolExhaustedError(f"disk tier at {disk.path} cannot register a spill run ({type(error).__name__}: {error})") from None
+        self._close = weakref.finalize(self, _delete_run, disk, self.spill, self.runs, self.run, lock)
 
     def layer(self, layer: int, page_size: int, head_dim: int, value_dim: int, dtype: torch.dtype) -> LayerSpill:
         """The spill of one layer's pool (pages of that shape)."""
@@ -107,6 +125,8 @@ class LayerSpill:
             )
             for i, page in enumerate(pages.tolist())
         ]
+        if self.store.disk.tag_key is not None:  # the record, then its keyed tag
+            items = [(key, bytes(record) + self.store.disk.tag(key, [record])) for key, record in items]
         incoming = sum(len(record) for _, record in items)
         if self.store.nbytes + incoming > self.store.capacity_bytes:
             raise PoolExhaustedError(
@@ -146,6 +166,7 @@ class LayerSpill:
         if count == 0:
             return keys, values
         rows, size = empty_rows(layout, count), record_size(layout)
+        disk, tagged = self.store.disk, self.store.disk.tag_key is not None
         page_list = pages.tolist()
         with self.store.disk.resize_lock, self.store.disk.env.begin(db=self.store.spill, buffers=True) as txn:
             if not self.store.disk.intact():
@@ -153,13 +174,16 @@ class LayerSpill:
                     f"spilled pages of layer {self.layer} are lost: {self.store.disk.path / 'data.mdb'} was cut short while open"
                 )
             for i, page in enumerate(page_list):
-                record = txn.get(self._key(page))
-                if record is None or len(record) != size:
+                key = self._key(page)
+                record = txn.get(key)
+                if record is None or len(record) != size + tagged * TAG_BYTES:
                     raise SpilledPageLost(
                         f"spilled page {page} of layer {self.layer} is lost: "
-                        + ("no record" if record is None else f"{len(record)} bytes, not {size}")
+                        + ("no record" if record is None else f"{len(record)} bytes, not {size + tagged * TAG_BYTES}")
                     )
-                rows[i] = record
+                if tagged and not disk.tag_matches(key, [record[:size]], record[size:]):
+                    raise SpilledPageLost(f"spilled page {page} of layer {self.layer} is lost: its tag is not this tier's key's")
+                rows[i] = record[:size]
         chain_keys = np.frombuffer(b"".join(_RECORD_KEY.pack(self.layer, page) for page in page_list), dtype=np.uint8)
         failed = np.flatnonzero(~check_rows(layout, rows, chain_keys.reshape(count, 16)))
         if failed.size:
@@ -183,13 +207,17 @@ class LayerSpill:
                 record = txn.pop(self._key(page), db=self.store.spill)
                 freed += 0 if record is None else len(record)
 
-        self.store.disk.transact(0, remove)
+        try:
+            self.store.disk.transact(0, remove)
+        except lmdb.Error:  # a full disk refuses even a delete: the records stay (and stay counted) until the run closes
+            return
         self.store.nbytes -= freed
 
 
-def _delete_run(disk: DiskTier, spill: lmdb._Database, runs: lmdb._Database, run: bytes) -> None:
+def _delete_run(disk: DiskTier, spill: lmdb._Database, runs: lmdb._Database, run: bytes, lock: RunLock) -> None:
     """Delete run ``run``'s records and registration in one transaction (a closed environment:
-    nothing to do, the next opening sweeps; a lost tier: they went with its file)."""
+    nothing to do, the next opening sweeps; a lost tier: they went with its file), then drop its
+    lock (a run whose deletion failed is swept by the next opening)."""
     try:
         if disk.closed or not disk.intact():
             return
@@ -198,3 +226,5 @@ def _delete_run(disk: DiskTier, spill: lmdb._Database, runs: lmdb._Database, run
             txn.delete(run, db=runs)
     except lmdb.Error:
         pass
+    finally:
+        lock.release()

@@ -28,8 +28,7 @@ import torch
 
 from kvlib.codec import PageCodec
 from kvlib.devices import PagedKernel, paged_kernel
-from kvlib.kernels.coded_page_loaders import open_part
-from kvlib.kernels.paged_attention import PagedLayer, PageSource
+from kvlib.kernels.paged_attention import PagedLayer, coded_source
 from kvlib.storage.coded_pool import CodedPages
 from kvlib.storage.field_rows import FieldRows
 from kvlib.storage.page_format import extend_rows
@@ -204,7 +203,7 @@ class TieredCodedPages(CodedPages):
             key_arena, value_arena, _, sealed_rows = self.tiers.staged_arenas(torch.where(sealed, self.tier_page[ids], -1))
             fields = self.field_rows.views(key_arena, value_arena)
             self.staged_bytes = self.tiers.staged_bytes
-        readers = self.codec.page_readers(fields)
+        readers = self.codec.kernel_readers(fields)
         if readers is None:
             return None
         first_open = next(iter(fields.values())).shape[0]
@@ -218,15 +217,7 @@ class TieredCodedPages(CodedPages):
         raw_row[first_open:] = self.raw_row[opened]
         positions = torch.zeros(count, self.page_size, dtype=torch.int64)
         positions[rows] = self.pool.positions[ids]
-        keys, values = readers
-        source = PageSource(
-            open_part(is_sealed, raw_row, self.keys) + keys.fields,
-            open_part(is_sealed, raw_row, self.values) + values.fields,
-            keys.load,
-            values.load,
-            positions.numpy(),
-            self.value_dim,
-        )
+        source = coded_source(self.keys, self.values, is_sealed, raw_row, positions, *readers)
         table = torch.full_like(pages, -1)
         table[held] = rows
         return PagedLayer(source, table, lengths)

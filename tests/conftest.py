@@ -1,10 +1,12 @@
-"""Fixtures shared by every test package, and the run's guards on the transformers release."""
+"""Fixtures shared by every test package, the run's guards on the transformers release, the CPU
+threads of each pytest-xdist worker, and ``--strict-skips`` (CI's proof that the suite needs
+nothing outside the checkout and its installed dependencies)."""
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 
 import pytest
 import torch
@@ -16,6 +18,7 @@ if (
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from kvlib import registry  # noqa: E402
+from kvlib.devices import set_cpu_threads  # noqa: E402
 
 DEPRECATED_CACHE_NAME = "are deprecated. Use `cache` instead"
 """What transformers 5.24+ logs (once per process, not as a warning) when a call passes a cache
@@ -30,12 +33,60 @@ class _FailOnDeprecatedCacheName(logging.Handler):
             raise AssertionError(f"a call used transformers' deprecated cache name: {record.getMessage()}")
 
 
+MACHINE_SKIP = "needs a CUDA device"
+"""The one reason a test may skip under ``--strict-skips``: the machine has no CUDA device (every
+CUDA-only test says so in these words)."""
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--strict-skips",
+        action="store_true",
+        help=f"fail every test or module that skips for another reason than {MACHINE_SKIP!r}: a missing file, "
+        "model, package or server is a failure (CI runs with it, in a clone with nothing beside it)",
+    )
+
+
 def pytest_report_header(config: pytest.Config) -> str:
     return f"transformers {transformers.__version__}"
 
 
 def pytest_configure(config: pytest.Config) -> None:
     logging.getLogger("transformers").addHandler(_FailOnDeprecatedCacheName())
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:  # a worker's share of the cores: torch's default (one thread per core) would oversubscribe them
+        set_cpu_threads(max(1, torch.get_num_threads() // workers))
+
+
+def _skip_reason(report: pytest.TestReport | pytest.CollectReport) -> str:
+    """Why ``report`` (a skipped one) skipped: pytest keeps ``(path, line, reason)`` or a repr."""
+    longrepr = report.longrepr
+    return longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+
+
+def _fail_a_strict_skip(report: pytest.TestReport | pytest.CollectReport, config: pytest.Config) -> None:
+    """Under ``--strict-skips``, turn a skip for any reason but :data:`MACHINE_SKIP` into a failure
+    naming the reason (an expected failure, ``xfail``, stays as it is)."""
+    if not (report.skipped and config.getoption("strict_skips")) or hasattr(report, "wasxfail"):
+        return
+    reason = _skip_reason(report)
+    if MACHINE_SKIP not in reason:
+        report.outcome = "failed"
+        report.longrepr = f"--strict-skips: skipped for a reason other than {MACHINE_SKIP!r}: {reason}"
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    report = yield
+    _fail_a_strict_skip(report, item.config)
+    return report
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector) -> Generator[None, pytest.CollectReport, pytest.CollectReport]:
+    report = yield
+    _fail_a_strict_skip(report, collector.config)
+    return report
 
 
 @pytest.fixture

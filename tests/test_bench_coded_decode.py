@@ -9,11 +9,9 @@ from pathlib import Path
 import pytest
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_coded_decode.py"
-STORIES = Path(__file__).resolve().parents[1].parent / "shared" / "models" / "stories260K"
 
 
 @pytest.mark.slow  # a benchmark's quick run or a quality comparison: run with -m slow (CI's 15 minutes)
-@pytest.mark.skipif(not (STORIES / "config.json").exists(), reason="stories260K checkpoint not available")
 def test_bench_coded_decode_writes_its_report(tmp_path: Path) -> None:
     spec = importlib.util.spec_from_file_location("bench_coded_decode", BENCH)
     module = importlib.util.module_from_spec(spec)
@@ -28,12 +26,13 @@ def test_bench_coded_decode_writes_its_report(tmp_path: Path) -> None:
     saved = json.loads((tmp_path / "bench_coded_decode.json").read_text())
     assert len(saved["rows"]) == 1
     report = (tmp_path / "bench_coded_decode.md").read_text()
-    assert "| stories (0.3M) | 1 | `kivi(bits=4)` |" in report and str(tmp_path) not in report
+    assert "| default (0.8M) | 1 | `kivi(bits=4)` |" in report and str(tmp_path) not in report
 
 
-def test_a_bad_spec_fails_before_any_model_is_loaded(tmp_path: Path) -> None:
+def test_a_bad_spec_fails_before_any_model_is_loaded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     spec = importlib.util.spec_from_file_location("bench_coded_decode", BENCH)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    monkeypatch.setattr(module, "load_bench_model", lambda name: pytest.fail(f"{name} loaded before the spec was checked"))
     with pytest.raises(ValueError, match="bits must be one of"):
-        module.run(["--quick", "--specs", "kivi(bits=5)", "--stories-path", str(tmp_path / "missing"), "--out", str(tmp_path)])
+        module.run(["--quick", "--specs", "kivi(bits=5)", "--out", str(tmp_path)])

@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_decode_caches.py"
-STORIES = Path(__file__).resolve().parents[1].parent / "shared" / "models" / "stories260K"
 
 
 def load_bench():
@@ -19,7 +18,6 @@ def load_bench():
     return module
 
 
-@pytest.mark.skipif(not (STORIES / "config.json").exists(), reason="stories260K checkpoint not available")
 def test_bench_decode_caches_writes_its_table(tmp_path: Path) -> None:
     result = load_bench().run(["--quick", "--caches", "exact,streaming_llm_int25", "--contexts", "96", "--out", str(tmp_path)])
     [row] = result["rows"]
@@ -29,7 +27,7 @@ def test_bench_decode_caches_writes_its_table(tmp_path: Path) -> None:
     assert exact["peak_workspace_bytes"] == 0  # the prefill attends over its own tensors
     assert len(json.loads((tmp_path / "bench_decode_caches.json").read_text())["rows"]) == 1
     report = (tmp_path / "bench_decode_caches.md").read_text()
-    assert "| stories | 96 | streaming_llm_int25 |" in report and str(tmp_path) not in report
+    assert "| default | 96 | streaming_llm_int25 |" in report and str(tmp_path) not in report
 
 
 def test_an_unknown_cache_is_refused_before_any_model_loads(tmp_path: Path) -> None:

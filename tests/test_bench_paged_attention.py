@@ -18,6 +18,12 @@ def test_bench_paged_attention_writes_its_report(tmp_path: Path) -> None:
     for row in result["rows"]:
         assert all(row[f"{case}_us"] > 0 for case in module.CASES)
         assert row["kv_bytes"] == 2 * row["tokens"] * module.SHAPES[row["model"]][1] * 64 * 4
+    assert [(row["model"], row["tokens"], list(row["us"])) for row in result["coded"]] == [
+        ("smollm2", 64, [module.FP32_PAGES, "kivi(bits=4)"]),
+        ("llama100m", 64, [module.FP32_PAGES, "kivi(bits=4)"]),
+    ]
+    assert all(len(row["vs_fp32_pages"]["kivi(bits=4)"]) == 2 for row in result["coded"])
     saved = json.loads((tmp_path / "bench_paged_attention.json").read_text())
     assert saved["rows"] == result["rows"]
-    assert "| smollm2 | 1 | 64 |" in (tmp_path / "bench_paged_attention.md").read_text()
+    report = (tmp_path / "bench_paged_attention.md").read_text()
+    assert "| smollm2 | 1 | 64 |" in report and "| smollm2 | 1 | 64 | `kivi(bits=4)` |" in report

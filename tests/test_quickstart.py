@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib.util
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -54,3 +56,28 @@ def test_an_existing_environment_with_a_matching_stamp_is_reused(tmp_path, monke
     (tmp_path / "env" / "kvlib-setup.stamp").write_text(quickstart._stamp("torch==2.13.0", ""))
     monkeypatch.setattr(quickstart, "_run", lambda command: pytest.fail(f"set-up ran {command}"))
     assert quickstart.ensure_environment().parent.parent == tmp_path / "env"
+
+
+def test_the_suite_runs_on_every_core_unless_the_caller_chooses() -> None:
+    quickstart = load_quickstart()
+    assert quickstart.pytest_arguments([], cores=2) == ["-n", "2"]
+    assert quickstart.pytest_arguments(["-m", "smoke", "-x"], cores=16) == ["-n", "16", "-m", "smoke", "-x"]
+    assert quickstart.pytest_arguments(["-m", "smoke"], cores=1) == ["-m", "smoke"]  # one core: no workers to start
+    for own in (["-n", "0"], ["-n4"], ["-nauto"], ["--numprocesses", "3"], ["--numprocesses=3"], ["-p", "no:xdist"], ["-pno:xdist"]):
+        assert quickstart.pytest_arguments([*own, "-x"], cores=2) == [*own, "-x"]
+    assert quickstart.pytest_arguments(["-p", "no:cacheprovider"], cores=2) == ["-n", "2", "-p", "no:cacheprovider"]
+
+
+def test_the_test_command_passes_the_workers_to_pytest(monkeypatch) -> None:
+    quickstart = load_quickstart()
+    monkeypatch.setattr(quickstart, "ensure_environment", lambda: Path("/venv/bin/python"))
+    monkeypatch.setattr(quickstart, "usable_cores", lambda: 2)
+    ran = []
+    monkeypatch.setattr(quickstart.subprocess, "run", lambda command, cwd: ran.append(command) or subprocess.CompletedProcess(command, 3))
+    assert quickstart.main(["test", "-m", "smoke"]) == 3  # pytest's exit status
+    assert ran == [["/venv/bin/python", "-m", "pytest", "-n", "2", "-m", "smoke"]]
+
+
+def test_usable_cores_are_the_cores_this_process_may_run_on() -> None:
+    expected = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    assert load_quickstart().usable_cores() == expected >= 1

@@ -6,13 +6,9 @@ import importlib.util
 import json
 from pathlib import Path
 
-import pytest
-
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-STORIES = Path(__file__).resolve().parents[1].parent / "shared" / "models" / "stories260K"
 
 
-@pytest.mark.skipif(not (STORIES / "config.json").exists(), reason="stories260K checkpoint not available")
 def test_reuse_bench_quick_reports_ttft_index_cost_and_memory(tmp_path: Path) -> None:
     spec = importlib.util.spec_from_file_location("reuse_bench", BENCHMARKS / "reuse_bench.py")
     module = importlib.util.module_from_spec(spec)

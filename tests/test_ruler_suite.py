@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvlib.eval.case_scores import case_scores
-from kvlib.eval.compare_units import CompareRun
+from kvlib.eval.compare_units import CompareRun, DecodeSpeed
 from kvlib.eval.report import runs_from_json
 from kvlib.eval.significance import parse_baseline
 from kvlib.eval.task import TaskResult
@@ -32,7 +32,7 @@ OPTIONS = {
 
 
 def made_run(policy: str, budget: float | None, score: float, error: str | None = None) -> CompareRun:
-    run = CompareRun(policy, budget, decode_tokens_per_s=12.5, error=error)
+    run = CompareRun(policy, budget, speed=DecodeSpeed((12.5,)), error=error)
     run.kv_bytes, run.full_bytes = 250, 1000
     if error is None:
         run.results["niah_single"] = TaskResult("niah_single", "string_match_all", score, True, 25, 100, {"per_sample": [score]}, 1)
@@ -57,11 +57,18 @@ def test_recorded_runs_read_back_whole_and_render(tmp_path: Path) -> None:
     assert back[1].error == "ValueError: bad" and not back[1].results
     table = (tmp_path / "ruler_suite.md").read_text()
     # recorded without per-case scores: no interval, no test
-    assert "| snapkv | 0.25 | 1.00 (no interval) | 0.50 (no interval) | 0.75 (no interval) | 0.250 | 12.50 | 40 | 1.5 |" in table
+    # and its speed before rounds were kept: one figure, no ratio, no first call
+    assert (
+        "| snapkv | 0.25 | 1.00 (no interval) | 0.50 (no interval) | 0.75 (no interval) | 0.250 | 12.50 (1 run) | - | - | 40 | 1.5 |"
+        in table
+    )
     assert "- h2o @ 0.1: ValueError: bad" in table
     assert "| policy | mean @ 0.1 | mean @ 0.25 | bytes @ 0.1 | bytes @ 0.25 | tok/s @ 0.1 | tok/s @ 0.25 |" in table
-    assert "| full | 0.75 (no interval) | 0.75 (no interval) | 0.250 | 0.250 | 12.50 | 12.50 |" in table  # the reference in every column
-    assert "| snapkv | - | 0.75 (no interval) | - | 0.250 | - | 12.50 |" in table and "| h2o |" not in table.split("Each configuration")[0]
+    assert "| full | 0.75 (no interval) | 0.75 (no interval) | 0.250 | 0.250 | 12.50 (1 run) | 12.50 (1 run) |" in table  # in every column
+    assert (
+        "| snapkv | - | 0.75 (no interval) | - | 0.250 | - | 12.50 (1 run) |" in table
+        and "| h2o |" not in table.split("Each configuration")[0]
+    )
 
 
 def test_runs_made_with_other_options_are_refused(tmp_path: Path) -> None:
@@ -98,21 +105,30 @@ def test_a_profile_in_kvlib_s_cache_is_named_by_its_place_there(tmp_path: Path, 
     assert ruler_suite.load_runs(tmp_path / "ruler_suite.json", OPTIONS)[0].policy == spec  # the record keeps the real path
 
 
-def test_a_recorded_configuration_s_speed_is_measured_again_on_the_embedded_model() -> None:
-    from kvlib.eval import load_model
-    from kvlib.eval.compare_units import speed_prompt
-
-    loaded = load_model()
-    run = made_run("streaming_llm", 0.5, 1.0)
-    meta = {"load": {"streaming_llm @ 0.5": 25.0}}
-    ruler_suite.measure_speed_again(loaded, run, speed_prompt(loaded, 256, 4), 4, meta)
-    assert run.decode_tokens_per_s != 12.5 and run.decode_tokens_per_s > 0
-    assert run.full_bytes > 0 and 0.4 <= run.kv_fraction <= 0.6  # half the tokens, up to page rounding
-    assert run.results["niah_single"].score == 1.0 and meta["load"]["streaming_llm @ 0.5"] != 25.0
+def test_recorded_configurations_speeds_are_measured_again_with_the_full_cache_s(tmp_path: Path) -> None:
+    """--speed-only: the chosen configurations and the full cache, warmed up and timed in interleaved
+    rounds; their speeds, ratios, bytes and loads replaced, their scores and the others' speeds kept."""
+    common = ["--model", "default", "--budgets", "0.5", "--context", "768", "--samples", "1", "--speed-steps", "4", "--threads", "1"]
+    runs = [made_run("full", None, 1.0), made_run("streaming_llm", 0.5, 1.0), made_run("snapkv", 0.5, 1.0)]
+    meta = {"options": {**OPTIONS, "model": "default", "context": 768, "speed_steps": 4, "tasks": "niah_single,vt"}}
+    ruler_suite.write(tmp_path, runs, {**meta, "command": "python x.py", "git": "abc", "seconds": {}, "load": {"full": 25.0}})
+    argv = [*common, "--policies", "streaming_llm", "--tasks", "niah_single", "--speed-only", "--speed-rounds", "2", "--out", str(tmp_path)]
+    assert ruler_suite.main(argv) == 0
+    back = {run.policy: run for run in ruler_suite.load_runs(tmp_path / "ruler_suite.json", meta["options"])}
+    for policy in ("full", "streaming_llm"):
+        speed = back[policy].speed
+        assert len(speed.tokens_per_s) == 2 and len(speed.vs_full) == 2 and speed.first_call_s is not None
+        assert back[policy].results["niah_single"].score == 1.0 and back[policy].full_bytes > 0
+    assert back["full"].speed.vs_full == (1.0, 1.0) and 0.4 <= back["streaming_llm"].kv_fraction <= 0.6  # half, up to page rounding
+    assert back["snapkv"].speed == DecodeSpeed((12.5,)) and back["snapkv"].kv_fraction == 0.25  # not chosen: kept
+    record = json.loads((tmp_path / "ruler_suite.json").read_text())
+    assert record["command"] == "python x.py" and record["load"]["full"] != 25.0 and "snapkv @ 0.5" not in record["load"]
+    assert record["speed_runs"][0]["command"].startswith("python benchmarks/ruler_suite.py") and record["speed_runs"][0]["rounds"] == 2
+    assert "decode speeds measured again by `python benchmarks/ruler_suite.py" in (tmp_path / "ruler_suite.md").read_text()
 
 
 def scored_run(policy: str, budget: float | None, passed: list[int]) -> CompareRun:
-    run = CompareRun(policy, budget, decode_tokens_per_s=12.5)
+    run = CompareRun(policy, budget, speed=DecodeSpeed((12.5,)))
     run.kv_bytes, run.full_bytes = 250, 1000
     for task in ("niah_single", "vt"):
         cases = case_scores(passed, "pass_fail", [(task, i) for i in range(len(passed))])
@@ -244,4 +260,4 @@ def test_a_passed_task_some_configuration_lacks_waits_outside_the_means(tmp_path
         "Mean score over niah_single at each budget" in table
         and "not yet run by every configuration, so out of the means for now: vt" in table
     )
-    assert "| snapkv | 0.50 [0.20, 0.80] * | 0.250 | 12.50 |" in table  # the mean: niah_single alone, bootstrapped
+    assert "| snapkv | 0.50 [0.20, 0.80] * | 0.250 | 12.50 (1 run) |" in table  # the mean: niah_single alone, bootstrapped

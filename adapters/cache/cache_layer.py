@@ -19,6 +19,7 @@ import dataclasses
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
+from kvlib.adapters.cache.compiled_calls import traced_update
 from kvlib.adapters.cache.layer_sealing import layers_to_seal, seal
 from kvlib.adapters.cache.layer_tiering import arrange, rank_pages
 from kvlib.adapters.cache.paged_decode import attention_over_pages, planned_attention
@@ -28,7 +29,7 @@ from kvlib.adapters.cache.sparse_decode import sparse_decode_attention
 from kvlib.adapters.runtime import layer_step
 from kvlib.adapters.runtime.after_attention import evict, following, make_ring_room
 from kvlib.adapters.runtime.compressor import PlannedWork
-from kvlib.adapters.runtime.layer_step import AttentionCall, LayerStep
+from kvlib.adapters.runtime.layer_step import AttentionCall, LayerStep, ReturnedTokens
 from kvlib.adapters.runtime.masks import physical_mask, real_new_tokens
 from kvlib.adapters.runtime.needs import AttentionInputs
 from kvlib.adapters.runtime.slot_order import ascending
@@ -57,7 +58,6 @@ class KVCacheLayer(CacheLayerMixin):
     until its attention's after-attention work ran."""
 
     is_sliding = False
-    is_compileable = False
 
     def __init__(self, cache: SharedState, layer_idx: int, module_layer: int | None) -> None:
         self.keys = self.values = None
@@ -71,10 +71,19 @@ class KVCacheLayer(CacheLayerMixin):
         self.pending: LayerStep | None = None
         self.hidden_states: torch.Tensor | None = None
         self.recorder: PrefillRecorder | None = None  # a shared prefill's source records its after-attention inputs
+        self.checked = False
+        """Whether a call of this layer was checked against what the model's attention is handed
+        (:meth:`_check_call`); until then its calls return every stored token."""
 
     @property
     def is_initialized(self) -> bool:
         return bool(self.cache.rows)
+
+    @property
+    def is_compileable(self) -> bool:
+        """The cache's ``compileable`` (inside a compiled forward, a layer call is two operators:
+        :mod:`~kvlib.adapters.cache.compiled_calls`; this says whether ``generate`` compiles by itself)."""
+        return self.cache.compileable
 
     @property
     def is_croppable(self) -> bool:
@@ -95,7 +104,22 @@ class KVCacheLayer(CacheLayerMixin):
         rows started) and publish the step for this call's attention (in ``kwargs``, the layer
         call's attention keyword arguments, when given: transformers 5.24+). Returns what
         attention runs over: the layer's stored tokens (dense), or just the new ones where
-        attention needs no dense read of the layer (:meth:`_new_tokens_step`)."""
+        attention needs no dense read of the layer (:meth:`_new_tokens_step`). Inside a forward
+        being compiled, the work is one operator (:mod:`~kvlib.adapters.cache.compiled_calls`)."""
+        if torch.compiler.is_compiling():
+            return traced_update(
+                self.cache, self.layer_idx, key_states, value_states, self.cache.shape.layer_value_dims[self.layer_idx], kwargs
+            )
+        step = self.store_call(key_states, value_states)
+        self.pending = step
+        layer_step.publish(step, kwargs)
+        if step.complete:
+            layer_step.remember_returned(step)
+        return step.read.keys, step.read.values
+
+    def store_call(self, key_states: torch.Tensor, value_states: torch.Tensor) -> LayerStep:
+        """:meth:`update`'s work: store the call's keys and values; returns the step for the
+        call's attention (not published)."""
         cache = self.cache
         offset, tokens = self.seen, key_states.shape[2]
         if self.layer_idx == 0:
@@ -104,34 +128,31 @@ class KVCacheLayer(CacheLayerMixin):
             cache.prepared = False
         plan = cache.plan
         if plan is not None and plan.tokens == tokens:  # a decode step planned for every layer: one write, attention over the pages
-            if cache.kv_layers[self.layer_idx - 1].pending is not None:
-                raise RuntimeError(NOT_THROUGH_KVLIB.format(layer=self.layer_idx - 1))
+            previous = cache.kv_layers[self.layer_idx - 1]
+            if previous.pending is not None:
+                raise RuntimeError(NOT_THROUGH_KVLIB.format(layer=previous.layer_idx))
             plan.pools[self.layer_idx].write_planned(plan, self.layer_idx, key_states, value_states)
             self.seen += tokens
             self.identity = self.identity and isinstance(plan.stored, int)  # a ring reuses slots
             new_tokens = LayerRead(key_states, value_states, None, None)
-            self._publish(LayerStep(self, self.layer_idx, new_tokens, offset, tokens, self.identity, plan=plan), kwargs)
-            return key_states, value_states
+            return LayerStep(self, self.layer_idx, new_tokens, offset, tokens, self.identity, plan=plan)
         cache.start_call(self.layer_idx, key_states)
         store = cache.store
         if cache.recompute is not None:
-            return self._overwrite(key_states, value_states, kwargs)
+            return self._overwrite(key_states, value_states)
         first_tokens = self._holds_nothing(key_states)
         if not first_tokens:
             self._ring_room(tokens)
         store.append(self.layer_idx, cache.rows, key_states, value_states)
         self.seen += tokens
         tiering = cache.tiering
-        if tiering is not None and tiering.retrieves_pages and tiering.sparse(self.layer_idx, tokens):
-            step = self._new_tokens_step(key_states, value_states, offset, sparse=True)
-        elif first_tokens:  # the layer holds exactly this call's tokens: attention runs over them as given
-            step = self._new_tokens_step(key_states, value_states, offset, identity=self.identity)
-        elif (paged := self._paged_layer(tokens)) is not None:
-            step = self._new_tokens_step(key_states, value_states, offset, paged=paged)
-        else:
-            step = LayerStep(self, self.layer_idx, store.read(self.layer_idx, cache.rows), offset, tokens, self.identity)
-        self._publish(step, kwargs)
-        return step.read.keys, step.read.values
+        if tiering is not None and tiering.retrieves_pages and self.returns_new_tokens and tiering.sparse(self.layer_idx, tokens):
+            return self._new_tokens_step(key_states, value_states, offset, sparse=True)
+        if first_tokens:  # the layer holds exactly this call's tokens: attention runs over them as given
+            return self._new_tokens_step(key_states, value_states, offset, identity=self.identity)
+        if (paged := self._paged_layer(tokens)) is not None:
+            return self._new_tokens_step(key_states, value_states, offset, paged=paged)
+        return LayerStep(self, self.layer_idx, store.read(self.layer_idx, cache.rows), offset, tokens, self.identity)
 
     def _ring_room(self, tokens: int) -> None:
         """Under a held cap kept as a ring, make room for a decode call's ``tokens`` before they are
@@ -141,10 +162,6 @@ class KVCacheLayer(CacheLayerMixin):
         if cache.compressor is not None and tokens <= PAGED_QUERY_TOKENS:
             if make_ring_room(cache.compressor, cache.store, self.layer_idx, cache.rows, tokens, reuse_slots=cache.reuse_slots):
                 self.identity = False
-
-    def _publish(self, step: LayerStep, attention_kwargs: dict | None) -> None:
-        self.pending = step
-        layer_step.publish(step, attention_kwargs)
 
     def _new_tokens_step(
         self,
@@ -184,20 +201,21 @@ class KVCacheLayer(CacheLayerMixin):
         eviction the compressor then reads what it needs itself, see :meth:`_stored_layer`), no
         read mirror asked for, a device the kernel runs on and a pool that gives its pages; else None."""
         store = self.cache.store
-        if self.cache.read_cache or query_length > PAGED_QUERY_TOKENS or not reads_pages_in_place(store.device):
+        if (
+            not self.returns_new_tokens
+            or self.cache.read_cache
+            or query_length > PAGED_QUERY_TOKENS
+            or not reads_pages_in_place(store.device)
+        ):
             return None
         return store.paged_layer(self.layer_idx, self.cache.rows)
 
-    def _overwrite(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, attention_kwargs: dict | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`update` inside :meth:`KVCache.recomputing`: the call's tokens are stored ones, rewritten."""
+    def _overwrite(self, key_states: torch.Tensor, value_states: torch.Tensor) -> LayerStep:
+        """:meth:`store_call` inside :meth:`KVCache.recomputing`: the call's tokens are stored ones, rewritten."""
         store, rows, positions = self.cache.store, self.cache.rows, self.cache.recompute
         store.overwrite(self.layer_idx, rows, positions, key_states, value_states)
         read = store.read(self.layer_idx, rows)
-        step = LayerStep(self, self.layer_idx, read, self.seen, key_states.shape[2], False, positions.to(read.positions.device))
-        self._publish(step, attention_kwargs)
-        return read.keys, read.values
+        return LayerStep(self, self.layer_idx, read, self.seen, key_states.shape[2], False, positions.to(read.positions.device))
 
     def load(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Append precomputed ``keys`` and ``values`` (``[batch, kv_heads, tokens, dim]``) as the
@@ -211,7 +229,12 @@ class KVCacheLayer(CacheLayerMixin):
         """The attention of ``call`` over ``step``'s tokens, then :meth:`after_attention`: over the
         pages the query chooses (a sparse step), straight over the layer's pages (a paged step,
         with SDPA and plain attention; else over a transient dense read), or over the step's
-        dense read, the model's mask moved onto the stored slots once tokens were dropped."""
+        dense read, the model's mask moved onto the stored slots once tokens were dropped.
+
+        The step is first checked against what the model hands attention (:meth:`_check_call`):
+        the keys and values ``update`` returned, and a mask over logical positions."""
+        step.attended = True
+        self._check_call(step, call)
         if step.sparse:
             return sparse_decode_attention(call, step)
         key, value = call.key, call.value
@@ -229,6 +252,54 @@ class KVCacheLayer(CacheLayerMixin):
         real_new = real_new_tokens(call.attention_mask, step) if step.query_positions is None else None
         step.after_attention(query=call.query, mask=mask, weights=weights, real_new=real_new, scaling=call.kwargs.get("scaling"))
         return output, weights
+
+    def attend_returned(self, returned: ReturnedTokens, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Attention of a call over keys and values this layer returned, other than the layer
+        call's own (whose after-attention work already ran or is this call's to skip): a second
+        call of the same layer (DiffLlama), or a layer sharing this one's (Gemma 3n). Over the
+        tokens the call is handed, the model's mask moved onto their slots."""
+        if self.module_layer != getattr(call.module, "layer_idx", self.module_layer):
+            self.cache.serve_densely("shares one layer's keys and values with other layers", returned.complete, shapes_kept=True)
+        elif not returned.complete:
+            raise RuntimeError(
+                f"layer {self.layer_idx}'s attention ran twice over keys and values kvlib returned as the new tokens only;"
+                " this model's attention must be checked at its first call (a prefill) with this cache"
+            )
+        mask = call.attention_mask
+        if not returned.identity:
+            read = LayerRead(call.key, call.value, returned.positions, returned.valid)
+            step = LayerStep(None, self.layer_idx, read, returned.query_offset, returned.query_length, False)
+            mask = physical_mask(mask, step, call.query.shape[1], call.float_mask_dtype)
+        return call.run_inner(call.key, call.value, mask)
+
+    def _check_call(self, step: LayerStep, call: AttentionCall) -> None:
+        """Whether the model attends over exactly what ``update`` returned (the same key and
+        value tensors, and a mask over logical positions that transformers' mask functions
+        built, one row for every head); where it does more with them (JetMoE repeats them,
+        DiffLlama splits the values, Doge builds a mask from them), the cache returns every
+        stored token from then on (:meth:`KVCache.serve_densely`), or refuses what it cannot
+        serve exactly. A layer is checked at its first call, whose step returns every token
+        (:attr:`returns_new_tokens`)."""
+        reason = None
+        if call.key is not step.read.keys or call.value is not step.read.values:
+            reason = "changes the keys or values the cache returns before attending over them"
+        elif call.attention_mask is not None and call.attention_mask.dim() == 4 and call.attention_mask.shape[1] > 1:
+            reason = "builds an attention mask of its own (one per head) from what the cache returns"
+        if reason is not None:
+            same_slots = (
+                reason.startswith("changes")
+                and call.key.shape[:3] == step.read.keys.shape[:3]
+                and call.value.shape[:3] == step.read.values.shape[:3]
+            )
+            self.cache.serve_densely(reason, step.complete, shapes_kept=same_slots)
+        self.checked = True
+
+    @property
+    def returns_new_tokens(self) -> bool:
+        """Whether a call may attend straight over the pages, ``update`` returning just its new
+        tokens: once the layer's first call was checked (:meth:`_check_call`) and the model does
+        nothing else with what the cache returns."""
+        return self.checked and self.cache.dense_returns is None
 
     def dense_step(self, step: LayerStep) -> LayerStep:
         """``step`` with the layer read back in dense form, for an attention function that

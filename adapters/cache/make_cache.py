@@ -10,7 +10,7 @@ from kvlib.adapters.runtime.make_compressor import check_budget, eviction_compre
 from kvlib.codec import Codec, layer_shapes
 from kvlib.devices import check_fits
 from kvlib.limits import MAX_PAGE_SIZE, check_page_size, check_request_tokens
-from kvlib.model_shape import KV_LAYER_TYPES, STATE_LAYER_TYPES, KVShape, kv_shape, model_context
+from kvlib.model_shape import KV_LAYER_TYPES, STATE_LAYER_TYPES, KVShape, kv_shape, model_context, shares_kv_across_layers
 from kvlib.spec import Spec, SpecLike, parse_spec
 from kvlib.storage.prefix_store import PrefixStore
 from kvlib.storage.store_config import DEFAULT_PAGES_PER_LAYER, initial_arena_bytes
@@ -24,6 +24,8 @@ CACHE_OPTIONS = {
     " 0 for a strategy kept as a ring; slack=0 holds a scoring strategy's cap to the token, compacting at every step)",
     "interval": "with an int budget, decode steps compact only every this many steps (int >= 1, default 1)",
     "merge": "fold each evicted value into the most similar kept token instead of dropping it (bool, default False)",
+    "compileable": "report is_compileable, so that generate compiles its decode steps itself (bool, default False: see"
+    " docs/cache.md, torch.compile)",
 }
 """Keyword options of :func:`make_cache` and what each one takes."""
 
@@ -97,7 +99,7 @@ def make_cache(
         _check_dense(model, shape, parsed, reuse)
     budget = check_budget(budget, parsed)
     codec = _codec(parsed)
-    page_size, read_cache, slack, interval, merge = _options(options)
+    page_size, read_cache, slack, interval, merge, compileable = _options(options)
     parameter = next(model.parameters(), None)
     home = (parameter.dtype, parameter.device) if parameter is not None else (torch.float32, torch.device("cpu"))
     shapes = layer_shapes(shape.num_layers, shape.layer_kv_heads, shape.layer_head_dims, shape.layer_value_dims, page_size, *home)
@@ -126,8 +128,11 @@ def make_cache(
         spec="" if not parsed.strategies() else str(parsed),
         home=home,
         tiering=parsed.tiering,
+        compileable=compileable,
         dense=dense,
     )
+    if shares_kv_across_layers(model):  # the sharing layers attend over what their source layer's update returns
+        cache.serve_densely("shares one layer's keys and values with other layers", True, shapes_kept=True)
     if prompt is not None:
         cache.prime(prompt, attention_mask)
     return cache
@@ -230,7 +235,7 @@ def _check_first_arenas(shape: KVShape, page_size: int, home: tuple[torch.dtype,
     check_fits(f"make_cache(page_size={page_size}) for {layers} layers", nbytes, device)
 
 
-def _options(options: dict[str, object]) -> tuple[int, bool | None, int | None, int, bool]:
+def _options(options: dict[str, object]) -> tuple[int, bool | None, int | None, int, bool, bool]:
     unknown = sorted(set(options) - set(CACHE_OPTIONS))
     if unknown:
         valid = "; ".join(f"{name}: {what}" for name, what in CACHE_OPTIONS.items())
@@ -248,4 +253,7 @@ def _options(options: dict[str, object]) -> tuple[int, bool | None, int | None, 
     merge = options.get("merge", False)
     if not isinstance(merge, bool):
         raise ValueError(f"merge must be a bool, got {merge!r}")
-    return page_size, read_cache, slack, interval, merge
+    compileable = options.get("compileable", False)
+    if not isinstance(compileable, bool):
+        raise ValueError(f"compileable must be a bool, got {compileable!r}")
+    return page_size, read_cache, slack, interval, merge, compileable

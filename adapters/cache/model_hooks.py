@@ -32,7 +32,9 @@ def attach(model: PreTrainedModel, *, hidden_states: bool = False, route: bool =
     take the change (its attention does not go through ``AttentionInterface``).
 
     Hooks added to this model only: a forward pre-hook that makes a :class:`KVCache` refuse a
-    batch of another size before any work and plan a decode step for every layer before the
+    second thread and a batch of another size before any work (holding its PrefixStore's lock,
+    if it lives in one, until a forward hook that runs however the call ends:
+    :meth:`KVCache.enter_call`) and plan a decode step for every layer before the
     forward runs (:meth:`KVCache.prepare_step`), and, with ``hidden_states`` (a cache whose
     strategy needs them; once added they stay), pre-hooks on the attention modules that hand
     their input to such a cache.
@@ -41,6 +43,7 @@ def attach(model: PreTrainedModel, *, hidden_states: bool = False, route: bool =
         route_attention(model)
     if model not in _hooked_models:
         model.register_forward_pre_hook(_prepare_cache, with_kwargs=True)
+        model.register_forward_hook(_finish_call, with_kwargs=True, always_call=True)
         _hooked_models.add(model)
     if hidden_states and model not in _recording_models:
         for module in model.modules():
@@ -54,13 +57,22 @@ def _prepare_cache(model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
     """Forward pre-hook on an attached model: a KVCache refuses another batch size before any work,
     then plans the call if it is a decode step (:meth:`KVCache.prepare_step`), outside the forward."""
     cache = passed_cache(kwargs)
-    if isinstance(cache, KVCache):
+    if isinstance(cache, KVCache) and not torch.compiler.is_compiling():  # traced: each operator does this (compiled_calls)
+        cache.enter_call()
         inputs = kwargs.get("input_ids", args[0] if args else None)
         if inputs is None:
             inputs = kwargs.get("inputs_embeds")
         if inputs is not None:
             cache.check_batch(inputs.shape[0])
             cache.prepare_step(inputs.shape[1], kwargs.get("attention_mask"))
+
+
+def _finish_call(model: torch.nn.Module, args: tuple, kwargs: dict, output: object) -> None:
+    """Forward hook on an attached model, run however the call ends: the call :func:`_prepare_cache`
+    started is over (:meth:`KVCache.leave_call`)."""
+    cache = passed_cache(kwargs)
+    if isinstance(cache, KVCache) and not torch.compiler.is_compiling():
+        cache.leave_call()
 
 
 def _record_hidden_states(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:

@@ -18,6 +18,7 @@ from kvlib.adapters.cache.shared_state import SharedState
 from kvlib.adapters.runtime.compressor import PlannedWork
 from kvlib.adapters.runtime.layer_step import AttentionCall, LayerStep
 from kvlib.adapters.runtime.masks import allowed, real_new_tokens
+from kvlib.devices import host_readable
 
 
 def attention_over_pages(
@@ -39,20 +40,22 @@ def attention_over_pages(
 
 def planned_attention(cache: SharedState, step: LayerStep, call: AttentionCall) -> tuple[torch.Tensor, None]:
     """A planned step's attention straight over the layer's pages (the store's paged kernel
-    through the plan), with the attention each stored token received where the compressor adds
-    it up (:attr:`PlannedWork.ACCUMULATE`), then the step's after-attention work; the real new
-    tokens are found once per step, at layer 0 (``cache.step_real_new``)."""
+    through the plan), the attention each stored token received added by the kernel itself into
+    the compressor's accumulated attention where it adds it up (:attr:`PlannedWork.ACCUMULATE`:
+    no operator of its own), then the step's after-attention work; the real new tokens are found
+    once per step, at layer 0 (``cache.step_real_new``)."""
     layer_idx, query, mask, plan = step.layer_idx, call.query, call.attention_mask, step.plan
     scale = call.kwargs.get("scaling") or query.shape[-1] ** -0.5
     received = None
     if cache.plan_work and cache.plan_work[layer_idx] is PlannedWork.ACCUMULATE:
         slots = int(cache.store.tables[layer_idx].lengths_np[plan.rows_np].max())
-        received = torch.zeros(*plan.lengths.shape[1:], slots, dtype=torch.float32, device=plan.lengths.device)
+        received = cache.compressor.received_state(layer_idx, *plan.lengths.shape[1:], slots, plan.lengths.device)
     output = plan.pools[layer_idx].attend_planned(plan, layer_idx, query, mask, scale, received=received)
-    if received is not None:
-        cache.compressor.accumulate_received(layer_idx, received)
     if layer_idx == 0 and not cache.plan_known_real:
         real_new = real_new_tokens(mask, step)
-        cache.step_real_new = None if real_new is None or bool(real_new.all()) else real_new
+        if real_new is not None and not host_readable(real_new):  # counted on the device, not looked at: no sync
+            cache.padding += (~real_new).sum(-1)
+        elif real_new is not None and not bool(real_new.all()):
+            cache.step_real_new = real_new
     step.after_attention(query=query, mask=mask, weights=None, real_new=cache.step_real_new, scaling=scale)
     return output, None

@@ -49,6 +49,8 @@ class SharedState(Protocol):
     recompute: torch.Tensor | None
     read_cache: bool
     reuse_slots: bool
+    compileable: bool
+    dense_returns: str | None
     kv_layers: list[PendingLayer]
     plan: StepPlan | None
     plan_known_real: bool
@@ -65,3 +67,5 @@ class SharedState(Protocol):
     def measures_layout(self) -> bool: ...
 
     def measure_layout(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None: ...
+
+    def serve_densely(self, reason: str, complete: bool, *, shapes_kept: bool) -> None: ...

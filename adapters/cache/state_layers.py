@@ -111,7 +111,9 @@ def select_state_rows(layer: UnpagedState, index: torch.Tensor) -> None:
 def state_bytes(layers: list[UnpagedState]) -> int:
     """Bytes the states of ``layers`` hold."""
     tensors = [state for layer in layers for states in _state_dicts(layer) for state in states.values()]
-    tensors += [held for layer in layers if isinstance(layer, IndexedKVCacheLayer) for held in (layer.indexer_keys, layer.indexer_position_ids)]
+    tensors += [
+        held for layer in layers if isinstance(layer, IndexedKVCacheLayer) for held in (layer.indexer_keys, layer.indexer_position_ids)
+    ]
     return sum(tensor.numel() * tensor.element_size() for tensor in tensors if isinstance(tensor, torch.Tensor))
 
 

@@ -11,8 +11,9 @@ idle layer's update and attention keep no books of their own.
 
 No plan (the step goes layer by layer): more than
 :data:`~kvlib.adapters.cache.cache_layer.PAGED_QUERY_TOKENS` new tokens, a model attending over
-dense reads (:mod:`~kvlib.adapters.cache.dense_layer`), a layer holding nothing
-yet, padding among the new tokens, a read mirror, a device whose attention cannot read pages in
+dense reads outside kvlib (:mod:`~kvlib.adapters.cache.dense_layer`), a layer holding nothing
+yet, a layer whose ``update`` must return every stored token (not checked yet, or a model that
+does more with them than attend: :attr:`KVCacheLayer.returns_new_tokens`), padding among the new tokens, a read mirror, a device whose attention cannot read pages in
 place, tiering, a selective recompute, a held cap compacted at every step (no slack, not a ring),
 or a store with no plan for these rows.
 
@@ -31,16 +32,18 @@ import torch
 
 from kvlib.adapters.cache.cache_layer import PAGED_QUERY_TOKENS
 from kvlib.adapters.runtime.compressor import PlannedWork
-from kvlib.devices import reads_pages_in_place
+from kvlib.adapters.runtime.masks import allowed
+from kvlib.devices import host_readable, reads_pages_in_place
 
 if TYPE_CHECKING:
     from kvlib.adapters.cache.transformers_cache import KVCache
 
 
-def plan_decode_step(cache: KVCache, tokens: int, attention_mask: torch.Tensor | None, mask_known: bool) -> None:
+def plan_decode_step(cache: KVCache, tokens: int, attention_mask: torch.Tensor | dict | None, mask_known: bool) -> None:
     """Plan ``cache``'s coming call of ``tokens`` new tokens per row (see the module docstring);
-    ``attention_mask``: the call's mask (2-D, or None: no padding); ``mask_known`` False: whether
-    the new tokens are real is read later, from the mask layer 0's attention gets."""
+    ``attention_mask``: the call's mask (see :func:`_new_tokens_real`), or None: no padding;
+    ``mask_known`` False: whether the new tokens are real is read later, from the mask layer 0's
+    attention gets."""
     cache.plan, cache.plan_idle, cache.plan_work, cache.step_real_new = None, (), (), None
     cache.prepared = True
     first = cache.kv_layers[0].seen
@@ -53,13 +56,16 @@ def plan_decode_step(cache: KVCache, tokens: int, attention_mask: torch.Tensor |
         or cache.recompute is not None
         or not cache.rows
         or not reads_pages_in_place(cache.store.device)
-        or any(layer.seen != first for layer in cache.kv_layers)
+        or any(layer.seen != first or not layer.returns_new_tokens for layer in cache.kv_layers)
     ):
         return
-    if attention_mask is not None and (attention_mask.dim() != 2 or not bool(attention_mask[:, -tokens:].all())):
-        if attention_mask.dim() == 2:
+    padding = None
+    if attention_mask is not None:
+        real = _new_tokens_real(attention_mask, tokens, first)
+        if real is False:
             return  # padding among the new tokens: the general path drops it
-        mask_known = False
+        padding = None if real is True else real
+        mask_known = True
     ring = None
     if cache.compressor is not None:
         ring = cache.compressor.ring(len(cache.rows), cache.shape.layer_kv_heads[0]) if cache.reuse_slots else None
@@ -69,8 +75,28 @@ def plan_decode_step(cache: KVCache, tokens: int, attention_mask: torch.Tensor |
     if plan is None:
         return
     cache.plan, cache.plan_known_real = plan, mask_known
+    if padding is not None:
+        cache.padding += padding
     cache.plan_work = tuple(_work_after(cache, layer, tokens, mask_known) for layer in range(cache.shape.num_layers))
     cache.plan_idle = tuple(work is PlannedWork.NONE and not _keeps_books_after(cache, layer) for layer, work in enumerate(cache.plan_work))
+
+
+def _new_tokens_real(attention_mask: torch.Tensor | dict, tokens: int, seen: int) -> bool | torch.Tensor:
+    """Whether the coming call's ``tokens`` new tokens are all real, from the call's mask: 2-D
+    (``[batch, seen + tokens]``), 4-D over logical positions, or a dict of 4-D masks per layer
+    type (what ``generate`` builds for a compileable cache): a new token is padding where the
+    mask hides it from itself. A mask on a device is not read on the host (that would be a
+    sync): for it, the padding tokens of each row (int64 ``[batch]``, on the device), which the
+    planned step adds to the rows' padding, storing the tokens as real."""
+    mask = next(iter(attention_mask.values())) if isinstance(attention_mask, dict) else attention_mask
+    if mask.dim() == 2:
+        real = mask[:, -tokens:].bool()
+    else:
+        steps = torch.arange(tokens, device=mask.device)
+        real = allowed(mask)[:, 0, steps, (seen + steps).clamp(max=mask.shape[-1] - 1)]
+    if not host_readable(real):
+        return (~real).sum(-1)
+    return bool(real.all())
 
 
 def _work_after(cache: KVCache, layer: int, tokens: int, mask_known: bool) -> PlannedWork:

@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator
+import functools
+import threading
+from collections.abc import Callable, Iterator
 
 import torch
 from transformers.cache_utils import Cache
@@ -31,6 +33,7 @@ from transformers.cache_utils import Cache
 from kvlib.adapters.cache.cache_fork import check_forkable, select_rows, share_rows
 from kvlib.adapters.cache.cache_layer import NOT_THROUGH_KVLIB, KVCacheLayer
 from kvlib.adapters.cache.cache_store import CacheStoreBuilder
+from kvlib.adapters.cache.compiled_calls import new_handle
 from kvlib.adapters.cache.dense_layer import DenseKVCacheLayer
 from kvlib.adapters.cache.memory_report import memory_report
 from kvlib.adapters.cache.prefix_session import PrefixSession
@@ -45,6 +48,22 @@ from kvlib.storage.prefix_store import PrefixStore
 from kvlib.storage.spill_store import SpillStore
 from kvlib.storage.step_plan import StepPlan
 from kvlib.strategy import Tiering
+
+
+def _exclusive(method: Callable) -> Callable:
+    """``method`` of a :class:`KVCache` run as :meth:`KVCache.enter_call` (no claim) ...
+    :meth:`KVCache.leave_call`: refused from a thread other than the owner's, and holding the
+    cache's PrefixStore lock while it changes the shared store."""
+
+    @functools.wraps(method)
+    def run(cache: KVCache, *args, **kwargs):
+        cache.enter_call(claim=False)
+        try:
+            return method(cache, *args, **kwargs)
+        finally:
+            cache.leave_call()
+
+    return run
 
 
 class KVCache(Cache):
@@ -75,6 +94,12 @@ class KVCache(Cache):
             :attr:`spill`; a directory that cannot hold a disk tier is a ``ValueError`` here, as
             spilled pages would have nowhere to go), or ``quest``, whose decode steps attend over
             the pages their query chooses.
+        compileable: what ``is_compileable`` reports. True lets ``generate`` compile its decode
+            steps itself (``get_compiled_call``; on CUDA by default, with ``mode="reduce-overhead"``)
+            and build 4-D masks outside the forward; False by default, because the cache's masks
+            grow by one column each step: inductor then compiles dynamic shapes once, but CUDA
+            graphs would be recorded anew for every width. Compiling ``model.forward`` or the
+            model yourself works either way.
         dense: serve a model whose attention kvlib cannot route (it computes attention itself over
             what ``update`` returns): see :mod:`~kvlib.adapters.cache.dense_layer`. Exact caches only.
     """
@@ -91,6 +116,7 @@ class KVCache(Cache):
         spec: str = "",
         home: tuple[torch.dtype, torch.device] | None = None,
         tiering: Tiering | None = None,
+        compileable: bool = False,
         dense: bool = False,
     ) -> None:
         self.dense = dense
@@ -100,6 +126,7 @@ class KVCache(Cache):
         """The KV layers (:class:`KVCacheLayer`), in KV-layer order: ``layers`` (one per model
         layer, as transformers indexes them) minus a hybrid model's recurrent-state and empty layers."""
         super().__init__(layers=layers)
+        self.compileable = compileable
         self.state_layers = state_layers(self.layers)
         """The layers keeping state outside the pages: recurrent or convolution states, indexer keys
         (:mod:`~kvlib.adapters.cache.state_layers`)."""
@@ -141,8 +168,19 @@ class KVCache(Cache):
         """The planned step's real new tokens, where not all are (found by layer 0's attention when
         :attr:`plan_known_real` is False; None: all real)."""
         self.prepared = False
+        self._owner: int | None = None
+        """The thread using this cache (``threading.get_ident()``), recorded at its first model call
+        and released by :meth:`reset`; another thread is refused (:meth:`check_thread`)."""
+        self._store_lock_depth, self._store_lock_thread = 0, 0
+        """How many times, and by which thread, this cache holds its PrefixStore's lock now."""
         """Whether :meth:`prepare_step` ran for the coming call (layer 0's update clears it)."""
         self.store: PagedStore | None = self.builder.new_store(*home) if home is not None and not self.measures_layout else None
+        self.dense_returns: str | None = None
+        """Why this cache's layers return every stored token from ``update`` (what the model does
+        with them besides attending, :meth:`serve_densely`), or None: a decode step returns just
+        its new tokens and attends straight over the pages."""
+        self.handle = new_handle(self)
+        """What names this cache to the operators of a compiled forward (:mod:`~kvlib.adapters.cache.compiled_calls`)."""
 
     @property
     def measures_layout(self) -> bool:
@@ -191,6 +229,7 @@ class KVCache(Cache):
         if previous.pending is not None and (self.compressor is not None or self.codec is not None):
             raise RuntimeError(NOT_THROUGH_KVLIB.format(layer=previous.layer_idx))
         batch = key_states.shape[0]
+        self.check_thread()
         self.check_batch(batch)
         if self.store is None:
             self.store = self.builder.new_store(key_states.dtype, key_states.device)
@@ -214,6 +253,27 @@ class KVCache(Cache):
         its call's tokens. When there is no plan (the step goes layer by layer), and what a plan
         sets: :mod:`~kvlib.adapters.cache.step_planning`."""
         plan_decode_step(self, tokens, attention_mask, mask_known)
+
+    def serve_densely(self, reason: str, complete: bool, *, shapes_kept: bool) -> None:
+        """From now on, every layer's ``update`` returns all the tokens it stores, as
+        ``DynamicCache.update`` does, and attention runs over what the model hands it: the
+        model's attention ``reason`` (does more with what the cache returns than attend over it).
+
+        Refused (``ValueError``, before the call's attention runs): a call that was handed only
+        its new tokens (``complete`` False: the model must meet the cache first in a prefill),
+        and eviction where the model's use of the keys and values does not keep their batch, head
+        and token layout (``shapes_kept`` False: their slots no longer match the stored ones)."""
+        if not complete:
+            raise ValueError(
+                f"this model's attention {reason}, which kvlib learned only after returning the new tokens alone;"
+                " start the cache with a prefill of the prompt (a fresh cache), not a primed, loaded or forked one"
+            )
+        if self.compressor is not None and not shapes_kept:
+            raise ValueError(
+                f"this model's attention {reason}: kvlib serves it exactly without eviction (codecs and tiering"
+                f" included), but cannot apply {self.compressor.strategy.spec()} to it"
+            )
+        self.dense_returns = reason
 
     def load(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
         """Fill this empty cache with precomputed keys (after RoPE) and values of every layer,
@@ -243,6 +303,40 @@ class KVCache(Cache):
         finally:
             self.recompute = None
 
+    # -- threads ------------------------------------------------------------------------------
+
+    def check_thread(self, claim: bool = True) -> None:
+        """``RuntimeError`` (one line) when a thread other than this cache's owner uses it; with
+        ``claim``, a cache no thread owns yet becomes the calling thread's. A cache serves one
+        generation at a time: kvlib refuses the second thread rather than let both write wrong
+        output (``DynamicCache`` does not check)."""
+        me = threading.get_ident()
+        if self._owner is None:
+            if claim:
+                self._owner = me
+        elif self._owner != me:
+            raise RuntimeError(
+                f"this KVCache is in use by thread {self._owner}, and thread {me} called it: a cache serves one thread at a"
+                " time; make a cache per thread (kvlib.make_cache), or reset() it in its thread before handing it over"
+            )
+
+    def enter_call(self, claim: bool = True) -> None:
+        """Start a call that may change the store: the thread is checked (:meth:`check_thread`) and,
+        for a cache living in a :class:`~kvlib.PrefixStore`'s paged store (shared with other
+        caches, other threads' included), the store's lock is taken until :meth:`leave_call`. The
+        forward hooks of :func:`kvlib.attach` hold it for each model call."""
+        self.check_thread(claim)
+        if self.reuse is not None:
+            self.reuse.lock.acquire()
+            self._store_lock_depth += 1
+            self._store_lock_thread = threading.get_ident()
+
+    def leave_call(self) -> None:
+        """End a call :meth:`enter_call` started (nothing when this thread holds no lock for it)."""
+        if self._store_lock_depth and self._store_lock_thread == threading.get_ident():
+            self._store_lock_depth -= 1
+            self.reuse.lock.release()
+
     def check_batch(self, batch: int) -> None:
         """``ValueError`` unless a batch of ``batch`` rows may use this cache (it is empty, or holds that many)."""
         if self._rows and batch != len(self._rows):
@@ -251,6 +345,7 @@ class KVCache(Cache):
                 " before reusing it for another batch"
             )
 
+    @_exclusive
     def prime(self, prompt: torch.Tensor, attention_mask: torch.Tensor | None = None) -> int:
         """Start this (empty) cache from the longest prefix of ``prompt`` (int ``[batch, tokens]``)
         cached in its :class:`~kvlib.PrefixStore`, and index the prompt's full pages once computed.
@@ -278,6 +373,7 @@ class KVCache(Cache):
         self.padding = torch.zeros(prompt.shape[0], dtype=torch.int64, device=self.store.device)
         return reused
 
+    @_exclusive
     def index_tokens(self, tokens: torch.Tensor) -> None:
         """Index, in the cache's PrefixStore, the full pages of ``tokens`` (int ``[batch, n]``: the
         prompt the cache was primed with, then what it generated, as ``generate`` returns them), so
@@ -310,6 +406,7 @@ class KVCache(Cache):
 
     # -- batch operations -----------------------------------------------------------------------
 
+    @_exclusive
     def reset(self) -> None:
         """Forget every stored token (pages go back to the pool); the next update starts a new batch."""
         if self.session is not None:  # the store is the PrefixStore's: give back what this cache held
@@ -330,21 +427,26 @@ class KVCache(Cache):
             layer.reset()
         if self.compressor is not None:
             self.compressor.reset()
+        self._owner = None  # empty again: any thread may take it
 
+    @_exclusive
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Row ``i`` becomes a copy of old row ``beam_idx[i]`` (beam search)."""
         select_rows(self, beam_idx)
 
+    @_exclusive
     def batch_repeat_interleave(self, repeats: int) -> None:
         """Each row repeated ``repeats`` times in place (``[a, b] -> [a, a, b, b]``)."""
         if not isinstance(repeats, int) or repeats < 1:
             raise ValueError(f"repeats must be a positive int, got {repeats!r}")
         select_rows(self, torch.arange(max(len(self._rows), 0)).repeat_interleave(repeats))
 
+    @_exclusive
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         """Keep the rows at ``indices`` (in that order; repeats allowed)."""
         select_rows(self, indices)
 
+    @_exclusive
     def crop(self, tokens_to_remove: int) -> None:
         """Drop the last ``-tokens_to_remove`` tokens seen (``tokens_to_remove <= 0``, as in ``DynamicCache``).
 
@@ -373,7 +475,16 @@ class KVCache(Cache):
         holds nothing yet.
         """
         check_forkable(self)
-        copy = KVCache(self.shape, page_size=self.page_size, read_cache=self.read_cache, codec=self.codec, spec=self.spec, dense=self.dense)
+        copy = KVCache(
+            self.shape,
+            page_size=self.page_size,
+            read_cache=self.read_cache,
+            codec=self.codec,
+            spec=self.spec,
+            compileable=self.compileable,
+            dense=self.dense,
+        )
+        copy.dense_returns = self.dense_returns
         share_rows(self, copy)
         return copy
 
@@ -385,7 +496,7 @@ class KVCache(Cache):
             raise ValueError(f"layer_idx must be an int in [0, {self.shape.num_layers}), got {layer_idx!r}")
         if not self._rows:
             raise ValueError("the cache holds no tokens yet: run the model with it first")
-        return self.layers[layer_idx].kept_positions()
+        return self.kv_layers[layer_idx].kept_positions()
 
     def memory_report(self) -> dict:
         """Bytes this cache holds, and what a full cache in the compute dtype would hold (see

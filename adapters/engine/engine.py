@@ -28,6 +28,14 @@ index holds pages then); the pools never exceed the budget; a running request ho
 prefix index entries its own sequence reads (never a second copy of a block it computed again),
 so with a budget that fits every request alone, every step either runs tokens or frees pages
 (or swaps a request back in to run next), and the engine finishes (``tests/adapters/engine/test_engine_schedules.py``).
+
+Finished requests: ``engine.requests`` keeps a finished or aborted request (its output, its
+stats) until :meth:`Engine.collect` takes it, and at most ``max_finished`` of them (the oldest
+go first), so a server running for weeks holds a bounded number of requests whatever its
+callers collect (``tests/adapters/engine/test_engine.py``).
+
+Threads: an Engine is driven by one thread (``step``, ``receive``, ``generate``, ``abort`` and
+``collect`` from the thread that serves it); see ``docs/security.md``.
 """
 
 from __future__ import annotations
@@ -40,7 +48,7 @@ import torch
 
 from kvlib.adapters.engine.engine_options import check_engine, engine_codec, request_compressor, without_codec
 from kvlib.adapters.engine.engine_request import Request, RequestState
-from kvlib.adapters.engine.handover_roles import HandOverRole, check_role
+from kvlib.adapters.engine.handover_roles import MAX_AGE_S, HandOverKey, HandOverRole, check_role
 from kvlib.adapters.engine.kv_manager import KVManager
 from kvlib.adapters.engine.model_runner import ModelRunner
 from kvlib.adapters.engine.page_budget import page_budget
@@ -103,7 +111,13 @@ class Engine:
             two split roles need ``remote``. Protocol: :mod:`~kvlib.adapters.engine.handover`. A server
             whose ``maxmemory-policy`` evicts any key (``allkeys-*``) can evict queued messages:
             a split role warns about it (run it with ``volatile-lru``).
-        handover_queue: the name of the server list prefill engines push to and decode engines pop.
+        handover_queue: the name of the hand-over queue prefill engines push to and decode engines
+            read (its server name comes from the key, so tenants with other keys never share it).
+        handover_max_age_s: seconds a handed-over message may take from the prefill engine to
+            this decode engine; an older one (or a replay of one taken) is refused.
+        max_finished: finished or aborted requests kept in :attr:`requests` (for their outputs and
+            stats) until :meth:`collect` takes them; past that the oldest are dropped. None keeps
+            every one (a long-running engine then grows without bound).
     """
 
     def __init__(
@@ -127,9 +141,13 @@ class Engine:
         remote_trust: str = "key",
         role: str = "both",
         handover_queue: str = "default",
+        handover_max_age_s: float = MAX_AGE_S,
+        max_finished: int | None = 1024,
     ) -> None:
         check_engine(model, preemption, page_size, page_budget_bytes, prefix_cache_bytes, prefix_cache, remote)
-        check_role(role, handover_queue, remote)
+        check_role(role, handover_queue, remote, handover_max_age_s)
+        if max_finished is not None and (isinstance(max_finished, bool) or not isinstance(max_finished, int) or max_finished < 0):
+            raise ValueError(f"max_finished must be an int >= 0 (requests) or None, got {quoted(max_finished)}")
         remote = remote_tier(remote, remote_key, remote_trust)  # a missing key fails before the model is touched
         self.role, self.handover_queue = role, handover_queue
         self.page_size = page_size
@@ -151,10 +169,17 @@ class Engine:
         self.kv = KVManager(
             model, self.shape, sizes, **pages, read_cache=read_cache, prefix_cache=prefix_cache, preemption=preemption, remote=remote
         )
-        self.handover_role = HandOverRole(role, handover_queue, self.kv, vocab=self.vocab, max_tokens=self.context or MAX_REQUEST_TOKENS)
+        self.handover_role = HandOverRole(
+            role, handover_queue, self.kv, vocab=self.vocab, max_tokens=self.context or MAX_REQUEST_TOKENS, max_age_s=handover_max_age_s
+        )
         """The prefill or decode side of hand-overs (:mod:`~kvlib.adapters.engine.handover_roles`; idle for role ``"both"``)."""
         self.runner = ModelRunner(model, self.kv.store, codec=self.codec, device=self.device)
         self.requests: dict[int, Request] = {}
+        """Requests by id: those queued or running, and finished or aborted ones until collected
+        (at most ``max_finished`` of those, oldest dropped first)."""
+        self.max_finished = max_finished
+        self._finished: dict[int, None] = {}
+        """Ids of the finished or aborted requests still in :attr:`requests`, oldest first."""
         self._next_id = 0
         self._counters = {"steps": 0, "forward_tokens": 0, "output_tokens": 0, "prompt_tokens": 0, "cached_tokens": 0, "preemptions": 0}
         self._started: float | None = None
@@ -168,6 +193,12 @@ class Engine:
     def prefix(self) -> PrefixStore | None:
         """The prefix cache (the KV manager's), or None with ``prefix_cache=False``."""
         return self.kv.prefix
+
+    @property
+    def handover_sender(self) -> str:
+        """The random token naming this engine in the hand-over messages it sends: a decode
+        engine's :meth:`receive` keys this engine's requests by ``(handover_sender, request id)``."""
+        return self.handover_role.sender
 
     @property
     def handover_s(self) -> dict[int, float]:
@@ -241,6 +272,7 @@ class Engine:
         self.requests[request.request_id] = request
         if handover is not None and self.handover_role.queued(request, handover):  # nothing to prefill: handed over at once
             request.state = RequestState.FINISHED
+            self._keep_finished(request.request_id)
             return request.request_id
         self.kv.fetch(request)
         if self.role == "decode":
@@ -274,21 +306,25 @@ class Engine:
         self._counters["steps"] += 1
         return produced
 
-    def receive(self, wait_s: float = 0.0) -> dict[int, int]:
+    def receive(self, wait_s: float = 0.0) -> dict[HandOverKey, int]:
         """Decode role: queue every request handed over so far, waiting up to ``wait_s`` seconds
         for the first (an empty queue returns after ``wait_s``), each with the pages the prefill
-        side published; returns the local request id of each, by the prefill side's id (ids of
-        several prefill engines on one queue may repeat: the later wins here). Never raises for
-        what it pops: a message that is not sealed with this engine's key, fails a check
-        (:meth:`HandOver.from_bytes <kvlib.adapters.engine.handover.HandOver.from_bytes>`: fields,
-        sizes, this engine's model and context, page budget) or repeats one already taken is
-        skipped and counted in ``stats()["bad_handovers"]``, and every genuine message popped in
-        the call is queued and returned whatever comes after it. At most
-        :data:`~kvlib.adapters.engine.handover_roles.MAX_MESSAGES_PER_RECEIVE` messages are popped per
-        call (the rest wait for the next)."""
+        side published; returns the local request id of each, by
+        :class:`~kvlib.adapters.engine.handover_roles.HandOverKey` ``(sender, id)``: the prefill
+        engine's :attr:`handover_sender` and its request id, so requests of several prefill
+        engines never collide. Never raises for what it reads: a message that is not sealed with
+        this engine's key, fails a check (:meth:`HandOver.from_bytes
+        <kvlib.adapters.engine.handover.HandOver.from_bytes>`: fields, sizes, this engine's model
+        and context, page budget), is older than ``handover_max_age_s`` or repeats one already
+        taken on this server (by any decode engine, before any restart of theirs) is removed and
+        counted in ``stats()["bad_handovers"]``; every genuine message read in the call is queued
+        and returned whatever comes after it. At most
+        :data:`~kvlib.adapters.engine.handover_roles.MAX_MESSAGES_PER_RECEIVE` messages are read
+        per call (the rest wait for the next). A server refusing the credentials raises
+        :class:`~kvlib.errors.RemoteAccessDenied`."""
         if self.role != "decode":
             raise ValueError(f"receive() is for an Engine with role='decode'; this one's role is {quoted(self.role)}")
-        return self.handover_role.receive(wait_s, lambda tokens, settings: self._enqueue(*self._prepare(tokens, settings)))
+        return self.handover_role.receive(wait_s, self._prepare, lambda prepared: self._enqueue(*prepared))
 
     def generate(self, prompts: Sequence[Sequence[int] | torch.Tensor], max_new_tokens: int = 32, **options) -> list[list[int]]:
         """Serve ``prompts`` to completion; returns each one's new tokens, in order. Every prompt
@@ -298,10 +334,24 @@ class Engine:
             raise ValueError(f"unknown options {unknown}; generate takes {sorted(REQUEST_OPTIONS)}")
         settings = {**REQUEST_OPTIONS, "max_new_tokens": max_new_tokens, **options}
         prepared = [self._prepare(prompt, settings) for prompt in prompts]
-        ids = [self._enqueue(*request) for request in prepared]
-        while any(self.requests[i].state in (RequestState.WAITING, RequestState.RUNNING, RequestState.SWAPPED) for i in ids):
+        for request in prepared:
+            self._enqueue(*request)
+        requests = [request for request, _ in prepared]  # held here: max_finished may drop them from self.requests
+        while any(request.state in (RequestState.WAITING, RequestState.RUNNING, RequestState.SWAPPED) for request in requests):
             self.step()
-        return [list(self.requests[i].output) for i in ids]
+        return [list(request.output) for request in requests]
+
+    def collect(self, request_id: int) -> list[int]:
+        """The output of finished or aborted request ``request_id``, which the engine then forgets
+        (its id leaves :attr:`requests`); ``ValueError`` for an unknown id or a request still queued
+        or running."""
+        request = self.requests.get(request_id)
+        if request is None:
+            raise ValueError(f"unknown request id {request_id!r} (never added, or collected or dropped already)")
+        if request_id not in self._finished:
+            raise ValueError(f"request {request_id} is {request.state.value}: collect it once it has finished")
+        self._drop(request_id)
+        return list(request.output)
 
     def abort(self, request_id: int) -> None:
         """Stop a request; its pages are released at once."""
@@ -368,7 +418,22 @@ class Engine:
             self._counters["cached_tokens"] += request.computed
 
     def _leave(self, request: Request, state: RequestState) -> None:
-        """The request ends (finished or aborted): its pages and swap space are released."""
+        """The request ends (finished or aborted): its pages and swap space are released, and it is
+        kept among the finished (the oldest beyond ``max_finished`` dropped)."""
         self.scheduler.remove(request)
         self.kv.release(request)
         request.state = state
+        self._keep_finished(request.request_id)
+
+    def _keep_finished(self, request_id: int) -> None:
+        """Keep finished request ``request_id`` among the finished, dropping the oldest beyond ``max_finished``."""
+        self._finished[request_id] = None
+        if self.max_finished is not None:
+            while len(self._finished) > self.max_finished:
+                self._drop(next(iter(self._finished)))
+
+    def _drop(self, request_id: int) -> None:
+        """Forget finished request ``request_id`` (and what the hand-over role kept for it)."""
+        del self._finished[request_id]
+        del self.requests[request_id]
+        self.handover_role.forget(request_id)

@@ -16,19 +16,21 @@ The protocol, all on the server of the engines' remote tier (:mod:`~kvlib.storag
    and the tail's token ids, in a key space of its own), in the block record format with a
    layout of its own (:func:`tail_layout`): per layer, ``keys`` ``[heads, n, head_dim]`` and
    ``values`` ``[heads, n, value_dim]`` in the compute dtype (an open page is never coded).
-3. The request: a JSON message (:class:`HandOver`, never pickled) pushed to the list
-   ``kvlib:q:`` + queue name, sealed by the remote tier (a BLAKE3 tag keyed like the records',
-   over the queue's name and the message): ``id`` (the prefill side's request id), ``sender`` (a
+3. The request: a JSON message (:class:`HandOver`, never pickled) pushed to the queue's list on
+   the server (its name derived from the key), sealed by the remote tier like the records (AES-GCM
+   or a keyed BLAKE3 tag, under the queue's server name): ``id`` (the prefill side's request id), ``sender`` (a
    random token naming the prefill engine), ``model`` (the model's fingerprint, hex), ``tokens``
    (the whole prompt), ``max_new_tokens``, ``do_sample``, ``temperature``, ``top_k``, ``top_p``,
    ``eos_token_ids``, ``seed`` (drawn by the prefill side when sampling without one) and
-   ``sent_at`` (``time.time()`` when pushed, for hand-over timings).
+   ``sent_at`` (``time.time()`` when pushed: the message's age is checked, and hand-over timings).
 
-The decode side pops messages (:meth:`Engine.receive <kvlib.adapters.engine.engine.Engine.receive>`),
-opens each (its tag must be this engine's key's), validates every field before anything is
-queued (:meth:`HandOver.from_bytes` against :class:`MessageLimits`: the size before parsing, then
-types, ranges, token ids within the vocabulary, prompt plus new tokens within the model's context,
-the model's fingerprint equal to its own), refuses a ``(sender, id)`` it already took, fetches the
+The decode side reads messages without taking them (:meth:`Engine.receive
+<kvlib.adapters.engine.engine.Engine.receive>`), opens each (its seal must be this engine's key's),
+validates every field before anything is queued (:meth:`HandOver.from_bytes` against
+:class:`MessageLimits`: the size before parsing, then types, ranges, token ids within the
+vocabulary, prompt plus new tokens within the model's context, the model's fingerprint equal to its
+own) and its age, takes it off the queue once per server (a ``(sender, id)`` taken before, by any
+decode engine, is refused: :mod:`~kvlib.adapters.engine.handover_roles`), fetches the
 full pages (the remote prefix path) and the tail record, verifies both against the message's token
 ids (a record that fails is a miss: those tokens are computed instead), and queues the request as
 its own. A message that fails any check is counted and skipped, never raised. A lost message is a

@@ -24,6 +24,7 @@ Calls with no step (keys from any other cache, cross-attention) run the inner at
 from __future__ import annotations
 
 import sys
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -33,7 +34,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import eager_attention_forward as generic_eager_attention
 
 from kvlib.adapters.runtime import layer_step
-from kvlib.adapters.runtime.layer_step import AttentionCall
+from kvlib.adapters.runtime.layer_step import AttentionCall, module_key
 
 INNER_IMPLEMENTATIONS = ("sdpa", "eager")
 """Attention implementations a kvlib attention function can delegate to."""
@@ -44,12 +45,23 @@ def attention_name(inner: str) -> str:
     return f"kvlib_{inner}"
 
 
+_MODULES: weakref.WeakValueDictionary[int, torch.nn.Module] = weakref.WeakValueDictionary()
+"""Routed models' attention modules by :func:`module_key` (held weakly), for the operators of a
+compiled forward (:mod:`kvlib.adapters.cache.compiled_calls`), which name a module by an int."""
+
+
+def attention_module(key: int) -> torch.nn.Module:
+    """The attention module of a routed model named by ``key`` (:func:`module_key`)."""
+    return _MODULES[key]
+
+
 def route_attention(model: PreTrainedModel) -> PreTrainedModel:
     """Route ``model``'s attention through kvlib (idempotent); returns the model.
 
     A model on SDPA or eager keeps that math; other implementations (flash, flex) switch to SDPA,
     which handles per-head masks over physical slots. Raises ``ValueError`` if the model does not
-    take the change (its attention does not go through ``AttentionInterface``).
+    take the change (its attention does not go through ``AttentionInterface``). Its modules with
+    an int ``layer_idx`` are named for compiled forwards (:func:`module_key`).
     """
     current = model.config._attn_implementation
     if current not in {attention_name(inner) for inner in INNER_IMPLEMENTATIONS}:
@@ -60,10 +72,15 @@ def route_attention(model: PreTrainedModel) -> PreTrainedModel:
                 f"{type(model).__name__} did not accept attn_implementation={attention_name(inner)!r}; kvlib needs a model"
                 " whose attention goes through transformers' AttentionInterface"
             )
+    for module in model.modules():
+        if isinstance(getattr(module, "layer_idx", None), int):
+            _MODULES[module_key(module)] = module
     return model
 
 
-def _inner_attention(inner: str, module: torch.nn.Module) -> Callable:
+def inner_attention(inner: str, module: torch.nn.Module) -> Callable:
+    """The attention function doing the math of a kvlib attention function on ``module``: SDPA,
+    or the eager attention of the module's own model file (``inner``: "sdpa" or "eager")."""
     if inner == "sdpa":
         return ALL_ATTENTION_FUNCTIONS["sdpa"]
     own = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
@@ -79,7 +96,7 @@ def _kvlib_attention(inner: str) -> Callable:
         attention_mask: torch.Tensor | None,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        run = _inner_attention(inner, module)
+        run = inner_attention(inner, module)
         step = layer_step.take(module, key, kwargs)
         if step is None:
             return run(module, query, key, value, attention_mask, **kwargs)

@@ -43,6 +43,10 @@ _STATEFUL_NEEDS = frozenset({"accumulated_attention", "recent_queries", "prompt_
 """Needs whose state follows every call (see :meth:`Compressor.planned_work`)."""
 _RECEIVED = frozenset({"accumulated_attention"})
 
+RECEIVED_SLACK = 64
+"""Slots the accumulated attention of a planned decode step is grown by past what the call needs
+(:meth:`Compressor.received_state`): one allocation and copy every 64 steps, not one per step."""
+
 
 class PlannedWork(enum.Enum):
     """What follows a planned decode step's attention in one layer (:meth:`Compressor.planned_work`)."""
@@ -111,6 +115,7 @@ class Compressor:
     _call_notes: dict[str, Any] = field(default_factory=dict, init=False, repr=False)
     _last_layer: int = field(default=-1, init=False, repr=False)
     _held_caps: dict[tuple[int, int, int], np.ndarray] = field(default_factory=dict, init=False, repr=False)
+    _layer_limits: dict[tuple[int, int, int], np.ndarray] = field(default_factory=dict, init=False, repr=False)
     _ring: Ring | None = field(default=None, init=False, repr=False)
 
     # -- planned decode steps (kvlib.storage.step_plan) ----------------------------------------------------
@@ -166,7 +171,7 @@ class Compressor:
         (none of them padding) in ``layer``, after which its heads hold ``stored`` tokens (int64
         ``[batch, kv_heads]``): nothing (:meth:`compaction` would keep every token and add nothing
         to the compressor's state), the kernel's received attention added to the accumulated
-        attention and nothing else (H2O-like strategies: :meth:`accumulate_received`), or the
+        attention and nothing else (H2O-like strategies: :meth:`received_state`), or the
         general path (:meth:`compaction`). Unless the general path, the call counts as one of the
         layer's decode steps (for ``interval``), as :meth:`compaction` counts it."""
         fused = self.strategy.needs == _RECEIVED and type(self.strategy).attention_received is Eviction.attention_received
@@ -181,23 +186,28 @@ class Compressor:
             return PlannedWork.GENERAL
         done = self._decode_steps.get(layer, 0) + 1
         if done % self.interval == 0:
-            if self.allocation.needs_scores:
-                return PlannedWork.GENERAL
-            if bool((stored > self._layer_caps(layer, *stored.shape) + self.slack).any()):
+            if self.allocation.needs_scores:  # the layer's total is fixed before the scores split it
+                if bool((stored.sum(-1) > self._layer_limit(layer, *stored.shape)).any()):
+                    return PlannedWork.GENERAL
+            elif bool((stored > self._layer_caps(layer, *stored.shape) + self.slack).any()):
                 return PlannedWork.GENERAL
         self._decode_steps[layer] = done
         return work
 
-    def accumulate_received(self, layer: int, received: torch.Tensor) -> None:
-        """Add a planned decode call's received attention (float32 ``[batch, kv_heads, slots]``,
-        the paged kernel's, :func:`kvlib.kernels.paged_ops.paged_decode`; 0 past each head's length) to
-        ``layer``'s accumulated attention, as :meth:`compaction` adds a call's weights for a
-        strategy that counts them as they are (``attention_received`` not overridden)."""
-        previous = self._accumulated.get(layer)
-        if previous is not None:
-            width = min(previous.shape[-1], received.shape[-1])
-            received[..., :width] += previous[..., :width]
-        self._accumulated[layer] = received
+    def received_state(self, layer: int, batch: int, heads: int, slots: int, device: torch.device) -> torch.Tensor:
+        """``layer``'s accumulated attention (float32 ``[batch, heads, width]``, ``width >= slots``)
+        for a planned decode call's kernel to add the attention it received into, in place
+        (:func:`kvlib.kernels.paged_ops.paged_decode`'s ``received``): what :meth:`compaction`
+        adds for a strategy that counts a call's weights as they are (``attention_received`` not
+        overridden), with no operator of its own. It grows :data:`RECEIVED_SLACK` slots past what
+        a call needs at a time (a copy every that many steps), and slots past a head's length stay 0."""
+        state = self._accumulated.get(layer)
+        if state is None or state.shape[-1] < slots:
+            grown = torch.zeros(batch, heads, slots + RECEIVED_SLACK, dtype=torch.float32, device=device)
+            if state is not None:
+                grown[..., : state.shape[-1]] = state
+            self._accumulated[layer] = state = grown
+        return state
 
     def over_cap(self, layer: int, stored: np.ndarray) -> int:
         """Tokens ``layer``'s heads hold past their caps when they hold ``stored`` (int64 ``[batch,
@@ -218,6 +228,18 @@ class Compressor:
             request = BudgetRequest(layer, self.num_layers, tokens, torch.zeros(batch, heads, dtype=torch.int64))
             caps = self._held_caps[key] = self.allocation.caps(request).cpu().numpy()
         return caps
+
+    def _layer_limit(self, layer: int, batch: int, heads: int) -> np.ndarray:
+        """int64 ``[batch]``: the tokens ``layer``'s heads may hold together under the int budget
+        before a score-based allocation splits it again (its ``layer_tokens``, which scores do not
+        change, plus a ``slack`` per head), as :meth:`_caps_and_over` compares them."""
+        key = (layer, batch, heads)
+        limit = self._layer_limits.get(key)
+        if limit is None:
+            tokens = torch.full((batch,), self.budget, dtype=torch.int64)
+            request = BudgetRequest(layer, self.num_layers, tokens, torch.zeros(batch, heads, dtype=torch.int64))
+            limit = self._layer_limits[key] = self.allocation.layer_tokens(request).cpu().numpy() + self.slack * heads
+        return limit
 
     def compaction(
         self, step: LayerStep, inputs: AttentionInputs, real_offsets: torch.Tensor, stored: Callable[[], LayerRead] | None = None
@@ -282,7 +304,10 @@ class Compressor:
         if stored is not None and self.reads_kv:
             read = stored()
         order = position_order(read.positions, read.valid)
-        scores = self._score(step, read, candidates, inputs, real_offsets, self._accumulated.get(step.layer_idx), order)
+        accumulated = self._accumulated.get(step.layer_idx)
+        if accumulated is not None and accumulated.shape[-1] > candidates.shape[-1]:  # planned steps' room to grow
+            accumulated = accumulated[..., : candidates.shape[-1]]
+        scores = self._score(step, read, candidates, inputs, real_offsets, accumulated, order)
         if order is not None and not self.strategy.order_free:
             scores = scores_in_slot_order(scores, order)
         return scores.masked_fill(~candidates, -torch.inf)

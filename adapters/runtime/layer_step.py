@@ -21,6 +21,7 @@ attention -> the step's after-attention work (eviction, sealing, ranking, prefix
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -67,9 +68,20 @@ class AttentionCall:
         (:func:`paged_attention_applies` to its keyword arguments), not eager attention."""
         return not self.eager and paged_attention_applies(self.kwargs)
 
+    @property
+    def module_key(self) -> int:
+        """The int naming :attr:`module` for the operators of a compiled forward (:func:`module_key`)."""
+        return module_key(self.module)
+
     def run_inner(self, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The inner attention of ``query`` over ``key`` and ``value`` with ``mask``."""
         return self.inner(self.module, self.query, key, value, mask, **self.kwargs)
+
+
+def module_key(module: torch.nn.Module) -> int:
+    """The int naming an attention module of a routed model for the operators of a compiled
+    forward (:func:`~kvlib.adapters.runtime.attention.attention_module` gives it back)."""
+    return id(module)
 
 
 def paged_attention_applies(kwargs: dict) -> bool:
@@ -101,6 +113,8 @@ class StepOwner(Protocol):
     module_layer: int | None
 
     def attend(self, step: LayerStep, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+
+    def attend_returned(self, returned: ReturnedTokens, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor | None]: ...
 
     def after_attention(
         self,
@@ -153,12 +167,31 @@ class LayerStep:
     sparse: bool = False
     paged: PagedLayer | None = None
     plan: StepPlan | None = None
+    attended: bool = False
+    """Whether an attention call took the step already (its after-attention work has run)."""
+
+    @property
+    def complete(self) -> bool:
+        """Whether :attr:`read` holds every token the layer stores (a dense read, or a prefill's
+        own tokens), not just the call's new ones (a planned, paged or sparse step)."""
+        return self.plan is None and self.paged is None and not self.sparse
 
     def is_for(self, module: torch.nn.Module, keys: torch.Tensor) -> bool:
-        return self.read.keys is keys and getattr(module, "layer_idx", None) == self.owner.module_layer
+        """Whether the attention call of ``module`` is this layer's (over whatever keys: the
+        step checks what it is handed when it attends)."""
+        return getattr(module, "layer_idx", None) == self.owner.module_layer
 
     def attend(self, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.attended:  # a second attention call of one layer call (DiffLlama attends twice)
+            return self.returned().attend(call)
         return self.owner.attend(self, call)
+
+    def returned(self) -> ReturnedTokens:
+        """What another attention call over what this step returned needs (:class:`ReturnedTokens`)."""
+        read = self.read
+        return ReturnedTokens(
+            self.owner, self.layer_idx, read.positions, read.valid, self.identity, self.query_offset, self.query_length, self.complete
+        )
 
     def after_attention(
         self,
@@ -172,6 +205,53 @@ class LayerStep:
         """Hand the attention's inputs to the owner's after-attention work (eviction, sealing,
         ranking, prefix indexing of this layer)."""
         self.owner.after_attention(self, query=query, mask=mask, weights=weights, real_new=real_new, scaling=scaling)
+
+
+@dataclass(frozen=True)
+class ReturnedTokens:
+    """What a layer call's ``update`` returned, as another attention call over it needs it once
+    the layer's own call has attended: a second call of the same layer (DiffLlama's two halves of
+    the values), or a layer sharing another's keys and values (Gemma 3n's KV sharing). The keys
+    and values themselves are what the call is handed; this holds their stored positions
+    (``positions``, ``valid``: int64 / bool ``[batch, kv_heads, slots]``, None for a step that
+    returned only its new tokens, ``complete`` False), whether slots equal positions and the
+    query span, for the model's mask to be moved onto the slots. Such a call runs no
+    after-attention work."""
+
+    owner: StepOwner
+    layer_idx: int
+    positions: torch.Tensor | None
+    valid: torch.Tensor | None
+    identity: bool
+    query_offset: int
+    query_length: int
+    complete: bool
+
+    def is_for(self, module: torch.nn.Module, keys: torch.Tensor) -> bool:
+        return True
+
+    def attend(self, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.owner.attend_returned(self, call)
+
+
+_returned: dict[int, tuple[weakref.ref, ReturnedTokens]] = {}
+"""Keys tensors ``update`` returned with every token of their layer, by ``id``, while the model
+holds them (a weak reference each, whose callback drops the entry with its tensor), for
+attention calls of layers that did not store them. (A ``WeakKeyDictionary`` would compare two
+tensors with ``==``.)"""
+
+
+def remember_returned(step: LayerStep) -> None:
+    """Let attention calls of other layers over ``step``'s returned keys find it (:func:`take`);
+    for a complete step only (what any other use of the keys can be correct over)."""
+    keys = step.read.keys
+    number = id(keys)
+    _returned[number] = (weakref.ref(keys, lambda _, number=number: _returned.pop(number, None)), step.returned())
+
+
+def _returned_over(keys: torch.Tensor) -> ReturnedTokens | None:
+    entry = _returned.get(id(keys))
+    return entry[1] if entry is not None and entry[0]() is keys else None
 
 
 STEP_KEYWORD = "kvlib_layer_step"
@@ -190,15 +270,21 @@ def publish(step: Step, attention_kwargs: dict | None = None) -> None:
 
 
 def take(module: torch.nn.Module, keys: torch.Tensor, attention_kwargs: dict) -> Step | None:
-    """The published step for this attention call, or None if the call is not for it; removes
+    """The step for this attention call, or None if it is not over a kvlib layer's tokens; removes
     :data:`STEP_KEYWORD` from ``attention_kwargs`` (the inner attention never sees it).
 
-    A step is taken at most once: a second attention call with the same tensors finds nothing.
+    The step published by the same layer call's ``update``; else, where ``keys`` are what a layer
+    of a cache returned with every token of that layer (another layer sharing them, or a second
+    call of the same layer after the step was taken), a :class:`ReturnedTokens`. A step published
+    in the context variable is taken once.
     """
     step = attention_kwargs.pop(STEP_KEYWORD, None)
     if step is None:
-        step = _active_step.get()
-        if step is None:
+        if torch.compiler.is_compiling():  # a traced update publishes in the keyword arguments only
             return None
-        _active_step.set(None)
-    return step if step.is_for(module, keys) else None
+        step = _active_step.get()
+        if step is not None:
+            _active_step.set(None)
+    if step is not None and step.is_for(module, keys):
+        return step
+    return None if torch.compiler.is_compiling() else _returned_over(keys)

@@ -4,7 +4,8 @@ Tasks (:mod:`.needle`, :mod:`.perplexity`, :mod:`.agreement`, :mod:`.jsonl`, :mo
 cache comes from a factory, so the same task runs with the full cache and with any spec.
 :func:`~kvlib.eval.compare.compare` runs a grid of policies x budgets x tasks;
 :mod:`.report` and :mod:`.plots` write its table, JSON, CSV and PNGs, with the intervals and paired
-tests of :mod:`.significance`.
+tests of :mod:`.significance`. :mod:`.decode_timing` times decodes (a warm-up run of each
+configuration, then interleaved rounds) for the comparison and the decode benchmarks.
 """
 
 from kvlib.eval.agreement import AgreementTask

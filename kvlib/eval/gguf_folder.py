@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 
 from kvlib.errors import ModelLoadError
+from kvlib.eval.output_files import private_folder
 
 MARKER = "kvlib-model.json"
 """Written last into a converted folder: the folder is complete when it exists."""
@@ -42,8 +43,8 @@ def write_plain_model(gguf: Path, folder: Path, name: str, note: dict, *, chat_t
     from tqdm.auto import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    partial = folder.with_name(f"{folder.name}.part-{os.getpid()}")
-    shutil.rmtree(partial, ignore_errors=True)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    partial = private_folder(folder)  # built where no one else can plant a file, then renamed into place
     with tqdm(total=3, desc=f"kvlib: converting {name}", unit="step", disable=not progress) as bar:
         try:
             bar.set_postfix_str("dequantizing")

@@ -16,10 +16,12 @@ count. Uses matplotlib's Agg backend (no display).
 
 from __future__ import annotations
 
+import io
 from collections.abc import Sequence
 from pathlib import Path
 
 from kvlib.eval.compare_units import FULL, CompareRun
+from kvlib.eval.output_files import replace_file
 from kvlib.eval.report import task_columns
 from kvlib.eval.significance import interval
 
@@ -156,8 +158,10 @@ def plot_task(runs: Sequence[CompareRun], task: str, metric: str, higher_is_bett
     axes.grid(alpha=0.3)
     axes.legend(fontsize=7, loc="best")
     figure.tight_layout()
-    figure.savefig(path)
+    image = io.BytesIO()
+    figure.savefig(image, format=Path(path).suffix.lstrip(".") or "png")
     plt.close(figure)
+    replace_file(path, image.getvalue())  # never through a link planted at path (:mod:`~kvlib.eval.output_files`)
     return path
 
 

@@ -7,8 +7,10 @@ per process: Ray reuses its workers), so the model name must load on every node 
 ``smollm2`` and ``gemma3-270m`` do, the last where the ``models`` extra is installed; a folder or
 a ``jsonl:`` file must exist at the same path there). Outcomes are
 put back in the serial order, and a configuration is recorded as the serial loop records it
-(stopping at its first error), so the table, JSON, CSV and plots hold the same results; only the
-decode-speed figures differ, since units run side by side.
+(stopping at its first error), so the table, JSON, CSV and plots hold the same scores and bytes.
+Decode speed differs: each configuration's speed unit times it against the full cache in its own
+worker (both warmed up, then interleaved rounds: :func:`~kvlib.eval.compare_units.run_unit`), so its
+ratio to the full cache is taken under that worker's load, while units run side by side.
 
 Each unit reserves ``threads`` CPUs of the cluster and runs torch on that many threads (default
 one: Ray's one task per CPU).
@@ -25,11 +27,21 @@ import socket
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
-import torch
-
 from kvlib.devices import set_cpu_threads
 from kvlib.errors import quoted
-from kvlib.eval.compare_units import CompareRun, Outcome, Unit, check_inputs, configurations, progress_bar, run_unit, speed_prompt, units
+from kvlib.eval.compare_units import (
+    CompareRun,
+    Outcome,
+    SpeedRun,
+    Unit,
+    check_inputs,
+    check_speed,
+    configurations,
+    progress_bar,
+    run_unit,
+    speed_run,
+    units,
+)
 from kvlib.eval.models import LoadedModel, load_model
 from kvlib.eval.task import Task
 
@@ -89,15 +101,16 @@ def worker_model(name: str) -> LoadedModel:
 
 
 @functools.lru_cache(maxsize=4)
-def worker_prompt(name: str, context: int, speed_steps: int) -> torch.Tensor:
-    """:func:`~kvlib.eval.compare_units.speed_prompt` for the model ``name``, once per process."""
-    return speed_prompt(worker_model(name), context, speed_steps)
+def worker_speed(name: str, context: int, speed_steps: int, speed_rounds: int) -> SpeedRun:
+    """:func:`~kvlib.eval.compare_units.speed_run` for the model ``name``, once per process."""
+    return speed_run(worker_model(name), context, speed_steps, speed_rounds)
 
 
-def run_unit_on_worker(name: str, unit: Unit, context: int, speed_steps: int, threads: int) -> Outcome:
+def run_unit_on_worker(name: str, unit: Unit, context: int, speed_steps: int, speed_rounds: int, threads: int) -> Outcome:
     """The body of one Ray task: :func:`~kvlib.eval.compare_units.run_unit` on the model ``name``."""
     set_cpu_threads(threads)
-    return run_unit(worker_model(name), unit, worker_prompt(name, context, speed_steps), speed_steps)
+    speed = worker_speed(name, context, speed_steps, speed_rounds) if unit.task is None else None
+    return run_unit(worker_model(name), unit, speed)
 
 
 def compare_on_ray(
@@ -108,6 +121,7 @@ def compare_on_ray(
     *,
     context: int,
     speed_steps: int = 32,
+    speed_rounds: int = 3,
     threads: int = 1,
     progress: bool = True,
     on_run: Callable[[list[CompareRun]], None] | None = None,
@@ -121,18 +135,19 @@ def compare_on_ray(
     import ray
 
     check_inputs(loaded, policies, budgets, tasks)
+    check_speed(context, speed_steps, speed_rounds)
     configs = configurations(policies, budgets)
     plan = [units(policy, budget, tasks) for policy, budget in configs]
     remote = ray.remote(run_unit_on_worker).options(num_cpus=threads)
     where = {}
     for index, todo in enumerate(plan):
         for position, unit in enumerate(todo):
-            where[remote.remote(loaded.name, unit, context, speed_steps, threads)] = (index, position)
+            where[remote.remote(loaded.name, unit, context, speed_steps, speed_rounds, threads)] = (index, position)
     outcomes: list[list[Outcome | None]] = [[None] * len(todo) for todo in plan]
     runs: list[CompareRun | None] = [None] * len(plan)
     pending = list(where)
     try:
-        with progress_bar(configs, tasks, progress) as bar:
+        with progress_bar(configs, tasks, 1, progress) as bar:
             while pending:
                 (ref,), pending = ray.wait(pending, num_returns=1)
                 index, position = where[ref]

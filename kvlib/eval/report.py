@@ -2,8 +2,10 @@
 
 Table: one row per configuration (the full cache first), one column per task score with its 95%
 interval and significance marks (:mod:`kvlib.eval.significance`), then KV bytes as a fraction of
-the full cache's and decode tokens/s (both from the speed run); under it, the legend and whether
-every configuration scored the same cases. JSON: everything, per task metrics, per-case scores,
+the full cache's (from the speed run), decode tokens/s (the median over the timed rounds with their
+range), its ratio to the full cache's (taken per round: median and range) and the first call's
+extra seconds (:class:`~kvlib.eval.compare_units.DecodeSpeed`); under it, the legend, what the speed
+columns measure, and whether every configuration scored the same cases. JSON: everything, per task metrics, per-case scores,
 intervals and paired tests included (:func:`runs_from_json` reads it back, files recorded before
 per-case scores were kept included). CSV: one row per (policy, budget, task), with the interval
 and the paired tests' p-values.
@@ -14,12 +16,13 @@ from __future__ import annotations
 import csv
 import io
 import json
-import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from kvlib.eval.case_scores import CaseScores
-from kvlib.eval.compare_units import CompareRun
+from kvlib.eval.compare_units import CompareRun, DecodeSpeed
+from kvlib.eval.decode_timing import Spread
+from kvlib.eval.output_files import replace_file
 from kvlib.eval.significance import Baseline, cases_note, full_run, interval, legend, marks, paired, same_cases
 from kvlib.eval.task import TaskResult
 
@@ -42,6 +45,13 @@ CSV_FIELDS = (
     "task_full_bytes",
     "task_kv_fraction",
     "decode_tokens_per_s",
+    "decode_tokens_per_s_low",
+    "decode_tokens_per_s_high",
+    "decode_rounds",
+    "decode_vs_full",
+    "decode_vs_full_low",
+    "decode_vs_full_high",
+    "first_call_s",
     "kv_fraction",
     "error",
 )
@@ -59,6 +69,48 @@ def score_cell(result: TaskResult, mark: str = "", number: Callable[[float], str
     return f"{number(result.score)} {shown}" + (f" {mark}" if mark else "")
 
 
+def spread_cell(values: Sequence[float], number: Callable[[float], str] = _number) -> str:
+    """The median of ``values`` with their range, each figure written by ``number``: ``382 [371, 390]``
+    (``-`` for none, ``382 (1 run)`` for one, ``1`` when all are equal)."""
+    if not values:
+        return "-"
+    spread = Spread.of(values)
+    if len(values) == 1:
+        return f"{number(spread.median)} (1 run)"
+    if spread.low == spread.high:
+        return number(spread.median)
+    return spread.text(number)
+
+
+def speed_cells(speed: DecodeSpeed | None, number: Callable[[float], str] = _number) -> list[str]:
+    """A run's decode tokens/s, its ratio to the full cache's, and its first call's extra seconds."""
+    if speed is None:
+        return ["-", "-", "-"]
+    first = "-" if speed.first_call_s is None else f"{speed.first_call_s:.2f}".replace("-0.00", "0.00")
+    return [spread_cell(speed.tokens_per_s, number), spread_cell(speed.vs_full, "{:.2f}".format), first]
+
+
+SPEED_HEADER = ["decode tok/s", "vs full", "first call s"]
+"""The speed columns' headers (:func:`speed_cells`)."""
+
+
+def speed_note(runs: Sequence[CompareRun]) -> str:
+    """What the speed columns measure, with the number of rounds the runs were timed in."""
+    older = "one speed run per configuration, recorded before speeds were warmed up and repeated"
+    timed = [run.speed for run in runs if run.speed is not None]
+    rounds = sorted({len(speed.tokens_per_s) for speed in timed if speed.first_call_s is not None})
+    if not rounds:
+        return f"Decode tok/s: {older}."
+    counts = " or ".join(str(count) for count in rounds)
+    return (
+        f"Decode tok/s: median [min, max] over {counts} timed rounds, interleaved (every configuration once per round,"
+        " the full cache first), after a warm-up run of every configuration; vs full: each round's ratio to the full"
+        " cache's tokens/s in the same round, median [min, max]; first call s: what the warm-up run took beyond a timed"
+        " one (compiling the kernels it was the first to reach, first allocations), paid once per process, by a"
+        " user's first call too" + (f"; (1 run): {older}." if any(speed.first_call_s is None for speed in timed) else ".")
+    )
+
+
 def task_columns(runs: Sequence[CompareRun]) -> list[tuple[str, str, bool]]:
     """``(task, metric, higher_is_better)`` of every task, in the order they ran."""
     seen: dict[str, tuple[str, str, bool]] = {}
@@ -73,15 +125,15 @@ def markdown_table(runs: Sequence[CompareRun], baseline: Baseline | None = None)
     with its interval and marks, then the legend and the cases check."""
     columns = task_columns(runs)
     header = ["policy", "budget"] + [f"{t if t == m else f'{t} {m}'} {'↑' if up else '↓'}" for t, m, up in columns]
-    header += ["KV bytes vs full", "decode tok/s"]
+    header += ["KV bytes vs full", *SPEED_HEADER]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for run in runs:
         cells = [run.policy, "-" if run.budget is None else f"{run.budget:g}"]
         cells += [score_cell(run.results[t], marks(run, runs, t, baseline)) if t in run.results else "error" for t, _, _ in columns]
-        cells += [_number(run.kv_fraction), _number(run.decode_tokens_per_s)]
+        cells += [_number(run.kv_fraction), *speed_cells(run.speed)]
         lines.append("| " + " | ".join(cells) + " |")
     errors = [f"- {run.label}: {run.error}" for run in runs if run.error]
-    notes = ["", legend(baseline), cases_note(runs, [t for t, _, _ in columns]), prefill_note(runs)]
+    notes = ["", legend(baseline), speed_note(runs), cases_note(runs, [t for t, _, _ in columns]), prefill_note(runs)]
     return "\n".join(lines + notes + ([""] + errors if errors else []))
 
 
@@ -134,6 +186,7 @@ def to_json(runs: Sequence[CompareRun], meta: dict, baseline: Baseline | None = 
                 "policy": run.policy,
                 "budget": run.budget,
                 "decode_tokens_per_s": run.decode_tokens_per_s,
+                "decode_speed": None if run.speed is None else run.speed.to_json(),
                 "kv_bytes": run.kv_bytes,
                 "full_bytes": run.full_bytes,
                 "kv_fraction": run.kv_fraction,
@@ -161,10 +214,11 @@ def to_json(runs: Sequence[CompareRun], meta: dict, baseline: Baseline | None = 
 
 def runs_from_json(record: dict) -> list[CompareRun]:
     """The runs of a record :func:`to_json` wrote; a result recorded before per-case scores were
-    kept (no ``"cases"``) loads with ``cases=None`` (its reports say "no interval")."""
+    kept (no ``"cases"``) loads with ``cases=None`` (its reports say "no interval"), a speed recorded
+    before rounds were kept as its one figure (:meth:`DecodeSpeed.from_record`)."""
     runs = []
     for entry in record["runs"]:
-        run = CompareRun(entry["policy"], entry["budget"], decode_tokens_per_s=entry["decode_tokens_per_s"], error=entry["error"])
+        run = CompareRun(entry["policy"], entry["budget"], speed=DecodeSpeed.from_record(entry), error=entry["error"])
         run.kv_bytes, run.full_bytes = entry["kv_bytes"], entry["full_bytes"]
         run.prefill = entry.get("prefill", {})
         for name, r in entry["tasks"].items():
@@ -183,7 +237,7 @@ def csv_rows(runs: Sequence[CompareRun], baseline: Baseline | None = None) -> li
         common = {
             "policy": run.policy,
             "budget": "" if run.budget is None else run.budget,
-            "decode_tokens_per_s": run.decode_tokens_per_s or "",
+            **speed_fields(run.speed),
             "kv_fraction": run.kv_fraction or "",
             "error": run.error or "",
         }
@@ -214,6 +268,22 @@ def csv_rows(runs: Sequence[CompareRun], baseline: Baseline | None = None) -> li
     return rows
 
 
+def speed_fields(speed: DecodeSpeed | None) -> dict:
+    """A run's speed as CSV fields (empty without one): the median and range of tokens/s, the
+    rounds (``;``-separated tokens/s), the per-round ratio to the full cache's, the first call."""
+    if speed is None:
+        return {}
+    spread, ratio = speed.spread, speed.ratio
+    return {
+        "decode_tokens_per_s": spread.median,
+        "decode_tokens_per_s_low": spread.low,
+        "decode_tokens_per_s_high": spread.high,
+        "decode_rounds": ";".join(f"{value:.6g}" for value in speed.tokens_per_s),
+        **({} if ratio is None else {"decode_vs_full": ratio.median, "decode_vs_full_low": ratio.low, "decode_vs_full_high": ratio.high}),
+        "first_call_s": "" if speed.first_call_s is None else speed.first_call_s,
+    }
+
+
 def csv_text(runs: Sequence[CompareRun], baseline: Baseline | None = None) -> str:
     """:func:`csv_rows` as CSV text, with a header."""
     buffer = io.StringIO(newline="")
@@ -236,8 +306,6 @@ def write_results(runs: Sequence[CompareRun], out: Path, meta: dict, baseline: B
 
 
 def _replace(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file renamed over it (atomic on POSIX)."""
-    partial = path.with_name(path.name + ".part")
-    with partial.open("w", newline="") as handle:
-        handle.write(text)
-    os.replace(partial, path)
+    """Write ``text`` to ``path`` through a new file renamed over it (atomic on POSIX; safe in a
+    shared folder: :mod:`~kvlib.eval.output_files`)."""
+    replace_file(path, text)

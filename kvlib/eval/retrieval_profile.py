@@ -12,10 +12,12 @@ evaluation's seed 0, so a profile is never measured on the prompts it is judged 
 from __future__ import annotations
 
 import re
+import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
 from kvlib.eval.models import LoadedModel, TextTokenizer
+from kvlib.eval.output_files import private_folder
 from kvlib.eval.ruler import RULER_TASKS
 from kvlib.strategies.budget.retrieval_calibration import RetrievalCase, calibrate_retrieval
 
@@ -77,7 +79,10 @@ def retrieval_profile(loaded: LoadedModel, context: int = 4096, samples: int = 2
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
         cases = needle_cases(loaded.tokenizer, context, samples, seed)
-        partial = path.with_suffix(".part")
-        calibrate_retrieval(loaded.model, cases, partial)
-        partial.replace(path)
+        scratch = private_folder(path)  # written where no one else can plant a file, then renamed into place
+        try:
+            calibrate_retrieval(loaded.model, cases, scratch / path.name)
+            (scratch / path.name).replace(path)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
     return path

@@ -7,28 +7,24 @@ its ``run_shared``: each batch's prompt is computed once, with an exact cache, a
 configuration's cache gets that prompt call replayed into it before it decodes
 (:mod:`kvlib.adapters.cache.shared_prefill`); the results equal separate runs', token for token.
 The other configurations (and every configuration of a task without a shared path) run apart, as
-:func:`~kvlib.eval.compare_units.run_unit` runs them. :func:`run_speeds_shared` does the same for the
-speed runs: one prefill of the speed prompt, replayed into each configuration's cache before its
-timed decode steps (the prefill is not timed). Each run's :attr:`~kvlib.eval.compare_units.CompareRun.prefill`
-says, per task, which path it took: :data:`SHARED`, or ``"separate: <reason>"``.
+:func:`~kvlib.eval.compare_units.run_unit` runs them. The speed runs share the speed prompt's
+prefill the same way (:mod:`kvlib.eval.compare_speed`, through :func:`sharing` and
+:func:`replaying`). Each run's :attr:`~kvlib.eval.compare_units.CompareRun.prefill` says, per
+task, which path it took: :data:`SHARED`, or ``"separate: <reason>"``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
-import kvlib
-from kvlib.adapters.cache.shared_prefill import PrefillNeeds, PrefillRecorder, recording, replay
+from kvlib.adapters.cache.shared_prefill import PrefillNeeds, PrefillRecorder, replay
 from kvlib.eval.compare_units import CompareRun, Outcome, Unit, cache_factory, run_unit
 from kvlib.eval.models import LoadedModel
 from kvlib.eval.shared_generation import Sharing, shares
 from kvlib.eval.task import CacheFactory, Task
-from kvlib.transformers_compat import cache_argument
 
-SPEED = "decode speed"
-"""The key of a run's speed run in :attr:`~kvlib.eval.compare_units.CompareRun.prefill`."""
 SHARED = "shared"
 """A run's prefill path on a task where its prompts were computed once for every configuration."""
 
@@ -51,8 +47,7 @@ def run_tasks_shared(
 ) -> None:
     """Record every task's result (or the first error) in each of ``runs`` (configurations not yet
     run), task by task; see the module docstring. ``done(run, units)`` is called as units finish:
-    ``units`` is 1 for a task, or 2 + the tasks left for a run that failed (it runs none of them,
-    nor its speed run)."""
+    ``units`` is 1 for a task, or 1 + the tasks left for a run that failed (it runs none of them)."""
     model = loaded.model
     paths = [sharing(model, run) for run in runs]
     for index, task in enumerate(tasks):
@@ -77,49 +72,16 @@ def run_tasks_shared(
                 for i, result in zip(together, results):
                     runs[i].prefill[task.name] = SHARED
                     outcome = Outcome(error=result) if isinstance(result, str) else Outcome(result=result)
-                    done(runs[i], 1 if outcome.record(runs[i]) else 2 + remaining)
+                    done(runs[i], 1 if outcome.record(runs[i]) else 1 + remaining)
         for i in live:
             if i in together:
                 continue
             runs[i].prefill[task.name] = reasons[i]
-            recorded = run_unit(loaded, Unit(runs[i].policy, runs[i].budget, task), torch.empty(0), 0).record(runs[i])
-            done(runs[i], 1 if recorded else 2 + remaining)
+            recorded = run_unit(loaded, Unit(runs[i].policy, runs[i].budget, task)).record(runs[i])
+            done(runs[i], 1 if recorded else 1 + remaining)
 
 
-def run_speeds_shared(
-    loaded: LoadedModel, runs: Sequence[CompareRun], prompt: torch.Tensor, speed_steps: int
-) -> Iterator[tuple[CompareRun, bool]]:
-    """Each run's speed run (:func:`~kvlib.eval.compare_units.decode_speed`), in order, recorded in it;
-    yields the run and whether its speed run ran (not for a run that failed before). The prompt
-    runs once for the runs that can share it (recorded under :data:`SPEED` in their ``prefill``)."""
-    model = loaded.model
-    paths = [sharing(model, run) if run.error is None else None for run in runs]
-    sharers = [path for path in paths if path is not None and path.refusal is None]
-    source = first = recorder = None
-    if sharers:
-        needs = PrefillNeeds()
-        for path in sharers:
-            needs = needs | path.needs
-        source, recorder = kvlib.make_cache(model), PrefillRecorder(needs)
-        with recording(source, recorder), torch.inference_mode():
-            logits = model(input_ids=prompt, **cache_argument(source), use_cache=True, logits_to_keep=1).logits
-        first = logits[:, -1].argmax(-1, keepdim=True)
-    for run, path in zip(runs, paths):
-        if path is None:
-            yield run, False
-            continue
-        unit = Unit(run.policy, run.budget, None)
-        if path.refusal is None:
-            run.prefill[SPEED] = SHARED
-            make = _replaying(cache_factory(model, run.policy, run.budget), source, recorder)
-            run_unit(loaded, unit, prompt, speed_steps, make, first).record(run)
-        else:
-            run.prefill[SPEED] = f"separate: {path.refusal}"
-            run_unit(loaded, unit, prompt, speed_steps).record(run)
-        yield run, True
-
-
-def _replaying(make: CacheFactory, source, recorder: PrefillRecorder) -> CacheFactory:
+def replaying(make: CacheFactory, source, recorder: PrefillRecorder) -> CacheFactory:
     """``make``'s caches, each given the prompt call ``source`` ran while ``recorder`` recorded it."""
 
     def made(tokens: int):

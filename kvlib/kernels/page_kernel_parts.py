@@ -1,12 +1,16 @@
-"""What the CPU paged kernels share: page loaders, the vectorized ``exp``, the visibility and score
-loops of one page, and the queries' layout (:mod:`kvlib.kernels.paged_attention` attends with them,
-:mod:`kvlib.kernels.paged_scores` scores with them, :mod:`kvlib.kernels.coded_page_loaders` decodes half floats
-with :func:`half_to_float`).
+"""What the CPU paged kernels share: float bit patterns, the vectorized ``exp``, visibility, and
+the two inner loops every page goes through (:mod:`kvlib.kernels.paged_attention` attends with
+them, :mod:`kvlib.kernels.paged_scores` scores with them, the codecs' readers of
+:mod:`kvlib.kernels.page_readers` reuse them on decoded or folded pages).
 
-A *loader* writes the first ``rows`` tokens of one page as float32: ``load(source, page, out,
-out_bits, rows)`` with ``out [page_size, dim]`` and ``out_bits`` the same scratch viewed as
-uint32; float16 and bfloat16 pages are read as their bits (numba's CPU target cannot load them
-directly).
+Layout: a (row, KV head)'s query rows are a float32 ``[rows, head_dim]`` array, row ``g *
+queries + q`` being query ``q`` of the group's ``g``-th head (:mod:`kvlib.kernels.query_groups`),
+padded with zero rows to :func:`padded_rows` so that the inner loops take four rows per pass; a
+page is a float32 ``[page_size, dim]`` array (an arena's page where it lies, or scratch a reader
+decoded it into); scores and weights are ``[rows, page_size]``.
+
+Float16 and bfloat16 arrive as their bit patterns (numba's CPU target has no arithmetic for
+them) and are widened by :func:`float_of`, branch-free so that loops over them vectorize.
 """
 
 from __future__ import annotations
@@ -17,60 +21,56 @@ import numba
 import numpy as np
 import torch
 
-from kvlib.kernels.query_groups import grouped_rows
+from kvlib.kernels.host_arrays import host_array
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 """Page dtypes the kernel reads."""
 
-
-@numba.njit(inline="always")
-def half_to_float(bits: np.uint16) -> np.float32:
-    """IEEE 754 binary16 bits to float32 (subnormals, infinities and NaN included)."""
-    sign = -1.0 if (bits >> 15) & 1 else 1.0
-    exponent = (bits >> 10) & 0x1F
-    fraction = bits & 0x3FF
-    if exponent == 0:
-        return np.float32(sign * math.ldexp(fraction, -24))
-    if exponent == 31:
-        return np.float32(sign * np.inf) if fraction == 0 else np.float32(np.nan)
-    return np.float32(sign * math.ldexp(fraction + 1024, exponent - 25))
-
-
-@numba.njit(inline="always")
-def load_float32(arena, page: int, out: np.ndarray, out_bits: np.ndarray, rows: int) -> None:
-    """``out[:rows] = arena[page, :rows]`` (float32 pages)."""
-    for t in range(rows):
-        for c in range(out.shape[1]):
-            out[t, c] = arena[page, t, c]
-
-
-@numba.njit(inline="always")
-def load_float16(arena, page: int, out: np.ndarray, out_bits: np.ndarray, rows: int) -> None:
-    """``out[:rows] = arena[page, :rows]`` as float32 (float16 pages, given as their bits)."""
-    for t in range(rows):
-        for c in range(out.shape[1]):
-            out[t, c] = half_to_float(arena[page, t, c])
-
-
-@numba.njit(inline="always")
-def load_bfloat16(arena, page: int, out: np.ndarray, out_bits: np.ndarray, rows: int) -> None:
-    """``out[:rows] = arena[page, :rows]`` as float32 (bfloat16 pages, given as their bits: a
-    bfloat16 is a float32's top half; ``out_bits`` is ``out`` viewed as uint32)."""
-    for t in range(rows):
-        for c in range(out.shape[1]):
-            out_bits[t, c] = np.uint32(arena[page, t, c]) << np.uint32(16)
-
+FLOAT_KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+"""How float bit patterns are read by :func:`float_of`: 0 float32 (uint32 bits or float32), 1
+float16, 2 bfloat16 (uint16 bits)."""
 
 FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
-"""LLVM's fast-math flags the kernel allows: reordered sums (so inner products and value sums
+"""LLVM's fast-math flags the kernels allow: reordered sums (so inner products and value sums
 vectorize), fused multiply-adds; not ``nnan``/``ninf``, since masked scores are ``-inf``."""
-
 
 LOG2E = np.float32(1.4426950408889634)
 LN2_HIGH = np.float32(0.693359375)
 LN2_LOW = np.float32(-2.12194440e-4)
 EXP_FLOOR = np.float32(-87.0)
 """Below this exp underflows float32's normal range; such scores (and ``-inf``) weigh 0."""
+
+
+def float_bits(tensor: torch.Tensor) -> tuple[np.ndarray, int]:
+    """A CPU float tensor's elements as the kernels read them (no copy, no torch operator:
+    float32 as float32, float16 and bfloat16 as uint16 bit patterns) and its :data:`FLOAT_KINDS` kind."""
+    if tensor.dtype not in FLOAT_KINDS:
+        raise ValueError(f"float bits are read for {tuple(FLOAT_KINDS)}, got {tensor.dtype}")
+    return host_array(tensor), FLOAT_KINDS[tensor.dtype]
+
+
+@numba.njit(inline="always")
+def float_of(bits, kind: int) -> np.float32:  # pragma: no cover - compiled
+    """The float32 value of one float32, float16 or bfloat16 element (``kind``: :data:`FLOAT_KINDS`;
+    16-bit floats as uint16 bits), exactly (subnormals, infinities and NaN included). A float16 is
+    widened branch-free and without float32 subnormal arithmetic (which costs a microcode assist
+    per operation on x86): a normal one by moving its bits and rebiasing the exponent, a
+    subnormal one as its mantissa times ``2**-24`` (an int converted, then an exact product),
+    infinities and NaN by their exponent."""
+    if kind == 1:
+        x = np.uint32(bits)
+        magnitude = (x & np.uint32(0x7FFF)) << np.uint32(13)
+        exponent = x & np.uint32(0x7C00)
+        normal = np.uint32(magnitude + np.uint32(112 << 23))
+        tiny = np.float32(np.float32(x & np.uint32(0x3FF)) * np.float32(5.960464477539063e-08))
+        subnormal = np.uint32(tiny.view(np.uint32))
+        special = np.uint32(magnitude | np.uint32(0x7F800000))
+        finite = subnormal if exponent == np.uint32(0) else normal
+        widened = special if exponent == np.uint32(0x7C00) else finite
+        return np.uint32(widened | ((x & np.uint32(0x8000)) << np.uint32(16))).view(np.float32)
+    if kind == 2:
+        return np.uint32(np.uint32(bits) << np.uint32(16)).view(np.float32)
+    return np.float32(bits)
 
 
 @numba.njit(inline="always", fastmath=FASTMATH)
@@ -113,55 +113,163 @@ def seen_into(seen, positions, page, filled, visible, query_positions) -> bool: 
     return any_seen
 
 
-@numba.njit(inline="always", fastmath=FASTMATH)
-def scores_into(scores, grouped, r, key_page, filled, seen, scale, softcap):  # pragma: no cover - compiled
-    """``scores[:filled]``: query row ``r`` of ``grouped`` against the first ``filled`` keys of
-    ``key_page``, times ``scale``, soft-capped when ``softcap > 0``, ``-inf`` where not ``seen``.
-    Returns their maximum. Four tokens per pass over the query: four vectorized sums."""
-    dim = grouped.shape[1]
-    page_max = np.float32(-np.inf)
+@numba.njit(fastmath=FASTMATH)
+def float_scores(query, page, filled, scores) -> None:  # pragma: no cover - compiled
+    """``scores[r, t] = query[r] . page[t]`` for every query row and the first ``filled`` tokens
+    (float32). Four rows per pass over a token, so each key is loaded once for them (rows past the
+    last whole four one at a time)."""
+    rows, dim = query.shape
+    for t in range(filled):
+        r = 0
+        while r + 4 <= rows:
+            s0 = s1 = s2 = s3 = np.float32(0.0)
+            for c in range(dim):
+                x = page[t, c]
+                s0 += query[r, c] * x
+                s1 += query[r + 1, c] * x
+                s2 += query[r + 2, c] * x
+                s3 += query[r + 3, c] * x
+            scores[r, t] = s0
+            scores[r + 1, t] = s1
+            scores[r + 2, t] = s2
+            scores[r + 3, t] = s3
+            r += 4
+        while r < rows:
+            s = np.float32(0.0)
+            for c in range(dim):
+                s += query[r, c] * page[t, c]
+            scores[r, t] = s
+            r += 1
+
+
+@numba.njit(fastmath=FASTMATH)
+def float_accumulate(weights, page, filled, acc) -> None:  # pragma: no cover - compiled
+    """``acc[r, :dim] += sum_t weights[r, t] * page[t]`` over the first ``filled`` tokens of
+    ``page [page_size, dim]`` (float32). Four tokens and four rows per pass over the
+    accumulator; nothing past ``filled`` is read (an arena's unwritten rows may hold any bits)."""
+    rows = acc.shape[0]
+    dim = page.shape[1]
     t = 0
     while t + 4 <= filled:
-        s0 = s1 = s2 = s3 = np.float32(0.0)
-        for c in range(dim):
-            x = grouped[r, c]
-            s0 += x * key_page[t, c]
-            s1 += x * key_page[t + 1, c]
-            s2 += x * key_page[t + 2, c]
-            s3 += x * key_page[t + 3, c]
-        scores[t] = s0
-        scores[t + 1] = s1
-        scores[t + 2] = s2
-        scores[t + 3] = s3
+        r = 0
+        while r + 4 <= rows:
+            a0, a1, a2, a3 = weights[r, t], weights[r, t + 1], weights[r, t + 2], weights[r, t + 3]
+            b0, b1, b2, b3 = weights[r + 1, t], weights[r + 1, t + 1], weights[r + 1, t + 2], weights[r + 1, t + 3]
+            c0, c1, c2, c3 = weights[r + 2, t], weights[r + 2, t + 1], weights[r + 2, t + 2], weights[r + 2, t + 3]
+            d0, d1, d2, d3 = weights[r + 3, t], weights[r + 3, t + 1], weights[r + 3, t + 2], weights[r + 3, t + 3]
+            for c in range(dim):
+                v0, v1, v2, v3 = page[t, c], page[t + 1, c], page[t + 2, c], page[t + 3, c]
+                acc[r, c] += a0 * v0 + a1 * v1 + a2 * v2 + a3 * v3
+                acc[r + 1, c] += b0 * v0 + b1 * v1 + b2 * v2 + b3 * v3
+                acc[r + 2, c] += c0 * v0 + c1 * v1 + c2 * v2 + c3 * v3
+                acc[r + 3, c] += d0 * v0 + d1 * v1 + d2 * v2 + d3 * v3
+            r += 4
+        while r < rows:
+            a0, a1, a2, a3 = weights[r, t], weights[r, t + 1], weights[r, t + 2], weights[r, t + 3]
+            for c in range(dim):
+                acc[r, c] += a0 * page[t, c] + a1 * page[t + 1, c] + a2 * page[t + 2, c] + a3 * page[t + 3, c]
+            r += 1
         t += 4
     while t < filled:
-        s = np.float32(0.0)
-        for c in range(dim):
-            s += grouped[r, c] * key_page[t, c]
-        scores[t] = s
+        for r in range(rows):
+            w = weights[r, t]
+            for c in range(dim):
+                acc[r, c] += w * page[t, c]
         t += 1
+
+
+@numba.njit(inline="always")
+def float32_page(raw, row, filled, kind, scratch):  # pragma: no cover - compiled
+    """Page ``row`` of a float32 arena, where it lies (``kind`` and ``scratch`` unused)."""
+    return raw[row]
+
+
+@numba.njit(inline="always")
+def bits_page(raw, row, filled, kind, scratch):  # pragma: no cover - compiled
+    """Page ``row`` of a float16 or bfloat16 arena (uint16 bits, ``kind``), its first ``filled``
+    tokens widened into ``scratch [page_size, dim]`` (returned)."""
+    dim = scratch.shape[1]
     for t in range(filled):
-        s = scores[t] * scale
-        if softcap > 0:
-            s = softcap * math.tanh(s / softcap)
-        scores[t] = s if seen[t] else -np.inf
-        page_max = max(page_max, scores[t])
-    return page_max
+        for c in range(dim):
+            scratch[t, c] = float_of(raw[row, t, c], kind)
+    return scratch
 
 
-LOADERS = {torch.float32: load_float32, torch.float16: load_float16, torch.bfloat16: load_bfloat16}
-"""Each page dtype's loader; the kernel is compiled once per pair of loaders (and argument types)."""
+RAW_PAGES = {np.dtype(np.float32): float32_page, np.dtype(np.uint16): bits_page}
+"""How a raw arena's page is read, by the numpy dtype of its host array."""
 
 
-def kernel_queries(
-    query: torch.Tensor, pages: torch.Tensor, visible: torch.Tensor | None, query_positions: torch.Tensor | None
-) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
-    """The kernels' query arguments: float32 queries grouped by KV head ``[batch, kv_heads, group
-    * queries, head_dim]`` (row ``g * queries + q`` is query ``q`` of the group's ``g``-th head),
-    the mask (no columns for causal) and the causal positions (empty with a mask)."""
-    batch, _, queries, dim = query.shape
-    rows = grouped_rows(query, pages, visible, query_positions)
-    grouped = query.detach().reshape(batch, pages.shape[1], rows, dim).to(torch.float32).contiguous()
-    mask = np.zeros((batch, queries, 0), dtype=np.bool_) if visible is None else visible.cpu().contiguous().numpy()
-    steps = np.zeros(0, dtype=np.int64) if query_positions is None else query_positions.cpu().contiguous().numpy()
-    return grouped, mask, steps
+def padded_rows(rows: int) -> int:
+    """Query rows the inner loops take for ``rows`` real ones: a multiple of four from three up
+    (a fourth of the products wasted at most), one or two as they are."""
+    return rows if rows < 3 else (rows + 3) // 4 * 4
+
+
+@numba.njit(inline="always")
+def gather_query(query, kind, b, h, group, queries, out) -> None:  # pragma: no cover - compiled
+    """``out[g * queries + q] = query[b, h * group + g, q]`` as float32 (``query [batch,
+    query_heads, queries, head_dim]``, float32 or uint16 bits of ``kind``); padding rows zero."""
+    rows = group * queries
+    dim = out.shape[1]
+    for g in range(group):
+        for q in range(queries):
+            for c in range(dim):
+                out[g * queries + q, c] = float_of(query[b, h * group + g, q, c], kind)
+    for r in range(rows, out.shape[0]):
+        for c in range(dim):
+            out[r, c] = np.float32(0.0)
+
+
+@numba.njit(inline="always", fastmath=FASTMATH)
+def softmax_page(
+    scores, rows, queries, filled, seen, scale, softcap, running_max, running_sum, acc, state, weights, bits
+):  # pragma: no cover
+    """One page's step of the online softmax (FlashAttention's rescaling) for the first ``rows``
+    rows of ``scores [padded rows, page_size]`` (``q . k`` of the first ``filled`` tokens): times
+    ``scale``, soft-capped when ``softcap > 0``, ``-inf`` where ``seen [queries, page_size]`` says
+    the row's query does not see the token; each row's running max moves up to the page's, its
+    sum, accumulator ``acc`` and codec state ``state`` rescaled when it does; ``weights`` gets
+    ``exp(score - running max)`` (0 past ``filled``, for padding rows and rows that saw nothing
+    of the page) and each row's sum grows by them. ``weights`` holds twice ``scores``' elements
+    (the second half scratch of :func:`exp_into`; ``bits`` is it viewed as int32). Returns
+    whether any row saw a token of the page."""
+    padded, page_size = scores.shape
+    any_row = False
+    for r in range(padded):
+        q = r % queries
+        page_max = np.float32(-np.inf)
+        if r < rows:
+            for t in range(filled):
+                s = scores[r, t] * scale
+                if softcap > 0:
+                    s = softcap * np.float32(math.tanh(s / softcap))
+                s = s if seen[q, t] else np.float32(-np.inf)
+                scores[r, t] = s
+                page_max = max(page_max, s)
+        if page_max == -np.inf:
+            for t in range(page_size):
+                scores[r, t] = np.float32(-np.inf)
+            continue
+        any_row = True
+        if page_max > running_max[r]:
+            if running_max[r] > -np.inf:
+                rescale = np.float32(math.exp(running_max[r] - page_max))
+                running_sum[r] *= rescale
+                for c in range(acc.shape[1]):
+                    acc[r, c] *= rescale
+                for c in range(state.shape[1]):
+                    state[r, c] *= rescale
+            running_max[r] = page_max
+        shift = running_max[r]
+        for t in range(filled):
+            scores[r, t] -= shift
+        for t in range(filled, page_size):
+            scores[r, t] = np.float32(-np.inf)
+    count = padded * page_size
+    exp_into(scores.reshape(count), weights, bits, count)
+    for r in range(rows):
+        total = np.float32(0.0)
+        for t in range(filled):
+            total += weights[r * page_size + t]
+        running_sum[r] += total
+    return any_row

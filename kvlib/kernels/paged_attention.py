@@ -14,23 +14,28 @@ reads each (row, KV head)'s keys and values page by page through the block table
   combined with an online softmax page by page (FlashAttention's rescaling), accumulated in
   float32 whatever the pages' dtype; a query that sees no token gets zeros.
 
-CPU: a numba kernel, parallel over (row, KV head) pairs; each pair converts one page at a time
-into float32 scratch of ``page_size`` rows (float16 and bfloat16 pages are read as their bits,
-which numba's CPU target cannot load directly). Nothing but that scratch and the output is
-allocated: memory traffic is the pages themselves. How a page reaches the scratch is a *loader*
-per tensor, given with its arrays by a :class:`PageSource`: float arenas here
-(:func:`arena_source`), a codec's fields decoded page by page for coded pools
-(:mod:`kvlib.kernels.coded_page_loaders`). The inner loops are written to vectorize (LLVM fast-math
-without ``nnan``/``ninf``): inner products four tokens per pass over the query, value sums four
-tokens per pass over the accumulator, and a polynomial ``exp`` in place of libm's scalar call.
+CPU: a numba kernel. The work is cut into items, each a run of one (row, KV head)'s pages (its
+*split*: several per pair where there are fewer pairs than threads to keep busy, as
+FlashDecoding splits a long context), run in parallel and merged by their maxima and sums. An
+item reads each page where it lies: float pages straight from the arena (float16 and bfloat16
+widened into ``page_size`` rows of scratch), a codec's sealed pages through its
+:class:`~kvlib.kernels.page_readers.NumbaReader`, which scores and accumulates them with the
+codec's scales folded into the query or the weights. The GQA group's query rows are scored
+together, four per pass over a key; values are summed four tokens and four rows per pass over
+the accumulator; ``exp`` is a polynomial over a whole page of rows (all in
+:mod:`kvlib.kernels.page_kernel_parts`, written to vectorize under LLVM fast-math without
+``nnan``/``ninf``). Nothing but per-item scratch and the output is allocated.
 
-Other devices (CUDA): :mod:`kvlib.kernels.paged_attention_torch`, the same semantics with torch ops over
-blocks of pages. :func:`kvlib.devices.paged_kernel` chooses per device; a :class:`PagedLayer`'s
-source (a :class:`PageReader`) runs its own kernel.
+A :class:`PageSource` holds a layer's pages as the kernel reads them: float arenas
+(:func:`arena_source`) or a coded pool's open pages raw and sealed pages through its codec's
+readers (:func:`coded_source`). Other devices: :mod:`kvlib.kernels.paged_attention_torch` (torch ops
+over blocks of pages) and :mod:`kvlib.kernels.paged_attention_triton`; :func:`kvlib.devices.paged_kernel`
+chooses per device; a :class:`PagedLayer`'s source (a :class:`PageReader`) runs its own kernel.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import NamedTuple, Protocol
@@ -39,142 +44,269 @@ import numba
 import numpy as np
 import torch
 
+from kvlib.kernel_readers import KernelReader
+from kvlib.kernels.host_arrays import host_array
 from kvlib.kernels.page_kernel_parts import (
     FASTMATH,
-    LOADERS,
+    FLOAT_KINDS,
+    RAW_PAGES,
     SUPPORTED_DTYPES,
-    exp_into,
-    kernel_queries,
-    scores_into,
+    float_accumulate,
+    float_bits,
+    float_scores,
+    gather_query,
     seen_into,
+    softmax_page,
 )
+from kvlib.kernels.page_readers import FLOAT_ARENAS, NumbaReader, numba_reader
 from kvlib.kernels.paged_scores import attention_weights
+from kvlib.kernels.query_groups import grouped_rows
+
+MIN_SPLIT_PAGES = 32
+"""The fewest pages a split of one (row, KV head) covers (512 tokens at 16 a page)."""
+
+_NO_PAGES = np.zeros(0, dtype=np.bool_)
+_NO_ROWS = np.zeros(0, dtype=np.int64)
 
 
-@numba.njit(fastmath=FASTMATH)  # no cache=True: see paged_attention_kernel
-def _attend_pair(
-    grouped, keys, values, positions, page_ids, length, visible, query_positions, load_keys, load_values, scale, softcap, out, received
-):  # pragma: no cover - compiled
-    """One (row, KV head): ``out [rows, value_dim]`` for the query vectors ``grouped [rows, dim]``
-    (row ``r`` is group ``r // queries``, query ``r % queries``) over the ``length`` tokens of
-    pages ``page_ids``; ``visible [queries, logical]`` is the row's mask (``logical`` 0: causal
-    by ``query_positions``). ``received`` (``[slots]``, or no slots: not asked for) gets, for each
-    slot ``s < length``, the softmax weight each query gave it, summed over the queries and
-    averaged over the group's heads (H2O's accumulated attention of one call), added to it."""
-    rows, dim = grouped.shape
-    queries = visible.shape[0]
-    page_size = positions.shape[1]
-    value_dim = out.shape[1]
-    pages_used = (length + page_size - 1) // page_size
-    keep = received.shape[0] > 0
-    kept = np.empty((rows, pages_used * page_size if keep else 0), dtype=np.float32)  # each page's weights ...
-    shift = np.full((rows, pages_used if keep else 0), -np.inf, dtype=np.float32)  # ... and the max they are relative to
-    key_page = np.empty((page_size, dim), dtype=np.float32)
-    value_page = np.empty((page_size, value_dim), dtype=np.float32)
-    key_bits = key_page.view(np.uint32)
-    value_bits = value_page.view(np.uint32)
-    seen = np.empty((queries, page_size), dtype=np.bool_)
-    scores = np.empty(page_size, dtype=np.float32)
-    weights = np.empty(2 * page_size, dtype=np.float32)
-    weight_bits = weights.view(np.int32)
-    running_max = np.full(rows, -np.inf, dtype=np.float32)
-    running_sum = np.zeros(rows, dtype=np.float32)
-    acc = np.zeros((rows, value_dim), dtype=np.float32)
-    for j in range(pages_used):
-        page = page_ids[j]
-        filled = min(page_size, length - j * page_size)
-        if not seen_into(seen, positions, page, filled, visible, query_positions):
-            continue
-        load_keys(keys, page, key_page, key_bits, filled)
-        load_values(values, page, value_page, value_bits, filled)
-        for r in range(rows):
-            q = r % queries
-            page_max = scores_into(scores, grouped, r, key_page, filled, seen[q], scale, softcap)
-            if page_max == -np.inf:
+@functools.cache
+def attention_kernel(keys: NumbaReader, values: NumbaReader, raw_page: Callable) -> Callable:
+    """The numba kernel over pages whose sealed keys and values ``keys`` and ``values`` read and
+    whose raw pages ``raw_page`` reads (:data:`~kvlib.kernels.page_kernel_parts.RAW_PAGES`); compiled
+    once per combination (and argument types), on first use:
+
+    ``kernel(query, query_kind, raw_keys, raw_values, raw_kind, sealed, raw_row, positions,
+    pages, lengths, visible, query_positions, key_fields, value_fields, scale, softcap, splits,
+    out, received)`` with ``query [batch, query_heads, queries, head_dim]`` (float32, or uint16
+    bits of ``query_kind``), ``out`` float32 ``[batch, queries, query_heads, value_dim]`` and
+    ``received`` float32 ``[batch, kv_heads, slots]`` (no slots: not asked for), the rest as
+    :class:`PageSource` and :func:`attend_pages` hold them."""
+    prepare_keys, key_scores = keys.prepare_keys, keys.key_scores
+    prepare_values, accumulate_values, finish_values = values.prepare_values, values.accumulate_values, values.finish_values
+
+    @numba.njit(fastmath=FASTMATH)
+    def attend_item(
+        query,
+        query_kind,
+        raw_keys,
+        raw_values,
+        raw_kind,
+        sealed,
+        raw_row,
+        positions,
+        page_ids,
+        first,
+        end,
+        length,
+        visible,
+        query_positions,
+        key_fields,
+        value_fields,
+        b,
+        h,
+        group,
+        scale,
+        softcap,
+        item_acc,
+        item_max,
+        item_sum,
+        kept,
+        shift,
+    ):  # pragma: no cover - compiled
+        """Pages ``[first, end)`` of KV head ``h`` of row ``b``: the unnormalized accumulator, max
+        and sum of each query row into ``item_acc``, ``item_max``, ``item_sum``; with ``kept``
+        (``[padded, slots]``, else no rows) each page's weights and the max they are relative to
+        (``shift [padded, pages]``)."""
+        queries, dim = visible.shape[0], query.shape[3]
+        padded, value_dim = item_acc.shape
+        page_size = positions.shape[1]
+        rows = group * queries
+        q_rows = np.empty((padded, dim), dtype=np.float32)
+        gather_query(query, query_kind, b, h, group, queries, q_rows)
+        work = prepare_keys(key_fields, q_rows, h)
+        state = prepare_values(value_fields, padded, value_dim)
+        acc = np.zeros((padded, value_dim), dtype=np.float32)
+        running_max = np.full(padded, -np.inf, dtype=np.float32)
+        running_sum = np.zeros(padded, dtype=np.float32)
+        scores = np.empty((padded, page_size), dtype=np.float32)
+        flat = np.empty(2 * padded * page_size, dtype=np.float32)
+        weights = flat.reshape((2 * padded, page_size))  # rows [0, padded): the weights; the rest exp's scratch
+        bits = flat.view(np.int32)
+        seen = np.empty((queries, page_size), dtype=np.bool_)
+        key_scratch = np.empty((page_size, dim), dtype=np.float32)
+        value_scratch = np.empty((page_size, value_dim), dtype=np.float32)
+        coded = sealed.shape[0] > 0
+        keep = kept.shape[0] > 0
+        for j in range(first, end):
+            page = page_ids[j]
+            filled = min(page_size, length - j * page_size)
+            if not seen_into(seen, positions, page, filled, visible, query_positions):
                 continue
-            new_max = max(running_max[r], page_max)
-            if running_max[r] > -np.inf and new_max > running_max[r]:
-                rescale = np.float32(math.exp(running_max[r] - new_max))
-                running_sum[r] *= rescale
-                for c in range(value_dim):
-                    acc[r, c] *= rescale
-            running_max[r] = new_max
-            for t in range(filled):
-                scores[t] -= new_max
-            exp_into(scores, weights, weight_bits, filled)
+            is_sealed = coded and sealed[page]
+            row = raw_row[page] if coded else page
+            if is_sealed:
+                key_scores(key_fields, page, h, q_rows, work, filled, scores, key_scratch)
+            else:
+                float_scores(q_rows, raw_page(raw_keys, row, filled, raw_kind, key_scratch), filled, scores)
+            if not softmax_page(scores, rows, queries, filled, seen, scale, softcap, running_max, running_sum, acc, state, flat, bits):
+                continue
             if keep:
-                shift[r, j] = new_max
-                for t in range(filled):
-                    kept[r, j * page_size + t] = weights[t]
-            t = 0
-            while t + 4 <= filled:
-                w0, w1, w2, w3 = weights[t], weights[t + 1], weights[t + 2], weights[t + 3]
-                running_sum[r] += w0 + w1 + w2 + w3
-                for c in range(value_dim):  # four tokens per pass over the accumulator
-                    acc[r, c] += w0 * value_page[t, c] + w1 * value_page[t + 1, c] + w2 * value_page[t + 2, c] + w3 * value_page[t + 3, c]
-                t += 4
-            while t < filled:
-                weight = weights[t]
-                running_sum[r] += weight
+                for r in range(rows):
+                    shift[r, j] = running_max[r]
+                    for t in range(filled):
+                        kept[r, j * page_size + t] = weights[r, t]
+            if is_sealed:
+                accumulate_values(value_fields, page, h, weights, filled, acc, state, value_scratch)
+            else:
+                float_accumulate(weights, raw_page(raw_values, row, filled, raw_kind, value_scratch), filled, acc)
+        finish_values(value_fields, acc, state, h)
+        for r in range(padded):
+            item_max[r] = running_max[r]
+            item_sum[r] = running_sum[r]
+            for c in range(value_dim):
+                item_acc[r, c] = acc[r, c]
+
+    @numba.njit(parallel=True)
+    def kernel(
+        query,
+        query_kind,
+        raw_keys,
+        raw_values,
+        raw_kind,
+        sealed,
+        raw_row,
+        positions,
+        pages,
+        lengths,
+        visible,
+        query_positions,
+        key_fields,
+        value_fields,
+        scale,
+        softcap,
+        splits,
+        out,
+        received,
+    ):  # pragma: no cover - compiled
+        batch, kv_heads = lengths.shape
+        query_heads, queries = query.shape[1], query.shape[2]
+        group = query_heads // kv_heads
+        rows = group * queries
+        padded = rows if rows < 3 else (rows + 3) // 4 * 4
+        value_dim = out.shape[3]
+        page_size = positions.shape[1]
+        pairs = batch * kv_heads
+        items = pairs * splits
+        item_acc = np.zeros((items, padded, value_dim), dtype=np.float32)
+        item_max = np.full((items, padded), -np.inf, dtype=np.float32)
+        item_sum = np.zeros((items, padded), dtype=np.float32)
+        keep = received.shape[2] > 0
+        kept = np.zeros((pairs, padded if keep else 0, pages.shape[2] * page_size if keep else 0), dtype=np.float32)
+        shift = np.full((pairs, padded if keep else 0, pages.shape[2] if keep else 0), -np.inf, dtype=np.float32)
+        for item in numba.prange(items):
+            pair = item // splits
+            b, h = pair // kv_heads, pair % kv_heads
+            length = lengths[b, h]
+            per_split = ((length + page_size - 1) // page_size + splits - 1) // splits
+            first = (item % splits) * per_split
+            end = min((length + page_size - 1) // page_size, first + per_split)
+            attend_item(
+                query,
+                query_kind,
+                raw_keys,
+                raw_values,
+                raw_kind,
+                sealed,
+                raw_row,
+                positions,
+                pages[b, h],
+                first,
+                end,
+                length,
+                visible[b],
+                query_positions,
+                key_fields,
+                value_fields,
+                b,
+                h,
+                group,
+                scale,
+                softcap,
+                item_acc[item],
+                item_max[item],
+                item_sum[item],
+                kept[pair],
+                shift[pair],
+            )
+        best = np.full((pairs, rows), -np.inf, dtype=np.float32)
+        total = np.zeros((pairs, rows), dtype=np.float32)
+        for pair in range(pairs):  # the merge: a few rows per pair, not worth waking the threads
+            b, h = pair // kv_heads, pair % kv_heads
+            for r in range(rows):
+                for s in range(splits):
+                    best[pair, r] = max(best[pair, r], item_max[pair * splits + s, r])
+                for s in range(splits):
+                    if item_max[pair * splits + s, r] > -np.inf:
+                        total[pair, r] += (
+                            np.float32(math.exp(item_max[pair * splits + s, r] - best[pair, r])) * item_sum[pair * splits + s, r]
+                        )
+                head, q = h * group + r // queries, r % queries
+                target = out[b, q, head]
                 for c in range(value_dim):
-                    acc[r, c] += weight * value_page[t, c]
-                t += 1
-    for r in range(rows):
-        inverse = np.float32(1.0) / running_sum[r] if running_sum[r] > 0 else np.float32(0.0)
-        for c in range(value_dim):
-            out[r, c] = acc[r, c] * inverse
-        if keep and running_sum[r] > 0:
-            share = inverse * np.float32(queries) / np.float32(rows)  # the group's mean, each query's sum
-            for j in range(pages_used):
-                if shift[r, j] == -np.inf:
+                    target[c] = np.float32(0.0)
+                if total[pair, r] <= 0:
                     continue
-                factor = np.float32(math.exp(shift[r, j] - running_max[r])) * share
-                for t in range(min(page_size, length - j * page_size)):
-                    received[j * page_size + t] += kept[r, j * page_size + t] * factor
+                for s in range(splits):
+                    if item_max[pair * splits + s, r] > -np.inf:
+                        factor = np.float32(math.exp(item_max[pair * splits + s, r] - best[pair, r])) / total[pair, r]
+                        source = item_acc[pair * splits + s, r]
+                        for c in range(value_dim):
+                            target[c] += source[c] * factor
+        if keep:
+            for pair in numba.prange(pairs):
+                b, h = pair // kv_heads, pair % kv_heads
+                length = lengths[b, h]
+                for r in range(rows):
+                    if total[pair, r] <= 0:
+                        continue
+                    share = np.float32(queries) / (np.float32(rows) * total[pair, r])  # the group's mean of each query's sum
+                    for j in range((length + page_size - 1) // page_size):
+                        if shift[pair, r, j] == -np.inf:
+                            continue
+                        factor = np.float32(math.exp(shift[pair, r, j] - best[pair, r])) * share
+                        for t in range(min(page_size, length - j * page_size)):
+                            slot = j * page_size + t
+                            if slot < received.shape[2]:
+                                received[b, h, slot] += kept[pair, r, slot] * factor
 
-
-@numba.njit(parallel=True)  # no cache=True: loaders are arguments, and numba's on-disk index keys them by
-def paged_attention_kernel(  # dispatcher identity: never a hit in another process, and unsaveable (ReferenceError)
-    query, keys, values, positions, pages, lengths, visible, query_positions, load_keys, load_values, scale, softcap, out, received
-):  # pragma: no cover - compiled
-    """:func:`_attend_pair` for every (row, KV head) of ``query [batch, kv_heads, rows, dim]``;
-    ``received [batch, kv_heads, slots]`` (``slots`` 0: none asked for)."""
-    batch, heads, rows, dim = query.shape
-    for pair in numba.prange(batch * heads):
-        b = pair // heads
-        h = pair % heads
-        _attend_pair(
-            query[b, h],
-            keys,
-            values,
-            positions,
-            pages[b, h],
-            lengths[b, h],
-            visible[b],
-            query_positions,
-            load_keys,
-            load_values,
-            scale,
-            softcap,
-            out[b, h],
-            received[b, h],
-        )
+    return kernel
 
 
 class PageSource(NamedTuple):
-    """A layer's pages as the kernel reads them, in place (CPU): for keys and for values a numba
-    argument (an array, or a tuple of arrays and ints: a codec's fields) and the loader that writes
-    the first ``rows`` tokens of one of its pages as float32 (``load(source, page, out, out_bits,
-    rows)``, as :func:`~kvlib.kernels.page_kernel_parts.load_float32`: ``out [page_size, dim]``, ``out_bits`` the same scratch
-    viewed as uint32); each page's token positions (int64 ``[capacity, page_size]``); the value
-    channels. Each pool says how its pages are read (:meth:`~kvlib.storage.PagePool.page_source`)."""
+    """A layer's pages as the numba kernel reads them, in place (CPU).
 
-    keys: object
-    values: object
-    load_keys: Callable[..., None]
-    load_values: Callable[..., None]
+    ``keys`` / ``values``: the arenas of pages held raw (every page of float arenas; a coded
+    pool's open pages), float32, or float16 / bfloat16 as uint16 bits (``kind``:
+    :data:`~kvlib.kernels.page_kernel_parts.FLOAT_KINDS`), ``[rows, page_size, dim]``; ``sealed`` bool
+    ``[capacity]`` and ``raw_row`` int64 ``[capacity]`` (each open page's row in ``keys`` /
+    ``values``; both empty for float arenas, whose page ids are their rows); each page's token
+    positions (int64 ``[capacity, page_size]``); for sealed keys and values a
+    :class:`~kvlib.kernels.page_readers.NumbaReader` and the fields it reads; the value channels;
+    and the tensors the arrays view (:func:`~kvlib.kernels.host_arrays.host_array`: views do not
+    keep their tensor alive), held for as long as the source is."""
+
+    keys: np.ndarray
+    values: np.ndarray
+    kind: int
+    sealed: np.ndarray
+    raw_row: np.ndarray
     positions: np.ndarray
+    key_reader: NumbaReader
+    key_fields: tuple
+    value_reader: NumbaReader
+    value_fields: tuple
     value_dim: int
+    held: tuple
 
     def attend(self, query: torch.Tensor, pages: torch.Tensor, lengths: torch.Tensor, **options) -> torch.Tensor:
         """:func:`attend_pages` of ``query`` over these pages (the CPU kernel); ``options``: its
@@ -186,11 +318,59 @@ class PageSource(NamedTuple):
         return attention_weights(query, self, pages, lengths, **options)
 
 
-def _numpy_pages(arena: torch.Tensor) -> np.ndarray:
-    """A CPU arena as numpy: float32 as it is, float16 and bfloat16 as their 16-bit patterns."""
-    if arena.dtype == torch.float32:
-        return arena.numpy()
-    return arena.view(torch.int16).numpy().view(np.uint16)
+def run_kernel(
+    source: PageSource,
+    query: np.ndarray,
+    query_kind: int,
+    pages: np.ndarray,
+    lengths: np.ndarray,
+    visible: np.ndarray,
+    query_positions: np.ndarray,
+    scale: float,
+    softcap: float | None,
+    out: np.ndarray,
+    received: np.ndarray,
+) -> None:
+    """:func:`attention_kernel` over ``source``'s pages, on host arrays: ``query`` ``[batch,
+    query_heads, queries, head_dim]`` (float32, or uint16 bits of ``query_kind``), ``pages`` int64
+    ``[batch, kv_heads, max_pages]`` and ``lengths`` int64 ``[batch, kv_heads]``, ``visible`` bool
+    ``[batch, queries, logical]`` (no columns: causal by ``query_positions``, int64 ``[queries]``),
+    ``out`` float32 ``[batch, queries, query_heads, value_dim]`` (written), ``received`` float32
+    ``[batch, kv_heads, slots]`` (added to; no slots: not asked for). Every array C-contiguous."""
+    kernel = attention_kernel(source.key_reader, source.value_reader, RAW_PAGES[source.keys.dtype])
+    kernel(
+        query,
+        query_kind,
+        source.keys,
+        source.values,
+        source.kind,
+        source.sealed,
+        source.raw_row,
+        source.positions,
+        pages,
+        lengths,
+        visible,
+        query_positions,
+        source.key_fields,
+        source.value_fields,
+        np.float32(scale),
+        np.float32(softcap or 0.0),
+        split_count(lengths, source.positions.shape[1]),
+        out,
+        received,
+    )
+
+
+def split_count(lengths: np.ndarray, page_size: int) -> int:
+    """Splits per (row, KV head) so that the kernel's items keep its threads busy: one where
+    there are pairs enough (or one thread), else enough for two items per thread, each split
+    covering at least :data:`MIN_SPLIT_PAGES` of the longest head's pages."""
+    threads = numba.get_num_threads()
+    pairs = lengths.size
+    if threads == 1 or pairs >= 2 * threads or pairs == 0:
+        return 1
+    longest = int(lengths.max())
+    return max(1, min(-(-2 * threads // pairs), (longest + page_size - 1) // page_size // MIN_SPLIT_PAGES))
 
 
 def arena_source(key_arena: torch.Tensor, value_arena: torch.Tensor, positions: torch.Tensor) -> PageSource:
@@ -198,8 +378,55 @@ def arena_source(key_arena: torch.Tensor, value_arena: torch.Tensor, positions: 
     head_dim | value_dim]`` in one of :data:`SUPPORTED_DTYPES` (keys and values alike), on the CPU."""
     if key_arena.dtype not in SUPPORTED_DTYPES or value_arena.dtype != key_arena.dtype:
         raise ValueError(f"pages must be one of {SUPPORTED_DTYPES} (keys and values alike), got {key_arena.dtype} / {value_arena.dtype}")
-    load = LOADERS[key_arena.dtype]
-    return PageSource(_numpy_pages(key_arena), _numpy_pages(value_arena), load, load, positions.numpy(), value_arena.shape[2])
+    keys, kind = float_bits(key_arena)
+    return PageSource(
+        keys,
+        host_array(value_arena),
+        kind,
+        _NO_PAGES,
+        _NO_ROWS,
+        host_array(positions),
+        FLOAT_ARENAS,
+        (),
+        FLOAT_ARENAS,
+        (),
+        value_arena.shape[2],
+        (key_arena, value_arena, positions),
+    )
+
+
+def coded_source(
+    raw_keys: torch.Tensor,
+    raw_values: torch.Tensor,
+    sealed: torch.Tensor,
+    raw_row: torch.Tensor,
+    positions: torch.Tensor,
+    keys: KernelReader,
+    values: KernelReader,
+) -> PageSource:
+    """The :class:`PageSource` of a coded pool's pages (:class:`~kvlib.storage.coded_pool.CodedPages`'s
+    layout): open pages in the raw arenas ``[raw_rows, page_size, head_dim | value_dim]`` (one of
+    :data:`SUPPORTED_DTYPES`) at ``raw_row`` (int64 ``[capacity]``), sealed ones (bool ``sealed
+    [capacity]``) read by the numba readers ``keys`` and ``values`` name; ``positions`` int64
+    ``[capacity, page_size]``. Every tensor on the CPU; no copy."""
+    if raw_keys.dtype not in SUPPORTED_DTYPES or raw_values.dtype != raw_keys.dtype:
+        raise ValueError(f"open pages must be one of {SUPPORTED_DTYPES}, got {raw_keys.dtype} / {raw_values.dtype}")
+    key_reader, value_reader = numba_reader(keys.kernel), numba_reader(values.kernel)
+    raw, kind = float_bits(raw_keys)
+    return PageSource(
+        raw,
+        host_array(raw_values),
+        kind,
+        host_array(sealed),
+        host_array(raw_row),
+        host_array(positions),
+        key_reader,
+        key_reader.fields(keys.fields, keys.params),
+        value_reader,
+        value_reader.fields(values.fields, values.params),
+        raw_values.shape[2],
+        (raw_keys, raw_values, sealed, raw_row, positions, keys, values),
+    )
 
 
 def paged_attention(
@@ -253,27 +480,45 @@ def attend_pages(
     softcap: float | None = None,
 ) -> torch.Tensor:
     """:func:`paged_attention` over pages however they are held (``source``: float arenas, or a
-    codec's fields decoded page by page inside the kernel); the other arguments are its own."""
-    grouped, mask, steps = kernel_queries(query, pages, visible, query_positions)
+    coded pool's open pages raw and sealed pages through its codec's readers); the other
+    arguments are its own."""
+    grouped_rows(query, pages, visible, query_positions)
     batch, query_heads, queries, _ = query.shape
-    out = torch.empty(*grouped.shape[:3], source.value_dim, dtype=torch.float32)
-    paged_attention_kernel(
-        grouped.numpy(),
-        source.keys,
-        source.values,
-        source.positions,
-        pages.contiguous().numpy(),
-        lengths.contiguous().numpy(),
-        mask,
-        steps,
-        source.load_keys,
-        source.load_values,
-        np.float32(scale),
-        np.float32(softcap or 0.0),
-        out.numpy(),
-        np.zeros((*out.shape[:2], 0), dtype=np.float32),
+    out = torch.empty(batch, queries, query_heads, source.value_dim, dtype=torch.float32)
+    run_kernel(
+        source,
+        *kernel_query(query),
+        np.ascontiguousarray(host_array(pages)),
+        np.ascontiguousarray(host_array(lengths)),
+        kernel_visibility(visible, batch, queries),
+        kernel_positions(query_positions),
+        scale,
+        softcap,
+        host_array(out),
+        np.zeros((batch, pages.shape[1], 0), dtype=np.float32),
     )
-    return out.view(batch, query_heads, queries, -1).to(query.dtype)
+    return out.transpose(1, 2).to(query.dtype)
+
+
+def kernel_query(query: torch.Tensor) -> tuple[np.ndarray, int]:
+    """``query`` as the kernel reads it: a C-contiguous host array (float32, or 16-bit bits) and
+    its float kind (:data:`~kvlib.kernels.page_kernel_parts.FLOAT_KINDS`)."""
+    if query.dtype not in FLOAT_KINDS:
+        raise ValueError(f"queries must be one of {tuple(FLOAT_KINDS)}, got {query.dtype}")
+    return np.ascontiguousarray(host_array(query)), FLOAT_KINDS[query.dtype]
+
+
+def kernel_visibility(visible: torch.Tensor | None, batch: int, queries: int) -> np.ndarray:
+    """The model's mask over logical positions as the kernel reads it: bool ``[batch, queries,
+    logical]``, C-contiguous; no columns for causal visibility."""
+    if visible is None:
+        return np.zeros((batch, queries, 0), dtype=np.bool_)
+    return np.ascontiguousarray(host_array(visible))
+
+
+def kernel_positions(query_positions: torch.Tensor | None) -> np.ndarray:
+    """The queries' logical positions as the kernel reads them (int64; empty with a mask)."""
+    return _NO_ROWS if query_positions is None else np.ascontiguousarray(host_array(query_positions))
 
 
 class PageReader(Protocol):

@@ -17,11 +17,12 @@ in the query's dtype), with no dense copy of the layer:
   at least :data:`SPLIT_TOKENS` tokens, and no more than fill :data:`TARGET_PROGRAMS` programs
   (:func:`split_plan`): one split for a short context or a large batch, several for a long
   context over few heads. Each split is a whole number of tiles;
-- pages are read through tile loaders (:mod:`kvlib.triton_readers`): a float arena's tokens,
-  or a coded pool's, where open pages are read raw and sealed pages decoded in registers from
-  the codec's fields (:meth:`kvlib.codec.TensorCodec.triton_reader`; kivi, kv_bits, int8, fp8
-  and rotated have one). A codec without one gives no source (:func:`triton_coded_source`
-  returns None): its layer is then read densely.
+- pages are read through tile loaders (:mod:`kvlib.kernels.triton_tiles` has the contract): a
+  float arena's tokens, or a coded pool's, where open pages are read raw and sealed pages
+  decoded in registers from the codec's fields by the loader registered under the name the
+  codec's :class:`~kvlib.kernel_readers.KernelReader` gives (:mod:`kvlib.kernels.page_readers`;
+  kivi, kv_bits, int8, fp8 and rotated have one). A codec without one is read densely
+  (:func:`has_triton_loaders`).
 
 Index and bookkeeping tensors (``pages``, ``lengths``, ``visible``, ``query_positions``, a coded
 pool's ``sealed`` and ``raw_row``) may be on the CPU: they move to the arenas' device through
@@ -40,13 +41,13 @@ from typing import NamedTuple
 
 import torch
 
-from kvlib.codec import PageCodec, arena_dtype
 from kvlib.devices import to_arena_device
+from kvlib.kernel_readers import KernelReader
+from kvlib.kernels.page_readers import TRITON_LOADERS, triton_loader
 from kvlib.kernels.query_groups import grouped_rows
 from kvlib.kernels.triton_decode_kernels import attend_splits, merge_splits, score_tiles
 from kvlib.kernels.triton_products import dot_dtype
 from kvlib.kernels.triton_tiles import load_float_tile
-from kvlib.triton_readers import TritonReader
 
 TILE_TOKENS = 32
 """Tokens a program reads per step (``BLOCK_N``): a tile may span several pages."""
@@ -73,7 +74,7 @@ FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 class TileSource(NamedTuple):
     """How the kernels read one tensor (keys or values) of a layer's pages: a tile loader, the
-    tuple of tensors and the tuple of constexpr params it takes (:mod:`kvlib.triton_readers`),
+    tuple of tensors and the tuple of constexpr params it takes (:mod:`kvlib.kernels.triton_tiles`),
     and the tensor's channels."""
 
     load: object
@@ -120,47 +121,38 @@ def triton_arena_source(key_arena: torch.Tensor, value_arena: torch.Tensor, posi
     )
 
 
+def has_triton_loaders(keys: KernelReader, values: KernelReader) -> bool:
+    """Whether the Triton kernels have a tile loader for both readers (else the layer is read densely)."""
+    return keys.kernel in TRITON_LOADERS and values.kernel in TRITON_LOADERS
+
+
 def triton_coded_source(
-    codec: PageCodec,
     raw_keys: torch.Tensor,
     raw_values: torch.Tensor,
     sealed: torch.Tensor,
     raw_row: torch.Tensor,
     positions: torch.Tensor,
-    fields: dict[str, torch.Tensor],
-) -> TritonPageSource | None:
+    keys: KernelReader,
+    values: KernelReader,
+) -> TritonPageSource:
     """The :class:`TritonPageSource` of a coded pool's pages (:class:`~kvlib.storage.coded_pool.CodedPages`'s
     layout): open pages in the raw arenas ``[raw_rows, page_size, head_dim | value_dim]`` (a
-    float compute dtype) at ``raw_row`` (int64 ``[capacity]``), sealed ones (bool ``sealed
-    [capacity]``) as ``codec``'s field arenas ``fields`` (by field name, ``[capacity, ...]``, on
-    the raw arenas' device; before the first seal there are none yet: one zeroed row of each
-    stands in, never read since every page is open); ``positions`` int64 ``[capacity,
-    page_size]``. None where the codec has no Triton reader for keys or values (the layer is
-    then read densely)."""
-    if not fields:
-        fields = {
-            name: torch.zeros(1, *field.shape, dtype=arena_dtype(field.dtype), device=raw_keys.device)
-            for name, field in codec.fields.items()
-        }
-    readers = codec.triton_readers(fields)
-    if readers is None:
-        return None
+    float compute dtype) at ``raw_row`` (int64 ``[capacity]``), sealed ones (``sealed [capacity]``,
+    bool or uint8) read by the tile loaders ``keys`` and ``values`` name, from their fields (on the
+    raw arenas' device); ``positions`` int64 ``[capacity, page_size]``. ValueError for a reader
+    with no Triton loader (:func:`has_triton_loaders`)."""
     if raw_keys.dtype not in FLOAT_DTYPES or raw_values.dtype != raw_keys.dtype:
         raise ValueError(f"open pages must be one of {FLOAT_DTYPES}, got {raw_keys.dtype} / {raw_values.dtype}")
     device = raw_keys.device
-    flags = to_arena_device(sealed, device).to(torch.uint8)
+    flags = to_arena_device(sealed, device)
+    flags = flags if flags.dtype == torch.uint8 else flags.view(torch.uint8)
     rows = to_arena_device(raw_row, device)
-    key_reader, value_reader = readers
-    return TritonPageSource(
-        _coded_tiles(key_reader, raw_keys, rows, flags),
-        _coded_tiles(value_reader, raw_values, rows, flags),
-        positions,
-    )
+    return TritonPageSource(_coded_tiles(keys, raw_keys, rows, flags), _coded_tiles(values, raw_values, rows, flags), positions)
 
 
-def _coded_tiles(reader: TritonReader, raw: torch.Tensor, raw_row: torch.Tensor, sealed: torch.Tensor) -> TileSource:
+def _coded_tiles(reader: KernelReader, raw: torch.Tensor, raw_row: torch.Tensor, sealed: torch.Tensor) -> TileSource:
     """The :class:`TileSource` of a coded reader with the pool's open part before its fields."""
-    return TileSource(reader.load, (raw.contiguous(), raw_row, sealed, *reader.fields), reader.params, raw.shape[2])
+    return TileSource(triton_loader(reader.kernel), (raw, raw_row, sealed, *reader.fields), reader.params, raw.shape[2])
 
 
 def split_plan(longest: int, pairs: int, splits: int | None = None) -> tuple[int, int]:

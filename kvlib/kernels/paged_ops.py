@@ -5,36 +5,45 @@ per job, whatever the device:
 
 - ``kvlib::write_planned``: the layer's new keys, values and positions written into its arenas
   at the slots the step plan gave them (vLLM's ``reshape_and_cache`` for kvlib's per-head pages);
-- ``kvlib::paged_decode``: the layer's attention straight over its pages, through the plan's
-  block tables and lengths, returned in the layout `transformers` attention functions return.
+- ``kvlib::paged_decode`` (float arenas) or ``kvlib::paged_decode_coded`` (a coded pool: open
+  pages raw, sealed pages as its codec's fields, decoded inside the kernel): the layer's
+  attention straight over its pages, through the plan's block tables and lengths, returned in
+  the layout `transformers` attention functions return.
 
-Both take the plan's tensors for every layer and the layer's index, so that no per-layer slice
-of them is made before the call. As operators they are single nodes for ``torch.compile``
-(their fake implementations give shapes only: a decode step traces without a graph break) and
-one trip through torch's dispatcher each in eager mode. Each has a CPU implementation (the numba
-kernel of :mod:`kvlib.kernels.paged_attention`) and a CUDA one (:func:`kvlib.devices.paged_kernel`'s: the
-Triton kernels of :mod:`kvlib.kernels.paged_attention_triton` where triton is installed, else the torch
-path of :mod:`kvlib.kernels.paged_attention_torch`).
+Each takes the plan's tensors for every layer and the layer's index, so that no per-layer slice
+of them is made before the call. Only tensors, ints, floats and strs cross an operator's
+boundary: a coded pool hands its codec's fields as tensor lists and names the readers that decode
+them (:class:`~kvlib.kernel_readers.KernelReader`: ``key_reader`` / ``value_reader`` and their
+int parameters), which each kernel resolves itself (:mod:`kvlib.kernels.page_readers`). So a
+decode step traces under ``torch.compile`` with every operator a single node (fake
+implementations give shapes only), and caches of the same codec share a compiled graph. In
+eager mode each is one trip through torch's dispatcher.
 
-Semantics of ``paged_decode`` are :func:`kvlib.kernels.paged_attention.paged_attention`'s: query
-``[batch, query_heads, queries, head_dim]``; ``mask`` the model's mask over logical positions
-(``[batch, 1, queries, logical]``, bool or additive float; None: causal by
+The CPU implementations run the numba kernels of :mod:`kvlib.kernels.paged_attention` over numpy
+views of the arguments (:func:`~kvlib.kernels.host_arrays.host_array`), so they dispatch no torch
+operator inside but the output's allocation (and, for a 16-bit query, its conversion back);
+the CUDA ones run the Triton kernels of :mod:`kvlib.kernels.paged_attention_triton` where triton is
+installed, else (float arenas only) the torch path of :mod:`kvlib.kernels.paged_attention_torch`
+(:func:`kvlib.devices.paged_kernel` chooses).
+
+Semantics of the decode operators are :func:`kvlib.kernels.paged_attention.paged_attention`'s:
+query ``[batch, query_heads, queries, head_dim]``; ``mask`` the model's mask over logical
+positions (``[batch, 1, queries, logical]``, bool or additive float; None: causal by
 ``query_positions [queries]``); output ``[batch, queries, query_heads, value_dim]`` in the
 query's dtype, float32 accumulation.
 """
 
 from __future__ import annotations
 
-import weakref
-from typing import Protocol
-
+import numba
 import numpy as np
 import torch
 
 from kvlib.devices import PagedKernel, paged_kernel
+from kvlib.kernel_readers import KernelReader
 from kvlib.kernels.arena_sources import ARENA_SOURCES
-from kvlib.kernels.page_kernel_parts import LOADERS
-from kvlib.kernels.paged_attention import PageReader, PageSource, paged_attention_kernel
+from kvlib.kernels.host_arrays import host_array
+from kvlib.kernels.paged_attention import PageSource, arena_source, coded_source, kernel_positions, kernel_query, run_kernel
 
 _LIBRARY = torch.library.Library("kvlib", "DEF")  # noqa: TOR901 - the low-level API: a few microseconds a call, not tens
 
@@ -43,13 +52,14 @@ _LIBRARY.define(
     " int layer, Tensor keys, Tensor values, Tensor positions) -> ()"
 )
 _LIBRARY.define(
-    "paged_decode_source(int source, Tensor query, Tensor key_arena, Tensor value_arena, Tensor position_arena, Tensor pages,"
-    " Tensor lengths, int layer, Tensor? mask, Tensor? query_positions, float scale, float softcap, Tensor(d!)? received=None)"
-    " -> Tensor"
-)
-_LIBRARY.define(
     "paged_decode(Tensor query, Tensor key_arena, Tensor value_arena, Tensor position_arena, Tensor pages, Tensor lengths,"
     " int layer, Tensor? mask, Tensor? query_positions, float scale, float softcap, Tensor(d!)? received=None) -> Tensor"
+)
+_LIBRARY.define(
+    "paged_decode_coded(Tensor query, Tensor key_arena, Tensor value_arena, Tensor position_arena, Tensor pages, Tensor lengths,"
+    " int layer, Tensor? mask, Tensor? query_positions, float scale, float softcap, Tensor sealed, Tensor raw_row,"
+    " Tensor[] key_fields, str key_reader, int[] key_params, Tensor[] value_fields, str value_reader, int[] value_params,"
+    " Tensor(d!)? received=None) -> Tensor"
 )
 
 
@@ -79,17 +89,6 @@ def write_planned(
     torch.ops.kvlib.write_planned(key_arena, value_arena, position_arena, slots, position_slots, layer, keys, values, positions)
 
 
-class SourceOwner(Protocol):
-    """What reads its pages through a source of its own (a coded pool: its codec's fields decoded
-    in the kernel): :meth:`page_source` gives the current one, or None."""
-
-    def page_source(self) -> PageReader | None: ...
-
-
-_SOURCES: weakref.WeakValueDictionary[int, SourceOwner] = weakref.WeakValueDictionary()
-"""The owners ``kvlib::paged_decode_source`` reads through, by handle (their ``id``; held weakly)."""
-
-
 def paged_decode(
     query: torch.Tensor,
     key_arena: torch.Tensor,
@@ -103,31 +102,45 @@ def paged_decode(
     scale: float,
     softcap: float | None = None,
     received: torch.Tensor | None = None,
-    owner: SourceOwner | None = None,
 ) -> torch.Tensor:
-    """Attention of ``query`` over layer ``layer``'s pages (see the module docstring): ``pages``
-    int64 ``[layers, batch, kv_heads, max_pages]`` and ``lengths`` int64 ``[layers, batch,
-    kv_heads]`` are the plan's, for every layer. ``received`` (float32 ``[batch, kv_heads,
-    slots]``, zeros, at least each head's length of slots; optional) gets the attention each
-    stored slot (block-table order) received: the softmax weights summed over the queries and
-    averaged over the query heads of its KV head (H2O's accumulated attention of this call).
+    """Attention of ``query`` over layer ``layer``'s float pages (see the module docstring):
+    ``pages`` int64 ``[layers, batch, kv_heads, max_pages]`` and ``lengths`` int64 ``[layers,
+    batch, kv_heads]`` are the plan's, for every layer. ``received`` (float32 ``[batch, kv_heads,
+    slots]``, at least each head's length of slots; optional) has the attention each stored slot
+    (block-table order) received added to it: the softmax weights summed over the queries and
+    averaged over the query heads of its KV head (H2O's accumulated attention, this call's part)."""
+    return torch.ops.kvlib.paged_decode(
+        query, key_arena, value_arena, position_arena, pages, lengths, layer, mask, query_positions, scale, softcap or 0.0, received
+    )
 
-    One operator: ``kvlib::paged_decode`` over the float arenas (``owner`` None), else
-    ``kvlib::paged_decode_source`` over pages that ``owner`` reads through its own source (a
-    coded pool: open pages raw in ``key_arena`` / ``value_arena``, sealed pages as its codec's
-    fields, decoded inside the kernel; values of ``value_arena.shape[-1]`` channels). There the
-    arenas a planned write changes are still the operator's inputs, so that it is ordered after
-    that write wherever a compiler moves operators; the rest is read through ``owner.page_source()``."""
-    if owner is None:
-        return torch.ops.kvlib.paged_decode(
-            query, key_arena, value_arena, position_arena, pages, lengths, layer, mask, query_positions, scale, softcap or 0.0, received
-        )
-    _SOURCES[id(owner)] = owner
-    return torch.ops.kvlib.paged_decode_source(
-        id(owner),
+
+def paged_decode_coded(
+    query: torch.Tensor,
+    raw_keys: torch.Tensor,
+    raw_values: torch.Tensor,
+    position_arena: torch.Tensor,
+    pages: torch.Tensor,
+    lengths: torch.Tensor,
+    layer: int,
+    mask: torch.Tensor | None,
+    query_positions: torch.Tensor | None,
+    scale: float,
+    softcap: float | None,
+    sealed: torch.Tensor,
+    raw_row: torch.Tensor,
+    keys: KernelReader,
+    values: KernelReader,
+    received: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`paged_decode` over a coded pool's pages: open pages raw in ``raw_keys`` /
+    ``raw_values`` at their row ``raw_row[page]`` (int64 ``[capacity]``), sealed pages (bool
+    ``sealed [capacity]``, on the arenas' device) as the codec's fields, read in the kernel by the
+    readers ``keys`` and ``values`` name. The raw arenas a planned write changes are the
+    operator's inputs, so that it is ordered after that write wherever a compiler moves operators."""
+    return torch.ops.kvlib.paged_decode_coded(
         query,
-        key_arena,
-        value_arena,
+        raw_keys,
+        raw_values,
         position_arena,
         pages,
         lengths,
@@ -136,7 +149,47 @@ def paged_decode(
         query_positions,
         scale,
         softcap or 0.0,
+        sealed,
+        raw_row,
+        list(keys.fields),
+        keys.kernel,
+        list(keys.params),
+        list(values.fields),
+        values.kernel,
+        list(values.params),
         received,
+    )
+
+
+@numba.njit(cache=True)
+def _scatter_planned(key_arena, value_arena, position_arena, slots, position_slots, keys, values, positions) -> None:  # pragma: no cover
+    """``kvlib::write_planned`` on host arrays (``slots`` / ``position_slots`` the layer's ``[batch,
+    kv_heads, tokens]``; arenas and tokens as the same element type: floats or their bits)."""
+    batch, heads, tokens = slots.shape
+    page_size = key_arena.shape[1]
+    for b in range(batch):
+        for h in range(heads):
+            for t in range(tokens):
+                slot = slots[b, h, t]
+                row, offset = slot // page_size, slot % page_size
+                for c in range(key_arena.shape[2]):
+                    key_arena[row, offset, c] = keys[b, h, t, c]
+                for c in range(value_arena.shape[2]):
+                    value_arena[row, offset, c] = values[b, h, t, c]
+                place = position_slots[b, h, t]
+                position_arena[place // page_size, place % page_size] = positions[b, t]
+
+
+def _write_planned_cpu(key_arena, value_arena, position_arena, slots, position_slots, layer, keys, values, positions) -> None:
+    _scatter_planned(
+        host_array(key_arena),
+        host_array(value_arena),
+        host_array(position_arena),
+        np.ascontiguousarray(host_array(slots)[layer]),
+        np.ascontiguousarray(host_array(position_slots)[layer]),
+        np.ascontiguousarray(host_array(keys)),
+        np.ascontiguousarray(host_array(values)),
+        np.ascontiguousarray(host_array(positions)),
     )
 
 
@@ -156,45 +209,48 @@ def mask_visibility(mask: torch.Tensor | None) -> torch.Tensor | None:
     return visible if visible.dtype == torch.bool else visible > torch.finfo(visible.dtype).min
 
 
-_CAUSAL = np.zeros(0, dtype=np.int64)
+_HALF_VIEWS = {torch.float16: np.float16}
+
+
+def host_visibility(mask: torch.Tensor | None, batch: int, queries: int) -> np.ndarray:
+    """:func:`mask_visibility` as the CPU kernel reads it, made on host arrays (no torch
+    operator): bool ``[batch, queries, logical]``, C-contiguous; no columns when ``mask`` is None."""
+    if mask is None:
+        return np.zeros((batch, queries, 0), dtype=np.bool_)
+    rows = host_array(mask)[:, 0]
+    if mask.dtype == torch.bool:
+        return np.ascontiguousarray(rows)
+    if mask.dtype == torch.bfloat16:
+        rows = (rows.astype(np.uint32) << np.uint32(16)).view(np.float32)
+    elif mask.dtype == torch.float16:
+        rows = rows.view(np.float16)
+    return np.ascontiguousarray(rows > torch.finfo(mask.dtype).min)
 
 
 def decode_over(source: PageSource, query, pages, lengths, layer, mask, query_positions, scale, softcap, received=None) -> torch.Tensor:
-    """``paged_decode``'s CPU work over any :class:`~kvlib.kernels.paged_attention.PageSource` (float
-    arenas, or a codec's fields decoded in the kernel): the numba kernel of
-    :func:`~kvlib.kernels.paged_attention.attend_pages` for a decode step's few queries, over the
-    plan's CPU tensors read as numpy (each C-contiguous), and its result laid out as `transformers`
-    attention functions return it: ``[batch, queries, query_heads, value_dim]`` in ``query``'s
-    dtype. No torch operator but the query's conversion to float32, the mask's to bool and the
-    result's back."""
-    batch, query_heads, queries, dim = query.shape
+    """A decode operator's CPU work over any :class:`~kvlib.kernels.paged_attention.PageSource`
+    (float arenas, or a coded pool's pages): the numba kernel over host arrays of the plan's
+    layer ``layer``, its output laid out as `transformers` attention functions return it
+    (``[batch, queries, query_heads, value_dim]``, in ``query``'s dtype). No torch operator but
+    the output's allocation (and its conversion to a 16-bit query's dtype)."""
+    batch, query_heads, queries, _ = query.shape
     kv_heads = pages.shape[2]
     if query_heads % kv_heads:
         raise ValueError(f"query heads ({query_heads}) must be a multiple of KV heads ({kv_heads})")
-    visible = mask_visibility(mask)
-    floats = query.detach() if query.dtype == torch.float32 else query.detach().float()
-    grouped = np.ascontiguousarray(floats.numpy().reshape(batch, kv_heads, query_heads // kv_heads * queries, dim))
-    out = np.empty((*grouped.shape[:3], source.value_dim), dtype=np.float32)
-    paged_attention_kernel(
-        grouped,
-        source.keys,
-        source.values,
-        source.positions,
-        pages.numpy()[layer],
-        lengths.numpy()[layer],
-        np.zeros((batch, queries, 0), dtype=np.bool_) if visible is None else visible.numpy(),
-        _CAUSAL if query_positions is None else query_positions.numpy(),
-        source.load_keys,
-        source.load_values,
-        np.float32(scale),
-        np.float32(softcap or 0.0),
-        out,
-        np.zeros((batch, kv_heads, 0), dtype=np.float32) if received is None else received.numpy(),
+    out = torch.empty(batch, queries, query_heads, source.value_dim, dtype=torch.float32)
+    run_kernel(
+        source,
+        *kernel_query(query.detach() if query.requires_grad else query),
+        np.ascontiguousarray(host_array(pages)[layer]),
+        np.ascontiguousarray(host_array(lengths)[layer]),
+        host_visibility(mask, batch, queries),
+        kernel_positions(query_positions),
+        scale,
+        softcap or None,
+        host_array(out),
+        np.zeros((batch, kv_heads, 0), dtype=np.float32) if received is None else host_array(received),
     )
-    if queries > 1:  # [batch, kv_heads, group, queries, dim] -> [batch, queries, kv_heads, group, dim]
-        out = np.ascontiguousarray(out.reshape(batch, kv_heads, -1, queries, out.shape[-1]).transpose(0, 3, 1, 2, 4))
-    output = torch.from_numpy(out.reshape(batch, queries, query_heads, -1))
-    return output if query.dtype == torch.float32 else output.to(query.dtype)
+    return out if query.dtype == torch.float32 else out.to(query.dtype)
 
 
 def _paged_decode_cpu(
@@ -204,20 +260,20 @@ def _paged_decode_cpu(
         return _paged_decode_by_source(
             query, key_arena, value_arena, position_arena, pages, lengths, layer, mask, query_positions, scale, softcap, received
         )
-    load = LOADERS[key_arena.dtype]
-    source = PageSource(_float_bits(key_arena), _float_bits(value_arena), load, load, position_arena.numpy(), value_arena.shape[2])
+    source = arena_source(key_arena, value_arena, position_arena)
     return decode_over(source, query, pages, lengths, layer, mask, query_positions, scale, softcap, received)
-
-
-def _float_bits(arena: torch.Tensor) -> np.ndarray:
-    """A float arena as the kernel reads it: float32 as it is, 16-bit floats as their bits."""
-    return arena.numpy() if arena.dtype == torch.float32 else arena.view(torch.int16).numpy().view(np.uint16)
 
 
 def _paged_decode_by_source(
     query, key_arena, value_arena, position_arena, pages, lengths, layer, mask, query_positions, scale, softcap, received=None
 ):
     reader = ARENA_SOURCES[paged_kernel(key_arena.device)](key_arena, value_arena, position_arena)
+    return _attend_through(reader, query, pages, lengths, layer, mask, query_positions, scale, softcap, received)
+
+
+def _attend_through(reader, query, pages, lengths, layer, mask, query_positions, scale, softcap, received) -> torch.Tensor:
+    """A decode operator's work through a :class:`~kvlib.kernels.paged_attention.PageReader` of torch
+    tensors (the Triton kernels, the torch path)."""
     options = {"visible": mask_visibility(mask), "query_positions": query_positions, "scale": scale, "softcap": softcap or None}
     if received is not None:
         _add_received(received, reader.weights(query, pages[layer], lengths[layer], **options), pages.shape[2])
@@ -233,21 +289,66 @@ def _add_received(received: torch.Tensor, weights: torch.Tensor, kv_heads: int) 
     received[..., :width] += summed[..., :width]
 
 
-def _paged_decode_source_cpu(
-    source, query, key_arena, value_arena, position_arena, pages, lengths, layer, mask, query_positions, scale, softcap, received=None
-):
-    reader = _SOURCES[source].page_source()
-    return decode_over(reader, query, pages, lengths, layer, mask, query_positions, scale, softcap, received)
+def _coded_readers(key_fields, key_reader, key_params, value_fields, value_reader, value_params) -> tuple[KernelReader, KernelReader]:
+    return KernelReader(key_reader, tuple(key_fields), tuple(key_params)), KernelReader(
+        value_reader, tuple(value_fields), tuple(value_params)
+    )
 
 
-def _paged_decode_source_cuda(
-    source, query, key_arena, value_arena, position_arena, pages, lengths, layer, mask, query_positions, scale, softcap, received=None
+def _paged_decode_coded_cpu(
+    query,
+    raw_keys,
+    raw_values,
+    position_arena,
+    pages,
+    lengths,
+    layer,
+    mask,
+    query_positions,
+    scale,
+    softcap,
+    sealed,
+    raw_row,
+    key_fields,
+    key_reader,
+    key_params,
+    value_fields,
+    value_reader,
+    value_params,
+    received=None,
 ):
-    reader = _SOURCES[source].page_source()
-    options = {"visible": mask_visibility(mask), "query_positions": query_positions, "scale": scale, "softcap": softcap or None}
-    if received is not None:
-        _add_received(received, reader.weights(query, pages[layer], lengths[layer], **options), pages.shape[2])
-    return reader.attend(query, pages[layer], lengths[layer], **options).transpose(1, 2).contiguous()
+    keys, values = _coded_readers(key_fields, key_reader, key_params, value_fields, value_reader, value_params)
+    source = coded_source(raw_keys, raw_values, sealed, raw_row, position_arena, keys, values)
+    return decode_over(source, query, pages, lengths, layer, mask, query_positions, scale, softcap, received)
+
+
+def _paged_decode_coded_cuda(
+    query,
+    raw_keys,
+    raw_values,
+    position_arena,
+    pages,
+    lengths,
+    layer,
+    mask,
+    query_positions,
+    scale,
+    softcap,
+    sealed,
+    raw_row,
+    key_fields,
+    key_reader,
+    key_params,
+    value_fields,
+    value_reader,
+    value_params,
+    received=None,
+):
+    from kvlib.kernels.paged_attention_triton import triton_coded_source  # triton is optional: CUDA builds of torch bring it
+
+    keys, values = _coded_readers(key_fields, key_reader, key_params, value_fields, value_reader, value_params)
+    reader = triton_coded_source(raw_keys, raw_values, sealed, raw_row, position_arena, keys, values)
+    return _attend_through(reader, query, pages, lengths, layer, mask, query_positions, scale, softcap, received)
 
 
 def _paged_decode_fake(
@@ -257,16 +358,17 @@ def _paged_decode_fake(
     return query.new_empty(batch, queries, heads, value_arena.shape[-1])
 
 
-def _paged_decode_source_fake(source, *arguments, **keywords):
-    return _paged_decode_fake(*arguments, **keywords)
+def _paged_decode_coded_fake(query, raw_keys, raw_values, *arguments, received=None):
+    batch, heads, queries, _ = query.shape
+    return query.new_empty(batch, queries, heads, raw_values.shape[-1])
 
 
-for _key in ("CPU", "CUDA"):
-    _LIBRARY.impl("write_planned", _write_planned, _key)
+_LIBRARY.impl("write_planned", _write_planned_cpu, "CPU")
+_LIBRARY.impl("write_planned", _write_planned, "CUDA")
 _LIBRARY.impl("paged_decode", _paged_decode_cpu, "CPU")
 _LIBRARY.impl("paged_decode", _paged_decode_by_source, "CUDA")
-_LIBRARY.impl("paged_decode_source", _paged_decode_source_cpu, "CPU")
-_LIBRARY.impl("paged_decode_source", _paged_decode_source_cuda, "CUDA")
+_LIBRARY.impl("paged_decode_coded", _paged_decode_coded_cpu, "CPU")
+_LIBRARY.impl("paged_decode_coded", _paged_decode_coded_cuda, "CUDA")
 torch.library.register_fake("kvlib::write_planned", lambda *args: None, lib=_LIBRARY)
 torch.library.register_fake("kvlib::paged_decode", _paged_decode_fake, lib=_LIBRARY)
-torch.library.register_fake("kvlib::paged_decode_source", _paged_decode_source_fake, lib=_LIBRARY)
+torch.library.register_fake("kvlib::paged_decode_coded", _paged_decode_coded_fake, lib=_LIBRARY)

@@ -12,7 +12,7 @@ Layout (every tensor contiguous, on the arenas' device):
   each token's position, or (``CAUSAL``) ``0 <= position <= query_positions[q]``;
 - keys and values through tile loaders ``LOAD_KEYS`` / ``LOAD_VALUES`` with their tuples of
   tensors (``key_tensors`` / ``value_tensors``) and of constexpr params (``KEY_PARAMS`` /
-  ``VALUE_PARAMS``; :mod:`kvlib.triton_readers`).
+  ``VALUE_PARAMS``; :mod:`kvlib.kernels.triton_tiles`).
 
 :func:`attend_splits` runs one program per (pair, split): split ``s`` covers the pair's tokens
 ``[s * split_tokens, (s + 1) * split_tokens)`` (cut at its length), ``BLOCK_N`` tokens per step

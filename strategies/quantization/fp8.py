@@ -8,6 +8,7 @@ import torch
 
 from kvlib.codec import Field, PageCodec, TensorShape
 from kvlib.registry import register
+from kvlib.strategies.quantization.page_readers import E4M3_CODES
 from kvlib.strategies.quantization.uniform import ScaledBytes
 from kvlib.strategy import Quantization
 
@@ -22,6 +23,7 @@ class PageScaledFP8(ScaledBytes):
     at most 2**-4 for elements in e4m3's normal range, absolute ``scale * 2**-10`` below it."""
 
     TABLE = E4M3_TABLE
+    CODES = E4M3_CODES
 
     def __init__(self, shape: TensorShape) -> None:
         super().__init__(shape)
@@ -40,12 +42,6 @@ class PageScaledFP8(ScaledBytes):
         scale = torch.where(amax > 0, amax / E4M3_MAX, 1.0)
         codes = torch.div(block, scale.unsqueeze(-1)).clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3)  # float32 by promotion
         return {"codes": codes, "scale": scale}
-
-    def triton_load(self) -> object:
-        """e4m3 bit patterns."""
-        from kvlib.strategies.quantization.triton_loaders.scaled_bytes import load_e4m3  # triton is optional
-
-        return load_e4m3
 
 
 @register("fp8")

@@ -12,10 +12,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvlib.codec import CodedReader, Field, TensorCodec, TensorShape
+from kvlib.codec import Field, TensorCodec, TensorShape
 from kvlib.devices import to_arena_device
+from kvlib.kernel_readers import KernelReader
 from kvlib.strategies.quantization import gear_kernels
-from kvlib.strategies.quantization.page_loaders import gear_reader
 from kvlib.strategies.quantization.uniform import GroupQuantizer, metadata_dtype, write_rows
 
 
@@ -172,10 +172,23 @@ class GearQuantizer(TensorCodec):
             values.view(values.shape[0], -1).scatter_(1, encoded["outlier_index"].long(), encoded["outlier_value"].float())
         return values
 
-    def page_reader(self, arenas: dict[str, torch.Tensor]) -> CodedReader:
-        """Codes, ``U V^T`` and outliers decoded page by page inside the kernel."""
+    def kernel_reader(self, arenas: dict[str, torch.Tensor]) -> KernelReader:
+        """``"gear"``: codes, ``U V^T`` and outliers decoded page by page inside the numba kernel
+        (:func:`~.page_readers.load_gear`); empty stand-ins for the factors and outliers a codec
+        without them has. No Triton loader: on CUDA a GEAR layer is read densely."""
         q = self.quantizer
-        return gear_reader(arenas, q.bits, q.per_channel, q.group, self.rank, self.count)
+        device = arenas["codes"].device
+        factors = torch.zeros(0, 0, dtype=q.meta, device=device)
+        fields = (
+            arenas["codes"],
+            arenas["scale"],
+            arenas["minimum"],
+            arenas["token_factors"] if self.rank else factors,
+            arenas["channel_factors"] if self.rank else factors,
+            arenas["outlier_index"] if self.count else torch.zeros(0, 0, dtype=torch.int16, device=device),
+            arenas["outlier_value"] if self.count else factors,
+        )
+        return KernelReader("gear", fields, (q.bits, int(q.per_channel), q.group, self.rank, self.count))
 
 
 def narrowing_outliers(grouped: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -11,9 +11,12 @@ alone, in ``O(d log d)`` (the butterfly of the fast Walsh-Hadamard transform).
 Pages are stored rotated; every read undoes the rotation (``x = D_h H y / sqrt(d)``), so reads
 return keys and values in the model's basis: the dense encode and decode here (on the CPU one
 fused numba pass per page batch, :func:`rotate_rows`, in the same float32 operations and order as
-the torch :func:`hadamard` that serves other devices), and inside the paged-attention kernel :func:`load_rotated`, which decodes the codes as the group
-quantizer's loader does and then rotates each token row back. The kernel's loaders get a page
-id, not its head, so each sealed page also stores its KV head (one byte, ``head`` field).
+the torch :func:`hadamard` that serves other devices). The paged-attention kernel instead
+rotates the query once, not every key (``q . R_h^T y = (R_h q) . y``: :func:`rotated_work`),
+and sums the values in the rotated basis, rotated back once per (row, KV head)
+(:func:`rotated_finish`): the ``"rotated"`` numba reader. The kernel's readers get a page id, so
+each sealed page also stores its KV head (one byte, ``head`` field); a page stored for another
+head than the one read (never, as the store lays pages out) is rotated back page by page.
 """
 
 from __future__ import annotations
@@ -22,12 +25,14 @@ import numba
 import numpy as np
 import torch
 
-from kvlib.codec import CodedReader, Field, TensorCodec, TensorShape
+from kvlib.codec import Field, TensorCodec, TensorShape
 from kvlib.devices import to_arena_device
-from kvlib.kernels.coded_page_loaders import OPEN_ITEMS, load_open
-from kvlib.strategies.quantization.page_loaders import decode_page_groups, load_group_quantized
+from kvlib.kernel_readers import KernelReader
+from kvlib.kernels.host_arrays import host_array
+from kvlib.kernels.page_kernel_parts import FASTMATH, float_accumulate, float_scores
+from kvlib.kernels.page_readers import NumbaReader, register_numba_reader
+from kvlib.strategies.quantization.page_readers import decode_page_groups, group_accumulate, group_fields, group_key_scores
 from kvlib.strategies.quantization.uniform import write_rows
-from kvlib.triton_readers import TritonReader
 
 MAX_HEADS = 256
 """KV heads a layer may have: a page's head is stored in one byte."""
@@ -117,8 +122,8 @@ def hadamard(x: torch.Tensor) -> torch.Tensor:
 
 class RotatedQuantizer(TensorCodec):
     """``inner`` (a tensor codec; a :class:`~.uniform.GroupQuantizer` for the ``rotated`` strategy)
-    applied to pages rotated by their head's ``R_h``; decoding rotates back. The kernel decodes
-    pages in place when ``inner``'s page reader is a group quantizer's, else reads go through
+    applied to pages rotated by their head's ``R_h``; decoding rotates back. The kernels read
+    pages in place when ``inner``'s reader is a group quantizer's, else reads go through
     :meth:`decode_into`. Fields: the inner quantizer's plus ``head`` (uint8, the page's
     KV head, metadata). State: the sign vectors, int8 ``[kv_heads, dim]`` (:meth:`state_bytes`).
 
@@ -192,40 +197,41 @@ class RotatedQuantizer(TensorCodec):
         """float32 ``[pages, 1, dim]``: the signs of each page's head, on ``device``."""
         return self.signs.index_select(0, to_arena_device(heads, self.signs.device)).unsqueeze(1).to(device, torch.float32)
 
-    def page_reader(self, arenas: dict[str, torch.Tensor]) -> CodedReader | None:
-        """The inner quantizer's codes decoded, then each token row rotated back, inside the kernel
-        (None where the inner codec has no reader: the layer is then read through :meth:`decode_into`)."""
-        inner = self.inner.page_reader({name: t for name, t in arenas.items() if name != "head"})
-        if inner is None or inner.load is not load_group_quantized:  # load_rotated reads a group quantizer's fields
+    def kernel_reader(self, arenas: dict[str, torch.Tensor]) -> KernelReader | None:
+        """``"rotated"``: the inner group quantizer's codes read with the query rotated once per
+        (row, KV head) and the values summed in the rotated basis, rotated back once
+        (:func:`rotated_key_scores`, :func:`rotated_finish`); on CUDA decoded and rotated back in
+        registers (:mod:`~.triton_loaders.rotated`). None where the inner codec is not a group
+        quantizer, or for a head dim over :data:`MAX_TRITON_DIM` on CUDA (the
+        layer is then read through :meth:`decode_into`)."""
+        inner = self.inner.kernel_reader({name: t for name, t in arenas.items() if name != "head"})
+        if inner is None or inner.kernel != "group":  # the rotated readers read a group quantizer's fields
             return None
-        return CodedReader((*inner.fields, arenas["head"].numpy(), self.signs.numpy()), load_rotated)
-
-    def triton_reader(self, arenas: dict[str, torch.Tensor]) -> TritonReader | None:
-        """The inner quantizer's codes decoded, then each token row rotated back, in registers
-        inside the Triton kernel (None where the inner codec is not a group quantizer, or for a
-        head dim over :data:`~.triton_loaders.rotated.MAX_DIM`: the layer is then read through
-        :meth:`decode_into`)."""
-        from kvlib.strategies.quantization.triton_loaders.group import load_group_quantized  # triton is optional
-        from kvlib.strategies.quantization.triton_loaders.rotated import rotated_triton_reader
-
-        inner = self.inner.triton_reader({name: t for name, t in arenas.items() if name != "head"})
-        if inner is None or inner.load is not load_group_quantized:  # load_rotated reads a group quantizer's fields
+        if arenas["head"].device.type == "cuda" and self.shape.dim > MAX_TRITON_DIM:
             return None
-        return rotated_triton_reader(inner, arenas["head"], self.signs)
+        return KernelReader("rotated", (*inner.fields, arenas["head"], self.signs.to(arenas["head"].device)), inner.params)
 
     def state_bytes(self) -> int:
         return self.signs.numel() * self.signs.element_size()
 
 
-@numba.njit(inline="always")
-def load_rotated(source, page: int, out: np.ndarray, out_bits: np.ndarray, rows: int) -> None:
-    """A :class:`RotatedQuantizer`'s page. ``fields = (codes, scale, minimum, meta kind, bits,
-    per_channel, group)`` as a group quantizer's loader reads them, then ``head`` uint8
-    ``[capacity, 1]`` and ``signs`` int8 ``[kv_heads, dim]``: an open page is read raw (it was
-    never rotated), a sealed page's rotated rows are decoded and each rotated back."""
-    if load_open(source, page, out, out_bits, rows):
-        return
-    codes, scale, minimum, kind, bits, per_channel, group, head, signs = source[OPEN_ITEMS:]
+MAX_TRITON_DIM = 128
+"""The widest head dim the Triton loader decodes rotated pages at (its Hadamard matrix is a float32
+``tl.dot`` operand, ``4 * dim**2`` bytes of shared memory: 64 KiB at 128)."""
+
+
+def rotated_fields(tensors: tuple[torch.Tensor, ...], params: tuple[int, ...]) -> tuple:
+    """:func:`~.page_readers.group_fields` of the inner codes, then ``head`` uint8 ``[capacity, 1]``
+    (each sealed page's KV head) and ``signs`` int8 ``[kv_heads, dim]``."""
+    *inner, head, signs = tensors
+    return (*group_fields(tuple(inner), params), host_array(head), host_array(signs))
+
+
+@numba.njit(fastmath=FASTMATH)
+def rotate_back(fields, page, out, rows) -> None:  # pragma: no cover - compiled
+    """Sealed ``page`` decoded into ``out``'s first ``rows`` rows in the model's basis (the inner
+    codes, then each row rotated back with the signs of the page's own head)."""
+    codes, scale, minimum, kind, bits, per_channel, group, head, signs = fields
     decode_page_groups(codes, scale, minimum, kind, bits, per_channel, group, page, out, rows)
     h = head[page, 0]
     dim = out.shape[1]
@@ -234,3 +240,69 @@ def load_rotated(source, page: int, out: np.ndarray, out_bits: np.ndarray, rows:
         butterflies(out[t])
         for c in range(dim):
             out[t, c] = (out[t, c] * norm) * np.float32(signs[h, c])
+
+
+@numba.njit(fastmath=FASTMATH)
+def rotated_work(fields, query, head):  # pragma: no cover - compiled
+    """Rows ``[0, rows)``: ``R_h q`` of each query row (``q . R_h^T y = (R_h q) . y``); then the
+    group reader's work."""
+    signs = fields[8]
+    rows, dim = query.shape
+    work = np.empty((2 * rows + 2, dim), dtype=np.float32)
+    norm = np.float32(dim**-0.5)
+    for r in range(rows):
+        row = work[r]
+        for c in range(dim):
+            row[c] = query[r, c] * np.float32(signs[head, c])
+        butterflies(row)
+        for c in range(dim):
+            row[c] *= norm
+    return work
+
+
+@numba.njit(fastmath=FASTMATH)
+def rotated_key_scores(fields, page, head, query, work, filled, scores, scratch) -> None:  # pragma: no cover - compiled
+    """Scores of rotated keys: the rotated query against the page's codes (the group reader); a
+    page stored for another head than the one read is rotated back first."""
+    rows = query.shape[0]
+    if fields[7][page, 0] == head:
+        group_key_scores(fields[:7], page, head, work[:rows], work[rows:], filled, scores, scratch)
+    else:
+        rotate_back(fields, page, scratch, filled)
+        float_scores(query, scratch, filled, scores)
+
+
+@numba.njit
+def rotated_state(fields, rows, value_dim):  # pragma: no cover - compiled
+    """The weighted sum of the values in the rotated basis, ``[rows, value_dim]``."""
+    return np.zeros((rows, value_dim), dtype=np.float32)
+
+
+@numba.njit(fastmath=FASTMATH)
+def rotated_accumulate(fields, page, head, weights, filled, acc, state, scratch) -> None:  # pragma: no cover - compiled
+    """Rotated values added in the rotated basis (``state``), or rotated back first for a page
+    stored for another head."""
+    if fields[7][page, 0] == head:
+        group_accumulate(fields[:7], page, head, weights, filled, state, state, scratch)
+    else:
+        rotate_back(fields, page, scratch, filled)
+        float_accumulate(weights, scratch, filled, acc)
+
+
+@numba.njit(fastmath=FASTMATH)
+def rotated_finish(fields, acc, state, head) -> None:  # pragma: no cover - compiled
+    """``acc += R_h^T state`` row by row (``D_h H y / sqrt(d)``): the rotation undone once."""
+    signs = fields[8]
+    dim = state.shape[1]
+    norm = np.float32(dim**-0.5)
+    for r in range(state.shape[0]):
+        row = state[r]
+        butterflies(row)
+        for c in range(dim):
+            acc[r, c] += (row[c] * norm) * np.float32(signs[head, c])
+
+
+ROTATED = register_numba_reader(
+    "rotated", NumbaReader(rotated_fields, rotated_work, rotated_key_scores, rotated_state, rotated_accumulate, rotated_finish)
+)
+"""The numba reader of :class:`RotatedQuantizer` pages."""

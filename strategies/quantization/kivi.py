@@ -26,8 +26,8 @@ class KIVI(Quantization):
 
     Args:
         bits: bits per element, 2, 3, 4 or 8 (codes packed 4, 2 or 1 per byte; 3-bit codes 8 per 3 bytes).
-        group: value channels per quantization group; clamped to the head dim (stories260K's
-            head dim 8 gives groups of 8), and must then divide it.
+        group: value channels per quantization group; clamped to the head dim (a head dim
+            of 8 gives groups of 8), and must then divide it.
     """
 
     bits: int = 2

@@ -24,10 +24,11 @@ from __future__ import annotations
 
 import torch
 
-from kvlib.codec import CodedReader, Field, PageCodec, TensorCodec, TensorShape
+from kvlib.codec import Field, PageCodec, TensorCodec, TensorShape
 from kvlib.devices import to_arena_device
+from kvlib.kernel_readers import KernelReader
 from kvlib.kernels.packing import pack, packed_size, unpack
-from kvlib.strategies.quantization.mixed_loader import mixed_reader
+from kvlib.strategies.quantization.mixed_loader import READER
 from kvlib.strategies.quantization.uniform import grid, group_size, metadata_dtype
 
 
@@ -132,9 +133,21 @@ class MixedQuantizer(TensorCodec):
         encoded = {name: arena.index_select(0, index).view(self._fields[name].dtype) for name, arena in arenas.items()}
         out.index_copy_(0, to_arena_device(rows, out.device), self.dequantize(encoded).to(out.dtype))
 
-    def page_reader(self, arenas: dict[str, torch.Tensor]) -> CodedReader:
-        """Salient and other tokens' codes dequantized page by page inside the kernel."""
-        return mixed_reader(arenas, self.high_bits, self.low_bits, self.count, self.per_channel, self.group)
+    def kernel_reader(self, arenas: dict[str, torch.Tensor]) -> KernelReader:
+        """``"mixed"``: salient and other tokens' codes dequantized page by page inside the numba
+        kernel (:func:`~.mixed_loader.load_mixed`); empty stand-ins for the salient fields where
+        ``count`` is 0 and for the low codes where every token is salient. No Triton loader: on
+        CUDA a mixed layer is read densely."""
+        device = arenas["scale"].device
+        empty = torch.zeros(0, 0, dtype=torch.uint8, device=device)
+        fields = (
+            arenas.get("salient", empty),
+            arenas.get("high_codes", empty),
+            arenas.get("low_codes", empty),
+            arenas["scale"],
+            arenas["minimum"],
+        )
+        return KernelReader(READER, fields, (self.high_bits, self.low_bits, self.count, int(self.per_channel), self.group))
 
 
 class MixedPageCodec(PageCodec):

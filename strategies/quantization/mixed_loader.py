@@ -1,6 +1,7 @@
-"""The mixed-precision codec's page loader: a sealed page decoded inside the paged-attention
-kernel (see :mod:`~.page_loaders` for the loader contract), reading what
-:meth:`~.mixed_codec.MixedQuantizer.dequantize` returns, in float32."""
+"""The mixed-precision codec's numba page reader: a sealed page decoded inside the paged-attention
+kernel (the reader contract: :mod:`kvlib.kernels.page_readers`; a page decoded by :func:`load_mixed`,
+then the kernel's float loops), reading what :meth:`~.mixed_codec.MixedQuantizer.dequantize`
+returns, in float32."""
 
 from __future__ import annotations
 
@@ -10,24 +11,22 @@ import numba
 import numpy as np
 import torch
 
-from kvlib.codec import CodedReader
-from kvlib.kernels.coded_page_loaders import OPEN_ITEMS, float_bits, float_of, load_open
+from kvlib.kernels.host_arrays import host_array
 from kvlib.kernels.packing import packed_code
+from kvlib.kernels.page_kernel_parts import FLOAT_KINDS, float_of
+from kvlib.kernels.page_readers import loader_reader, register_numba_reader
 from kvlib.strategies.quantization.kernels import code_shift, dequantize
 
+READER = "mixed"
+"""The name the reader is registered under (:class:`~kvlib.kernel_readers.KernelReader` ``kernel``)."""
 
-@numba.njit(inline="always")
-def load_mixed(source, page: int, out: np.ndarray, out_bits: np.ndarray, rows: int) -> None:
-    """A :class:`~.mixed_codec.MixedQuantizer`'s page. ``fields = (salient [capacity, count],
-    high_codes, low_codes uint8 [capacity, bytes], scale, minimum [capacity, groups] bits, meta
-    kind, high_bits, high shift, low_bits, low shift, count, per_channel, group, ratio float32)``.
+
+@numba.njit
+def load_mixed(fields, page: int, out: np.ndarray, out_bits: np.ndarray, rows: int) -> None:  # pragma: no cover - compiled
+    """A :class:`~.mixed_codec.MixedQuantizer`'s sealed page (``fields``: :func:`mixed_fields`).
     Slots are walked in order beside the ascending salient list: slot ``t`` is the ``j``-th salient
     token (``high_codes`` row ``j``) or the ``t - j``-th other one (``low_codes`` row ``t - j``)."""
-    if load_open(source, page, out, out_bits, rows):
-        return
-    salient, high, low, scale, minimum, kind, high_bits, high_shift, low_bits, low_shift, count, per_channel, group, ratio = source[
-        OPEN_ITEMS:
-    ]
+    salient, high, low, scale, minimum, kind, high_bits, high_shift, low_bits, low_shift, count, per_channel, group, ratio = fields
     dim = out.shape[1]
     groups = dim // group
     j = 0
@@ -51,17 +50,16 @@ def load_mixed(source, page: int, out: np.ndarray, out_bits: np.ndarray, rows: i
             j += 1
 
 
-def mixed_reader(arenas: dict[str, torch.Tensor], high_bits: int, low_bits: int, count: int, per_channel: bool, group: int) -> CodedReader:
-    """The :class:`CodedReader` of a mixed-precision codec's field arenas (empty arrays stand in
-    for the salient fields when ``count`` is 0, and for the low codes when every token is salient)."""
-    scale, kind = float_bits(_rows(arenas["scale"]))
-    minimum, _ = float_bits(_rows(arenas["minimum"]))
-    empty = np.zeros((0, 0), dtype=np.uint8)
-    salient = arenas["salient"].numpy() if "salient" in arenas else empty
-    high = arenas["high_codes"].numpy() if "high_codes" in arenas else empty
-    low = arenas["low_codes"].numpy() if "low_codes" in arenas else empty
+def mixed_fields(tensors: tuple[torch.Tensor, ...], params: tuple[int, ...]) -> tuple:
+    """The numba fields of a mixed-precision reader: its fields ``(salient, high_codes, low_codes,
+    scale, minimum)`` as numpy ``[capacity, elements]`` views, then ``(meta kind, high_bits, high
+    shift, low_bits, low shift, count, per_channel, group, ratio float32)`` from its params
+    ``(high_bits, low_bits, count, per_channel, group)``."""
+    salient, high, low, scale, minimum = (_rows(t) for t in tensors)
+    high_bits, low_bits, count, per_channel, group = params
     ratio = np.float32(((1 << low_bits) - 1) / ((1 << high_bits) - 1))
-    fields = (
+    kind = FLOAT_KINDS[tensors[3].dtype]
+    return (
         salient,
         high,
         low,
@@ -73,13 +71,17 @@ def mixed_reader(arenas: dict[str, torch.Tensor], high_bits: int, low_bits: int,
         low_bits,
         code_shift(low_bits),
         count,
-        int(per_channel),
+        per_channel,
         group,
         ratio,
     )
-    return CodedReader(fields, load_mixed)
 
 
-def _rows(arena: torch.Tensor) -> torch.Tensor:
-    """``arena`` as ``[capacity, elements per page]`` (a view)."""
-    return arena.view(arena.shape[0], math.prod(arena.shape[1:]))
+def _rows(arena: torch.Tensor) -> np.ndarray:
+    """``arena`` as a numpy ``[capacity, elements per page]`` view (no torch operator)."""
+    array = host_array(arena)
+    return array.reshape(array.shape[0], math.prod(array.shape[1:]))
+
+
+MIXED = register_numba_reader(READER, loader_reader(load_mixed, mixed_fields))
+"""The numba reader of :class:`~.mixed_codec.MixedQuantizer` pages."""

@@ -17,18 +17,18 @@ Symmetric absmax quantization (int8): ``scale = max|x| / 127`` rounded up, codes
 
 from __future__ import annotations
 
-import abc
 import math
 from typing import ClassVar
 
 import numpy as np
 import torch
 
-from kvlib.codec import CodedReader, Field, TensorCodec, TensorShape
+from kvlib.codec import Field, TensorCodec, TensorShape
+from kvlib.kernel_readers import KernelReader
 from kvlib.kernels.packing import pack, packed_size, unpack
 from kvlib.strategies.quantization import kernels
-from kvlib.strategies.quantization.page_loaders import byte_table_reader, group_quantized_reader
-from kvlib.triton_readers import TritonReader
+from kvlib.strategies.quantization.page_readers import INT8_CODES
+from kvlib.strategies.quantization.triton_loaders import register_triton_loaders
 
 
 def metadata_dtype(compute: torch.dtype) -> torch.dtype:
@@ -185,15 +185,12 @@ class GroupQuantizer(TensorCodec):
         kernel(codes, pages.numpy(), scale, minimum, decoded, np.arange(m))
         write_rows(out, rows, torch.from_numpy(decoded).view(m, *out.shape[1:]))
 
-    def page_reader(self, arenas: dict[str, torch.Tensor]) -> CodedReader:
-        """Codes unpacked and dequantized page by page inside the kernel."""
-        return group_quantized_reader(arenas, self.bits, self.per_channel, self.group)
-
-    def triton_reader(self, arenas: dict[str, torch.Tensor]) -> TritonReader:
-        """Codes unpacked and dequantized in registers inside the Triton kernel, a tile at a time."""
-        from kvlib.strategies.quantization.triton_loaders.group import group_quantized_triton_reader  # triton is optional
-
-        return group_quantized_triton_reader(arenas, self.bits, self.per_channel, self.group)
+    def kernel_reader(self, arenas: dict[str, torch.Tensor]) -> KernelReader:
+        """``"group"``: the codes read where they are stored, per-channel scales folded into the
+        query (:mod:`~.page_readers`); on CUDA decoded in registers (:mod:`~.triton_loaders.group`)."""
+        register_triton_loaders(arenas["codes"].device)
+        fields = (arenas["codes"], arenas["scale"], arenas["minimum"])
+        return KernelReader("group", fields, (self.bits, int(self.per_channel), self.group))
 
 
 INT8_TABLE = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.int8).float().numpy()
@@ -204,9 +201,12 @@ class ScaledBytes(TensorCodec):
     """A codec of one byte per element (field ``codes``) and a scale per run of elements (field
     ``scale``, float metadata, one per page or per token): an element decodes as
     ``TABLE[byte] * scale``, ``TABLE`` being the float32 value of each of the 256 bit patterns.
-    Subclasses give the table, their fields and encoding, and their Triton tile loader."""
+    Subclasses give the table, the kind of their codes for the kernels' readers, their fields and
+    encoding."""
 
     TABLE: ClassVar[np.ndarray]
+    CODES: ClassVar[int]
+    """How the kernels' readers widen a code: :data:`~.page_readers.INT8_CODES` or :data:`~.page_readers.E4M3_CODES`."""
 
     def decode(self, encoded: dict[str, torch.Tensor], heads: torch.Tensor) -> torch.Tensor:
         return (encoded["codes"].float() * encoded["scale"].float().unsqueeze(-1)).to(self.shape.dtype)
@@ -221,25 +221,21 @@ class ScaledBytes(TensorCodec):
         scale = arenas["scale"].index_select(0, pages).float().numpy()
         lookup_rows(arenas["codes"].view(torch.uint8), pages, self.TABLE, scale, out, rows)
 
-    def page_reader(self, arenas: dict[str, torch.Tensor]) -> CodedReader:
-        """Bytes through :attr:`TABLE` times their scale, page by page inside the kernel."""
-        return byte_table_reader(arenas["codes"], self.TABLE, arenas["scale"])
-
-    def triton_reader(self, arenas: dict[str, torch.Tensor]) -> TritonReader:
-        """The bytes widened to float32 by :meth:`triton_load` times their scale, in registers inside the Triton kernel."""
-        from kvlib.strategies.quantization.triton_loaders.scaled_bytes import scaled_bytes_triton_reader  # triton is optional
-
-        return scaled_bytes_triton_reader(self.triton_load(), arenas["codes"], arenas["scale"])
-
-    @abc.abstractmethod
-    def triton_load(self) -> object:
-        """The Triton tile loader of :mod:`kvlib.strategies.quantization.triton_loaders.scaled_bytes` for these bytes."""
+    def kernel_reader(self, arenas: dict[str, torch.Tensor]) -> KernelReader:
+        """``"scaled_bytes"``: the bytes widened where they are stored, a key's scale multiplying
+        its score (:mod:`~.page_readers`); on CUDA in registers (:mod:`~.triton_loaders.scaled_bytes`).
+        Params: the code kind (:attr:`CODES`) and the elements per scale."""
+        codes, scale = arenas["codes"], arenas["scale"]
+        register_triton_loaders(codes.device)
+        run = math.prod(codes.shape[1:]) // math.prod(scale.shape[1:])
+        return KernelReader("scaled_bytes", (codes, scale), (self.CODES, run))
 
 
 class AbsmaxInt8(ScaledBytes):
     """Symmetric int8 per token: one scale per token (``max|x| / 127``), codes in ``[-127, 127]``."""
 
     TABLE = INT8_TABLE
+    CODES = INT8_CODES
 
     def __init__(self, shape: TensorShape) -> None:
         super().__init__(shape)
@@ -268,12 +264,6 @@ class AbsmaxInt8(ScaledBytes):
         inverse = torch.where(step > 0, 1.0 / step, 0.0)
         codes = (x * inverse).round_().clamp_(-127, 127)
         return {"codes": codes.to(torch.int8), "scale": scale}
-
-    def triton_load(self) -> object:
-        """int8 codes."""
-        from kvlib.strategies.quantization.triton_loaders.scaled_bytes import load_int8  # triton is optional
-
-        return load_int8
 
 
 def lookup_rows(

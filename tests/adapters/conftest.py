@@ -1,9 +1,8 @@
-"""Models for the adapter tests: small random-weight configs of the required families, and the
-trained stories260K (real weights, GQA, RoPE) from ../shared/models."""
+"""Models for the adapter tests: small random-weight configs of the required families, and kvlib's
+embedded default model (trained weights, GQA, RoPE; :mod:`kvlib.default_model`), which ships in
+the package: nothing outside the checkout is read."""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,21 +20,30 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-STORIES = Path(__file__).resolve().parents[2].parent / "shared" / "models" / "stories260K"
+from kvlib.default_model import MODEL_DIR
+
 VOCAB = 97
+"""Vocabulary of the random-weight families."""
+DEFAULT_BYTES = 256
+"""Ids the default model reads as text (bytes 0-255); random prompts for it draw from these, not
+from its special ids (BOS 256, EOS 257, PAD 258)."""
 PAD = 0
 GEMMA3_WINDOW = 16
 """The sliding window of the ``gemma3`` family's sliding layers (Gemma 3's is 512)."""
 
 
 def build_model(family: str, attn_implementation: str = "sdpa") -> torch.nn.Module:
-    """A fresh, seeded, eval-mode model of ``family`` (llama, mistral, qwen2, gpt2, stories, gemma3).
+    """A fresh, seeded, eval-mode model of ``family`` (llama, mistral, qwen2, gpt2, default, gemma3).
+
+    ``default`` is the embedded trained model: a byte-level Llama of 4 layers, 4 query and 2 KV
+    heads of 32 channels, vocabulary 259 (ids 0-255 are bytes, 256-258 BOS, EOS, PAD), context
+    1024 tokens. The others have random weights and a vocabulary of :data:`VOCAB`.
 
     ``gemma3`` is Gemma 3's layer mix in small: six layers, five sliding-window layers (window
     :data:`GEMMA3_WINDOW`) to each global one, one KV head of 32 channels for four query heads."""
     torch.manual_seed(0)
-    if family == "stories":
-        return AutoModelForCausalLM.from_pretrained(STORIES, attn_implementation=attn_implementation).eval()
+    if family == "default":
+        return AutoModelForCausalLM.from_pretrained(MODEL_DIR, attn_implementation=attn_implementation).eval()
     common = {"vocab_size": VOCAB, "pad_token_id": PAD, "bos_token_id": 1, "eos_token_id": 2}
     if family == "gpt2":
         config = GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=128, **common)
@@ -57,12 +65,17 @@ def build_model(family: str, attn_implementation: str = "sdpa") -> torch.nn.Modu
     return model.eval()
 
 
-FAMILIES = ["llama", "mistral", "qwen2", "gpt2", "stories"]
+FAMILIES = ["llama", "mistral", "qwen2", "gpt2", "default"]
 
 
 @pytest.fixture(params=FAMILIES)
 def family(request) -> str:
     return request.param
+
+
+def prompt_vocab(family: str) -> int:
+    """Token ids random prompts for ``family`` draw from: ``[3, prompt_vocab(family))``."""
+    return DEFAULT_BYTES if family == "default" else VOCAB
 
 
 def left_padded(lengths: list[int], seed: int = 0, vocab: int = VOCAB) -> tuple[torch.Tensor, torch.Tensor]:

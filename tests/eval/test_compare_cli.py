@@ -3,11 +3,11 @@
 import csv
 import importlib
 import json
-import pathlib
 
 import pytest
 
 from kvlib import cli
+from kvlib.errors import quoted
 from kvlib.eval.plots import pareto_front
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -54,14 +54,28 @@ def test_writes_a_consistent_table_json_csv_and_one_png_per_task(compared, capsy
     assert all(r["error"] is None and set(r["tasks"]) == set(record["tasks"]) for r in runs)
 
     table = (out / "compare.md").read_text().splitlines()
-    assert table[0] == "| policy | budget | needle accuracy ↑ | perplexity ↓ | agreement ↑ | KV bytes vs full | decode tok/s |"
+    assert table[0] == (
+        "| policy | budget | needle accuracy ↑ | perplexity ↓ | agreement ↑ | KV bytes vs full | decode tok/s | vs full | first call s |"
+    )
     assert table == printed.splitlines()[: len(table)]
     for line, run in zip(table[2:], runs):
         cells = [c.strip() for c in line.strip("|").split("|")]
         assert cells[0] == run["policy"]
         assert float(cells[3].split()[0]) == pytest.approx(run["tasks"]["perplexity"]["score"], rel=1e-2)
         assert float(cells[5]) == pytest.approx(run["kv_fraction"], rel=1e-2)
-        assert float(cells[6]) > 0
+        speed = run["decode_speed"]  # the default 3 rounds, each with the full cache's ratio; the median with its range
+        assert speed["rounds"] == 3 and len(speed["tokens_per_s"]) == 3 and len(speed["vs_full"]) == 3
+        assert speed["low"] <= speed["median"] == run["decode_tokens_per_s"] <= speed["high"]
+        assert speed["vs_full_low"] <= speed["vs_full_median"] <= speed["vs_full_high"] and speed["first_call_s"] is not None
+        assert cells[6] == f"{speed['median']:.3g} [{speed['low']:.3g}, {speed['high']:.3g}]"
+        assert cells[7] == (
+            "1.00"
+            if run["policy"] == "full"
+            else f"{speed['vs_full_median']:.2f} [{speed['vs_full_low']:.2f}, {speed['vs_full_high']:.2f}]"
+        )
+        assert float(cells[8]) == pytest.approx(speed["first_call_s"], abs=0.006)
+    assert record["speed_rounds"] == 3 and record["speed_steps"] == 32
+    assert "Decode tok/s: median [min, max] over 3 timed rounds, interleaved" in printed
 
     rows = list(csv.DictReader((out / "compare.csv").open()))
     assert len(rows) == len(runs) * 3
@@ -69,6 +83,8 @@ def test_writes_a_consistent_table_json_csv_and_one_png_per_task(compared, capsy
         run = next(r for r in runs if r["policy"] == row["policy"] and str(r["budget"] or "") == row["budget"])
         assert float(row["score"]) == pytest.approx(run["tasks"][row["task"]]["score"])
         assert float(row["task_kv_fraction"]) == pytest.approx(run["tasks"][row["task"]]["kv_fraction"])
+        assert float(row["decode_tokens_per_s"]) == run["decode_tokens_per_s"] and len(row["decode_rounds"].split(";")) == 3
+        assert float(row["decode_vs_full_low"]) <= float(row["decode_vs_full"]) <= float(row["decode_vs_full_high"])
 
     statistics = record["statistics"]
     assert statistics["baseline"] == "streaming_llm" and statistics["same_cases"] == dict.fromkeys(record["tasks"], True)
@@ -142,7 +158,7 @@ def test_a_bad_baseline_is_refused_before_the_model_loads(compared, capsys, monk
     assert err.startswith("kvlib: error: ") and message in err and err.count("\n") == 1
 
 
-def refuse_probe(self, data):
+def refuse_probe(folder):
     raise PermissionError(13, "Permission denied")
 
 
@@ -157,30 +173,30 @@ def refuse_probe(self, data):
 def test_an_unusable_out_folder_fails_before_the_model_loads(compared, capsys, monkeypatch, tmp_path, out, message):
     _, argv = compared
     (tmp_path / "file").write_text("keep me")
-    if out == "unwritable":  # as root a read-only mode does not stop writes: refuse the probe file instead
-        monkeypatch.setattr(pathlib.Path, "write_bytes", refuse_probe)
+    if out == "unwritable":  # as root a read-only mode does not stop writes: refuse the probe instead
+        monkeypatch.setattr("kvlib.eval.output_files.check_writable", refuse_probe)
     monkeypatch.setattr("kvlib.eval.load_model", never_load)
     assert cli.main(argv + ["--out", str(tmp_path / out)]) == 2
-    assert capsys.readouterr().err == f"kvlib: error: --out {str(tmp_path / out)!r} {message}\n"
+    assert capsys.readouterr().err == f"kvlib: error: --out {quoted(str(tmp_path / out))} {message}\n"
     assert (tmp_path / "file").read_text() == "keep me" and sorted(p.name for p in tmp_path.rglob("*")) == (
         ["file", "unwritable"] if out == "unwritable" else ["file"]
     )
 
 
 def test_an_interrupted_comparison_keeps_every_finished_configuration(byte_model_dir, capsys, monkeypatch, tmp_path):
-    """Ctrl-C during the second configuration's speed run: the first (the full cache) is in the
-    table, JSON and CSV, marked incomplete; exit code 130 with one line on stderr."""
-    module = importlib.import_module("kvlib.eval.compare_units")
+    """Ctrl-C during the second speed round: every configuration's tasks and the first round's
+    speeds are in the table, JSON and CSV, marked incomplete; exit code 130 with one line on stderr."""
+    module = importlib.import_module("kvlib.eval.compare_speed")
     speed_runs = []
 
-    def interrupted_second(*args):
+    def interrupted_second_round(*args):
         speed_runs.append(1)
-        if len(speed_runs) == 2:
+        if len(speed_runs) == 3 + 3 + 2:  # the warm-up and round 1 of the 3 configurations, then round 2's second
             raise KeyboardInterrupt
-        return module_decode_speed(*args)
+        return module_decode_once(*args)
 
-    module_decode_speed = module.decode_speed
-    monkeypatch.setattr(module, "decode_speed", interrupted_second)
+    module_decode_once = module.decode_once
+    monkeypatch.setattr(module, "decode_once", interrupted_second_round)
     argv = [
         "compare",
         "--model",
@@ -195,6 +211,8 @@ def test_an_interrupted_comparison_keeps_every_finished_configuration(byte_model
         "streaming_llm",
         "--budgets",
         "0.25,0.5",
+        "--speed-steps",
+        "4",
         "--out",
         str(tmp_path),
         "--quiet",
@@ -203,12 +221,22 @@ def test_an_interrupted_comparison_keeps_every_finished_configuration(byte_model
     captured = capsys.readouterr()
     assert captured.err == f"\nkvlib compare: interrupted; the configurations that finished are in {tmp_path}\n"
     record = json.loads((tmp_path / "compare.json").read_text())
-    assert record["complete"] is False and [(r["policy"], r["budget"]) for r in record["runs"]] == [("full", None)]
-    assert record["runs"][0]["tasks"]["perplexity"]["score"] > 1 and record["runs"][0]["decode_tokens_per_s"] > 0
+    assert record["complete"] is False
+    assert [(r["policy"], r["budget"]) for r in record["runs"]] == [("full", None), ("streaming_llm", 0.25), ("streaming_llm", 0.5)]
+    assert all(r["tasks"]["perplexity"]["score"] > 1 and r["decode_speed"]["rounds"] == 1 for r in record["runs"])
     rows = list(csv.DictReader((tmp_path / "compare.csv").open()))
-    assert [(row["policy"], row["task"]) for row in rows] == [("full", "perplexity")]
+    assert [(row["policy"], row["task"]) for row in rows] == [("full", "perplexity")] + [("streaming_llm", "perplexity")] * 2
     assert (tmp_path / "compare.md").read_text().splitlines()[2].startswith("| full | - |")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["compare.csv", "compare.json", "compare.md"]
+
+
+def test_speed_options_are_checked_before_the_model_loads(compared, capsys, monkeypatch):
+    _, argv = compared
+    monkeypatch.setattr("kvlib.eval.load_model", never_load)
+    assert cli.main(argv + ["--speed-rounds", "0"]) == 2
+    assert capsys.readouterr().err == "kvlib: error: --speed-rounds takes a whole number >= 1, got '0'\n"
+    assert cli.main(argv + ["--speed-steps", "65"]) == 2  # --context 128
+    assert capsys.readouterr().err == "kvlib: error: speed steps must be in [1, 64] (half of the 128-token context), got 65\n"
 
 
 def test_a_model_that_cannot_be_loaded_is_one_line(capsys, tmp_path):
@@ -248,6 +276,10 @@ def test_codecs_run_alone_once_and_with_eviction_at_every_budget(byte_model_dir,
         "kivi(bits=4),streaming_llm+int8",
         "--budgets",
         "0.25,0.5",
+        "--speed-steps",
+        "4",
+        "--speed-rounds",
+        "1",
         "--out",
         str(tmp_path),
         "--quiet",

@@ -8,7 +8,7 @@ from __future__ import annotations
 import matplotlib
 
 from kvlib.eval.case_scores import case_scores
-from kvlib.eval.compare_units import CompareRun
+from kvlib.eval.compare_units import CompareRun, DecodeSpeed
 from kvlib.eval.plots import error_bars, log_axis, plot_task, style, task_points, task_points_with_intervals, title
 from kvlib.eval.report import markdown_table
 from kvlib.eval.task import TaskResult
@@ -16,7 +16,7 @@ from kvlib.eval.task import TaskResult
 
 def _run(policy: str, budget: float | None, score: float, kv_bytes: int, task_bytes: int) -> CompareRun:
     result = TaskResult("niah_single", "string_match_all", score, True, task_bytes, 1000, {"context": 4096}, 20)
-    return CompareRun(policy, budget, {"niah_single": result}, 10.0, kv_bytes, 1000)
+    return CompareRun(policy, budget, {"niah_single": result}, DecodeSpeed((10.0,)), kv_bytes, 1000)
 
 
 RUNS = [
@@ -60,7 +60,7 @@ def test_every_policy_has_its_own_colour_and_marker_pair():
 def _scored(policy: str, budget: float | None, passed: list[int], kv_bytes: int) -> CompareRun:
     cases = case_scores(passed, "pass_fail", range(len(passed)))
     result = TaskResult("niah_single", "string_match_all", sum(passed) / len(passed), True, kv_bytes, 1000, {}, len(passed), cases)
-    return CompareRun(policy, budget, {"niah_single": result}, 10.0, kv_bytes, 1000)
+    return CompareRun(policy, budget, {"niah_single": result}, DecodeSpeed((10.0,)), kv_bytes, 1000)
 
 
 def test_intervals_become_error_bars_and_wide_bytes_a_log_axis(tmp_path, monkeypatch):

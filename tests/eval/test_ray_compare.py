@@ -48,6 +48,10 @@ def compare_argv(out, *extra):
         "0.25,0.5",
         "--threads",
         "1",
+        "--speed-rounds",
+        "2",
+        "--speed-steps",
+        "4",
         "--out",
         str(out),
         "--quiet",
@@ -71,8 +75,12 @@ def test_ray_gives_the_serial_results_tables_and_plots(local_cluster, tmp_path, 
     ]
     record = json.loads((tmp_path / "ray" / "compare.json").read_text())
     assert record["complete"] and record["ray"] and record["threads"] == 1
-    without_speed = [line.rsplit("|", 2)[0] for line in serial_table.splitlines() if line.startswith("|")]
-    assert without_speed == [line.rsplit("|", 2)[0] for line in ray_table.splitlines() if line.startswith("|")]
+    without_speed = [line.rsplit("|", 4)[0] for line in serial_table.splitlines() if line.startswith("|")]
+    assert without_speed == [line.rsplit("|", 4)[0] for line in ray_table.splitlines() if line.startswith("|")]
+    ray_runs = json.loads((tmp_path / "ray" / "compare.json").read_text())["runs"]
+    for run in ray_runs:  # each speed unit: warmed up, then --speed-rounds rounds against the full cache in its worker
+        assert run["decode_speed"]["rounds"] == 2 and len(run["decode_speed"]["vs_full"]) == 2
+        assert run["decode_speed"]["low"] <= run["decode_tokens_per_s"] <= run["decode_speed"]["high"]
     assert sorted(p.name for p in (tmp_path / "ray").iterdir()) == ["compare.csv", "compare.json", "compare.md", "perplexity.png"]
 
 
@@ -104,12 +112,12 @@ def test_without_ray_installed_the_extra_is_named(tmp_path, capsys, monkeypatch)
 
 
 def test_a_configuration_stops_at_its_first_error_as_the_serial_loop_does():
-    from kvlib.eval.compare_units import Outcome
+    from kvlib.eval.compare_units import DecodeSpeed, Outcome
     from kvlib.eval.ray_compare import _assemble
     from kvlib.eval.task import TaskResult
 
     first = TaskResult("perplexity", "perplexity", 4.0, False, 10, 20)
     later = TaskResult("needle", "accuracy", 1.0, True, 10, 20)
-    outcomes = [Outcome(result=first), Outcome(error="ValueError: bad"), Outcome(result=later), Outcome(decode_tokens_per_s=9.0)]
+    outcomes = [Outcome(result=first), Outcome(error="ValueError: bad"), Outcome(result=later), Outcome(speed=DecodeSpeed((9.0,)))]
     run = _assemble("snapkv", 0.5, outcomes)
     assert run.results == {"perplexity": first} and run.error == "ValueError: bad" and run.decode_tokens_per_s is None

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from kvlib.eval.case_scores import CaseScores, case_scores, cases_digest
-from kvlib.eval.compare_units import CompareRun
+from kvlib.eval.compare_units import CompareRun, DecodeSpeed
 from kvlib.eval.report import csv_rows, markdown_table, runs_from_json, to_json
 from kvlib.eval.significance import Baseline, paired, parse_baseline, same_cases
 from kvlib.eval.task import TaskResult
@@ -16,7 +16,7 @@ from kvlib.eval.task import TaskResult
 def run(policy, budget, values, kind="pass_fail", cases=range(10), task="t"):
     scores = case_scores(values, kind, cases)
     result = TaskResult(task, "m", scores.aggregate.score(scores.values), True, 1, 2, {}, len(values), scores)
-    return CompareRun(policy, budget, {task: result}, 1.0, 1, 2)
+    return CompareRun(policy, budget, {task: result}, DecodeSpeed((1.0,)), 1, 2)
 
 
 def test_case_scores_kinds():

@@ -239,7 +239,7 @@ def test_an_evicting_cache_decodes_through_the_torch_path_as_through_the_kernel(
 
 def test_coded_pools_read_densely_where_the_torch_path_is_chosen(monkeypatch) -> None:
     monkeypatch.setitem(devices.PAGED_KERNELS, "cpu", (PagedKernel.TORCH,))
-    model = build_model("stories")
+    model = build_model("default")
     ids, mask = left_padded([20], seed=6, vocab=model.config.vocab_size)
     cache = kvlib.make_cache(model, "kivi(bits=4)")
     model.generate(ids, attention_mask=mask, **cache_argument(cache), do_sample=False, max_new_tokens=3, pad_token_id=PAD)

@@ -31,6 +31,8 @@ kernels = importlib.import_module("kvlib.kernels.paged_attention_triton")
 triton = importlib.import_module("triton")
 tl = importlib.import_module("triton.language")
 e4m3_value = importlib.import_module("kvlib.strategies.quantization.triton_loaders.scaled_bytes").e4m3_value
+for _loaders in ("group", "rotated"):  # importing a loader module registers its loader (on CUDA the codecs import them)
+    importlib.import_module(f"kvlib.strategies.quantization.triton_loaders.{_loaders}")
 products = importlib.import_module("kvlib.kernels.triton_products")
 
 TRITON_CODECS = [
@@ -183,11 +185,11 @@ def coded_case(spec, batch, kv_heads, group, queries, page_size, dims, dtype, ki
     query = torch.randn(batch, kv_heads * group, queries, dims[0], generator=generator).to(dtype)
     common = options(query_positions, visible, kind, dims[0] ** -0.5, None)
     pool = store.pools[0]
-    fields = {name: arena.to(DEVICE) for name, arena in pool.encoded.items()}
-    source = kernels.triton_coded_source(
-        pool.codec, *on_device(pool.keys, pool.values), pool.sealed, pool.raw_row, pool.positions.to(DEVICE), fields
-    )
-    assert source is not None and source.value_dim == dims[1]
+    fields = {name: arena.to(DEVICE) for name, arena in (pool.encoded or pool.format._field_arenas(0)).items()}  # none sealed yet: none
+    readers = pool.codec.kernel_readers(fields)
+    assert readers is not None and kernels.has_triton_loaders(*readers)
+    source = kernels.triton_coded_source(*on_device(pool.keys, pool.values), pool.sealed, pool.raw_row, pool.positions.to(DEVICE), *readers)
+    assert source.value_dim == dims[1]
     out = kernels.attend_pages_triton(query.to(DEVICE), source, paged.pages, paged.lengths, splits=splits, **common)
     assert out.dtype == dtype and out.shape == (batch, kv_heads * group, queries, dims[1])
     return pool, paged, query, visible, common, out.cpu()
@@ -305,7 +307,7 @@ def _products(a, b, signs, split_out, exact_out, DOT: tl.constexpr):
     [
         ("float32", 1e-6),
         ("float16", 1e-6),
-        pytest.param("bfloat16", 1e-4, marks=pytest.mark.skipif(DEVICE.type == "cpu", reason="GPU only")),
+        pytest.param("bfloat16", 1e-4, marks=pytest.mark.skipif(DEVICE.type == "cpu", reason="needs a CUDA device")),
     ],
 )
 def test_split_products_keep_float32s_precision(dot: str, tolerance: float) -> None:

@@ -150,6 +150,6 @@ def test_key_and_value_heads_of_different_sizes_are_held_exactly() -> None:
 
 
 def test_the_context_is_what_the_config_declares() -> None:
-    assert [model_context(build_model(family)) for family in ("llama", "gpt2", "stories")] == [2048, 128, 512]
+    assert [model_context(build_model(family)) for family in ("llama", "gpt2", "default")] == [2048, 128, 1024]
     undeclared = types.SimpleNamespace(config=types.SimpleNamespace(get_text_config=lambda decoder: types.SimpleNamespace()))
     assert model_context(undeclared) is None  # a config without max_position_embeddings

@@ -22,7 +22,7 @@ def layer0_keys(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return cache.layers[0].keys
 
 
-@pytest.mark.parametrize("family", ["stories", "llama", "qwen2"])
+@pytest.mark.parametrize("family", ["default", "llama", "qwen2"])
 def test_rerotated_layer0_keys_equal_keys_computed_at_the_new_positions(family: str) -> None:
     model = build_model(family)
     shape = kv_shape(model)

@@ -193,3 +193,32 @@ def test_a_writer_killed_at_random_moments_leaves_no_corrupt_entry(tmp_path: Pat
     with tier.env.begin() as txn:  # every part stored belongs to a whole record, and nothing else is
         parts = txn.stat(tier.parts)["entries"]
     assert parts == sum(-(-len(tier.raw(key)) // tier.part_bytes) for key in keys)
+
+
+def test_a_keyed_tier_reads_only_records_tagged_with_its_key(tmp_path: Path, monkeypatch) -> None:
+    """Anyone who can write the directory can write a record that passes its checksum; an unkeyed
+    tier reads it (it trusts the directory), a keyed tier never does."""
+    key = os.urandom(16)
+    owner = DiskTier(tmp_path, capacity_bytes=1 << 20, key=key)
+    assert owner.put_many([(b"a" * 32, record(b"genuine a")), (b"b" * 32, record(b"genuine b"))])
+    assert owner.get(b"a" * 32, checked) == b"genuine a"
+    owner.close()
+    writer = DiskTier(tmp_path, capacity_bytes=1 << 20)  # no key: a user who can write the directory
+    assert writer.get(b"a" * 32, checked) == b"genuine a"  # tags do not hide anything: records are not encrypted
+    assert writer.put(b"a" * 32, record(b"forged a"))
+    writer.close()
+    other = DiskTier(tmp_path, capacity_bytes=1 << 20, key=os.urandom(16))
+    assert other.get(b"b" * 32, checked) is None and other.corrupt == 1  # another key's tier: deleted as corrupt
+    other.close()
+    monkeypatch.setenv("KVLIB_DISK_KEY", key.hex())  # a passphrase is another secret than the raw bytes
+    assert DiskTier(tmp_path, capacity_bytes=1 << 20).tag_key != owner.tag_key
+    monkeypatch.delenv("KVLIB_DISK_KEY")
+    again = DiskTier(tmp_path, capacity_bytes=1 << 20, key=key)
+    assert again.get(b"a" * 32, checked) is None and again.corrupt == 1 and again.keys() == []
+    assert again.put(b"c" * 32, record(b"genuine c")) and again.get(b"c" * 32, checked) == b"genuine c"
+    shared = open_disk_tier(tmp_path / "shared", 1 << 20, key=key)
+    assert open_disk_tier(tmp_path / "shared", 1 << 20, key=key) is shared
+    with pytest.raises(ValueError, match="another disk key"):
+        open_disk_tier(tmp_path / "shared", 1 << 20)
+    with pytest.raises(ValueError, match=r"disk_key is too weak.*os\.urandom\(16\)"):
+        DiskTier(tmp_path / "weak", capacity_bytes=1 << 20, key="team")

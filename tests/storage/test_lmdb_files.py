@@ -127,3 +127,57 @@ def test_a_data_file_cut_short_while_open_makes_reads_misses(tier_dir: Path) -> 
         assert not tier.put(KEYS[0], record(b"late"))
     assert len(caught) == 1 and tier.lost and tier.misses == len(KEYS) and tier.reads == 1
     tier.close()
+
+
+@pytest.mark.parametrize("name", ["data.mdb", "lock.mdb"])
+@pytest.mark.parametrize("target", ["existing", "dangling"])
+def test_a_planted_symbolic_link_is_refused_and_its_target_left_alone(tmp_path: Path, name: str, target: str) -> None:
+    """lmdb opens its files with O_CREAT and follows links: a link planted as ``lock.mdb`` made it
+    truncate and overwrite the file it points to (another user's, or this user's own)."""
+    victim = tmp_path / "victim"
+    if target == "existing":
+        victim.write_bytes(b"precious" * 1000)
+    directory = tmp_path / "tier"
+    directory.mkdir(mode=0o700)
+    (directory / name).symlink_to(victim)
+    with pytest.raises(DiskTierUnavailable, match=f"{name} is a symbolic link; refused"):
+        DiskTier(directory, capacity_bytes=1 << 20)
+    assert (victim.read_bytes() == b"precious" * 1000) if target == "existing" else not victim.exists()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="handing a directory or file to another user needs root")
+def test_a_directory_of_another_user_or_writable_by_everyone_is_refused(tmp_path: Path) -> None:
+    directory = tmp_path / "tier"
+    directory.mkdir(mode=0o700)
+    for mode in (0o777, 0o1777, 0o1773):  # a sticky bit does not make it safe
+        directory.chmod(mode)
+        with pytest.raises(DiskTierUnavailable, match="writable by every user"):
+            DiskTier(directory, capacity_bytes=1 << 20)
+    directory.chmod(0o700)
+    os.chown(directory, 65534, 65534)
+    with pytest.raises(DiskTierUnavailable, match="owned by uid 65534"):
+        DiskTier(directory, capacity_bytes=1 << 20)
+    os.chown(directory, 0, 0)
+    (directory / "data.mdb").write_bytes(b"")
+    os.chown(directory / "data.mdb", 65534, 65534)
+    with pytest.raises(DiskTierUnavailable, match="data.mdb belongs to uid 65534"):
+        DiskTier(directory, capacity_bytes=1 << 20)
+    (directory / "data.mdb").unlink()
+    (tmp_path / "elsewhere").write_bytes(b"")
+    os.link(tmp_path / "elsewhere", directory / "lock.mdb")
+    with pytest.raises(DiskTierUnavailable, match="lock.mdb has 2 links"):
+        DiskTier(directory, capacity_bytes=1 << 20)
+    link = tmp_path / "link"
+    link.symlink_to(directory)
+    os.lchown(link, 65534, 65534)
+    with pytest.raises(DiskTierUnavailable, match="symbolic link of another user"):
+        DiskTier(link, capacity_bytes=1 << 20)
+    assert (tmp_path / "elsewhere").read_bytes() == b""
+    (directory / "lock.mdb").unlink()
+    tier = DiskTier(directory, capacity_bytes=1 << 20)  # this user's own directory, mode 0700
+    assert tier.put(KEYS[0], record(b"ok")) and tier.get(KEYS[0], checked) == b"ok"
+    assert all(stat_mode(directory / name) == 0o600 for name in ("data.mdb", "lock.mdb"))
+
+
+def stat_mode(path: Path) -> int:
+    return path.stat().st_mode & 0o777

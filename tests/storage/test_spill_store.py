@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,8 @@ import torch
 
 from kvlib.errors import PoolExhaustedError
 from kvlib.storage.disk_tier import DiskTier
-from kvlib.storage.spill_store import SpilledPageLost, SpillStore
+from kvlib.storage.spill_store import _RECORD_KEY, SpilledPageLost, SpillStore
+from kvlib.storage.spilled_page_record import Block, encode
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -118,3 +120,107 @@ def _spilled(disk: DiskTier) -> int:
     """Spill records and registered runs in ``disk``."""
     with disk.env.begin() as txn:
         return txn.stat(disk.env.open_db(b"spill", txn=txn))["entries"] + txn.stat(disk.env.open_db(b"runs", txn=txn))["entries"]
+
+
+def test_a_live_run_in_another_pid_namespace_is_never_swept(tmp_path: Path) -> None:
+    """Containers sharing a volume: a spiller in its own PID namespace (its pid 1 is another process
+    here) keeps its pages while it lives, and they go once it is killed. Liveness is its lock."""
+    command = ["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c", SPILLER, str(tmp_path)]
+    probe = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "true"], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip(f"no new PID namespace here: {probe.stderr.decode().strip()}")
+    child = subprocess.Popen(command, stdout=subprocess.PIPE, cwd=REPO, text=True, start_new_session=True)
+    try:
+        assert child.stdout.readline().strip() == "spilled"
+        for _ in range(2):  # opened twice while it lives: never swept
+            alive = DiskTier(tmp_path, capacity_bytes=1 << 20)
+            assert alive.swept_runs == 0 and _spilled(alive) > 1
+            alive.close()
+    finally:
+        os.killpg(child.pid, signal.SIGKILL)
+        child.wait()
+    deadline = time.monotonic() + 10
+    while True:  # the namespace's processes end a moment after unshare itself
+        reopened = DiskTier(tmp_path, capacity_bytes=1 << 20)
+        if reopened.swept_runs or time.monotonic() > deadline:
+            break
+        reopened.close()
+        time.sleep(0.05)
+    assert reopened.swept_runs == 1 and _spilled(reopened) == 0 and list((tmp_path / "runs").iterdir()) == []
+    reopened.close()
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path: Path):
+    """A 2 MiB tmpfs mounted at a fresh folder (root only), unmounted after."""
+    mount = tmp_path / "tmpfs"
+    mount.mkdir(mode=0o700)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m,mode=0700", "tmpfs", str(mount)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def fill(folder: Path) -> None:
+    """Fill the file system holding ``folder`` to its last byte (unbuffered writes, smaller and
+    smaller, until each size is refused)."""
+    fd = os.open(folder / "filler", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        for size in (64 << 10, 4096, 512, 1):
+            try:
+                while os.write(fd, bytes(size)) == size:
+                    pass
+            except OSError:
+                pass
+    finally:
+        os.close(fd)
+
+
+def test_a_full_disk_while_spilling_is_pool_exhausted_and_the_store_stays_consistent(small_tmpfs: Path) -> None:
+    disk = DiskTier(small_tmpfs / "tier", capacity_bytes=1 << 20)
+    spill = SpillStore(disk, capacity_bytes=1 << 30)
+    layer = spill.layer(0, page_size=4, head_dim=5, value_dim=6, dtype=torch.float32)
+    stored = pages(8)
+    layer.put(*stored)
+    fill(small_tmpfs)
+    with pytest.raises(PoolExhaustedError, match="cannot take spilled pages"):
+        for seed in range(1, 200):  # until the disk refuses a commit
+            more = pages(64, seed)
+            layer.put(more[0] + 100 * seed, *more[1:])
+    held = spill.keys()
+    layer.delete(stored[0][:4])  # a full disk may refuse even a delete: never an lmdb error
+    keys, values = layer.get(stored[0][4:], torch.device("cpu"))
+    assert torch.equal(keys, stored[1][4:]) and torch.equal(values, stored[2][4:])
+    assert len(spill.keys()) in (len(held), len(held) - 4)
+    with pytest.raises(PoolExhaustedError, match="cannot (hold|register) a spill run"):
+        SpillStore(disk, capacity_bytes=1 << 20)
+    (small_tmpfs / "filler").unlink()
+    layer.put(*pages(2, 99))  # room again: writing goes on
+    spill.close()
+    assert _spilled(disk) == 0
+    disk.close()
+
+
+@pytest.mark.parametrize("keyed", [False, True])
+def test_a_keyed_tier_never_uses_a_spilled_page_changed_without_its_key(tmp_path: Path, keyed: bool) -> None:
+    """A valid record of other values (checksum and all) written over a spilled page by someone
+    who can write the directory: an unkeyed tier returns it (it trusts the directory); a keyed one
+    refuses it."""
+    disk = DiskTier(tmp_path, capacity_bytes=1 << 20, key=os.urandom(16) if keyed else None)
+    layer = SpillStore(disk, capacity_bytes=1 << 20).layer(0, page_size=4, head_dim=5, value_dim=6, dtype=torch.float32)
+    ids, keys, values, positions = pages(3)
+    layer.put(ids, keys, values, positions)
+    assert torch.equal(layer.get(ids, torch.device("cpu"))[0], keys)
+    page = int(ids[1])
+    forged = encode(layer.layout, Block(_RECORD_KEY.pack(0, page), b"", positions[1].tolist(), -keys[1][None, None], values[1][None, None]))
+    with disk.env.begin(write=True) as txn:
+        stored = txn.get(layer._key(page), db=layer.store.spill)
+        txn.put(layer._key(page), bytes(forged) + bytes(stored)[len(forged) :], db=layer.store.spill)  # the old tag, if any, kept
+    if keyed:
+        with pytest.raises(SpilledPageLost, match="its tag is not this tier's key's"):
+            layer.get(ids[1:2], torch.device("cpu"))
+    else:
+        assert torch.equal(layer.get(ids[1:2], torch.device("cpu"))[0][0], -keys[1])

@@ -1,13 +1,14 @@
 """The group quantizers' Triton tile loader (kivi, kv_bits, and rotated's inner codes): a
 :class:`~kvlib.strategies.quantization.uniform.GroupQuantizer`'s sealed pages decoded in registers
-inside the Triton paged-attention kernel (the loader contract: :mod:`kvlib.triton_readers`).
+inside the Triton paged-attention kernel (the loader contract: :mod:`kvlib.kernels.triton_tiles`),
+registered as the ``"group"`` reader.
 
 ``fields = (codes uint8 [capacity, bytes], scale, minimum [capacity, groups] metadata floats)``,
 ``params = (bits, per_channel, group)``. Code ``i = t * dim + c`` of token ``t``, channel ``c``
 is read from the packed bytes (:mod:`kvlib.kernels.packing`'s layout: ``8 // bits`` codes per
 byte, little end first; 3-bit codes 8 per 3 bytes) and decoded as ``minimum + scale * code``
 of its group (channel ``c`` per channel, else ``i // group``), as the numba loader does
-(:func:`~kvlib.strategies.quantization.page_loaders.decode_groups`): the kernel reads the codec's
+(:func:`~kvlib.strategies.quantization.page_readers.decode_page_groups`): the kernel reads the codec's
 float32 decode, never rounded to the compute dtype. Scales and minima are read in their stored
 dtype and widened to float32. Parameters are constexpr: each bit width and layout is its own
 compilation, with constant shifts and masks.
@@ -15,12 +16,11 @@ compilation, with constant shifts and masks.
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
+from kvlib.kernels.page_readers import register_triton_loader
 from kvlib.kernels.triton_tiles import open_tile
-from kvlib.triton_readers import TritonReader
 
 
 @triton.jit
@@ -74,9 +74,4 @@ def load_group_quantized(
     return tl.where(coded[:, None], decoded, tokens)
 
 
-def group_quantized_triton_reader(arenas: dict[str, torch.Tensor], bits: int, per_channel: bool, group: int) -> TritonReader:
-    """The :class:`TritonReader` of a group quantizer's field arenas (``codes``, ``scale``, ``minimum``)."""
-    if bits not in (2, 3, 4, 8):
-        raise ValueError(f"group-quantized pages are read at 2, 3, 4 or 8 bits, got {bits}")
-    fields = (arenas["codes"], arenas["scale"], arenas["minimum"])
-    return TritonReader(load_group_quantized, tuple(f.contiguous() for f in fields), (bits, int(per_channel), group))
+LOADER = register_triton_loader("group", load_group_quantized)

@@ -1,6 +1,6 @@
 """The ``rotated`` codec's Triton tile loader: a :class:`~kvlib.strategies.quantization.hadamard.RotatedQuantizer`'s
 sealed pages decoded and rotated back in registers inside the Triton paged-attention kernel (the
-loader contract: :mod:`kvlib.triton_readers`).
+loader contract: :mod:`kvlib.kernels.triton_tiles`), registered as the ``"rotated"`` reader.
 
 A sealed page's rows are the group quantizer's codes of ``y = R_h x`` (``R_h = H D_h /
 sqrt(d)``, :mod:`~kvlib.strategies.quantization.hadamard`); the loader decodes ``y`` as
@@ -10,7 +10,8 @@ float32's precision (:func:`~kvlib.kernels.triton_products.dot_exact_right`, on 
 ``DOT``) and ``h`` the page's KV head, read from its ``head`` field. Open pages (never rotated)
 are read raw. The product sums each row in another order than the numba loader's butterflies
 (:func:`~kvlib.strategies.quantization.hadamard.butterflies`): results agree to float32 rounding,
-not bit for bit. Head dims above :data:`MAX_DIM` have no reader (read densely).
+not bit for bit. Head dims above :data:`~kvlib.strategies.quantization.hadamard.MAX_TRITON_DIM` have
+no reader (read densely).
 
 ``fields = (codes, scale, minimum, head uint8 [capacity, 1], signs int8 [kv_heads, dim])``,
 ``params = (bits, per_channel, group)`` of the inner group quantizer.
@@ -18,14 +19,13 @@ not bit for bit. Head dims above :data:`MAX_DIM` have no reader (read densely).
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
+from kvlib.kernels.page_readers import register_triton_loader
 from kvlib.kernels.triton_products import dot_exact_right
 from kvlib.kernels.triton_tiles import open_tile
 from kvlib.strategies.quantization.triton_loaders.group import group_tile
-from kvlib.triton_readers import TritonReader
 
 
 @triton.jit
@@ -58,17 +58,4 @@ def load_rotated(page, slot, stored, tensors, params, DIM: tl.constexpr, PAGE_SI
     return tl.where(coded[:, None], (summed * NORM) * sign, tokens)
 
 
-MAX_DIM = 128
-"""The widest head dim rotated pages are decoded at in registers: the Hadamard matrix is a float32
-``tl.dot`` operand, ``4 * dim**2`` bytes of shared memory (64 KiB at 128); at 256 it would take
-256 KiB, more than a GPU has, so wider heads are read densely."""
-
-
-def rotated_triton_reader(inner: TritonReader, head: torch.Tensor, signs: torch.Tensor) -> TritonReader | None:
-    """The :class:`TritonReader` of rotated pages: the inner group quantizer's fields and
-    parameters (``inner``, a :func:`~.group.group_quantized_triton_reader`), then the
-    ``head`` field arena and the sign vectors (int8 ``[kv_heads, dim]``, moved to the arenas'
-    device); None for a head dim over :data:`MAX_DIM`."""
-    if signs.shape[1] > MAX_DIM:
-        return None
-    return TritonReader(load_rotated, (*inner.fields, head.contiguous(), signs.to(head.device).contiguous()), inner.params)
+LOADER = register_triton_loader("rotated", load_rotated)

@@ -6,7 +6,9 @@ size, heads, vocabulary, experts, state sizes): :data:`SIZES` sets every size at
 has, sub-configs (a multimodal model's text and vision parts) are shrunk alike, and
 :data:`SETTINGS` adds what a model type needs beyond that (a layer pattern that keeps both kinds
 of a hybrid model's layers in four layers, MLA's latent sizes, a small sliding window, sizes
-its validators tie together). Nothing is downloaded: every model is built from its config class.
+its validators tie together). Doge keeps its default of no sliding window: its attention builds a
+per-head mask over the keys ``update`` returns, which kvlib serves over every token but not over
+a slid layer's ring of slots yet. Nothing is downloaded: every model is built from its config class.
 """
 
 from __future__ import annotations
@@ -165,6 +167,7 @@ SETTINGS: dict[str, dict[str, Any]] = {
     ),
     "mamba2": dict(num_heads=8, head_dim=16, state_size=8, n_groups=1, chunk_size=16),
     "zaya": dict(num_experts_per_tok=1),
+    "doge": dict(sliding_window=None),  # its checkpoints have none; see the module docstring
     "cohere_compass_text": dict(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
     "lfm2_moe": dict(layer_types=["conv", "full_attention", "conv", "full_attention"]),
     "qwen4_exp_text": QWEN4_INDEXER,

@@ -55,16 +55,11 @@ REFUSED: dict[str, str] = {
 """Model types ``make_cache`` refuses, and what the refusal says: why kvlib cannot hold their cache."""
 
 EXPECTED_FAILURES: dict[str, str] = {
-    "gemma3n_text": "KV sharing: shared layers attend over what the source layer's update returned (lead's branch)",
-    "diffllama": "splits V in two and calls attention twice per layer (lead's branch)",
-    "doge": "builds a value-dependent mask from the V update returns (lead's branch)",
-    "jetmoe": "repeats the keys update returns before attention (lead's branch)",
     "inkling2_text": "hands attention a position bias over the keys DynamicCache returns, which kvlib's slid layers do not hold",
     "inkling2_loop_text": "hands attention a position bias over the keys DynamicCache returns, which kvlib's slid layers do not hold",
 }
-"""Model types whose attention uses what ``update`` returns for more than attending over it (the
-first four: being fixed with the attention route on another branch), expected to fail until
-they are served."""
+"""Model types whose attention uses what ``update`` returns for more than attending over it in a
+way kvlib does not serve yet, expected to fail until they are served."""
 
 
 def _case(model_type: str) -> object:

@@ -13,7 +13,7 @@ from tests.adapters.conftest import PAD, build_model, left_padded
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-@pytest.mark.parametrize("family", ["llama", "stories"])
+@pytest.mark.parametrize("family", ["llama", "default"])
 def test_generate_on_cuda_matches_dynamic_cache(family):
     model = build_model(family).cuda()
     ids, mask = left_padded([7, 13, 19], seed=30)
@@ -29,7 +29,7 @@ def test_streaming_llm_on_cuda_equals_cpu():
     ids, mask = left_padded([24, 31], seed=31)
     outputs = []
     for device in ("cpu", "cuda"):
-        model = build_model("stories").to(device)
+        model = build_model("default").to(device)
         cache = kvlib.make_cache(model, "streaming_llm", budget=16)
         out = model.generate(
             ids.to(device), attention_mask=mask.to(device), **cache_argument(cache), do_sample=False, max_new_tokens=10, pad_token_id=PAD
@@ -82,7 +82,7 @@ def test_coded_and_evicting_caches_on_cuda_match_the_cpu(spec):
     continuation = torch.randint(3, 500, (12,), generator=generator)
     results = {}
     for device in ("cpu", "cuda"):
-        model = build_model("stories").to(device)
+        model = build_model("default").to(device)
         cache = kvlib.make_cache(model, spec, budget=40) if spec.startswith("snapkv") else kvlib.make_cache(model, spec)
         logprobs = teacher_forced_logprobs(model, cache, prompt, continuation)
         report = cache.memory_report()
@@ -97,6 +97,6 @@ def test_engine_on_cuda_generates_what_it_generates_on_the_cpu():
     prompts = [torch.randint(3, 500, (length,), generator=generator).tolist() for length in (9, 37, 21)]
     outputs = {}
     for device in ("cpu", "cuda"):
-        engine = kvlib.Engine(build_model("stories").to(device), page_size=8)
+        engine = kvlib.Engine(build_model("default").to(device), page_size=8)
         outputs[device] = engine.generate(prompts, max_new_tokens=8)
     assert outputs["cuda"] == outputs["cpu"]

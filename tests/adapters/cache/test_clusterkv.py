@@ -1,6 +1,6 @@
 """``clusterkv`` through generate: after the prompt each sparse layer's tokens lie cluster by
 cluster; reading every page, the output is the untiered full cache's (tiny random Llama, GPT-2,
-stories260K, SmolLM2) with pages on the host; the device holds exactly its page budget plus the
+the embedded default model, SmolLM2) with pages on the host; the device holds exactly its page budget plus the
 key summaries, the host the rest; a decode step reads ``top_k`` pages per head; the Engine refuses
 it (tiering), as it does quest."""
 
@@ -12,7 +12,7 @@ import torch
 import kvlib
 from kvlib.transformers_compat import cache_argument
 from tests.adapters.cache.test_shadowkv import assert_each_page_in_one_tier, generate
-from tests.adapters.conftest import PAD, build_model, left_padded
+from tests.adapters.conftest import DEFAULT_BYTES, PAD, build_model, left_padded, prompt_vocab
 
 
 def head_dim(model) -> int:
@@ -25,10 +25,10 @@ def lru_mb(model, pages_per_head: int, rows: int) -> float:
     return pages_per_head * heads * rows * config.num_hidden_layers * 16 * 2 * head_dim(model) * 4 / 2**20
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2", "stories"])
+@pytest.mark.parametrize("family", ["llama", "gpt2", "default"])
 def test_reading_every_page_equals_the_full_cache_with_pages_on_the_host(family: str) -> None:
     model = build_model(family)
-    ids, mask = left_padded([75, 50], seed=3, vocab=500 if family == "stories" else 97)
+    ids, mask = left_padded([75, 50], seed=3, vocab=prompt_vocab(family))
     reference = generate(model, ids, mask)
     spec = f"clusterkv(top_k=8, dense_layers=0, cluster_tokens=8, placement='lru(device_mb={lru_mb(model, 2, 2)})')"
     cache = kvlib.make_cache(model, spec)
@@ -60,8 +60,8 @@ def test_a_chunked_prefill_arranges_after_every_chunk_and_reading_every_page_equ
 
 
 def test_clusters_fill_consecutive_slots_after_the_prompt() -> None:
-    model = build_model("stories")
-    ids, mask = left_padded([96], seed=5, vocab=500)
+    model = build_model("default")
+    ids, mask = left_padded([96], seed=5, vocab=DEFAULT_BYTES)
     strategy = kvlib.parse_strategy("clusterkv(top_k=2, dense_layers=1, cluster_tokens=16)")
     cache = kvlib.make_cache(model, strategy)
     with torch.inference_mode():
@@ -80,14 +80,14 @@ def test_clusters_fill_consecutive_slots_after_the_prompt() -> None:
 
 
 def test_the_device_holds_its_page_budget_and_the_host_the_rest() -> None:
-    model = build_model("stories")  # 5 layers, 4 KV heads, head_dim 8
-    ids, mask = left_padded([150], seed=4, vocab=500)
+    model = build_model("default")
+    ids, mask = left_padded([150], seed=4, vocab=DEFAULT_BYTES)
     budget = 3
     cache = kvlib.make_cache(model, f"clusterkv(top_k=3, placement='lru(device_mb={lru_mb(model, budget, 1)})')")
     generate(model, ids, mask, cache, steps=12)  # 161 tokens: 11 pages per head
     report = cache.memory_report()
-    page_bytes = 16 * 2 * 8 * 4
-    layers, heads, pages = 5, 4, 11
+    page_bytes = 16 * 2 * head_dim(model) * 4  # 16 tokens' float32 keys and values
+    layers, heads, pages = model.config.num_hidden_layers, model.config.num_key_value_heads, 11
     assert report["by_component"]["pages"] == layers * heads * pages * page_bytes
     assert report["by_tier"]["host"] == layers * heads * (pages - budget) * page_bytes
     device_parts = ("positions", "key_summaries", "tables", "read_cache")
@@ -97,19 +97,20 @@ def test_the_device_holds_its_page_budget_and_the_host_the_rest() -> None:
 
 
 def test_a_decode_step_reads_top_k_pages_per_head() -> None:
-    model = build_model("stories")
-    ids, mask = left_padded([160], seed=4, vocab=500)
+    model = build_model("default")
+    heads = model.config.num_key_value_heads
+    ids, mask = left_padded([160], seed=4, vocab=DEFAULT_BYTES)
     cache = kvlib.make_cache(model, "clusterkv(top_k=4, dense_layers=2, placement='lru(device_mb=1e-9)')")  # one device page
     with torch.inference_mode():
         model(input_ids=ids, attention_mask=mask, **cache_argument(cache))
         before = [pool.host_pages_read for pool in cache.store.pools]
         model(input_ids=ids[:, :1], attention_mask=torch.ones(1, 161, dtype=torch.long), **cache_argument(cache))
     read = [pool.host_pages_read - b for pool, b in zip(cache.store.pools, before)]
-    assert read[:2] == [4 * 11 - 1] * 2  # dense layers: every page but the one on the device
-    assert all(4 * 4 - 1 <= r <= 4 * 4 for r in read[2:]), read
+    assert read[:2] == [heads * 11 - 1] * 2  # dense layers: every page but the one on the device
+    assert all(heads * 4 - 1 <= r <= heads * 4 for r in read[2:]), read  # top_k pages per head
 
 
-@pytest.mark.slow  # the real model (about a minute here): the stories-level tests above cover it in CI
+@pytest.mark.slow  # the real model (about a minute here): the default-model tests above cover it in CI
 def test_smollm2_short_prompt_reading_every_page_equals_the_full_cache() -> None:
     from kvlib.eval import load_model
 

@@ -1,5 +1,5 @@
 """Codecs through ``generate``: every quantization and low-rank strategy, alone and under every
-eviction strategy, for fp32, fp16 and bf16, on stories260K and a GPT-2 config; bytes held follow
+eviction strategy, for fp32, fp16 and bf16, on the embedded default model and a GPT-2 config; bytes held follow
 the codec's layout; int8 stays within a stated KL of the uncompressed cache."""
 
 from __future__ import annotations
@@ -12,14 +12,15 @@ from kvlib.eval.agreement import agreement_metrics, greedy_reference, teacher_fo
 from kvlib.storage.coded_pool import CodedPages
 from kvlib.storage.partnered_pool import PARTNER_ID_BYTES, PartneredPages
 from kvlib.transformers_compat import cache_argument
-from tests.adapters.conftest import PAD, build_model, left_padded
+from tests.adapters.conftest import DEFAULT_BYTES, PAD, build_model, left_padded
 
 CODECS = [
     "minicache(start=0.0)" if name == "minicache" else name  # the GPT-2 config has 2 layers: one pair from layer 0
     for name in kvlib.available_strategies()["quantization"] + kvlib.available_strategies()["lowrank"]
 ]
-INT8_KL_BOUND = 0.002
-"""Mean KL(full || int8) of stories260K's next-token distributions, nats (measured ~0.0003)."""
+INT8_KL_BOUND = 2e-5
+"""Mean KL(full || int8) of the default model's next-token distributions, nats (measured 2.5e-6;
+the bound keeps the 7-8x margin the stories260K test model's had, 0.002 over 0.0003)."""
 
 
 def test_every_codec_kind_is_registered() -> None:
@@ -48,7 +49,7 @@ def held_bytes_follow_the_layout(cache) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("family", ["stories", "gpt2"])
+@pytest.mark.parametrize("family", ["default", "gpt2"])
 @pytest.mark.parametrize("spec", CODECS)
 def test_codec_through_generate(spec: str, family: str, dtype: torch.dtype) -> None:
     model = build_model(family).to(dtype)
@@ -83,10 +84,10 @@ def test_codecs_compose_with_every_eviction_strategy(eviction: str, codec: str) 
                 assert int(kept.max()) <= most
 
 
-@pytest.mark.parametrize("spec", ["svd(rank=8)", "xkv(rank=8)", "think(keep=1.0)", "minicache(start=0.2, retain=0.99)"])
+@pytest.mark.parametrize("spec", ["svd(rank=32)", "xkv(rank=32)", "think(keep=1.0)", "minicache(start=0.2, retain=0.99)"])  # head_dim 32
 def test_full_rank_low_rank_codecs_change_nothing(spec: str) -> None:
-    model = build_model("stories")
-    ids, mask = left_padded([50, 41], seed=9, vocab=500)
+    model = build_model("default")
+    ids, mask = left_padded([50, 41], seed=9, vocab=DEFAULT_BYTES)
     exact = model.generate(
         ids, attention_mask=mask, do_sample=False, max_new_tokens=16, pad_token_id=PAD, **cache_argument(kvlib.make_cache(model))
     )
@@ -97,8 +98,8 @@ def test_full_rank_low_rank_codecs_change_nothing(spec: str) -> None:
 
 
 def test_int8_stays_within_a_small_kl_of_the_full_cache() -> None:
-    model = build_model("stories")
-    prompt = torch.randint(3, 500, (2, 64), generator=torch.Generator().manual_seed(1))
+    model = build_model("default")
+    prompt = torch.randint(3, DEFAULT_BYTES, (2, 64), generator=torch.Generator().manual_seed(1))
     tokens, reference = greedy_reference(model, kvlib.make_cache(model), prompt, 32)
     logits = teacher_forced_logits(model, kvlib.make_cache(model, "int8"), prompt, tokens)
     metrics = agreement_metrics(tokens, reference, logits)
@@ -107,9 +108,9 @@ def test_int8_stays_within_a_small_kl_of_the_full_cache() -> None:
 
 
 def test_the_open_page_stays_exact_and_sealed_pages_hold_codes() -> None:
-    model = build_model("stories")
+    model = build_model("default")
     cache = kvlib.make_cache(model, "kivi(bits=2)")
-    prompt = torch.randint(3, 500, (1, 40), generator=torch.Generator().manual_seed(2))
+    prompt = torch.randint(3, DEFAULT_BYTES, (1, 40), generator=torch.Generator().manual_seed(2))
     with torch.inference_mode():
         model(input_ids=prompt, **cache_argument(cache), use_cache=True)
     pool = cache.store.pools[0]
@@ -123,8 +124,8 @@ def test_the_open_page_stays_exact_and_sealed_pages_hold_codes() -> None:
 
 
 def test_beam_search_works_with_a_codec() -> None:
-    model = build_model("stories")
-    ids, mask = left_padded([30, 25], seed=3, vocab=500)
+    model = build_model("default")
+    ids, mask = left_padded([30, 25], seed=3, vocab=DEFAULT_BYTES)
     cache = kvlib.make_cache(model, "kivi(bits=4)")
     out = model.generate(
         ids, attention_mask=mask, **cache_argument(cache), num_beams=2, do_sample=False, max_new_tokens=20, pad_token_id=PAD
@@ -136,8 +137,8 @@ def test_beam_search_works_with_a_codec() -> None:
 def test_a_read_mirror_reads_what_the_pages_decode_to() -> None:
     """With ``read_cache=True`` the mirror is rebuilt from decoded pages after each seal, so
     outputs equal the mirror-free cache's exactly."""
-    model = build_model("stories")
-    ids, mask = left_padded([30, 25], seed=3, vocab=500)
+    model = build_model("default")
+    ids, mask = left_padded([30, 25], seed=3, vocab=DEFAULT_BYTES)
     outputs = []
     for read_cache in (False, True):
         cache = kvlib.make_cache(model, "kivi(bits=2)", read_cache=read_cache)
@@ -149,9 +150,9 @@ def test_a_read_mirror_reads_what_the_pages_decode_to() -> None:
 
 
 def test_a_reset_cache_refits_its_codec() -> None:
-    model = build_model("stories")
+    model = build_model("default")
     cache = kvlib.make_cache(model, "svd(rank=4)")
-    first = torch.randint(3, 500, (1, 40), generator=torch.Generator().manual_seed(4))
+    first = torch.randint(3, DEFAULT_BYTES, (1, 40), generator=torch.Generator().manual_seed(4))
     with torch.inference_mode():
         model(input_ids=first, **cache_argument(cache), use_cache=True)
         basis = cache.codecs[0].key.basis.clone()
@@ -163,7 +164,7 @@ def test_a_reset_cache_refits_its_codec() -> None:
 @pytest.mark.parametrize(
     ("spec", "message"),
     [
-        ("kivi(group=3)", "does not divide the value head dim 8"),
+        ("kivi(group=3)", "does not divide the value head dim 32"),
         ("kivi(bits=5)", "bits must be one of"),
         ("kivi+svd", "one codec per cache"),
         ("svd(energy=1.5)", "energy must be in"),
@@ -172,20 +173,20 @@ def test_a_reset_cache_refits_its_codec() -> None:
     ],
 )
 def test_bad_codec_specs_fail_before_any_model_work(spec: str, message: str) -> None:
-    model = build_model("stories")
+    model = build_model("default")
     with pytest.raises(ValueError, match=message):
         kvlib.make_cache(model, spec)
 
 
 def test_a_fitted_codec_waits_for_enough_tokens_before_fitting() -> None:
-    """Fed one token at a time, SVD fits once a layer holds head_dim (8) real tokens per head;
+    """Fed one token at a time, SVD fits once a layer holds head_dim (32) real tokens per head;
     the pages filled before then are sealed as soon as it has."""
-    model = build_model("stories")
+    model = build_model("default")
     cache = kvlib.make_cache(model, "svd(rank=4)")
-    tokens = torch.randint(3, 500, (1, 20), generator=torch.Generator().manual_seed(5))
+    tokens = torch.randint(3, DEFAULT_BYTES, (1, 40), generator=torch.Generator().manual_seed(5))
     with torch.inference_mode():
-        for t in range(20):
+        for t in range(40):
             model(input_ids=tokens[:, t : t + 1], **cache_argument(cache), use_cache=True)
-            assert cache.codecs[0].ready == (t + 1 >= 8)
-    assert int(cache.store.pools[0].sealed.sum()) == cache.shape.num_kv_heads  # 20 tokens: one full page per head
+            assert cache.codecs[0].ready == (t + 1 >= model.config.head_dim)
+    assert int(cache.store.pools[0].sealed.sum()) == 2 * cache.shape.num_kv_heads  # 40 tokens: two full pages per head
     held_bytes_follow_the_layout(cache)

@@ -13,7 +13,7 @@ import torch
 import kvlib
 from kvlib.model_shape import kv_shape
 from kvlib.transformers_compat import cache_argument
-from tests.adapters.conftest import PAD, assert_same_logits, build_model, left_padded
+from tests.adapters.conftest import DEFAULT_BYTES, PAD, assert_same_logits, build_model, left_padded, prompt_vocab
 
 
 def spec(model: torch.nn.Module, directory: Path, device_pages: int, host_pages: int, disk_mb: float = 64.0, prefetch: bool = True) -> str:
@@ -24,10 +24,10 @@ def spec(model: torch.nn.Module, directory: Path, device_pages: int, host_pages:
 
 
 @pytest.mark.parametrize("prefetch", [True, False], ids=["prefetch", "no-prefetch"])
-@pytest.mark.parametrize("family", ["stories", "llama"])
+@pytest.mark.parametrize("family", ["default", "llama"])
 def test_generate_over_device_host_and_disk_equals_the_untiered_cache(family: str, prefetch: bool, tmp_path: Path) -> None:
     model = build_model(family)
-    ids, mask = left_padded([90, 70], seed=3, vocab=min(model.config.vocab_size, 500) if family == "stories" else 97)
+    ids, mask = left_padded([90, 70], seed=3, vocab=prompt_vocab(family))
     options = {
         "attention_mask": mask,
         "max_new_tokens": 20,
@@ -55,8 +55,8 @@ def test_generate_over_device_host_and_disk_equals_the_untiered_cache(family: st
 
 
 def test_beams_over_three_tiers_equal_the_untiered_cache(tmp_path: Path) -> None:
-    model = build_model("stories")
-    ids, mask = left_padded([50, 41], seed=4, vocab=500)
+    model = build_model("default")
+    ids, mask = left_padded([50, 41], seed=4, vocab=DEFAULT_BYTES)
     options = {"attention_mask": mask, "num_beams": 3, "max_new_tokens": 10, "do_sample": False, "pad_token_id": PAD}
     reference = model.generate(ids, **options)
     cache = kvlib.make_cache(model, spec(model, tmp_path, device_pages=3, host_pages=3))
@@ -65,8 +65,8 @@ def test_beams_over_three_tiers_equal_the_untiered_cache(tmp_path: Path) -> None
 
 
 def test_a_full_disk_tier_is_a_clear_error_and_bad_specs_are_refused(tmp_path: Path) -> None:
-    model = build_model("stories")
-    ids, mask = left_padded([90], seed=6, vocab=500)
+    model = build_model("default")
+    ids, mask = left_padded([90], seed=6, vocab=DEFAULT_BYTES)
     cache = kvlib.make_cache(model, spec(model, tmp_path, device_pages=2, host_pages=2, disk_mb=0.01))
     with pytest.raises(kvlib.PoolExhaustedError, match="disk tier full"):
         model.generate(ids, attention_mask=mask, **cache_argument(cache), max_new_tokens=4, do_sample=False, pad_token_id=PAD)

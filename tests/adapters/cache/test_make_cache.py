@@ -127,7 +127,7 @@ def test_kinds_the_cache_does_not_apply_yet_are_refused(scratch_registry):
 
 @pytest.mark.smoke
 def test_reusing_a_cache_with_another_batch_size_needs_reset_and_keeps_what_is_stored():
-    model = build_model("stories")
+    model = build_model("default")
     cache = kvlib.make_cache(model, "streaming_llm", budget=8)
     ids, _ = left_padded([12], seed=20)
     model.generate(ids, **cache_argument(cache), do_sample=False, max_new_tokens=4, pad_token_id=PAD)

@@ -76,7 +76,7 @@ def test_a_later_prompt_chunk_reads_a_transient_copy_and_reports_its_peak() -> N
 
 
 def test_a_mirror_is_kept_only_when_asked_for() -> None:
-    model = build_model("stories")
+    model = build_model("default")
     ids, mask = left_padded([20], seed=6)
     for options, mirrored in (({}, False), ({"read_cache": True}, True)):
         cache = kvlib.make_cache(model, **options)
@@ -102,7 +102,7 @@ def against_the_dense_path(monkeypatch, model, ids, mask, spec: str, options: di
     return reference, out, dense, cache, reads
 
 
-@pytest.mark.parametrize("family", ["llama", "stories"])
+@pytest.mark.parametrize("family", ["llama", "default"])
 @pytest.mark.parametrize("spec", ["kivi(bits=4)", "kv_bits", "int8", "fp8"])
 def test_codec_decode_steps_read_no_dense_copy_and_equal_the_dense_decode(spec: str, family: str, monkeypatch) -> None:
     """20 new tokens after prompts of up to 30: decode steps fill and seal pages (16 tokens)."""

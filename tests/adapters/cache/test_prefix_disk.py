@@ -35,7 +35,7 @@ print(json.dumps({{"reused": reused, "same": same, "disk": store.disk.stats()}})
 """
 
 
-def run(directory: Path, family: str = "stories", weights: str = "as loaded") -> dict:
+def run(directory: Path, family: str = "default", weights: str = "as loaded") -> dict:
     result = subprocess.run(
         [sys.executable, "-c", PROCESS.format(repo=str(REPO)), str(directory), family, weights],
         capture_output=True,
@@ -77,7 +77,7 @@ def test_a_process_with_one_weight_edited_reuses_nothing_from_the_originals_dire
     from kvlib.transformers_compat import cache_argument
     from tests.adapters.conftest import PAD, build_model
 
-    model = build_model("stories")
+    model = build_model("default")
     prompt = torch.randint(3, 60, (1, 70), generator=torch.Generator().manual_seed(0))  # the subprocess's prompt
     writer = kvlib.PrefixStore(model, capacity_bytes=2**24, disk=DiskTier(tmp_path, capacity_bytes=2**26))
     cache = kvlib.make_cache(model, reuse=writer, prompt=prompt)
@@ -86,7 +86,7 @@ def test_a_process_with_one_weight_edited_reuses_nothing_from_the_originals_dire
     writer.disk.close()
     edited = run(tmp_path, weights="edited")
     assert edited["reused"] == 0 and edited["same"] and edited["disk"]["reads"] == 0 and edited["disk"]["writes"] == 4
-    reloaded = build_model("stories")
+    reloaded = build_model("default")
     reader = kvlib.PrefixStore(reloaded, capacity_bytes=2**24, disk=DiskTier(tmp_path, capacity_bytes=2**26))
     assert kvlib.make_cache(reloaded, reuse=reader, prompt=prompt).get_seq_length() == 64
     reader.disk.close()
@@ -101,7 +101,7 @@ def test_loading_from_disk_never_evicts_what_the_lookup_found(tmp_path: Path) ->
     from kvlib.transformers_compat import cache_argument
     from tests.adapters.conftest import PAD, build_model
 
-    model = build_model("stories")
+    model = build_model("default")
     prompt = torch.randint(3, 60, (1, 70), generator=torch.Generator().manual_seed(0))
     disk = DiskTier(tmp_path, capacity_bytes=2**26)
     writer = kvlib.PrefixStore(model, capacity_bytes=2**24, disk=disk)
@@ -129,7 +129,7 @@ def test_blocks_past_the_disk_tiers_capacity_are_left_out_with_one_warning(tmp_p
     from kvlib.transformers_compat import cache_argument
     from tests.adapters.conftest import PAD, build_model
 
-    model = build_model("stories")
+    model = build_model("default")
     prompt = torch.randint(3, 60, (1, 70), generator=torch.Generator().manual_seed(0))
 
     def prefill(capacity: int, directory: Path) -> tuple[kvlib.PrefixStore, DiskTier]:
@@ -168,8 +168,9 @@ def test_a_directory_that_cannot_hold_a_tier_leaves_prefixes_in_memory(tmp_path:
 
 
 def test_a_run_of_blocks_restored_from_disk_grows_each_arena_once(tmp_path: Path, monkeypatch) -> None:
-    """Twenty-five blocks of four heads on disk, restored into a fresh store: each layer's arena
-    grows once for the run (block by block it grew every four blocks, copying itself each time)."""
+    """Fifty blocks of two heads on disk (100 pages a layer, beyond a fresh arena's 64), restored
+    into a fresh store: each layer's arena grows once for the run (block by block it grew each
+    time the blocks outran it, copying itself each time)."""
     import torch
 
     import kvlib
@@ -177,13 +178,13 @@ def test_a_run_of_blocks_restored_from_disk_grows_each_arena_once(tmp_path: Path
     from kvlib.transformers_compat import cache_argument
     from tests.adapters.conftest import PAD, build_model
 
-    model = build_model("stories")
-    prompt = torch.randint(3, 60, (1, 410), generator=torch.Generator().manual_seed(1))
+    model = build_model("default")
+    prompt = torch.randint(3, 60, (1, 810), generator=torch.Generator().manual_seed(1))
     disk = DiskTier(tmp_path, capacity_bytes=2**28)
     writer = kvlib.PrefixStore(model, capacity_bytes=2**28, disk=disk)
     cache = kvlib.make_cache(model, reuse=writer, prompt=prompt)
     model.generate(prompt, **cache_argument(cache), max_new_tokens=1, do_sample=False, pad_token_id=PAD)
-    assert disk.stats()["writes"] == 25
+    assert disk.stats()["writes"] == 50
     grows: list[int] = []
     original = PagePool._grow
 
@@ -193,7 +194,7 @@ def test_a_run_of_blocks_restored_from_disk_grows_each_arena_once(tmp_path: Path
 
     monkeypatch.setattr(PagePool, "_grow", counted)
     reader = kvlib.PrefixStore(model, capacity_bytes=2**28, disk=disk)
-    assert kvlib.make_cache(model, reuse=reader, prompt=prompt).get_seq_length() == 400
+    assert kvlib.make_cache(model, reuse=reader, prompt=prompt).get_seq_length() == 800
     (store,) = reader.stores.values()
     assert all(grows.count(id(pool)) == 1 for pool in store.pools) and len(grows) == len(store.pools)
 

@@ -43,7 +43,7 @@ from kvlib.transformers_compat import cache_argument
 from tests.adapters.conftest import PAD, build_model
 from tests.storage.tier_damage import writable, write_through_modes
 
-model = build_model("stories")
+model = build_model("default")
 prompt = torch.randint(3, 60, (1, 70), generator=torch.Generator().manual_seed(0))
 
 

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import copy
 import gc
+import sys
+import threading
 
 import pytest
 import torch
 
 import kvlib
 from kvlib.transformers_compat import cache_argument
-from tests.adapters.conftest import PAD, build_model, edit_one_weight, left_padded
+from tests.adapters.conftest import DEFAULT_BYTES, PAD, build_model, edit_one_weight, left_padded, prompt_vocab
 
 
 def prompts(vocab: int, shared: int = 70, tails: tuple[int, ...] = (9, 13), seed: int = 0) -> list[torch.Tensor]:
@@ -27,10 +29,10 @@ def tokens_computed(model: torch.nn.Module) -> tuple[list[int], object]:
     return calls, handle
 
 
-@pytest.mark.parametrize("family", ["stories", "llama", "gpt2"])
+@pytest.mark.parametrize("family", ["default", "llama", "gpt2"])
 def test_reuse_computes_only_the_suffix_and_changes_no_output(family: str) -> None:
     model = build_model(family)
-    vocab = min(model.config.vocab_size, 500)
+    vocab = prompt_vocab(family)
     store = kvlib.PrefixStore(model, capacity_bytes=2**24)
     calls, handle = tokens_computed(model)
     first, second = prompts(vocab)
@@ -47,9 +49,9 @@ def test_reuse_computes_only_the_suffix_and_changes_no_output(family: str) -> No
 
 
 def test_pages_are_shared_by_reference_and_released_when_caches_go() -> None:
-    model = build_model("stories")
+    model = build_model("default")
     store = kvlib.PrefixStore(model, capacity_bytes=2**24)
-    prompt = prompts(500, shared=64, tails=(1,))[0]  # 65 tokens: 4 full pages, the 5th computed
+    prompt = prompts(DEFAULT_BYTES, shared=64, tails=(1,))[0]  # 65 tokens: 4 full pages, the 5th computed
     warm = kvlib.make_cache(model, reuse=store, prompt=prompt)
     model.generate(prompt, **cache_argument(warm), max_new_tokens=2, do_sample=False, pad_token_id=PAD)
     paged = next(iter(store.stores.values()))
@@ -70,12 +72,12 @@ def test_pages_are_shared_by_reference_and_released_when_caches_go() -> None:
 
 
 def test_capacity_evicts_least_recently_used_unused_prefixes() -> None:
-    model = build_model("stories")
-    heads, layers = model.config.num_key_value_heads, model.config.num_hidden_layers
-    page = 16 * (2 * 8 * 4 + 8)  # keys + values float32 (head_dim 8) + int64 positions
+    model = build_model("default")
+    heads, layers, head_dim = model.config.num_key_value_heads, model.config.num_hidden_layers, model.config.head_dim
+    page = 16 * (2 * head_dim * 4 + 8)  # keys + values float32 + int64 positions
     store = kvlib.PrefixStore(model, capacity_bytes=4 * layers * heads * page)  # four blocks
     for seed in range(3):  # three prompts of 4 full pages each: 12 blocks through a 4-block cache
-        prompt = prompts(500, shared=64, tails=(1,), seed=seed)[0]
+        prompt = prompts(DEFAULT_BYTES, shared=64, tails=(1,), seed=seed)[0]
         cache = kvlib.make_cache(model, reuse=store, prompt=prompt)
         model.generate(prompt, **cache_argument(cache), max_new_tokens=2, do_sample=False, pad_token_id=PAD)
         cache.reset()
@@ -83,14 +85,14 @@ def test_capacity_evicts_least_recently_used_unused_prefixes() -> None:
     assert stats["entries"] == 4 and stats["evictions"] == 8 and stats["bytes"] <= store.index.capacity_bytes
     paged = next(iter(store.stores.values()))
     assert all(p.pages_in_use == 4 * heads for p in paged.pools)
-    newest = prompts(500, shared=64, tails=(1,), seed=2)[0]
+    newest = prompts(DEFAULT_BYTES, shared=64, tails=(1,), seed=2)[0]
     assert kvlib.make_cache(model, reuse=store, prompt=newest).get_seq_length() == 64  # the last prompt survived
 
 
 def test_lossless_and_lossy_pages_are_never_mixed() -> None:
-    model = build_model("stories")
+    model = build_model("default")
     store = kvlib.PrefixStore(model, capacity_bytes=2**24)
-    prompt = prompts(500, shared=64, tails=(5,))[0]
+    prompt = prompts(DEFAULT_BYTES, shared=64, tails=(5,))[0]
     exact = model.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=PAD)
     quantized = kvlib.make_cache(model, "kivi(bits=2)", reuse=store, prompt=prompt)
     lossy = model.generate(prompt, **cache_argument(quantized), max_new_tokens=8, do_sample=False, pad_token_id=PAD)
@@ -110,9 +112,9 @@ def test_lossless_and_lossy_pages_are_never_mixed() -> None:
 
 
 def test_a_batch_reuses_the_prefix_common_to_its_rows_and_beams_work() -> None:
-    model = build_model("stories")
+    model = build_model("default")
     store = kvlib.PrefixStore(model, capacity_bytes=2**24)
-    first, second = prompts(500, shared=48, tails=(20, 20))
+    first, second = prompts(DEFAULT_BYTES, shared=48, tails=(20, 20))
     batch = torch.cat([first, second])
     warm = kvlib.make_cache(model, reuse=store, prompt=first)
     model.generate(first, **cache_argument(warm), max_new_tokens=1, do_sample=False, pad_token_id=PAD)
@@ -125,9 +127,9 @@ def test_a_batch_reuses_the_prefix_common_to_its_rows_and_beams_work() -> None:
 
 
 def test_padding_disables_reuse_and_keeps_outputs() -> None:
-    model = build_model("stories")
+    model = build_model("default")
     store = kvlib.PrefixStore(model, capacity_bytes=2**24)
-    ids, mask = left_padded([40, 33], seed=3, vocab=500)
+    ids, mask = left_padded([40, 33], seed=3, vocab=DEFAULT_BYTES)
     cache = kvlib.make_cache(model, reuse=store, prompt=ids, attention_mask=mask)
     assert cache.get_seq_length() == 0
     out = model.generate(ids, attention_mask=mask, **cache_argument(cache), max_new_tokens=6, do_sample=False, pad_token_id=PAD)
@@ -136,10 +138,10 @@ def test_padding_disables_reuse_and_keeps_outputs() -> None:
 
 
 def test_a_forced_hash_collision_reuses_nothing_wrong() -> None:
-    model = build_model("stories")
+    model = build_model("default")
     store = kvlib.PrefixStore(model, capacity_bytes=2**24)
     store.index.hash_function = lambda parent, tokens, namespace: b"one key for every block"
-    first, second = prompts(500, shared=0, tails=(40, 40))  # nothing in common
+    first, second = prompts(DEFAULT_BYTES, shared=0, tails=(40, 40))  # nothing in common
     cache = kvlib.make_cache(model, reuse=store, prompt=first)
     model.generate(first, **cache_argument(cache), max_new_tokens=2, do_sample=False, pad_token_id=PAD)
     cache = kvlib.make_cache(model, reuse=store, prompt=second)
@@ -157,19 +159,19 @@ def test_a_forced_hash_collision_reuses_nothing_wrong() -> None:
     ],
 )
 def test_bad_reuse_is_refused_before_any_model_work(spec, kwargs, message) -> None:
-    model = build_model("stories")
+    model = build_model("default")
     kwargs = {"reuse": kvlib.PrefixStore(model, capacity_bytes=1024), **kwargs}
     with pytest.raises(ValueError, match=message):
         kvlib.make_cache(model, spec, **kwargs)
 
 
 def test_a_store_of_another_model_and_a_prompt_without_store_are_refused() -> None:
-    stories, llama = build_model("stories"), build_model("llama")
+    default, llama = build_model("default"), build_model("llama")
     with pytest.raises(ValueError, match="another model"):
-        kvlib.make_cache(llama, reuse=kvlib.PrefixStore(stories, capacity_bytes=1024))
+        kvlib.make_cache(llama, reuse=kvlib.PrefixStore(default, capacity_bytes=1024))
     with pytest.raises(ValueError, match="pass reuse="):
-        kvlib.make_cache(stories, prompt=torch.ones(1, 4, dtype=torch.long))
-    cache = kvlib.make_cache(stories, reuse=kvlib.PrefixStore(stories, capacity_bytes=1024), prompt=torch.ones(1, 4, dtype=torch.long))
+        kvlib.make_cache(default, prompt=torch.ones(1, 4, dtype=torch.long))
+    cache = kvlib.make_cache(default, reuse=kvlib.PrefixStore(default, capacity_bytes=1024), prompt=torch.ones(1, 4, dtype=torch.long))
     with pytest.raises(ValueError, match="empty cache"):
         cache.prime(torch.ones(1, 4, dtype=torch.long))
 
@@ -178,12 +180,12 @@ def test_an_edited_model_never_meets_the_originals_pages() -> None:
     """One value changed in the middle of one tensor (shapes and config unchanged) makes another
     model: refused by the store, as an edited copy or as the original edited in place after the
     store was filled. An unchanged reload of the same weights reuses."""
-    model = build_model("stories")
+    model = build_model("default")
     store = kvlib.PrefixStore(model, capacity_bytes=2**24)
-    prompt = prompts(500, shared=64, tails=(6,))[0]
+    prompt = prompts(DEFAULT_BYTES, shared=64, tails=(6,))[0]
     cache = kvlib.make_cache(model, reuse=store, prompt=prompt)
     model.generate(prompt, **cache_argument(cache), max_new_tokens=2, do_sample=False, pad_token_id=PAD)
-    reloaded = build_model("stories")
+    reloaded = build_model("default")
     cache = kvlib.make_cache(reloaded, reuse=store, prompt=prompt)
     assert cache.get_seq_length() == 64
     out = reloaded.generate(prompt, **cache_argument(cache), max_new_tokens=4, do_sample=False, pad_token_id=PAD)
@@ -198,9 +200,9 @@ def test_an_edited_model_never_meets_the_originals_pages() -> None:
 
 
 def test_an_unprimed_cache_in_a_prefix_store_gives_its_rows_back() -> None:
-    model = build_model("stories")
+    model = build_model("default")
     store = kvlib.PrefixStore(model, capacity_bytes=2**24)
-    prompt = prompts(500, shared=40, tails=(1,))[0]
+    prompt = prompts(DEFAULT_BYTES, shared=40, tails=(1,))[0]
     cache = kvlib.make_cache(model, reuse=store)  # no prompt: nothing reused or indexed
     out = model.generate(prompt, **cache_argument(cache), max_new_tokens=4, do_sample=False, pad_token_id=PAD)
     assert torch.equal(out, model.generate(prompt, max_new_tokens=4, do_sample=False, pad_token_id=PAD))
@@ -213,9 +215,9 @@ def test_an_unprimed_cache_in_a_prefix_store_gives_its_rows_back() -> None:
 
 
 def test_the_next_turn_reuses_the_answer_once_it_is_indexed() -> None:
-    model = build_model("stories")
+    model = build_model("default")
     store = kvlib.PrefixStore(model, capacity_bytes=2**24)
-    first = prompts(500, shared=40, tails=(1,))[0]
+    first = prompts(DEFAULT_BYTES, shared=40, tails=(1,))[0]
     cache = kvlib.make_cache(model, reuse=store, prompt=first)
     answer = model.generate(first, **cache_argument(cache), max_new_tokens=40, do_sample=False, pad_token_id=PAD)
     cache.index_tokens(answer)  # 81 tokens, 80 stored: five full pages
@@ -229,9 +231,9 @@ def test_the_next_turn_reuses_the_answer_once_it_is_indexed() -> None:
 
 
 def test_coded_and_exact_pages_go_to_disk_each_under_their_own_namespace(tmp_path) -> None:
-    model = build_model("stories")
+    model = build_model("default")
     store = kvlib.PrefixStore(model, capacity_bytes=2**24, disk=str(tmp_path))
-    prompt = prompts(500, shared=64, tails=(5,))[0]
+    prompt = prompts(DEFAULT_BYTES, shared=64, tails=(5,))[0]
     quantized = kvlib.make_cache(model, "kivi(bits=2)", reuse=store, prompt=prompt)
     model.generate(prompt, **cache_argument(quantized), max_new_tokens=8, do_sample=False, pad_token_id=PAD)
     assert store.disk.stats()["writes"] == 4  # the coded cache's four full pages, as their encoded fields
@@ -240,3 +242,46 @@ def test_coded_and_exact_pages_go_to_disk_each_under_their_own_namespace(tmp_pat
     assert store.disk.stats()["writes"] == 8  # the exact cache's own four: lossless never meets lossy pages
     again = kvlib.make_cache(model, "kivi(bits=2)", reuse=store, prompt=prompt)
     assert again.get_seq_length() == 64  # the coded pages are reused from memory
+
+
+def test_threads_with_their_own_caches_share_one_small_evicting_store() -> None:
+    """Four threads, each generating with caches of its own, on one PrefixStore too small for their
+    prompts (blocks evicted and indexed while the other thread's forward runs): every output equals
+    the model's alone, and nothing raises. Each model call holds the store's lock."""
+    model = build_model("llama")
+    cases = [prompts(90, shared=48, tails=(5, 21), seed=seed) for seed in range(6)]
+    cases = [prompt for pair in cases for prompt in pair]
+    reference = [model.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=PAD) for prompt in cases]
+    page = 16 * 2 * 2 * (8 * 4 * 2 + 8)  # a block's bytes: layers x KV heads x (keys + values float32, positions)
+    store = kvlib.PrefixStore(model, capacity_bytes=5 * page)
+    failures: list[str] = []
+
+    def serve(order: list[int]) -> None:
+        try:
+            for _ in range(3):
+                for i in order:
+                    cache = kvlib.make_cache(model, reuse=store, prompt=cases[i])
+                    out = model.generate(cases[i], **cache_argument(cache), max_new_tokens=6, do_sample=False, pad_token_id=PAD)
+                    if not torch.equal(out, reference[i]):
+                        failures.append(f"prompt {i}: wrong output")
+        except Exception as error:  # noqa: BLE001 - every failure of a thread is reported by the test
+            failures.append(f"{type(error).__name__}: {error}")
+
+    evens, odds = list(range(0, 12, 2)), list(range(1, 12, 2))
+    orders = (list(range(12)), list(range(11, -1, -1)), evens + odds, odds + evens)
+    threads = [threading.Thread(target=serve, args=(order,)) for order in orders]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)  # threads switch often: a race shows in a short run
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert failures == []
+    assert store.stats()["evictions"] > 0 and store.stats()["hits"] > 0
+    gc.collect()
+    store.collect()
+    (paged,) = store.stores.values()
+    assert len(paged.sequences) == 0  # every cache's rows given back

@@ -11,13 +11,13 @@ import kvlib
 from kvlib.strategies.eviction.knorm import KNorm
 from kvlib.strategy import LayerView
 from kvlib.transformers_compat import cache_argument
-from tests.adapters.conftest import PAD, build_model, left_padded
+from tests.adapters.conftest import DEFAULT_BYTES, PAD, build_model, left_padded, prompt_vocab
 
 
-@pytest.mark.parametrize("family", ["stories", "llama"])
+@pytest.mark.parametrize("family", ["default", "llama"])
 def test_score_aware_generate_equals_the_untiered_cache(family: str) -> None:
     model = build_model(family)
-    ids, mask = left_padded([90, 70], seed=3, vocab=500 if family == "stories" else 97)
+    ids, mask = left_padded([90, 70], seed=3, vocab=prompt_vocab(family))
     reference = model.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, pad_token_id=PAD)
     cache = kvlib.make_cache(model, "score_aware(device_mb=0.01, refresh=4)")
     out = model.generate(ids, attention_mask=mask, **cache_argument(cache), max_new_tokens=20, do_sample=False, pad_token_id=PAD)
@@ -26,8 +26,8 @@ def test_score_aware_generate_equals_the_untiered_cache(family: str) -> None:
 
 
 def test_the_device_holds_the_best_scored_pages() -> None:
-    model = build_model("stories")
-    ids, mask = left_padded([150, 120], seed=5, vocab=500)
+    model = build_model("default")
+    ids, mask = left_padded([150, 120], seed=5, vocab=DEFAULT_BYTES)
     cache = kvlib.make_cache(model, "score_aware(device_mb=0.02, refresh=1)")  # re-ranked at every step
     model.generate(ids, attention_mask=mask, **cache_argument(cache), max_new_tokens=6, do_sample=False, pad_token_id=PAD)
     padding = (mask == 0).sum(-1).view(-1, 1, 1)

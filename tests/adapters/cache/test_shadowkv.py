@@ -1,5 +1,5 @@
 """``shadowkv`` through generate: when its window, outliers and pages cover every page the output is
-the untiered cache's (tiny random Llama, stories260K, SmolLM2), with every page but the window and
+the untiered cache's (tiny random Llama, the embedded default model, SmolLM2), with every page but the window and
 the outliers on the host; the device holds exactly its page budget plus the key summaries, the host
 the rest, each page in exactly one tier; a decode step reads ``window + outliers + pages`` pages
 per head; what shadowkv does not combine with is refused."""
@@ -11,7 +11,7 @@ import torch
 
 import kvlib
 from kvlib.transformers_compat import cache_argument
-from tests.adapters.conftest import PAD, assert_same_logits, build_model, left_padded
+from tests.adapters.conftest import DEFAULT_BYTES, PAD, assert_same_logits, build_model, left_padded, prompt_vocab
 
 
 def generate(model, ids, mask, cache=None, steps: int = 20):
@@ -42,10 +42,10 @@ def assert_each_page_in_one_tier(cache) -> None:
         assert bool((places[in_use] == 1).all()) and bool((places[~in_use] == 0).all())
 
 
-@pytest.mark.parametrize("family", ["llama", "stories"])
+@pytest.mark.parametrize("family", ["llama", "default"])
 def test_covering_every_page_equals_the_untiered_cache_with_the_rest_on_the_host(family: str) -> None:
     model = build_model(family)
-    ids, mask = left_padded([75, 50], seed=3, vocab=500 if family == "stories" else 97)  # 95 tokens after the run: 6 pages
+    ids, mask = left_padded([75, 50], seed=3, vocab=prompt_vocab(family))  # 95 tokens after the run: 6 pages
     reference = generate(model, ids, mask)
     spec = f"shadowkv(pages=2, window=2, outliers=2, dense_layers=0, device_mb={page_mb(model, 3, 2)})"
     cache = kvlib.make_cache(model, spec)
@@ -57,15 +57,15 @@ def test_covering_every_page_equals_the_untiered_cache_with_the_rest_on_the_host
 
 
 def test_the_device_holds_its_page_budget_and_the_key_summaries_the_host_the_rest() -> None:
-    model = build_model("stories")  # 5 layers, 4 KV heads, head_dim 8
-    ids, mask = left_padded([150], seed=4, vocab=500)
+    model = build_model("default")
+    ids, mask = left_padded([150], seed=4, vocab=DEFAULT_BYTES)
     budget = 3  # pages per head on the device: a window of 2 and 1 outlier
     cache = kvlib.make_cache(model, f"shadowkv(pages=2, window=2, outliers=1, device_mb={page_mb(model, budget, 1)})")
     generate(model, ids, mask, cache, steps=12)  # 161 tokens: 11 pages per head
     report = cache.memory_report()
-    page_bytes = 16 * 2 * 8 * 4
-    layers, heads, pages = 5, 4, 11
-    assert report["by_component"]["key_summaries"] == layers * heads * pages * 2 * 8 * 4
+    layers, heads, head_dim, pages = model.config.num_hidden_layers, model.config.num_key_value_heads, model.config.head_dim, 11
+    page_bytes = 16 * 2 * head_dim * 4  # 16 tokens' float32 keys and values
+    assert report["by_component"]["key_summaries"] == layers * heads * pages * 2 * head_dim * 4  # a minimum and a maximum key
     assert report["by_tier"]["host"] == layers * heads * (pages - budget) * page_bytes
     assert report["by_component"]["pages"] == report["by_tier"]["host"] + layers * heads * budget * page_bytes
     device_parts = ("positions", "key_summaries", "tables", "read_cache")
@@ -75,12 +75,12 @@ def test_the_device_holds_its_page_budget_and_the_key_summaries_the_host_the_res
 
 
 def test_the_device_keeps_the_outliers_and_the_sliding_window() -> None:
-    model = build_model("stories")
-    ids, mask = left_padded([150], seed=4, vocab=500)
+    model = build_model("default")
+    ids, mask = left_padded([150], seed=4, vocab=DEFAULT_BYTES)
     cache = kvlib.make_cache(model, f"shadowkv(pages=1, window=2, outliers=1, device_mb={page_mb(model, 3, 1)})")
     with torch.inference_mode():
         model(input_ids=ids, attention_mask=mask, **cache_argument(cache))  # 10 pages per head, the last holding 6 tokens
-        outliers = {layer: set(outlier_ids(cache, layer)) for layer in range(5)}
+        outliers = {layer: set(outlier_ids(cache, layer)) for layer in range(model.config.num_hidden_layers)}
         feed = torch.ones(1, 1, dtype=torch.long)
         for step in range(11):  # 161 tokens: a new page
             model(input_ids=feed * 7, attention_mask=torch.ones(1, 151 + step, dtype=torch.long), **cache_argument(cache))
@@ -100,19 +100,20 @@ def outlier_ids(cache, layer: int) -> list[int]:
 
 
 def test_a_decode_step_reads_window_outliers_and_pages_per_head() -> None:
-    model = build_model("stories")  # 5 layers, 4 KV heads
-    ids, mask = left_padded([160], seed=4, vocab=500)  # 11 pages per head after the step
+    model = build_model("default")
+    heads = model.config.num_key_value_heads
+    ids, mask = left_padded([160], seed=4, vocab=DEFAULT_BYTES)  # 11 pages per head after the step
     cache = kvlib.make_cache(model, "shadowkv(pages=2, window=1, outliers=1, dense_layers=2, device_mb=1e-9)")  # one device page
     with torch.inference_mode():
         model(input_ids=ids, attention_mask=mask, **cache_argument(cache))
         before = [pool.host_pages_read for pool in cache.store.pools]
         model(input_ids=ids[:, :1], attention_mask=torch.ones(1, 161, dtype=torch.long), **cache_argument(cache))
     read = [pool.host_pages_read - b for pool, b in zip(cache.store.pools, before)]
-    assert read[:2] == [4 * 11 - 1] * 2  # dense layers: every page but the one on the device
-    assert all(4 * 4 - 1 <= r <= 4 * 4 for r in read[2:]), read
+    assert read[:2] == [heads * 11 - 1] * 2  # dense layers: every page but the one on the device
+    assert all(heads * 4 - 1 <= r <= heads * 4 for r in read[2:]), read  # window + outlier + 2 pages per head
 
 
-@pytest.mark.slow  # the real model (about a minute here): the stories-level tests above cover it in CI
+@pytest.mark.slow  # the real model (about a minute here): the default-model tests above cover it in CI
 def test_smollm2_short_prompt_equals_the_untiered_cache() -> None:
     from kvlib.eval import load_model
 

@@ -72,7 +72,7 @@ def smol():
     return load_model("smollm2")
 
 
-@pytest.mark.slow  # the real model (about a minute here): the stories-level tests above cover tiered coded pools in CI
+@pytest.mark.slow  # the real model (about a minute here): the default-model tests above cover tiered coded pools in CI
 def test_smollm2_tiered_kivi_equals_the_untiered_kivi_cache(smol, tmp_path) -> None:
     """SmolLM2 (30 layers, 3 KV heads), a ~300-token prompt: kivi(bits=4) with lru (host, then
     disk), score_aware and quest over lru gives the untiered kivi cache's tokens, pages having

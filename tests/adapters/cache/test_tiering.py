@@ -9,14 +9,14 @@ import torch
 import kvlib
 from kvlib.storage.tiered_pool import TieredPages
 from kvlib.transformers_compat import cache_argument
-from tests.adapters.conftest import PAD, build_model, left_padded
+from tests.adapters.conftest import DEFAULT_BYTES, PAD, build_model, left_padded, prompt_vocab
 
 
-@pytest.mark.parametrize("family", ["stories", "llama", "gpt2"])
+@pytest.mark.parametrize("family", ["default", "llama", "gpt2"])
 @pytest.mark.parametrize("device_mb", [0.01, 0.05])
 def test_tiered_generate_equals_the_untiered_cache(family: str, device_mb: float) -> None:
     model = build_model(family)
-    ids, mask = left_padded([90, 70], seed=3, vocab=min(model.config.vocab_size, 500) if family == "stories" else 97)
+    ids, mask = left_padded([90, 70], seed=3, vocab=prompt_vocab(family))
     reference = model.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=PAD)
     cache = kvlib.make_cache(model, f"lru(device_mb={device_mb})")
     out = model.generate(ids, attention_mask=mask, **cache_argument(cache), max_new_tokens=24, do_sample=False, pad_token_id=PAD)
@@ -30,8 +30,8 @@ def test_tiered_generate_equals_the_untiered_cache(family: str, device_mb: float
 
 
 def test_beams_and_sampling_are_unchanged_by_tiering() -> None:
-    model = build_model("stories")
-    ids, mask = left_padded([50, 41], seed=4, vocab=500)
+    model = build_model("default")
+    ids, mask = left_padded([50, 41], seed=4, vocab=DEFAULT_BYTES)
     beams = model.generate(ids, attention_mask=mask, num_beams=3, max_new_tokens=12, do_sample=False, pad_token_id=PAD)
     tiered = kvlib.make_cache(model, "lru(device_mb=0.02)")
     assert torch.equal(
@@ -55,8 +55,8 @@ def test_beams_and_sampling_are_unchanged_by_tiering() -> None:
 
 
 def test_tiering_composes_with_eviction_and_refuses_cross_layer_codecs() -> None:
-    model = build_model("stories")
-    ids, mask = left_padded([60], seed=5, vocab=500)
+    model = build_model("default")
+    ids, mask = left_padded([60], seed=5, vocab=DEFAULT_BYTES)
     reference_cache = kvlib.make_cache(model, "snapkv", budget=24)
     reference = model.generate(
         ids, attention_mask=mask, **cache_argument(reference_cache), max_new_tokens=12, do_sample=False, pad_token_id=PAD
@@ -71,8 +71,8 @@ def test_tiering_composes_with_eviction_and_refuses_cross_layer_codecs() -> None
 
 
 def test_a_full_host_tier_is_a_clear_error() -> None:
-    model = build_model("stories")
-    ids, mask = left_padded([90], seed=6, vocab=500)
+    model = build_model("default")
+    ids, mask = left_padded([90], seed=6, vocab=DEFAULT_BYTES)
     cache = kvlib.make_cache(model, "lru(device_mb=0.01, host_mb=0.01)")
     with pytest.raises(kvlib.PoolExhaustedError, match="host tier full"):
         model.generate(ids, attention_mask=mask, **cache_argument(cache), max_new_tokens=4, do_sample=False, pad_token_id=PAD)
@@ -82,8 +82,8 @@ def test_tiered_decode_steps_read_no_dense_copy_and_stage_only_off_device_pages(
     """An exact tiered cache's decode steps attend over the pages in place, with the untiered
     output: no dense read of a layer (only the prefill's); the off-device pages staged for a
     step count in the peak workspace."""
-    model = build_model("stories")  # 5 layers
-    ids, mask = left_padded([90, 70], seed=3, vocab=500)
+    model = build_model("default")
+    ids, mask = left_padded([90, 70], seed=3, vocab=DEFAULT_BYTES)
     reference = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=PAD)
     cache = kvlib.make_cache(model, "lru(device_mb=0.01)")
     with torch.inference_mode():

@@ -6,6 +6,8 @@ then ``make_cache`` attaches kvlib and the same call runs with the kvlib cache.
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from transformers import DynamicCache
@@ -76,7 +78,7 @@ def test_eager_attention_matches_and_stays_eager(family):
     _assert_same(reference, ours)
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2", "stories"])
+@pytest.mark.parametrize("family", ["llama", "gpt2", "default"])
 def test_assisted_generation_crops_like_dynamic_cache(family):
     model = build_model(family)
     assistant = build_model(family)
@@ -133,7 +135,7 @@ def test_batch_operations_match_dynamic_cache(operation):
 
 
 def test_reset_then_reuse_with_another_batch_equals_a_fresh_cache():
-    model = build_model("stories")
+    model = build_model("default")
     cache = kvlib.make_cache(model)
     first, _ = left_padded([10], seed=6)
     model.generate(first, **cache_argument(cache), do_sample=False, max_new_tokens=5, pad_token_id=PAD)
@@ -165,7 +167,7 @@ def test_crop_then_continue_equals_never_having_seen_the_tokens():
 
 
 def test_memory_report_counts_what_is_held():
-    model = build_model("stories")
+    model = build_model("default")
     cache = kvlib.make_cache(model, page_size=8)
     ids, _ = left_padded([20], seed=9)
     with torch.no_grad():
@@ -190,3 +192,39 @@ def test_attach_touches_only_the_given_model():
     reference = build_model("llama").generate(ids, do_sample=False, max_new_tokens=6, pad_token_id=PAD)
     assert torch.equal(other.generate(ids, do_sample=False, max_new_tokens=6, pad_token_id=PAD), reference)
     assert kvlib.attach(model) is model and model.config._attn_implementation == "kvlib_sdpa"
+
+
+def test_a_cache_refuses_a_second_thread_in_one_line_and_is_handed_over_by_reset() -> None:
+    """A cache used by two threads at once wrote wrong output with no error (as DynamicCache
+    does); kvlib records the thread of its first model call and refuses another, before any work.
+    A cache made in one thread may be used by another; after reset() any thread may take it."""
+    model = build_model("llama")
+    ids, _ = left_padded([12])
+    reference = model.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=PAD)
+    outcome: dict[str, object] = {}
+
+    def generate(cache: kvlib.KVCache) -> torch.Tensor:
+        return model.generate(ids, **cache_argument(cache), max_new_tokens=5, do_sample=False, pad_token_id=PAD)
+
+    def in_thread(action) -> object:
+        def run() -> None:
+            try:
+                outcome["result"] = action()
+            except Exception as error:  # noqa: BLE001 - the test reads what the thread got
+                outcome["result"] = error
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        thread.join()
+        return outcome["result"]
+
+    made_here = kvlib.make_cache(model)
+    assert torch.equal(in_thread(lambda: generate(made_here)), reference)  # made here, used there: fine
+    cache = kvlib.make_cache(model)
+    assert torch.equal(generate(cache), reference)  # this thread's now
+    for action in (lambda: generate(cache), lambda: cache.crop(-1), lambda: model(ids[:, -1:], **cache_argument(cache)), cache.reset):
+        refused = in_thread(action)
+        assert isinstance(refused, RuntimeError) and "a cache serves one thread at a time" in str(refused) and "\n" not in str(refused)
+    assert cache.get_seq_length() == ids.shape[1] + 4  # the refused calls changed nothing
+    cache.reset()  # handed over
+    assert torch.equal(in_thread(lambda: generate(cache)), reference)

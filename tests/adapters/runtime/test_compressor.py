@@ -49,7 +49,7 @@ def reference_streaming(model, ids: torch.Tensor, new_tokens: int) -> tuple[torc
 
 
 @pytest.mark.smoke
-@pytest.mark.parametrize("family", ["stories", "llama", "gpt2"])
+@pytest.mark.parametrize("family", ["default", "llama", "gpt2"])
 def test_streaming_llm_generate_equals_the_reference_loop(family):
     model = build_model(family)
     ids, _ = left_padded([40], seed=11)
@@ -76,7 +76,7 @@ def test_streaming_llm_generate_equals_the_reference_loop(family):
 
 
 def test_left_padded_batch_equals_each_prompt_alone():
-    model = build_model("stories")
+    model = build_model("default")
     lengths = [24, 31, 38]
     ids, mask = left_padded(lengths, seed=12)
     batched_cache = kvlib.make_cache(model, "streaming_llm", budget=BUDGET)
@@ -124,7 +124,7 @@ def test_rows_under_budget_keep_all_real_tokens_and_drop_padding():
 
 
 def test_fraction_budget_compresses_the_prompt_once():
-    model = build_model("stories")
+    model = build_model("default")
     ids, _ = left_padded([40], seed=14)
     cache = kvlib.make_cache(model, "streaming_llm", budget=0.25)
     model.generate(ids, **cache_argument(cache), do_sample=False, max_new_tokens=8, pad_token_id=PAD)
@@ -230,7 +230,7 @@ def test_heads_grow_past_the_budget_then_compact_back(options):
 
 @pytest.mark.parametrize("budget", [0.25, 40])
 def test_chunked_prefill_bounds_peak_pages_by_budget_plus_chunk(budget):
-    model = build_model("stories")
+    model = build_model("default")
     shape = kvlib.model_shape.kv_shape(model)
     ids = torch.randint(1, 90, (1, 400), generator=torch.Generator().manual_seed(17))
     chunk, page = 32, 16
@@ -276,7 +276,8 @@ def test_accumulated_attention_sums_every_query_over_prefill_and_decoding(scratc
     kv_heads = cache.shape.num_kv_heads
     for layer, total in enumerate(expected):
         grouped = total.view(1, kv_heads, -1, total.shape[-1]).mean(2)
-        assert torch.allclose(cache.compressor._accumulated[layer], grouped, atol=1e-5)
+        state = cache.compressor._accumulated[layer]  # planned steps leave it room to grow, at 0
+        assert torch.allclose(state[..., : grouped.shape[-1]], grouped, atol=1e-5) and (state[..., grouped.shape[-1] :] == 0).all()
 
 
 def test_accumulated_attention_follows_beam_reordering(scratch_registry):

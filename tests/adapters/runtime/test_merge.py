@@ -40,7 +40,7 @@ def test_merged_values_match_a_loop():
 
 
 def test_merge_through_generate_keeps_the_same_tokens_with_merged_values():
-    model = build_model("stories")
+    model = build_model("default")
     ids, _ = left_padded([40], seed=21)
     plain = kvlib.make_cache(model, "streaming_llm", budget=16)
     merged = kvlib.make_cache(model, "streaming_llm", budget=16, merge=True)

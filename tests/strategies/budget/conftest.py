@@ -5,16 +5,14 @@ from __future__ import annotations
 
 import math
 
-import pytest
 import torch
 
 import kvlib
 from kvlib.strategy import BudgetRequest
 from kvlib.transformers_compat import cache_argument
-from tests.adapters.conftest import PAD, STORIES, left_padded
+from tests.adapters.conftest import PAD, left_padded
 
 PAGE_SIZE = 16
-needs_stories = pytest.mark.skipif(not (STORIES / "config.json").exists(), reason="stories260K checkpoint not available (../shared/models)")
 
 
 def make_request(

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 import kvlib
 from kvlib.strategies.budget.adaptive import Adaptive
 from tests.adapters.conftest import build_model
-from tests.strategies.budget.conftest import check_memory, kept_counts, make_request, needs_stories, run, run_alone
+from tests.strategies.budget.conftest import check_memory, kept_counts, make_request, run, run_alone
 
 INF, NAN = math.inf, math.nan
 
@@ -152,10 +152,9 @@ def recording(allocation: Adaptive) -> dict[int, torch.Tensor]:
     return last
 
 
-@needs_stories
 @pytest.mark.parametrize("eviction", ["knorm", "tova(average='group')"])  # scores that differ between heads
 def test_through_generate_heads_share_each_layers_budget(eviction):
-    model = build_model("stories")
+    model = build_model("default")
     budget, lengths, floor = 8, [30, 41], 0.25
     allocation = Adaptive(floor=floor)
     last_caps = recording(allocation)
@@ -173,9 +172,8 @@ def test_through_generate_heads_share_each_layers_budget(eviction):
         assert torch.equal(counts[:, 0], kept_counts(alone_cache)[:, 0])
 
 
-@needs_stories
 def test_through_generate_with_floor_one_is_uniform():
-    cache, _ = run(build_model("stories"), "knorm+adaptive(floor=1.0)", 6, [25, 33], seed=7, new_tokens=2)
+    cache, _ = run(build_model("default"), "knorm+adaptive(floor=1.0)", 6, [25, 33], seed=7, new_tokens=2)
     assert (kept_counts(cache) == 6).all()
 
 

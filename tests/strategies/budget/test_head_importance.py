@@ -7,19 +7,20 @@ import json
 import math
 import os
 from fractions import Fraction
+from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tokenizers import Tokenizer
 
 import kvlib
+from kvlib.default_model import ByteTokenizer
 from kvlib.limits import MAX_PROFILE_BYTES
 from kvlib.model_shape import kv_shape
 from kvlib.strategies.budget.head_importance import PROFILE_FORMAT, HeadImportance, calibrate, load_profile
-from tests.adapters.conftest import STORIES, build_model, left_padded
-from tests.strategies.budget.conftest import check_memory, kept_counts, make_request, needs_stories, run, run_alone
+from tests.adapters.conftest import build_model, left_padded
+from tests.strategies.budget.conftest import check_memory, kept_counts, make_request, run, run_alone
 
 STORY = (
     "Once upon a time, there was a little girl named Lily. She loved to play outside in the park with her dog"
@@ -192,8 +193,9 @@ def test_malformed_profiles_raise_value_error_naming_the_problem(tmp_path, text,
         assert str(path) in str(error.value)
 
 
-def test_a_missing_profile_raises_value_error(tmp_path):
-    missing = str(tmp_path / "missing.json")
+def test_a_missing_profile_raises_value_error(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # a short name: error messages cut what they repeat at 80 characters
+    missing = "missing.json"
     with pytest.raises(ValueError, match="cannot read head_importance profile") as error:
         load_profile(missing)
     assert missing in str(error.value)
@@ -201,15 +203,18 @@ def test_a_missing_profile_raises_value_error(tmp_path):
         kvlib.parse_spec(f"tova+head_importance(profile={missing!r})")
 
 
-def test_a_profile_that_is_no_regular_file_or_too_big_is_refused_before_it_is_read(tmp_path):
-    fifo = tmp_path / "pipe.json"
+def test_a_profile_that_is_no_regular_file_or_too_big_is_refused_before_it_is_read(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # short names: error messages cut what they repeat at 80 characters
+    fifo = Path("pipe.json")
     os.mkfifo(fifo)  # no writer: a plain read would block for ever
-    nested = tmp_path / "nested.json"
+    nested = Path("nested.json")
     nested.write_text("[" * 100_000 + "]" * 100_000)
-    big = tmp_path / "big.json"
+    big = Path("big.json")
     with open(big, "wb") as handle:
         handle.truncate(MAX_PROFILE_BYTES + 1)
-    for path, problem in (("/dev/zero", "is not a regular file"), (fifo, "is not a regular file"), (tmp_path, "is not a regular file")):
+    folder = Path("folder")
+    folder.mkdir()
+    for path, problem in (("/dev/zero", "is not a regular file"), (fifo, "is not a regular file"), (folder, "is not a regular file")):
         with pytest.raises(ValueError, match=f"head_importance profile '{path}' {problem}"):
             load_profile(str(path))
     with pytest.raises(ValueError, match=f"holds more than {MAX_PROFILE_BYTES} bytes"):
@@ -244,8 +249,8 @@ def test_parameters_and_spec_round_trip(tmp_path):
 
 
 def story_ids() -> torch.Tensor:
-    """The story above as stories260K token ids ``[1, tokens]`` (BOS first)."""
-    return torch.tensor([Tokenizer.from_file(str(STORIES / "tokenizer.json")).encode(STORY).ids])
+    """The story above as the default model's byte ids ``[1, tokens]`` (BOS first)."""
+    return torch.tensor([ByteTokenizer().encode(STORY, bos=True)])
 
 
 def distant_mass_by_hand(model, ids: torch.Tensor, window: int, sinks: int) -> torch.Tensor:
@@ -273,14 +278,13 @@ def distant_mass_by_hand(model, ids: torch.Tensor, window: int, sinks: int) -> t
     return torch.tensor(rows, dtype=torch.float64)
 
 
-@needs_stories
 def test_calibrate_writes_the_distant_attention_mass_of_each_head(tmp_path):
-    model = build_model("stories")
+    model = build_model("default")
     ids = story_ids()
     assert ids.shape[1] > 40
-    path = tmp_path / "stories.json"
+    path = tmp_path / "default.json"
     weights = calibrate(model, ids, path, window=16, sinks=2)
-    assert weights.dtype == torch.float64 and weights.shape == (5, 4)
+    assert weights.dtype == torch.float64 and weights.shape == (model.config.num_hidden_layers, model.config.num_key_value_heads)
     assert torch.allclose(weights, distant_mass_by_hand(model, ids, window=16, sinks=2), rtol=1e-5, atol=1e-6)
     assert (weights >= 1e-3).all() and weights.std() > 0.01  # a trained model's heads differ
     assert torch.equal(load_profile(str(path)), weights)
@@ -323,10 +327,9 @@ def test_calibrate_refuses_too_few_tokens(tmp_path, shape):
 # -- through generate -------------------------------------------------------------------------------
 
 
-@needs_stories
 def test_through_generate_each_head_keeps_its_calibrated_share(tmp_path):
-    model = build_model("stories")
-    path = str(tmp_path / "stories.json")
+    model = build_model("default")
+    path = str(tmp_path / "default.json")
     weights = calibrate(model, story_ids(), path, window=16, sinks=2)
     budget, floor, lengths, new_tokens = 8, 0.25, [44, 52], 3
     spec = f"knorm+head_importance(profile={path!r}, floor={floor})"
@@ -337,7 +340,7 @@ def test_through_generate_each_head_keeps_its_calibrated_share(tmp_path):
     counts = kept_counts(cache)  # [layers, batch, heads]
     for row in range(len(lengths)):
         assert torch.equal(counts[:, row], expected)
-        assert int(counts[:, row].sum()) == 5 * 4 * budget
+        assert int(counts[:, row].sum()) == model.config.num_hidden_layers * model.config.num_key_value_heads * budget
     check_memory(cache, counts)
     alone = kept_counts(run_alone(model, spec, budget, ids, 0, lengths[0], new_tokens=new_tokens))
     assert torch.equal(counts[:, 0], alone[:, 0])
@@ -357,6 +360,6 @@ def test_through_generate_caps_over_the_held_tokens_keep_them_all(tmp_path):
 
 def test_a_profile_for_another_model_is_refused_before_the_model_runs(tmp_path):
     model = build_model("gpt2")  # 2 layers x 4 heads
-    path = write_profile(tmp_path / "stories.json", [[1.0] * 4] * 5)
+    path = write_profile(tmp_path / "default.json", [[1.0] * 4] * 5)
     with pytest.raises(ValueError, match=r"is for 5 layers x 4 KV heads, but the model has 2 x 4: calibrate a profile"):
         kvlib.make_cache(model, f"knorm+head_importance(profile={path!r})", budget=4)

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 import kvlib
 from kvlib.strategies.budget.pyramid import Pyramid
 from tests.adapters.conftest import build_model
-from tests.strategies.budget.conftest import check_memory, kept_counts, make_request, needs_stories, run, run_alone
+from tests.strategies.budget.conftest import check_memory, kept_counts, make_request, run, run_alone
 
 
 def exact_layer_budgets(budget: int, layers: int, beta: int) -> list[Fraction]:
@@ -111,16 +111,16 @@ def test_parameters_and_spec_round_trip():
         kvlib.parse_spec("tova+pyramid(beta=2.5)")
 
 
-@needs_stories
 @pytest.mark.parametrize("spec, beta", [("knorm+pyramid", 20), ("tova+pyramid(beta=4)", 4)])
 def test_through_generate_each_layer_keeps_its_pyramid_budget(spec, beta):
-    model = build_model("stories")
+    model = build_model("default")
+    layers, heads = model.config.num_hidden_layers, model.config.num_key_value_heads
     budget, lengths, new_tokens = 8, [26, 40], 3
     cache, ids = run(model, spec, budget, lengths, seed=3, new_tokens=new_tokens)
     counts = kept_counts(cache)
-    expected = reference_layer_budgets(budget, 5, beta)
+    expected = reference_layer_budgets(budget, layers, beta)
     assert expected[0] < min(lengths)  # every layer holds more than its budget, so each is cut to it
-    assert counts.tolist() == [[[count] * 4] * 2 for count in expected]
+    assert counts.tolist() == [[[count] * heads] * 2 for count in expected]
     check_memory(cache, counts)
     alone = kept_counts(run_alone(model, spec, budget, ids, 0, lengths[0], new_tokens=new_tokens))
     assert torch.equal(counts[:, 0], alone[:, 0])
@@ -138,16 +138,16 @@ def test_through_generate_on_gpt2_a_budget_over_the_held_tokens_keeps_them_all()
     check_memory(cache, counts)
 
 
-@needs_stories
 def test_through_generate_a_fraction_budget_splits_each_rows_prompt_budget():
-    model = build_model("stories")
+    model = build_model("default")
+    layers, heads = model.config.num_hidden_layers, model.config.num_key_value_heads
     lengths, new_tokens = [30, 41], 3
     cache, _ = run(model, "knorm+pyramid(beta=4)", 0.5, lengths, seed=5, new_tokens=new_tokens)
     counts = kept_counts(cache)
     for row, length in enumerate(lengths):
-        per_layer = reference_layer_budgets(math.ceil(0.5 * length), 5, 4)  # the prompt is compressed ...
+        per_layer = reference_layer_budgets(math.ceil(0.5 * length), layers, 4)  # the prompt is compressed ...
         expected = [count + new_tokens - 1 for count in per_layer]  # ... and decoding keeps every new token
-        assert counts[:, row].tolist() == [[count] * 4 for count in expected]
+        assert counts[:, row].tolist() == [[count] * heads for count in expected]
     check_memory(cache, counts)
 
 

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 import kvlib
 from kvlib.strategies.budget.uniform import Uniform
 from tests.adapters.conftest import build_model
-from tests.strategies.budget.conftest import check_memory, kept_counts, make_request, needs_stories, run, run_alone
+from tests.strategies.budget.conftest import check_memory, kept_counts, make_request, run, run_alone
 
 
 @settings(max_examples=60, deadline=None)
@@ -51,10 +51,9 @@ def test_registered_without_parameters_and_the_default_allocation():
     assert isinstance(cache.compressor.allocation, Uniform)
 
 
-@needs_stories
 @pytest.mark.parametrize("spec", ["knorm+uniform", "tova+uniform"])
 def test_through_generate_every_head_keeps_the_budget_in_real_pages(spec):
-    model = build_model("stories")
+    model = build_model("default")
     budget, lengths = 10, [22, 35]
     cache, ids = run(model, spec, budget, lengths, seed=1)
     counts = kept_counts(cache)

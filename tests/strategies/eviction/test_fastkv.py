@@ -1,6 +1,6 @@
 """fastkv: SnapKV per head below the TSP layer (against the SnapKV loop reference); at the TSP
 layer one shared score per position (against a loop reference summing heads); later layers of
-the same call reuse it by position; through generate (tiny Llama, GPT-2, stories260K, SmolLM2)
+the same call reuse it by position; through generate (tiny Llama, GPT-2, the embedded default model, SmolLM2)
 every layer from the TSP layer on keeps one token set in every head, budget met exactly, bytes
 matching the kept tokens; bad parameters refused."""
 
@@ -12,7 +12,7 @@ import torch
 import kvlib
 from kvlib.strategies.eviction.fastkv import NOTE, FastKV
 from kvlib.transformers_compat import cache_argument
-from tests.adapters.conftest import PAD, build_model, left_padded
+from tests.adapters.conftest import DEFAULT_BYTES, PAD, build_model, left_padded, prompt_vocab
 from tests.strategies.eviction.kept_bytes import assert_budget_and_bytes, same_positions_in_every_head, smollm2_prompt
 from tests.strategies.eviction.test_snapkv import make_view, snapkv_reference
 
@@ -74,11 +74,11 @@ def test_later_layers_of_the_call_reuse_the_tsp_choice_by_position() -> None:
     assert_scores_equal(strategy.score(alone), shared_reference(alone, 4, 5))
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2", "stories"])
+@pytest.mark.parametrize("family", ["llama", "gpt2", "default"])
 def test_from_the_tsp_layer_on_every_layer_and_head_keeps_one_token_set(family: str) -> None:
     model = build_model(family)
-    ids, mask = left_padded([30, 41], seed=6, vocab=500 if family == "stories" else 97)
-    tsp = 1 if family != "stories" else 2
+    ids, mask = left_padded([30, 41], seed=6, vocab=prompt_vocab(family))
+    tsp = 1 if family != "default" else 2
     cache = kvlib.make_cache(model, f"fastkv(window=4, kernel=3, tsp_layer={tsp})", budget=12, slack=0)
     model.generate(ids, attention_mask=mask, **cache_argument(cache), do_sample=False, max_new_tokens=6, pad_token_id=PAD)
     assert_budget_and_bytes(cache, 12)
@@ -87,18 +87,18 @@ def test_from_the_tsp_layer_on_every_layer_and_head_keeps_one_token_set(family: 
     for layer in range(tsp, layers):
         assert same_positions_in_every_head(cache, layer)
         assert torch.equal(cache.kept_positions(layer), propagated)
-    if family == "stories":  # below the TSP layer heads choose for themselves
+    if family == "default":  # below the TSP layer heads choose for themselves
         assert not all(same_positions_in_every_head(cache, layer) for layer in range(tsp))
 
 
 def test_a_float_budget_compresses_the_prompt_only() -> None:
-    model = build_model("stories")
-    ids, mask = left_padded([40], seed=7, vocab=500)
+    model = build_model("default")
+    ids, mask = left_padded([40], seed=7, vocab=DEFAULT_BYTES)
     cache = kvlib.make_cache(model, "fastkv", budget=0.5)
     model.generate(ids, attention_mask=mask, **cache_argument(cache), do_sample=False, max_new_tokens=5, pad_token_id=PAD)
     for layer in range(cache.shape.num_layers):
         assert bool(((cache.kept_positions(layer) >= 0).sum(-1) == 20 + 4).all())
-    assert same_positions_in_every_head(cache, 4)
+    assert same_positions_in_every_head(cache, cache.shape.num_layers - 1)  # the last layer: past the TSP layer
 
 
 def test_smollm2_short_prompt_meets_the_budget() -> None:

@@ -168,16 +168,17 @@ def reference_generate(model, ids: torch.Tensor, budget: int, recent: int, new_t
     [(10, 12, 4, 5), (14, 10, 5, 5)],  # eviction from the 3rd decode step on; eviction at prefill too
 )
 def test_accumulated_attention_through_generate_matches_a_hand_run(prompt, budget, recent, seed):
-    """On stories260K (trained weights: attention is far from uniform, so heavy hitters differ by
-    layer and head; keeping by the current step's attention alone would keep other tokens)."""
+    """On the embedded default model (trained weights: attention is far from uniform, so heavy
+    hitters differ by layer and head; keeping by the current step's attention alone would keep
+    other tokens)."""
     new_tokens = 10
     ids, mask = left_padded([prompt], seed=seed)
-    expected_ids, expected_positions, margin = reference_generate(build_model("stories", "eager"), ids, budget, recent, new_tokens)
+    expected_ids, expected_positions, margin = reference_generate(build_model("default", "eager"), ids, budget, recent, new_tokens)
     assert margin > 5e-5  # no near-ties: float rounding cannot flip a choice (a previous-token head makes many)
     heavy = budget - recent
     assert any(not torch.equal(kept[:, :heavy], torch.arange(heavy).expand(kept.shape[0], -1)) for kept in expected_positions)
 
-    model = build_model("stories", "eager")
+    model = build_model("default", "eager")
     cache = kvlib.make_cache(model, f"h2o(recent={recent})", budget=budget, slack=0)
     out = model.generate(ids, attention_mask=mask, **cache_argument(cache), do_sample=False, max_new_tokens=new_tokens, pad_token_id=PAD)
     assert out[0, prompt:].tolist() == expected_ids

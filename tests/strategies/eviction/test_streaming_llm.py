@@ -166,7 +166,7 @@ def test_declares_no_needs_and_is_registered():
     assert StreamingLLM().sinks == 4
 
 
-@pytest.mark.parametrize("family", ["llama", "stories"])
+@pytest.mark.parametrize("family", ["llama", "default"])
 @pytest.mark.parametrize("read_cache", [False, True], ids=["planned", "dense"])
 def test_a_held_cap_is_a_ring_each_step_attending_over_the_sinks_and_the_newest(family: str, read_cache: bool) -> None:
     """Under an int budget each decode step first drops the oldest token past the sinks, then

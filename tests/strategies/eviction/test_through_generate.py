@@ -15,7 +15,7 @@ BUDGET = 12
 BATCH_INDEPENDENT = {"streaming_llm", "knorm", "keydiff", "tova", "expected_attention", "lagkv", "h2o", "vatp", "random"}
 
 
-@pytest.mark.parametrize("family", ["stories", "gpt2"])
+@pytest.mark.parametrize("family", ["default", "gpt2"])
 @pytest.mark.parametrize("name", kvlib.available_strategies()["eviction"])
 def test_strategy_through_generate(family, name):
     model = build_model(family)

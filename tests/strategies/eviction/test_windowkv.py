@@ -1,6 +1,6 @@
 """windowkv: review-window scores against a loop reference; whole windows kept; the first layer
 of a group chooses for the group within one call; through generate (tiny Llama, GPT-2,
-stories260K, SmolLM2, the Engine) budget met exactly with bytes matching the kept tokens; bad
+the embedded default model, SmolLM2, the Engine) budget met exactly with bytes matching the kept tokens; bad
 parameters refused."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 import kvlib
 from kvlib.strategies.eviction.windowkv import NOTE, WindowKV
 from kvlib.transformers_compat import cache_argument
-from tests.adapters.conftest import PAD, build_model, left_padded
+from tests.adapters.conftest import PAD, build_model, left_padded, prompt_vocab
 from tests.strategies.eviction.kept_bytes import assert_budget_and_bytes, smollm2_prompt
 from tests.strategies.eviction.test_fastkv import assert_engine_matches_generate, assert_scores_equal
 from tests.strategies.eviction.test_snapkv import make_view
@@ -70,10 +70,10 @@ def test_the_first_layer_of_a_group_chooses_for_the_group() -> None:
     assert_scores_equal(strategy.score(other), windowkv_reference(other, 4, 3))
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2", "stories"])
+@pytest.mark.parametrize("family", ["llama", "gpt2", "default"])
 def test_whole_windows_kept_and_groups_keep_the_same_tokens(family: str) -> None:
     model = build_model(family)
-    ids, mask = left_padded([50, 37], seed=8, vocab=500 if family == "stories" else 97)
+    ids, mask = left_padded([50, 37], seed=8, vocab=prompt_vocab(family))
     cache = kvlib.make_cache(model, "windowkv(window=4, review_window=4, group_layers=2)", budget=20, slack=0)
     with torch.no_grad():  # the prompt alone: every kept context window is whole but the last one reached
         model(input_ids=ids, attention_mask=mask, **cache_argument(cache))
