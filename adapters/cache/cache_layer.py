@@ -30,7 +30,7 @@ from kvlib.adapters.runtime import layer_step
 from kvlib.adapters.runtime.after_attention import evict, following, make_ring_room
 from kvlib.adapters.runtime.compressor import PlannedWork
 from kvlib.adapters.runtime.layer_step import AttentionCall, LayerStep, ReturnedTokens
-from kvlib.adapters.runtime.masks import physical_mask, real_new_tokens
+from kvlib.adapters.runtime.masks import move_position_bias, physical_mask, real_new_tokens
 from kvlib.adapters.runtime.needs import AttentionInputs
 from kvlib.adapters.runtime.slot_order import ascending
 from kvlib.devices import reads_pages_in_place
@@ -248,6 +248,7 @@ class KVCacheLayer(CacheLayerMixin):
         mask = call.attention_mask
         if not step.identity:
             mask = physical_mask(mask, step, call.query.shape[1], call.float_mask_dtype)
+            move_position_bias(call.kwargs, step, call.query.shape[1])
         output, weights = call.run_inner(key, value, mask)
         real_new = real_new_tokens(call.attention_mask, step) if step.query_positions is None else None
         step.after_attention(query=call.query, mask=mask, weights=weights, real_new=real_new, scaling=call.kwargs.get("scaling"))
@@ -270,6 +271,7 @@ class KVCacheLayer(CacheLayerMixin):
             read = LayerRead(call.key, call.value, returned.positions, returned.valid)
             step = LayerStep(None, self.layer_idx, read, returned.query_offset, returned.query_length, False)
             mask = physical_mask(mask, step, call.query.shape[1], call.float_mask_dtype)
+            move_position_bias(call.kwargs, step, call.query.shape[1])
         return call.run_inner(call.key, call.value, mask)
 
     def _check_call(self, step: LayerStep, call: AttentionCall) -> None:

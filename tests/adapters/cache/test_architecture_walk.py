@@ -54,19 +54,6 @@ REFUSED: dict[str, str] = {
 }
 """Model types ``make_cache`` refuses, and what the refusal says: why kvlib cannot hold their cache."""
 
-EXPECTED_FAILURES: dict[str, str] = {
-    "inkling2_text": "hands attention a position bias over the keys DynamicCache returns, which kvlib's slid layers do not hold",
-    "inkling2_loop_text": "hands attention a position bias over the keys DynamicCache returns, which kvlib's slid layers do not hold",
-}
-"""Model types whose attention uses what ``update`` returns for more than attending over it in a
-way kvlib does not serve yet, expected to fail until they are served."""
-
-
-def _case(model_type: str) -> object:
-    if model_type in EXPECTED_FAILURES:
-        return pytest.param(model_type, marks=pytest.mark.xfail(strict=True, reason=EXPECTED_FAILURES[model_type]))
-    return model_type
-
 
 def _generate(model: torch.nn.Module, cache: object, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return model.generate(
@@ -80,7 +67,7 @@ def _generate(model: torch.nn.Module, cache: object, ids: torch.Tensor, mask: to
     )
 
 
-@pytest.mark.parametrize("model_type", [_case(model_type) for model_type in CAUSAL_LM_TYPES])
+@pytest.mark.parametrize("model_type", CAUSAL_LM_TYPES)
 def test_generate_is_exact_or_refused(model_type: str) -> None:
     if model_type in SKIPPED:
         pytest.skip(SKIPPED[model_type])
@@ -112,6 +99,6 @@ def _assert_refused(model_type: str, reason: str) -> None:
 
 
 def test_the_pinned_lists_name_model_types_transformers_has() -> None:
-    listed = set(SKIPPED) | set(REFUSED) | set(EXPECTED_FAILURES)
+    listed = set(SKIPPED) | set(REFUSED)
     assert listed <= set(CAUSAL_LM_TYPES), sorted(listed - set(CAUSAL_LM_TYPES))
-    assert not set(SKIPPED) & set(REFUSED) and not (set(SKIPPED) | set(REFUSED)) & set(EXPECTED_FAILURES)
+    assert not set(SKIPPED) & set(REFUSED)
