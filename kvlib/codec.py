@@ -19,6 +19,7 @@ pages wait open. Per-layer state they learn (bases) is reported by :meth:`Tensor
 from __future__ import annotations
 
 import abc
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -236,21 +237,27 @@ class PageCodec:
 
 def layer_shapes(
     num_layers: int,
-    kv_heads: int,
-    head_dim: int,
-    value_dim: int,
+    kv_heads: int | Sequence[int],
+    head_dim: int | Sequence[int],
+    value_dim: int | Sequence[int],
     page_size: int,
     dtype: torch.dtype,
     device: torch.device,
 ) -> list[tuple[TensorShape, TensorShape]]:
-    """``(key shape, value shape)`` of every layer of a model with one KV layout."""
+    """``(key shape, value shape)`` of every layer: ``kv_heads``, ``head_dim`` and ``value_dim``
+    each one int for every layer or one per layer."""
+    heads, keys, values = (_per_layer(sizes, num_layers) for sizes in (kv_heads, head_dim, value_dim))
     return [
         (
-            TensorShape(layer, num_layers, kv_heads, page_size, head_dim, dtype, device),
-            TensorShape(layer, num_layers, kv_heads, page_size, value_dim, dtype, device),
+            TensorShape(layer, num_layers, heads[layer], page_size, keys[layer], dtype, device),
+            TensorShape(layer, num_layers, heads[layer], page_size, values[layer], dtype, device),
         )
         for layer in range(num_layers)
     ]
+
+
+def _per_layer(sizes: int | Sequence[int], num_layers: int) -> list[int]:
+    return [sizes] * num_layers if isinstance(sizes, int) else list(sizes)
 
 
 class Codec(abc.ABC):

@@ -24,7 +24,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -207,8 +207,9 @@ class Budget(Strategy, abc.ABC):
     kind = "budget"
     needs_scores: ClassVar[bool] = False
 
-    def check_model(self, num_layers: int, kv_heads: int) -> None:
-        """``ValueError`` if this allocation cannot serve a model of this shape (checked before any model work)."""
+    def check_model(self, layer_kv_heads: Sequence[int]) -> None:
+        """``ValueError`` if this allocation cannot serve a model whose KV layers have these KV
+        heads (one entry per KV layer; checked before any model work)."""
 
     def layer_tokens(self, request: BudgetRequest) -> torch.Tensor:
         """int64 ``[batch]``: tokens this layer keeps in all its heads together (default: ``tokens * heads``)."""

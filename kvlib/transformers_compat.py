@@ -13,6 +13,7 @@ from typing import Any
 
 import transformers
 from packaging.version import Version
+from transformers.cache_utils import get_layer_types_and_kwargs
 
 INSTALLED = Version(transformers.__version__)
 """The installed transformers release."""
@@ -35,3 +36,27 @@ def passed_cache(kwargs: dict[str, Any]) -> Any:
         if kwargs.get(name) is not None:
             return kwargs[name]
     return None
+
+
+def cache_layer_types(text_config: Any) -> tuple[list[str], list[dict[str, Any]]]:
+    """Per layer of a decoder's (text) config, the cache layer type ``DynamicCache(config=...)``
+    builds (``"full_attention"``, ``"sliding_attention"``, ``"linear_attention"``, ``"hybrid"``,
+    ``"dummy"``...) and its keyword arguments (``sliding_window``, ``number_of_states``), one
+    entry per layer. transformers 5.18 returns one dict of keyword arguments for every layer and
+    leaves KV-sharing layers out of the list (they hold no cache: ``"dummy"`` here, as 5.24 has it)."""
+    types, kwargs = get_layer_types_and_kwargs(text_config)
+    types = list(types)
+    layers = getattr(text_config, "num_hidden_layers", len(types))
+    if isinstance(layers, int) and len(types) < layers:
+        types += ["dummy"] * (layers - len(types))
+    if isinstance(kwargs, dict):
+        kwargs = [dict(kwargs) if kind != "dummy" else {} for kind in types]
+    return types, list(kwargs)
+
+
+def layer_config(text_config: Any, layer: int) -> Any:
+    """The config of one decoder layer: ``per_layer_config[layer]`` where the config has per-layer
+    attributes (transformers' heterogeneous configs, whose global value of such an attribute is
+    an error to read), else the config itself."""
+    per_layer = getattr(type(text_config), "per_layer_config", None)
+    return text_config.per_layer_config[layer] if per_layer is not None else text_config

@@ -39,7 +39,12 @@ def blend_cache(model: torch.nn.Module, chunks: Sequence[torch.Tensor], store: C
     (default ``CacheBlend()``: 15% of the tokens recomputed, chosen by KV deviation)."""
     strategy = strategy or CacheBlend()
     shape = kv_shape(model)
-    rope = rope_of(model, shape.head_dim)
+    if shape.has_state_layers:
+        raise ValueError(
+            f"chunk reuse joins chunks computed alone; {type(model).__name__} has recurrent-state layers, whose state after a"
+            " chunk depends on every token before it, so chunks cannot be computed alone: use make_cache(model)"
+        )
+    rope = rope_of(model, shape)
     if rope is None:
         raise ValueError(f"{type(model).__name__} has no rotary embedding kvlib can re-rotate: chunk reuse needs RoPE")
     if not chunks:

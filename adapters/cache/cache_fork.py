@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvlib.adapters.cache.state_layers import select_state_rows
+
 if TYPE_CHECKING:
     from kvlib.adapters.cache.transformers_cache import KVCache
 
@@ -35,6 +37,11 @@ def check_forkable(cache: KVCache) -> None:
         raise ValueError("fork is for caches outside a PrefixStore; this one was primed from one (make_cache(reuse=...))")
     if cache.tiering is not None:
         raise ValueError(f"fork is for caches without tiering; this one spills pages with {cache.tiering.spec()}")
+    if cache.state_layers:
+        raise ValueError(
+            "fork shares pages by reference; this model's layers keep state outside the pages (recurrent states, indexer keys),"
+            " which a fork cannot share"
+        )
     if not cache.rows:
         raise ValueError("the cache holds no tokens yet: run the model with it first")
 
@@ -49,13 +56,15 @@ def share_rows(cache: KVCache, copy: KVCache) -> None:
     copy.reuse_slots = cache.reuse_slots
     copy.rows.extend(cache.store.fork(row) for row in cache.rows)
     copy.padding = cache.padding.clone()
-    for mine, theirs in zip(copy.layers, cache.layers):
+    for mine, theirs in zip(copy.kv_layers, cache.kv_layers):
         mine.seen, mine.identity = theirs.seen, theirs.identity
 
 
 def select_rows(cache: KVCache, index: torch.Tensor) -> None:
-    """Row ``i`` of ``cache`` becomes a fork of old row ``index[i]`` in every layer; the padding and
-    the compressor's per-row state follow. ``ValueError`` for an index out of range."""
+    """Row ``i`` of ``cache`` becomes a fork of old row ``index[i]`` in every layer; the padding, the
+    compressor's per-row state and the state layers keep outside the pages (a hybrid model's
+    recurrent states, a sparse-attention indexer's keys) follow.
+    ``ValueError`` for an index out of range."""
     rows = cache.rows
     if not rows:
         return
@@ -70,3 +79,5 @@ def select_rows(cache: KVCache, index: torch.Tensor) -> None:
     cache.padding = cache.padding[index.to(cache.padding.device)]
     if cache.compressor is not None:
         cache.compressor.select_rows(index)
+    for layer in cache.state_layers:
+        select_state_rows(layer, index)

@@ -30,7 +30,7 @@ from kvlib.adapters.runtime import layer_step
 from kvlib.adapters.runtime.after_attention import evict, following, make_ring_room
 from kvlib.adapters.runtime.compressor import PlannedWork
 from kvlib.adapters.runtime.layer_step import AttentionCall, LayerStep, ReturnedTokens
-from kvlib.adapters.runtime.masks import physical_mask, real_new_tokens
+from kvlib.adapters.runtime.masks import move_position_bias, physical_mask, real_new_tokens
 from kvlib.adapters.runtime.needs import AttentionInputs
 from kvlib.adapters.runtime.slot_order import ascending
 from kvlib.devices import reads_pages_in_place
@@ -59,10 +59,13 @@ class KVCacheLayer(CacheLayerMixin):
 
     is_sliding = False
 
-    def __init__(self, cache: SharedState, layer_idx: int) -> None:
+    def __init__(self, cache: SharedState, layer_idx: int, module_layer: int | None) -> None:
         self.keys = self.values = None
         self.cache = cache
         self.layer_idx = layer_idx
+        self.module_layer = module_layer
+        """The ``layer_idx`` of the attention module whose calls this layer serves (``layer_idx``
+        numbers the KV layers, which skip a hybrid model's recurrent layers)."""
         self.seen = 0
         self.identity = True
         self.pending: LayerStep | None = None
@@ -104,7 +107,9 @@ class KVCacheLayer(CacheLayerMixin):
         attention needs no dense read of the layer (:meth:`_new_tokens_step`). Inside a forward
         being compiled, the work is one operator (:mod:`~kvlib.adapters.cache.compiled_calls`)."""
         if torch.compiler.is_compiling():
-            return traced_update(self.cache, self.layer_idx, key_states, value_states, self.cache.shape.value_dim, kwargs)
+            return traced_update(
+                self.cache, self.layer_idx, key_states, value_states, self.cache.shape.layer_value_dims[self.layer_idx], kwargs
+            )
         step = self.store_call(key_states, value_states)
         self.pending = step
         layer_step.publish(step, kwargs)
@@ -123,7 +128,7 @@ class KVCacheLayer(CacheLayerMixin):
             cache.prepared = False
         plan = cache.plan
         if plan is not None and plan.tokens == tokens:  # a decode step planned for every layer: one write, attention over the pages
-            previous = cache.layers[self.layer_idx - 1]
+            previous = cache.kv_layers[self.layer_idx - 1]
             if previous.pending is not None:
                 raise RuntimeError(NOT_THROUGH_KVLIB.format(layer=previous.layer_idx))
             plan.pools[self.layer_idx].write_planned(plan, self.layer_idx, key_states, value_states)
@@ -243,6 +248,7 @@ class KVCacheLayer(CacheLayerMixin):
         mask = call.attention_mask
         if not step.identity:
             mask = physical_mask(mask, step, call.query.shape[1], call.float_mask_dtype)
+            move_position_bias(call.kwargs, step, call.query.shape[1])
         output, weights = call.run_inner(key, value, mask)
         real_new = real_new_tokens(call.attention_mask, step) if step.query_positions is None else None
         step.after_attention(query=call.query, mask=mask, weights=weights, real_new=real_new, scaling=call.kwargs.get("scaling"))
@@ -253,7 +259,7 @@ class KVCacheLayer(CacheLayerMixin):
         call's own (whose after-attention work already ran or is this call's to skip): a second
         call of the same layer (DiffLlama), or a layer sharing this one's (Gemma 3n). Over the
         tokens the call is handed, the model's mask moved onto their slots."""
-        if returned.layer_idx != getattr(call.module, "layer_idx", returned.layer_idx):
+        if self.module_layer != getattr(call.module, "layer_idx", self.module_layer):
             self.cache.serve_densely("shares one layer's keys and values with other layers", returned.complete, shapes_kept=True)
         elif not returned.complete:
             raise RuntimeError(
@@ -265,6 +271,7 @@ class KVCacheLayer(CacheLayerMixin):
             read = LayerRead(call.key, call.value, returned.positions, returned.valid)
             step = LayerStep(None, self.layer_idx, read, returned.query_offset, returned.query_length, False)
             mask = physical_mask(mask, step, call.query.shape[1], call.float_mask_dtype)
+            move_position_bias(call.kwargs, step, call.query.shape[1])
         return call.run_inner(call.key, call.value, mask)
 
     def _check_call(self, step: LayerStep, call: AttentionCall) -> None:

@@ -82,9 +82,9 @@ class CacheStoreBuilder:
             self.codecs = self.codec.layer_codecs(
                 layer_shapes(
                     shape.num_layers,
-                    shape.num_kv_heads,
-                    shape.head_dim,
-                    shape.value_dim,
+                    shape.layer_kv_heads,
+                    shape.layer_head_dims,
+                    shape.layer_value_dims,
                     self.page_size,
                     dtype,
                     device,
@@ -93,9 +93,9 @@ class CacheStoreBuilder:
         disk_tier = self._disk_tier(dtype)
         config = StoreConfig(
             shape.num_layers,
-            shape.num_kv_heads,
-            shape.head_dim,
-            value_dim=shape.value_dim,
+            shape.layer_kv_heads,
+            shape.layer_head_dims,
+            value_dim=shape.layer_value_dims,
             page_size=self.page_size,
             dtype=dtype,
             device=device,
@@ -111,10 +111,10 @@ class CacheStoreBuilder:
         return PagedStore(config, spill=disk_tier.get("spill"), prefetcher=PagePrefetcher(config.device) if prefetch else None)
 
     def _page_bytes(self, dtype: torch.dtype) -> int:
-        """Bytes a page the tiers move takes: keys and values in ``dtype``, or, with a codec whose
-        fields are known (every layer's ready), the largest layer's encoded page."""
+        """Bytes a page the tiers move takes: the largest layer's keys and values in ``dtype``, or,
+        with a codec whose fields are known (every layer's ready), the largest layer's encoded page."""
         element = torch.empty((), dtype=dtype).element_size()
-        raw = self.page_size * (self.shape.head_dim + self.shape.value_dim) * element
+        raw = self.page_size * max(k + v for k, v in zip(self.shape.layer_head_dims, self.shape.layer_value_dims)) * element
         codecs = self._ready_codecs()
         return raw if codecs is None else max(codec.page_bytes() for codec in codecs)
 
@@ -129,7 +129,8 @@ class CacheStoreBuilder:
         codecs, the largest layer's packed fields as bytes (:class:`~kvlib.storage.field_rows.FieldRows`)."""
         codecs = self._ready_codecs()
         if codecs is None:
-            return Layout(bytes(16), 1, 1, self.page_size, self.shape.head_dim, self.shape.value_dim, dtype)
+            shape = self.shape
+            return Layout(bytes(16), 1, 1, self.page_size, max(shape.layer_head_dims), max(shape.layer_value_dims), dtype)
         rows = max((FieldRows.of(codec.fields) for codec in codecs), key=lambda rows: rows.page_bytes)
         return Layout(bytes(16), 1, 1, 1, rows.key_bytes, rows.value_bytes, torch.uint8)
 

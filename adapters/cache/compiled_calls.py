@@ -98,7 +98,7 @@ def _update(handle: torch.Tensor, layer: int, keys: torch.Tensor, values: torch.
     cache = _cache(handle)
     cache.enter_call()
     try:
-        cache.layers[layer].pending = cache.layers[layer].store_call(keys, values)
+        cache.kv_layers[layer].pending = cache.kv_layers[layer].store_call(keys, values)
     finally:
         cache.leave_call()
 
@@ -121,7 +121,7 @@ def _attend(
     value_dim: int,
 ) -> torch.Tensor:
     cache = _cache(handle)
-    step = cache.layers[layer].pending
+    step = cache.kv_layers[layer].pending
     attention = attention_module(module)
     kwargs = {"scaling": scaling, "dropout": dropout, "softcap": softcap, "sliding_window": sliding_window, "s_aux": sinks}
     kwargs = {name: value for name, value in kwargs.items() if value is not None}

@@ -10,7 +10,7 @@ from kvlib.adapters.runtime.make_compressor import check_budget, eviction_compre
 from kvlib.codec import Codec, layer_shapes
 from kvlib.devices import check_fits
 from kvlib.limits import MAX_PAGE_SIZE, check_page_size, check_request_tokens
-from kvlib.model_shape import KVShape, kv_shape, model_context, shares_kv_across_layers
+from kvlib.model_shape import KV_LAYER_TYPES, STATE_LAYER_TYPES, KVShape, kv_shape, model_context, shares_kv_across_layers
 from kvlib.spec import Spec, SpecLike, parse_spec
 from kvlib.storage.prefix_store import PrefixStore
 from kvlib.storage.store_config import DEFAULT_PAGES_PER_LAYER, initial_arena_bytes
@@ -94,13 +94,17 @@ def make_cache(
             f" {', '.join(unsupported)} ({parsed}). Reuse works through make_cache(reuse=kvlib.PrefixStore(...)) and"
             " kvlib.blend_cache(model, chunks, kvlib.ChunkStore(...), strategy)"
         )
+    dense = shape.dense
+    if dense:
+        _check_dense(model, shape, parsed, reuse)
     budget = check_budget(budget, parsed)
     codec = _codec(parsed)
     page_size, read_cache, slack, interval, merge, compileable = _options(options)
     parameter = next(model.parameters(), None)
     home = (parameter.dtype, parameter.device) if parameter is not None else (torch.float32, torch.device("cpu"))
+    shapes = layer_shapes(shape.num_layers, shape.layer_kv_heads, shape.layer_head_dims, shape.layer_value_dims, page_size, *home)
     if codec is not None:
-        codec.check_shape(layer_shapes(shape.num_layers, shape.num_kv_heads, shape.head_dim, shape.value_dim, page_size, *home))
+        codec.check_shape(shapes)
     if (slack or interval != 1) and not isinstance(budget, int):
         raise ValueError(f"slack and interval apply to an int budget (a token count), not to budget={budget!r}")
     compressor = eviction_compressor(model, parsed, budget, slack, interval, merge, page_size=page_size)
@@ -109,13 +113,11 @@ def make_cache(
     if compressor is None:
         compressor = salience_scorer(model, parsed)
     _check_first_arenas(shape, page_size, home, coded=codec is not None, tiered=parsed.tiering is not None)
-    _check_reuse(model, parsed, codec, reuse, prompt)
+    _check_reuse(model, shape, parsed, codec, reuse, prompt)
     if parsed.tiering is not None and codec is not None:
-        _check_tiered_codec(
-            parsed.tiering, codec, layer_shapes(shape.num_layers, shape.num_kv_heads, shape.head_dim, shape.value_dim, page_size, *home)
-        )
+        _check_tiered_codec(parsed.tiering, codec, shapes)
     _check_page_retrieval(parsed, reuse)
-    attach(model, hidden_states=compressor is not None and "hidden_states" in compressor.strategy.needs)
+    attach(model, hidden_states=compressor is not None and "hidden_states" in compressor.strategy.needs, route=not dense)
     cache = KVCache(
         shape,
         compressor,
@@ -127,6 +129,7 @@ def make_cache(
         home=home,
         tiering=parsed.tiering,
         compileable=compileable,
+        dense=dense,
     )
     if shares_kv_across_layers(model):  # the sharing layers attend over what their source layer's update returns
         cache.serve_densely("shares one layer's keys and values with other layers", True, shapes_kept=True)
@@ -135,13 +138,21 @@ def make_cache(
     return cache
 
 
-def _check_reuse(model: torch.nn.Module, spec: Spec, codec: Codec | None, reuse: PrefixStore | None, prompt: object) -> None:
+def _check_reuse(
+    model: torch.nn.Module, shape: KVShape, spec: Spec, codec: Codec | None, reuse: PrefixStore | None, prompt: object
+) -> None:
     if reuse is None:
         if prompt is not None:
             raise ValueError("prompt= primes a cache from a PrefixStore; pass reuse=kvlib.PrefixStore(model, ...) too")
         return
     if not isinstance(reuse, PrefixStore):
         raise ValueError(f"reuse must be a kvlib.PrefixStore, got {type(reuse).__name__}")
+    if shape.has_state_layers:
+        raise ValueError(
+            f"prefix reuse shares pages cut at page boundaries; {type(model).__name__} has recurrent-state layers"
+            f" ({', '.join(sorted(set(shape.layer_types) & STATE_LAYER_TYPES))}) whose state after a prefix is not"
+            " stored with the pages, so a cached prefix cannot be resumed: use make_cache(model) without reuse"
+        )
     if spec.eviction is not None:
         raise ValueError(
             f"prefix reuse needs every prompt token stored; {spec.eviction.spec()} drops tokens. Use reuse with an exact or quantized"
@@ -153,6 +164,22 @@ def _check_reuse(model: torch.nn.Module, spec: Spec, codec: Codec | None, reuse:
         raise ValueError("this PrefixStore was built for another model (config or weights differ)")
     if isinstance(prompt, torch.Tensor) and prompt.dim() >= 1:  # before the prefix store looks anything up
         check_request_tokens(prompt.shape[-1], 0, model_context(model))
+
+
+def _check_dense(model: torch.nn.Module, shape: KVShape, spec: Spec, reuse: PrefixStore | None) -> None:
+    """``ValueError`` for what a model served densely (:mod:`~kvlib.adapters.cache.dense_layer`: its
+    attention runs over what the cache returns, outside kvlib) cannot have: any strategy or
+    prefix reuse (they act after a layer's attention, which kvlib never sees), or hybrid layers."""
+    why = shape.dense_reason
+    if spec.strategies() or reuse is not None:
+        what = str(spec) if spec.strategies() else "prefix reuse"
+        raise ValueError(
+            f"{type(model).__name__} {why}, so kvlib serves its cache densely and never sees its attention; {what} acts after"
+            " each layer's attention and cannot be applied: use kvlib.make_cache(model) (exact)"
+        )
+    hybrid = sorted(set(shape.layer_types) & KV_LAYER_TYPES & STATE_LAYER_TYPES)
+    if hybrid:
+        raise ValueError(f"{type(model).__name__} {why} and has {', '.join(hybrid)} layers; kvlib does not serve that combination")
 
 
 def _check_page_retrieval(spec: Spec, reuse: PrefixStore | None) -> None:
@@ -197,8 +224,8 @@ def _check_first_arenas(shape: KVShape, page_size: int, home: tuple[torch.dtype,
     dtype, device = home
     layers = shape.num_layers
     nbytes = initial_arena_bytes(
-        [shape.head_dim] * layers,
-        [shape.value_dim] * layers,
+        shape.layer_head_dims,
+        shape.layer_value_dims,
         page_size,
         dtype,
         DEFAULT_PAGES_PER_LAYER,

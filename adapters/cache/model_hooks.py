@@ -23,8 +23,9 @@ _recording_models: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 """Models whose attention modules hand their input to a cache that needs it."""
 
 
-def attach(model: PreTrainedModel, *, hidden_states: bool = False) -> PreTrainedModel:
-    """Route ``model``'s attention through kvlib (idempotent); returns the model.
+def attach(model: PreTrainedModel, *, hidden_states: bool = False, route: bool = True) -> PreTrainedModel:
+    """Route ``model``'s attention through kvlib (idempotent; not with ``route`` False: a model
+    whose attention does not go through ``AttentionInterface``, served densely); returns the model.
 
     A model on SDPA or eager keeps that math; other implementations (flash, flex) switch to SDPA,
     which handles per-head masks over physical slots. Raises ``ValueError`` if the model does not
@@ -38,7 +39,8 @@ def attach(model: PreTrainedModel, *, hidden_states: bool = False) -> PreTrained
     strategy needs them; once added they stay), pre-hooks on the attention modules that hand
     their input to such a cache.
     """
-    route_attention(model)
+    if route:
+        route_attention(model)
     if model not in _hooked_models:
         model.register_forward_pre_hook(_prepare_cache, with_kwargs=True)
         model.register_forward_hook(_finish_call, with_kwargs=True, always_call=True)

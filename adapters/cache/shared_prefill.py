@@ -85,7 +85,7 @@ def sharing_refusal(cache: KVCache) -> str | None:
         return f"tiering ({cache.tiering.spec()}) places pages as the calls run"
     if cache.reuse is not None:
         return "a prefix store's session owns the cache's rows"
-    if cache.rows or any(layer.seen for layer in cache.layers):
+    if cache.rows or any(layer.seen for layer in cache.kv_layers):
         return "the cache already holds tokens"
     if cache.compressor is not None and not cache.compressor.strategy.shares_prefill:
         return f"{cache.compressor.strategy.spec()} does not share a prefill (shares_prefill = False)"
@@ -161,12 +161,12 @@ def recording(source: KVCache, recorder: PrefillRecorder) -> Iterator[PrefillRec
     """Attach ``recorder`` to every layer of ``source`` (an empty exact cache) for the calls inside."""
     if source.compressor is not None or source.codec is not None or source.tiering is not None:
         raise ValueError("a shared prefill's source is an exact cache (kvlib.make_cache(model)): no strategy")
-    for layer in source.layers:
+    for layer in source.kv_layers:
         layer.recorder = recorder
     try:
         yield recorder
     finally:
-        for layer in source.layers:
+        for layer in source.kv_layers:
             layer.recorder = None
 
 
@@ -181,14 +181,14 @@ def replay(cache: KVCache, source: KVCache, recorder: PrefillRecorder) -> None:
     if (needs.queries and not recorder.needs.queries) or (needs.hidden_states and not recorder.needs.hidden_states):
         raise ValueError(f"the shared prefill recorded {recorder.needs}, this cache needs {needs}")
     rows = source.rows
-    for layer in cache.layers:
+    for layer in cache.kv_layers:
         recorded = recorder.call(layer.layer_idx)
         read = recorded.stored if recorded.stored is not None else source.store.read(layer.layer_idx, rows, mirror=False)
-        tokens = source.layers[layer.layer_idx].seen
+        tokens = source.kv_layers[layer.layer_idx].seen
         if read.keys.shape[2] != tokens or not bool(read.valid.all()):
             raise RuntimeError("the shared prefill's source must hold its whole prompt, in position order")
         if recorded.hidden_states is not None:
-            cache.record_hidden_states(layer.layer_idx, recorded.hidden_states)
+            cache.record_hidden_states(layer.module_layer, recorded.hidden_states)
         layer.update(read.keys, read.values, kwargs={})  # publishes into the dict: no attention will take it
         query = recorded.query if recorded.query is not None else read.keys.new_zeros(()).expand(recorded.query_shape)
         layer.after_attention(

@@ -51,7 +51,7 @@ class SharedState(Protocol):
     reuse_slots: bool
     compileable: bool
     dense_returns: str | None
-    layers: list[PendingLayer]
+    kv_layers: list[PendingLayer]
     plan: StepPlan | None
     plan_known_real: bool
     plan_work: tuple[PlannedWork, ...]
@@ -62,5 +62,10 @@ class SharedState(Protocol):
     def prepare_step(self, tokens: int, attention_mask: torch.Tensor | None = None, *, mask_known: bool = True) -> None: ...
 
     def start_call(self, layer_idx: int, key_states: torch.Tensor) -> None: ...
+
+    @property
+    def measures_layout(self) -> bool: ...
+
+    def measure_layout(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None: ...
 
     def serve_densely(self, reason: str, complete: bool, *, shapes_kept: bool) -> None: ...

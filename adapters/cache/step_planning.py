@@ -10,7 +10,8 @@ eviction work, no page to seal, no window to slide past, no prompt pages to inde
 idle layer's update and attention keep no books of their own.
 
 No plan (the step goes layer by layer): more than
-:data:`~kvlib.adapters.cache.cache_layer.PAGED_QUERY_TOKENS` new tokens, a layer holding nothing
+:data:`~kvlib.adapters.cache.cache_layer.PAGED_QUERY_TOKENS` new tokens, a model attending over
+dense reads outside kvlib (:mod:`~kvlib.adapters.cache.dense_layer`), a layer holding nothing
 yet, a layer whose ``update`` must return every stored token (not checked yet, or a model that
 does more with them than attend: :attr:`KVCacheLayer.returns_new_tokens`), padding among the new tokens, a read mirror, a device whose attention cannot read pages in
 place, tiering, a selective recompute, a held cap compacted at every step (no slack, not a ring),
@@ -45,16 +46,17 @@ def plan_decode_step(cache: KVCache, tokens: int, attention_mask: torch.Tensor |
     attention gets."""
     cache.plan, cache.plan_idle, cache.plan_work, cache.step_real_new = None, (), (), None
     cache.prepared = True
-    first = cache.layers[0].seen
+    first = cache.kv_layers[0].seen
     if (
         tokens > PAGED_QUERY_TOKENS
+        or cache.dense
         or first == 0
         or cache.read_cache
         or cache.tiering is not None
         or cache.recompute is not None
         or not cache.rows
         or not reads_pages_in_place(cache.store.device)
-        or any(layer.seen != first or not layer.returns_new_tokens for layer in cache.layers)
+        or any(layer.seen != first or not layer.returns_new_tokens for layer in cache.kv_layers)
     ):
         return
     padding = None
@@ -66,7 +68,7 @@ def plan_decode_step(cache: KVCache, tokens: int, attention_mask: torch.Tensor |
         mask_known = True
     ring = None
     if cache.compressor is not None:
-        ring = cache.compressor.ring(len(cache.rows), cache.shape.num_kv_heads) if cache.reuse_slots else None
+        ring = cache.compressor.ring(len(cache.rows), cache.shape.layer_kv_heads[0]) if cache.reuse_slots else None
         if ring is None and cache.compressor.compacts_each_step(tokens):
             return
     plan = cache.store.plan_step(cache.rows, tokens, ring)
@@ -113,7 +115,7 @@ def _keeps_books_after(cache: KVCache, layer: int) -> bool:
     is the last layer of a cache whose prompt pages a prefix session indexes."""
     if cache.session is not None and layer == cache.shape.num_layers - 1:
         return True
-    if cache.layers[layer].slides(cache.plan.tokens):
+    if cache.kv_layers[layer].slides(cache.plan.tokens):
         return True
     if cache.codecs is None or cache.codecs[layer] is None:
         return False

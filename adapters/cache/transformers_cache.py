@@ -22,6 +22,7 @@ step is planned for every layer before the forward runs (:mod:`~kvlib.adapters.c
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import threading
 from collections.abc import Callable, Iterator
@@ -33,8 +34,10 @@ from kvlib.adapters.cache.cache_fork import check_forkable, select_rows, share_r
 from kvlib.adapters.cache.cache_layer import NOT_THROUGH_KVLIB, KVCacheLayer
 from kvlib.adapters.cache.cache_store import CacheStoreBuilder
 from kvlib.adapters.cache.compiled_calls import new_handle
+from kvlib.adapters.cache.dense_layer import DenseKVCacheLayer
 from kvlib.adapters.cache.memory_report import memory_report
 from kvlib.adapters.cache.prefix_session import PrefixSession
+from kvlib.adapters.cache.state_layers import cache_layers, state_bytes, state_layers
 from kvlib.adapters.cache.step_planning import plan_decode_step
 from kvlib.adapters.runtime.compressor import Compressor, PlannedWork
 from kvlib.codec import Codec, PageCodec
@@ -97,6 +100,8 @@ class KVCache(Cache):
             grow by one column each step: inductor then compiles dynamic shapes once, but CUDA
             graphs would be recorded anew for every width. Compiling ``model.forward`` or the
             model yourself works either way.
+        dense: serve a model whose attention kvlib cannot route (it computes attention itself over
+            what ``update`` returns): see :mod:`~kvlib.adapters.cache.dense_layer`. Exact caches only.
     """
 
     def __init__(
@@ -112,9 +117,19 @@ class KVCache(Cache):
         home: tuple[torch.dtype, torch.device] | None = None,
         tiering: Tiering | None = None,
         compileable: bool = False,
+        dense: bool = False,
     ) -> None:
-        super().__init__(layers=[KVCacheLayer(self, i) for i in range(shape.num_layers)])
+        self.dense = dense
+        """The model attends over what ``update`` returns, itself (its attention is outside
+        ``AttentionInterface``): every KV layer is a :class:`DenseKVCacheLayer`, no step is planned."""
+        layers, self.kv_layers = cache_layers(self, shape, DenseKVCacheLayer if dense else KVCacheLayer)
+        """The KV layers (:class:`KVCacheLayer`), in KV-layer order: ``layers`` (one per model
+        layer, as transformers indexes them) minus a hybrid model's recurrent-state and empty layers."""
+        super().__init__(layers=layers)
         self.compileable = compileable
+        self.state_layers = state_layers(self.layers)
+        """The layers keeping state outside the pages: recurrent or convolution states, indexer keys
+        (:mod:`~kvlib.adapters.cache.state_layers`)."""
         self.shape = shape
         self.compressor = compressor
         self.page_size = page_size
@@ -159,13 +174,33 @@ class KVCache(Cache):
         self._store_lock_depth, self._store_lock_thread = 0, 0
         """How many times, and by which thread, this cache holds its PrefixStore's lock now."""
         """Whether :meth:`prepare_step` ran for the coming call (layer 0's update clears it)."""
-        self.store: PagedStore | None = self.builder.new_store(*home) if home is not None else None
+        self.store: PagedStore | None = self.builder.new_store(*home) if home is not None and not self.measures_layout else None
         self.dense_returns: str | None = None
         """Why this cache's layers return every stored token from ``update`` (what the model does
         with them besides attending, :meth:`serve_densely`), or None: a decode step returns just
         its new tokens and attends straight over the pages."""
         self.handle = new_handle(self)
         """What names this cache to the operators of a compiled forward (:mod:`~kvlib.adapters.cache.compiled_calls`)."""
+
+    @property
+    def measures_layout(self) -> bool:
+        """Whether this cache takes its KV layout from its first call (:meth:`measure_layout`): a
+        dense cache of a model outside ``AttentionInterface``, whose store is built then."""
+        return self.dense and self.shape.own_attention and not self.shape.latent
+
+    def measure_layout(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Take the KV layout from the first call's keys and values (``[batch, kv_heads, tokens,
+        dim]``) for every layer. Models outside ``AttentionInterface`` lay their cache out their own
+        way (Falcon's multi-query and grouped layouts, CPM-Ant's head size), which their config
+        does not always state, and each of them gives every layer one layout."""
+        layers = self.shape.num_layers
+        self.shape = self.builder.shape = dataclasses.replace(
+            self.shape,
+            layer_kv_heads=(key_states.shape[1],) * layers,
+            layer_query_heads=(max(key_states.shape[1], self.shape.layer_query_heads[0]),) * layers,
+            layer_head_dims=(key_states.shape[-1],) * layers,
+            layer_value_dims=(value_states.shape[-1],) * layers,
+        )
 
     @property
     def rows(self) -> list[int]:
@@ -190,7 +225,7 @@ class KVCache(Cache):
         the previous layer's attention ran through kvlib where its eviction or codec must run, the
         batch fits, the store exists (in ``key_states``' dtype and device for a cache made without
         them) and the batch's rows are started (from a prefix session where the cache reuses one)."""
-        previous = self.layers[layer_idx - 1]
+        previous = self.kv_layers[layer_idx - 1]
         if previous.pending is not None and (self.compressor is not None or self.codec is not None):
             raise RuntimeError(NOT_THROUGH_KVLIB.format(layer=previous.layer_idx))
         batch = key_states.shape[0]
@@ -243,14 +278,14 @@ class KVCache(Cache):
     def load(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
         """Fill this empty cache with precomputed keys (after RoPE) and values of every layer,
         ``[batch, kv_heads, tokens, dim]`` each, as tokens at positions ``0 .. tokens - 1``."""
-        if self._rows or any(layer.seen for layer in self.layers):
+        if self._rows or any(layer.seen for layer in self.kv_layers):
             raise ValueError("load needs an empty cache: call reset() first")
         if len(keys) != self.shape.num_layers or len(values) != self.shape.num_layers:
             raise ValueError(f"load takes keys and values for each of the {self.shape.num_layers} layers")
         if self.store is None:
             self.store = self.builder.new_store(keys[0].dtype, keys[0].device)
         self._rows.extend(self.store.new_sequence() for _ in range(keys[0].shape[0]))
-        for layer, k, v in zip(self.layers, keys, values):
+        for layer, k, v in zip(self.kv_layers, keys, values):
             layer.load(k, v)
         self.padding = torch.zeros(keys[0].shape[0], dtype=torch.int64, device=self.store.device)
 
@@ -322,7 +357,7 @@ class KVCache(Cache):
         """
         if self.reuse is None:
             raise ValueError("prime needs a cache made with reuse=PrefixStore(...)")
-        if self._rows or any(layer.seen for layer in self.layers):
+        if self._rows or any(layer.seen for layer in self.kv_layers):
             raise ValueError("prime needs an empty cache: call reset() first")
         if not isinstance(prompt, torch.Tensor) or prompt.dim() != 2 or prompt.dtype.is_floating_point or prompt.shape[1] < 1:
             raise ValueError("prompt must be an integer tensor [batch, tokens] with at least one token")
@@ -333,7 +368,7 @@ class KVCache(Cache):
         namespace = self.builder.namespace(dtype, device)
         self.session = PrefixSession.start(self, self.reuse, namespace, self.store, self._rows, prompt.cpu(), prompt.shape[0])
         reused = self.session.reused_tokens
-        for layer in self.layers:
+        for layer in self.kv_layers:
             layer.reset(seen=reused)
         self.padding = torch.zeros(prompt.shape[0], dtype=torch.int64, device=self.store.device)
         return reused
@@ -348,19 +383,21 @@ class KVCache(Cache):
             raise ValueError("index_tokens needs a cache primed from a PrefixStore (make_cache(reuse=..., prompt=...))")
         if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2:
             raise ValueError("tokens must be an integer tensor [batch, tokens]")
-        self.session.extend(tokens.cpu(), min(layer.seen for layer in self.layers))
+        self.session.extend(tokens.cpu(), min(layer.seen for layer in self.kv_layers))
 
     def record_hidden_states(self, layer_idx: int, hidden_states: torch.Tensor) -> None:
-        """Keep a layer's attention input for a strategy that needs ``hidden_states``."""
-        self.layers[layer_idx].record_hidden_states(hidden_states)
+        """Keep the input of the attention module whose ``layer_idx`` this is, for a strategy that
+        needs ``hidden_states``."""
+        self.kv_layers[self.shape.module_layers.index(layer_idx)].record_hidden_states(hidden_states)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        """Tokens seen (logical length, padding included) by ``layer_idx``."""
-        return self.layers[layer_idx].get_seq_length()
+        """Tokens seen (logical length, padding included) by model layer ``layer_idx`` (by the
+        first KV layer for layer 0 of a model whose layer 0 keeps recurrent state only)."""
+        return super().get_seq_length(layer_idx)
 
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
         """Masks span every logical position (kv length = seen + new, offset 0)."""
-        return self.layers[layer_idx].get_mask_sizes(query_length)
+        return super().get_mask_sizes(query_length, layer_idx)
 
     @property
     def batch_size(self) -> int:
@@ -434,11 +471,18 @@ class KVCache(Cache):
         cache that still evicts (its strategy's per-row state is its own; fork once eviction is
         over, as :func:`~kvlib.strategies.eviction.kvzip.compress` leaves a cache), one primed from
         a PrefixStore (its session owns its rows), one with a tiering strategy (its spilled pages
-        are its own), and one that holds nothing yet.
+        are its own), one of a hybrid model (its recurrent states are not paged) and one that
+        holds nothing yet.
         """
         check_forkable(self)
         copy = KVCache(
-            self.shape, page_size=self.page_size, read_cache=self.read_cache, codec=self.codec, spec=self.spec, compileable=self.compileable
+            self.shape,
+            page_size=self.page_size,
+            read_cache=self.read_cache,
+            codec=self.codec,
+            spec=self.spec,
+            compileable=self.compileable,
+            dense=self.dense,
         )
         copy.dense_returns = self.dense_returns
         share_rows(self, copy)
@@ -452,14 +496,14 @@ class KVCache(Cache):
             raise ValueError(f"layer_idx must be an int in [0, {self.shape.num_layers}), got {layer_idx!r}")
         if not self._rows:
             raise ValueError("the cache holds no tokens yet: run the model with it first")
-        return self.layers[layer_idx].kept_positions()
+        return self.kv_layers[layer_idx].kept_positions()
 
     def memory_report(self) -> dict:
         """Bytes this cache holds, and what a full cache in the compute dtype would hold (see
         :func:`~kvlib.adapters.cache.memory_report.memory_report` for the keys), and ``slack_tokens``:
         the stored tokens over the held cap (an int budget) that its ``slack`` holds now, summed
         over layers, rows and KV heads (0 for a ring, which never holds more than the cap)."""
-        return memory_report(self.store, self._rows, self.shape, self.compressor)
+        return memory_report(self.store, self._rows, self.shape, self.compressor, state_bytes(self.state_layers))
 
     def __repr__(self) -> str:
         spec = "exact" if self.compressor is None else f"{self.compressor.strategy.spec()}, budget={self.compressor.budget}"

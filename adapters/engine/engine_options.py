@@ -94,8 +94,25 @@ def _check_bytes(name: str, value: object, *, minimum: int) -> None:
 
 def _check_model(model: torch.nn.Module) -> None:
     """``ValueError`` for models kvlib cannot cache (:func:`kv_shape`: MLA, no attention KV, ...)
-    or the packed batch cannot serve exactly (sliding-window attention); before ``attach``."""
-    kv_shape(model)
+    or the packed batch cannot serve exactly (sliding-window attention, recurrent-state layers,
+    layers of different KV layouts); before ``attach``."""
+    shape = kv_shape(model)
+    name = type(model).__name__
+    if shape.dense:
+        raise ValueError(
+            f"the engine attends over packed pages of keys and values; {name} {shape.dense_reason}: use"
+            " kvlib.make_cache(model) with model.generate (served densely)"
+        )
+    if shape.layer_types:
+        raise ValueError(
+            f"the engine serves models whose every layer is attention; {name} has {', '.join(sorted(set(shape.layer_types)))}"
+            " layers (recurrent-state or cache-less layers): use kvlib.make_cache(model) with model.generate"
+        )
+    if not shape.uniform:
+        raise ValueError(
+            f"the engine serves models whose layers share one KV layout; {name}'s layers differ (KV heads"
+            f" {list(shape.layer_kv_heads)}, head sizes {list(shape.layer_head_dims)}): use kvlib.make_cache(model) with model.generate"
+        )
     config = model.config.get_text_config()
     layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
     sliding = getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True)

@@ -80,16 +80,18 @@ def make_ring_room(compressor: Compressor, store: PagedStore, layer: int, rows: 
     start (compacted away, the per-slot state following). Returns whether anything was dropped.
     The cache's layers and the Engine's decode rows call it on the paths that are not planned, so
     that every path keeps, and attends over, the same tokens."""
-    ring = compressor.ring(len(rows), store.tables[layer].num_heads)
-    if ring is None or bool((ring.caps[layer] - ring.start < tokens).any()):
+    batch, heads = len(rows), store.tables[layer].num_heads
+    caps = compressor.ring_caps(layer, batch, heads)
+    start = compressor.ring_start(batch, heads)
+    if caps is None or bool((caps - start < tokens).any()):
         return False
     positions = store.stored_positions(layer, rows)
     stored = positions >= 0
-    excess = torch.from_numpy(stored.sum(-1).numpy() + tokens - ring.caps[layer]).clamp(min=0)
+    excess = torch.from_numpy(stored.sum(-1).numpy() + tokens - caps).clamp(min=0)
     if not bool(excess.any()):
         return False
     rank = position_rank(positions, stored)
-    dropped = (rank >= ring.start) & (rank < ring.start + excess.unsqueeze(-1))
+    dropped = (rank >= start) & (rank < start + excess.unsqueeze(-1))
     compressor.compacted(layer, store.compact(layer, rows, keep_all_but(positions, dropped), reuse_slots=reuse_slots))
     return True
 

@@ -107,6 +107,8 @@ class Compressor:
     output_projections: list[torch.Tensor] | None = None
     """Per layer, the attention output projection split by query head (filled by ``make_cache``
     for strategies that need ``output_projection``)."""
+    layer_heads: tuple[int, ...] = ()
+    """Per layer, its KV heads (empty: every layer has the heads a call names)."""
     _accumulated: dict[int, torch.Tensor] = field(default_factory=dict, init=False, repr=False)
     _decode_steps: dict[int, int] = field(default_factory=dict, init=False, repr=False)
     _history: dict[int, QueryHistory] = field(default_factory=dict, init=False, repr=False)
@@ -119,13 +121,28 @@ class Compressor:
     # -- planned decode steps (kvlib.storage.step_plan) ----------------------------------------------------
 
     def ring(self, batch: int, heads: int) -> Ring | None:
-        """The held cap as a ring of slots for a decode step of ``batch`` rows of ``heads`` KV heads
-        (the same object while the shape holds), or None where the cap is not held as one: the
-        strategy scores (no :meth:`~kvlib.strategy.Eviction.ring_start`), the budget is not an int,
-        a ``slack`` or ``interval`` asks for amortised eviction, evicted values are merged, or the
-        allocation splits by scores."""
+        """The held cap as a ring of slots for a planned decode step of ``batch`` rows of ``heads``
+        KV heads in every layer (the same object while the shape holds), or None where the cap is
+        not held as one (:meth:`ring_caps`) or the layers differ in KV heads (no step is planned
+        for them)."""
         if self._ring is not None and self._ring.caps.shape[1:] == (batch, heads):
             return self._ring
+        if self.ring_start(batch, heads) is None or any(self._heads(layer, heads) != heads for layer in range(self.num_layers)):
+            return None
+        self._ring = Ring(np.stack([self._layer_caps(layer, batch, heads) for layer in range(self.num_layers)]), self.strategy.ring_start())
+        return self._ring
+
+    def ring_caps(self, layer: int, batch: int, heads: int) -> np.ndarray | None:
+        """int64 ``[batch, heads]``: the caps of ``layer``'s ``heads`` KV heads where the held cap is
+        kept as a ring (:meth:`ring_start`), else None."""
+        return None if self.ring_start(batch, heads) is None else self._layer_caps(layer, batch, heads)
+
+    def ring_start(self, batch: int, heads: int) -> int | None:
+        """The ring's start (a head's first tokens that are never replaced) where the held cap is
+        kept as a ring, else None: the strategy scores (no :meth:`~kvlib.strategy.Eviction.ring_start`),
+        the budget is not an int, a ``slack`` or ``interval`` asks for amortised eviction, evicted
+        values are merged, the allocation splits by scores, or some layer's cap lies within the
+        ring's start (no window to turn). ``heads``: the KV heads of every layer :attr:`layer_heads` leaves open."""
         start = self.strategy.ring_start()
         if (
             start is None
@@ -136,11 +153,13 @@ class Compressor:
             or self.allocation.needs_scores
         ):
             return None
-        caps = np.stack([self._layer_caps(layer, batch, heads) for layer in range(self.num_layers)])
-        if bool((caps <= start).any()):
-            return None  # a cap within the sinks leaves no window to turn
-        self._ring = Ring(caps, start)
-        return self._ring
+        if any(bool((self._layer_caps(layer, batch, self._heads(layer, heads)) <= start).any()) for layer in range(self.num_layers)):
+            return None
+        return start
+
+    def _heads(self, layer: int, heads: int) -> int:
+        """``layer``'s KV heads (:attr:`layer_heads`), or ``heads`` where they are not given."""
+        return self.layer_heads[layer] if self.layer_heads else heads
 
     def compacts_each_step(self, tokens: int) -> bool:
         """Whether a decode step of ``tokens`` tokens compacts every layer it runs on, unless the

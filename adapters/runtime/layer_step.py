@@ -107,7 +107,10 @@ class Step(Protocol):
 
 class StepOwner(Protocol):
     """The cache layer that stored a :class:`LayerStep`: it attends over its own tokens and does
-    the work that follows attention (see :class:`~kvlib.adapters.cache.cache_layer.KVCacheLayer`)."""
+    the work that follows attention (see :class:`~kvlib.adapters.cache.cache_layer.KVCacheLayer`).
+    ``module_layer``: the ``layer_idx`` of the attention module its steps are for."""
+
+    module_layer: int | None
 
     def attend(self, step: LayerStep, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor | None]: ...
 
@@ -176,7 +179,7 @@ class LayerStep:
     def is_for(self, module: torch.nn.Module, keys: torch.Tensor) -> bool:
         """Whether the attention call of ``module`` is this layer's (over whatever keys: the
         step checks what it is handed when it attends)."""
-        return getattr(module, "layer_idx", None) == self.layer_idx
+        return getattr(module, "layer_idx", None) == self.owner.module_layer
 
     def attend(self, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.attended:  # a second attention call of one layer call (DiffLlama attends twice)

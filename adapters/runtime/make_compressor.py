@@ -35,11 +35,11 @@ def eviction_compressor(
         return None
     shape = kv_shape(model)
     allocation = spec.budget or spec.eviction.default_budget() or Uniform()
-    allocation.check_model(shape.num_layers, shape.num_kv_heads)
+    allocation.check_model(shape.layer_kv_heads)
     projections = output_projections(model, shape) if "output_projection" in spec.eviction.needs else None
-    rope = rope_of(model, shape.head_dim)
+    rope = rope_of(model, shape)
     slack = default_slack(spec, budget, page_size) if slack is None else slack
-    return Compressor(spec.eviction, budget, shape.num_layers, allocation, slack, interval, rope, merge, projections)
+    return Compressor(spec.eviction, budget, shape.num_layers, allocation, slack, interval, rope, merge, projections, shape.layer_kv_heads)
 
 
 def default_slack(spec: Spec, budget: int | float | None, page_size: int) -> int:
@@ -60,7 +60,7 @@ def salience_scorer(model: torch.nn.Module, spec: Spec) -> Compressor | None:
     if scorer is None:
         return None
     shape = kv_shape(model)
-    return Compressor(scorer, None, shape.num_layers, rope=rope_of(model, shape.head_dim))
+    return Compressor(scorer, None, shape.num_layers, rope=rope_of(model, shape), layer_heads=shape.layer_kv_heads)
 
 
 def check_budget(budget: object, spec: Spec) -> int | float | None:

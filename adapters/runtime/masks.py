@@ -60,3 +60,24 @@ def physical_mask(mask: torch.Tensor | None, step: LayerStep, query_heads: int, 
     if float_dtype is None:
         return visible
     return torch.zeros(visible.shape, dtype=float_dtype, device=visible.device).masked_fill_(~visible, torch.finfo(float_dtype).min)
+
+
+POSITION_BIAS = "position_bias"
+"""The attention keyword argument of an additive bias over the keys' logical positions (Inkling 2's
+relative position bias, ``[batch or 1, query_heads or 1, query_length, kv_length]``, built over the
+columns ``KVCache.get_mask_sizes`` reports, as the mask is)."""
+
+
+def move_position_bias(kwargs: dict, step: LayerStep, query_heads: int) -> None:
+    """Move a :data:`POSITION_BIAS` in an attention call's ``kwargs`` onto the stored slots of
+    ``step``'s read, in place: ``[batch, query_heads, query_length, slots]``, slot ``s`` taking
+    the bias of the position it holds (an invalid slot's is left to the mask, which hides it)."""
+    bias = kwargs.get(POSITION_BIAS)
+    if not isinstance(bias, torch.Tensor) or bias.dim() != 4:
+        return
+    positions = step.read.positions
+    batch, heads, slots = positions.shape
+    columns = positions.clamp(0, bias.shape[-1] - 1).to(bias.device).repeat_interleave(query_heads // heads, dim=1)
+    queries = bias.shape[2]
+    columns = columns.unsqueeze(2).expand(batch, query_heads, queries, slots)
+    kwargs[POSITION_BIAS] = bias.expand(batch, query_heads, queries, bias.shape[-1]).gather(-1, columns)

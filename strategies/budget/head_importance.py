@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -49,12 +50,12 @@ class HeadImportance(Budget):
             raise ValueError(f"floor must be in [0, 1], got {self.floor}")
         self.weights = load_profile(self.profile)
 
-    def check_model(self, num_layers: int, kv_heads: int) -> None:
+    def check_model(self, layer_kv_heads: Sequence[int]) -> None:
         layers, heads = self.weights.shape
-        if (num_layers, kv_heads) != (layers, heads):
+        if list(layer_kv_heads) != [heads] * layers:
             raise ValueError(
-                f"head_importance profile {self.profile!r} is for {layers} layers x {heads} KV heads, but the model has"
-                f" {num_layers} x {kv_heads}: calibrate a profile for this model"
+                f"head_importance profile {self.profile!r} is for {layers} layers x {heads} KV heads, but the model's layers"
+                f" have {list(layer_kv_heads)} KV heads: calibrate a profile for this model"
             )
 
     def layer_tokens(self, request: BudgetRequest) -> torch.Tensor:
@@ -63,7 +64,7 @@ class HeadImportance(Budget):
     def caps(self, request: BudgetRequest) -> torch.Tensor:
         """Each head's floor plus its importance share of the rest of the model-wide budget."""
         layers, heads = self.weights.shape
-        self.check_model(request.num_layers, request.counts.shape[1])
+        self.check_model([request.counts.shape[1]] * request.num_layers)
         tokens = request.tokens.cpu()
         base = (tokens.to(torch.float64) * self.floor).floor().to(torch.int64)
         rest = tokens * layers * heads - base * layers * heads

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -111,12 +112,13 @@ class DuoSplit(Budget):
             raise ValueError(f"streaming must be >= 1 (tokens), got {self.streaming}")
         self.weights = load_profile(self.profile) if self.profile else None
 
-    def check_model(self, num_layers: int, kv_heads: int) -> None:
-        if self.weights is not None and tuple(self.weights.shape) != (num_layers, kv_heads):
+    def check_model(self, layer_kv_heads: Sequence[int]) -> None:
+        if self.weights is not None and list(layer_kv_heads) != [self.weights.shape[1]] * self.weights.shape[0]:
             layers, heads = self.weights.shape
             raise ValueError(
-                f"duo_attention profile is for {layers} layers x {heads} KV heads, but the model has {num_layers} x {kv_heads}:"
-                " calibrate a profile for this model (kvlib.strategies.budget.retrieval_calibration.calibrate_retrieval)"
+                f"duo_attention profile is for {layers} layers x {heads} KV heads, but the model's layers have"
+                f" {list(layer_kv_heads)} KV heads: calibrate a profile for this model"
+                " (kvlib.strategies.budget.retrieval_calibration.calibrate_retrieval)"
             )
 
     def layer_tokens(self, request: BudgetRequest) -> torch.Tensor:
@@ -125,7 +127,7 @@ class DuoSplit(Budget):
     def caps(self, request: BudgetRequest) -> torch.Tensor:
         """Each head's cap in this layer: ``t`` for a retrieval head, its share of the rest otherwise."""
         layers, heads = request.num_layers, request.counts.shape[1]
-        self.check_model(layers, heads)
+        self.check_model([heads] * layers)
         tokens = request.tokens.cpu()
         seen = (request.seen if request.seen is not None else request.counts.amax(-1)).cpu()
         total = tokens * layers * heads

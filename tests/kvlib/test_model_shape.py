@@ -1,5 +1,6 @@
-"""Attention shapes: MLA and compressed-KV models are refused by ``make_cache`` and ``Engine``
-before anything is built or run; key and value heads of different sizes are held as they are."""
+"""Attention shapes: compressed-KV models are refused by ``make_cache`` and ``Engine`` before anything
+is built or run; multi-head latent attention is served densely by ``make_cache`` (its latent paged)
+and refused by the Engine; key and value heads of different sizes are held as they are."""
 
 from __future__ import annotations
 
@@ -42,14 +43,7 @@ MLA = dict(
 )
 MOE_SIZES = dict(moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2)
 MOE = dict(MOE_SIZES, first_k_dense_replace=1)
-MLA_REFUSAL = r"\(model_type '{}'\) uses multi-head latent attention \(MLA, kv_lora_rank=16\)"
 UNSUPPORTED = {
-    "deepseek_v3": (
-        lambda: DeepseekV3ForCausalLM(DeepseekV3Config(**MLA, **MOE, n_group=1, topk_group=1)),
-        MLA_REFUSAL.format("deepseek_v3"),
-    ),
-    "deepseek_v2": (lambda: DeepseekV2ForCausalLM(DeepseekV2Config(**MLA, **MOE)), MLA_REFUSAL.format("deepseek_v2")),
-    "minicpm3": (lambda: MiniCPM3ForCausalLM(MiniCPM3Config(**MLA)), MLA_REFUSAL.format("minicpm3")),
     "deepseek_v4": (
         lambda: DeepseekV4ForCausalLM(
             DeepseekV4Config(
@@ -61,11 +55,12 @@ UNSUPPORTED = {
                 q_lora_rank=16,
                 o_lora_rank=16,
                 index_head_dim=16,
+                index_n_heads=4,
                 pad_token_id=PAD,
                 **MOE_SIZES,
             )
         ),
-        "has heavily_compressed_attention layers, whose cache keeps compressed or indexed KV",
+        "has heavily_compressed_attention layers, whose cache keeps compressed KV",
     ),
 }
 """Small random models kvlib cannot cache: how to build each, and what its refusal must say."""
@@ -95,6 +90,30 @@ def test_unsupported_attention_is_refused_before_any_work(name: str, nothing_bui
         kvlib.Engine(model, page_budget_bytes=2**20)
     assert nothing_built == [] and forwards == []
     assert model.config._attn_implementation == implementation  # kvlib's attention was never attached
+
+
+MLA_MODELS = {
+    "deepseek_v3": lambda: DeepseekV3ForCausalLM(DeepseekV3Config(**MLA, **MOE, n_group=1, topk_group=1)),
+    "deepseek_v2": lambda: DeepseekV2ForCausalLM(DeepseekV2Config(**MLA, **MOE)),
+    "minicpm3": lambda: MiniCPM3ForCausalLM(MiniCPM3Config(**MLA)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MLA_MODELS))
+def test_multi_head_latent_attention_pages_the_latent_and_is_served_densely(name: str) -> None:
+    torch.manual_seed(0)
+    model = MLA_MODELS[name]().eval()
+    shape = kv_shape(model)
+    assert shape.latent and shape.layer_kv_heads == (1, 1) and shape.layer_head_dims == (16, 16) and shape.layer_value_dims == (8, 8)
+    prompts = torch.randint(3, VOCAB, (2, 21), generator=torch.Generator().manual_seed(0))
+    reference = model.generate(prompts, max_new_tokens=6, do_sample=False, pad_token_id=PAD)
+    cache = kvlib.make_cache(model)
+    assert torch.equal(model.generate(prompts, **cache_argument(cache), max_new_tokens=6, do_sample=False, pad_token_id=PAD), reference)
+    assert cache.store.pools[0].head_dim == 16 and cache.memory_report()["by_component"]["pages"] > 0
+    with pytest.raises(ValueError, match="expands into keys and values itself, so kvlib serves its cache densely"):
+        kvlib.make_cache(model, "snapkv", budget=8)
+    with pytest.raises(ValueError, match="the engine attends over packed pages .* multi-head latent attention"):
+        kvlib.Engine(model, page_budget_bytes=2**20)
 
 
 def mimo() -> torch.nn.Module:

@@ -26,7 +26,7 @@ def layer0_keys(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
 def test_rerotated_layer0_keys_equal_keys_computed_at_the_new_positions(family: str) -> None:
     model = build_model(family)
     shape = kv_shape(model)
-    rope = rope_of(model, shape.head_dim)
+    rope = rope_of(model, shape)
     generator = torch.Generator().manual_seed(0)
     vocab = min(model.config.vocab_size, 500)
     chunk = torch.randint(3, vocab, (1, 24), generator=generator)

@@ -39,7 +39,7 @@ def test_recomputing_nothing_keeps_each_chunks_own_kv_at_its_new_place() -> None
     chunks, _ = rag_prompt(DEFAULT_BYTES)
     store = kvlib.ChunkStore(model, capacity_bytes=2**26)
     cache = kvlib.blend_cache(model, chunks, store, CacheBlend(recompute=0.0))
-    rope = rope_of(model, kv_shape(model).head_dim)
+    rope = rope_of(model, kv_shape(model))
     for layer in range(model.config.num_hidden_layers):
         read = cache.store.read(layer, cache._rows)
         start = 0

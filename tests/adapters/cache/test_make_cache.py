@@ -18,7 +18,7 @@ from tests.adapters.conftest import PAD, build_model, left_padded
 
 def test_models_without_attention_kv_are_refused():
     mamba = MambaForCausalLM(MambaConfig(vocab_size=64, hidden_size=16, state_size=4, num_hidden_layers=2))
-    with pytest.raises(ValueError, match="no attention KV"):
+    with pytest.raises(ValueError, match="has no attention layer .*linear_attention only.*use DynamicCache"):
         kvlib.make_cache(mamba)
     with pytest.raises(ValueError, match="PreTrainedModel"):
         kvlib.make_cache(torch.nn.Linear(4, 4))

@@ -3,6 +3,8 @@ kwargs (transformers 5.24+) and, for releases and models that pass none, the con
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -55,7 +57,8 @@ def test_the_engine_hands_packed_steps_over_without_kwargs_too(monkeypatch) -> N
 def test_a_step_is_taken_once_and_only_by_its_own_call(in_kwargs: bool) -> None:
     keys = torch.zeros(1, 1, 2, 4)
     positions = torch.arange(2).view(1, 1, 2)
-    step = LayerStep(None, 3, LayerRead(keys, keys, positions, positions >= 0), 0, 2, identity=True)
+    owner = SimpleNamespace(module_layer=3)  # the layer whose attention module carries layer_idx 3
+    step = LayerStep(owner, 3, LayerRead(keys, keys, positions, positions >= 0), 0, 2, identity=True)
     layer_3, layer_4 = torch.nn.Module(), torch.nn.Module()
     layer_3.layer_idx, layer_4.layer_idx = 3, 4
 
@@ -65,7 +68,7 @@ def test_a_step_is_taken_once_and_only_by_its_own_call(in_kwargs: bool) -> None:
         return attention_kwargs
 
     assert layer_step.take(layer_4, keys, published()) is None  # another layer's call
-    assert layer_step.take(layer_3, keys.clone(), published()) is None  # other keys
+    assert layer_step.take(layer_3, keys.clone(), published()) is step  # other keys: the step checks them when it attends
     attention_kwargs = published()
     assert layer_step.take(layer_3, keys, attention_kwargs) is step
     assert layer_step.STEP_KEYWORD not in attention_kwargs  # the inner attention never sees it

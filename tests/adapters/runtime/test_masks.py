@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvlib.adapters.runtime.layer_step import LayerStep
-from kvlib.adapters.runtime.masks import allowed, physical_mask, real_new_tokens
+from kvlib.adapters.runtime.masks import allowed, move_position_bias, physical_mask, real_new_tokens
 from kvlib.storage.read_cache import LayerRead
 
 
@@ -72,3 +72,32 @@ def test_real_new_tokens_reads_the_diagonal():
     assert real_new_tokens(None, step) is None
     decode = _step(torch.zeros(2, 1, 7, dtype=torch.long), query_offset=6, query_length=1)
     assert real_new_tokens(_causal_padded([2, 0], logical=7, queries=1), decode).tolist() == [[True], [True]]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.data())
+def test_a_position_bias_moves_onto_the_slots_holding_each_position(data):
+    batch, heads, groups = data.draw(st.integers(1, 3)), data.draw(st.integers(1, 3)), data.draw(st.integers(1, 3))
+    logical, queries, slots = data.draw(st.integers(2, 12)), data.draw(st.integers(1, 3)), data.draw(st.integers(1, 12))
+    positions = torch.tensor(
+        data.draw(st.lists(st.integers(-1, logical - 1), min_size=batch * heads * slots, max_size=batch * heads * slots))
+    )
+    positions = positions.view(batch, heads, slots)
+    shared_rows, shared_heads = data.draw(st.booleans()), data.draw(st.booleans())
+    bias = torch.randn(1 if shared_rows else batch, 1 if shared_heads else heads * groups, queries, logical)
+    kwargs = {"position_bias": bias, "scaling": 0.5}
+    move_position_bias(kwargs, _step(positions, logical - queries, queries), heads * groups)
+    moved = kwargs["position_bias"]
+    assert moved.shape == (batch, heads * groups, queries, slots) and kwargs["scaling"] == 0.5
+    for b in range(batch):
+        for h in range(heads * groups):
+            for s in range(slots):
+                position = max(int(positions[b, h // groups, s]), 0)  # an empty slot's is masked away
+                source = bias[0 if shared_rows else b, 0 if shared_heads else h, :, position]
+                assert torch.equal(moved[b, h, :, s], source)
+
+
+def test_a_call_without_a_position_bias_is_left_as_it_is():
+    kwargs = {"scaling": 0.5}
+    move_position_bias(kwargs, _step(torch.tensor([[[3, 1]]]), 3, 1), 2)
+    assert kwargs == {"scaling": 0.5}
