@@ -47,8 +47,8 @@ from kvlib.devices import PagedKernel
 from kvlib.kernels.paged_attention import PagedLayer, paged_attention
 from kvlib.kernels.paged_attention_torch import attend_pages_torch
 from kvlib.spec_text import parse_strategy
-from kvlib.storage.paged_store import PagedStore
-from kvlib.storage.store_config import StoreConfig
+from kvlib.storage.store.paged_store import PagedStore
+from kvlib.storage.store.store_config import StoreConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or loaded by path
 from provenance import add_run_arguments, command_line, parse_run_arguments, run_metadata, write_report  # noqa: E402

@@ -34,7 +34,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 # by mode="reduce-overhead" giving the eager tokens (issue 45).
 timeout 170 python3 -m pytest -q -p no:cacheprovider \
     tests/kernels/test_paged_attention_torch.py tests/kernels/test_paged_attention_triton.py \
-    tests/storage/test_store_devices.py tests/adapters/cache/test_cache_devices.py \
+    tests/storage/store/test_store_devices.py tests/adapters/cache/test_cache_devices.py \
     tests/adapters/cache/test_sync_free.py 2>&1 | tee "$out/cuda_tests.txt" | tail -5
 timeout 90 python3 -m pytest -q -p no:cacheprovider tests/adapters/cache/test_compile.py -k cuda_graphs 2>&1 \
     | tee "$out/cuda_graph_tests.txt" | tail -5

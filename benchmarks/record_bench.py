@@ -3,16 +3,16 @@
 Real KV: SmolLM2-135M-Instruct's keys and values after a ``--prompt-len`` natural-text prefill
 (``--quick``: random normal KV of a small layout instead), cut into 16-token blocks of every layer
 and KV head, encoded by ``--spec`` (default ``kivi(bits=4)``) as a coded cache seals them, then
-written as :mod:`~kvlib.storage.prefix_block_record` records: plain (the fields' bytes) and entropy-coded
-(:mod:`~kvlib.storage.entropy_code`: one rANS table per field and byte plane).
+written as :mod:`~kvlib.storage.records.prefix_block_record` records: plain (the fields' bytes) and entropy-coded
+(:mod:`~kvlib.storage.records.entropy_code`: one rANS table per field and byte plane).
 
 Measured:
 
 - bytes: entropy-coded over plain record bytes, summed over the blocks, and per field (each
   field's byte planes coded alone) with its order-0 entropy; target <= 0.75.
-- decode: MB/s of output (the fields' bytes) of :func:`~kvlib.storage.prefix_block_record.decode_parts`
+- decode: MB/s of output (the fields' bytes) of :func:`~kvlib.storage.records.prefix_block_record.decode_parts`
   on every entropy-coded record (header, digest, rANS decode, regrouping), of the bare
-  :func:`~kvlib.storage.entropy_code.decode`, and of plain records, beside a ``numpy.copyto`` of
+  :func:`~kvlib.storage.records.entropy_code.decode`, and of plain records, beside a ``numpy.copyto`` of
   the same bytes, interleaved, medians of ``--repeats`` rounds, one thread; target >= 500 MB/s.
 - zstd: the same byte planes compressed by ``zstandard`` (level ``--zstd-level``), ratio and
   decode MB/s, where the package is installed (the coder it would replace must beat it).
@@ -39,8 +39,8 @@ import torch
 
 from kvlib.codec import layer_shapes
 from kvlib.spec import parse_spec
-from kvlib.storage import entropy_code
-from kvlib.storage.prefix_block_record import HEADER, BlockLayout, FieldBlock, _planes, decode_parts, encode
+from kvlib.storage.records import entropy_code
+from kvlib.storage.records.prefix_block_record import HEADER, BlockLayout, FieldBlock, _planes, decode_parts, encode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or loaded by path
 from provenance import add_run_arguments, command_line, parse_run_arguments, run_metadata, write_report  # noqa: E402

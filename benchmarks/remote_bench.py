@@ -39,9 +39,9 @@ import redis
 import torch
 
 import kvlib
-from kvlib.storage.local_server import LocalServer
-from kvlib.storage.prefix_block_record import decode_parts
-from kvlib.storage.remote_tier import PREFIX, RemoteTier
+from kvlib.storage.records.prefix_block_record import decode_parts
+from kvlib.storage.tiers.local_server import LocalServer
+from kvlib.storage.tiers.remote_tier import PREFIX, RemoteTier
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from provenance import LLAMA100M, add_run_arguments, command_line, parse_run_arguments, run_metadata, write_report  # noqa: E402
@@ -54,7 +54,7 @@ TAIL = 7
 KEY = "remote-bench-key-0123456789"
 """The tier key of the benchmark's engines (a passphrase of at least 20 characters)."""
 OWNER, INTRUDER = "the-owner-key-0123456789ab", "an-intruder-key-0123456789"
-"""The key the benchmark's genuine engines share (a remote tier needs one: kvlib.storage.remote_tier)."""
+"""The key the benchmark's genuine engines share (a remote tier needs one: kvlib.storage.tiers.remote_tier)."""
 
 
 def build_model(name: str) -> torch.nn.Module:

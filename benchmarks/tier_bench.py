@@ -3,7 +3,7 @@ I/O of the same bytes, and restoring a cached prefix from disk against recomputi
 
 - Throughput: the prefix pages of a ``--prefix-len``-token prompt of the model (one record per
   16-token block: every layer's and KV head's keys and values, a
-  :mod:`~kvlib.storage.prefix_block_record` record), written with
+  :mod:`~kvlib.storage.records.prefix_block_record` record), written with
   ``DiskTier.put_many`` of ``encode`` (record encoding and checksum included, one durable
   lmdb commit for the prompt's records, as the prefix store writes them) and read back with
   ``DiskTier.get`` + ``decode_parts``; against writing the same record bytes to one file with
@@ -60,8 +60,8 @@ import torch
 import kvlib
 from kvlib.eval.agreement import agreement_metrics, greedy_reference, teacher_forced_logits
 from kvlib.model_shape import kv_shape
-from kvlib.storage.disk_tier import DiskTier
-from kvlib.storage.prefix_block_record import decode_parts, encode
+from kvlib.storage.records.prefix_block_record import decode_parts, encode
+from kvlib.storage.tiers.disk_tier import DiskTier
 from kvlib.transformers_compat import cache_argument
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or loaded by path

@@ -13,10 +13,10 @@ from kvlib.errors import DiskTierUnavailable, PoolExhaustedError, RemoteAccessDe
 from kvlib.registry import available_policies, available_strategies, get_policy, get_strategy, register
 from kvlib.spec import Spec, parse_spec
 from kvlib.spec_text import parse_strategy
-from kvlib.storage.paged_store import PagedStore
-from kvlib.storage.prefix_store import PrefixStore
-from kvlib.storage.read_cache import LayerRead
-from kvlib.storage.store_config import StoreConfig
+from kvlib.storage.layers.read_cache import LayerRead
+from kvlib.storage.prefix.prefix_store import PrefixStore
+from kvlib.storage.store.paged_store import PagedStore
+from kvlib.storage.store.store_config import StoreConfig
 from kvlib.strategy import Budget, Eviction, LayerView, LowRank, Quantization, Reuse, Strategy, Tiering
 
 __version__ = "0.1.0"

@@ -275,4 +275,4 @@ class Codec(abc.ABC):
     def layer_codecs(self, shapes: list[tuple[TensorShape, TensorShape]]) -> list[PageCodec | None]:
         """One codec per layer, for ``shapes[layer] = (key shape, value shape)``; None keeps a
         layer in the compute dtype. A codec with a ``partner_layer`` attribute is the deeper
-        layer of a cross-layer pair (see :class:`~kvlib.storage.partnered_pool.PartneredPages`)."""
+        layer of a cross-layer pair (see :class:`~kvlib.storage.pools.formats.partnered_format.PartneredPages`)."""

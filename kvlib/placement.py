@@ -1,7 +1,7 @@
 """Placement rules: the order in which a tiered pool's pages leave a tier.
 
 A rule is a :class:`Placement`: ``leaving_order(pages)`` ranks candidate pages, first to leave
-first. The pool (:class:`~kvlib.storage.tiered_pool.TieredPages`) keeps the facts
+first. The pool (:class:`~kvlib.storage.pools.formats.tiered_format.TieredPages`) keeps the facts
 (:class:`PageStats`) and applies the order; it never decides one. Every tiering strategy is a
 placement (:meth:`kvlib.strategy.Tiering.leaving_order`), and the cache hands its strategy to the
 pools it builds.
@@ -12,7 +12,7 @@ Where a pool asks:
   host (``tier="device"``);
 - a move would take the host past its budget: the first of the host pages go on to disk
   (``tier="host"``);
-- a ranking (:meth:`~kvlib.storage.tiered_pool.TieredPages.rank`) asks for the order of every
+- a ranking (:meth:`~kvlib.storage.pools.formats.tiered_format.TieredPages.rank`) asks for the order of every
   page in use, wherever it lies (``tier="device"``): the last ``device_pages`` of it are the
   pages the device then holds.
 

@@ -134,7 +134,7 @@ class Eviction(Strategy, abc.ABC):
     def ring_start(self) -> int | None:
         """For a strategy whose choice, once a head holds its cap, is always the head's oldest token
         past its earliest ``n`` (by position): ``n``. A held cap then runs as a ring of slots
-        (:mod:`~kvlib.storage.step_plan`): each new token takes that token's slot before the step, and
+        (:mod:`~kvlib.storage.store.step_plan`): each new token takes that token's slot before the step, and
         nothing is scored. None (the default): the strategy scores."""
         return None
 
@@ -278,7 +278,7 @@ class Tiering(Strategy):
 
     def prefetches(self) -> bool:
         """Whether each read of a layer starts fetching the next layer's host and disk pages on a
-        background thread (see :mod:`kvlib.storage.page_prefetch`); not by default."""
+        background thread (see :mod:`kvlib.storage.pools.page_prefetch`); not by default."""
         return False
 
     def leaving_order(self, pages: PageStats) -> torch.Tensor:
@@ -308,7 +308,7 @@ class Tiering(Strategy):
         """The new slot order of each head's stored tokens: int64 ``[batch, kv_heads, slots]``, new
         slot ``i`` takes old slot ``order[..., i]``, every valid slot of ``view`` once, ``-1`` last
         (asked for only when :meth:`arranges_tokens` says so; the store rewrites the heads whose
-        order changes, each token keeping its position: :meth:`~kvlib.storage.paged_store.PagedStore.arrange`)."""
+        order changes, each token keeping its position: :meth:`~kvlib.storage.store.paged_store.PagedStore.arrange`)."""
         raise NotImplementedError(f"{type(self).__name__} does not arrange tokens")
 
 

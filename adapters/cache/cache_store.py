@@ -14,15 +14,15 @@ import torch
 from kvlib.codec import Codec, PageCodec, layer_shapes
 from kvlib.errors import DiskTierUnavailable
 from kvlib.model_shape import KVShape
-from kvlib.storage.disk_tier import DiskTier
-from kvlib.storage.field_rows import FieldRows
-from kvlib.storage.open_tiers import open_disk_tier
-from kvlib.storage.page_prefetch import PagePrefetcher
-from kvlib.storage.paged_store import PagedStore
-from kvlib.storage.prefix_store import PrefixStore
-from kvlib.storage.spill_store import SpillStore
-from kvlib.storage.spilled_page_record import Layout, record_size
-from kvlib.storage.store_config import StoreConfig
+from kvlib.storage.pools.formats.field_rows import FieldRows
+from kvlib.storage.pools.page_prefetch import PagePrefetcher
+from kvlib.storage.prefix.prefix_store import PrefixStore
+from kvlib.storage.records.spilled_page_record import Layout, record_size
+from kvlib.storage.store.paged_store import PagedStore
+from kvlib.storage.store.store_config import StoreConfig
+from kvlib.storage.tiers.disk_tier import DiskTier
+from kvlib.storage.tiers.open_tiers import open_disk_tier
+from kvlib.storage.tiers.spill_store import SpillStore
 from kvlib.strategy import Tiering
 
 
@@ -126,7 +126,7 @@ class CacheStoreBuilder:
 
     def _record_layout(self, dtype: torch.dtype) -> Layout:
         """The layout of a spilled page's record: keys and values in ``dtype``, or, with ready
-        codecs, the largest layer's packed fields as bytes (:class:`~kvlib.storage.field_rows.FieldRows`)."""
+        codecs, the largest layer's packed fields as bytes (:class:`~kvlib.storage.pools.formats.field_rows.FieldRows`)."""
         codecs = self._ready_codecs()
         if codecs is None:
             shape = self.shape

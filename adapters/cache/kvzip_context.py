@@ -12,7 +12,7 @@ import torch
 
 from kvlib.adapters.cache.make_cache import make_cache
 from kvlib.adapters.cache.transformers_cache import KVCache
-from kvlib.storage.prefix_store import PrefixStore
+from kvlib.storage.prefix.prefix_store import PrefixStore
 from kvlib.strategies.eviction.kvzip import RepeatPrompt, compress
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from kvlib.adapters.cache.shared_state import SharedState
-from kvlib.storage.read_cache import LayerRead
+from kvlib.storage.layers.read_cache import LayerRead
 from kvlib.strategy import LayerView
 
 

@@ -12,8 +12,9 @@ from kvlib.devices import check_fits
 from kvlib.limits import MAX_PAGE_SIZE, check_page_size, check_request_tokens
 from kvlib.model_shape import KV_LAYER_TYPES, STATE_LAYER_TYPES, KVShape, kv_shape, model_context, shares_kv_across_layers
 from kvlib.spec import Spec, SpecLike, parse_spec
-from kvlib.storage.prefix_store import PrefixStore
-from kvlib.storage.store_config import DEFAULT_PAGES_PER_LAYER, initial_arena_bytes
+from kvlib.storage.pools.page_pool import DEFAULT_PAGES_PER_LAYER
+from kvlib.storage.prefix.prefix_store import PrefixStore
+from kvlib.storage.store.store_config import initial_arena_bytes
 from kvlib.strategy import Tiering
 
 CACHE_OPTIONS = {
@@ -77,7 +78,7 @@ def make_cache(
     With ``reuse=kvlib.PrefixStore(model, capacity_bytes=...)`` the cache lives in that store's
     pages: given ``prompt`` (the ids ``generate`` will get; ``attention_mask`` if padded), it
     starts holding the longest cached prefix of it, so ``generate`` computes only the rest, and it
-    indexes the prompt's pages for later calls (see :mod:`kvlib.storage.prefix_store`). Reuse needs every
+    indexes the prompt's pages for later calls (see :mod:`kvlib.storage.prefix.prefix_store`). Reuse needs every
     prompt token stored as computed: no eviction strategy, and no codec that learns from the
     prompt (quantization codecs are fine; their pages are keyed by the spec); a prompt longer than
     the model's context (``max_position_embeddings``) is refused before any lookup.

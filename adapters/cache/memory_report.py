@@ -6,7 +6,7 @@ import torch
 
 from kvlib.adapters.runtime.compressor import Compressor
 from kvlib.model_shape import KVShape
-from kvlib.storage.paged_store import PagedStore
+from kvlib.storage.store.paged_store import PagedStore
 
 STORE_COMPONENTS = ("pages", "positions", "codec_metadata", "key_summaries", "tables", "read_cache")
 """What the paged store's bytes split into."""

@@ -1,4 +1,4 @@
-"""One cache's use of a :class:`~kvlib.storage.prefix_store.PrefixStore`: what it reused, what it indexed,
+"""One cache's use of a :class:`~kvlib.storage.prefix.prefix_store.PrefixStore`: what it reused, what it indexed,
 and giving both back when the cache is reset or garbage-collected.
 
 Invariant: while a session is open, its cache's sequences live in the store's paged store and it
@@ -15,9 +15,9 @@ import weakref
 
 import torch
 
-from kvlib.storage.paged_store import PagedStore
-from kvlib.storage.prefix_index import Entry
-from kvlib.storage.prefix_store import PrefixStore
+from kvlib.storage.prefix.prefix_index import Entry
+from kvlib.storage.prefix.prefix_store import PrefixStore
+from kvlib.storage.store.paged_store import PagedStore
 
 
 class PrefixSession:

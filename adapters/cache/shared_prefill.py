@@ -42,7 +42,7 @@ import torch
 
 from kvlib.adapters.cache.transformers_cache import KVCache
 from kvlib.adapters.runtime.layer_step import LayerStep
-from kvlib.storage.read_cache import LayerRead
+from kvlib.storage.layers.read_cache import LayerRead
 
 QUERY_NEEDS = frozenset({"queries", "window_queries", "recent_queries", "prompt_length", "attention", "accumulated_attention"})
 """Strategy needs that read the prompt call's queries (directly, or to compute attention)."""

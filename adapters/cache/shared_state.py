@@ -13,8 +13,8 @@ from kvlib.adapters.runtime.compressor import Compressor, PlannedWork
 from kvlib.adapters.runtime.layer_step import LayerStep
 from kvlib.codec import PageCodec
 from kvlib.model_shape import KVShape
-from kvlib.storage.paged_store import PagedStore
-from kvlib.storage.step_plan import StepPlan
+from kvlib.storage.store.paged_store import PagedStore
+from kvlib.storage.store.step_plan import StepPlan
 from kvlib.strategy import Tiering
 
 

@@ -3,7 +3,7 @@ at once, before the forward runs (what :meth:`KVCache.prepare_step
 <kvlib.adapters.cache.transformers_cache.KVCache.prepare_step>` does).
 
 :func:`plan_decode_step` asks the paged store for one plan of the coming call (a
-:class:`~kvlib.storage.step_plan.StepPlan`: see :mod:`kvlib.storage.step_plan`) and works out,
+:class:`~kvlib.storage.store.step_plan.StepPlan`: see :mod:`kvlib.storage.store.step_plan`) and works out,
 per layer, what follows its attention: the compressor's planned work
 (:class:`~kvlib.adapters.runtime.compressor.PlannedWork`) and whether nothing at all follows (no
 eviction work, no page to seal, no window to slide past, no prompt pages to index), so that an

@@ -43,10 +43,10 @@ from kvlib.adapters.runtime.compressor import Compressor, PlannedWork
 from kvlib.codec import Codec, PageCodec
 from kvlib.devices import reads_pages_in_place
 from kvlib.model_shape import KVShape
-from kvlib.storage.paged_store import PagedStore
-from kvlib.storage.prefix_store import PrefixStore
-from kvlib.storage.spill_store import SpillStore
-from kvlib.storage.step_plan import StepPlan
+from kvlib.storage.prefix.prefix_store import PrefixStore
+from kvlib.storage.store.paged_store import PagedStore
+from kvlib.storage.store.step_plan import StepPlan
+from kvlib.storage.tiers.spill_store import SpillStore
 from kvlib.strategy import Tiering
 
 
@@ -243,7 +243,7 @@ class KVCache(Cache):
 
     def prepare_step(self, tokens: int, attention_mask: torch.Tensor | None = None, *, mask_known: bool = True) -> None:
         """Plan the coming model call of ``tokens`` new tokens per row for every layer, where it is
-        a decode step the paged store can plan (see :mod:`kvlib.storage.step_plan`), and work out which
+        a decode step the paged store can plan (see :mod:`kvlib.storage.store.step_plan`), and work out which
         layers have anything to do after their attention. The forward pre-hook that
         :func:`kvlib.attach` adds calls it with the call's ``attention_mask`` (2-D, or None: no
         padding), so that the forward itself keeps no books (``model.forward`` compiled with

@@ -59,13 +59,13 @@ from kvlib.errors import quoted
 from kvlib.limits import MAX_REQUEST_TOKENS
 from kvlib.model_shape import kv_shape, model_context
 from kvlib.spec import parse_spec
-from kvlib.storage.open_tiers import remote_tier
+from kvlib.storage.tiers.open_tiers import remote_tier
 
 if TYPE_CHECKING:
     from kvlib.adapters.engine.handover import HandOver
-    from kvlib.storage.paged_store import PagedStore
-    from kvlib.storage.prefix_store import PrefixStore
-    from kvlib.storage.remote_tier import RemoteTier
+    from kvlib.storage.prefix.prefix_store import PrefixStore
+    from kvlib.storage.store.paged_store import PagedStore
+    from kvlib.storage.tiers.remote_tier import RemoteTier
 
 
 class Engine:
@@ -97,7 +97,7 @@ class Engine:
             ``read_cache``); off by default: the decode group attends straight over its pages
             (:mod:`~kvlib.adapters.engine.packed_batch`), and only prefill chunks take a transient dense
             workspace (``memory_report()["peak_workspace_bytes"]``).
-        remote: a :class:`~kvlib.storage.remote_tier.RemoteTier` or a ``redis://host:port/db``
+        remote: a :class:`~kvlib.storage.tiers.remote_tier.RemoteTier` or a ``redis://host:port/db``
             URL: full prefix pages also go to that server, and lookups continue there after
             memory (with ``prefix_cache``); engines of several processes on one server share
             prefixes. Faults of the server are counted misses (``stats()["remote"]``).

@@ -16,7 +16,7 @@ import torch
 
 from kvlib.adapters.engine.handover import Tail
 from kvlib.adapters.runtime.compressor import Compressor
-from kvlib.storage.prefix_index import Entry
+from kvlib.storage.prefix.prefix_index import Entry
 
 
 class RequestState(enum.Enum):

@@ -6,7 +6,7 @@ the prompt's pages and decodes: its outputs equal those of one Engine doing both
 side computes the prompt's last token, so every sampled token is drawn there, from the request's
 seed).
 
-The protocol, all on the server of the engines' remote tier (:mod:`~kvlib.storage.remote_tier`):
+The protocol, all on the server of the engines' remote tier (:mod:`~kvlib.storage.tiers.remote_tier`):
 
 1. Full pages: the prefill engine's prefix cache writes every full page of ``prompt[:-1]`` as a
    checked block record under ``kvlib:p:`` + namespace digest + chain key, as any engine with a
@@ -51,8 +51,8 @@ from kvlib.adapters.engine.sampling import check_sampling
 from kvlib.codec import Field
 from kvlib.errors import cut
 from kvlib.limits import check_seed
-from kvlib.storage.prefix_block_record import BlockLayout, FieldBlock, decode_parts, encode
-from kvlib.storage.prefix_index import chain_hash
+from kvlib.storage.prefix.prefix_index import chain_hash
+from kvlib.storage.records.prefix_block_record import BlockLayout, FieldBlock, decode_parts, encode
 
 TAIL_SPACE = b"|handover-tail"
 """Appended to the namespace key space for tail records' chain keys (never a full block's)."""

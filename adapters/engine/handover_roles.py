@@ -11,10 +11,10 @@ one-token prompt has nothing to prefill: its message is pushed as soon as it is 
 
 Receiving: a decode engine looks at most :data:`MAX_MESSAGES_PER_RECEIVE` messages per
 :meth:`HandOverRole.receive` without taking them (:meth:`RemoteTier.peek
-<kvlib.storage.remote_tier.RemoteTier.peek>`), opens and checks each (its tag; :meth:`HandOver.from_bytes
+<kvlib.storage.tiers.remote_tier.RemoteTier.peek>`), opens and checks each (its tag; :meth:`HandOver.from_bytes
 <kvlib.adapters.engine.handover.HandOver.from_bytes>` against this engine's
 :class:`~kvlib.adapters.engine.handover.MessageLimits`; its age; this engine's own request checks)
-and only then takes it (:meth:`RemoteTier.take <kvlib.storage.remote_tier.RemoteTier.take>`: its
+and only then takes it (:meth:`RemoteTier.take <kvlib.storage.tiers.remote_tier.RemoteTier.take>`: its
 ``sender:id`` recorded in the queue's taken set on the server, the message removed, in one
 transaction) and queues it as its own request.
 
@@ -52,7 +52,7 @@ from kvlib.errors import quoted
 if TYPE_CHECKING:
     from kvlib.adapters.engine.engine_request import Request
     from kvlib.adapters.engine.kv_manager import KVManager
-    from kvlib.storage.remote_tier import RemoteTier
+    from kvlib.storage.tiers.remote_tier import RemoteTier
 
 ROLES = ("both", "prefill", "decode")
 MAX_MESSAGES_PER_RECEIVE = 1024

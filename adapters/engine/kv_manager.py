@@ -30,12 +30,12 @@ from kvlib.adapters.engine.page_forecast import PageForecast
 from kvlib.adapters.engine.swap import SwappedSequence, swap_in, swap_out
 from kvlib.codec import Codec
 from kvlib.model_shape import KVShape
-from kvlib.storage.paged_store import PagedStore
-from kvlib.storage.prefix_block_record import BlockLayout
-from kvlib.storage.prefix_index import Entry
-from kvlib.storage.prefix_store import PrefixStore
-from kvlib.storage.remote_tier import RemoteTier
-from kvlib.storage.store_config import StoreConfig
+from kvlib.storage.prefix.prefix_index import Entry
+from kvlib.storage.prefix.prefix_store import PrefixStore
+from kvlib.storage.records.prefix_block_record import BlockLayout
+from kvlib.storage.store.paged_store import PagedStore
+from kvlib.storage.store.store_config import StoreConfig
+from kvlib.storage.tiers.remote_tier import RemoteTier
 
 GROWING_FREE_PAGES = 2**62
 """Free pages reported for pools that grow as needed (never short)."""
@@ -54,7 +54,7 @@ class KVManager:
         read_cache: keep a dense mirror of the decoding batch in the store.
         prefix_cache: index full pages for reuse across requests.
         preemption: ``"swap"`` (to host memory) or ``"recompute"``.
-        remote: the prefix store's remote tier (:class:`~kvlib.storage.prefix_store.PrefixStore`), or None.
+        remote: the prefix store's remote tier (:class:`~kvlib.storage.prefix.prefix_store.PrefixStore`), or None.
     """
 
     def __init__(

@@ -24,8 +24,8 @@ from kvlib.adapters.runtime.after_attention import evict, make_ring_room
 from kvlib.adapters.runtime.layer_step import LayerStep
 from kvlib.adapters.runtime.needs import AttentionInputs
 from kvlib.codec import Codec
-from kvlib.storage.paged_store import PagedStore
-from kvlib.storage.read_cache import LayerRead
+from kvlib.storage.layers.read_cache import LayerRead
+from kvlib.storage.store.paged_store import PagedStore
 from kvlib.transformers_compat import cache_argument
 
 

@@ -33,9 +33,9 @@ from kvlib.adapters.runtime import layer_step
 from kvlib.adapters.runtime.layer_step import AttentionCall, paged_attention_applies
 from kvlib.devices import reads_pages_in_place
 from kvlib.kernels.paged_attention import PagedLayer
-from kvlib.storage.paged_store import PagedStore
-from kvlib.storage.read_cache import LayerRead
-from kvlib.storage.step_plan import StepPlan
+from kvlib.storage.layers.read_cache import LayerRead
+from kvlib.storage.store.paged_store import PagedStore
+from kvlib.storage.store.step_plan import StepPlan
 
 
 @dataclass
@@ -143,7 +143,7 @@ class PackedCache(Cache):
         layer call's attention keyword arguments, when given); returns the inputs (attention
         takes what was published). Every append comes before any read, so a page layout handed
         over stays valid for the call. The decode group's step is planned once for every layer
-        at layer 0 where the store can (:meth:`~kvlib.storage.paged_store.PagedStore.plan_step`): its
+        at layer 0 where the store can (:meth:`~kvlib.storage.store.paged_store.PagedStore.plan_step`): its
         tokens are then written where the plan puts them and it attends through the plan."""
         if layer_idx == 0:
             self.plan = self._plan_decode_group()
@@ -169,7 +169,7 @@ class PackedCache(Cache):
         return key_states, value_states
 
     def _plan_decode_group(self) -> StepPlan | None:
-        """The decode group's plan (:meth:`~kvlib.storage.paged_store.PagedStore.plan_step`), where the
+        """The decode group's plan (:meth:`~kvlib.storage.store.paged_store.PagedStore.plan_step`), where the
         first segment is one and its pages are read in place; else None."""
         if not self.segments or self.segments[0].length != 1 or not reads_pages_in_place(self.store.device):
             return None

@@ -18,8 +18,8 @@ from collections.abc import Iterator, Sequence
 from typing import Protocol
 
 from kvlib.adapters.engine.engine_request import Request
-from kvlib.storage.prefix_index import Entry
-from kvlib.storage.prefix_store import PrefixStore
+from kvlib.storage.prefix.prefix_index import Entry
+from kvlib.storage.prefix.prefix_store import PrefixStore
 
 
 class KVPages(Protocol):

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from kvlib.devices import host_buffer
-from kvlib.storage.paged_store import PagedStore
+from kvlib.storage.store.paged_store import PagedStore
 
 
 @dataclass

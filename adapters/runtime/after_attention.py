@@ -27,7 +27,7 @@ from kvlib.adapters.runtime.layer_step import LayerStep
 from kvlib.adapters.runtime.needs import AttentionInputs
 from kvlib.adapters.runtime.slot_order import keep_all_but
 from kvlib.selection import position_rank
-from kvlib.storage.paged_store import PagedStore
+from kvlib.storage.store.paged_store import PagedStore
 
 Salience = Callable[[], torch.Tensor]
 """Scores of a layer's slots, computed only when called: ``[batch, kv_heads, slots]``, slot order,
@@ -60,7 +60,7 @@ def evict(
 
     ``step.read``: the layer's stored tokens after the call's append, dense; or, for a call that
     attended straight over the pages (``step.paged``), their positions only
-    (:meth:`~kvlib.storage.paged_store.PagedStore.read_positions`): keys and values are then read
+    (:meth:`~kvlib.storage.store.paged_store.PagedStore.read_positions`): keys and values are then read
     here, into a transient copy, only when a compaction is due with a strategy that scores with
     them. ``inputs``: what the attention saw; ``real_offsets [batch]``: each row's padding tokens
     before its first real one (on the store's device)."""

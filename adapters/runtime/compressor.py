@@ -34,8 +34,8 @@ from kvlib.adapters.runtime.needs import AttentionInputs, accumulated_attention,
 from kvlib.adapters.runtime.query_history import QueryHistory
 from kvlib.adapters.runtime.slot_order import along_slots, ascending, ordered_view, position_order, scores_in_slot_order, to_slots
 from kvlib.selection import select_keep
-from kvlib.storage.read_cache import LayerRead
-from kvlib.storage.step_plan import Ring
+from kvlib.storage.layers.read_cache import LayerRead
+from kvlib.storage.store.step_plan import Ring
 from kvlib.strategies.budget.uniform import Uniform
 from kvlib.strategy import Budget, BudgetRequest, Eviction, LayerView, Rope
 
@@ -118,7 +118,7 @@ class Compressor:
     _layer_limits: dict[tuple[int, int, int], np.ndarray] = field(default_factory=dict, init=False, repr=False)
     _ring: Ring | None = field(default=None, init=False, repr=False)
 
-    # -- planned decode steps (kvlib.storage.step_plan) ----------------------------------------------------
+    # -- planned decode steps (kvlib.storage.store.step_plan) ----------------------------------------------------
 
     def ring(self, batch: int, heads: int) -> Ring | None:
         """The held cap as a ring of slots for a planned decode step of ``batch`` rows of ``heads``
@@ -375,7 +375,7 @@ class Compressor:
     def compacted(self, layer: int, layout: torch.Tensor) -> None:
         """The store compacted ``layer``: new slot ``i`` of each head holds what old slot
         ``layout[..., i]`` held (int64 ``[batch, heads, k]``, ``-1`` past the new length, as
-        :meth:`~kvlib.storage.paged_store.PagedStore.compact` returns it); per-slot state follows."""
+        :meth:`~kvlib.storage.store.paged_store.PagedStore.compact` returns it); per-slot state follows."""
         state = self._accumulated.get(layer)
         if state is not None:
             layout = layout.to(state.device)

@@ -30,8 +30,8 @@ from typing import Protocol
 import torch
 
 from kvlib.kernels.paged_attention import PagedLayer
-from kvlib.storage.read_cache import LayerRead
-from kvlib.storage.step_plan import StepPlan
+from kvlib.storage.layers.read_cache import LayerRead
+from kvlib.storage.store.step_plan import StepPlan
 
 
 @dataclass(kw_only=True)
@@ -152,7 +152,7 @@ class LayerStep:
         paged: the layer's tokens where they lie in the pages, for a call whose attention runs
             straight over them (:mod:`~kvlib.kernels.paged_attention`); ``read`` then holds just the
             call's new tokens (what ``update`` returned), and no dense copy of the layer exists.
-        plan: the decode step's plan (:mod:`~kvlib.storage.step_plan`), for a call whose tokens were
+        plan: the decode step's plan (:mod:`~kvlib.storage.store.step_plan`), for a call whose tokens were
             written where it said and whose attention runs over the pages through it; ``read``
             then holds just the call's new keys and values (positions and validity None).
     """

@@ -1,6 +1,6 @@
 """Position order of a layer's stored slots, for strategies and selection that need it.
 
-After a compaction that reused slots (:mod:`~kvlib.storage.slot_reuse`), a head's slots are no longer in
+After a compaction that reused slots (:mod:`~kvlib.storage.layers.slot_reuse`), a head's slots are no longer in
 position order. Eviction must keep the same tokens as if they were: the compressor selects among
 slots sorted by position (ties in scores then break by position, as they always did), and hands a
 strategy that is not :attr:`~kvlib.strategy.Eviction.order_free` a view permuted into that order.
@@ -72,7 +72,7 @@ def ascending(keep: torch.Tensor) -> torch.Tensor:
 
 def keep_all_but(positions: torch.Tensor, dropped: torch.Tensor) -> torch.Tensor:
     """int64 ``[batch, heads, slots]``: each head's stored slots (``positions >= 0``, as
-    :meth:`~kvlib.storage.paged_store.PagedStore.stored_positions` gives them) but the bool
+    :meth:`~kvlib.storage.store.paged_store.PagedStore.stored_positions` gives them) but the bool
     ``dropped`` ones, ascending, ``-1`` after them: the ``keep`` of a compaction that drops just
     those."""
     slots = positions.shape[-1]

@@ -1,7 +1,7 @@
 """Attention of a few queries per row straight over a layer's pages: no dense copy of the cache.
 
 :func:`paged_attention` computes what SDPA computes over the dense form of a layer
-(:class:`~kvlib.storage.read_cache.LayerRead` with the model's mask moved onto the stored slots), but
+(:class:`~kvlib.storage.layers.read_cache.LayerRead` with the model's mask moved onto the stored slots), but
 reads each (row, KV head)'s keys and values page by page through the block table:
 
 - queries ``[batch, query_heads, queries, head_dim]``; query head ``i`` uses KV head
@@ -404,7 +404,7 @@ def coded_source(
     keys: KernelReader,
     values: KernelReader,
 ) -> PageSource:
-    """The :class:`PageSource` of a coded pool's pages (:class:`~kvlib.storage.coded_pool.CodedPages`'s
+    """The :class:`PageSource` of a coded pool's pages (:class:`~kvlib.storage.pools.formats.coded_format.CodedPages`'s
     layout): open pages in the raw arenas ``[raw_rows, page_size, head_dim | value_dim]`` (one of
     :data:`SUPPORTED_DTYPES`) at ``raw_row`` (int64 ``[capacity]``), sealed ones (bool ``sealed
     [capacity]``) read by the numba readers ``keys`` and ``values`` name; ``positions`` int64

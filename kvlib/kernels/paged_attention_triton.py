@@ -135,7 +135,7 @@ def triton_coded_source(
     keys: KernelReader,
     values: KernelReader,
 ) -> TritonPageSource:
-    """The :class:`TritonPageSource` of a coded pool's pages (:class:`~kvlib.storage.coded_pool.CodedPages`'s
+    """The :class:`TritonPageSource` of a coded pool's pages (:class:`~kvlib.storage.pools.formats.coded_format.CodedPages`'s
     layout): open pages in the raw arenas ``[raw_rows, page_size, head_dim | value_dim]`` (a
     float compute dtype) at ``raw_row`` (int64 ``[capacity]``), sealed ones (``sealed [capacity]``,
     bool or uint8) read by the tile loaders ``keys`` and ``values`` name, from their fields (on the

@@ -1,6 +1,6 @@
 """kvlib's page kernels as torch custom operators: ``torch.ops.kvlib.*``.
 
-A decode step of a planned cache (:mod:`kvlib.storage.step_plan`) costs each layer two operators, one
+A decode step of a planned cache (:mod:`kvlib.storage.store.step_plan`) costs each layer two operators, one
 per job, whatever the device:
 
 - ``kvlib::write_planned``: the layer's new keys, values and positions written into its arenas

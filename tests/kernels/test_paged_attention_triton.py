@@ -18,9 +18,9 @@ from kvlib.codec import layer_shapes
 from kvlib.kernels.paged_attention import arena_source, paged_attention
 from kvlib.kernels.paged_scores import attention_weights
 from kvlib.spec_text import parse_strategy
-from kvlib.storage.page_pool import PagePool
-from kvlib.storage.paged_store import PagedStore
-from kvlib.storage.store_config import StoreConfig
+from kvlib.storage.pools.page_pool import PagePool
+from kvlib.storage.store.paged_store import PagedStore
+from kvlib.storage.store.store_config import StoreConfig
 from tests.kernels.test_paged_attention import TOLERANCE, scattered_pages
 from tests.strategies.quantization.test_page_loaders import coded_store, fill
 

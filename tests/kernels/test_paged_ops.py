@@ -12,8 +12,8 @@ from torch._dynamo.testing import CompileCounter
 from kvlib.codec import layer_shapes
 from kvlib.kernels import paged_ops
 from kvlib.spec_text import parse_strategy
-from kvlib.storage.paged_store import PagedStore
-from kvlib.storage.store_config import StoreConfig
+from kvlib.storage.store.paged_store import PagedStore
+from kvlib.storage.store.store_config import StoreConfig
 
 DIM = 16
 

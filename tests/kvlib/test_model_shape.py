@@ -23,7 +23,7 @@ from transformers import (
 
 import kvlib
 from kvlib.model_shape import kv_shape, model_context
-from kvlib.storage.paged_store import PagedStore
+from kvlib.storage.store.paged_store import PagedStore
 from kvlib.transformers_compat import cache_argument
 from tests.adapters.conftest import PAD, VOCAB, build_model
 

@@ -9,8 +9,8 @@ import torch
 
 import kvlib
 from kvlib.eval.agreement import agreement_metrics, greedy_reference, teacher_forced_logits
-from kvlib.storage.coded_pool import CodedPages
-from kvlib.storage.partnered_pool import PARTNER_ID_BYTES, PartneredPages
+from kvlib.storage.pools.formats.coded_format import CodedPages
+from kvlib.storage.pools.formats.partnered_format import PARTNER_ID_BYTES, PartneredPages
 from kvlib.transformers_compat import cache_argument
 from tests.adapters.conftest import DEFAULT_BYTES, PAD, build_model, left_padded
 

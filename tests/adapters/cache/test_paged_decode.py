@@ -10,7 +10,7 @@ from transformers import DynamicCache
 
 import kvlib
 from kvlib.registry import available_strategies
-from kvlib.storage.paged_store import PagedStore
+from kvlib.storage.store.paged_store import PagedStore
 from kvlib.transformers_compat import cache_argument
 from tests.adapters.conftest import PAD, assert_same_logits, build_model, left_padded
 

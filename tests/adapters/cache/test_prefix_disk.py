@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kvlib.storage.disk_tier import DiskTier
+from kvlib.storage.tiers.disk_tier import DiskTier
 
 REPO = Path(__file__).resolve().parents[3]
 PROCESS = """
@@ -174,7 +174,7 @@ def test_a_run_of_blocks_restored_from_disk_grows_each_arena_once(tmp_path: Path
     import torch
 
     import kvlib
-    from kvlib.storage.page_pool import PagePool
+    from kvlib.storage.pools.page_pool import PagePool
     from kvlib.transformers_compat import cache_argument
     from tests.adapters.conftest import PAD, build_model
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import kvlib
-from kvlib.storage.disk_tier import DiskTier
-from kvlib.storage.prefix_block_record import HEADER
+from kvlib.storage.records.prefix_block_record import HEADER
+from kvlib.storage.tiers.disk_tier import DiskTier
 from kvlib.transformers_compat import cache_argument
 from tests.adapters.conftest import PAD, build_model
 

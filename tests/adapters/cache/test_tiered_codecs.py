@@ -10,7 +10,7 @@ import torch
 
 import kvlib
 from kvlib.eval import load_model
-from kvlib.storage.tiered_coded_pool import TieredCodedPages
+from kvlib.storage.pools.formats.tiered_coded_format import TieredCodedPages
 from kvlib.transformers_compat import cache_argument
 from tests.adapters.conftest import PAD, build_model, left_padded
 
@@ -103,7 +103,7 @@ def test_tiered_coded_prefix_blocks_reach_disk_records_and_come_back(codec: str,
     """A tiered coded cache with prefix reuse writes its prompt blocks' encoded fields (read from
     whichever tier holds them) to the disk tier; another prefix store on the same directory
     restores them and the output is the untiered coded cache's."""
-    from kvlib.storage.disk_tier import DiskTier
+    from kvlib.storage.tiers.disk_tier import DiskTier
 
     model = build_model("llama")
     prompt = torch.randint(3, 60, (1, 70), generator=torch.Generator().manual_seed(0))

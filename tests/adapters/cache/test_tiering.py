@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import kvlib
-from kvlib.storage.tiered_pool import TieredPages
+from kvlib.storage.pools.formats.tiered_format import TieredPages
 from kvlib.transformers_compat import cache_argument
 from tests.adapters.conftest import DEFAULT_BYTES, PAD, build_model, left_padded, prompt_vocab
 

@@ -28,10 +28,10 @@ from kvlib.adapters.engine import handover_roles
 from kvlib.adapters.engine.handover import HandOver, MessageLimits
 from kvlib.adapters.engine.handover_roles import HandOverKey
 from kvlib.errors import RemoteAccessDenied
-from kvlib.storage.local_server import LocalServer
-from kvlib.storage.prefix_block_record import DIGEST
-from kvlib.storage.record_digest import digest
-from kvlib.storage.remote_tier import OVERHEAD, PREFIX, RemoteTier
+from kvlib.storage.records.prefix_block_record import DIGEST
+from kvlib.storage.records.record_digest import digest
+from kvlib.storage.tiers.local_server import LocalServer
+from kvlib.storage.tiers.remote_tier import OVERHEAD, PREFIX, RemoteTier
 from tests.adapters.conftest import VOCAB, build_model, edit_one_weight
 
 KEY = "handover-test-key-0123456789"

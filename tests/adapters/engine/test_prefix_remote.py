@@ -18,8 +18,8 @@ import redis
 import torch
 
 import kvlib
-from kvlib.storage.local_server import LocalServer
-from kvlib.storage.remote_tier import ENVELOPE, PREFIX, RemoteTier
+from kvlib.storage.tiers.local_server import LocalServer
+from kvlib.storage.tiers.remote_tier import ENVELOPE, PREFIX, RemoteTier
 from kvlib.transformers_compat import cache_argument
 from tests.adapters.conftest import PAD, build_model
 

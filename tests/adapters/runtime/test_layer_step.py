@@ -13,7 +13,7 @@ from kvlib.adapters.cache.cache_layer import KVCacheLayer
 from kvlib.adapters.engine.packed_batch import PackedCache
 from kvlib.adapters.runtime import layer_step
 from kvlib.adapters.runtime.layer_step import LayerStep
-from kvlib.storage.read_cache import LayerRead
+from kvlib.storage.layers.read_cache import LayerRead
 from kvlib.transformers_compat import cache_argument
 from tests.adapters.conftest import PAD, build_model, left_padded
 

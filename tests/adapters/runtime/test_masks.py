@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from kvlib.adapters.runtime.layer_step import LayerStep
 from kvlib.adapters.runtime.masks import allowed, move_position_bias, physical_mask, real_new_tokens
-from kvlib.storage.read_cache import LayerRead
+from kvlib.storage.layers.read_cache import LayerRead
 
 
 def _step(positions: torch.Tensor, query_offset: int, query_length: int) -> LayerStep:

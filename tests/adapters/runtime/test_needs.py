@@ -9,7 +9,7 @@ import torch
 
 from kvlib.adapters.runtime.layer_step import LayerStep
 from kvlib.adapters.runtime.needs import AttentionInputs, fill_needs, history_after_call, padding_slots, query_positions, returned_weights
-from kvlib.storage.read_cache import LayerRead
+from kvlib.storage.layers.read_cache import LayerRead
 from kvlib.strategies.eviction.streaming_llm import StreamingLLM
 from kvlib.strategy import LayerView
 

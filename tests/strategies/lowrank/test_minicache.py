@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from kvlib import PagedStore, StoreConfig
 from kvlib.codec import layer_shapes
-from kvlib.storage.partnered_pool import PartneredPages
+from kvlib.storage.pools.formats.partnered_format import PartneredPages
 from kvlib.strategies.lowrank.minicache import MiniCache, merge_pages
 
 

@@ -13,8 +13,8 @@ import kvlib
 from kvlib.codec import layer_shapes
 from kvlib.kernels.packing import packed_size
 from kvlib.spec_text import parse_strategy
-from kvlib.storage.paged_store import PagedStore
-from kvlib.storage.store_config import StoreConfig
+from kvlib.storage.store.paged_store import PagedStore
+from kvlib.storage.store.store_config import StoreConfig
 from kvlib.strategies.quantization.mixed import MixedPrecision
 from kvlib.strategies.quantization.mixed_codec import salient_slots
 from kvlib.strategies.quantization.salience import NormalizedAttention

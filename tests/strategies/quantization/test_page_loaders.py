@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 
 from kvlib.codec import layer_shapes
 from kvlib.spec_text import parse_strategy
-from kvlib.storage.paged_store import PagedStore
-from kvlib.storage.store_config import StoreConfig
+from kvlib.storage.store.paged_store import PagedStore
+from kvlib.storage.store.store_config import StoreConfig
 from tests.kernels.test_paged_attention import sdpa_reference
 
 CODECS = [
