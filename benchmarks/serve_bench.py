@@ -32,6 +32,16 @@ measured). Target: a codec holds >= 3.5x the exact Engine's concurrent requests 
 nats. Writes ``serve_bench_fixed_memory.md`` and ``.json``:
 
     python benchmarks/serve_bench.py --fixed-memory-mb 64 --model llama100m --requests 32
+
+Features mode (``--features``): the Engine's scheduling features each on and off in one run,
+interleaved (``serve_features.py`` says how each is measured): global prefix grouping in
+``Engine.generate`` (prompt tokens computed and wall time on a shuffled batch sharing prefixes)
+and forecast admission against reserve-based admission (preemptions, goodput, TTFT and TBT
+p50/p99 on a trace with skewed output lengths). Targets: forecast preemptions <= 0.5x reserve's,
+goodput >= 1.0x. Default model: the embedded default model (``--model default``; ``tiny`` under
+``--quick``). Writes ``serve_bench_features.md`` and ``.json``:
+
+    python benchmarks/serve_bench.py --features [--repeats 3]
 """
 
 from __future__ import annotations
@@ -53,6 +63,8 @@ import kvlib
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or loaded by path
 from provenance import LLAMA100M, add_run_arguments, command_line, parse_run_arguments, run_metadata, write_report  # noqa: E402
+from serve_features import FeatureSettings, run_forecast, run_grouping  # noqa: E402
+from serve_features import markdown as features_markdown
 from serve_fixed_memory import FixedMemorySettings, compare, markdown, random_prompts, saturating_trace, text_prompts  # noqa: E402
 from serve_metrics import agreement, summarize, ttft_p50_by_kind  # noqa: E402
 from serve_systems import SYSTEMS, ServeSettings, replay  # noqa: E402
@@ -149,8 +161,13 @@ def run(argv: Sequence[str] | None = None) -> dict:
         "--new-tokens", type=int, help=f"fixed-memory mode: output tokens per request (default {FIXED_MEMORY['new_tokens']})"
     )
     parser.add_argument("--max-running", type=int, default=64, help="fixed-memory mode: requests running at once at most")
+    parser.add_argument("--features", action="store_true", help="features mode: prefix grouping and forecast admission, on and off")
+    parser.add_argument("--repeats", type=int, default=3, help="features mode: interleaved repeats of each variant")
     add_run_arguments(parser, QUICK)
-    fixed_memory = parser.parse_known_args(argv)[0].fixed_memory_mb is not None
+    known = parser.parse_known_args(argv)[0]
+    if known.features:
+        return run_features(parser.parse_args(argv), argv)
+    fixed_memory = known.fixed_memory_mb is not None
     args = parse_run_arguments(parser, argv, *((FIXED_MEMORY_QUICK, FIXED_MEMORY) if fixed_memory else (QUICK, FULL)))
     if fixed_memory:
         return run_fixed_memory(parser, args, argv)
@@ -204,6 +221,34 @@ def run(argv: Sequence[str] | None = None) -> dict:
     result.update(run_metadata(args, load_before, started))
     write_report(args.out, "serve_bench", _markdown(result, argv), result)
     return result
+
+
+FEATURES_QUICK = FeatureSettings(groups=3, per_group=3, prefix=48, group_page_mib=0.125, requests=12, forecast_page_mib=0.25, repeats=1)
+"""The features mode's sizes under ``--quick`` (tiny model): a smoke test, not a measurement."""
+
+
+def run_features(args: argparse.Namespace, argv: Sequence[str] | None) -> dict:
+    """The features mode (see the module docstring): one run, one report."""
+    from kvlib.devices import set_cpu_threads
+
+    set_cpu_threads(args.threads)
+    if args.quick:
+        model, settings = random_llama(TINY_LLAMA), replace(FEATURES_QUICK, repeats=min(args.repeats, FEATURES_QUICK.repeats))
+    else:
+        from kvlib.default_model import load_default_model
+
+        model, settings = load_default_model()[0].eval(), FeatureSettings(repeats=args.repeats)
+    load_before, started = os.getloadavg()[0], time.perf_counter()
+    kvlib.Engine(model).generate(run_grouping_warm_up(model), max_new_tokens=2)
+    result = {"settings": asdict(settings), "grouping": run_grouping(model, settings), "forecast": run_forecast(model, settings)}
+    result.update(run_metadata(args, load_before, started))
+    write_report(args.out, "serve_bench_features", features_markdown(result, command_line("serve_bench.py", argv)), result)
+    return result
+
+
+def run_grouping_warm_up(model: torch.nn.Module) -> list[list[int]]:
+    """Two short prompts sharing a page: first calls' compilation happens outside the timing."""
+    return [[5] * 20 + [6], [5] * 20 + [7, 8]]
 
 
 def run_fixed_memory(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequence[str] | None) -> dict:

@@ -237,7 +237,7 @@ def run_bench(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-BENCH_HELPERS = frozenset({"provenance", "serve_fixed_memory", "serve_metrics", "serve_systems", "serve_trace"})
+BENCH_HELPERS = frozenset({"provenance", "serve_features", "serve_fixed_memory", "serve_metrics", "serve_systems", "serve_trace"})
 """Modules in ``benchmarks/`` that are imported by the scripts, not run."""
 
 DEFAULT_CONTEXT = 1024

@@ -182,3 +182,16 @@ def test_fixed_memory_exact_run_records_the_rows_of_its_own_greedy_tokens() -> N
     assert [[int(row.argmax()) for row in rows] for rows in run.logp] == run.tokens
     with pytest.raises(ValueError, match="quantization codecs"):
         fixed.FixedMemorySettings(2**20, codecs=("snapkv",))
+
+
+@pytest.mark.slow
+def test_features_mode_runs_each_feature_on_and_off(tmp_path: Path) -> None:
+    result = _load_bench().run(["--features", "--quick", "--out", str(tmp_path)])
+    saved = json.loads((tmp_path / "serve_bench_features.json").read_text())
+    assert saved["grouping"] == result["grouping"] and set(saved["grouping"]["variants"]) == {"grouped", "ungrouped"}
+    assert set(saved["forecast"]["variants"]) == {"forecast", "reserve"}
+    assert saved["grouping"]["outputs_equal"] and saved["forecast"]["outputs_equal"]
+    grouping = saved["grouping"]["variants"]
+    assert grouping["grouped"]["prompt_tokens_computed"] <= grouping["ungrouped"]["prompt_tokens_computed"]
+    report = (tmp_path / "serve_bench_features.md").read_text()
+    assert "| grouped |" in report and "| forecast |" in report and str(tmp_path) not in report

@@ -52,6 +52,7 @@ from kvlib.adapters.engine.handover_roles import MAX_AGE_S, HandOverKey, HandOve
 from kvlib.adapters.engine.kv_manager import KVManager
 from kvlib.adapters.engine.model_runner import ModelRunner
 from kvlib.adapters.engine.page_budget import page_budget
+from kvlib.adapters.engine.prefix_groups import prefix_groups
 from kvlib.adapters.engine.request_checks import REQUEST_OPTIONS, checked_request
 from kvlib.adapters.engine.scheduler import Scheduler, StepPlan
 from kvlib.adapters.runtime.attention import route_attention
@@ -93,6 +94,13 @@ class Engine:
         max_running: requests running at once at most.
         reserve_pages: pages per layer held back per running request at admission.
         fairness_steps: steps a waiting request may be passed over by prefix-aware ordering.
+        admission: ``"reserve"`` (keep ``reserve_pages`` free per running request) or
+            ``"forecast"`` (the Past-Future scheduler: admit while the forecast peak of the pages
+            the running batch will take fits, each request's remaining output length forecast from
+            the output lengths of the requests finished so far, conditioned on what it has produced;
+            :meth:`~kvlib.adapters.engine.scheduler.Scheduler.forecast_peak`).
+        forecast_quantile: with ``admission="forecast"``, the quantile of each remaining length
+            planned for, in (0, 1] (1: the longest seen; higher preempts less, admits less).
         read_cache: keep a dense mirror of the decoding batch (its bytes reported as
             ``read_cache``); off by default: the decode group attends straight over its pages
             (:mod:`~kvlib.adapters.engine.packed_batch`), and only prefill chunks take a transient dense
@@ -135,6 +143,8 @@ class Engine:
         max_running: int = 64,
         reserve_pages: int = 1,
         fairness_steps: int = 64,
+        admission: str = "reserve",
+        forecast_quantile: float = 0.9,
         read_cache: bool = False,
         remote: RemoteTier | str | None = None,
         remote_key: str | bytes | None = None,
@@ -151,7 +161,7 @@ class Engine:
         remote = remote_tier(remote, remote_key, remote_trust)  # a missing key fails before the model is touched
         self.role, self.handover_queue = role, handover_queue
         self.page_size = page_size
-        self.scheduler = Scheduler(max_batch_tokens, max_running, reserve_pages, fairness_steps)
+        self.scheduler = Scheduler(max_batch_tokens, max_running, reserve_pages, fairness_steps, admission, forecast_quantile)
         self.model = model
         self.shape = kv_shape(model)
         self.vocab = model.config.get_text_config().vocab_size
@@ -326,19 +336,41 @@ class Engine:
             raise ValueError(f"receive() is for an Engine with role='decode'; this one's role is {quoted(self.role)}")
         return self.handover_role.receive(wait_s, self._prepare, lambda prepared: self._enqueue(*prepared))
 
-    def generate(self, prompts: Sequence[Sequence[int] | torch.Tensor], max_new_tokens: int = 32, **options) -> list[list[int]]:
-        """Serve ``prompts`` to completion; returns each one's new tokens, in order. Every prompt
-        is checked (as :meth:`add_request` does) before any is queued."""
+    def generate(
+        self, prompts: Sequence[Sequence[int] | torch.Tensor], max_new_tokens: int = 32, *, group_prefixes: bool = True, **options
+    ) -> list[list[int]]:
+        """Serve ``prompts`` to completion; returns each one's new tokens, in the caller's order.
+        Every prompt is checked (as :meth:`add_request` does) before any is queued.
+
+        ``group_prefixes`` (global prefix grouping, BatchLLM): the batch's prompts are grouped by
+        shared prefix first (:func:`~kvlib.adapters.engine.prefix_groups.prefix_groups`) and queued
+        one group at a time, the next once none of this call's requests waits for admission, so a
+        group's shared prefix is computed once while its pages are held and the pages of a
+        finished group are the first the prefix cache gives back. False queues every prompt at
+        once, in order. Greedy outputs are the same either way."""
+        if not isinstance(group_prefixes, bool):
+            raise ValueError(f"group_prefixes must be True or False, got {quoted(group_prefixes)}")
         unknown = sorted(set(options) - set(REQUEST_OPTIONS))
         if unknown:
-            raise ValueError(f"unknown options {unknown}; generate takes {sorted(REQUEST_OPTIONS)}")
+            raise ValueError(f"unknown options {unknown}; generate takes {sorted(REQUEST_OPTIONS)} and group_prefixes")
         settings = {**REQUEST_OPTIONS, "max_new_tokens": max_new_tokens, **options}
         prepared = [self._prepare(prompt, settings) for prompt in prompts]
-        for request in prepared:
-            self._enqueue(*request)
         requests = [request for request, _ in prepared]  # held here: max_finished may drop them from self.requests
-        while any(request.state in (RequestState.WAITING, RequestState.RUNNING, RequestState.SWAPPED) for request in requests):
+        groups = prefix_groups([request.prompt for request in requests], self.page_size) if group_prefixes else [list(range(len(requests)))]
+        unfinished = (RequestState.WAITING, RequestState.RUNNING, RequestState.SWAPPED)
+        queued, serving = 0, []  # groups queued so far; the queued groups not finished yet
+        while queued < len(groups) or serving:
+            if queued < len(groups) and not any(request.state is RequestState.WAITING for group in serving for request in group):
+                for index in groups[queued]:
+                    self._enqueue(*prepared[index])
+                serving.append([requests[index] for index in groups[queued]])
+                queued += 1
+                continue
             self.step()
+            for group in [group for group in serving if not any(request.state in unfinished for request in group)]:
+                serving.remove(group)
+                for request in group if group_prefixes else ():
+                    self.kv.free_first(request)
         return [list(request.output) for request in requests]
 
     def collect(self, request_id: int) -> list[int]:
@@ -423,6 +455,8 @@ class Engine:
         self.scheduler.remove(request)
         self.kv.release(request)
         request.state = state
+        if state is RequestState.FINISHED:
+            self.scheduler.lengths.record(len(request.output))
         self._keep_finished(request.request_id)
 
     def _keep_finished(self, request_id: int) -> None:

@@ -72,6 +72,9 @@ class Request:
     entries: list[Entry] = field(default_factory=list)
     block_keys: list[bytes] | None = None
     waited_steps: int = 0
+    attached_tokens: int = 0
+    """Leading tokens of ``seq`` attached from the prefix cache at admission (shared pages; 0
+    after a swap-in, whose pages are its own)."""
     indexed_blocks: int = 0
     """Leading prompt blocks attached from or inserted into the prefix index."""
     tail: Tail | None = None

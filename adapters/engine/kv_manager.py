@@ -283,12 +283,13 @@ class KVManager:
         """Give a waiting request a sequence holding its longest prefix cached in memory (what the
         scheduler planned with: blocks on other tiers came in with :meth:`fetch`)."""
         request.seq = self.store.new_sequence()
+        request.attached_tokens = 0
         if not self.uses_prefix(request):
             return
         entries = self.prefix.lookup(self.namespace, self.lookup_blocks(request), load=False)
         self.prefix.attach(self.namespace, request.seq, entries)
         request.entries = entries
-        request.computed = len(entries) * self.page_size
+        request.computed = request.attached_tokens = len(entries) * self.page_size
         request.indexed_blocks = len(entries)
         tail, attached = request.tail, self.tail_tokens(request, request.computed)
         request.tail = None
@@ -306,6 +307,7 @@ class KVManager:
     def swap_in(self, request: Request) -> None:
         """A swapped-out request's tokens back in a new sequence, at the same positions."""
         request.seq = swap_in(self.store, self._swap_space.pop(request.request_id))
+        request.attached_tokens = 0
 
     # -- after a step ----------------------------------------------------------------------------
 
@@ -319,6 +321,13 @@ class KVManager:
         entries = self.prefix.insert(self.namespace, request.seq, self._blocks(request.tokens, full), request.indexed_blocks)
         request.entries.extend(entries)
         request.indexed_blocks = full
+
+    def free_first(self, request: Request) -> None:
+        """Make the unused prefix index entries of a finished ``request``'s blocks the first to be
+        reclaimed, its last block first (its offline batch needs them no more; they stay cached
+        until pages are needed)."""
+        if self.uses_prefix(request):
+            self.prefix.index.demote(self.block_keys(request))
 
     def release(self, request: Request) -> None:
         """The request ends (finished or aborted): its pages, entries and swap space are released."""

@@ -132,6 +132,13 @@ class PageForecast:
         first = self.cached_tokens(request) // kv.page_size
         return first < len(keys) and keys[first] in self._in_flight
 
+    def held_pages(self, request: Request) -> int:
+        """Pages (per layer, at most) a running request holds beyond the cached prefix it attached
+        (0 for one this plan admits)."""
+        if request in self._admitted:
+            return 0
+        return self._kv.pages_for(request.attached_tokens, request.computed - request.attached_tokens)
+
     # -- decisions -------------------------------------------------------------------------------
 
     def reclaim(self, pages: int) -> None:

@@ -23,7 +23,10 @@ The decisions of one plan:
    requests whose prompt has the longest cached prefix first, a request whose next uncached
    block another request is computing right now waits for it (so a shared prefix is computed
    once), and a request that waited more than ``fairness_steps`` steps goes first, by arrival.
-   Admission keeps ``reserve_pages`` free per running request for its coming decode tokens.
+   Admission (``admission="reserve"``) keeps ``reserve_pages`` free per running request for
+   its coming decode tokens; forecast admission (``"forecast"``, the Past-Future scheduler)
+   admits while the forecast peak of the pages the running batch and the candidate will take
+   fits in the free pages (:meth:`Scheduler.forecast_peak`).
 
 Invariant: a plan never needs more pages than are free once it is applied, and never more than
 ``max_batch_tokens`` tokens (decodes alone may exceed it: they are never stalled).
@@ -43,6 +46,10 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvlib.adapters.engine.engine_request import Request, RequestState
+from kvlib.adapters.engine.output_lengths import OutputLengths, check_quantile
+from kvlib.errors import quoted
+
+ADMISSION_POLICIES = ("reserve", "forecast")
 
 
 class Forecast(Protocol):
@@ -84,6 +91,10 @@ class Forecast(Protocol):
 
     def in_flight(self, request: Request) -> bool:
         """Whether ``request``'s next uncached prompt block is being computed by a running request."""
+
+    def held_pages(self, request: Request) -> int:
+        """Pages (per layer, at most) a running request holds beyond the cached prefix it attached
+        (what finishing gives back)."""
 
 
 class PageLedger(Protocol):
@@ -139,6 +150,12 @@ class Scheduler:
             when admitting (0: admit whatever fits now; preemption handles the rest).
         fairness_steps: a waiting request that has waited more steps than this is admitted
             before any other (by arrival), whatever its prefix match.
+        admission: ``"reserve"`` (keep ``reserve_pages`` per running request) or ``"forecast"``
+            (admit while :meth:`forecast_peak` fits in the free pages).
+        forecast_quantile: the quantile of each request's remaining output length that forecast
+            admission plans for (:meth:`OutputLengths.remaining
+            <kvlib.adapters.engine.output_lengths.OutputLengths.remaining>`); higher is safer.
+        lengths: the output lengths of finished requests (the engine records them).
 
     Queues (oldest first; a request is in at most one): ``waiting`` (not admitted, or preempted
     for recompute: first in line), ``running`` (admitted, in admission order), ``swapped``.
@@ -148,6 +165,9 @@ class Scheduler:
     max_running: int = 64
     reserve_pages: int = 1
     fairness_steps: int = 64
+    admission: str = "reserve"
+    forecast_quantile: float = 0.9
+    lengths: OutputLengths = field(default_factory=OutputLengths)
     waiting: list[Request] = field(default_factory=list)
     running: list[Request] = field(default_factory=list)
     swapped: list[Request] = field(default_factory=list)
@@ -159,6 +179,9 @@ class Scheduler:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         if isinstance(self.reserve_pages, bool) or not isinstance(self.reserve_pages, int) or self.reserve_pages < 0:
             raise ValueError(f"reserve_pages must be an int >= 0, got {self.reserve_pages!r}")
+        if self.admission not in ADMISSION_POLICIES:
+            raise ValueError(f"admission must be one of {ADMISSION_POLICIES}, got {quoted(self.admission)}")
+        self.forecast_quantile = check_quantile(self.forecast_quantile)
 
     # -- the queues ------------------------------------------------------------------------------
 
@@ -242,10 +265,13 @@ class Scheduler:
                 continue  # its next block is being computed: it will find it cached
             tokens = min(len(request.tokens) - forecast.cached_tokens(request), budget)
             need = forecast.admission_pages(request, tokens)
-            if spent + need + reserve + self.reserve_pages > free:
-                forecast.reclaim(spent + need + reserve + self.reserve_pages - free)
+            want = spent + need + reserve + self.reserve_pages
+            if self.admission == "forecast":
+                want = max(spent + need, self.forecast_peak(active, request, forecast))
+            if want > free:
+                forecast.reclaim(want - free)
                 free = forecast.free_pages()
-                if spent + need + reserve + self.reserve_pages > free:
+                if want > free:
                     break
             forecast.admit(request)  # takes its cached prefix now, so nothing later reclaims it
             free = forecast.free_pages()
@@ -257,6 +283,41 @@ class Scheduler:
                 plan.chunks.append((request, tokens))
                 budget -= tokens
                 spent += forecast.pages_for(request, tokens)
+
+    def forecast_peak(self, running: Sequence[Request], candidate: Request, forecast: Forecast) -> int:
+        """The most pages (per layer) the ``running`` requests and a waiting ``candidate`` will
+        take beyond those held now, at any future step (Past-Future): each request ``i`` still
+        produces ``d_i`` output tokens (:attr:`lengths`' forecast at :attr:`forecast_quantile`)
+        and runs its pending prompt tokens with its first one; after ``t`` output tokens it has
+        taken ``grow_i(t)`` pages, and once finished it gives back those and the pages it held.
+        The peak is the largest, over the steps ``t`` at which a request finishes, of the
+        growth of those still running less what the finished gave back."""
+        ends, grows, freed = [], [], []
+        for request in [*running, candidate]:
+            left = self.lengths.remaining(len(request.output), request.max_new_tokens, self.forecast_quantile)
+            if request is candidate:
+                pending = len(request.tokens) - forecast.cached_tokens(request)
+
+                def grow(t: int, request: Request = request, pending: int = pending) -> int:
+                    return forecast.admission_pages(request, pending + t - 1)
+
+                held = 0
+            else:
+                pending = request.remaining
+
+                def grow(t: int, request: Request = request, pending: int = pending) -> int:
+                    return forecast.pages_for(request, pending + t - 1)
+
+                held = forecast.held_pages(request)
+            ends.append(left)
+            grows.append(grow)
+            freed.append(held + grow(left))
+        peak = 0
+        for t in sorted(set(ends)):
+            running_growth = sum(grow(t) for end, grow in zip(ends, grows) if end >= t)
+            given_back = sum(pages for end, pages in zip(ends, freed) if end < t)
+            peak = max(peak, running_growth - given_back)
+        return peak
 
     def _fit_decodes(self, active: list[Request], forecast: Forecast, plan: StepPlan) -> list[Request]:
         """The decoding requests of ``active`` whose next token fits, preempting the most recently

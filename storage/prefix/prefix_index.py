@@ -155,6 +155,13 @@ class PrefixIndex:
             if self.lru.get(entry.key) is entry:
                 self._evict(entry)
 
+    def demote(self, keys: Sequence[bytes]) -> None:
+        """Make the unused entries of ``keys`` the least recently used, the last of ``keys`` first:
+        they are the first evicted (used entries and unknown keys are left as they are)."""
+        for key in keys:
+            if key in self.lru:
+                self.lru.move_to_end(key, last=False)
+
     def clear(self) -> None:
         """Evict every unused entry."""
         while self.lru:

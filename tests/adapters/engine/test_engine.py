@@ -87,11 +87,26 @@ def test_a_tight_page_budget_preempts_and_stays_exact(llama, llama_case, preempt
     prompts, expected = llama_case
     budget = 10 * 2 * page_bytes(llama)  # 20 pages per layer: the longest request needs 14
     engine = kvlib.Engine(llama, page_budget_bytes=budget, max_batch_tokens=32, preemption=preemption, reserve_pages=0)
-    assert engine.generate(prompts, max_new_tokens=NEW) == expected
+    # queued all at once (no prefix grouping, which would queue them a group at a time), they preempt each other
+    assert engine.generate(prompts, max_new_tokens=NEW, group_prefixes=False) == expected
     stats = engine.stats()
     assert stats["preemptions"] > 0
     assert max(pool.capacity for pool in engine.store.pools) == 20  # fixed pools: the budget, never grown
     assert pages_held(engine) == 0
+
+
+@pytest.mark.parametrize("preemption", ["swap", "recompute"])
+def test_forecast_admission_stays_exact_and_learns_the_output_lengths(llama, llama_case, preemption) -> None:
+    prompts, expected = llama_case
+    budget = 10 * 2 * page_bytes(llama)
+    engine = kvlib.Engine(llama, page_budget_bytes=budget, max_batch_tokens=32, preemption=preemption, admission="forecast")
+    assert engine.generate(prompts, max_new_tokens=NEW, group_prefixes=False) == expected
+    assert len(engine.scheduler.lengths) == len(prompts)  # each finished request's output length
+    assert pages_held(engine) == 0
+    with pytest.raises(ValueError, match=r"^admission must be one of \('reserve', 'forecast'\), got 'peak'$"):
+        kvlib.Engine(llama, admission="peak")
+    with pytest.raises(ValueError, match=r"^forecast_quantile must be a number in \(0, 1\], got 0$"):
+        kvlib.Engine(llama, admission="forecast", forecast_quantile=0)
 
 
 def test_requests_arriving_while_others_run(llama, llama_case) -> None:
@@ -141,7 +156,7 @@ def test_a_recomputed_block_pins_no_second_copy(llama, llama_case) -> None:
     stay unused and reclaimable, so a request alone never holds more pages than its tokens fill."""
     prompt = llama_case[0][1]  # 77 tokens: 19 full pages of 4
     engine = kvlib.Engine(llama, page_size=4, max_batch_tokens=128)
-    engine.generate([prompt], max_new_tokens=NEW)
+    engine.generate([prompt], max_new_tokens=NEW, group_prefixes=False)  # grouped, its last block would be the oldest
     index = engine.prefix.index
     assert index.evict_oldest()  # the first block (the oldest unused entry): later lookups miss at once
     request_id = engine.add_request(prompt, max_new_tokens=NEW)

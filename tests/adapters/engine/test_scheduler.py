@@ -69,6 +69,9 @@ class Forecast:
     def in_flight(self, request: Request) -> bool:
         return request.request_id in self.in_flight_ids
 
+    def held_pages(self, request: Request) -> int:
+        return math.ceil(self.computed(request) / PAGE)
+
 
 @dataclass
 class Ledger:
@@ -192,6 +195,34 @@ def test_a_request_waits_while_its_next_block_is_being_computed() -> None:
     ledger = Ledger(free=100, in_flight_ids={0, 2})
     step(scheduler([], [], waiting, fairness_steps=64), ledger)
     assert ledger.admitted == [2, 1]  # 0 waits for the block; 2 waited too long to wait more
+
+
+def test_forecast_admission_plans_for_the_worst_case_without_a_history() -> None:
+    """A decoding request (7 tokens to go at most: 2 more pages, then it gives back 3) and a
+    candidate of 8 prompt tokens (4 pages by its 8th token): the peak is 6 pages, at step 7."""
+    for free, admitted in ((5, False), (6, True)):
+        running, waiting = [request(0, 4, computed=4, output=1)], [request(1, 8)]
+        plan = scheduler(running, [], waiting, admission="forecast").plan(Ledger(free=free))
+        assert bool(plan.admitted) == admitted
+
+
+def test_forecast_admission_admits_more_than_the_reserve_when_outputs_are_short() -> None:
+    """Every request seen ended after 2 tokens: the decoding one has 1 to go (1 page, then it gives
+    back 2), the candidate 2 (3 pages by its 2nd token, when the other has finished): a peak of 3."""
+    results = {}
+    for admission in ("forecast", "reserve"):
+        running, waiting = [request(0, 4, computed=4, output=1)], [request(1, 8)]
+        planner = scheduler(running, [], waiting, admission=admission, reserve_pages=1)
+        for _ in range(20):
+            planner.lengths.record(2)
+        results[admission] = bool(planner.plan(Ledger(free=3)).admitted)
+    assert results == {"forecast": True, "reserve": False}
+
+
+@pytest.mark.parametrize("option, value", [("admission", "greedy"), ("forecast_quantile", 0), ("forecast_quantile", 2.0)])
+def test_bad_admission_options_are_refused(option, value) -> None:
+    with pytest.raises(ValueError, match=rf"^{option} must be "):
+        Scheduler(**{option: value})
 
 
 @pytest.mark.parametrize("name", ["max_batch_tokens", "max_running", "fairness_steps"])
