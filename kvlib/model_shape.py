@@ -347,7 +347,7 @@ def _check_cache_kind(model: torch.nn.Module, name: str, text: object) -> None:
     kind (RWKV's and xLSTM's states, Reformer's hash buckets, MiniMax's and XLNet's own classes:
     transformers builds them no ``DynamicCache`` either), or caches cross-attention keys and values
     beside its own (Mllama's image states, read back from every layer's ``keys``)."""
-    parameters = inspect.signature(model.forward).parameters
+    parameters = inspect.signature(type(model).forward).parameters  # the class's: a wrapped or compiled forward hides it
     if "cache" not in parameters and "past_key_values" not in parameters:
         raise ValueError(f"{name} takes no transformers cache (its forward has no cache argument): there is nothing to hold")
     supports_dynamic_cache = getattr(type(model), "_supports_default_dynamic_cache", None)
@@ -467,3 +467,12 @@ def shares_kv_across_layers(model: torch.nn.Module) -> bool:
     text = model.config.get_text_config(decoder=True)
     modes = getattr(text, "kv_sharing_modes", None) or ()
     return "reuse" in modes
+
+
+def kv_heads_text(layer_kv_heads: Sequence[int]) -> str:
+    """A model's KV heads per layer for a message: ``"5 x 4"`` (layers x KV heads) when every layer
+    has the same, else ``"5 layers of [4, 8, 4, 8, 4] KV heads"``."""
+    heads = list(layer_kv_heads)
+    if len(set(heads)) == 1:
+        return f"{len(heads)} x {heads[0]}"
+    return f"{len(heads)} layers of {heads} KV heads"

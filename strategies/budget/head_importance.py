@@ -12,7 +12,7 @@ import torch
 
 from kvlib.errors import cut
 from kvlib.limits import MAX_PROFILE_BYTES, read_bounded
-from kvlib.model_shape import kv_shape
+from kvlib.model_shape import kv_heads_text, kv_shape
 from kvlib.registry import register
 from kvlib.selection import apportion
 from kvlib.strategy import Budget, BudgetRequest
@@ -54,8 +54,8 @@ class HeadImportance(Budget):
         layers, heads = self.weights.shape
         if list(layer_kv_heads) != [heads] * layers:
             raise ValueError(
-                f"head_importance profile {self.profile!r} is for {layers} layers x {heads} KV heads, but the model's layers"
-                f" have {list(layer_kv_heads)} KV heads: calibrate a profile for this model"
+                f"head_importance profile {self.profile!r} is for {layers} layers x {heads} KV heads, but the model has"
+                f" {kv_heads_text(layer_kv_heads)}: calibrate a profile for this model"
             )
 
     def layer_tokens(self, request: BudgetRequest) -> torch.Tensor:

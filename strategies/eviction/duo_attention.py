@@ -8,6 +8,7 @@ from typing import ClassVar
 
 import torch
 
+from kvlib.model_shape import kv_heads_text
 from kvlib.registry import register
 from kvlib.selection import apportion, position_rank
 from kvlib.strategies.budget.head_importance import load_profile
@@ -116,8 +117,8 @@ class DuoSplit(Budget):
         if self.weights is not None and list(layer_kv_heads) != [self.weights.shape[1]] * self.weights.shape[0]:
             layers, heads = self.weights.shape
             raise ValueError(
-                f"duo_attention profile is for {layers} layers x {heads} KV heads, but the model's layers have"
-                f" {list(layer_kv_heads)} KV heads: calibrate a profile for this model"
+                f"duo_attention profile is for {layers} layers x {heads} KV heads, but the model has"
+                f" {kv_heads_text(layer_kv_heads)}: calibrate a profile for this model"
                 " (kvlib.strategies.budget.retrieval_calibration.calibrate_retrieval)"
             )
 
