@@ -23,6 +23,27 @@ CACHE_ARGUMENT = "cache" if INSTALLED >= Version("5.24.0.dev0") else "past_key_v
 
 _ALL_CACHE_ARGUMENTS = ("cache", "past_key_values")
 
+try:
+    from transformers.cache_utils import DummyLayer
+except ImportError:  # releases before DummyLayer: none of their models has a layer that holds nothing
+
+    class DummyLayer:
+        """A cache layer that holds nothing (transformers' own, on releases that lack it): a layer
+        of no attention, or one that reads another layer's cache."""
+
+        is_compileable = True
+        is_croppable = True
+
+        def __init__(self, **kwargs: Any) -> None:
+            self.is_initialized = True
+            self.keys = None
+            self.values = None
+
+        def update(self, key_states: Any, value_states: Any, *args: Any, **kwargs: Any) -> tuple[None, None]:
+            if key_states is None and value_states is None:
+                return None, None
+            raise NotImplementedError("a layer that holds nothing cannot be updated")
+
 
 def cache_argument(cache: Any) -> dict[str, Any]:
     """``{name: cache}`` for ``generate`` or a model call: ``model.generate(ids, **cache_argument(c))``."""

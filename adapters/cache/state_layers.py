@@ -24,12 +24,13 @@ context, and holds no tokens to evict.
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import DummyLayer, LinearAttentionCacheLayerMixin, LinearAttentionLayer
+from transformers.cache_utils import LinearAttentionCacheLayerMixin, LinearAttentionLayer
 
 from kvlib.adapters.cache.cache_layer import KVCacheLayer
 from kvlib.adapters.cache.dense_layer import IndexedKVCacheLayer
 from kvlib.adapters.cache.shared_state import SharedState
 from kvlib.model_shape import INDEXED_LAYER_TYPES, KV_LAYER_TYPES, STATE_LAYER_TYPES, KVShape
+from kvlib.transformers_compat import DummyLayer
 
 
 class HybridCacheLayer(LinearAttentionLayer, KVCacheLayer):

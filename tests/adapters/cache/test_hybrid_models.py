@@ -11,13 +11,13 @@ from __future__ import annotations
 import pytest
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DummyLayer, LinearAttentionLayer
+from transformers.cache_utils import LinearAttentionLayer
 
 import kvlib
 from kvlib.adapters.cache.cache_layer import KVCacheLayer
 from kvlib.adapters.cache.state_layers import HybridCacheLayer
 from kvlib.model_shape import kv_shape
-from kvlib.transformers_compat import cache_argument
+from kvlib.transformers_compat import DummyLayer, cache_argument
 from tests.adapters.cache.architecture_configs import tiny_model
 from tests.adapters.conftest import PAD, left_padded
 
