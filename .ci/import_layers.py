@@ -1,7 +1,7 @@
 """Check kvlib's import contracts (``[tool.importlinter]`` in pyproject.toml) with lint-imports.
 
 import-linter finds a package's modules on the file system, from where ``import kvlib`` resolves.
-kvlib's sub-packages ``kvlib.strategies``, ``kvlib.storage`` and ``kvlib.adapters`` live in
+kvlib's sub-packages ``kvlib.policies``, ``kvlib.storage`` and ``kvlib.adapters`` live in
 top-level folders that ``[tool.setuptools] package-dir`` maps into ``kvlib`` (an editable install
 resolves them through an import hook, which import-linter does not follow). So this script lays
 the package out as it is installed, as links in a temporary folder (``kvlib/*`` plus one link per

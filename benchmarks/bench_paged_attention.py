@@ -46,7 +46,7 @@ from kvlib.codec import layer_shapes
 from kvlib.devices import PagedKernel
 from kvlib.kernels.paged_attention import PagedLayer, paged_attention
 from kvlib.kernels.paged_attention_torch import attend_pages_torch
-from kvlib.spec_text import parse_strategy
+from kvlib.spec_text import parse_policy
 from kvlib.storage.store.paged_store import PagedStore
 from kvlib.storage.store.store_config import StoreConfig
 
@@ -143,7 +143,7 @@ def stored_layers(spec: str | None, batch: int, kv_heads: int, dim: int, tokens:
     codecs = (
         None
         if spec is None
-        else parse_strategy(spec).layer_codecs(layer_shapes(layers, kv_heads, dim, dim, PAGE_SIZE, torch.float32, devices.CPU))
+        else parse_policy(spec).layer_codecs(layer_shapes(layers, kv_heads, dim, dim, PAGE_SIZE, torch.float32, devices.CPU))
     )
     store = PagedStore(StoreConfig(layers, kv_heads, dim, page_size=PAGE_SIZE, codecs=codecs, read_cache=False))
     rows = [store.new_sequence() for _ in range(batch)]
@@ -219,7 +219,7 @@ def run(argv: Sequence[str] | None = None) -> dict:
     device = devices.resolve_device(args.device)
     specs = [spec.strip() for spec in args.codecs.split(";") if spec.strip()] if device.type == "cpu" else []
     for spec in specs:
-        parse_strategy(spec)  # a bad spec is a ValueError before any work
+        parse_policy(spec)  # a bad spec is a ValueError before any work
     rows, coded = [], []
     for model in models:
         for tokens in (int(c) for c in args.contexts.split(",")):

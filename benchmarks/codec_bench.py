@@ -25,7 +25,7 @@ Sections (``--sections``, all by default):
   agreement and KL(full || compressed) over ``--new-tokens-quality`` teacher-forced steps;
   perplexity of a held-out continuation), for each codec of ``--codecs`` alone, then at equal
   bytes: for each target fraction in ``--byte-budgets`` of the full cache's KV bytes and each
-  eviction strategy of ``--evictions``, the strategy alone at that fraction of the tokens, and
+  eviction policy of ``--evictions``, the policy alone at that fraction of the tokens, and
   with each codec keeping ``fraction / (codec's bytes ratio)`` of the tokens (when that is <= 1).
   KV bytes are pages + codec metadata + positions at the end of the perplexity pass (what each
   stored token costs; block tables and read mirrors excluded).
@@ -172,9 +172,9 @@ BATCH_PAGES = 1024
 
 def layer_codec(spec: str, page_size: int, dtype: torch.dtype, heads: int = 1) -> PageCodec:
     """The codec ``spec`` builds for one layer (head_dim 128), fitted on random data if it fits."""
-    strategy = parse_spec(spec).quantization or parse_spec(spec).lowrank
+    policy = parse_spec(spec).quantization or parse_spec(spec).lowrank
     shapes = layer_shapes(1, heads, HEAD_DIM, HEAD_DIM, page_size, dtype, torch.device("cpu"))
-    codec = strategy.layer_codecs(shapes)[0]
+    codec = policy.layer_codecs(shapes)[0]
     if not codec.ready:
         generator = torch.Generator().manual_seed(0)
         keys = torch.randn(1, heads, 256, HEAD_DIM, generator=generator).to(dtype)
@@ -391,7 +391,7 @@ def run(argv: Sequence[str] | None = None) -> dict:
     parser.add_argument("--continuation-len", type=int, help=f"quality: held-out tokens (default {FULL['continuation_len']})")
     parser.add_argument("--codecs", help="quality: ';'-separated codecs measured alone")
     parser.add_argument("--pair-codecs", help="quality: ';'-separated codecs paired with eviction at equal bytes")
-    parser.add_argument("--evictions", help=f"quality: eviction strategies paired (default {FULL['evictions']})")
+    parser.add_argument("--evictions", help=f"quality: eviction policies paired (default {FULL['evictions']})")
     parser.add_argument("--byte-budgets", help=f"quality: KV byte fractions of the full cache (default {FULL['byte_budgets']})")
     parser.add_argument("--smollm2-specs", help=f"smollm2: ';'-separated codecs (default {FULL['smollm2_specs']})")
     parser.add_argument("--smollm2-contexts", help=f"smollm2: prompt tokens, comma-separated (default {FULL['smollm2_contexts']})")

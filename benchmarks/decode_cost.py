@@ -11,7 +11,7 @@ counted three ways against ``DynamicCache`` on the same model and prompt:
 - ``python calls``: Python function calls under ``cProfile`` in the step;
 - ``files entered`` and ``moves`` per layer (on the small embedded ``default`` model, ``--trace-model``):
   while one middle layer's attention module runs (from its forward pre-hook to the next layer's),
-  the project files (``kvlib/``, ``adapters/``, ``storage/``, ``strategies/``) in which a function
+  the project files (``kvlib/``, ``adapters/``, ``storage/``, ``policies/``) in which a function
   was called, and the calls that crossed from one project file into another. Fewer
   rooms visited per layer is a step that does its bookkeeping once, not per layer.
 

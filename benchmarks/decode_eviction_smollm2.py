@@ -1,10 +1,10 @@
 """Decode-time eviction quality on SmolLM2-135M-Instruct: KL of next-token distributions against the
-full cache over a long-ish generation, for the decode-time strategies and h2o / tova / streaming_llm
+full cache over a long-ish generation, for the decode-time policies and h2o / tova / streaming_llm
 at the same int budget.
 
 Each sample is a window of ``--prompt-len`` tokens of the default evaluation text
 (:func:`kvlib.eval.texts.text_ids`, Python source). The full cache decodes ``--new-tokens`` greedy
-tokens; every strategy's cache (an int budget of ``--budget`` tokens per (layer, head), held at the
+tokens; every policy's cache (an int budget of ``--budget`` tokens per (layer, head), held at the
 prefill and at every decode step) is prefilled with the same prompt and fed the same tokens
 (teacher forcing), so each step compares the two caches' next-token distributions at the same
 position: ``KL(full || evicted)`` in nats, averaged over the steps and samples, and the share of

@@ -1,4 +1,4 @@
-"""Output quality of every registered eviction strategy on a trained model (``--model``, default the
+"""Output quality of every registered eviction policy on a trained model (``--model``, default the
 embedded ``default`` model), against the full cache.
 
 Text: the model writes it. The contexts are sampled as one batch from ``BOS + PROMPT`` (the
@@ -7,9 +7,9 @@ default model learnt Python's standard library, so ``PROMPT`` opens a class) wit
 ``--temperature``, BOS and EOS (which end a text) forbidden, so each sample is one long text whose
 later lines can refer back to names introduced early (what eviction must keep). Its first ``--context-len`` tokens are the context; the next
 ``--continuation-len`` are the held-out continuation. Perplexity on the model's own samples is
-lower than on human text: compare it across strategies, not with published figures.
+lower than on human text: compare it across policies, not with published figures.
 
-For each strategy (every registered eviction strategy, each with its default parameters, plus
+For each policy (every registered eviction policy, each with its default parameters, plus
 ``full``: ``kvlib.make_cache(model)`` with no spec) and each budget, all contexts run as one
 batch (eviction works per row and head, so a row keeps what it would keep alone). Two teacher-forced passes, each a prefill of the
 context followed by single-token forwards, so the cache evicts while the tokens stream, give:
@@ -29,13 +29,13 @@ fraction, then decode steps keep every new token). KV bytes vs full: ``memory_re
 end of the perplexity pass (context + continuation stored), ``total_bytes`` (pages, positions,
 tables, read mirror) and ``pages`` alone, over the full cache's. What is kept, at the same point:
 the share of (row, layer, KV head) slots holding each of positions 0-3 and each of the 16 newest
-positions, and tokens per head by layer (JSON). A strategy that raises is reported with its error
+positions, and tokens per head by layer (JSON). A policy that raises is reported with its error
 and the run goes on.
 
 Usage (defaults: 8 contexts of 400 tokens, 100 new tokens, 100 continuation tokens, budgets
 0.25,0.5 as token counts and 0.25,0.5 as floats; the default model's trained context is 1024 tokens):
 
-    python benchmarks/eviction_quality.py [--strategies all|name,name] [--contexts 8] [--context-len 400]
+    python benchmarks/eviction_quality.py [--policies all|name,name] [--contexts 8] [--context-len 400]
         [--new-tokens 100] [--continuation-len 100] [--budgets 0.25,0.5] [--float-budgets 0.25,0.5]
         [--seed 0] [--temperature 0.8] [--threads N] [--model default] [--out benchmarks/results]
     python benchmarks/eviction_quality.py --quick --out /tmp/x   # 2 contexts of 48 tokens, 8 + 8 tokens
@@ -144,7 +144,7 @@ def _fractions(text: str) -> list[float]:
 
 def run(argv: Sequence[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--strategies", default="all", help="'all' (every registered eviction strategy) or a comma-separated list")
+    parser.add_argument("--policies", default="all", help="'all' (every registered eviction policy) or a comma-separated list")
     parser.add_argument("--contexts", type=int, help=f"contexts (seeds), one batch (default {FULL['contexts']})")
     parser.add_argument("--context-len", type=int, help=f"context tokens (default {FULL['context_len']})")
     parser.add_argument("--new-tokens", type=int, help=f"greedy steps compared (default {FULL['new_tokens']})")
@@ -156,11 +156,11 @@ def run(argv: Sequence[str] | None = None) -> dict:
     parser.add_argument("--model", default="default", help="any kvlib.eval.load_model name (default: the embedded model)")
     add_run_arguments(parser, QUICK)
     args = parse_run_arguments(parser, argv, QUICK, FULL)
-    registered = kvlib.available_strategies()["eviction"]
-    strategies = registered if args.strategies == "all" else [s.strip() for s in args.strategies.split(",") if s.strip()]
-    unknown = sorted(set(strategies) - set(registered))
+    registered = kvlib.available_policies()["eviction"]
+    policies = registered if args.policies == "all" else [s.strip() for s in args.policies.split(",") if s.strip()]
+    unknown = sorted(set(policies) - set(registered))
     if unknown:
-        parser.error(f"unknown strategies {unknown}; registered: {', '.join(registered)}")
+        parser.error(f"unknown policies {unknown}; registered: {', '.join(registered)}")
     budgets = [max(1, int(f * args.context_len)) for f in _fractions(args.budgets)]
     budgets += _fractions(args.float_budgets)
     steps = max(args.new_tokens, args.continuation_len)
@@ -182,11 +182,11 @@ def run(argv: Sequence[str] | None = None) -> dict:
 
     rows = []
     full = evaluate(model, lambda: kvlib.make_cache(model), context, greedy_tokens, full_logits, continuation)
-    rows.append({"strategy": "full", "budget": None, **full})
+    rows.append({"policy": "full", "budget": None, **full})
     print(_row_line(rows[-1]), flush=True)
     for budget in budgets:
-        for name in strategies:
-            row = {"strategy": name, "budget": budget}
+        for name in policies:
+            row = {"policy": name, "budget": budget}
             start = time.perf_counter()
             try:
                 row.update(
@@ -194,14 +194,14 @@ def run(argv: Sequence[str] | None = None) -> dict:
                 )
                 row["bytes_vs_full"] = row["total_bytes"] / full["total_bytes"]
                 row["pages_vs_full"] = row["pages_bytes"] / full["pages_bytes"]
-            except Exception as error:  # a strategy in progress must not stop the others' measurement
+            except Exception as error:  # a policy in progress must not stop the others' measurement
                 row["error"] = f"{type(error).__name__}: {error}"
             row["seconds"] = time.perf_counter() - start
             rows.append(row)
             print(_row_line(row), flush=True)
 
     config = {k: v for k, v in vars(args).items() if k != "out"}
-    config.update(strategies=strategies, budget_values=budgets)
+    config.update(policies=policies, budget_values=budgets)
     result = {
         "config": config,
         "machine": f"{platform.machine()}, torch {torch.__version__}, {torch.get_num_threads()} threads",
@@ -226,9 +226,9 @@ def _budget_label(budget: int | float | None, context_len: int) -> str:
 
 def _row_line(row: dict) -> str:
     if "error" in row:
-        return f"{row['strategy']} budget {row['budget']}: ERROR {row['error']}"
+        return f"{row['policy']} budget {row['budget']}: ERROR {row['error']}"
     return (
-        f"{row['strategy']} budget {row['budget']}: agreement {row['agreement']:.3f}, first divergence "
+        f"{row['policy']} budget {row['budget']}: agreement {row['agreement']:.3f}, first divergence "
         f"{row['first_divergence']:.1f}, ppl {row['ppl']:.3f}, KL {row['kl']:.4f}"
     )
 
@@ -239,7 +239,7 @@ def _markdown(result: dict, argv: Sequence[str] | None) -> str:
     command = shlex.join(["python", "benchmarks/eviction_quality.py", *given])
     full = result["rows"][0]
     lines = [
-        f"# eviction_quality: eviction strategies vs the full cache on the {c['model']} model",
+        f"# eviction_quality: eviction policies vs the full cache on the {c['model']} model",
         "",
         f"Command: `{command}`",
         "",
@@ -248,7 +248,7 @@ def _markdown(result: dict, argv: Sequence[str] | None) -> str:
         f"agreement, first divergence and KL(full || evicted) over {c['new_tokens']} steps teacher-forced on the full "
         f"cache's greedy tokens; perplexity of the {c['continuation_len']}-token held-out continuation, teacher-forced "
         f"while the cache "
-        f"keeps evicting. Every strategy with its default parameters. Machine: {result['machine']}; 1-minute load "
+        f"keeps evicting. Every policy with its default parameters. Machine: {result['machine']}; 1-minute load "
         f"{result['load_avg_1min'][0]} before, {result['load_avg_1min'][1]} after; {result['seconds']} s. "
         f"Library revision: {result['git']}.",
         "",
@@ -266,16 +266,16 @@ def _markdown(result: dict, argv: Sequence[str] | None) -> str:
             "",
             f"## Budget {_budget_label(budget, c['context_len'])}",
             "",
-            "| strategy | greedy agreement | first divergence (mean step) | perplexity | ppl / full | KL (nats) "
+            "| policy | greedy agreement | first divergence (mean step) | perplexity | ppl / full | KL (nats) "
             "| KV bytes vs full | pages vs full | first 4 kept | last 16 kept |",
             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for r in rows:
             if "error" in r:
-                lines.append(f"| {r['strategy']} | error: {r['error'][:120]} | | | | | | | | |")
+                lines.append(f"| {r['policy']} | error: {r['error'][:120]} | | | | | | | | |")
                 continue
             lines.append(
-                f"| {r['strategy']} | {r['agreement']:.3f} | {r['first_divergence']:.1f} | {r['ppl']:.3f} | "
+                f"| {r['policy']} | {r['agreement']:.3f} | {r['first_divergence']:.1f} | {r['ppl']:.3f} | "
                 f"{r['ppl'] / full['ppl']:.3f} | {r['kl']:.4f} | {r['bytes_vs_full']:.3f} | {r['pages_vs_full']:.3f} | "
                 f"{r['first4_kept']:.2f} | {r['last16_kept']:.2f} |"
             )

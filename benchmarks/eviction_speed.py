@@ -9,7 +9,7 @@ Caches, each built fresh for every run:
 
 - ``DynamicCache`` and ``kvlib exact`` (``kvlib.make_cache(model)``, with its read mirror): the
   full-cache baselines;
-- for each of ``--strategies``: ``kvlib.make_cache(model, name, budget=B, read_cache=False)``
+- for each of ``--policies``: ``kvlib.make_cache(model, name, budget=B, read_cache=False)``
   and the same with the read mirror (``read_cache=True``), ``B = int(--budget * prompt_len)``
   tokens per (layer, KV head): an int budget, a cap held during the prefill and at every decode
   step (each step stores one token and compacts back to ``B``);
@@ -50,7 +50,7 @@ recorded.
 Usage (defaults: prompt 4096, budget 0.25, chunk 512, 64 new tokens, interval 64, 3 rounds,
 streaming_llm and snapkv):
 
-    python benchmarks/eviction_speed.py [--strategies streaming_llm,snapkv] [--prompt-len 4096]
+    python benchmarks/eviction_speed.py [--policies streaming_llm,snapkv] [--prompt-len 4096]
         [--budget 0.25] [--chunk 512] [--new-tokens 64] [--interval 64] [--repeats 3] [--threads N]
         [--out benchmarks/results]
     python benchmarks/eviction_speed.py --quick --out /tmp/x   # tiny 2-layer model, prompt 64, chunk 16
@@ -109,7 +109,7 @@ def load_model(name: str, positions: int) -> LlamaForCausalLM:
 
 
 def new_cache(kind: str, model, budget: int, interval: int):
-    """``dynamic``, ``kvlib`` (exact), or ``<strategy>[+mirror][+interval]`` (see the module docstring)."""
+    """``dynamic``, ``kvlib`` (exact), or ``<policy>[+mirror][+interval]`` (see the module docstring)."""
     if kind == "dynamic":
         return DynamicCache(config=model.config)
     if kind == "kvlib":
@@ -180,7 +180,7 @@ def run_once(model, kind: str, prompt: torch.Tensor, args: argparse.Namespace, b
 
 def run(argv: Sequence[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--strategies", default="streaming_llm,snapkv", help="comma-separated eviction strategies")
+    parser.add_argument("--policies", default="streaming_llm,snapkv", help="comma-separated eviction policies")
     parser.add_argument("--model", choices=("llama100m", "tiny"), help=f"(default {FULL['model']})")
     parser.add_argument("--prompt-len", type=int, help=f"prompt tokens (default {FULL['prompt_len']})")
     parser.add_argument("--budget", type=float, default=0.25, help="fraction of the prompt kept, as an int token cap")
@@ -191,16 +191,16 @@ def run(argv: Sequence[str] | None = None) -> dict:
     parser.add_argument("--in-order", action="store_true", help="add each variant with in-order compaction (+in_order)")
     add_run_arguments(parser, QUICK)
     args = parse_run_arguments(parser, argv, QUICK, FULL)
-    strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
-    registered = kvlib.available_strategies()["eviction"]
-    unknown = sorted(set(strategies) - set(registered))
+    policies = [s.strip() for s in args.policies.split(",") if s.strip()]
+    registered = kvlib.available_policies()["eviction"]
+    unknown = sorted(set(policies) - set(registered))
     if unknown:
-        parser.error(f"unknown strategies {unknown}; registered: {', '.join(registered)}")
+        parser.error(f"unknown policies {unknown}; registered: {', '.join(registered)}")
     budget = max(1, int(args.budget * args.prompt_len))
     variants = ["", "+mirror", "+interval", "+mirror+interval"] if args.interval > 1 else ["", "+mirror"]
     if args.in_order:
         variants += [variant + "+in_order" for variant in variants]
-    kinds = [*BASELINES, *(s + variant for s in strategies for variant in variants)]
+    kinds = [*BASELINES, *(s + variant for s in policies for variant in variants)]
 
     model = load_model(args.model, args.prompt_len + args.new_tokens + 1)
     kvlib.attach(model)
@@ -257,7 +257,7 @@ def run(argv: Sequence[str] | None = None) -> dict:
             row["peak_pages_vs_full"] = row["peak_pages_bytes"] / exact["peak_pages_bytes"]
     reference = runs["dynamic"][0]["tokens"]
     config = {k: v for k, v in vars(args).items() if k != "out"}
-    config.update(strategies=strategies, budget_tokens=budget)
+    config.update(policies=policies, budget_tokens=budget)
     result = {
         "config": config,
         "params": sum(p.numel() for p in model.parameters()),

@@ -73,7 +73,7 @@ class Method:
     note: str = ""
     run: str = "prefill"
     """How kvlib fills the cache: ``"prefill"`` (one model call, a float budget compresses it),
-    ``"kvzip"`` (:func:`kvlib.strategies.eviction.kvzip.compress`, with kvpress's reconstruction
+    ``"kvzip"`` (:func:`kvlib.policies.eviction.kvzip.compress`, with kvpress's reconstruction
     prompt for the tokenizer) or ``"duo"`` (a prefill with the SmolLM2 head profile; kvpress gets
     the same head scores and the matching share of streaming heads, see :func:`duo_press`)."""
 
@@ -137,7 +137,7 @@ EXPLANATIONS: dict[str, str] = {
         "attention the sum favours early tokens, which more queries see: the mean kept position (0 = first "
         "token, 1 = last) is 0.30-0.35 for kvlib against 0.71-0.80 for kvpress. `h2o(recent=0)` is the closest "
         "kvlib spec (no recent window, as in the press); kvlib has no mean-normalised variant, and adding one "
-        "would be a new strategy rather than a fix to H2O."
+        "would be a new policy rather than a fix to H2O."
     ),
     "LagKV": (
         "A tie in kvpress. `LagKVPress.score` gives the `n_sink` sinks and the whole unscored tail (the last full "
@@ -147,7 +147,7 @@ EXPLANATIONS: dict[str, str] = {
         "scores between, `topk(89)` keeps positions 644-764 and no sink (`topk(221)`: 644-886, no sink); hence "
         "Jaccard 0.0 at 0.1 (kvlib: 4 sinks + the 85 newest; kvpress: 89 tail tokens from the oldest) and 0.78 at "
         "0.25 (kvpress: the oldest 222 tail tokens; kvlib: the sinks and the newest 219), and mean kept positions 0.91 vs 0.80 at 0.1. kvlib ranks the "
-        "sinks first and then the window newest-first on purpose (documented in `strategies/eviction/lagkv.py`), so a "
+        "sinks first and then the window newest-first on purpose (documented in `policies/eviction/lagkv.py`), so a "
         "budget below the window keeps the sinks and the most recent tokens. Budgets above sinks + tail (where the "
         "partition scores decide) were not measured here."
     ),
@@ -158,7 +158,7 @@ EXPLANATIONS: dict[str, str] = {
         "chunks (its tokens padded with `max + 1`), so it keeps fewer tokens than the budget: 211.0 vs 223.2 per head at "
         "0.25 and 71.0 vs 89.6 at 0.1 (5 cases), mostly the window's chunks at 0.1 (mean kept position 0.96 vs 0.75); kvlib "
         "keeps SnapKV's window apart and fills the exact budget with chunks, cutting only the last chunk. Both "
-        "differences are deliberate and documented in `strategies/eviction/chunkkv.py`. Accuracy at 0.25 differs "
+        "differences are deliberate and documented in `policies/eviction/chunkkv.py`. Accuracy at 0.25 differs "
         "by one case of five (kvlib 1/5, kvpress 2/5; equal at 0.1), within what the two choices above "
         "change in the kept sets; one case in five does not show which rule finds needles better."
     ),
@@ -376,7 +376,7 @@ def kvpress_jobs(methods: Sequence[str], budgets: Sequence[float], cases: Sequen
 def duo_press(budget: float, length: int, head_scores: list) -> dict:
     """kvpress's DuoAttentionPress with kvlib's split: the same head scores (the profile's weights),
     ``DUO_SINKS`` / ``DUO_RECENT``, and ``head_compression_ratio`` the share of heads kvlib's
-    :class:`~kvlib.strategies.eviction.duo_attention.DuoSplit` streams at ``budget`` of ``length``
+    :class:`~kvlib.policies.eviction.duo_attention.DuoSplit` streams at ``budget`` of ``length``
     tokens. kvpress's ratio is then fixed by the press (``ratio`` None)."""
     import math
 
@@ -396,7 +396,7 @@ def kvlib_run(
     import torch
 
     import kvlib
-    from kvlib.strategies.eviction.kvzip import RepeatPrompt, compress
+    from kvlib.policies.eviction.kvzip import RepeatPrompt, compress
     from kvlib.transformers_compat import cache_argument
 
     spec = METHODS[method].kvlib

@@ -6,7 +6,7 @@ ways to answer them, interleaved question by question:
 
 - ``full``: a full cache, the whole prompt (document + question) prefilled for each question;
 - ``kvzip each``: a fresh KVzip compression of the document at ``--budget`` for each question
-  (:func:`kvlib.strategies.eviction.kvzip.compress`), then the question;
+  (:func:`kvlib.policies.eviction.kvzip.compress`), then the question;
 - ``kvzip reused``: :func:`~kvlib.adapters.compressed_context` with one
   PrefixStore: the first question compresses and holds the document, the others get forks.
 
@@ -41,7 +41,7 @@ import kvlib  # noqa: E402
 from kvlib.adapters import compressed_context  # noqa: E402
 from kvlib.eval import load_model  # noqa: E402
 from kvlib.eval.ruler import RULER_TASKS  # noqa: E402
-from kvlib.strategies.eviction.kvzip import RepeatPrompt, compress  # noqa: E402
+from kvlib.policies.eviction.kvzip import RepeatPrompt, compress  # noqa: E402
 from kvlib.transformers_compat import cache_argument  # noqa: E402
 
 WAYS = ("full", "kvzip each", "kvzip reused")

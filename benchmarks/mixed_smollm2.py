@@ -3,7 +3,7 @@ SmolLM2-135M-Instruct: KL(full || codec) of the next-token distributions and KV 
 
 The same measurement as :mod:`codec_quality_smollm2` (natural-text prompt, the full cache's greedy
 tokens, each cache teacher-forced through them), for configurations ``spec`` or ``spec@budget``:
-a budget (a fraction of the prompt) lets an eviction strategy in the spec score tokens, so that
+a budget (a fraction of the prompt) lets an eviction policy in the spec score tokens, so that
 at ``@1.0`` it evicts nothing and only decides the codec's salience (``"snapkv+mixed(...)@1.0"``).
 The RULER-style tasks run through ``kvlib compare`` (see ``results/mixed_smollm2.md``).
 

@@ -25,7 +25,7 @@ from kvlib.eval import load_model
 from kvlib.eval.output_files import replace_file
 
 REPO = Path(__file__).resolve().parents[1]
-LIBRARY_DIRS = ("kvlib", "adapters", "strategies", "storage")
+LIBRARY_DIRS = ("kvlib", "adapters", "policies", "storage")
 """What the revision in a report describes (benchmark and test edits do not count)."""
 
 LLAMA100M = {

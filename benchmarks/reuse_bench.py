@@ -159,7 +159,7 @@ def chunk_quality(contexts: int, length: int) -> list[dict]:
     """KL and agreement of blended caches against full recomputation on the embedded default model."""
     from kvlib.eval import load_model
     from kvlib.eval.agreement import agreement_metrics, greedy_reference, teacher_forced_logits
-    from kvlib.strategies.reuse.cacheblend import CacheBlend
+    from kvlib.policies.reuse.cacheblend import CacheBlend
 
     loaded = load_model("default")
     model = loaded.model
@@ -185,7 +185,7 @@ def chunk_quality(contexts: int, length: int) -> list[dict]:
 
 def chunk_ttft(model: torch.nn.Module, chunks: list[torch.Tensor], question: torch.Tensor, repeats: int) -> list[dict]:
     """Blended cache (chunks cached) + the question's forward pass, against a full prefill."""
-    from kvlib.strategies.reuse.cacheblend import CacheBlend
+    from kvlib.policies.reuse.cacheblend import CacheBlend
 
     store = kvlib.ChunkStore(model, capacity_bytes=2**34)
     for chunk in chunks:

@@ -1,4 +1,4 @@
-"""Every eviction strategy on the RULER-style suite, at several budgets, on SmolLM2: one table.
+"""Every eviction policy on the RULER-style suite, at several budgets, on SmolLM2: one table.
 
 The same configurations as ``kvlib compare`` (:mod:`kvlib.eval.compare`: a budget is a fraction of
 the tokens each task sequence sees, held as an int token cap per layer and KV head at every
@@ -16,10 +16,10 @@ takes seconds per case on two cores, so the whole table takes hours; it can be r
 several days. Runs recorded under other options (model, dtype, context, samples, seed, speed
 steps) are not mixed in: the file records its options and a different set is refused.
 
-The means rank strategies over the tasks the full cache scores at least :data:`RANKED_FROM` on;
+The means rank policies over the tasks the full cache scores at least :data:`RANKED_FROM` on;
 a task the model itself fails is shown but left out of them.
 
-Usage (defaults: every registered eviction strategy with its default parameters, budgets
+Usage (defaults: every registered eviction policy with its default parameters, budgets
 0.1,0.25,0.5, tasks niah_single,niah_multikey,niah_multivalue,vt at 4096 tokens, 1 sample each):
 
     python benchmarks/ruler_suite.py [--model smollm2] [--dtype float32|bfloat16] [--policies all|spec,spec]
@@ -29,7 +29,7 @@ Usage (defaults: every registered eviction strategy with its default parameters,
     python benchmarks/ruler_suite.py --report-only [--readme README.md]  # re-render the .md (and the README's table) from the JSON
     python benchmarks/ruler_suite.py --speed-only --policies chunkkv   # measure recorded rows' speed again
 
-Writes ``ruler_suite.md`` (one row per strategy and budget: each task's score, their mean, KV bytes
+Writes ``ruler_suite.md`` (one row per policy and budget: each task's score, their mean, KV bytes
 vs full, decode tokens/s as the median and range of the rounds, its per-round ratio to the full
 cache's, the first call's extra seconds) and ``ruler_suite.json`` to ``--out``. ``--speed-only``
 measures the chosen recorded configurations' speed again, with the full cache's (its speed is
@@ -82,7 +82,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 """``--dtype`` choices: the model's weights and its caches' element type."""
 RANKED_FROM = 0.5
 """A task enters the ranking (the mean columns) when the full cache scores at least this on it:
-below, the model itself fails the task and a strategy's score there says nothing of the strategy."""
+below, the model itself fails the task and a policy's score there says nothing of the policy."""
 
 
 def file_name(context_first: bool) -> str:
@@ -91,8 +91,8 @@ def file_name(context_first: bool) -> str:
 
 
 def all_evictions() -> list[str]:
-    """Every registered eviction strategy, by name (its default parameters)."""
-    return sorted(kvlib.available_strategies()["eviction"])
+    """Every registered eviction policy, by name (its default parameters)."""
+    return sorted(kvlib.available_policies()["eviction"])
 
 
 def load_runs(path: Path, options: dict) -> list[CompareRun]:
@@ -122,7 +122,7 @@ def mean_score(run: CompareRun, tasks: Sequence[str]) -> float | None:
 
 def ranked_tasks(runs: Sequence[CompareRun], tasks: Sequence[str]) -> list[str]:
     """The ``tasks`` the full cache scores at least :data:`RANKED_FROM` on, or has not run yet: the
-    ones the means rank strategies by."""
+    ones the means rank policies by."""
     full = next((run for run in runs if run.policy == FULL and not run.error), None)
     if full is None:
         return list(tasks)
@@ -191,7 +191,7 @@ def markdown(runs: Sequence[CompareRun], meta: dict, baseline: Baseline | None =
         else []
     )
     lines = [
-        f"# Eviction strategies on the RULER-style suite ({meta['options']['model']}, {meta['options']['context']} tokens)",
+        f"# Eviction policies on the RULER-style suite ({meta['options']['model']}, {meta['options']['context']} tokens)",
         "",
         *protocol,
         f"{commands_text(meta)}; {meta['options'].get('dtype', 'float32')} weights and caches;"
@@ -199,13 +199,13 @@ def markdown(runs: Sequence[CompareRun], meta: dict, baseline: Baseline | None =
         " string_match_all; budget = fraction of each sequence's tokens, an int cap per layer and KV head held at every call;"
         " KV bytes and decode speed from the speed run (greedy steps after a prefill of the same length);"
         " s: seconds the configuration took; load: the 1-minute load average when its speed was measured (the range over"
-        " the rounds; decode tok/s at a high load measures the machine, not the strategy)" + speed_commands_text(meta) + ".",
+        " the rounds; decode tok/s at a high load measures the machine, not the policy)" + speed_commands_text(meta) + ".",
         "",
         f"Mean score over {', '.join(ranked) or 'no task'} at each budget (the full cache's in every column), KV bytes vs full"
         " and decode tokens/s"
         + (
             f"; left out of the means: {', '.join(left_out)}, where the full cache itself scores under {RANKED_FROM:g}"
-            " (the model fails the task, so a strategy's score there ranks nothing)"
+            " (the model fails the task, so a policy's score there ranks nothing)"
             if left_out
             else ""
         )
@@ -361,7 +361,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="the model's weights and its caches' element type")
-    parser.add_argument("--policies", default="all", help="'all' (every eviction strategy) or comma-separated specs")
+    parser.add_argument("--policies", default="all", help="'all' (every eviction policy) or comma-separated specs")
     parser.add_argument("--budgets", default="0.1,0.25,0.5")
     parser.add_argument("--tasks", default="niah_single,niah_multikey,niah_multivalue,vt")
     parser.add_argument("--context", type=int, default=4096)

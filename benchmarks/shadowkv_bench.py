@@ -177,7 +177,7 @@ def _markdown(result: dict, argv: Sequence[str] | None) -> str:
 def _quality_markdown(rows: list[dict]) -> list[str]:
     lines = [
         "",
-        "| pages read / head / step | strategy | KL (nats/step) | agreement | device bytes | host bytes | key summaries |"
+        "| pages read / head / step | policy | KL (nats/step) | agreement | device bytes | host bytes | key summaries |"
         " host pages read / step / layer |",
         "|---:|---|---:|---:|---:|---:|---:|---:|",
     ]

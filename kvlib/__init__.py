@@ -1,7 +1,7 @@
 """kvlib: pluggable KV-cache management for transformer inference.
 
-One paged KV store (:class:`PagedStore`), a registry of strategies (:func:`register`,
-:func:`available_strategies`, :func:`parse_spec`) and adapters that put them to work:
+One paged KV store (:class:`PagedStore`), a registry of policies (:func:`register`,
+:func:`available_policies`, :func:`parse_spec`) and adapters that put them to work:
 :func:`make_cache` gives ``model.generate`` a :class:`KVCache`, and :class:`Engine` serves many
 requests at once (continuous batching with chunked prefill, preemption and prefix reuse).
 """
@@ -10,14 +10,14 @@ from kvlib.adapters import Engine, KVCache, attach, blend_cache, make_cache
 from kvlib.adapters.cache.chunk_store import ChunkStore
 from kvlib.codec import Field, FitSample, PageCodec, TensorCodec, TensorShape
 from kvlib.errors import DiskTierUnavailable, PoolExhaustedError, RemoteAccessDenied, SpecError
+from kvlib.policy import Budget, Eviction, LayerView, LowRank, Policy, Quantization, Reuse, Tiering
 from kvlib.registry import available_policies, available_strategies, get_policy, get_strategy, register
 from kvlib.spec import Spec, parse_spec
-from kvlib.spec_text import parse_strategy
+from kvlib.spec_text import parse_policy
 from kvlib.storage.layers.read_cache import LayerRead
 from kvlib.storage.prefix.prefix_store import PrefixStore
 from kvlib.storage.store.paged_store import PagedStore
 from kvlib.storage.store.store_config import StoreConfig
-from kvlib.strategy import Budget, Eviction, LayerView, LowRank, Quantization, Reuse, Strategy, Tiering
 
 __version__ = "0.1.0"
 
@@ -43,7 +43,7 @@ __all__ = [
     "Spec",
     "SpecError",
     "StoreConfig",
-    "Strategy",
+    "Policy",
     "TensorCodec",
     "TensorShape",
     "Tiering",
@@ -55,6 +55,20 @@ __all__ = [
     "get_strategy",
     "make_cache",
     "parse_spec",
-    "parse_strategy",
+    "parse_policy",
     "register",
 ]
+
+
+_DEPRECATED = {"Strategy": "Policy", "parse_strategy": "parse_policy"}
+"""Names of 0.1 (which said "strategy" for a registered plugin), kept for one release."""
+
+
+def __getattr__(name: str):
+    """The deprecated names of :data:`_DEPRECATED`, with a ``DeprecationWarning``."""
+    if name in _DEPRECATED:
+        import warnings
+
+        warnings.warn(f"kvlib.{name} is deprecated: use kvlib.{_DEPRECATED[name]}", DeprecationWarning, stacklevel=2)
+        return globals()[_DEPRECATED[name]]
+    raise AttributeError(f"module 'kvlib' has no attribute {name!r}")

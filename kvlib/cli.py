@@ -4,7 +4,7 @@
   markdown table in the terminal, and JSON, CSV and one PNG per task in ``--out``. The folder is
   created and written to before the model loads; the table, JSON and CSV are rewritten as each
   configuration finishes, so an interruption (Ctrl-C: exit code 130) keeps every finished one;
-- ``kvlib list``: every registered strategy (plugins included) by kind;
+- ``kvlib list``: every registered policy (plugins included) by kind;
 - ``kvlib bench``: runs the benchmark scripts of a source checkout into ``benchmarks/results/``.
 
 Any error the user can fix (a bad spec, an unknown task, a model that cannot be loaded, a bad
@@ -28,7 +28,7 @@ import kvlib
 from kvlib.devices import cpu_threads, set_cpu_threads
 from kvlib.errors import SpecError, quoted
 from kvlib.limits import MAX_SEED
-from kvlib.registry import available_strategies, get_strategy
+from kvlib.registry import available_policies, get_policy
 from kvlib.spec_text import parameters_help, split_specs
 
 if typing.TYPE_CHECKING:
@@ -47,15 +47,15 @@ def summary(doc: str | None) -> str:
     return text[: text.rfind(" ", 0, SUMMARY_CHARS - 3)] + "..."
 
 
-def list_strategies() -> str:
-    """Every registered strategy by kind, with its parameters, defaults and one-line doc."""
+def list_policies() -> str:
+    """Every registered policy by kind, with its parameters, defaults and one-line doc."""
     lines = []
-    for kind, names in available_strategies().items():
+    for kind, names in available_policies().items():
         lines.append(f"{kind}:")
         if not names:
             lines.append("  (none yet)")
         for name in names:
-            cls = get_strategy(name)
+            cls = get_policy(name)
             lines.append(f"  {name}: {summary(cls.__doc__)}")
             lines.append(f"      parameters: {parameters_help(cls)}")
     return "\n".join(lines)
@@ -133,7 +133,7 @@ def run_compare(args: argparse.Namespace) -> int:
     from kvlib.eval.compare_units import check_policies_and_budgets, check_speed
     from kvlib.eval.significance import parse_baseline
 
-    policies, budgets = split_specs(args.strategies), _fractions(args.budgets)
+    policies, budgets = split_specs(args.policies), _fractions(args.budgets)
     check_policies_and_budgets(policies, budgets)  # before the model loads
     args.baseline = parse_baseline(args.baseline, policies, budgets)
     out = check_out_folder(args.out)
@@ -250,8 +250,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="kvlib: pluggable KV-cache management for transformer inference.",
     )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineParser)
-    commands.add_parser("list", help="list registered strategies by kind, with parameters and defaults")
-    comp = commands.add_parser("compare", help="compare strategies and budgets on tasks: table, JSON, CSV, PNGs")
+    commands.add_parser("list", help="list registered policies by kind, with parameters and defaults")
+    comp = commands.add_parser("compare", help="compare policies and budgets on tasks: table, JSON, CSV, PNGs")
     comp.add_argument(
         "--model",
         default="default",
@@ -260,11 +260,11 @@ def build_parser() -> argparse.ArgumentParser:
         " from the models extra, converted once), a local folder or a hub id",
     )
     comp.add_argument(
-        "--strategies",
         "--policies",
-        dest="strategies",
+        "--strategies",
+        dest="policies",
         default=DEFAULT_POLICIES,
-        help=f"comma-separated specs (default {DEFAULT_POLICIES}); --policies is its deprecated name",
+        help=f"comma-separated specs (default {DEFAULT_POLICIES}); --strategies is its deprecated name",
     )
     comp.add_argument(
         "--budgets", default=DEFAULT_BUDGETS, help=f"fractions of the full cache, comma-separated (default {DEFAULT_BUDGETS})"
@@ -279,7 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
     comp.add_argument(
         "--baseline",
         metavar="NAME[@BUDGET]",
-        help="a strategy of --strategies that every configuration is also compared with by a paired test on the same cases"
+        help="a policy of --policies that every configuration is also compared with by a paired test on the same cases"
         " (at the same budget, or at BUDGET); every configuration is always compared with the full cache",
     )
     comp.add_argument(
@@ -344,7 +344,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
         args.started = time.perf_counter()
         if args.command == "list":
-            print(list_strategies())
+            print(list_policies())
             return 0
         if args.command == "compare":
             return run_compare(args)

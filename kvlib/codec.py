@@ -261,7 +261,7 @@ def _per_layer(sizes: int | Sequence[int], num_layers: int) -> list[int]:
 
 
 class Codec(abc.ABC):
-    """A strategy that stores sealed pages through codecs (quantization and low-rank kinds).
+    """A policy that stores sealed pages through codecs (quantization and low-rank kinds).
 
     ``check_shape`` raises ``ValueError`` before any model work if the codec cannot serve a
     layout; ``layer_codecs`` builds one :class:`PageCodec` per layer (codecs of different layers

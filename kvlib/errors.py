@@ -7,7 +7,7 @@ ECHO_CHARS = 80
 
 
 class SpecError(ValueError):
-    """A spec string or strategy object is invalid; the message lists what is valid."""
+    """A spec string or policy object is invalid; the message lists what is valid."""
 
 
 class ModelLoadError(ValueError):

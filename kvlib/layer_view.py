@@ -1,7 +1,7 @@
-"""What the engine hands an eviction strategy of one layer: :class:`LayerView`, the inputs a
-strategy may declare in ``needs`` (:data:`NEEDS`), and a model's rotary embedding (:class:`Rope`).
+"""What the engine hands an eviction policy of one layer: :class:`LayerView`, the inputs a
+policy may declare in ``needs`` (:data:`NEEDS`), and a model's rotary embedding (:class:`Rope`).
 
-Part of the strategy API (:mod:`kvlib.strategy` imports these names, and strategies may import
+Part of the policy API (:mod:`kvlib.policy` imports these names, and policies may import
 them from there).
 """
 
@@ -27,7 +27,7 @@ NEEDS = frozenset(
         "call_notes",
     }
 )
-"""What an eviction strategy may ask the engine for in ``needs`` (the :class:`LayerView` fields it fills):
+"""What an eviction policy may ask the engine for in ``needs`` (the :class:`LayerView` fields it fills):
 
 - ``queries``: the current call's queries ``[batch, query_heads, q_len, head_dim]`` (after RoPE)
   and ``query_positions`` int64 ``[batch, q_len]`` (-1 for padding);
@@ -45,7 +45,7 @@ NEEDS = frozenset(
   has seen fewer) and ``recent_attention`` float32 ``[batch, query_heads, observed, slots]``, each
   one's softmax attention over the stored slots it can see (position <= its own), recomputed
   over the keys stored now, 0 elsewhere and in rows of missing queries. The attention is computed
-  from the view's keys, so such a strategy keeps ``reads_kv`` True;
+  from the view's keys, so such a policy keeps ``reads_kv`` True;
 - ``prompt_length``: ``prompt_lengths`` int64 ``[batch]``, the positions each row's first call and
   its calls of more than one token (its prompt, or prompt chunks) have written; positions at or
   past it were written by decode steps.
@@ -53,12 +53,12 @@ NEEDS = frozenset(
   ``[query_heads, value_dim, hidden]`` (the module's output is ``sum_h out_h @ W_o[h]`` plus its
   bias), in the model's dtype and device;
 - ``budget``: ``budget_tokens`` int64 ``[batch]``, the call's budget in tokens per (layer, head) on
-  average (what :class:`~kvlib.strategy.BudgetRequest` ``tokens`` holds), None when the call compacts nothing.
+  average (what :class:`~kvlib.policy.BudgetRequest` ``tokens`` holds), None when the call compacts nothing.
 - ``call_notes``: a dict shared by the layers of one model call (one forward pass, layers in
   order), empty at its first layer: what a layer chose, left for later layers of the same call
   (FastKV's propagated tokens, WindowKV's group selection). The engine owns it per cache (or per
   Engine request) and clears it when a call begins, so nothing outlives a call or passes between
-  caches; keys are the strategy's to choose.
+  caches; keys are the policy's to choose.
 """
 
 
@@ -77,18 +77,18 @@ class Rope:
 
 @dataclass
 class LayerView:
-    """What an eviction strategy sees of one layer of a batch (physical slots, padded).
+    """What an eviction policy sees of one layer of a batch (physical slots, padded).
 
     keys ``[batch, kv_heads, slots, head_dim]`` (after RoPE), values ``[batch, kv_heads, slots,
     value_dim]``, positions int64 ``[batch, kv_heads, slots]`` (original positions counted from the
     row's first real token, -1 where invalid), valid bool ``[batch, kv_heads, slots]`` (the tokens
-    the strategy chooses among; padding is never valid). Slots of a head are in position order
-    (ascending), except for an :attr:`~kvlib.strategy.Eviction.order_free` strategy, which sees them where they
+    the policy chooses among; padding is never valid). Slots of a head are in position order
+    (ascending), except for an :attr:`~kvlib.policy.Eviction.order_free` policy, which sees them where they
     are stored: after a decode-step eviction that reused a slot, in no particular order. Invalid
     slots may sit anywhere: a left-padded row's padding comes
     before its real tokens at prefill, and a head holding fewer tokens than others ends in
     invalid slots; count ranks among valid slots, not slot indices. The optional fields are filled only for
-    strategies that declare them in ``needs`` (see :data:`NEEDS`).
+    policies that declare them in ``needs`` (see :data:`NEEDS`).
     """
 
     layer_idx: int
@@ -112,4 +112,4 @@ class LayerView:
     call_notes: dict[str, Any] | None = None
     page_size: int | None = None
     """Tokens per page of the store (slot ``s`` of a head lies in its page ``s // page_size``):
-    given to :meth:`~kvlib.strategy.Tiering.ranking_scores`, None for eviction strategies."""
+    given to :meth:`~kvlib.policy.Tiering.ranking_scores`, None for eviction policies."""

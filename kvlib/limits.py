@@ -42,7 +42,7 @@ MAX_SPEC_CHARS = 4096
 """Longest spec string parsed (``ast`` builds a tree as deep as the spec has terms)."""
 
 MAX_SPEC_TERMS = 64
-"""Most strategies in one spec: a spec holds one per kind, and reuse strategies beside them."""
+"""Most policies in one spec: a spec holds one per kind, and reuse policies beside them."""
 
 
 def check_page_size(page_size: object) -> int:
@@ -87,7 +87,7 @@ def check_seed(seed: object, name: str = "seed") -> None:
 
 
 MAX_PROFILE_BYTES = 16 * 2**20
-"""Largest head profile read (:mod:`kvlib.strategies.budget.head_importance`): a profile holds one
+"""Largest head profile read (:mod:`kvlib.policies.budget.head_importance`): a profile holds one
 number per (layer, KV head), a few KB for any model."""
 
 MAX_TASK_FILE_BYTES = 2**30

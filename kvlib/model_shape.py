@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlib.strategy import Rope
+from kvlib.policy import Rope
 from kvlib.transformers_compat import cache_layer_types, layer_config
 
 KV_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention", "indexed_attention", "hybrid", "hybrid_sliding"})
@@ -447,7 +447,7 @@ def output_projections(model: torch.nn.Module, shape: KVShape) -> list[torch.Ten
     try:
         modules = attention_modules(model, shape)
     except ValueError as exc:
-        raise ValueError(f"{exc}; strategies that need output_projection cannot run on it") from None
+        raise ValueError(f"{exc}; policies that need output_projection cannot run on it") from None
     weights = [m.o_proj.weight.detach().t() if hasattr(m, "o_proj") else m.c_proj.weight.detach() for m in modules]
     return [w.reshape(heads, value_dim, -1) for w, heads, value_dim in zip(weights, shape.layer_query_heads, shape.layer_value_dims)]
 

@@ -1,12 +1,12 @@
-"""Typed, validated strategy parameters, driven by a dataclass field's type annotation.
+"""Typed, validated policy parameters, driven by a dataclass field's type annotation.
 
 Supported annotations: ``int``, ``float`` (ints are widened; finite only), ``bool``, ``str``,
 :class:`Seed` (an int in ``[0, 2**63)``),
 ``Literal[...]`` (matched by type and value), ``X | None``, ``tuple[X, ...]`` and classes with
 a ``coerce_parameter(value)`` classmethod, which convert a value to themselves or raise
-``TypeError`` / ``ValueError`` (strategy classes take a strategy object, or a one-strategy spec
-string such as ``"snapkv(window=16)"``; see :meth:`kvlib.strategy.Strategy.coerce_parameter`).
-This module knows no strategy: the dependency runs from strategies to it.
+``TypeError`` / ``ValueError`` (policy classes take a policy object, or a one-policy spec
+string such as ``"snapkv(window=16)"``; see :meth:`kvlib.policy.Policy.coerce_parameter`).
+This module knows no policy: the dependency runs from policies to it.
 """
 
 from __future__ import annotations

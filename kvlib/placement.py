@@ -2,8 +2,8 @@
 
 A rule is a :class:`Placement`: ``leaving_order(pages)`` ranks candidate pages, first to leave
 first. The pool (:class:`~kvlib.storage.pools.formats.tiered_format.TieredPages`) keeps the facts
-(:class:`PageStats`) and applies the order; it never decides one. Every tiering strategy is a
-placement (:meth:`kvlib.strategy.Tiering.leaving_order`), and the cache hands its strategy to the
+(:class:`PageStats`) and applies the order; it never decides one. Every tiering policy is a
+placement (:meth:`kvlib.policy.Tiering.leaving_order`), and the cache hands its policy to the
 pools it builds.
 
 Where a pool asks:
@@ -47,7 +47,7 @@ class PageStats:
 
 
 class Placement(Protocol):
-    """A placement rule (every :class:`~kvlib.strategy.Tiering` strategy is one)."""
+    """A placement rule (every :class:`~kvlib.policy.Tiering` policy is one)."""
 
     def leaving_order(self, pages: PageStats) -> torch.Tensor:
         """int64 ``[len(pages.ids)]``, a permutation of ``range(len(pages.ids))``: the candidates'

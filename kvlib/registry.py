@@ -1,14 +1,14 @@
-"""The strategy registry: names to strategy classes, by kind, with entry-point plugins.
+"""The policy registry: names to policy classes, by kind, with entry-point plugins.
 
-Built-in strategies live in :mod:`kvlib.strategies` and register on import. Third-party
-strategies register with the same decorator, or are advertised in the ``kvlib.strategies``
-entry-point group: each entry point names a module (whose import registers its strategies) or a
-strategy class (registered under the entry point's name). Built-ins and plugins load lazily on
+Built-in policies live in :mod:`kvlib.policies` and register on import. Third-party
+policies register with the same decorator, or are advertised in the ``kvlib.policies``
+entry-point group: each entry point names a module (whose import registers its policies) or a
+policy class (registered under the entry point's name). Built-ins and plugins load lazily on
 the first look-up. Names are unique across kinds.
 
-The registry knows no strategy class: :mod:`kvlib.strategy` declares its kind bases here
+The registry knows no policy class: :mod:`kvlib.policy` declares its kind bases here
 (:func:`declare_kinds`) and each class checks what is particular to its kind
-(``check_registration``), so imports run one way, strategies -> registry.
+(``check_registration``), so imports run one way, policies -> registry.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from importlib.metadata import entry_points
 
 from kvlib.errors import ECHO_CHARS, SpecError, quoted
 
-ENTRY_POINT_GROUP = "kvlib.strategies"
-LEGACY_ENTRY_POINT_GROUP = "kvlib.policies"
-"""The group's name before 0.2 ("policy" and "strategy" were two words for one thing): still read,
+ENTRY_POINT_GROUP = "kvlib.policies"
+LEGACY_ENTRY_POINT_GROUP = "kvlib.strategies"
+"""The group's name in 0.1 (which said "strategy" for a registered plugin): still read,
 with a ``DeprecationWarning`` per plugin, for one release."""
 _NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 
@@ -35,20 +35,20 @@ _loaded = False
 
 
 def declare_kinds(*bases: type) -> dict[str, type]:
-    """Declare the kind bases, in listing order (called once, by :mod:`kvlib.strategy`); returns
+    """Declare the kind bases, in listing order (called once, by :mod:`kvlib.policy`); returns
     them by kind name."""
     _kind_bases.update((base.kind, base) for base in bases)
     return dict(_kind_bases)
 
 
 def register(name: str) -> Callable[[type], type]:
-    """Class decorator: register a strategy dataclass under ``name`` (its kind comes from its base).
+    """Class decorator: register a policy dataclass under ``name`` (its kind comes from its base).
 
     Raises ``ValueError`` for a malformed name, a class that is not a dataclass subclassing one
     of the kind bases, unknown ``needs``, or a name already taken by another class.
     """
     if not isinstance(name, str) or not _NAME.match(name):
-        raise ValueError(f"strategy name must match {_NAME.pattern} (lowercase, digits, _), got {quoted(name)}")
+        raise ValueError(f"policy name must match {_NAME.pattern} (lowercase, digits, _), got {quoted(name)}")
 
     def decorate(cls: type) -> type:
         _check_class(name, cls)
@@ -57,7 +57,7 @@ def register(name: str) -> Callable[[type], type]:
             raise ValueError(f"{_qualname(cls)} is already registered as {own!r}; a class has one name")
         existing = _registry.get(name)
         if existing is not None and _qualname(existing) != _qualname(cls):
-            raise ValueError(f"strategy name {name!r} is taken by {_qualname(existing)}; choose another name for {_qualname(cls)}")
+            raise ValueError(f"policy name {name!r} is taken by {_qualname(existing)}; choose another name for {_qualname(cls)}")
         cls.name = name
         _registry[name] = cls
         return cls
@@ -70,8 +70,8 @@ def registered_name(cls: type) -> str:
     return cls.__dict__.get("name", "")
 
 
-def available_strategies() -> dict[str, list[str]]:
-    """Registered strategy names by kind (every kind present, names sorted), plugins included."""
+def available_policies() -> dict[str, list[str]]:
+    """Registered policy names by kind (every kind present, names sorted), plugins included."""
     _load()
     by_kind: dict[str, list[str]] = {kind: [] for kind in _kind_bases}
     for name, cls in _registry.items():
@@ -79,14 +79,14 @@ def available_strategies() -> dict[str, list[str]]:
     return {kind: sorted(names) for kind, names in by_kind.items()}
 
 
-def available_policies() -> dict[str, list[str]]:
-    """Deprecated name of :func:`available_strategies` (kept for one release)."""
-    warnings.warn("kvlib.available_policies is deprecated: use kvlib.available_strategies", DeprecationWarning, stacklevel=2)
-    return available_strategies()
+def available_strategies() -> dict[str, list[str]]:
+    """Deprecated name of :func:`available_policies` (kept for one release)."""
+    warnings.warn("kvlib.available_strategies is deprecated: use kvlib.available_policies", DeprecationWarning, stacklevel=2)
+    return available_policies()
 
 
-def get_strategy(name: str) -> type:
-    """The strategy class registered under ``name``; ``SpecError`` listing valid names if none
+def get_policy(name: str) -> type:
+    """The policy class registered under ``name``; ``SpecError`` listing valid names if none
     (the name quoted cut to :data:`~kvlib.errors.ECHO_CHARS` characters; names that long get no
     close-match hint)."""
     _load()
@@ -94,22 +94,22 @@ def get_strategy(name: str) -> type:
         return _registry[name]
     close = difflib.get_close_matches(name, list(_registry), n=3) if len(name) <= ECHO_CHARS else []
     hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
-    listing = "; ".join(f"{kind}: {', '.join(names) or '(none)'}" for kind, names in available_strategies().items())
-    raise SpecError(f"unknown strategy {quoted(name)}.{hint} Valid strategies by kind: {listing}")
+    listing = "; ".join(f"{kind}: {', '.join(names) or '(none)'}" for kind, names in available_policies().items())
+    raise SpecError(f"unknown policy {quoted(name)}.{hint} Valid policies by kind: {listing}")
 
 
-def get_policy(name: str) -> type:
-    """Deprecated name of :func:`get_strategy` (kept for one release)."""
-    warnings.warn("kvlib.get_policy is deprecated: use kvlib.get_strategy", DeprecationWarning, stacklevel=2)
-    return get_strategy(name)
+def get_strategy(name: str) -> type:
+    """Deprecated name of :func:`get_policy` (kept for one release)."""
+    warnings.warn("kvlib.get_strategy is deprecated: use kvlib.get_policy", DeprecationWarning, stacklevel=2)
+    return get_policy(name)
 
 
 def _check_class(name: str, cls: type) -> None:
     if not isinstance(cls, type) or not issubclass(cls, tuple(_kind_bases.values())):
         kinds = ", ".join(base.__name__ for base in _kind_bases.values())
-        raise ValueError(f"strategy {name!r} must subclass one of kvlib's kind bases ({kinds})")
+        raise ValueError(f"policy {name!r} must subclass one of kvlib's kind bases ({kinds})")
     if not dataclasses.is_dataclass(cls):
-        raise ValueError(f"strategy {name!r} must be a @dataclass (its fields are its parameters)")
+        raise ValueError(f"policy {name!r} must be a @dataclass (its fields are its parameters)")
     cls.check_registration(name)
 
 
@@ -118,12 +118,12 @@ def _qualname(cls: type) -> str:
 
 
 def _load() -> None:
-    """Import the built-in strategies and the entry-point plugins, once."""
+    """Import the built-in policies and the entry-point plugins, once."""
     global _loaded
     if _loaded:
         return
     _loaded = True
-    importlib.import_module("kvlib.strategies")
+    importlib.import_module("kvlib.policies")
     for group in (ENTRY_POINT_GROUP, LEGACY_ENTRY_POINT_GROUP):
         for entry in entry_points(group=group):
             _load_plugin(group, entry)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from kvlib.strategy import Rope
+from kvlib.policy import Rope
 
 
 def rerotate(keys: torch.Tensor, shift: torch.Tensor | int, rope: Rope) -> torch.Tensor:

@@ -1,14 +1,14 @@
-"""Spec text: the terms of a spec string, each built into a registered strategy object.
+"""Spec text: the terms of a spec string, each built into a registered policy object.
 
-Grammar: terms joined by ``+``; a term is a strategy name, optionally called with keyword
+Grammar: terms joined by ``+``; a term is a policy name, optionally called with keyword
 arguments whose values are Python literals (numbers, strings, booleans, None, tuples). The
 string is parsed with :mod:`ast` and values with ``ast.literal_eval``: nothing is executed. A
 spec string has at most :data:`~kvlib.limits.MAX_SPEC_CHARS` characters (checked before parsing)
 and at most :data:`~kvlib.limits.MAX_SPEC_TERMS` terms (checked before any is built); error
 messages quote the spec and its names cut to :data:`~kvlib.errors.ECHO_CHARS` characters.
 
-Below :mod:`kvlib.strategy` (a strategy parameter given as a string is parsed here) and above the
-registry (names to classes); composing the strategies into a :class:`~kvlib.spec.Spec` is
+Below :mod:`kvlib.policy` (a policy parameter given as a string is parsed here) and above the
+registry (names to classes); composing the policies into a :class:`~kvlib.spec.Spec` is
 :mod:`kvlib.spec`'s job.
 """
 
@@ -21,7 +21,7 @@ import typing
 from kvlib.errors import SpecError, cut, quoted
 from kvlib.limits import MAX_SPEC_CHARS, MAX_SPEC_TERMS
 from kvlib.params import describe, field_default
-from kvlib.registry import get_strategy
+from kvlib.registry import get_policy
 
 
 def split_specs(text: str) -> list[str]:
@@ -37,16 +37,16 @@ def split_specs(text: str) -> list[str]:
     return [p for p in policies + [current.strip()] if p]
 
 
-def parse_strategy(text: str) -> object:
-    """The one strategy a spec string names (:class:`~kvlib.errors.SpecError` for none or several)."""
-    strategies = parse_terms(text)
-    if len(strategies) != 1:
-        raise SpecError(f"expected exactly one strategy, got {len(strategies)} in {quoted(text)}")
-    return strategies[0]
+def parse_policy(text: str) -> object:
+    """The one policy a spec string names (:class:`~kvlib.errors.SpecError` for none or several)."""
+    policies = parse_terms(text)
+    if len(policies) != 1:
+        raise SpecError(f"expected exactly one policy, got {len(policies)} in {quoted(text)}")
+    return policies[0]
 
 
 def parse_terms(text: str) -> list[object]:
-    """The strategies a spec string names, in order (``""`` and ``"full"`` name none)."""
+    """The policies a spec string names, in order (``""`` and ``"full"`` name none)."""
     if len(text) > MAX_SPEC_CHARS:
         raise SpecError(f"a spec string has at most {MAX_SPEC_CHARS} characters; got {len(text)}: {quoted(text)}")
     stripped = text.strip()
@@ -105,7 +105,7 @@ def _build(term: ast.expr, text: str) -> object:
 
 
 def _instantiate(name: str, kwargs: dict[str, object]) -> object:
-    cls = get_strategy(name)
+    cls = get_policy(name)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     unknown = [k for k in kwargs if k not in fields]
     if unknown:
@@ -119,7 +119,7 @@ def _instantiate(name: str, kwargs: dict[str, object]) -> object:
 
 
 def parameters_help(cls: type) -> str:
-    """``name (type, default value)`` for each parameter of a strategy class, or ``(none)``."""
+    """``name (type, default value)`` for each parameter of a policy class, or ``(none)``."""
     hints = typing.get_type_hints(cls)
     parts = []
     for field in dataclasses.fields(cls):
@@ -133,4 +133,4 @@ def parameters_help(cls: type) -> str:
 
 def check_terms(count: int, what: str) -> None:
     if count > MAX_SPEC_TERMS:
-        raise SpecError(f"a spec holds at most {MAX_SPEC_TERMS} strategies (one per kind, and reuse strategies); got {what}")
+        raise SpecError(f"a spec holds at most {MAX_SPEC_TERMS} policies (one per kind, and reuse policies); got {what}")

@@ -13,8 +13,8 @@
 - :mod:`~kvlib.storage.tiers`: the disk tier on lmdb, the remote tier (a Redis-protocol server);
 - :mod:`~kvlib.storage.records`: spilled pages' and prefix blocks' checked records.
 
-Above the kernels (:mod:`kvlib.kernels`) and the strategy API; beside, and independent of,
-:mod:`kvlib.strategies` (``pyproject.toml``'s import contracts).
+Above the kernels (:mod:`kvlib.kernels`) and the policy API; beside, and independent of,
+:mod:`kvlib.policies` (``pyproject.toml``'s import contracts).
 """
 
 from kvlib.storage.pools.page_pool import PagePool

@@ -92,7 +92,7 @@ def pytest_make_collect_report(collector: pytest.Collector) -> Generator[None, p
 @pytest.fixture
 def scratch_registry(monkeypatch):
     """Give a test a private copy of the registry (built-ins loaded first), restored afterwards."""
-    registry.available_strategies()
+    registry.available_policies()
     monkeypatch.setattr(registry, "_registry", dict(registry._registry))
     return registry._registry
 

@@ -22,16 +22,16 @@ def _load(name: str):
     return module
 
 
-def test_eviction_quality_covers_every_registered_strategy(tmp_path: Path) -> None:
+def test_eviction_quality_covers_every_registered_policy(tmp_path: Path) -> None:
     result = _load("eviction_quality").run(["--quick", "--out", str(tmp_path)])
     saved = json.loads((tmp_path / "eviction_quality.json").read_text())
     assert saved["rows"] == json.loads(json.dumps(result["rows"]))
     budgets = saved["config"]["budget_values"]
     assert budgets == [12, 0.25]  # quick: int(0.25 * 48) tokens, and 0.25 as a float
-    registered = kvlib.available_strategies()["eviction"]
+    registered = kvlib.available_policies()["eviction"]
     full, *rows = saved["rows"]
-    assert full["strategy"] == "full" and full["agreement"] == 1.0 and abs(full["kl"]) < 1e-5
-    assert sorted((r["strategy"], r["budget"]) for r in rows) == sorted((s, b) for s in registered for b in budgets)
+    assert full["policy"] == "full" and full["agreement"] == 1.0 and abs(full["kl"]) < 1e-5
+    assert sorted((r["policy"], r["budget"]) for r in rows) == sorted((s, b) for s in registered for b in budgets)
     for row in rows:
         assert "error" not in row, row
         assert 0.0 <= row["agreement"] <= 1.0 and 0.0 <= row["first_divergence"] <= 8
@@ -46,7 +46,7 @@ def test_eviction_quality_covers_every_registered_strategy(tmp_path: Path) -> No
 
 @pytest.mark.slow  # a benchmark's quick run or a quality comparison: run with -m slow (CI's 15 minutes)
 def test_eviction_speed_reports_ratios(tmp_path: Path) -> None:
-    result = _load("eviction_speed").run(["--quick", "--strategies", "streaming_llm", "--out", str(tmp_path)])
+    result = _load("eviction_speed").run(["--quick", "--policies", "streaming_llm", "--out", str(tmp_path)])
     saved = json.loads((tmp_path / "eviction_speed.json").read_text())
     assert saved["config"]["budget_tokens"] == 16 and saved["exact_tokens_match"]
     rows = saved["rows"]

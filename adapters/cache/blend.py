@@ -25,8 +25,8 @@ from kvlib.adapters.cache.chunk_store import ChunkStore
 from kvlib.adapters.cache.make_cache import make_cache
 from kvlib.adapters.cache.transformers_cache import KVCache
 from kvlib.model_shape import kv_shape, rope_of
+from kvlib.policies.reuse.cacheblend import CacheBlend
 from kvlib.rope import rerotate
-from kvlib.strategies.reuse.cacheblend import CacheBlend
 from kvlib.transformers_compat import cache_argument
 
 
@@ -34,10 +34,10 @@ class _StopForward(Exception):
     """Raised by the probe's hook once the layers it needs have run."""
 
 
-def blend_cache(model: torch.nn.Module, chunks: Sequence[torch.Tensor], store: ChunkStore, strategy: CacheBlend | None = None) -> KVCache:
-    """An exact cache holding ``chunks`` (each int ``[tokens]``) concatenated, built by ``strategy``
+def blend_cache(model: torch.nn.Module, chunks: Sequence[torch.Tensor], store: ChunkStore, policy: CacheBlend | None = None) -> KVCache:
+    """An exact cache holding ``chunks`` (each int ``[tokens]``) concatenated, built by ``policy``
     (default ``CacheBlend()``: 15% of the tokens recomputed, chosen by KV deviation)."""
-    strategy = strategy or CacheBlend()
+    policy = policy or CacheBlend()
     shape = kv_shape(model)
     if shape.has_state_layers:
         raise ValueError(
@@ -49,8 +49,8 @@ def blend_cache(model: torch.nn.Module, chunks: Sequence[torch.Tensor], store: C
         raise ValueError(f"{type(model).__name__} has no rotary embedding kvlib can re-rotate: chunk reuse needs RoPE")
     if not chunks:
         raise ValueError("blend_cache needs at least one chunk")
-    if strategy.probe_layer >= shape.num_layers:
-        raise ValueError(f"probe_layer {strategy.probe_layer} must be below the model's {shape.num_layers} layers")
+    if policy.probe_layer >= shape.num_layers:
+        raise ValueError(f"probe_layer {policy.probe_layer} must be below the model's {shape.num_layers} layers")
     pieces = [store.kv(model, chunk) for chunk in chunks]
     lengths = [keys[0].shape[1] for keys, _ in pieces]
     offsets = torch.tensor([0, *lengths[:-1]]).cumsum(0).tolist()
@@ -61,9 +61,9 @@ def blend_cache(model: torch.nn.Module, chunks: Sequence[torch.Tensor], store: C
     values = [torch.cat([v[layer] for _, v in pieces], dim=1)[None] for layer in range(shape.num_layers)]
     ids = torch.cat([torch.as_tensor(chunk).reshape(-1) for chunk in chunks])[None].to(keys[0].device)
     deviation = None
-    if strategy.select == "deviation" and strategy.count(ids.shape[1]):
-        deviation = _probe(model, ids, keys, values, strategy.probe_layer)
-    chosen = strategy.choose(lengths, deviation)
+    if policy.select == "deviation" and policy.count(ids.shape[1]):
+        deviation = _probe(model, ids, keys, values, policy.probe_layer)
+    chosen = policy.choose(lengths, deviation)
     cache = make_cache(model)
     cache.load(keys, values)
     if chosen.numel():

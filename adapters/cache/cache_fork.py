@@ -29,10 +29,10 @@ if TYPE_CHECKING:
 
 def check_forkable(cache: KVCache) -> None:
     """``ValueError`` for a cache that still evicts, one primed from a PrefixStore, one with a
-    tiering strategy, and one that holds nothing yet (see :meth:`KVCache.fork
+    tiering policy, and one that holds nothing yet (see :meth:`KVCache.fork
     <kvlib.adapters.cache.transformers_cache.KVCache.fork>`)."""
     if cache.compressor is not None:
-        raise ValueError(f"fork needs a cache that no longer evicts; this one runs {cache.compressor.strategy.spec()}")
+        raise ValueError(f"fork needs a cache that no longer evicts; this one runs {cache.compressor.policy.spec()}")
     if cache.session is not None:
         raise ValueError("fork is for caches outside a PrefixStore; this one was primed from one (make_cache(reuse=...))")
     if cache.tiering is not None:

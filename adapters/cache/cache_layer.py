@@ -2,7 +2,7 @@
 
 A layer keeps what is its own: the tokens it has seen (its logical length), whether every stored
 token still sits at the slot equal to its position (``identity``), the step it published and
-whose attention has not yet run (``pending``) and the attention input a strategy needing
+whose attention has not yet run (``pending``) and the attention input a policy needing
 ``hidden_states`` asked for. It does its own work: :meth:`~KVCacheLayer.update` appends the
 call's keys and values and publishes a :class:`~kvlib.adapters.runtime.layer_step.LayerStep`; the step's
 attention runs through :meth:`~KVCacheLayer.attend`; :meth:`~KVCacheLayer.after_attention`
@@ -174,7 +174,7 @@ class KVCacheLayer(CacheLayerMixin):
         identity: bool = False,
     ) -> LayerStep:
         """The step of a call whose attention needs no dense read of the layer: a decode step of
-        a page-retrieval strategy (``sparse``, ``quest``: the pages its query chooses,
+        a page-retrieval policy (``sparse``, ``quest``: the pages its query chooses,
         :meth:`read_chosen_pages`), a few tokens attending straight over the layer's pages
         (``paged``), or the first tokens of a layer that held none (a prefill: the layer is
         these tokens, at slots equal to their positions when ``identity``). Its read holds the
@@ -310,7 +310,7 @@ class KVCacheLayer(CacheLayerMixin):
         return LayerStep(self, self.layer_idx, read, step.query_offset, step.query_length, self.identity)
 
     def choose_pages(self, query: torch.Tensor) -> torch.Tensor:
-        """The pages the tiering strategy chooses for ``query`` (``[batch, query_heads, 1,
+        """The pages the tiering policy chooses for ``query`` (``[batch, query_heads, 1,
         head_dim]``, after RoPE): int64 ``[batch, kv_heads, k]`` indices into each head's block
         table, ``-1`` for none (CPU)."""
         key_min, key_max, pages_used = self.cache.store.key_bounds(self.layer_idx, self.cache.rows)
@@ -415,17 +415,17 @@ class KVCacheLayer(CacheLayerMixin):
         A call that attended over the pages (``step.paged``) read none of them: it gets their
         positions (:meth:`PagedStore.read_positions`; attention weights come from the pages), and
         the compressor reads keys and values into a transient dense copy only when it compacts
-        with a strategy that scores with them (``reads_kv``)."""
+        with a policy that scores with them (``reads_kv``)."""
         if step.paged is None:
             return step
         return dataclasses.replace(step, read=self.cache.store.read_positions(self.layer_idx, self.cache.rows))
 
     def record_hidden_states(self, hidden_states: torch.Tensor) -> None:
-        """Keep this layer call's attention input for a strategy that needs ``hidden_states``."""
+        """Keep this layer call's attention input for a policy that needs ``hidden_states``."""
         if self.recorder is not None:
             self.recorder.hidden(self.layer_idx, hidden_states)
         compressor = self.cache.compressor
-        if compressor is not None and "hidden_states" in compressor.strategy.needs:
+        if compressor is not None and "hidden_states" in compressor.policy.needs:
             self.hidden_states = hidden_states
 
     # -- lengths, crop, reset, inspection -------------------------------------------------------

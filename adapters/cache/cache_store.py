@@ -1,7 +1,7 @@
 """``CacheStoreBuilder``: how a :class:`~kvlib.adapters.KVCache` builds its paged store.
 
 The store follows from the model's KV shape, the page size, the read mirror, the codec (its
-per-layer codecs are built with the store) and the tiering strategy (pages kept on the device
+per-layer codecs are built with the store) and the tiering policy (pages kept on the device
 and the host, and where a disk tier spills them), in the compute dtype on the compute device.
 A cache living in a :class:`~kvlib.PrefixStore` uses that store's paged store for its namespace
 instead (built the same way the first time).
@@ -14,6 +14,7 @@ import torch
 from kvlib.codec import Codec, PageCodec, layer_shapes
 from kvlib.errors import DiskTierUnavailable
 from kvlib.model_shape import KVShape
+from kvlib.policy import Tiering
 from kvlib.storage.pools.formats.field_rows import FieldRows
 from kvlib.storage.pools.page_prefetch import PagePrefetcher
 from kvlib.storage.prefix.prefix_store import PrefixStore
@@ -23,15 +24,14 @@ from kvlib.storage.store.store_config import StoreConfig
 from kvlib.storage.tiers.disk_tier import DiskTier
 from kvlib.storage.tiers.open_tiers import open_disk_tier
 from kvlib.storage.tiers.spill_store import SpillStore
-from kvlib.strategy import Tiering
 
 
 class CacheStoreBuilder:
     """Builds a cache's store; keeps what outlives one store: the per-layer ``codecs`` of the
     last store built (None without a codec) and the cache's ``spill`` store (one per cache, opened
-    with its first store when the tiering strategy names a disk).
+    with its first store when the tiering policy names a disk).
 
-    Raises ``ValueError`` at construction when the tiering strategy names a directory that cannot
+    Raises ``ValueError`` at construction when the tiering policy names a directory that cannot
     hold a disk tier (spilled pages would have nowhere to go)."""
 
     def __init__(
@@ -135,15 +135,15 @@ class CacheStoreBuilder:
         return Layout(bytes(16), 1, 1, 1, rows.key_bytes, rows.value_bytes, torch.uint8)
 
     def _device_pages(self, dtype: torch.dtype) -> int | None:
-        """Pages per layer the tiering strategy keeps on the device (None: no tiering)."""
+        """Pages per layer the tiering policy keeps on the device (None: no tiering)."""
         return None if self.tiering is None else self.tiering.device_pages(self.shape.num_layers, self._page_bytes(dtype))
 
     def _host_pages(self, dtype: torch.dtype) -> int | None:
-        """Pages per layer the tiering strategy allows on the host (None: unbounded)."""
+        """Pages per layer the tiering policy allows on the host (None: unbounded)."""
         return None if self.tiering is None else self.tiering.host_pages(self.shape.num_layers, self._page_bytes(dtype))
 
     def _disk_tier(self, dtype: torch.dtype) -> dict:
-        """The store's ``spill`` and ``disk_pages`` when the tiering strategy names a disk (the
+        """The store's ``spill`` and ``disk_pages`` when the tiering policy names a disk (the
         spill store opened once per cache)."""
         if self.tiering is None or not self.tiering.disk_directory():
             return {}

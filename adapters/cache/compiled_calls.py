@@ -15,7 +15,7 @@ graph whatever the call does:
   attention output ``[batch, queries, query_heads, value_dim]``.
 
 Their bodies run eagerly when the graph runs; their fake implementations give shapes only, so a
-whole forward traces with ``fullgraph=True``, prefill and decode alike, for every strategy and
+whole forward traces with ``fullgraph=True``, prefill and decode alike, for every policy and
 codec. The graph sees a cache through its :attr:`~kvlib.adapters.KVCache.handle` (a 0-d int64
 tensor naming it in :data:`_CACHES`) and a model's attention modules through the int keys
 :func:`~kvlib.adapters.runtime.attention.route_attention` gave them: no Python object crosses the

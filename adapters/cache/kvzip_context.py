@@ -1,9 +1,9 @@
 """A KVzip-compressed context held whole in a :class:`~kvlib.PrefixStore` and forked for each question.
 
-:func:`compressed_context` is where KVzip (:mod:`kvlib.strategies.eviction.kvzip`: the strategy
-and its :func:`~kvlib.strategies.eviction.kvzip.compress`) meets the drop-in cache and the
+:func:`compressed_context` is where KVzip (:mod:`kvlib.policies.eviction.kvzip`: the policy
+and its :func:`~kvlib.policies.eviction.kvzip.compress`) meets the drop-in cache and the
 prefix store: it builds a cache with :func:`kvlib.make_cache`, so it sits in the adapters' layer,
-above the strategies and the store it puts together.
+above the policies and the store it puts together.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import torch
 
 from kvlib.adapters.cache.make_cache import make_cache
 from kvlib.adapters.cache.transformers_cache import KVCache
+from kvlib.policies.eviction.kvzip import RepeatPrompt, compress
 from kvlib.storage.prefix.prefix_store import PrefixStore
-from kvlib.strategies.eviction.kvzip import RepeatPrompt, compress
 
 
 def compressed_context(

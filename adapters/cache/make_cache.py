@@ -11,18 +11,18 @@ from kvlib.codec import Codec, layer_shapes
 from kvlib.devices import check_fits
 from kvlib.limits import MAX_PAGE_SIZE, check_page_size, check_request_tokens
 from kvlib.model_shape import KV_LAYER_TYPES, STATE_LAYER_TYPES, KVShape, kv_shape, model_context, shares_kv_across_layers
+from kvlib.policy import Tiering
 from kvlib.spec import Spec, SpecLike, parse_spec
 from kvlib.storage.pools.page_pool import DEFAULT_PAGES_PER_LAYER
 from kvlib.storage.prefix.prefix_store import PrefixStore
 from kvlib.storage.store.store_config import initial_arena_bytes
-from kvlib.strategy import Tiering
 
 CACHE_OPTIONS = {
     "page_size": f"tokens per page (int in [1, {MAX_PAGE_SIZE}], default 16)",
     "read_cache": "keep a dense read mirror per layer (bool; default: only for an exact cache where attention cannot"
     " read pages in place, i.e. CUDA for now)",
     "slack": "extra tokens a head may hold over an int budget while decoding before it is compacted back (int >= 0; default page_size,"
-    " 0 for a strategy kept as a ring; slack=0 holds a scoring strategy's cap to the token, compacting at every step)",
+    " 0 for a policy kept as a ring; slack=0 holds a scoring policy's cap to the token, compacting at every step)",
     "interval": "with an int budget, decode steps compact only every this many steps (int >= 1, default 1)",
     "merge": "fold each evicted value into the most similar kept token instead of dropping it (bool, default False)",
     "compileable": "report is_compileable, so that generate compiles its decode steps itself (bool, default False: see"
@@ -46,32 +46,32 @@ def make_cache(
     """A ``transformers`` cache for ``model`` backed by kvlib's paged store.
 
     With no spec the cache is exact: ``generate`` gives what it gives with ``DynamicCache``. With
-    an eviction strategy, ``budget`` is how much each (layer, KV head) keeps on average: a token
+    an eviction policy, ``budget`` is how much each (layer, KV head) keeps on average: a token
     count (``int >= 1``, held at all times) or a fraction of the prompt (``float`` in (0, 1],
     applied to the prompt, chunk by chunk under ``generate(..., prefill_chunk_size=N)``). A budget
-    strategy in the spec (``"snapkv+adaptive"``) splits it over layers and heads; without one the
-    eviction strategy's own default applies (``pyramidkv``: pyramid), else uniform.
+    policy in the spec (``"snapkv+adaptive"``) splits it over layers and heads; without one the
+    eviction policy's own default applies (``pyramidkv``: pyramid), else uniform.
 
-    A quantization or low-rank strategy in the spec (``"snapkv+kivi(bits=2)"``, ``"svd"``) encodes
+    A quantization or low-rank policy in the spec (``"snapkv+kivi(bits=2)"``, ``"svd"``) encodes
     every sealed page (full pages, after the layer's attention); the open page of each head stays
     in the compute dtype. With a codec the read mirror is off by default (a dense mirror would
-    hold every token uncompressed): each read decodes the layer's pages. A tiering strategy in the
+    hold every token uncompressed): each read decodes the layer's pages. A tiering policy in the
     spec (``"lru(device_mb=512)"``) keeps at most that many MiB of pages on the device and the rest
     in host memory; the read mirror is off by default with it too (it would hold every page on the
     device).
 
     An int budget is held while decoding at the cost of a page's bookkeeping a page of steps, not
-    a compaction a step: a strategy that always drops a head's oldest token past its first few
+    a compaction a step: a policy that always drops a head's oldest token past its first few
     (``streaming_llm``) keeps the cap as a ring of slots (each new token takes the oldest one's
-    slot before the step; a head never holds more than its cap), and every other strategy gets
+    slot before the step; a head never holds more than its cap), and every other policy gets
     ``slack=page_size`` (a head is compacted back to its budget once it holds a page more, so a
     head holds up to ``page_size`` tokens over it: ``memory_report()["slack_tokens"]``). Pass
-    ``slack=0`` to hold a scoring strategy's cap to the token (a compaction every step).
+    ``slack=0`` to hold a scoring policy's cap to the token (a compaction every step).
 
     Everything is checked before the model runs: the model must be a decoder with attention KV,
     the spec valid (``ValueError`` lists what is registered), the budget in range (numpy and
     torch scalars count as ints and floats; at most :data:`~kvlib.limits.MAX_BUDGET_TOKENS`
-    tokens; none without an eviction strategy), the options known and the first page arenas
+    tokens; none without an eviction policy), the options known and the first page arenas
     within the memory the model's device has available. The model's attention is routed through
     kvlib (:func:`kvlib.attach`).
 
@@ -79,7 +79,7 @@ def make_cache(
     pages: given ``prompt`` (the ids ``generate`` will get; ``attention_mask`` if padded), it
     starts holding the longest cached prefix of it, so ``generate`` computes only the rest, and it
     indexes the prompt's pages for later calls (see :mod:`kvlib.storage.prefix.prefix_store`). Reuse needs every
-    prompt token stored as computed: no eviction strategy, and no codec that learns from the
+    prompt token stored as computed: no eviction policy, and no codec that learns from the
     prompt (quantization codecs are fine; their pages are keyed by the spec); a prompt longer than
     the model's context (``max_position_embeddings``) is refused before any lookup.
 
@@ -91,9 +91,9 @@ def make_cache(
     unsupported = [kind for kind in _NOT_YET_APPLIED if getattr(parsed, kind)]
     if unsupported:
         raise ValueError(
-            f"make_cache applies eviction, budget, quantization, low-rank and tiering strategies; this spec also has"
+            f"make_cache applies eviction, budget, quantization, low-rank and tiering policies; this spec also has"
             f" {', '.join(unsupported)} ({parsed}). Reuse works through make_cache(reuse=kvlib.PrefixStore(...)) and"
-            " kvlib.blend_cache(model, chunks, kvlib.ChunkStore(...), strategy)"
+            " kvlib.blend_cache(model, chunks, kvlib.ChunkStore(...), policy)"
         )
     dense = shape.dense
     if dense:
@@ -110,7 +110,7 @@ def make_cache(
         raise ValueError(f"slack and interval apply to an int budget (a token count), not to budget={budget!r}")
     compressor = eviction_compressor(model, parsed, budget, slack, interval, merge, page_size=page_size)
     if compressor is None and merge:
-        raise ValueError("merge=True folds evicted tokens into kept ones; it needs an eviction strategy in the spec")
+        raise ValueError("merge=True folds evicted tokens into kept ones; it needs an eviction policy in the spec")
     if compressor is None:
         compressor = salience_scorer(model, parsed)
     _check_first_arenas(shape, page_size, home, coded=codec is not None, tiered=parsed.tiering is not None)
@@ -118,7 +118,7 @@ def make_cache(
     if parsed.tiering is not None and codec is not None:
         _check_tiered_codec(parsed.tiering, codec, shapes)
     _check_page_retrieval(parsed, reuse)
-    attach(model, hidden_states=compressor is not None and "hidden_states" in compressor.strategy.needs, route=not dense)
+    attach(model, hidden_states=compressor is not None and "hidden_states" in compressor.policy.needs, route=not dense)
     cache = KVCache(
         shape,
         compressor,
@@ -126,7 +126,7 @@ def make_cache(
         read_cache=read_cache,
         codec=codec,
         reuse=reuse,
-        spec="" if not parsed.strategies() else str(parsed),
+        spec="" if not parsed.policies() else str(parsed),
         home=home,
         tiering=parsed.tiering,
         compileable=compileable,
@@ -169,11 +169,11 @@ def _check_reuse(
 
 def _check_dense(model: torch.nn.Module, shape: KVShape, spec: Spec, reuse: PrefixStore | None) -> None:
     """``ValueError`` for what a model served densely (:mod:`~kvlib.adapters.cache.dense_layer`: its
-    attention runs over what the cache returns, outside kvlib) cannot have: any strategy or
+    attention runs over what the cache returns, outside kvlib) cannot have: any policy or
     prefix reuse (they act after a layer's attention, which kvlib never sees), or hybrid layers."""
     why = shape.dense_reason
-    if spec.strategies() or reuse is not None:
-        what = str(spec) if spec.strategies() else "prefix reuse"
+    if spec.policies() or reuse is not None:
+        what = str(spec) if spec.policies() else "prefix reuse"
         raise ValueError(
             f"{type(model).__name__} {why}, so kvlib serves its cache densely and never sees its attention; {what} acts after"
             " each layer's attention and cannot be applied: use kvlib.make_cache(model) (exact)"
@@ -184,7 +184,7 @@ def _check_dense(model: torch.nn.Module, shape: KVShape, spec: Spec, reuse: Pref
 
 
 def _check_page_retrieval(spec: Spec, reuse: PrefixStore | None) -> None:
-    """``ValueError`` for what a page-retrieval strategy (``quest``) does not combine with yet."""
+    """``ValueError`` for what a page-retrieval policy (``quest``) does not combine with yet."""
     if spec.tiering is None or not spec.tiering.retrieves_pages:
         return
     if spec.eviction is not None:
@@ -211,7 +211,7 @@ def _check_tiered_codec(tiering: Tiering, codec: Codec, shapes: list) -> None:
 
 
 def _codec(spec: Spec) -> Codec | None:
-    """The spec's codec strategy (quantization or low-rank), or None; ``ValueError`` for both."""
+    """The spec's codec policy (quantization or low-rank), or None; ``ValueError`` for both."""
     if spec.quantization is not None and spec.lowrank is not None:
         raise ValueError(
             f"one codec per cache: {spec.quantization.spec()} and {spec.lowrank.spec()} both encode sealed pages; keep one of them"

@@ -36,7 +36,7 @@ def attach(model: PreTrainedModel, *, hidden_states: bool = False, route: bool =
     if it lives in one, until a forward hook that runs however the call ends:
     :meth:`KVCache.enter_call`) and plan a decode step for every layer before the
     forward runs (:meth:`KVCache.prepare_step`), and, with ``hidden_states`` (a cache whose
-    strategy needs them; once added they stay), pre-hooks on the attention modules that hand
+    policy needs them; once added they stay), pre-hooks on the attention modules that hand
     their input to such a cache.
     """
     if route:
@@ -76,7 +76,7 @@ def _finish_call(model: torch.nn.Module, args: tuple, kwargs: dict, output: obje
 
 
 def _record_hidden_states(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-    """Forward pre-hook on attention modules: hands the input to a KVCache whose strategy needs it."""
+    """Forward pre-hook on attention modules: hands the input to a KVCache whose policy needs it."""
     cache = passed_cache(kwargs)
     if isinstance(cache, KVCache):
         cache.record_hidden_states(module.layer_idx, kwargs.get("hidden_states", args[0] if args else None))

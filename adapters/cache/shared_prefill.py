@@ -12,24 +12,24 @@ through the cache's own ``update`` (the same append a separate run makes) and th
 after-attention inputs through its own ``after_attention``, in layer order. The cache's store,
 compressor state (accumulated attention, query history, call notes), codec fits and padding then
 equal those of a separate run of the same call, token for token. What a replay computes from the
-call alone (the attention a strategy accumulates from it) is kept in the recorder's ``memo`` and
-reused by the caches replayed after it, once per strategy and layer. A sliding-window layer
+call alone (the attention a policy accumulates from it) is kept in the recorder's ``memo`` and
+reused by the caches replayed after it, once per policy and layer. A sliding-window layer
 (Gemma 3's local layers) that the call took past its window frees what left the window once
 attention has run; the recorder keeps its keys and values as the call stored them, so a replay
 gets the whole prompt, as a separate run would.
 
 What is recorded is what the caches to be replayed need (:func:`prefill_needs`): each layer's
 mask (one tensor shared by the layers, kept once), real new tokens and softmax scale always; its
-queries (``[batch, query_heads, tokens, head_dim]``, the compute dtype) only for a strategy that
+queries (``[batch, query_heads, tokens, head_dim]``, the compute dtype) only for a policy that
 reads them (scores, attention, history) or a codec that learns from them; the attention module's
-input only for a strategy that needs ``hidden_states``. Attention weights are never recorded:
-a prompt call that returned them (eager attention) cannot be replayed for a strategy that reads
+input only for a policy that needs ``hidden_states``. Attention weights are never recorded:
+a prompt call that returned them (eager attention) cannot be replayed for a policy that reads
 attention (:meth:`PrefillRecorder.observe` refuses).
 
 Caches that cannot take a replay (:func:`sharing_refusal`): tiering (its placement and spilled
 pages follow the calls), a prefix store (its session owns the rows), a cache that already holds
-tokens, and an eviction strategy that declares it does not share a prefill
-(:attr:`~kvlib.strategy.Eviction.shares_prefill`).
+tokens, and an eviction policy that declares it does not share a prefill
+(:attr:`~kvlib.policy.Eviction.shares_prefill`).
 """
 
 from __future__ import annotations
@@ -45,15 +45,15 @@ from kvlib.adapters.runtime.layer_step import LayerStep
 from kvlib.storage.layers.read_cache import LayerRead
 
 QUERY_NEEDS = frozenset({"queries", "window_queries", "recent_queries", "prompt_length", "attention", "accumulated_attention"})
-"""Strategy needs that read the prompt call's queries (directly, or to compute attention)."""
+"""Policy needs that read the prompt call's queries (directly, or to compute attention)."""
 ATTENTION_NEEDS = frozenset({"attention", "accumulated_attention"})
-"""Strategy needs that read attention weights (returned by eager attention when it ran)."""
+"""Policy needs that read attention weights (returned by eager attention when it ran)."""
 
 
 @dataclass(frozen=True)
 class PrefillNeeds:
     """What a replay needs recorded beyond masks: ``queries`` and ``hidden_states`` per layer;
-    ``attention``: whether the replayed strategy reads attention weights (see :data:`ATTENTION_NEEDS`)."""
+    ``attention``: whether the replayed policy reads attention weights (see :data:`ATTENTION_NEEDS`)."""
 
     queries: bool = False
     hidden_states: bool = False
@@ -64,8 +64,8 @@ class PrefillNeeds:
 
 
 def prefill_needs(cache: KVCache) -> PrefillNeeds:
-    """What replaying a prompt call into ``cache`` needs recorded (its strategy's and codec's needs)."""
-    needs = frozenset() if cache.compressor is None else cache.compressor.strategy.needs
+    """What replaying a prompt call into ``cache`` needs recorded (its policy's and codec's needs)."""
+    needs = frozenset() if cache.compressor is None else cache.compressor.policy.needs
     learns = cache.codec is not None and _codec_reads_queries(cache)
     return PrefillNeeds(bool(needs & QUERY_NEEDS) or learns, "hidden_states" in needs, bool(needs & ATTENTION_NEEDS))
 
@@ -87,8 +87,8 @@ def sharing_refusal(cache: KVCache) -> str | None:
         return "a prefix store's session owns the cache's rows"
     if cache.rows or any(layer.seen for layer in cache.kv_layers):
         return "the cache already holds tokens"
-    if cache.compressor is not None and not cache.compressor.strategy.shares_prefill:
-        return f"{cache.compressor.strategy.spec()} does not share a prefill (shares_prefill = False)"
+    if cache.compressor is not None and not cache.compressor.policy.shares_prefill:
+        return f"{cache.compressor.policy.spec()} does not share a prefill (shares_prefill = False)"
     return None
 
 
@@ -140,7 +140,7 @@ class PrefillRecorder:
         """The inputs of ``layer``'s after-attention work in the prompt call (``stored``: see
         :class:`LayerCall`). Raises
         ``RuntimeError`` for a call that is not a first, whole prompt call (the layer held tokens
-        before it), or one whose attention returned weights that a replayed strategy reads."""
+        before it), or one whose attention returned weights that a replayed policy reads."""
         if layer in self.calls or step.query_offset != 0:
             raise RuntimeError("a shared prefill records one prompt call into an empty cache; this call is not one")
         if weights is not None and self.needs.attention:
@@ -160,7 +160,7 @@ class PrefillRecorder:
 def recording(source: KVCache, recorder: PrefillRecorder) -> Iterator[PrefillRecorder]:
     """Attach ``recorder`` to every layer of ``source`` (an empty exact cache) for the calls inside."""
     if source.compressor is not None or source.codec is not None or source.tiering is not None:
-        raise ValueError("a shared prefill's source is an exact cache (kvlib.make_cache(model)): no strategy")
+        raise ValueError("a shared prefill's source is an exact cache (kvlib.make_cache(model)): no policy")
     for layer in source.kv_layers:
         layer.recorder = recorder
     try:

@@ -13,9 +13,9 @@ from kvlib.adapters.runtime.compressor import Compressor, PlannedWork
 from kvlib.adapters.runtime.layer_step import LayerStep
 from kvlib.codec import PageCodec
 from kvlib.model_shape import KVShape
+from kvlib.policy import Tiering
 from kvlib.storage.store.paged_store import PagedStore
 from kvlib.storage.store.step_plan import StepPlan
-from kvlib.strategy import Tiering
 
 
 class PrefillRecorder(Protocol):

@@ -2,7 +2,7 @@
 
 Each batch row is a store sequence. The cache holds what its layers share: the paged store (built
 when the cache is, from the model's dtype and device), the rows and their left padding, the
-compressor, codecs, tiering strategy and prefix session. Each
+compressor, codecs, tiering policy and prefix session. Each
 :class:`~kvlib.adapters.cache.cache_layer.KVCacheLayer` owns its layer's state and work: ``update``
 appends the layer's new keys and values and publishes a
 :class:`~kvlib.adapters.runtime.layer_step.LayerStep` for the kvlib attention function, which attends
@@ -43,11 +43,11 @@ from kvlib.adapters.runtime.compressor import Compressor, PlannedWork
 from kvlib.codec import Codec, PageCodec
 from kvlib.devices import reads_pages_in_place
 from kvlib.model_shape import KVShape
+from kvlib.policy import Tiering
 from kvlib.storage.prefix.prefix_store import PrefixStore
 from kvlib.storage.store.paged_store import PagedStore
 from kvlib.storage.store.step_plan import StepPlan
 from kvlib.storage.tiers.spill_store import SpillStore
-from kvlib.strategy import Tiering
 
 
 def _exclusive(method: Callable) -> Callable:
@@ -76,11 +76,11 @@ class KVCache(Cache):
         read_cache: keep a dense mirror of each layer so decode steps copy only new tokens (its
             bytes are reported as ``read_cache``). None chooses: a mirror only where attention
             cannot read pages in place (:func:`~kvlib.devices.reads_pages_in_place`: an exact
-            cache on CUDA until its paged kernel is wired), never with an eviction strategy, a
+            cache on CUDA until its paged kernel is wired), never with an eviction policy, a
             codec or tiering. Decode steps attend straight over the pages; under eviction the
-            compaction after them reads each layer's positions only when the strategy scores
+            compaction after them reads each layer's positions only when the policy scores
             without keys and values (``Eviction.reads_kv``), else a transient dense copy.
-        codec: the quantization or low-rank strategy that encodes sealed pages, or None. Its
+        codec: the quantization or low-rank policy that encodes sealed pages, or None. Its
             per-layer codecs are built with the store (fitted codecs learn from each layer's
             first call), and full pages are sealed after each layer's attention.
         reuse: a :class:`~kvlib.PrefixStore` whose paged store this cache lives in (see :meth:`prime`).
@@ -89,7 +89,7 @@ class KVCache(Cache):
             the store is built there at construction. None (a cache constructed without it):
             the store is built by the first update (or :meth:`load`) in its tensors' dtype and
             device, and :meth:`prime` builds it in float32 on the CPU.
-        tiering: a placement strategy (``lru``, ``score_aware``) keeping part of the pages in host
+        tiering: a placement policy (``lru``, ``score_aware``) keeping part of the pages in host
             memory and, with ``lru``'s ``disk``, in page records there (this cache's run: see
             :attr:`spill`; a directory that cannot hold a disk tier is a ``ValueError`` here, as
             spilled pages would have nowhere to go), or ``quest``, whose decode steps attend over
@@ -271,7 +271,7 @@ class KVCache(Cache):
         if self.compressor is not None and not shapes_kept:
             raise ValueError(
                 f"this model's attention {reason}: kvlib serves it exactly without eviction (codecs and tiering"
-                f" included), but cannot apply {self.compressor.strategy.spec()} to it"
+                f" included), but cannot apply {self.compressor.policy.spec()} to it"
             )
         self.dense_returns = reason
 
@@ -386,7 +386,7 @@ class KVCache(Cache):
         self.session.extend(tokens.cpu(), min(layer.seen for layer in self.kv_layers))
 
     def record_hidden_states(self, layer_idx: int, hidden_states: torch.Tensor) -> None:
-        """Keep the input of the attention module whose ``layer_idx`` this is, for a strategy that
+        """Keep the input of the attention module whose ``layer_idx`` this is, for a policy that
         needs ``hidden_states``."""
         self.kv_layers[self.shape.module_layers.index(layer_idx)].record_hidden_states(hidden_states)
 
@@ -468,9 +468,9 @@ class KVCache(Cache):
         and its questions: :func:`kvlib.adapters.compressed_context`).
 
         The fork evicts nothing: it keeps every token added to it. Refused (``ValueError``): a
-        cache that still evicts (its strategy's per-row state is its own; fork once eviction is
-        over, as :func:`~kvlib.strategies.eviction.kvzip.compress` leaves a cache), one primed from
-        a PrefixStore (its session owns its rows), one with a tiering strategy (its spilled pages
+        cache that still evicts (its policy's per-row state is its own; fork once eviction is
+        over, as :func:`~kvlib.policies.eviction.kvzip.compress` leaves a cache), one primed from
+        a PrefixStore (its session owns its rows), one with a tiering policy (its spilled pages
         are its own), one of a hybrid model (its recurrent states are not paged) and one that
         holds nothing yet.
         """
@@ -506,7 +506,7 @@ class KVCache(Cache):
         return memory_report(self.store, self._rows, self.shape, self.compressor, state_bytes(self.state_layers))
 
     def __repr__(self) -> str:
-        spec = "exact" if self.compressor is None else f"{self.compressor.strategy.spec()}, budget={self.compressor.budget}"
+        spec = "exact" if self.compressor is None else f"{self.compressor.policy.spec()}, budget={self.compressor.budget}"
         if self.codec is not None:
             spec += f", codec={self.codec.spec()}"
         return f"KVCache({spec}, layers={self.shape.num_layers}, batch={len(self._rows)})"

@@ -6,8 +6,8 @@ Checks: every option of ``Engine(...)`` is checked here before the model is touc
 ``ValueError`` naming the option and what is valid.
 
 Specs: a quantization codec applies to every request's pages (:func:`engine_codec`: the pages
-are shared between requests, so a codec fitted per prompt or a tiering strategy is refused);
-eviction and budget strategies apply per request, each with a fresh compressor
+are shared between requests, so a codec fitted per prompt or a tiering policy is refused);
+eviction and budget policies apply per request, each with a fresh compressor
 (:func:`request_compressor`: the engine's default spec, or the request's own).
 """
 
@@ -56,32 +56,32 @@ def engine_codec(spec: Spec) -> Codec | None:
             f"{spec.lowrank.spec()} fits itself to each prompt; the engine's pages are shared by requests: use a quantization codec"
         )
     if spec.tiering is not None or spec.reuse:
-        raise ValueError(f"the engine does not apply tiering or reuse strategies yet ({spec}); prefix reuse is built in: prefix_cache=True")
+        raise ValueError(f"the engine does not apply tiering or reuse policies yet ({spec}); prefix reuse is built in: prefix_cache=True")
     return spec.quantization
 
 
 def without_codec(spec: Spec) -> str | None:
-    """The spec's eviction and budget strategies as a spec string (None when it has neither)."""
-    kept = [strategy.spec() for strategy in (spec.eviction, spec.budget) if strategy is not None]
+    """The spec's eviction and budget policies as a spec string (None when it has neither)."""
+    kept = [policy.spec() for policy in (spec.eviction, spec.budget) if policy is not None]
     return "+".join(kept) or None
 
 
 def request_compressor(
     model: torch.nn.Module, spec: str | None, budget: int | float | None, slack: int | None, *, page_size: int
 ) -> Compressor | None:
-    """A fresh compressor for ``spec`` (eviction and budget strategies only) on ``model``, or None."""
+    """A fresh compressor for ``spec`` (eviction and budget policies only) on ``model``, or None."""
     if slack is not None and (isinstance(slack, bool) or not isinstance(slack, int) or slack < 0 or not isinstance(budget, int)):
         raise ValueError(f"slack must be an int >= 0 and goes with an int budget, got slack={quoted(slack)}, budget={quoted(budget)}")
     parsed = parse_spec(spec)
     others = [kind for kind in ("quantization", "lowrank", "reuse", "tiering") if getattr(parsed, kind)]
     if others:
         raise ValueError(
-            f"the engine applies eviction (and budget) strategies per request; {parsed} also has {', '.join(others)}"
+            f"the engine applies eviction (and budget) policies per request; {parsed} also has {', '.join(others)}"
             " (a quantization codec applies to every request: Engine(model, spec='kivi(bits=4)'); prefix reuse is"
             " built in: prefix_cache=True)"
         )
     compressor = eviction_compressor(model, parsed, budget, slack, page_size=page_size)
-    if compressor is not None and "hidden_states" in compressor.strategy.needs:
+    if compressor is not None and "hidden_states" in compressor.policy.needs:
         raise ValueError(f"{parsed.eviction.spec()} needs the attention input (hidden_states), which the engine does not record")
     return compressor
 

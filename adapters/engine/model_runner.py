@@ -124,7 +124,7 @@ class ModelRunner:
         """Each request with an eviction spec scores its row of the layer and compacts it; rows
         without one are not read. The row is its slice of ``read``, or, after attention over the
         pages, its positions, with attention weights from its pages and, when it compacts with a
-        strategy that scores with keys or values (``reads_kv``), a transient dense read of that row.
+        policy that scores with keys or values (``reads_kv``), a transient dense read of that row.
         A row whose pages cannot be read in place is read densely."""
         for b, request in enumerate(requests):
             if request.compressor is None:

@@ -38,7 +38,7 @@ Salience = Callable[[], torch.Tensor]
 class Evicted:
     """What :func:`evict` did to one layer: ``layout`` the store's compaction layout (new slot ``i``
     holds old slot ``layout[..., i]``, ``-1`` none), or None when every stored token stayed (the
-    slots did not move); ``salience`` the strategy's keep-scores of the layer's slots as they now
+    slots did not move); ``salience`` the policy's keep-scores of the layer's slots as they now
     stand."""
 
     layout: torch.Tensor | None
@@ -61,7 +61,7 @@ def evict(
     ``step.read``: the layer's stored tokens after the call's append, dense; or, for a call that
     attended straight over the pages (``step.paged``), their positions only
     (:meth:`~kvlib.storage.store.paged_store.PagedStore.read_positions`): keys and values are then read
-    here, into a transient copy, only when a compaction is due with a strategy that scores with
+    here, into a transient copy, only when a compaction is due with a policy that scores with
     them. ``inputs``: what the attention saw; ``real_offsets [batch]``: each row's padding tokens
     before its first real one (on the store's device)."""
     layer = step.layer_idx

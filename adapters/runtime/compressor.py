@@ -12,9 +12,9 @@ The spec's budget is a token count per (layer, head) on average, or a fraction o
   seen)``; decode steps keep every new token.
 
 How the per-call budget splits over layers and heads is the allocation's job (a
-:class:`~kvlib.strategy.Budget`; uniform unless the spec or the eviction strategy says
-otherwise). Padding tokens (left padding of a batch) are never kept once a strategy runs, so a
-padded row holds what it would hold alone. Strategies get exactly the extras they declare in
+:class:`~kvlib.policy.Budget`; uniform unless the spec or the eviction policy says
+otherwise). Padding tokens (left padding of a batch) are never kept once a policy runs, so a
+padded row holds what it would hold alone. Policies get exactly the extras they declare in
 ``needs``; for one that needs nothing, nothing beyond the scores is computed.
 """
 
@@ -33,11 +33,11 @@ from kvlib.adapters.runtime.merge import merged_values
 from kvlib.adapters.runtime.needs import AttentionInputs, accumulated_attention, fill_needs, history_after_call, padding_slots
 from kvlib.adapters.runtime.query_history import QueryHistory
 from kvlib.adapters.runtime.slot_order import along_slots, ascending, ordered_view, position_order, scores_in_slot_order, to_slots
+from kvlib.policies.budget.uniform import Uniform
+from kvlib.policy import Budget, BudgetRequest, Eviction, LayerView, Rope
 from kvlib.selection import select_keep
 from kvlib.storage.layers.read_cache import LayerRead
 from kvlib.storage.store.step_plan import Ring
-from kvlib.strategies.budget.uniform import Uniform
-from kvlib.strategy import Budget, BudgetRequest, Eviction, LayerView, Rope
 
 _STATEFUL_NEEDS = frozenset({"accumulated_attention", "recent_queries", "prompt_length", "call_notes"})
 """Needs whose state follows every call (see :meth:`Compressor.planned_work`)."""
@@ -61,7 +61,7 @@ class Compaction:
     """What a layer keeps: ``keep`` int64 ``[batch, heads, k]`` kept slots (slot indices, not
     positions), ascending, -1 last;
     ``values``: their new values when evicted tokens were merged in, else None;
-    ``scores``: the strategy's keep-scores of every slot before the compaction ``[batch, heads,
+    ``scores``: the policy's keep-scores of every slot before the compaction ``[batch, heads,
     slots]`` (what a codec that reads salience gets, see :meth:`salience_after`)."""
 
     keep: torch.Tensor
@@ -77,11 +77,11 @@ class Compaction:
 
 @dataclass
 class Compressor:
-    """Applies ``strategy`` within ``budget`` (see the module docstring for the budget forms).
+    """Applies ``policy`` within ``budget`` (see the module docstring for the budget forms).
 
-    State: per layer, the attention each stored token has accumulated (only for strategies that
+    State: per layer, the attention each stored token has accumulated (only for policies that
     need ``accumulated_attention``), aligned with the layer's stored slots, and the layer's
-    :class:`~kvlib.adapters.runtime.query_history.QueryHistory` (only for strategies that need
+    :class:`~kvlib.adapters.runtime.query_history.QueryHistory` (only for policies that need
     ``recent_queries`` or ``prompt_length``); the current model call's ``call_notes`` (cleared
     when a layer index not above the last one arrives); the cache keeps them in step with its rows and
     slots (:meth:`select_rows`, :meth:`reset`, :meth:`compacted`: the caller hands on the layout
@@ -89,14 +89,14 @@ class Compressor:
 
     Selection is by position, not slot: after a compaction that reused slots (slot order no
     longer position order), each head's best tokens are chosen among its slots sorted by
-    position, and strategies that are not ``order_free`` score a view in that order, so the kept
+    position, and policies that are not ``order_free`` score a view in that order, so the kept
     set is the one an in-order store would keep.
 
     ``budget=None``: a scorer that never evicts (its state still follows every call); its
-    :meth:`scores` decide a codec's token salience where the spec has no eviction strategy.
+    :meth:`scores` decide a codec's token salience where the spec has no eviction policy.
     """
 
-    strategy: Eviction
+    policy: Eviction
     budget: int | float | None
     num_layers: int
     allocation: Budget = field(default_factory=Uniform)
@@ -106,7 +106,7 @@ class Compressor:
     merge: bool = False
     output_projections: list[torch.Tensor] | None = None
     """Per layer, the attention output projection split by query head (filled by ``make_cache``
-    for strategies that need ``output_projection``)."""
+    for policies that need ``output_projection``)."""
     layer_heads: tuple[int, ...] = ()
     """Per layer, its KV heads (empty: every layer has the heads a call names)."""
     _accumulated: dict[int, torch.Tensor] = field(default_factory=dict, init=False, repr=False)
@@ -129,7 +129,7 @@ class Compressor:
             return self._ring
         if self.ring_start(batch, heads) is None or any(self._heads(layer, heads) != heads for layer in range(self.num_layers)):
             return None
-        self._ring = Ring(np.stack([self._layer_caps(layer, batch, heads) for layer in range(self.num_layers)]), self.strategy.ring_start())
+        self._ring = Ring(np.stack([self._layer_caps(layer, batch, heads) for layer in range(self.num_layers)]), self.policy.ring_start())
         return self._ring
 
     def ring_caps(self, layer: int, batch: int, heads: int) -> np.ndarray | None:
@@ -139,11 +139,11 @@ class Compressor:
 
     def ring_start(self, batch: int, heads: int) -> int | None:
         """The ring's start (a head's first tokens that are never replaced) where the held cap is
-        kept as a ring, else None: the strategy scores (no :meth:`~kvlib.strategy.Eviction.ring_start`),
+        kept as a ring, else None: the policy scores (no :meth:`~kvlib.policy.Eviction.ring_start`),
         the budget is not an int, a ``slack`` or ``interval`` asks for amortised eviction, evicted
         values are merged, the allocation splits by scores, or some layer's cap lies within the
         ring's start (no window to turn). ``heads``: the KV heads of every layer :attr:`layer_heads` leaves open."""
-        start = self.strategy.ring_start()
+        start = self.policy.ring_start()
         if (
             start is None
             or not isinstance(self.budget, int)
@@ -171,12 +171,12 @@ class Compressor:
         (none of them padding) in ``layer``, after which its heads hold ``stored`` tokens (int64
         ``[batch, kv_heads]``): nothing (:meth:`compaction` would keep every token and add nothing
         to the compressor's state), the kernel's received attention added to the accumulated
-        attention and nothing else (H2O-like strategies: :meth:`received_state`), or the
+        attention and nothing else (H2O-like policies: :meth:`received_state`), or the
         general path (:meth:`compaction`). Unless the general path, the call counts as one of the
         layer's decode steps (for ``interval``), as :meth:`compaction` counts it."""
-        fused = self.strategy.needs == _RECEIVED and type(self.strategy).attention_received is Eviction.attention_received
+        fused = self.policy.needs == _RECEIVED and type(self.policy).attention_received is Eviction.attention_received
         work = PlannedWork.ACCUMULATE if fused else PlannedWork.NONE
-        if self.strategy.needs & _STATEFUL_NEEDS and not fused:
+        if self.policy.needs & _STATEFUL_NEEDS and not fused:
             return PlannedWork.GENERAL
         if self.budget is None:
             return work
@@ -198,7 +198,7 @@ class Compressor:
         """``layer``'s accumulated attention (float32 ``[batch, heads, width]``, ``width >= slots``)
         for a planned decode call's kernel to add the attention it received into, in place
         (:func:`kvlib.kernels.paged_ops.paged_decode`'s ``received``): what :meth:`compaction`
-        adds for a strategy that counts a call's weights as they are (``attention_received`` not
+        adds for a policy that counts a call's weights as they are (``attention_received`` not
         overridden), with no operator of its own. It grows :data:`RECEIVED_SLACK` slots past what
         a call needs at a time (a copy every that many steps), and slots past a head's length stay 0."""
         state = self._accumulated.get(layer)
@@ -248,21 +248,21 @@ class Compressor:
 
         ``real_offsets [batch]`` (on the store's device) is each row's count of padding tokens
         before its first real one: subtracted from stored positions, it gives the positions
-        strategies see. ``stored``: for a step whose ``read`` holds positions only (it attended
+        policies see. ``stored``: for a step whose ``read`` holds positions only (it attended
         over the pages), reads the layer's keys and values; called only when a compaction is due
         and :attr:`reads_kv`.
         """
         read, layer = step.read, step.layer_idx
-        remembered = history_after_call(self.strategy, self._history.get(layer), step, inputs, real_offsets)
+        remembered = history_after_call(self.policy, self._history.get(layer), step, inputs, real_offsets)
         if remembered is not None:
             self._history[layer] = remembered
         if layer <= self._last_layer:  # layers run in order: a new model call begins
             self._call_notes.clear()
         self._last_layer = layer
         accumulated = None
-        if "accumulated_attention" in self.strategy.needs:
+        if "accumulated_attention" in self.policy.needs:
             previous, history = self._accumulated.get(layer), self._history.get(layer)
-            accumulated = self._accumulated[layer] = accumulated_attention(self.strategy, step, inputs, real_offsets, previous, history)
+            accumulated = self._accumulated[layer] = accumulated_attention(self.policy, step, inputs, real_offsets, previous, history)
         if self.budget is None:
             return None
         tokens = self._tokens(step, real_offsets)
@@ -279,11 +279,11 @@ class Compressor:
             read = stored()
         order = position_order(read.positions, read.valid)  # None unless a compaction reused slots
         scores = self._score(step, read, candidates, inputs, real_offsets, accumulated, order, tokens)
-        slot_scores = scores if order is None or self.strategy.order_free else scores_in_slot_order(scores, order)
+        slot_scores = scores if order is None or self.policy.order_free else scores_in_slot_order(scores, order)
         ranked = candidates
         if order is not None:  # select in position order: ties break as they would in order
             ranked = along_slots(candidates, order)
-            scores = along_slots(scores, order) if self.strategy.order_free else scores
+            scores = along_slots(scores, order) if self.policy.order_free else scores
         if caps is None:  # a score-based allocation splits the layer once the scores are known
             request.scores, request.candidates = scores, ranked
             caps = self.allocation.caps(request).to(counts.device)
@@ -295,7 +295,7 @@ class Compressor:
     def scores(
         self, step: LayerStep, inputs: AttentionInputs, real_offsets: torch.Tensor, stored: Callable[[], LayerRead] | None = None
     ) -> torch.Tensor:
-        """The strategy's keep-scores ``[batch, heads, slots]`` of every stored slot of the layer
+        """The policy's keep-scores ``[batch, heads, slots]`` of every stored slot of the layer
         (slot order; padding and invalid slots ``-inf``), for a call after which :meth:`compaction`
         changed nothing (its per-call state is then up to date: this adds nothing to it).
         Arguments as :meth:`compaction`'s."""
@@ -308,7 +308,7 @@ class Compressor:
         if accumulated is not None and accumulated.shape[-1] > candidates.shape[-1]:  # planned steps' room to grow
             accumulated = accumulated[..., : candidates.shape[-1]]
         scores = self._score(step, read, candidates, inputs, real_offsets, accumulated, order)
-        if order is not None and not self.strategy.order_free:
+        if order is not None and not self.policy.order_free:
             scores = scores_in_slot_order(scores, order)
         return scores.masked_fill(~candidates, -torch.inf)
 
@@ -323,8 +323,8 @@ class Compressor:
         order: torch.Tensor | None,
         tokens: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """The strategy's scores of the ``candidates`` of ``read``: in slot order, or in position
-        ``order`` for a strategy that is not ``order_free`` when ``order`` is given. ``tokens``:
+        """The policy's scores of the ``candidates`` of ``read``: in slot order, or in position
+        ``order`` for a policy that is not ``order_free`` when ``order`` is given. ``tokens``:
         the call's budget per head (see :meth:`_tokens`), None when it compacts nothing."""
         view = LayerView(
             layer_idx=step.layer_idx,
@@ -337,7 +337,7 @@ class Compressor:
         )
         fill_needs(
             view,
-            self.strategy,
+            self.policy,
             step,
             inputs,
             real_offsets,
@@ -347,21 +347,21 @@ class Compressor:
             output_projections=self.output_projections,
             call_notes=self._call_notes,
         )
-        if order is not None and not self.strategy.order_free:
+        if order is not None and not self.policy.order_free:
             view = ordered_view(view, order)
-        scores = self.strategy.score(view)
+        scores = self.policy.score(view)
         if not isinstance(scores, torch.Tensor) or scores.shape != candidates.shape:
             raise ValueError(
-                f"{type(self.strategy).__name__}.score must return a tensor of shape {list(candidates.shape)}, got"
+                f"{type(self.policy).__name__}.score must return a tensor of shape {list(candidates.shape)}, got"
                 f" {getattr(scores, 'shape', type(scores).__name__)}"
             )
         return scores
 
     @property
     def reads_kv(self) -> bool:
-        """Whether compactions need the layer's stored keys and values (the strategy reads them,
+        """Whether compactions need the layer's stored keys and values (the policy reads them,
         or evicted values are merged into kept ones), not only their positions."""
-        return self.strategy.reads_kv or self.merge
+        return self.policy.reads_kv or self.merge
 
     # -- state kept in step with the cache's rows -----------------------------------------------
 
@@ -406,7 +406,7 @@ class Compressor:
             done = self._decode_steps.get(step.layer_idx, 0) + 1
             self._decode_steps[step.layer_idx] = done
             return None if done % self.interval else tokens
-        return self.strategy.prompt_tokens(tokens)
+        return self.policy.prompt_tokens(tokens)
 
     def _caps_and_over(self, request: BudgetRequest | None, counts: torch.Tensor, slack: int) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Per-head caps (None until the scores are known, for score-based allocations) and bool

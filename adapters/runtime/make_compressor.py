@@ -1,5 +1,5 @@
-"""The compressors a spec asks for: :func:`eviction_compressor` (the spec's eviction strategy within a
-budget, split by its budget strategy) and :func:`salience_scorer` (a codec's token scorer that
+"""The compressors a spec asks for: :func:`eviction_compressor` (the spec's eviction policy within a
+budget, split by its budget policy) and :func:`salience_scorer` (a codec's token scorer that
 never evicts), with the budget checked first (:func:`check_budget`). ``make_cache`` and the
 Engine both build their compressors here."""
 
@@ -13,8 +13,8 @@ from kvlib.adapters.runtime.compressor import Compressor
 from kvlib.errors import quoted
 from kvlib.limits import MAX_BUDGET_TOKENS
 from kvlib.model_shape import kv_shape, output_projections, rope_of
+from kvlib.policies.budget.uniform import Uniform
 from kvlib.spec import Spec
-from kvlib.strategies.budget.uniform import Uniform
 
 
 def eviction_compressor(
@@ -44,8 +44,8 @@ def eviction_compressor(
 
 def default_slack(spec: Spec, budget: int | float | None, page_size: int) -> int:
     """The tokens a head may hold over an int budget before it is compacted back, when none is
-    given: ``page_size`` (a compaction a page of decode steps, not one a step), 0 for a strategy
-    kept as a ring (:meth:`~kvlib.strategy.Eviction.ring_start`: it never holds more than its
+    given: ``page_size`` (a compaction a page of decode steps, not one a step), 0 for a policy
+    kept as a ring (:meth:`~kvlib.policy.Eviction.ring_start`: it never holds more than its
     cap) and for other budgets (prompt compression holds no cap while decoding)."""
     if not isinstance(budget, int) or spec.eviction is None or spec.eviction.ring_start() is not None:
         return 0
@@ -55,7 +55,7 @@ def default_slack(spec: Spec, budget: int | float | None, page_size: int) -> int
 def salience_scorer(model: torch.nn.Module, spec: Spec) -> Compressor | None:
     """For a spec without eviction whose codec reads token salience (``mixed``): a compressor
     that never evicts (no budget) and scores tokens with the codec's own scorer; else None (with
-    an eviction strategy, the eviction compressor's scores decide salience)."""
+    an eviction policy, the eviction compressor's scores decide salience)."""
     scorer = spec.quantization.salience_scorer() if spec.quantization is not None and spec.eviction is None else None
     if scorer is None:
         return None
@@ -66,13 +66,13 @@ def salience_scorer(model: torch.nn.Module, spec: Spec) -> Compressor | None:
 def check_budget(budget: object, spec: Spec) -> int | float | None:
     """``budget`` as a Python int (tokens) or float (fraction of the prompt) fit for ``spec``, or
     None when the spec evicts nothing; ``ValueError`` naming the problem otherwise (a budget with
-    no eviction strategy, none with one, a bad type, out of range)."""
+    no eviction policy, none with one, a bad type, out of range)."""
     if spec.eviction is None and spec.budget is not None:
-        raise ValueError(f"budget strategy {spec.budget.spec()} splits an eviction budget; add an eviction strategy")
+        raise ValueError(f"budget policy {spec.budget.spec()} splits an eviction budget; add an eviction policy")
     budget = _plain_number(budget)
     if spec.eviction is None:
         if budget is not None:
-            raise ValueError(f"budget={quoted(budget)} needs an eviction strategy in the spec (e.g. 'streaming_llm')")
+            raise ValueError(f"budget={quoted(budget)} needs an eviction policy in the spec (e.g. 'streaming_llm')")
         return None
     name = spec.eviction.spec()
     if budget is None:

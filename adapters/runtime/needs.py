@@ -1,12 +1,12 @@
-"""What a strategy's view gets beyond the stored tokens, by the ``needs`` it declares.
+"""What a policy's view gets beyond the stored tokens, by the ``needs`` it declares.
 
-The compressor (:mod:`~kvlib.adapters.runtime.compressor`) builds a :class:`~kvlib.strategy.LayerView`
-of a layer's stored tokens and fills in only what its strategy asks for (:func:`fill_needs`): the
+The compressor (:mod:`~kvlib.adapters.runtime.compressor`) builds a :class:`~kvlib.policy.LayerView`
+of a layer's stored tokens and fills in only what its policy asks for (:func:`fill_needs`): the
 call's queries, its attention weights (returned by the inner attention, or recomputed in bounded
 blocks), hidden states, RoPE, output projections, the call's budget, notes shared across the
 call's layers, and what earlier calls left (:func:`history_after_call`: recent queries and prompt
 lengths; :func:`accumulated_attention`: each stored token's running attention). Positions here
-count from each row's first real token (left padding excluded), as the strategy sees them.
+count from each row's first real token (left padding excluded), as the policy sees them.
 """
 
 from __future__ import annotations
@@ -19,17 +19,17 @@ import torch
 from kvlib.adapters.runtime.attention_weights import attention_blocks
 from kvlib.adapters.runtime.layer_step import LayerStep
 from kvlib.adapters.runtime.query_history import QueryHistory
-from kvlib.strategy import Eviction, LayerView, Rope
+from kvlib.policy import Eviction, LayerView, Rope
 
 
 @dataclass
 class AttentionInputs:
-    """What the attention function saw, for strategies that need it (references, no copies).
+    """What the attention function saw, for policies that need it (references, no copies).
 
     query ``[batch, query_heads, query_length, head_dim]``; mask: the mask attention ran with
     (model mask if the layer was untouched, else the physical one); weights: attention weights
     if the inner attention returned them; scaling: softmax scale; hidden_states: the attention
-    module's input, when a strategy needs it; real_new: bool ``[batch, query_length]`` or None.
+    module's input, when a policy needs it; real_new: bool ``[batch, query_length]`` or None.
     prompt_memo: where a shared prefill replays one prompt call into many caches, what the caches
     before computed from it (see :func:`accumulated_attention`), shared by them; None otherwise.
     """
@@ -45,7 +45,7 @@ class AttentionInputs:
 
 def fill_needs(
     view: LayerView,
-    strategy: Eviction,
+    policy: Eviction,
     step: LayerStep,
     inputs: AttentionInputs,
     real_offsets: torch.Tensor,
@@ -56,12 +56,12 @@ def fill_needs(
     output_projections: list[torch.Tensor] | None,
     call_notes: dict[str, Any],
 ) -> None:
-    """Set the fields of ``view`` (the layer's stored tokens) that ``strategy.needs`` names, from the
+    """Set the fields of ``view`` (the layer's stored tokens) that ``policy.needs`` names, from the
     call's ``inputs``, the layer's query ``history``, ``rope``, the per-layer ``output_projections``,
     the call's budget per head ``tokens`` and the model call's ``call_notes``."""
-    needs = strategy.needs
+    needs = policy.needs
     total = inputs.query.shape[2]
-    observed = min(strategy.observed_queries() or total, total)
+    observed = min(policy.observed_queries() or total, total)
     if "queries" in needs:
         view.queries = inputs.query
         view.query_positions = query_positions(step, inputs.real_new, real_offsets)
@@ -91,20 +91,20 @@ def fill_needs(
 
 
 def history_after_call(
-    strategy: Eviction, history: QueryHistory | None, step: LayerStep, inputs: AttentionInputs, real_offsets: torch.Tensor
+    policy: Eviction, history: QueryHistory | None, step: LayerStep, inputs: AttentionInputs, real_offsets: torch.Tensor
 ) -> QueryHistory | None:
-    """The layer's query ``history`` (None: none yet) with this call's queries added, for a strategy
-    that needs ``recent_queries`` or ``prompt_length``; None for any other strategy."""
-    needs = strategy.needs
+    """The layer's query ``history`` (None: none yet) with this call's queries added, for a policy
+    that needs ``recent_queries`` or ``prompt_length``; None for any other policy."""
+    needs = policy.needs
     if "recent_queries" not in needs and "prompt_length" not in needs:
         return None
-    count = (strategy.observed_queries() or 0) if "recent_queries" in needs else 0
+    count = (policy.observed_queries() or 0) if "recent_queries" in needs else 0
     history = history or QueryHistory.empty(inputs.query)
     return history.after_call(inputs.query, query_positions(step, inputs.real_new, real_offsets), count)
 
 
 def accumulated_attention(
-    strategy: Eviction,
+    policy: Eviction,
     step: LayerStep,
     inputs: AttentionInputs,
     real_offsets: torch.Tensor,
@@ -113,12 +113,12 @@ def accumulated_attention(
 ) -> torch.Tensor:
     """float32 ``[batch, kv_heads, slots]``: each stored token's attention so far, ``previous`` (the
     layer's running sums before this call, aligned with its slots; None: none) plus this call's (as
-    the strategy counts it, :meth:`~kvlib.strategy.Eviction.attention_received`, given the prompt
+    the policy counts it, :meth:`~kvlib.policy.Eviction.attention_received`, given the prompt
     lengths of the layer's query ``history`` if it keeps one, averaged over the query heads of
     each KV head); 0 for slots holding no token.
 
     This call's part is a function of the call (queries, mask, the layer's stored keys) and of the
-    strategy's fields (``repr``), so a replayed prompt call computes it once per strategy and
+    policy's fields (``repr``), so a replayed prompt call computes it once per policy and
     layer: ``inputs.prompt_memo`` keeps it for the next cache the same call is replayed into
     (H2O at three budgets recomputes no attention).
     """
@@ -134,9 +134,9 @@ def accumulated_attention(
 
     def counted(first: int, weights: torch.Tensor) -> torch.Tensor:
         shown = shown_positions[:, first : first + weights.shape[2]].to(weights.device)
-        return strategy.attention_received(weights, shown, key_positions.to(weights.device), prompt_lengths, step.layer_idx).sum(2)
+        return policy.attention_received(weights, shown, key_positions.to(weights.device), prompt_lengths, step.layer_idx).sum(2)
 
-    memo_key = None if inputs.prompt_memo is None else (repr(strategy), step.layer_idx)  # decode steps build no key
+    memo_key = None if inputs.prompt_memo is None else (repr(policy), step.layer_idx)  # decode steps build no key
     received = None if memo_key is None else inputs.prompt_memo.get(memo_key)
     if received is None:
         if inputs.weights is not None:

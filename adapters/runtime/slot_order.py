@@ -1,9 +1,9 @@
-"""Position order of a layer's stored slots, for strategies and selection that need it.
+"""Position order of a layer's stored slots, for policies and selection that need it.
 
 After a compaction that reused slots (:mod:`~kvlib.storage.layers.slot_reuse`), a head's slots are no longer in
 position order. Eviction must keep the same tokens as if they were: the compressor selects among
 slots sorted by position (ties in scores then break by position, as they always did), and hands a
-strategy that is not :attr:`~kvlib.strategy.Eviction.order_free` a view permuted into that order.
+policy that is not :attr:`~kvlib.policy.Eviction.order_free` a view permuted into that order.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import dataclasses
 
 import torch
 
-from kvlib.strategy import LayerView
+from kvlib.policy import LayerView
 
 
 def position_order(positions: torch.Tensor, stored: torch.Tensor) -> torch.Tensor | None:

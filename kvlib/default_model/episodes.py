@@ -2,7 +2,7 @@
 
 An episode is filler text with facts hidden at random line starts and questions about them at the
 end, so that the model learns to find and copy a fact from anywhere in its context (retrieval
-heads), which is what makes eviction strategies differ on it. Three kinds:
+heads), which is what makes eviction policies differ on it. Three kinds:
 
 - passkey (half of the episodes): one :func:`kvlib.eval.needle_format.needle_line` with a 4-7 digit key, asked by
   :data:`~kvlib.eval.needle_format.QUESTION`;

@@ -4,7 +4,7 @@ A budget is a fraction ``f`` of the tokens a task's sequences see; each run gets
 ``kvlib.make_cache(model, policy, budget=max(1, round(f * tokens)))``, an int token cap per layer
 and KV head held at every forward call, so KV bytes stay near ``f`` of the full cache's throughout
 (prefill, streaming and decoding alike). The full cache is ``kvlib.make_cache(model)`` (exact).
-A policy with no eviction strategy (a codec alone, ``"kivi(bits=4)"``) keeps every token, so it
+A spec with no eviction policy (a codec alone, ``"kivi(bits=4)"``) keeps every token, so it
 runs once, with no budget; with one (``"snapkv+kivi(bits=4)"``) it runs at every budget.
 Decode speed is measured on one ``context``-token prompt of the evaluation text: ``speed_steps``
 greedy single-token steps after a prefill and two untimed steps, once the tasks are done, for every
@@ -20,7 +20,7 @@ task case by task case with one prefill shared by every configuration that can t
 configuration's speed against the full cache, as Ray tasks.
 
 Everything that can be checked is checked before the first run: specs parse, every policy builds a
-cache for the model, every task fits the model's context, budgets are in (0, 1]. A strategy that
+cache for the model, every task fits the model's context, budgets are in (0, 1]. A policy that
 raises while running is recorded with its error and the comparison goes on. The finished runs are
 handed to ``on_run`` as configurations finish their tasks and again after each speed round (the
 CLI writes its files then), so an interruption loses only the configuration (or round) running.

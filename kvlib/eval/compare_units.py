@@ -123,7 +123,7 @@ class CompareRun:
 
 
 def evicts(policy: str) -> bool:
-    """Whether ``policy`` drops tokens (has an eviction strategy), so that it takes budgets."""
+    """Whether ``policy`` drops tokens (has an eviction policy), so that it takes budgets."""
     return policy != FULL and kvlib.parse_spec(policy).eviction is not None
 
 
@@ -154,8 +154,8 @@ def check_policies_and_budgets(policies: Sequence[str], budgets: Sequence[float]
     for policy in policies:
         if policy == FULL:
             raise ValueError(f"{FULL!r} is always run as the reference; leave it out of the policies")
-        if not kvlib.parse_spec(policy).strategies():
-            raise ValueError(f"policy {quoted(policy)} has no strategy")
+        if not kvlib.parse_spec(policy).policies():
+            raise ValueError(f"spec {quoted(policy)} names no policy")
 
 
 def check_inputs(loaded: LoadedModel, policies: Sequence[str], budgets: Sequence[float], tasks: Sequence[Task]) -> None:
@@ -252,7 +252,7 @@ def units(policy: str, budget: float | None, tasks: Sequence[Task]) -> list[Unit
 @dataclass(frozen=True)
 class Outcome:
     """What a unit gave: a task's ``result``, or the speed run's speed and KV bytes, or the
-    one-line ``error`` of a strategy that raised."""
+    one-line ``error`` of a policy that raised."""
 
     result: TaskResult | None = None
     speed: DecodeSpeed | None = None
@@ -274,7 +274,7 @@ class Outcome:
 
 
 def run_unit(loaded: LoadedModel, unit: Unit, speed: SpeedRun | None = None) -> Outcome:
-    """Run one unit on ``loaded``; a speed unit needs ``speed`` (:func:`speed_run`). A strategy that
+    """Run one unit on ``loaded``; a speed unit needs ``speed`` (:func:`speed_run`). A policy that
     raises gives an :class:`Outcome` with its error (one line), not an exception.
 
     A speed unit is the configuration's decode speed against the full cache's, both warmed up and
@@ -294,7 +294,7 @@ def run_unit(loaded: LoadedModel, unit: Unit, speed: SpeedRun | None = None) -> 
             return Outcome(error=own.error)
         held, full = own.runs[-1].detail
         return Outcome(speed=DecodeSpeed.measured(own, timings[0]), kv_bytes=held, full_bytes=full)
-    except Exception as exc:  # noqa: BLE001 - a failing strategy is reported, the rest still run
+    except Exception as exc:  # noqa: BLE001 - a failing policy is reported, the rest still run
         return Outcome(error=f"{type(exc).__name__}: {exc}".splitlines()[0])
 
 

@@ -1,9 +1,9 @@
 """Retrieval-head profiles measured on RULER needle prompts, cached per model and setting.
 
 :func:`needle_cases` turns RULER ``niah_*`` cases into
-:class:`~kvlib.strategies.budget.retrieval_calibration.RetrievalCase` (the answer appended
+:class:`~kvlib.policies.budget.retrieval_calibration.RetrievalCase` (the answer appended
 teacher-forced, the needle's value tokens located in the prompt); :func:`retrieval_profile` runs
-:func:`~kvlib.strategies.budget.retrieval_calibration.calibrate_retrieval` on them once and keeps
+:func:`~kvlib.policies.budget.retrieval_calibration.calibrate_retrieval` on them once and keeps
 the profile under ``<kvlib cache>/profiles/``, for ``duo_attention(profile=...)`` and
 ``head_importance(profile=...)``. The calibration seeds default to 1000 and up, away from the
 evaluation's seed 0, so a profile is never measured on the prompts it is judged on.
@@ -19,7 +19,7 @@ from pathlib import Path
 from kvlib.eval.models import LoadedModel, TextTokenizer
 from kvlib.eval.output_files import private_folder
 from kvlib.eval.ruler import RULER_TASKS
-from kvlib.strategies.budget.retrieval_calibration import RetrievalCase, calibrate_retrieval
+from kvlib.policies.budget.retrieval_calibration import RetrievalCase, calibrate_retrieval
 
 CALIBRATION_TASKS = ("niah_single", "niah_multikey")
 """Needle tasks a profile is measured on by default (one asked value each: the answer is one number)."""

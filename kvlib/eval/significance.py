@@ -65,7 +65,7 @@ def parse_baseline(text: str | None, policies: Sequence[str], budgets: Sequence[
         return None
     name, at, budget_text = text.strip().rpartition("@") if "@" in text else (text.strip(), "", "")
     if name not in policies:
-        raise ValueError(f"--baseline {quoted(text)} is not one of the strategies run; choose from {', '.join(policies)}")
+        raise ValueError(f"--baseline {quoted(text)} is not one of the policies run; choose from {', '.join(policies)}")
     if not at:
         return Baseline(name)
     try:

@@ -71,11 +71,11 @@ def kv_bytes(cache) -> tuple[int, int]:
 
 def prefill_context(model: torch.nn.Module, cache, context_ids: torch.Tensor, tokenizer, memo: dict | None = None) -> None:
     """Read ``context_ids`` (int64 ``[batch, tokens]``, no padding) into the fresh kvlib ``cache``
-    ahead of a question: by its eviction strategy's own procedure where it has one
-    (:meth:`~kvlib.strategy.Eviction.context_prefill`, KVzip's reconstruction), else as a prompt,
+    ahead of a question: by its eviction policy's own procedure where it has one
+    (:meth:`~kvlib.policy.Eviction.context_prefill`, KVzip's reconstruction), else as a prompt,
     one forward call through the cache. ``memo``: the caller's dict for this context and model,
-    kept across the caches it is read into (see :data:`~kvlib.strategy.ContextPrefill`)."""
-    prefill = None if cache.compressor is None else cache.compressor.strategy.context_prefill()
+    kept across the caches it is read into (see :data:`~kvlib.policy.ContextPrefill`)."""
+    prefill = None if cache.compressor is None else cache.compressor.policy.context_prefill()
     if prefill is None:
         model(input_ids=context_ids, **cache_argument(cache), use_cache=True, logits_to_keep=1)
     else:

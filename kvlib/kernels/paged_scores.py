@@ -1,5 +1,5 @@
 """Attention weights of a few queries per row straight over a layer's pages (keys only), for the
-eviction strategies that score with them after a step that attended over the pages: the scores
+eviction policies that score with them after a step that attended over the pages: the scores
 of :mod:`kvlib.kernels.paged_attention`'s kernel (float pages where they lie, sealed pages through
 their codec's reader), kept per slot, then a softmax in torch.
 """
@@ -143,7 +143,7 @@ def attention_weights(
     slots]`` with ``slots = pages.shape[2] * page_size``, slot ``j * page_size + t`` being slot
     ``t`` of a head's ``j``-th page (the slot order of a dense read of the layer), 0 where the
     mask forbids, past a head's length, and for a query that sees no token. What an eviction
-    strategy's ``attention`` needs on a step that attended over the pages; the arguments are
+    policy's ``attention`` needs on a step that attended over the pages; the arguments are
     :func:`kvlib.kernels.paged_attention.attend_pages`'s."""
     rows = grouped_rows(query, pages, visible, query_positions)
     if query.dtype not in FLOAT_KINDS:

@@ -9,7 +9,7 @@ rewrite) moves every kept token after the first dropped one.
 
 After a hole fill a head's slots are no longer in position order; every reader looks each slot's
 position up (attention masks, kernels, ``kept_positions``), and the compressor hands order-dependent
-strategies a view in position order (see :attr:`~kvlib.strategy.Eviction.order_free`).
+policies a view in position order (see :attr:`~kvlib.policy.Eviction.order_free`).
 
 Pure index arithmetic on CPU int64 tensors (no state, vectorized over batch and heads).
 """

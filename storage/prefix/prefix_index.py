@@ -3,7 +3,7 @@
 A prompt is cut into blocks of ``page_size`` tokens. Block ``i``'s key is
 ``hash(key of block i - 1, its token ids, namespace)``, so one key names a whole prefix; the
 namespace carries everything the pages' contents depend on besides the tokens (model
-fingerprint, dtype, the strategies that produced the pages, a salt). A hit is verified against
+fingerprint, dtype, the policies that produced the pages, a salt). A hit is verified against
 the stored token ids and parent key, so a hash collision can never return another prefix's
 pages: it is a miss.
 

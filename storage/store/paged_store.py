@@ -228,7 +228,7 @@ class PagedStore(StoreReads):
                 that keep fewer.
             values: optional new values of the kept tokens of heads that drop any,
                 ``[batch, kv_heads, k, value_dim]`` aligned with ``keep`` sorted ascending (-1
-                last), in the store's dtype (merging strategies fold dropped values into kept ones).
+                last), in the store's dtype (merging policies fold dropped values into kept ones).
             reuse_slots: let heads that drop few tokens fill the dropped slots (below); for callers
                 that follow the returned layout and read positions, not slot order (the
                 transformers cache, the Engine). Off, kept tokens stay in their order.

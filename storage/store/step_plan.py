@@ -16,7 +16,7 @@ attention call:
   at those slots and attends over its pages (:mod:`kvlib.kernels.paged_ops`), and its block table's
   lengths move on in numpy (:meth:`~kvlib.storage.layers.block_table.BlockTable.advance`).
 
-A held cap kept as a ring (:class:`Ring`, for strategies that always drop a head's oldest token
+A held cap kept as a ring (:class:`Ring`, for policies that always drop a head's oldest token
 past its earliest ``start``: StreamingLLM) plans, for a head at its cap, the slot of that oldest
 token for the new one: the head's length stays at the cap, nothing is scored or compacted, and
 the step attends over the cap (the oldest token made room before the step, as StreamingLLM's

@@ -51,7 +51,7 @@ class StoreConfig:
         disk_pages: with a spill (disk tier) given to the store, at most this many pages of each
             layer on disk.
         placement: with ``device_pages``, the rule ordering the pages that leave the device and
-            the host (a tiering strategy; see :mod:`kvlib.placement`). None: lowest placement
+            the host (a tiering policy; see :mod:`kvlib.placement`). None: lowest placement
             score first, then least recently written.
 
     Invalid values raise ``ValueError`` when the config is made.

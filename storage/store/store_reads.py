@@ -37,7 +37,7 @@ class StoreReads(StoreState):
     def read_positions(self, layer: int, seqs: SequenceIds) -> LayerRead:
         """``seqs``' stored tokens of ``layer`` as :meth:`read` lays them out, without their keys
         and values: ``keys`` and ``values`` have no channels (``[batch, kv_heads, slots, 0]``);
-        ``positions`` and ``valid`` are :meth:`read`'s. What an eviction strategy that scores by
+        ``positions`` and ``valid`` are :meth:`read`'s. What an eviction policy that scores by
         positions and attention needs after a call that attended over the pages (8 bytes a token)."""
         layer = self._layer(layer)
         return self.layers[layer].read_positions(self._rows(seqs))

@@ -1,5 +1,5 @@
 """The shipped default model's acceptance figures (issue 5): needle retrieval with the full cache,
-and eviction strategies that differ on it. The figures are printed (``pytest -s``) for the notes."""
+and eviction policies that differ on it. The figures are printed (``pytest -s``) for the notes."""
 
 import pytest
 
@@ -35,7 +35,7 @@ def test_full_cache_finds_the_needle_at_1024(default):
     assert needle(*default, None) >= 0.9
 
 
-def test_eviction_strategies_differ_on_the_needle(default):
+def test_eviction_policies_differ_on_the_needle(default):
     scores = {policy: needle(*default, policy, 0.5) for policy in ("h2o", "streaming_llm")}
     assert scores["h2o"] >= scores["streaming_llm"] + 0.3
 

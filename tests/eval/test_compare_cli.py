@@ -113,13 +113,13 @@ def test_writes_a_consistent_table_json_csv_and_one_png_per_task(compared, capsy
     [
         (["--tasks", "needle,bogus"], "unknown task 'bogus'"),
         (["--policies", "snapkv(windw=3)"], "snapkv has no parameter 'windw'"),
-        (["--policies", "nosuch"], "unknown strategy"),
+        (["--policies", "nosuch"], "unknown policy"),
         (["--budgets", "0.5,2"], "budgets are fractions of the full cache in (0, 1], got [2.0]"),
         (["--budgets", "half"], "--budgets takes comma-separated fractions"),
         (["--context", "100000"], "needs"),
         (["--tasks", "jsonl:/no/such.jsonl"], "jsonl file not found"),
         (["--policies", "+".join(["h2o"] * 2000)], "a spec string has at most 4096 characters; got 7999: 'h2o+h2o"),
-        (["--policies", "+".join(["a"] * 2000)], "a spec holds at most 64 strategies"),
+        (["--policies", "+".join(["a"] * 2000)], "a spec holds at most 64 policies"),
         (["--policies", "x" * 100_000], "a spec string has at most 4096 characters; got 100000: 'xxxx"),
         (["--tasks", "y" * 100_000], "unknown task 'yyyy"),
         (["--context-first"], "context_first needs tasks that ask a question apart from their context (niah_single"),
@@ -143,8 +143,8 @@ def never_load(name):
 @pytest.mark.parametrize(
     "extra, message",
     [
-        (["--baseline", "h2o"], "--baseline 'h2o' is not one of the strategies run; choose from streaming_llm, snapkv(window=8)"),
-        (["--baseline", "full"], "--baseline 'full' is not one of the strategies run"),
+        (["--baseline", "h2o"], "--baseline 'h2o' is not one of the policies run; choose from streaming_llm, snapkv(window=8)"),
+        (["--baseline", "full"], "--baseline 'full' is not one of the policies run"),
         (["--baseline", "streaming_llm@0.3"], "budget 0.3 is not run; choose from 0.25, 0.5"),
         (["--baseline", "streaming_llm@x"], "'x' is not a budget such as 0.25"),
         (["--policies", "kivi(bits=4)", "--baseline", "kivi(bits=4)@0.25"], "keeps every token and runs once"),

@@ -21,7 +21,7 @@ from kvlib.eval.compare_speed import SPEED, measure_speeds
 from kvlib.eval.compare_units import CompareRun, speed_run
 from kvlib.eval.models import LoadedModel
 from kvlib.eval.shared_compare import SHARED
-from kvlib.strategy import Eviction, LayerView
+from kvlib.policy import Eviction, LayerView
 from tests.eval.conftest import tiny_byte_model
 
 ROUNDS = 7

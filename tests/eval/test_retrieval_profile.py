@@ -9,7 +9,7 @@ from kvlib.default_model import ByteTokenizer
 from kvlib.eval.models import LoadedModel
 from kvlib.eval.retrieval_profile import CALIBRATION_TASKS, needle_case, needle_cases, retrieval_profile, token_span
 from kvlib.eval.ruler import RULER_TASKS
-from kvlib.strategies.budget.head_importance import load_profile
+from kvlib.policies.budget.head_importance import load_profile
 from tests.eval.conftest import tiny_byte_model
 
 CONTEXT = 1024

@@ -1,6 +1,6 @@
 """A shared prefill gives every configuration what it would get alone: generated tokens, kept
 positions and cache bytes equal those of a separate ``generate`` with the configuration's own
-cache, for every registered eviction strategy, the codecs and compositions; configurations that
+cache, for every registered eviction policy, the codecs and compositions; configurations that
 cannot share are refused with their reason."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from kvlib.transformers_compat import cache_argument
 from tests.adapters.conftest import PAD, build_model, left_padded
 
 NEW_TOKENS = 6
-EVICTIONS = kvlib.available_strategies()["eviction"]
+EVICTIONS = kvlib.available_policies()["eviction"]
 CODECS = ["kivi(bits=2)", "svd", "snapkv+kivi(bits=2)"]
 """Codecs and a composition (a few: their kernels compile on first use, which costs seconds)."""
 
@@ -57,9 +57,9 @@ def assert_shared_equals_separate(model: torch.nn.Module, configs: list[tuple[st
         assert generation.cache.memory_report()["by_component"] == cache.memory_report()["by_component"], spec
 
 
-@pytest.mark.parametrize("strategy", EVICTIONS)
-def test_every_eviction_strategy_shares_a_prefill_exactly(model: torch.nn.Module, strategy: str) -> None:
-    assert_shared_equals_separate(model, [(strategy, 0.3)])
+@pytest.mark.parametrize("policy", EVICTIONS)
+def test_every_eviction_policy_shares_a_prefill_exactly(model: torch.nn.Module, policy: str) -> None:
+    assert_shared_equals_separate(model, [(policy, 0.3)])
 
 
 def test_the_full_cache_codecs_and_a_composition_share_a_prefill_exactly(model: torch.nn.Module) -> None:
@@ -68,7 +68,7 @@ def test_the_full_cache_codecs_and_a_composition_share_a_prefill_exactly(model: 
 
 def test_caches_replayed_after_one_another_reuse_its_attention_and_still_equal_separate_runs(model: torch.nn.Module) -> None:
     """The replays share the attention they accumulate from the prompt call (the recorder's memo):
-    the same strategy at other budgets, inside a composition, and strategies whose fields change
+    the same policy at other budgets, inside a composition, and policies whose fields change
     what they accumulate (keyformer's seed) each still equal their separate run."""
     configs = [
         ("h2o(recent=2)", 0.2),

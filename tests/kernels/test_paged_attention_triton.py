@@ -17,12 +17,12 @@ from hypothesis import strategies as st
 from kvlib.codec import layer_shapes
 from kvlib.kernels.paged_attention import arena_source, paged_attention
 from kvlib.kernels.paged_scores import attention_weights
-from kvlib.spec_text import parse_strategy
+from kvlib.spec_text import parse_policy
 from kvlib.storage.pools.page_pool import PagePool
 from kvlib.storage.store.paged_store import PagedStore
 from kvlib.storage.store.store_config import StoreConfig
 from tests.kernels.test_paged_attention import TOLERANCE, scattered_pages
-from tests.strategies.quantization.test_page_loaders import coded_store, fill
+from tests.policies.quantization.test_page_loaders import coded_store, fill
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 """Where the kernels run: the GPU, else the CPU under Triton's interpreter (``tests/conftest.py`` sets ``TRITON_INTERPRET``)."""
@@ -30,9 +30,9 @@ pytest.importorskip("triton", reason="the Triton kernels need triton (the dev ex
 kernels = importlib.import_module("kvlib.kernels.paged_attention_triton")
 triton = importlib.import_module("triton")
 tl = importlib.import_module("triton.language")
-e4m3_value = importlib.import_module("kvlib.strategies.quantization.triton_loaders.scaled_bytes").e4m3_value
+e4m3_value = importlib.import_module("kvlib.policies.quantization.triton_loaders.scaled_bytes").e4m3_value
 for _loaders in ("group", "rotated"):  # importing a loader module registers its loader (on CUDA the codecs import them)
-    importlib.import_module(f"kvlib.strategies.quantization.triton_loaders.{_loaders}")
+    importlib.import_module(f"kvlib.policies.quantization.triton_loaders.{_loaders}")
 products = importlib.import_module("kvlib.kernels.triton_products")
 
 TRITON_CODECS = [
@@ -219,7 +219,7 @@ def power_of_two_dims(case: dict) -> dict:
 @given(**CODED_CASES)
 def test_kernel_over_coded_pages_equals_the_kernels_and_float64_attention_over_their_decode(**case):
     """Against the numba kernel over the pages the codec decodes (float32 arenas, one numba
-    compilation for every codec; the coded numba path equals that, tests/strategies/quantization/
+    compilation for every codec; the coded numba path equals that, tests/policies/quantization/
     test_page_loaders.py) and float64 attention over them."""
     case = power_of_two_dims(case)
     pool, paged, query, visible, common, out = coded_case(**case)
@@ -249,7 +249,7 @@ def test_kernel_over_coded_pages_equals_the_coded_numba_kernel(**case):
 def store_on_device(spec: str, page_size: int) -> PagedStore:
     """A one-layer store of one KV head (head dim 16) on :data:`DEVICE` whose sealed pages ``spec``'s codec encodes."""
     shapes = layer_shapes(1, 1, 16, 16, page_size, torch.float32, DEVICE)
-    codecs = parse_strategy(spec).layer_codecs(shapes)
+    codecs = parse_policy(spec).layer_codecs(shapes)
     return PagedStore(StoreConfig(1, 1, 16, page_size=page_size, dtype=torch.float32, device=DEVICE, codecs=codecs, read_cache=False))
 
 

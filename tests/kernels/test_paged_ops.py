@@ -11,7 +11,7 @@ from torch._dynamo.testing import CompileCounter
 
 from kvlib.codec import layer_shapes
 from kvlib.kernels import paged_ops
-from kvlib.spec_text import parse_strategy
+from kvlib.spec_text import parse_policy
 from kvlib.storage.store.paged_store import PagedStore
 from kvlib.storage.store.store_config import StoreConfig
 
@@ -24,7 +24,7 @@ def planned_store(spec: str | None, dtype: torch.dtype = torch.float32, seed: in
     generator = torch.Generator().manual_seed(seed)
     codecs = None
     if spec is not None:
-        codecs = parse_strategy(spec).layer_codecs(layer_shapes(2, 2, DIM, DIM, 4, dtype, torch.device("cpu")))
+        codecs = parse_policy(spec).layer_codecs(layer_shapes(2, 2, DIM, DIM, 4, dtype, torch.device("cpu")))
     store = PagedStore(StoreConfig(2, 2, DIM, page_size=4, dtype=dtype, codecs=codecs, read_cache=False))
     rows = [store.new_sequence(), store.new_sequence()]
     for layer in range(2):

@@ -8,7 +8,7 @@ import pytest
 
 from kvlib import cli, registry
 from kvlib.errors import SpecError
-from kvlib.strategy import KIND_BASES, Quantization
+from kvlib.policy import KIND_BASES, Quantization
 
 KINDS = ("eviction", "budget", "quantization", "lowrank", "reuse", "tiering")
 
@@ -42,7 +42,7 @@ def test_list_prints_every_kind_and_streaming_llm(capsys):
 
 
 def test_list_shows_empty_kinds_and_registered_plugins(capsys, monkeypatch):
-    registry.available_strategies()
+    registry.available_policies()
     monkeypatch.setattr(registry, "_registry", {"streaming_llm": registry._registry["streaming_llm"]})
     registry.register("mytest_cli_quant")(MyTestCliQuant)
 
@@ -58,8 +58,8 @@ def test_list_shows_empty_kinds_and_registered_plugins(capsys, monkeypatch):
         assert lines[lines.index(f"{kind}:") + 1] == "  (none yet)"
 
 
-def test_list_strategies_matches_main_output(capsys):
-    text = cli.list_strategies()
+def test_list_policies_matches_main_output(capsys):
+    text = cli.list_policies()
     cli.main(["list"])
     assert capsys.readouterr().out == text + "\n"
     assert len(KIND_BASES) == len(KINDS)
@@ -70,7 +70,7 @@ def test_no_command_prints_help(capsys):
     out = capsys.readouterr().out
     assert out.startswith("usage: kvlib")
     assert "list" in out
-    assert "list registered strategies by kind" in out
+    assert "list registered policies by kind" in out
 
 
 def test_help_exits_zero(capsys):
@@ -90,7 +90,7 @@ def test_list_error_is_reported_with_exit_code_2(capsys, monkeypatch):
     def broken():
         raise SpecError("registry on fire")
 
-    monkeypatch.setattr(cli, "list_strategies", broken)
+    monkeypatch.setattr(cli, "list_policies", broken)
     assert cli.main(["list"]) == 2
     captured = capsys.readouterr()
     assert captured.err == "kvlib: error: registry on fire\n"

@@ -11,7 +11,7 @@ import torch
 
 from kvlib import devices
 from kvlib.devices import BUSY_LOAD, SMALL_MODEL_PARAMETERS, PagedKernel, cpu_threads, paged_kernel, reads_pages_in_place, set_cpu_threads
-from kvlib.strategies.quantization.kernels import row_absmax
+from kvlib.policies.quantization.kernels import row_absmax
 
 
 def test_small_models_run_on_one_thread_on_a_busy_machine_and_a_request_wins() -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 import tomllib
 
 ROOT = Path(__file__).resolve().parents[2]
-MAPPED = {"kvlib": "kvlib", "kvlib.strategies": "strategies", "kvlib.storage": "storage", "kvlib.adapters": "adapters"}
+MAPPED = {"kvlib": "kvlib", "kvlib.policies": "policies", "kvlib.storage": "storage", "kvlib.adapters": "adapters"}
 
 
 def test_every_package_folder_is_listed_in_pyproject() -> None:
@@ -25,8 +25,8 @@ def test_every_package_folder_is_listed_in_pyproject() -> None:
 
 def test_only_kvlib_is_a_top_level_import_name(tmp_path: Path) -> None:
     code = (
-        "import importlib.util, kvlib.storage, kvlib.strategies.eviction, kvlib.adapters;"
-        "print([n for n in ('storage', 'strategies', 'policies', 'adapters') if importlib.util.find_spec(n)])"
+        "import importlib.util, kvlib.storage, kvlib.policies.eviction, kvlib.adapters;"
+        "print([n for n in ('storage', 'policies', 'strategies', 'adapters') if importlib.util.find_spec(n)])"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

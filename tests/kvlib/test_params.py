@@ -1,4 +1,4 @@
-"""Tests for kvlib.params: coercion and description of typed strategy parameters."""
+"""Tests for kvlib.params: coercion and description of typed policy parameters."""
 
 import typing
 from typing import Any, Literal, Optional
@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 
 from kvlib.errors import SpecError
 from kvlib.params import Seed, coerce, describe
-from kvlib.strategies.eviction.streaming_llm import StreamingLLM
-from kvlib.strategy import Budget, Eviction
+from kvlib.policies.eviction.streaming_llm import StreamingLLM
+from kvlib.policy import Budget, Eviction
 
 
 def ok(annotation, value):
@@ -196,7 +196,7 @@ def test_fixed_length_tuple_is_not_silently_homogeneous():
         assert "unsupported" in str(exc)
 
 
-# -- Any / strategy annotations / unsupported -----------------------------------------------
+# -- Any / policy annotations / unsupported -----------------------------------------------
 
 
 def test_any_passes_through():
@@ -204,7 +204,7 @@ def test_any_passes_through():
     assert ok(Any, marker) is marker
 
 
-def test_strategy_annotation_accepts_object_and_spec_string():
+def test_policy_annotation_accepts_object_and_spec_string():
     obj = StreamingLLM(sinks=1)
     assert ok(Eviction, obj) is obj
     assert ok(Eviction, "streaming_llm(sinks=1)") == obj
@@ -212,12 +212,12 @@ def test_strategy_annotation_accepts_object_and_spec_string():
     assert ok(Eviction | None, None) is None
 
 
-def test_strategy_annotation_rejects_wrong_kind_and_bad_strings():
+def test_policy_annotation_rejects_wrong_kind_and_bad_strings():
     message = rejected(Budget, StreamingLLM())
     assert "parameter 'param' must be Budget" in message
-    assert "expected a budget strategy" in message
-    assert "unknown strategy 'nope'" in rejected(Eviction, "nope")
-    assert "expected exactly one strategy" in rejected(Eviction, "streaming_llm+streaming_llm")
+    assert "expected a budget policy" in message
+    assert "unknown policy 'nope'" in rejected(Eviction, "nope")
+    assert "expected exactly one policy" in rejected(Eviction, "streaming_llm+streaming_llm")
     assert "must be Eviction" in rejected(Eviction, 3)
 
 

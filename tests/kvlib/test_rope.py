@@ -9,8 +9,8 @@ import torch
 from transformers import DynamicCache
 
 from kvlib.model_shape import kv_shape, rope_of
+from kvlib.policy import Rope
 from kvlib.rope import rerotate
-from kvlib.strategy import Rope
 from kvlib.transformers_compat import cache_argument
 from tests.adapters.conftest import build_model
 

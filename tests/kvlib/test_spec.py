@@ -13,12 +13,12 @@ from hypothesis import strategies as st
 import kvlib
 from kvlib import registry
 from kvlib.errors import SpecError
+from kvlib.policies.eviction.streaming_llm import StreamingLLM
+from kvlib.policy import Budget, Eviction, Reuse, Tiering
 from kvlib.spec import Spec, parse_spec
-from kvlib.spec_text import parameters_help, parse_strategy
-from kvlib.strategies.eviction.streaming_llm import StreamingLLM
-from kvlib.strategy import Budget, Eviction, Reuse, Tiering
+from kvlib.spec_text import parameters_help, parse_policy
 
-# -- test-only strategies (registered only inside `extra_strategies`) -----------------------
+# -- test-only policies (registered only inside `extra_policies`) -----------------------
 
 
 @dataclass
@@ -31,7 +31,7 @@ class MyTestEvict(Eviction):
 
 @dataclass
 class MyTestWrap(Eviction):
-    """Test-only wrapper eviction taking another eviction strategy inside."""
+    """Test-only wrapper eviction taking another eviction policy inside."""
 
     inner: Eviction | None = None
     scale: float = 1.0
@@ -42,14 +42,14 @@ class MyTestWrap(Eviction):
 
 @dataclass
 class MyTestReuseA(Reuse):
-    """Test-only reuse strategy A."""
+    """Test-only reuse policy A."""
 
     share: bool = True
 
 
 @dataclass
 class MyTestReuseB(Reuse):
-    """Test-only reuse strategy B."""
+    """Test-only reuse policy B."""
 
     mode: str = "prefix"
 
@@ -67,7 +67,7 @@ class MyTestBudget(Budget):
 
 @dataclass
 class MyTestTier(Tiering):
-    """Test-only tiering strategy."""
+    """Test-only tiering policy."""
 
     host_pages: int = 0
 
@@ -92,8 +92,8 @@ EXTRA = {
 
 @contextlib.contextmanager
 def temporary_registry():
-    """Register the test-only strategies in a copy of the registry; restore the original after."""
-    registry.available_strategies()  # built-ins into the real registry first
+    """Register the test-only policies in a copy of the registry; restore the original after."""
+    registry.available_policies()  # built-ins into the real registry first
     original = registry._registry
     registry._registry = dict(original)
     try:
@@ -105,15 +105,15 @@ def temporary_registry():
 
 
 @pytest.fixture
-def extra_strategies():
+def extra_policies():
     with temporary_registry() as reg:
         yield reg
 
 
 def test_temporary_registry_restores_the_registry():
     with temporary_registry():
-        assert "mytest_evict" in registry.available_strategies()["eviction"]
-    assert "mytest_evict" not in registry.available_strategies()["eviction"]
+        assert "mytest_evict" in registry.available_policies()["eviction"]
+    assert "mytest_evict" not in registry.available_policies()["eviction"]
     with pytest.raises(SpecError):
         parse_spec("mytest_evict")
 
@@ -125,7 +125,7 @@ def test_temporary_registry_restores_the_registry():
 def test_empty_specs(empty):
     spec = parse_spec(empty)
     assert spec == Spec()
-    assert spec.strategies() == []
+    assert spec.policies() == []
     assert str(spec) == "full"
 
 
@@ -133,7 +133,7 @@ def test_name_only_uses_defaults():
     spec = parse_spec("streaming_llm")
     assert spec.eviction == StreamingLLM()
     assert spec.eviction.sinks == 4
-    assert spec.strategies() == [StreamingLLM()]
+    assert spec.policies() == [StreamingLLM()]
     assert str(spec) == "streaming_llm"
 
 
@@ -146,14 +146,14 @@ def test_name_with_parameters(text):
     assert str(spec) == "streaming_llm(sinks=2)"
 
 
-def test_strategy_object():
+def test_policy_object():
     obj = StreamingLLM(sinks=1)
     spec = parse_spec(obj)
     assert spec.eviction is obj
     assert str(spec) == "streaming_llm(sinks=1)"
 
 
-def test_list_mixing_strings_and_objects(extra_strategies):
+def test_list_mixing_strings_and_objects(extra_policies):
     tier = MyTestTier(host_pages=8)
     spec = parse_spec(["streaming_llm(sinks=3)", tier, "mytest_reuse_a+mytest_budget(ratio=0.25)"])
     assert spec.eviction == StreamingLLM(sinks=3)
@@ -167,10 +167,10 @@ def test_spec_passes_through():
     assert parse_spec(spec) is spec
 
 
-def test_canonical_order_is_by_kind(extra_strategies):
+def test_canonical_order_is_by_kind(extra_policies):
     spec = parse_spec("mytest_tier(host_pages=1)+mytest_reuse_b+mytest_budget+streaming_llm(sinks=0)")
     assert str(spec) == "streaming_llm(sinks=0)+mytest_budget+mytest_reuse_b+mytest_tier(host_pages=1)"
-    assert [s.kind for s in spec.strategies()] == ["eviction", "budget", "reuse", "tiering"]
+    assert [s.kind for s in spec.policies()] == ["eviction", "budget", "reuse", "tiering"]
 
 
 @pytest.mark.parametrize(
@@ -183,7 +183,7 @@ def test_canonical_order_is_by_kind(extra_strategies):
         "mytest_reuse_b(mode='it\\'s')",
     ],
 )
-def test_str_round_trips(extra_strategies, text):
+def test_str_round_trips(extra_policies, text):
     spec = parse_spec(text)
     canonical = str(spec)
     again = parse_spec(canonical)
@@ -214,14 +214,14 @@ def test_round_trip_property_for_floats_tuples_and_strings(ratio, layers, mode):
         assert again == spec
 
 
-def test_reuse_admits_several(extra_strategies):
+def test_reuse_admits_several(extra_policies):
     spec = parse_spec("mytest_reuse_a+mytest_reuse_b(mode='suffix')")
     assert spec.reuse == (MyTestReuseA(), MyTestReuseB(mode="suffix"))
     assert str(spec) == "mytest_reuse_a+mytest_reuse_b(mode='suffix')"
     assert parse_spec(str(spec)) == spec
 
 
-def test_nested_strategy_from_spec_string(extra_strategies):
+def test_nested_policy_from_spec_string(extra_policies):
     spec = parse_spec('mytest_wrap(inner="streaming_llm(sinks=1)")')
     assert isinstance(spec.eviction, MyTestWrap)
     assert spec.eviction.inner == StreamingLLM(sinks=1)
@@ -229,7 +229,7 @@ def test_nested_strategy_from_spec_string(extra_strategies):
     assert parse_spec(str(spec)) == spec
 
 
-def test_nested_strategy_object_and_default_none(extra_strategies):
+def test_nested_policy_object_and_default_none(extra_policies):
     inner = StreamingLLM(sinks=0)
     assert MyTestWrap(inner=inner).inner is inner
     assert parse_spec("mytest_wrap").eviction.inner is None
@@ -241,12 +241,12 @@ def test_nested_strategy_object_and_default_none(extra_strategies):
     "inner, problem",
     [
         ("'mytest_budget'", "inner"),  # wrong kind
-        ("'nope_not_a_strategy'", "inner"),  # unknown name
+        ("'nope_not_a_policy'", "inner"),  # unknown name
         ("'streaming_llm+mytest_evict'", "inner"),  # more than one
         ("3", "inner"),
     ],
 )
-def test_nested_strategy_errors(extra_strategies, inner, problem):
+def test_nested_policy_errors(extra_policies, inner, problem):
     with pytest.raises(SpecError, match=problem) as info:
         parse_spec(f"mytest_wrap(inner={inner})")
     assert "Eviction | None" in str(info.value)
@@ -259,13 +259,13 @@ def test_unknown_name():
     with pytest.raises(SpecError) as info:
         parse_spec("streaming_lm(sinks=2)")
     message = str(info.value)
-    assert "unknown strategy 'streaming_lm'" in message
+    assert "unknown policy 'streaming_lm'" in message
     assert "'streaming_llm'" in message
     assert re.search(r"eviction: [a-z0-9_, ]*streaming_llm", message)
 
 
 def test_unknown_name_in_a_composition():
-    with pytest.raises(SpecError, match="unknown strategy 'full'"):
+    with pytest.raises(SpecError, match="unknown policy 'full'"):
         parse_spec("streaming_llm+full")
 
 
@@ -277,7 +277,7 @@ def test_unknown_parameter_lists_valid_parameters():
     assert "valid: sinks (int, default 4)" in message
 
 
-def test_unknown_parameter_lists_every_parameter(extra_strategies):
+def test_unknown_parameter_lists_every_parameter(extra_policies):
     with pytest.raises(SpecError) as info:
         parse_spec("mytest_budget(ratio=0.1, bits=2, layers=(1,))")
     message = str(info.value)
@@ -350,11 +350,11 @@ def test_syntax_error(text):
     assert "name(param=value)" in message
 
 
-def test_two_evictions_rejected(extra_strategies):
+def test_two_evictions_rejected(extra_policies):
     with pytest.raises(SpecError) as info:
         parse_spec("streaming_llm+mytest_evict")
     message = str(info.value)
-    assert "at most 1 eviction strategy" in message
+    assert "at most 1 eviction policy" in message
     assert "streaming_llm and mytest_evict" in message
 
 
@@ -367,12 +367,12 @@ def test_two_evictions_rejected(extra_strategies):
         ["mytest_tier", MyTestTier(host_pages=1)],
     ],
 )
-def test_two_of_a_single_kind_rejected(extra_strategies, spec):
+def test_two_of_a_single_kind_rejected(extra_policies, spec):
     with pytest.raises(SpecError, match="a spec admits at most 1"):
         parse_spec(spec)
 
 
-def test_unregistered_strategy_instance():
+def test_unregistered_policy_instance():
     with pytest.raises(SpecError) as info:
         parse_spec(MyTestUnregistered())
     assert "MyTestUnregistered is not registered" in str(info.value)
@@ -383,13 +383,13 @@ def test_unregistered_strategy_instance():
 
 @dataclass
 class UnregisteredStreamingSubclass(StreamingLLM):
-    """A subclass of a registered strategy, itself never registered."""
+    """A subclass of a registered policy, itself never registered."""
 
     def score(self, view):
         return -super().score(view)
 
 
-def test_unregistered_subclass_of_registered_strategy():
+def test_unregistered_subclass_of_registered_policy():
     with pytest.raises(SpecError, match="not registered"):
         parse_spec(UnregisteredStreamingSubclass(sinks=1))
 
@@ -426,36 +426,36 @@ def test_repeated_parameter_is_rejected():
 
 
 @pytest.mark.parametrize("ratio", [float("inf"), float("-inf"), float("nan")])
-def test_non_finite_float_is_rejected(extra_strategies, ratio):
+def test_non_finite_float_is_rejected(extra_policies, ratio):
     """Non-finite floats could not round-trip through a spec string, so they are refused."""
     with pytest.raises(SpecError, match="finite"):
         MyTestBudget(ratio=ratio)
 
 
-# -- parse_strategy ---------------------------------------------------------------------------
+# -- parse_policy ---------------------------------------------------------------------------
 
 
-def test_parse_strategy_one():
-    strategy = parse_strategy("streaming_llm(sinks=3)")
-    assert strategy == StreamingLLM(sinks=3)
-    assert strategy.spec() == "streaming_llm(sinks=3)"
+def test_parse_policy_one():
+    policy = parse_policy("streaming_llm(sinks=3)")
+    assert policy == StreamingLLM(sinks=3)
+    assert policy.spec() == "streaming_llm(sinks=3)"
 
 
 @pytest.mark.parametrize("text, count", [("", 0), ("full", 0), ("streaming_llm+streaming_llm", 2)])
-def test_parse_strategy_needs_exactly_one(text, count):
-    with pytest.raises(SpecError, match=f"expected exactly one strategy, got {count}"):
-        parse_strategy(text)
+def test_parse_policy_needs_exactly_one(text, count):
+    with pytest.raises(SpecError, match=f"expected exactly one policy, got {count}"):
+        parse_policy(text)
 
 
-def test_parse_strategy_two_kinds(extra_strategies):
+def test_parse_policy_two_kinds(extra_policies):
     with pytest.raises(SpecError, match="got 2"):
-        parse_strategy("streaming_llm+mytest_reuse_a")
+        parse_policy("streaming_llm+mytest_reuse_a")
 
 
 # -- parameters_help --------------------------------------------------------------------------
 
 
-def test_parameters_help(extra_strategies):
+def test_parameters_help(extra_policies):
     assert parameters_help(StreamingLLM) == "sinks (int, default 4)"
     assert parameters_help(MyTestEvict) == "(none)"
     assert parameters_help(MyTestWrap) == "inner (Eviction | None, default None), scale (float, default 1.0)"
@@ -485,8 +485,8 @@ def test_spec_is_frozen():
     ("text", "message"),
     [
         ("+".join(["h2o"] * 2000), r"^a spec string has at most 4096 characters; got 7999: 'h2o\+h2o"),
-        ("+".join(["h2o"] * 65), r"^a spec holds at most 64 strategies \(one per kind, and reuse strategies\); got 65 terms in"),
-        ("+".join(["a"] * 2000), r"^a spec holds at most 64 strategies .*; got 2000 terms in 'a\+a\+a"),
+        ("+".join(["h2o"] * 65), r"^a spec holds at most 64 policies \(one per kind, and reuse policies\); got 65 terms in"),
+        ("+".join(["a"] * 2000), r"^a spec holds at most 64 policies .*; got 2000 terms in 'a\+a\+a"),
         ("(" * 300 + "h2o" + ")" * 300, r"^cannot parse spec '\(\(\(\("),
     ],
     ids=["2000-terms-long", "65-terms", "2000-short-terms", "deep-parentheses"],
@@ -497,17 +497,17 @@ def test_oversized_specs_are_spec_errors_with_a_cut_echo(text, message):
     assert len(str(info.value)) < 400
 
 
-def test_a_list_of_too_many_strategies_is_refused():
-    with pytest.raises(SpecError, match="at most 64 strategies .*; got a list of 65 items"):
+def test_a_list_of_too_many_policies_is_refused():
+    with pytest.raises(SpecError, match="at most 64 policies .*; got a list of 65 items"):
         parse_spec([StreamingLLM()] * 65)
 
 
 def test_a_huge_unknown_name_is_cut_in_the_message():
     name = "x" * 100_000
     with pytest.raises(SpecError) as info:
-        kvlib.get_strategy(name)
+        kvlib.get_policy(name)
     message = str(info.value)
-    assert message.startswith("unknown strategy 'xxxx") and "x...." in message and len(message) < 1_000
+    assert message.startswith("unknown policy 'xxxx") and "x...." in message and len(message) < 1_000
     assert "Did you mean" not in message and "eviction: " in message
 
 

@@ -93,7 +93,7 @@ class RulerTask(abc.ABC):
     """Whether :meth:`prompt` sets a question apart from the context (``context_first`` needs it)."""
     context_memos: dict[tuple[int, tuple[int, ...]], dict] = field(default_factory=dict, init=False, repr=False, compare=False)
     """With ``context_first``: per (model, context ids), the memo its context procedure keeps
-    (:data:`~kvlib.strategy.ContextPrefill`), so the task's later configurations reuse what an
+    (:data:`~kvlib.policy.ContextPrefill`), so the task's later configurations reuse what an
     earlier one computed from the same case's context alone (KVzip's reconstruction scores,
     float32 ``[kv_heads, context tokens]`` per layer: 1.5 MB a 4k case on SmolLM2). Lives as long
     as the task."""
@@ -187,7 +187,7 @@ class RulerTask(abc.ABC):
     @property
     def shares_prefill(self) -> bool:
         """Whether :meth:`run_shared` may run this task's configurations from one prompt call per
-        batch: not when the context is read first (its strategy's own procedure, KVzip's)."""
+        batch: not when the context is read first (its policy's own procedure, KVzip's)."""
         return not self.context_first
 
     def run_shared(

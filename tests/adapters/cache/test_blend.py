@@ -11,8 +11,8 @@ import torch
 import kvlib
 from kvlib.eval.agreement import agreement_metrics, greedy_reference, teacher_forced_logits
 from kvlib.model_shape import kv_shape, rope_of
+from kvlib.policies.reuse.cacheblend import CacheBlend
 from kvlib.rope import rerotate
-from kvlib.strategies.reuse.cacheblend import CacheBlend
 from kvlib.transformers_compat import cache_argument
 from tests.adapters.conftest import DEFAULT_BYTES, PAD, build_model, edit_one_weight, prompt_vocab
 
@@ -64,8 +64,8 @@ def test_kv_deviation_restores_more_than_other_rules_and_more_recompute_helps() 
     tokens, reference = greedy_reference(model, kvlib.make_cache(model), prompt, 24)
     store = kvlib.ChunkStore(model, capacity_bytes=2**26)
 
-    def kl(strategy: CacheBlend) -> float:
-        logits = teacher_forced_logits(model, kvlib.blend_cache(model, chunks, store, strategy), question, tokens)
+    def kl(policy: CacheBlend) -> float:
+        logits = teacher_forced_logits(model, kvlib.blend_cache(model, chunks, store, policy), question, tokens)
         return agreement_metrics(tokens, reference, logits)["kl"]
 
     none, deviation15, deviation30 = kl(CacheBlend(recompute=0.0)), kl(CacheBlend(recompute=0.15)), kl(CacheBlend(recompute=0.3))

@@ -68,7 +68,7 @@ DEVICE_SPECS = [
     "quest(top_k=1000, dense_layers=0, placement='lru(device_mb=0.002)')",
     "shadowkv(pages=100, window=1, outliers=1, dense_layers=0, device_mb=0.002)",
 ]
-"""Codecs, an eviction strategy, a tiered codec and two page retrievals choosing every page (the
+"""Codecs, an eviction policy, a tiered codec and two page retrievals choosing every page (the
 tiny ``device_mb`` puts pages on the host)."""
 
 

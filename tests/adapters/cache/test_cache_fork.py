@@ -45,7 +45,7 @@ def test_forks_continue_a_prefix_as_the_original_would_and_apart(family: str, sp
 
 
 def test_a_compressed_cache_forks_with_its_kept_tokens() -> None:
-    from kvlib.strategies.eviction.kvzip import RepeatPrompt, compress
+    from kvlib.policies.eviction.kvzip import RepeatPrompt, compress
 
     model = build_model("llama")
     context = torch.randint(11, 97, (1, 40), generator=torch.Generator().manual_seed(1))

@@ -62,8 +62,8 @@ def test_a_chunked_prefill_arranges_after_every_chunk_and_reading_every_page_equ
 def test_clusters_fill_consecutive_slots_after_the_prompt() -> None:
     model = build_model("default")
     ids, mask = left_padded([96], seed=5, vocab=DEFAULT_BYTES)
-    strategy = kvlib.parse_strategy("clusterkv(top_k=2, dense_layers=1, cluster_tokens=16)")
-    cache = kvlib.make_cache(model, strategy)
+    policy = kvlib.parse_policy("clusterkv(top_k=2, dense_layers=1, cluster_tokens=16)")
+    cache = kvlib.make_cache(model, policy)
     with torch.inference_mode():
         model(input_ids=ids, attention_mask=mask, **cache_argument(cache))
     dense = cache.store.stored_positions(0, cache.rows)
@@ -71,7 +71,7 @@ def test_clusters_fill_consecutive_slots_after_the_prompt() -> None:
     for layer in range(1, cache.shape.num_layers):
         read = cache.store.read(layer, cache.rows)
         order = read.positions[0]
-        ids_in_slots = strategy.cluster_ids(read.keys, read.positions, read.valid)[0]
+        ids_in_slots = policy.cluster_ids(read.keys, read.positions, read.valid)[0]
         for head in range(order.shape[0]):
             clusters = ids_in_slots[head].tolist()
             runs = [c for i, c in enumerate(clusters) if i == 0 or c != clusters[i - 1]]

@@ -1,5 +1,5 @@
-"""Codecs through ``generate``: every quantization and low-rank strategy, alone and under every
-eviction strategy, for fp32, fp16 and bf16, on the embedded default model and a GPT-2 config; bytes held follow
+"""Codecs through ``generate``: every quantization and low-rank policy, alone and under every
+eviction policy, for fp32, fp16 and bf16, on the embedded default model and a GPT-2 config; bytes held follow
 the codec's layout; int8 stays within a stated KL of the uncompressed cache."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from tests.adapters.conftest import DEFAULT_BYTES, PAD, build_model, left_padded
 
 CODECS = [
     "minicache(start=0.0)" if name == "minicache" else name  # the GPT-2 config has 2 layers: one pair from layer 0
-    for name in kvlib.available_strategies()["quantization"] + kvlib.available_strategies()["lowrank"]
+    for name in kvlib.available_policies()["quantization"] + kvlib.available_policies()["lowrank"]
 ]
 INT8_KL_BOUND = 2e-5
 """Mean KL(full || int8) of the default model's next-token distributions, nats (measured 2.5e-6;
@@ -24,8 +24,8 @@ the bound keeps the 7-8x margin the stories260K test model's had, 0.002 over 0.0
 
 
 def test_every_codec_kind_is_registered() -> None:
-    assert {"kivi", "int8", "kv_bits", "fp8"} <= set(kvlib.available_strategies()["quantization"])
-    assert {"svd", "xkv", "think", "minicache"} <= set(kvlib.available_strategies()["lowrank"])
+    assert {"kivi", "int8", "kv_bits", "fp8"} <= set(kvlib.available_policies()["quantization"])
+    assert {"svd", "xkv", "think", "minicache"} <= set(kvlib.available_policies()["lowrank"])
 
 
 def held_bytes_follow_the_layout(cache) -> None:
@@ -60,14 +60,14 @@ def test_codec_through_generate(spec: str, family: str, dtype: torch.dtype) -> N
     held_bytes_follow_the_layout(cache)
     exact = kvlib.make_cache(model)
     model.generate(ids, attention_mask=mask, **cache_argument(exact), do_sample=False, max_new_tokens=12, pad_token_id=PAD)
-    if spec in kvlib.available_strategies()["quantization"]:
+    if spec in kvlib.available_policies()["quantization"]:
         coded, full = cache.memory_report()["by_component"], exact.memory_report()["by_component"]
         assert coded["pages"] + coded["codec_metadata"] < full["pages"]
 
 
 @pytest.mark.parametrize("codec", ["kivi(bits=4)", "svd(rank=4)"])
-@pytest.mark.parametrize("eviction", kvlib.available_strategies()["eviction"])
-def test_codecs_compose_with_every_eviction_strategy(eviction: str, codec: str) -> None:
+@pytest.mark.parametrize("eviction", kvlib.available_policies()["eviction"])
+def test_codecs_compose_with_every_eviction_policy(eviction: str, codec: str) -> None:
     model = build_model("gpt2")
     ids, mask = left_padded([40, 33], seed=8)
     for slack, most in ((None, 24 + 16), (0, 24)):  # with a codec, slack defaults to a page

@@ -1,11 +1,11 @@
-"""The drop-in cache under ``torch.compile`` in the flows users write, for every registered strategy
+"""The drop-in cache under ``torch.compile`` in the flows users write, for every registered policy
 and codec: ``model.forward`` compiled then ``generate`` (the prefill through the compiled forward
 too), ``model.compile()`` (the module form: its forward pre-hooks traced with it), a manual loop over
 ``torch.compile(model)``, and ``generate``'s own compile path (``is_compileable``). Every flow
 traces with ``fullgraph=True`` (no graph break), compiles at most twice over 64 decode steps that
 cross page boundaries, evictions and codec seals (the prompt's shape, then the decode step with its
-lengths dynamic: one graph serves every cache and every strategy), and gives the eager tokens.
-Inductor runs too, on a few strategies (``slow``: its C++ compilation takes minutes here).
+lengths dynamic: one graph serves every cache and every policy), and gives the eager tokens.
+Inductor runs too, on a few policies (``slow``: its C++ compilation takes minutes here).
 
 The default suite walks :data:`IN_THE_SUITE` (the exact cache, an eviction with its received
 attention folded by the kernel and a codec sealing pages) and the module flows once; the whole
@@ -21,7 +21,7 @@ import torch
 from transformers import CompileConfig
 
 import kvlib
-from kvlib.strategies.budget.head_importance import PROFILE_FORMAT
+from kvlib.policies.budget.head_importance import PROFILE_FORMAT
 from tests.adapters.conftest import PAD, build_model, left_padded
 
 NEW_TOKENS = 64
@@ -46,14 +46,14 @@ IN_THE_SUITE = {"exact", "h2o+kivi"}
 
 
 def _specs() -> list[pytest.param]:
-    """Every registered strategy a cache can run alone (eviction at :data:`BUDGET`), and the
+    """Every registered policy a cache can run alone (eviction at :data:`BUDGET`), and the
     compositions the README shows; the cases outside :data:`IN_THE_SUITE` marked ``slow``."""
-    strategies = kvlib.available_strategies()
+    policies = kvlib.available_policies()
     specs = [pytest.param("", None, id="exact")]
-    specs += [pytest.param(name, BUDGET, id=name) for name in strategies["eviction"]]
-    specs += [pytest.param(_CODECS.get(name, name), None, id=name) for name in strategies["quantization"] + strategies["lowrank"]]
-    specs += [pytest.param(_TIERING[name], None, id=name) for name in strategies["tiering"]]
-    specs += [pytest.param(f"snapkv+{_BUDGETS.get(name, name)}", BUDGET, id=f"snapkv+{name}") for name in strategies["budget"]]
+    specs += [pytest.param(name, BUDGET, id=name) for name in policies["eviction"]]
+    specs += [pytest.param(_CODECS.get(name, name), None, id=name) for name in policies["quantization"] + policies["lowrank"]]
+    specs += [pytest.param(_TIERING[name], None, id=name) for name in policies["tiering"]]
+    specs += [pytest.param(f"snapkv+{_BUDGETS.get(name, name)}", BUDGET, id=f"snapkv+{name}") for name in policies["budget"]]
     specs += [pytest.param("snapkv+kivi(bits=4)", BUDGET, id="snapkv+kivi"), pytest.param("h2o+kivi(bits=4)", BUDGET, id="h2o+kivi")]
     return [spec if spec.id in IN_THE_SUITE else pytest.param(*spec.values, id=spec.id, marks=pytest.mark.slow) for spec in specs]
 
@@ -61,12 +61,12 @@ def _specs() -> list[pytest.param]:
 SPECS = _specs()
 
 
-def test_every_registered_strategy_is_walked() -> None:
-    """A strategy registered without a case here fails this test: it must be added to :func:`_specs`."""
+def test_every_registered_policy_is_walked() -> None:
+    """A policy registered without a case here fails this test: it must be added to :func:`_specs`."""
     walked = {param.values[0].split("(")[0] for param in SPECS} | {
         part.split("(")[0] for param in SPECS for part in param.values[0].split("+")
     }
-    registered = {name for kind, names in kvlib.available_strategies().items() if kind != "reuse" for name in names}
+    registered = {name for kind, names in kvlib.available_policies().items() if kind != "reuse" for name in names}
     assert registered <= walked, sorted(registered - walked)
 
 
@@ -122,7 +122,7 @@ def compiled_forward(model):
 @pytest.mark.parametrize("spec, budget", SPECS)
 def test_compiled_forward_then_generate(model, prompt, compiled_forward, profile: str, spec: str, budget: int | None) -> None:
     """``model.forward = torch.compile(model.forward, fullgraph=True)``, then ``generate``: the
-    prompt and 64 decode steps through the compiled forward give the eager tokens; every strategy
+    prompt and 64 decode steps through the compiled forward give the eager tokens; every policy
     shares two graphs (the prompt's, the decode step's)."""
     spec = spec.format(profile=profile)
     original = model.forward

@@ -1,6 +1,6 @@
 """compressed_context: a KVzip-compressed context held whole in a PrefixStore and forked for each
 question (answers equal a fresh compression's), bad input refused before model work, and the
-deprecated name under kvlib.strategies.eviction.kvzip."""
+deprecated name under kvlib.policies.eviction.kvzip."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import torch
 
 import kvlib
 from kvlib.adapters import compressed_context
-from kvlib.strategies.eviction.kvzip import compress
+from kvlib.policies.eviction.kvzip import compress
 from kvlib.transformers_compat import cache_argument
 from tests.adapters.conftest import PAD, build_model
-from tests.strategies.eviction.test_kvzip import PROMPT
+from tests.policies.eviction.test_kvzip import PROMPT
 
 
 def test_a_compressed_context_is_held_in_the_prefix_store_and_forked_for_each_question() -> None:
@@ -68,7 +68,7 @@ def test_compressed_context_refuses_bad_input_before_any_model_work() -> None:
 
 
 def test_the_old_name_of_compressed_context_warns_and_gives_the_adapters_function() -> None:
-    from kvlib.strategies.eviction import kvzip
+    from kvlib.policies.eviction import kvzip
 
     with pytest.warns(DeprecationWarning, match="kvlib.adapters.compressed_context"):
         assert kvzip.compressed_context is compressed_context

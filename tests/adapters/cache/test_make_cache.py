@@ -11,7 +11,7 @@ from transformers import MambaConfig, MambaForCausalLM
 
 import kvlib
 from kvlib import registry
-from kvlib.strategy import Reuse
+from kvlib.policy import Reuse
 from kvlib.transformers_compat import cache_argument
 from tests.adapters.conftest import PAD, build_model, left_padded
 
@@ -36,7 +36,7 @@ def test_models_without_attention_kv_are_refused():
         ("streaming_llm", 1.5, {}, r"\(0, 1\]"),
         ("streaming_llm", True, {}, "int >= 1 or a float"),
         ("streaming_llm", "64", {}, "int >= 1 or a float"),
-        (None, 64, {}, "needs an eviction strategy"),
+        (None, 64, {}, "needs an eviction policy"),
         (None, None, {"pagesize": 8}, "unknown make_cache options"),
         (None, None, {"page_size": 0}, "page_size"),
         (None, None, {"read_cache": "yes"}, "read_cache"),
@@ -44,7 +44,7 @@ def test_models_without_attention_kv_are_refused():
         ("streaming_llm", 0.5, {"slack": 4}, "slack and interval apply to an int budget"),
         ("streaming_llm", 8, {"interval": 0}, "interval must be an int >= 1"),
         ("streaming_llm", 0.5, {"interval": 4}, "slack and interval apply to an int budget"),
-        ("uniform", None, {}, "add an eviction strategy"),
+        ("uniform", None, {}, "add an eviction policy"),
         ("streaming_llm+pyramid(beta=0)", 8, {}, "beta"),
         ("streaming_llm+head_importance(profile='/nonexistent.json')", 8, {}, "cannot read head_importance profile"),
     ],
@@ -70,8 +70,8 @@ def forward_calls(model: torch.nn.Module) -> list:
         ("streaming_llm", 2**40, {}, r"budget as a token count must be at most 4294967296 .*, got 1099511627776"),
         ("streaming_llm", np.bool_(True), {}, r"budget must be an int >= 1 or a float in \(0, 1\] .*, got np.True_ \(bool\)"),
         ("streaming_llm", torch.tensor([8, 8]), {}, r"got tensor\(\[8, 8\]\) \(Tensor\)"),
-        (None, np.int64(8), {}, r"budget=8 needs an eviction strategy in the spec"),
-        ("kivi(bits=4)", torch.tensor(8), {}, r"budget=8 needs an eviction strategy in the spec"),
+        (None, np.int64(8), {}, r"budget=8 needs an eviction policy in the spec"),
+        ("kivi(bits=4)", torch.tensor(8), {}, r"budget=8 needs an eviction policy in the spec"),
     ],
     ids=["page-size", "huge-budget", "numpy-bool", "tensor-of-two", "numpy-budget-alone", "tensor-budget-with-a-codec"],
 )
@@ -119,7 +119,7 @@ def test_kinds_the_cache_does_not_apply_yet_are_refused(scratch_registry):
     @registry.register("test_share")
     @dataclass
     class Share(Reuse):
-        """Test-only reuse strategy."""
+        """Test-only reuse policy."""
 
     with pytest.raises(ValueError, match="reuse"):
         kvlib.make_cache(build_model("llama"), "streaming_llm+test_share", budget=8)
@@ -156,9 +156,9 @@ def test_kept_positions_checks_its_layer_and_needs_tokens():
 
 
 def test_a_held_cap_decodes_with_a_page_of_slack_by_default_and_reports_it():
-    """An int budget: the prompt is compacted to the cap; while decoding a scoring strategy's head
+    """An int budget: the prompt is compacted to the cap; while decoding a scoring policy's head
     grows by up to a page (``slack=page_size``) and is compacted back once over it, and
-    ``memory_report()["slack_tokens"]`` counts what it holds over the cap; a ring strategy
+    ``memory_report()["slack_tokens"]`` counts what it holds over the cap; a ring policy
     (``streaming_llm``) and ``slack=0`` hold the cap to the token."""
     model = build_model("llama")
     ids = torch.randint(3, 97, (1, 30), generator=torch.Generator().manual_seed(4))

@@ -9,7 +9,7 @@ import torch
 from transformers import DynamicCache
 
 import kvlib
-from kvlib.registry import available_strategies
+from kvlib.registry import available_policies
 from kvlib.storage.store.paged_store import PagedStore
 from kvlib.transformers_compat import cache_argument
 from tests.adapters.conftest import PAD, assert_same_logits, build_model, left_padded
@@ -119,10 +119,10 @@ def test_codec_decode_steps_read_no_dense_copy_and_equal_the_dense_decode(spec: 
     assert report["by_component"]["codec_metadata"] > 0  # pages sealed, and read through the kernel
 
 
-@pytest.mark.parametrize("spec", available_strategies()["eviction"])
+@pytest.mark.parametrize("spec", available_policies()["eviction"])
 def test_evicting_decode_steps_attend_over_the_pages_and_keep_what_the_dense_path_keeps(spec: str, monkeypatch) -> None:
     """A budget held while decoding (every step evicts): decode steps attend over the pages, the
-    compaction after them reads positions only for strategies that score without keys and values
+    compaction after them reads positions only for policies that score without keys and values
     (``reads_kv`` False), and the tokens and kept positions equal those of the dense-read path."""
     model = build_model("llama")
     ids, mask = left_padded([12, 40], seed=7, vocab=model.config.vocab_size)
@@ -160,9 +160,9 @@ def test_evicting_quantized_decode_steps_score_from_the_coded_pages(spec: str, m
     assert cache.memory_report()["by_component"]["codec_metadata"] > 0
 
 
-def test_prompt_compression_by_a_key_reading_strategy_reads_nothing_while_decoding(monkeypatch) -> None:
+def test_prompt_compression_by_a_key_reading_policy_reads_nothing_while_decoding(monkeypatch) -> None:
     """A float budget compacts the prompt only: decode steps attend over the pages and, with no
-    compaction due, never read keys or values densely even for a strategy that scores with them."""
+    compaction due, never read keys or values densely even for a policy that scores with them."""
     model = build_model("llama")
     ids, mask = left_padded([12, 40], seed=7, vocab=model.config.vocab_size)
     options = {"do_sample": False, "max_new_tokens": 8, "min_new_tokens": 8, "pad_token_id": PAD}

@@ -1,7 +1,7 @@
 """Layers of different KV layouts in one model: MiMo-V2-Flash (its sliding layers have twice the KV
 heads of its full ones, and keys wider than values) and Gemma 4 (wider heads on its global layers,
 ``head_dim`` a per-layer attribute of its config). Each layer's pages, codec and budget follow its
-own layout: exact against ``DynamicCache``, with an eviction strategy and a codec running too, and
+own layout: exact against ``DynamicCache``, with an eviction policy and a codec running too, and
 decode steps planned for every layer at once where every layer has the same KV heads."""
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def test_exact_against_dynamic_cache(model_type: str) -> None:
 
 
 @pytest.mark.parametrize("model_type", MODELS)
-def test_an_eviction_strategy_and_a_codec_hold_each_layers_budget(model_type: str) -> None:
+def test_an_eviction_policy_and_a_codec_hold_each_layers_budget(model_type: str) -> None:
     model = tiny_model(model_type)
     shape = kv_shape(model)
     ids, mask = left_padded([40, 33], seed=3)

@@ -74,7 +74,7 @@ def test_exact_against_dynamic_cache(model_type: str) -> None:
 @pytest.mark.parametrize("model_type, what", [("jetmoe", "changes the keys or values"), ("doge", "builds an attention mask")])
 def test_eviction_is_refused_where_the_returned_slots_are_not_kept(model_type: str, what: str) -> None:
     """A model that remixes the returned heads or builds its own mask over them cannot be evicted
-    from exactly: refused at the prompt's call, naming what the model does and the strategy."""
+    from exactly: refused at the prompt's call, naming what the model does and the policy."""
     model = tiny(model_type)
     ids = left_padded([30], seed=2, vocab=VOCAB)[0]
     with pytest.raises(ValueError, match=rf"{what}.*cannot apply streaming_llm"):

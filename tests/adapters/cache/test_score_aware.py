@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import kvlib
-from kvlib.strategies.eviction.knorm import KNorm
-from kvlib.strategy import LayerView
+from kvlib.policies.eviction.knorm import KNorm
+from kvlib.policy import LayerView
 from kvlib.transformers_compat import cache_argument
 from tests.adapters.conftest import DEFAULT_BYTES, PAD, build_model, left_padded, prompt_vocab
 
@@ -53,5 +53,5 @@ def test_bad_score_aware_parameters_are_refused() -> None:
         kvlib.make_cache(model, "score_aware(scorer='snapkv')")
     with pytest.raises(ValueError, match="refresh must be >= 1"):
         kvlib.make_cache(model, "score_aware(refresh=0)")
-    with pytest.raises(ValueError, match="unknown strategy 'nope'"):
+    with pytest.raises(ValueError, match="unknown policy 'nope'"):
         kvlib.make_cache(model, "score_aware(scorer='nope')")

@@ -6,7 +6,7 @@ what a device without triton runs) with the model and the cache's arenas on the 
 whose tensors hold no values: any read of a device tensor on the host (``.item()``, ``bool()``,
 ``.tolist()``, a copy to the CPU) raises there. Bookkeeping stays on the host, as on CUDA.
 
-What may still read the device, and where: the prompt call (an eviction strategy checks its budget,
+What may still read the device, and where: the prompt call (an eviction policy checks its budget,
 transformers' own mask functions look at a 2-D mask), a compaction's choice of tokens, and a ring's
 layout (its oldest stored positions, once per page of steps, in the forward pre-hook: outside a
 compiled or captured forward). The decode steps tested here take none of these."""

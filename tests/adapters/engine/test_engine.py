@@ -231,14 +231,14 @@ def test_decode_steps_attend_over_the_pages_without_a_dense_read(llama, llama_ca
 
 
 @pytest.mark.parametrize("spec", ["streaming_llm", "h2o", "snapkv", "knorm"])
-def test_decode_steps_read_densely_only_the_rows_whose_strategy_reads_keys(llama, spec) -> None:
+def test_decode_steps_read_densely_only_the_rows_whose_policy_reads_keys(llama, spec) -> None:
     """Evicting rows score over their pages (positions, attention weights from the pages) unless
-    their strategy reads keys or values (knorm): then that row alone is read densely."""
+    their policy reads keys or values (knorm): then that row alone is read densely."""
     prompts = prompts_with_shared_prefix(97, seed=3)
     engine = kvlib.Engine(llama)
     options = {"spec": spec, "budget": 24, "slack": 0}  # a compaction every decode step
     reads, (evicting, _) = dense_reads_while_decoding(engine, [(prompts[4], options), (prompts[1], {})])
-    if kvlib.parse_strategy(spec).reads_kv:
+    if kvlib.parse_policy(spec).reads_kv:
         assert reads and all(seqs == [evicting] for seqs in reads)
     else:
         assert reads == []
@@ -425,8 +425,8 @@ def refuse_to_build(*args, **kwargs):
             r" allocate",
         ),
         ({"prefix_cache_bytes": -1}, r"^prefix_cache_bytes must be an int >= 0 \(bytes\) or None, got -1"),
-        ({"budget": 8}, r"^budget=8 needs an eviction strategy in the spec"),
-        ({"spec": "kivi(bits=4)", "budget": 8}, r"^budget=8 needs an eviction strategy in the spec"),
+        ({"budget": 8}, r"^budget=8 needs an eviction policy in the spec"),
+        ({"spec": "kivi(bits=4)", "budget": 8}, r"^budget=8 needs an eviction policy in the spec"),
         ({"spec": "streaming_llm", "budget": 2**40}, r"budget as a token count must be at most 4294967296"),
     ],
     ids=[

@@ -12,7 +12,7 @@ from kvlib.adapters.runtime.after_attention import Evicted, compact, evict, foll
 from kvlib.adapters.runtime.compressor import Compressor
 from kvlib.adapters.runtime.layer_step import LayerStep
 from kvlib.adapters.runtime.needs import AttentionInputs
-from kvlib.strategies.eviction.streaming_llm import StreamingLLM
+from kvlib.policies.eviction.streaming_llm import StreamingLLM
 
 HEADS, DIM = 2, 4
 

@@ -11,7 +11,7 @@ from transformers import DynamicCache
 
 import kvlib
 from kvlib import registry
-from kvlib.strategy import NEEDS, Eviction, LayerView
+from kvlib.policy import NEEDS, Eviction, LayerView
 from kvlib.transformers_compat import cache_argument
 from tests.adapters.conftest import PAD, assert_same_logits, build_model, left_padded
 
@@ -137,7 +137,7 @@ def test_fraction_budget_compresses_the_prompt_once():
 
 @dataclass
 class Probe(Eviction):
-    """Test strategy: records what the engine hands it and keeps the most recent tokens."""
+    """Test policy: records what the engine hands it and keeps the most recent tokens."""
 
     needs: ClassVar[frozenset[str]] = frozenset()
     seen: ClassVar[list[LayerView]] = []
@@ -165,7 +165,7 @@ def probes(scratch_registry):
 
 @pytest.mark.smoke
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
-def test_strategies_get_exactly_what_they_need(probes, attn):
+def test_policies_get_exactly_what_they_need(probes, attn):
     probe, needy = probes
     model = build_model("llama", attn_implementation=attn)
     ids, mask = left_padded([10, 14], seed=15)

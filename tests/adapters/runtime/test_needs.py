@@ -1,6 +1,6 @@
-"""What a strategy's view gets beyond the stored tokens (adapters/runtime/needs.py): positions
+"""What a policy's view gets beyond the stored tokens (adapters/runtime/needs.py): positions
 counted from each row's first real token, the call's padding slots, the attention weights the
-inner attention returned, only the needs a strategy declares. Each need through ``generate``:
+inner attention returned, only the needs a policy declares. Each need through ``generate``:
 tests/adapters/runtime/test_compressor.py."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import torch
 
 from kvlib.adapters.runtime.layer_step import LayerStep
 from kvlib.adapters.runtime.needs import AttentionInputs, fill_needs, history_after_call, padding_slots, query_positions, returned_weights
+from kvlib.policies.eviction.streaming_llm import StreamingLLM
+from kvlib.policy import LayerView
 from kvlib.storage.layers.read_cache import LayerRead
-from kvlib.strategies.eviction.streaming_llm import StreamingLLM
-from kvlib.strategy import LayerView
 
 
 def two_rows() -> tuple[LayerStep, torch.Tensor]:
@@ -46,7 +46,7 @@ def test_returned_weights_zero_the_rows_of_padding_queries() -> None:
     assert kept[1, :, :, 0].tolist() == [[1.0, 1.0]] * 2 and returned_weights(inputs, 0)[1, :, 0].sum() == 0
 
 
-def test_a_strategy_that_needs_nothing_gets_nothing() -> None:
+def test_a_policy_that_needs_nothing_gets_nothing() -> None:
     step, real_new = two_rows()
     inputs = AttentionInputs(torch.zeros(2, 2, 3, 4), None, None, None, real_new)
     read = step.read

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 import kvlib
 from kvlib import registry
 from kvlib.adapters.runtime.query_history import QueryHistory
-from kvlib.strategy import Eviction, LayerView
+from kvlib.policy import Eviction, LayerView
 from kvlib.transformers_compat import cache_argument
 from tests.adapters.conftest import PAD, build_model, left_padded
 
@@ -129,7 +129,7 @@ def test_the_compressor_keeps_the_history_through_decode_steps_beams_and_resets(
     assert positions.tolist() == [[11, 12, 13], [11, 12, 13]] and lengths.tolist() == [12, 12]
 
 
-def test_a_strategy_that_needs_recent_queries_must_read_keys(scratch_registry):
+def test_a_policy_that_needs_recent_queries_must_read_keys(scratch_registry):
     @dataclass
     class Blind(Eviction):
         needs: ClassVar[frozenset[str]] = frozenset({"recent_queries"})

@@ -1,5 +1,5 @@
 """Slot reuse through ``generate``: a decode step's eviction that moves a token into the evicted
-one's slot keeps what the in-order compaction keeps, for every registered eviction strategy."""
+one's slot keeps what the in-order compaction keeps, for every registered eviction policy."""
 
 from __future__ import annotations
 
@@ -18,12 +18,12 @@ from kvlib.adapters.runtime.slot_order import (
     scores_in_slot_order,
     to_slots,
 )
-from kvlib.registry import available_strategies
-from kvlib.strategy import LayerView
+from kvlib.policy import LayerView
+from kvlib.registry import available_policies
 from kvlib.transformers_compat import cache_argument
 from tests.adapters.conftest import build_model
 
-EVICTIONS = available_strategies()["eviction"]
+EVICTIONS = available_policies()["eviction"]
 BUDGET, PROMPT, NEW = 24, 40, 20
 
 

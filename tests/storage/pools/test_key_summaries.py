@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 from hypothesis.stateful import invariant
 
-from kvlib.strategies.tiering.quest import Quest
+from kvlib.policies.tiering.quest import Quest
 from tests.storage.store.test_store_state_machine import StoreMachine
 
 

@@ -815,7 +815,7 @@ def test_huge_truncate_lengths_and_bool_ids_are_rejected(store: PagedStore) -> N
 def test_a_truncation_a_full_fixed_pool_cannot_serve_changes_nothing() -> None:
     from kvlib.codec import PageCodec, layer_shapes
     from kvlib.errors import PoolExhaustedError
-    from kvlib.strategies.quantization.int8 import Int8
+    from kvlib.policies.quantization.int8 import Int8
 
     shapes = layer_shapes(1, 1, 4, 4, 4, torch.float32, torch.device("cpu"))
     codecs: list[PageCodec] = Int8().layer_codecs(shapes)

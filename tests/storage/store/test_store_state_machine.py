@@ -39,6 +39,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from kvlib import PagedStore, StoreConfig
 from kvlib.codec import Field, PageCodec, TensorCodec, layer_shapes
+from kvlib.policies.quantization.hadamard import RotatedQuantizer, is_power_of_two
 from kvlib.spec import parse_spec
 from kvlib.storage.pools.formats.coded_format import CodedPages
 from kvlib.storage.pools.formats.tiered_coded_format import TieredCodedPages
@@ -47,7 +48,6 @@ from kvlib.storage.pools.page_pool import PagePool
 from kvlib.storage.pools.page_prefetch import PagePrefetcher
 from kvlib.storage.tiers.disk_tier import DiskTier
 from kvlib.storage.tiers.spill_store import SpillStore
-from kvlib.strategies.quantization.hadamard import RotatedQuantizer, is_power_of_two
 
 HEADS = (2, 3)
 KEY_DIMS = (4, 3)
@@ -119,7 +119,7 @@ LOSSY_CODECS = ("int8", "fp8", "kivi(bits=4, group=1)", "gear")
 
 
 def quantization_codecs(spec: str, page_size: int) -> list[PageCodec]:
-    """Each layer's codec of the quantization strategy ``spec``."""
+    """Each layer's codec of the quantization policy ``spec``."""
     shapes = [
         layer_shapes(len(HEADS), HEADS[i], KEY_DIMS[i], VALUE_DIMS[i], page_size, torch.float32, torch.device("cpu"))[i]
         for i in range(len(HEADS))

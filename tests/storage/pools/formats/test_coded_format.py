@@ -17,8 +17,8 @@ def pool(spec: str | None) -> PagePool:
     shape = {"page_size": PAGE, "head_dim": DIM, "value_dim": DIM, "dtype": torch.float32, "device": torch.device("cpu")}
     if spec is None:
         return PagePool(**shape)
-    strategy = parse_spec(spec).quantization or parse_spec(spec).lowrank
-    codec = strategy.layer_codecs(layer_shapes(1, 2, DIM, DIM, PAGE, torch.float32, torch.device("cpu")))[0]
+    policy = parse_spec(spec).quantization or parse_spec(spec).lowrank
+    codec = policy.layer_codecs(layer_shapes(1, 2, DIM, DIM, PAGE, torch.float32, torch.device("cpu")))[0]
     return PagePool(**shape, format=CodedPages(codec))
 
 

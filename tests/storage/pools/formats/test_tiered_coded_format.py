@@ -25,7 +25,7 @@ CPU = torch.device("cpu")
 
 
 def codec(spec: str = "kivi(bits=4)"):
-    """One layer's codec of the quantization strategy ``spec``."""
+    """One layer's codec of the quantization policy ``spec``."""
     return parse_spec(spec).quantization.layer_codecs(layer_shapes(1, HEADS, DIM, DIM, PAGE, torch.float32, CPU))[0]
 
 
