@@ -4,9 +4,10 @@ A *sequence* is an integer id (a row of every layer's :class:`~kvlib.storage.lay
 Each layer has its own :class:`~kvlib.storage.PagePool`; a head's tokens sit in its own pages, so
 heads may keep different numbers of tokens and the pages they drop are really freed.
 
-This module holds the store's public API that changes it (sequences, writes, planned steps,
-compaction, truncation, sealing); its reads are :class:`~kvlib.storage.store.store_reads.StoreReads`,
-its state, lengths and bytes :class:`~kvlib.storage.store.store_state.StoreState`. Each layer is a
+The store is one class: its state (the layers, read caches and sequence ids; lengths and bytes
+held), its reads (dense through the read caches, positional, sparse, in place for paged
+attention, key bounds, page ranking) and the calls that change it (sequences, writes, planned
+steps, compaction, truncation, sealing). Each layer is a
 :class:`~kvlib.storage.layers.layer_pages.LayerPages` (``store.layers[layer]``): its pool, block table
 and positions, with the operations on them as methods (writes, reads, compaction, truncation,
 sealing, room for planned steps); the store checks the arguments and delegates. The read caches
@@ -46,13 +47,22 @@ from collections.abc import Callable
 import torch
 
 from kvlib.devices import outside_inference_mode
+from kvlib.kernels.paged_attention import PagedLayer
+from kvlib.storage.layers.block_table import BlockTable
+from kvlib.storage.layers.layer_pages import LayerPages
 from kvlib.storage.layers.open_pages import OpenPages
-from kvlib.storage.store.step_plan import Ring, StepPlan, build_layout
-from kvlib.storage.store.store_reads import StoreReads
-from kvlib.storage.store.store_sequences import SequenceIds
+from kvlib.storage.layers.read_cache import LayerRead
+from kvlib.storage.pools.page_pool import PagePool
+from kvlib.storage.pools.page_prefetch import PagePrefetcher
+from kvlib.storage.store.pool_factory import build_pools
+from kvlib.storage.store.read_caches import ReadCaches
+from kvlib.storage.store.step_plan import DecodeLayout, Ring, StepPlan, build_layout
+from kvlib.storage.store.store_config import StoreConfig
+from kvlib.storage.store.store_sequences import SequenceIds, SequenceRows
+from kvlib.storage.tiers.spill_store import SpillStore
 
 
-class PagedStore(StoreReads):
+class PagedStore:
     """Paged KV store for the attention layers of one model.
 
     Args:
@@ -69,6 +79,235 @@ class PagedStore(StoreReads):
             background thread (a copy stream on CUDA); the next read of that layer takes them.
             Reads return the same with or without it. None: no prefetch.
     """
+
+    # -- state: layers, read caches, sequence ids; lengths and bytes ----------------------------
+
+    @outside_inference_mode
+    def __init__(self, config: StoreConfig, *, spill: SpillStore | None = None, prefetcher: PagePrefetcher | None = None) -> None:
+        self.config = config
+        self.num_layers = config.num_layers
+        self.page_size = config.page_size
+        self.dtype = config.dtype
+        self.device: torch.device = config.device
+        if prefetcher is not None and config.device_pages is None:
+            raise ValueError("prefetch fetches pages off the device ahead of their read: give device_pages (tiering) too")
+        pools = build_pools(config, spill=spill)
+        self.layers = [
+            LayerPages(layer, pool, BlockTable(heads, self.page_size)) for layer, (pool, heads) in enumerate(zip(pools, config.layer_heads))
+        ]
+        """Per layer, its pages: pool, block table and positions (:class:`~kvlib.storage.layers.layer_pages.LayerPages`)."""
+        self.prefetcher = prefetcher
+        self.read_caches = ReadCaches(self.num_layers, self.page_size, config.read_cache)
+        """Per layer, the dense read cache of the last batch read (if ``config.read_cache``)."""
+        self._layout: DecodeLayout | None = None
+        """Where the planned decode steps of the last planned batch go (:meth:`plan_step`);
+        dropped by every change to the store other than a planned write."""
+        self._ids = SequenceRows()
+        self.peak_page_bytes = 0
+        """High-water mark of ``memory_bytes()["pages"]`` (updated whenever an append allocates pages)."""
+        self.peak_workspace = 0
+        """The most bytes one dense read not kept as a read cache has taken (a transient workspace a
+        multi-token call attends over, freed when the call returns)."""
+
+    @property
+    def pools(self) -> list[PagePool]:
+        """Each layer's page pool (:attr:`LayerPages.pool <kvlib.storage.layers.layer_pages.LayerPages.pool>`)."""
+        return [pages.pool for pages in self.layers]
+
+    @property
+    def tables(self) -> list[BlockTable]:
+        """Each layer's block table (:attr:`LayerPages.table <kvlib.storage.layers.layer_pages.LayerPages.table>`)."""
+        return [pages.table for pages in self.layers]
+
+    @property
+    def use_read_cache(self) -> bool:
+        """Whether reads build dense read caches (``config.read_cache``)."""
+        return self.read_caches.enabled
+
+    def mirrored_rows(self, layer: int) -> tuple[int, ...]:
+        """The sequences ``layer``'s read cache holds, in its row order (empty without one): a
+        batch that starts with them in this order reads without regathering."""
+        return self.read_caches.rows(self._layer(layer))
+
+    def logical_lengths(self, layer: int, seqs: SequenceIds) -> torch.Tensor:
+        """Tokens each sequence has seen in ``layer``: int64 ``[batch]`` (a copy)."""
+        return self.layers[self._layer(layer)].table.logical[self._rows(seqs)]
+
+    def physical_lengths(self, layer: int, seqs: SequenceIds) -> torch.Tensor:
+        """Tokens stored per head in ``layer``: int64 ``[batch, kv_heads]`` (a copy)."""
+        return self.layers[self._layer(layer)].table.lengths[self._rows(seqs)]
+
+    # -- memory --------------------------------------------------------------------------------
+
+    def bytes_in_use(self) -> int:
+        """Bytes held by pages in use across all layers (keys, values, positions)."""
+        return sum(pages.pool.bytes_in_use() for pages in self.layers)
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes held, by component: ``pages`` (keys and values of pages in use: compute dtype for
+        open pages, the codec's payload for sealed ones; on every tier), ``host`` and ``disk``
+        (the parts of ``pages`` held in host memory and spilled to disk), ``positions``,
+        ``codec_metadata`` (scales, zero points and fitted codec state), ``key_summaries`` (the key
+        minima and maxima of pages in use, on the device: page retrieval), ``tables`` (block tables
+        and lengths), ``read_cache`` (dense read caches) and ``reserved`` (whole arenas, free pages included)."""
+        tiers = [pool.tier_bytes() for pool in self.pools]
+        return {
+            "pages": self._page_bytes(),
+            "positions": sum(pool.pages_in_use * pool.position_page_bytes for pool in self.pools),
+            "codec_metadata": sum(pool.metadata_bytes() for pool in self.pools),
+            "key_summaries": sum(pool.pages_in_use * pool.summaries.page_bytes for pool in self.pools if pool.summaries is not None),
+            "host": sum(tier["host"] for tier in tiers),
+            "disk": sum(tier["disk"] for tier in tiers),
+            "tables": sum(pages.table_bytes() for pages in self.layers),
+            "read_cache": self.read_caches.nbytes(),
+            "reserved": sum(pool.bytes_reserved() for pool in self.pools),
+        }
+
+    def _page_bytes(self) -> int:
+        """Bytes of keys and values of the pages in use, over all layers (``memory_bytes()["pages"]``)."""
+        return sum(pages.pool.data_bytes() for pages in self.layers)
+
+    def _changed(self, layer: int | None = None) -> None:
+        """``layer``'s block tables or pages (every layer's, for None) changed other than by a
+        planned write: where appends go next is worked out again."""
+        for pages in self.layers if layer is None else [self.layers[layer]]:
+            pages.open_pages = None
+        self._layout = None
+
+    def _layer(self, layer: int) -> int:
+        if not isinstance(layer, int) or not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer must be an int in [0, {self.num_layers}), got {layer!r}")
+        return layer
+
+    def _rows(self, seqs: SequenceIds) -> torch.Tensor:
+        return self._ids.rows(seqs)
+
+    # -- reads ---------------------------------------------------------------------------------
+
+    @outside_inference_mode
+    def read(self, layer: int, seqs: SequenceIds, *, mirror: bool = True) -> LayerRead:
+        """``seqs``' stored tokens of ``layer`` in dense form (see :class:`~kvlib.storage.layers.read_cache.LayerRead`).
+
+        With the read cache on, the result is a view of the layer's dense read cache, which later
+        appends extend in place: use it before the next change to the store. ``mirror=False``
+        gathers without building a read cache (and keeps the layer's current one, for another batch).
+        """
+        layer = self._layer(layer)
+        rows = self._rows(seqs)
+        lengths = self.layers[layer].table.lengths[rows]
+        cached = self.read_caches.read(layer, rows, lengths, lambda part, size: self._gather(layer, part, size), keep=mirror)
+        if cached is not None:
+            return cached
+        workspace = self._gather(layer, rows, int(lengths.max()) if lengths.numel() else 0)
+        self.peak_workspace = max(self.peak_workspace, sum(t.nbytes for t in workspace))
+        return workspace
+
+    def read_positions(self, layer: int, seqs: SequenceIds) -> LayerRead:
+        """``seqs``' stored tokens of ``layer`` as :meth:`read` lays them out, without their keys
+        and values: ``keys`` and ``values`` have no channels (``[batch, kv_heads, slots, 0]``);
+        ``positions`` and ``valid`` are :meth:`read`'s. What an eviction policy that scores by
+        positions and attention needs after a call that attended over the pages (8 bytes a token)."""
+        layer = self._layer(layer)
+        return self.layers[layer].read_positions(self._rows(seqs))
+
+    @outside_inference_mode
+    def paged_layer(self, layer: int, seqs: SequenceIds) -> PagedLayer | None:
+        """``seqs``' tokens of ``layer`` where they lie, for attention straight over the pages
+        (:mod:`~kvlib.kernels.paged_attention`; coded pages are decoded inside the kernel; a tiered pool stages only its off-device pages, see
+        :meth:`~kvlib.storage.pools.formats.tiered_format.TieredPages.paged_layer`, and the next layer's are
+        prefetched as for :meth:`read`); None when the layer's pool cannot give its pages in place
+        (codecs without a page loader: use :meth:`read`). Valid until the next change to the store or the next hand-over
+        of the layer's pages (:meth:`paged_layer`, :meth:`paged_selection`: a tiered pool restages)."""
+        layer = self._layer(layer)
+        table = self.layers[layer].table
+        rows = self._rows(seqs)
+        paged = self._pool_pages(layer, table.pages[rows], table.lengths[rows])
+        if paged is not None:
+            self._prefetch_following(layer, rows)
+        return paged
+
+    @outside_inference_mode
+    def paged_selection(self, layer: int, seqs: SequenceIds, page_index: torch.Tensor) -> PagedLayer | None:
+        """Only the chosen pages of each (sequence, head) of ``layer``, where they lie, for
+        attention straight over them: what :meth:`read_selected` reads, with no dense copy.
+
+        ``page_index`` as for :meth:`read_selected` (indices into each head's block table, any
+        order, ``-1`` for none). The returned block table lists each head's chosen pages in
+        block-table order, so a chosen partly filled last page is listed last, and its length
+        counts the tokens those pages hold. None where the pool cannot give its pages in place
+        (use :meth:`read_selected`). Valid as :meth:`paged_layer`'s result is.
+        """
+        layer = self._layer(layer)
+        pages, lengths = self.layers[layer].selected_pages(self._rows(seqs), page_index)
+        return self._pool_pages(layer, pages, lengths)
+
+    def _pool_pages(self, layer: int, pages: torch.Tensor, lengths: torch.Tensor) -> PagedLayer | None:
+        """The pool's :meth:`~kvlib.storage.pools.page_pool.PagePool.paged_layer`; what a tiered pool
+        staged for it counts as a transient workspace (``peak_workspace``)."""
+        pool = self.layers[layer].pool
+        paged = pool.paged_layer(pages, lengths)
+        self.peak_workspace = max(self.peak_workspace, pool.staged_bytes)
+        return paged
+
+    def _gather(self, layer: int, rows: torch.Tensor, size: int) -> LayerRead:
+        """:meth:`~kvlib.storage.layers.layer_pages.LayerPages.gather` of ``rows`` with ``size`` slots a
+        head, then the following layer's prefetch."""
+        read = self.layers[layer].gather(rows, size)
+        if self.layers[layer].pool.pages_in_use:  # pages were read (none from an empty pool)
+            self._prefetch_following(layer, rows)
+        return read
+
+    def _prefetch_following(self, layer: int, rows: torch.Tensor) -> None:
+        """With a prefetcher, start fetching the off-device pages of ``rows`` in the layer read
+        after ``layer`` (the first after the last)."""
+        if self.prefetcher is not None:
+            following = (layer + 1) % self.num_layers
+            pages = self.layers[following].table.pages[rows]
+            self.layers[following].pool.prefetch(pages[pages >= 0], self.prefetcher)
+
+    def key_bounds(self, layer: int, seqs: SequenceIds) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The key summaries of every page of ``seqs`` in ``layer``, in block-table order:
+        ``(key_min, key_max)``, each ``[batch, kv_heads, pages, head_dim]`` on the store's device
+        (entries past a head's ``pages_used`` are meaningless), and ``pages_used`` int64
+        ``[batch, kv_heads]`` on the CPU. Needs a store made with ``key_summaries=True``."""
+        layer = self._layer(layer)
+        return self.layers[layer].key_bounds(self._rows(seqs))
+
+    @outside_inference_mode
+    def read_selected(self, layer: int, seqs: SequenceIds, page_index: torch.Tensor) -> LayerRead:
+        """Only the chosen pages of each (sequence, head) of ``layer``, in dense form: a sparse read.
+
+        ``page_index`` int64 ``[batch, kv_heads, k]`` (CPU) names pages by their index in each
+        head's block table (``0 <= j < pages used``), ``-1`` for none. Returns a
+        :class:`~kvlib.storage.layers.read_cache.LayerRead` of up to ``k * page_size`` slots per head: page ``i``
+        of the selection fills slots ``[i * page_size, (i + 1) * page_size)``, slots past the
+        head's length or of a ``-1`` entry are zero and invalid, and trailing slots invalid in
+        every head are left out (a selection of every page reads what :meth:`read` does). Only the chosen pages are read (with a
+        tiered pool, only chosen host pages are copied to the device); nothing moves or changes.
+        """
+        layer = self._layer(layer)
+        return self.layers[layer].read_selected(self._rows(seqs), page_index)
+
+    @outside_inference_mode
+    def stored_positions(self, layer: int, seqs: SequenceIds) -> torch.Tensor:
+        """Positions of the stored tokens of ``seqs``: int64 ``[batch, heads, longest]`` on the CPU,
+        -1 past each head's length (read from the arena without touching keys or values)."""
+        layer = self._layer(layer)
+        return self.layers[layer].stored_positions(self._rows(seqs))
+
+    @outside_inference_mode
+    def rank_pages(self, layer: int, seqs: SequenceIds, token_scores: torch.Tensor) -> None:
+        """Rank the pages of ``seqs`` in ``layer`` for the device tier by ``token_scores`` (float
+        ``[batch, kv_heads, slots]``, aligned with :meth:`read`'s slots; ``-inf`` for tokens that
+        should not count): a page scores its best stored token, a page shared by several heads the
+        best over them. The best-scored pages in use then sit on the device (see
+        :meth:`~kvlib.storage.pools.formats.tiered_format.TieredPages.rank`). Needs a tiered store."""
+        layer = self._layer(layer)
+        rows = self._rows(seqs)
+        pool = self.layers[layer].pool
+        if pool.device_pages is None:
+            raise ValueError("rank_pages needs a tiered store (device_pages=...)")
+        pool.rank(*self.layers[layer].page_scores(rows, token_scores))
 
     # -- sequences -----------------------------------------------------------------------------
 
@@ -282,8 +521,8 @@ class PagedStore(StoreReads):
         return done.layout
 
     def trim(self, layer: int) -> None:
-        """Give back ``layer``'s idle arena memory when less than :data:`~kvlib.storage.layers.layer_compaction.TRIM_BELOW` of it is in use
-        (see :meth:`~kvlib.storage.layers.layer_compaction.LayerCompaction.trim`): pages in use move down, the block tables follow.
+        """Give back ``layer``'s idle arena memory when less than :data:`~kvlib.storage.layers.layer_pages.TRIM_BELOW` of it is in use
+        (see :meth:`~kvlib.storage.layers.layer_pages.LayerPages.trim`): pages in use move down, the block tables follow.
         Nothing happens for pools that do not shrink (fixed, coded, tiered) or when something
         besides this store's block tables (a prefix index) holds pages of the layer."""
         layer = self._layer(layer)
@@ -317,7 +556,7 @@ class PagedStore(StoreReads):
 
         Sealed pages then hold only the codec's fields; later reads decode them. A layer whose
         codec leans on a partner layer seals its pages in pairs with that layer's (see
-        :meth:`~kvlib.storage.layers.layer_sealing.LayerSealing.seal`).
+        :meth:`~kvlib.storage.layers.layer_pages.LayerPages.seal`).
         """
         layer = self._layer(layer)
         rows = self._rows(seqs)

@@ -7,7 +7,7 @@ attention call:
 
 - a :class:`DecodeLayout` is worked out when a step finds none that fits its rows: for every
   layer it gives each head room for the step's tokens in pages it alone holds (new pages and
-  copy-on-write, :meth:`~kvlib.storage.layers.layer_writes.LayerWrites.make_room`), and lays out, for the next ``room``
+  copy-on-write, :meth:`~kvlib.storage.layers.layer_pages.LayerPages.make_room`), and lays out, for the next ``room``
   tokens, the slot each one takes in every (layer, row, head), the positions they get, and the
   block tables and lengths the attention kernel reads, sent to the arenas' device once. It is
   built with numpy from the block tables' views, at most once per page of tokens per head;
@@ -157,7 +157,7 @@ def build_layout(
 ) -> DecodeLayout | None:
     """A :class:`DecodeLayout` of ``rows`` for at least ``tokens`` tokens, or None where a plan
     cannot hold (see the module docstring; nothing is changed then: every check comes before
-    :meth:`~kvlib.storage.layers.layer_writes.LayerWrites.make_room`, which allocates). ``layers``: every
+    :meth:`~kvlib.storage.layers.layer_pages.LayerPages.make_room`, which allocates). ``layers``: every
     layer of the store, in order."""
     pools, tables = [pages.pool for pages in layers], [pages.table for pages in layers]
     rows_np = rows.numpy()
