@@ -44,8 +44,9 @@ import torch
 from kvlib import devices
 from kvlib.codec import layer_shapes
 from kvlib.devices import PagedKernel
-from kvlib.kernels.paged_attention import PagedLayer, paged_attention
+from kvlib.kernels.paged_attention import paged_attention
 from kvlib.kernels.paged_attention_torch import attend_pages_torch
+from kvlib.kernels.pages import PagedLayer
 from kvlib.spec_text import parse_policy
 from kvlib.storage.store.paged_store import PagedStore
 from kvlib.storage.store.store_config import StoreConfig

@@ -34,7 +34,7 @@ from kvlib.adapters.runtime.masks import move_position_bias, physical_mask, real
 from kvlib.adapters.runtime.needs import AttentionInputs
 from kvlib.adapters.runtime.slot_order import ascending
 from kvlib.devices import reads_pages_in_place
-from kvlib.kernels.paged_attention import PagedLayer
+from kvlib.kernels.pages import PagedLayer
 from kvlib.storage.layers.read_cache import LayerRead
 
 PAGED_QUERY_TOKENS = 16

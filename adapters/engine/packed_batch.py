@@ -32,7 +32,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from kvlib.adapters.runtime import layer_step
 from kvlib.adapters.runtime.layer_step import AttentionCall, paged_attention_applies
 from kvlib.devices import reads_pages_in_place
-from kvlib.kernels.paged_attention import PagedLayer
+from kvlib.kernels.pages import PagedLayer
 from kvlib.storage.layers.read_cache import LayerRead
 from kvlib.storage.store.paged_store import PagedStore
 from kvlib.storage.store.step_plan import StepPlan

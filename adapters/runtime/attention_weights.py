@@ -35,7 +35,7 @@ def attention_blocks(
 
     A step that attended straight over the pages (``step.paged``; ``mask`` then the model's mask
     over logical positions, as attention ran with it) gets its weights from the pages in one
-    block (:meth:`~kvlib.kernels.paged_attention.PagedLayer.weights`: its queries are few), in the slot
+    block (:meth:`~kvlib.kernels.pages.PagedLayer.weights`: its queries are few), in the slot
     order of ``step.read``; no key is copied.
     """
     if step.paged is not None:

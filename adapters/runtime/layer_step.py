@@ -29,7 +29,7 @@ from typing import Protocol
 
 import torch
 
-from kvlib.kernels.paged_attention import PagedLayer
+from kvlib.kernels.pages import PagedLayer
 from kvlib.storage.layers.read_cache import LayerRead
 from kvlib.storage.store.step_plan import StepPlan
 

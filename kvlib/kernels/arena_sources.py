@@ -4,7 +4,7 @@
 builds that kernel's page source: numpy views and numba loaders for the CPU kernel
 (:func:`kvlib.kernels.paged_attention.arena_source`), the arenas as they are for the torch path
 (:func:`kvlib.kernels.paged_attention_torch.torch_arena_source`). Either source answers
-``attend(query, pages, lengths, **options)``, so :meth:`kvlib.kernels.paged_attention.PagedLayer.attend`
+``attend(query, pages, lengths, **options)``, so :meth:`kvlib.kernels.pages.PagedLayer.attend`
 runs the right implementation without asking which it holds.
 """
 
@@ -15,8 +15,9 @@ from collections.abc import Callable
 import torch
 
 from kvlib.devices import PagedKernel, paged_kernel
-from kvlib.kernels.paged_attention import PageReader, arena_source
+from kvlib.kernels.paged_attention import arena_source
 from kvlib.kernels.paged_attention_torch import torch_arena_source
+from kvlib.kernels.pages import PageReader
 
 ARENA_SOURCES: dict[PagedKernel, Callable[[torch.Tensor, torch.Tensor, torch.Tensor], PageReader]] = {
     PagedKernel.NUMBA: arena_source,

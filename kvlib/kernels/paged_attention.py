@@ -38,7 +38,6 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
-from typing import NamedTuple, Protocol
 
 import numba
 import numpy as np
@@ -60,6 +59,7 @@ from kvlib.kernels.page_kernel_parts import (
 )
 from kvlib.kernels.page_readers import FLOAT_ARENAS, NumbaReader, numba_reader
 from kvlib.kernels.paged_scores import attention_weights
+from kvlib.kernels.pages import PageArrays
 from kvlib.kernels.query_groups import grouped_rows
 
 MIN_SPLIT_PAGES = 32
@@ -282,31 +282,11 @@ def attention_kernel(keys: NumbaReader, values: NumbaReader, raw_page: Callable)
     return kernel
 
 
-class PageSource(NamedTuple):
-    """A layer's pages as the numba kernel reads them, in place (CPU).
+class PageSource(PageArrays):
+    """:class:`~kvlib.kernels.pages.PageArrays` that the CPU kernels here read: a
+    :class:`~kvlib.kernels.pages.PageReader`."""
 
-    ``keys`` / ``values``: the arenas of pages held raw (every page of float arenas; a coded
-    pool's open pages), float32, or float16 / bfloat16 as uint16 bits (``kind``:
-    :data:`~kvlib.kernels.page_kernel_parts.FLOAT_KINDS`), ``[rows, page_size, dim]``; ``sealed`` bool
-    ``[capacity]`` and ``raw_row`` int64 ``[capacity]`` (each open page's row in ``keys`` /
-    ``values``; both empty for float arenas, whose page ids are their rows); each page's token
-    positions (int64 ``[capacity, page_size]``); for sealed keys and values a
-    :class:`~kvlib.kernels.page_readers.NumbaReader` and the fields it reads; the value channels;
-    and the tensors the arrays view (:func:`~kvlib.kernels.host_arrays.host_array`: views do not
-    keep their tensor alive), held for as long as the source is."""
-
-    keys: np.ndarray
-    values: np.ndarray
-    kind: int
-    sealed: np.ndarray
-    raw_row: np.ndarray
-    positions: np.ndarray
-    key_reader: NumbaReader
-    key_fields: tuple
-    value_reader: NumbaReader
-    value_fields: tuple
-    value_dim: int
-    held: tuple
+    __slots__ = ()
 
     def attend(self, query: torch.Tensor, pages: torch.Tensor, lengths: torch.Tensor, **options) -> torch.Tensor:
         """:func:`attend_pages` of ``query`` over these pages (the CPU kernel); ``options``: its
@@ -519,42 +499,3 @@ def kernel_visibility(visible: torch.Tensor | None, batch: int, queries: int) ->
 def kernel_positions(query_positions: torch.Tensor | None) -> np.ndarray:
     """The queries' logical positions as the kernel reads them (int64; empty with a mask)."""
     return _NO_ROWS if query_positions is None else np.ascontiguousarray(host_array(query_positions))
-
-
-class PageReader(Protocol):
-    """A layer's pages as some paged kernel reads them in place: :class:`PageSource` (the CPU
-    kernel here) or :class:`~kvlib.kernels.paged_attention_torch.TorchPageSource` (torch ops, any device),
-    chosen per device by :func:`kvlib.devices.paged_kernel`."""
-
-    value_dim: int
-
-    def attend(self, query: torch.Tensor, pages: torch.Tensor, lengths: torch.Tensor, **options) -> torch.Tensor:
-        """:func:`paged_attention` of ``query`` over these pages through the block table
-        ``pages`` holding ``lengths`` tokens per (row, KV head)."""
-
-    def weights(self, query: torch.Tensor, pages: torch.Tensor, lengths: torch.Tensor, **options) -> torch.Tensor:
-        """:func:`attention_weights` of ``query`` over these pages (slots in block-table order)."""
-
-
-class PagedLayer(NamedTuple):
-    """A layer's tokens for a batch of sequences, as they lie in the pages (nothing copied).
-
-    source: how a paged kernel reads the layer's pages (a :class:`PageReader`); pages: int64
-    ``[batch, kv_heads, max_pages]``, each (row, KV head)'s page ids in order (``-1`` past its
-    last page); lengths: int64 ``[batch, kv_heads]``, tokens stored per (row, KV head).
-    """
-
-    source: PageReader
-    pages: torch.Tensor
-    lengths: torch.Tensor
-
-    def attend(self, query: torch.Tensor, **options) -> torch.Tensor:
-        """:func:`paged_attention` of ``query`` over these pages by their source's kernel;
-        ``options``: its keyword arguments (``visible``, ``query_positions``, ``scale``, ``softcap``)."""
-        return self.source.attend(query, self.pages, self.lengths, **options)
-
-    def weights(self, query: torch.Tensor, **options) -> torch.Tensor:
-        """:func:`attention_weights` of ``query`` over these pages by their source's kernel (slots
-        in block-table order, as a dense read of the layer lays them out); ``options`` as for
-        :meth:`attend`."""
-        return self.source.weights(query, self.pages, self.lengths, **options)

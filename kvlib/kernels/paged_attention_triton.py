@@ -87,7 +87,7 @@ class TritonPageSource(NamedTuple):
     """A layer's pages as the Triton kernels read them, on their own device: keys and values as
     :class:`TileSource` s, and each page's token positions (int64 ``[capacity, page_size]``, same
     device). The counterpart of :class:`kvlib.kernels.paged_attention_torch.TorchPageSource` (float
-    arenas only) that also reads coded pools; a :class:`~kvlib.kernels.paged_attention.PageReader`."""
+    arenas only) that also reads coded pools; a :class:`~kvlib.kernels.pages.PageReader`."""
 
     keys: TileSource
     values: TileSource

@@ -272,7 +272,7 @@ def _paged_decode_by_source(
 
 
 def _attend_through(reader, query, pages, lengths, layer, mask, query_positions, scale, softcap, received) -> torch.Tensor:
-    """A decode operator's work through a :class:`~kvlib.kernels.paged_attention.PageReader` of torch
+    """A decode operator's work through a :class:`~kvlib.kernels.pages.PageReader` of torch
     tensors (the Triton kernels, the torch path)."""
     options = {"visible": mask_visibility(mask), "query_positions": query_positions, "scale": scale, "softcap": softcap or None}
     if received is not None:

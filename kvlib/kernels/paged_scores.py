@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import numba
 import numpy as np
@@ -17,10 +16,8 @@ import torch
 from kvlib.kernels.host_arrays import host_array
 from kvlib.kernels.page_kernel_parts import FASTMATH, FLOAT_KINDS, RAW_PAGES, float_scores, gather_query, seen_into
 from kvlib.kernels.page_readers import NumbaReader
+from kvlib.kernels.pages import PageArrays
 from kvlib.kernels.query_groups import grouped_rows
-
-if TYPE_CHECKING:
-    from kvlib.kernels.paged_attention import PageSource
 
 
 @functools.cache
@@ -129,7 +126,7 @@ def scores_kernel(keys: NumbaReader, raw_page: Callable) -> Callable:
 
 def attention_weights(
     query: torch.Tensor,
-    source: PageSource,
+    source: PageArrays,
     pages: torch.Tensor,
     lengths: torch.Tensor,
     *,

@@ -31,7 +31,7 @@ import torch
 from kvlib.devices import to_arena_device
 from kvlib.errors import PoolExhaustedError
 from kvlib.kernels import paged_ops
-from kvlib.kernels.paged_attention import PagedLayer, PageReader
+from kvlib.kernels.pages import PagedLayer, PageReader
 from kvlib.storage.pools.formats.page_format import ArenaPages, PageFormat, PlannedStep, extend_rows
 from kvlib.storage.pools.free_stack import FreeStack
 from kvlib.storage.pools.key_summaries import KeySummaries

@@ -47,7 +47,7 @@ from collections.abc import Callable
 import torch
 
 from kvlib.devices import outside_inference_mode
-from kvlib.kernels.paged_attention import PagedLayer
+from kvlib.kernels.pages import PagedLayer
 from kvlib.storage.layers.block_table import BlockTable
 from kvlib.storage.layers.layer_pages import LayerPages
 from kvlib.storage.layers.open_pages import OpenPages

@@ -29,7 +29,8 @@ from kvlib.codec import Field, PageCodec, arena_dtype
 from kvlib.devices import PagedKernel, paged_kernel, to_arena_device
 from kvlib.kernel_readers import KernelReader
 from kvlib.kernels import paged_ops
-from kvlib.kernels.paged_attention import PageReader, coded_source
+from kvlib.kernels.paged_attention import coded_source
+from kvlib.kernels.pages import PageReader
 from kvlib.storage.pools.formats.page_format import PageFormat, PlannedStep, extend_rows
 from kvlib.storage.pools.free_stack import FreeStack
 from kvlib.storage.pools.page_indexing import first_occurrences

@@ -32,7 +32,7 @@ from kvlib.codec import Field, PageCodec
 from kvlib.devices import to_arena_device
 from kvlib.kernels import paged_ops
 from kvlib.kernels.arena_sources import arena_source_for
-from kvlib.kernels.paged_attention import PagedLayer, PageReader
+from kvlib.kernels.pages import PagedLayer, PageReader
 
 if TYPE_CHECKING:
     from kvlib.storage.pools.page_pool import PagePool

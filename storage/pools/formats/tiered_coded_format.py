@@ -28,7 +28,8 @@ import torch
 
 from kvlib.codec import PageCodec
 from kvlib.devices import PagedKernel, paged_kernel
-from kvlib.kernels.paged_attention import PagedLayer, coded_source
+from kvlib.kernels.paged_attention import coded_source
+from kvlib.kernels.pages import PagedLayer
 from kvlib.storage.pools.formats.coded_format import CodedPages
 from kvlib.storage.pools.formats.field_rows import FieldRows
 from kvlib.storage.pools.formats.page_format import extend_rows

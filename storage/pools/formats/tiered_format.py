@@ -37,7 +37,7 @@ import torch
 from kvlib.devices import reads_pages_in_place, to_arena_device
 from kvlib.errors import PoolExhaustedError
 from kvlib.kernels.arena_sources import arena_source_for
-from kvlib.kernels.paged_attention import PagedLayer
+from kvlib.kernels.pages import PagedLayer
 from kvlib.placement import Placement, lowest_score_first
 from kvlib.storage.pools.disk_pages import DiskPages
 from kvlib.storage.pools.formats.page_format import PageFormat, extend_rows
