@@ -72,7 +72,7 @@ def ensure_environment() -> Path:
     # torch first: kvlib's plain torch requirement would otherwise pull a CUDA build.
     _run(pip + [torch_requirement])
     extra = [f"transformers=={transformers_pin}"] if transformers_pin else []
-    _run(pip + ["--upgrade-policy", "only-if-needed", "-e", ".[dev]"] + extra)
+    _run(pip + ["--upgrade-strategy", "only-if-needed", "-e", ".[dev]"] + extra)
     stamp_file.write_text(wanted)
     return Path(python)
 
