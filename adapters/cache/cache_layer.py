@@ -251,7 +251,7 @@ class KVCacheLayer(CacheLayerMixin):
             move_position_bias(call.kwargs, step, call.query.shape[1])
         output, weights = call.run_inner(key, value, mask)
         real_new = real_new_tokens(call.attention_mask, step) if step.query_positions is None else None
-        step.after_attention(query=call.query, mask=mask, weights=weights, real_new=real_new, scaling=call.kwargs.get("scaling"))
+        self.after_attention(step, query=call.query, mask=mask, weights=weights, real_new=real_new, scaling=call.kwargs.get("scaling"))
         return output, weights
 
     def attend_returned(self, returned: ReturnedTokens, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -34,7 +34,9 @@ def attention_over_pages(
         visible, query_positions = allowed(attention_mask)[:, 0].expand(batch, -1, -1), None
     scale = kwargs.get("scaling") or head_dim**-0.5
     output = step.paged.attend(query, visible=visible, query_positions=query_positions, scale=scale)
-    step.after_attention(query=query, mask=attention_mask, weights=None, real_new=real_new_tokens(attention_mask, step), scaling=scale)
+    step.owner.after_attention(
+        step, query=query, mask=attention_mask, weights=None, real_new=real_new_tokens(attention_mask, step), scaling=scale
+    )
     return output.transpose(1, 2).contiguous(), None
 
 
@@ -50,12 +52,12 @@ def planned_attention(cache: SharedState, step: LayerStep, call: AttentionCall) 
     if cache.plan_work and cache.plan_work[layer_idx] is PlannedWork.ACCUMULATE:
         slots = int(cache.store.tables[layer_idx].lengths_np[plan.rows_np].max())
         received = cache.compressor.received_state(layer_idx, *plan.lengths.shape[1:], slots, plan.lengths.device)
-    output = plan.pools[layer_idx].attend_planned(plan, layer_idx, query, mask, scale, received=received)
+    output = plan.pools[layer_idx].format.attend_planned(plan, layer_idx, query, mask, scale, received=received)
     if layer_idx == 0 and not cache.plan_known_real:
         real_new = real_new_tokens(mask, step)
         if real_new is not None and not host_readable(real_new):  # counted on the device, not looked at: no sync
             cache.padding += (~real_new).sum(-1)
         elif real_new is not None and not bool(real_new.all()):
             cache.step_real_new = real_new
-    step.after_attention(query=query, mask=mask, weights=None, real_new=cache.step_real_new, scaling=scale)
+    step.owner.after_attention(step, query=query, mask=mask, weights=None, real_new=cache.step_real_new, scaling=scale)
     return output, None

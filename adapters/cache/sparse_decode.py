@@ -36,7 +36,7 @@ def sparse_decode_attention(call: AttentionCall, step: LayerStep) -> tuple[torch
     chosen = dataclasses.replace(step, read=read, identity=False)
     mask = physical_mask(attention_mask, chosen, query.shape[1], call.float_mask_dtype)
     output, weights = call.run_inner(read.keys, read.values, mask)
-    step.after_attention(
-        query=query, mask=mask, weights=weights, real_new=real_new_tokens(attention_mask, step), scaling=call.kwargs.get("scaling")
+    step.owner.after_attention(
+        step, query=query, mask=mask, weights=weights, real_new=real_new_tokens(attention_mask, step), scaling=call.kwargs.get("scaling")
     )
     return output, weights

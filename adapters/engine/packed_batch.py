@@ -218,7 +218,9 @@ def packed_attention(
         planned = index == 0 and step.plan is not None
         if planned and additive_mask_dtype is None and paged_attention_applies(kwargs):
             scale = kwargs.get("scaling") or part.shape[-1] ** -0.5
-            output = step.plan.pools[step.layer_idx].attend_planned(step.plan, step.layer_idx, part, None, scale, kwargs.get("softcap"))
+            output = step.plan.pools[step.layer_idx].format.attend_planned(
+                step.plan, step.layer_idx, part, None, scale, kwargs.get("softcap")
+            )
             read = None  # attended over the pages: nothing was read
         elif pages is not None and additive_mask_dtype is None and paged_attention_applies(kwargs):
             output = decode_over_pages(part, pages, segment, kwargs)

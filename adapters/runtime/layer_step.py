@@ -193,19 +193,6 @@ class LayerStep:
             self.owner, self.layer_idx, read.positions, read.valid, self.identity, self.query_offset, self.query_length, self.complete
         )
 
-    def after_attention(
-        self,
-        *,
-        query: torch.Tensor,
-        mask: torch.Tensor | None,
-        weights: torch.Tensor | None,
-        real_new: torch.Tensor | None,
-        scaling: float | None,
-    ) -> None:
-        """Hand the attention's inputs to the owner's after-attention work (eviction, sealing,
-        ranking, prefix indexing of this layer)."""
-        self.owner.after_attention(self, query=query, mask=mask, weights=weights, real_new=real_new, scaling=scaling)
-
 
 @dataclass(frozen=True)
 class ReturnedTokens:

@@ -273,7 +273,7 @@ class PagePool:
     @property
     def takes_planned_writes(self) -> bool:
         """Whether a planned decode step (:mod:`~kvlib.storage.store.step_plan`) may write this pool's pages
-        with :meth:`write_planned` and attend over them with :meth:`attend_planned`: where its
+        with :meth:`write_planned` and attend over them with its format's ``attend_planned``: where its
         device's paged kernel reads it in place and it keeps no per-write state of its own (key
         summaries)."""
         return self.summaries is None and self.page_source() is not None
@@ -302,23 +302,6 @@ class PagePool:
         paged_ops.write_planned(
             format.keys, format.values, self.positions, plan.slots, plan.position_slots, layer, keys, values, plan.positions
         )
-
-    def attend_planned(
-        self,
-        plan: PlannedStep,
-        layer: int,
-        query: torch.Tensor,
-        mask: torch.Tensor | None,
-        scale: float,
-        softcap: float | None = None,
-        received: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Attention of ``query`` (``[batch, query_heads, tokens, head_dim]``) over ``layer``'s
-        pages once ``plan`` wrote it, ``[batch, tokens, query_heads, value_dim]`` (one operator:
-        ``kvlib::paged_decode`` over float arenas, ``kvlib::paged_decode_coded`` over a coded
-        format's fields through its kernel readers; ``mask`` the model's mask over logical positions, None for causal
-        by the new tokens' positions; ``received``: see :func:`~kvlib.kernels.paged_ops.paged_decode`)."""
-        return self.format.attend_planned(plan, layer, query, mask, scale, softcap, received)
 
     def gather(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Read tokens at flat slots: ``(keys [n, head_dim], values [n, value_dim], positions [n])``."""

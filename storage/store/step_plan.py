@@ -76,7 +76,7 @@ class StepPlan(PlannedStep):
             batch, kv_heads]`` (CPU numpy; 0 for a head at its ring's cap).
         pools: each layer's page pool: a layer writes its new tokens with
             ``pools[layer].write_planned(plan, layer, keys, values)`` and attends with
-            ``pools[layer].attend_planned(plan, layer, query, mask, scale)``.
+            ``pools[layer].format.attend_planned(plan, layer, query, mask, scale)``.
     """
 
     rows: torch.Tensor

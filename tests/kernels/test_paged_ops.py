@@ -65,7 +65,7 @@ def test_a_planned_decode_equals_the_paged_layer_over_the_same_pages(spec: str |
     mask[1, ..., :3] = False
     for layer in range(2):
         for given in (None, mask, torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, torch.finfo(dtype).min)):
-            got = plan.pools[layer].attend_planned(plan, layer, query, given, 0.25)
+            got = plan.pools[layer].format.attend_planned(plan, layer, query, given, 0.25)
             expected = paged_reference(store, rows, layer, query, None if given is None else mask)
             assert got.shape == (2, 1, 4, DIM) and got.dtype == dtype
             torch.testing.assert_close(got, expected)
@@ -136,10 +136,10 @@ def test_on_the_cpu_the_operators_dispatch_nothing_inside_but_the_output(spec: s
     pool = plan.pools[0]
     query, keys, values = torch.randn(2, 4, 1, DIM), torch.randn(2, 2, 1, DIM), torch.randn(2, 2, 1, DIM)
     pool.write_planned(plan, 0, keys, values)
-    pool.attend_planned(plan, 0, query, None, 0.25)  # views of the long-lived tensors are made once
+    pool.format.attend_planned(plan, 0, query, None, 0.25)  # views of the long-lived tensors are made once
     with torch.profiler.profile() as profile:
         pool.write_planned(plan, 0, keys, values)
-        pool.attend_planned(plan, 0, query, None, 0.25)
+        pool.format.attend_planned(plan, 0, query, None, 0.25)
     inside = [
         e.name
         for e in profile.events()

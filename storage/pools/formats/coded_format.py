@@ -215,7 +215,16 @@ class CodedPages(PageFormat):
             raise RuntimeError("planned write to a sealed page: sealed pages are immutable (the store and the pool disagree)")
         return rows * self.page_size + slots % self.page_size
 
-    def attend_planned(self, plan: PlannedStep, layer: int, query: torch.Tensor, mask, scale, softcap, received) -> torch.Tensor:
+    def attend_planned(
+        self,
+        plan: PlannedStep,
+        layer: int,
+        query: torch.Tensor,
+        mask: torch.Tensor | None,
+        scale: float,
+        softcap: float | None = None,
+        received: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """One ``kvlib::paged_decode_coded`` over the open pages' raw arenas and the codec's fields,
         read by its :attr:`kernel_readers` (set while :meth:`page_source` gives a source, which a
         planned step checked)."""

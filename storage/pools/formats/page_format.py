@@ -168,8 +168,17 @@ class PageFormat:
         """Arena slots of a planned step's tokens at flat page ``slots``: the same slots by default."""
         return slots
 
-    def attend_planned(self, plan: PlannedStep, layer: int, query: torch.Tensor, mask, scale, softcap, received) -> torch.Tensor:
-        """Attention over ``layer``'s pages once ``plan`` wrote it (see :meth:`PagePool.attend_planned`):
+    def attend_planned(
+        self,
+        plan: PlannedStep,
+        layer: int,
+        query: torch.Tensor,
+        mask: torch.Tensor | None,
+        scale: float,
+        softcap: float | None = None,
+        received: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Attention over ``layer``'s pages once ``plan`` wrote it (the plan holds the pools it wrote: ``plan.pools[layer].format``):
         one decode operator over the arenas (``kvlib::paged_decode``; a coded format overrides it)."""
         return paged_ops.paged_decode(
             query,

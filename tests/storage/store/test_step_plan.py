@@ -170,7 +170,7 @@ def test_planned_attention_is_the_paged_kernel_over_the_same_tokens() -> None:
                 query_positions=causal,
                 scale=0.5,
             )
-            got = plan.pools[layer].attend_planned(plan, layer, query, given_mask, 0.5)
+            got = plan.pools[layer].format.attend_planned(plan, layer, query, given_mask, 0.5)
             torch.testing.assert_close(got, expected.transpose(1, 2))
 
 
