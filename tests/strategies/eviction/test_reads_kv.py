@@ -65,7 +65,9 @@ def test_built_ins_that_read_keys_or_values_say_so() -> None:
         "kvzip",
         "windowkv",
         "fastkv",
+        "kvcrush",
     }
     assert kvlib.parse_strategy("chunkkv(inner='knorm')").reads_kv  # a wrapper follows its inner strategy
     assert not kvlib.parse_strategy("chunkkv(inner='h2o')").reads_kv
     assert kvlib.parse_strategy("scope(inner='knorm')").reads_kv
+    assert kvlib.parse_strategy("kvcrush(inner='knorm')").reads_kv
