@@ -67,6 +67,7 @@ def test_built_ins_that_read_keys_or_values_say_so() -> None:
         "fastkv",
         "kvcrush",
         "shotkv",
+        "kvcompose",
     }
     assert kvlib.parse_strategy("chunkkv(inner='knorm')").reads_kv  # a wrapper follows its inner strategy
     assert not kvlib.parse_strategy("chunkkv(inner='h2o')").reads_kv
