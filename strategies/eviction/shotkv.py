@@ -83,11 +83,16 @@ class ShotKV(Eviction):
             )
 
     @classmethod
-    def for_prompt(cls, ids: Sequence[int] | torch.Tensor, separator: Sequence[int], **parameters: object) -> ShotKV:
+    def for_prompt(cls, ids: Sequence[int] | torch.Tensor, separator: Sequence[int], opens: bool = False, **parameters: object) -> ShotKV:
         """A ShotKV whose shots begin after each occurrence of ``separator`` (token ids, non-empty)
         in ``ids`` (one prompt's token ids, no padding; occurrences do not overlap, and one that
-        ends the prompt starts nothing); no occurrence: ``starts=()``, the ``chunk`` fallback.
-        ``parameters``: the other fields."""
+        ends the prompt starts nothing), or, with ``opens``, at each occurrence (a marker that
+        opens every shot, such as ``"Question:"``); no occurrence: ``starts=()``, the ``chunk``
+        fallback. ``parameters``: the other fields.
+
+        ``separator`` must be the ids the separator has *inside* the prompt: a BPE tokenizer
+        may encode it otherwise alone (SmolLM2 encodes ``"\\n\\n"`` alone as one token, and as
+        two ``"\\n"`` after ``"5"``); encode a piece of the prompt around it to see."""
         tokens = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
         pattern = list(separator)
         if not pattern:
@@ -95,9 +100,10 @@ class ShotKV(Eviction):
         found, at = [], 0
         while at + len(pattern) <= len(tokens):
             if tokens[at : at + len(pattern)] == pattern:
+                start = at if opens else at + len(pattern)
                 at += len(pattern)
-                if at < len(tokens):
-                    found.append(at)
+                if start < len(tokens):
+                    found.append(start)
             else:
                 at += 1
         return cls(starts=tuple(found), **parameters)

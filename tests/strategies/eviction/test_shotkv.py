@@ -28,6 +28,7 @@ def test_shots_begin_after_each_separator() -> None:
     assert ShotKV.for_prompt(torch.tensor(ids), [9, 9], window=4).window == 4
     assert ShotKV.for_prompt([9, 9, 1, 2, 9, 9, 3], [9, 9]).starts == (2, 6)
     assert ShotKV.for_prompt([9, 9, 9, 1], [9, 9]).starts == (2,)  # occurrences do not overlap
+    assert ShotKV.for_prompt(ids, [9, 9], opens=True).starts == (3, 7, 10)  # a marker opening each shot
     assert ShotKV.for_prompt(ids, [7]).starts == ()  # no separator: the chunk fallback
     with pytest.raises(ValueError, match="separator must hold"):
         ShotKV.for_prompt(ids, [])
