@@ -65,7 +65,11 @@ def test_built_ins_that_read_keys_or_values_say_so() -> None:
         "kvzip",
         "windowkv",
         "fastkv",
+        "kvcrush",
+        "shotkv",
+        "kvcompose",
     }
     assert kvlib.parse_policy("chunkkv(inner='knorm')").reads_kv  # a wrapper follows its inner policy
     assert not kvlib.parse_policy("chunkkv(inner='h2o')").reads_kv
     assert kvlib.parse_policy("scope(inner='knorm')").reads_kv
+    assert kvlib.parse_policy("kvcrush(inner='knorm')").reads_kv
