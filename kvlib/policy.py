@@ -91,6 +91,23 @@ class Policy:
         (the registry checks the kind base and the dataclass itself)."""
 
 
+class WithInner:
+    """A wrapper policy's declaration (``needs``, ``reads_kv``) that follows its ``inner``
+    policy: on an instance, ``combine(own, the inner's)``; on the class, where the registry
+    checks it, ``own``. Written as a class attribute, e.g. ``needs =
+    WithInner(frozenset({"budget"}), frozenset.union)`` or ``reads_kv = WithInner(True, lambda
+    own, inner: inner)`` (the inner's alone), so the cache computes nothing the inner does not use."""
+
+    def __init__(self, own: object, combine: Callable[[object, object], object]) -> None:
+        self.own, self.combine = own, combine
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, instance: Policy | None, owner: type | None = None) -> object:
+        return self.own if instance is None else self.combine(self.own, getattr(instance.inner, self.name))
+
+
 class Eviction(Policy, abc.ABC):
     """Decides which stored tokens to drop: scores each stored token, higher means keep.
 

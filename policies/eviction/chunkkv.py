@@ -8,23 +8,8 @@ from typing import Any
 import torch
 
 from kvlib.policies.eviction.snapkv import SnapKV
-from kvlib.policy import Budget, Eviction, LayerView
+from kvlib.policy import Budget, Eviction, LayerView, WithInner
 from kvlib.registry import register
-
-
-class _FromInner:
-    """A declaration of a wrapper (``needs``, ``reads_kv``): on an instance, its ``inner``
-    policy's (so the engine computes nothing the inner does not use); on the class, where the
-    registry checks it, ``on_class``."""
-
-    def __init__(self, on_class: object) -> None:
-        self.on_class = on_class
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = name
-
-    def __get__(self, instance: ChunkKV | None, owner: type | None = None) -> object:
-        return self.on_class if instance is None else getattr(instance.inner, self.name)
 
 
 @dataclass
@@ -84,8 +69,8 @@ class ChunkKV(Eviction):
     chunk_size: int = 10
     reuse_layers: int = 1
     _choice: Any = field(default=None, init=False, repr=False, compare=False)
-    needs = _FromInner(frozenset())
-    reads_kv = _FromInner(True)
+    needs = WithInner(frozenset(), lambda own, inner: inner)
+    reads_kv = WithInner(True, lambda own, inner: inner)
 
     def __post_init__(self) -> None:
         super().__post_init__()

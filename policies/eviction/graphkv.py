@@ -9,25 +9,11 @@ import torch
 import torch.nn.functional as F
 
 from kvlib.policies.eviction.snapkv import SnapKV
-from kvlib.policy import Budget, Eviction, LayerView
+from kvlib.policy import Budget, Eviction, LayerView, WithInner
 from kvlib.registry import register
 from kvlib.selection import rank_order
 
 _OWN_NEEDS = frozenset({"budget"})
-
-
-class _WithInner:
-    """A wrapper's declaration (``needs``, ``reads_kv``): on an instance, its own combined with
-    its ``inner`` policy's; on the class, where the registry checks it, its own."""
-
-    def __init__(self, own: object, combine: object) -> None:
-        self.own, self.combine = own, combine
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = name
-
-    def __get__(self, instance: GraphKV | None, owner: type | None = None) -> object:
-        return self.own if instance is None else self.combine(self.own, getattr(instance.inner, self.name))
 
 
 @register("graphkv")
@@ -75,7 +61,7 @@ class GraphKV(Eviction):
     neighbors: int = 16
     decay: float = 1.0
     rounds: int = 1
-    needs = _WithInner(_OWN_NEEDS, frozenset.union)
+    needs = WithInner(_OWN_NEEDS, frozenset.union)
     reads_kv: ClassVar[bool] = True
 
     def __post_init__(self) -> None:

@@ -8,27 +8,13 @@ from typing import Literal
 import torch
 
 from kvlib.policies.eviction.snapkv import SnapKV
-from kvlib.policy import Budget, Eviction, LayerView
+from kvlib.policy import Budget, Eviction, LayerView, WithInner
 from kvlib.registry import register
 from kvlib.selection import rank_order
 
 _OWN_NEEDS = frozenset({"attention", "budget"})
 _RANDOM_ANCHOR_STREAM = 1_000_003
 """Multiplies the seed before the layer index is added: each layer's random anchor its own draw."""
-
-
-class _WithInner:
-    """A wrapper's declaration (``needs``, ``reads_kv``): on an instance, its own combined with
-    its ``inner`` policy's; on the class, where the registry checks it, its own."""
-
-    def __init__(self, own: object, combine: object) -> None:
-        self.own, self.combine = own, combine
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = name
-
-    def __get__(self, instance: KVCrush | None, owner: type | None = None) -> object:
-        return self.own if instance is None else self.combine(self.own, getattr(instance.inner, self.name))
 
 
 @register("kvcrush")
@@ -83,8 +69,8 @@ class KVCrush(Eviction):
     window: int = 32
     anchor: Literal["random", "zeros", "ones", "alternate", "mean"] = "random"
     seed: int = 0
-    needs = _WithInner(_OWN_NEEDS, frozenset.union)
-    reads_kv = _WithInner(False, lambda own, inner: inner)
+    needs = WithInner(_OWN_NEEDS, frozenset.union)
+    reads_kv = WithInner(False, lambda own, inner: inner)
 
     def __post_init__(self) -> None:
         super().__post_init__()

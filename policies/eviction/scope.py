@@ -8,24 +8,10 @@ import torch
 
 from kvlib.policies.eviction.h2o import protected_scores
 from kvlib.policies.eviction.snapkv import SnapKV
-from kvlib.policy import Budget, Eviction, LayerView
+from kvlib.policy import Budget, Eviction, LayerView, WithInner
 from kvlib.registry import register
 
 _OWN_NEEDS = frozenset({"attention", "prompt_length"})
-
-
-class _WithInner:
-    """A wrapper's declaration (``needs``, ``reads_kv``): on an instance, its own combined with
-    its ``inner`` policy's; on the class, where the registry checks it, its own."""
-
-    def __init__(self, own: object, combine: object) -> None:
-        self.own, self.combine = own, combine
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = name
-
-    def __get__(self, instance: SCOPE | None, owner: type | None = None) -> object:
-        return self.own if instance is None else self.combine(self.own, getattr(instance.inner, self.name))
 
 
 @register("scope")
@@ -63,8 +49,8 @@ class SCOPE(Eviction):
     inner: Eviction = field(default_factory=SnapKV)
     decode_budget: float = 0.25
     recent: int = 8
-    needs = _WithInner(_OWN_NEEDS, frozenset.union)
-    reads_kv = _WithInner(True, lambda own, inner: inner)
+    needs = WithInner(_OWN_NEEDS, frozenset.union)
+    reads_kv = WithInner(True, lambda own, inner: inner)
 
     def __post_init__(self) -> None:
         super().__post_init__()
