@@ -12,7 +12,7 @@ per sequence. With a codec and a page budget, pages count as *budget pages*: a s
 (its encoded bytes), an open page (a head's partly filled last page, held raw) is
 ``open_page_cost`` of them (its raw bytes over a sealed page's, rounded up), so the bytes of keys
 and values held between steps stay within ``page_budget_bytes``; without a codec both are one. Invariants: a request's ``seq`` holds the keys and values of its first
-``computed`` tokens; it holds the prefix index entries its sequence reads and no others (so an
+``computed`` tokens (in a sliding-window layer, the last ``window - 1`` of them); it holds the prefix index entries its sequence reads and no others (so an
 unused entry's pages are held by the index alone, and reclaiming it frees one page per KV head
 in every layer); a swapped-out request holds no pages, only host memory.
 """
