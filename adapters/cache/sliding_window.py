@@ -12,8 +12,7 @@ from __future__ import annotations
 import torch
 
 from kvlib.adapters.cache.shared_state import SharedState
-from kvlib.adapters.runtime.after_attention import compact
-from kvlib.adapters.runtime.slot_order import keep_all_but
+from kvlib.adapters.runtime.after_attention import drop_behind_window
 
 
 def slide(cache: SharedState, layer_idx: int, seen: int) -> torch.Tensor | None:
@@ -23,8 +22,4 @@ def slide(cache: SharedState, layer_idx: int, seen: int) -> torch.Tensor | None:
     window = cache.shape.window(layer_idx)
     if window is None or seen <= window - 1:
         return None
-    positions = cache.store.stored_positions(layer_idx, cache.rows)
-    behind = (positions >= 0) & (positions <= seen - window)
-    if not bool(behind.any()):
-        return None
-    return compact(cache.store, cache.compressor, layer_idx, cache.rows, keep_all_but(positions, behind), reuse_slots=cache.reuse_slots)
+    return drop_behind_window(cache.store, cache.compressor, layer_idx, cache.rows, window, seen, reuse_slots=cache.reuse_slots)

@@ -183,7 +183,7 @@ class Engine:
             role, handover_queue, self.kv, vocab=self.vocab, max_tokens=self.context or MAX_REQUEST_TOKENS, max_age_s=handover_max_age_s
         )
         """The prefill or decode side of hand-overs (:mod:`~kvlib.adapters.engine.handover_roles`; idle for role ``"both"``)."""
-        self.runner = ModelRunner(model, self.kv.store, codec=self.codec, device=self.device)
+        self.runner = ModelRunner(model, self.kv.store, self.shape, codec=self.codec, device=self.device)
         self.requests: dict[int, Request] = {}
         """Requests by id: those queued or running, and finished or aborted ones until collected
         (at most ``max_finished`` of those, oldest dropped first)."""

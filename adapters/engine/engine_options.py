@@ -3,7 +3,10 @@ between the engine and its requests.
 
 Checks: every option of ``Engine(...)`` is checked here before the model is touched (before
 :func:`~kvlib.adapters.runtime.attention.attach`) or a page is allocated; each failure is a
-``ValueError`` naming the option and what is valid.
+``ValueError`` naming the option and what is valid. The Engine serves models whose every layer is
+attention over one KV layout, full or over a sliding window (Gemma 3, Mistral); it keeps no prefix
+cache for a model with sliding-window layers (:func:`keeps_prefix_cache`), so it refuses a remote
+tier (which holds prefix pages) for one.
 
 Specs: a quantization codec applies to every request's pages (:func:`engine_codec`: the pages
 are shared between requests, so a codec fitted per prompt or a tiering policy is refused);
@@ -20,8 +23,9 @@ from kvlib.adapters.runtime.make_compressor import eviction_compressor
 from kvlib.codec import Codec
 from kvlib.errors import quoted
 from kvlib.limits import check_page_size
-from kvlib.model_shape import kv_shape
+from kvlib.model_shape import KVShape, kv_shape
 from kvlib.spec import Spec, parse_spec
+from kvlib.transformers_compat import cache_layer_types
 
 PREEMPTION_MODES = ("recompute", "swap")
 
@@ -43,9 +47,20 @@ def check_engine(
     check_page_size(page_size)
     _check_bytes("page_budget_bytes", page_budget_bytes, minimum=1)
     _check_bytes("prefix_cache_bytes", prefix_cache_bytes, minimum=0)
-    _check_model(model)
+    shape = _check_model(model)
     if remote is not None and not prefix_cache:
         raise ValueError("remote needs prefix_cache=True: the remote tier holds the prefix cache's pages")
+    if remote is not None and not keeps_prefix_cache(shape):
+        raise ValueError(
+            f"remote holds prefix-cache pages, and the engine keeps no prefix cache for {type(model).__name__}, whose layers"
+            f" slide over windows of {sorted({w for w in shape.windows if w is not None})} tokens: leave remote unset"
+        )
+
+
+def keeps_prefix_cache(shape: KVShape) -> bool:
+    """Whether the engine indexes full pages for reuse on a model of ``shape``: not where a layer
+    slides over a window (its pages stop holding a block's tokens once the window moves on)."""
+    return not shape.windows
 
 
 def engine_codec(spec: Spec) -> Codec | None:
@@ -92,10 +107,11 @@ def _check_bytes(name: str, value: object, *, minimum: int) -> None:
         raise ValueError(f"{name} must be an int >= {minimum} (bytes) or None, got {quoted(value)}")
 
 
-def _check_model(model: torch.nn.Module) -> None:
-    """``ValueError`` for models kvlib cannot cache (:func:`kv_shape`: MLA, no attention KV, ...)
-    or the packed batch cannot serve exactly (sliding-window attention, recurrent-state layers,
-    layers of different KV layouts); before ``attach``."""
+def _check_model(model: torch.nn.Module) -> KVShape:
+    """``model``'s KV shape; ``ValueError`` for models kvlib cannot cache (:func:`kv_shape`: MLA, no
+    attention KV, ...) or the packed batch cannot serve exactly (recurrent-state layers, layers of
+    different KV layouts, attention other than full or over a sliding window: Llama 4's chunked
+    layers); before ``attach``."""
     shape = kv_shape(model)
     name = type(model).__name__
     if shape.dense:
@@ -113,11 +129,11 @@ def _check_model(model: torch.nn.Module) -> None:
             f"the engine serves models whose layers share one KV layout; {name}'s layers differ (KV heads"
             f" {list(shape.layer_kv_heads)}, head sizes {list(shape.layer_head_dims)}): use kvlib.make_cache(model) with model.generate"
         )
-    config = model.config.get_text_config()
-    layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
-    sliding = getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True)
-    if layer_types != {"full_attention"} or sliding:
+    kinds, _ = cache_layer_types(model.config.get_text_config(decoder=True))
+    others = sorted(set(kinds) - {"full_attention", "sliding_attention"})
+    if others:
         raise ValueError(
-            f"the engine serves models whose layers all use full causal attention; {type(model).__name__} has"
-            f" {sorted(layer_types)} layers{' with a sliding window' if sliding else ''}"
+            f"the engine serves full-attention and sliding-window layers; {name} has {', '.join(others)} layers:"
+            " use kvlib.make_cache(model) with model.generate"
         )
+    return shape

@@ -1,7 +1,8 @@
 """One request of the :class:`~kvlib.adapters.engine.engine.Engine`: its tokens, its state and its timings.
 
 Token bookkeeping (invariant after every engine step): ``tokens = prompt + output``; the store
-sequence ``seq`` holds the keys and values of ``tokens[:computed]`` (``computed <= len(tokens)``);
+sequence ``seq`` holds the keys and values of ``tokens[:computed]`` (``computed <= len(tokens)``;
+a sliding-window layer only the last ``window - 1`` of them, an evicting request what it keeps);
 ``tokens[computed:]`` are still to run through the model. A decoding request has exactly one
 token to run (its last sampled one); a prefilling request more. When the model has run the last
 of ``tokens``, the logits of that token give the next output token.

@@ -12,7 +12,7 @@ per sequence. With a codec and a page budget, pages count as *budget pages*: a s
 (its encoded bytes), an open page (a head's partly filled last page, held raw) is
 ``open_page_cost`` of them (its raw bytes over a sealed page's, rounded up), so the bytes of keys
 and values held between steps stay within ``page_budget_bytes``; without a codec both are one. Invariants: a request's ``seq`` holds the keys and values of its first
-``computed`` tokens; it holds the prefix index entries its sequence reads and no others (so an
+``computed`` tokens (in a sliding-window layer, the last ``window - 1`` of them); it holds the prefix index entries its sequence reads and no others (so an
 unused entry's pages are held by the index alone, and reclaiming it frees one page per KV head
 in every layer); a swapped-out request holds no pages, only host memory.
 """
@@ -23,6 +23,7 @@ from collections.abc import Sequence
 
 import torch
 
+from kvlib.adapters.engine.engine_options import keeps_prefix_cache
 from kvlib.adapters.engine.engine_request import Request
 from kvlib.adapters.engine.handover import Tail, read_tail, tail_key, tail_layout, tail_record
 from kvlib.adapters.engine.page_budget import PageBudget
@@ -52,7 +53,8 @@ class KVManager:
         page_size: tokens per page.
         dtype, device: of the model's parameters (the pages').
         read_cache: keep a dense mirror of the decoding batch in the store.
-        prefix_cache: index full pages for reuse across requests.
+        prefix_cache: index full pages for reuse across requests (not for a model with
+            sliding-window layers: :func:`~kvlib.adapters.engine.engine_options.keeps_prefix_cache`).
         preemption: ``"swap"`` (to host memory) or ``"recompute"``.
         remote: the prefix store's remote tier (:class:`~kvlib.storage.prefix.prefix_store.PrefixStore`), or None.
     """
@@ -76,6 +78,9 @@ class KVManager:
         self.page_size = page_size
         self.dtype, self.device = dtype, device
         self.preemption = preemption
+        self.every_layer_slides = bool(shape.windows) and None not in shape.windows
+        """Whether every layer slides over a window: no layer then holds all of a sequence's tokens
+        (page counts then follow what a sequence stores, :meth:`stored_tokens`)."""
         pages, codecs = budget.pages, budget.codecs
         self.open_page_cost = budget.open_page_cost if pages is not None else 1
         """Budget pages an open page counts for (see the module docstring; 1 when the pools grow)."""
@@ -97,7 +102,7 @@ class KVManager:
                 )
             )
 
-        self.prefix = PrefixStore(model, budget.prefix_bytes, remote=remote) if prefix_cache else None
+        self.prefix = PrefixStore(model, budget.prefix_bytes, remote=remote) if prefix_cache and keeps_prefix_cache(shape) else None
         if self.prefix is not None:
             self.namespace = self.prefix.namespace("" if codec is None else codec.spec(), self.dtype, self.device, page_size)
             self.store = self.prefix.paged_store(self.namespace, build)

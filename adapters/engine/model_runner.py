@@ -3,12 +3,15 @@
 :meth:`ModelRunner.run` packs the chunks (:mod:`kvlib.adapters.engine.packed_batch`: the decode group
 as one segment, then one segment per prefill chunk; positions per token, no padding), runs the
 model with the LM head only at the last token of each request that completes its tokens, runs
-each segment's per-request eviction and page sealing after its attention in every layer, and
-samples each completing request's next token (:mod:`kvlib.adapters.engine.sampling`).
+each segment's per-request eviction, the freeing of what left a sliding window and page sealing
+after its attention in every layer, and samples each completing request's next token
+(:mod:`kvlib.adapters.engine.sampling`).
 
 Invariant: after :meth:`ModelRunner.run`, each request's ``computed`` counts the tokens its
 sequence has been given (its chunk added), and each request whose last token ran has one more
-output token, with its time.
+output token, with its time. Between steps, each sliding-window layer of a sequence that has been
+given ``computed`` tokens holds only positions ``computed - window + 1`` onwards (at most
+``window - 1`` tokens; :func:`~kvlib.adapters.runtime.after_attention.drop_behind_window`).
 """
 
 from __future__ import annotations
@@ -20,22 +23,25 @@ import torch
 from kvlib.adapters.engine.engine_request import Request
 from kvlib.adapters.engine.packed_batch import PackedCache, Segment, visibility
 from kvlib.adapters.engine.sampling import next_token
-from kvlib.adapters.runtime.after_attention import evict, make_ring_room
+from kvlib.adapters.runtime.after_attention import drop_behind_window, evict, make_ring_room
 from kvlib.adapters.runtime.layer_step import LayerStep
 from kvlib.adapters.runtime.needs import AttentionInputs
 from kvlib.codec import Codec
+from kvlib.model_shape import KVShape
 from kvlib.storage.layers.read_cache import LayerRead
 from kvlib.storage.store.paged_store import PagedStore
 from kvlib.transformers_compat import cache_argument
 
 
 class ModelRunner:
-    """Runs ``model`` over ``store``'s sequences; ``codec`` (None: raw pages) seals full pages
-    after each segment's attention, as ``KVCache.after_attention`` does."""
+    """Runs ``model`` (of KV layout ``shape``: its layers' sliding windows) over ``store``'s
+    sequences; ``codec`` (None: raw pages) seals full pages after each segment's attention, as
+    ``KVCache.after_attention`` does."""
 
-    def __init__(self, model: torch.nn.Module, store: PagedStore, *, codec: Codec | None, device: torch.device) -> None:
+    def __init__(self, model: torch.nn.Module, store: PagedStore, shape: KVShape, *, codec: Codec | None, device: torch.device) -> None:
         self.model = model
         self.store = store
+        self.shape = shape
         self.codec = codec
         self.device = device
         self._segments: list[tuple[Segment, list[Request]]] = []
@@ -68,7 +74,7 @@ class ModelRunner:
                 if segment.length == request.remaining:
                     finishing.append(request)
                     last_index.append(segment.start + (b + 1) * segment.length - 1)
-        cache = PackedCache(self.store, [segment for segment, _ in segments], self._after_attention)
+        cache = PackedCache(self.store, [segment for segment, _ in segments], self._after_attention, self.shape.windows)
         input_ids = torch.tensor([ids], dtype=torch.int64, device=self.device)
         position_ids = torch.cat(positions).unsqueeze(0).to(self.device)
         with torch.inference_mode():
@@ -111,10 +117,12 @@ class ModelRunner:
         return sorted(decodes, key=lambda request: mirrored.get(request.seq, len(mirrored)))
 
     def _after_attention(self, layer: int, index: int, query: torch.Tensor, read: LayerRead | None, scaling: float | None) -> None:
-        """Per-request eviction after a segment's attention in ``layer``, then sealing its full
-        pages. ``read``: the segment's dense read, or None where it attended over its pages."""
+        """Per-request eviction after a segment's attention in ``layer``, then freeing what left a
+        sliding window, then sealing its full pages. ``read``: the segment's dense read, or None
+        where it attended over its pages."""
         segment, requests = self._segments[index]
         self._evict(layer, segment, requests, query, read, scaling)
+        self._slide(layer, segment, requests)
         if self.codec is not None:
             self.store.seal(layer, segment.seqs)
 
@@ -135,9 +143,23 @@ class ModelRunner:
                 row, mask = self.store.read_positions(layer, rows), None
             else:
                 row = LayerRead(*(t[b : b + 1] for t in read)) if read is not None else self.store.read(layer, rows, mirror=False)
-                mask = visibility(row, segment.positions[b : b + 1], query.shape[1], uniform_heads=False)
+                mask = visibility(row, segment.positions[b : b + 1], query.shape[1], False, self.shape.window(layer))
             step = LayerStep(None, layer, row, request.computed, segment.length, False, paged=pages)
             inputs = AttentionInputs(query[b : b + 1], mask, None, scaling, None)
             evict(
                 request.compressor, self.store, rows, step, inputs, torch.zeros(1, dtype=torch.int64, device=self.device), reuse_slots=True
             )
+
+    def _slide(self, layer: int, segment: Segment, requests: list[Request]) -> None:
+        """Free the tokens of a sliding-window ``layer`` that left the window of each of the
+        segment's sequences once it has seen the segment's tokens: the rows without eviction in
+        one compaction, each evicting row with its own compressor (its per-slot state follows)."""
+        window = self.shape.window(layer)
+        if window is None:
+            return
+        plain = [request for request in requests if request.compressor is None]
+        groups = [(plain, None)] if plain else []
+        groups += [([request], request.compressor) for request in requests if request.compressor is not None]
+        for group, compressor in groups:
+            seen = torch.tensor([request.computed + segment.length for request in group], dtype=torch.int64)
+            drop_behind_window(self.store, compressor, layer, [request.seq for request in group], window, seen, reuse_slots=True)

@@ -17,13 +17,19 @@ pages cannot be read in place (codecs, a device without the kernel), where the s
 read mirror (``read_cache=True``) and where the attention is one the kernel does not reproduce
 (eager attention, attention sinks).
 
+Sliding-window layers (``windows``): a token at position ``q`` sees its own sequence's positions
+``q - window + 1 .. q``. A dense read is masked so; the engine frees what left each sequence's
+window after every segment's attention (:func:`~kvlib.adapters.runtime.after_attention.drop_behind_window`),
+so a decode token, whose sequence holds only the ``window - 1`` positions before it, sees
+everything its pages hold, and the page kernel needs no window.
+
 Invariant: after a forward pass, each sequence of a segment holds its previous tokens plus the
 segment's tokens, at the positions given; no sequence ever sees another's tokens.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -123,14 +129,23 @@ class PackedCache(Cache):
 
     ``after_attention(layer_idx, segment_index, query, read, scaling)`` (optional) is called after
     each segment's attention, ``read`` being the segment's dense read, or None for a decode group
-    that attended over its pages; the engine runs per-request eviction there.
+    that attended over its pages; the engine runs per-request eviction and frees what left a
+    sliding window there. ``windows``: per layer, its sliding window in tokens, None for a layer
+    that sees every position (empty: none slides).
     """
 
-    def __init__(self, store: PagedStore, segments: list[Segment], after_attention: Callable | None = None) -> None:
+    def __init__(
+        self,
+        store: PagedStore,
+        segments: list[Segment],
+        after_attention: Callable | None = None,
+        windows: Sequence[int | None] = (),
+    ) -> None:
         super().__init__(layers=[_PackedLayer(self, i) for i in range(store.num_layers)])
         self.store = store
         self.segments = segments
         self.after_attention = after_attention
+        self.windows = tuple(windows)
         self.plan: StepPlan | None = None
         """The decode group's step plan for every layer (made at layer 0), or None."""
 
@@ -182,6 +197,10 @@ class PackedCache(Cache):
             return None
         return self.store.paged_layer(layer_idx, segment.seqs)
 
+    def window(self, layer_idx: int) -> int | None:
+        """``layer_idx``'s sliding window in tokens, or None where it sees every position."""
+        return self.windows[layer_idx] if self.windows else None
+
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0
 
@@ -227,7 +246,7 @@ def packed_attention(
             read = None  # attended over the pages: nothing was read
         else:
             read = step.dense_read(index)
-            visible = visibility(read, segment.positions, heads, segment.uniform_heads)
+            visible = visibility(read, segment.positions, heads, segment.uniform_heads, step.cache.window(step.layer_idx))
             if segment.length == 1 and additive_mask_dtype is None and _plain_attention(kwargs):
                 output = decode_attention(part, read.keys, read.values, visible, kwargs.get("scaling"))
             else:
@@ -242,12 +261,16 @@ def packed_attention(
     return torch.cat(outputs, dim=1), None
 
 
-def visibility(read: LayerRead, positions: torch.Tensor, heads: int, uniform_heads: bool) -> torch.Tensor:
+def visibility(read: LayerRead, positions: torch.Tensor, heads: int, uniform_heads: bool, window: int | None = None) -> torch.Tensor:
     """Which stored slots of ``read`` each new token of its rows sees: bool ``[batch, 1 or heads,
     length, slots]`` (one head row when every head holds the same tokens, else one per query head);
-    causal by stored position. ``positions``: int64 ``[batch, length]``, the new tokens' positions."""
-    positions = positions.to(read.positions.device)
-    visible = (read.positions.unsqueeze(2) <= positions.view(positions.shape[0], 1, -1, 1)) & read.valid.unsqueeze(2)
+    causal by stored position, and within the last ``window`` positions (the token's own
+    included) for a sliding-window layer. ``positions``: int64 ``[batch, length]``, the new tokens' positions."""
+    positions = positions.to(read.positions.device).view(positions.shape[0], 1, -1, 1)
+    stored = read.positions.unsqueeze(2)
+    visible = (stored <= positions) & read.valid.unsqueeze(2)
+    if window is not None:
+        visible &= stored > positions - window
     if uniform_heads:
         return visible[:, :1]
     if visible.shape[1] != heads:

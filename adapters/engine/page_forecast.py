@@ -28,6 +28,8 @@ class KVPages(Protocol):
 
     page_size: int
     prefix: PrefixStore | None
+    every_layer_slides: bool
+    """Whether every layer slides over a window (then no layer holds all of a sequence's tokens)."""
 
     @property
     def fixed(self) -> bool:
@@ -89,9 +91,11 @@ class PageForecast:
         return self._admitted.get(request, request.computed)
 
     def pages_for(self, request: Request, tokens: int) -> int:
-        """Pages (per layer, at most) that running ``tokens`` more tokens of ``request`` allocates."""
+        """Pages (per layer, at most) that running ``tokens`` more tokens of ``request`` allocates,
+        after the tokens its sequence holds (fewer than it has computed under eviction, or where
+        every layer slides over a window)."""
         held = self.computed(request)
-        if request.compressor is not None and request.seq is not None:
+        if (request.compressor is not None or self._kv.every_layer_slides) and request.seq is not None:
             held = self._kv.stored_tokens(request)
         return self._kv.pages_for(held, tokens)
 

@@ -7,8 +7,9 @@ sliding window). What the caller does next (sealing pages, tiering, prefix index
 :class:`Evicted` says whether the slots moved and gives the layer's token salience for a codec
 that reads it. Before a decode call under a cap held as a ring, :func:`make_ring_room` drops
 each full head's oldest tokens past the ring's start, so the call attends over its cap at most
-on every path (a planned step reuses those slots instead). The compressor itself never touches
-the store: it decides, these routines compact.
+on every path (a planned step reuses those slots instead). After a sliding-window layer's
+attention, :func:`drop_behind_window` frees what left each row's window. The compressor itself
+never touches the store: it decides, these routines compact.
 
 Invariant: after each routine here, the compressor's per-slot state (accumulated attention) is
 aligned with the layer's stored slots again.
@@ -94,6 +95,30 @@ def make_ring_room(compressor: Compressor, store: PagedStore, layer: int, rows: 
     dropped = (rank >= start) & (rank < start + excess.unsqueeze(-1))
     compressor.compacted(layer, store.compact(layer, rows, keep_all_but(positions, dropped), reuse_slots=reuse_slots))
     return True
+
+
+def drop_behind_window(
+    store: PagedStore,
+    compressor: Compressor | None,
+    layer: int,
+    rows: list[int],
+    window: int,
+    seen: int | torch.Tensor,
+    *,
+    reuse_slots: bool,
+) -> torch.Tensor | None:
+    """Free the stored tokens of ``layer`` of ``rows`` that no later query of a sliding window of
+    ``window`` tokens attends to, once each row has seen ``seen`` tokens (an int for every row, or
+    int64 ``[batch]`` per row): every token at a position ``<= seen - window`` (the next query, at
+    position ``seen``, sees ``seen - window + 1`` onwards), so a row then holds at most its last
+    ``window - 1`` tokens. The compressor's per-slot state follows. Returns the store's layout, or
+    None where no row held anything behind its window."""
+    positions = store.stored_positions(layer, rows)
+    oldest_kept = torch.as_tensor(seen, dtype=torch.int64).view(-1, 1, 1) - window + 1
+    behind = (positions >= 0) & (positions < oldest_kept)
+    if not bool(behind.any()):
+        return None
+    return compact(store, compressor, layer, rows, keep_all_but(positions, behind), reuse_slots=reuse_slots)
 
 
 def compact(

@@ -345,6 +345,21 @@ class PagedStore:
         self.read_caches.drop(layer, rows)
 
     @outside_inference_mode
+    def set_logical_length(self, layer: int, seq: int, length: int) -> None:
+        """Set the tokens ``seq`` has seen in ``layer`` (its logical length: where appends without
+        positions continue) to ``length``, for a sequence restored holding fewer tokens than it
+        has seen, at their own positions (a swapped-in sliding-window layer holds its window's).
+        ``ValueError`` before any change when ``length`` is not past every stored position."""
+        layer = self._layer(layer)
+        rows = self._rows([seq])
+        stored = self.layers[layer].stored_positions(rows)
+        latest = int(stored.max()) if stored.numel() else -1
+        if isinstance(length, bool) or not isinstance(length, int) or length <= latest:
+            raise ValueError(f"length must be an int past every stored position of sequence {seq} in layer {layer}, got {length!r}")
+        self.layers[layer].table.logical[rows] = length
+        self._changed(layer)
+
+    @outside_inference_mode
     def release(self, seqs: SequenceIds) -> None:
         """Drop sequences: their page references are released and their ids may be reused."""
         rows = self._rows(seqs)

@@ -128,6 +128,22 @@ def test_gemma3_270m_exact_cache_matches_its_generate_past_the_window(gemma):
 
 
 @pytest.mark.slow
+def test_gemma3_270m_in_the_engine_equals_its_generate_past_the_window(gemma):
+    """The Engine serves Gemma 3 270M (15 sliding layers of 512 tokens, 3 global): a prompt past
+    the window, prefilled in chunks of 256 that cross it, beside a short one, each as ``generate`` alone."""
+    model, tokenizer = gemma.model, gemma.tokenizer
+    long_text = "The history of Rome begins with a small settlement on the Tiber. " * 50 + "In short, Rome"
+    prompts = [tokenizer.encode(long_text, bos=True), tokenizer.encode("The capital of France is", bos=True)]
+    assert len(prompts[0]) > 600
+    with torch.inference_mode():
+        expected = [
+            model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, eos_token_id=None)[0, len(ids) :].tolist()
+            for ids in prompts
+        ]
+    assert kvlib.Engine(model, max_batch_tokens=256).generate(prompts, max_new_tokens=8) == expected
+
+
+@pytest.mark.slow
 def test_gemma3_270m_finds_the_needle_in_plain_text_at_1k_tokens(gemma):
     task = RULER_TASKS["niah_single"](context=1024, samples=5, batch_size=5)
     result = task.run(gemma.model, gemma.tokenizer, lambda tokens: kvlib.make_cache(gemma.model))

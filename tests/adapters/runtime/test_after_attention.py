@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from kvlib import PagedStore, StoreConfig
-from kvlib.adapters.runtime.after_attention import Evicted, compact, evict, following, make_ring_room
+from kvlib.adapters.runtime.after_attention import Evicted, compact, drop_behind_window, evict, following, make_ring_room
 from kvlib.adapters.runtime.compressor import Compressor
 from kvlib.adapters.runtime.layer_step import LayerStep
 from kvlib.adapters.runtime.needs import AttentionInputs
@@ -82,3 +82,21 @@ def test_salience_follows_a_later_compaction() -> None:
     moved = following(lambda: scores, torch.tensor([[[3, 0, -1]]]))
     assert moved().tolist() == [[[4.0, 1.0, -torch.inf]]]
     assert following(None, torch.tensor([[[0]]])) is None
+
+
+def test_a_sliding_window_drops_what_each_row_left_behind() -> None:
+    """Each row keeps the ``window - 1`` positions before the one its next query takes (per-row
+    ``seen``); a row within its window and a second call with nothing behind drop nothing."""
+    store = PagedStore(StoreConfig(1, HEADS, DIM, page_size=4))
+    seqs = [store.new_sequence(), store.new_sequence()]
+    keys = torch.randn(2, HEADS, 9, DIM, generator=torch.Generator().manual_seed(0))
+    store.append(0, seqs, keys, keys.clone())
+    recorder = Recorder()
+    seen = torch.tensor([9, 12])  # the second row has seen 3 tokens the store no longer holds
+    layout = drop_behind_window(store, recorder, 0, seqs, 5, seen, reuse_slots=True)
+    assert recorder.layouts == [(0, layout)]
+    positions = store.stored_positions(0, seqs)
+    assert [sorted(p for p in head if p >= 0) for head in positions[:, 0].tolist()] == [[5, 6, 7, 8], [8]]
+    assert store.physical_lengths(0, seqs).tolist() == [[4, 4], [1, 1]]
+    assert drop_behind_window(store, recorder, 0, seqs, 5, seen, reuse_slots=True) is None
+    assert drop_behind_window(store, None, 0, seqs, 20, 12, reuse_slots=True) is None

@@ -49,6 +49,23 @@ def test_explicit_positions_broadcast_over_batch(store: PagedStore) -> None:
     assert store.read(1, [b, a]).positions[:, 0].tolist() == [[10, 11, 12]] * 2
 
 
+def test_a_restored_sequence_continues_from_the_logical_length_set(store: PagedStore) -> None:
+    """A sequence restored with the last tokens it had seen (a sliding window's) continues after
+    the tokens it has seen, in the open-page fast path too; a length not past every stored
+    position is refused before any change."""
+    seq = store.new_sequence()
+    store.append(0, [seq], step(1, 2, 3), step(1, 2, 3), torch.tensor([17, 18, 19]))
+    for length in (19, 3, -1, 20.0):
+        with pytest.raises(ValueError, match=f"past every stored position of sequence {seq} in layer 0, got {length!r}"):
+            store.set_logical_length(0, seq, length)
+    assert store.logical_lengths(0, [seq]).tolist() == [3]
+    store.set_logical_length(0, seq, 20)
+    store.append(0, [seq], step(1, 2, 1), step(1, 2, 1))
+    store.append(0, [seq], step(1, 2, 1), step(1, 2, 1))
+    assert store.read(0, [seq]).positions[0, 0].tolist() == [17, 18, 19, 20, 21]
+    assert store.logical_lengths(0, [seq]).tolist() == [22]
+
+
 def test_heads_of_different_lengths_read_with_a_mask(store: PagedStore) -> None:
     seq = store.new_sequence()
     keys = step(1, 2, 6)
