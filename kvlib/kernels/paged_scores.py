@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from kvlib.kernels.host_arrays import host_array
+from kvlib.kernels.kernel_cache import cache_on_disk
 from kvlib.kernels.page_kernel_parts import FASTMATH, FLOAT_KINDS, RAW_PAGES, float_scores, gather_query, seen_into
 from kvlib.kernels.page_readers import NumbaReader
 from kvlib.kernels.query_groups import grouped_rows
@@ -124,7 +125,7 @@ def scores_kernel(keys: NumbaReader, raw_page: Callable) -> Callable:
                 out[b, h],
             )
 
-    return kernel
+    return cache_on_disk(kernel)
 
 
 def attention_weights(
