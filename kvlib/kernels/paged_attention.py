@@ -45,6 +45,7 @@ import torch
 
 from kvlib.kernel_readers import KernelReader
 from kvlib.kernels.host_arrays import host_array
+from kvlib.kernels.kernel_cache import cache_on_disk
 from kvlib.kernels.page_kernel_parts import (
     FASTMATH,
     FLOAT_KINDS,
@@ -279,7 +280,7 @@ def attention_kernel(keys: NumbaReader, values: NumbaReader, raw_page: Callable)
                             if slot < received.shape[2]:
                                 received[b, h, slot] += kept[pair, r, slot] * factor
 
-    return kernel
+    return cache_on_disk(kernel)
 
 
 class PageSource(PageArrays):

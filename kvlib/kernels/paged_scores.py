@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from kvlib.kernels.host_arrays import host_array
+from kvlib.kernels.kernel_cache import cache_on_disk
 from kvlib.kernels.page_kernel_parts import FASTMATH, FLOAT_KINDS, RAW_PAGES, float_scores, gather_query, seen_into
 from kvlib.kernels.page_readers import NumbaReader
 from kvlib.kernels.pages import PageArrays
@@ -121,7 +122,7 @@ def scores_kernel(keys: NumbaReader, raw_page: Callable) -> Callable:
                 out[b, h],
             )
 
-    return kernel
+    return cache_on_disk(kernel)
 
 
 def attention_weights(

@@ -2,13 +2,15 @@
 lmdb disk tier, with identical output; a corrupted record is recomputed; another model's
 directory, or the directory of a model one weight away, is never mistaken for this one's; a
 directory that cannot hold a tier leaves the store in memory, with one warning (damaged
-directories: test_prefix_disk_damage.py)."""
+directories: test_prefix_disk_damage.py). Each process is a child forked from one server that
+imported torch and kvlib once (:class:`Processes`)."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -16,58 +18,107 @@ import pytest
 from kvlib.storage.tiers.disk_tier import DiskTier
 
 REPO = Path(__file__).resolve().parents[3]
-PROCESS = """
-import json, sys, torch
+SERVER = """
+import json, os, sys
+# Fork-safe threading before any fork (as test_prefix_disk_damage.py's server): torch on one
+# thread, kvlib's numba kernels on numba's workqueue layer rather than OpenMP.
+os.environ["NUMBA_THREADING_LAYER"] = "workqueue"
 sys.path.insert(0, {repo!r})
+import torch
+torch.set_num_threads(1)
 import kvlib
 from kvlib.transformers_compat import cache_argument
 from tests.adapters.conftest import build_model, edit_one_weight, PAD
-model = build_model(sys.argv[2])
-if sys.argv[3] == "edited":
-    edit_one_weight(model)
-prompt = torch.randint(3, 60, (1, 70), generator=torch.Generator().manual_seed(0))
-store = kvlib.PrefixStore(model, capacity_bytes=2**24, disk=sys.argv[1])
-cache = kvlib.make_cache(model, reuse=store, prompt=prompt)
-reused = cache.get_seq_length()
-out = model.generate(prompt, **cache_argument(cache), max_new_tokens=8, do_sample=False, pad_token_id=PAD)
-same = torch.equal(out, model.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=PAD))
-print(json.dumps({{"reused": reused, "same": same, "disk": store.disk.stats()}}))
+
+
+def run(directory, family, weights):
+    model = build_model(family)
+    if weights == "edited":
+        edit_one_weight(model)
+    prompt = torch.randint(3, 60, (1, 70), generator=torch.Generator().manual_seed(0))
+    store = kvlib.PrefixStore(model, capacity_bytes=2**24, disk=directory)
+    cache = kvlib.make_cache(model, reuse=store, prompt=prompt)
+    reused = cache.get_seq_length()
+    out = model.generate(prompt, **cache_argument(cache), max_new_tokens=8, do_sample=False, pad_token_id=PAD)
+    same = torch.equal(out, model.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=PAD))
+    return {{"reused": reused, "same": same, "disk": store.disk.stats()}}
+
+
+for family in ("default", "llama"):  # a warm-up the children inherit (no prefix store, no disk tier here)
+    model = build_model(family)
+    model.generate(torch.ones(1, 20, dtype=torch.long), **cache_argument(kvlib.make_cache(model)), max_new_tokens=2, do_sample=False, pad_token_id=PAD)
+print("ready", flush=True)
+for line in sys.stdin:
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read)
+        os.write(write, json.dumps(run(*json.loads(line))).encode())
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as pipe:
+        answer = pipe.read()
+    _, status = os.waitpid(pid, 0)
+    print(json.dumps({{"exit": os.waitstatus_to_exitcode(status), "result": json.loads(answer) if answer else None}}), flush=True)
 """
 
 
-def run(directory: Path, family: str = "default", weights: str = "as loaded") -> dict:
-    result = subprocess.run(
-        [sys.executable, "-c", PROCESS.format(repo=str(REPO)), str(directory), family, weights],
-        capture_output=True,
-        text=True,
-        check=True,
-        cwd=REPO,
-    )
-    return json.loads(result.stdout.strip().splitlines()[-1])
+class Processes:
+    """A fork server: :meth:`run` looks up a prompt's prefixes in a directory and generates, in a
+    new child process each time (a fresh interpreter per run cost ~10 s of imports and kernel
+    loading; the children share nothing but what the server did before forking, which touched
+    no prefix store and no disk tier)."""
+
+    def __init__(self) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", SERVER.format(repo=str(REPO))], cwd=REPO, text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE
+        )
+        assert self.process.stdout.readline() == "ready\n"
+
+    def run(self, directory: Path, family: str = "default", weights: str = "as loaded") -> dict:
+        """What a new process reports after generating with a prefix store over ``directory``:
+        the tokens it reused, whether its output equals a cache-free ``generate``, its disk
+        tier's counters; ``family`` and ``weights`` (``"edited"``: one value changed) pick the model."""
+        self.process.stdin.write(json.dumps([str(directory), family, weights]) + "\n")
+        self.process.stdin.flush()
+        outcome = json.loads(self.process.stdout.readline())
+        assert outcome["exit"] == 0, outcome
+        return outcome["result"]
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        self.process.wait(timeout=60)
 
 
-def test_a_new_process_reuses_what_an_earlier_one_persisted(tmp_path: Path) -> None:
-    first = run(tmp_path)
+@pytest.fixture(scope="module")
+def processes() -> Iterator[Processes]:
+    server = Processes()
+    yield server
+    server.close()
+
+
+def test_a_new_process_reuses_what_an_earlier_one_persisted(processes: Processes, tmp_path: Path) -> None:
+    first = processes.run(tmp_path)
     assert first == {"reused": 0, "same": True, "disk": first["disk"]} and first["disk"]["writes"] == 4
-    second = run(tmp_path)
+    second = processes.run(tmp_path)
     assert second["reused"] == 64 and second["same"] and second["disk"]["reads"] == 4 and second["disk"]["writes"] == 0
 
 
-def test_a_corrupted_record_is_recomputed_and_another_models_directory_is_ignored(tmp_path: Path) -> None:
-    run(tmp_path)
+def test_a_corrupted_record_is_recomputed_and_another_models_directory_is_ignored(processes: Processes, tmp_path: Path) -> None:
+    processes.run(tmp_path)
     tier = DiskTier(tmp_path, capacity_bytes=2**26)
     keys = sorted(tier.keys(), key=lambda key: len(tier.raw(key)))
     record = bytearray(tier.raw(keys[0]))
     record[len(record) // 2] ^= 0xFF  # a flipped byte in the page data
     tier.put(keys[0], bytes(record))
     tier.close()
-    damaged = run(tmp_path)
+    damaged = processes.run(tmp_path)
     assert damaged["same"] and damaged["disk"]["corrupt"] == 1 and damaged["reused"] < 64
-    other = run(tmp_path, family="llama")  # same directory, another model: nothing found
+    other = processes.run(tmp_path, family="llama")  # same directory, another model: nothing found
     assert other["reused"] == 0 and other["same"] and other["disk"]["reads"] == 0
 
 
-def test_a_process_with_one_weight_edited_reuses_nothing_from_the_originals_directory(tmp_path: Path) -> None:
+def test_a_process_with_one_weight_edited_reuses_nothing_from_the_originals_directory(processes: Processes, tmp_path: Path) -> None:
     """This process writes the original model's prefixes; another process, whose model has one
     value edited in the middle of one tensor, finds none of them (a fresh prefill, its own
     output) and writes its own beside them; an unchanged reload here still reuses the original's."""
@@ -84,7 +135,7 @@ def test_a_process_with_one_weight_edited_reuses_nothing_from_the_originals_dire
     model.generate(prompt, **cache_argument(cache), max_new_tokens=2, do_sample=False, pad_token_id=PAD)
     assert writer.disk.stats()["writes"] == 4
     writer.disk.close()
-    edited = run(tmp_path, weights="edited")
+    edited = processes.run(tmp_path, weights="edited")
     assert edited["reused"] == 0 and edited["same"] and edited["disk"]["reads"] == 0 and edited["disk"]["writes"] == 4
     reloaded = build_model("default")
     reader = kvlib.PrefixStore(reloaded, capacity_bytes=2**24, disk=DiskTier(tmp_path, capacity_bytes=2**26))
