@@ -3,13 +3,29 @@
 A layer keeps what is its own: the tokens it has seen (its logical length), whether every stored
 token still sits at the slot equal to its position (``identity``), the step it published and
 whose attention has not yet run (``pending``) and the attention input a policy needing
-``hidden_states`` asked for. It does its own work: :meth:`~KVCacheLayer.update` appends the
-call's keys and values and publishes a :class:`~kvlib.adapters.runtime.layer_step.LayerStep`; the step's
-attention runs through :meth:`~KVCacheLayer.attend`; :meth:`~KVCacheLayer.after_attention`
-then evicts, seals, re-ranks and indexes this layer. What layers share (the paged store, the
-batch rows and their padding, the compressor, codecs, tiering and prefix session) is the
-cache's; the rows are store sequences spanning every layer, so selecting rows (beams) is the
-cache's too.
+``hidden_states`` asked for. It does its own work, in three parts:
+
+- **storing a call** (:meth:`~KVCacheLayer.update`): the call's keys and values appended (or,
+  in a planned decode step, written where the plan says) and a
+  :class:`~kvlib.adapters.runtime.layer_step.LayerStep` published for the call's attention;
+- **attention** (:meth:`~KVCacheLayer.attend`, the one place that chooses the path): over the
+  pages a ``quest``-like query chooses (a sparse step), through the decode step's plan, straight
+  over the layer's pages (a few new tokens: the paged kernel, the model's mask looked up at each
+  stored token's position, so padding, sliding windows and chunked masks hold), or over a dense
+  read with the model's mask moved onto the stored slots; each path returns what the work after
+  it needs (:class:`~kvlib.adapters.runtime.needs.AttentionInputs`);
+- **after attention** (:meth:`~KVCacheLayer.after_attention`, called once per call, by the layer
+  itself): the ordered routine :func:`~kvlib.adapters.runtime.after_attention.keep_up`, which
+  the Engine runs too, with this layer's steps: a learning codec observes the first call, the
+  compressor evicts, a sliding window frees what no query will attend to again
+  (``<= seen - window``, as ``DynamicCache``'s sliding layers keep ``window - 1`` tokens), a
+  tiering policy arranges the layer's tokens, full pages seal (a codec that reads salience given
+  the compressor's scores, computed only if a page seals), the device tier's ranking is refreshed,
+  and after the last layer the prompt's pages are indexed in the prefix session.
+
+What layers share (the paged store, the batch rows and their padding, the compressor, codecs,
+tiering and prefix session) is the cache's (:class:`~kvlib.adapters.cache.shared_state.SharedState`);
+the rows are store sequences spanning every layer, so selecting rows (beams) is the cache's too.
 """
 
 from __future__ import annotations
@@ -20,22 +36,22 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from kvlib.adapters.cache.compiled_calls import traced_update
-from kvlib.adapters.cache.layer_sealing import layers_to_seal, seal
-from kvlib.adapters.cache.layer_tiering import arrange, rank_pages
-from kvlib.adapters.cache.paged_decode import attention_over_pages, planned_attention
 from kvlib.adapters.cache.shared_state import PrefillRecorder, SharedState
-from kvlib.adapters.cache.sliding_window import slide
-from kvlib.adapters.cache.sparse_decode import sparse_decode_attention
 from kvlib.adapters.runtime import layer_step
-from kvlib.adapters.runtime.after_attention import evict, following, make_ring_room
+from kvlib.adapters.runtime.after_attention import Evicted, Salience, drop_behind_window, evict, keep_up, make_ring_room
 from kvlib.adapters.runtime.compressor import PlannedWork
 from kvlib.adapters.runtime.layer_step import AttentionCall, LayerStep, ReturnedTokens
-from kvlib.adapters.runtime.masks import move_position_bias, physical_mask, real_new_tokens
+from kvlib.adapters.runtime.masks import allowed, move_position_bias, physical_mask, real_new_tokens
 from kvlib.adapters.runtime.needs import AttentionInputs
 from kvlib.adapters.runtime.slot_order import ascending
-from kvlib.devices import reads_pages_in_place
+from kvlib.codec import FitSample
+from kvlib.devices import host_readable, reads_pages_in_place
 from kvlib.kernels.pages import PagedLayer
+from kvlib.policy import LayerView
 from kvlib.storage.layers.read_cache import LayerRead
+
+Attended = tuple[LayerStep, AttentionInputs]
+"""One call as the work after its attention sees it: the step attended, and what its attention saw."""
 
 PAGED_QUERY_TOKENS = 16
 """Calls with at most this many new tokens attend straight over the pages (see
@@ -223,26 +239,35 @@ class KVCacheLayer(CacheLayerMixin):
         self.cache.store.append(self.layer_idx, self.cache.rows, keys, values)
         self.seen = keys.shape[2]
 
-    # -- attention and what follows it ----------------------------------------------------------
+    # -- attention ------------------------------------------------------------------------------
 
     def attend(self, step: LayerStep, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The attention of ``call`` over ``step``'s tokens, then :meth:`after_attention`: over the
-        pages the query chooses (a sparse step), straight over the layer's pages (a paged step,
-        with SDPA and plain attention; else over a transient dense read), or over the step's
-        dense read, the model's mask moved onto the stored slots once tokens were dropped.
+        """The attention of ``call`` over ``step``'s tokens (:meth:`_attention` chooses the path),
+        then :meth:`after_attention`, once.
 
         The step is first checked against what the model hands attention (:meth:`_check_call`):
         the keys and values ``update`` returned, and a mask over logical positions."""
         step.attended = True
         self._check_call(step, call)
+        output, weights, attended = self._attention(step, call)
+        self.after_attention(*attended)
+        return output, weights
+
+    def _attention(self, step: LayerStep, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor | None, Attended]:
+        """The one choice of this layer's attention path for ``call``: over the pages the query
+        chooses (a sparse step), through the decode step's plan, straight over the layer's pages
+        (with SDPA and plain attention; else over a transient dense read), or over the step's
+        dense read, the model's mask moved onto the stored slots once tokens were dropped.
+        Returns the output (``[batch, queries, query_heads, value_dim]``), the weights (or None)
+        and the call as the work after it sees it (the step attended, what the attention saw)."""
         if step.sparse:
-            return sparse_decode_attention(call, step)
+            return self._sparse_attention(step, call)
         key, value = call.key, call.value
         if step.plan is not None or step.paged is not None:
             if call.reads_pages:
                 if step.plan is not None:
-                    return planned_attention(self.cache, step, call)
-                return attention_over_pages(call.query, call.attention_mask, step, call.kwargs)
+                    return self._planned_attention(step, call)
+                return self._attention_over_pages(step, call.query, call.attention_mask, call.kwargs)
             step = self.dense_step(step)
             key, value = step.read.keys, step.read.values
         mask = call.attention_mask
@@ -251,8 +276,66 @@ class KVCacheLayer(CacheLayerMixin):
             move_position_bias(call.kwargs, step, call.query.shape[1])
         output, weights = call.run_inner(key, value, mask)
         real_new = real_new_tokens(call.attention_mask, step) if step.query_positions is None else None
-        self.after_attention(step, query=call.query, mask=mask, weights=weights, real_new=real_new, scaling=call.kwargs.get("scaling"))
-        return output, weights
+        return output, weights, (step, AttentionInputs(call.query, mask, weights, call.kwargs.get("scaling"), real_new))
+
+    def _attention_over_pages(
+        self, step: LayerStep, query: torch.Tensor, attention_mask: torch.Tensor | None, kwargs: dict
+    ) -> tuple[torch.Tensor, None, Attended]:
+        """SDPA's output for ``query`` (``[batch, query_heads, queries, head_dim]``) over the pages
+        of ``step`` (``step.paged``), as ``transformers``' SDPA attention gives it over the dense
+        layer: the model's mask over logical positions is looked up at each stored token's position,
+        ``scaling`` is the module's, grouped-query heads share their KV head's pages."""
+        batch, _, queries, head_dim = query.shape
+        if attention_mask is None:  # SDPA's causal shortcut: causal in the logical positions
+            visible, query_positions = None, step.query_offset + torch.arange(queries)
+        else:
+            visible, query_positions = allowed(attention_mask)[:, 0].expand(batch, -1, -1), None
+        scale = kwargs.get("scaling") or head_dim**-0.5
+        output = step.paged.attend(query, visible=visible, query_positions=query_positions, scale=scale)
+        inputs = AttentionInputs(query, attention_mask, None, scale, real_new_tokens(attention_mask, step))
+        return output.transpose(1, 2).contiguous(), None, (step, inputs)
+
+    def _planned_attention(self, step: LayerStep, call: AttentionCall) -> tuple[torch.Tensor, None, Attended]:
+        """A planned step's attention straight over the layer's pages (the store's paged kernel
+        through the plan), the attention each stored token received added by the kernel itself into
+        the compressor's accumulated attention where it adds it up (:attr:`PlannedWork.ACCUMULATE`:
+        no operator of its own); the real new tokens are found once per step, at layer 0
+        (``cache.step_real_new``)."""
+        cache, layer_idx, query, mask, plan = self.cache, self.layer_idx, call.query, call.attention_mask, step.plan
+        scale = call.kwargs.get("scaling") or query.shape[-1] ** -0.5
+        received = None
+        if cache.plan_work and cache.plan_work[layer_idx] is PlannedWork.ACCUMULATE:
+            slots = int(cache.store.tables[layer_idx].lengths_np[plan.rows_np].max())
+            received = cache.compressor.received_state(layer_idx, *plan.lengths.shape[1:], slots, plan.lengths.device)
+        output = plan.pools[layer_idx].format.attend_planned(plan, layer_idx, query, mask, scale, received=received)
+        if layer_idx == 0 and not cache.plan_known_real:
+            real_new = real_new_tokens(mask, step)
+            if real_new is not None and not host_readable(real_new):  # counted on the device, not looked at: no sync
+                cache.padding += (~real_new).sum(-1)
+            elif real_new is not None and not bool(real_new.all()):
+                cache.step_real_new = real_new
+        return output, None, (step, AttentionInputs(query, mask, None, scale, cache.step_real_new))
+
+    def _sparse_attention(self, step: LayerStep, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor | None, Attended]:
+        """A sparse decode step's attention (``quest``): ``update`` stored the new token but read
+        nothing back, since the pages worth attending over depend on the query. Over the pages
+        :meth:`choose_pages` picks for ``call.query [batch, query_heads, 1, head_dim]``, where they
+        lie (the page kernel with a block table restricted to them, :meth:`_attention_over_pages`);
+        where the kernel does not apply (eager attention, attention sinks, a pool or device that
+        cannot read pages in place), over a dense copy of them, the model's mask moved onto their
+        slots, through the inner attention. Either way the result equals full attention
+        restricted to the chosen pages' tokens."""
+        query, attention_mask = call.query, call.attention_mask
+        selection = self.choose_pages(query)
+        if call.reads_pages:
+            paged = self.chosen_pages(selection)
+            if paged is not None:
+                return self._attention_over_pages(dataclasses.replace(step, paged=paged), query, attention_mask, call.kwargs)
+        chosen = dataclasses.replace(step, read=self.read_chosen_pages(selection), identity=False)
+        mask = physical_mask(attention_mask, chosen, query.shape[1], call.float_mask_dtype)
+        output, weights = call.run_inner(chosen.read.keys, chosen.read.values, mask)
+        inputs = AttentionInputs(query, mask, weights, call.kwargs.get("scaling"), real_new_tokens(attention_mask, step))
+        return output, weights, (step, inputs)
 
     def attend_returned(self, returned: ReturnedTokens, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Attention of a call over keys and values this layer returned, other than the layer
@@ -327,70 +410,136 @@ class KVCacheLayer(CacheLayerMixin):
         """The ``chosen`` pages (:meth:`choose_pages`), read sparsely into a dense copy."""
         return self.cache.store.read_selected(self.layer_idx, self.cache.rows, chosen)
 
-    def after_attention(
-        self,
-        step: LayerStep,
-        *,
-        query: torch.Tensor,
-        mask: torch.Tensor | None,
-        weights: torch.Tensor | None,
-        real_new: torch.Tensor | None,
-        scaling: float | None,
-        prompt_memo: dict[tuple[str, int], torch.Tensor] | None = None,
-    ) -> None:
-        """Once the layer's attention has run: records padding (layer 0; counted per row, on the
-        device), lets a fitted codec learn from the layer's first call, lets the compressor drop
-        tokens, seals the layer's full pages (handing a codec that reads salience the compressor's
-        scores of the layer's tokens, computed only if a page seals), re-ranks its pages for the device tier and, after
-        the last layer, indexes the prompt's full pages in the prefix session. ``prompt_memo``: given
-        by a shared prefill's replay (:class:`~kvlib.adapters.runtime.needs.AttentionInputs`)."""
+    # -- after attention ------------------------------------------------------------------------
+
+    def after_attention(self, step: LayerStep, inputs: AttentionInputs) -> None:
+        """Once the layer's attention has run (``inputs``: what it saw; ``prompt_memo`` given by a
+        shared prefill's replay): records padding (layer 0; counted per row, on the device), then
+        :func:`~kvlib.adapters.runtime.after_attention.keep_up` with this layer's steps (see the
+        module docstring). A planned step with nothing to evict only slides, seals and indexes."""
         cache = self.cache
         self.pending = None
         if self.recorder is not None:  # a layer the call took past its window is read before it slides
             stored = cache.store.read(self.layer_idx, cache.rows, mirror=False) if self.slides(0) else None
-            self.recorder.observe(
-                self.layer_idx, step, query=query, mask=mask, weights=weights, real_new=real_new, scaling=scaling, stored=stored
-            )
+            self.recorder.observe(self.layer_idx, step, inputs=inputs, stored=stored)
         if step.plan is not None and cache.plan_idle[self.layer_idx]:  # the common case: nothing follows
             return
-        store, rows = cache.store, cache.rows
-        if self.layer_idx == 0 and real_new is not None:
-            cache.padding += (~real_new).sum(-1)  # stays on the device: no sync per step
+        if self.layer_idx == 0 and inputs.real_new is not None:
+            cache.padding += (~inputs.real_new).sum(-1)  # stays on the device: no sync per step
         if step.plan is not None:
-            if real_new is None and (not cache.plan_work or cache.plan_work[self.layer_idx] is not PlannedWork.GENERAL):
-                self._keep_books()
+            if inputs.real_new is None and (not cache.plan_work or cache.plan_work[self.layer_idx] is not PlannedWork.GENERAL):
+                self._slide()
+                self.seal(None, [self.layer_idx], None)
+                self.index(None)
                 return
-            step = dataclasses.replace(step, paged=store.paged_layer(self.layer_idx, rows))
-        read = step.read if step.paged is None else None  # the layer as stored, until a compaction changes it
-        sealing = layers_to_seal(cache, self.layer_idx, step, query, real_new)
-        salience = None
+            step = dataclasses.replace(step, paged=cache.store.paged_layer(self.layer_idx, cache.rows))
         if cache.compressor is not None:
-            inputs = AttentionInputs(query, mask, weights, scaling, real_new, self.hidden_states, prompt_memo)
+            inputs = dataclasses.replace(inputs, hidden_states=self.hidden_states)
             self.hidden_states = None
-            evicted = evict(cache.compressor, store, rows, self._stored_layer(step), inputs, cache.padding, reuse_slots=cache.reuse_slots)
-            salience = evicted.salience
-            if evicted.layout is not None:
-                self.identity, read = False, None
-        layout = self._slide()
-        if layout is not None:
-            read, salience = None, following(salience, layout)
-        if cache.tiering is not None and not step.sparse and cache.tiering.arranges_tokens(self.layer_idx, step.query_length):
-            arrange(cache, self.layer_idx, read if read is not None else store.read(self.layer_idx, rows))
-            self.identity, read, salience = False, None, None
-        seal(cache, self.layer_idx, sealing, salience)
-        if cache.tiering is not None and not step.sparse and cache.tiering.refreshes_ranking(self.seen, step.query_length):
-            rank_pages(cache, self.layer_idx, read if read is not None else store.read(self.layer_idx, rows))
-        if cache.session is not None and self.layer_idx == cache.shape.num_layers - 1:
-            cache.session.index(self.seen)
+        keep_up(self, (step, inputs), step.read if step.paged is None else None)
 
-    def _keep_books(self) -> None:
-        """After a planned step with nothing to evict: drop what left a sliding window, seal the
-        layer's full pages, index the prompt's pages after the last layer."""
+    def layers_to_seal(self, call: Attended) -> list[int]:
+        """Let this layer's codec, if it learns and is not ready, observe the call (its stored
+        tokens and queries, padding marked invalid: :meth:`_fit_sample`); returns the layers whose
+        full pages seal now: this one, or every layer up to it once a cross-layer fit became ready."""
+        codecs = self.cache.codecs
+        codec = codecs[self.layer_idx] if codecs is not None else None
+        if codec is not None and codec.learns and not codec.ready:
+            codec.observe(self._fit_sample(*call))
+            if codec.ready:  # a cross-layer fit readies earlier layers too
+                return list(range(self.layer_idx + 1))
+        return [self.layer_idx]
+
+    def _fit_sample(self, step: LayerStep, inputs: AttentionInputs) -> FitSample:
+        """The layer's stored tokens (``step.read``) and this call's queries, padding marked invalid."""
+        read, query = step.read, inputs.query
+        real = read.valid & (read.positions >= self.cache.padding.view(-1, 1, 1))
+        query_valid = inputs.real_new
+        if query_valid is None:
+            query_valid = torch.ones(query.shape[0], query.shape[2], dtype=torch.bool, device=query.device)
+        return FitSample(self.layer_idx, read.keys, read.values, real, query, query_valid)
+
+    def evict(self, call: Attended) -> Evicted | None:
+        """Let the compressor drop tokens of this layer
+        (:func:`~kvlib.adapters.runtime.after_attention.evict`) from the layer as it now stands
+        (:meth:`_stored_layer`); None without a compressor."""
         cache = self.cache
-        self._slide()
-        seal(cache, self.layer_idx, [self.layer_idx])
-        if cache.session is not None and self.layer_idx == cache.shape.num_layers - 1:
-            cache.session.index(self.seen)
+        if cache.compressor is None:
+            return None
+        step, inputs = call
+        evicted = evict(
+            cache.compressor, cache.store, cache.rows, self._stored_layer(step), inputs, cache.padding, reuse_slots=cache.reuse_slots
+        )
+        if evicted.layout is not None:
+            self.identity = False
+        return evicted
+
+    def slide(self, call: Attended) -> torch.Tensor | None:
+        return self._slide()
+
+    def arrange(self, call: Attended, stored: LayerRead | None) -> bool:
+        """Put the layer's tokens in the tiering policy's slot order where it arranges them
+        (``shadowkv``, ``clusterkv``: tokens read together share pages); its view holds the real
+        tokens, padding slots follow them, in slot order; per-slot compressor state follows."""
+        cache, step = self.cache, call[0]
+        if cache.tiering is None or step.sparse or not cache.tiering.arranges_tokens(self.layer_idx, step.query_length):
+            return False
+        stored = stored if stored is not None else cache.store.read(self.layer_idx, cache.rows)
+        order = cache.tiering.arrangement(self._tiering_view(stored)).cpu()
+        valid = stored.valid.cpu()
+        slots = valid.shape[-1]
+        named = torch.zeros(*valid.shape[:2], slots + 1, dtype=torch.bool).scatter_(-1, torch.where(order >= 0, order, slots), True)
+        named = named[..., :slots]
+        slot = torch.arange(slots).expand_as(valid)
+        order = torch.cat([order, torch.where(valid & ~named, slot, -1)], dim=-1)
+        order = order.gather(-1, torch.sort((order < 0).to(torch.int8), dim=-1, stable=True).indices)
+        layout = cache.store.arrange(self.layer_idx, cache.rows, order[..., :slots])
+        if cache.compressor is not None:
+            cache.compressor.compacted(self.layer_idx, layout)
+        self.identity = False
+        return True
+
+    def seal(self, call: Attended | None, layers: list[int], salience: Salience | None) -> None:
+        """Seal the full pages of ``layers`` (a cache without codecs seals nothing), this layer's
+        codec given ``salience`` if it reads it."""
+        cache = self.cache
+        if cache.codecs is None:
+            return
+        codec = cache.codecs[self.layer_idx]
+        reads_salience = codec is not None and codec.uses_salience
+        for layer in layers:
+            cache.store.seal(layer, cache.rows, salience if layer == self.layer_idx and reads_salience else None)
+
+    def rank(self, call: Attended, stored: LayerRead | None) -> None:
+        """Re-rank the layer's pages for the device tier by the tiering policy's scores of its
+        stored tokens (the layer as it now stands; padding never counts), when the policy refreshes
+        its ranking now."""
+        cache, step = self.cache, call[0]
+        if cache.tiering is None or step.sparse or not cache.tiering.refreshes_ranking(self.seen, step.query_length):
+            return
+        stored = stored if stored is not None else cache.store.read(self.layer_idx, cache.rows)
+        cache.store.rank_pages(self.layer_idx, cache.rows, cache.tiering.ranking_scores(self._tiering_view(stored)))
+
+    def index(self, call: Attended | None) -> None:
+        """After the last layer, index the prompt's full pages in the prefix session."""
+        if self.cache.session is not None and self.layer_idx == self.cache.shape.num_layers - 1:
+            self.cache.session.index(self.seen)
+
+    def _tiering_view(self, stored: LayerRead) -> LayerView:
+        """The layer's ``stored`` tokens as the tiering policy sees them: positions from each row's
+        first real token, padding invalid (as if each row had been run alone)."""
+        cache = self.cache
+        padding = cache.padding.to(stored.positions.device).view(-1, 1, 1)
+        real = stored.valid & (stored.positions >= padding)
+        return LayerView(
+            self.layer_idx,
+            cache.shape.num_layers,
+            stored.keys,
+            stored.values,
+            torch.where(real, stored.positions - padding, -1),
+            real,
+            page_size=cache.store.page_size,
+        )
 
     @property
     def window(self) -> int | None:
@@ -404,9 +553,18 @@ class KVCacheLayer(CacheLayerMixin):
         return window is not None and self.seen + tokens >= window
 
     def _slide(self) -> torch.Tensor | None:
-        """Free what this layer's sliding window left behind (:func:`~.sliding_window.slide`);
-        returns the store's layout, or None where nothing was dropped."""
-        layout = slide(self.cache, self.layer_idx, self.seen)
+        """Free the stored tokens that left this layer's sliding window once it has seen
+        ``seen`` tokens (:func:`~kvlib.adapters.runtime.after_attention.drop_behind_window`: every
+        stored token at a logical position ``<= seen - window``, left padding included, as the
+        model's masks count them). Returns the store's layout (the compressor's per-slot state
+        follows it), or None where nothing was dropped: a layer without a window, or one holding
+        nothing past it."""
+        cache, window = self.cache, self.window
+        if window is None or self.seen <= window - 1:
+            return None
+        layout = drop_behind_window(
+            cache.store, cache.compressor, self.layer_idx, cache.rows, window, self.seen, reuse_slots=cache.reuse_slots
+        )
         self.identity = self.identity and layout is None
         return layout
 

@@ -42,6 +42,7 @@ import torch
 
 from kvlib.adapters.cache.transformers_cache import KVCache
 from kvlib.adapters.runtime.layer_step import LayerStep
+from kvlib.adapters.runtime.needs import AttentionInputs
 from kvlib.storage.layers.read_cache import LayerRead
 
 QUERY_NEEDS = frozenset({"queries", "window_queries", "recent_queries", "prompt_length", "attention", "accumulated_attention"})
@@ -125,28 +126,20 @@ class PrefillRecorder:
         if self.needs.hidden_states:
             self._hidden[layer] = hidden_states
 
-    def observe(
-        self,
-        layer: int,
-        step: LayerStep,
-        *,
-        query: torch.Tensor,
-        mask: torch.Tensor | None,
-        weights: torch.Tensor | None,
-        real_new: torch.Tensor | None,
-        scaling: float | None,
-        stored: LayerRead | None = None,
-    ) -> None:
-        """The inputs of ``layer``'s after-attention work in the prompt call (``stored``: see
-        :class:`LayerCall`). Raises
-        ``RuntimeError`` for a call that is not a first, whole prompt call (the layer held tokens
-        before it), or one whose attention returned weights that a replayed policy reads."""
+    def observe(self, layer: int, step: LayerStep, *, inputs: AttentionInputs, stored: LayerRead | None = None) -> None:
+        """The inputs of ``layer``'s after-attention work in the prompt call (``inputs``: what its
+        attention saw; ``stored``: see :class:`LayerCall`). Raises ``RuntimeError`` for a call that
+        is not a first, whole prompt call (the layer held tokens before it), or one whose attention
+        returned weights that a replayed policy reads."""
         if layer in self.calls or step.query_offset != 0:
             raise RuntimeError("a shared prefill records one prompt call into an empty cache; this call is not one")
-        if weights is not None and self.needs.attention:
+        if inputs.weights is not None and self.needs.attention:
             raise RuntimeError("the prompt call's attention returned weights (eager attention): a replay cannot recompute them")
+        query = inputs.query
         kept = query if self.needs.queries else None
-        self.calls[layer] = LayerCall(kept, query.shape, mask, real_new, scaling, self._hidden.pop(layer, None), stored)
+        self.calls[layer] = LayerCall(
+            kept, query.shape, inputs.mask, inputs.real_new, inputs.scaling, self._hidden.pop(layer, None), stored
+        )
 
     def call(self, layer: int) -> LayerCall:
         """``layer``'s recorded call (``RuntimeError`` where the prompt call never reached it)."""
@@ -191,12 +184,5 @@ def replay(cache: KVCache, source: KVCache, recorder: PrefillRecorder) -> None:
             cache.record_hidden_states(layer.module_layer, recorded.hidden_states)
         layer.update(read.keys, read.values, kwargs={})  # publishes into the dict: no attention will take it
         query = recorded.query if recorded.query is not None else read.keys.new_zeros(()).expand(recorded.query_shape)
-        layer.after_attention(
-            layer.pending,
-            query=query,
-            mask=recorded.mask,
-            weights=None,
-            real_new=recorded.real_new,
-            scaling=recorded.scaling,
-            prompt_memo=recorder.memo,
-        )
+        inputs = AttentionInputs(query, recorded.mask, None, recorded.scaling, recorded.real_new, prompt_memo=recorder.memo)
+        layer.after_attention(layer.pending, inputs)

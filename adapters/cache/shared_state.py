@@ -1,6 +1,9 @@
-"""What a :class:`~kvlib.adapters.cache.cache_layer.KVCacheLayer` and the helpers doing its work
-(:mod:`.layer_tiering`, :mod:`.sliding_window`, :mod:`.paged_decode`) read of the cache that holds
-it: the state its layers share (:class:`~kvlib.adapters.KVCache` is the one implementation)."""
+"""What a cache's layers read of the cache that holds them: the state they share
+(:class:`SharedState`; :class:`~kvlib.adapters.KVCache` is the one implementation), the contract
+between the cache and its layer classes (:class:`~kvlib.adapters.cache.cache_layer.KVCacheLayer`,
+:class:`~kvlib.adapters.cache.dense_layer.DenseKVCacheLayer`, the hybrid models' layers of
+:mod:`~kvlib.adapters.cache.state_layers`), so that the cache imports its layers and not the other
+way round."""
 
 from __future__ import annotations
 
@@ -11,9 +14,11 @@ import torch
 from kvlib.adapters.cache.prefix_session import PrefixSession
 from kvlib.adapters.runtime.compressor import Compressor, PlannedWork
 from kvlib.adapters.runtime.layer_step import LayerStep
+from kvlib.adapters.runtime.needs import AttentionInputs
 from kvlib.codec import PageCodec
 from kvlib.model_shape import KVShape
 from kvlib.policy import Tiering
+from kvlib.storage.layers.read_cache import LayerRead
 from kvlib.storage.store.paged_store import PagedStore
 from kvlib.storage.store.step_plan import StepPlan
 
@@ -21,7 +26,7 @@ from kvlib.storage.store.step_plan import StepPlan
 class PrefillRecorder(Protocol):
     """What records a prompt call's after-attention inputs (:class:`kvlib.adapters.cache.shared_prefill.PrefillRecorder`)."""
 
-    def observe(self, layer: int, step: LayerStep, **inputs: object) -> None: ...
+    def observe(self, layer: int, step: LayerStep, *, inputs: AttentionInputs, stored: LayerRead | None = None) -> None: ...
 
     def hidden(self, layer: int, hidden_states: torch.Tensor) -> None: ...
 

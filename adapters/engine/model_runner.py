@@ -17,13 +17,14 @@ given ``computed`` tokens holds only positions ``computed - window + 1`` onwards
 from __future__ import annotations
 
 import time
+from typing import NamedTuple
 
 import torch
 
 from kvlib.adapters.engine.engine_request import Request
 from kvlib.adapters.engine.packed_batch import PackedCache, Segment, visibility
 from kvlib.adapters.engine.sampling import next_token
-from kvlib.adapters.runtime.after_attention import drop_behind_window, evict, make_ring_room
+from kvlib.adapters.runtime.after_attention import drop_behind_window, evict, keep_up, make_ring_room
 from kvlib.adapters.runtime.layer_step import LayerStep
 from kvlib.adapters.runtime.needs import AttentionInputs
 from kvlib.codec import Codec
@@ -117,23 +118,24 @@ class ModelRunner:
         return sorted(decodes, key=lambda request: mirrored.get(request.seq, len(mirrored)))
 
     def _after_attention(self, layer: int, index: int, query: torch.Tensor, read: LayerRead | None, scaling: float | None) -> None:
-        """Per-request eviction after a segment's attention in ``layer``, then freeing what left a
-        sliding window, then sealing its full pages. ``read``: the segment's dense read, or None
-        where it attended over its pages."""
-        segment, requests = self._segments[index]
-        self._evict(layer, segment, requests, query, read, scaling)
-        self._slide(layer, segment, requests)
-        if self.codec is not None:
-            self.store.seal(layer, segment.seqs)
+        """After a segment's attention in ``layer``: :func:`~kvlib.adapters.runtime.after_attention.keep_up`
+        with the runner's steps (per-request eviction, freeing what left a sliding window, sealing
+        full pages; no codec learns, no tiering, prefix indexing is the scheduler's). ``read``: the
+        segment's dense read, or None where it attended over its pages."""
+        keep_up(self, SegmentAttention(layer, index, query, read, scaling), read)
 
-    def _evict(
-        self, layer: int, segment: Segment, requests: list[Request], query: torch.Tensor, read: LayerRead | None, scaling: float | None
-    ) -> None:
-        """Each request with an eviction spec scores its row of the layer and compacts it; rows
-        without one are not read. The row is its slice of ``read``, or, after attention over the
-        pages, its positions, with attention weights from its pages and, when it compacts with a
-        policy that scores with keys or values (``reads_kv``), a transient dense read of that row.
-        A row whose pages cannot be read in place is read densely."""
+    def layers_to_seal(self, call: SegmentAttention) -> list[int]:
+        return [call.layer]
+
+    def evict(self, call: SegmentAttention) -> None:
+        """Each request of the segment with an eviction spec scores its row of the layer and
+        compacts it; rows without one are not read. The row is its slice of ``read``, or, after
+        attention over the pages, its positions, with attention weights from its pages and, when
+        it compacts with a policy that scores with keys or values (``reads_kv``), a transient dense
+        read of that row. A row whose pages cannot be read in place is read densely. Returns None:
+        each request has its own compressor, and no codec here reads salience."""
+        layer, query, read = call.layer, call.query, call.read
+        segment, requests = self._segments[call.index]
         for b, request in enumerate(requests):
             if request.compressor is None:
                 continue
@@ -145,21 +147,50 @@ class ModelRunner:
                 row = LayerRead(*(t[b : b + 1] for t in read)) if read is not None else self.store.read(layer, rows, mirror=False)
                 mask = visibility(row, segment.positions[b : b + 1], query.shape[1], False, self.shape.window(layer))
             step = LayerStep(None, layer, row, request.computed, segment.length, False, paged=pages)
-            inputs = AttentionInputs(query[b : b + 1], mask, None, scaling, None)
+            inputs = AttentionInputs(query[b : b + 1], mask, None, call.scaling, None)
             evict(
                 request.compressor, self.store, rows, step, inputs, torch.zeros(1, dtype=torch.int64, device=self.device), reuse_slots=True
             )
 
-    def _slide(self, layer: int, segment: Segment, requests: list[Request]) -> None:
-        """Free the tokens of a sliding-window ``layer`` that left the window of each of the
-        segment's sequences once it has seen the segment's tokens: the rows without eviction in
-        one compaction, each evicting row with its own compressor (its per-slot state follows)."""
-        window = self.shape.window(layer)
+    def slide(self, call: SegmentAttention) -> None:
+        """Free the tokens of a sliding-window layer that left the window of each of the segment's
+        sequences once it has seen the segment's tokens: the rows without eviction in one
+        compaction, each evicting row with its own compressor (its per-slot state follows).
+        Returns None: the rows move by several layouts, and nothing after it reads them."""
+        window = self.shape.window(call.layer)
         if window is None:
             return
+        segment, requests = self._segments[call.index]
         plain = [request for request in requests if request.compressor is None]
         groups = [(plain, None)] if plain else []
         groups += [([request], request.compressor) for request in requests if request.compressor is not None]
         for group, compressor in groups:
             seen = torch.tensor([request.computed + segment.length for request in group], dtype=torch.int64)
-            drop_behind_window(self.store, compressor, layer, [request.seq for request in group], window, seen, reuse_slots=True)
+            drop_behind_window(self.store, compressor, call.layer, [request.seq for request in group], window, seen, reuse_slots=True)
+
+    def arrange(self, call: SegmentAttention, stored: LayerRead | None) -> bool:
+        return False
+
+    def seal(self, call: SegmentAttention, layers: list[int], salience: object) -> None:
+        """Seal the full pages of the segment's sequences in ``layers`` (with the engine's codec)."""
+        if self.codec is not None:
+            for layer in layers:
+                self.store.seal(layer, self._segments[call.index][0].seqs)
+
+    def rank(self, call: SegmentAttention, stored: LayerRead | None) -> None:
+        return None
+
+    def index(self, call: SegmentAttention) -> None:
+        return None
+
+
+class SegmentAttention(NamedTuple):
+    """One segment's attention in one layer, as the work after it sees it: the layer, the
+    segment's index in the step, its queries ``[rows, heads, length, head_dim]``, its dense read
+    (None: it attended over its pages) and the attention's scale."""
+
+    layer: int
+    index: int
+    query: torch.Tensor
+    read: LayerRead | None
+    scaling: float | None

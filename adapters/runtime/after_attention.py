@@ -1,10 +1,19 @@
-"""Where the compressor meets the store, written once for the drop-in cache and the Engine.
+"""A layer's work after its attention, written once for the drop-in cache and the Engine.
+
+:func:`keep_up` is the one ordered routine both run after a layer's attention (a drop-in cache
+layer, :class:`~kvlib.adapters.cache.cache_layer.KVCacheLayer`; the Engine's packed batch,
+:class:`~kvlib.adapters.engine.model_runner.ModelRunner`): a codec that learns observes the call,
+the compressor drops tokens, a sliding window frees what it left behind, a tiering policy arranges
+the layer's tokens, full pages seal, the device tier's page ranking is refreshed and the prompt's
+pages are indexed for reuse. Each caller does each step its own way (:class:`LayerUpkeep`) and
+leaves empty the steps it has no part in; the order is this module's.
+
+Where the compressor meets the store:
 
 After a layer's attention, :func:`evict` hands the compressor the layer as attention left it;
 when a head is over its budget the store compacts the layer and the compressor's per-slot state
 follows the layout (:func:`compact`, also what a caller that knows which slots it drops uses: a
-sliding window). What the caller does next (sealing pages, tiering, prefix indexing) is its own:
-:class:`Evicted` says whether the slots moved and gives the layer's token salience for a codec
+sliding window). :class:`Evicted` says whether the slots moved and gives the layer's token salience for a codec
 that reads it. Before a decode call under a cap held as a ring, :func:`make_ring_room` drops
 each full head's oldest tokens past the ring's start, so the call attends over its cap at most
 on every path (a planned step reuses those slots instead). After a sliding-window layer's
@@ -20,6 +29,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol, TypeVar
 
 import torch
 
@@ -28,6 +38,7 @@ from kvlib.adapters.runtime.layer_step import LayerStep
 from kvlib.adapters.runtime.needs import AttentionInputs
 from kvlib.adapters.runtime.slot_order import keep_all_but
 from kvlib.selection import position_rank
+from kvlib.storage.layers.read_cache import LayerRead
 from kvlib.storage.store.paged_store import PagedStore
 
 Salience = Callable[[], torch.Tensor]
@@ -44,6 +55,67 @@ class Evicted:
 
     layout: torch.Tensor | None
     salience: Salience
+
+
+Call = TypeVar("Call", contravariant=True)
+
+
+class LayerUpkeep(Protocol[Call]):
+    """What runs after one layer's attention, step by step, for :func:`keep_up`; ``call``: the
+    caller's record of the attention call (what it saw). A step a caller has no part in does
+    nothing (returns None, ``[layer]`` or False)."""
+
+    def layers_to_seal(self, call: Call) -> list[int]:
+        """Let a codec that learns observe the call; the layers whose full pages seal now."""
+        ...
+
+    def evict(self, call: Call) -> Evicted | None:
+        """Let the compressor drop tokens (:func:`evict`); None where no compressor ran."""
+        ...
+
+    def slide(self, call: Call) -> torch.Tensor | None:
+        """Free what a sliding window left behind; the store's layout, or None where nothing moved."""
+        ...
+
+    def arrange(self, call: Call, stored: LayerRead | None) -> bool:
+        """Put the layer's tokens in a tiering policy's slot order; whether the slots moved.
+        ``stored``: the layer as it stands, or None where a compaction changed it since (read it)."""
+        ...
+
+    def seal(self, call: Call, layers: list[int], salience: Salience | None) -> None:
+        """Seal the full pages of ``layers``, a codec that reads it given ``salience``."""
+        ...
+
+    def rank(self, call: Call, stored: LayerRead | None) -> None:
+        """Re-rank the layer's pages for the device tier (``stored`` as for :meth:`arrange`)."""
+        ...
+
+    def index(self, call: Call) -> None:
+        """Index the prompt's full pages for reuse (after the last layer)."""
+        ...
+
+
+def keep_up(upkeep: LayerUpkeep[Call], call: Call, stored: LayerRead | None) -> None:
+    """Run a layer's after-attention work in its one order: a learning codec observes, the
+    compressor evicts, the window slides, a tiering policy arranges, pages seal (with the
+    salience the eviction left, following the slide's layout), pages are re-ranked, the prompt is
+    indexed. ``stored``: the layer's stored tokens as attention read them, or None where it read
+    none (attention over the pages); dropped once a step moves the slots."""
+    sealing = upkeep.layers_to_seal(call)
+    salience = None
+    evicted = upkeep.evict(call)
+    if evicted is not None:
+        salience = evicted.salience
+        if evicted.layout is not None:
+            stored = None
+    layout = upkeep.slide(call)
+    if layout is not None:
+        stored, salience = None, following(salience, layout)
+    if upkeep.arrange(call, stored):
+        stored, salience = None, None
+    upkeep.seal(call, sealing, salience)
+    upkeep.rank(call, stored)
+    upkeep.index(call)
 
 
 def evict(

@@ -106,8 +106,8 @@ class Step(Protocol):
 
 
 class StepOwner(Protocol):
-    """The cache layer that stored a :class:`LayerStep`: it attends over its own tokens and does
-    the work that follows attention (see :class:`~kvlib.adapters.cache.cache_layer.KVCacheLayer`).
+    """The cache layer that stored a :class:`LayerStep`: it attends over its own tokens and then
+    does the work that follows attention (see :class:`~kvlib.adapters.cache.cache_layer.KVCacheLayer`).
     ``module_layer``: the ``layer_idx`` of the attention module its steps are for."""
 
     module_layer: int | None
@@ -115,17 +115,6 @@ class StepOwner(Protocol):
     def attend(self, step: LayerStep, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor | None]: ...
 
     def attend_returned(self, returned: ReturnedTokens, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor | None]: ...
-
-    def after_attention(
-        self,
-        step: LayerStep,
-        *,
-        query: torch.Tensor,
-        mask: torch.Tensor | None,
-        weights: torch.Tensor | None,
-        real_new: torch.Tensor | None,
-        scaling: float | None,
-    ) -> None: ...
 
 
 @dataclass
