@@ -5,8 +5,10 @@ kvlib's sub-packages ``kvlib.policies``, ``kvlib.storage`` and ``kvlib.adapters`
 top-level folders that ``[tool.setuptools] package-dir`` maps into ``kvlib`` (an editable install
 resolves them through an import hook, which import-linter does not follow). So this script lays
 the package out as it is installed, as links in a temporary folder (``kvlib/*`` plus one link per
-``package-dir`` entry), and runs lint-imports there. Exit status: lint-imports' (0: every
-contract kept).
+``package-dir`` entry), and runs lint-imports there; then it looks for import circles among
+kvlib's modules in the same layout, every import counted (those under ``TYPE_CHECKING`` and
+inside functions too: a circle of type hints is still two modules that cannot be read apart).
+Exit status: 0 when every contract is kept and no circle exists.
 
 Usage: ``.venv/bin/python .ci/import_layers.py`` from anywhere.
 """
@@ -18,6 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import grimp
 import tomllib
 from importlinter.cli import lint_imports
 
@@ -43,6 +46,51 @@ def lay_out(target: Path, package_dir: dict[str, str]) -> None:
         link.symlink_to(ROOT / folder, target_is_directory=True)
 
 
+def import_circles(package: str) -> list[list[str]]:
+    """The strongly connected parts of ``package``'s import graph with more than one module (each
+    one or more circles), every import counted (grimp reads TYPE_CHECKING and function-level
+    imports too), each sorted; Tarjan's algorithm, iteratively."""
+    graph = grimp.build_graph(package, include_external_packages=False)
+    edges = {module: sorted(graph.find_modules_directly_imported_by(module)) for module in graph.modules}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    circles = []
+    for root in sorted(edges):
+        if root in index:
+            continue
+        work = [(root, 0)]
+        while work:
+            module, position = work.pop()
+            if position == 0:
+                index[module] = low[module] = len(index)
+                stack.append(module)
+                on_stack.add(module)
+            if position < len(edges[module]):
+                work.append((module, position + 1))
+                target = edges[module][position]
+                if target not in index:
+                    work.append((target, 0))
+                elif target in on_stack:
+                    low[module] = min(low[module], index[target])
+                continue
+            if low[module] == index[module]:
+                part = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    part.append(member)
+                    if member == module:
+                        break
+                if len(part) > 1:
+                    circles.append(sorted(part))
+            if work:
+                parent = work[-1][0]
+                low[parent] = min(low[parent], low[module])
+    return circles
+
+
 def main() -> int:
     config = ROOT / "pyproject.toml"
     package_dir = tomllib.loads(config.read_text())["tool"]["setuptools"]["package-dir"]
@@ -50,7 +98,12 @@ def main() -> int:
         lay_out(Path(folder), package_dir)
         os.chdir(folder)  # lint-imports puts the working directory first on sys.path
         sys.path.insert(0, folder)
-        return lint_imports(config_filename=str(config), no_cache=True)
+        status = lint_imports(config_filename=str(config), no_cache=True)
+        circles = import_circles(ROOT_PACKAGE)
+    for part in circles:
+        print("import circle among: " + ", ".join(part))
+    print(f"Import circles: {len(circles)}.")
+    return status or int(bool(circles))
 
 
 if __name__ == "__main__":

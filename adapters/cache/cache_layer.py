@@ -142,11 +142,14 @@ class KVCacheLayer(CacheLayerMixin):
             if not cache.prepared:  # no forward pre-hook planned this call (kvlib.attach adds one)
                 cache.prepare_step(tokens, mask_known=False)
             cache.prepared = False
-        plan = cache.plan
-        if plan is not None and plan.tokens == tokens:  # a decode step planned for every layer: one write, attention over the pages
+        planned = cache.planned
+        if (
+            planned is not None and planned.plan.tokens == tokens
+        ):  # a decode step planned for every layer: one write, attention over the pages
             previous = cache.kv_layers[self.layer_idx - 1]
             if previous.pending is not None:
                 raise RuntimeError(NOT_THROUGH_KVLIB.format(layer=previous.layer_idx))
+            plan = planned.plan
             plan.pools[self.layer_idx].write_planned(plan, self.layer_idx, key_states, value_states)
             self.seen += tokens
             self.identity = self.identity and isinstance(plan.stored, int)  # a ring reuses slots
@@ -300,21 +303,22 @@ class KVCacheLayer(CacheLayerMixin):
         through the plan), the attention each stored token received added by the kernel itself into
         the compressor's accumulated attention where it adds it up (:attr:`PlannedWork.ACCUMULATE`:
         no operator of its own); the real new tokens are found once per step, at layer 0
-        (``cache.step_real_new``)."""
+        (:attr:`PlannedDecode.real_new <kvlib.adapters.cache.planned_decode.PlannedDecode.real_new>`)."""
         cache, layer_idx, query, mask, plan = self.cache, self.layer_idx, call.query, call.attention_mask, step.plan
+        planned = cache.planned
         scale = call.kwargs.get("scaling") or query.shape[-1] ** -0.5
         received = None
-        if cache.plan_work and cache.plan_work[layer_idx] is PlannedWork.ACCUMULATE:
+        if planned.work[layer_idx] is PlannedWork.ACCUMULATE:
             slots = int(cache.store.tables[layer_idx].lengths_np[plan.rows_np].max())
             received = cache.compressor.received_state(layer_idx, *plan.lengths.shape[1:], slots, plan.lengths.device)
         output = plan.pools[layer_idx].format.attend_planned(plan, layer_idx, query, mask, scale, received=received)
-        if layer_idx == 0 and not cache.plan_known_real:
+        if layer_idx == 0 and not planned.known_real:
             real_new = real_new_tokens(mask, step)
             if real_new is not None and not host_readable(real_new):  # counted on the device, not looked at: no sync
                 cache.padding += (~real_new).sum(-1)
             elif real_new is not None and not bool(real_new.all()):
-                cache.step_real_new = real_new
-        return output, None, (step, AttentionInputs(query, mask, None, scale, cache.step_real_new))
+                planned.real_new = real_new
+        return output, None, (step, AttentionInputs(query, mask, None, scale, planned.real_new))
 
     def _sparse_attention(self, step: LayerStep, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor | None, Attended]:
         """A sparse decode step's attention (``quest``): ``update`` stored the new token but read
@@ -422,12 +426,13 @@ class KVCacheLayer(CacheLayerMixin):
         if self.recorder is not None:  # a layer the call took past its window is read before it slides
             stored = cache.store.read(self.layer_idx, cache.rows, mirror=False) if self.slides(0) else None
             self.recorder.observe(self.layer_idx, step, inputs=inputs, stored=stored)
-        if step.plan is not None and cache.plan_idle[self.layer_idx]:  # the common case: nothing follows
+        planned = cache.planned if step.plan is not None else None
+        if planned is not None and planned.idle[self.layer_idx]:  # the common case: nothing follows
             return
         if self.layer_idx == 0 and inputs.real_new is not None:
             cache.padding += (~inputs.real_new).sum(-1)  # stays on the device: no sync per step
-        if step.plan is not None:
-            if inputs.real_new is None and (not cache.plan_work or cache.plan_work[self.layer_idx] is not PlannedWork.GENERAL):
+        if planned is not None:
+            if inputs.real_new is None and planned.work[self.layer_idx] is not PlannedWork.GENERAL:
                 self._slide()
                 self.seal(None, [self.layer_idx], None)
                 self.index(None)

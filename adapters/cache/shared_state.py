@@ -11,8 +11,9 @@ from typing import Protocol
 
 import torch
 
+from kvlib.adapters.cache.planned_decode import PlannedDecode
 from kvlib.adapters.cache.prefix_session import PrefixSession
-from kvlib.adapters.runtime.compressor import Compressor, PlannedWork
+from kvlib.adapters.runtime.compressor import Compressor
 from kvlib.adapters.runtime.layer_step import LayerStep
 from kvlib.adapters.runtime.needs import AttentionInputs
 from kvlib.codec import PageCodec
@@ -20,7 +21,6 @@ from kvlib.model_shape import KVShape
 from kvlib.policy import Tiering
 from kvlib.storage.layers.read_cache import LayerRead
 from kvlib.storage.store.paged_store import PagedStore
-from kvlib.storage.store.step_plan import StepPlan
 
 
 class PrefillRecorder(Protocol):
@@ -31,17 +31,25 @@ class PrefillRecorder(Protocol):
     def hidden(self, layer: int, hidden_states: torch.Tensor) -> None: ...
 
 
-class PendingLayer(Protocol):
-    """What a layer reads of another layer of its cache: the step that layer published whose
-    attention has not run yet (None once it ran)."""
+class PeerLayer(Protocol):
+    """What the cache's layers and its step planning read of one of its KV layers
+    (:class:`~kvlib.adapters.cache.cache_layer.KVCacheLayer`)."""
 
+    layer_idx: int
+    seen: int
     pending: LayerStep | None
+    """The step the layer published whose attention has not run yet (None once it ran)."""
+
+    @property
+    def returns_new_tokens(self) -> bool: ...
+
+    def slides(self, tokens: int) -> bool: ...
 
 
 class SharedState(Protocol):
     """The state a cache's layers share. A layer changes ``padding`` (layer 0 counts it),
-    ``prepared`` (layer 0 clears it) and ``step_real_new`` (layer 0's planned attention finds it),
-    nothing else of it."""
+    ``prepared`` (layer 0 clears it) and ``planned.real_new`` (layer 0's planned attention finds
+    it), nothing else of it."""
 
     shape: KVShape
     store: PagedStore
@@ -55,13 +63,10 @@ class SharedState(Protocol):
     read_cache: bool
     reuse_slots: bool
     compileable: bool
+    dense: bool
     dense_returns: str | None
-    kv_layers: list[PendingLayer]
-    plan: StepPlan | None
-    plan_known_real: bool
-    plan_work: tuple[PlannedWork, ...]
-    plan_idle: tuple[bool, ...]
-    step_real_new: torch.Tensor | None
+    kv_layers: list[PeerLayer]
+    planned: PlannedDecode | None
     prepared: bool
 
     def prepare_step(self, tokens: int, attention_mask: torch.Tensor | None = None, *, mask_known: bool = True) -> None: ...

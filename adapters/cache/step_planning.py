@@ -17,35 +17,29 @@ does more with them than attend: :attr:`KVCacheLayer.returns_new_tokens`), paddi
 place, tiering, a selective recompute, a held cap compacted at every step (no slack, not a ring),
 or a store with no plan for these rows.
 
-Invariants: of the cache, only its plan state is written (``plan``, ``plan_known_real``,
-``plan_work``, ``plan_idle``, ``step_real_new``, ``prepared``: the attributes
-:class:`~kvlib.adapters.cache.cache_layer.KVCacheLayer` reads); every call first clears the
-previous plan, so a call that cannot be planned takes the general path; ``plan_work`` and
-``plan_idle`` hold one entry per layer when ``plan`` is set, none otherwise.
+The result is one object, :class:`PlannedDecode` (the store's plan and, per layer, what follows
+its attention), or None; of the cache only ``padding`` is written (a device mask's padding tokens
+among the new ones, counted on the device).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from kvlib.adapters.cache.cache_layer import PAGED_QUERY_TOKENS
+from kvlib.adapters.cache.planned_decode import PlannedDecode
+from kvlib.adapters.cache.shared_state import SharedState
 from kvlib.adapters.runtime.compressor import PlannedWork
 from kvlib.adapters.runtime.masks import allowed
 from kvlib.devices import host_readable, reads_pages_in_place
-
-if TYPE_CHECKING:
-    from kvlib.adapters.cache.transformers_cache import KVCache
+from kvlib.storage.store.step_plan import StepPlan
 
 
-def plan_decode_step(cache: KVCache, tokens: int, attention_mask: torch.Tensor | dict | None, mask_known: bool) -> None:
-    """Plan ``cache``'s coming call of ``tokens`` new tokens per row (see the module docstring);
-    ``attention_mask``: the call's mask (see :func:`_new_tokens_real`), or None: no padding;
-    ``mask_known`` False: whether the new tokens are real is read later, from the mask layer 0's
-    attention gets."""
-    cache.plan, cache.plan_idle, cache.plan_work, cache.step_real_new = None, (), (), None
-    cache.prepared = True
+def plan_decode_step(cache: SharedState, tokens: int, attention_mask: torch.Tensor | dict | None, mask_known: bool) -> PlannedDecode | None:
+    """The plan of ``cache``'s coming call of ``tokens`` new tokens per row, or None (see the
+    module docstring); ``attention_mask``: the call's mask (see :func:`_new_tokens_real`), or None:
+    no padding; ``mask_known`` False: whether the new tokens are real is read later, from the mask
+    layer 0's attention gets."""
     first = cache.kv_layers[0].seen
     if (
         tokens > PAGED_QUERY_TOKENS
@@ -58,27 +52,27 @@ def plan_decode_step(cache: KVCache, tokens: int, attention_mask: torch.Tensor |
         or not reads_pages_in_place(cache.store.device)
         or any(layer.seen != first or not layer.returns_new_tokens for layer in cache.kv_layers)
     ):
-        return
+        return None
     padding = None
     if attention_mask is not None:
         real = _new_tokens_real(attention_mask, tokens, first)
         if real is False:
-            return  # padding among the new tokens: the general path drops it
+            return None  # padding among the new tokens: the general path drops it
         padding = None if real is True else real
         mask_known = True
     ring = None
     if cache.compressor is not None:
         ring = cache.compressor.ring(len(cache.rows), cache.shape.layer_kv_heads[0]) if cache.reuse_slots else None
         if ring is None and cache.compressor.compacts_each_step(tokens):
-            return
+            return None
     plan = cache.store.plan_step(cache.rows, tokens, ring)
     if plan is None:
-        return
-    cache.plan, cache.plan_known_real = plan, mask_known
+        return None
     if padding is not None:
         cache.padding += padding
-    cache.plan_work = tuple(_work_after(cache, layer, tokens, mask_known) for layer in range(cache.shape.num_layers))
-    cache.plan_idle = tuple(work is PlannedWork.NONE and not _keeps_books_after(cache, layer) for layer, work in enumerate(cache.plan_work))
+    work = tuple(_work_after(cache, plan, layer, tokens, mask_known) for layer in range(cache.shape.num_layers))
+    idle = tuple(work is PlannedWork.NONE and not _keeps_books_after(cache, plan, layer) for layer, work in enumerate(work))
+    return PlannedDecode(plan, mask_known, work, idle)
 
 
 def _new_tokens_real(attention_mask: torch.Tensor | dict, tokens: int, seen: int) -> bool | torch.Tensor:
@@ -99,7 +93,7 @@ def _new_tokens_real(attention_mask: torch.Tensor | dict, tokens: int, seen: int
     return bool(real.all())
 
 
-def _work_after(cache: KVCache, layer: int, tokens: int, mask_known: bool) -> PlannedWork:
+def _work_after(cache: SharedState, plan: StepPlan, layer: int, tokens: int, mask_known: bool) -> PlannedWork:
     """What the compressor does after this planned step's attention in ``layer``."""
     compressor = cache.compressor
     if compressor is None:
@@ -107,17 +101,17 @@ def _work_after(cache: KVCache, layer: int, tokens: int, mask_known: bool) -> Pl
     codec = cache.codecs[layer] if cache.codecs is not None else None
     if not mask_known or (codec is not None and codec.uses_salience):
         return PlannedWork.GENERAL
-    return compressor.planned_work(layer, tokens, cache.store.tables[layer].lengths_np[cache.plan.rows_np])
+    return compressor.planned_work(layer, tokens, cache.store.tables[layer].lengths_np[plan.rows_np])
 
 
-def _keeps_books_after(cache: KVCache, layer: int) -> bool:
+def _keeps_books_after(cache: SharedState, plan: StepPlan, layer: int) -> bool:
     """Whether ``layer`` has pages to seal after this planned step, slides past its window, or
     is the last layer of a cache whose prompt pages a prefix session indexes."""
     if cache.session is not None and layer == cache.shape.num_layers - 1:
         return True
-    if cache.kv_layers[layer].slides(cache.plan.tokens):
+    if cache.kv_layers[layer].slides(plan.tokens):
         return True
     if cache.codecs is None or cache.codecs[layer] is None:
         return False
-    table, rows = cache.store.tables[layer], cache.plan.rows_np
+    table, rows = cache.store.tables[layer], plan.rows_np
     return bool((table.lengths_np[rows] // table.page_size > table.sealed_np[rows]).any())

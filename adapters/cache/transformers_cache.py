@@ -15,7 +15,7 @@ built over logical positions (``get_mask_sizes``) and translated to the stored s
 
 Batch operations (``reorder_cache`` for beam search, ``batch_repeat_interleave``,
 ``batch_select_indices``) fork store sequences, which span every layer: rows that share a history
-share its pages by reference, copy-on-write (:mod:`~kvlib.adapters.cache.cache_fork`). A decode
+share its pages by reference, copy-on-write (:meth:`KVCache.fork`, :meth:`KVCache.reorder_cache`). A decode
 step is planned for every layer before the forward runs (:mod:`~kvlib.adapters.cache.step_planning`).
 """
 
@@ -30,23 +30,22 @@ from collections.abc import Callable, Iterator
 import torch
 from transformers.cache_utils import Cache
 
-from kvlib.adapters.cache.cache_fork import check_forkable, select_rows, share_rows
 from kvlib.adapters.cache.cache_layer import NOT_THROUGH_KVLIB, KVCacheLayer
 from kvlib.adapters.cache.cache_store import CacheStoreBuilder
 from kvlib.adapters.cache.compiled_calls import new_handle
 from kvlib.adapters.cache.dense_layer import DenseKVCacheLayer
 from kvlib.adapters.cache.memory_report import memory_report
+from kvlib.adapters.cache.planned_decode import PlannedDecode
 from kvlib.adapters.cache.prefix_session import PrefixSession
-from kvlib.adapters.cache.state_layers import cache_layers, state_bytes, state_layers
+from kvlib.adapters.cache.state_layers import cache_layers, select_state_rows, state_bytes, state_layers
 from kvlib.adapters.cache.step_planning import plan_decode_step
-from kvlib.adapters.runtime.compressor import Compressor, PlannedWork
+from kvlib.adapters.runtime.compressor import Compressor
 from kvlib.codec import Codec, PageCodec
 from kvlib.devices import reads_pages_in_place
 from kvlib.model_shape import KVShape
 from kvlib.policy import Tiering
 from kvlib.storage.prefix.prefix_store import PrefixStore
 from kvlib.storage.store.paged_store import PagedStore
-from kvlib.storage.store.step_plan import StepPlan
 from kvlib.storage.tiers.spill_store import SpillStore
 
 
@@ -155,19 +154,11 @@ class KVCache(Cache):
         self._rows: list[int] = []
         self.padding = torch.zeros(0, dtype=torch.int64)
         """Left padding tokens of each row, int64 ``[batch]`` on the store's device (counted by layer 0's calls)."""
-        self.plan: StepPlan | None = None
-        """The current decode step's plan for every layer (see :meth:`prepare_step`), or None
+        self.planned: PlannedDecode | None = None
+        """The current decode step planned for every layer (see :meth:`prepare_step`), or None
         where the step takes the general path layer by layer."""
-        self.plan_known_real = True
-        """Whether :meth:`prepare_step` knew every new token of the planned step is real."""
-        self.plan_work: tuple[PlannedWork, ...] = ()
-        """Per layer, what the compressor does after the planned step's attention (None: no compressor)."""
-        self.plan_idle: tuple[bool, ...] = ()
-        """Per layer, whether nothing at all follows the planned step's attention."""
-        self.step_real_new: torch.Tensor | None = None
-        """The planned step's real new tokens, where not all are (found by layer 0's attention when
-        :attr:`plan_known_real` is False; None: all real)."""
         self.prepared = False
+        """Whether :meth:`prepare_step` ran for the coming call (layer 0's update clears it)."""
         self._owner: int | None = None
         """The thread using this cache (``threading.get_ident()``), recorded at its first model call
         and released by :meth:`reset`; another thread is refused (:meth:`check_thread`)."""
@@ -249,10 +240,11 @@ class KVCache(Cache):
         padding), so that the forward itself keeps no books (``model.forward`` compiled with
         ``torch.compile(fullgraph=True)`` traces a planned step whole); layer 0's update calls it
         when nothing did (``mask_known`` False: whether the new tokens are real is then read from
-        the mask attention gets). Each layer's update then takes :attr:`plan` if it is one of
+        the mask attention gets). Each layer's update then takes :attr:`planned` if it is one of
         its call's tokens. When there is no plan (the step goes layer by layer), and what a plan
         sets: :mod:`~kvlib.adapters.cache.step_planning`."""
-        plan_decode_step(self, tokens, attention_mask, mask_known)
+        self.prepared = True
+        self.planned = plan_decode_step(self, tokens, attention_mask, mask_known)
 
     def serve_densely(self, reason: str, complete: bool, *, shapes_kept: bool) -> None:
         """From now on, every layer's ``update`` returns all the tokens it stores, as
@@ -422,7 +414,7 @@ class KVCache(Cache):
             self.store.peak_page_bytes = self.store.memory_bytes()["pages"]
         self._rows.clear()
         self.padding = torch.zeros(0, dtype=torch.int64)
-        self.plan = None
+        self.planned = None
         for layer in self.layers:
             layer.reset()
         if self.compressor is not None:
@@ -432,19 +424,19 @@ class KVCache(Cache):
     @_exclusive
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Row ``i`` becomes a copy of old row ``beam_idx[i]`` (beam search)."""
-        select_rows(self, beam_idx)
+        self._select_rows(beam_idx)
 
     @_exclusive
     def batch_repeat_interleave(self, repeats: int) -> None:
         """Each row repeated ``repeats`` times in place (``[a, b] -> [a, a, b, b]``)."""
         if not isinstance(repeats, int) or repeats < 1:
             raise ValueError(f"repeats must be a positive int, got {repeats!r}")
-        select_rows(self, torch.arange(max(len(self._rows), 0)).repeat_interleave(repeats))
+        self._select_rows(torch.arange(max(len(self._rows), 0)).repeat_interleave(repeats))
 
     @_exclusive
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         """Keep the rows at ``indices`` (in that order; repeats allowed)."""
-        select_rows(self, indices)
+        self._select_rows(indices)
 
     @_exclusive
     def crop(self, tokens_to_remove: int) -> None:
@@ -474,7 +466,7 @@ class KVCache(Cache):
         are its own), one of a hybrid model (its recurrent states are not paged) and one that
         holds nothing yet.
         """
-        check_forkable(self)
+        self._check_forkable()
         copy = KVCache(
             self.shape,
             page_size=self.page_size,
@@ -485,8 +477,56 @@ class KVCache(Cache):
             dense=self.dense,
         )
         copy.dense_returns = self.dense_returns
-        share_rows(self, copy)
+        copy.home = self.home
+        copy.builder.codecs = self.builder.codecs  # fitted codecs of the shared pages
+        copy.store = self.store
+        copy.reuse_slots = self.reuse_slots
+        copy.rows.extend(self.store.fork(row) for row in self.rows)
+        copy.padding = self.padding.clone()
+        for mine, theirs in zip(copy.kv_layers, self.kv_layers):
+            mine.seen, mine.identity = theirs.seen, theirs.identity
         return copy
+
+    def _check_forkable(self) -> None:
+        """``ValueError`` for a cache that still evicts, one primed from a PrefixStore, one with a
+        tiering policy, one whose layers keep state outside the pages, and one that holds nothing
+        yet (see :meth:`fork`)."""
+        if self.compressor is not None:
+            raise ValueError(f"fork needs a cache that no longer evicts; this one runs {self.compressor.policy.spec()}")
+        if self.session is not None:
+            raise ValueError("fork is for caches outside a PrefixStore; this one was primed from one (make_cache(reuse=...))")
+        if self.tiering is not None:
+            raise ValueError(f"fork is for caches without tiering; this one spills pages with {self.tiering.spec()}")
+        if self.state_layers:
+            raise ValueError(
+                "fork shares pages by reference; this model's layers keep state outside the pages (recurrent states, indexer keys),"
+                " which a fork cannot share"
+            )
+        if not self.rows:
+            raise ValueError("the cache holds no tokens yet: run the model with it first")
+
+    def _select_rows(self, index: torch.Tensor) -> None:
+        """Row ``i`` becomes a fork of old row ``index[i]`` in every layer (store sequences span
+        layers; no page is copied, the old rows' references are released); the padding, the
+        compressor's per-row state and the state that layers keep outside the pages (a hybrid
+        model's recurrent states, a sparse-attention indexer's keys) follow. The row list is
+        changed in place (a prefix session shares it). ``ValueError`` for an index out of range."""
+        rows = self.rows
+        if not rows:
+            return
+        index = torch.as_tensor(index).to("cpu", torch.int64).flatten()
+        if bool(((index < 0) | (index >= len(rows))).any()):
+            raise ValueError(f"row indices must be in [0, {len(rows)}), got {index.tolist()}")
+        if index.tolist() == list(range(len(rows))):
+            return
+        old = list(rows)
+        rows[:] = [self.store.fork(old[i]) for i in index.tolist()]
+        self.store.release(old)
+        self.padding = self.padding[index.to(self.padding.device)]
+        if self.compressor is not None:
+            self.compressor.select_rows(index)
+        for layer in self.state_layers:
+            select_state_rows(layer, index)
 
     # -- inspection -----------------------------------------------------------------------------
 

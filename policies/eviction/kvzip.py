@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import warnings
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -260,18 +259,3 @@ def prefill_by_reconstruction(model: torch.nn.Module, cache: object, context_ids
     if scores is None:
         scores = memo[key] = reconstruction_scores(model, context_ids, prompt, sinks=policy.sinks, chunk=policy.chunk)
     compress(model, cache, context_ids, prompt, scores)
-
-
-def __getattr__(name: str) -> object:
-    """The deprecated name ``compressed_context`` (kept for one release): it builds a cache, so it
-    lives with the adapters now (:func:`kvlib.adapters.compressed_context`)."""
-    if name != "compressed_context":
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    warnings.warn(
-        "kvlib.policies.eviction.kvzip.compressed_context is deprecated: use kvlib.adapters.compressed_context",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    from kvlib.adapters.cache.kvzip_context import compressed_context  # the alias only: pyproject.toml's contract names it
-
-    return compressed_context

@@ -5,14 +5,10 @@ before it read until one fills): see :meth:`~kvlib.storage.pools.formats.coded_f
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from kvlib.devices import to_arena_device
-
-if TYPE_CHECKING:
-    from kvlib.storage.pools.formats.coded_format import CodedPages
 
 
 @dataclass
@@ -32,20 +28,24 @@ class ReadPlan:
     open_source: torch.Tensor | None
 
     @classmethod
-    def of(cls, pool: CodedPages, ids: torch.Tensor) -> ReadPlan:
-        sealed = pool.sealed[ids]
-        rows = pool.raw_row[ids]
+    def of(
+        cls, ids: torch.Tensor, sealed: torch.Tensor, raw_row: torch.Tensor, page_heads: torch.Tensor, version: int, device: torch.device
+    ) -> ReadPlan:
+        """The plan of reading pages ``ids`` (int64, CPU) of a coded pool at ``version``, from its
+        per-page ``sealed`` flags, ``raw_row`` (the raw arena row of an open page, ``-1`` none) and
+        ``page_heads`` (CPU tensors indexed by page); ``device``: the arenas'."""
+        rows = raw_row[ids]
+        sealed = sealed[ids]
         sealed_rows = sealed.nonzero().squeeze(-1)
         pages = ids[sealed_rows]
         free = (~sealed & (rows < 0)).nonzero().squeeze(-1)
         opened = (rows >= 0).nonzero().squeeze(-1)
-        device = pool.device
         return cls(
             ids.clone(),
-            pool.version,
+            version,
             sealed_rows,
             pages,
-            to_arena_device(pool.page_heads[pages], device),
+            to_arena_device(page_heads[pages], device),
             to_arena_device(free, device) if free.numel() else None,
             to_arena_device(opened, device) if opened.numel() else None,
             to_arena_device(rows[opened], device) if opened.numel() else None,

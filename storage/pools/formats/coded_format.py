@@ -290,7 +290,7 @@ class CodedPages(PageFormat):
         """
         plan = self._plan
         if plan is None or plan.version != self.version or plan.ids.shape != ids.shape or not torch.equal(plan.ids, ids):
-            plan = self._plan = ReadPlan.of(self, ids)
+            plan = self._plan = ReadPlan.of(ids, self.sealed, self.raw_row, self.page_heads, self.version, self.device)
         keys = torch.empty(ids.numel(), self.page_size, self.head_dim, dtype=self.dtype, device=self.device)
         values = torch.empty(ids.numel(), self.page_size, self.value_dim, dtype=self.dtype, device=self.device)
         if plan.pages.numel():

@@ -23,7 +23,7 @@ here is the default the formats share; a format overrides what differs.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -34,8 +34,30 @@ from kvlib.kernels import paged_ops
 from kvlib.kernels.arena_sources import arena_source_for
 from kvlib.kernels.pages import PagedLayer, PageReader
 
-if TYPE_CHECKING:
-    from kvlib.storage.pools.page_pool import PagePool
+
+class BoundPool(Protocol):
+    """What a format reads of the pool it is bound to (:class:`~kvlib.storage.pools.page_pool.PagePool`,
+    which builds its format, so the format names it by what it reads): the pool's page bookkeeping."""
+
+    positions: torch.Tensor
+    """int64 ``[capacity, page_size]``: each stored token's position, ``-1`` for an empty slot."""
+    refcount: torch.Tensor
+    """int64 ``[capacity]``: sequences referencing each page (0: free)."""
+
+    @property
+    def capacity(self) -> int: ...
+
+    @property
+    def pages_in_use(self) -> int: ...
+
+    @property
+    def kv_page_bytes(self) -> int: ...
+
+    @property
+    def position_page_bytes(self) -> int: ...
+
+    @property
+    def page_bytes(self) -> int: ...
 
 
 @dataclass
@@ -81,7 +103,7 @@ class PageFormat:
     staged_bytes = 0
     """Bytes the last :meth:`paged_layer` copied to hand its pages over (none: they lie in the arenas)."""
 
-    pool: PagePool
+    pool: BoundPool
     """The pool this format belongs to (its positions, reference counts and capacity are read there)."""
     page_size: int
     head_dim: int
@@ -94,7 +116,7 @@ class PageFormat:
     values: torch.Tensor
     """The device arena of values the format writes (``[rows, page_size, value_dim]``)."""
 
-    def bind(self, pool: PagePool, capacity: int) -> None:
+    def bind(self, pool: BoundPool, capacity: int) -> None:
         """Become ``pool``'s format (once, from its constructor) and create arenas for ``capacity`` pages."""
         if getattr(self, "pool", None) is not None:
             raise ValueError("a page format belongs to one pool: build a new one for each")

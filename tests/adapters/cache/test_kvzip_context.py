@@ -65,10 +65,3 @@ def test_compressed_context_refuses_bad_input_before_any_model_work() -> None:
     with pytest.raises(ValueError, match="make_cache\\(model, 'kvzip', budget"):
         compressed_context(model, store, context, PROMPT, budget=0.5, spec="snapkv")
     assert len(store.contexts) == 0
-
-
-def test_the_old_name_of_compressed_context_warns_and_gives_the_adapters_function() -> None:
-    from kvlib.policies.eviction import kvzip
-
-    with pytest.warns(DeprecationWarning, match="kvlib.adapters.compressed_context"):
-        assert kvzip.compressed_context is compressed_context

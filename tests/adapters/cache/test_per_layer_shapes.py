@@ -89,6 +89,6 @@ def test_decode_steps_are_planned_where_every_layer_has_the_same_kv_heads(model_
     reference = _generate(model, DynamicCache(config=model.config), ids, torch.ones_like(ids))
     cache = kvlib.make_cache(model)
     plans = []
-    model.register_forward_hook(lambda module, args, out: plans.append(cache.plan is not None))
+    model.register_forward_hook(lambda module, args, out: plans.append(cache.planned is not None))
     assert torch.equal(_generate(model, cache, ids, torch.ones_like(ids)), reference)
     assert plans[0] is False and set(plans[1:]) == {planned}  # the prompt call is never planned

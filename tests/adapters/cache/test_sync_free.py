@@ -43,7 +43,7 @@ def decode(model, cache, mask: torch.Tensor, steps: int) -> None:
         for _ in range(steps):
             mask = torch.cat([mask, torch.ones_like(token)], dim=1)
             model(token, attention_mask=mask, cache=cache, use_cache=True)
-            assert cache.plan is not None
+            assert cache.planned is not None
 
 
 @pytest.mark.parametrize("lengths", [[20], [20, 13]], ids=["one-row", "left-padded"])
