@@ -55,7 +55,7 @@ _COMPRESSED_LAYER_TYPES = frozenset({"compressed_sparse_attention", "heavily_com
 @dataclass(frozen=True)
 class KVShape:
     """Per-token KV layout of a decoder: its KV layers (the attention layers, numbered ``0 ..
-    num_layers - 1`` in model order: the store's, the compressor's and the budgets' layers) and
+    num_layers - 1`` in model order: the store's, the evictor's and the budgets' layers) and
     its model layers (what ``transformers`` numbers ``layer_idx``).
 
     Attributes:

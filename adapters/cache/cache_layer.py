@@ -17,13 +17,13 @@ whose attention has not yet run (``pending``) and the attention input a policy n
 - **after attention** (:meth:`~KVCacheLayer.after_attention`, called once per call, by the layer
   itself): the ordered routine :func:`~kvlib.adapters.runtime.after_attention.keep_up`, which
   the Engine runs too, with this layer's steps: a learning codec observes the first call, the
-  compressor evicts, a sliding window frees what no query will attend to again
+  evictor evicts, a sliding window frees what no query will attend to again
   (``<= seen - window``, as ``DynamicCache``'s sliding layers keep ``window - 1`` tokens), a
   tiering policy arranges the layer's tokens, full pages seal (a codec that reads salience given
-  the compressor's scores, computed only if a page seals), the device tier's ranking is refreshed,
+  the evictor's scores, computed only if a page seals), the device tier's ranking is refreshed,
   and after the last layer the prompt's pages are indexed in the prefix session.
 
-What layers share (the paged store, the batch rows and their padding, the compressor, codecs,
+What layers share (the paged store, the batch rows and their padding, the evictor, codecs,
 tiering and prefix session) is the cache's (:class:`~kvlib.adapters.cache.shared_state.SharedState`);
 the rows are store sequences spanning every layer, so selecting rows (beams) is the cache's too.
 """
@@ -39,7 +39,7 @@ from kvlib.adapters.cache.compiled_calls import traced_update
 from kvlib.adapters.cache.shared_state import PrefillRecorder, SharedState
 from kvlib.adapters.runtime import layer_step
 from kvlib.adapters.runtime.after_attention import Evicted, Salience, drop_behind_window, evict, keep_up, make_ring_room
-from kvlib.adapters.runtime.compressor import PlannedWork
+from kvlib.adapters.runtime.evictor import PlannedWork
 from kvlib.adapters.runtime.layer_step import AttentionCall, LayerStep, ReturnedTokens
 from kvlib.adapters.runtime.masks import allowed, move_position_bias, physical_mask, real_new_tokens
 from kvlib.adapters.runtime.needs import AttentionInputs
@@ -106,7 +106,7 @@ class KVCacheLayer(CacheLayerMixin):
         """Whether :meth:`crop` rolls back exactly: no eviction, and no token left a sliding window
         (the tokens a rolled-back window needs again are gone)."""
         window = self.window
-        return self.cache.compressor is None and (window is None or self.seen < window)
+        return self.cache.evictor is None and (window is None or self.seen < window)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Nothing to do: the cache builds its store (at construction, or before it hands the layer its first call)."""
@@ -178,8 +178,8 @@ class KVCacheLayer(CacheLayerMixin):
         stored (:func:`~kvlib.adapters.runtime.after_attention.make_ring_room`), so the call attends
         over the cap at most, whichever path it takes."""
         cache = self.cache
-        if cache.compressor is not None and tokens <= PAGED_QUERY_TOKENS:
-            if make_ring_room(cache.compressor, cache.store, self.layer_idx, cache.rows, tokens, reuse_slots=cache.reuse_slots):
+        if cache.evictor is not None and tokens <= PAGED_QUERY_TOKENS:
+            if make_ring_room(cache.evictor, cache.store, self.layer_idx, cache.rows, tokens, reuse_slots=cache.reuse_slots):
                 self.identity = False
 
     def _new_tokens_step(
@@ -217,7 +217,7 @@ class KVCacheLayer(CacheLayerMixin):
         """The layer's pages for attention straight over them (no dense copy; with tiering only
         the off-device pages are staged), when this call may use them: at most
         :data:`PAGED_QUERY_TOKENS` new tokens (decoding, assisted decoding's candidates; under
-        eviction the compressor then reads what it needs itself, see :meth:`_stored_layer`), no
+        eviction the evictor then reads what it needs itself, see :meth:`_stored_layer`), no
         read mirror asked for, a device the kernel runs on and a pool that gives its pages; else None."""
         store = self.cache.store
         if (
@@ -301,7 +301,7 @@ class KVCacheLayer(CacheLayerMixin):
     def _planned_attention(self, step: LayerStep, call: AttentionCall) -> tuple[torch.Tensor, None, Attended]:
         """A planned step's attention straight over the layer's pages (the store's paged kernel
         through the plan), the attention each stored token received added by the kernel itself into
-        the compressor's accumulated attention where it adds it up (:attr:`PlannedWork.ACCUMULATE`:
+        the evictor's accumulated attention where it adds it up (:attr:`PlannedWork.ACCUMULATE`:
         no operator of its own); the real new tokens are found once per step, at layer 0
         (:attr:`PlannedDecode.real_new <kvlib.adapters.cache.planned_decode.PlannedDecode.real_new>`)."""
         cache, layer_idx, query, mask, plan = self.cache, self.layer_idx, call.query, call.attention_mask, step.plan
@@ -310,7 +310,7 @@ class KVCacheLayer(CacheLayerMixin):
         received = None
         if planned.work[layer_idx] is PlannedWork.ACCUMULATE:
             slots = int(cache.store.tables[layer_idx].lengths_np[plan.rows_np].max())
-            received = cache.compressor.received_state(layer_idx, *plan.lengths.shape[1:], slots, plan.lengths.device)
+            received = cache.evictor.received_state(layer_idx, *plan.lengths.shape[1:], slots, plan.lengths.device)
         output = plan.pools[layer_idx].format.attend_planned(plan, layer_idx, query, mask, scale, received=received)
         if layer_idx == 0 and not planned.known_real:
             real_new = real_new_tokens(mask, step)
@@ -438,7 +438,7 @@ class KVCacheLayer(CacheLayerMixin):
                 self.index(None)
                 return
             step = dataclasses.replace(step, paged=cache.store.paged_layer(self.layer_idx, cache.rows))
-        if cache.compressor is not None:
+        if cache.evictor is not None:
             inputs = dataclasses.replace(inputs, hidden_states=self.hidden_states)
             self.hidden_states = None
         keep_up(self, (step, inputs), step.read if step.paged is None else None)
@@ -465,15 +465,15 @@ class KVCacheLayer(CacheLayerMixin):
         return FitSample(self.layer_idx, read.keys, read.values, real, query, query_valid)
 
     def evict(self, call: Attended) -> Evicted | None:
-        """Let the compressor drop tokens of this layer
+        """Let the evictor drop tokens of this layer
         (:func:`~kvlib.adapters.runtime.after_attention.evict`) from the layer as it now stands
-        (:meth:`_stored_layer`); None without a compressor."""
+        (:meth:`_stored_layer`); None without an evictor."""
         cache = self.cache
-        if cache.compressor is None:
+        if cache.evictor is None:
             return None
         step, inputs = call
         evicted = evict(
-            cache.compressor, cache.store, cache.rows, self._stored_layer(step), inputs, cache.padding, reuse_slots=cache.reuse_slots
+            cache.evictor, cache.store, cache.rows, self._stored_layer(step), inputs, cache.padding, reuse_slots=cache.reuse_slots
         )
         if evicted.layout is not None:
             self.identity = False
@@ -485,7 +485,7 @@ class KVCacheLayer(CacheLayerMixin):
     def arrange(self, call: Attended, stored: LayerRead | None) -> bool:
         """Put the layer's tokens in the tiering policy's slot order where it arranges them
         (``shadowkv``, ``clusterkv``: tokens read together share pages); its view holds the real
-        tokens, padding slots follow them, in slot order; per-slot compressor state follows."""
+        tokens, padding slots follow them, in slot order; per-slot evictor state follows."""
         cache, step = self.cache, call[0]
         if cache.tiering is None or step.sparse or not cache.tiering.arranges_tokens(self.layer_idx, step.query_length):
             return False
@@ -499,8 +499,8 @@ class KVCacheLayer(CacheLayerMixin):
         order = torch.cat([order, torch.where(valid & ~named, slot, -1)], dim=-1)
         order = order.gather(-1, torch.sort((order < 0).to(torch.int8), dim=-1, stable=True).indices)
         layout = cache.store.arrange(self.layer_idx, cache.rows, order[..., :slots])
-        if cache.compressor is not None:
-            cache.compressor.compacted(self.layer_idx, layout)
+        if cache.evictor is not None:
+            cache.evictor.compacted(self.layer_idx, layout)
         self.identity = False
         return True
 
@@ -561,23 +561,23 @@ class KVCacheLayer(CacheLayerMixin):
         """Free the stored tokens that left this layer's sliding window once it has seen
         ``seen`` tokens (:func:`~kvlib.adapters.runtime.after_attention.drop_behind_window`: every
         stored token at a logical position ``<= seen - window``, left padding included, as the
-        model's masks count them). Returns the store's layout (the compressor's per-slot state
+        model's masks count them). Returns the store's layout (the evictor's per-slot state
         follows it), or None where nothing was dropped: a layer without a window, or one holding
         nothing past it."""
         cache, window = self.cache, self.window
         if window is None or self.seen <= window - 1:
             return None
         layout = drop_behind_window(
-            cache.store, cache.compressor, self.layer_idx, cache.rows, window, self.seen, reuse_slots=cache.reuse_slots
+            cache.store, cache.evictor, self.layer_idx, cache.rows, window, self.seen, reuse_slots=cache.reuse_slots
         )
         self.identity = self.identity and layout is None
         return layout
 
     def _stored_layer(self, step: LayerStep) -> LayerStep:
-        """``step`` as the compressor sees it: the layer's stored tokens after the call's append.
+        """``step`` as the evictor sees it: the layer's stored tokens after the call's append.
         A call that attended over the pages (``step.paged``) read none of them: it gets their
         positions (:meth:`PagedStore.read_positions`; attention weights come from the pages), and
-        the compressor reads keys and values into a transient dense copy only when it compacts
+        the evictor reads keys and values into a transient dense copy only when it compacts
         with a policy that scores with them (``reads_kv``)."""
         if step.paged is None:
             return step
@@ -587,8 +587,8 @@ class KVCacheLayer(CacheLayerMixin):
         """Keep this layer call's attention input for a policy that needs ``hidden_states``."""
         if self.recorder is not None:
             self.recorder.hidden(self.layer_idx, hidden_states)
-        compressor = self.cache.compressor
-        if compressor is not None and "hidden_states" in compressor.policy.needs:
+        evictor = self.cache.evictor
+        if evictor is not None and "hidden_states" in evictor.policy.needs:
             self.hidden_states = hidden_states
 
     # -- lengths, crop, reset, inspection -------------------------------------------------------
@@ -609,7 +609,7 @@ class KVCacheLayer(CacheLayerMixin):
     def crop(self, tokens_to_remove: int) -> None:
         """Drop the last ``-tokens_to_remove`` tokens seen (``<= 0``, checked by the cache, which
         holds rows). Under eviction the tokens to forget may sit in reused slots, not at the end:
-        they are compacted away first (the compressor's per-slot state follows)."""
+        they are compacted away first (the evictor's per-slot state follows)."""
         cache, store = self.cache, self.cache.store
         length = max(self.seen + tokens_to_remove, 0)
         window = self.window
@@ -618,11 +618,11 @@ class KVCacheLayer(CacheLayerMixin):
                 f"layer {self.layer_idx} slides over a window of {window} tokens and has dropped the tokens before it:"
                 f" it cannot go back to {length} tokens (as DynamicCache's sliding layers cannot once their window is full)"
             )
-        if cache.compressor is not None:
+        if cache.evictor is not None:
             positions = store.stored_positions(self.layer_idx, cache.rows)
             slot = torch.arange(positions.shape[-1])
             keep = torch.where((positions >= 0) & (positions < length), slot, -1)
-            cache.compressor.compacted(self.layer_idx, store.compact(self.layer_idx, cache.rows, keep, reuse_slots=cache.reuse_slots))
+            cache.evictor.compacted(self.layer_idx, store.compact(self.layer_idx, cache.rows, keep, reuse_slots=cache.reuse_slots))
         store.truncate(self.layer_idx, cache.rows, length)
         self.seen = min(self.seen, length)
 

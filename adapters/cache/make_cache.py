@@ -6,7 +6,7 @@ import torch
 
 from kvlib.adapters.cache.model_hooks import attach
 from kvlib.adapters.cache.transformers_cache import KVCache
-from kvlib.adapters.runtime.make_compressor import check_budget, eviction_compressor, salience_scorer
+from kvlib.adapters.runtime.make_evictor import check_budget, make_evictor, salience_scorer
 from kvlib.codec import Codec, layer_shapes
 from kvlib.devices import check_fits
 from kvlib.limits import MAX_PAGE_SIZE, check_page_size, check_request_tokens
@@ -108,20 +108,20 @@ def make_cache(
         codec.check_shape(shapes)
     if (slack or interval != 1) and not isinstance(budget, int):
         raise ValueError(f"slack and interval apply to an int budget (a token count), not to budget={budget!r}")
-    compressor = eviction_compressor(model, parsed, budget, slack, interval, merge, page_size=page_size)
-    if compressor is None and merge:
+    evictor = make_evictor(model, parsed, budget, slack, interval, merge, page_size=page_size)
+    if evictor is None and merge:
         raise ValueError("merge=True folds evicted tokens into kept ones; it needs an eviction policy in the spec")
-    if compressor is None:
-        compressor = salience_scorer(model, parsed)
+    if evictor is None:
+        evictor = salience_scorer(model, parsed)
     _check_first_arenas(shape, page_size, home, coded=codec is not None, tiered=parsed.tiering is not None)
     _check_reuse(model, shape, parsed, codec, reuse, prompt)
     if parsed.tiering is not None and codec is not None:
         _check_tiered_codec(parsed.tiering, codec, shapes)
     _check_page_retrieval(parsed, reuse)
-    attach(model, hidden_states=compressor is not None and "hidden_states" in compressor.policy.needs, route=not dense)
+    attach(model, hidden_states=evictor is not None and "hidden_states" in evictor.policy.needs, route=not dense)
     cache = KVCache(
         shape,
-        compressor,
+        evictor,
         page_size=page_size,
         read_cache=read_cache,
         codec=codec,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvlib.adapters.runtime.compressor import Compressor
+from kvlib.adapters.runtime.evictor import Evictor
 from kvlib.model_shape import KVShape
 from kvlib.storage.store.paged_store import PagedStore
 
@@ -14,9 +14,7 @@ COMPONENTS = (*STORE_COMPONENTS, "unpaged_state")
 """What ``by_component`` splits the bytes held into."""
 
 
-def memory_report(
-    store: PagedStore | None, rows: list[int], shape: KVShape, compressor: Compressor | None = None, state_bytes: int = 0
-) -> dict:
+def memory_report(store: PagedStore | None, rows: list[int], shape: KVShape, evictor: Evictor | None = None, state_bytes: int = 0) -> dict:
     """Bytes a cache whose ``rows`` (store sequences) live in ``store`` holds, and what a full
     cache in the compute dtype would hold. A cache holding no rows (before its first update, after
     ``reset``) holds no pages: only its store's reserved arenas and peaks are reported then (all
@@ -37,8 +35,8 @@ def memory_report(
     keys and values, uncompressed, of what a full cache keeps (``DynamicCache``): every logical
     token of a layer, its last ``window - 1`` in a sliding-window layer, and ``state_bytes``; ``stored_tokens`` and
     ``logical_tokens``, summed over layers, rows and KV heads; ``slack_tokens``: the stored tokens
-    over ``compressor``'s held cap (an int budget) that its ``slack`` holds now, summed likewise
-    (0 without a compressor, and for a ring, which never holds more than the cap).
+    over ``evictor``'s held cap (an int budget) that its ``slack`` holds now, summed likewise
+    (0 without an evictor, and for a ring, which never holds more than the cap).
     """
     components = dict.fromkeys(COMPONENTS, 0)
     host = disk = 0
@@ -73,8 +71,8 @@ def memory_report(
     total = sum(components.values())
     by_tier = {"device": total - host - disk, "host": host, "disk": disk}
     report["slack_tokens"] = 0
-    if compressor is not None and rows:
+    if evictor is not None and rows:
         report["slack_tokens"] = sum(
-            compressor.over_cap(layer, store.physical_lengths(layer, rows).numpy()) for layer in range(shape.num_layers)
+            evictor.over_cap(layer, store.physical_lengths(layer, rows).numpy()) for layer in range(shape.num_layers)
         )
     return {"total_bytes": total, "by_tier": by_tier, "by_component": components, **report}

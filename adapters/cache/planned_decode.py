@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlib.adapters.runtime.compressor import PlannedWork
+from kvlib.adapters.runtime.evictor import PlannedWork
 from kvlib.storage.store.step_plan import StepPlan
 
 
@@ -23,7 +23,7 @@ class PlannedDecode:
     known_real: bool
     """Whether planning knew every new token is real (else layer 0's attention reads the mask)."""
     work: tuple[PlannedWork, ...]
-    """Per layer, what the compressor does after the step's attention (``NONE``: no compressor)."""
+    """Per layer, what the evictor does after the step's attention (``NONE``: no evictor)."""
     idle: tuple[bool, ...]
     """Per layer, whether nothing at all follows the step's attention."""
     real_new: torch.Tensor | None = None

@@ -10,7 +10,7 @@ prompt once, through an exact ``source`` cache carrying a :class:`PrefillRecorde
 configuration's cache the prompt by :func:`replay`: layer by layer, the source's keys and values go
 through the cache's own ``update`` (the same append a separate run makes) and the recorded
 after-attention inputs through its own ``after_attention``, in layer order. The cache's store,
-compressor state (accumulated attention, query history, call notes), codec fits and padding then
+evictor state (accumulated attention, query history, call notes), codec fits and padding then
 equal those of a separate run of the same call, token for token. What a replay computes from the
 call alone (the attention a policy accumulates from it) is kept in the recorder's ``memo`` and
 reused by the caches replayed after it, once per policy and layer. A sliding-window layer
@@ -66,14 +66,14 @@ class PrefillNeeds:
 
 def prefill_needs(cache: KVCache) -> PrefillNeeds:
     """What replaying a prompt call into ``cache`` needs recorded (its policy's and codec's needs)."""
-    needs = frozenset() if cache.compressor is None else cache.compressor.policy.needs
+    needs = frozenset() if cache.evictor is None else cache.evictor.policy.needs
     learns = cache.codec is not None and _codec_reads_queries(cache)
     return PrefillNeeds(bool(needs & QUERY_NEEDS) or learns, "hidden_states" in needs, bool(needs & ATTENTION_NEEDS))
 
 
 def _codec_reads_queries(cache: KVCache) -> bool:
     """Whether the cache's codec learns from the prompt (its fit sees the queries) or reads the
-    compressor's salience (which may score with them). Before the store exists, a codec is assumed to."""
+    evictor's salience (which may score with them). Before the store exists, a codec is assumed to."""
     codecs = cache.codecs
     if codecs is None:
         return True
@@ -88,8 +88,8 @@ def sharing_refusal(cache: KVCache) -> str | None:
         return "a prefix store's session owns the cache's rows"
     if cache.rows or any(layer.seen for layer in cache.kv_layers):
         return "the cache already holds tokens"
-    if cache.compressor is not None and not cache.compressor.policy.shares_prefill:
-        return f"{cache.compressor.policy.spec()} does not share a prefill (shares_prefill = False)"
+    if cache.evictor is not None and not cache.evictor.policy.shares_prefill:
+        return f"{cache.evictor.policy.spec()} does not share a prefill (shares_prefill = False)"
     return None
 
 
@@ -152,7 +152,7 @@ class PrefillRecorder:
 @contextlib.contextmanager
 def recording(source: KVCache, recorder: PrefillRecorder) -> Iterator[PrefillRecorder]:
     """Attach ``recorder`` to every layer of ``source`` (an empty exact cache) for the calls inside."""
-    if source.compressor is not None or source.codec is not None or source.tiering is not None:
+    if source.evictor is not None or source.codec is not None or source.tiering is not None:
         raise ValueError("a shared prefill's source is an exact cache (kvlib.make_cache(model)): no policy")
     for layer in source.kv_layers:
         layer.recorder = recorder

@@ -13,7 +13,7 @@ import torch
 
 from kvlib.adapters.cache.planned_decode import PlannedDecode
 from kvlib.adapters.cache.prefix_session import PrefixSession
-from kvlib.adapters.runtime.compressor import Compressor
+from kvlib.adapters.runtime.evictor import Evictor
 from kvlib.adapters.runtime.layer_step import LayerStep
 from kvlib.adapters.runtime.needs import AttentionInputs
 from kvlib.codec import PageCodec
@@ -55,7 +55,7 @@ class SharedState(Protocol):
     store: PagedStore
     rows: list[int]
     padding: torch.Tensor
-    compressor: Compressor | None
+    evictor: Evictor | None
     codecs: list[PageCodec | None] | None
     tiering: Tiering | None
     session: PrefixSession | None

@@ -62,7 +62,7 @@ def cache_layers(
     cache: SharedState, shape: KVShape, kv_layer_class: type[KVCacheLayer] = KVCacheLayer
 ) -> tuple[list[object], list[KVCacheLayer]]:
     """``cache``'s layers, one per model layer (what ``transformers`` indexes by ``layer_idx``),
-    and its KV layers in KV-layer order (what the store, the compressor and budgets number);
+    and its KV layers in KV-layer order (what the store, the evictor and budgets number);
     attention-only layers are ``kv_layer_class``'s."""
     layers: list[object] = []
     kv_layers: list[KVCacheLayer] = []

@@ -4,8 +4,8 @@ at once, before the forward runs (what :meth:`KVCache.prepare_step
 
 :func:`plan_decode_step` asks the paged store for one plan of the coming call (a
 :class:`~kvlib.storage.store.step_plan.StepPlan`: see :mod:`kvlib.storage.store.step_plan`) and works out,
-per layer, what follows its attention: the compressor's planned work
-(:class:`~kvlib.adapters.runtime.compressor.PlannedWork`) and whether nothing at all follows (no
+per layer, what follows its attention: the evictor's planned work
+(:class:`~kvlib.adapters.runtime.evictor.PlannedWork`) and whether nothing at all follows (no
 eviction work, no page to seal, no window to slide past, no prompt pages to index), so that an
 idle layer's update and attention keep no books of their own.
 
@@ -29,7 +29,7 @@ import torch
 from kvlib.adapters.cache.cache_layer import PAGED_QUERY_TOKENS
 from kvlib.adapters.cache.planned_decode import PlannedDecode
 from kvlib.adapters.cache.shared_state import SharedState
-from kvlib.adapters.runtime.compressor import PlannedWork
+from kvlib.adapters.runtime.evictor import PlannedWork
 from kvlib.adapters.runtime.masks import allowed
 from kvlib.devices import host_readable, reads_pages_in_place
 from kvlib.storage.store.step_plan import StepPlan
@@ -61,9 +61,9 @@ def plan_decode_step(cache: SharedState, tokens: int, attention_mask: torch.Tens
         padding = None if real is True else real
         mask_known = True
     ring = None
-    if cache.compressor is not None:
-        ring = cache.compressor.ring(len(cache.rows), cache.shape.layer_kv_heads[0]) if cache.reuse_slots else None
-        if ring is None and cache.compressor.compacts_each_step(tokens):
+    if cache.evictor is not None:
+        ring = cache.evictor.ring(len(cache.rows), cache.shape.layer_kv_heads[0]) if cache.reuse_slots else None
+        if ring is None and cache.evictor.compacts_each_step(tokens):
             return None
     plan = cache.store.plan_step(cache.rows, tokens, ring)
     if plan is None:
@@ -94,14 +94,14 @@ def _new_tokens_real(attention_mask: torch.Tensor | dict, tokens: int, seen: int
 
 
 def _work_after(cache: SharedState, plan: StepPlan, layer: int, tokens: int, mask_known: bool) -> PlannedWork:
-    """What the compressor does after this planned step's attention in ``layer``."""
-    compressor = cache.compressor
-    if compressor is None:
+    """What the evictor does after this planned step's attention in ``layer``."""
+    evictor = cache.evictor
+    if evictor is None:
         return PlannedWork.NONE
     codec = cache.codecs[layer] if cache.codecs is not None else None
     if not mask_known or (codec is not None and codec.uses_salience):
         return PlannedWork.GENERAL
-    return compressor.planned_work(layer, tokens, cache.store.tables[layer].lengths_np[plan.rows_np])
+    return evictor.planned_work(layer, tokens, cache.store.tables[layer].lengths_np[plan.rows_np])
 
 
 def _keeps_books_after(cache: SharedState, plan: StepPlan, layer: int) -> bool:

@@ -2,7 +2,7 @@
 
 Each batch row is a store sequence. The cache holds what its layers share: the paged store (built
 when the cache is, from the model's dtype and device), the rows and their left padding, the
-compressor, codecs, tiering policy and prefix session. Each
+evictor, codecs, tiering policy and prefix session. Each
 :class:`~kvlib.adapters.cache.cache_layer.KVCacheLayer` owns its layer's state and work: ``update``
 appends the layer's new keys and values and publishes a
 :class:`~kvlib.adapters.runtime.layer_step.LayerStep` for the kvlib attention function, which attends
@@ -39,7 +39,7 @@ from kvlib.adapters.cache.planned_decode import PlannedDecode
 from kvlib.adapters.cache.prefix_session import PrefixSession
 from kvlib.adapters.cache.state_layers import cache_layers, select_state_rows, state_bytes, state_layers
 from kvlib.adapters.cache.step_planning import plan_decode_step
-from kvlib.adapters.runtime.compressor import Compressor
+from kvlib.adapters.runtime.evictor import Evictor
 from kvlib.codec import Codec, PageCodec
 from kvlib.devices import reads_pages_in_place
 from kvlib.model_shape import KVShape
@@ -70,7 +70,7 @@ class KVCache(Cache):
 
     Args:
         shape: the model's KV layout.
-        compressor: eviction to run after each layer's attention, or None (exact cache).
+        evictor: eviction to run after each layer's attention, or None (exact cache).
         page_size: tokens per page.
         read_cache: keep a dense mirror of each layer so decode steps copy only new tokens (its
             bytes are reported as ``read_cache``). None chooses: a mirror only where attention
@@ -106,7 +106,7 @@ class KVCache(Cache):
     def __init__(
         self,
         shape: KVShape,
-        compressor: Compressor | None = None,
+        evictor: Evictor | None = None,
         *,
         page_size: int = 16,
         read_cache: bool | None = None,
@@ -130,11 +130,11 @@ class KVCache(Cache):
         """The layers keeping state outside the pages: recurrent or convolution states, indexer keys
         (:mod:`~kvlib.adapters.cache.state_layers`)."""
         self.shape = shape
-        self.compressor = compressor
+        self.evictor = evictor
         self.page_size = page_size
         if read_cache is None:
             device = home[1] if home is not None else torch.device("cpu")
-            read_cache = not reads_pages_in_place(device) and compressor is None and codec is None and tiering is None
+            read_cache = not reads_pages_in_place(device) and evictor is None and codec is None and tiering is None
         self.read_cache = read_cache
         self.reuse_slots = True
         """Decode-step evictions move the newest kept token into the evicted one's slot
@@ -217,7 +217,7 @@ class KVCache(Cache):
         batch fits, the store exists (in ``key_states``' dtype and device for a cache made without
         them) and the batch's rows are started (from a prefix session where the cache reuses one)."""
         previous = self.kv_layers[layer_idx - 1]
-        if previous.pending is not None and (self.compressor is not None or self.codec is not None):
+        if previous.pending is not None and (self.evictor is not None or self.codec is not None):
             raise RuntimeError(NOT_THROUGH_KVLIB.format(layer=previous.layer_idx))
         batch = key_states.shape[0]
         self.check_thread()
@@ -260,10 +260,10 @@ class KVCache(Cache):
                 f"this model's attention {reason}, which kvlib learned only after returning the new tokens alone;"
                 " start the cache with a prefill of the prompt (a fresh cache), not a primed, loaded or forked one"
             )
-        if self.compressor is not None and not shapes_kept:
+        if self.evictor is not None and not shapes_kept:
             raise ValueError(
                 f"this model's attention {reason}: kvlib serves it exactly without eviction (codecs and tiering"
-                f" included), but cannot apply {self.compressor.policy.spec()} to it"
+                f" included), but cannot apply {self.evictor.policy.spec()} to it"
             )
         self.dense_returns = reason
 
@@ -417,8 +417,8 @@ class KVCache(Cache):
         self.planned = None
         for layer in self.layers:
             layer.reset()
-        if self.compressor is not None:
-            self.compressor.reset()
+        if self.evictor is not None:
+            self.evictor.reset()
         self._owner = None  # empty again: any thread may take it
 
     @_exclusive
@@ -491,8 +491,8 @@ class KVCache(Cache):
         """``ValueError`` for a cache that still evicts, one primed from a PrefixStore, one with a
         tiering policy, one whose layers keep state outside the pages, and one that holds nothing
         yet (see :meth:`fork`)."""
-        if self.compressor is not None:
-            raise ValueError(f"fork needs a cache that no longer evicts; this one runs {self.compressor.policy.spec()}")
+        if self.evictor is not None:
+            raise ValueError(f"fork needs a cache that no longer evicts; this one runs {self.evictor.policy.spec()}")
         if self.session is not None:
             raise ValueError("fork is for caches outside a PrefixStore; this one was primed from one (make_cache(reuse=...))")
         if self.tiering is not None:
@@ -508,7 +508,7 @@ class KVCache(Cache):
     def _select_rows(self, index: torch.Tensor) -> None:
         """Row ``i`` becomes a fork of old row ``index[i]`` in every layer (store sequences span
         layers; no page is copied, the old rows' references are released); the padding, the
-        compressor's per-row state and the state that layers keep outside the pages (a hybrid
+        evictor's per-row state and the state that layers keep outside the pages (a hybrid
         model's recurrent states, a sparse-attention indexer's keys) follow. The row list is
         changed in place (a prefix session shares it). ``ValueError`` for an index out of range."""
         rows = self.rows
@@ -523,8 +523,8 @@ class KVCache(Cache):
         rows[:] = [self.store.fork(old[i]) for i in index.tolist()]
         self.store.release(old)
         self.padding = self.padding[index.to(self.padding.device)]
-        if self.compressor is not None:
-            self.compressor.select_rows(index)
+        if self.evictor is not None:
+            self.evictor.select_rows(index)
         for layer in self.state_layers:
             select_state_rows(layer, index)
 
@@ -543,10 +543,10 @@ class KVCache(Cache):
         :func:`~kvlib.adapters.cache.memory_report.memory_report` for the keys), and ``slack_tokens``:
         the stored tokens over the held cap (an int budget) that its ``slack`` holds now, summed
         over layers, rows and KV heads (0 for a ring, which never holds more than the cap)."""
-        return memory_report(self.store, self._rows, self.shape, self.compressor, state_bytes(self.state_layers))
+        return memory_report(self.store, self._rows, self.shape, self.evictor, state_bytes(self.state_layers))
 
     def __repr__(self) -> str:
-        spec = "exact" if self.compressor is None else f"{self.compressor.policy.spec()}, budget={self.compressor.budget}"
+        spec = "exact" if self.evictor is None else f"{self.evictor.policy.spec()}, budget={self.evictor.budget}"
         if self.codec is not None:
             spec += f", codec={self.codec.spec()}"
         return f"KVCache({spec}, layers={self.shape.num_layers}, batch={len(self._rows)})"

@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvlib.adapters.engine.engine_options import check_engine, engine_codec, request_compressor, without_codec
+from kvlib.adapters.engine.engine_options import check_engine, engine_codec, request_evictor, without_codec
 from kvlib.adapters.engine.engine_request import Request, RequestState
 from kvlib.adapters.engine.handover_roles import MAX_AGE_S, HandOverKey, HandOverRole, check_role
 from kvlib.adapters.engine.kv_manager import KVManager
@@ -170,7 +170,7 @@ class Engine:
         parsed = parse_spec(spec)
         self.codec = engine_codec(parsed)
         self.default_spec = (without_codec(parsed), budget)
-        request_compressor(model, *self.default_spec, None, page_size=page_size)  # a bad default spec fails now
+        request_evictor(model, *self.default_spec, None, page_size=page_size)  # a bad default spec fails now
         parameter = next(model.parameters())
         self.dtype, self.device = parameter.dtype, parameter.device
         pages = {"codec": self.codec, "page_size": page_size, "dtype": self.dtype, "device": self.device}
@@ -260,18 +260,16 @@ class Engine:
         ids, eos = checked_request(prompt, settings, vocab=self.vocab, context=self.context)
         do_sample, temperature, top_k, top_p = (settings[name] for name in ("do_sample", "temperature", "top_k", "top_p"))
         self.kv.check_fits(len(ids), max_new_tokens, self.scheduler.reserve_pages)
-        compressor = request_compressor(
-            self.model, *((spec, budget) if spec is not None else self.default_spec), slack, page_size=self.page_size
-        )
+        evictor = request_evictor(self.model, *((spec, budget) if spec is not None else self.default_spec), slack, page_size=self.page_size)
         handover = None
         if self.role == "prefill":  # run all but the last token here; the decode side draws every output token
             handover = self.handover_role.message(ids, settings)
-            ids, max_new_tokens, do_sample, eos, compressor = ids[:-1] or ids, 1, False, frozenset(), None
+            ids, max_new_tokens, do_sample, eos, evictor = ids[:-1] or ids, 1, False, frozenset(), None
         generator = None
         if do_sample:
             generator = torch.Generator()
             generator.manual_seed(seed if seed is not None else torch.seed())
-        request = Request(-1, ids, max_new_tokens, do_sample, temperature, top_k, top_p, eos, compressor, generator)
+        request = Request(-1, ids, max_new_tokens, do_sample, temperature, top_k, top_p, eos, evictor, generator)
         return request, handover
 
     def _enqueue(self, request: Request, handover: HandOver | None) -> int:

@@ -10,16 +10,16 @@ tier (which holds prefix pages) for one.
 
 Specs: a quantization codec applies to every request's pages (:func:`engine_codec`: the pages
 are shared between requests, so a codec fitted per prompt or a tiering policy is refused);
-eviction and budget policies apply per request, each with a fresh compressor
-(:func:`request_compressor`: the engine's default spec, or the request's own).
+eviction and budget policies apply per request, each with a fresh evictor
+(:func:`request_evictor`: the engine's default spec, or the request's own).
 """
 
 from __future__ import annotations
 
 import torch
 
-from kvlib.adapters.runtime.compressor import Compressor
-from kvlib.adapters.runtime.make_compressor import eviction_compressor
+from kvlib.adapters.runtime.evictor import Evictor
+from kvlib.adapters.runtime.make_evictor import make_evictor
 from kvlib.codec import Codec
 from kvlib.errors import quoted
 from kvlib.limits import check_page_size
@@ -81,10 +81,10 @@ def without_codec(spec: Spec) -> str | None:
     return "+".join(kept) or None
 
 
-def request_compressor(
+def request_evictor(
     model: torch.nn.Module, spec: str | None, budget: int | float | None, slack: int | None, *, page_size: int
-) -> Compressor | None:
-    """A fresh compressor for ``spec`` (eviction and budget policies only) on ``model``, or None."""
+) -> Evictor | None:
+    """A fresh evictor for ``spec`` (eviction and budget policies only) on ``model``, or None."""
     if slack is not None and (isinstance(slack, bool) or not isinstance(slack, int) or slack < 0 or not isinstance(budget, int)):
         raise ValueError(f"slack must be an int >= 0 and goes with an int budget, got slack={quoted(slack)}, budget={quoted(budget)}")
     parsed = parse_spec(spec)
@@ -95,10 +95,10 @@ def request_compressor(
             " (a quantization codec applies to every request: Engine(model, spec='kivi(bits=4)'); prefix reuse is"
             " built in: prefix_cache=True)"
         )
-    compressor = eviction_compressor(model, parsed, budget, slack, page_size=page_size)
-    if compressor is not None and "hidden_states" in compressor.policy.needs:
+    evictor = make_evictor(model, parsed, budget, slack, page_size=page_size)
+    if evictor is not None and "hidden_states" in evictor.policy.needs:
         raise ValueError(f"{parsed.eviction.spec()} needs the attention input (hidden_states), which the engine does not record")
-    return compressor
+    return evictor
 
 
 def _check_bytes(name: str, value: object, *, minimum: int) -> None:

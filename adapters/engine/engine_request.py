@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvlib.adapters.engine.handover import Tail
-from kvlib.adapters.runtime.compressor import Compressor
+from kvlib.adapters.runtime.evictor import Evictor
 from kvlib.storage.prefix.prefix_index import Entry
 
 
@@ -41,7 +41,7 @@ class Request:
         max_new_tokens: output tokens to produce at most.
         do_sample, temperature, top_k, top_p: how the next token is chosen (greedy by default).
         eos_token_ids: ids that end the request once produced (empty: run to ``max_new_tokens``).
-        compressor: this request's eviction (None: every token kept).
+        evictor: this request's eviction (None: every token kept).
         generator: random source for sampling (seeded per request when a seed is given).
         arrival: ``time.perf_counter()`` at :meth:`Engine.add_request`, seconds.
         token_times: when each output token was produced (perf_counter seconds).
@@ -60,7 +60,7 @@ class Request:
     top_k: int = 0
     top_p: float = 1.0
     eos_token_ids: frozenset[int] = frozenset()
-    compressor: Compressor | None = None
+    evictor: Evictor | None = None
     generator: torch.Generator | None = None
     arrival: float = 0.0
     state: RequestState = RequestState.WAITING

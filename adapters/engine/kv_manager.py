@@ -180,7 +180,7 @@ class KVManager:
 
     def uses_prefix(self, request: Request) -> bool:
         """Whether ``request`` attaches and indexes prefix blocks (not with its own eviction)."""
-        return self.prefix is not None and request.compressor is None
+        return self.prefix is not None and request.evictor is None
 
     def lookup_blocks(self, request: Request) -> list[list[int]]:
         """The request's full blocks a prefix lookup may return (never its last token, whose
@@ -206,15 +206,15 @@ class KVManager:
     def preempt(self, request: Request) -> bool:
         """Take ``request``'s pages back: swapped to host memory (``preemption="swap"``, requests
         without their own eviction; returns True), or released for recompute (False)."""
-        if self.preemption == "swap" and request.compressor is None:
+        if self.preemption == "swap" and request.evictor is None:
             self._swap_space[request.request_id] = swap_out(self.store, request.seq)
             request.seq = None
             self._release_entries(request)
             return True
         self._release(request)
         request.computed = 0
-        if request.compressor is not None:
-            request.compressor.reset()
+        if request.evictor is not None:
+            request.evictor.reset()
         return False
 
     def reclaim(self, entries: list[Entry]) -> None:

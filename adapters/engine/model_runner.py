@@ -61,14 +61,14 @@ class ModelRunner:
                 ids.extend(request.tokens[request.computed : request.computed + length])
             segment_positions = torch.tensor(rows, dtype=torch.int64)
             positions.append(segment_positions.flatten())
-            uniform = all(request.compressor is None for request in requests)
+            uniform = all(request.evictor is None for request in requests)
             segments.append((Segment([r.seq for r in requests], start, length, segment_positions, uniform), requests))
             start += len(requests) * length
         self._segments = segments
         for request in decodes:  # a held cap kept as a ring drops its oldest tokens before the step, as a KVCache's does
-            if request.compressor is not None:
+            if request.evictor is not None:
                 for layer in range(self.store.num_layers):
-                    make_ring_room(request.compressor, self.store, layer, [request.seq], 1, reuse_slots=True)
+                    make_ring_room(request.evictor, self.store, layer, [request.seq], 1, reuse_slots=True)
         finishing, last_index = [], []
         for segment, requests in segments:
             for b, request in enumerate(requests):
@@ -133,11 +133,11 @@ class ModelRunner:
         attention over the pages, its positions, with attention weights from its pages and, when
         it compacts with a policy that scores with keys or values (``reads_kv``), a transient dense
         read of that row. A row whose pages cannot be read in place is read densely. Returns None:
-        each request has its own compressor, and no codec here reads salience."""
+        each request has its own evictor, and no codec here reads salience."""
         layer, query, read = call.layer, call.query, call.read
         segment, requests = self._segments[call.index]
         for b, request in enumerate(requests):
-            if request.compressor is None:
+            if request.evictor is None:
                 continue
             rows = [request.seq]
             pages = None if read is not None else self.store.paged_layer(layer, rows)
@@ -148,25 +148,23 @@ class ModelRunner:
                 mask = visibility(row, segment.positions[b : b + 1], query.shape[1], False, self.shape.window(layer))
             step = LayerStep(None, layer, row, request.computed, segment.length, False, paged=pages)
             inputs = AttentionInputs(query[b : b + 1], mask, None, call.scaling, None)
-            evict(
-                request.compressor, self.store, rows, step, inputs, torch.zeros(1, dtype=torch.int64, device=self.device), reuse_slots=True
-            )
+            evict(request.evictor, self.store, rows, step, inputs, torch.zeros(1, dtype=torch.int64, device=self.device), reuse_slots=True)
 
     def slide(self, call: SegmentAttention) -> None:
         """Free the tokens of a sliding-window layer that left the window of each of the segment's
         sequences once it has seen the segment's tokens: the rows without eviction in one
-        compaction, each evicting row with its own compressor (its per-slot state follows).
+        compaction, each evicting row with its own evictor (its per-slot state follows).
         Returns None: the rows move by several layouts, and nothing after it reads them."""
         window = self.shape.window(call.layer)
         if window is None:
             return
         segment, requests = self._segments[call.index]
-        plain = [request for request in requests if request.compressor is None]
+        plain = [request for request in requests if request.evictor is None]
         groups = [(plain, None)] if plain else []
-        groups += [([request], request.compressor) for request in requests if request.compressor is not None]
-        for group, compressor in groups:
+        groups += [([request], request.evictor) for request in requests if request.evictor is not None]
+        for group, evictor in groups:
             seen = torch.tensor([request.computed + segment.length for request in group], dtype=torch.int64)
-            drop_behind_window(self.store, compressor, call.layer, [request.seq for request in group], window, seen, reuse_slots=True)
+            drop_behind_window(self.store, evictor, call.layer, [request.seq for request in group], window, seen, reuse_slots=True)
 
     def arrange(self, call: SegmentAttention, stored: LayerRead | None) -> bool:
         return False

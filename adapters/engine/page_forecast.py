@@ -95,7 +95,7 @@ class PageForecast:
         after the tokens its sequence holds (fewer than it has computed under eviction, or where
         every layer slides over a window)."""
         held = self.computed(request)
-        if (request.compressor is not None or self._kv.every_layer_slides) and request.seq is not None:
+        if (request.evictor is not None or self._kv.every_layer_slides) and request.seq is not None:
             held = self._kv.stored_tokens(request)
         return self._kv.pages_for(held, tokens)
 
@@ -130,7 +130,7 @@ class PageForecast:
             self._in_flight = set()
             for other in self._running + list(self._admitted):
                 computed = self.computed(other)
-                if other.compressor is None and len(other.tokens) - computed > 1:
+                if other.evictor is None and len(other.tokens) - computed > 1:
                     self._in_flight.update(kv.block_keys(other)[computed // kv.page_size :])
         keys = kv.block_keys(request)
         first = self.cached_tokens(request) // kv.page_size

@@ -3,24 +3,24 @@
 :func:`keep_up` is the one ordered routine both run after a layer's attention (a drop-in cache
 layer, :class:`~kvlib.adapters.cache.cache_layer.KVCacheLayer`; the Engine's packed batch,
 :class:`~kvlib.adapters.engine.model_runner.ModelRunner`): a codec that learns observes the call,
-the compressor drops tokens, a sliding window frees what it left behind, a tiering policy arranges
+the evictor drops tokens, a sliding window frees what it left behind, a tiering policy arranges
 the layer's tokens, full pages seal, the device tier's page ranking is refreshed and the prompt's
 pages are indexed for reuse. Each caller does each step its own way (:class:`LayerUpkeep`) and
 leaves empty the steps it has no part in; the order is this module's.
 
-Where the compressor meets the store:
+Where the evictor meets the store:
 
-After a layer's attention, :func:`evict` hands the compressor the layer as attention left it;
-when a head is over its budget the store compacts the layer and the compressor's per-slot state
+After a layer's attention, :func:`evict` hands the evictor the layer as attention left it;
+when a head is over its budget the store compacts the layer and the evictor's per-slot state
 follows the layout (:func:`compact`, also what a caller that knows which slots it drops uses: a
 sliding window). :class:`Evicted` says whether the slots moved and gives the layer's token salience for a codec
 that reads it. Before a decode call under a cap held as a ring, :func:`make_ring_room` drops
 each full head's oldest tokens past the ring's start, so the call attends over its cap at most
 on every path (a planned step reuses those slots instead). After a sliding-window layer's
-attention, :func:`drop_behind_window` frees what left each row's window. The compressor itself
+attention, :func:`drop_behind_window` frees what left each row's window. The evictor itself
 never touches the store: it decides, these routines compact.
 
-Invariant: after each routine here, the compressor's per-slot state (accumulated attention) is
+Invariant: after each routine here, the evictor's per-slot state (accumulated attention) is
 aligned with the layer's stored slots again.
 """
 
@@ -33,7 +33,7 @@ from typing import Protocol, TypeVar
 
 import torch
 
-from kvlib.adapters.runtime.compressor import Compressor
+from kvlib.adapters.runtime.evictor import Evictor
 from kvlib.adapters.runtime.layer_step import LayerStep
 from kvlib.adapters.runtime.needs import AttentionInputs
 from kvlib.adapters.runtime.slot_order import keep_all_but
@@ -70,7 +70,7 @@ class LayerUpkeep(Protocol[Call]):
         ...
 
     def evict(self, call: Call) -> Evicted | None:
-        """Let the compressor drop tokens (:func:`evict`); None where no compressor ran."""
+        """Let the evictor drop tokens (:func:`evict`); None where no evictor ran."""
         ...
 
     def slide(self, call: Call) -> torch.Tensor | None:
@@ -97,7 +97,7 @@ class LayerUpkeep(Protocol[Call]):
 
 def keep_up(upkeep: LayerUpkeep[Call], call: Call, stored: LayerRead | None) -> None:
     """Run a layer's after-attention work in its one order: a learning codec observes, the
-    compressor evicts, the window slides, a tiering policy arranges, pages seal (with the
+    evictor evicts, the window slides, a tiering policy arranges, pages seal (with the
     salience the eviction left, following the slide's layout), pages are re-ranked, the prompt is
     indexed. ``stored``: the layer's stored tokens as attention read them, or None where it read
     none (attention over the pages); dropped once a step moves the slots."""
@@ -119,7 +119,7 @@ def keep_up(upkeep: LayerUpkeep[Call], call: Call, stored: LayerRead | None) -> 
 
 
 def evict(
-    compressor: Compressor,
+    evictor: Evictor,
     store: PagedStore,
     rows: list[int],
     step: LayerStep,
@@ -128,7 +128,7 @@ def evict(
     *,
     reuse_slots: bool,
 ) -> Evicted:
-    """Let ``compressor`` drop tokens from layer ``step.layer_idx`` of the store's ``rows`` after the
+    """Let ``evictor`` drop tokens from layer ``step.layer_idx`` of the store's ``rows`` after the
     call's attention, and compact what it drops.
 
     ``step.read``: the layer's stored tokens after the call's append, dense; or, for a call that
@@ -139,23 +139,23 @@ def evict(
     before its first real one (on the store's device)."""
     layer = step.layer_idx
     stored = None if step.paged is None else functools.partial(store.read, layer, rows, mirror=False)
-    compaction = compressor.compaction(step, inputs, real_offsets, stored)
+    compaction = evictor.compaction(step, inputs, real_offsets, stored)
     if compaction is None:
-        return Evicted(None, functools.partial(compressor.scores, step, inputs, real_offsets, stored))
-    layout = compact(store, compressor, layer, rows, compaction.keep, compaction.values, reuse_slots=reuse_slots)
+        return Evicted(None, functools.partial(evictor.scores, step, inputs, real_offsets, stored))
+    layout = compact(store, evictor, layer, rows, compaction.keep, compaction.values, reuse_slots=reuse_slots)
     return Evicted(layout, functools.partial(compaction.salience_after, layout))
 
 
-def make_ring_room(compressor: Compressor, store: PagedStore, layer: int, rows: list[int], tokens: int, *, reuse_slots: bool) -> bool:
-    """Under a held cap kept as a ring (:meth:`Compressor.ring`), make room in ``layer`` of ``rows``
+def make_ring_room(evictor: Evictor, store: PagedStore, layer: int, rows: list[int], tokens: int, *, reuse_slots: bool) -> bool:
+    """Under a held cap kept as a ring (:meth:`Evictor.ring`), make room in ``layer`` of ``rows``
     for a call's ``tokens`` before they are stored, as a planned step does by reusing slots: each
     head that would then hold more than its cap first drops its oldest tokens past the ring's
     start (compacted away, the per-slot state following). Returns whether anything was dropped.
     The cache's layers and the Engine's decode rows call it on the paths that are not planned, so
     that every path keeps, and attends over, the same tokens."""
     batch, heads = len(rows), store.tables[layer].num_heads
-    caps = compressor.ring_caps(layer, batch, heads)
-    start = compressor.ring_start(batch, heads)
+    caps = evictor.ring_caps(layer, batch, heads)
+    start = evictor.ring_start(batch, heads)
     if caps is None or bool((caps - start < tokens).any()):
         return False
     positions = store.stored_positions(layer, rows)
@@ -165,13 +165,13 @@ def make_ring_room(compressor: Compressor, store: PagedStore, layer: int, rows: 
         return False
     rank = position_rank(positions, stored)
     dropped = (rank >= start) & (rank < start + excess.unsqueeze(-1))
-    compressor.compacted(layer, store.compact(layer, rows, keep_all_but(positions, dropped), reuse_slots=reuse_slots))
+    evictor.compacted(layer, store.compact(layer, rows, keep_all_but(positions, dropped), reuse_slots=reuse_slots))
     return True
 
 
 def drop_behind_window(
     store: PagedStore,
-    compressor: Compressor | None,
+    evictor: Evictor | None,
     layer: int,
     rows: list[int],
     window: int,
@@ -183,19 +183,19 @@ def drop_behind_window(
     ``window`` tokens attends to, once each row has seen ``seen`` tokens (an int for every row, or
     int64 ``[batch]`` per row): every token at a position ``<= seen - window`` (the next query, at
     position ``seen``, sees ``seen - window + 1`` onwards), so a row then holds at most its last
-    ``window - 1`` tokens. The compressor's per-slot state follows. Returns the store's layout, or
+    ``window - 1`` tokens. The evictor's per-slot state follows. Returns the store's layout, or
     None where no row held anything behind its window."""
     positions = store.stored_positions(layer, rows)
     oldest_kept = torch.as_tensor(seen, dtype=torch.int64).view(-1, 1, 1) - window + 1
     behind = (positions >= 0) & (positions < oldest_kept)
     if not bool(behind.any()):
         return None
-    return compact(store, compressor, layer, rows, keep_all_but(positions, behind), reuse_slots=reuse_slots)
+    return compact(store, evictor, layer, rows, keep_all_but(positions, behind), reuse_slots=reuse_slots)
 
 
 def compact(
     store: PagedStore,
-    compressor: Compressor | None,
+    evictor: Evictor | None,
     layer: int,
     rows: list[int],
     keep: torch.Tensor,
@@ -204,11 +204,11 @@ def compact(
     reuse_slots: bool,
 ) -> torch.Tensor:
     """Keep only the ``keep`` slots of ``layer`` of ``rows`` (:meth:`PagedStore.compact`, ``values``
-    the kept tokens' merged values or None), the compressor's per-slot state following; returns
+    the kept tokens' merged values or None), the evictor's per-slot state following; returns
     the layout."""
     layout = store.compact(layer, rows, keep, values, reuse_slots=reuse_slots)
-    if compressor is not None:
-        compressor.compacted(layer, layout)
+    if evictor is not None:
+        evictor.compacted(layer, layout)
     return layout
 
 

@@ -1,6 +1,6 @@
 """Softmax attention weights over stored slots, for policies that need them.
 
-SDPA returns no weights, so the compressor recomputes them for the queries a policy asks for,
+SDPA returns no weights, so the evictor recomputes them for the queries a policy asks for,
 a bounded block of queries at a time (never a full ``[query, slot]`` matrix of a long prompt
 at once), grouped by KV head (no key copies for grouped-query attention).
 """

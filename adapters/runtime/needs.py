@@ -1,6 +1,6 @@
 """What a policy's view gets beyond the stored tokens, by the ``needs`` it declares.
 
-The compressor (:mod:`~kvlib.adapters.runtime.compressor`) builds a :class:`~kvlib.policy.LayerView`
+The evictor (:mod:`~kvlib.adapters.runtime.evictor`) builds a :class:`~kvlib.policy.LayerView`
 of a layer's stored tokens and fills in only what its policy asks for (:func:`fill_needs`): the
 call's queries, its attention weights (returned by the inner attention, or recomputed in bounded
 blocks), hidden states, RoPE, output projections, the call's budget, notes shared across the

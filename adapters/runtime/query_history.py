@@ -2,7 +2,7 @@
 
 A decode step's compaction sees only that step's query; policies that rank tokens by the
 attention of the last few decode steps (MorphKV, R-KV) or treat prompt and decode tokens apart
-(SCOPE) need the layer's recent queries and where each row's prompt ended. The compressor keeps
+(SCOPE) need the layer's recent queries and where each row's prompt ended. The evictor keeps
 one :class:`QueryHistory` per layer for policies that need ``recent_queries`` or
 ``prompt_length`` and keeps it in step with the cache's rows (``rows``; a new batch starts afresh).
 """

@@ -1,7 +1,7 @@
 """Position order of a layer's stored slots, for policies and selection that need it.
 
 After a compaction that reused slots (:mod:`~kvlib.storage.layers.slot_reuse`), a head's slots are no longer in
-position order. Eviction must keep the same tokens as if they were: the compressor selects among
+position order. Eviction must keep the same tokens as if they were: the evictor selects among
 slots sorted by position (ties in scores then break by position, as they always did), and hands a
 policy that is not :attr:`~kvlib.policy.Eviction.order_free` a view permuted into that order.
 """

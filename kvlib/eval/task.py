@@ -75,7 +75,7 @@ def prefill_context(model: torch.nn.Module, cache, context_ids: torch.Tensor, to
     (:meth:`~kvlib.policy.Eviction.context_prefill`, KVzip's reconstruction), else as a prompt,
     one forward call through the cache. ``memo``: the caller's dict for this context and model,
     kept across the caches it is read into (see :data:`~kvlib.policy.ContextPrefill`)."""
-    prefill = None if cache.compressor is None else cache.compressor.policy.context_prefill()
+    prefill = None if cache.evictor is None else cache.evictor.policy.context_prefill()
     if prefill is None:
         model(input_ids=context_ids, **cache_argument(cache), use_cache=True, logits_to_keep=1)
     else:

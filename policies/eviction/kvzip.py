@@ -212,7 +212,7 @@ def compress(
 
     Runs :func:`reconstruction_scores` (the context's prefill and one reconstruction pass per
     chunk, on a separate plain cache), then prefills the context into ``cache``, which keeps its
-    budget by those scores. Afterwards the cache evicts nothing more (its compressor is removed):
+    budget by those scores. Afterwards the cache evicts nothing more (its evictor is removed):
     questions and answers are added to the compressed context, which is what KVzip's
     query-agnostic cache is for; ``cache.batch_repeat_interleave(n)`` gives ``n`` rows sharing its
     pages for ``n`` questions, and ``cache.crop(-k)`` drops a finished question and answer.
@@ -231,16 +231,16 @@ def compress(
             logits = model(input_ids=context_ids, **cache_argument(cache), logits_to_keep=1).logits[:, -1]
     finally:
         policy.measured = None
-    cache.compressor = None
+    cache.evictor = None
     return logits
 
 
 def _empty_kvzip_cache_policy(cache: object) -> KVzip:
     """The KVzip policy of ``cache``; ``ValueError`` unless it is an empty kvlib cache made with
     ``make_cache(model, "kvzip", budget=...)``."""
-    compressor = getattr(cache, "compressor", None)
-    policy = getattr(compressor, "policy", None)
-    if not isinstance(policy, KVzip) or compressor.budget is None:
+    evictor = getattr(cache, "evictor", None)
+    policy = getattr(evictor, "policy", None)
+    if not isinstance(policy, KVzip) or evictor.budget is None:
         raise ValueError("compress needs a cache made with make_cache(model, 'kvzip', budget=...)")
     if cache.batch_size != -1:
         raise ValueError("compress needs an empty cache: call cache.reset() first")

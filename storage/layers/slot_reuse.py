@@ -8,7 +8,7 @@ the evicted token sat. The in-order alternative (:meth:`~kvlib.storage.store.pag
 rewrite) moves every kept token after the first dropped one.
 
 After a hole fill a head's slots are no longer in position order; every reader looks each slot's
-position up (attention masks, kernels, ``kept_positions``), and the compressor hands order-dependent
+position up (attention masks, kernels, ``kept_positions``), and the evictor hands order-dependent
 policies a view in position order (see :attr:`~kvlib.policy.Eviction.order_free`).
 
 Pure index arithmetic on CPU int64 tensors (no state, vectorized over batch and heads).

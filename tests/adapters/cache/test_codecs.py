@@ -75,7 +75,7 @@ def test_codecs_compose_with_every_eviction_policy(eviction: str, codec: str) ->
         cache = kvlib.make_cache(model, f"{eviction}+{codec}", budget=24, **options)
         model.generate(ids, attention_mask=mask, **cache_argument(cache), do_sample=False, max_new_tokens=10, pad_token_id=PAD)
         held_bytes_follow_the_layout(cache)
-        by_scores = cache.compressor.allocation.needs_scores  # a split by scores (Ada-KV) fixes each layer's total
+        by_scores = cache.evictor.allocation.needs_scores  # a split by scores (Ada-KV) fixes each layer's total
         for layer in range(cache.shape.num_layers):
             kept = (cache.kept_positions(layer) >= 0).sum(-1)
             if by_scores:

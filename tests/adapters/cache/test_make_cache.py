@@ -105,7 +105,7 @@ def test_numpy_and_torch_scalars_are_budgets(scalar, plain):
     outputs = []
     for budget in (scalar, plain):
         cache = kvlib.make_cache(model, "streaming_llm(sinks=2)", budget=budget)
-        assert type(cache.compressor.budget) is type(plain) and cache.compressor.budget == plain
+        assert type(cache.evictor.budget) is type(plain) and cache.evictor.budget == plain
         outputs.append(model.generate(ids, **cache_argument(cache), do_sample=False, max_new_tokens=4, pad_token_id=PAD))
     assert torch.equal(*outputs)
 
@@ -174,7 +174,7 @@ def test_a_held_cap_decodes_with_a_page_of_slack_by_default_and_reports_it():
                 per_head = torch.stack([(cache.kept_positions(layer) >= 0).sum(-1) for layer in range(cache.shape.num_layers)])
                 counts.append(int(per_head.max()))
                 assert cache.memory_report()["slack_tokens"] == int((per_head - 12).clamp(min=0).sum())
-        held[(spec, tuple(options.items()))] = (cache.compressor.slack, counts)
+        held[(spec, tuple(options.items()))] = (cache.evictor.slack, counts)
     assert held[("snapkv", ())] == (4, [13, 14, 15, 16, 12, 13, 14, 15, 16, 12, 13, 14])
     assert held[("snapkv", (("slack", 0),))] == (0, [12] * 12)
     assert held[("streaming_llm", ())] == (0, [12] * 12)

@@ -135,7 +135,7 @@ def test_evicting_decode_steps_attend_over_the_pages_and_keep_what_the_dense_pat
         "output_logits": True,
     }
     reference, out, dense, cache, reads = against_the_dense_path(monkeypatch, model, ids, mask, spec, options, budget=16)
-    if not cache.compressor.reads_kv:
+    if not cache.evictor.reads_kv:
         assert reads == []
     assert torch.equal(out.sequences, reference.sequences)
     assert_same_logits(out.logits, reference.logits)
@@ -167,7 +167,7 @@ def test_prompt_compression_by_a_key_reading_policy_reads_nothing_while_decoding
     ids, mask = left_padded([12, 40], seed=7, vocab=model.config.vocab_size)
     options = {"do_sample": False, "max_new_tokens": 8, "min_new_tokens": 8, "pad_token_id": PAD}
     reference, out, dense, cache, reads = against_the_dense_path(monkeypatch, model, ids, mask, "knorm", options, budget=0.5)
-    assert cache.compressor.reads_kv and reads == []
+    assert cache.evictor.reads_kv and reads == []
     assert torch.equal(out, reference)
     for layer in range(model.config.num_hidden_layers):
         assert torch.equal(cache.kept_positions(layer), dense.kept_positions(layer)), f"layer {layer}"

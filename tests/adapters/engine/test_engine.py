@@ -397,7 +397,7 @@ def test_an_engine_wide_codec_with_default_eviction(llama, llama_case) -> None:
     engine = kvlib.Engine(llama, "streaming_llm+int8", budget=24, page_budget_bytes=40 * 2 * page_bytes(llama))
     outputs = engine.generate(prompts[:3], max_new_tokens=NEW)
     assert all(len(output) == NEW for output in outputs)
-    assert engine.requests[0].compressor is not None and pages_held(engine) == 0
+    assert engine.requests[0].evictor is not None and pages_held(engine) == 0
 
 
 def refuse_to_build(*args, **kwargs):

@@ -1,5 +1,5 @@
 """The routines both adapters run around a layer's attention (adapters/runtime/after_attention.py):
-eviction after it, room in a held ring before a decode call, a compaction the compressor's
+eviction after it, room in a held ring before a decode call, a compaction the evictor's
 per-slot state follows. Through ``generate`` they are checked by the cache's and the Engine's
 eviction tests; here on a small store directly."""
 
@@ -9,7 +9,7 @@ import torch
 
 from kvlib import PagedStore, StoreConfig
 from kvlib.adapters.runtime.after_attention import Evicted, compact, drop_behind_window, evict, following, make_ring_room
-from kvlib.adapters.runtime.compressor import Compressor
+from kvlib.adapters.runtime.evictor import Evictor
 from kvlib.adapters.runtime.layer_step import LayerStep
 from kvlib.adapters.runtime.needs import AttentionInputs
 from kvlib.policies.eviction.streaming_llm import StreamingLLM
@@ -27,7 +27,7 @@ def filled_store(tokens: int) -> tuple[PagedStore, int]:
 
 
 class Recorder:
-    """A stand-in compressor that records the layouts it is handed."""
+    """A stand-in evictor that records the layouts it is handed."""
 
     def __init__(self) -> None:
         self.layouts: list[tuple[int, torch.Tensor]] = []
@@ -36,7 +36,7 @@ class Recorder:
         self.layouts.append((layer, layout))
 
 
-def test_compact_hands_the_compressor_the_stores_layout() -> None:
+def test_compact_hands_the_evictor_the_stores_layout() -> None:
     store, seq = filled_store(6)
     recorder = Recorder()
     keep = torch.tensor([[[0, 3, 5], [1, -1, -1]]])
@@ -51,8 +51,8 @@ def evicted_prefill(tokens: int, budget: int) -> tuple[PagedStore, int, Evicted]
     store, seq = filled_store(tokens)
     step = LayerStep(None, 0, store.read(0, [seq]), 0, tokens, True)
     inputs = AttentionInputs(torch.randn(1, HEADS, tokens, DIM), None, None, None, None)
-    compressor = Compressor(StreamingLLM(sinks=2), budget, 1)
-    return store, seq, evict(compressor, store, [seq], step, inputs, torch.zeros(1, dtype=torch.int64), reuse_slots=False)
+    evictor = Evictor(StreamingLLM(sinks=2), budget, 1)
+    return store, seq, evict(evictor, store, [seq], step, inputs, torch.zeros(1, dtype=torch.int64), reuse_slots=False)
 
 
 def test_evict_compacts_a_head_over_its_budget_and_scores_what_it_kept() -> None:
@@ -70,11 +70,11 @@ def test_evict_within_the_budget_keeps_every_token_and_scores_them_all() -> None
 
 def test_ring_room_drops_the_oldest_tokens_past_the_sinks_before_a_call() -> None:
     store, seq = filled_store(8)
-    compressor = Compressor(StreamingLLM(sinks=2), 8, 1)  # a held cap of 8, kept as a ring
-    assert make_ring_room(compressor, store, 0, [seq], 2, reuse_slots=False)
+    evictor = Evictor(StreamingLLM(sinks=2), 8, 1)  # a held cap of 8, kept as a ring
+    assert make_ring_room(evictor, store, 0, [seq], 2, reuse_slots=False)
     assert store.stored_positions(0, [seq]).tolist() == [[[0, 1, 4, 5, 6, 7]] * HEADS]
-    assert not make_ring_room(compressor, store, 0, [seq], 2, reuse_slots=False)  # room for two now
-    assert not make_ring_room(Compressor(StreamingLLM(sinks=2), 8, 1, slack=4), store, 0, [seq], 4, reuse_slots=False)
+    assert not make_ring_room(evictor, store, 0, [seq], 2, reuse_slots=False)  # room for two now
+    assert not make_ring_room(Evictor(StreamingLLM(sinks=2), 8, 1, slack=4), store, 0, [seq], 4, reuse_slots=False)
 
 
 def test_salience_follows_a_later_compaction() -> None:

@@ -1,7 +1,7 @@
 """What a policy's view gets beyond the stored tokens (adapters/runtime/needs.py): positions
 counted from each row's first real token, the call's padding slots, the attention weights the
 inner attention returned, only the needs a policy declares. Each need through ``generate``:
-tests/adapters/runtime/test_compressor.py."""
+tests/adapters/runtime/test_evictor.py."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """QueryHistory: the last queries of a layer across calls, prompt lengths, attention of the kept
-queries; and the compressor keeping it in step with generate (decode steps, beams, new batches)."""
+queries; and the evictor keeping it in step with generate (decode steps, beams, new batches)."""
 
 from __future__ import annotations
 
@@ -110,7 +110,7 @@ class _Recorder(Eviction):
         return view.positions.float().masked_fill(~view.valid, -torch.inf)
 
 
-def test_the_compressor_keeps_the_history_through_decode_steps_beams_and_resets(scratch_registry):
+def test_the_evictor_keeps_the_history_through_decode_steps_beams_and_resets(scratch_registry):
     registry.register("recorder")(_Recorder)
     model = build_model("llama")
     ids, mask = left_padded([9, 12], seed=3, vocab=model.config.vocab_size)

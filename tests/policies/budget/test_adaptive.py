@@ -179,4 +179,4 @@ def test_through_generate_with_floor_one_is_uniform():
 
 def test_make_cache_composes_it_with_an_eviction_policy():
     cache = kvlib.make_cache(build_model("gpt2"), "tova+adaptive(floor=0.5)", budget=16)
-    assert cache.compressor.allocation == Adaptive(floor=0.5) and cache.compressor.budget == 16
+    assert cache.evictor.allocation == Adaptive(floor=0.5) and cache.evictor.budget == 16

@@ -48,7 +48,7 @@ def test_registered_without_parameters_and_the_default_allocation():
     with pytest.raises(ValueError, match="uniform has no parameter 'beta'"):
         kvlib.parse_spec("knorm+uniform(beta=2)")
     cache = kvlib.make_cache(build_model("gpt2"), "knorm", budget=4)
-    assert isinstance(cache.compressor.allocation, Uniform)
+    assert isinstance(cache.evictor.allocation, Uniform)
 
 
 @pytest.mark.parametrize("spec", ["knorm+uniform", "tova+uniform"])

@@ -166,7 +166,7 @@ def test_context_prefill_is_compress_with_the_tokenizer_s_prompt() -> None:
     prefill_context(model, by_hook, context, tokenizer)
     by_hand = kvlib.make_cache(model, "kvzip", budget=0.25, page_size=4)
     compress(model, by_hand, context, RepeatPrompt.for_tokenizer(tokenizer))
-    assert by_hook.compressor is None  # compressed once, then it keeps what it holds
+    assert by_hook.evictor is None  # compressed once, then it keeps what it holds
     for layer in range(by_hand.shape.num_layers):
         assert torch.equal(by_hook.kept_positions(layer), by_hand.kept_positions(layer))
     plain = kvlib.make_cache(model, "snapkv", budget=10, page_size=4)

@@ -24,7 +24,7 @@ def test_policy_through_generate(family, name):
     cache = kvlib.make_cache(model, name, budget=BUDGET, slack=0)
     batched = model.generate(ids, attention_mask=mask, **cache_argument(cache), do_sample=False, max_new_tokens=8, pad_token_id=PAD)
     layers = cache.shape.num_layers
-    allocation = cache.compressor.allocation
+    allocation = cache.evictor.allocation
     for layer in range(layers):  # the policy's allocation (uniform, or its own default) met exactly
         counts = (cache.kept_positions(layer) >= 0).sum(-1)
         request = BudgetRequest(layer, layers, torch.full((len(lengths),), BUDGET), counts)

@@ -179,7 +179,7 @@ def test_mixed_composes_with_every_eviction_policy(eviction: str) -> None:
     model = build_model("gpt2")
     ids, mask = left_padded([40, 33], seed=8)
     cache = kvlib.make_cache(model, f"{eviction}+mixed(high_bits=8, low_bits=2, salient=0.25)", budget=24)
-    assert cache.compressor.policy.name == eviction
+    assert cache.evictor.policy.name == eviction
     model.generate(ids, attention_mask=mask, **cache_argument(cache), do_sample=False, max_new_tokens=10, pad_token_id=PAD)
     assert all(slots.shape[0] > 0 and slots.shape[1] == 4 for slots in sealed_salient_slots(cache))
 
@@ -200,7 +200,7 @@ def test_alone_zipcaches_normalized_attention_decides_and_nothing_is_evicted(fam
     model = build_model(family).to(dtype)
     ids, mask = left_padded([40, 33], seed=7)
     cache = kvlib.make_cache(model, "mixed(high_bits=4, low_bits=2, salient=0.5)")
-    assert isinstance(cache.compressor.policy, NormalizedAttention) and cache.compressor.budget is None
+    assert isinstance(cache.evictor.policy, NormalizedAttention) and cache.evictor.budget is None
     out = model.generate(ids, attention_mask=mask, **cache_argument(cache), do_sample=False, max_new_tokens=12, pad_token_id=PAD)
     assert out.shape == (2, ids.shape[1] + 12)
     assert cache.kept_positions(0).shape[-1] == 40 + 11  # every token kept (the last one generated is never stored)
@@ -208,4 +208,4 @@ def test_alone_zipcaches_normalized_attention_decides_and_nothing_is_evicted(fam
 
 
 def test_a_kivi_cache_holds_no_scorer() -> None:
-    assert kvlib.make_cache(build_model("gpt2"), "kivi").compressor is None
+    assert kvlib.make_cache(build_model("gpt2"), "kivi").evictor is None

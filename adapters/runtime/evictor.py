@@ -40,16 +40,16 @@ from kvlib.storage.layers.read_cache import LayerRead
 from kvlib.storage.store.step_plan import Ring
 
 _STATEFUL_NEEDS = frozenset({"accumulated_attention", "recent_queries", "prompt_length", "call_notes"})
-"""Needs whose state follows every call (see :meth:`Compressor.planned_work`)."""
+"""Needs whose state follows every call (see :meth:`Evictor.planned_work`)."""
 _RECEIVED = frozenset({"accumulated_attention"})
 
 RECEIVED_SLACK = 64
 """Slots the accumulated attention of a planned decode step is grown by past what the call needs
-(:meth:`Compressor.received_state`): one allocation and copy every 64 steps, not one per step."""
+(:meth:`Evictor.received_state`): one allocation and copy every 64 steps, not one per step."""
 
 
 class PlannedWork(enum.Enum):
-    """What follows a planned decode step's attention in one layer (:meth:`Compressor.planned_work`)."""
+    """What follows a planned decode step's attention in one layer (:meth:`Evictor.planned_work`)."""
 
     NONE = "none"
     ACCUMULATE = "accumulate"
@@ -76,7 +76,7 @@ class Compaction:
 
 
 @dataclass
-class Compressor:
+class Evictor:
     """Applies ``policy`` within ``budget`` (see the module docstring for the budget forms).
 
     State: per layer, the attention each stored token has accumulated (only for policies that
@@ -170,7 +170,7 @@ class Compressor:
         """What follows the attention of a planned decode call of ``query_length`` real tokens
         (none of them padding) in ``layer``, after which its heads hold ``stored`` tokens (int64
         ``[batch, kv_heads]``): nothing (:meth:`compaction` would keep every token and add nothing
-        to the compressor's state), the kernel's received attention added to the accumulated
+        to the evictor's state), the kernel's received attention added to the accumulated
         attention and nothing else (H2O-like policies: :meth:`received_state`), or the
         general path (:meth:`compaction`). Unless the general path, the call counts as one of the
         layer's decode steps (for ``interval``), as :meth:`compaction` counts it."""

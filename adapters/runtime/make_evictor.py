@@ -1,7 +1,7 @@
-"""The compressors a spec asks for: :func:`eviction_compressor` (the spec's eviction policy within a
+"""The evictors a spec asks for: :func:`make_evictor` (the spec's eviction policy within a
 budget, split by its budget policy) and :func:`salience_scorer` (a codec's token scorer that
 never evicts), with the budget checked first (:func:`check_budget`). ``make_cache`` and the
-Engine both build their compressors here."""
+Engine both build their evictors here."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import numbers
 
 import torch
 
-from kvlib.adapters.runtime.compressor import Compressor
+from kvlib.adapters.runtime.evictor import Evictor
 from kvlib.errors import quoted
 from kvlib.limits import MAX_BUDGET_TOKENS
 from kvlib.model_shape import kv_shape, output_projections, rope_of
@@ -17,7 +17,7 @@ from kvlib.policies.budget.uniform import Uniform
 from kvlib.spec import Spec
 
 
-def eviction_compressor(
+def make_evictor(
     model: torch.nn.Module,
     spec: Spec,
     budget: int | float | None,
@@ -26,8 +26,8 @@ def eviction_compressor(
     merge: bool = False,
     *,
     page_size: int = 16,
-) -> Compressor | None:
-    """The compressor applying ``spec``'s eviction (and budget allocation) within ``budget``, or
+) -> Evictor | None:
+    """The evictor applying ``spec``'s eviction (and budget allocation) within ``budget``, or
     None for a spec without eviction; ``ValueError`` for a budget that does not fit the spec.
     ``slack`` None: :func:`default_slack` for pages of ``page_size`` tokens."""
     budget = check_budget(budget, spec)
@@ -39,7 +39,7 @@ def eviction_compressor(
     projections = output_projections(model, shape) if "output_projection" in spec.eviction.needs else None
     rope = rope_of(model, shape)
     slack = default_slack(spec, budget, page_size) if slack is None else slack
-    return Compressor(spec.eviction, budget, shape.num_layers, allocation, slack, interval, rope, merge, projections, shape.layer_kv_heads)
+    return Evictor(spec.eviction, budget, shape.num_layers, allocation, slack, interval, rope, merge, projections, shape.layer_kv_heads)
 
 
 def default_slack(spec: Spec, budget: int | float | None, page_size: int) -> int:
@@ -52,15 +52,15 @@ def default_slack(spec: Spec, budget: int | float | None, page_size: int) -> int
     return page_size
 
 
-def salience_scorer(model: torch.nn.Module, spec: Spec) -> Compressor | None:
-    """For a spec without eviction whose codec reads token salience (``mixed``): a compressor
+def salience_scorer(model: torch.nn.Module, spec: Spec) -> Evictor | None:
+    """For a spec without eviction whose codec reads token salience (``mixed``): an evictor
     that never evicts (no budget) and scores tokens with the codec's own scorer; else None (with
-    an eviction policy, the eviction compressor's scores decide salience)."""
+    an eviction policy, the eviction evictor's scores decide salience)."""
     scorer = spec.quantization.salience_scorer() if spec.quantization is not None and spec.eviction is None else None
     if scorer is None:
         return None
     shape = kv_shape(model)
-    return Compressor(scorer, None, shape.num_layers, rope=rope_of(model, shape), layer_heads=shape.layer_kv_heads)
+    return Evictor(scorer, None, shape.num_layers, rope=rope_of(model, shape), layer_heads=shape.layer_kv_heads)
 
 
 def check_budget(budget: object, spec: Spec) -> int | float | None:

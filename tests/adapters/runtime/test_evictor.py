@@ -276,7 +276,7 @@ def test_accumulated_attention_sums_every_query_over_prefill_and_decoding(scratc
     kv_heads = cache.shape.num_kv_heads
     for layer, total in enumerate(expected):
         grouped = total.view(1, kv_heads, -1, total.shape[-1]).mean(2)
-        state = cache.compressor._accumulated[layer]  # planned steps leave it room to grow, at 0
+        state = cache.evictor._accumulated[layer]  # planned steps leave it room to grow, at 0
         assert torch.allclose(state[..., : grouped.shape[-1]], grouped, atol=1e-5) and (state[..., grouped.shape[-1] :] == 0).all()
 
 
@@ -287,7 +287,7 @@ def test_accumulated_attention_follows_beam_reordering(scratch_registry):
     cache = kvlib.make_cache(model, AccumulatingProbe(), budget=8, slack=0)  # held to the token: 8 slots a head
     model.generate(ids, **cache_argument(cache), num_beams=3, do_sample=False, max_new_tokens=5, pad_token_id=PAD)
     for layer in range(cache.shape.num_layers):
-        state = cache.compressor._accumulated[layer]
+        state = cache.evictor._accumulated[layer]
         lengths = cache.store.physical_lengths(layer, cache._rows)
         assert state.shape[0] == 3 and (lengths == 8).all()
         assert (state[..., :8] > 0).all() and (state[..., 8:] == 0).all()
