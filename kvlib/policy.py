@@ -193,6 +193,30 @@ class Eviction(Policy, abc.ABC):
         return weights
 
 
+class EvictionWrapper(Eviction, abc.ABC):
+    """An eviction policy built around an ``inner`` one (a dataclass field of the subclass, with
+    its ``needs`` and ``reads_kv`` declared by :class:`WithInner`): what it does not decide itself
+    it answers as its inner does (the budget allocation it comes with, a prompt's share of an
+    int budget, what each query adds to accumulated attention, how many queries are observed).
+    A subclass overrides what it decides (SCOPE keeps a decode share of the budget, KVCrush
+    observes its own window where its inner reads no attention)."""
+
+    inner: Eviction
+
+    def observed_queries(self) -> int | None:
+        return self.inner.observed_queries()
+
+    def default_budget(self) -> Budget | None:
+        return self.inner.default_budget()
+
+    def prompt_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.inner.prompt_tokens(tokens)
+
+    def attention_received(self, *arguments, **keywords) -> torch.Tensor:
+        """The inner policy's (the arguments of :meth:`Eviction.attention_received`, forwarded)."""
+        return self.inner.attention_received(*arguments, **keywords)
+
+
 @dataclass
 class BudgetRequest:
     """What a budget allocation sees of one layer call that is to be compacted.

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from kvlib.policies.eviction.snapkv import SnapKV
-from kvlib.policy import Budget, Eviction, LayerView, WithInner
+from kvlib.policy import Eviction, EvictionWrapper, LayerView, WithInner
 from kvlib.registry import register
 
 
@@ -28,7 +28,7 @@ class _Choice:
 
 @register("chunkkv")
 @dataclass
-class ChunkKV(Eviction):
+class ChunkKV(EvictionWrapper):
     """ChunkKV (Liu et al., 2025, "ChunkKV: Semantic-Preserving KV Cache Compression for Efficient
     Long-Context LLM Inference"): the unit of eviction is a chunk of ``chunk_size`` consecutive
     tokens, so kept text stays whole phrases instead of scattered tokens.
@@ -78,12 +78,6 @@ class ChunkKV(Eviction):
             raise ValueError(f"chunk_size must be >= 1 (tokens), got {self.chunk_size}")
         if self.reuse_layers < 1:
             raise ValueError(f"reuse_layers must be >= 1 (layers), got {self.reuse_layers}")
-
-    def observed_queries(self) -> int | None:
-        return self.inner.observed_queries()
-
-    def default_budget(self) -> Budget | None:
-        return self.inner.default_budget()
 
     def score(self, view: LayerView) -> torch.Tensor:
         """The chunk score of each finite-scored token; the inner's non-finite scores; invalid ``-inf``."""

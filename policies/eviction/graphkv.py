@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from kvlib.policies.eviction.snapkv import SnapKV
-from kvlib.policy import Budget, Eviction, LayerView, WithInner
+from kvlib.policy import Eviction, EvictionWrapper, LayerView, WithInner
 from kvlib.registry import register
 from kvlib.selection import rank_order
 
@@ -18,7 +18,7 @@ _OWN_NEEDS = frozenset({"budget"})
 
 @register("graphkv")
 @dataclass
-class GraphKV(Eviction):
+class GraphKV(EvictionWrapper):
     """GraphKV (Li, Jin and Zhang, 2025, "GraphKV: Breaking the Static Selection Paradigm with
     Graph-Based KV Cache Eviction", EMNLP 2025, arXiv:2509.00388): tokens are the nodes of a graph
     whose edges are the cosine similarities of their keys; the most important nodes are kept first
@@ -74,19 +74,6 @@ class GraphKV(Eviction):
             raise ValueError(f"decay must be in [0, 1] (signal per unit of cosine similarity), got {self.decay}")
         if self.rounds < 1:
             raise ValueError(f"rounds must be >= 1, got {self.rounds}")
-
-    def observed_queries(self) -> int | None:
-        return self.inner.observed_queries()
-
-    def default_budget(self) -> Budget | None:
-        return self.inner.default_budget()
-
-    def prompt_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.inner.prompt_tokens(tokens)
-
-    def attention_received(self, *arguments, **keywords) -> torch.Tensor:
-        """The inner policy's (the arguments of :meth:`kvlib.policy.Eviction.attention_received`, forwarded)."""
-        return self.inner.attention_received(*arguments, **keywords)
 
     def score(self, view: LayerView) -> torch.Tensor:
         """The inner scores, decayed by similarity to each round's sources; invalid ``-inf``."""

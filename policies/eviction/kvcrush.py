@@ -8,7 +8,7 @@ from typing import Literal
 import torch
 
 from kvlib.policies.eviction.snapkv import SnapKV
-from kvlib.policy import Budget, Eviction, LayerView, WithInner
+from kvlib.policy import Eviction, EvictionWrapper, LayerView, WithInner
 from kvlib.registry import register
 from kvlib.selection import rank_order
 
@@ -19,7 +19,7 @@ _RANDOM_ANCHOR_STREAM = 1_000_003
 
 @register("kvcrush")
 @dataclass
-class KVCrush(Eviction):
+class KVCrush(EvictionWrapper):
     """KVCrush (Jha, Gobriel, Talamanova and Jain, 2025, "KVCrush: Key Value Cache size-reduction
     using similarity in head-behaviour", ACML 2025, arXiv:2503.00022): an add-on to another
     eviction. The ``inner`` policy keeps its best tokens with most of each head's budget; the
@@ -81,16 +81,6 @@ class KVCrush(Eviction):
 
     def observed_queries(self) -> int | None:
         return self.inner.observed_queries() if "attention" in self.inner.needs else self.window
-
-    def default_budget(self) -> Budget | None:
-        return self.inner.default_budget()
-
-    def prompt_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.inner.prompt_tokens(tokens)
-
-    def attention_received(self, *arguments, **keywords) -> torch.Tensor:
-        """The inner policy's (the arguments of :meth:`kvlib.policy.Eviction.attention_received`, forwarded)."""
-        return self.inner.attention_received(*arguments, **keywords)
 
     def score(self, view: LayerView) -> torch.Tensor:
         """Ranks: the inner's kept share, then the representatives, then the rest; invalid ``-inf``."""

@@ -8,7 +8,7 @@ import torch
 
 from kvlib.policies.eviction.h2o import protected_scores
 from kvlib.policies.eviction.snapkv import SnapKV
-from kvlib.policy import Budget, Eviction, LayerView, WithInner
+from kvlib.policy import Eviction, EvictionWrapper, LayerView, WithInner
 from kvlib.registry import register
 
 _OWN_NEEDS = frozenset({"attention", "prompt_length"})
@@ -16,7 +16,7 @@ _OWN_NEEDS = frozenset({"attention", "prompt_length"})
 
 @register("scope")
 @dataclass
-class SCOPE(Eviction):
+class SCOPE(EvictionWrapper):
     """SCOPE (Wu et al., 2024, "SCOPE: Optimizing Key-Value Cache Compression in Long-context
     Generation"): the prompt and the generated tokens get separate budgets. The prompt is
     compressed once, by the ``inner`` (prefill) policy, and then stays fixed; decode-phase
@@ -64,9 +64,6 @@ class SCOPE(Eviction):
     def observed_queries(self) -> int | None:
         return self.inner.observed_queries() if "attention" in self.inner.needs else 1
 
-    def default_budget(self) -> Budget | None:
-        return self.inner.default_budget()
-
     def prompt_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         """The prompt's share of an int budget, ``B - D`` (ValueError if it leaves the prompt nothing)."""
         prompt = tokens - (tokens.to(torch.float64) * self.decode_budget).floor().clamp(min=1).to(tokens.dtype)
@@ -75,10 +72,6 @@ class SCOPE(Eviction):
                 f"scope needs an int budget of at least 2 tokens per head (a prompt share and a decode share), got {tokens.min().item()}"
             )
         return self.inner.prompt_tokens(prompt)
-
-    def attention_received(self, *arguments, **keywords) -> torch.Tensor:
-        """The inner policy's (the arguments of :meth:`kvlib.policy.Eviction.attention_received`, forwarded)."""
-        return self.inner.attention_received(*arguments, **keywords)
 
     def score(self, view: LayerView) -> torch.Tensor:
         """Inner scores in rows still in their prompt; in decoding rows, every prompt token above
