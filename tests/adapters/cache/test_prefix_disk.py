@@ -3,29 +3,19 @@ lmdb disk tier, with identical output; a corrupted record is recomputed; another
 directory, or the directory of a model one weight away, is never mistaken for this one's; a
 directory that cannot hold a tier leaves the store in memory, with one warning (damaged
 directories: test_prefix_disk_damage.py). Each process is a child forked from one server that
-imported torch and kvlib once (:class:`Processes`)."""
+imported torch and kvlib once (:class:`~tests.fork_server.ForkServer`)."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from kvlib.storage.tiers.disk_tier import DiskTier
+from tests.fork_server import ForkServer
 
-REPO = Path(__file__).resolve().parents[3]
 SERVER = """
-import json, os, sys
-# Fork-safe threading before any fork (as test_prefix_disk_damage.py's server): torch on one
-# thread, kvlib's numba kernels on numba's workqueue layer rather than OpenMP.
-os.environ["NUMBA_THREADING_LAYER"] = "workqueue"
-sys.path.insert(0, {repo!r})
-import torch
-torch.set_num_threads(1)
 import kvlib
 from kvlib.transformers_compat import cache_argument
 from tests.adapters.conftest import build_model, edit_one_weight, PAD
@@ -41,53 +31,39 @@ def run(directory, family, weights):
     reused = cache.get_seq_length()
     out = model.generate(prompt, **cache_argument(cache), max_new_tokens=8, do_sample=False, pad_token_id=PAD)
     same = torch.equal(out, model.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=PAD))
-    return {{"reused": reused, "same": same, "disk": store.disk.stats()}}
+    return {"reused": reused, "same": same, "disk": store.disk.stats()}
 
 
-for family in ("default", "llama"):  # a warm-up the children inherit (no prefix store, no disk tier here)
-    model = build_model(family)
-    model.generate(torch.ones(1, 20, dtype=torch.long), **cache_argument(kvlib.make_cache(model)), max_new_tokens=2, do_sample=False, pad_token_id=PAD)
-print("ready", flush=True)
-for line in sys.stdin:
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        os.close(read)
-        os.write(write, json.dumps(run(*json.loads(line))).encode())
-        os._exit(0)
-    os.close(write)
-    with os.fdopen(read, "rb") as pipe:
-        answer = pipe.read()
-    _, status = os.waitpid(pid, 0)
-    print(json.dumps({{"exit": os.waitstatus_to_exitcode(status), "result": json.loads(answer) if answer else None}}), flush=True)
+def ready():
+    for family in ("default", "llama"):  # a warm-up the children inherit (no prefix store, no disk tier here)
+        model = build_model(family)
+        model.generate(torch.ones(1, 20, dtype=torch.long), **cache_argument(kvlib.make_cache(model)), max_new_tokens=2, do_sample=False, pad_token_id=PAD)
+    return "ready"
+
+
+def serve(request):
+    return run(*request)
 """
 
 
 class Processes:
-    """A fork server: :meth:`run` looks up a prompt's prefixes in a directory and generates, in a
-    new child process each time (a fresh interpreter per run cost ~10 s of imports and kernel
-    loading; the children share nothing but what the server did before forking, which touched
-    no prefix store and no disk tier)."""
+    """:meth:`run` looks up a prompt's prefixes in a directory and generates, in a new child
+    process each time (:class:`~tests.fork_server.ForkServer`: the children share nothing but what
+    the server did before forking, which touched no prefix store and no disk tier)."""
 
     def __init__(self) -> None:
-        self.process = subprocess.Popen(
-            [sys.executable, "-c", SERVER.format(repo=str(REPO))], cwd=REPO, text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE
-        )
-        assert self.process.stdout.readline() == "ready\n"
+        self.server = ForkServer(SERVER)
 
     def run(self, directory: Path, family: str = "default", weights: str = "as loaded") -> dict:
         """What a new process reports after generating with a prefix store over ``directory``:
         the tokens it reused, whether its output equals a cache-free ``generate``, its disk
         tier's counters; ``family`` and ``weights`` (``"edited"``: one value changed) pick the model."""
-        self.process.stdin.write(json.dumps([str(directory), family, weights]) + "\n")
-        self.process.stdin.flush()
-        outcome = json.loads(self.process.stdout.readline())
+        outcome = self.server.ask([str(directory), family, weights])
         assert outcome["exit"] == 0, outcome
         return outcome["result"]
 
     def close(self) -> None:
-        self.process.stdin.close()
-        self.process.wait(timeout=60)
+        self.server.close()
 
 
 @pytest.fixture(scope="module")

@@ -14,10 +14,7 @@ the test fails, never passes silently, when it could.
 
 from __future__ import annotations
 
-import json
 import shutil
-import subprocess
-import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,18 +23,11 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from tests.fork_server import ForkServer
 from tests.storage.tier_damage import data_file, flip, make_read_only, make_writable, page_size, truncate
 
-REPO = Path(__file__).resolve().parents[3]
 SERVER = """
-import json, os, sys, warnings
-# Fork-safe threading before any fork: GNU OpenMP refuses to run in a child forked from a process
-# that used it, so torch keeps one thread and kvlib's numba kernels (the exact cache's decode steps
-# run the paged attention kernel) use numba's own workqueue layer instead of OpenMP.
-os.environ["NUMBA_THREADING_LAYER"] = "workqueue"
-sys.path.insert(0, {repo!r})
-import torch
-torch.set_num_threads(1)
+import warnings
 import kvlib
 from kvlib.transformers_compat import cache_argument
 from tests.adapters.conftest import PAD, build_model
@@ -54,50 +44,36 @@ def run(disk):
         cache = kvlib.make_cache(model, reuse=store, prompt=prompt)
         reused = cache.get_seq_length()
         out = model.generate(prompt, **cache_argument(cache), max_new_tokens=6, do_sample=False, pad_token_id=PAD)
-    return {{"tokens": out[0].tolist(), "reused": reused, "disk": store.disk.stats() if store.disk else None,
-             "warnings": [str(w.message) for w in caught]}}
+    return {"tokens": out[0].tolist(), "reused": reused, "disk": store.disk.stats() if store.disk else None,
+            "warnings": [str(w.message) for w in caught]}
 
 
-print(json.dumps(run(None)), flush=True)  # the reference, and a warm-up the children inherit
-for line in sys.stdin:
-    request = json.loads(line)
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        os.close(read)
-        if request["read_only"]:
-            write_through_modes(False)
-        result = run(request["disk"]) | {{"writable": writable(request["disk"])}}
-        os.write(write, json.dumps(result).encode())
-        os._exit(0)
-    os.close(write)
-    with os.fdopen(read, "rb") as pipe:
-        answer = pipe.read()
-    _, status = os.waitpid(pid, 0)
-    print(json.dumps({{"exit": os.waitstatus_to_exitcode(status), "result": json.loads(answer) if answer else None}}), flush=True)
+def ready():
+    return run(None)  # the reference, and a warm-up the children inherit
+
+
+def serve(request):
+    if request["read_only"]:
+        write_through_modes(False)
+    return run(request["disk"]) | {"writable": writable(request["disk"])}
 """
 
 
 class Runs:
-    """The fork server: :meth:`run` looks up and generates in a fresh child process."""
+    """:meth:`run` looks up and generates in a fresh child process (:class:`~tests.fork_server.ForkServer`)."""
 
     def __init__(self) -> None:
-        self.process = subprocess.Popen(
-            [sys.executable, "-c", SERVER.format(repo=str(REPO))], cwd=REPO, text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE
-        )
-        self.reference = json.loads(self.process.stdout.readline())
+        self.server = ForkServer(SERVER)
+        self.reference = self.server.ready
 
     def run(self, disk: Path, read_only: bool = False) -> dict:
         """The child's exit code (negative: the signal that killed it) and what it reported
         (``writable``: whether it could create a file in ``disk``); with ``read_only`` the child
         cannot write through file modes, even as root."""
-        self.process.stdin.write(json.dumps({"disk": str(disk), "read_only": read_only}) + "\n")
-        self.process.stdin.flush()
-        return json.loads(self.process.stdout.readline())
+        return self.server.ask({"disk": str(disk), "read_only": read_only})
 
     def close(self) -> None:
-        self.process.stdin.close()
-        self.process.wait(timeout=60)
+        self.server.close()
 
 
 @pytest.fixture(scope="module")
