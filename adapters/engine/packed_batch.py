@@ -36,7 +36,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvlib.adapters.runtime import layer_step
-from kvlib.adapters.runtime.layer_step import AttentionCall, paged_attention_applies
+from kvlib.adapters.runtime.layer_step import AttentionCall
 from kvlib.devices import reads_pages_in_place
 from kvlib.kernels.pages import PagedLayer
 from kvlib.storage.layers.read_cache import LayerRead
@@ -83,8 +83,7 @@ class PackedLayerStep:
 
     def attend(self, call: AttentionCall) -> tuple[torch.Tensor, None]:
         """Every segment's attention over its own sequences (:func:`packed_attention`)."""
-        additive_mask_dtype = call.query.dtype if call.eager else None
-        return packed_attention(self, call.module, call.query, call.inner, additive_mask_dtype, **call.kwargs)
+        return packed_attention(self, call)
 
     def dense_read(self, index: int) -> LayerRead:
         """Segment ``index``'s stored tokens in dense form: its read, or for a segment published
@@ -212,49 +211,41 @@ def _segment_tokens(states: torch.Tensor, segment: Segment) -> torch.Tensor:
     return part.view(heads, len(segment.seqs), segment.length, dim).transpose(0, 1).contiguous()
 
 
-def packed_attention(
-    step: PackedLayerStep,
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    inner: Callable,
-    additive_mask_dtype: torch.dtype | None,
-    **kwargs,
-) -> tuple[torch.Tensor, None]:
-    """Attention of every segment over its own sequences: ``query [1, heads, tokens, head_dim]``
-    in, ``[1, tokens, heads, head_dim]`` out (what `transformers` attention functions return).
-    ``inner`` is the SDPA or eager attention function doing the math; ``additive_mask_dtype``:
-    give it an additive float mask of that dtype instead of a bool one (eager attention). A decode
-    group published as pages attends over them with the page kernel (with SDPA as the inner
-    function and plain attention, see :func:`~kvlib.adapters.runtime.layer_step.paged_attention_applies`;
-    otherwise it is read densely first); a decode group read densely runs :func:`decode_attention`
-    with SDPA as the inner function (the same math as SDPA's; several times faster for one query
-    per row on CPU)."""
+def packed_attention(step: PackedLayerStep, call: AttentionCall) -> tuple[torch.Tensor, None]:
+    """Attention of every segment over its own sequences: ``call.query [1, heads, tokens,
+    head_dim]`` in, ``[1, tokens, heads, head_dim]`` out (what `transformers` attention functions
+    return). The path is chosen as a drop-in cache layer chooses it (:attr:`AttentionCall.reads_pages`:
+    SDPA as the inner function, plain attention): a decode group planned for every layer attends
+    through its plan, one published as pages straight over them; otherwise its stored tokens are
+    read densely and it runs :func:`decode_attention` (SDPA's math for one query per row, several
+    times faster on CPU) or the call's inner attention (SDPA, or eager with an additive float
+    mask). Each segment's after-attention work follows its attention (``step.cache.after_attention``)."""
+    query, kwargs = call.query, call.kwargs
     heads = query.shape[1]
     outputs = []
     for index, (segment, pages) in enumerate(zip(step.cache.segments, step.paged)):
         part = query[0, :, segment.start : segment.start + segment.tokens]
         part = part.view(heads, len(segment.seqs), segment.length, -1).transpose(0, 1)
-        planned = index == 0 and step.plan is not None
-        if planned and additive_mask_dtype is None and paged_attention_applies(kwargs):
+        if index == 0 and step.plan is not None and call.reads_pages:
             scale = kwargs.get("scaling") or part.shape[-1] ** -0.5
             output = step.plan.pools[step.layer_idx].format.attend_planned(
                 step.plan, step.layer_idx, part, None, scale, kwargs.get("softcap")
             )
             read = None  # attended over the pages: nothing was read
-        elif pages is not None and additive_mask_dtype is None and paged_attention_applies(kwargs):
+        elif pages is not None and call.reads_pages:
             output = decode_over_pages(part, pages, segment, kwargs)
             read = None  # attended over the pages: nothing was read
         else:
             read = step.dense_read(index)
             visible = visibility(read, segment.positions, heads, segment.uniform_heads, step.cache.window(step.layer_idx))
-            if segment.length == 1 and additive_mask_dtype is None and _plain_attention(kwargs):
+            if segment.length == 1 and not call.eager and _plain_attention(kwargs):
                 output = decode_attention(part, read.keys, read.values, visible, kwargs.get("scaling"))
             else:
                 mask = visible
-                if additive_mask_dtype is not None:
-                    mask = torch.zeros(visible.shape, dtype=additive_mask_dtype, device=visible.device)
-                    mask.masked_fill_(~visible, torch.finfo(additive_mask_dtype).min)
-                output, _ = inner(module, part, read.keys, read.values, mask, **kwargs)
+                if call.eager:  # eager attention takes an additive float mask
+                    mask = torch.zeros(visible.shape, dtype=part.dtype, device=visible.device)
+                    mask.masked_fill_(~visible, torch.finfo(part.dtype).min)
+                output, _ = call.inner(call.module, part, read.keys, read.values, mask, **kwargs)
         outputs.append(output.reshape(1, segment.tokens, heads, -1))
         if step.cache.after_attention is not None:
             step.cache.after_attention(step.layer_idx, index, part, read, kwargs.get("scaling"))
