@@ -109,6 +109,11 @@ class Evictor:
     for policies that need ``output_projection``)."""
     layer_heads: tuple[int, ...] = ()
     """Per layer, its KV heads (empty: every layer has the heads a call names)."""
+    windows: tuple[int | None, ...] = ()
+    """Per layer, its sliding window in tokens (None: it sees every position; empty: no layer
+    slides). On a sliding layer eviction chooses among the tokens the window keeps: those the
+    window frees after the call (positions ``<= seen - window``) are never candidates, so no budget
+    is spent on them."""
     _accumulated: dict[int, torch.Tensor] = field(default_factory=dict, init=False, repr=False)
     _decode_steps: dict[int, int] = field(default_factory=dict, init=False, repr=False)
     _history: dict[int, QueryHistory] = field(default_factory=dict, init=False, repr=False)
@@ -268,13 +273,13 @@ class Evictor:
         tokens = self._tokens(step, real_offsets)
         if tokens is None and inputs.real_new is None:
             return None
-        candidates = read.valid & ~padding_slots(step, inputs.real_new)
+        candidates = self._in_window(step, read, read.valid & ~padding_slots(step, inputs.real_new))
         counts = candidates.sum(-1)
         seen = step.query_offset + step.query_length - real_offsets.to(counts.device)
         request = None if tokens is None else BudgetRequest(step.layer_idx, self.num_layers, tokens, counts, seen=seen)
         caps, over = self._caps_and_over(request, counts, self.slack if step.query_length == 1 else 0)
-        if not bool(over.any()) and bool((counts == read.valid.sum(-1)).all()):
-            return None
+        if not bool(over.any()) and bool((counts == self._in_window(step, read, read.valid).sum(-1)).all()):
+            return None  # nothing over its cap, no padding to drop (what a window frees, its slide frees)
         if stored is not None and self.reads_kv:
             read = stored()
         order = position_order(read.positions, read.valid)  # None unless a compaction reused slots
@@ -292,6 +297,15 @@ class Evictor:
         values = merged_values(read.keys, read.values, candidates, keep) if self.merge else None
         return Compaction(keep, values, slot_scores)
 
+    def _in_window(self, step: LayerStep, read: LayerRead, candidates: torch.Tensor) -> torch.Tensor:
+        """``candidates`` less the tokens a sliding layer's window frees once this call ran
+        (logical positions ``<= seen - window``, ``seen`` counting the call's tokens)."""
+        window = self.windows[step.layer_idx] if self.windows else None
+        if window is None:
+            return candidates
+        oldest_kept = step.query_offset + step.query_length - window + 1
+        return candidates & (read.positions.to(candidates.device) >= oldest_kept)
+
     def scores(
         self, step: LayerStep, inputs: AttentionInputs, real_offsets: torch.Tensor, stored: Callable[[], LayerRead] | None = None
     ) -> torch.Tensor:
@@ -300,7 +314,7 @@ class Evictor:
         changed nothing (its per-call state is then up to date: this adds nothing to it).
         Arguments as :meth:`compaction`'s."""
         read = step.read
-        candidates = read.valid & ~padding_slots(step, inputs.real_new)
+        candidates = self._in_window(step, read, read.valid & ~padding_slots(step, inputs.real_new))
         if stored is not None and self.reads_kv:
             read = stored()
         order = position_order(read.positions, read.valid)

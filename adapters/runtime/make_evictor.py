@@ -39,7 +39,9 @@ def make_evictor(
     projections = output_projections(model, shape) if "output_projection" in spec.eviction.needs else None
     rope = rope_of(model, shape)
     slack = default_slack(spec, budget, page_size) if slack is None else slack
-    return Evictor(spec.eviction, budget, shape.num_layers, allocation, slack, interval, rope, merge, projections, shape.layer_kv_heads)
+    return Evictor(
+        spec.eviction, budget, shape.num_layers, allocation, slack, interval, rope, merge, projections, shape.layer_kv_heads, shape.windows
+    )
 
 
 def default_slack(spec: Spec, budget: int | float | None, page_size: int) -> int:
@@ -60,7 +62,7 @@ def salience_scorer(model: torch.nn.Module, spec: Spec) -> Evictor | None:
     if scorer is None:
         return None
     shape = kv_shape(model)
-    return Evictor(scorer, None, shape.num_layers, rope=rope_of(model, shape), layer_heads=shape.layer_kv_heads)
+    return Evictor(scorer, None, shape.num_layers, rope=rope_of(model, shape), layer_heads=shape.layer_kv_heads, windows=shape.windows)
 
 
 def check_budget(budget: object, spec: Spec) -> int | float | None:

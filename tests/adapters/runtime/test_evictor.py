@@ -291,3 +291,26 @@ def test_accumulated_attention_follows_beam_reordering(scratch_registry):
         lengths = cache.store.physical_lengths(layer, cache._rows)
         assert state.shape[0] == 3 and (lengths == 8).all()
         assert (state[..., :8] > 0).all() and (state[..., 8:] == 0).all()
+
+
+@pytest.mark.parametrize("spec", ["h2o", "random", "snapkv"])
+def test_on_a_sliding_layer_eviction_spends_its_budget_inside_the_window(spec: str) -> None:
+    """Gemma 3's layer mix (window 16): after a 40-token prompt under a cap of 12, each sliding
+    layer keeps 12 tokens, all among the 15 its window keeps (positions 25..39); no budget goes to
+    a token the slide frees anyway. The global layer keeps 12 of the whole prompt. The windows come from
+    ``make_evictor``, which the Engine's per-request evictors come from too."""
+    from tests.adapters.conftest import GEMMA3_WINDOW
+
+    model = build_model("gemma3")
+    prompt = torch.randint(3, 90, (1, 40), generator=torch.Generator().manual_seed(1))
+    cache = kvlib.make_cache(model, spec, budget=12)
+    with torch.inference_mode():
+        model(prompt, **cache_argument(cache), use_cache=True)
+    windows = kvlib.model_shape.kv_shape(model).windows
+    oldest_in_window = 40 - GEMMA3_WINDOW + 1
+    for layer, window in enumerate(windows):
+        kept = cache.kept_positions(layer)
+        assert (kept >= 0).sum(-1).eq(12).all(), (layer, kept)
+        if window is not None:
+            assert bool((kept >= oldest_in_window).all()), (layer, kept)
+    assert any(window is None for window in windows) and any(window is not None for window in windows)
