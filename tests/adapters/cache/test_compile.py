@@ -31,6 +31,7 @@ compressed, and decoding 64 tokens compacts every page of slack."""
 
 _TIERING = {
     "clusterkv": "clusterkv(top_k=4, dense_layers=0, cluster_tokens=8)",
+    "louiskv": "louiskv(top_k=2, dense_layers=0, threshold=0.5, placement='lru(device_mb=0.01)')",
     "lru": "lru(device_mb=0.01)",
     "quest": "quest(top_k=2)",
     "random_pages": "random_pages(top_k=2)",
