@@ -74,3 +74,17 @@ def test_the_device_holds_its_page_budget_and_the_key_summaries_the_host_the_res
 def test_the_engine_refuses_it_in_one_line() -> None:
     with pytest.raises(ValueError, match=r"^the engine does not apply tiering or reuse policies yet \(louiskv\(top_k=2\)\)"):
         kvlib.Engine(build_model("llama"), "louiskv(top_k=2)")
+
+
+def test_one_object_serves_caches_in_turn_as_fresh_ones_would() -> None:
+    """The prompt of each cache forgets the last cache's retrievals."""
+    model = build_model("default")
+    first, first_mask = left_padded([120], seed=6, vocab=DEFAULT_BYTES)
+    second, second_mask = left_padded([130], seed=7, vocab=DEFAULT_BYTES)  # its first step holds the pages the last one did
+    spec = "louiskv(top_k=2, dense_layers=1, threshold=0.5)"
+    fresh = generate(model, second, second_mask, kvlib.make_cache(model, spec), steps=12)
+    policy = kvlib.parse_policy(spec)
+    generate(model, first, first_mask, kvlib.make_cache(model, policy), steps=12)
+    again = generate(model, second, second_mask, kvlib.make_cache(model, policy), steps=12)
+    assert torch.equal(again.sequences, fresh.sequences)
+    assert_same_logits(again.logits, fresh.logits)

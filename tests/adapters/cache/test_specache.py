@@ -117,3 +117,17 @@ def test_the_engine_refuses_it_in_one_line() -> None:
 def test_eviction_with_specache_is_refused() -> None:
     with pytest.raises(ValueError, match="does not combine with eviction"):
         kvlib.make_cache(build_model("llama"), "snapkv+specache", budget=32)
+
+
+def test_one_object_serves_caches_in_turn_as_fresh_ones_would() -> None:
+    """The prompt of each cache forgets what the object chose for the last one."""
+    model = build_model("default")
+    first, first_mask = left_padded([120], seed=6, vocab=DEFAULT_BYTES)
+    second, second_mask = left_padded([130], seed=7, vocab=DEFAULT_BYTES)  # its first step holds the pages the last one did
+    spec = "specache(top_k=2, dense_layers=1)"
+    fresh = generate(model, second, second_mask, kvlib.make_cache(model, spec), steps=12)
+    policy = kvlib.parse_policy(spec)
+    generate(model, first, first_mask, kvlib.make_cache(model, policy), steps=12)
+    again = generate(model, second, second_mask, kvlib.make_cache(model, policy), steps=12)
+    assert torch.equal(again.sequences, fresh.sequences)
+    assert_same_logits(again.logits, fresh.logits)
