@@ -38,10 +38,10 @@ def test_covering_every_page_equals_the_untiered_cache_with_pages_on_the_host(fa
 def test_pages_on_host_and_disk_are_read_where_they_lie(tmp_path) -> None:
     model = build_model("default")
     ids, mask = left_padded([75, 50], seed=3, vocab=DEFAULT_BYTES)
-    reference = generate(model, ids, mask)
+    reference = generate(model, ids, mask, steps=8)
     placement = f"lru(device_mb=0.001, host_mb=0.001, disk={str(tmp_path)!r}, disk_mb=16)"
     cache = kvlib.make_cache(model, f"specache(top_k=8, dense_layers=0, placement={placement!r})")
-    out = generate(model, ids, mask, cache)
+    out = generate(model, ids, mask, cache, steps=8)
     assert torch.equal(out.sequences, reference.sequences)
     report = cache.memory_report()["by_tier"]
     assert report["host"] > 0 and report["disk"] > 0
