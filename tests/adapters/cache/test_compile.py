@@ -31,11 +31,14 @@ compressed, and decoding 64 tokens compacts every page of slack."""
 
 _TIERING = {
     "clusterkv": "clusterkv(top_k=4, dense_layers=0, cluster_tokens=8)",
+    "louiskv": "louiskv(top_k=2, dense_layers=0, threshold=0.5, placement='lru(device_mb=0.01)')",
     "lru": "lru(device_mb=0.01)",
     "quest": "quest(top_k=2)",
     "random_pages": "random_pages(top_k=2)",
     "score_aware": "score_aware(device_mb=0.01, refresh=4)",
     "shadowkv": "shadowkv(pages=2, window=1, outliers=1, dense_layers=0, device_mb=0.01)",
+    "specache": "specache(top_k=2, dense_layers=0, placement='lru(device_mb=0.01)')",
+    "tailorkv": "tailorkv(top_k=2, placement='lru(device_mb=0.01)')",
 }
 _CODECS = {"minicache": "minicache(start=0.0)"}  # the test model has 2 layers: one pair from layer 0
 _BUDGETS = {"head_importance": "head_importance(profile={profile!r})"}  # a profile written by the ``profile`` fixture
