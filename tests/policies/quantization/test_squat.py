@@ -1,7 +1,9 @@
 """SQuat: the compensation rule on a hand-made case; the compensated error orthogonal to the query
 subspace to float tolerance as ``lam`` grows; KIVI's codes at ``lam = 0``; less error inside the
-subspace than KIVI's on real-looking pages; the fit from a layer's first call; KIVI's page bytes,
-as ``memory_report`` shows; through ``generate``, composed with eviction; bad parameters refused."""
+subspace than KIVI's on real-looking pages; the fit from a layer's first call, or from a cached
+calibration of the model's queries on the project's text; KIVI's page bytes, as ``memory_report``
+shows; through ``generate``, composed with eviction, and through the Engine calibrated (equal to the
+drop-in cache); bad parameters refused."""
 
 from __future__ import annotations
 
@@ -12,7 +14,9 @@ from hypothesis import strategies as st
 
 import kvlib
 from kvlib.codec import FitSample, layer_shapes
-from kvlib.policies.quantization.squat import compensation_gains, query_subspace
+from kvlib.default_model.corpus import holdout_text
+from kvlib.default_model.tokenizer import ByteTokenizer
+from kvlib.policies.quantization.squat import calibrate_squat, compensation_gains, query_subspace
 from kvlib.policies.quantization.uniform import dequantize_min_max, quantize_min_max
 from kvlib.spec_text import parse_policy
 from kvlib.storage.pools.formats.coded_format import CodedPages
@@ -95,7 +99,7 @@ def fitted(spec: str, dim: int, seed: int):
     keys = torch.randn(1, 2, 200, dim, generator=generator)
     sample = FitSample(0, keys, keys, torch.ones(1, 2, 200, dtype=torch.bool), queries, torch.ones(1, 200, dtype=torch.bool))
     squat.observe(sample)
-    return squat, query_subspace(sample, 2, parse_policy(spec).rank)
+    return squat, query_subspace(queries, sample.query_valid, 2, parse_policy(spec).rank)
 
 
 def test_squat_leaves_less_error_inside_the_query_subspace_than_kivi() -> None:
@@ -118,8 +122,7 @@ def test_the_subspace_counts_only_real_queries_and_each_kv_groups_heads() -> Non
     queries[0, 3, 1, 1] = 2.0  # KV head 1, real
     queries[1, 1, 0, 2] = 50.0  # padding of row 1
     real = torch.tensor([[True, True, True], [False, True, True]])
-    keys = torch.zeros(2, 2, 3, 4)
-    subspace = query_subspace(FitSample(0, keys, keys, torch.ones(2, 2, 3, dtype=torch.bool), queries, real), 2, 1)
+    subspace = query_subspace(queries, real, 2, 1)
     torch.testing.assert_close(subspace.abs(), torch.tensor([[[3.0, 0, 0, 0]], [[0, 2.0, 0, 0]]]))
 
 
@@ -163,6 +166,60 @@ def test_squat_composes_with_eviction_in_a_spec() -> None:
         assert int((cache.kept_positions(layer) >= 0).sum(-1).max()) <= 24 + 16  # a page of slack with a codec
 
 
+@pytest.fixture(scope="module")
+def calibration(tmp_path_factory) -> str:
+    """A calibration of the default model on 256 tokens of the project's own text (its holdout)."""
+    ids = torch.tensor([ByteTokenizer().encode(holdout_text()[5000:], bos=True)[:256]])
+    return str(calibrate_squat(build_model("default"), ids, tmp_path_factory.mktemp("squat") / "queries.safetensors"))
+
+
+def test_the_calibration_holds_the_models_query_subspaces_and_is_cached(calibration, tmp_path) -> None:
+    """Each layer's directions are the queries' ``S V^T`` as the first call of a cache fits them
+    on the same text; a second calibration of the same model and ids runs nothing."""
+    model = build_model("default")
+    ids = torch.tensor([ByteTokenizer().encode(holdout_text()[5000:], bos=True)[:256]])
+    fitted_cache = kvlib.make_cache(model, "squat(rank=32, lam=0.01)")
+    calibrated_cache = kvlib.make_cache(model, f"squat(rank=32, lam=0.01, calibration={calibration!r})")
+    assert all(pool.codec.ready and not pool.codec.learns for pool in calibrated_cache.store.pools)  # before any call
+    with torch.inference_mode():
+        model(input_ids=ids, **cache_argument(fitted_cache), use_cache=True)
+    for fitted_pool, calibrated_pool in zip(fitted_cache.store.pools, calibrated_cache.store.pools):
+        for fitted_gain, calibrated_gain in zip(fitted_pool.codec.key.gains, calibrated_pool.codec.key.gains):
+            torch.testing.assert_close(calibrated_gain, fitted_gain, rtol=1e-3, atol=1e-4)
+    calls, implementation = [], model.config._attn_implementation
+    hook = model.register_forward_pre_hook(lambda module, args: calls.append(1))
+    try:
+        path = tmp_path / "q.safetensors"
+        calibrate_squat(model, ids, path)
+        calibrate_squat(model, ids, path)
+        calibrate_squat(model, ids[:, :100], path)
+    finally:
+        hook.remove()
+    assert len(calls) == 2  # the repeat was kept, other ids ran again
+    assert model.config._attn_implementation == implementation  # restored after the pass
+
+
+def test_a_calibrated_squat_engine_equals_the_drop_in_cache(calibration) -> None:
+    """Calibrated, SQuat is ready before any call, so the Engine seals its pages as the drop-in
+    cache does and gives the same tokens."""
+    model = build_model("default")
+    spec = f"squat(bits=4, calibration={calibration!r})"
+    prompts = [torch.randint(3, DEFAULT_BYTES, (length,), generator=torch.Generator().manual_seed(length)).tolist() for length in (40, 53)]
+    engine = kvlib.Engine(model, spec, prefix_cache=False)
+    ids = [engine.add_request(prompt, max_new_tokens=12) for prompt in prompts]
+    sealed = 0
+    while engine.has_unfinished:
+        engine.step()
+        sealed = max(sealed, sum(int(pool.sealed.sum()) for pool in engine.kv.store.pools))
+    assert sealed > 0
+    for prompt, request_id in zip(prompts, ids):
+        cache = kvlib.make_cache(model, spec)
+        reference = model.generate(
+            torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=PAD, **cache_argument(cache)
+        )
+        assert engine.requests[request_id].output == reference[0, len(prompt) :].tolist()
+
+
 @pytest.mark.parametrize(
     ("spec", "message"),
     [
@@ -180,3 +237,10 @@ def test_bad_parameters_are_refused(spec: str, message: str) -> None:
 def test_blocks_that_do_not_divide_the_head_dim_are_refused_before_model_work() -> None:
     with pytest.raises(ValueError, match=r"blocks=3 does not divide the key head dim 32 \(layer 0\); valid: \[1, 2, 4, 8, 16, 32\]"):
         kvlib.make_cache(build_model("default"), "squat(blocks=3)")
+
+
+def test_a_calibration_that_is_missing_or_of_another_model_is_refused(calibration, tmp_path) -> None:
+    with pytest.raises(ValueError, match="is not a readable kvlib-squat-calibration-1 file"):
+        parse_policy(f"squat(calibration={str(tmp_path / 'missing.safetensors')!r})")
+    with pytest.raises(ValueError, match=r"does not fit this model: layer 0's subspace is \[2, 32, 32\], the model's \[2, 8, 8\]"):
+        kvlib.make_cache(build_model("llama"), f"squat(calibration={calibration!r})")
