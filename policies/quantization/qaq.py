@@ -156,23 +156,30 @@ class TokenAdaptiveQuantizer(TensorCodec):
         out.index_copy_(0, to_arena_device(rows, out.device), self.dequantize(encoded).to(out.dtype))
 
 
+def attention_weights(salience: torch.Tensor) -> torch.Tensor:
+    """float64 ``[n, size]`` >= 0 standing for the attention each token of a page received, from
+    seal-time scores ``[n, size]``: QAQ's peak attention as it is; an eviction policy's keep-scores
+    (any scale) with ``+inf`` (kept whatever the budget) as the page's highest finite score, ``-inf``
+    and NaN as its lowest, then shifted so the lowest is 0 where any is negative."""
+    scores = salience.double()
+    finite = scores.isfinite()
+    high = torch.where(finite, scores, -math.inf).amax(-1, keepdim=True).nan_to_num(0.0, 0.0, 0.0)
+    low = torch.where(finite, scores, math.inf).amin(-1, keepdim=True).nan_to_num(0.0, 0.0, 0.0)
+    scores = torch.where(scores == math.inf, high, torch.where(finite, scores, low))
+    return torch.where(low < 0, scores - low, scores)
+
+
 class AttentionPagedCodec(PageCodec):
     """QAQ's two rules on one page: keys by their range, values by their range times the attention
-    each token received (the salience the cache hands at seal time: QAQ's peak attention over the
-    last queries, or an eviction policy's keep-scores, shifted per page to start at 0 where any is
-    negative; -inf and NaN count as 0). Pages sealed without it (the Engine's) give values their
-    range alone."""
+    each token received (the salience the cache hands at seal time, through
+    :func:`attention_weights`). Pages sealed without it (the Engine's) give values their range alone."""
 
     uses_salience = True
 
     def encode(
         self, keys: torch.Tensor, values: torch.Tensor, heads: torch.Tensor, salience: torch.Tensor | None = None
     ) -> dict[str, torch.Tensor]:
-        attention = None
-        if salience is not None:
-            attention = salience.double().nan_to_num(0.0, 0.0, 0.0)
-            lowest = attention.amin(-1, keepdim=True)
-            attention = torch.where(lowest < 0, attention - lowest, attention)
+        attention = None if salience is None else attention_weights(salience)
         encoded = {f"key.{n}": t for n, t in self.key.encode_weighted(keys, None).items()}
         encoded.update({f"value.{n}": t for n, t in self.value.encode_weighted(values, attention).items()})
         return encoded

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 import kvlib
 from kvlib.codec import layer_shapes
-from kvlib.policies.quantization.qaq import PeakRecentAttention, allocate_bits
+from kvlib.policies.quantization.qaq import PeakRecentAttention, allocate_bits, attention_weights
 from kvlib.policies.quantization.uniform import metadata_dtype
 from kvlib.policy import LayerView
 from kvlib.spec_text import parse_policy
@@ -103,6 +103,12 @@ def test_keys_follow_their_range_and_values_their_range_times_attention() -> Non
     keys, values = encoded["key.bits"][0].tolist(), encoded["value.bits"][0].tolist()
     assert keys[0] == keys[1] == keys[2] < keys[3]
     assert values[0] > values[1] == values[2] and values[0] >= values[3]
+
+
+def test_infinite_scores_count_as_the_pages_extremes_and_nan_as_its_lowest() -> None:
+    """Eviction policies keep some tokens whatever the budget (``+inf``) and score invalid slots ``-inf``."""
+    weights = attention_weights(torch.tensor([[math.inf, 0.5, -math.inf, 0.25], [math.nan, -2.0, 1.0, math.inf]]))
+    torch.testing.assert_close(weights, torch.tensor([[0.5, 0.5, 0.25, 0.25], [0.0, 0.0, 3.0, 3.0]], dtype=torch.float64))
 
 
 def test_negative_scores_are_shifted_to_start_at_zero() -> None:
