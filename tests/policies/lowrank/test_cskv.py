@@ -83,7 +83,9 @@ def test_the_calibration_is_cached_per_model_and_ids(model, text_ids, tmp_path) 
         hook.remove()
 
 
-@pytest.mark.parametrize("spec", ["cskv", "cskv(key_keep=0.75, value_keep=0.25, calibration={path!r})"])
+@pytest.mark.parametrize(
+    "spec", ["cskv(key_keep=0.75, value_keep=0.25, calibration={path!r})"]
+)  # fitted: tests/adapters/cache/test_codecs.py
 def test_page_bytes_shrink_to_the_kept_channels_through_generate(model, calibration, spec: str) -> None:
     spec = spec.format(path=calibration)
     ids, mask = left_padded([50, 41], seed=9, vocab=256)

@@ -159,7 +159,7 @@ def held(cache) -> tuple[int, int, int]:
     return pages, metadata, sealed_total
 
 
-@pytest.mark.parametrize("spec", ["qaq", "snapkv+qaq(key_bits=2.0)"])
+@pytest.mark.parametrize("spec", ["snapkv+qaq(key_bits=2.0)"])  # alone: tests/adapters/cache/test_codecs.py
 def test_through_generate_memory_report_shows_the_pages_layout(spec: str) -> None:
     model = build_model("default")
     ids, mask = left_padded([50, 41], seed=9, vocab=DEFAULT_BYTES)
