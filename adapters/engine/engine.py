@@ -175,6 +175,12 @@ class Engine:
         self.dtype, self.device = parameter.dtype, parameter.device
         pages = {"codec": self.codec, "page_size": page_size, "dtype": self.dtype, "device": self.device}
         sizes = page_budget(self.shape, **pages, page_budget_bytes=page_budget_bytes, prefix_cache_bytes=prefix_cache_bytes)
+        if any(codec is not None and codec.learns and not codec.ready for codec in sizes.codecs or ()):
+            raise ValueError(
+                f"{self.codec.spec()} fits itself to each prompt's first call; the engine's pages are shared by requests and"
+                " fitted by none: give it a fit made beforehand (squat(calibration=...) from kvlib.policies.quantization.squat."
+                "calibrate_squat) or use a codec that needs none (kivi, int8, fp8)"
+            )
         route_attention(model)  # everything is checked: the model's attention goes through kvlib from now on
         self.kv = KVManager(
             model, self.shape, sizes, **pages, read_cache=read_cache, prefix_cache=prefix_cache, preemption=preemption, remote=remote

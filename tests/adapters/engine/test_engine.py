@@ -390,6 +390,8 @@ def test_an_engine_wide_codec_equals_make_cache_with_it(llama, llama_case) -> No
         engine.add_request([1, 2], spec="int8")
     with pytest.raises(ValueError, match="fits itself"):
         kvlib.Engine(llama, "svd(rank=4)")
+    with pytest.raises(ValueError, match="fits itself to each prompt's first call"):  # an uncalibrated SQuat would stay raw
+        kvlib.Engine(llama, "squat")
 
 
 def test_an_engine_wide_codec_with_default_eviction(llama, llama_case) -> None:
