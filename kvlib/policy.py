@@ -250,9 +250,11 @@ class Quantization(Policy, Codec):
 
 
 class LowRank(Policy, Codec):
-    """A codec that stores sealed pages in a lower-rank space (see :mod:`kvlib.codec`)."""
+    """A codec that stores sealed pages in a lower-rank space (see :mod:`kvlib.codec`); fitted to
+    each prompt unless the policy says otherwise (``fits_each_prompt``)."""
 
     kind = "lowrank"
+    fits_each_prompt = True
 
 
 class Reuse(Policy):

@@ -64,15 +64,17 @@ def keeps_prefix_cache(shape: KVShape) -> bool:
 
 
 def engine_codec(spec: Spec) -> Codec | None:
-    """The spec's quantization codec (every request's pages), or None; ``ValueError`` for codecs
-    the engine cannot share between requests and for tiering."""
-    if spec.lowrank is not None:
+    """The spec's codec (every request's pages): a quantization codec or a low-rank one fixed before
+    any prompt (``leank``), or None; ``ValueError`` for codecs the engine cannot share between
+    requests (fitted to each prompt) and for tiering."""
+    if spec.lowrank is not None and spec.lowrank.fits_each_prompt:
         raise ValueError(
             f"{spec.lowrank.spec()} fits itself to each prompt; the engine's pages are shared by requests: use a quantization codec"
+            " or a codec fixed before any prompt (leank)"
         )
     if spec.tiering is not None or spec.reuse:
         raise ValueError(f"the engine does not apply tiering or reuse policies yet ({spec}); prefix reuse is built in: prefix_cache=True")
-    return spec.quantization
+    return spec.quantization or spec.lowrank
 
 
 def without_codec(spec: Spec) -> str | None:

@@ -22,6 +22,7 @@ from transformers import CompileConfig
 
 import kvlib
 from kvlib.policies.budget.head_importance import PROFILE_FORMAT
+from kvlib.policies.lowrank.leank import save_mask
 from tests.adapters.conftest import PAD, build_model, left_padded
 
 NEW_TOKENS = 64
@@ -37,7 +38,10 @@ _TIERING = {
     "score_aware": "score_aware(device_mb=0.01, refresh=4)",
     "shadowkv": "shadowkv(pages=2, window=1, outliers=1, dense_layers=0, device_mb=0.01)",
 }
-_CODECS = {"minicache": "minicache(start=0.0)"}  # the test model has 2 layers: one pair from layer 0
+_CODECS = {
+    "minicache": "minicache(start=0.0)",  # the test model has 2 layers: one pair from layer 0
+    "leank": "leank(mask={leank_mask!r})",  # a mask written by the ``leank_mask`` fixture
+}
 _BUDGETS = {"head_importance": "head_importance(profile={profile!r})"}  # a profile written by the ``profile`` fixture
 
 
@@ -75,6 +79,14 @@ def profile(tmp_path_factory) -> str:
     """A head-importance profile for the test model (2 layers x 2 KV heads)."""
     path = tmp_path_factory.mktemp("profile") / "heads.json"
     path.write_text(json.dumps({"format": PROFILE_FORMAT, "weights": [[1.0, 3.0], [2.0, 1.0]]}))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def leank_mask(tmp_path_factory) -> str:
+    """A LeanK mask for the test model (2 layers x 2 KV heads of 8 key channels): half of them kept."""
+    path = tmp_path_factory.mktemp("leank") / "mask.json"
+    save_mask(path, [[[0, 1, 4, 5], [2, 3, 6, 7]]] * 2, {"by": "test"})
     return str(path)
 
 
@@ -120,11 +132,13 @@ def compiled_forward(model):
 
 
 @pytest.mark.parametrize("spec, budget", SPECS)
-def test_compiled_forward_then_generate(model, prompt, compiled_forward, profile: str, spec: str, budget: int | None) -> None:
+def test_compiled_forward_then_generate(
+    model, prompt, compiled_forward, profile: str, leank_mask: str, spec: str, budget: int | None
+) -> None:
     """``model.forward = torch.compile(model.forward, fullgraph=True)``, then ``generate``: the
     prompt and 64 decode steps through the compiled forward give the eager tokens; every policy
     shares two graphs (the prompt's, the decode step's)."""
-    spec = spec.format(profile=profile)
+    spec = spec.format(profile=profile, leank_mask=leank_mask)
     original = model.forward
     model.forward = original._torchdynamo_orig_callable.__get__(model)  # eager, for the reference
     try:
