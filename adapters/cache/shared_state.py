@@ -13,7 +13,7 @@ from kvlib.adapters.runtime.compressor import Compressor, PlannedWork
 from kvlib.adapters.runtime.layer_step import LayerStep
 from kvlib.codec import PageCodec
 from kvlib.model_shape import KVShape
-from kvlib.policy import Tiering
+from kvlib.policy import CheckpointProjection, Tiering
 from kvlib.storage.store.paged_store import PagedStore
 from kvlib.storage.store.step_plan import StepPlan
 
@@ -47,6 +47,7 @@ class SharedState(Protocol):
     tiering: Tiering | None
     session: PrefixSession | None
     recompute: torch.Tensor | None
+    projections: list[CheckpointProjection] | None
     read_cache: bool
     reuse_slots: bool
     compileable: bool
