@@ -130,7 +130,7 @@ def sparsify(alphas: torch.Tensor, keep: float, align: int) -> torch.Tensor:
     counts = (alphas.float() >= threshold).sum(-1)
     counts = ((counts + align // 2) // align * align).clamp(max=alphas.shape[-1])
     order = torch.sort(alphas.float(), dim=-1, descending=True, stable=True).indices
-    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(alphas.shape[-1]).expand_as(order))
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(alphas.shape[-1], device=order.device).expand_as(order))
     return rank < counts.unsqueeze(-1)
 
 

@@ -9,6 +9,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import kvlib
+from kvlib.adapters.cache.shared_prefill import sharing_refusal
 from kvlib.adapters.cache.transformers_cache import KVCache
 from kvlib.model_shape import kv_shape
 from kvlib.policies.recompute.kv_direct import KVDirect
@@ -111,3 +112,10 @@ def test_a_call_without_its_checkpoint_is_refused() -> None:
     with pytest.raises(RuntimeError, match="without the checkpoint they were computed from"):
         with torch.no_grad():
             model(torch.tensor([[5, 6, 7]]), **cache_argument(cache), use_cache=True)
+
+
+def test_a_comparison_runs_it_apart_not_from_a_shared_prompt_call() -> None:
+    cache = kvlib.make_cache(build_model("llama"), "kv_direct")
+    assert (
+        sharing_refusal(cache) == "its layers store the attention input (checkpoints), which a replayed call's keys and values do not give"
+    )
