@@ -213,11 +213,11 @@ def calibrate_leank(model: torch.nn.Module, cases: Sequence[CalibrationCase], pa
     layers, heads, dim = shape.num_layers, shape.num_kv_heads, shape.head_dim  # one layout for every layer, or ValueError
     modules = attention_modules(model, shape)
     device = next(model.parameters()).device
-    alphas = torch.ones(layers, heads, dim, device=device, requires_grad=True)
     inputs = [torch.tensor([case.ids], device=device) for case in cases]
     with torch.no_grad():
         references = [_final_hidden(model, ids)[0, case.context - 1 : -1].float() for ids, case in zip(inputs, cases)]
     with _calibrating(model):
+        alphas = torch.ones(layers, heads, dim, device=device, requires_grad=True)  # trainable even if called in inference mode
         for stage, steps, lr, reg in (
             (1, settings.stage1_steps, settings.stage1_lr, settings.reg_weight),
             (2, settings.stage2_steps, settings.stage2_lr, 0.0),
