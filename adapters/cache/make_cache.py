@@ -119,9 +119,8 @@ def make_cache(
     if parsed.tiering is not None and codec is not None:
         _check_tiered_codec(parsed.tiering, codec, shapes)
     _check_page_retrieval(parsed, reuse)
-    recomputes = projections is not None  # the model's own attention runs over the recomputed keys and values
     needs_hidden = compressor is not None and "hidden_states" in compressor.policy.needs
-    attach(model, hidden_states=needs_hidden, route=not dense and not recomputes, checkpoints=recomputes)
+    attach(model, hidden_states=needs_hidden, route=not dense, checkpoints=projections is not None)
     cache = KVCache(
         shape,
         compressor,

@@ -13,6 +13,7 @@ import weakref
 import torch
 from transformers import PreTrainedModel
 
+from kvlib.adapters.cache.recomputed_layer import record_checkpoint
 from kvlib.adapters.cache.transformers_cache import KVCache
 from kvlib.adapters.runtime.attention import route_attention
 from kvlib.transformers_compat import passed_cache
@@ -96,5 +97,5 @@ def _record_hidden_states(module: torch.nn.Module, args: tuple, kwargs: dict) ->
 def _record_checkpoint(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
     """Forward pre-hook on attention modules: hands the input and position ids to a KVCache storing checkpoints."""
     cache = passed_cache(kwargs)
-    if isinstance(cache, KVCache):
-        cache.record_checkpoint(module.layer_idx, kwargs.get("hidden_states", args[0] if args else None), kwargs.get("position_ids"))
+    if isinstance(cache, KVCache) and cache.projections is not None:
+        record_checkpoint(cache, module.layer_idx, kwargs.get("hidden_states", args[0] if args else None), kwargs.get("position_ids"))

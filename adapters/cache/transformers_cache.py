@@ -104,7 +104,7 @@ class KVCache(Cache):
         dense: serve a model whose attention kvlib cannot route (it computes attention itself over
             what ``update`` returns): see :mod:`~kvlib.adapters.cache.dense_layer`. Exact caches only.
         projections: a recompute policy's projections, one per KV layer (``kv_direct``): the layers
-            store checkpoints and return recomputed keys and values, served densely (see
+            store checkpoints and attend over recomputed keys and values, no step planned (see
             :mod:`~kvlib.adapters.cache.recomputed_layer`). No other policy goes with them.
     """
 
@@ -125,9 +125,9 @@ class KVCache(Cache):
         projections: list[CheckpointProjection] | None = None,
     ) -> None:
         self.dense = dense or projections is not None
-        """The model attends over what ``update`` returns, itself (its attention is outside
-        ``AttentionInterface``, or its layers recompute keys and values): every KV layer is a
-        :class:`DenseKVCacheLayer` (a :class:`RecomputedKVCacheLayer`), no step is planned."""
+        """No step is planned: the model attends over what ``update`` returns, itself (its attention
+        is outside ``AttentionInterface``: every KV layer is a :class:`DenseKVCacheLayer`), or its
+        layers recompute keys and values (:class:`RecomputedKVCacheLayer`)."""
         self.projections = projections
         """Per KV layer, how its keys and values are recomputed from the checkpoints it stores (None:
         the layers store keys and values)."""

@@ -57,7 +57,7 @@ def _specs() -> list[pytest.param]:
     specs += [pytest.param(name, BUDGET, id=name) for name in policies["eviction"]]
     specs += [pytest.param(_CODECS.get(name, name), None, id=name) for name in policies["quantization"] + policies["lowrank"]]
     specs += [pytest.param(_TIERING[name], None, id=name) for name in policies["tiering"]]
-    specs += [pytest.param(name, None, id=name) for name in policies["recompute"]]  # refused: :func:`refused_under_compile`
+    specs += [pytest.param(name, None, id=name) for name in policies["recompute"]]
     specs += [pytest.param(f"snapkv+{_BUDGETS.get(name, name)}", BUDGET, id=f"snapkv+{name}") for name in policies["budget"]]
     specs += [pytest.param("snapkv+kivi(bits=4)", BUDGET, id="snapkv+kivi"), pytest.param("h2o+kivi(bits=4)", BUDGET, id="h2o+kivi")]
     return [spec if spec.id in IN_THE_SUITE else pytest.param(*spec.values, id=spec.id, marks=pytest.mark.slow) for spec in specs]
@@ -101,13 +101,6 @@ def prompt(model) -> tuple[torch.Tensor, torch.Tensor]:
     return left_padded([40, 33], seed=3, vocab=model.config.vocab_size)
 
 
-def refused_under_compile(spec: str) -> bool:
-    """Whether ``spec``'s cache refuses a compiled forward with ``fullgraph=True``: a recompute
-    policy's layers return keys and values recomputed eagerly, over which the model's own attention
-    runs (a forward compiled without ``fullgraph`` runs its layer calls eagerly instead)."""
-    return kvlib.parse_spec(spec).recompute is not None
-
-
 class Frames:
     """A ``torch.compile`` backend counting the graphs it is handed (and running them as traced)."""
 
@@ -147,10 +140,6 @@ def test_compiled_forward_then_generate(
     prompt and 64 decode steps through the compiled forward give the eager tokens; every policy
     shares two graphs (the prompt's, the decode step's)."""
     spec = spec.format(profile=profile, leank_mask=leank_mask)
-    if refused_under_compile(spec):
-        with pytest.raises(torch._dynamo.exc.Unsupported, match=f"kvlib cannot compile .*{spec}"):
-            generate(model, make(model, spec, budget), prompt)
-        return
     original = model.forward
     model.forward = original._torchdynamo_orig_callable.__get__(model)  # eager, for the reference
     try:
