@@ -119,3 +119,11 @@ def test_a_comparison_runs_it_apart_not_from_a_shared_prompt_call() -> None:
     assert (
         sharing_refusal(cache) == "its layers store the attention input (checkpoints), which a replayed call's keys and values do not give"
     )
+
+
+def test_eager_attention_gives_the_exact_caches_tokens() -> None:
+    """Through kvlib's eager attention function as through its SDPA one."""
+    model = build_model("gpt2", attn_implementation="eager")
+    ids, mask = left_padded([33, 20], seed=4)
+    outputs = [run(model, kvlib.make_cache(model, spec), ids, mask, do_sample=False).sequences for spec in ("kv_direct", None)]
+    assert torch.equal(*outputs) and model.config._attn_implementation == "kvlib_eager"
