@@ -16,7 +16,7 @@ from kvlib.policies.recompute.kv_direct import KVDirect
 from kvlib.transformers_compat import cache_argument
 from tests.adapters.conftest import PAD, VOCAB, build_model, left_padded
 
-NEW_TOKENS = 16
+NEW_TOKENS = 12
 
 
 def multi_head_llama() -> LlamaForCausalLM:
@@ -32,7 +32,6 @@ MODELS = {
     "llama_mha": multi_head_llama,
     "gpt2": lambda: build_model("gpt2"),
     "llama": lambda: build_model("llama"),
-    "qwen2": lambda: build_model("qwen2"),
 }
 MULTI_HEAD = {"llama_mha", "gpt2"}
 
@@ -53,7 +52,7 @@ def run(model, cache, ids, mask, **options):
 @pytest.mark.parametrize("name", MODELS)
 def test_greedy_outputs_equal_the_exact_caches_from_checkpoints(name: str) -> None:
     model = MODELS[name]()
-    ids, mask = left_padded([40, 29], seed=7)
+    ids, mask = left_padded([33, 20], seed=7)
     cache, exact = kvlib.make_cache(model, "kv_direct"), kvlib.make_cache(model)
     recomputed, reference = run(model, cache, ids, mask, do_sample=False), run(model, exact, ids, mask, do_sample=False)
     assert torch.equal(recomputed.sequences, reference.sequences)

@@ -11,7 +11,7 @@ import kvlib
 from kvlib.policies.lowrank.leank import LeanK
 from kvlib.policies.lowrank.leank_calibration import CalibrationCase, LeanKSettings, calibrate_leank, calibrated_mask, copy_cases, sparsify
 
-FAST = LeanKSettings(keep=0.5, align=2, sink=2, recent=4, stage1_steps=30, stage2_steps=5)
+FAST = LeanKSettings(keep=0.5, align=2, sink=2, recent=4, stage1_steps=20, stage2_steps=4)
 
 
 def test_sparsify_keeps_a_global_fraction_rounded_per_head_to_align() -> None:
