@@ -10,7 +10,7 @@ from kvlib.adapters import Engine, KVCache, attach, blend_cache, make_cache
 from kvlib.adapters.cache.chunk_store import ChunkStore
 from kvlib.codec import Field, FitSample, PageCodec, TensorCodec, TensorShape
 from kvlib.errors import DiskTierUnavailable, PoolExhaustedError, RemoteAccessDenied, SpecError
-from kvlib.policy import Budget, Eviction, LayerView, LowRank, Policy, Quantization, Reuse, Tiering
+from kvlib.policy import Budget, CheckpointProjection, Eviction, LayerView, LowRank, Policy, Quantization, Recompute, Reuse, Tiering
 from kvlib.registry import available_policies, available_strategies, get_policy, get_strategy, register
 from kvlib.spec import Spec, parse_spec
 from kvlib.spec_text import parse_policy
@@ -23,6 +23,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Budget",
+    "CheckpointProjection",
     "ChunkStore",
     "DiskTierUnavailable",
     "Engine",
@@ -39,6 +40,7 @@ __all__ = [
     "PoolExhaustedError",
     "RemoteAccessDenied",
     "Quantization",
+    "Recompute",
     "Reuse",
     "Spec",
     "SpecError",

@@ -21,6 +21,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -263,10 +264,16 @@ def _per_layer(sizes: int | Sequence[int], num_layers: int) -> list[int]:
 class Codec(abc.ABC):
     """A policy that stores sealed pages through codecs (quantization and low-rank kinds).
 
+    ``fits_each_prompt``: whether its per-layer codecs learn from each cache's first calls (a
+    basis, kept channels), so that pages of different prompts cannot share them (the Engine's
+    pages, a prefix store's).
+
     ``check_shape`` raises ``ValueError`` before any model work if the codec cannot serve a
     layout; ``layer_codecs`` builds one :class:`PageCodec` per layer (codecs of different layers
     may share state, as cross-layer bases do).
     """
+
+    fits_each_prompt: ClassVar[bool] = False
 
     def check_shape(self, shapes: list[tuple[TensorShape, TensorShape]]) -> None:
         """``ValueError`` if this codec cannot encode these (key, value) shapes. Default: any."""

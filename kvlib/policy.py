@@ -16,6 +16,7 @@ quantization   1     the codec of sealed pages
 lowrank        1     a codec or transform in a lower-rank space
 reuse          any   what is shared between sequences and requests
 tiering        1     where pages live and when they move
+recompute      1     what a layer stores instead of keys and values, recomputed on read
 =============  ====  ==========================================================
 """
 
@@ -274,9 +275,11 @@ class Quantization(Policy, Codec):
 
 
 class LowRank(Policy, Codec):
-    """A codec that stores sealed pages in a lower-rank space (see :mod:`kvlib.codec`)."""
+    """A codec that stores sealed pages in a lower-rank space (see :mod:`kvlib.codec`); fitted to
+    each prompt unless the policy says otherwise (``fits_each_prompt``)."""
 
     kind = "lowrank"
+    fits_each_prompt = True
 
 
 class Reuse(Policy):
@@ -386,7 +389,39 @@ class PageRetrieval(Tiering, abc.ABC):
         """
 
 
-KIND_BASES: dict[str, type[Policy]] = declare_kinds(Eviction, Budget, Quantization, LowRank, Reuse, Tiering)
+class CheckpointProjection(abc.ABC):
+    """One attention layer's keys and values as a function of what it stores per token instead:
+    its *checkpoint*, the ``dim`` channels that enter the layer's key and value projections (the
+    attention module's input), in the compute dtype.
+
+    Invariant: :meth:`keys_values` of a token's checkpoint and position equals what the model's
+    attention module computes as that token's key (after RoPE) and value, to float rounding."""
+
+    dim: int
+    """Channels of a checkpoint."""
+
+    @abc.abstractmethod
+    def keys_values(self, checkpoints: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys ``[batch, kv_heads, tokens, head_dim]`` (after RoPE) and values ``[batch, kv_heads,
+        tokens, value_dim]`` of ``checkpoints`` ``[batch, tokens, dim]`` at ``positions`` (int64
+        ``[batch, tokens]``, the position ids the model gave those tokens)."""
+
+
+class Recompute(Policy, abc.ABC):
+    """Stores what each attention layer's keys and values are computed from instead of them, and
+    recomputes them whenever the layer is read: memory per token is the checkpoint's, outputs are
+    the exact cache's. It binds to the model's layer modules (their projection weights) when a
+    cache is made."""
+
+    kind = "recompute"
+
+    @abc.abstractmethod
+    def bind(self, model: torch.nn.Module) -> list[CheckpointProjection]:
+        """One projection per KV layer of ``model`` (in KV-layer order), reading its weights in
+        place; ``ValueError`` in one line, before any model work, for a model it cannot serve."""
+
+
+KIND_BASES: dict[str, type[Policy]] = declare_kinds(Eviction, Budget, Quantization, LowRank, Reuse, Tiering, Recompute)
 MAX_PER_SPEC: dict[str, int | None] = {
     "eviction": 1,
     "budget": 1,
@@ -394,5 +429,6 @@ MAX_PER_SPEC: dict[str, int | None] = {
     "lowrank": 1,
     "reuse": None,
     "tiering": 1,
+    "recompute": 1,
 }
 """How many policies of each kind one spec may hold (None: any number)."""

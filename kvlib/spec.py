@@ -20,6 +20,7 @@ from kvlib.policy import (
     LowRank,
     Policy,
     Quantization,
+    Recompute,
     Reuse,
     Tiering,
 )
@@ -39,11 +40,13 @@ class Spec:
     lowrank: LowRank | None = None
     reuse: tuple[Reuse, ...] = ()
     tiering: Tiering | None = None
+    recompute: Recompute | None = None
 
     def policies(self) -> list[Policy]:
         """The policies in canonical kind order."""
         single = (self.eviction, self.budget, self.quantization, self.lowrank)
-        return [s for s in single if s is not None] + list(self.reuse) + ([self.tiering] if self.tiering else [])
+        last = [policy for policy in (self.tiering, self.recompute) if policy is not None]
+        return [s for s in single if s is not None] + list(self.reuse) + last
 
     def strategies(self) -> list[Policy]:
         """Deprecated name of :meth:`policies` (0.1 said "strategy"; kept for one release)."""
@@ -103,6 +106,7 @@ def _compose(policies: list[Policy]) -> Spec:
         lowrank=_single(by_kind["lowrank"]),
         reuse=tuple(by_kind["reuse"]),
         tiering=_single(by_kind["tiering"]),
+        recompute=_single(by_kind["recompute"]),
     )
 
 

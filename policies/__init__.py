@@ -5,7 +5,7 @@ import importlib
 import pkgutil
 from collections.abc import Iterable
 
-KIND_PACKAGES = ("eviction", "budget", "quantization", "lowrank", "reuse", "tiering")
+KIND_PACKAGES = ("eviction", "budget", "quantization", "lowrank", "reuse", "tiering", "recompute")
 """Subpackages of built-in policies, one per kind that has any."""
 
 

@@ -79,7 +79,8 @@ def new_handle(cache: HandledCache) -> torch.Tensor:
     return torch.tensor(number, dtype=torch.int64)
 
 
-def _cache(handle: torch.Tensor) -> HandledCache:
+def handled_cache(handle: torch.Tensor) -> HandledCache:
+    """The cache ``handle`` names (:func:`new_handle`)."""
     return _CACHES[int(handle)]
 
 
@@ -95,7 +96,7 @@ _LIBRARY.define(
 
 
 def _update(handle: torch.Tensor, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-    cache = _cache(handle)
+    cache = handled_cache(handle)
     cache.enter_call()
     try:
         cache.kv_layers[layer].pending = cache.kv_layers[layer].store_call(keys, values)
@@ -120,7 +121,7 @@ def _attend(
     eager: bool,
     value_dim: int,
 ) -> torch.Tensor:
-    cache = _cache(handle)
+    cache = handled_cache(handle)
     step = cache.kv_layers[layer].pending
     attention = attention_module(module)
     kwargs = {"scaling": scaling, "dropout": dropout, "softcap": softcap, "sliding_window": sliding_window, "s_aux": sinks}

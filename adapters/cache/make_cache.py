@@ -11,7 +11,7 @@ from kvlib.codec import Codec, layer_shapes
 from kvlib.devices import check_fits
 from kvlib.limits import MAX_PAGE_SIZE, check_page_size, check_request_tokens
 from kvlib.model_shape import KV_LAYER_TYPES, STATE_LAYER_TYPES, KVShape, kv_shape, model_context, shares_kv_across_layers
-from kvlib.policy import Tiering
+from kvlib.policy import CheckpointProjection, Tiering
 from kvlib.spec import Spec, SpecLike, parse_spec
 from kvlib.storage.pools.page_pool import DEFAULT_PAGES_PER_LAYER
 from kvlib.storage.prefix.prefix_store import PrefixStore
@@ -98,6 +98,7 @@ def make_cache(
     dense = shape.dense
     if dense:
         _check_dense(model, shape, parsed, reuse)
+    projections = _recompute_projections(model, parsed, reuse)
     budget = check_budget(budget, parsed)
     codec = _codec(parsed)
     page_size, read_cache, slack, interval, merge, compileable = _options(options)
@@ -118,7 +119,8 @@ def make_cache(
     if parsed.tiering is not None and codec is not None:
         _check_tiered_codec(parsed.tiering, codec, shapes)
     _check_page_retrieval(parsed, reuse)
-    attach(model, hidden_states=evictor is not None and "hidden_states" in evictor.policy.needs, route=not dense)
+    needs_hidden = evictor is not None and "hidden_states" in evictor.policy.needs
+    attach(model, hidden_states=needs_hidden, route=not dense, checkpoints=projections is not None)
     cache = KVCache(
         shape,
         evictor,
@@ -131,12 +133,29 @@ def make_cache(
         tiering=parsed.tiering,
         compileable=compileable,
         dense=dense,
+        projections=projections,
     )
     if shares_kv_across_layers(model):  # the sharing layers attend over what their source layer's update returns
         cache.serve_densely("shares one layer's keys and values with other layers", True, shapes_kept=True)
     if prompt is not None:
         cache.prime(prompt, attention_mask)
     return cache
+
+
+def _recompute_projections(model: torch.nn.Module, spec: Spec, reuse: PrefixStore | None) -> list[CheckpointProjection] | None:
+    """The spec's recompute policy bound to ``model`` (its projections, one per KV layer), or None;
+    ``ValueError`` for another policy beside it or prefix reuse (what is stored is checkpoints, not
+    keys and values), and for a model the policy does not serve."""
+    if spec.recompute is None:
+        return None
+    others = [policy.spec() for policy in spec.policies() if policy is not spec.recompute]
+    if others or reuse is not None:
+        what = ", ".join(others) if others else "prefix reuse"
+        raise ValueError(
+            f"{spec.recompute.spec()} stores checkpoints and recomputes exact keys and values from them; it combines with no other"
+            f" policy and no prefix reuse, got {what}"
+        )
+    return spec.recompute.bind(model)
 
 
 def _check_reuse(

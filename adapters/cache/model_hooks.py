@@ -13,6 +13,7 @@ import weakref
 import torch
 from transformers import PreTrainedModel
 
+from kvlib.adapters.cache.recomputed_layer import record_checkpoint
 from kvlib.adapters.cache.transformers_cache import KVCache
 from kvlib.adapters.runtime.attention import route_attention
 from kvlib.transformers_compat import passed_cache
@@ -21,9 +22,11 @@ _hooked_models: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 """Models with the forward pre-hook that prepares a KVCache's call."""
 _recording_models: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 """Models whose attention modules hand their input to a cache that needs it."""
+_checkpointing_models: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+"""Models whose attention modules hand their input and position ids to a cache storing checkpoints."""
 
 
-def attach(model: PreTrainedModel, *, hidden_states: bool = False, route: bool = True) -> PreTrainedModel:
+def attach(model: PreTrainedModel, *, hidden_states: bool = False, route: bool = True, checkpoints: bool = False) -> PreTrainedModel:
     """Route ``model``'s attention through kvlib (idempotent; not with ``route`` False: a model
     whose attention does not go through ``AttentionInterface``, served densely); returns the model.
 
@@ -37,7 +40,8 @@ def attach(model: PreTrainedModel, *, hidden_states: bool = False, route: bool =
     :meth:`KVCache.enter_call`) and plan a decode step for every layer before the
     forward runs (:meth:`KVCache.prepare_step`), and, with ``hidden_states`` (a cache whose
     policy needs them; once added they stay), pre-hooks on the attention modules that hand
-    their input to such a cache.
+    their input to such a cache; with ``checkpoints`` (a cache whose layers store checkpoints,
+    :mod:`~kvlib.adapters.cache.recomputed_layer`), pre-hooks handing it their input and position ids.
     """
     if route:
         route_attention(model)
@@ -46,11 +50,19 @@ def attach(model: PreTrainedModel, *, hidden_states: bool = False, route: bool =
         model.register_forward_hook(_finish_call, with_kwargs=True, always_call=True)
         _hooked_models.add(model)
     if hidden_states and model not in _recording_models:
-        for module in model.modules():
-            if isinstance(getattr(module, "layer_idx", None), int) and type(module).__name__.endswith("Attention"):
-                module.register_forward_pre_hook(_record_hidden_states, with_kwargs=True)
+        for module in _attention_modules(model):
+            module.register_forward_pre_hook(_record_hidden_states, with_kwargs=True)
         _recording_models.add(model)
+    if checkpoints and model not in _checkpointing_models:
+        for module in _attention_modules(model):
+            module.register_forward_pre_hook(_record_checkpoint, with_kwargs=True)
+        _checkpointing_models.add(model)
     return model
+
+
+def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """``model``'s attention modules (those carrying an int ``layer_idx``)."""
+    return [m for m in model.modules() if isinstance(getattr(m, "layer_idx", None), int) and type(m).__name__.endswith("Attention")]
 
 
 def _prepare_cache(model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
@@ -80,3 +92,10 @@ def _record_hidden_states(module: torch.nn.Module, args: tuple, kwargs: dict) ->
     cache = passed_cache(kwargs)
     if isinstance(cache, KVCache):
         cache.record_hidden_states(module.layer_idx, kwargs.get("hidden_states", args[0] if args else None))
+
+
+def _record_checkpoint(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    """Forward pre-hook on attention modules: hands the input and position ids to a KVCache storing checkpoints."""
+    cache = passed_cache(kwargs)
+    if isinstance(cache, KVCache) and cache.projections is not None:
+        record_checkpoint(cache, module.layer_idx, kwargs.get("hidden_states", args[0] if args else None), kwargs.get("position_ids"))

@@ -27,7 +27,8 @@ a prompt call that returned them (eager attention) cannot be replayed for a poli
 attention (:meth:`PrefillRecorder.observe` refuses).
 
 Caches that cannot take a replay (:func:`sharing_refusal`): tiering (its placement and spilled
-pages follow the calls), a prefix store (its session owns the rows), a cache that already holds
+pages follow the calls), a prefix store (its session owns the rows), a recompute policy (its
+layers store the attention input, not the keys and values), a cache that already holds
 tokens, and an eviction policy that declares it does not share a prefill
 (:attr:`~kvlib.policy.Eviction.shares_prefill`).
 """
@@ -86,6 +87,8 @@ def sharing_refusal(cache: KVCache) -> str | None:
         return f"tiering ({cache.tiering.spec()}) places pages as the calls run"
     if cache.reuse is not None:
         return "a prefix store's session owns the cache's rows"
+    if cache.projections is not None:
+        return "its layers store the attention input (checkpoints), which a replayed call's keys and values do not give"
     if cache.rows or any(layer.seen for layer in cache.kv_layers):
         return "the cache already holds tokens"
     if cache.evictor is not None and not cache.evictor.policy.shares_prefill:

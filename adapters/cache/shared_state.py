@@ -18,7 +18,7 @@ from kvlib.adapters.runtime.layer_step import LayerStep
 from kvlib.adapters.runtime.needs import AttentionInputs
 from kvlib.codec import PageCodec
 from kvlib.model_shape import KVShape
-from kvlib.policy import Tiering
+from kvlib.policy import CheckpointProjection, Tiering
 from kvlib.storage.layers.read_cache import LayerRead
 from kvlib.storage.store.paged_store import PagedStore
 
@@ -60,6 +60,7 @@ class SharedState(Protocol):
     tiering: Tiering | None
     session: PrefixSession | None
     recompute: torch.Tensor | None
+    projections: list[CheckpointProjection] | None
     read_cache: bool
     reuse_slots: bool
     compileable: bool

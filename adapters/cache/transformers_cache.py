@@ -37,13 +37,14 @@ from kvlib.adapters.cache.dense_layer import DenseKVCacheLayer
 from kvlib.adapters.cache.memory_report import memory_report
 from kvlib.adapters.cache.planned_decode import PlannedDecode
 from kvlib.adapters.cache.prefix_session import PrefixSession
+from kvlib.adapters.cache.recomputed_layer import RecomputedKVCacheLayer, checkpoint_shape
 from kvlib.adapters.cache.state_layers import cache_layers, select_state_rows, state_bytes, state_layers
 from kvlib.adapters.cache.step_planning import plan_decode_step
 from kvlib.adapters.runtime.evictor import Evictor
 from kvlib.codec import Codec, PageCodec
 from kvlib.devices import reads_pages_in_place
 from kvlib.model_shape import KVShape
-from kvlib.policy import Tiering
+from kvlib.policy import CheckpointProjection, Tiering
 from kvlib.storage.prefix.prefix_store import PrefixStore
 from kvlib.storage.store.paged_store import PagedStore
 from kvlib.storage.tiers.spill_store import SpillStore
@@ -101,6 +102,9 @@ class KVCache(Cache):
             model yourself works either way.
         dense: serve a model whose attention kvlib cannot route (it computes attention itself over
             what ``update`` returns): see :mod:`~kvlib.adapters.cache.dense_layer`. Exact caches only.
+        projections: a recompute policy's projections, one per KV layer (``kv_direct``): the layers
+            store checkpoints and attend over recomputed keys and values, no step planned (see
+            :mod:`~kvlib.adapters.cache.recomputed_layer`). No other policy goes with them.
     """
 
     def __init__(
@@ -117,11 +121,17 @@ class KVCache(Cache):
         tiering: Tiering | None = None,
         compileable: bool = False,
         dense: bool = False,
+        projections: list[CheckpointProjection] | None = None,
     ) -> None:
-        self.dense = dense
-        """The model attends over what ``update`` returns, itself (its attention is outside
-        ``AttentionInterface``): every KV layer is a :class:`DenseKVCacheLayer`, no step is planned."""
-        layers, self.kv_layers = cache_layers(self, shape, DenseKVCacheLayer if dense else KVCacheLayer)
+        self.dense = dense or projections is not None
+        """No step is planned: the model attends over what ``update`` returns, itself (its attention
+        is outside ``AttentionInterface``: every KV layer is a :class:`DenseKVCacheLayer`), or its
+        layers recompute keys and values (:class:`RecomputedKVCacheLayer`)."""
+        self.projections = projections
+        """Per KV layer, how its keys and values are recomputed from the checkpoints it stores (None:
+        the layers store keys and values)."""
+        layer_class = RecomputedKVCacheLayer if projections is not None else DenseKVCacheLayer if dense else KVCacheLayer
+        layers, self.kv_layers = cache_layers(self, shape, layer_class)
         """The KV layers (:class:`KVCacheLayer`), in KV-layer order: ``layers`` (one per model
         layer, as transformers indexes them) minus a hybrid model's recurrent-state and empty layers."""
         super().__init__(layers=layers)
@@ -146,7 +156,13 @@ class KVCache(Cache):
         self.home = home
         self.tiering = tiering
         self.builder = CacheStoreBuilder(
-            shape, page_size=page_size, read_cache=read_cache, codec=codec, tiering=tiering, reuse=reuse, spec=spec
+            shape if projections is None else checkpoint_shape(shape, projections),
+            page_size=page_size,
+            read_cache=read_cache,
+            codec=codec,
+            tiering=tiering,
+            reuse=reuse,
+            spec=spec,
         )
         self.session: PrefixSession | None = None
         self.recompute: torch.Tensor | None = None
@@ -382,6 +398,12 @@ class KVCache(Cache):
         needs ``hidden_states``."""
         self.kv_layers[self.shape.module_layers.index(layer_idx)].record_hidden_states(hidden_states)
 
+    def record_checkpoint(self, layer_idx: int, hidden_states: torch.Tensor, position_ids: torch.Tensor | None) -> None:
+        """Hand model layer ``layer_idx``'s attention input and position ids to its KV layer, where
+        the layers store checkpoints (:attr:`projections`; other caches keep nothing)."""
+        if self.projections is not None:
+            self.kv_layers[self.shape.module_layers.index(layer_idx)].record_checkpoint(hidden_states, position_ids)
+
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Tokens seen (logical length, padding included) by model layer ``layer_idx`` (by the
         first KV layer for layer 0 of a model whose layer 0 keeps recurrent state only)."""
@@ -475,6 +497,7 @@ class KVCache(Cache):
             spec=self.spec,
             compileable=self.compileable,
             dense=self.dense,
+            projections=self.projections,
         )
         copy.dense_returns = self.dense_returns
         copy.home = self.home

@@ -64,15 +64,22 @@ def keeps_prefix_cache(shape: KVShape) -> bool:
 
 
 def engine_codec(spec: Spec) -> Codec | None:
-    """The spec's quantization codec (every request's pages), or None; ``ValueError`` for codecs
-    the engine cannot share between requests and for tiering."""
-    if spec.lowrank is not None:
+    """The spec's codec (every request's pages): a quantization codec or a low-rank one fixed before
+    any prompt (``leank``), or None; ``ValueError`` for codecs the engine cannot share between
+    requests (fitted to each prompt) and for tiering."""
+    if spec.lowrank is not None and spec.lowrank.fits_each_prompt:
         raise ValueError(
             f"{spec.lowrank.spec()} fits itself to each prompt; the engine's pages are shared by requests: use a quantization codec"
+            " or a codec fixed before any prompt (leank)"
+        )
+    if spec.recompute is not None:
+        raise ValueError(
+            f"{spec.recompute.spec()} stores checkpoints instead of keys and values; the engine's packed attention reads keys and"
+            " values from its pages: use it with kvlib.make_cache(model, spec) and generate"
         )
     if spec.tiering is not None or spec.reuse:
         raise ValueError(f"the engine does not apply tiering or reuse policies yet ({spec}); prefix reuse is built in: prefix_cache=True")
-    return spec.quantization
+    return spec.quantization or spec.lowrank
 
 
 def without_codec(spec: Spec) -> str | None:
@@ -88,7 +95,7 @@ def request_evictor(
     if slack is not None and (isinstance(slack, bool) or not isinstance(slack, int) or slack < 0 or not isinstance(budget, int)):
         raise ValueError(f"slack must be an int >= 0 and goes with an int budget, got slack={quoted(slack)}, budget={quoted(budget)}")
     parsed = parse_spec(spec)
-    others = [kind for kind in ("quantization", "lowrank", "reuse", "tiering") if getattr(parsed, kind)]
+    others = [kind for kind in ("quantization", "lowrank", "reuse", "tiering", "recompute") if getattr(parsed, kind)]
     if others:
         raise ValueError(
             f"the engine applies eviction (and budget) policies per request; {parsed} also has {', '.join(others)}"

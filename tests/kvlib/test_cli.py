@@ -10,7 +10,7 @@ from kvlib import cli, registry
 from kvlib.errors import SpecError
 from kvlib.policy import KIND_BASES, Quantization
 
-KINDS = ("eviction", "budget", "quantization", "lowrank", "reuse", "tiering")
+KINDS = ("eviction", "budget", "quantization", "lowrank", "reuse", "tiering", "recompute")
 
 
 @dataclass

@@ -14,7 +14,7 @@ from kvlib.policies.eviction.streaming_llm import StreamingLLM
 from kvlib.policy import KIND_BASES, Budget, Eviction, Policy, Reuse
 from kvlib.registry import ENTRY_POINT_GROUP, LEGACY_ENTRY_POINT_GROUP, available_policies, get_policy, register
 
-ALL_KINDS = ("eviction", "budget", "quantization", "lowrank", "reuse", "tiering")
+ALL_KINDS = ("eviction", "budget", "quantization", "lowrank", "reuse", "tiering", "recompute")
 
 
 # -- test-only policies (registered only inside the `scratch_registry` fixture) -------------

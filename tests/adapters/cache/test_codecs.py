@@ -4,20 +4,25 @@ the codec's layout; int8 stays within a stated KL of the uncompressed cache."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 import kvlib
 from kvlib.eval.agreement import agreement_metrics, greedy_reference, teacher_forced_logits
+from kvlib.model_shape import kv_shape
+from kvlib.policies.lowrank.leank import save_mask
 from kvlib.storage.pools.formats.coded_format import CodedPages
 from kvlib.storage.pools.formats.partnered_format import PARTNER_ID_BYTES, PartneredPages
 from kvlib.transformers_compat import cache_argument
 from tests.adapters.conftest import DEFAULT_BYTES, PAD, build_model, left_padded
 
-CODECS = [
-    "minicache(start=0.0)" if name == "minicache" else name  # the GPT-2 config has 2 layers: one pair from layer 0
-    for name in kvlib.available_policies()["quantization"] + kvlib.available_policies()["lowrank"]
-]
+_CODEC_CASES = {
+    "minicache": "minicache(start=0.0)",  # the GPT-2 config has 2 layers: one pair from layer 0
+    "leank": "leank(mask={leank_mask!r})",  # a mask for the family's model: :func:`leank_mask`
+}
+CODECS = [_CODEC_CASES.get(name, name) for name in kvlib.available_policies()["quantization"] + kvlib.available_policies()["lowrank"]]
 INT8_KL_BOUND = 2e-5
 """Mean KL(full || int8) of the default model's next-token distributions, nats (measured 2.5e-6;
 the bound keeps the 7-8x margin the stories260K test model's had, 0.002 over 0.0003)."""
@@ -25,7 +30,7 @@ the bound keeps the 7-8x margin the stories260K test model's had, 0.002 over 0.0
 
 def test_every_codec_kind_is_registered() -> None:
     assert {"kivi", "int8", "kv_bits", "fp8"} <= set(kvlib.available_policies()["quantization"])
-    assert {"svd", "xkv", "think", "minicache"} <= set(kvlib.available_policies()["lowrank"])
+    assert {"svd", "xkv", "think", "minicache", "leank"} <= set(kvlib.available_policies()["lowrank"])
 
 
 def held_bytes_follow_the_layout(cache) -> None:
@@ -48,11 +53,20 @@ def held_bytes_follow_the_layout(cache) -> None:
     assert sealed_total > 0
 
 
+def leank_mask(model: torch.nn.Module, folder: Path) -> str:
+    """A LeanK mask for ``model`` keeping every other key channel of each head."""
+    shape = kv_shape(model)
+    path = folder / "leank.json"
+    save_mask(path, [[list(range(0, shape.head_dim, 2))] * shape.num_kv_heads] * shape.num_layers, {"by": "test"})
+    return str(path)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("family", ["default", "gpt2"])
 @pytest.mark.parametrize("spec", CODECS)
-def test_codec_through_generate(spec: str, family: str, dtype: torch.dtype) -> None:
+def test_codec_through_generate(spec: str, family: str, dtype: torch.dtype, tmp_path: Path) -> None:
     model = build_model(family).to(dtype)
+    spec = spec.format(leank_mask=leank_mask(model, tmp_path))
     ids, mask = left_padded([40, 33], seed=7)
     cache = kvlib.make_cache(model, spec)
     out = model.generate(ids, attention_mask=mask, **cache_argument(cache), do_sample=False, max_new_tokens=12, pad_token_id=PAD)

@@ -22,6 +22,7 @@ from transformers import CompileConfig
 
 import kvlib
 from kvlib.policies.budget.head_importance import PROFILE_FORMAT
+from kvlib.policies.lowrank.leank import save_mask
 from tests.adapters.conftest import PAD, build_model, left_padded
 
 NEW_TOKENS = 64
@@ -40,7 +41,10 @@ _TIERING = {
     "specache": "specache(top_k=2, dense_layers=0, placement='lru(device_mb=0.01)')",
     "tailorkv": "tailorkv(top_k=2, placement='lru(device_mb=0.01)')",
 }
-_CODECS = {"minicache": "minicache(start=0.0)"}  # the test model has 2 layers: one pair from layer 0
+_CODECS = {
+    "minicache": "minicache(start=0.0)",  # the test model has 2 layers: one pair from layer 0
+    "leank": "leank(mask={leank_mask!r})",  # a mask written by the ``leank_mask`` fixture
+}
 _BUDGETS = {"head_importance": "head_importance(profile={profile!r})"}  # a profile written by the ``profile`` fixture
 
 
@@ -56,6 +60,7 @@ def _specs() -> list[pytest.param]:
     specs += [pytest.param(name, BUDGET, id=name) for name in policies["eviction"]]
     specs += [pytest.param(_CODECS.get(name, name), None, id=name) for name in policies["quantization"] + policies["lowrank"]]
     specs += [pytest.param(_TIERING[name], None, id=name) for name in policies["tiering"]]
+    specs += [pytest.param(name, None, id=name) for name in policies["recompute"]]
     specs += [pytest.param(f"snapkv+{_BUDGETS.get(name, name)}", BUDGET, id=f"snapkv+{name}") for name in policies["budget"]]
     specs += [pytest.param("snapkv+kivi(bits=4)", BUDGET, id="snapkv+kivi"), pytest.param("h2o+kivi(bits=4)", BUDGET, id="h2o+kivi")]
     return [spec if spec.id in IN_THE_SUITE else pytest.param(*spec.values, id=spec.id, marks=pytest.mark.slow) for spec in specs]
@@ -78,6 +83,14 @@ def profile(tmp_path_factory) -> str:
     """A head-importance profile for the test model (2 layers x 2 KV heads)."""
     path = tmp_path_factory.mktemp("profile") / "heads.json"
     path.write_text(json.dumps({"format": PROFILE_FORMAT, "weights": [[1.0, 3.0], [2.0, 1.0]]}))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def leank_mask(tmp_path_factory) -> str:
+    """A LeanK mask for the test model (2 layers x 2 KV heads of 8 key channels): half of them kept."""
+    path = tmp_path_factory.mktemp("leank") / "mask.json"
+    save_mask(path, [[[0, 1, 4, 5], [2, 3, 6, 7]]] * 2, {"by": "test"})
     return str(path)
 
 
@@ -123,11 +136,13 @@ def compiled_forward(model):
 
 
 @pytest.mark.parametrize("spec, budget", SPECS)
-def test_compiled_forward_then_generate(model, prompt, compiled_forward, profile: str, spec: str, budget: int | None) -> None:
+def test_compiled_forward_then_generate(
+    model, prompt, compiled_forward, profile: str, leank_mask: str, spec: str, budget: int | None
+) -> None:
     """``model.forward = torch.compile(model.forward, fullgraph=True)``, then ``generate``: the
     prompt and 64 decode steps through the compiled forward give the eager tokens; every policy
     shares two graphs (the prompt's, the decode step's)."""
-    spec = spec.format(profile=profile)
+    spec = spec.format(profile=profile, leank_mask=leank_mask)
     original = model.forward
     model.forward = original._torchdynamo_orig_callable.__get__(model)  # eager, for the reference
     try:
