@@ -137,8 +137,13 @@ def test_sampling_keeps_the_target_distribution(llama) -> None:
     record = [11, 45, 72, 30]
     prompt = record * 5
     options = {"do_sample": True, "temperature": 2.0, "top_k": 2}
-    engine = kvlib.Engine(llama, speculate=SuffixSpeculation(max_draft=2, alpha=4.0, min_probability=0.0), max_running=256)
-    outputs = engine.generate([prompt] * 1500, max_new_tokens=3, **options, seed=None)
+    engine = kvlib.Engine(
+        llama, speculate=SuffixSpeculation(max_draft=2, alpha=4.0, min_probability=0.0), max_running=256, max_batch_tokens=2048
+    )
+    ids = [engine.add_request(prompt, max_new_tokens=3, seed=seed, **options) for seed in range(800)]
+    while engine.has_unfinished:
+        engine.step()
+    outputs = [engine.requests[i].output for i in ids]
     stats = engine.stats()
     assert 0 < stats["accepted_tokens"] < stats["draft_tokens"]
     first = max({output[0] for output in outputs}, key=lambda token: sum(output[0] == token for output in outputs))
