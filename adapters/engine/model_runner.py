@@ -7,11 +7,12 @@ each segment's per-request eviction, the freeing of what left a sliding window a
 after its attention in every layer, and samples each completing request's next token
 (:mod:`kvlib.adapters.engine.sampling`).
 
-Speculation: a verifying request (one with a draft) runs as a segment of its own, its last token
-then the draft's, attending causally like a prefill chunk; the logits of all of them give the
-accepted draft prefix and one more token (:func:`~kvlib.adapters.engine.sampling.verify_draft`),
-cut where the request ends (its end-of-sequence token, ``max_new_tokens``). What was not accepted
-is then truncated from every layer's pages (:meth:`~kvlib.storage.store.paged_store.PagedStore.truncate`),
+Speculation: a verifying request (one with a draft) runs its last token then the draft's, in one
+segment with the other verifications of its length, attending causally like a prefill chunk; the
+logits of all of them give the accepted draft prefix and one more token
+(:func:`~kvlib.adapters.engine.sampling.verify_draft`), cut where the request ends (its
+end-of-sequence token, ``max_new_tokens``). What was not accepted is then truncated from every
+layer's pages (:meth:`~kvlib.storage.store.paged_store.PagedStore.truncate`),
 before anything indexes them, so no rejected token stays stored.
 
 Invariant: after :meth:`ModelRunner.run`, each request's ``computed`` counts the tokens its
@@ -61,9 +62,14 @@ class ModelRunner:
         runs after its last token (its chunk is ``1 + len(draft)`` tokens)."""
         drafts = drafts or {}
         decodes = self._decode_order([request for request, tokens in chunks if tokens == 1])
-        prefills = [(request, tokens) for request, tokens in chunks if tokens > 1]
+        prefills = [(request, tokens) for request, tokens in chunks if tokens > 1 and request not in drafts]
+        verifying: dict[int, list[Request]] = {}  # verifications of one length share a segment
+        for request, tokens in chunks:
+            if request in drafts:
+                verifying.setdefault(tokens, []).append(request)
         ids, positions, segments, start = [], [], [], 0
-        groups = ([(decodes, 1)] if decodes else []) + [([request], tokens) for request, tokens in prefills]
+        groups = ([(decodes, 1)] if decodes else []) + [(requests, tokens) for tokens, requests in verifying.items()]
+        groups += [([request], tokens) for request, tokens in prefills]
         for requests, length in groups:
             rows = []
             for request in requests:
