@@ -59,7 +59,9 @@ def json_prompts(model_name: str, vocab: int, requests: int, seed: int, records:
     rng = random.Random(seed)
     prompts = []
     for number in range(requests):
-        lines = [f'{{"id": {number * 100 + i}, "name": "user{rng.randrange(1000)}", "score": {rng.randrange(100)}}},' for i in range(records)]
+        lines = [
+            f'{{"id": {number * 100 + i}, "name": "user{rng.randrange(1000)}", "score": {rng.randrange(100)}}},' for i in range(records)
+        ]
         text = "[\n" + "\n".join(lines) + "\n"
         if model_name == "default":  # the byte-level model: ids 0-255 are the text's bytes
             prompts.append(list(text.encode()))
