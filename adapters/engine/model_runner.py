@@ -135,7 +135,9 @@ class ModelRunner:
                 request.token_times.append(now)
                 kept.append(token)
             produced[request.request_id] = kept
-            if draft:  # the sequence holds its last token and the draft: keep the last token and the kept tokens but the last
+            if (
+                draft and len(kept) < len(draft) + 1
+            ):  # the sequence holds its last token and the draft: keep it and the kept tokens but the last
                 request.computed -= len(draft) + 1 - len(kept)
                 for layer in range(self.store.num_layers):
                     self.store.truncate(layer, [request.seq], request.computed)

@@ -43,18 +43,21 @@ class SuffixTrie:
 
     def extend(self, cursor: list[SuffixNode], tokens: Sequence[int]) -> list[SuffixNode]:
         """Index ``tokens`` appended to a text whose open suffixes are ``cursor`` (the nodes of its
-        suffixes shorter than ``max_depth``, longest first; ``[]`` for a new text); returns the
-        cursor after them."""
+        suffixes shorter than ``max_depth``, longest first; ``[]`` for a new text; the list is
+        consumed); returns the cursor after them."""
+        root, depth, created = self.root, self.max_depth, 0
         for token in tokens:
+            cursor.append(root)
             advanced = []
-            for node in [*cursor, self.root]:
+            for node in cursor:
                 child = node.children.get(token)
                 if child is None:
                     child = node.children[token] = SuffixNode()
-                    self.nodes += 1
+                    created += 1
                 child.count += 1
                 advanced.append(child)
-            cursor = advanced[1:] if len(advanced) >= self.max_depth else advanced
+            cursor = advanced[1:] if len(advanced) >= depth else advanced
+        self.nodes += created
         return cursor
 
     def remove(self, text: Sequence[int]) -> None:
