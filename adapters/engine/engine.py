@@ -29,6 +29,13 @@ prefix index entries its own sequence reads (never a second copy of a block it c
 so with a budget that fits every request alone, every step either runs tokens or frees pages
 (or swaps a request back in to run next), and the engine finishes (``tests/adapters/engine/test_engine_schedules.py``).
 
+Speculation (``speculate="suffix"``, SuffixDecoding): before each plan, every decoding request
+proposes draft tokens from suffix tries over its own tokens and the engine's recent outputs
+(:mod:`~kvlib.adapters.engine.suffix_speculator`); the plan runs what fits after the decodes,
+chunks and admissions, and the runner verifies each draft in the same forward pass and truncates
+what it rejects. Greedy outputs equal the engine's without it; sampled outputs keep their
+distribution (``tests/adapters/engine/test_engine_speculate.py``).
+
 Finished requests: ``engine.requests`` keeps a finished or aborted request (its output, its
 stats) until :meth:`Engine.collect` takes it, and at most ``max_finished`` of them (the oldest
 go first), so a server running for weeks holds a bounded number of requests whatever its
@@ -46,7 +53,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvlib.adapters.engine.engine_options import check_engine, engine_codec, request_evictor, without_codec
+from kvlib.adapters.engine.engine_options import check_engine, check_speculation, engine_codec, request_evictor, without_codec
 from kvlib.adapters.engine.engine_request import Request, RequestState
 from kvlib.adapters.engine.handover_roles import MAX_AGE_S, HandOverKey, HandOverRole, check_role
 from kvlib.adapters.engine.kv_manager import KVManager
@@ -55,6 +62,7 @@ from kvlib.adapters.engine.page_budget import page_budget
 from kvlib.adapters.engine.prefix_groups import prefix_groups
 from kvlib.adapters.engine.request_checks import REQUEST_OPTIONS, checked_request
 from kvlib.adapters.engine.scheduler import Scheduler, StepPlan
+from kvlib.adapters.engine.suffix_speculator import SuffixSpeculation, SuffixSpeculator, speculation
 from kvlib.adapters.runtime.attention import route_attention
 from kvlib.errors import quoted
 from kvlib.limits import MAX_REQUEST_TOKENS
@@ -126,6 +134,14 @@ class Engine:
         max_finished: finished or aborted requests kept in :attr:`requests` (for their outputs and
             stats) until :meth:`collect` takes them; past that the oldest are dropped. None keeps
             every one (a long-running engine then grows without bound).
+        speculate: None (off), ``"suffix"`` or a
+            :class:`~kvlib.adapters.engine.suffix_speculator.SuffixSpeculation` (its options):
+            speculative decoding without a draft model, drafts from suffix tries over each
+            request's prompt and output and over recent outputs, verified in the step's forward
+            pass. Refused with an eviction spec (its per-slot scores would keep what rejected
+            tokens added), a codec (a rejected token's page would be sealed before the rollback)
+            and sliding-window layers (a verification slides the window past tokens a rollback
+            needs back).
     """
 
     def __init__(
@@ -153,8 +169,10 @@ class Engine:
         handover_queue: str = "default",
         handover_max_age_s: float = MAX_AGE_S,
         max_finished: int | None = 1024,
+        speculate: str | SuffixSpeculation | None = None,
     ) -> None:
         check_engine(model, preemption, page_size, page_budget_bytes, prefix_cache_bytes, prefix_cache, remote)
+        speculation_options = speculation(speculate)
         check_role(role, handover_queue, remote, handover_max_age_s)
         if max_finished is not None and (isinstance(max_finished, bool) or not isinstance(max_finished, int) or max_finished < 0):
             raise ValueError(f"max_finished must be an int >= 0 (requests) or None, got {quoted(max_finished)}")
@@ -171,6 +189,10 @@ class Engine:
         self.codec = engine_codec(parsed)
         self.default_spec = (without_codec(parsed), budget)
         request_evictor(model, *self.default_spec, None, page_size=page_size)  # a bad default spec fails now
+        if speculation_options is not None:
+            check_speculation(model, self.codec, self.default_spec[0])
+        self.speculator = SuffixSpeculator(speculation_options) if speculation_options is not None else None
+        """Proposes each decoding request's draft (None: no speculation)."""
         parameter = next(model.parameters())
         self.dtype, self.device = parameter.dtype, parameter.device
         pages = {"codec": self.codec, "page_size": page_size, "dtype": self.dtype, "device": self.device}
@@ -198,6 +220,7 @@ class Engine:
         """Ids of the finished or aborted requests still in :attr:`requests`, oldest first."""
         self._next_id = 0
         self._counters = {"steps": 0, "forward_tokens": 0, "output_tokens": 0, "prompt_tokens": 0, "cached_tokens": 0, "preemptions": 0}
+        self._counters |= {"verifications": 0, "draft_tokens": 0, "accepted_tokens": 0}
         self._started: float | None = None
 
     @property
@@ -258,6 +281,11 @@ class Engine:
         spec, budget, max_new_tokens, seed = settings["spec"], settings["budget"], settings["max_new_tokens"], settings["seed"]
         if self.role == "prefill" and spec is not None:
             raise ValueError("a prefill engine computes every prompt token exactly; give eviction specs to the decode engine")
+        if self.speculator is not None and spec is not None:
+            raise ValueError(
+                f"spec={quoted(spec)} on a speculating engine: a rollback of rejected draft tokens would leave their"
+                " share in the eviction scores; leave spec unset or build the Engine without speculate"
+            )
         if spec is None and budget is not None:
             raise ValueError(
                 f"budget={quoted(budget)} without spec: a request's budget goes with its own eviction spec"
@@ -302,16 +330,22 @@ class Engine:
 
     def step(self) -> dict[int, list[int]]:
         """Run one forward pass; returns the tokens produced, per request id."""
-        plan = self.scheduler.plan(self.kv)
+        plan = self.scheduler.plan(self.kv, self._drafts())
         self.scheduler.apply(plan, self.kv)
         self._count(plan)
         if not plan.chunks:
             if self.scheduler.stalled:
                 raise RuntimeError("no waiting or swapped request fits in the free pages and none runs: the page budget is too small")
             return {}
-        produced = self.runner.run(plan.chunks)
+        produced = self.runner.run(plan.chunks, plan.drafts)
         self._counters["forward_tokens"] += plan.tokens
-        self._counters["output_tokens"] += len(produced)
+        self._counters["output_tokens"] += sum(map(len, produced.values()))
+        for request, draft in plan.drafts.items():
+            tokens = produced.get(request.request_id, [])
+            accepted = next((i for i, (a, b) in enumerate(zip(draft, tokens)) if a != b), min(len(draft), len(tokens)))
+            self._counters["verifications"] += 1
+            self._counters["draft_tokens"] += len(draft)
+            self._counters["accepted_tokens"] += accepted
         for request, _ in plan.chunks:
             self.kv.index(request)
             if request.done:
@@ -319,6 +353,13 @@ class Engine:
                 self._leave(request, RequestState.FINISHED)
         self._counters["steps"] += 1
         return produced
+
+    def _drafts(self) -> dict[Request, list[int]]:
+        """Each running decoding request's proposed draft (none without speculation)."""
+        if self.speculator is None:
+            return {}
+        proposals = {request: self.speculator.propose(request) for request in self.scheduler.running if request.remaining == 1}
+        return {request: draft for request, draft in proposals.items() if draft}
 
     def receive(self, wait_s: float = 0.0) -> dict[HandOverKey, int]:
         """Decode role: queue every request handed over so far, waiting up to ``wait_s`` seconds
@@ -429,7 +470,9 @@ class Engine:
     def stats(self) -> dict:
         """Engine counters: steps, tokens (forward, output, prompt, cached), ``prefix_hit_rate``
         (prompt tokens taken from the prefix cache / prompt tokens admitted), ``preemptions``,
-        ``tokens_per_s`` (output tokens per second since the first request), pages in use and
+        ``tokens_per_s`` (output tokens per second since the first request), with speculation
+        ``verifications`` (drafts verified), ``draft_tokens`` and ``accepted_tokens`` (of them; a
+        verification outputs its accepted tokens and one more), pages in use and
         free (per layer, the fullest layer; free is None without a page budget), the store's
         ``memory_bytes`` by component (pages, read mirror, ...), requests by state, and the remote
         tier's counters (``remote``: hits, misses, writes, faults; None without one)."""
@@ -458,6 +501,8 @@ class Engine:
         kept among the finished (the oldest beyond ``max_finished`` dropped)."""
         self.scheduler.remove(request)
         self.kv.release(request)
+        if self.speculator is not None:
+            self.speculator.finish(request, finished=state is RequestState.FINISHED)
         request.state = state
         if state is RequestState.FINISHED:
             self.scheduler.lengths.record(len(request.output))

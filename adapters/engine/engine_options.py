@@ -57,6 +57,27 @@ def check_engine(
         )
 
 
+def check_speculation(model: torch.nn.Module, codec: Codec | None, eviction: str | None) -> None:
+    """``ValueError`` where speculative decoding cannot roll rejected draft tokens back without a
+    trace: an eviction spec (its per-slot scores would keep what the rejected tokens added, and
+    its compactions reorder slots), a codec (a page the draft filled is sealed after its layer's
+    attention, before the rollback) or sliding-window layers (a verification frees positions that
+    leave the window of its last draft token, which a rollback needs back)."""
+    windows = sorted({w for w in kv_shape(model).windows if w is not None})
+    if eviction is not None or codec is not None or windows:
+        found = (
+            f"the eviction spec {eviction!r}"
+            if eviction is not None
+            else f"the codec {codec.spec()!r}"
+            if codec is not None
+            else f"sliding windows of {windows} tokens"
+        )
+        raise ValueError(
+            f"speculate rolls rejected draft tokens back from lossless, full-attention pages; this engine has {found}:"
+            " leave speculate unset, or serve without eviction, codec and sliding-window layers"
+        )
+
+
 def keeps_prefix_cache(shape: KVShape) -> bool:
     """Whether the engine indexes full pages for reuse on a model of ``shape``: not where a layer
     slides over a window (its pages stop holding a block's tokens once the window moves on)."""

@@ -7,9 +7,18 @@ each segment's per-request eviction, the freeing of what left a sliding window a
 after its attention in every layer, and samples each completing request's next token
 (:mod:`kvlib.adapters.engine.sampling`).
 
+Speculation: a verifying request (one with a draft) runs its last token then the draft's, in one
+segment with the other verifications of its length, attending causally like a prefill chunk; the
+logits of all of them give the accepted draft prefix and one more token
+(:func:`~kvlib.adapters.engine.sampling.verify_draft`), cut where the request ends (its
+end-of-sequence token, ``max_new_tokens``). What was not accepted is then truncated from every
+layer's pages (:meth:`~kvlib.storage.store.paged_store.PagedStore.truncate`),
+before anything indexes them, so no rejected token stays stored.
+
 Invariant: after :meth:`ModelRunner.run`, each request's ``computed`` counts the tokens its
-sequence has been given (its chunk added), and each request whose last token ran has one more
-output token, with its time. Between steps, each sliding-window layer of a sequence that has been
+sequence holds (its chunk added; for a verifying request, its last token and the accepted draft
+tokens that the output kept), and each request whose last token ran has one more output token
+(a verifying request one or more), with its time. Between steps, each sliding-window layer of a sequence that has been
 given ``computed`` tokens holds only positions ``computed - window + 1`` onwards (at most
 ``window - 1`` tokens; :func:`~kvlib.adapters.runtime.after_attention.drop_behind_window`).
 """
@@ -23,7 +32,7 @@ import torch
 
 from kvlib.adapters.engine.engine_request import Request
 from kvlib.adapters.engine.packed_batch import PackedCache, Segment, visibility
-from kvlib.adapters.engine.sampling import next_token
+from kvlib.adapters.engine.sampling import next_token, verify_draft
 from kvlib.adapters.runtime.after_attention import drop_behind_window, evict, keep_up, make_ring_room
 from kvlib.adapters.runtime.layer_step import LayerStep
 from kvlib.adapters.runtime.needs import AttentionInputs
@@ -47,18 +56,26 @@ class ModelRunner:
         self.device = device
         self._segments: list[tuple[Segment, list[Request]]] = []
 
-    def run(self, chunks: list[tuple[Request, int]]) -> dict[int, list[int]]:
+    def run(self, chunks: list[tuple[Request, int]], drafts: dict[Request, list[int]] | None = None) -> dict[int, list[int]]:
         """One forward pass over ``chunks`` ((request, tokens to run), decodes first); returns the
-        tokens produced, per request id."""
+        tokens produced, per request id. ``drafts``: the draft tokens a verifying request's chunk
+        runs after its last token (its chunk is ``1 + len(draft)`` tokens)."""
+        drafts = drafts or {}
         decodes = self._decode_order([request for request, tokens in chunks if tokens == 1])
-        prefills = [(request, tokens) for request, tokens in chunks if tokens > 1]
+        prefills = [(request, tokens) for request, tokens in chunks if tokens > 1 and request not in drafts]
+        verifying: dict[int, list[Request]] = {}  # verifications of one length share a segment
+        for request, tokens in chunks:
+            if request in drafts:
+                verifying.setdefault(tokens, []).append(request)
         ids, positions, segments, start = [], [], [], 0
-        groups = ([(decodes, 1)] if decodes else []) + [([request], tokens) for request, tokens in prefills]
+        groups = ([(decodes, 1)] if decodes else []) + [(requests, tokens) for tokens, requests in verifying.items()]
+        groups += [([request], tokens) for request, tokens in prefills]
         for requests, length in groups:
             rows = []
             for request in requests:
+                own = length - len(drafts.get(request, ()))
                 rows.append(list(range(request.computed, request.computed + length)))
-                ids.extend(request.tokens[request.computed : request.computed + length])
+                ids.extend(request.tokens[request.computed : request.computed + own] + drafts.get(request, []))
             segment_positions = torch.tensor(rows, dtype=torch.int64)
             positions.append(segment_positions.flatten())
             uniform = all(request.evictor is None for request in requests)
@@ -72,9 +89,11 @@ class ModelRunner:
         finishing, last_index = [], []
         for segment, requests in segments:
             for b, request in enumerate(requests):
-                if segment.length == request.remaining:
+                drafted = len(drafts.get(request, ()))
+                if segment.length - drafted == request.remaining:
                     finishing.append(request)
-                    last_index.append(segment.start + (b + 1) * segment.length - 1)
+                    end = segment.start + (b + 1) * segment.length
+                    last_index.extend(range(end - 1 - drafted, end))
         cache = PackedCache(self.store, [segment for segment, _ in segments], self._after_attention, self.shape.windows)
         input_ids = torch.tensor([ids], dtype=torch.int64, device=self.device)
         position_ids = torch.cat(positions).unsqueeze(0).to(self.device)
@@ -90,25 +109,38 @@ class ModelRunner:
         for segment, requests in segments:
             for request in requests:
                 request.computed += segment.length
-        return self._sample(logits, finishing)
+        return self._sample(logits, finishing, drafts)
 
-    @staticmethod
-    def _sample(logits: torch.Tensor, finishing: list[Request]) -> dict[int, list[int]]:
-        """Each finishing request's next token from its row of ``logits``, appended to its output."""
+    def _sample(self, logits: torch.Tensor, finishing: list[Request], drafts: dict[Request, list[int]]) -> dict[int, list[int]]:
+        """Each finishing request's next token from its row of ``logits`` (a verifying request's
+        tokens from its rows), appended to its output up to where the request ends; a verifying
+        request's tokens not kept are truncated from its pages."""
         now = time.perf_counter()
         produced: dict[int, list[int]] = {}
-        for row, request in zip(logits, finishing):
-            token = next_token(
-                row,
-                do_sample=request.do_sample,
-                temperature=request.temperature,
-                top_k=request.top_k,
-                top_p=request.top_p,
-                generator=request.generator,
-            )
-            request.output.append(token)
-            request.token_times.append(now)
-            produced[request.request_id] = [token]
+        row = 0
+        for request in finishing:
+            draft = drafts.get(request, [])
+            sampling = {"do_sample": request.do_sample, "temperature": request.temperature, "top_k": request.top_k}
+            sampling |= {"top_p": request.top_p, "generator": request.generator}
+            if draft:
+                tokens = verify_draft(logits[row : row + len(draft) + 1], draft, **sampling)
+            else:
+                tokens = [next_token(logits[row], **sampling)]
+            row += len(draft) + 1
+            kept = []
+            for token in tokens:
+                if request.done:
+                    break
+                request.output.append(token)
+                request.token_times.append(now)
+                kept.append(token)
+            produced[request.request_id] = kept
+            if (
+                draft and len(kept) < len(draft) + 1
+            ):  # the sequence holds its last token and the draft: keep it and the kept tokens but the last
+                request.computed -= len(draft) + 1 - len(kept)
+                for layer in range(self.store.num_layers):
+                    self.store.truncate(layer, [request.seq], request.computed)
         return produced
 
     def _decode_order(self, decodes: list[Request]) -> list[Request]:

@@ -26,7 +26,11 @@ The decisions of one plan:
    Admission (``admission="reserve"``) keeps ``reserve_pages`` free per running request for
    its coming decode tokens; forecast admission (``"forecast"``, the Past-Future scheduler)
    admits while the forecast peak of the pages the running batch and the candidate will take
-   fits in the free pages (:meth:`Scheduler.forecast_peak`).
+   fits in the free pages (:meth:`Scheduler.forecast_peak`);
+5. with speculation, each decoding request's draft (proposed before the plan) runs with its token,
+   as much of it as the token budget and the pages left over allow, the oldest request first; a
+   step that preempts runs no drafts. Drafts come last so that they never delay a prefill chunk
+   or an admission.
 
 Invariant: a plan never needs more pages than are free once it is applied, and never more than
 ``max_batch_tokens`` tokens (decodes alone may exceed it: they are never stalled).
@@ -41,7 +45,7 @@ either held by the other running requests or reclaimable.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -125,7 +129,9 @@ class StepPlan:
     are in ``chunks``); ``preempted`` the requests that lose their pages, newest first;
     ``reclaimed`` the unused prefix-cache blocks evicted for pages (least recently used first),
     the first ``reclaimed_before[i]`` of them before ``preempted[i]`` is (the plan's order, which
-    the pools' free lists, and so the page ids handed out next, follow)."""
+    the pools' free lists, and so the page ids handed out next, follow); ``drafts`` the draft
+    tokens each verifying request runs after its last token (its chunk is ``1 + len(draft)``
+    tokens)."""
 
     chunks: list[tuple[Request, int]] = field(default_factory=list)
     admitted: list[Request] = field(default_factory=list)
@@ -133,6 +139,7 @@ class StepPlan:
     preempted: list[Request] = field(default_factory=list)
     reclaimed: list = field(default_factory=list)
     reclaimed_before: list[int] = field(default_factory=list)
+    drafts: dict[Request, list[int]] = field(default_factory=dict)
 
     @property
     def tokens(self) -> int:
@@ -207,9 +214,11 @@ class Scheduler:
 
     # -- deciding --------------------------------------------------------------------------------
 
-    def plan(self, ledger: PageLedger) -> StepPlan:
+    def plan(self, ledger: PageLedger, drafts: Mapping[Request, list[int]] | None = None) -> StepPlan:
         """Decide the next step on a forecast of ``ledger``'s pages; the queues, the requests and
-        the ledger are left as they are (:meth:`apply` carries the plan out)."""
+        the ledger are left as they are (:meth:`apply` carries the plan out). ``drafts``: tokens
+        proposed to follow running decoding requests' last tokens (speculation), run where the
+        budget and pages left over allow."""
         forecast = ledger.forecast(self.running)
         plan = StepPlan()
         active = list(self.running)
@@ -250,13 +259,16 @@ class Scheduler:
                 budget -= tokens
                 spent += forecast.pages_for(request, tokens)
         if not (plan.preempted or self.swapped and not plan.resumed):  # memory is short: admit nothing new
-            self._admit(plan, forecast, active=active, budget=budget, free=free, spent=spent)
+            budget, spent = self._admit(plan, forecast, active=active, budget=budget, free=free, spent=spent)
+            if drafts:
+                self._add_drafts(plan, forecast, drafts, decodes, budget=budget, left=forecast.free_pages() - spent)
         plan.reclaimed = list(forecast.reclaimed)
         return plan
 
-    def _admit(self, plan: StepPlan, forecast: Forecast, *, active: list[Request], budget: int, free: int, spent: int) -> None:
+    def _admit(self, plan: StepPlan, forecast: Forecast, *, active: list[Request], budget: int, free: int, spent: int) -> tuple[int, int]:
         """Add admissions (and their first chunks) to ``plan`` while the token ``budget`` left and
-        the pages allow (``free`` pages, of which the plan's chunks so far take ``spent``)."""
+        the pages allow (``free`` pages, of which the plan's chunks so far take ``spent``); returns
+        the token budget left and the pages the plan's chunks take."""
         reserve = self.reserve_pages * len(active)
         for request in self._admission_order(self.waiting, forecast):
             if budget <= 0 or len(active) >= self.max_running:
@@ -283,6 +295,26 @@ class Scheduler:
                 plan.chunks.append((request, tokens))
                 budget -= tokens
                 spent += forecast.pages_for(request, tokens)
+        return budget, spent
+
+    @staticmethod
+    def _add_drafts(
+        plan: StepPlan, forecast: Forecast, drafts: Mapping[Request, list[int]], decodes: list[Request], *, budget: int, left: int
+    ) -> None:
+        """Lengthen the planned decodes of ``decodes`` by their ``drafts``, oldest first, each cut to
+        the token ``budget`` and the ``left`` pages still free after the plan's chunks."""
+        chunk = {id(request): index for index, (request, _) in enumerate(plan.chunks)}
+        for request in decodes:
+            draft = list(drafts.get(request, ()))[: max(budget, 0)]
+            extra = forecast.pages_for(request, 1 + len(draft)) - forecast.pages_for(request, 1)
+            while draft and extra > left:
+                draft = draft[: len(draft) // 2]
+                extra = forecast.pages_for(request, 1 + len(draft)) - forecast.pages_for(request, 1)
+            if draft:
+                plan.drafts[request] = draft
+                plan.chunks[chunk[id(request)]] = (request, 1 + len(draft))
+                budget -= len(draft)
+                left -= extra
 
     def forecast_peak(self, running: Sequence[Request], candidate: Request, forecast: Forecast) -> int:
         """The most pages (per layer) the ``running`` requests and a waiting ``candidate`` will

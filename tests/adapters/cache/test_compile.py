@@ -60,20 +60,25 @@ def _specs() -> list[pytest.param]:
     specs += [pytest.param(name, BUDGET, id=name) for name in policies["eviction"]]
     specs += [pytest.param(_CODECS.get(name, name), None, id=name) for name in policies["quantization"] + policies["lowrank"]]
     specs += [pytest.param(_TIERING[name], None, id=name) for name in policies["tiering"]]
-    specs += [pytest.param(name, None, id=name) for name in policies["recompute"]]
     specs += [pytest.param(f"snapkv+{_BUDGETS.get(name, name)}", BUDGET, id=f"snapkv+{name}") for name in policies["budget"]]
     specs += [pytest.param("snapkv+kivi(bits=4)", BUDGET, id="snapkv+kivi"), pytest.param("h2o+kivi(bits=4)", BUDGET, id="h2o+kivi")]
     return [spec if spec.id in IN_THE_SUITE else pytest.param(*spec.values, id=spec.id, marks=pytest.mark.slow) for spec in specs]
 
 
 SPECS = _specs()
+RECOMPUTE = kvlib.available_policies()["recompute"]
+"""Recompute policies: their forward records each layer's checkpoint (one more operator,
+``kvlib::record_checkpoint``, from a hook of their own), so they trace graphs of their own
+(:func:`test_a_recompute_policy_compiles_in_a_forward_of_its_own`)."""
 
 
 def test_every_registered_policy_is_walked() -> None:
     """A policy registered without a case here fails this test: it must be added to :func:`_specs`."""
-    walked = {param.values[0].split("(")[0] for param in SPECS} | {
-        part.split("(")[0] for param in SPECS for part in param.values[0].split("+")
-    }
+    walked = (
+        {param.values[0].split("(")[0] for param in SPECS}
+        | {part.split("(")[0] for param in SPECS for part in param.values[0].split("+")}
+        | set(RECOMPUTE)
+    )
     registered = {name for kind, names in kvlib.available_policies().items() if kind != "reuse" for name in names}
     assert registered <= walked, sorted(registered - walked)
 
@@ -168,6 +173,21 @@ def test_model_compile_traces_the_hooks_with_the_forward(prompt) -> None:
             assert torch.equal(generate(model, make(model, spec, budget), prompt), expected), spec
     finally:
         torch._dynamo.reset()
+    assert frames.graphs <= 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", RECOMPUTE)
+def test_a_recompute_policy_compiles_in_a_forward_of_its_own(prompt, spec: str) -> None:
+    """A recompute policy's cache, in the flow of :func:`test_compiled_forward_then_generate` on a
+    model of its own (its checkpoint hook changes what the forward traces): the prompt and 64
+    decode steps through the compiled forward give the eager tokens, in at most two graphs."""
+    model = build_model("llama")
+    eager = generate(model, make(model, spec, None), prompt)
+    frames = Frames()
+    model.forward = torch.compile(model.forward, backend=frames, fullgraph=True)
+    compiled = generate(model, make(model, spec, None), prompt)
+    assert torch.equal(compiled, eager)
     assert frames.graphs <= 2
 
 
