@@ -107,7 +107,7 @@ def query_subspace(queries: torch.Tensor, query_valid: torch.Tensor, kv_heads: i
     return torch.nn.functional.pad(basis, (0, 0, 0, r - basis.shape[1]))  # fewer rows than r: zero directions
 
 
-def compensation_gains(subspace: torch.Tensor, lam: float, blocks: int) -> list[torch.Tensor]:
+def compensation_gains(subspace: torch.Tensor, lam: float, blocks: int, dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
     """SQuat's error propagation for keys quantized in ``blocks`` channel blocks, in order.
 
     A key ``k`` decoded as ``k'`` costs ``(k' - k)^T A (k' - k)`` with ``A = I + lam Q^T Q``
@@ -116,7 +116,8 @@ def compensation_gains(subspace: torch.Tensor, lam: float, blocks: int) -> list[
     the later channels' cost-minimizing targets move by ``G_b e_b``, ``G_b = -A_rr^{-1} A_rb``
     (``r``: the channels after block ``b``; the sequential, GPTQ-like update that makes the final
     error orthogonal to the subspace as ``lam`` grows, where the later channels can absorb it).
-    Returns float32 ``G_b`` ``[heads, channels after b, block]`` for every block but the last.
+    Returns ``G_b`` ``[heads, channels after b, block]`` for every block but the last, solved in
+    float64 and returned in ``dtype`` (float32: what the codec applies).
     """
     heads, _, dim = subspace.shape
     q = subspace.double()
@@ -126,7 +127,7 @@ def compensation_gains(subspace: torch.Tensor, lam: float, blocks: int) -> list[
     for block in range(blocks - 1):
         start, rest = block * size, (block + 1) * size
         solved = torch.linalg.solve(cost[:, rest:, rest:], cost[:, rest:, start:rest])
-        gains.append((-solved).float())
+        gains.append((-solved).to(dtype))
     return gains
 
 
