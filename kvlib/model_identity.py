@@ -33,8 +33,11 @@ import json
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import safe_open
 
 FINGERPRINT_VERSION = 2
 """Hashed first: a change to what the fingerprint covers changes every key (version 1 sampled
@@ -69,6 +72,26 @@ def model_fingerprint(model: torch.nn.Module) -> bytes:
     fingerprint = digest.digest()[:16]
     _cache[model] = _Cached(stamp, settings, fingerprint)
     return fingerprint
+
+
+def calibration_stamp(model: torch.nn.Module, input_ids: torch.Tensor, format: str) -> dict[str, str]:
+    """The metadata naming a calibration file of ``format`` made on ``model`` (its fingerprint) from
+    ``input_ids`` (a digest of the int64 ids): a file whose metadata equals it holds that
+    calibration and need not be made again (:func:`safetensors_metadata` reads it back)."""
+    return {
+        "format": format,
+        "model": model_fingerprint(model).hex(),
+        "ids": hashlib.blake2b(input_ids.cpu().to(torch.int64).numpy().tobytes(), digest_size=16).hexdigest(),
+    }
+
+
+def safetensors_metadata(path: str | Path) -> dict[str, str] | None:
+    """The metadata of the safetensors file at ``path``, or None where there is no readable one."""
+    try:
+        with safe_open(str(path), "pt") as handle:
+            return handle.metadata()
+    except (OSError, SafetensorError):
+        return None
 
 
 def forget_fingerprint(model: torch.nn.Module) -> None:

@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, safe_open, save_file
+from safetensors.torch import load_file, save_file
 from transformers import DynamicCache
 
 from kvlib.codec import PageCodec, TensorShape
-from kvlib.model_identity import model_fingerprint
+from kvlib.model_identity import calibration_stamp, safetensors_metadata
 from kvlib.model_shape import kv_shape
 from kvlib.policies.lowrank.basis import BasisCodec, head_rows
 from kvlib.policies.lowrank.svd import FittedBasisCodec
@@ -37,13 +35,8 @@ def calibrate_cskv(model: torch.nn.Module, input_ids: torch.Tensor, path: str | 
     if input_ids.ndim != 2 or input_ids.shape[1] < 1:
         raise ValueError(f"calibration needs input_ids [batch, tokens] with tokens >= 1, got shape {list(input_ids.shape)}")
     path = Path(path)
-    stamp = {
-        "format": CALIBRATION_FORMAT,
-        "model": model_fingerprint(model).hex(),
-        "ids": hashlib.blake2b(input_ids.cpu().to(torch.int64).numpy().tobytes(), digest_size=16).hexdigest(),
-        "tokens": str(input_ids.numel()),
-    }
-    if path.is_file() and _metadata(path) == stamp:
+    stamp = calibration_stamp(model, input_ids, CALIBRATION_FORMAT) | {"tokens": str(input_ids.numel())}
+    if path.is_file() and safetensors_metadata(path) == stamp:
         return path
     cache = DynamicCache(config=model.config)  # the model's own cache: its keys and values as computed
     device = next(model.parameters()).device
@@ -59,14 +52,6 @@ def calibrate_cskv(model: torch.nn.Module, input_ids: torch.Tensor, path: str | 
     path.parent.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path), metadata=stamp)
     return path
-
-
-def _metadata(path: Path) -> dict[str, str] | None:
-    try:
-        with safe_open(str(path), "pt") as handle:
-            return handle.metadata()
-    except (OSError, SafetensorError):
-        return None
 
 
 class ShrunkChannels(BasisCodec):
@@ -116,7 +101,7 @@ class CSKV(LowRank):
         for name in ("key_keep", "value_keep"):
             if not 0.0 < getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)!r}")
-        if self.calibration and (_metadata(Path(self.calibration)) or {}).get("format") != CALIBRATION_FORMAT:
+        if self.calibration and (safetensors_metadata(Path(self.calibration)) or {}).get("format") != CALIBRATION_FORMAT:
             raise ValueError(f"calibration {self.calibration!r} is not a readable {CALIBRATION_FORMAT} file (make one with calibrate_cskv)")
 
     def _directions(self, shapes: list[tuple[TensorShape, TensorShape]]) -> dict[str, torch.Tensor]:

@@ -2,20 +2,18 @@
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, safe_open, save_file
+from safetensors.torch import load_file, save_file
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from kvlib.codec import FitSample, PageCodec, TensorShape
 from kvlib.kernels.packing import pack
-from kvlib.model_identity import model_fingerprint
+from kvlib.model_identity import calibration_stamp, safetensors_metadata
 from kvlib.model_shape import attention_modules, kv_shape
 from kvlib.policies.quantization.kivi import check_bits, check_group, check_value_groups
 from kvlib.policies.quantization.uniform import GroupQuantizer, dequantize_min_max, quantize_min_max
@@ -57,12 +55,8 @@ def calibrate_squat(model: torch.nn.Module, input_ids: torch.Tensor, path: str |
         raise ValueError(f"calibration needs input_ids [batch, tokens] with tokens >= 1, got shape {list(input_ids.shape)}")
     shape = kv_shape(model)
     path = Path(path)
-    stamp = {
-        "format": CALIBRATION_FORMAT,
-        "model": model_fingerprint(model).hex(),
-        "ids": hashlib.blake2b(input_ids.cpu().to(torch.int64).numpy().tobytes(), digest_size=16).hexdigest(),
-    }
-    if path.is_file() and _metadata(path) == stamp:
+    stamp = calibration_stamp(model, input_ids, CALIBRATION_FORMAT)
+    if path.is_file() and safetensors_metadata(path) == stamp:
         return path
     modules = attention_modules(model, shape)
     captured: dict[torch.nn.Module, torch.Tensor] = {}
@@ -81,14 +75,6 @@ def calibrate_squat(model: torch.nn.Module, input_ids: torch.Tensor, path: str |
     path.parent.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path), metadata=stamp)
     return path
-
-
-def _metadata(path: Path) -> dict[str, str] | None:
-    try:
-        with safe_open(str(path), "pt") as handle:
-            return handle.metadata()
-    except (OSError, SafetensorError):
-        return None
 
 
 def query_subspace(queries: torch.Tensor, query_valid: torch.Tensor, kv_heads: int, rank: int) -> torch.Tensor:
@@ -243,7 +229,7 @@ class SQuat(Quantization):
             raise ValueError(f"lam must be a float >= 0, got {self.lam!r}")
         if self.blocks < 1:
             raise ValueError(f"blocks must be an int >= 1, got {self.blocks!r}")
-        if self.calibration and (_metadata(Path(self.calibration)) or {}).get("format") != CALIBRATION_FORMAT:
+        if self.calibration and (safetensors_metadata(Path(self.calibration)) or {}).get("format") != CALIBRATION_FORMAT:
             raise ValueError(
                 f"calibration {self.calibration!r} is not a readable {CALIBRATION_FORMAT} file (make one with calibrate_squat)"
             )
