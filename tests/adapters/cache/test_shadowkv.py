@@ -42,6 +42,24 @@ def assert_each_page_in_one_tier(cache) -> None:
         assert bool((places[in_use] == 1).all()) and bool((places[~in_use] == 0).all())
 
 
+def assert_budget_on_the_device_the_rest_on_the_host(cache, model, budget: int, pages: int) -> None:
+    """For ``cache`` of a one-row run on ``model`` (float32) that stores ``pages`` whole pages per KV
+    head: the device holds ``budget`` pages per head, with the positions, key summaries (a minimum
+    and a maximum key per page), block tables and read mirror; the host the rest, none on disk;
+    each page in one tier."""
+    report = cache.memory_report()
+    layers, heads, head_dim = model.config.num_hidden_layers, model.config.num_key_value_heads, model.config.head_dim
+    page_bytes = 16 * 2 * head_dim * 4  # 16 tokens' float32 keys and values
+    assert report["by_component"]["key_summaries"] == layers * heads * pages * 2 * head_dim * 4
+    assert report["by_tier"]["host"] == layers * heads * (pages - budget) * page_bytes
+    assert report["by_component"]["pages"] == report["by_tier"]["host"] + layers * heads * budget * page_bytes
+    device_parts = ("positions", "key_summaries", "tables", "read_cache")
+    assert report["by_tier"]["device"] == layers * heads * budget * page_bytes + sum(report["by_component"][p] for p in device_parts)
+    assert report["by_tier"]["disk"] == 0
+    assert all(pool.pages_on_device == heads * budget for pool in cache.store.pools)
+    assert_each_page_in_one_tier(cache)
+
+
 @pytest.mark.parametrize("family", ["llama", "default"])
 def test_covering_every_page_equals_the_untiered_cache_with_the_rest_on_the_host(family: str) -> None:
     model = build_model(family)
@@ -62,16 +80,7 @@ def test_the_device_holds_its_page_budget_and_the_key_summaries_the_host_the_res
     budget = 3  # pages per head on the device: a window of 2 and 1 outlier
     cache = kvlib.make_cache(model, f"shadowkv(pages=2, window=2, outliers=1, device_mb={page_mb(model, budget, 1)})")
     generate(model, ids, mask, cache, steps=12)  # 161 tokens: 11 pages per head
-    report = cache.memory_report()
-    layers, heads, head_dim, pages = model.config.num_hidden_layers, model.config.num_key_value_heads, model.config.head_dim, 11
-    page_bytes = 16 * 2 * head_dim * 4  # 16 tokens' float32 keys and values
-    assert report["by_component"]["key_summaries"] == layers * heads * pages * 2 * head_dim * 4  # a minimum and a maximum key
-    assert report["by_tier"]["host"] == layers * heads * (pages - budget) * page_bytes
-    assert report["by_component"]["pages"] == report["by_tier"]["host"] + layers * heads * budget * page_bytes
-    device_parts = ("positions", "key_summaries", "tables", "read_cache")
-    assert report["by_tier"]["device"] == layers * heads * budget * page_bytes + sum(report["by_component"][p] for p in device_parts)
-    assert all(pool.pages_on_device == heads * budget for pool in cache.store.pools)
-    assert_each_page_in_one_tier(cache)
+    assert_budget_on_the_device_the_rest_on_the_host(cache, model, budget, pages=11)
 
 
 def test_the_device_keeps_the_outliers_and_the_sliding_window() -> None:

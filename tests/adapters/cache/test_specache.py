@@ -11,15 +11,13 @@ import torch
 import kvlib
 from kvlib.policies.tiering.specache import SpeCache
 from kvlib.transformers_compat import cache_argument
-from tests.adapters.cache.test_shadowkv import assert_each_page_in_one_tier, generate
+from tests.adapters.cache.test_shadowkv import (
+    assert_budget_on_the_device_the_rest_on_the_host,
+    assert_each_page_in_one_tier,
+    generate,
+    page_mb,
+)
 from tests.adapters.conftest import DEFAULT_BYTES, assert_same_logits, build_model, left_padded, prompt_vocab
-
-
-def page_mb(model, pages_per_head: int, rows: int) -> float:
-    """MiB of ``pages_per_head`` whole float32 pages (16 tokens) of every KV head, row and layer."""
-    config = model.config
-    head_dim = config.hidden_size // config.num_attention_heads
-    return pages_per_head * config.num_key_value_heads * rows * config.num_hidden_layers * 16 * 2 * head_dim * 4 / 2**20
 
 
 @pytest.mark.parametrize("family", ["llama", "default"])
@@ -98,15 +96,7 @@ def test_the_device_holds_its_page_budget_and_the_key_summaries_the_host_the_res
     budget = 3
     cache = kvlib.make_cache(model, f"specache(top_k=2, placement='lru(device_mb={page_mb(model, budget, 1)})')")
     generate(model, ids, mask, cache, steps=12)  # 161 tokens: 11 pages per head
-    report = cache.memory_report()
-    layers, heads, head_dim, pages = model.config.num_hidden_layers, model.config.num_key_value_heads, model.config.head_dim, 11
-    page_bytes = 16 * 2 * head_dim * 4
-    assert report["by_component"]["key_summaries"] == layers * heads * pages * 2 * head_dim * 4
-    assert report["by_tier"]["host"] == layers * heads * (pages - budget) * page_bytes
-    device_parts = ("positions", "key_summaries", "tables", "read_cache")
-    assert report["by_tier"]["device"] == layers * heads * budget * page_bytes + sum(report["by_component"][p] for p in device_parts)
-    assert report["by_tier"]["disk"] == 0
-    assert_each_page_in_one_tier(cache)
+    assert_budget_on_the_device_the_rest_on_the_host(cache, model, budget, pages=11)
 
 
 def test_the_engine_refuses_it_in_one_line() -> None:

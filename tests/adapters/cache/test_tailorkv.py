@@ -11,8 +11,7 @@ import torch
 
 import kvlib
 from kvlib.transformers_compat import cache_argument
-from tests.adapters.cache.test_shadowkv import assert_each_page_in_one_tier, generate
-from tests.adapters.cache.test_specache import page_mb
+from tests.adapters.cache.test_shadowkv import assert_each_page_in_one_tier, generate, page_mb
 from tests.adapters.conftest import DEFAULT_BYTES, assert_same_logits, build_model, left_padded
 
 
