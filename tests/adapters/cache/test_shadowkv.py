@@ -42,6 +42,21 @@ def assert_each_page_in_one_tier(cache) -> None:
         assert bool((places[in_use] == 1).all()) and bool((places[~in_use] == 0).all())
 
 
+def assert_covering_equals_the_untiered_cache(family: str, spec: str) -> None:
+    """A two-row run of ``family`` (left-padded prompts of 75 and 50 tokens) with ``spec`` (a tiering
+    policy whose reads cover every page, ``{mb}`` standing for two pages per head and row on the
+    device) gives the untiered cache's tokens and logits, with pages on the host, each in one tier."""
+    model = build_model(family)
+    ids, mask = left_padded([75, 50], seed=3, vocab=prompt_vocab(family))
+    reference = generate(model, ids, mask)
+    cache = kvlib.make_cache(model, spec.format(mb=page_mb(model, 2, 2)))
+    out = generate(model, ids, mask, cache)
+    assert torch.equal(out.sequences, reference.sequences)
+    assert_same_logits(out.logits, reference.logits)
+    assert all(pool.pages_on_host > 0 for pool in cache.store.pools)
+    assert_each_page_in_one_tier(cache)
+
+
 def assert_budget_on_the_device_the_rest_on_the_host(cache, model, budget: int, pages: int) -> None:
     """For ``cache`` of a one-row run on ``model`` (float32) that stores ``pages`` whole pages per KV
     head: the device holds ``budget`` pages per head, with the positions, key summaries (a minimum

@@ -13,24 +13,16 @@ from kvlib.policies.tiering.specache import SpeCache
 from kvlib.transformers_compat import cache_argument
 from tests.adapters.cache.test_shadowkv import (
     assert_budget_on_the_device_the_rest_on_the_host,
-    assert_each_page_in_one_tier,
+    assert_covering_equals_the_untiered_cache,
     generate,
     page_mb,
 )
-from tests.adapters.conftest import DEFAULT_BYTES, assert_same_logits, build_model, left_padded, prompt_vocab
+from tests.adapters.conftest import DEFAULT_BYTES, assert_same_logits, build_model, left_padded
 
 
 @pytest.mark.parametrize("family", ["llama", "default"])
 def test_covering_every_page_equals_the_untiered_cache_with_pages_on_the_host(family: str) -> None:
-    model = build_model(family)
-    ids, mask = left_padded([75, 50], seed=3, vocab=prompt_vocab(family))
-    reference = generate(model, ids, mask)
-    cache = kvlib.make_cache(model, f"specache(top_k=8, dense_layers=0, placement='lru(device_mb={page_mb(model, 2, 2)})')")
-    out = generate(model, ids, mask, cache)
-    assert torch.equal(out.sequences, reference.sequences)
-    assert_same_logits(out.logits, reference.logits)
-    assert all(pool.pages_on_host > 0 for pool in cache.store.pools)
-    assert_each_page_in_one_tier(cache)
+    assert_covering_equals_the_untiered_cache(family, "specache(top_k=8, dense_layers=0, placement='lru(device_mb={mb})')")
 
 
 def test_pages_on_host_and_disk_are_read_where_they_lie(tmp_path) -> None:
