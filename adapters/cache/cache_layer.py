@@ -40,7 +40,7 @@ from kvlib.adapters.cache.shared_state import PrefillRecorder, SharedState
 from kvlib.adapters.runtime import layer_step
 from kvlib.adapters.runtime.after_attention import Evicted, Salience, drop_behind_window, evict, keep_up, make_ring_room
 from kvlib.adapters.runtime.evictor import PlannedWork
-from kvlib.adapters.runtime.layer_step import AttentionCall, LayerStep, ReturnedTokens
+from kvlib.adapters.runtime.layer_step import AttentionCall, AttentionPath, LayerStep, ReturnedTokens
 from kvlib.adapters.runtime.masks import allowed, move_position_bias, physical_mask, real_new_tokens
 from kvlib.adapters.runtime.needs import AttentionInputs
 from kvlib.adapters.runtime.slot_order import ascending
@@ -266,11 +266,12 @@ class KVCacheLayer(CacheLayerMixin):
         if step.sparse:
             return self._sparse_attention(step, call)
         key, value = call.key, call.value
+        path = call.path(planned=step.plan is not None, over_pages=step.paged is not None)
+        if path is AttentionPath.PLANNED:
+            return self._planned_attention(step, call)
+        if path is AttentionPath.OVER_PAGES:
+            return self._attention_over_pages(step, call.query, call.attention_mask, call.kwargs)
         if step.plan is not None or step.paged is not None:
-            if call.reads_pages:
-                if step.plan is not None:
-                    return self._planned_attention(step, call)
-                return self._attention_over_pages(step, call.query, call.attention_mask, call.kwargs)
             step = self.dense_step(step)
             key, value = step.read.keys, step.read.values
         mask = call.attention_mask
@@ -331,8 +332,8 @@ class KVCacheLayer(CacheLayerMixin):
         restricted to the chosen pages' tokens."""
         query, attention_mask = call.query, call.attention_mask
         selection = self.choose_pages(query)
-        if call.reads_pages:
-            paged = self.chosen_pages(selection)
+        if call.path(planned=False, over_pages=True) is AttentionPath.OVER_PAGES:
+            paged = self.chosen_pages(selection)  # None where the pool cannot give them in place
             if paged is not None:
                 return self._attention_over_pages(dataclasses.replace(step, paged=paged), query, attention_mask, call.kwargs)
         chosen = dataclasses.replace(step, read=self.read_chosen_pages(selection), identity=False)

@@ -36,7 +36,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvlib.adapters.runtime import layer_step
-from kvlib.adapters.runtime.layer_step import AttentionCall
+from kvlib.adapters.runtime.layer_step import AttentionCall, AttentionPath
 from kvlib.devices import reads_pages_in_place
 from kvlib.kernels.pages import PagedLayer
 from kvlib.storage.layers.read_cache import LayerRead
@@ -214,8 +214,8 @@ def _segment_tokens(states: torch.Tensor, segment: Segment) -> torch.Tensor:
 def packed_attention(step: PackedLayerStep, call: AttentionCall) -> tuple[torch.Tensor, None]:
     """Attention of every segment over its own sequences: ``call.query [1, heads, tokens,
     head_dim]`` in, ``[1, tokens, heads, head_dim]`` out (what `transformers` attention functions
-    return). The path is chosen as a drop-in cache layer chooses it (:attr:`AttentionCall.reads_pages`:
-    SDPA as the inner function, plain attention): a decode group planned for every layer attends
+    return). The path is chosen by the rule a drop-in cache layer's call uses
+    (:meth:`AttentionCall.path`): a decode group planned for every layer attends
     through its plan, one published as pages straight over them; otherwise its stored tokens are
     read densely and it runs :func:`decode_attention` (SDPA's math for one query per row, several
     times faster on CPU) or the call's inner attention (SDPA, or eager with an additive float
@@ -226,13 +226,14 @@ def packed_attention(step: PackedLayerStep, call: AttentionCall) -> tuple[torch.
     for index, (segment, pages) in enumerate(zip(step.cache.segments, step.paged)):
         part = query[0, :, segment.start : segment.start + segment.tokens]
         part = part.view(heads, len(segment.seqs), segment.length, -1).transpose(0, 1)
-        if index == 0 and step.plan is not None and call.reads_pages:
+        path = call.path(planned=index == 0 and step.plan is not None, over_pages=pages is not None)
+        if path is AttentionPath.PLANNED:
             scale = kwargs.get("scaling") or part.shape[-1] ** -0.5
             output = step.plan.pools[step.layer_idx].format.attend_planned(
                 step.plan, step.layer_idx, part, None, scale, kwargs.get("softcap")
             )
             read = None  # attended over the pages: nothing was read
-        elif pages is not None and call.reads_pages:
+        elif path is AttentionPath.OVER_PAGES:
             output = decode_over_pages(part, pages, segment, kwargs)
             read = None  # attended over the pages: nothing was read
         else:

@@ -21,6 +21,7 @@ attention -> the step's after-attention work (eviction, sealing, ranking, prefix
 
 from __future__ import annotations
 
+import enum
 import weakref
 from collections.abc import Callable
 from contextvars import ContextVar
@@ -32,6 +33,17 @@ import torch
 from kvlib.kernels.pages import PagedLayer
 from kvlib.storage.layers.read_cache import LayerRead
 from kvlib.storage.store.step_plan import StepPlan
+
+
+class AttentionPath(enum.Enum):
+    """Where an attention call's math runs (:meth:`AttentionCall.path` chooses)."""
+
+    PLANNED = "planned"
+    """Through the decode step's plan: one decode operator over the pages the plan wrote."""
+    OVER_PAGES = "over pages"
+    """Straight over pages where they lie (the page kernel with the step's block table)."""
+    DENSE = "dense"
+    """Over a dense read of the stored tokens, through the inner attention (or its math)."""
 
 
 @dataclass(kw_only=True)
@@ -67,6 +79,17 @@ class AttentionCall:
         """Whether a paged kernel reproduces this call's attention: SDPA as the inner function
         (:func:`paged_attention_applies` to its keyword arguments), not eager attention."""
         return not self.eager and paged_attention_applies(self.kwargs)
+
+    def path(self, planned: bool, over_pages: bool) -> AttentionPath:
+        """The one rule choosing where this call's attention runs, for the drop-in cache's layers
+        and the engine's packed batch alike: through the plan where the step was planned, else over
+        pages where the step holds them in place (``over_pages``), when a paged kernel reproduces
+        the call (:attr:`reads_pages`); densely otherwise."""
+        if not self.reads_pages:
+            return AttentionPath.DENSE
+        if planned:
+            return AttentionPath.PLANNED
+        return AttentionPath.OVER_PAGES if over_pages else AttentionPath.DENSE
 
     @property
     def module_key(self) -> int:
