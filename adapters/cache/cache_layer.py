@@ -150,7 +150,7 @@ class KVCacheLayer(CacheLayerMixin):
             if previous.pending is not None:
                 raise RuntimeError(NOT_THROUGH_KVLIB.format(layer=previous.layer_idx))
             plan = planned.plan
-            plan.pools[self.layer_idx].write_planned(plan, self.layer_idx, key_states, value_states)
+            plan.pools[self.layer_idx].format.write_planned(plan, self.layer_idx, key_states, value_states)
             self.seen += tokens
             self.identity = self.identity and isinstance(plan.stored, int)  # a ring reuses slots
             new_tokens = LayerRead(key_states, value_states, None, None)

@@ -25,7 +25,8 @@ class PlannedDecode:
     work: tuple[PlannedWork, ...]
     """Per layer, what the evictor does after the step's attention (``NONE``: no evictor)."""
     idle: tuple[bool, ...]
-    """Per layer, whether nothing at all follows the step's attention."""
+    """Per layer, whether nothing at all follows the step's attention (an ``ACCUMULATE`` layer's
+    received attention is added up by its attention's kernel)."""
     real_new: torch.Tensor | None = None
     """The step's real new tokens (bool ``[batch, tokens]``) where not all are, found by layer 0's
     attention when ``known_real`` is False; None: all real."""

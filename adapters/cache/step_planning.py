@@ -6,7 +6,7 @@ at once, before the forward runs (what :meth:`KVCache.prepare_step
 :class:`~kvlib.storage.store.step_plan.StepPlan`: see :mod:`kvlib.storage.store.step_plan`) and works out,
 per layer, what follows its attention: the evictor's planned work
 (:class:`~kvlib.adapters.runtime.evictor.PlannedWork`) and whether nothing at all follows (no
-eviction work, no page to seal, no window to slide past, no prompt pages to index), so that an
+eviction work beyond the attention the kernel adds up itself, no page to seal, no window to slide past, no prompt pages to index), so that an
 idle layer's update and attention keep no books of their own.
 
 No plan (the step goes layer by layer): more than
@@ -71,7 +71,7 @@ def plan_decode_step(cache: SharedState, tokens: int, attention_mask: torch.Tens
     if padding is not None:
         cache.padding += padding
     work = tuple(_work_after(cache, plan, layer, tokens, mask_known) for layer in range(cache.shape.num_layers))
-    idle = tuple(work is PlannedWork.NONE and not _keeps_books_after(cache, plan, layer) for layer, work in enumerate(work))
+    idle = tuple(work is not PlannedWork.GENERAL and not _keeps_books_after(cache, plan, layer) for layer, work in enumerate(work))
     return PlannedDecode(plan, mask_known, work, idle)
 
 

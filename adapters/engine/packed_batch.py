@@ -166,7 +166,7 @@ class PackedCache(Cache):
             keys = _segment_tokens(key_states, segment)
             values = _segment_tokens(value_states, segment)
             if index == 0 and plan is not None:
-                plan.pools[layer_idx].write_planned(plan, layer_idx, keys, values)
+                plan.pools[layer_idx].format.write_planned(plan, layer_idx, keys, values)
             else:
                 self.store.append(layer_idx, segment.seqs, keys, values)
         paged = [

@@ -52,8 +52,12 @@ class PlannedWork(enum.Enum):
     """What follows a planned decode step's attention in one layer (:meth:`Evictor.planned_work`)."""
 
     NONE = "none"
+    """Nothing: no evictor, or one that neither scores nor evicts in this step."""
     ACCUMULATE = "accumulate"
+    """The attention each stored token received is added up (by the planned attention's kernel
+    itself, into :meth:`Evictor.received_state`); nothing is evicted."""
     GENERAL = "general"
+    """The evictor's general after-attention work (scoring, evicting a page of slack)."""
 
 
 @dataclass

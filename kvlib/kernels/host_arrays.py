@@ -40,6 +40,11 @@ NUMPY_DTYPES: dict[torch.dtype, type] = {
 }
 """The numpy dtype each torch dtype is read as (16- and 8-bit floats as their bit patterns)."""
 
+FLOAT_KINDS: dict[torch.dtype, int] = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+"""The float dtypes the CPU kernels read, by the kind number their bit patterns are widened by
+(:func:`~kvlib.kernels.page_kernel_parts.float_of`): 0 float32 (float32 or uint32 bits), 1
+float16, 2 bfloat16 (uint16 bits)."""
+
 KEPT_VIEWS = 512
 """Views kept for tensors seen again (the least recently used beyond this are dropped)."""
 
@@ -65,6 +70,15 @@ def host_array(tensor: torch.Tensor) -> np.ndarray:
     if len(_views) > KEPT_VIEWS:
         _views.popitem(last=False)
     return view
+
+
+def float_bits(tensor: torch.Tensor) -> tuple[np.ndarray, int]:
+    """A CPU float tensor's elements as the kernels read them (:func:`host_array`: float32 as
+    float32, float16 and bfloat16 as uint16 bit patterns) and its :data:`FLOAT_KINDS` kind.
+    ValueError for another dtype."""
+    if tensor.dtype not in FLOAT_KINDS:
+        raise ValueError(f"float bits are read for {tuple(FLOAT_KINDS)}, got {tensor.dtype}")
+    return host_array(tensor), FLOAT_KINDS[tensor.dtype]
 
 
 def _view(tensor: torch.Tensor, dtype: type) -> np.ndarray:

@@ -19,16 +19,11 @@ import math
 
 import numba
 import numpy as np
-import torch
 
-from kvlib.kernels.host_arrays import host_array
+from kvlib.kernels.host_arrays import FLOAT_KINDS
 
-SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-"""Page dtypes the kernel reads."""
-
-FLOAT_KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-"""How float bit patterns are read by :func:`float_of`: 0 float32 (uint32 bits or float32), 1
-float16, 2 bfloat16 (uint16 bits)."""
+SUPPORTED_DTYPES = tuple(FLOAT_KINDS)
+"""Page dtypes the kernel reads (those :func:`float_of` widens)."""
 
 FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
 """LLVM's fast-math flags the kernels allow: reordered sums (so inner products and value sums
@@ -41,17 +36,9 @@ EXP_FLOOR = np.float32(-87.0)
 """Below this exp underflows float32's normal range; such scores (and ``-inf``) weigh 0."""
 
 
-def float_bits(tensor: torch.Tensor) -> tuple[np.ndarray, int]:
-    """A CPU float tensor's elements as the kernels read them (no copy, no torch operator:
-    float32 as float32, float16 and bfloat16 as uint16 bit patterns) and its :data:`FLOAT_KINDS` kind."""
-    if tensor.dtype not in FLOAT_KINDS:
-        raise ValueError(f"float bits are read for {tuple(FLOAT_KINDS)}, got {tensor.dtype}")
-    return host_array(tensor), FLOAT_KINDS[tensor.dtype]
-
-
 @numba.njit(inline="always")
 def float_of(bits, kind: int) -> np.float32:  # pragma: no cover - compiled
-    """The float32 value of one float32, float16 or bfloat16 element (``kind``: :data:`FLOAT_KINDS`;
+    """The float32 value of one float32, float16 or bfloat16 element (``kind``: :data:`~kvlib.kernels.host_arrays.FLOAT_KINDS`;
     16-bit floats as uint16 bits), exactly (subnormals, infinities and NaN included). A float16 is
     widened branch-free and without float32 subnormal arithmetic (which costs a microcode assist
     per operation on x86): a normal one by moving its bits and rebiasing the exponent, a

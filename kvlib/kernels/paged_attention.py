@@ -44,15 +44,13 @@ import numpy as np
 import torch
 
 from kvlib.kernel_readers import KernelReader
-from kvlib.kernels.host_arrays import host_array
+from kvlib.kernels.host_arrays import FLOAT_KINDS, float_bits, host_array
 from kvlib.kernels.kernel_cache import cache_on_disk
 from kvlib.kernels.page_kernel_parts import (
     FASTMATH,
-    FLOAT_KINDS,
     RAW_PAGES,
     SUPPORTED_DTYPES,
     float_accumulate,
-    float_bits,
     float_scores,
     gather_query,
     seen_into,
@@ -483,7 +481,7 @@ def attend_pages(
 
 def kernel_query(query: torch.Tensor) -> tuple[np.ndarray, int]:
     """``query`` as the kernel reads it: a C-contiguous host array (float32, or 16-bit bits) and
-    its float kind (:data:`~kvlib.kernels.page_kernel_parts.FLOAT_KINDS`)."""
+    its float kind (:data:`~kvlib.kernels.host_arrays.FLOAT_KINDS`)."""
     if query.dtype not in FLOAT_KINDS:
         raise ValueError(f"queries must be one of {tuple(FLOAT_KINDS)}, got {query.dtype}")
     return np.ascontiguousarray(host_array(query)), FLOAT_KINDS[query.dtype]

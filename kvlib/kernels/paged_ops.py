@@ -39,7 +39,7 @@ import numba
 import numpy as np
 import torch
 
-from kvlib.devices import PagedKernel, paged_kernel
+from kvlib.devices import PAGED_KERNELS, PagedKernel, paged_kernel
 from kvlib.kernel_readers import KernelReader
 from kvlib.kernels.arena_sources import ARENA_SOURCES
 from kvlib.kernels.host_arrays import host_array
@@ -256,7 +256,7 @@ def decode_over(source: PageSource, query, pages, lengths, layer, mask, query_po
 def _paged_decode_cpu(
     query, key_arena, value_arena, position_arena, pages, lengths, layer, mask, query_positions, scale, softcap, received=None
 ):
-    if paged_kernel(key_arena.device) is not PagedKernel.NUMBA:  # another kernel chosen for the CPU (tests compare them)
+    if PAGED_KERNELS["cpu"][0] is not PagedKernel.NUMBA:  # the CPU's first kernel (numba is always installed): tests choose another
         return _paged_decode_by_source(
             query, key_arena, value_arena, position_arena, pages, lengths, layer, mask, query_positions, scale, softcap, received
         )

@@ -13,9 +13,9 @@ import numba
 import numpy as np
 import torch
 
-from kvlib.kernels.host_arrays import host_array
+from kvlib.kernels.host_arrays import FLOAT_KINDS, host_array
 from kvlib.kernels.kernel_cache import cache_on_disk
-from kvlib.kernels.page_kernel_parts import FASTMATH, FLOAT_KINDS, RAW_PAGES, float_scores, gather_query, seen_into
+from kvlib.kernels.page_kernel_parts import FASTMATH, RAW_PAGES, float_scores, gather_query, seen_into
 from kvlib.kernels.page_readers import NumbaReader
 from kvlib.kernels.pages import PageArrays
 from kvlib.kernels.query_groups import grouped_rows

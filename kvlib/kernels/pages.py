@@ -18,7 +18,7 @@ class PageArrays(NamedTuple):
 
     ``keys`` / ``values``: the arenas of pages held raw (every page of float arenas; a coded
     pool's open pages), float32, or float16 / bfloat16 as uint16 bits (``kind``:
-    :data:`~kvlib.kernels.page_kernel_parts.FLOAT_KINDS`), ``[rows, page_size, dim]``; ``sealed`` bool
+    :data:`~kvlib.kernels.host_arrays.FLOAT_KINDS`), ``[rows, page_size, dim]``; ``sealed`` bool
     ``[capacity]`` and ``raw_row`` int64 ``[capacity]`` (each open page's row in ``keys`` /
     ``values``; both empty for float arenas, whose page ids are their rows); each page's token
     positions (int64 ``[capacity, page_size]``); for sealed keys and values a

@@ -11,9 +11,9 @@ import numba
 import numpy as np
 import torch
 
-from kvlib.kernels.host_arrays import host_array
+from kvlib.kernels.host_arrays import FLOAT_KINDS, host_array
 from kvlib.kernels.packing import packed_code
-from kvlib.kernels.page_kernel_parts import FLOAT_KINDS, float_of
+from kvlib.kernels.page_kernel_parts import float_of
 from kvlib.kernels.page_readers import loader_reader, register_numba_reader
 from kvlib.policies.quantization.kernels import code_shift, dequantize
 

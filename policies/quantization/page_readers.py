@@ -36,9 +36,9 @@ import numba
 import numpy as np
 import torch
 
-from kvlib.kernels.host_arrays import host_array
+from kvlib.kernels.host_arrays import FLOAT_KINDS, host_array
 from kvlib.kernels.packing import packed_code
-from kvlib.kernels.page_kernel_parts import FASTMATH, FLOAT_KINDS, float_accumulate, float_of, float_scores
+from kvlib.kernels.page_kernel_parts import FASTMATH, float_accumulate, float_of, float_scores
 from kvlib.kernels.page_readers import NumbaReader, loader_reader, no_state, no_work, nothing_to_finish, register_numba_reader
 
 # -- group quantizers ------------------------------------------------------------------------

@@ -30,7 +30,6 @@ import torch
 
 from kvlib.devices import to_arena_device
 from kvlib.errors import PoolExhaustedError
-from kvlib.kernels import paged_ops
 from kvlib.kernels.pages import PagedLayer, PageReader
 from kvlib.storage.pools.formats.page_format import ArenaPages, PageFormat, PlannedStep, extend_rows
 from kvlib.storage.pools.free_stack import FreeStack
@@ -273,7 +272,7 @@ class PagePool:
     @property
     def takes_planned_writes(self) -> bool:
         """Whether a planned decode step (:mod:`~kvlib.storage.store.step_plan`) may write this pool's pages
-        with :meth:`write_planned` and attend over them with its format's ``attend_planned``: where its
+        with its format's ``write_planned`` and attend over them with its ``attend_planned``: where its
         device's paged kernel reads it in place and it keeps no per-write state of its own (key
         summaries)."""
         return self.summaries is None and self.page_source() is not None
@@ -288,20 +287,6 @@ class PagePool:
         """The key and value arena slots of a planned step's tokens at flat page ``slots`` (int64,
         pages in use, open, this pool's own): the same slots for arenas indexed by page id."""
         return self.format.planned_slots(slots)
-
-    def write_planned(self, plan: PlannedStep, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Write ``layer``'s new keys and values (``[batch, kv_heads, tokens, head_dim | value_dim]``,
-        the pool's dtype and device) where ``plan`` puts them: one operator
-        (``kvlib::write_planned``, :func:`kvlib.kernels.paged_ops.write_planned`), nothing else (the block
-        tables moved on when the step was planned)."""
-        if keys.shape != plan.slots.shape[1:] + (self.head_dim,) or keys.dtype != self.dtype:
-            raise ValueError(
-                f"layer {layer}: keys must be {[*plan.slots.shape[1:], self.head_dim]} in {self.dtype}, got {list(keys.shape)}"
-            )
-        format = self.format
-        paged_ops.write_planned(
-            format.keys, format.values, self.positions, plan.slots, plan.position_slots, layer, keys, values, plan.positions
-        )
 
     def gather(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Read tokens at flat slots: ``(keys [n, head_dim], values [n, value_dim], positions [n])``."""

@@ -450,7 +450,7 @@ class PagedStore:
         counting the step's tokens already; ``ring``: a held cap kept as a ring of slots. None
         where no plan holds (a read cache, a pool that takes no planned writes, ...; nothing
         changed): the caller appends layer by layer. Otherwise every layer's new tokens must be
-        written where the plan says (``plan.pools[layer].write_planned(plan, layer, keys, values)``,
+        written where the plan says (``plan.pools[layer].format.write_planned(plan, layer, keys, values)``,
         then ``attend_planned``) before anything else reads or changes the store."""
         rows = self._rows(seqs)
         layout = self._layout

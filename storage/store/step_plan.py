@@ -75,7 +75,7 @@ class StepPlan(PlannedStep):
         stored: what each head's stored length grows by: ``tokens``, or int64 ``[layers,
             batch, kv_heads]`` (CPU numpy; 0 for a head at its ring's cap).
         pools: each layer's page pool: a layer writes its new tokens with
-            ``pools[layer].write_planned(plan, layer, keys, values)`` and attends with
+            ``pools[layer].format.write_planned(plan, layer, keys, values)`` and attends with
             ``pools[layer].format.attend_planned(plan, layer, query, mask, scale)``.
     """
 

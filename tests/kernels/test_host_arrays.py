@@ -1,4 +1,4 @@
-"""host_array: numpy views of CPU tensors' memory, made without a torch operator."""
+"""host_array: numpy views of CPU tensors' memory, made without a torch operator; float_bits: the float dtypes the kernels read."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvlib.kernels.host_arrays import host_array
+from kvlib.kernels.host_arrays import float_bits, host_array
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int8, torch.uint8, torch.bool], ids=str)
@@ -40,3 +40,8 @@ def test_empty_tensors_and_refusals() -> None:
     assert host_array(torch.zeros(0, 3)).shape == (0, 3)
     with pytest.raises(ValueError, match="host arrays are read for"):
         host_array(torch.zeros(2, dtype=torch.complex64))
+
+
+def test_float_bits_refuses_other_dtypes() -> None:
+    with pytest.raises(ValueError, match="float bits are read for"):
+        float_bits(torch.zeros(2, dtype=torch.float64))

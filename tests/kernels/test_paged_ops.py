@@ -42,7 +42,7 @@ def planned_store(spec: str | None, dtype: torch.dtype = torch.float32, seed: in
     plan = store.plan_step(rows, 1)
     assert plan is not None
     for layer in range(2):
-        plan.pools[layer].write_planned(
+        plan.pools[layer].format.write_planned(
             plan, layer, torch.randn(2, 2, 1, DIM, generator=generator).to(dtype), torch.randn(2, 2, 1, DIM, generator=generator).to(dtype)
         )
     return store, rows, plan
@@ -75,7 +75,7 @@ def test_a_planned_write_lands_where_the_store_reads_it() -> None:
     store, rows, plan = planned_store(None)
     new_keys = torch.randn(2, 2, 1, DIM)
     new_values = torch.randn(2, 2, 1, DIM)
-    plan.pools[1].write_planned(plan, 1, new_keys, new_values)
+    plan.pools[1].format.write_planned(plan, 1, new_keys, new_values)
     read = store.read(1, rows, mirror=False)
     for b in range(2):
         length = int(store.physical_lengths(1, rows)[b, 0])
@@ -135,10 +135,10 @@ def test_on_the_cpu_the_operators_dispatch_nothing_inside_but_the_output(spec: s
     store, rows, plan = planned_store(spec)
     pool = plan.pools[0]
     query, keys, values = torch.randn(2, 4, 1, DIM), torch.randn(2, 2, 1, DIM), torch.randn(2, 2, 1, DIM)
-    pool.write_planned(plan, 0, keys, values)
+    pool.format.write_planned(plan, 0, keys, values)
     pool.format.attend_planned(plan, 0, query, None, 0.25)  # views of the long-lived tensors are made once
     with torch.profiler.profile() as profile:
-        pool.write_planned(plan, 0, keys, values)
+        pool.format.write_planned(plan, 0, keys, values)
         pool.format.attend_planned(plan, 0, query, None, 0.25)
     inside = [
         e.name

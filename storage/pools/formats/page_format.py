@@ -190,6 +190,20 @@ class PageFormat:
         """Arena slots of a planned step's tokens at flat page ``slots``: the same slots by default."""
         return slots
 
+    def write_planned(self, plan: PlannedStep, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Write ``layer``'s new keys and values (``[batch, kv_heads, tokens, head_dim | value_dim]``,
+        the pool's dtype and device) where ``plan`` puts them (at :meth:`planned_slots` of the
+        arenas this format writes tokens into, a coded format's raw arenas included): one operator
+        (``kvlib::write_planned``, :func:`kvlib.kernels.paged_ops.write_planned`), nothing else (the
+        block tables moved on when the step was planned)."""
+        if keys.shape != plan.slots.shape[1:] + (self.head_dim,) or keys.dtype != self.dtype:
+            raise ValueError(
+                f"layer {layer}: keys must be {[*plan.slots.shape[1:], self.head_dim]} in {self.dtype}, got {list(keys.shape)}"
+            )
+        paged_ops.write_planned(
+            self.keys, self.values, self.pool.positions, plan.slots, plan.position_slots, layer, keys, values, plan.positions
+        )
+
     def attend_planned(
         self,
         plan: PlannedStep,

@@ -88,7 +88,7 @@ def test_planned_steps_store_what_appends_store(layers, heads, page_size, prompt
         plan = planned.plan_step(rows, count)
         assert plan is not None
         for layer in range(layers):
-            plan.pools[layer].write_planned(plan, layer, keys, values)
+            plan.pools[layer].format.write_planned(plan, layer, keys, values)
             appended.append(layer, rows, keys, values, logical.unsqueeze(-1) + torch.arange(count))
     for layer in range(layers):
         assert by_position(planned, layer, rows) == by_position(appended, layer, rows)
@@ -127,7 +127,7 @@ def test_a_ring_keeps_the_first_tokens_and_the_newest(heads, page_size, start, w
         plan = store.plan_step([row], 1, ring)
         assert plan is not None
         for layer in range(2):
-            plan.pools[layer].write_planned(plan, layer, keys, values)
+            plan.pools[layer].format.write_planned(plan, layer, keys, values)
         sent[prompt + i] = (keys, values)
     seen = prompt + steps
     expected = sorted(set(range(min(start, seen))) | set(range(max(seen - window, 0), seen)) if seen > cap else range(seen))
@@ -151,7 +151,7 @@ def test_planned_attention_is_the_paged_kernel_over_the_same_tokens() -> None:
         store.append(layer, rows, tokens(2, 2, 6, layer), tokens(2, 2, 6, layer + 5))
     plan = store.plan_step(rows, 2)
     for layer in range(2):
-        plan.pools[layer].write_planned(plan, layer, tokens(2, 2, 2, 20 + layer), tokens(2, 2, 2, 30 + layer))
+        plan.pools[layer].format.write_planned(plan, layer, tokens(2, 2, 2, 20 + layer), tokens(2, 2, 2, 30 + layer))
     query = torch.randn(2, 4, 2, DIM, generator=torch.Generator().manual_seed(3))
     mask = torch.ones(2, 1, 2, 8, dtype=torch.bool).tril(diagonal=6)
     mask[1, :, :, :2] = False  # a row whose first tokens are padding
@@ -201,10 +201,10 @@ def test_any_other_change_drops_the_layout() -> None:
     row = store.new_sequence()
     store.append(0, [row], tokens(1, 1, 6, 0), tokens(1, 1, 6, 1))
     plan = store.plan_step([row], 1)
-    plan.pools[0].write_planned(plan, 0, tokens(1, 1, 1, 2), tokens(1, 1, 1, 3))
+    plan.pools[0].format.write_planned(plan, 0, tokens(1, 1, 1, 2), tokens(1, 1, 1, 3))
     store.compact(0, [row], torch.tensor([[[0, 1, -1, -1, -1, -1, -1]]]))
     plan = store.plan_step([row], 1)
-    plan.pools[0].write_planned(plan, 0, tokens(1, 1, 1, 4), tokens(1, 1, 1, 5))
+    plan.pools[0].format.write_planned(plan, 0, tokens(1, 1, 1, 4), tokens(1, 1, 1, 5))
     assert store.read(0, [row]).positions[0, 0].tolist() == [0, 1, 7]
     assert_consistent(store)
 
@@ -223,6 +223,6 @@ def test_a_page_of_steps_is_laid_out_once(monkeypatch) -> None:
     for step in range(4):
         plan = store.plan_step([row], 1)
         for layer in range(2):
-            plan.pools[layer].write_planned(plan, layer, tokens(1, 1, 1, 10 + step), tokens(1, 1, 1, 20 + step))
+            plan.pools[layer].format.write_planned(plan, layer, tokens(1, 1, 1, 10 + step), tokens(1, 1, 1, 20 + step))
     assert len(built) == 1
     assert_consistent(store)
