@@ -32,6 +32,7 @@ compressed, and decoding 64 tokens compacts every page of slack."""
 
 _TIERING = {
     "clusterkv": "clusterkv(top_k=4, dense_layers=0, cluster_tokens=8)",
+    "leoam": "leoam(top_k=2, dense_layers=0, chunk_pages=2, placement='lru(device_mb=0.01)')",
     "louiskv": "louiskv(top_k=2, dense_layers=0, threshold=0.5, placement='lru(device_mb=0.01)')",
     "lru": "lru(device_mb=0.01)",
     "quest": "quest(top_k=2)",
