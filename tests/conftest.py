@@ -89,6 +89,20 @@ def pytest_make_collect_report(collector: pytest.Collector) -> Generator[None, p
     return report
 
 
+@pytest.fixture(scope="session")
+def smollm2():
+    """SmolLM2-135M-Instruct (:func:`kvlib.eval.load_model`), loaded once per test process and
+    shared, as one model serves many caches: kvlib's routing and hooks are idempotent and act only
+    on a kvlib cache passed to the forward. Tests must not change its weights, dtype or config."""
+    from kvlib.errors import ModelLoadError
+    from kvlib.eval import load_model
+
+    try:
+        return load_model("smollm2")
+    except ModelLoadError as error:
+        pytest.skip(str(error))
+
+
 @pytest.fixture
 def scratch_registry(monkeypatch):
     """Give a test a private copy of the registry (built-ins loaded first), restored afterwards."""

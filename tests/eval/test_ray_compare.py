@@ -59,6 +59,7 @@ def compare_argv(out, *extra):
     ]
 
 
+@pytest.mark.slow  # a real Ray cluster (the suite's longest test); .ci/run runs it after the suite
 def test_ray_gives_the_serial_results_tables_and_plots(local_cluster, tmp_path, capsys):
     assert cli.main(compare_argv(tmp_path / "serial")) == 0
     serial_table = capsys.readouterr().out

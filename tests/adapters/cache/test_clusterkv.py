@@ -111,10 +111,8 @@ def test_a_decode_step_reads_top_k_pages_per_head() -> None:
 
 
 @pytest.mark.slow  # the real model (about a minute here): the default-model tests above cover it in CI
-def test_smollm2_short_prompt_reading_every_page_equals_the_full_cache() -> None:
-    from kvlib.eval import load_model
-
-    loaded = load_model("smollm2")
+def test_smollm2_short_prompt_reading_every_page_equals_the_full_cache(smollm2) -> None:
+    loaded = smollm2
     model = loaded.model
     text = "The capital of France is Paris. The capital of Italy is Rome. The capital of Spain is"
     ids = torch.tensor([loaded.tokenizer.encode(text, bos=True)])

@@ -67,17 +67,9 @@ def test_coded_records_hold_the_encoded_bytes(tmp_path: Path) -> None:
     assert max(sizes) < raw / 3
 
 
-@pytest.fixture(scope="module")
-def smollm2() -> tuple[torch.nn.Module, object]:
-    from kvlib.eval import load_model
-
-    loaded = load_model("smollm2")
-    return loaded.model, loaded.tokenizer
-
-
 @pytest.mark.parametrize("entropy", [False, True])
 def test_smollm2_coded_prefix_from_disk_gives_the_same_tokens(tmp_path: Path, smollm2, entropy: bool) -> None:
-    model, tokenizer = smollm2
+    model, tokenizer = smollm2.model, smollm2.tokenizer
     text = "The lighthouse keeper counted the ships that passed each night and wrote their names in a small book. " * 3
     prompt = torch.tensor([tokenizer.encode(text, bos=True)])
     blocks = (prompt.shape[1] - 1) // 16

@@ -138,10 +138,8 @@ def test_a_decode_step_reads_window_outliers_and_pages_per_head() -> None:
 
 
 @pytest.mark.slow  # the real model (about a minute here): the default-model tests above cover it in CI
-def test_smollm2_short_prompt_equals_the_untiered_cache() -> None:
-    from kvlib.eval import load_model
-
-    loaded = load_model("smollm2")
+def test_smollm2_short_prompt_equals_the_untiered_cache(smollm2) -> None:
+    loaded = smollm2
     model = loaded.model
     ids = torch.tensor(
         [loaded.tokenizer.encode("The capital of France is Paris. The capital of Italy is Rome. The capital of Spain is", bos=True)]

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 import kvlib
-from kvlib.eval import load_model
 from kvlib.storage.pools.formats.tiered_coded_format import TieredCodedPages
 from kvlib.transformers_compat import cache_argument
 from tests.adapters.conftest import PAD, build_model, left_padded
@@ -67,19 +66,14 @@ def test_quest_with_a_codec_summarizes_the_raw_keys_and_attends_over_chosen_page
     assert not torch.equal(key_min[0, 0, : pages.numel()], decoded.amin(1))  # 2-bit keys move the bounds: these are the raw keys'
 
 
-@pytest.fixture(scope="module")
-def smol():
-    return load_model("smollm2")
-
-
 @pytest.mark.slow  # the real model (about a minute here): the default-model tests above cover tiered coded pools in CI
-def test_smollm2_tiered_kivi_equals_the_untiered_kivi_cache(smol, tmp_path) -> None:
+def test_smollm2_tiered_kivi_equals_the_untiered_kivi_cache(smollm2, tmp_path) -> None:
     """SmolLM2 (30 layers, 3 KV heads), a ~300-token prompt: kivi(bits=4) with lru (host, then
     disk), score_aware and quest over lru gives the untiered kivi cache's tokens, pages having
     moved to the host and to disk."""
-    model = smol.model
+    model = smollm2.model
     text = " ".join(f"Item {i} is a {['red', 'green', 'blue'][i % 3]} box." for i in range(40))
-    ids = torch.tensor([smol.tokenizer.tokenizer.encode(text)])
+    ids = torch.tensor([smollm2.tokenizer.tokenizer.encode(text)])
     assert 250 <= ids.shape[1] <= 400
     mask = torch.ones_like(ids)
     reference, _ = generate(model, "kivi(bits=4)", ids, mask, 16)

@@ -123,10 +123,9 @@ def test_through_generate_each_layer_keeps_its_budget_and_frees_the_pages(family
     assert report["stored_tokens"] == int(kept.sum())
 
 
-def test_smollm2_short_prompt_meets_the_budget() -> None:
-    from kvlib.eval import load_model
-
-    loaded = load_model("smollm2")
+@pytest.mark.slow  # the real model: test_through_generate_each_layer_keeps_its_budget_and_frees_the_pages checks it in the default suite; .ci/run runs this after
+def test_smollm2_short_prompt_meets_the_budget(smollm2) -> None:
+    loaded = smollm2
     model = loaded.model
     ids = torch.tensor([loaded.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 12)])
     cache = kvlib.make_cache(model, "critical_kv", budget=0.25)

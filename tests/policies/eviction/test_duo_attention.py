@@ -103,10 +103,8 @@ def test_through_generate_retrieval_heads_keep_all_and_streaming_heads_sinks_and
     assert report["by_component"]["pages"] == int(((expected + 3) // 4).sum()) * page_bytes
 
 
-def test_smollm2_quarter_budget_holds_under_three_tenths_of_the_full_bytes() -> None:
-    from kvlib.eval import load_model
-
-    loaded = load_model("smollm2")
+def test_smollm2_quarter_budget_holds_under_three_tenths_of_the_full_bytes(smollm2) -> None:
+    loaded = smollm2
     model = loaded.model
     ids = torch.tensor([loaded.tokenizer.encode("A long and winding road leads to the old mill by the river. " * 40)])[:, :512]
     cache = kvlib.make_cache(model, "duo_attention(sinks=16, recent=48)", budget=0.25)

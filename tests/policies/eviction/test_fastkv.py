@@ -101,10 +101,8 @@ def test_a_float_budget_compresses_the_prompt_only() -> None:
     assert same_positions_in_every_head(cache, cache.shape.num_layers - 1)  # the last layer: past the TSP layer
 
 
-def test_smollm2_short_prompt_meets_the_budget() -> None:
-    from kvlib.eval import load_model
-
-    loaded = load_model("smollm2")
+def test_smollm2_short_prompt_meets_the_budget(smollm2) -> None:
+    loaded = smollm2
     ids = smollm2_prompt(loaded)
     cache = kvlib.make_cache(loaded.model, "fastkv", budget=24, slack=0)
     out = loaded.model.generate(ids, **cache_argument(cache), do_sample=False, max_new_tokens=6, eos_token_id=None)

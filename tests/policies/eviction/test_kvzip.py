@@ -83,10 +83,8 @@ def test_compress_keeps_the_top_reconstruction_scores_and_serves_several_questio
         assert int((alone.kept_positions(0)[0] >= 0).sum()) == 10 * heads
 
 
-def test_smollm2_compressed_context_answers_two_questions() -> None:
-    from kvlib.eval import load_model
-
-    loaded = load_model("smollm2")
+def test_smollm2_compressed_context_answers_two_questions(smollm2) -> None:
+    loaded = smollm2
     model, tokenizer = loaded.model, loaded.tokenizer
     prompt = RepeatPrompt.for_tokenizer(tokenizer)
     assert prompt.prefix > 0 and prompt.suffix  # SmolLM2 has a chat template
@@ -143,11 +141,10 @@ def kvpress_repeat_prompt(tokenizer) -> RepeatPrompt:
     return RepeatPrompt(encode(FIRST_PROMPT), encode(LATER_PROMPT), encode(suffix), len(encode(context.split(dummy)[0])))
 
 
-def test_the_repeat_prompt_is_kvpress_s_for_a_chat_template_and_plain_without() -> None:
+def test_the_repeat_prompt_is_kvpress_s_for_a_chat_template_and_plain_without(smollm2) -> None:
     from kvlib.default_model import ByteTokenizer
-    from kvlib.eval import load_model
 
-    tokenizer = load_model("smollm2").tokenizer
+    tokenizer = smollm2.tokenizer
     assert RepeatPrompt.for_tokenizer(tokenizer) == kvpress_repeat_prompt(tokenizer.tokenizer)
     plain = RepeatPrompt.for_tokenizer(ByteTokenizer())
     assert plain.suffix == tuple(ByteTokenizer().encode("\n")) and plain.prefix == 1  # BOS only

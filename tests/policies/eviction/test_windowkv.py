@@ -101,10 +101,8 @@ def test_whole_windows_kept_and_groups_keep_the_same_tokens(family: str) -> None
     assert_budget_and_bytes(cache, 20)
 
 
-def test_smollm2_short_prompt_meets_the_budget() -> None:
-    from kvlib.eval import load_model
-
-    loaded = load_model("smollm2")
+def test_smollm2_short_prompt_meets_the_budget(smollm2) -> None:
+    loaded = smollm2
     ids = smollm2_prompt(loaded)
     cache = kvlib.make_cache(loaded.model, "windowkv", budget=24, slack=0)
     out = loaded.model.generate(ids, **cache_argument(cache), do_sample=False, max_new_tokens=6, eos_token_id=None)
