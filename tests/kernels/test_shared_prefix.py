@@ -215,7 +215,9 @@ def test_merging_two_parts_equals_softmax_over_their_union(tokens, cut, seed) ->
     torch.testing.assert_close(merged, expected)
 
 
-triton_kernels = pytest.importorskip("kvlib.kernels.paged_attention_triton", reason="the Triton kernels need triton (the dev extra installs it)")
+triton_kernels = pytest.importorskip(
+    "kvlib.kernels.paged_attention_triton", reason="the Triton kernels need triton (the dev extra installs it)"
+)
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 """Where the Triton kernels run: the GPU, else the CPU under Triton's interpreter (``tests/conftest.py`` sets ``TRITON_INTERPRET``)."""
 
