@@ -160,6 +160,10 @@ class PackedCache(Cache):
         self.share_prefixes = share_prefixes
         self.plan: StepPlan | None = None
         """The decode group's step plan for every layer (made at layer 0), or None."""
+        self.split: PrefixSharing | None = None
+        """The last layer's split of the decode group by shared prefix (the next layer keeps its
+        groups where they hold: :func:`~kvlib.kernels.shared_prefix.share_prefixes`'s ``like``);
+        None from a layer that found none on: the later layers of the pass do not look."""
         self.decode_reads = 0
         """(token, KV head) pairs the decode group's attention has read over its pages so far in
         this forward pass, over every layer (shared pages once per group where it shared them;
@@ -315,18 +319,20 @@ class SharedDecode(NamedTuple):
 def _shared_decode(step: PackedLayerStep, index: int, path: AttentionPath) -> SharedDecode | None:
     """Segment ``index``'s pages split by shared prefix, where the cache shares prefixes, the
     segment is the decode group attending over its pages (through its plan or in place), the
-    pool gives its pages to a kernel and two of its rows begin with the same full pages; else None."""
+    pool gives its pages to a kernel and two of its rows begin with the same full pages (the
+    previous layer's groups kept where they hold; no layer after one whose rows share nothing
+    looks); else None."""
     cache = step.cache
     segment = cache.segments[index]
     if not cache.share_prefixes or index != 0 or segment.length != 1 or len(segment.seqs) < 2 or path is AttentionPath.DENSE:
         return None
+    if step.layer_idx > 0 and cache.split is None:
+        return None
     pages = step.paged[index]
     if pages is None:
         pages = cache.store.paged_layer(step.layer_idx, segment.seqs)
-    if pages is None:
-        return None
-    sharing = share_prefixes(pages.pages, pages.lengths, cache.store.page_size)
-    return None if sharing is None else SharedDecode(pages.source, sharing)
+    cache.split = None if pages is None else share_prefixes(pages.pages, pages.lengths, cache.store.page_size, like=cache.split)
+    return None if cache.split is None else SharedDecode(pages.source, cache.split)
 
 
 def decode_shared_prefix(query: torch.Tensor, shared: SharedDecode, segment: Segment, kwargs: dict) -> torch.Tensor:

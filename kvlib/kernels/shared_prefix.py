@@ -76,6 +76,8 @@ class PrefixSharing(NamedTuple):
     place: torch.Tensor
     suffix_pages: torch.Tensor
     suffix_lengths: torch.Tensor
+    runs: list[tuple[np.ndarray, int]]
+    """The grouping: each group's batch rows (int64) and the full pages they share."""
 
     def tokens_read(self) -> int:
         """(token, KV head) pairs the split attention reads: every group's shared tokens once,
@@ -89,35 +91,28 @@ class PrefixSharing(NamedTuple):
         return int((self.place < sum(group.members.numel() for group in self.groups)).sum())
 
 
-def share_prefixes(pages: torch.Tensor, lengths: torch.Tensor, page_size: int) -> PrefixSharing | None:
+def share_prefixes(pages: torch.Tensor, lengths: torch.Tensor, page_size: int, like: PrefixSharing | None = None) -> PrefixSharing | None:
     """The split of a block table (``pages`` int64 ``[batch, kv_heads, max_pages]``, ``-1`` past
     each head's last page; ``lengths`` int64 ``[batch, kv_heads]`` tokens per head; both on the
     CPU) into groups of rows sharing their first full pages and each row's suffix (see the module
-    docstring), or None where no two rows share a full page."""
+    docstring), or None where no two rows share a full page. ``like``: the split of another table
+    of the same rows (another layer's): its groups are kept where every group's rows still begin
+    with the same full pages here (checked), which spares the sort."""
     table = host_array(pages)
     held = host_array(lengths)
-    batch, heads, width = table.shape
+    batch, _, width = table.shape
     if batch < 2 or width == 0:
         return None
     full = np.minimum(held.min(axis=1) // page_size, width)  # full pages every head of a row holds
-    longest = int(full.max())
-    if longest == 0:
-        return None
-    order = np.lexsort(table[:, :, :longest].transpose(2, 1, 0).reshape(longest * heads, batch)[::-1])
-    ranked = table[order, :, :longest]
-    same = (ranked[1:] == ranked[:-1]).all(axis=1)  # [batch - 1, longest]: page j the same in every head
-    same &= np.arange(longest) < np.minimum(full[order][1:], full[order][:-1])[:, None]
-    common = np.cumprod(same, axis=1).sum(axis=1)  # full pages each neighbour pair shares
-    runs = _runs(common, 0, batch - 1)
+    runs = like.runs if like is not None and _runs_hold(like.runs, table, full) else _grouping(table, full)
     if not runs:
         return None
     skip = np.zeros(batch, dtype=np.int64)
     by_width: dict[int, list[tuple[np.ndarray, int]]] = {}
-    for first, last, shared in runs:
-        rows = order[first : last + 1]
+    for rows, shared in runs:
         skip[rows] = shared
         by_width.setdefault(_padded_width(len(rows)), []).append((rows, shared))
-    place = np.full(batch, sum(width * len(runs) for width, runs in by_width.items()), dtype=np.int64)
+    place = np.full(batch, sum(width * len(members) for width, members in by_width.items()), dtype=np.int64)
     groups, start = [], 0
     for group_width, members in sorted(by_width.items()):
         groups.append(_shared_pages(table, members, group_width, page_size))
@@ -125,7 +120,30 @@ def share_prefixes(pages: torch.Tensor, lengths: torch.Tensor, page_size: int) -
             place[rows] = start + index * group_width + np.arange(len(rows))
         start += group_width * len(members)
     suffix_pages, suffix_lengths = _suffixes(table, held, skip, page_size)
-    return PrefixSharing(groups, torch.from_numpy(place), suffix_pages, suffix_lengths)
+    return PrefixSharing(groups, torch.from_numpy(place), suffix_pages, suffix_lengths, runs)
+
+
+def _grouping(table: np.ndarray, full: np.ndarray) -> list[tuple[np.ndarray, int]]:
+    """The groups of a block table's rows (module docstring): each group's rows and the full pages
+    they share; empty where no two rows begin with the same full page."""
+    batch, heads, _ = table.shape
+    first = table[full > 0, 0, 0]
+    if np.unique(first).size == first.size:  # no two rows begin with the same page: nothing shared
+        return []
+    longest = int(full.max())
+    order = np.lexsort(table[:, :, :longest].transpose(2, 1, 0).reshape(longest * heads, batch)[::-1])
+    ranked = table[order, :, :longest]
+    same = (ranked[1:] == ranked[:-1]).all(axis=1)  # [batch - 1, longest]: page j the same in every head
+    same &= np.arange(longest) < np.minimum(full[order][1:], full[order][:-1])[:, None]
+    common = np.cumprod(same, axis=1).sum(axis=1)  # full pages each neighbour pair shares
+    return [(order[start : end + 1], shared) for start, end, shared in _runs(common, 0, batch - 1)]
+
+
+def _runs_hold(runs: list[tuple[np.ndarray, int]], table: np.ndarray, full: np.ndarray) -> bool:
+    """Whether every group's rows hold at least its shared pages, full, with the same ids in every head."""
+    return all(
+        bool((full[rows] >= shared).all()) and bool((table[rows, :, :shared] == table[rows[0], :, :shared]).all()) for rows, shared in runs
+    )
 
 
 def _runs(common: np.ndarray, first: int, last: int) -> list[tuple[int, int, int]]:

@@ -126,6 +126,12 @@ def test_the_split_keeps_every_rows_tokens_once_and_reads_shared_pages_once(fami
             saved += (len(rows) - 1) * int(held.sum())
     assert sharing.tokens_read() == int(batch.lengths.sum()) - saved
     assert sharing.shared_rows == len(prefix_of)
+    again = share_prefixes(batch.pages, batch.lengths, page_size, like=sharing)  # another layer's groups kept where they hold
+    assert again.tokens_read() == sharing.tokens_read() and torch.equal(again.place, sharing.place)
+    copied = batch.pages.clone()
+    copied[sharing.runs[0][0][-1], :, 0] = copied.max() + 1  # a copy-on-write of one row's first page: its group no longer holds
+    fresh, kept = share_prefixes(copied, batch.lengths, page_size), share_prefixes(copied, batch.lengths, page_size, like=sharing)
+    assert (fresh is None) == (kept is None) and (fresh is None or fresh.tokens_read() == kept.tokens_read())
 
 
 def _prefix_pages(sharing: PrefixSharing, page_size: int) -> dict[int, torch.Tensor]:
