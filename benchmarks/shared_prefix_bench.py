@@ -49,7 +49,7 @@ QUESTION = 8
 PAGE_SIZE = 16
 """The Engine's default page size (tokens per page)."""
 """Tokens of each request's own question after the shared prompt."""
-FULL = {"model": "kvread", "rows": "8,32", "prompts": "1024,4096", "steps": 12, "new": 4}
+FULL = {"model": "kvread", "rows": "8,16,32", "prompts": "1024,2048,4096", "steps": 16, "new": 4}
 QUICK = {"model": "kvread", "rows": "3", "prompts": "64", "steps": 4, "new": 2}
 
 
