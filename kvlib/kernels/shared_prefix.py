@@ -25,9 +25,10 @@ the run; the partition into runs maximizes the page reads saved, ``sum (rows - 1
 (a run is split at its weakest link where the two halves save more than the whole; a single
 level: rows sharing a system prompt whose subsets share more join the grouping that saves more,
 and what the others share beyond it is read per row). Only full pages count: a prefix ending
-mid-page shares its full pages, and the partly filled page lies in each row's suffix. Groups of
-similar size attend together: their rows are padded to a power of two per call (at most twice
-the rows), one call per width.
+mid-page shares its full pages, and the partly filled page lies in each row's suffix. A group of
+more than :data:`MAX_GROUP_ROWS` rows attends in near-equal parts of at most that many (each part
+reads the shared pages once). Groups of similar size attend together: their rows are padded to a
+power of two per call (at most twice the rows), one call per width.
 
 Visibility: causal by the queries' positions, and every shared page precedes every row's queries
 (its tokens were stored before them), so a group's queries see all of its shared tokens.
@@ -47,6 +48,11 @@ import torch
 from kvlib.devices import to_arena_device
 from kvlib.kernels.host_arrays import host_array
 from kvlib.kernels.pages import PageReader
+
+MAX_GROUP_ROWS = 16
+"""The most rows whose queries attend over shared pages together (a Triton program holds them, times
+the GQA group, as one tile of query rows); a larger group is cut into near-equal parts, each
+reading the shared pages once."""
 
 
 class SharedPages(NamedTuple):
@@ -80,8 +86,8 @@ class PrefixSharing(NamedTuple):
     """The grouping: each group's batch rows (int64) and the full pages they share."""
 
     def tokens_read(self) -> int:
-        """(token, KV head) pairs the split attention reads: every group's shared tokens once,
-        and every row's suffix."""
+        """(token, KV head) pairs the split attention reads: every group's shared tokens once (once
+        per part of a group cut in parts), and every row's suffix."""
         shared = sum(int(group.lengths.sum()) for group in self.groups)
         return shared + int(self.suffix_lengths.sum())
 
@@ -111,7 +117,8 @@ def share_prefixes(pages: torch.Tensor, lengths: torch.Tensor, page_size: int, l
     by_width: dict[int, list[tuple[np.ndarray, int]]] = {}
     for rows, shared in runs:
         skip[rows] = shared
-        by_width.setdefault(_padded_width(len(rows)), []).append((rows, shared))
+        for part in np.array_split(rows, -(-len(rows) // MAX_GROUP_ROWS)):
+            by_width.setdefault(_padded_width(len(part)), []).append((part, shared))
     place = np.full(batch, sum(width * len(members) for width, members in by_width.items()), dtype=np.int64)
     groups, start = [], 0
     for group_width, members in sorted(by_width.items()):

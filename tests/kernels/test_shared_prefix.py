@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from kvlib.kernels.paged_attention import arena_source
 from kvlib.kernels.paged_attention_torch import torch_arena_source
-from kvlib.kernels.shared_prefix import PrefixSharing, attend_shared, merge_parts, share_prefixes
+from kvlib.kernels.shared_prefix import MAX_GROUP_ROWS, PrefixSharing, attend_shared, merge_parts, share_prefixes
 from tests.kernels.test_paged_attention import TOLERANCE
 
 
@@ -158,6 +158,23 @@ def test_rows_sharing_a_long_prefix_split_from_a_weaker_wider_group() -> None:
     assert len(sharing.groups) == 1 and sorted(sorted(rows) for rows in sharing.groups[0].members.tolist()) == [[0, 1], [2, 3]]
     assert sharing.groups[0].lengths.tolist() == [[24, 24], [24, 24]]
     assert sharing.tokens_read() == int(batch.lengths.sum()) - 2 * 2 * 24
+
+
+def test_a_group_of_more_than_max_group_rows_attends_in_parts() -> None:
+    """20 rows sharing 3 pages: two parts of 10 rows, each reading the shared pages once; the
+    attention still equals attention over the whole tables."""
+    rows = 20
+    batch = Batch([0] * rows, [3] * rows, list(range(1, rows + 1)), 2, 4, (8, 8), torch.float32, torch.Generator().manual_seed(2))
+    sharing = share_prefixes(batch.pages, batch.lengths, 4)
+    (shared,) = sharing.groups
+    assert MAX_GROUP_ROWS == 16 and shared.members.shape == (2, 16) and sharing.shared_rows == rows
+    assert sorted(len(set(members)) for members in shared.members.tolist()) == [10, 10]
+    assert sharing.tokens_read() == int(batch.lengths.sum()) - 2 * 9 * 12 * 2  # (10 - 1) rows x 12 tokens x 2 heads, per part
+    query = torch.randn(rows, 4, 1, 8, generator=torch.Generator().manual_seed(3))
+    source = arena_source(batch.keys, batch.values, batch.positions)
+    out = attend_shared(source, query, sharing, query_positions=batch.query_positions, scale=0.3)
+    whole = source.attend(query, batch.pages, batch.lengths, visible=None, query_positions=batch.query_positions, scale=0.3)
+    torch.testing.assert_close(out, whole, atol=1e-5, rtol=1e-5)
 
 
 def test_no_shared_full_page_no_split() -> None:
