@@ -142,6 +142,11 @@ class Engine:
             tokens added), a codec (a rejected token's page would be sealed before the rollback)
             and sliding-window layers (a verification slides the window past tokens a rollback
             needs back).
+        shared_prefix: where several decoding requests begin with the same full pages (a prefix
+            the prefix cache attached to each), their decode attention reads those pages once
+            for all of them and each request's own pages apart, merged exactly by log-sum-exp
+            (Hydragen; :mod:`~kvlib.kernels.shared_prefix`); False reads every request's pages
+            apart. Outputs are the same either way; ``stats()["kv_read_bytes"]`` counts what was read.
     """
 
     def __init__(
@@ -170,8 +175,9 @@ class Engine:
         handover_max_age_s: float = MAX_AGE_S,
         max_finished: int | None = 1024,
         speculate: str | SuffixSpeculation | None = None,
+        shared_prefix: bool = True,
     ) -> None:
-        check_engine(model, preemption, page_size, page_budget_bytes, prefix_cache_bytes, prefix_cache, remote)
+        check_engine(model, preemption, page_size, page_budget_bytes, prefix_cache_bytes, prefix_cache, remote, shared_prefix)
         speculation_options = speculation(speculate)
         check_role(role, handover_queue, remote, handover_max_age_s)
         if max_finished is not None and (isinstance(max_finished, bool) or not isinstance(max_finished, int) or max_finished < 0):
@@ -211,7 +217,9 @@ class Engine:
             role, handover_queue, self.kv, vocab=self.vocab, max_tokens=self.context or MAX_REQUEST_TOKENS, max_age_s=handover_max_age_s
         )
         """The prefill or decode side of hand-overs (:mod:`~kvlib.adapters.engine.handover_roles`; idle for role ``"both"``)."""
-        self.runner = ModelRunner(model, self.kv.store, self.shape, codec=self.codec, device=self.device)
+        self.runner = ModelRunner(model, self.kv.store, self.shape, codec=self.codec, device=self.device, shared_prefix=shared_prefix)
+        self._token_bytes = (self.shape.head_dim + self.shape.value_dim) * self.dtype.itemsize
+        """Bytes of one stored token's key and value in one KV head, in the compute dtype."""
         self.requests: dict[int, Request] = {}
         """Requests by id: those queued or running, and finished or aborted ones until collected
         (at most ``max_finished`` of those, oldest dropped first)."""
@@ -220,7 +228,7 @@ class Engine:
         """Ids of the finished or aborted requests still in :attr:`requests`, oldest first."""
         self._next_id = 0
         self._counters = {"steps": 0, "forward_tokens": 0, "output_tokens": 0, "prompt_tokens": 0, "cached_tokens": 0, "preemptions": 0}
-        self._counters |= {"verifications": 0, "draft_tokens": 0, "accepted_tokens": 0}
+        self._counters |= {"verifications": 0, "draft_tokens": 0, "accepted_tokens": 0, "kv_read_bytes": 0}
         self._started: float | None = None
 
     @property
@@ -339,6 +347,7 @@ class Engine:
             return {}
         produced = self.runner.run(plan.chunks, plan.drafts)
         self._counters["forward_tokens"] += plan.tokens
+        self._counters["kv_read_bytes"] += self.runner.decode_reads * self._token_bytes
         self._counters["output_tokens"] += sum(map(len, produced.values()))
         for request, draft in plan.drafts.items():
             tokens = produced.get(request.request_id, [])
@@ -472,7 +481,10 @@ class Engine:
         (prompt tokens taken from the prefix cache / prompt tokens admitted), ``preemptions``,
         ``tokens_per_s`` (output tokens per second since the first request), with speculation
         ``verifications`` (drafts verified), ``draft_tokens`` and ``accepted_tokens`` (of them; a
-        verification outputs its accepted tokens and one more), pages in use and
+        verification outputs its accepted tokens and one more), ``kv_read_bytes`` (keys and values
+        the decode groups' attention read over their pages, every layer, in the compute dtype: a
+        shared prefix once per group with ``shared_prefix``, a codec's sealed pages as if raw;
+        nothing for a group read densely), pages in use and
         free (per layer, the fullest layer; free is None without a page budget), the store's
         ``memory_bytes`` by component (pages, read mirror, ...), requests by state, and the remote
         tier's counters (``remote``: hits, misses, writes, faults; None without one)."""

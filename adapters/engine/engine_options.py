@@ -38,12 +38,15 @@ def check_engine(
     prefix_cache_bytes: int | None,
     prefix_cache: bool,
     remote: object,
+    shared_prefix: object = True,
 ) -> None:
     """``ValueError`` for the first of these ``Engine`` options that is not valid (each argument is
     the option of its name; the hand-over role's are checked by
     :func:`~kvlib.adapters.engine.handover_roles.check_role`)."""
     if preemption not in PREEMPTION_MODES:
         raise ValueError(f"preemption must be one of {PREEMPTION_MODES}, got {quoted(preemption)}")
+    if not isinstance(shared_prefix, bool):
+        raise ValueError(f"shared_prefix must be True or False, got {quoted(shared_prefix)}")
     check_page_size(page_size)
     _check_bytes("page_budget_bytes", page_budget_bytes, minimum=1)
     _check_bytes("prefix_cache_bytes", prefix_cache_bytes, minimum=0)

@@ -46,14 +46,27 @@ from kvlib.transformers_compat import cache_argument
 class ModelRunner:
     """Runs ``model`` (of KV layout ``shape``: its layers' sliding windows) over ``store``'s
     sequences; ``codec`` (None: raw pages) seals full pages after each segment's attention, as
-    ``KVCache.after_attention`` does."""
+    ``KVCache.after_attention`` does; ``shared_prefix``: the decode group reads the full pages
+    its rows share once for all of them (:class:`~kvlib.adapters.engine.packed_batch.PackedCache`'s ``share_prefixes``)."""
 
-    def __init__(self, model: torch.nn.Module, store: PagedStore, shape: KVShape, *, codec: Codec | None, device: torch.device) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        store: PagedStore,
+        shape: KVShape,
+        *,
+        codec: Codec | None,
+        device: torch.device,
+        shared_prefix: bool = True,
+    ) -> None:
         self.model = model
         self.store = store
         self.shape = shape
         self.codec = codec
         self.device = device
+        self.shared_prefix = shared_prefix
+        self.decode_reads = 0
+        """(token, KV head) pairs the last run's decode group read over its pages, over every layer."""
         self._segments: list[tuple[Segment, list[Request]]] = []
 
     def run(self, chunks: list[tuple[Request, int]], drafts: dict[Request, list[int]] | None = None) -> dict[int, list[int]]:
@@ -94,7 +107,9 @@ class ModelRunner:
                     finishing.append(request)
                     end = segment.start + (b + 1) * segment.length
                     last_index.extend(range(end - 1 - drafted, end))
-        cache = PackedCache(self.store, [segment for segment, _ in segments], self._after_attention, self.shape.windows)
+        cache = PackedCache(
+            self.store, [segment for segment, _ in segments], self._after_attention, self.shape.windows, share_prefixes=self.shared_prefix
+        )
         input_ids = torch.tensor([ids], dtype=torch.int64, device=self.device)
         position_ids = torch.cat(positions).unsqueeze(0).to(self.device)
         with torch.inference_mode():
@@ -109,6 +124,7 @@ class ModelRunner:
         for segment, requests in segments:
             for request in requests:
                 request.computed += segment.length
+        self.decode_reads = cache.decode_reads
         return self._sample(logits, finishing, drafts)
 
     def _sample(self, logits: torch.Tensor, finishing: list[Request], drafts: dict[Request, list[int]]) -> dict[int, list[int]]:

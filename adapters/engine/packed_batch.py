@@ -23,6 +23,14 @@ window after every segment's attention (:func:`~kvlib.adapters.runtime.after_att
 so a decode token, whose sequence holds only the ``window - 1`` positions before it, sees
 everything its pages hold, and the page kernel needs no window.
 
+Shared prefixes (``share_prefixes``, Hydragen): where the decode group attends over its pages
+and two of its rows begin with the same full pages (the prefix cache attaches them by reference),
+its attention is split (:mod:`~kvlib.kernels.shared_prefix`): the shared pages are read once for
+the queries of every row that shares them, each row's own pages apart, and the parts merge by
+their log-sum-exps (:func:`decode_shared_prefix`), equal to attention over each row's whole table
+to float32 rounding. :attr:`PackedCache.decode_reads` counts the (token, KV head) pairs the decode
+group's attention read over its pages in the forward pass, either way.
+
 Invariant: after a forward pass, each sequence of a segment holds its previous tokens plus the
 segment's tokens, at the positions given; no sequence ever sees another's tokens.
 """
@@ -31,6 +39,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -38,7 +47,8 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from kvlib.adapters.runtime import layer_step
 from kvlib.adapters.runtime.layer_step import AttentionCall, AttentionPath
 from kvlib.devices import reads_pages_in_place
-from kvlib.kernels.pages import PagedLayer
+from kvlib.kernels.pages import PagedLayer, PageReader
+from kvlib.kernels.shared_prefix import PrefixSharing, attend_shared, share_prefixes
 from kvlib.storage.layers.read_cache import LayerRead
 from kvlib.storage.store.paged_store import PagedStore
 from kvlib.storage.store.step_plan import StepPlan
@@ -130,7 +140,8 @@ class PackedCache(Cache):
     each segment's attention, ``read`` being the segment's dense read, or None for a decode group
     that attended over its pages; the engine runs per-request eviction and frees what left a
     sliding window there. ``windows``: per layer, its sliding window in tokens, None for a layer
-    that sees every position (empty: none slides).
+    that sees every position (empty: none slides). ``share_prefixes``: the decode group reads
+    full pages its rows share once for all of them (:func:`decode_shared_prefix`).
     """
 
     def __init__(
@@ -139,14 +150,24 @@ class PackedCache(Cache):
         segments: list[Segment],
         after_attention: Callable | None = None,
         windows: Sequence[int | None] = (),
+        share_prefixes: bool = False,
     ) -> None:
         super().__init__(layers=[_PackedLayer(self, i) for i in range(store.num_layers)])
         self.store = store
         self.segments = segments
         self.after_attention = after_attention
         self.windows = tuple(windows)
+        self.share_prefixes = share_prefixes
         self.plan: StepPlan | None = None
         """The decode group's step plan for every layer (made at layer 0), or None."""
+        self.split: PrefixSharing | None = None
+        """The last layer's split of the decode group by shared prefix (the next layer keeps its
+        groups where they hold: :func:`~kvlib.kernels.shared_prefix.share_prefixes`'s ``like``);
+        None from a layer that found none on: the later layers of the pass do not look."""
+        self.decode_reads = 0
+        """(token, KV head) pairs the decode group's attention has read over its pages so far in
+        this forward pass, over every layer (shared pages once per group where it shared them;
+        nothing for a group read densely)."""
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, kwargs: dict | None = None, **_
@@ -227,7 +248,11 @@ def packed_attention(step: PackedLayerStep, call: AttentionCall) -> tuple[torch.
         part = query[0, :, segment.start : segment.start + segment.tokens]
         part = part.view(heads, len(segment.seqs), segment.length, -1).transpose(0, 1)
         path = call.path(planned=index == 0 and step.plan is not None, over_pages=pages is not None)
-        if path is AttentionPath.PLANNED:
+        shared = _shared_decode(step, index, path)
+        if shared is not None:
+            output = decode_shared_prefix(part, shared, segment, kwargs)
+            read = None  # attended over the pages: nothing was read
+        elif path is AttentionPath.PLANNED:
             scale = kwargs.get("scaling") or part.shape[-1] ** -0.5
             output = step.plan.pools[step.layer_idx].format.attend_planned(
                 step.plan, step.layer_idx, part, None, scale, kwargs.get("softcap")
@@ -248,6 +273,8 @@ def packed_attention(step: PackedLayerStep, call: AttentionCall) -> tuple[torch.
                     mask.masked_fill_(~visible, torch.finfo(part.dtype).min)
                 output, _ = call.inner(call.module, part, read.keys, read.values, mask, **kwargs)
         outputs.append(output.reshape(1, segment.tokens, heads, -1))
+        if path is not AttentionPath.DENSE and index == 0:
+            step.cache.decode_reads += _decode_reads(step, shared)
         if step.cache.after_attention is not None:
             step.cache.after_attention(step.layer_idx, index, part, read, kwargs.get("scaling"))
     return torch.cat(outputs, dim=1), None
@@ -279,6 +306,51 @@ def decode_over_pages(query: torch.Tensor, pages: PagedLayer, segment: Segment, 
     scale = kwargs.get("scaling") or query.shape[-1] ** -0.5
     output = pages.attend(query, visible=None, query_positions=latest, scale=scale, softcap=kwargs.get("softcap"))
     return output.transpose(1, 2)
+
+
+class SharedDecode(NamedTuple):
+    """The decode group's pages of one layer split by shared prefix: the page source its kernel
+    reads and the split (:class:`~kvlib.kernels.shared_prefix.PrefixSharing`)."""
+
+    source: PageReader
+    sharing: PrefixSharing
+
+
+def _shared_decode(step: PackedLayerStep, index: int, path: AttentionPath) -> SharedDecode | None:
+    """Segment ``index``'s pages split by shared prefix, where the cache shares prefixes, the
+    segment is the decode group attending over its pages (through its plan or in place), the
+    pool gives its pages to a kernel and two of its rows begin with the same full pages (the
+    previous layer's groups kept where they hold; no layer after one whose rows share nothing
+    looks); else None."""
+    cache = step.cache
+    segment = cache.segments[index]
+    if not cache.share_prefixes or index != 0 or segment.length != 1 or len(segment.seqs) < 2 or path is AttentionPath.DENSE:
+        return None
+    if step.layer_idx > 0 and cache.split is None:
+        return None
+    pages = step.paged[index]
+    if pages is None:
+        pages = cache.store.paged_layer(step.layer_idx, segment.seqs)
+    cache.split = None if pages is None else share_prefixes(pages.pages, pages.lengths, cache.store.page_size, like=cache.split)
+    return None if cache.split is None else SharedDecode(pages.source, cache.split)
+
+
+def decode_shared_prefix(query: torch.Tensor, shared: SharedDecode, segment: Segment, kwargs: dict) -> torch.Tensor:
+    """The decode group's attention over its pages split by shared prefix
+    (:func:`~kvlib.kernels.shared_prefix.attend_shared`): ``query [batch, heads, 1, head_dim]`` in,
+    ``[batch, 1, heads, value_dim]`` out; each row sees every token its row stores, as in
+    :func:`decode_over_pages`."""
+    latest = segment.positions.max().view(1)
+    scale = kwargs.get("scaling") or query.shape[-1] ** -0.5
+    output = attend_shared(shared.source, query, shared.sharing, query_positions=latest, scale=scale, softcap=kwargs.get("softcap"))
+    return output.transpose(1, 2)
+
+
+def _decode_reads(step: PackedLayerStep, shared: SharedDecode | None) -> int:
+    """(token, KV head) pairs the decode group's attention read over its pages in this layer."""
+    if shared is not None:
+        return shared.sharing.tokens_read()
+    return int(step.cache.store.physical_lengths(step.layer_idx, step.cache.segments[0].seqs).sum())
 
 
 def _plain_attention(kwargs: dict) -> bool:

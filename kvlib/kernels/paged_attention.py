@@ -66,6 +66,8 @@ MIN_SPLIT_PAGES = 32
 
 _NO_PAGES = np.zeros(0, dtype=np.bool_)
 _NO_ROWS = np.zeros(0, dtype=np.int64)
+NO_LSE = np.zeros((0, 0, 0), dtype=np.float32)
+"""The kernel's ``lse`` argument when no log-sum-exp is asked for."""
 
 
 @functools.cache
@@ -76,9 +78,11 @@ def attention_kernel(keys: NumbaReader, values: NumbaReader, raw_page: Callable)
 
     ``kernel(query, query_kind, raw_keys, raw_values, raw_kind, sealed, raw_row, positions,
     pages, lengths, visible, query_positions, key_fields, value_fields, scale, softcap, splits,
-    out, received)`` with ``query [batch, query_heads, queries, head_dim]`` (float32, or uint16
-    bits of ``query_kind``), ``out`` float32 ``[batch, queries, query_heads, value_dim]`` and
-    ``received`` float32 ``[batch, kv_heads, slots]`` (no slots: not asked for), the rest as
+    out, received, lse)`` with ``query [batch, query_heads, queries, head_dim]`` (float32, or uint16
+    bits of ``query_kind``), ``out`` float32 ``[batch, queries, query_heads, value_dim]``,
+    ``received`` float32 ``[batch, kv_heads, slots]`` (no slots: not asked for) and ``lse``
+    float32 ``[batch, queries, query_heads]`` (each query's log-sum-exp of its scaled scores,
+    ``-inf`` where it sees nothing; no elements: not asked for), the rest as
     :class:`PageSource` and :func:`attend_pages` hold them."""
     prepare_keys, key_scores = keys.prepare_keys, keys.key_scores
     prepare_values, accumulate_values, finish_values = values.prepare_values, values.accumulate_values, values.finish_values
@@ -186,6 +190,7 @@ def attention_kernel(keys: NumbaReader, values: NumbaReader, raw_page: Callable)
         splits,
         out,
         received,
+        lse,
     ):  # pragma: no cover - compiled
         batch, kv_heads = lengths.shape
         query_heads, queries = query.shape[1], query.shape[2]
@@ -200,6 +205,7 @@ def attention_kernel(keys: NumbaReader, values: NumbaReader, raw_page: Callable)
         item_max = np.full((items, padded), -np.inf, dtype=np.float32)
         item_sum = np.zeros((items, padded), dtype=np.float32)
         keep = received.shape[2] > 0
+        sums = lse.size > 0
         kept = np.zeros((pairs, padded if keep else 0, pages.shape[2] * page_size if keep else 0), dtype=np.float32)
         shift = np.full((pairs, padded if keep else 0, pages.shape[2] if keep else 0), -np.inf, dtype=np.float32)
         for item in numba.prange(items):
@@ -253,6 +259,8 @@ def attention_kernel(keys: NumbaReader, values: NumbaReader, raw_page: Callable)
                 target = out[b, q, head]
                 for c in range(value_dim):
                     target[c] = np.float32(0.0)
+                if sums:
+                    lse[b, q, head] = best[pair, r] + np.float32(math.log(total[pair, r])) if total[pair, r] > 0 else -np.inf
                 if total[pair, r] <= 0:
                     continue
                 for s in range(splits):
@@ -292,6 +300,10 @@ class PageSource(PageArrays):
         keyword arguments."""
         return attend_pages(query, self, pages, lengths, **options)
 
+    def attend_parts(self, query: torch.Tensor, pages: torch.Tensor, lengths: torch.Tensor, **options) -> tuple[torch.Tensor, torch.Tensor]:
+        """:func:`attend_parts` of ``query`` over these pages (the CPU kernel): float32 output and log-sum-exps."""
+        return attend_parts(query, self, pages, lengths, **options)
+
     def weights(self, query: torch.Tensor, pages: torch.Tensor, lengths: torch.Tensor, **options) -> torch.Tensor:
         """:func:`attention_weights` of ``query`` over these pages (the CPU kernel)."""
         return attention_weights(query, self, pages, lengths, **options)
@@ -309,13 +321,16 @@ def run_kernel(
     softcap: float | None,
     out: np.ndarray,
     received: np.ndarray,
+    lse: np.ndarray = NO_LSE,
 ) -> None:
     """:func:`attention_kernel` over ``source``'s pages, on host arrays: ``query`` ``[batch,
     query_heads, queries, head_dim]`` (float32, or uint16 bits of ``query_kind``), ``pages`` int64
     ``[batch, kv_heads, max_pages]`` and ``lengths`` int64 ``[batch, kv_heads]``, ``visible`` bool
     ``[batch, queries, logical]`` (no columns: causal by ``query_positions``, int64 ``[queries]``),
     ``out`` float32 ``[batch, queries, query_heads, value_dim]`` (written), ``received`` float32
-    ``[batch, kv_heads, slots]`` (added to; no slots: not asked for). Every array C-contiguous."""
+    ``[batch, kv_heads, slots]`` (added to; no slots: not asked for), ``lse`` float32 ``[batch,
+    queries, query_heads]`` (written: each query's log-sum-exp; :data:`NO_LSE`: not asked for).
+    Every array C-contiguous."""
     kernel = attention_kernel(source.key_reader, source.value_reader, RAW_PAGES[source.keys.dtype])
     kernel(
         query,
@@ -337,6 +352,7 @@ def run_kernel(
         split_count(lengths, source.positions.shape[1]),
         out,
         received,
+        lse,
     )
 
 
@@ -461,9 +477,38 @@ def attend_pages(
     """:func:`paged_attention` over pages however they are held (``source``: float arenas, or a
     coded pool's open pages raw and sealed pages through its codec's readers); the other
     arguments are its own."""
+    out, _ = _attend(query, source, pages, lengths, visible, query_positions, scale, softcap, with_lse=False)
+    return out.to(query.dtype)
+
+
+def attend_parts(
+    query: torch.Tensor,
+    source: PageSource,
+    pages: torch.Tensor,
+    lengths: torch.Tensor,
+    *,
+    visible: torch.Tensor | None,
+    query_positions: torch.Tensor | None,
+    scale: float,
+    softcap: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`attend_pages` as a partial attention, to be merged with attention over other tokens
+    (:mod:`kvlib.kernels.shared_prefix`): the output in float32 ``[batch, query_heads, queries,
+    value_dim]`` (not rounded to the query's dtype) and each query's log-sum-exp of its scaled
+    (soft-capped) scores over the tokens it sees, float32 ``[batch, query_heads, queries]``
+    (``-inf`` where it sees none, its output then zeros)."""
+    return _attend(query, source, pages, lengths, visible, query_positions, scale, softcap, with_lse=True)
+
+
+def _attend(
+    query, source, pages, lengths, visible, query_positions, scale, softcap, *, with_lse: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The CPU kernel's float32 output ``[batch, query_heads, queries, value_dim]`` and, with
+    ``with_lse``, its log-sum-exps ``[batch, query_heads, queries]`` (else None); both views."""
     grouped_rows(query, pages, visible, query_positions)
     batch, query_heads, queries, _ = query.shape
     out = torch.empty(batch, queries, query_heads, source.value_dim, dtype=torch.float32)
+    lse = torch.empty(batch, queries, query_heads, dtype=torch.float32) if with_lse else None
     run_kernel(
         source,
         *kernel_query(query),
@@ -475,8 +520,9 @@ def attend_pages(
         softcap,
         host_array(out),
         np.zeros((batch, pages.shape[1], 0), dtype=np.float32),
+        NO_LSE if lse is None else host_array(lse),
     )
-    return out.transpose(1, 2).to(query.dtype)
+    return out.transpose(1, 2), None if lse is None else lse.transpose(1, 2)
 
 
 def kernel_query(query: torch.Tensor) -> tuple[np.ndarray, int]:

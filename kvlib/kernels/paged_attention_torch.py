@@ -77,6 +77,10 @@ class TorchPageSource(NamedTuple):
         ``pages`` holding ``lengths`` tokens; ``options``: its keyword arguments."""
         return attend_pages_torch(query, self.keys, self.values, self.positions, pages, lengths, **options)
 
+    def attend_parts(self, query: torch.Tensor, pages: torch.Tensor, lengths: torch.Tensor, **options) -> tuple[torch.Tensor, torch.Tensor]:
+        """:func:`attend_parts_torch` of ``query`` over these pages: float32 output and log-sum-exps."""
+        return attend_parts_torch(query, self.keys, self.values, self.positions, pages, lengths, **options)
+
     def weights(self, query: torch.Tensor, pages: torch.Tensor, lengths: torch.Tensor, **options) -> torch.Tensor:
         """:func:`attention_weights_torch` of ``query`` over these pages; ``options``: its keyword arguments."""
         return attention_weights_torch(query, self.keys, self.positions, pages, lengths, **options)
@@ -107,6 +111,39 @@ def attend_pages_torch(
     each (row, KV head) at a time (None: :func:`block_pages`; module docstring); arguments and
     result as documented there.
     ``query`` and the arenas share a device (the result's); the index tensors may be on the CPU."""
+    out, _ = attend_parts_torch(
+        query,
+        key_arena,
+        value_arena,
+        positions,
+        pages,
+        lengths,
+        visible=visible,
+        query_positions=query_positions,
+        scale=scale,
+        softcap=softcap,
+        pages_per_block=pages_per_block,
+    )
+    return out.to(query.dtype)
+
+
+def attend_parts_torch(
+    query: torch.Tensor,
+    key_arena: torch.Tensor,
+    value_arena: torch.Tensor,
+    positions: torch.Tensor,
+    pages: torch.Tensor,
+    lengths: torch.Tensor,
+    *,
+    visible: torch.Tensor | None,
+    query_positions: torch.Tensor | None,
+    scale: float,
+    softcap: float | None = None,
+    pages_per_block: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`attend_pages_torch` as a partial attention (:func:`kvlib.kernels.paged_attention.attend_parts`):
+    the output in float32 ``[batch, query_heads, queries, value_dim]`` and each query's
+    log-sum-exp, float32 ``[batch, query_heads, queries]`` (``-inf`` where it sees nothing)."""
     batch, query_heads, queries, _ = query.shape
     blocks = _Blocks.over(query, key_arena, pages, lengths, visible, query_positions, pages_per_block, value_arena.shape[2])
     kv_heads, rows, value_dim = pages.shape[1], blocks.grouped.shape[2], value_arena.shape[2]
@@ -127,7 +164,8 @@ def attend_pages_torch(
         running_max = new_max
     inverse = torch.where(running_sum > 0, running_sum.reciprocal(), 0.0)
     out = acc * inverse.unsqueeze(-1)
-    return out.view(batch, query_heads, queries, value_dim).to(query.dtype)
+    lse = torch.where(running_sum > 0, running_max + running_sum.log(), float("-inf"))
+    return out.view(batch, query_heads, queries, value_dim), lse.view(batch, query_heads, queries)
 
 
 def attention_weights_torch(

@@ -102,6 +102,10 @@ class TritonPageSource(NamedTuple):
         """:func:`attend_pages_triton` of ``query`` over these pages; ``options``: its keyword arguments."""
         return attend_pages_triton(query, self, pages, lengths, **options)
 
+    def attend_parts(self, query: torch.Tensor, pages: torch.Tensor, lengths: torch.Tensor, **options) -> tuple[torch.Tensor, torch.Tensor]:
+        """:func:`attend_parts_triton` of ``query`` over these pages: float32 output and log-sum-exps."""
+        return attend_parts_triton(query, self, pages, lengths, **options)
+
     def weights(self, query: torch.Tensor, pages: torch.Tensor, lengths: torch.Tensor, **options) -> torch.Tensor:
         """:func:`attention_weights_triton` of ``query`` over these pages; ``options``: its keyword arguments."""
         return attention_weights_triton(query, self, pages, lengths, **options)
@@ -242,11 +246,42 @@ def attend_pages_triton(
     at most this many splits per (row, KV head) (None: :func:`split_plan`'s choice). The other
     arguments and the result are :func:`~kvlib.kernels.paged_attention.paged_attention`'s; the result is
     on the arenas' device."""
+    out, _ = _attend(query, source, pages, lengths, visible, query_positions, scale, softcap, splits, with_lse=False)
+    return out
+
+
+def attend_parts_triton(
+    query: torch.Tensor,
+    source: TritonPageSource,
+    pages: torch.Tensor,
+    lengths: torch.Tensor,
+    *,
+    visible: torch.Tensor | None,
+    query_positions: torch.Tensor | None,
+    scale: float,
+    softcap: float | None = None,
+    splits: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`attend_pages_triton` as a partial attention (:func:`kvlib.kernels.paged_attention.attend_parts`):
+    the output in float32 ``[batch, query_heads, queries, value_dim]`` and each query's
+    log-sum-exp, float32 ``[batch, query_heads, queries]`` (``-inf`` where it sees nothing), on
+    the arenas' device."""
+    return _attend(query, source, pages, lengths, visible, query_positions, scale, softcap, splits, with_lse=True)
+
+
+def _attend(
+    query, source, pages, lengths, visible, query_positions, scale, softcap, splits, *, with_lse: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The Triton kernels' output ``[batch, query_heads, queries, value_dim]`` (float32 with
+    ``with_lse``, else the query's dtype) and, with ``with_lse``, the log-sum-exps ``[batch,
+    query_heads, queries]`` (else None)."""
     launch = _Launch.of(query, source, pages, lengths, visible, query_positions)
     pairs, rows = launch.grouped.shape[:2]
     value_dim = source.value_dim
     device = source.positions.device
-    out = (torch.empty if launch.longest else torch.zeros)(pairs, rows, value_dim, dtype=query.dtype, device=device)
+    dtype = torch.float32 if with_lse else query.dtype
+    out = (torch.empty if launch.longest else torch.zeros)(pairs, rows, value_dim, dtype=dtype, device=device)
+    lse = torch.full((pairs, rows), float("-inf"), dtype=torch.float32, device=device) if with_lse else out
     count, split_tokens = split_plan(launch.longest, pairs, splits)
     several = count > 1
     partial = torch.empty(pairs, count, rows, value_dim, dtype=torch.float32, device=device) if several else out
@@ -263,6 +298,7 @@ def attend_pages_triton(
             out,
             partial,
             partial_lse,
+            lse,
             split_tokens,
             float(scale),
             float(softcap or 1.0),
@@ -277,15 +313,25 @@ def attend_pages_triton(
             BLOCK_V=block_v,
             SOFTCAP=bool(softcap),
             SPLIT=several,
+            WITH_LSE=with_lse,
             num_warps=8 if max(launch.shape["HEAD_DIM"], value_dim) >= WIDE_CHANNELS else 4,
             **launch.shape,
         )
         if several:
             merge_splits[(pairs,)](
-                partial, partial_lse, out, count, ROWS=rows, VALUE_DIM=value_dim, BLOCK_M=launch.shape["BLOCK_M"], BLOCK_V=block_v
+                partial,
+                partial_lse,
+                out,
+                lse,
+                count,
+                ROWS=rows,
+                VALUE_DIM=value_dim,
+                BLOCK_M=launch.shape["BLOCK_M"],
+                BLOCK_V=block_v,
+                WITH_LSE=with_lse,
             )
     batch, query_heads, queries, _ = query.shape
-    return out.view(batch, query_heads, queries, value_dim)
+    return out.view(batch, query_heads, queries, value_dim), lse.view(batch, query_heads, queries) if with_lse else None
 
 
 def attention_weights_triton(

@@ -51,6 +51,11 @@ class PageReader(Protocol):
         """:func:`~kvlib.kernels.paged_attention.paged_attention` of ``query`` over these pages through the block table
         ``pages`` holding ``lengths`` tokens per (row, KV head)."""
 
+    def attend_parts(self, query: torch.Tensor, pages: torch.Tensor, lengths: torch.Tensor, **options) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`attend` as a partial attention (:func:`~kvlib.kernels.paged_attention.attend_parts`): the
+        output in float32 and each query's log-sum-exp (float32 ``[batch, query_heads, queries]``,
+        ``-inf`` where it sees nothing), for merging with attention over other tokens."""
+
     def weights(self, query: torch.Tensor, pages: torch.Tensor, lengths: torch.Tensor, **options) -> torch.Tensor:
         """:func:`~kvlib.kernels.paged_scores.attention_weights` of ``query`` over these pages (slots in block-table order)."""
 

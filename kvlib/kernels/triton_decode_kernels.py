@@ -22,6 +22,9 @@ into a running max, sum and accumulator (FlashAttention's online softmax). With 
 sum``, 0 for a row that saw nothing, in the output's dtype); with several, each split's
 normalized float32 output and its log-sum-exp (``-inf`` for nothing seen), which
 :func:`merge_splits` combines: ``out = sum_s exp(lse_s - M) o_s / sum_s exp(lse_s - M)``.
+With ``WITH_LSE`` each query row's log-sum-exp over all its tokens goes to ``lse [pairs, ROWS]``
+too (float32, ``-inf`` for nothing seen; ``M + log(sum_s exp(lse_s - M))`` after a merge): a
+partial attention to merge with another (:mod:`kvlib.kernels.shared_prefix`).
 """
 
 from __future__ import annotations
@@ -118,6 +121,7 @@ def attend_splits(
     out,
     partial,
     partial_lse,
+    lse_out,
     split_tokens,
     scale,
     softcap,
@@ -141,10 +145,11 @@ def attend_splits(
     SOFTCAP: tl.constexpr,
     DOT: tl.constexpr,
     SPLIT: tl.constexpr,
+    WITH_LSE: tl.constexpr,
 ):
     """One (pair, split) of the attention (module docstring): ``out [pairs, ROWS, VALUE_DIM]``
-    when not ``SPLIT``, else ``partial [pairs, splits, ROWS, VALUE_DIM]`` and ``partial_lse
-    [pairs, splits, ROWS]`` (float32)."""
+    (and with ``WITH_LSE`` ``lse_out [pairs, ROWS]``) when not ``SPLIT``, else ``partial [pairs,
+    splits, ROWS, VALUE_DIM]`` and ``partial_lse [pairs, splits, ROWS]`` (float32)."""
     pair = tl.program_id(0)
     split = tl.program_id(1)
     grouped = grouped_queries(query, pair, ROWS, HEAD_DIM, BLOCK_M, BLOCK_D)
@@ -202,6 +207,9 @@ def attend_splits(
     else:
         place = (pair * ROWS + row)[:, None] * VALUE_DIM + channel[None, :]
         tl.store(out + place, (acc * inverse[:, None]).to(out.dtype.element_ty), mask=written)
+        if WITH_LSE:
+            lse = tl.where(seen_any, running_max + tl.log(tl.where(seen_any, running_sum, 1.0)), float("-inf"))
+            tl.store(lse_out + pair * ROWS + row, lse, mask=row < ROWS)
 
 
 @triton.jit
@@ -209,13 +217,16 @@ def merge_splits(
     partial,
     partial_lse,
     out,
+    lse_out,
     splits,
     ROWS: tl.constexpr,
     VALUE_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    WITH_LSE: tl.constexpr,
 ):
-    """One pair's output from its splits' outputs and log-sum-exps (module docstring), in ``out``'s dtype."""
+    """One pair's output from its splits' outputs and log-sum-exps (module docstring), in
+    ``out``'s dtype; with ``WITH_LSE`` its rows' log-sum-exps in ``lse_out [pairs, ROWS]``."""
     pair = tl.program_id(0)
     row = tl.arange(0, BLOCK_M)
     channel = tl.arange(0, BLOCK_V)
@@ -237,6 +248,9 @@ def merge_splits(
     inverse = tl.where(total > 0, 1.0 / tl.where(total > 0, total, 1.0), 0.0)
     place = (pair * ROWS + row)[:, None] * VALUE_DIM + channel[None, :]
     tl.store(out + place, (acc * inverse[:, None]).to(out.dtype.element_ty), mask=written)
+    if WITH_LSE:
+        lse = tl.where(total > 0, best + tl.log(tl.where(total > 0, total, 1.0)), float("-inf"))
+        tl.store(lse_out + pair * ROWS + row, lse, mask=row < ROWS)
 
 
 @triton.jit
