@@ -6,7 +6,8 @@ a question of its own (8 tokens). The first request computes the prompt; the oth
 pages from the prefix cache (so their block tables begin with the same pages) and compute their
 questions. Once every request decodes, the engine runs ``steps`` decode steps, switching its
 runner's ``shared_prefix`` between steps (on, off, off, on, ...: the same requests, pages and load
-for both; the Engine's ``shared_prefix`` option sets the same switch), after one untimed step of
+for both; on is ``Engine(shared_prefix=0)``, the split wherever pages are shared, whatever it saves;
+the Engine's default splits only where it saves ``MIN_SAVED_READS`` reads per layer), after one untimed step of
 each. Per step: wall seconds (rows output tokens each) and the K/V bytes its decode group read
 (``stats()["kv_read_bytes"]``). The greedy tokens of a separate short run of each variant are
 compared (``outputs equal``).
@@ -93,7 +94,7 @@ def interleaved(model: torch.nn.Module, batch: list[list[int]], shared: int, ste
     expected: dict[str, list[int]] = {"on": [], "off": []}
     order = ["on", "off"] + [variant for index in range(steps // 2) for variant in (("on", "off") if index % 2 else ("off", "on"))]
     for index, variant in enumerate(order):
-        engine.runner.shared_prefix = variant == "on"
+        engine.runner.shared_prefix = 0 if variant == "on" else None  # on: split wherever pages are shared
         before = engine.stats()["kv_read_bytes"]
         stored = [request.computed + 1 for request in engine.scheduler.running]  # each step's token is stored before attention
         tokens = shared * -(-rows // MAX_GROUP_ROWS) + sum(held - shared for held in stored) if variant == "on" else sum(stored)
@@ -118,7 +119,7 @@ def interleaved(model: torch.nn.Module, batch: list[list[int]], shared: int, ste
     return result
 
 
-def outputs(model: torch.nn.Module, batch: list[list[int]], new: int, max_batch_tokens: int, shared_prefix: bool) -> list[list[int]]:
+def outputs(model: torch.nn.Module, batch: list[list[int]], new: int, max_batch_tokens: int, shared_prefix: bool | int) -> list[list[int]]:
     engine = kvlib.Engine(model, max_batch_tokens=max_batch_tokens, shared_prefix=shared_prefix)
     return engine.generate(batch, max_new_tokens=new)
 
@@ -173,7 +174,7 @@ def run(argv: Sequence[str] | None = None) -> dict:
             batch = prompts(vocab, rows, prompt, args.seed)
             shared = prompt // PAGE_SIZE * PAGE_SIZE  # the full pages the later requests attach
             row = {"rows": rows, "prompt": prompt} | interleaved(model, batch, shared, args.steps, args.max_batch_tokens)
-            on, off = (outputs(model, batch, args.new, args.max_batch_tokens, flag) for flag in (True, False))
+            on, off = (outputs(model, batch, args.new, args.max_batch_tokens, flag) for flag in (0, False))
             row["outputs_equal"] = on == off
             cases.append(row)
     result = {"cases": cases, "meta": run_metadata(args, load_before, started)}

@@ -65,6 +65,7 @@ from kvlib.adapters.engine.scheduler import Scheduler, StepPlan
 from kvlib.adapters.engine.suffix_speculator import SuffixSpeculation, SuffixSpeculator, speculation
 from kvlib.adapters.runtime.attention import route_attention
 from kvlib.errors import quoted
+from kvlib.kernels.shared_prefix import MIN_SAVED_READS
 from kvlib.limits import MAX_REQUEST_TOKENS
 from kvlib.model_shape import kv_shape, model_context
 from kvlib.spec import parse_spec
@@ -145,8 +146,10 @@ class Engine:
         shared_prefix: where several decoding requests begin with the same full pages (a prefix
             the prefix cache attached to each), their decode attention reads those pages once
             for all of them and each request's own pages apart, merged exactly by log-sum-exp
-            (Hydragen; :mod:`~kvlib.kernels.shared_prefix`); False reads every request's pages
-            apart. Outputs are the same either way; ``stats()["kv_read_bytes"]`` counts what was read.
+            (Hydragen; :mod:`~kvlib.kernels.shared_prefix`), in a layer where that saves at
+            least :data:`~kvlib.kernels.shared_prefix.MIN_SAVED_READS` (token, KV head) reads (below
+            it the split costs more than it saves on the CPU); an int sets that least saving (0:
+            wherever pages are shared); False reads every request's pages apart. Outputs are the same either way; ``stats()["kv_read_bytes"]`` counts what was read.
     """
 
     def __init__(
@@ -175,7 +178,7 @@ class Engine:
         handover_max_age_s: float = MAX_AGE_S,
         max_finished: int | None = 1024,
         speculate: str | SuffixSpeculation | None = None,
-        shared_prefix: bool = True,
+        shared_prefix: bool | int = True,
     ) -> None:
         check_engine(model, preemption, page_size, page_budget_bytes, prefix_cache_bytes, prefix_cache, remote, shared_prefix)
         speculation_options = speculation(speculate)
@@ -217,7 +220,9 @@ class Engine:
             role, handover_queue, self.kv, vocab=self.vocab, max_tokens=self.context or MAX_REQUEST_TOKENS, max_age_s=handover_max_age_s
         )
         """The prefill or decode side of hand-overs (:mod:`~kvlib.adapters.engine.handover_roles`; idle for role ``"both"``)."""
-        self.runner = ModelRunner(model, self.kv.store, self.shape, codec=self.codec, device=self.device, shared_prefix=shared_prefix)
+        self.runner = ModelRunner(
+            model, self.kv.store, self.shape, codec=self.codec, device=self.device, shared_prefix=_least_saved_reads(shared_prefix)
+        )
         self._token_bytes = (self.shape.head_dim + self.shape.value_dim) * self.dtype.itemsize
         """Bytes of one stored token's key and value in one KV head, in the compute dtype."""
         self.requests: dict[int, Request] = {}
@@ -532,3 +537,11 @@ class Engine:
         del self._finished[request_id]
         del self.requests[request_id]
         self.handover_role.forget(request_id)
+
+
+def _least_saved_reads(shared_prefix: bool | int) -> int | None:
+    """The ``shared_prefix`` option as the runner takes it: the fewest (token, KV head) reads per
+    layer a shared-prefix split must save, or None for never."""
+    if shared_prefix is True:
+        return MIN_SAVED_READS
+    return None if shared_prefix is False else shared_prefix

@@ -45,8 +45,11 @@ def check_engine(
     :func:`~kvlib.adapters.engine.handover_roles.check_role`)."""
     if preemption not in PREEMPTION_MODES:
         raise ValueError(f"preemption must be one of {PREEMPTION_MODES}, got {quoted(preemption)}")
-    if not isinstance(shared_prefix, bool):
-        raise ValueError(f"shared_prefix must be True or False, got {quoted(shared_prefix)}")
+    if not isinstance(shared_prefix, int) or (not isinstance(shared_prefix, bool) and shared_prefix < 0):
+        raise ValueError(
+            f"shared_prefix must be True, False or an int >= 0 (the fewest (token, KV head) reads per layer a split must save),"
+            f" got {quoted(shared_prefix)}"
+        )
     check_page_size(page_size)
     _check_bytes("page_budget_bytes", page_budget_bytes, minimum=1)
     _check_bytes("prefix_cache_bytes", prefix_cache_bytes, minimum=0)

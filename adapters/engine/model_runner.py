@@ -47,7 +47,8 @@ class ModelRunner:
     """Runs ``model`` (of KV layout ``shape``: its layers' sliding windows) over ``store``'s
     sequences; ``codec`` (None: raw pages) seals full pages after each segment's attention, as
     ``KVCache.after_attention`` does; ``shared_prefix``: the decode group reads the full pages
-    its rows share once for all of them (:class:`~kvlib.adapters.engine.packed_batch.PackedCache`'s ``share_prefixes``)."""
+    its rows share once for all of them in a layer where that saves at least this many (token, KV
+    head) reads (None: never; :class:`~kvlib.adapters.engine.packed_batch.PackedCache`'s ``share_prefixes``)."""
 
     def __init__(
         self,
@@ -57,7 +58,7 @@ class ModelRunner:
         *,
         codec: Codec | None,
         device: torch.device,
-        shared_prefix: bool = True,
+        shared_prefix: int | None = None,
     ) -> None:
         self.model = model
         self.store = store

@@ -141,7 +141,8 @@ class PackedCache(Cache):
     that attended over its pages; the engine runs per-request eviction and frees what left a
     sliding window there. ``windows``: per layer, its sliding window in tokens, None for a layer
     that sees every position (empty: none slides). ``share_prefixes``: the decode group reads
-    full pages its rows share once for all of them (:func:`decode_shared_prefix`).
+    full pages its rows share once for all of them (:func:`decode_shared_prefix`) in a layer where
+    that saves at least this many (token, KV head) reads (None: never).
     """
 
     def __init__(
@@ -150,7 +151,7 @@ class PackedCache(Cache):
         segments: list[Segment],
         after_attention: Callable | None = None,
         windows: Sequence[int | None] = (),
-        share_prefixes: bool = False,
+        share_prefixes: int | None = None,
     ) -> None:
         super().__init__(layers=[_PackedLayer(self, i) for i in range(store.num_layers)])
         self.store = store
@@ -324,14 +325,18 @@ def _shared_decode(step: PackedLayerStep, index: int, path: AttentionPath) -> Sh
     looks); else None."""
     cache = step.cache
     segment = cache.segments[index]
-    if not cache.share_prefixes or index != 0 or segment.length != 1 or len(segment.seqs) < 2 or path is AttentionPath.DENSE:
+    if cache.share_prefixes is None or index != 0 or segment.length != 1 or len(segment.seqs) < 2 or path is AttentionPath.DENSE:
         return None
     if step.layer_idx > 0 and cache.split is None:
         return None
     pages = step.paged[index]
     if pages is None:
         pages = cache.store.paged_layer(step.layer_idx, segment.seqs)
-    cache.split = None if pages is None else share_prefixes(pages.pages, pages.lengths, cache.store.page_size, like=cache.split)
+    cache.split = (
+        None
+        if pages is None
+        else share_prefixes(pages.pages, pages.lengths, cache.store.page_size, like=cache.split, min_saved=cache.share_prefixes)
+    )
     return None if cache.split is None else SharedDecode(pages.source, cache.split)
 
 

@@ -49,6 +49,12 @@ from kvlib.devices import to_arena_device
 from kvlib.kernels.host_arrays import host_array
 from kvlib.kernels.pages import PageReader
 
+MIN_SAVED_READS = 32768
+"""The fewest (token, KV head) reads per layer a split must save to be used: below it the split's
+own work (grouping, a second and third kernel call, the merge: 0.3-0.5 ms per layer on this
+project's 2-core CPU) costs more than the reads it saves (the break-even measured there by
+``benchmarks/shared_prefix_bench.py``, about 30k reads). Unmeasured on CUDA."""
+
 MAX_GROUP_ROWS = 16
 """The most rows whose queries attend over shared pages together (a Triton program holds them, times
 the GQA group, as one tile of query rows); a larger group is cut into near-equal parts, each
@@ -97,11 +103,14 @@ class PrefixSharing(NamedTuple):
         return int((self.place < sum(group.members.numel() for group in self.groups)).sum())
 
 
-def share_prefixes(pages: torch.Tensor, lengths: torch.Tensor, page_size: int, like: PrefixSharing | None = None) -> PrefixSharing | None:
+def share_prefixes(
+    pages: torch.Tensor, lengths: torch.Tensor, page_size: int, like: PrefixSharing | None = None, min_saved: int = 0
+) -> PrefixSharing | None:
     """The split of a block table (``pages`` int64 ``[batch, kv_heads, max_pages]``, ``-1`` past
     each head's last page; ``lengths`` int64 ``[batch, kv_heads]`` tokens per head; both on the
     CPU) into groups of rows sharing their first full pages and each row's suffix (see the module
-    docstring), or None where no two rows share a full page. ``like``: the split of another table
+    docstring), or None where no two rows share a full page or the split saves fewer than
+    ``min_saved`` (token, KV head) reads (:data:`MIN_SAVED_READS` is the Engine's default). ``like``: the split of another table
     of the same rows (another layer's): its groups are kept where every group's rows still begin
     with the same full pages here (checked), which spares the sort."""
     table = host_array(pages)
@@ -111,7 +120,7 @@ def share_prefixes(pages: torch.Tensor, lengths: torch.Tensor, page_size: int, l
         return None
     full = np.minimum(held.min(axis=1) // page_size, width)  # full pages every head of a row holds
     runs = like.runs if like is not None and _runs_hold(like.runs, table, full) else _grouping(table, full)
-    if not runs:
+    if not runs or _saved_reads(runs, page_size, table.shape[1]) < max(min_saved, 1):
         return None
     skip = np.zeros(batch, dtype=np.int64)
     by_width: dict[int, list[tuple[np.ndarray, int]]] = {}
@@ -128,6 +137,16 @@ def share_prefixes(pages: torch.Tensor, lengths: torch.Tensor, page_size: int, l
         start += group_width * len(members)
     suffix_pages, suffix_lengths = _suffixes(table, held, skip, page_size)
     return PrefixSharing(groups, torch.from_numpy(place), suffix_pages, suffix_lengths, runs)
+
+
+def _saved_reads(runs: list[tuple[np.ndarray, int]], page_size: int, kv_heads: int) -> int:
+    """(token, KV head) reads the split of ``runs`` saves against whole tables: each part of a
+    group (at most :data:`MAX_GROUP_ROWS` rows) reads its shared pages once instead of once per row."""
+    saved = 0
+    for rows, shared in runs:
+        parts = -(-len(rows) // MAX_GROUP_ROWS)
+        saved += (len(rows) - parts) * shared
+    return saved * page_size * kv_heads
 
 
 def _grouping(table: np.ndarray, full: np.ndarray) -> list[tuple[np.ndarray, int]]:

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from kvlib.kernels.paged_attention import arena_source
 from kvlib.kernels.paged_attention_torch import torch_arena_source
-from kvlib.kernels.shared_prefix import MAX_GROUP_ROWS, PrefixSharing, attend_shared, merge_parts, share_prefixes
+from kvlib.kernels.shared_prefix import MAX_GROUP_ROWS, MIN_SAVED_READS, PrefixSharing, attend_shared, merge_parts, share_prefixes
 from tests.kernels.test_paged_attention import TOLERANCE
 
 
@@ -175,6 +175,16 @@ def test_a_group_of_more_than_max_group_rows_attends_in_parts() -> None:
     out = attend_shared(source, query, sharing, query_positions=batch.query_positions, scale=0.3)
     whole = source.attend(query, batch.pages, batch.lengths, visible=None, query_positions=batch.query_positions, scale=0.3)
     torch.testing.assert_close(out, whole, atol=1e-5, rtol=1e-5)
+
+
+def test_a_split_saving_fewer_reads_than_asked_is_not_made() -> None:
+    """Two pairs of rows sharing 6 pages of 4 tokens in 2 heads save 2 x 6 x 4 x 2 = 96 reads: a
+    split is made when asked to save at most that, not when asked for more."""
+    batch = Batch([0, 0, 1, 1], [6, 6, 6, 6], [3, 5, 2, 9], 2, 4, (8, 8), torch.float32, torch.Generator().manual_seed(0))
+    made = share_prefixes(batch.pages, batch.lengths, 4, min_saved=96)
+    assert made is not None and int(batch.lengths.sum()) - made.tokens_read() == 96
+    assert share_prefixes(batch.pages, batch.lengths, 4, min_saved=97) is None
+    assert MIN_SAVED_READS > 96  # the Engine's default leaves so small a saving unsplit
 
 
 def test_no_shared_full_page_no_split() -> None:

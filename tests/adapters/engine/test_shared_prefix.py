@@ -1,5 +1,5 @@
-"""Shared-prefix attention in the Engine's decode group (``Engine(shared_prefix=True)``, the
-default): greedy outputs per request equal the Engine with it off, on Llama, Qwen2, GPT-2 and the
+"""Shared-prefix attention in the Engine's decode group (``Engine(shared_prefix=0)``: split wherever
+pages are shared; the default splits only a saving of ``MIN_SAVED_READS`` reads): greedy outputs per request equal the Engine with it off, on Llama, Qwen2, GPT-2 and the
 embedded model, with groups of 2-8 requests sharing prompts of several page counts (one ending
 mid-page) beside requests sharing nothing; the K/V bytes the decode groups read drop by exactly
 the shared pages read once per group; eviction rows, codecs, sliding-window models and the read
@@ -40,7 +40,7 @@ def mixed_prompts(vocab: int, seed: int = 0) -> list[list[int]]:
 
 def served(model: torch.nn.Module, prompts: list[list[int]], **options) -> tuple[list[list[int]], int]:
     """Each prompt's greedy output from an Engine with ``options``, and the K/V bytes its decode groups read."""
-    engine = kvlib.Engine(model, **options)
+    engine = kvlib.Engine(model, **{"shared_prefix": 0, **options})  # split wherever pages are shared: small models save few reads
     outputs = engine.generate(prompts, max_new_tokens=NEW)
     return outputs, engine.stats()["kv_read_bytes"]
 
@@ -86,7 +86,7 @@ def test_kv_bytes_read_count_the_shared_pages_once() -> None:
     token_bytes = shape.num_layers * shape.num_kv_heads * (shape.head_dim + shape.value_dim) * 4
     prompt = draw(torch.Generator().manual_seed(3), 97, 33)
     steps = {}
-    for shared_prefix in (True, False):
+    for variant, shared_prefix in (("on", 0), ("off", False)):
         engine = kvlib.Engine(model, shared_prefix=shared_prefix)
         for _ in range(4):
             engine.add_request(prompt, max_new_tokens=12)
@@ -99,8 +99,8 @@ def test_kv_bytes_read_count_the_shared_pages_once() -> None:
         before = engine.stats()["kv_read_bytes"]
         stored = [request.computed + 1 for request in decoding]  # each step's new token is stored before attention
         engine.step()
-        steps[shared_prefix] = (engine.stats()["kv_read_bytes"] - before, stored)
-    (read_shared, stored), (read_apart, stored_apart) = steps[True], steps[False]
+        steps[variant] = (engine.stats()["kv_read_bytes"] - before, stored)
+    (read_shared, stored), (read_apart, stored_apart) = steps["on"], steps["off"]
     assert stored == stored_apart
     assert read_apart == sum(stored) * token_bytes
     assert read_shared == (32 + sum(tokens - 32 for tokens in stored)) * token_bytes
@@ -120,7 +120,7 @@ def test_rows_with_their_own_eviction_decode_beside_sharing_rows() -> None:
             engine.step()
         return [engine.requests[i].output for i in ids], engine.stats()["kv_read_bytes"]
 
-    shared, read_shared = outputs()
+    shared, read_shared = outputs(shared_prefix=0)
     apart, read_apart = outputs(shared_prefix=False)
     assert shared == apart and read_shared < read_apart
 
@@ -149,8 +149,18 @@ def test_sliding_window_models_share_nothing_and_keep_their_outputs() -> None:
     assert served(model, prompts) == served(model, prompts, shared_prefix=False)
 
 
+def test_by_default_a_split_saving_few_reads_is_not_made() -> None:
+    """The default (``shared_prefix=True``) splits only where a layer saves ``MIN_SAVED_READS``
+    reads: on a small model's short shared prompts it reads what the Engine without it reads."""
+    model = build_model("llama")
+    prompts = mixed_prompts(97)
+    default, read_default = served(model, prompts, shared_prefix=True)
+    apart, read_apart = served(model, prompts, shared_prefix=False)
+    assert default == apart and read_default == read_apart
+
+
 def test_a_bad_value_is_refused_in_one_line() -> None:
     model = build_model("llama")
-    for value in ("yes", 1, None):
-        with pytest.raises(ValueError, match=rf"^shared_prefix must be True or False, got {value!r}$"):
+    for value in ("yes", -1, None, 1.5):
+        with pytest.raises(ValueError, match=rf"^shared_prefix must be True, False or an int >= 0 .*, got {value!r}$"):
             kvlib.Engine(model, shared_prefix=value)
