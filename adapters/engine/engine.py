@@ -359,7 +359,7 @@ class Engine:
         if self.speculator is None:
             return {}
         proposals = {request: self.speculator.propose(request) for request in self.scheduler.running if request.remaining == 1}
-        return {request: draft for request, draft in proposals.items() if draft}
+        return {request: draft for request, (draft, _) in proposals.items() if draft}
 
     def receive(self, wait_s: float = 0.0) -> dict[HandOverKey, int]:
         """Decode role: queue every request handed over so far, waiting up to ``wait_s`` seconds

@@ -1,28 +1,29 @@
 """Draft tokens without a draft model: SuffixDecoding (Oliaro et al., 2024, arXiv:2411.04975) for the Engine.
 
-A :class:`SuffixSpeculator` keeps a :class:`~kvlib.adapters.engine.suffix_trie.SuffixTrie` per
-running request over its prompt and output (extended as the output grows) and one global trie over
-the outputs of the requests finished most recently (at most ``global_tokens`` tokens of them; the
-oldest output leaves when a new one would pass that). Each decode step, a request matches the
-longest suffix of its tokens (at most ``max_match``) that occurs followed by something in each trie,
-follows the most frequent continuation from there while its estimated probability stays at least
-``min_probability``, and of the two candidates proposes the one of higher score (expected accepted
-tokens); its length is at most ``alpha * p`` for a match of ``p`` tokens (the adaptive
-``MAX_SPEC``), at most ``max_draft``, and never more than the request may still output beyond the
-verification's own token.
+A :class:`SuffixSpeculator` keeps a :class:`~kvlib.adapters.engine.suffix_index.SuffixIndex` per
+running request over its prompt and output (each step appends only the tokens output since the
+last) and one global index over the outputs of the requests finished most recently (at most
+``global_tokens`` tokens of them; the oldest output leaves when a new one would pass that). Each
+decode step, a request matches the longest suffix of its tokens (at most ``max_match``) that occurs
+followed by something in each index, follows the most frequent continuation from there while its
+estimated probability stays at least ``min_probability``, and of the two candidates proposes the
+one of higher score (expected accepted tokens); its length is at most ``alpha * p`` for a match of
+``p`` tokens (the adaptive ``MAX_SPEC``), at most ``max_draft``, and never more than the request
+may still output beyond the verification's own token. Whether a proposed draft runs is the
+scheduler's call (:meth:`~kvlib.adapters.engine.scheduler.Scheduler.plan`: by its score, within the
+step's verification budget).
 
-Memory: at most ``max_match + max_draft`` trie nodes per token of each running request's prompt and
-output, and per token of the global window (``global_tokens``).
+Memory: 4 bytes per token of each running request's prompt and output and per token of the global
+window (``global_tokens``), in arrays of at most twice that capacity.
 """
 
 from __future__ import annotations
 
 import math
-from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvlib.adapters.engine.engine_request import Request
-from kvlib.adapters.engine.suffix_trie import SuffixNode, SuffixTrie
+from kvlib.adapters.engine.suffix_index import SuffixIndex
 from kvlib.errors import quoted
 
 SPECULATION_METHODS = ("suffix",)
@@ -73,66 +74,50 @@ def speculation(value: object) -> SuffixSpeculation | None:
     raise ValueError(f"speculate must be None, one of {SPECULATION_METHODS} or a SuffixSpeculation, got {quoted(value)}")
 
 
-@dataclass
-class _RequestTrie:
-    """A request's trie over its tokens, the first ``indexed`` of them indexed so far, and its cursor."""
-
-    trie: SuffixTrie
-    indexed: int = 0
-    cursor: list[SuffixNode] = field(default_factory=list)
-
-
 class SuffixSpeculator:
-    """Proposes each decoding request's draft from its own trie and the global one (see the module docstring)."""
+    """Proposes each decoding request's draft from its own index and the global one (see the module docstring)."""
 
     def __init__(self, options: SuffixSpeculation) -> None:
         self.options = options
-        self.depth = options.max_match + options.max_draft
-        self.requests: dict[int, _RequestTrie] = {}
-        self.recent = SuffixTrie(self.depth)
-        """The global trie: the outputs in :attr:`window`."""
-        self.window: deque[list[int]] = deque()
-        """The finished outputs :attr:`recent` indexes, oldest first (``global_tokens`` at most, all told)."""
-        self.window_tokens = 0
+        self.requests: dict[int, SuffixIndex] = {}
+        """Each running request's index over its tokens (prompt and output so far)."""
+        self.recent = SuffixIndex()
+        """The global index: the outputs of the requests finished most recently (``global_tokens`` at most, all told)."""
 
-    def propose(self, request: Request) -> list[int]:
-        """Draft tokens to follow ``request``'s last token (empty: none worth verifying)."""
+    def propose(self, request: Request) -> tuple[list[int], float]:
+        """Draft tokens to follow ``request``'s last token (empty: none worth verifying) and
+        their score (the tokens a verification is expected to accept)."""
         options = self.options
         room = min(options.max_draft, request.max_new_tokens - len(request.output) - 1)
         if room <= 0:
-            return []
-        tokens = request.tokens
+            return [], 0.0
         own = self.requests.get(request.request_id)
         if own is None:
-            own = self.requests[request.request_id] = _RequestTrie(SuffixTrie(self.depth))
-        own.cursor = own.trie.extend(own.cursor, tokens[own.indexed :])
-        own.indexed = len(tokens)
-        best: tuple[list[int], float] = ([], 0.0)
-        for trie in (own.trie, self.recent):
-            match = trie.longest_continued_suffix(tokens, options.max_match)
-            if match is None:
-                continue
-            node, length = match
-            draft = trie.continuation(node, min(room, int(options.alpha * length)), options.min_probability)
-            if draft[1] > best[1]:
-                best = draft
-        return best[0]
+            own = self.requests[request.request_id] = SuffixIndex()
+            own.add(request.prompt)
+        indexed = own.indexed - len(request.prompt)
+        if indexed < len(request.output):
+            own.extend(request.output[indexed:])
+        context = own.tokens[: own.size - 1]  # the request's tokens: its text, before the separator
+        search = {"max_match": options.max_match, "max_draft": room, "alpha": options.alpha, "min_probability": options.min_probability}
+        best, best_score = own.propose(context, **search)
+        if self.recent.lengths:
+            draft, score = self.recent.propose(context, **search)
+            if score > best_score:
+                best, best_score = draft, score
+        return best.tolist(), best_score
 
     def finish(self, request: Request, *, finished: bool) -> None:
-        """``request`` leaves the engine: its trie is dropped, and a ``finished`` one's output joins
+        """``request`` leaves the engine: its index is dropped, and a ``finished`` one's output joins
         the global window (the oldest outputs leave it while it holds more than ``global_tokens``)."""
         self.requests.pop(request.request_id, None)
-        output = list(request.output)
+        output = request.output
         if not finished or not output or len(output) > self.options.global_tokens:
             return
-        self.recent.extend([], output)
-        self.window.append(output)
-        self.window_tokens += len(output)
-        while self.window_tokens > self.options.global_tokens:
-            oldest = self.window.popleft()
-            self.recent.remove(oldest)
-            self.window_tokens -= len(oldest)
+        self.recent.add(output)
+        while self.recent.indexed > self.options.global_tokens:
+            self.recent.drop_oldest()
 
-    def nodes(self) -> int:
-        """Trie nodes held now (requests' and global), the unit of the memory bound."""
-        return self.recent.nodes + sum(own.trie.nodes for own in self.requests.values())
+    def indexed_tokens(self) -> int:
+        """Tokens the indexes hold now (requests' and global), the unit of the memory bound."""
+        return self.recent.indexed + sum(own.indexed for own in self.requests.values())
