@@ -62,7 +62,7 @@ from kvlib.adapters.engine.page_budget import page_budget
 from kvlib.adapters.engine.prefix_groups import prefix_groups
 from kvlib.adapters.engine.request_checks import REQUEST_OPTIONS, checked_request
 from kvlib.adapters.engine.scheduler import Scheduler, StepPlan
-from kvlib.adapters.engine.suffix_speculator import SuffixSpeculation, SuffixSpeculator, speculation
+from kvlib.adapters.engine.suffix_speculator import Draft, SuffixSpeculation, SuffixSpeculator, speculation
 from kvlib.adapters.runtime.attention import route_attention
 from kvlib.errors import quoted
 from kvlib.limits import MAX_REQUEST_TOKENS
@@ -330,7 +330,8 @@ class Engine:
 
     def step(self) -> dict[int, list[int]]:
         """Run one forward pass; returns the tokens produced, per request id."""
-        plan = self.scheduler.plan(self.kv, self._drafts())
+        verify_tokens = self.speculator.options.verify_tokens if self.speculator is not None else 0
+        plan = self.scheduler.plan(self.kv, self._drafts(), verify_tokens)
         self.scheduler.apply(plan, self.kv)
         self._count(plan)
         if not plan.chunks:
@@ -354,12 +355,14 @@ class Engine:
         self._counters["steps"] += 1
         return produced
 
-    def _drafts(self) -> dict[Request, list[int]]:
-        """Each running decoding request's proposed draft (none without speculation)."""
+    def _drafts(self) -> dict[Request, Draft]:
+        """The drafts worth verifying (a score of at least ``min_score``) of the running decoding
+        requests (none without speculation)."""
         if self.speculator is None:
             return {}
+        least = self.speculator.options.min_score
         proposals = {request: self.speculator.propose(request) for request in self.scheduler.running if request.remaining == 1}
-        return {request: draft for request, (draft, _) in proposals.items() if draft}
+        return {request: draft for request, draft in proposals.items() if draft.tokens and draft.score >= least}
 
     def receive(self, wait_s: float = 0.0) -> dict[HandOverKey, int]:
         """Decode role: queue every request handed over so far, waiting up to ``wait_s`` seconds

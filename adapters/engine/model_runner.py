@@ -79,7 +79,8 @@ class ModelRunner:
             segment_positions = torch.tensor(rows, dtype=torch.int64)
             positions.append(segment_positions.flatten())
             uniform = all(request.evictor is None for request in requests)
-            segments.append((Segment([r.seq for r in requests], start, length, segment_positions, uniform), requests))
+            verifying = requests[0] in drafts
+            segments.append((Segment([r.seq for r in requests], start, length, segment_positions, uniform, verifying), requests))
             start += len(requests) * length
         self._segments = segments
         for request in decodes:  # a held cap kept as a ring drops its oldest tokens before the step, as a KVCache's does
@@ -117,6 +118,7 @@ class ModelRunner:
         request's tokens not kept are truncated from its pages."""
         now = time.perf_counter()
         produced: dict[int, list[int]] = {}
+        rolled_back: list[Request] = []
         row = 0
         for request in finishing:
             draft = drafts.get(request, [])
@@ -135,12 +137,13 @@ class ModelRunner:
                 request.token_times.append(now)
                 kept.append(token)
             produced[request.request_id] = kept
-            if (
-                draft and len(kept) < len(draft) + 1
-            ):  # the sequence holds its last token and the draft: keep it and the kept tokens but the last
+            if draft and len(kept) < len(draft) + 1:  # it holds its last token and the draft: keep those the output kept
                 request.computed -= len(draft) + 1 - len(kept)
-                for layer in range(self.store.num_layers):
-                    self.store.truncate(layer, [request.seq], request.computed)
+                rolled_back.append(request)
+        if rolled_back:  # one truncation a layer for every request that kept less than it ran
+            seqs, lengths = [request.seq for request in rolled_back], [request.computed for request in rolled_back]
+            for layer in range(self.store.num_layers):
+                self.store.truncate(layer, seqs, lengths)
         return produced
 
     def _decode_order(self, decodes: list[Request]) -> list[Request]:

@@ -58,6 +58,10 @@ class Segment:
     uniform_heads: bool = True
     """Every head of these sequences holds the same tokens (no per-head eviction), so one mask
     row serves all heads."""
+    verifying: bool = False
+    """A group of draft verifications (each row its last token and a draft of ``length - 1``):
+    it attends causally straight over its rows' pages, as the decode group does, where those
+    can be read in place (:func:`verify_over_pages`)."""
 
     @property
     def tokens(self) -> int:
@@ -190,9 +194,10 @@ class PackedCache(Cache):
         return self.store.plan_step(self.segments[0].seqs, 1)
 
     def _paged_layer(self, layer_idx: int, segment: Segment) -> PagedLayer | None:
-        """The decode group's pages in place, when it may attend straight over them (no read
-        mirror kept, a device the page kernel runs on, a pool that gives its pages); else None."""
-        if segment.length != 1 or self.store.use_read_cache or not reads_pages_in_place(self.store.device):
+        """The decode group's or a verification group's pages in place, when it may attend
+        straight over them (no read mirror kept, a device the page kernel runs on, a pool that
+        gives its pages); else None."""
+        if (segment.length != 1 and not segment.verifying) or self.store.use_read_cache or not reads_pages_in_place(self.store.device):
             return None
         return self.store.paged_layer(layer_idx, segment.seqs)
 
@@ -234,7 +239,8 @@ def packed_attention(step: PackedLayerStep, call: AttentionCall) -> tuple[torch.
             )
             read = None  # attended over the pages: nothing was read
         elif path is AttentionPath.OVER_PAGES:
-            output = decode_over_pages(part, pages, segment, kwargs)
+            over_pages = verify_over_pages if segment.length > 1 else decode_over_pages
+            output = over_pages(part, pages, segment, kwargs)
             read = None  # attended over the pages: nothing was read
         else:
             read = step.dense_read(index)
@@ -278,6 +284,20 @@ def decode_over_pages(query: torch.Tensor, pages: PagedLayer, segment: Segment, 
     latest = segment.positions.max().view(1)
     scale = kwargs.get("scaling") or query.shape[-1] ** -0.5
     output = pages.attend(query, visible=None, query_positions=latest, scale=scale, softcap=kwargs.get("softcap"))
+    return output.transpose(1, 2)
+
+
+def verify_over_pages(query: torch.Tensor, pages: PagedLayer, segment: Segment, kwargs: dict) -> torch.Tensor:
+    """A verification group's attention straight over its pages: ``query [batch, heads, length,
+    head_dim]`` in, ``[batch, length, heads, value_dim]`` out. Each row stores its tokens at
+    positions ``0 ..`` its newest (no eviction while speculating), the segment's own last, so the
+    token at position ``q`` sees the stored positions ``<= q``: a causal mask over logical
+    positions per (row, query), ``[batch, length, newest + 1]`` bools."""
+    positions = segment.positions.to(query.device)
+    logical = torch.arange(int(segment.positions.max()) + 1, device=query.device)
+    visible = logical.view(1, 1, -1) <= positions.unsqueeze(-1)
+    scale = kwargs.get("scaling") or query.shape[-1] ** -0.5
+    output = pages.attend(query, visible=visible, query_positions=None, scale=scale, softcap=kwargs.get("softcap"))
     return output.transpose(1, 2)
 
 

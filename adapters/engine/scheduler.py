@@ -27,8 +27,9 @@ The decisions of one plan:
    its coming decode tokens; forecast admission (``"forecast"``, the Past-Future scheduler)
    admits while the forecast peak of the pages the running batch and the candidate will take
    fits in the free pages (:meth:`Scheduler.forecast_peak`);
-5. with speculation, each decoding request's draft (proposed before the plan) runs with its token,
-   as much of it as the token budget and the pages left over allow, the oldest request first; a
+5. with speculation, decoding requests' drafts (proposed before the plan) run with their tokens,
+   all of one length (one segment; shorter drafts continued by their extension), highest score
+   first, while the token budget left (at most ``verify_tokens``) and the pages left over allow; a
    step that preempts runs no drafts. Drafts come last so that they never delay a prefill chunk
    or an admission.
 
@@ -51,6 +52,7 @@ from typing import Protocol
 
 from kvlib.adapters.engine.engine_request import Request, RequestState
 from kvlib.adapters.engine.output_lengths import OutputLengths, check_quantile
+from kvlib.adapters.engine.suffix_speculator import Draft
 from kvlib.errors import quoted
 
 ADMISSION_POLICIES = ("reserve", "forecast")
@@ -214,11 +216,12 @@ class Scheduler:
 
     # -- deciding --------------------------------------------------------------------------------
 
-    def plan(self, ledger: PageLedger, drafts: Mapping[Request, list[int]] | None = None) -> StepPlan:
+    def plan(self, ledger: PageLedger, drafts: Mapping[Request, Draft] | None = None, verify_tokens: int = 0) -> StepPlan:
         """Decide the next step on a forecast of ``ledger``'s pages; the queues, the requests and
-        the ledger are left as they are (:meth:`apply` carries the plan out). ``drafts``: tokens
-        proposed to follow running decoding requests' last tokens (speculation), run where the
-        budget and pages left over allow."""
+        the ledger are left as they are (:meth:`apply` carries the plan out). ``drafts``: drafts
+        proposed to follow running decoding requests' last tokens (speculation), verified where
+        the budget and pages left over allow, ``verify_tokens`` draft tokens at most
+        (:meth:`_add_drafts`)."""
         forecast = ledger.forecast(self.running)
         plan = StepPlan()
         active = list(self.running)
@@ -261,6 +264,7 @@ class Scheduler:
         if not (plan.preempted or self.swapped and not plan.resumed):  # memory is short: admit nothing new
             budget, spent = self._admit(plan, forecast, active=active, budget=budget, free=free, spent=spent)
             if drafts:
+                budget = min(budget, verify_tokens)
                 self._add_drafts(plan, forecast, drafts, decodes, budget=budget, left=forecast.free_pages() - spent)
         plan.reclaimed = list(forecast.reclaimed)
         return plan
@@ -299,22 +303,35 @@ class Scheduler:
 
     @staticmethod
     def _add_drafts(
-        plan: StepPlan, forecast: Forecast, drafts: Mapping[Request, list[int]], decodes: list[Request], *, budget: int, left: int
+        plan: StepPlan, forecast: Forecast, drafts: Mapping[Request, Draft], decodes: list[Request], *, budget: int, left: int
     ) -> None:
-        """Lengthen the planned decodes of ``decodes`` by their ``drafts``, oldest first, each cut to
-        the token ``budget`` and the ``left`` pages still free after the plan's chunks."""
+        """Lengthen planned decodes of ``decodes`` into verifications of their ``drafts``, within
+        the token ``budget`` and the ``left`` pages still free after the plan's chunks.
+
+        Every verification of the step runs the same number of draft tokens, so that they are one
+        segment of the packed batch (one append and one attention call a layer for all of them):
+        the longest draft's length (cut to the budget), shorter drafts continued by their
+        extension, then by their last token again (any token is verified exactly; these are the
+        likeliest left). A request that may output fewer tokens than that runs only those (its
+        own, shorter segment). Requests are taken by score, highest first, while the budget and
+        the pages allow."""
+        candidates = sorted((request for request in decodes if request in drafts), key=lambda request: -drafts[request].score)
+        if not candidates or budget <= 0:
+            return
+        length = min(budget, max(len(drafts[request].tokens) for request in candidates))
         chunk = {id(request): index for index, (request, _) in enumerate(plan.chunks)}
-        for request in decodes:
-            draft = list(drafts.get(request, ()))[: max(budget, 0)]
-            extra = forecast.pages_for(request, 1 + len(draft)) - forecast.pages_for(request, 1)
-            while draft and extra > left:
-                draft = draft[: len(draft) // 2]
-                extra = forecast.pages_for(request, 1 + len(draft)) - forecast.pages_for(request, 1)
-            if draft:
-                plan.drafts[request] = draft
-                plan.chunks[chunk[id(request)]] = (request, 1 + len(draft))
-                budget -= len(draft)
-                left -= extra
+        for request in candidates:
+            draft = drafts[request]
+            room = min(length, request.max_new_tokens - len(request.output) - 1, budget)
+            tokens = (draft.tokens + draft.extension)[:room]
+            tokens += tokens[-1:] * (room - len(tokens))
+            extra = forecast.pages_for(request, 1 + len(tokens)) - forecast.pages_for(request, 1)
+            if not tokens or extra > left:
+                continue
+            plan.drafts[request] = tokens
+            plan.chunks[chunk[id(request)]] = (request, 1 + len(tokens))
+            budget -= len(tokens)
+            left -= extra
 
     def forecast_peak(self, running: Sequence[Request], candidate: Request, forecast: Forecast) -> int:
         """The most pages (per layer) the ``running`` requests and a waiting ``candidate`` will

@@ -13,7 +13,9 @@ with occurrence counts answers (:meth:`SuffixIndex.propose`):
   that occurred first), while the estimated probability of the path, the product of each token's
   share of the occurrences that continue before it, stays at least ``min_probability``; its score
   is the sum of those probabilities over its tokens (the tokens a verification is expected to
-  accept).
+  accept);
+- the extension: the same walk on past where the draft stopped, ignoring ``min_probability`` and
+  the draft's length limit (tokens worth verifying where a verification runs more than the draft).
 
 This is exactly the walk down a suffix trie whose node counts are occurrence counts (by start
 position) of substrings of at most ``max_match + max_draft`` tokens (the tree SuffixDecoding
@@ -94,26 +96,30 @@ class SuffixIndex:
 
     def propose(
         self, context: np.ndarray, *, max_match: int, max_draft: int, alpha: float, min_probability: float
-    ) -> tuple[np.ndarray, float]:
-        """The draft to follow ``context`` (int32 token ids) and its score (see the module
-        docstring): a match of ``p`` tokens (at most ``max_match``) drafts at most
-        ``min(max_draft, floor(alpha * p))`` tokens. An empty draft (score 0) when not even the
-        context's last token occurs followed by something, or no token passes ``min_probability``."""
-        draft = np.empty(max(max_draft, 0), dtype=np.int32)
-        count, score = _propose(self.tokens, self.size, context, max_match, alpha, min_probability, draft)
-        return draft[:count], score
+    ) -> tuple[np.ndarray, float, np.ndarray]:
+        """The draft to follow ``context`` (int32 token ids), its score and its extension (see the
+        module docstring): a match of ``p`` tokens drafts at most ``min(max_draft, floor(alpha *
+        p))`` tokens. The extension continues the same walk past where the draft stopped (by its
+        length or ``min_probability``), to ``max_draft`` tokens in all at most: the likeliest
+        tokens to verify after the draft where a verification runs more. An empty draft (score 0)
+        when not even the context's last token occurs followed by something, or no token passes
+        ``min_probability``."""
+        walk = np.empty(max(max_draft, 0), dtype=np.int32)
+        drafted, walked, score = _propose(self.tokens, self.size, context, max_match, alpha, min_probability, walk)
+        return walk[:drafted], score, walk[drafted:walked]
 
 
 @numba.njit(cache=True, nogil=True)
 def _propose(
     text: np.ndarray, size: int, context: np.ndarray, max_match: int, alpha: float, min_probability: float, draft: np.ndarray
-) -> tuple[int, float]:  # pragma: no cover - compiled
-    """:meth:`SuffixIndex.propose` over ``text[:size]``: writes the draft into ``draft`` (its
-    length is ``max_draft``) and returns its length and score. ``next_at`` holds the positions of
-    the tokens that follow the occurrences still in play, ascending."""
+) -> tuple[int, int, float]:  # pragma: no cover - compiled
+    """:meth:`SuffixIndex.propose` over ``text[:size]``: writes the draft and its extension into
+    ``draft`` (their length is at most ``len(draft)``) and returns the draft's length, with the
+    extension's, and the draft's score. ``next_at`` holds the positions of the tokens that follow
+    the occurrences still in play, ascending."""
     length = context.shape[0]
     if length == 0 or draft.shape[0] == 0:
-        return 0, 0.0
+        return 0, 0, 0.0
     last = context[length - 1]
     next_at = np.empty(size, dtype=np.int64)
     found = 0
@@ -122,7 +128,7 @@ def _propose(
             next_at[found] = j
             found += 1
     if found == 0:
-        return 0, 0.0
+        return 0, 0, 0.0
     matched = 1
     while matched < min(max_match, length):  # lengthen the match while some occurrence still continues
         want = context[length - 1 - matched]
@@ -142,8 +148,8 @@ def _propose(
         found = kept
         matched += 1
     limit = min(draft.shape[0], int(alpha * matched))
-    drafted, probability, score = 0, 1.0, 0.0
-    while drafted < limit and found > 0:
+    drafted, confident, probability, score = 0, -1, 1.0, 0.0
+    while drafted < draft.shape[0] and found > 0:
         following = text[next_at[:found]]
         order = np.argsort(following, kind="mergesort")  # stable: a run's first entry is its earliest occurrence
         best, best_count, best_first = -1, 0, size
@@ -158,11 +164,12 @@ def _propose(
                 best, best_count, best_first = token, end - run, first
             run = end
         probability *= best_count / found
-        if probability < min_probability:
-            break
+        if confident < 0 and (drafted == limit or probability < min_probability):
+            confident = drafted  # the draft ends here; what follows is its extension
         draft[drafted] = best
         drafted += 1
-        score += probability
+        if confident < 0:
+            score += probability
         kept = 0
         for i in range(found):
             j = next_at[i]
@@ -170,4 +177,4 @@ def _propose(
                 next_at[kept] = j + 1
                 kept += 1
         found = kept
-    return drafted, score
+    return drafted if confident < 0 else confident, drafted, score

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from kvlib.adapters.engine.engine_request import Request
 from kvlib.adapters.engine.suffix_index import SuffixIndex
@@ -40,7 +41,14 @@ class SuffixSpeculation:
         max_match: the longest suffix of a request's tokens matched (tokens).
         min_probability: a draft stops before the token at which its estimated probability (the
             product of each token's frequency share after the path before it) falls below this.
-        global_tokens: tokens of recent outputs the global trie indexes at most (0: no global trie).
+        global_tokens: tokens of recent outputs the global index holds at most (0: no global index).
+        min_score: a draft is verified only when its score (the tokens it is expected to get
+            accepted) is at least this: a verification costs its row a draft's worth of tokens of
+            compute, which a draft likely to be rejected at once does not pay back.
+        verify_tokens: draft tokens one step verifies at most, over all its verifications (the
+            step's token budget left after its decodes, chunks and admissions caps them too):
+            past about this many tokens a forward pass is bound by compute rather than by its
+            fixed cost, and each verified token costs what a token costs instead of nearly nothing.
     """
 
     max_draft: int = 8
@@ -48,9 +56,13 @@ class SuffixSpeculation:
     max_match: int = 16
     min_probability: float = 0.1
     global_tokens: int = 8192
+    min_score: float = 1.0
+    verify_tokens: int = 256
 
     def __post_init__(self) -> None:
-        for name, low in (("max_draft", 1), ("max_match", 1), ("global_tokens", 0)):
+        if isinstance(self.min_score, bool) or not isinstance(self.min_score, (int, float)) or not 0 <= self.min_score < math.inf:
+            raise ValueError(f"min_score must be a finite number >= 0 (expected accepted tokens), got {quoted(self.min_score)}")
+        for name, low in (("max_draft", 1), ("max_match", 1), ("global_tokens", 0), ("verify_tokens", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name} must be an int >= {low} (tokens), got {quoted(value)}")
@@ -74,6 +86,16 @@ def speculation(value: object) -> SuffixSpeculation | None:
     raise ValueError(f"speculate must be None, one of {SPECULATION_METHODS} or a SuffixSpeculation, got {quoted(value)}")
 
 
+class Draft(NamedTuple):
+    """A request's proposal: the draft ``tokens`` (to follow its last token), their ``score`` (the
+    tokens a verification is expected to accept) and the ``extension`` (the same walk on past the
+    draft's limits: what to verify after it where a verification runs more tokens)."""
+
+    tokens: list[int]
+    score: float
+    extension: list[int]
+
+
 class SuffixSpeculator:
     """Proposes each decoding request's draft from its own index and the global one (see the module docstring)."""
 
@@ -84,13 +106,12 @@ class SuffixSpeculator:
         self.recent = SuffixIndex()
         """The global index: the outputs of the requests finished most recently (``global_tokens`` at most, all told)."""
 
-    def propose(self, request: Request) -> tuple[list[int], float]:
-        """Draft tokens to follow ``request``'s last token (empty: none worth verifying) and
-        their score (the tokens a verification is expected to accept)."""
+    def propose(self, request: Request) -> Draft:
+        """The draft to follow ``request``'s last token (empty tokens: none found)."""
         options = self.options
         room = min(options.max_draft, request.max_new_tokens - len(request.output) - 1)
         if room <= 0:
-            return [], 0.0
+            return Draft([], 0.0, [])
         own = self.requests.get(request.request_id)
         if own is None:
             own = self.requests[request.request_id] = SuffixIndex()
@@ -100,12 +121,12 @@ class SuffixSpeculator:
             own.extend(request.output[indexed:])
         context = own.tokens[: own.size - 1]  # the request's tokens: its text, before the separator
         search = {"max_match": options.max_match, "max_draft": room, "alpha": options.alpha, "min_probability": options.min_probability}
-        best, best_score = own.propose(context, **search)
+        best = own.propose(context, **search)
         if self.recent.lengths:
-            draft, score = self.recent.propose(context, **search)
-            if score > best_score:
-                best, best_score = draft, score
-        return best.tolist(), best_score
+            other = self.recent.propose(context, **search)
+            if other[1] > best[1]:
+                best = other
+        return Draft(best[0].tolist(), best[1], best[2].tolist())
 
     def finish(self, request: Request, *, finished: bool) -> None:
         """``request`` leaves the engine: its index is dropped, and a ``finished`` one's output joins

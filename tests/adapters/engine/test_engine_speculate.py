@@ -138,7 +138,10 @@ def test_sampling_keeps_the_target_distribution(llama) -> None:
     prompt = record * 5
     options = {"do_sample": True, "temperature": 2.0, "top_k": 2}
     engine = kvlib.Engine(
-        llama, speculate=SuffixSpeculation(max_draft=2, alpha=4.0, min_probability=0.0), max_running=256, max_batch_tokens=2048
+        llama,
+        speculate=SuffixSpeculation(max_draft=2, alpha=4.0, min_probability=0.0, min_score=0.0),
+        max_running=256,
+        max_batch_tokens=2048,
     )
     ids = [engine.add_request(prompt, max_new_tokens=3, seed=seed, **options) for seed in range(800)]
     while engine.has_unfinished:

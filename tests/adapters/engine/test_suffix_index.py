@@ -29,24 +29,25 @@ def continued(corpus: list[list[int]], path: list[int]) -> Counter:
 
 def tree_walk(
     corpus: list[list[int]], context: list[int], max_match: int, max_draft: int, alpha: float, min_probability: float
-) -> tuple[list[int], float]:
-    """SuffixDecoding's proposal from a suffix tree with occurrence counts, by brute force."""
+) -> tuple[list[int], float, list[int]]:
+    """SuffixDecoding's proposal from a suffix tree with occurrence counts, by brute force: the
+    draft, its score and its extension (the walk on to ``max_draft`` tokens, past the limits)."""
     match = max((p for p in range(1, min(max_match, len(context)) + 1) if continued(corpus, context[-p:])), default=0)
-    draft: list[int] = []
-    probability, score = 1.0, 0.0
-    if not match:
-        return draft, score
-    while len(draft) < min(max_draft, int(alpha * match)):
-        following = continued(corpus, context[-match:] + draft)
+    walk: list[int] = []
+    probability, score, drafted = 1.0, 0.0, None
+    while match and len(walk) < max_draft:
+        following = continued(corpus, context[-match:] + walk)
         if not following:
             break
         token, count = max(following.items(), key=lambda item: item[1])  # the first of the most frequent
         probability *= count / sum(following.values())
-        if probability < min_probability:
-            break
-        draft.append(token)
-        score += probability
-    return draft, score
+        if drafted is None and (len(walk) == int(alpha * match) or probability < min_probability):
+            drafted = len(walk)
+        walk.append(token)
+        if drafted is None:
+            score += probability
+    drafted = len(walk) if drafted is None else drafted
+    return walk[:drafted], score, walk[drafted:]
 
 
 @settings(max_examples=150, deadline=None)
@@ -77,9 +78,9 @@ def test_a_proposal_is_the_suffix_tree_walk(corpus, context, max_match, max_draf
     assert index.indexed == sum(map(len, held))
     assert len(index.tokens) <= max(2 * index.size, index.size + 64)  # the memory bound
     search = {"max_match": max_match, "max_draft": max_draft, "alpha": alpha, "min_probability": min_probability}
-    draft, score = index.propose(np.array(context, dtype=np.int32), **search)
-    expected_draft, expected_score = tree_walk(held, context, **search)
-    assert draft.tolist() == expected_draft
+    draft, score, extension = index.propose(np.array(context, dtype=np.int32), **search)
+    expected_draft, expected_score, expected_extension = tree_walk(held, context, **search)
+    assert draft.tolist() == expected_draft and extension.tolist() == expected_extension
     assert score == pytest.approx(expected_score)
 
 
@@ -87,10 +88,11 @@ def test_the_most_frequent_continuation_wins_and_a_rare_one_stops_the_draft() ->
     index = SuffixIndex()
     index.add([1, 2, 3, 9, 1, 2, 3, 9, 1, 2, 4, 5])
     search = {"max_match": 8, "alpha": 2.0}
-    draft, score = index.propose(np.array([7, 1, 2], dtype=np.int32), max_draft=4, min_probability=0.0, **search)
-    assert draft.tolist() == [3, 9, 1, 2]  # 3 follows "1 2" twice, 4 once; then "1 2 3" goes on as it did
+    draft, score, extension = index.propose(np.array([7, 1, 2], dtype=np.int32), max_draft=4, min_probability=0.0, **search)
+    assert draft.tolist() == [3, 9, 1, 2] and extension.tolist() == []  # 3 follows "1 2" twice, 4 once; then as it did
     assert score == pytest.approx(4 * 2 / 3)
-    assert index.propose(np.array([7, 1, 2], dtype=np.int32), max_draft=4, min_probability=0.9, **search)[0].tolist() == []
+    draft, score, extension = index.propose(np.array([7, 1, 2], dtype=np.int32), max_draft=4, min_probability=0.9, **search)
+    assert draft.tolist() == [] and score == 0.0 and extension.tolist() == [3, 9, 1, 2]  # 3's share (2/3) is below 0.9
 
 
 def test_no_match_crosses_from_one_text_into_the_next() -> None:

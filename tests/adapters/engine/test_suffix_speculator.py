@@ -25,7 +25,7 @@ def occurs(text: list[int], pattern: list[int]) -> bool:
 def test_a_request_drafts_what_followed_its_last_tokens_before() -> None:
     speculator = SuffixSpeculator(SuffixSpeculation(max_draft=4))
     loop = [10, 11, 12, 13, 14, 15]
-    assert speculator.propose(request(0, loop + loop[:3])) == ([13, 14, 15], 3.0)  # alpha * p = 3 for a match of 3
+    assert speculator.propose(request(0, loop + loop[:3])) == ([13, 14, 15], 3.0, [10])  # alpha * p = 3 for a match of 3, then the extension
     assert speculator.propose(request(0, loop + loop[:3], output=[13, 14, 15, 10]))[0] == [11, 12, 13, 14]  # max_draft
     assert speculator.propose(request(1, loop + loop[:3], output=[13], max_new_tokens=3))[0] == [
         14
@@ -57,7 +57,7 @@ def test_every_draft_occurred_after_the_matched_suffix(outputs, prompt, max_draf
     for number, output in enumerate(outputs):
         speculator.finish(request(number, [0], output=output), finished=True)
     asking = request(99, prompt)
-    draft, score = speculator.propose(asking)
+    draft, score, _ = speculator.propose(asking)
     assert len(draft) <= max_draft and 0 <= score <= len(draft)
     if draft:
         held = speculator.recent.tokens[: speculator.recent.size].tolist()
