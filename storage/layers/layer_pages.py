@@ -565,7 +565,9 @@ class LayerPages:
         b, h, j = drop.nonzero(as_tuple=True)
         table.pages[rows[b], h, j] = -1
         table.lengths[rows] = new_lengths
-        table.logical[rows] = table.logical[rows].clamp(max=length) if isinstance(length, int) else torch.minimum(table.logical[rows], length)
+        table.logical[rows] = (
+            table.logical[rows].clamp(max=length) if isinstance(length, int) else torch.minimum(table.logical[rows], length)
+        )
         table.sealed[rows] = table.sealed[rows].clamp(max=new_lengths // page_size)
         if reopen is not None:
             self._reopen(rows, reopen)
