@@ -313,8 +313,8 @@ class Scheduler:
         the longest draft's length (cut to the budget), shorter drafts continued by their
         extension, then by their last token again (any token is verified exactly; these are the
         likeliest left). A request that may output fewer tokens than that runs only those (its
-        own, shorter segment). Requests are taken by score, highest first, while the budget and
-        the pages allow."""
+        own, shorter segment). Requests are taken by score, highest first; one whose tokens the
+        budget or the pages left cannot hold decodes without a draft."""
         candidates = sorted((request for request in decodes if request in drafts), key=lambda request: -drafts[request].score)
         if not candidates or budget <= 0:
             return
@@ -322,11 +322,11 @@ class Scheduler:
         chunk = {id(request): index for index, (request, _) in enumerate(plan.chunks)}
         for request in candidates:
             draft = drafts[request]
-            room = min(length, request.max_new_tokens - len(request.output) - 1, budget)
+            room = min(length, request.max_new_tokens - len(request.output) - 1)
             tokens = (draft.tokens + draft.extension)[:room]
             tokens += tokens[-1:] * (room - len(tokens))
             extra = forecast.pages_for(request, 1 + len(tokens)) - forecast.pages_for(request, 1)
-            if not tokens or extra > left:
+            if not tokens or len(tokens) > budget or extra > left:
                 continue
             plan.drafts[request] = tokens
             plan.chunks[chunk[id(request)]] = (request, 1 + len(tokens))

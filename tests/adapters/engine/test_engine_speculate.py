@@ -96,6 +96,25 @@ def test_random_prompts_stay_exact_on_every_family(family) -> None:
     assert pages_held(speculating) == 0
 
 
+def test_verifications_attend_over_their_pages_in_one_segment(llama, repetitive_case) -> None:
+    """Once every prompt is in, steps that verify drafts read no dense workspace (the page kernel
+    reads the pages in place) and run their verifications as one segment (one length)."""
+    prompts, expected = repetitive_case
+    engine = kvlib.Engine(llama, speculate="suffix")
+    ids = [engine.add_request(prompt, max_new_tokens=NEW) for prompt in prompts]
+    while engine.scheduler.waiting or any(request.remaining > 1 for request in engine.scheduler.running):
+        engine.step()
+    engine.store.peak_workspace = 0
+    lengths = []
+    while engine.has_unfinished:
+        plan = engine.scheduler.plan(engine.kv, engine._drafts(), engine.speculator.options.verify_tokens)
+        lengths.append({len(draft) for request, draft in plan.drafts.items() if request.max_new_tokens - len(request.output) > 8})
+        engine.step()
+    assert engine.stats()["verifications"] > 0 and engine.store.peak_workspace == 0
+    assert all(len(step) <= 1 for step in lengths) and any(lengths)
+    assert [engine.requests[i].output for i in ids] == expected
+
+
 def test_the_prefix_index_holds_the_same_blocks_as_without_speculation(llama, repetitive_case) -> None:
     prompts, _ = repetitive_case
     engines = [kvlib.Engine(llama, page_size=4), kvlib.Engine(llama, page_size=4, speculate="suffix")]

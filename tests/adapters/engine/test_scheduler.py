@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 import kvlib
 from kvlib.adapters.engine.engine_request import Request, RequestState
 from kvlib.adapters.engine.scheduler import Scheduler, StepPlan
+from kvlib.adapters.engine.suffix_speculator import Draft
 from tests.adapters.conftest import build_model
 
 PAGE = 4
@@ -327,3 +328,24 @@ def test_an_engine_plan_changes_nothing_until_applied(preemption, steps) -> None
     engine.scheduler.apply(first, engine.kv)
     assert sum(engine.kv.pages_for(r.computed, n) for r, n in first.chunks) <= engine.kv.free_pages()  # the chunks fit
     assert all(r.state is RequestState.RUNNING for r, _ in first.chunks)
+
+
+def test_verifications_run_one_length_by_score_within_the_budget_and_the_room() -> None:
+    """Every verification of a step runs the longest draft's length: a shorter draft continued by
+    its extension, then by its last token; the highest scores first while ``verify_tokens`` allow
+    (the others decode plainly); a request with fewer outputs left runs only those."""
+    decoding = [request(i, 5, computed=5 + 1, output=2) for i in range(4)]  # each has its last output token to run
+    decoding[3].max_new_tokens = 4  # one output after the verification's own: a draft of 1 at most
+    drafts = {
+        decoding[0]: Draft([7, 8], 1.5, [9, 10, 11]),
+        decoding[1]: Draft([1, 2, 3, 4], 3.0, []),
+        decoding[2]: Draft([5], 1.0, []),
+        decoding[3]: Draft([6, 6, 6], 2.5, []),
+    }
+    plan = scheduler(decoding).plan(Ledger(free=100), drafts, verify_tokens=100)
+    assert plan.drafts == {decoding[0]: [7, 8, 9, 10], decoding[1]: [1, 2, 3, 4], decoding[2]: [5, 5, 5, 5], decoding[3]: [6]}
+    assert dict(plan.chunks) == {request: 1 + len(tokens) for request, tokens in plan.drafts.items()}
+    tight = scheduler(decoding).plan(Ledger(free=100), drafts, verify_tokens=8)  # 4 + 1 + 4 > 8: the lower scores decode
+    assert list(tight.drafts) == [decoding[1], decoding[3]] and tight.tokens == 4 * 1 + 4 + 1
+    assert not scheduler(decoding).plan(Ledger(free=100), drafts, verify_tokens=0).drafts
+    assert not scheduler(decoding).plan(Ledger(free=100)).drafts  # no speculation: plain decodes
