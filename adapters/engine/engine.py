@@ -330,8 +330,8 @@ class Engine:
 
     def step(self) -> dict[int, list[int]]:
         """Run one forward pass; returns the tokens produced, per request id."""
-        verify_tokens = self.speculator.options.verify_tokens if self.speculator is not None else 0
-        plan = self.scheduler.plan(self.kv, self._drafts(), verify_tokens)
+        token_cost = self.speculator.options.token_cost if self.speculator is not None else 0.0
+        plan = self.scheduler.plan(self.kv, self._drafts(), token_cost)
         self.scheduler.apply(plan, self.kv)
         self._count(plan)
         if not plan.chunks:
@@ -356,13 +356,12 @@ class Engine:
         return produced
 
     def _drafts(self) -> dict[Request, Draft]:
-        """The drafts worth verifying (a score of at least ``min_score``) of the running decoding
-        requests (none without speculation)."""
+        """The drafts the running decoding requests propose (none without speculation, or where
+        SuffixDecoding's rules find none)."""
         if self.speculator is None:
             return {}
-        least = self.speculator.options.min_score
         proposals = {request: self.speculator.propose(request) for request in self.scheduler.running if request.remaining == 1}
-        return {request: draft for request, draft in proposals.items() if draft.tokens and draft.score >= least}
+        return {request: draft for request, draft in proposals.items() if draft.tokens}
 
     def receive(self, wait_s: float = 0.0) -> dict[HandOverKey, int]:
         """Decode role: queue every request handed over so far, waiting up to ``wait_s`` seconds

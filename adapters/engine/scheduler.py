@@ -28,10 +28,10 @@ The decisions of one plan:
    admits while the forecast peak of the pages the running batch and the candidate will take
    fits in the free pages (:meth:`Scheduler.forecast_peak`);
 5. with speculation, decoding requests' drafts (proposed before the plan) run with their tokens,
-   all of one length (one segment; shorter drafts continued by their extension), highest score
-   first, while the token budget left (at most ``verify_tokens``) and the pages left over allow; a
-   step that preempts runs no drafts. Drafts come last so that they never delay a prefill chunk
-   or an admission.
+   all of one length (one segment), as many tokens and requests as the cost model finds worth it
+   (:meth:`Scheduler._add_drafts`), within the token budget and the pages left over; a step that
+   preempts runs no drafts. Drafts come last so that they never delay a prefill chunk or an
+   admission.
 
 Invariant: a plan never needs more pages than are free once it is applied, and never more than
 ``max_batch_tokens`` tokens (decodes alone may exceed it: they are never stalled).
@@ -216,12 +216,12 @@ class Scheduler:
 
     # -- deciding --------------------------------------------------------------------------------
 
-    def plan(self, ledger: PageLedger, drafts: Mapping[Request, Draft] | None = None, verify_tokens: int = 0) -> StepPlan:
+    def plan(self, ledger: PageLedger, drafts: Mapping[Request, Draft] | None = None, token_cost: float = 0.0) -> StepPlan:
         """Decide the next step on a forecast of ``ledger``'s pages; the queues, the requests and
         the ledger are left as they are (:meth:`apply` carries the plan out). ``drafts``: drafts
         proposed to follow running decoding requests' last tokens (speculation), verified where
-        the budget and pages left over allow, ``verify_tokens`` draft tokens at most
-        (:meth:`_add_drafts`)."""
+        they pay for themselves by the cost model of :meth:`_add_drafts` (``token_cost``: a
+        token's cost as a share of a step's fixed cost) and the budget and pages left over allow."""
         forecast = ledger.forecast(self.running)
         plan = StepPlan()
         active = list(self.running)
@@ -264,8 +264,7 @@ class Scheduler:
         if not (plan.preempted or self.swapped and not plan.resumed):  # memory is short: admit nothing new
             budget, spent = self._admit(plan, forecast, active=active, budget=budget, free=free, spent=spent)
             if drafts:
-                budget = min(budget, verify_tokens)
-                self._add_drafts(plan, forecast, drafts, decodes, budget=budget, left=forecast.free_pages() - spent)
+                self._add_drafts(plan, forecast, drafts, decodes, budget=budget, left=forecast.free_pages() - spent, token_cost=token_cost)
         plan.reclaimed = list(forecast.reclaimed)
         return plan
 
@@ -303,28 +302,50 @@ class Scheduler:
 
     @staticmethod
     def _add_drafts(
-        plan: StepPlan, forecast: Forecast, drafts: Mapping[Request, Draft], decodes: list[Request], *, budget: int, left: int
+        plan: StepPlan,
+        forecast: Forecast,
+        drafts: Mapping[Request, Draft],
+        decodes: list[Request],
+        *,
+        budget: int,
+        left: int,
+        token_cost: float,
     ) -> None:
         """Lengthen planned decodes of ``decodes`` into verifications of their ``drafts``, within
         the token ``budget`` and the ``left`` pages still free after the plan's chunks.
 
-        Every verification of the step runs the same number of draft tokens, so that they are one
-        segment of the packed batch (one append and one attention call a layer for all of them):
-        the longest draft's length (cut to the budget), shorter drafts continued by their
-        extension, then by their last token again (any token is verified exactly; these are the
-        likeliest left). A request that may output fewer tokens than that runs only those (its
-        own, shorter segment). Requests are taken by score, highest first; one whose tokens the
-        budget or the pages left cannot hold decodes without a draft."""
-        candidates = sorted((request for request in decodes if request in drafts), key=lambda request: -drafts[request].score)
+        The cost model: a step costs ``a + c * T`` for ``T`` tokens (``a``: its fixed cost,
+        reading the weights and the host work; ``c``: a token's compute, ``token_cost = c / a``)
+        and outputs ``R`` tokens (its decodes), so a verified token costs ``token_cost * R / (1 +
+        token_cost * T)`` of them; verifying ``n`` tokens of a draft gains the sum of their
+        acceptance chances (:attr:`Draft.chances`). Every verification of the step runs the same
+        ``n`` tokens, so that they are one segment of the packed batch (one append and one
+        attention call a layer for all of them): the ``n`` of the largest total gain over the
+        requests that gain by it, each verifying its draft and then its extension (then its last
+        token again: any token is verified exactly), the largest gains first while the budget
+        and the pages allow (one they cannot hold decodes without a draft). A request that may
+        output fewer tokens than ``n`` runs only those (its own, shorter segment). None verifies
+        where no ``n`` gains: a batch large enough that a token costs more than it may save."""
+        candidates = [request for request in decodes if request in drafts]
         if not candidates or budget <= 0:
             return
-        length = min(budget, max(len(drafts[request].tokens) for request in candidates))
+        cost = token_cost * len(decodes) / (1 + token_cost * plan.tokens)
+        room = {request: request.max_new_tokens - len(request.output) - 1 for request in candidates}
+
+        def gain(request: Request, tokens: int) -> float:  # a filler token past the walk: no chance, a token's cost
+            return sum(drafts[request].chances[: min(tokens, room[request])]) - min(tokens, room[request]) * cost
+
+        longest = min(budget, max(min(len(drafts[request].chances), room[request]) for request in candidates))
+        gains = {tokens: sum(max(gain(request, tokens), 0.0) for request in candidates) for tokens in range(1, longest + 1)}
+        length = max(gains, key=lambda tokens: (gains[tokens], -tokens), default=0)
+        if not length or gains[length] <= 0:
+            return
         chunk = {id(request): index for index, (request, _) in enumerate(plan.chunks)}
-        for request in candidates:
+        for request in sorted((request for request in candidates if gain(request, length) > 0), key=lambda request: -gain(request, length)):
             draft = drafts[request]
-            room = min(length, request.max_new_tokens - len(request.output) - 1)
-            tokens = (draft.tokens + draft.extension)[:room]
-            tokens += tokens[-1:] * (room - len(tokens))
+            run = min(length, request.max_new_tokens - len(request.output) - 1)
+            tokens = (draft.tokens + draft.extension)[:run]
+            tokens += tokens[-1:] * (run - len(tokens))
             extra = forecast.pages_for(request, 1 + len(tokens)) - forecast.pages_for(request, 1)
             if not tokens or len(tokens) > budget or extra > left:
                 continue

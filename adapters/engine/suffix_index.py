@@ -96,26 +96,35 @@ class SuffixIndex:
 
     def propose(
         self, context: np.ndarray, *, max_match: int, max_draft: int, alpha: float, min_probability: float
-    ) -> tuple[np.ndarray, float, np.ndarray]:
+    ) -> tuple[np.ndarray, float, np.ndarray, np.ndarray]:
         """The draft to follow ``context`` (int32 token ids), its score and its extension (see the
         module docstring): a match of ``p`` tokens drafts at most ``min(max_draft, floor(alpha *
         p))`` tokens. The extension continues the same walk past where the draft stopped (by its
         length or ``min_probability``), to ``max_draft`` tokens in all at most: the likeliest
-        tokens to verify after the draft where a verification runs more. An empty draft (score 0)
-        when not even the context's last token occurs followed by something, or no token passes
-        ``min_probability``."""
+        tokens to verify after the draft where a verification runs more. Last, the estimated
+        probability of each token of the draft and extension (the path's, up to it; float64).
+        An empty draft (score 0) when not even the context's last token occurs followed by
+        something, or no token passes ``min_probability``."""
         walk = np.empty(max(max_draft, 0), dtype=np.int32)
-        drafted, walked, score = _propose(self.tokens, self.size, context, max_match, alpha, min_probability, walk)
-        return walk[:drafted], score, walk[drafted:walked]
+        chances = np.empty(max(max_draft, 0), dtype=np.float64)
+        drafted, walked, score = _propose(self.tokens, self.size, context, max_match, alpha, min_probability, walk, chances)
+        return walk[:drafted], score, walk[drafted:walked], chances[:walked]
 
 
 @numba.njit(cache=True, nogil=True)
 def _propose(
-    text: np.ndarray, size: int, context: np.ndarray, max_match: int, alpha: float, min_probability: float, draft: np.ndarray
+    text: np.ndarray,
+    size: int,
+    context: np.ndarray,
+    max_match: int,
+    alpha: float,
+    min_probability: float,
+    draft: np.ndarray,
+    chances: np.ndarray,
 ) -> tuple[int, int, float]:  # pragma: no cover - compiled
     """:meth:`SuffixIndex.propose` over ``text[:size]``: writes the draft and its extension into
-    ``draft`` (their length is at most ``len(draft)``) and returns the draft's length, with the
-    extension's, and the draft's score. ``next_at`` holds the positions of the tokens that follow
+    ``draft`` (their length is at most ``len(draft)``) and each one's estimated probability into
+    ``chances``, and returns the draft's length, with the extension's, and the draft's score. ``next_at`` holds the positions of the tokens that follow
     the occurrences still in play, ascending."""
     length = context.shape[0]
     if length == 0 or draft.shape[0] == 0:
@@ -167,6 +176,7 @@ def _propose(
         if confident < 0 and (drafted == limit or probability < min_probability):
             confident = drafted  # the draft ends here; what follows is its extension
         draft[drafted] = best
+        chances[drafted] = probability
         drafted += 1
         if confident < 0:
             score += probability

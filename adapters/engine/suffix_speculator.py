@@ -9,9 +9,9 @@ followed by something in each index, follows the most frequent continuation from
 estimated probability stays at least ``min_probability``, and of the two candidates proposes the
 one of higher score (expected accepted tokens); its length is at most ``alpha * p`` for a match of
 ``p`` tokens (the adaptive ``MAX_SPEC``), at most ``max_draft``, and never more than the request
-may still output beyond the verification's own token. Whether a proposed draft runs is the
-scheduler's call (:meth:`~kvlib.adapters.engine.scheduler.Scheduler.plan`: by its score, within the
-step's verification budget).
+may still output beyond the verification's own token. Whether a proposed draft runs, and how
+many tokens of it and its extension, is the scheduler's call (its cost model,
+:attr:`SuffixSpeculation.token_cost`).
 
 Memory: 4 bytes per token of each running request's prompt and output and per token of the global
 window (``global_tokens``), in arrays of at most twice that capacity.
@@ -42,27 +42,27 @@ class SuffixSpeculation:
         min_probability: a draft stops before the token at which its estimated probability (the
             product of each token's frequency share after the path before it) falls below this.
         global_tokens: tokens of recent outputs the global index holds at most (0: no global index).
-        min_score: a draft is verified only when its score (the tokens it is expected to get
-            accepted) is at least this: a verification costs its row a draft's worth of tokens of
-            compute, which a draft likely to be rejected at once does not pay back.
-        verify_tokens: draft tokens one step verifies at most, over all its verifications (the
-            step's token budget left after its decodes, chunks and admissions caps them too):
-            past about this many tokens a forward pass is bound by compute rather than by its
-            fixed cost, and each verified token costs what a token costs instead of nearly nothing.
+        token_cost: what one more token in a forward pass costs, as a share of a step's fixed
+            cost (its weights' reads, its host work): the scheduler's cost model
+            (:meth:`~kvlib.adapters.engine.scheduler.Scheduler.plan`) verifies a draft token where
+            its probability of acceptance beats ``token_cost * R / (1 + token_cost * T)`` (a
+            step of ``T`` tokens that outputs ``R``: what a verified token costs, in output
+            tokens of that step), so a larger batch verifies less, and none past where that
+            reaches 1. About 0.01 for a small model on a CPU core; less on an accelerator whose
+            step is bound by memory.
     """
 
-    max_draft: int = 8
+    max_draft: int = 16
     alpha: float = 1.0
     max_match: int = 16
     min_probability: float = 0.1
     global_tokens: int = 8192
-    min_score: float = 1.0
-    verify_tokens: int = 256
+    token_cost: float = 0.01
 
     def __post_init__(self) -> None:
-        if isinstance(self.min_score, bool) or not isinstance(self.min_score, (int, float)) or not 0 <= self.min_score < math.inf:
-            raise ValueError(f"min_score must be a finite number >= 0 (expected accepted tokens), got {quoted(self.min_score)}")
-        for name, low in (("max_draft", 1), ("max_match", 1), ("global_tokens", 0), ("verify_tokens", 1)):
+        if isinstance(self.token_cost, bool) or not isinstance(self.token_cost, (int, float)) or not 0 <= self.token_cost < math.inf:
+            raise ValueError(f"token_cost must be a finite number >= 0 (a share of a step's fixed cost), got {quoted(self.token_cost)}")
+        for name, low in (("max_draft", 1), ("max_match", 1), ("global_tokens", 0)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name} must be an int >= {low} (tokens), got {quoted(value)}")
@@ -88,12 +88,15 @@ def speculation(value: object) -> SuffixSpeculation | None:
 
 class Draft(NamedTuple):
     """A request's proposal: the draft ``tokens`` (to follow its last token), their ``score`` (the
-    tokens a verification is expected to accept) and the ``extension`` (the same walk on past the
-    draft's limits: what to verify after it where a verification runs more tokens)."""
+    tokens a verification is expected to accept), the ``extension`` (the same walk on past the
+    draft's limits: what to verify after it where a verification runs more tokens) and
+    ``chances``, the estimated probability that each token of the draft and extension is
+    accepted (the path's up to it)."""
 
     tokens: list[int]
     score: float
     extension: list[int]
+    chances: list[float]
 
 
 class SuffixSpeculator:
@@ -111,7 +114,7 @@ class SuffixSpeculator:
         options = self.options
         room = min(options.max_draft, request.max_new_tokens - len(request.output) - 1)
         if room <= 0:
-            return Draft([], 0.0, [])
+            return Draft([], 0.0, [], [])
         own = self.requests.get(request.request_id)
         if own is None:
             own = self.requests[request.request_id] = SuffixIndex()
@@ -126,7 +129,7 @@ class SuffixSpeculator:
             other = self.recent.propose(context, **search)
             if other[1] > best[1]:
                 best = other
-        return Draft(best[0].tolist(), best[1], best[2].tolist())
+        return Draft(best[0].tolist(), best[1], best[2].tolist(), best[3].tolist())
 
     def finish(self, request: Request, *, finished: bool) -> None:
         """``request`` leaves the engine: its index is dropped, and a ``finished`` one's output joins

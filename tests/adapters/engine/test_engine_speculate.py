@@ -107,8 +107,9 @@ def test_verifications_attend_over_their_pages_in_one_segment(llama, repetitive_
     engine.store.peak_workspace = 0
     lengths = []
     while engine.has_unfinished:
-        plan = engine.scheduler.plan(engine.kv, engine._drafts(), engine.speculator.options.verify_tokens)
-        lengths.append({len(draft) for request, draft in plan.drafts.items() if request.max_new_tokens - len(request.output) > 8})
+        plan = engine.scheduler.plan(engine.kv, engine._drafts(), engine.speculator.options.token_cost)
+        longest = engine.speculator.options.max_draft
+        lengths.append({len(draft) for request, draft in plan.drafts.items() if request.max_new_tokens - len(request.output) > longest})
         engine.step()
     assert engine.stats()["verifications"] > 0 and engine.store.peak_workspace == 0
     assert all(len(step) <= 1 for step in lengths) and any(lengths)
@@ -158,7 +159,7 @@ def test_sampling_keeps_the_target_distribution(llama) -> None:
     options = {"do_sample": True, "temperature": 2.0, "top_k": 2}
     engine = kvlib.Engine(
         llama,
-        speculate=SuffixSpeculation(max_draft=2, alpha=4.0, min_probability=0.0, min_score=0.0),
+        speculate=SuffixSpeculation(max_draft=2, alpha=4.0, min_probability=0.0, token_cost=0.0),
         max_running=256,
         max_batch_tokens=2048,
     )

@@ -330,22 +330,27 @@ def test_an_engine_plan_changes_nothing_until_applied(preemption, steps) -> None
     assert all(r.state is RequestState.RUNNING for r, _ in first.chunks)
 
 
-def test_verifications_run_one_length_by_score_within_the_budget_and_the_room() -> None:
-    """Every verification of a step runs the longest draft's length: a shorter draft continued by
-    its extension, then by its last token; the highest scores first while ``verify_tokens`` allow
-    (the others decode plainly); a request with fewer outputs left runs only those."""
+def test_verifications_run_the_length_the_cost_model_gains_most_by() -> None:
+    """A verified token costs ``token_cost * R / (1 + token_cost * T)`` output tokens (here 0.5) and
+    gains its chance of acceptance: every verification runs the one length of the largest total
+    gain (a draft continued by its extension, then by its last token), for the requests that gain
+    by it, the largest gains first while the token budget allows; a request with fewer outputs left
+    runs only those; where no token's chance beats its cost (a larger batch), none verifies."""
     decoding = [request(i, 5, computed=5 + 1, output=2) for i in range(4)]  # each has its last output token to run
     decoding[3].max_new_tokens = 4  # one output after the verification's own: a draft of 1 at most
     drafts = {
-        decoding[0]: Draft([7, 8], 1.5, [9, 10, 11]),
-        decoding[1]: Draft([1, 2, 3, 4], 3.0, []),
-        decoding[2]: Draft([5], 1.0, []),
-        decoding[3]: Draft([6, 6, 6], 2.5, []),
+        decoding[0]: Draft([7, 8], 1.8, [9, 10, 11], [0.9, 0.9, 0.6, 0.6, 0.2]),
+        decoding[1]: Draft([1, 2, 3, 4], 4.0, [], [1.0, 1.0, 1.0, 1.0]),
+        decoding[2]: Draft([5], 0.55, [], [0.55]),  # gains 0.05 alone, loses with filler after it
+        decoding[3]: Draft([6, 6, 6], 1.0, [], [1.0]),
     }
-    plan = scheduler(decoding).plan(Ledger(free=100), drafts, verify_tokens=100)
-    assert plan.drafts == {decoding[0]: [7, 8, 9, 10], decoding[1]: [1, 2, 3, 4], decoding[2]: [5, 5, 5, 5], decoding[3]: [6]}
-    assert dict(plan.chunks) == {request: 1 + len(tokens) for request, tokens in plan.drafts.items()}
-    tight = scheduler(decoding).plan(Ledger(free=100), drafts, verify_tokens=8)  # 4 + 1 + 4 > 8: the lower scores decode
-    assert list(tight.drafts) == [decoding[1], decoding[3]] and tight.tokens == 4 * 1 + 4 + 1
-    assert not scheduler(decoding).plan(Ledger(free=100), drafts, verify_tokens=0).drafts
+    plan = scheduler(decoding).plan(Ledger(free=100), drafts, token_cost=0.25)  # cost 0.25 * 4 / (1 + 0.25 * 4)
+    assert plan.drafts == {decoding[1]: [1, 2, 3, 4], decoding[0]: [7, 8, 9, 10], decoding[3]: [6]}
+    assert list(plan.drafts) == [decoding[1], decoding[0], decoding[3]]  # gains 2.0, 1.0, 0.5
+    assert dict(plan.chunks) == {decoding[2]: 1} | {request: 1 + len(tokens) for request, tokens in plan.drafts.items()}
+    tight = scheduler(decoding, max_batch_tokens=4 + 8).plan(Ledger(free=100), drafts, token_cost=0.25)
+    assert list(tight.drafts) == [decoding[1], decoding[0]]  # the budget is spent: the third decodes plainly
+    unsure = {request: draft._replace(chances=[0.6] * len(draft.chances)) for request, draft in drafts.items()}
+    assert not scheduler(decoding).plan(Ledger(free=100), unsure, token_cost=10.0).drafts  # cost 40 / 41 > 0.6
+    assert scheduler(decoding).plan(Ledger(free=100), unsure, token_cost=0.01).drafts
     assert not scheduler(decoding).plan(Ledger(free=100)).drafts  # no speculation: plain decodes

@@ -29,11 +29,13 @@ def continued(corpus: list[list[int]], path: list[int]) -> Counter:
 
 def tree_walk(
     corpus: list[list[int]], context: list[int], max_match: int, max_draft: int, alpha: float, min_probability: float
-) -> tuple[list[int], float, list[int]]:
+) -> tuple[list[int], float, list[int], list[float]]:
     """SuffixDecoding's proposal from a suffix tree with occurrence counts, by brute force: the
-    draft, its score and its extension (the walk on to ``max_draft`` tokens, past the limits)."""
+    draft, its score, its extension (the walk on to ``max_draft`` tokens, past the limits) and the
+    path's probability at each token of the walk."""
     match = max((p for p in range(1, min(max_match, len(context)) + 1) if continued(corpus, context[-p:])), default=0)
     walk: list[int] = []
+    chances: list[float] = []
     probability, score, drafted = 1.0, 0.0, None
     while match and len(walk) < max_draft:
         following = continued(corpus, context[-match:] + walk)
@@ -44,10 +46,11 @@ def tree_walk(
         if drafted is None and (len(walk) == int(alpha * match) or probability < min_probability):
             drafted = len(walk)
         walk.append(token)
+        chances.append(probability)
         if drafted is None:
             score += probability
     drafted = len(walk) if drafted is None else drafted
-    return walk[:drafted], score, walk[drafted:]
+    return walk[:drafted], score, walk[drafted:], chances
 
 
 @settings(max_examples=150, deadline=None)
@@ -78,20 +81,20 @@ def test_a_proposal_is_the_suffix_tree_walk(corpus, context, max_match, max_draf
     assert index.indexed == sum(map(len, held))
     assert len(index.tokens) <= max(2 * index.size, index.size + 64)  # the memory bound
     search = {"max_match": max_match, "max_draft": max_draft, "alpha": alpha, "min_probability": min_probability}
-    draft, score, extension = index.propose(np.array(context, dtype=np.int32), **search)
-    expected_draft, expected_score, expected_extension = tree_walk(held, context, **search)
+    draft, score, extension, chances = index.propose(np.array(context, dtype=np.int32), **search)
+    expected_draft, expected_score, expected_extension, expected_chances = tree_walk(held, context, **search)
     assert draft.tolist() == expected_draft and extension.tolist() == expected_extension
-    assert score == pytest.approx(expected_score)
+    assert score == pytest.approx(expected_score) and chances.tolist() == pytest.approx(expected_chances)
 
 
 def test_the_most_frequent_continuation_wins_and_a_rare_one_stops_the_draft() -> None:
     index = SuffixIndex()
     index.add([1, 2, 3, 9, 1, 2, 3, 9, 1, 2, 4, 5])
     search = {"max_match": 8, "alpha": 2.0}
-    draft, score, extension = index.propose(np.array([7, 1, 2], dtype=np.int32), max_draft=4, min_probability=0.0, **search)
+    draft, score, extension, _ = index.propose(np.array([7, 1, 2], dtype=np.int32), max_draft=4, min_probability=0.0, **search)
     assert draft.tolist() == [3, 9, 1, 2] and extension.tolist() == []  # 3 follows "1 2" twice, 4 once; then as it did
     assert score == pytest.approx(4 * 2 / 3)
-    draft, score, extension = index.propose(np.array([7, 1, 2], dtype=np.int32), max_draft=4, min_probability=0.9, **search)
+    draft, score, extension, _ = index.propose(np.array([7, 1, 2], dtype=np.int32), max_draft=4, min_probability=0.9, **search)
     assert draft.tolist() == [] and score == 0.0 and extension.tolist() == [3, 9, 1, 2]  # 3's share (2/3) is below 0.9
 
 

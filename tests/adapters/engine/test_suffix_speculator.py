@@ -26,7 +26,7 @@ def test_a_request_drafts_what_followed_its_last_tokens_before() -> None:
     speculator = SuffixSpeculator(SuffixSpeculation(max_draft=4))
     loop = [10, 11, 12, 13, 14, 15]
     # alpha * p = 3 for a match of 3, then the extension
-    assert speculator.propose(request(0, loop + loop[:3])) == ([13, 14, 15], 3.0, [10])
+    assert speculator.propose(request(0, loop + loop[:3]))[:3] == ([13, 14, 15], 3.0, [10])
     assert speculator.propose(request(0, loop + loop[:3], output=[13, 14, 15, 10]))[0] == [11, 12, 13, 14]  # max_draft
     assert speculator.propose(request(1, loop + loop[:3], output=[13], max_new_tokens=3))[0] == [
         14
@@ -58,7 +58,7 @@ def test_every_draft_occurred_after_the_matched_suffix(outputs, prompt, max_draf
     for number, output in enumerate(outputs):
         speculator.finish(request(number, [0], output=output), finished=True)
     asking = request(99, prompt)
-    draft, score, _ = speculator.propose(asking)
+    draft, score, _, _ = speculator.propose(asking)
     assert len(draft) <= max_draft and 0 <= score <= len(draft)
     if draft:
         held = speculator.recent.tokens[: speculator.recent.size].tolist()
@@ -93,6 +93,8 @@ def test_bad_speculate_values_are_refused(value, message) -> None:
         ({"global_tokens": -1}, "global_tokens must be an int >= 0"),
         ({"alpha": 0}, "alpha must be a finite number > 0"),
         ({"min_probability": 1.5}, "min_probability must be a number in"),
+        ({"token_cost": -0.1}, "token_cost must be a finite number >= 0"),
+        ({"token_cost": float("inf")}, "token_cost must be a finite number >= 0"),
     ],
 )
 def test_bad_options_are_refused(options, message) -> None:
