@@ -14,8 +14,9 @@ with occurrence counts answers (:meth:`SuffixIndex.propose`):
   share of the occurrences that continue before it, stays at least ``min_probability``; its score
   is the sum of those probabilities over its tokens (the tokens a verification is expected to
   accept);
-- the extension: the same walk on past where the draft stopped, ignoring ``min_probability`` and
-  the draft's length limit (tokens worth verifying where a verification runs more than the draft).
+- the extension: the same walk on past where ``min_probability`` stopped the draft, within the
+  draft's length limit (tokens worth verifying where a verification runs more than the draft; the
+  limit stays, since the estimate of a path seen after a short match is no estimate).
 
 This is exactly the walk down a suffix trie whose node counts are occurrence counts (by start
 position) of substrings of at most ``max_match + max_draft`` tokens (the tree SuffixDecoding
@@ -99,9 +100,9 @@ class SuffixIndex:
     ) -> tuple[np.ndarray, float, np.ndarray, np.ndarray]:
         """The draft to follow ``context`` (int32 token ids), its score and its extension (see the
         module docstring): a match of ``p`` tokens drafts at most ``min(max_draft, floor(alpha *
-        p))`` tokens. The extension continues the same walk past where the draft stopped (by its
-        length or ``min_probability``), to ``max_draft`` tokens in all at most: the likeliest
-        tokens to verify after the draft where a verification runs more. Last, the estimated
+        p))`` tokens. The extension continues the same walk past where ``min_probability``
+        stopped the draft, to that many tokens in all at most: the likeliest tokens to verify
+        after the draft where a verification runs more. Last, the estimated
         probability of each token of the draft and extension (the path's, up to it; float64).
         An empty draft (score 0) when not even the context's last token occurs followed by
         something, or no token passes ``min_probability``."""
@@ -158,7 +159,7 @@ def _propose(
         matched += 1
     limit = min(draft.shape[0], int(alpha * matched))
     drafted, confident, probability, score = 0, -1, 1.0, 0.0
-    while drafted < draft.shape[0] and found > 0:
+    while drafted < limit and found > 0:
         following = text[next_at[:found]]
         order = np.argsort(following, kind="mergesort")  # stable: a run's first entry is its earliest occurrence
         best, best_count, best_first = -1, 0, size
@@ -173,7 +174,7 @@ def _propose(
                 best, best_count, best_first = token, end - run, first
             run = end
         probability *= best_count / found
-        if confident < 0 and (drafted == limit or probability < min_probability):
+        if confident < 0 and probability < min_probability:
             confident = drafted  # the draft ends here; what follows is its extension
         draft[drafted] = best
         chances[drafted] = probability

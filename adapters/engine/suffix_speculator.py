@@ -88,8 +88,9 @@ def speculation(value: object) -> SuffixSpeculation | None:
 
 class Draft(NamedTuple):
     """A request's proposal: the draft ``tokens`` (to follow its last token), their ``score`` (the
-    tokens a verification is expected to accept), the ``extension`` (the same walk on past the
-    draft's limits: what to verify after it where a verification runs more tokens) and
+    tokens a verification is expected to accept), the ``extension`` (the same walk on past where
+    ``min_probability`` stopped the draft, within its length limit: what to verify after it where
+    a verification runs more tokens) and
     ``chances``, the estimated probability that each token of the draft and extension is
     accepted (the path's up to it)."""
 

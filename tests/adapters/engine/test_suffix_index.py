@@ -31,19 +31,19 @@ def tree_walk(
     corpus: list[list[int]], context: list[int], max_match: int, max_draft: int, alpha: float, min_probability: float
 ) -> tuple[list[int], float, list[int], list[float]]:
     """SuffixDecoding's proposal from a suffix tree with occurrence counts, by brute force: the
-    draft, its score, its extension (the walk on to ``max_draft`` tokens, past the limits) and the
-    path's probability at each token of the walk."""
+    draft, its score, its extension (the walk on past ``min_probability``, within the length
+    limit) and the path's probability at each token of the walk."""
     match = max((p for p in range(1, min(max_match, len(context)) + 1) if continued(corpus, context[-p:])), default=0)
     walk: list[int] = []
     chances: list[float] = []
     probability, score, drafted = 1.0, 0.0, None
-    while match and len(walk) < max_draft:
+    while match and len(walk) < min(max_draft, int(alpha * match)):
         following = continued(corpus, context[-match:] + walk)
         if not following:
             break
         token, count = max(following.items(), key=lambda item: item[1])  # the first of the most frequent
         probability *= count / sum(following.values())
-        if drafted is None and (len(walk) == int(alpha * match) or probability < min_probability):
+        if drafted is None and probability < min_probability:
             drafted = len(walk)
         walk.append(token)
         chances.append(probability)
