@@ -330,8 +330,9 @@ class Engine:
 
     def step(self) -> dict[int, list[int]]:
         """Run one forward pass; returns the tokens produced, per request id."""
-        token_cost = self.speculator.options.token_cost if self.speculator is not None else 0.0
-        plan = self.scheduler.plan(self.kv, self._drafts(), token_cost)
+        drafts = self._drafts()
+        token_cost = self.speculator.options.token_cost / self.speculator.calibration() if self.speculator is not None else 0.0
+        plan = self.scheduler.plan(self.kv, drafts, token_cost, self.context)
         self.scheduler.apply(plan, self.kv)
         self._count(plan)
         if not plan.chunks:
@@ -347,6 +348,7 @@ class Engine:
             self._counters["verifications"] += 1
             self._counters["draft_tokens"] += len(draft)
             self._counters["accepted_tokens"] += accepted
+            self.speculator.observe(drafts[request], len(draft), accepted)
         for request, _ in plan.chunks:
             self.kv.index(request)
             if request.done:

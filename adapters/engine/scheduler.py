@@ -216,12 +216,15 @@ class Scheduler:
 
     # -- deciding --------------------------------------------------------------------------------
 
-    def plan(self, ledger: PageLedger, drafts: Mapping[Request, Draft] | None = None, token_cost: float = 0.0) -> StepPlan:
+    def plan(
+        self, ledger: PageLedger, drafts: Mapping[Request, Draft] | None = None, token_cost: float = 0.0, context: int | None = None
+    ) -> StepPlan:
         """Decide the next step on a forecast of ``ledger``'s pages; the queues, the requests and
         the ledger are left as they are (:meth:`apply` carries the plan out). ``drafts``: drafts
         proposed to follow running decoding requests' last tokens (speculation), verified where
         they pay for themselves by the cost model of :meth:`_add_drafts` (``token_cost``: a
-        token's cost as a share of a step's fixed cost) and the budget and pages left over allow."""
+        token's cost as a share of a step's fixed cost) and the budget and pages left over allow;
+        ``context``: the model's positions (None: no limit), which no verification runs past."""
         forecast = ledger.forecast(self.running)
         plan = StepPlan()
         active = list(self.running)
@@ -264,7 +267,8 @@ class Scheduler:
         if not (plan.preempted or self.swapped and not plan.resumed):  # memory is short: admit nothing new
             budget, spent = self._admit(plan, forecast, active=active, budget=budget, free=free, spent=spent)
             if drafts:
-                self._add_drafts(plan, forecast, drafts, decodes, budget=budget, left=forecast.free_pages() - spent, token_cost=token_cost)
+                left = forecast.free_pages() - spent
+                self._add_drafts(plan, forecast, drafts, decodes, budget=budget, left=left, token_cost=token_cost, context=context)
         plan.reclaimed = list(forecast.reclaimed)
         return plan
 
@@ -310,6 +314,7 @@ class Scheduler:
         budget: int,
         left: int,
         token_cost: float,
+        context: int | None,
     ) -> None:
         """Lengthen planned decodes of ``decodes`` into verifications of their ``drafts``, within
         the token ``budget`` and the ``left`` pages still free after the plan's chunks.
@@ -324,16 +329,22 @@ class Scheduler:
         requests that gain by it, each verifying its draft and then its extension (then its last
         token again: any token is verified exactly), the largest gains first while the budget
         and the pages allow (one they cannot hold decodes without a draft). A request that may
-        output fewer tokens than ``n`` runs only those (its own, shorter segment). None verifies
-        where no ``n`` gains: a batch large enough that a token costs more than it may save."""
+        output fewer tokens than ``n`` runs ``n`` all the same (those past its end gain nothing,
+        and the rollback drops them), unless they would pass the model's ``context``: then it
+        runs only those it may output (its own, shorter segment). None verifies where no ``n``
+        gains: a batch large enough that a token costs more than it may save."""
         candidates = [request for request in decodes if request in drafts]
         if not candidates or budget <= 0:
             return
         cost = token_cost * len(decodes) / (1 + token_cost * plan.tokens)
         room = {request: request.max_new_tokens - len(request.output) - 1 for request in candidates}
 
-        def gain(request: Request, tokens: int) -> float:  # a filler token past the walk: no chance, a token's cost
-            return sum(drafts[request].chances[: min(tokens, room[request])]) - min(tokens, room[request]) * cost
+        def run(request: Request, tokens: int) -> int:
+            """Tokens ``request`` runs for a verification of ``tokens`` (its room, where more would pass the context)."""
+            return tokens if context is None or request.computed + 1 + tokens <= context else min(tokens, room[request])
+
+        def gain(request: Request, tokens: int) -> float:  # a filler token past the walk or the room: no chance, a token's cost
+            return sum(drafts[request].chances[: min(tokens, room[request])]) - run(request, tokens) * cost
 
         longest = min(budget, max(min(len(drafts[request].chances), room[request]) for request in candidates))
         gains = {tokens: sum(max(gain(request, tokens), 0.0) for request in candidates) for tokens in range(1, longest + 1)}
@@ -343,9 +354,9 @@ class Scheduler:
         chunk = {id(request): index for index, (request, _) in enumerate(plan.chunks)}
         for request in sorted((request for request in candidates if gain(request, length) > 0), key=lambda request: -gain(request, length)):
             draft = drafts[request]
-            run = min(length, request.max_new_tokens - len(request.output) - 1)
-            tokens = (draft.tokens + draft.extension)[:run]
-            tokens += tokens[-1:] * (run - len(tokens))
+            count = run(request, length)
+            tokens = (draft.tokens + draft.extension)[:count]
+            tokens += tokens[-1:] * (count - len(tokens))
             extra = forecast.pages_for(request, 1 + len(tokens)) - forecast.pages_for(request, 1)
             if not tokens or len(tokens) > budget or extra > left:
                 continue

@@ -29,6 +29,10 @@ from kvlib.errors import quoted
 
 SPECULATION_METHODS = ("suffix",)
 
+CALIBRATION_PRIOR = 16.0
+"""Tokens expected and accepted that :meth:`SuffixSpeculator.calibration` starts from (it trusts
+the chances until verifications have run about this many tokens)."""
+
 
 @dataclass(frozen=True)
 class SuffixSpeculation:
@@ -109,6 +113,23 @@ class SuffixSpeculator:
         """Each running request's index over its tokens (prompt and output so far)."""
         self.recent = SuffixIndex()
         """The global index: the outputs of the requests finished most recently (``global_tokens`` at most, all told)."""
+        self.expected = 0.0
+        """Draft tokens the verifications so far were expected to accept (the sum of the chances of the tokens they ran)."""
+        self.accepted = 0
+        """Draft tokens they accepted."""
+
+    def observe(self, draft: Draft, ran: int, accepted: int) -> None:
+        """A verification ran ``ran`` tokens of ``draft`` (and its extension; past them, fillers
+        of no chance) and accepted ``accepted`` of them: the chances' calibration learns it."""
+        self.expected += sum(draft.chances[:ran])
+        self.accepted += accepted
+
+    def calibration(self) -> float:
+        """Tokens accepted per token expected so far, in (0, 1] (with a prior of
+        :data:`CALIBRATION_PRIOR` tokens expected and accepted): a path's frequency share
+        overestimates its chance where few occurrences back it (a path seen once has a share of
+        1), so the cost model weighs the chances by this (``token_cost / calibration``)."""
+        return min(1.0, (self.accepted + CALIBRATION_PRIOR) / (self.expected + CALIBRATION_PRIOR))
 
     def propose(self, request: Request) -> Draft:
         """The draft to follow ``request``'s last token (empty tokens: none found)."""

@@ -335,7 +335,8 @@ def test_verifications_run_the_length_the_cost_model_gains_most_by() -> None:
     gains its chance of acceptance: every verification runs the one length of the largest total
     gain (a draft continued by its extension, then by its last token), for the requests that gain
     by it, the largest gains first while the token budget allows; a request with fewer outputs left
-    runs only those; where no token's chance beats its cost (a larger batch), none verifies."""
+    runs them all the same, or only those where more would pass the model's context; where no
+    token's chance beats its cost (a larger batch), none verifies."""
     decoding = [request(i, 5, computed=5 + 1, output=2) for i in range(4)]  # each has its last output token to run
     decoding[3].max_new_tokens = 4  # one output after the verification's own: a draft of 1 at most
     drafts = {
@@ -345,9 +346,11 @@ def test_verifications_run_the_length_the_cost_model_gains_most_by() -> None:
         decoding[3]: Draft([6, 6, 6], 1.0, [], [1.0]),
     }
     plan = scheduler(decoding).plan(Ledger(free=100), drafts, token_cost=0.25)  # cost 0.25 * 4 / (1 + 0.25 * 4)
-    assert plan.drafts == {decoding[1]: [1, 2, 3, 4], decoding[0]: [7, 8, 9, 10], decoding[3]: [6]}
-    assert list(plan.drafts) == [decoding[1], decoding[0], decoding[3]]  # gains 2.0, 1.0, 0.5
-    assert dict(plan.chunks) == {decoding[2]: 1} | {request: 1 + len(tokens) for request, tokens in plan.drafts.items()}
+    assert plan.drafts == {decoding[1]: [1, 2, 3, 4], decoding[0]: [7, 8, 9, 10]}  # gains 2.0, 1.0
+    assert list(plan.drafts) == [decoding[1], decoding[0]]  # the last would run 4 for one output: a loss
+    assert dict(plan.chunks) == {decoding[2]: 1, decoding[3]: 1} | {request: 1 + len(tokens) for request, tokens in plan.drafts.items()}
+    near_context = scheduler(decoding).plan(Ledger(free=100), drafts, token_cost=0.25, context=9)  # 6 + 1 + 4 > 9
+    assert near_context.drafts == plan.drafts | {decoding[3]: [6]}  # it may run only its one output, for a gain of 0.5
     tight = scheduler(decoding, max_batch_tokens=4 + 8).plan(Ledger(free=100), drafts, token_cost=0.25)
     assert list(tight.drafts) == [decoding[1], decoding[0]]  # the budget is spent: the third decodes plainly
     unsure = {request: draft._replace(chances=[0.6] * len(draft.chances)) for request, draft in drafts.items()}
