@@ -330,9 +330,11 @@ class Engine:
 
     def step(self) -> dict[int, list[int]]:
         """Run one forward pass; returns the tokens produced, per request id."""
-        drafts = self._drafts()
-        token_cost = self.speculator.options.token_cost / self.speculator.calibration() if self.speculator is not None else 0.0
-        plan = self.scheduler.plan(self.kv, drafts, token_cost, self.context)
+        drafts, costs = self._drafts(), {}
+        if self.speculator is not None:  # the chances' calibration weighs what a token costs against them
+            options, calibration = self.speculator.options, self.speculator.calibration()
+            costs = {"token_cost": options.token_cost / calibration, "segment_cost": options.segment_cost / calibration}
+        plan = self.scheduler.plan(self.kv, drafts, **costs, context=self.context)
         self.scheduler.apply(plan, self.kv)
         self._count(plan)
         if not plan.chunks:

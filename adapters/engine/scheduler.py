@@ -217,13 +217,19 @@ class Scheduler:
     # -- deciding --------------------------------------------------------------------------------
 
     def plan(
-        self, ledger: PageLedger, drafts: Mapping[Request, Draft] | None = None, token_cost: float = 0.0, context: int | None = None
+        self,
+        ledger: PageLedger,
+        drafts: Mapping[Request, Draft] | None = None,
+        token_cost: float = 0.0,
+        segment_cost: float = 0.0,
+        context: int | None = None,
     ) -> StepPlan:
         """Decide the next step on a forecast of ``ledger``'s pages; the queues, the requests and
         the ledger are left as they are (:meth:`apply` carries the plan out). ``drafts``: drafts
         proposed to follow running decoding requests' last tokens (speculation), verified where
         they pay for themselves by the cost model of :meth:`_add_drafts` (``token_cost``: a
-        token's cost as a share of a step's fixed cost) and the budget and pages left over allow;
+        token's cost, ``segment_cost``: a verification segment's, each as a share of a step's
+        fixed cost) and the budget and pages left over allow;
         ``context``: the model's positions (None: no limit), which no verification runs past."""
         forecast = ledger.forecast(self.running)
         plan = StepPlan()
@@ -268,7 +274,8 @@ class Scheduler:
             budget, spent = self._admit(plan, forecast, active=active, budget=budget, free=free, spent=spent)
             if drafts:
                 left = forecast.free_pages() - spent
-                self._add_drafts(plan, forecast, drafts, decodes, budget=budget, left=left, token_cost=token_cost, context=context)
+                costs = {"token_cost": token_cost, "segment_cost": segment_cost}
+                self._add_drafts(plan, forecast, drafts, decodes, budget=budget, left=left, **costs, context=context)
         plan.reclaimed = list(forecast.reclaimed)
         return plan
 
@@ -314,6 +321,7 @@ class Scheduler:
         budget: int,
         left: int,
         token_cost: float,
+        segment_cost: float,
         context: int | None,
     ) -> None:
         """Lengthen planned decodes of ``decodes`` into verifications of their ``drafts``, within
@@ -322,7 +330,9 @@ class Scheduler:
         The cost model: a step costs ``a + c * T`` for ``T`` tokens (``a``: its fixed cost,
         reading the weights and the host work; ``c``: a token's compute, ``token_cost = c / a``)
         and outputs ``R`` tokens (its decodes), so a verified token costs ``token_cost * R / (1 +
-        token_cost * T)`` of them; verifying ``n`` tokens of a draft gains the sum of their
+        token_cost * T)`` of them, and the verification segment itself (its writes, attention
+        call and rollback in every layer; ``segment_cost = its cost / a``) ``segment_cost * R /
+        (1 + token_cost * T)``; verifying ``n`` tokens of a draft gains the sum of their
         acceptance chances (:attr:`Draft.chances`). Every verification of the step runs the same
         ``n`` tokens, so that they are one segment of the packed batch (one append and one
         attention call a layer for all of them): the ``n`` of the largest total gain over the
@@ -332,7 +342,8 @@ class Scheduler:
         output fewer tokens than ``n`` runs ``n`` all the same (those past its end gain nothing,
         and the rollback drops them), unless they would pass the model's ``context``: then it
         runs only those it may output (its own, shorter segment). None verifies where no ``n``
-        gains: a batch large enough that a token costs more than it may save."""
+        gains more than the segment costs: a batch large enough that a token costs more than it
+        may save, or drafts too few or too unlikely to pay for the segment."""
         candidates = [request for request in decodes if request in drafts]
         if not candidates or budget <= 0:
             return
@@ -349,7 +360,7 @@ class Scheduler:
         longest = min(budget, max(min(len(drafts[request].chances), room[request]) for request in candidates))
         gains = {tokens: sum(max(gain(request, tokens), 0.0) for request in candidates) for tokens in range(1, longest + 1)}
         length = max(gains, key=lambda tokens: (gains[tokens], -tokens), default=0)
-        if not length or gains[length] <= 0:
+        if not length or gains[length] <= segment_cost * len(decodes) / (1 + token_cost * plan.tokens):
             return
         chunk = {id(request): index for index, (request, _) in enumerate(plan.chunks)}
         for request in sorted((request for request in candidates if gain(request, length) > 0), key=lambda request: -gain(request, length)):

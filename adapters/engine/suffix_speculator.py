@@ -54,6 +54,11 @@ class SuffixSpeculation:
             tokens of that step), so a larger batch verifies less, and none past where that
             reaches 1. About 0.01 for a small model on a CPU core; less on an accelerator whose
             step is bound by memory.
+        segment_cost: what a step's verification segment costs in itself (its writes, its
+            attention call and the rollback of what it rejects, in every layer), as a share of a
+            step's fixed cost: a step verifies only where the tokens it expects to gain pay for it
+            too (``segment_cost * R / (1 + token_cost * T)`` output tokens). About 0.5 for a
+            small model on a CPU core.
     """
 
     max_draft: int = 16
@@ -62,10 +67,13 @@ class SuffixSpeculation:
     min_probability: float = 0.1
     global_tokens: int = 8192
     token_cost: float = 0.01
+    segment_cost: float = 0.5
 
     def __post_init__(self) -> None:
-        if isinstance(self.token_cost, bool) or not isinstance(self.token_cost, (int, float)) or not 0 <= self.token_cost < math.inf:
-            raise ValueError(f"token_cost must be a finite number >= 0 (a share of a step's fixed cost), got {quoted(self.token_cost)}")
+        for name in ("token_cost", "segment_cost"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+                raise ValueError(f"{name} must be a finite number >= 0 (a share of a step's fixed cost), got {quoted(value)}")
         for name, low in (("max_draft", 1), ("max_match", 1), ("global_tokens", 0)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:

@@ -90,7 +90,7 @@ def test_random_prompts_stay_exact_on_every_family(family) -> None:
     model = build_model(family)
     prompts = random_prompts(97)
     expected = kvlib.Engine(model).generate(prompts, max_new_tokens=16)
-    speculating = kvlib.Engine(model, speculate=SuffixSpeculation(max_draft=4, alpha=2.0, min_probability=0.0))
+    speculating = kvlib.Engine(model, speculate=SuffixSpeculation(max_draft=4, alpha=2.0, min_probability=0.0, segment_cost=0.0))
     assert served(speculating, prompts, max_new_tokens=16) == expected
     assert speculating.stats()["verifications"] > 0
     assert pages_held(speculating) == 0
@@ -107,7 +107,9 @@ def test_verifications_attend_over_their_pages_in_one_segment(llama, repetitive_
     engine.store.peak_workspace = 0
     lengths = []
     while engine.has_unfinished:
-        plan = engine.scheduler.plan(engine.kv, engine._drafts(), engine.speculator.options.token_cost)
+        plan = engine.scheduler.plan(
+            engine.kv, engine._drafts(), engine.speculator.options.token_cost, engine.speculator.options.segment_cost
+        )
         longest = engine.speculator.options.max_draft
         lengths.append({len(draft) for request, draft in plan.drafts.items() if request.max_new_tokens - len(request.output) > longest})
         engine.step()
@@ -159,7 +161,7 @@ def test_sampling_keeps_the_target_distribution(llama) -> None:
     options = {"do_sample": True, "temperature": 2.0, "top_k": 2}
     engine = kvlib.Engine(
         llama,
-        speculate=SuffixSpeculation(max_draft=2, alpha=4.0, min_probability=0.0, token_cost=0.0),
+        speculate=SuffixSpeculation(max_draft=2, alpha=4.0, min_probability=0.0, token_cost=0.0, segment_cost=0.0),
         max_running=256,
         max_batch_tokens=2048,
     )

@@ -336,7 +336,8 @@ def test_verifications_run_the_length_the_cost_model_gains_most_by() -> None:
     gain (a draft continued by its extension, then by its last token), for the requests that gain
     by it, the largest gains first while the token budget allows; a request with fewer outputs left
     runs them all the same, or only those where more would pass the model's context; where no
-    token's chance beats its cost (a larger batch), none verifies."""
+    token's chance beats its cost (a larger batch), or the gain does not pay for the verification
+    segment itself, none verifies."""
     decoding = [request(i, 5, computed=5 + 1, output=2) for i in range(4)]  # each has its last output token to run
     decoding[3].max_new_tokens = 4  # one output after the verification's own: a draft of 1 at most
     drafts = {
@@ -357,3 +358,8 @@ def test_verifications_run_the_length_the_cost_model_gains_most_by() -> None:
     assert not scheduler(decoding).plan(Ledger(free=100), unsure, token_cost=10.0).drafts  # cost 40 / 41 > 0.6
     assert scheduler(decoding).plan(Ledger(free=100), unsure, token_cost=0.01).drafts
     assert not scheduler(decoding).plan(Ledger(free=100)).drafts  # no speculation: plain decodes
+    # the segment itself costs 0.8 * 4 / (1 + 0.25 * 4) = 1.6 tokens: a gain of 3.0 pays for it
+    assert scheduler(decoding).plan(Ledger(free=100), drafts, token_cost=0.25, segment_cost=0.8).drafts == plan.drafts
+    alone = scheduler(decoding[2:3])  # one row: a token costs 0.25 / 1.25 = 0.2, the segment 0.8 / 1.25 = 0.64
+    assert alone.plan(Ledger(free=100), drafts, token_cost=0.25).drafts == {decoding[2]: [5]}  # gains 0.55 - 0.2
+    assert not alone.plan(Ledger(free=100), drafts, token_cost=0.25, segment_cost=0.8).drafts  # 0.35 < 0.64
