@@ -8,12 +8,14 @@ after its attention in every layer, and samples each completing request's next t
 (:mod:`kvlib.adapters.engine.sampling`).
 
 Speculation: a verifying request (one with a draft) runs its last token then the draft's, in one
-segment with the other verifications of its length, attending causally like a prefill chunk; the
-logits of all of them give the accepted draft prefix and one more token
-(:func:`~kvlib.adapters.engine.sampling.verify_draft`), cut where the request ends (its
-end-of-sequence token, ``max_new_tokens``). What was not accepted is then truncated from every
-layer's pages (:meth:`~kvlib.storage.store.paged_store.PagedStore.truncate`),
-before anything indexes them, so no rejected token stays stored.
+segment with the other verifications of its length (the scheduler gives a step's verifications
+one length where it can), which attends causally over its rows' pages
+(:attr:`~kvlib.adapters.engine.packed_batch.Segment.verifying`); the logits of all of them give
+the accepted draft prefix and one more token (:func:`~kvlib.adapters.engine.sampling.verify_draft`),
+cut where the request ends (its end-of-sequence token, ``max_new_tokens``). What was not kept is
+then truncated from the pages, one call a layer for every request that kept less than it ran
+(:meth:`~kvlib.storage.store.paged_store.PagedStore.truncate` with a length per sequence), before
+anything indexes them, so no rejected token stays stored.
 
 Invariant: after :meth:`ModelRunner.run`, each request's ``computed`` counts the tokens its
 sequence holds (its chunk added; for a verifying request, its last token and the accepted draft
