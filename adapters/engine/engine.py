@@ -62,7 +62,7 @@ from kvlib.adapters.engine.page_budget import page_budget
 from kvlib.adapters.engine.prefix_groups import prefix_groups
 from kvlib.adapters.engine.request_checks import REQUEST_OPTIONS, checked_request
 from kvlib.adapters.engine.scheduler import Scheduler, StepPlan
-from kvlib.adapters.engine.suffix_speculator import SuffixSpeculation, SuffixSpeculator, speculation
+from kvlib.adapters.engine.suffix_speculator import Draft, SuffixSpeculation, SuffixSpeculator, speculation
 from kvlib.adapters.runtime.attention import route_attention
 from kvlib.errors import quoted
 from kvlib.kernels.shared_prefix import MIN_SAVED_READS
@@ -343,7 +343,11 @@ class Engine:
 
     def step(self) -> dict[int, list[int]]:
         """Run one forward pass; returns the tokens produced, per request id."""
-        plan = self.scheduler.plan(self.kv, self._drafts())
+        drafts, costs = self._drafts(), {}
+        if self.speculator is not None:  # the chances' calibration weighs what a token costs against them
+            options, calibration = self.speculator.options, self.speculator.calibration()
+            costs = {"token_cost": options.token_cost / calibration, "segment_cost": options.segment_cost / calibration}
+        plan = self.scheduler.plan(self.kv, drafts, **costs, context=self.context)
         self.scheduler.apply(plan, self.kv)
         self._count(plan)
         if not plan.chunks:
@@ -360,6 +364,7 @@ class Engine:
             self._counters["verifications"] += 1
             self._counters["draft_tokens"] += len(draft)
             self._counters["accepted_tokens"] += accepted
+            self.speculator.observe(drafts[request], len(draft), accepted)
         for request, _ in plan.chunks:
             self.kv.index(request)
             if request.done:
@@ -368,12 +373,13 @@ class Engine:
         self._counters["steps"] += 1
         return produced
 
-    def _drafts(self) -> dict[Request, list[int]]:
-        """Each running decoding request's proposed draft (none without speculation)."""
+    def _drafts(self) -> dict[Request, Draft]:
+        """The drafts the running decoding requests propose (none without speculation, or where
+        SuffixDecoding's rules find none)."""
         if self.speculator is None:
             return {}
         proposals = {request: self.speculator.propose(request) for request in self.scheduler.running if request.remaining == 1}
-        return {request: draft for request, draft in proposals.items() if draft}
+        return {request: draft for request, draft in proposals.items() if draft.tokens}
 
     def receive(self, wait_s: float = 0.0) -> dict[HandOverKey, int]:
         """Decode role: queue every request handed over so far, waiting up to ``wait_s`` seconds

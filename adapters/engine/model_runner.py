@@ -8,12 +8,14 @@ after its attention in every layer, and samples each completing request's next t
 (:mod:`kvlib.adapters.engine.sampling`).
 
 Speculation: a verifying request (one with a draft) runs its last token then the draft's, in one
-segment with the other verifications of its length, attending causally like a prefill chunk; the
-logits of all of them give the accepted draft prefix and one more token
-(:func:`~kvlib.adapters.engine.sampling.verify_draft`), cut where the request ends (its
-end-of-sequence token, ``max_new_tokens``). What was not accepted is then truncated from every
-layer's pages (:meth:`~kvlib.storage.store.paged_store.PagedStore.truncate`),
-before anything indexes them, so no rejected token stays stored.
+segment with the other verifications of its length (the scheduler gives a step's verifications
+one length where it can), which attends causally over its rows' pages
+(:attr:`~kvlib.adapters.engine.packed_batch.Segment.verifying`); the logits of all of them give
+the accepted draft prefix and one more token (:func:`~kvlib.adapters.engine.sampling.verify_draft`),
+cut where the request ends (its end-of-sequence token, ``max_new_tokens``). What was not kept is
+then truncated from the pages, one call a layer for every request that kept less than it ran
+(:meth:`~kvlib.storage.store.paged_store.PagedStore.truncate` with a length per sequence), before
+anything indexes them, so no rejected token stays stored.
 
 Invariant: after :meth:`ModelRunner.run`, each request's ``computed`` counts the tokens its
 sequence holds (its chunk added; for a verifying request, its last token and the accepted draft
@@ -93,7 +95,8 @@ class ModelRunner:
             segment_positions = torch.tensor(rows, dtype=torch.int64)
             positions.append(segment_positions.flatten())
             uniform = all(request.evictor is None for request in requests)
-            segments.append((Segment([r.seq for r in requests], start, length, segment_positions, uniform), requests))
+            verifying = requests[0] in drafts
+            segments.append((Segment([r.seq for r in requests], start, length, segment_positions, uniform, verifying), requests))
             start += len(requests) * length
         self._segments = segments
         for request in decodes:  # a held cap kept as a ring drops its oldest tokens before the step, as a KVCache's does
@@ -134,6 +137,7 @@ class ModelRunner:
         request's tokens not kept are truncated from its pages."""
         now = time.perf_counter()
         produced: dict[int, list[int]] = {}
+        rolled_back: list[Request] = []
         row = 0
         for request in finishing:
             draft = drafts.get(request, [])
@@ -152,12 +156,13 @@ class ModelRunner:
                 request.token_times.append(now)
                 kept.append(token)
             produced[request.request_id] = kept
-            if (
-                draft and len(kept) < len(draft) + 1
-            ):  # the sequence holds its last token and the draft: keep it and the kept tokens but the last
+            if draft and len(kept) < len(draft) + 1:  # it holds its last token and the draft: keep those the output kept
                 request.computed -= len(draft) + 1 - len(kept)
-                for layer in range(self.store.num_layers):
-                    self.store.truncate(layer, [request.seq], request.computed)
+                rolled_back.append(request)
+        if rolled_back:  # one truncation a layer for every request that kept less than it ran
+            seqs, lengths = [request.seq for request in rolled_back], [request.computed for request in rolled_back]
+            for layer in range(self.store.num_layers):
+                self.store.truncate(layer, seqs, lengths)
         return produced
 
     def _decode_order(self, decodes: list[Request]) -> list[Request]:

@@ -68,6 +68,10 @@ class Segment:
     uniform_heads: bool = True
     """Every head of these sequences holds the same tokens (no per-head eviction), so one mask
     row serves all heads."""
+    verifying: bool = False
+    """A group of draft verifications (each row its last token and a draft of ``length - 1``):
+    it attends causally straight over its rows' pages, as the decode group does, where those
+    can be read in place (:func:`verify_over_pages`)."""
 
     @property
     def tokens(self) -> int:
@@ -169,6 +173,8 @@ class PackedCache(Cache):
         """(token, KV head) pairs the decode group's attention has read over its pages so far in
         this forward pass, over every layer (shared pages once per group where it shared them;
         nothing for a group read densely)."""
+        self.verify_plans: dict[int, StepPlan] = {}
+        """The verification segments' step plans for every layer (made at layer 0), by segment index."""
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, kwargs: dict | None = None, **_
@@ -183,22 +189,19 @@ class PackedCache(Cache):
         tokens are then written where the plan puts them and it attends through the plan."""
         if layer_idx == 0:
             self.plan = self._plan_decode_group()
+            self.verify_plans = self._plan_verifications()
         plan = self.plan
+        planned = {index: plan for index in (0,) if plan is not None} | self.verify_plans
         for index, segment in enumerate(self.segments):
             keys = _segment_tokens(key_states, segment)
             values = _segment_tokens(value_states, segment)
-            if index == 0 and plan is not None:
-                plan.pools[layer_idx].format.write_planned(plan, layer_idx, keys, values)
+            if index in planned:
+                planned[index].pools[layer_idx].format.write_planned(planned[index], layer_idx, keys, values)
             else:
                 self.store.append(layer_idx, segment.seqs, keys, values)
-        paged = [
-            None if index == 0 and plan is not None else self._paged_layer(layer_idx, segment)
-            for index, segment in enumerate(self.segments)
-        ]
+        paged = [None if index in planned else self._paged_layer(layer_idx, segment) for index, segment in enumerate(self.segments)]
         reads = [
-            None
-            if pages is not None or (index == 0 and plan is not None)
-            else self.store.read(layer_idx, segment.seqs, mirror=segment.length == 1)
+            None if pages is not None or index in planned else self.store.read(layer_idx, segment.seqs, mirror=segment.length == 1)
             for index, (segment, pages) in enumerate(zip(self.segments, paged))
         ]
         layer_step.publish(PackedLayerStep(self, layer_idx, key_states, reads, paged, plan), kwargs)
@@ -211,10 +214,23 @@ class PackedCache(Cache):
             return None
         return self.store.plan_step(self.segments[0].seqs, 1)
 
+    def _plan_verifications(self) -> dict[int, StepPlan]:
+        """Each verification segment's plan (:meth:`~kvlib.storage.store.paged_store.PagedStore.plan_step`
+        of its rows and length: its writes and attention bookkept once for every layer), where its
+        pages are read in place and the store plans it; a segment left out appends layer by layer.
+        Each plan is taken after the decode group's (rows apart), so each holds for this step."""
+        if self.store.use_read_cache or not reads_pages_in_place(self.store.device):
+            return {}
+        plans = {
+            index: self.store.plan_step(segment.seqs, segment.length) for index, segment in enumerate(self.segments) if segment.verifying
+        }
+        return {index: plan for index, plan in plans.items() if plan is not None}
+
     def _paged_layer(self, layer_idx: int, segment: Segment) -> PagedLayer | None:
-        """The decode group's pages in place, when it may attend straight over them (no read
-        mirror kept, a device the page kernel runs on, a pool that gives its pages); else None."""
-        if segment.length != 1 or self.store.use_read_cache or not reads_pages_in_place(self.store.device):
+        """The decode group's or a verification group's pages in place, when it may attend
+        straight over them (no read mirror kept, a device the page kernel runs on, a pool that
+        gives its pages); else None."""
+        if (segment.length != 1 and not segment.verifying) or self.store.use_read_cache or not reads_pages_in_place(self.store.device):
             return None
         return self.store.paged_layer(layer_idx, segment.seqs)
 
@@ -248,10 +264,14 @@ def packed_attention(step: PackedLayerStep, call: AttentionCall) -> tuple[torch.
     for index, (segment, pages) in enumerate(zip(step.cache.segments, step.paged)):
         part = query[0, :, segment.start : segment.start + segment.tokens]
         part = part.view(heads, len(segment.seqs), segment.length, -1).transpose(0, 1)
-        path = call.path(planned=index == 0 and step.plan is not None, over_pages=pages is not None)
+        verify_plan = step.cache.verify_plans.get(index)
+        path = call.path(planned=(index == 0 and step.plan is not None) or verify_plan is not None, over_pages=pages is not None)
         shared = _shared_decode(step, index, path)
         if shared is not None:
             output = decode_shared_prefix(part, shared, segment, kwargs)
+            read = None  # attended over the pages: nothing was read
+        elif path is AttentionPath.PLANNED and verify_plan is not None:
+            output = verify_planned(part, verify_plan, step.layer_idx, segment, kwargs)
             read = None  # attended over the pages: nothing was read
         elif path is AttentionPath.PLANNED:
             scale = kwargs.get("scaling") or part.shape[-1] ** -0.5
@@ -260,7 +280,8 @@ def packed_attention(step: PackedLayerStep, call: AttentionCall) -> tuple[torch.
             )
             read = None  # attended over the pages: nothing was read
         elif path is AttentionPath.OVER_PAGES:
-            output = decode_over_pages(part, pages, segment, kwargs)
+            over_pages = verify_over_pages if segment.length > 1 else decode_over_pages
+            output = over_pages(part, pages, segment, kwargs)
             read = None  # attended over the pages: nothing was read
         else:
             read = step.dense_read(index)
@@ -274,7 +295,7 @@ def packed_attention(step: PackedLayerStep, call: AttentionCall) -> tuple[torch.
                     mask.masked_fill_(~visible, torch.finfo(part.dtype).min)
                 output, _ = call.inner(call.module, part, read.keys, read.values, mask, **kwargs)
         outputs.append(output.reshape(1, segment.tokens, heads, -1))
-        if path is not AttentionPath.DENSE and index == 0:
+        if path is not AttentionPath.DENSE and index == 0 and segment.length == 1:
             step.cache.decode_reads += _decode_reads(step, shared)
         if step.cache.after_attention is not None:
             step.cache.after_attention(step.layer_idx, index, part, read, kwargs.get("scaling"))
@@ -356,6 +377,33 @@ def _decode_reads(step: PackedLayerStep, shared: SharedDecode | None) -> int:
     if shared is not None:
         return shared.sharing.tokens_read()
     return int(step.cache.store.physical_lengths(step.layer_idx, step.cache.segments[0].seqs).sum())
+
+
+def verify_over_pages(query: torch.Tensor, pages: PagedLayer, segment: Segment, kwargs: dict) -> torch.Tensor:
+    """A verification group's attention straight over its pages: ``query [batch, heads, length,
+    head_dim]`` in, ``[batch, length, heads, value_dim]`` out, causal per row
+    (:func:`verification_mask`)."""
+    visible = verification_mask(segment, query.device)
+    scale = kwargs.get("scaling") or query.shape[-1] ** -0.5
+    output = pages.attend(query, visible=visible, query_positions=None, scale=scale, softcap=kwargs.get("softcap"))
+    return output.transpose(1, 2)
+
+
+def verify_planned(query: torch.Tensor, plan: StepPlan, layer: int, segment: Segment, kwargs: dict) -> torch.Tensor:
+    """A planned verification group's attention over its pages once ``plan`` wrote the layer:
+    ``query [batch, heads, length, head_dim]`` in, ``[batch, length, heads, value_dim]`` out, causal
+    per row (:func:`verification_mask`, as the model's mask ``[batch, 1, length, logical]``)."""
+    scale = kwargs.get("scaling") or query.shape[-1] ** -0.5
+    mask = verification_mask(segment, query.device).unsqueeze(1)
+    return plan.pools[layer].format.attend_planned(plan, layer, query, mask, scale, kwargs.get("softcap"))
+
+
+def verification_mask(segment: Segment, device: torch.device) -> torch.Tensor:
+    """Which logical positions each token of a verification group sees: bool ``[batch, length,
+    newest + 1]``. Each row stores its tokens at positions ``0 ..`` its newest (no eviction while
+    speculating), the segment's own last, so the token at position ``q`` sees the positions ``<= q``."""
+    logical = torch.arange(int(segment.positions.max()) + 1, device=device)
+    return logical.view(1, 1, -1) <= segment.positions.to(device).unsqueeze(-1)
 
 
 def _plain_attention(kwargs: dict) -> bool:

@@ -27,10 +27,11 @@ The decisions of one plan:
    its coming decode tokens; forecast admission (``"forecast"``, the Past-Future scheduler)
    admits while the forecast peak of the pages the running batch and the candidate will take
    fits in the free pages (:meth:`Scheduler.forecast_peak`);
-5. with speculation, each decoding request's draft (proposed before the plan) runs with its token,
-   as much of it as the token budget and the pages left over allow, the oldest request first; a
-   step that preempts runs no drafts. Drafts come last so that they never delay a prefill chunk
-   or an admission.
+5. with speculation, decoding requests' drafts (proposed before the plan) run with their tokens,
+   all of one length (one segment), as many tokens and requests as the cost model finds worth it
+   (:meth:`Scheduler._add_drafts`), within the token budget and the pages left over; a step that
+   preempts runs no drafts. Drafts come last so that they never delay a prefill chunk or an
+   admission.
 
 Invariant: a plan never needs more pages than are free once it is applied, and never more than
 ``max_batch_tokens`` tokens (decodes alone may exceed it: they are never stalled).
@@ -51,6 +52,7 @@ from typing import Protocol
 
 from kvlib.adapters.engine.engine_request import Request, RequestState
 from kvlib.adapters.engine.output_lengths import OutputLengths, check_quantile
+from kvlib.adapters.engine.suffix_speculator import Draft
 from kvlib.errors import quoted
 
 ADMISSION_POLICIES = ("reserve", "forecast")
@@ -214,11 +216,21 @@ class Scheduler:
 
     # -- deciding --------------------------------------------------------------------------------
 
-    def plan(self, ledger: PageLedger, drafts: Mapping[Request, list[int]] | None = None) -> StepPlan:
+    def plan(
+        self,
+        ledger: PageLedger,
+        drafts: Mapping[Request, Draft] | None = None,
+        token_cost: float = 0.0,
+        segment_cost: float = 0.0,
+        context: int | None = None,
+    ) -> StepPlan:
         """Decide the next step on a forecast of ``ledger``'s pages; the queues, the requests and
-        the ledger are left as they are (:meth:`apply` carries the plan out). ``drafts``: tokens
-        proposed to follow running decoding requests' last tokens (speculation), run where the
-        budget and pages left over allow."""
+        the ledger are left as they are (:meth:`apply` carries the plan out). ``drafts``: drafts
+        proposed to follow running decoding requests' last tokens (speculation), verified where
+        they pay for themselves by the cost model of :meth:`_add_drafts` (``token_cost``: a
+        token's cost, ``segment_cost``: a verification segment's, each as a share of a step's
+        fixed cost) and the budget and pages left over allow;
+        ``context``: the model's positions (None: no limit), which no verification runs past."""
         forecast = ledger.forecast(self.running)
         plan = StepPlan()
         active = list(self.running)
@@ -261,7 +273,9 @@ class Scheduler:
         if not (plan.preempted or self.swapped and not plan.resumed):  # memory is short: admit nothing new
             budget, spent = self._admit(plan, forecast, active=active, budget=budget, free=free, spent=spent)
             if drafts:
-                self._add_drafts(plan, forecast, drafts, decodes, budget=budget, left=forecast.free_pages() - spent)
+                left = forecast.free_pages() - spent
+                costs = {"token_cost": token_cost, "segment_cost": segment_cost}
+                self._add_drafts(plan, forecast, drafts, decodes, budget=budget, left=left, **costs, context=context)
         plan.reclaimed = list(forecast.reclaimed)
         return plan
 
@@ -299,22 +313,68 @@ class Scheduler:
 
     @staticmethod
     def _add_drafts(
-        plan: StepPlan, forecast: Forecast, drafts: Mapping[Request, list[int]], decodes: list[Request], *, budget: int, left: int
+        plan: StepPlan,
+        forecast: Forecast,
+        drafts: Mapping[Request, Draft],
+        decodes: list[Request],
+        *,
+        budget: int,
+        left: int,
+        token_cost: float,
+        segment_cost: float,
+        context: int | None,
     ) -> None:
-        """Lengthen the planned decodes of ``decodes`` by their ``drafts``, oldest first, each cut to
-        the token ``budget`` and the ``left`` pages still free after the plan's chunks."""
+        """Lengthen planned decodes of ``decodes`` into verifications of their ``drafts``, within
+        the token ``budget`` and the ``left`` pages still free after the plan's chunks.
+
+        The cost model: a step costs ``a + c * T`` for ``T`` tokens (``a``: its fixed cost,
+        reading the weights and the host work; ``c``: a token's compute, ``token_cost = c / a``)
+        and outputs ``R`` tokens (its decodes), so a verified token costs ``token_cost * R / (1 +
+        token_cost * T)`` of them, and the verification segment itself (its writes, attention
+        call and rollback in every layer; ``segment_cost = its cost / a``) ``segment_cost * R /
+        (1 + token_cost * T)``; verifying ``n`` tokens of a draft gains the sum of their
+        acceptance chances (:attr:`Draft.chances`). Every verification of the step runs the same
+        ``n`` tokens, so that they are one segment of the packed batch (one append and one
+        attention call a layer for all of them): the ``n`` of the largest total gain over the
+        requests that gain by it, each verifying its draft and then its extension (then its last
+        token again: any token is verified exactly), the largest gains first while the budget
+        and the pages allow (one they cannot hold decodes without a draft). A request that may
+        output fewer tokens than ``n`` runs ``n`` all the same (those past its end gain nothing,
+        and the rollback drops them), unless they would pass the model's ``context``: then it
+        runs only those it may output (its own, shorter segment). None verifies where no ``n``
+        gains more than the segment costs: a batch large enough that a token costs more than it
+        may save, or drafts too few or too unlikely to pay for the segment."""
+        candidates = [request for request in decodes if request in drafts]
+        if not candidates or budget <= 0:
+            return
+        cost = token_cost * len(decodes) / (1 + token_cost * plan.tokens)
+        room = {request: request.max_new_tokens - len(request.output) - 1 for request in candidates}
+
+        def run(request: Request, tokens: int) -> int:
+            """Tokens ``request`` runs for a verification of ``tokens`` (its room, where more would pass the context)."""
+            return tokens if context is None or request.computed + 1 + tokens <= context else min(tokens, room[request])
+
+        def gain(request: Request, tokens: int) -> float:  # a filler token past the walk or the room: no chance, a token's cost
+            return sum(drafts[request].chances[: min(tokens, room[request])]) - run(request, tokens) * cost
+
+        longest = min(budget, max(min(len(drafts[request].chances), room[request]) for request in candidates))
+        gains = {tokens: sum(max(gain(request, tokens), 0.0) for request in candidates) for tokens in range(1, longest + 1)}
+        length = max(gains, key=lambda tokens: (gains[tokens], -tokens), default=0)
+        if not length or gains[length] <= segment_cost * len(decodes) / (1 + token_cost * plan.tokens):
+            return
         chunk = {id(request): index for index, (request, _) in enumerate(plan.chunks)}
-        for request in decodes:
-            draft = list(drafts.get(request, ()))[: max(budget, 0)]
-            extra = forecast.pages_for(request, 1 + len(draft)) - forecast.pages_for(request, 1)
-            while draft and extra > left:
-                draft = draft[: len(draft) // 2]
-                extra = forecast.pages_for(request, 1 + len(draft)) - forecast.pages_for(request, 1)
-            if draft:
-                plan.drafts[request] = draft
-                plan.chunks[chunk[id(request)]] = (request, 1 + len(draft))
-                budget -= len(draft)
-                left -= extra
+        for request in sorted((request for request in candidates if gain(request, length) > 0), key=lambda request: -gain(request, length)):
+            draft = drafts[request]
+            count = run(request, length)
+            tokens = (draft.tokens + draft.extension)[:count]
+            tokens += tokens[-1:] * (count - len(tokens))
+            extra = forecast.pages_for(request, 1 + len(tokens)) - forecast.pages_for(request, 1)
+            if not tokens or len(tokens) > budget or extra > left:
+                continue
+            plan.drafts[request] = tokens
+            plan.chunks[chunk[id(request)]] = (request, 1 + len(tokens))
+            budget -= len(tokens)
+            left -= extra
 
     def forecast_peak(self, running: Sequence[Request], candidate: Request, forecast: Forecast) -> int:
         """The most pages (per layer) the ``running`` requests and a waiting ``candidate`` will

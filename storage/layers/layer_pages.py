@@ -528,9 +528,10 @@ class LayerPages:
 
     # -- truncation ---------------------------------------------------------------------
 
-    def truncate(self, rows: torch.Tensor, length: int) -> torch.Tensor:
+    def truncate(self, rows: torch.Tensor, length: int | torch.Tensor) -> torch.Tensor:
         """Forget every stored token of ``rows`` whose position is ``>= length`` and cap their logical
-        lengths at ``length``; returns the new stored lengths, int64 ``[batch, kv_heads]``.
+        lengths at ``length`` (an int for every row, or int64 ``[batch]``, one per row); returns the
+        new stored lengths, int64 ``[batch, kv_heads]``.
 
         The tokens dropped must be a suffix of each head; otherwise ``ValueError`` and nothing
         changes (as when a fixed pool lacks the pages to reopen: ``PoolExhaustedError``). No token
@@ -543,10 +544,12 @@ class LayerPages:
         positions = self.stored_positions(rows)
         slot = torch.arange(positions.shape[-1])
         stored = slot < lengths.unsqueeze(-1)
-        kept = stored & (positions < length)
+        limit = length if isinstance(length, int) else length.view(-1, 1, 1)
+        kept = stored & (positions < limit)
         new_lengths = kept.sum(-1)
         if not bool((kept == (slot < new_lengths.unsqueeze(-1))).all()):
-            raise ValueError(f"layer {layer}: tokens at positions >= {length} are not a suffix of every head")
+            shown = length if isinstance(length, int) else length.tolist()
+            raise ValueError(f"layer {layer}: tokens at positions >= {shown} are not a suffix of every head")
         page_slot = torch.arange(table.pages.shape[2])
         drop = (page_slot >= table.pages_used(new_lengths).unsqueeze(-1)) & (page_slot < table.pages_used(lengths).unsqueeze(-1))
         dropped = table.pages[rows][drop]
@@ -562,7 +565,9 @@ class LayerPages:
         b, h, j = drop.nonzero(as_tuple=True)
         table.pages[rows[b], h, j] = -1
         table.lengths[rows] = new_lengths
-        table.logical[rows] = table.logical[rows].clamp(max=length)
+        table.logical[rows] = (
+            table.logical[rows].clamp(max=length) if isinstance(length, int) else torch.minimum(table.logical[rows], length)
+        )
         table.sealed[rows] = table.sealed[rows].clamp(max=new_lengths // page_size)
         if reopen is not None:
             self._reopen(rows, reopen)

@@ -42,7 +42,7 @@ All operations are vectorized over batch and heads: no Python loop runs per toke
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -545,9 +545,11 @@ class PagedStore:
             self._changed(layer)
 
     @outside_inference_mode
-    def truncate(self, layer: int, seqs: SequenceIds, length: int) -> None:
+    def truncate(self, layer: int, seqs: SequenceIds, length: int | Sequence[int]) -> None:
         """Forget every stored token of ``layer`` whose position is ``>= length``; set the logical
         length of ``seqs`` to at most ``length`` (what rolling back rejected draft tokens needs).
+        ``length``: one int for every sequence, or one per sequence of ``seqs`` (a batch rolled
+        back to lengths of its own in one call).
 
         The tokens dropped must be a suffix of each head (positions ascending, as appends give
         them); otherwise nothing changes and ``ValueError`` is raised. No token moves: pages past
@@ -556,8 +558,13 @@ class PagedStore:
         """
         layer = self._layer(layer)
         rows = self._rows(seqs)
-        if not isinstance(length, int) or isinstance(length, bool) or not 0 <= length < 2**63:
-            raise ValueError(f"length must be an int in [0, 2**63), got {length!r}")
+        each = [length] if isinstance(length, int) or not isinstance(length, Sequence) else list(length)
+        if isinstance(length, Sequence) and len(each) != len(rows):
+            raise ValueError(f"length must be an int or one int per sequence ({len(rows)}), got {len(each)} lengths")
+        if any(not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**63 for value in each):
+            raise ValueError(f"length must be an int in [0, 2**63) or a sequence of them, got {length!r}")
+        if isinstance(length, Sequence):
+            length = torch.tensor(each, dtype=torch.int64)
         new_lengths = self.layers[layer].truncate(rows, length)
         self._changed(layer)
         self.read_caches.follow_truncation(layer, rows, new_lengths)

@@ -90,10 +90,32 @@ def test_random_prompts_stay_exact_on_every_family(family) -> None:
     model = build_model(family)
     prompts = random_prompts(97)
     expected = kvlib.Engine(model).generate(prompts, max_new_tokens=16)
-    speculating = kvlib.Engine(model, speculate=SuffixSpeculation(max_draft=4, alpha=2.0, min_probability=0.0))
+    speculating = kvlib.Engine(model, speculate=SuffixSpeculation(max_draft=4, alpha=2.0, min_probability=0.0, segment_cost=0.0))
     assert served(speculating, prompts, max_new_tokens=16) == expected
     assert speculating.stats()["verifications"] > 0
     assert pages_held(speculating) == 0
+
+
+def test_verifications_attend_over_their_pages_in_one_segment(llama, repetitive_case) -> None:
+    """Once every prompt is in, steps that verify drafts read no dense workspace (the page kernel
+    reads the pages in place) and run their verifications as one segment (one length)."""
+    prompts, expected = repetitive_case
+    engine = kvlib.Engine(llama, speculate="suffix")
+    ids = [engine.add_request(prompt, max_new_tokens=NEW) for prompt in prompts]
+    while engine.scheduler.waiting or any(request.remaining > 1 for request in engine.scheduler.running):
+        engine.step()
+    engine.store.peak_workspace = 0
+    lengths = []
+    while engine.has_unfinished:
+        plan = engine.scheduler.plan(
+            engine.kv, engine._drafts(), engine.speculator.options.token_cost, engine.speculator.options.segment_cost
+        )
+        longest = engine.speculator.options.max_draft
+        lengths.append({len(draft) for request, draft in plan.drafts.items() if request.max_new_tokens - len(request.output) > longest})
+        engine.step()
+    assert engine.stats()["verifications"] > 0 and engine.store.peak_workspace == 0
+    assert all(len(step) <= 1 for step in lengths) and any(lengths)
+    assert [engine.requests[i].output for i in ids] == expected
 
 
 def test_the_prefix_index_holds_the_same_blocks_as_without_speculation(llama, repetitive_case) -> None:
@@ -138,7 +160,10 @@ def test_sampling_keeps_the_target_distribution(llama) -> None:
     prompt = record * 5
     options = {"do_sample": True, "temperature": 2.0, "top_k": 2}
     engine = kvlib.Engine(
-        llama, speculate=SuffixSpeculation(max_draft=2, alpha=4.0, min_probability=0.0), max_running=256, max_batch_tokens=2048
+        llama,
+        speculate=SuffixSpeculation(max_draft=2, alpha=4.0, min_probability=0.0, token_cost=0.0, segment_cost=0.0),
+        max_running=256,
+        max_batch_tokens=2048,
     )
     ids = [engine.add_request(prompt, max_new_tokens=3, seed=seed, **options) for seed in range(800)]
     while engine.has_unfinished:

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 import kvlib
 from kvlib.adapters.engine.engine_request import Request, RequestState
 from kvlib.adapters.engine.scheduler import Scheduler, StepPlan
+from kvlib.adapters.engine.suffix_speculator import Draft
 from tests.adapters.conftest import build_model
 
 PAGE = 4
@@ -327,3 +328,38 @@ def test_an_engine_plan_changes_nothing_until_applied(preemption, steps) -> None
     engine.scheduler.apply(first, engine.kv)
     assert sum(engine.kv.pages_for(r.computed, n) for r, n in first.chunks) <= engine.kv.free_pages()  # the chunks fit
     assert all(r.state is RequestState.RUNNING for r, _ in first.chunks)
+
+
+def test_verifications_run_the_length_the_cost_model_gains_most_by() -> None:
+    """A verified token costs ``token_cost * R / (1 + token_cost * T)`` output tokens (here 0.5) and
+    gains its chance of acceptance: every verification runs the one length of the largest total
+    gain (a draft continued by its extension, then by its last token), for the requests that gain
+    by it, the largest gains first while the token budget allows; a request with fewer outputs left
+    runs them all the same, or only those where more would pass the model's context; where no
+    token's chance beats its cost (a larger batch), or the gain does not pay for the verification
+    segment itself, none verifies."""
+    decoding = [request(i, 5, computed=5 + 1, output=2) for i in range(4)]  # each has its last output token to run
+    decoding[3].max_new_tokens = 4  # one output after the verification's own: a draft of 1 at most
+    drafts = {
+        decoding[0]: Draft([7, 8], 1.8, [9, 10, 11], [0.9, 0.9, 0.6, 0.6, 0.2]),
+        decoding[1]: Draft([1, 2, 3, 4], 4.0, [], [1.0, 1.0, 1.0, 1.0]),
+        decoding[2]: Draft([5], 0.55, [], [0.55]),  # gains 0.05 alone, loses with filler after it
+        decoding[3]: Draft([6, 6, 6], 1.0, [], [1.0]),
+    }
+    plan = scheduler(decoding).plan(Ledger(free=100), drafts, token_cost=0.25)  # cost 0.25 * 4 / (1 + 0.25 * 4)
+    assert plan.drafts == {decoding[1]: [1, 2, 3, 4], decoding[0]: [7, 8, 9, 10]}  # gains 2.0, 1.0
+    assert list(plan.drafts) == [decoding[1], decoding[0]]  # the last would run 4 for one output: a loss
+    assert dict(plan.chunks) == {decoding[2]: 1, decoding[3]: 1} | {request: 1 + len(tokens) for request, tokens in plan.drafts.items()}
+    near_context = scheduler(decoding).plan(Ledger(free=100), drafts, token_cost=0.25, context=9)  # 6 + 1 + 4 > 9
+    assert near_context.drafts == plan.drafts | {decoding[3]: [6]}  # it may run only its one output, for a gain of 0.5
+    tight = scheduler(decoding, max_batch_tokens=4 + 8).plan(Ledger(free=100), drafts, token_cost=0.25)
+    assert list(tight.drafts) == [decoding[1], decoding[0]]  # the budget is spent: the third decodes plainly
+    unsure = {request: draft._replace(chances=[0.6] * len(draft.chances)) for request, draft in drafts.items()}
+    assert not scheduler(decoding).plan(Ledger(free=100), unsure, token_cost=10.0).drafts  # cost 40 / 41 > 0.6
+    assert scheduler(decoding).plan(Ledger(free=100), unsure, token_cost=0.01).drafts
+    assert not scheduler(decoding).plan(Ledger(free=100)).drafts  # no speculation: plain decodes
+    # the segment itself costs 0.8 * 4 / (1 + 0.25 * 4) = 1.6 tokens: a gain of 3.0 pays for it
+    assert scheduler(decoding).plan(Ledger(free=100), drafts, token_cost=0.25, segment_cost=0.8).drafts == plan.drafts
+    alone = scheduler(decoding[2:3])  # one row: a token costs 0.25 / 1.25 = 0.2, the segment 0.8 / 1.25 = 0.64
+    assert alone.plan(Ledger(free=100), drafts, token_cost=0.25).drafts == {decoding[2]: [5]}  # gains 0.55 - 0.2
+    assert not alone.plan(Ledger(free=100), drafts, token_cost=0.25, segment_cost=0.8).drafts  # 0.35 < 0.64

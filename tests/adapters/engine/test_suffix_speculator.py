@@ -25,21 +25,25 @@ def occurs(text: list[int], pattern: list[int]) -> bool:
 def test_a_request_drafts_what_followed_its_last_tokens_before() -> None:
     speculator = SuffixSpeculator(SuffixSpeculation(max_draft=4))
     loop = [10, 11, 12, 13, 14, 15]
-    assert speculator.propose(request(0, loop + loop[:3])) == [13, 14, 15]  # alpha * p = 3 for a match of 3
-    assert speculator.propose(request(0, loop + loop[:3], output=[13, 14, 15, 10])) == [11, 12, 13, 14]  # max_draft
-    assert speculator.propose(request(0, loop + loop[:3], output=[13], max_new_tokens=3)) == [14]  # one output left after the bonus token
+    # alpha * p = 3 for a match of 3
+    assert speculator.propose(request(0, loop + loop[:3]))[:3] == ([13, 14, 15], 3.0, [])
+    assert speculator.propose(request(0, loop + loop[:3], output=[13, 14, 15, 10]))[0] == [11, 12, 13, 14]  # max_draft
+    assert speculator.propose(request(1, loop + loop[:3], output=[13], max_new_tokens=3))[0] == [
+        14
+    ]  # one output left after the bonus token
+    assert speculator.requests[0].indexed == len(loop) + 3 + 4  # the second step indexed only the four tokens output since the first
 
 
 def test_finished_outputs_feed_other_requests_within_the_window() -> None:
     speculator = SuffixSpeculator(SuffixSpeculation(global_tokens=12))
     first = request(0, [1, 2], output=[40, 41, 42, 43, 44, 45])
     speculator.finish(first, finished=True)
-    assert speculator.propose(request(1, [7, 40, 41, 42])) == [43, 44, 45]
+    assert speculator.propose(request(1, [7, 40, 41, 42]))[0] == [43, 44, 45]
     speculator.finish(request(2, [1], output=[50] * 5), finished=False)  # aborted: its output is not indexed
-    assert speculator.window_tokens == 6
+    assert speculator.recent.indexed == 6
     speculator.finish(request(3, [1], output=[60, 61, 62, 63, 64, 65, 66]), finished=True)  # 13 > 12: the oldest leaves
-    assert speculator.window_tokens == 7 and speculator.propose(request(4, [7, 40, 41, 42])) == []
-    assert speculator.requests.keys() == {1, 4} and speculator.recent.nodes > 0
+    assert speculator.recent.indexed == 7 and speculator.propose(request(4, [7, 40, 41, 42]))[0] == []
+    assert speculator.requests.keys() == {1, 4} and speculator.indexed_tokens() == 7 + 4 + 4
 
 
 @settings(max_examples=60, deadline=None)
@@ -54,10 +58,16 @@ def test_every_draft_occurred_after_the_matched_suffix(outputs, prompt, max_draf
     for number, output in enumerate(outputs):
         speculator.finish(request(number, [0], output=output), finished=True)
     asking = request(99, prompt)
-    draft = speculator.propose(asking)
-    assert len(draft) <= max_draft
+    draft, score, _, _ = speculator.propose(asking)
+    assert len(draft) <= max_draft and 0 <= score <= len(draft)
     if draft:
-        indexed = [prompt, *speculator.window]
+        held = speculator.recent.tokens[: speculator.recent.size].tolist()
+        window, start = [], 0
+        for length in speculator.recent.lengths:
+            window.append(held[start : start + length])
+            start += length + 1
+        assert sum(map(len, window)) <= 30
+        indexed = [prompt, *window]
         matched = max(p for p in range(1, 6) if any(occurs(text, prompt[-p:] + draft) for text in indexed))
         assert len(draft) <= int(alpha * matched)
 
@@ -83,6 +93,8 @@ def test_bad_speculate_values_are_refused(value, message) -> None:
         ({"global_tokens": -1}, "global_tokens must be an int >= 0"),
         ({"alpha": 0}, "alpha must be a finite number > 0"),
         ({"min_probability": 1.5}, "min_probability must be a number in"),
+        ({"token_cost": -0.1}, "token_cost must be a finite number >= 0"),
+        ({"token_cost": float("inf")}, "token_cost must be a finite number >= 0"),
     ],
 )
 def test_bad_options_are_refused(options, message) -> None:

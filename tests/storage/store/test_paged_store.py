@@ -389,6 +389,26 @@ def test_truncate_drops_the_suffix_and_releases_its_pages(store: PagedStore) -> 
     assert torch.equal(store.read(1, [seq]).keys, keys)
 
 
+def test_truncate_takes_a_length_per_sequence(store: PagedStore) -> None:
+    """One call rolls a batch back to lengths of its own (what rejected drafts of several requests
+    need); a bad list changes nothing."""
+    seqs = [store.new_sequence(), store.new_sequence(), store.new_sequence()]
+    keys = step(3, 2, 10)
+    store.append(0, seqs, keys, -keys)
+    with pytest.raises(ValueError, match="one int per sequence"):
+        store.truncate(0, seqs, [5, 9])
+    with pytest.raises(ValueError, match="length must be an int"):
+        store.truncate(0, seqs, [5, -1, 9])
+    assert store.physical_lengths(0, seqs).tolist() == [[10, 10]] * 3
+    store.truncate(0, seqs, [5, 10, 1])
+    assert store.physical_lengths(0, seqs).tolist() == [[5, 5], [10, 10], [1, 1]]
+    assert store.logical_lengths(0, seqs).tolist() == [5, 10, 1]
+    for row, length in enumerate((5, 10, 1)):
+        read = store.read(0, [seqs[row]])
+        assert torch.equal(read.keys, keys[row : row + 1, :, :length])
+    assert store.pools[0].pages_in_use == 2 * (2 + 3 + 1)  # pages of 4 tokens: 5, 10 and 1 tokens a head
+
+
 def test_appends_after_truncate_continue_at_the_new_end(store: PagedStore) -> None:
     seq = store.new_sequence()
     keys = step(1, 2, 10)
