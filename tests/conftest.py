@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Generator, Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +17,16 @@ if (
     not torch.cuda.is_available()
 ):  # Triton's kernels run in its interpreter; it is read as each kernel is defined, so before kvlib loads one
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# The suite's numba kernels are compiled with LLVM's first optimization level, not numba's default
+# third (a quarter less compile time in a run with an empty cache; the tests check what the kernels
+# compute, not how fast; level 0 would leave the closure kernels uncacheable: dynamic globals), into a
+# cache of their own, so that no such kernel is ever loaded by a run outside the tests (``kvlib
+# compare``, the benchmarks: their cache is numba's, beside the sources). Numba reads both as it is
+# imported, so before kvlib loads; a caller's own NUMBA_OPT wins (CI runs the slow set at level 3).
+if "NUMBA_OPT" not in os.environ:
+    os.environ["NUMBA_OPT"] = "1"
+    os.environ.setdefault("NUMBA_CACHE_DIR", str(Path(__file__).resolve().parents[1] / ".numba-test-cache"))
 
 from kvlib import registry  # noqa: E402
 from kvlib.devices import set_cpu_threads  # noqa: E402

@@ -6,9 +6,12 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
+
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_generate.py"
 
 
+@pytest.mark.slow  # a benchmark's quick run; .ci/run runs it after the suite
 def test_bench_generate_writes_its_report(tmp_path: Path) -> None:
     spec = importlib.util.spec_from_file_location("bench_generate", BENCH)
     module = importlib.util.module_from_spec(spec)

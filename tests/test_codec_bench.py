@@ -6,9 +6,12 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
+
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
+@pytest.mark.slow  # a benchmark's quick run (the suite's codec tests check the codecs); .ci/run runs it after the suite
 def test_codec_bench_quick_writes_every_section(tmp_path: Path) -> None:
     spec = importlib.util.spec_from_file_location("codec_bench", BENCHMARKS / "codec_bench.py")
     module = importlib.util.module_from_spec(spec)

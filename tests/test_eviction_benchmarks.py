@@ -22,6 +22,7 @@ def _load(name: str):
     return module
 
 
+@pytest.mark.slow  # a benchmark's quick run over every policy; .ci/run runs it after the suite
 def test_eviction_quality_covers_every_registered_policy(tmp_path: Path) -> None:
     result = _load("eviction_quality").run(["--quick", "--out", str(tmp_path)])
     saved = json.loads((tmp_path / "eviction_quality.json").read_text())

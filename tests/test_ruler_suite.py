@@ -176,6 +176,7 @@ def test_a_task_the_full_cache_fails_is_left_out_of_the_means(tmp_path: Path) ->
     assert ruler_suite.ranked_tasks([full, snap], ["niah_single", "vt"]) == ["niah_single", "vt"]  # a task it has not run yet stays
 
 
+@pytest.mark.slow  # two runs of the suite's script (the tests above check its parts); .ci/run runs it after the suite
 def test_a_rerun_adds_the_tasks_and_configurations_the_file_lacks(tmp_path: Path) -> None:
     common = ["--model", "default", "--budgets", "0.5", "--context", "768", "--samples", "2", "--speed-steps", "2", "--threads", "1"]
     assert ruler_suite.main([*common, "--policies", "streaming_llm", "--tasks", "niah_single", "--out", str(tmp_path)]) == 0

@@ -53,6 +53,7 @@ def test_smollm2_is_the_dequantized_instruct_model(smollm2):
     assert smollm2.tokenizer.tokenizer.decode(ids).endswith("<|im_start|>assistant\n Hello")
 
 
+@pytest.mark.slow  # the real model (tests/default_model/test_acceptance.py finds the needle on the embedded one in the suite); .ci/run runs it after the suite
 def test_full_cache_finds_the_needle_at_1k_tokens(smollm2):
     task = RULER_TASKS["niah_single"](context=1024, samples=5, batch_size=5)
     result = task.run(smollm2.model, smollm2.tokenizer, lambda tokens: kvlib.make_cache(smollm2.model))

@@ -11,6 +11,7 @@ import sys
 import types
 from pathlib import Path
 
+import numba
 import pytest
 
 import kvlib.kernels.kernel_cache
@@ -43,7 +44,9 @@ def make(scale):
 def kernels(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """``load(shift)``: the factory module (``tmp_path/factory.py``) over ``tmp_path/parts.py``
     written with ``SHIFT = shift``, both loaded as fresh modules, as a new process loads them
-    (the cache: ``tmp_path/__pycache__``)."""
+    (the cache: ``tmp_path/__pycache__``, numba's place beside the source, whatever
+    ``$NUMBA_CACHE_DIR`` the run has)."""
+    monkeypatch.setattr(numba.config, "CACHE_DIR", "")
     (tmp_path / "factory.py").write_text(FACTORY)
     monkeypatch.syspath_prepend(str(tmp_path))
 
