@@ -5,6 +5,7 @@ shared prefill's path recorded; a configuration that raises keeps its error."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -139,9 +140,10 @@ def test_a_configuration_that_raises_while_timed_keeps_its_error(scratch_registr
 
 
 @pytest.mark.slow
-def test_kvlib_s_own_kernels_compile_in_the_warm_up_in_a_fresh_process():
-    """The issue's case in a new process (nothing compiled yet): ``kivi(bits=4)`` twice in one
-    comparison, on the embedded model; its coded-page kernel compiles in the first one's warm-up."""
+def test_kvlib_s_own_kernels_compile_in_the_warm_up_in_a_fresh_process(tmp_path):
+    """The issue's case in a new process (nothing compiled yet: numba's cache an empty folder, not
+    the one earlier runs filled): ``kivi(bits=4)`` twice in one comparison, on the embedded model;
+    its coded-page kernel compiles in the first one's warm-up."""
     script = textwrap.dedent(
         """
         from kvlib.eval import compare, load_model
@@ -151,7 +153,8 @@ def test_kvlib_s_own_kernels_compile_in_the_warm_up_in_a_fresh_process():
             print(run.speed.first_call_s, min(run.speed.tokens_per_s), max(run.speed.tokens_per_s))
         """
     )
-    lines = subprocess.run([sys.executable, "-c", script], check=True, capture_output=True, text=True).stdout.split("\n")
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
+    lines = subprocess.run([sys.executable, "-c", script], check=True, capture_output=True, text=True, env=env).stdout.split("\n")
     (_, _, _), (first_call, first_low, first_high), (again_call, again_low, again_high) = [
         [float(value) for value in line.split()] for line in lines if line
     ]
