@@ -33,12 +33,14 @@ nats. Writes ``serve_bench_fixed_memory.md`` and ``.json``:
 
     python benchmarks/serve_bench.py --fixed-memory-mb 64 --model llama100m --requests 32
 
-Features mode (``--features``): the Engine's scheduling features each on and off in one run,
+Features mode (``--features``): the Engine's serving features each on and off in one run,
 interleaved (``serve_features.py`` says how each is measured): global prefix grouping in
-``Engine.generate`` (prompt tokens computed and wall time on a shuffled batch sharing prefixes)
-and forecast admission against reserve-based admission (preemptions, goodput, TTFT and TBT
-p50/p99 on a trace with skewed output lengths). Targets: forecast preemptions <= 0.5x reserve's,
-goodput >= 1.0x. Default model: the embedded default model (``--model default``; ``tiny`` under
+``Engine.generate`` (prompt tokens computed and wall time on a shuffled batch sharing prefixes),
+forecast admission against reserve-based admission (preemptions, goodput, TTFT and TBT p50/p99 on
+a trace with skewed output lengths), shared-prefix attention (K/V read and decode tok/s, requests
+sharing a prompt) and suffix speculation (tok/s on repeated edits, a JSON loop and the mixed
+trace). Targets: forecast preemptions <= 0.5x reserve's, goodput >= 1.0x; speculation >= 2x on
+the repetitive workloads, >= 1.0x on the mixed trace. Default model: the embedded default model (``--model default``; ``tiny`` under
 ``--quick``). Writes ``serve_bench_features.md`` and ``.json``:
 
     python benchmarks/serve_bench.py --features [--repeats 3]
@@ -63,7 +65,7 @@ import kvlib
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or loaded by path
 from provenance import LLAMA100M, add_run_arguments, command_line, parse_run_arguments, run_metadata, write_report  # noqa: E402
-from serve_features import FeatureSettings, run_forecast, run_grouping  # noqa: E402
+from serve_features import FeatureSettings, run_forecast, run_grouping, run_shared_prefix, run_speculation  # noqa: E402
 from serve_features import markdown as features_markdown
 from serve_fixed_memory import FixedMemorySettings, compare, markdown, random_prompts, saturating_trace, text_prompts  # noqa: E402
 from serve_metrics import agreement, summarize, ttft_p50_by_kind  # noqa: E402
@@ -223,7 +225,22 @@ def run(argv: Sequence[str] | None = None) -> dict:
     return result
 
 
-FEATURES_QUICK = FeatureSettings(groups=3, per_group=3, prefix=48, group_page_mib=0.125, requests=12, forecast_page_mib=0.25, repeats=1)
+FEATURES_QUICK = FeatureSettings(
+    groups=3,
+    per_group=3,
+    prefix=48,
+    group_page_mib=0.125,
+    requests=12,
+    prompt_tokens=(16, 48),
+    forecast_page_mib=0.25,
+    shared_rows=3,
+    shared_prompt=64,
+    shared_steps=4,
+    speculate_requests=2,
+    speculate_new=8,
+    speculate_trace_requests=4,
+    repeats=1,
+)
 """The features mode's sizes under ``--quick`` (tiny model): a smoke test, not a measurement."""
 
 
@@ -240,7 +257,13 @@ def run_features(args: argparse.Namespace, argv: Sequence[str] | None) -> dict:
         model, settings = load_default_model()[0].eval(), FeatureSettings(repeats=args.repeats)
     load_before, started = os.getloadavg()[0], time.perf_counter()
     kvlib.Engine(model).generate(run_grouping_warm_up(model), max_new_tokens=2)
-    result = {"settings": asdict(settings), "grouping": run_grouping(model, settings), "forecast": run_forecast(model, settings)}
+    result = {
+        "settings": asdict(settings),
+        "grouping": run_grouping(model, settings),
+        "forecast": run_forecast(model, settings),
+        "shared_prefix": run_shared_prefix(model, settings),
+        "speculation": run_speculation(model, settings, byte_level=not args.quick),
+    }
     result.update(run_metadata(args, load_before, started))
     write_report(args.out, "serve_bench_features", features_markdown(result, command_line("serve_bench.py", argv)), result)
     return result

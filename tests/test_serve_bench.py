@@ -193,5 +193,10 @@ def test_features_mode_runs_each_feature_on_and_off(tmp_path: Path) -> None:
     assert saved["grouping"]["outputs_equal"] and saved["forecast"]["outputs_equal"]
     grouping = saved["grouping"]["variants"]
     assert grouping["grouped"]["prompt_tokens_computed"] <= grouping["ungrouped"]["prompt_tokens_computed"]
+    shared = saved["shared_prefix"]
+    assert shared["outputs_equal"] and all(v["kv_read_as_expected"] for v in shared["variants"].values())
+    assert shared["variants"]["on"]["kv_read_mib_per_step"] < shared["variants"]["off"]["kv_read_mib_per_step"]
+    assert set(saved["speculation"]) == {"edits", "json", "mixed"} and all(w["outputs_equal"] for w in saved["speculation"].values())
     report = (tmp_path / "serve_bench_features.md").read_text()
     assert "| grouped |" in report and "| forecast |" in report and str(tmp_path) not in report
+    assert "| on |" in report and "| edits |" in report

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from kvlib.adapters.engine.engine_options import keeps_prefix_cache
@@ -143,15 +144,17 @@ class KVManager:
                 f" holds {pool.capacity} (raise page_budget_bytes or shorten the request)"
             )
 
-    def pages_for(self, held: int, tokens: int) -> int:
+    def pages_for(self, held: int, tokens: int | np.ndarray) -> int | np.ndarray:
         """Budget pages per layer that ``tokens`` more tokens take after ``held`` stored tokens, once
-        their full pages are sealed (negative with a codec when they fill an open page)."""
+        their full pages are sealed (negative with a codec when they fill an open page);
+        elementwise for an integer array of ``tokens``."""
         return self._budget_pages(held + tokens) - self._budget_pages(held)
 
-    def _budget_pages(self, tokens: int) -> int:
-        """Budget pages per layer of a sequence storing ``tokens`` tokens in every head, full pages sealed."""
+    def _budget_pages(self, tokens: int | np.ndarray) -> int | np.ndarray:
+        """Budget pages per layer of a sequence storing ``tokens`` tokens in every head, full pages
+        sealed (elementwise for an integer array)."""
         full, partial = divmod(tokens, self.page_size)
-        return self.shape.num_kv_heads * (full + (self.open_page_cost if partial else 0))
+        return self.shape.num_kv_heads * (full + self.open_page_cost * (partial != 0))
 
     def _open_pages(self, lengths: torch.Tensor) -> int:
         """Open (partly filled) last pages of heads storing ``lengths`` tokens."""

@@ -17,6 +17,8 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Protocol
 
+import numpy as np
+
 from kvlib.adapters.engine.engine_request import Request
 from kvlib.storage.prefix.prefix_index import Entry
 from kvlib.storage.prefix.prefix_store import PrefixStore
@@ -37,7 +39,7 @@ class KVPages(Protocol):
 
     def free_pages_by_layer(self) -> list[int]: ...
 
-    def pages_for(self, held: int, tokens: int) -> int: ...
+    def pages_for(self, held: int, tokens: int | np.ndarray) -> int | np.ndarray: ...
 
     def stored_tokens(self, request: Request) -> int: ...
 
@@ -90,10 +92,10 @@ class PageForecast:
         """Tokens ``request``'s sequence holds (after a planned admission: its cached prefix)."""
         return self._admitted.get(request, request.computed)
 
-    def pages_for(self, request: Request, tokens: int) -> int:
+    def pages_for(self, request: Request, tokens: int | np.ndarray) -> int | np.ndarray:
         """Pages (per layer, at most) that running ``tokens`` more tokens of ``request`` allocates,
         after the tokens its sequence holds (fewer than it has computed under eviction, or where
-        every layer slides over a window)."""
+        every layer slides over a window); elementwise for an integer array of ``tokens``."""
         held = self.computed(request)
         if (request.evictor is not None or self._kv.every_layer_slides) and request.seq is not None:
             held = self._kv.stored_tokens(request)
@@ -111,9 +113,9 @@ class PageForecast:
         evicted = next((i for i, key in enumerate(keys[:cached]) if key in self._evicted), cached)
         return evicted * kv.page_size + kv.tail_tokens(request, evicted * kv.page_size)
 
-    def admission_pages(self, request: Request, tokens: int) -> int:
+    def admission_pages(self, request: Request, tokens: int | np.ndarray) -> int | np.ndarray:
         """Pages a waiting request's first chunk of ``tokens`` computed tokens allocates after its
-        cached prefix."""
+        cached prefix (elementwise for an integer array)."""
         return self._kv.pages_for(self.cached_tokens(request), tokens)
 
     def swap_in_pages(self, request: Request) -> int:

@@ -50,12 +50,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
+
 from kvlib.adapters.engine.engine_request import Request, RequestState
 from kvlib.adapters.engine.output_lengths import OutputLengths, check_quantile
 from kvlib.adapters.engine.suffix_speculator import Draft
 from kvlib.errors import quoted
 
 ADMISSION_POLICIES = ("reserve", "forecast")
+FORECAST_SAMPLES = 64
+"""Futures forecast admission draws to place a candidate's peak (:meth:`Scheduler.forecast_peak`)."""
 
 
 class Forecast(Protocol):
@@ -71,16 +75,17 @@ class Forecast(Protocol):
     def computed(self, request: Request) -> int:
         """Tokens ``request``'s sequence holds (after a planned admission: its cached prefix)."""
 
-    def pages_for(self, request: Request, tokens: int) -> int:
-        """Pages (per layer, at most) that running ``tokens`` more tokens of ``request`` allocates."""
+    def pages_for(self, request: Request, tokens: int | np.ndarray) -> int | np.ndarray:
+        """Pages (per layer, at most) that running ``tokens`` more tokens of ``request`` allocates
+        (elementwise for an integer array of ``tokens``)."""
 
     def cached_tokens(self, request: Request) -> int:
         """Leading tokens of a waiting request that the prefix cache holds (whole pages, never
         its last token)."""
 
-    def admission_pages(self, request: Request, tokens: int) -> int:
+    def admission_pages(self, request: Request, tokens: int | np.ndarray) -> int | np.ndarray:
         """Pages a waiting request's first chunk of ``tokens`` computed tokens allocates after its
-        cached prefix."""
+        cached prefix (elementwise for an integer array)."""
 
     def swap_in_pages(self, request: Request) -> int:
         """Pages a swapped request needs to come back."""
@@ -161,9 +166,9 @@ class Scheduler:
             before any other (by arrival), whatever its prefix match.
         admission: ``"reserve"`` (keep ``reserve_pages`` per running request) or ``"forecast"``
             (admit while :meth:`forecast_peak` fits in the free pages).
-        forecast_quantile: the quantile of each request's remaining output length that forecast
-            admission plans for (:meth:`OutputLengths.remaining
-            <kvlib.adapters.engine.output_lengths.OutputLengths.remaining>`); higher is safer.
+        forecast_quantile: the quantile of the batch's peak pages, over futures drawn from the
+            output-length history, that forecast admission plans for (:meth:`forecast_peak`);
+            higher is safer.
         lengths: the output lengths of finished requests (the engine records them).
 
     Queues (oldest first; a request is in at most one): ``waiting`` (not admitted, or preempted
@@ -180,6 +185,8 @@ class Scheduler:
     waiting: list[Request] = field(default_factory=list)
     running: list[Request] = field(default_factory=list)
     swapped: list[Request] = field(default_factory=list)
+    _draws: np.random.Generator = field(default_factory=lambda: np.random.default_rng(0), init=False, repr=False)
+    """The futures forecast admission draws (seeded: a run's admissions repeat)."""
 
     def __post_init__(self) -> None:
         for name in ("max_batch_tokens", "max_running", "fairness_steps"):
@@ -378,38 +385,34 @@ class Scheduler:
 
     def forecast_peak(self, running: Sequence[Request], candidate: Request, forecast: Forecast) -> int:
         """The most pages (per layer) the ``running`` requests and a waiting ``candidate`` will
-        take beyond those held now, at any future step (Past-Future): each request ``i`` still
-        produces ``d_i`` output tokens (:attr:`lengths`' forecast at :attr:`forecast_quantile`)
-        and runs its pending prompt tokens with its first one; after ``t`` output tokens it has
-        taken ``grow_i(t)`` pages, and once finished it gives back those and the pages it held.
-        The peak is the largest, over the steps ``t`` at which a request finishes, of the
-        growth of those still running less what the finished gave back."""
-        ends, grows, freed = [], [], []
-        for request in [*running, candidate]:
-            left = self.lengths.remaining(len(request.output), request.max_new_tokens, self.forecast_quantile)
-            if request is candidate:
-                pending = len(request.tokens) - forecast.cached_tokens(request)
+        take beyond those held now, at any future step (Past-Future), at the
+        :attr:`forecast_quantile` of :data:`FORECAST_SAMPLES` futures drawn from :attr:`lengths`.
 
-                def grow(t: int, request: Request = request, pending: int = pending) -> int:
-                    return forecast.admission_pages(request, pending + t - 1)
-
-                held = 0
-            else:
-                pending = request.remaining
-
-                def grow(t: int, request: Request = request, pending: int = pending) -> int:
-                    return forecast.pages_for(request, pending + t - 1)
-
-                held = forecast.held_pages(request)
-            ends.append(left)
-            grows.append(grow)
-            freed.append(held + grow(left))
-        peak = 0
-        for t in sorted(set(ends)):
-            running_growth = sum(grow(t) for end, grow in zip(ends, grows) if end >= t)
-            given_back = sum(pages for end, pages in zip(ends, freed) if end < t)
-            peak = max(peak, running_growth - given_back)
-        return peak
+        In one future each request ``i`` still produces ``d_i`` output tokens
+        (:meth:`OutputLengths.sample_remaining
+        <kvlib.adapters.engine.output_lengths.OutputLengths.sample_remaining>`, drawn apart for
+        every request) and runs its pending prompt tokens with its first one; after ``t`` output
+        tokens it has taken ``grow_i(t)`` pages, and once finished it gives back those and the
+        pages it held. That future's peak is the largest, over the steps ``t`` at which a request
+        finishes, of the growth of those still running less what the finished gave back. The
+        quantile is of the batch's peak, not a sum of each request's quantiles (which plans for
+        every request running long at once)."""
+        requests = [*running, candidate]
+        cached = forecast.cached_tokens(candidate)
+        generated = np.array([len(request.output) for request in requests], dtype=np.int64)
+        limit = np.array([request.max_new_tokens for request in requests], dtype=np.int64)
+        ends = self.lengths.sample_remaining(generated, limit, self._draws.random((FORECAST_SAMPLES, len(requests))))
+        # growth[s, k, i]: pages request i has taken by the step at which request k ends, future s
+        growth = np.stack(
+            [forecast.pages_for(request, request.remaining - 1 + ends) for request in running]
+            + [forecast.admission_pages(candidate, len(candidate.tokens) - cached - 1 + ends)],
+            axis=-1,
+        )
+        held = np.array([forecast.held_pages(request) for request in running] + [0], dtype=np.int64)
+        freed = held + np.diagonal(growth, axis1=1, axis2=2)  # [s, i]: given back when i ends
+        still = ends[:, None, :] >= ends[:, :, None]  # [s, k, i]: i runs at k's end
+        peaks = np.maximum(np.where(still, growth, -freed[:, None, :]).sum(axis=-1).max(axis=-1), 0)
+        return int(np.quantile(peaks, self.forecast_quantile, method="higher"))
 
     def _fit_decodes(self, active: list[Request], forecast: Forecast, plan: StepPlan) -> list[Request]:
         """The decoding requests of ``active`` whose next token fits, preempting the most recently
