@@ -108,8 +108,9 @@ class Engine:
             the running batch will take fits, each request's remaining output length forecast from
             the output lengths of the requests finished so far, conditioned on what it has produced;
             :meth:`~kvlib.adapters.engine.scheduler.Scheduler.forecast_peak`).
-        forecast_quantile: with ``admission="forecast"``, the quantile of each remaining length
-            planned for, in (0, 1] (1: the longest seen; higher preempts less, admits less).
+        forecast_quantile: with ``admission="forecast"``, the quantile of the batch's peak pages
+            over futures drawn from the output-length history that admission plans for, in (0, 1]
+            (higher preempts less, admits less).
         read_cache: keep a dense mirror of the decoding batch (its bytes reported as
             ``read_cache``); off by default: the decode group attends straight over its pages
             (:mod:`~kvlib.adapters.engine.packed_batch`), and only prefill chunks take a transient dense
