@@ -48,7 +48,8 @@ class Request:
         cached_tokens: prompt tokens taken from the prefix cache instead of computed (summed
             over admissions, so a recomputed request counts again).
         entries: prefix index entries this request holds (released when its sequence is).
-        block_keys: chain keys of the prompt's full blocks (computed once, for prefix lookups).
+        block_keys: chain keys of the full blocks of its tokens (prompt and output; extended as
+            it grows, never hashed again).
         waited_steps: engine steps spent waiting since arrival or preemption (fairness bound).
     """
 

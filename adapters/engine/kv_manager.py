@@ -195,8 +195,7 @@ class KVManager:
         full = len(request.tokens) // self.page_size
         keys = request.block_keys or []
         if len(keys) < full:
-            blocks = self._blocks(request.tokens, full)
-            keys = self.prefix.block_keys(self.namespace, blocks)
+            keys = self.prefix.block_keys(self.namespace, self._blocks(request.tokens, full), keys)
             request.block_keys = keys
         return keys
 
@@ -326,7 +325,8 @@ class KVManager:
         full = request.computed // self.page_size
         if full <= request.indexed_blocks:
             return
-        entries = self.prefix.insert(self.namespace, request.seq, self._blocks(request.tokens, full), request.indexed_blocks)
+        blocks = self._blocks(request.tokens, full)
+        entries = self.prefix.insert(self.namespace, request.seq, blocks, request.indexed_blocks, self.block_keys(request))
         request.entries.extend(entries)
         request.indexed_blocks = full
 

@@ -80,10 +80,13 @@ class PrefixIndex:
         if not isinstance(self.capacity_bytes, int) or self.capacity_bytes < 0:
             raise ValueError(f"capacity_bytes must be an int >= 0, got {self.capacity_bytes!r}")
 
-    def keys(self, blocks: Sequence[Sequence[int]], namespace: bytes) -> list[bytes]:
-        """The chain keys of consecutive token ``blocks``."""
-        keys, parent = [], b""
-        for tokens in blocks:
+    def keys(self, blocks: Sequence[Sequence[int]], namespace: bytes, known: Sequence[bytes] = ()) -> list[bytes]:
+        """The chain keys of consecutive token ``blocks``, extending ``known``, the keys of the
+        leading blocks computed before (only the blocks after them are hashed: a sequence's keys
+        grow in time linear in its length)."""
+        keys = list(known[: len(blocks)])
+        parent = keys[-1] if keys else b""
+        for tokens in blocks[len(keys) :]:
             parent = self.hash_function(parent, tokens, namespace)
             keys.append(parent)
         return keys

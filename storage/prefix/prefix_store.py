@@ -192,9 +192,10 @@ class PrefixStore:
         digest.update(ids.numpy().tobytes())
         return digest.digest()
 
-    def block_keys(self, namespace: str, blocks: list[list[int]]) -> list[bytes]:
-        """The chain keys of ``blocks`` (consecutive token blocks from a prompt's start) in ``namespace``."""
-        return self.index.keys(blocks, self.key_space(namespace))
+    def block_keys(self, namespace: str, blocks: list[list[int]], known: Sequence[bytes] = ()) -> list[bytes]:
+        """The chain keys of ``blocks`` (consecutive token blocks from a prompt's start) in
+        ``namespace``, extending ``known``, those of the leading blocks computed before."""
+        return self.index.keys(blocks, self.key_space(namespace), known)
 
     @_locked
     def cached_blocks(self, keys: list[bytes], blocks: list[list[int]]) -> int:
@@ -336,9 +337,10 @@ class PrefixStore:
 
     @outside_inference_mode
     @_locked
-    def insert(self, namespace: str, seq: int, blocks: list[list[int]], first: int) -> list[Entry]:
+    def insert(self, namespace: str, seq: int, blocks: list[list[int]], first: int, known: Sequence[bytes] = ()) -> list[Entry]:
         """Index blocks ``first..`` of ``seq`` (its full pages holding ``blocks``' tokens); the
         index takes a reference on their pages. Returns the entries, acquired for the caller.
+        ``known``: chain keys of the leading blocks the caller computed before (not hashed again).
 
         Invariant: the caller holds only entries whose pages ``seq`` holds. A block the index
         already has on other pages (a copy computed by another sequence, or by this request
@@ -346,7 +348,7 @@ class PrefixStore:
         a second copy of the block that ``seq`` never reads, so a request could hold more pages
         than its own tokens fill (and, alone under a page budget that fits it, never finish)."""
         store = self.stores[namespace]
-        keys = self.index.keys(blocks, self.key_space(namespace))
+        keys = self.index.keys(blocks, self.key_space(namespace), known)
         held, new = [], []
         for block in range(first, len(blocks)):
             pages = torch.stack([store.tables[layer].pages[seq, :, block] for layer in range(store.num_layers)])

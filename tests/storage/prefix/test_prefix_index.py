@@ -3,7 +3,7 @@ and hash collisions: a forced equal hash never returns another prefix's entry.""
 
 from __future__ import annotations
 
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -112,3 +112,22 @@ def test_a_planned_eviction_takes_only_unused_entries_still_indexed() -> None:
     index.release(entries[1:])
     index.evict([entries[2], entries[0], entries[2]])  # the held entry stays; an evicted one is not evicted twice
     assert evicted == [(3,)] and list(index.lru) == [keys[1]] and index.nbytes == 2
+
+
+@given(
+    st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=3), max_size=8),
+    st.integers(0, 8),
+    st.integers(0, 8),
+)
+def test_keys_extend_the_known_keys_as_if_hashed_from_the_start(blocks, known, more) -> None:
+    """A sequence's keys grow block by block: keys computed from ``known`` earlier keys equal the
+    chain hashed from the start, and the known ones are not hashed again."""
+    index = PrefixIndex(10, lambda entry: None)
+    head = index.keys(blocks[:known], NAMESPACE)
+    calls = []
+    hash_function = index.hash_function
+    index.hash_function = lambda parent, tokens, namespace: calls.append(tokens) or hash_function(parent, tokens, namespace)
+    assert index.keys(blocks, NAMESPACE, head) == PrefixIndex(10, lambda entry: None).keys(blocks, NAMESPACE)
+    assert calls == blocks[len(head) :]
+    fewer = max(len(head) - more, 0)
+    assert index.keys(blocks[:fewer], NAMESPACE, head) == head[:fewer]  # fewer blocks than known: a prefix of them
