@@ -67,7 +67,7 @@ import functools
 import hashlib
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 
 import torch
