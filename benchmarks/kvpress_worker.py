@@ -32,8 +32,13 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 from transformers import AutoModelForCausalLM, DynamicCache  # noqa: E402
 
-EAGER = {"ObservedAttentionPress"}
+EAGER = {"ObservedAttentionPress", "KVComposePress"}
 """Presses that read the attention weights, which only eager attention returns."""
+AFTER_CALL = {"KVComposePress"}
+"""Presses that compress once their context manager exits (every layer at once: KVCompose's
+cross-layer allocation), not in ``compress`` after each layer's attention: the kept positions are
+read around their ``compress_cache``. Their layers then hold different lengths, so the answer is
+decoded with SDPA, which needs no mask over one query (an eager mask has layer 0's length)."""
 
 
 def build_press(spec: dict):
@@ -85,14 +90,25 @@ def run_job(models: dict, job: dict, max_new_tokens: int, eos: set[int]) -> dict
         press.compression_ratio = job["ratio"]
     model = models["eager" if job["press"]["class"] in EAGER else "sdpa"]
     kept: dict[int, list[list[int]]] = {}
-    inner = press.compress
+    if job["press"]["class"] in AFTER_CALL:
+        compress_cache = press.compress_cache
 
-    def recording(module, hidden_states, keys, values, attentions, kwargs):
-        new_keys, new_values = inner(module, hidden_states, keys, values, attentions, kwargs)
-        kept[module.layer_idx] = matched_positions(keys, new_keys)
-        return new_keys, new_values
+        def recording_cache(model):
+            layers = press.cache.layers
+            before = [layer.keys[:, :, : press.context_len].clone() for layer in layers]
+            compress_cache(model)
+            kept.update({index: matched_positions(keys, layer.keys) for index, (keys, layer) in enumerate(zip(before, layers))})
 
-    press.compress = recording
+        press.compress_cache = recording_cache
+    else:
+        inner = press.compress
+
+        def recording(module, hidden_states, keys, values, attentions, kwargs):
+            new_keys, new_values = inner(module, hidden_states, keys, values, attentions, kwargs)
+            kept[module.layer_idx] = matched_positions(keys, new_keys)
+            return new_keys, new_values
+
+        press.compress = recording
     ids = torch.tensor([job["ids"]])
     length = ids.shape[1]
     cache = DynamicCache()
@@ -100,6 +116,8 @@ def run_job(models: dict, job: dict, max_new_tokens: int, eos: set[int]) -> dict
         with press(model):
             out = model(input_ids=ids, past_key_values=cache, logits_to_keep=1)
         tokens = [int(out.logits[0, -1].argmax())]
+        if job["press"]["class"] in AFTER_CALL:  # layers of different lengths: sdpa needs no mask over one query
+            model = models["sdpa"]
         for step in range(max_new_tokens - 1):
             if tokens[-1] in eos:
                 break

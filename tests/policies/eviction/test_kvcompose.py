@@ -108,3 +108,84 @@ def test_the_engine_takes_it_per_request_as_generate_does() -> None:
 def test_bad_parameters_are_refused(spec: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         kvlib.parse_policy(spec)
+
+
+def kvpress_procedure(family: str, ids: torch.Tensor, budget: float, across: bool) -> list[list[set[int]]]:
+    """kvpress's ``KVComposePress`` over a whole prompt, written out (structured, ``agg_task="max"``,
+    ``agg_group="mean"``, ``agg_head="mean"``, mean across heads): the prompt, then the prompt again
+    after it with eager attention, each query head's max attention from the second copy to each
+    first-copy token, the group mean, the mean across heads; then the per-layer counts (a top-k of
+    ``layers * budget * tokens`` over every layer's rank-wise mean of sorted scores, the first layer's
+    raised to the max over layers, at least 1; ``across=False``: the budget in every layer) and each
+    head's best by its scores. Returns ``[layer][kv head] -> kept positions``."""
+    from transformers import DynamicCache
+
+    tokens = ids.shape[-1]
+    keep = round(budget * tokens)
+    eager = build_model(family, attn_implementation="eager")
+    with torch.no_grad():
+        cache = DynamicCache()
+        eager(input_ids=ids, **cache_argument(cache), use_cache=True)
+        attentions = eager(input_ids=ids, **cache_argument(cache), use_cache=True, output_attentions=True).attentions
+    heads = eager.config.num_key_value_heads
+    scores = []
+    for layer in attentions:  # [1, query heads, tokens, 2 * tokens]
+        per_query_head = layer[0, :, :, :tokens].double().amax(dim=1)
+        per_kv_head = per_query_head.view(heads, -1, tokens).mean(dim=1)
+        scores.append(per_kv_head + per_kv_head.mean(dim=0, keepdim=True))
+    layers = len(scores)
+    if across:
+        composite = torch.stack([s.sort(dim=-1, descending=True).values.mean(dim=0) for s in scores])
+        composite[0] = composite.max(dim=0).values
+        best = composite.reshape(-1).topk(layers * keep).indices // tokens
+        counts = torch.bincount(best, minlength=layers).clamp(min=1).tolist()
+    else:
+        counts = [keep] * layers
+    return [[set(torch.argsort(s[h], descending=True)[: counts[layer]].tolist()) for h in range(heads)] for layer, s in enumerate(scores)]
+
+
+@pytest.mark.parametrize("across", [True, False])
+def test_compress_keeps_what_kvpress_keeps_by_the_repeat_pass_and_the_cross_layer_allocation(across: bool) -> None:
+    """``compress`` against kvpress's procedure written out: the same tokens in every layer and head,
+    per-layer counts that differ across layers (and sum to the budget) with the allocation, the
+    budget in every layer without it; afterwards the cache evicts nothing and decodes on."""
+    from kvlib.policies.eviction.kvcompose import compress
+
+    model = build_model("default")  # the trained model: its layers' attention differs, so their counts do
+    ids = torch.tensor([list(b"KVCompose keeps composite tokens; the answer is 42. What is it?")])
+    cache = kvlib.make_cache(model, "kvcompose", budget=0.25)
+    with torch.no_grad():
+        logits = compress(model, cache, ids, across_layers=across)
+        full = model(input_ids=ids).logits[:, -1]
+    torch.testing.assert_close(logits, full)  # the last query attends before its layer compacts
+    expected = kvpress_procedure("default", ids, 0.25, across)
+    kept = [[{int(p) for p in head if p >= 0} for head in cache.kept_positions(layer)[0].tolist()] for layer in range(len(expected))]
+    assert kept == expected
+    counts = [len(layer[0]) for layer in kept]
+    assert sum(counts) == len(counts) * round(0.25 * ids.shape[-1]) and (len(set(counts)) > 1) == across
+    assert cache.evictor is None
+    with torch.no_grad():
+        model(input_ids=torch.tensor([[7]]), **cache_argument(cache))
+    assert [len(head) for head in cache.kept_positions(0)[0].tolist()] == [counts[0] + 1] * len(kept[0])
+
+
+def test_context_prefill_reuses_the_repeat_pass_across_budgets_and_compress_refuses_other_caches() -> None:
+    from kvlib.policies.eviction.kvcompose import compress, prefill_by_repeat
+
+    model = build_model("llama")
+    ids = torch.randint(3, 90, (1, 40), generator=torch.Generator().manual_seed(6))
+    assert KVCompose().context_prefill() is prefill_by_repeat
+    memo: dict = {}
+    kept = {}
+    for budget in (0.25, 0.5):
+        cache = kvlib.make_cache(model, "kvcompose", budget=budget)
+        prefill_by_repeat(model, cache, ids, None, memo)
+        kept[budget] = sum(len([p for p in head if p >= 0]) for head in cache.kept_positions(1)[0].tolist())
+    assert len(memo) == 1 and kept[0.5] > kept[0.25]
+    with pytest.raises(ValueError, match="make_cache\\(model, 'kvcompose', budget=...\\)"):
+        compress(model, kvlib.make_cache(model, "snapkv", budget=0.25), ids)
+    used = kvlib.make_cache(model, "kvcompose", budget=0.25)
+    with torch.no_grad():
+        model(input_ids=ids, **cache_argument(used))
+    with pytest.raises(ValueError, match="empty cache"):
+        compress(model, used, ids)
