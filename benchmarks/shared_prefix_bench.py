@@ -15,7 +15,9 @@ compared (``outputs equal``).
 The model: ``kvread`` (default), a random-weight Llama sized so that K/V reads matter: 4 layers,
 4 query and 4 KV heads of 64 channels (multi-head: one query row per KV head and row, as decode
 attention is at its most memory-bound), hidden 256, 8192 positions, fp32; or ``llama100m``, or a
-name ``kvlib.eval.load_model`` takes (its context must hold the prompt).
+name ``kvlib.eval.load_model`` takes (its context must hold the prompt). ``--device cuda`` runs it
+on a GPU (the Triton kernels; each step's tokens come back to the host, so a step's time includes
+its device work).
 """
 
 from __future__ import annotations
@@ -163,10 +165,11 @@ def run(argv: Sequence[str] | None = None) -> dict:
     parser.add_argument("--new", type=int, help=f"tokens of the short runs whose outputs are compared (default {FULL['new']})")
     parser.add_argument("--max-batch-tokens", type=int, default=512, help="tokens per forward pass")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cpu", help="where the model, pages and kernels run (cuda: the Triton kernels)")
     add_run_arguments(parser, QUICK)
     args = parse_run_arguments(parser, argv, QUICK, FULL)
     load_before, started = os.getloadavg()[0], time.perf_counter()
-    model = load(args.model)
+    model = load(args.model).to(args.device)
     vocab = model.config.get_text_config().vocab_size
     cases = []
     for prompt in (int(n) for n in args.prompts.split(",")):
