@@ -406,14 +406,15 @@ class KVCacheLayer(CacheLayerMixin):
 
     def chosen_pages(self, chosen: torch.Tensor) -> PagedLayer | None:
         """The ``chosen`` pages (:meth:`choose_pages`) where they lie, for attention straight over
-        them; None where pages cannot be read in place (then :meth:`read_chosen_pages`)."""
+        them; None where pages cannot be read in place (then :meth:`read_chosen_pages`). A chosen
+        page whose spilled record is lost is left out (a miss: retrieval is approximate)."""
         if not reads_pages_in_place(self.cache.store.device):
             return None
-        return self.cache.store.paged_selection(self.layer_idx, self.cache.rows, chosen)
+        return self.cache.store.paged_selection(self.layer_idx, self.cache.rows, chosen, lost="miss")
 
     def read_chosen_pages(self, chosen: torch.Tensor) -> LayerRead:
         """The ``chosen`` pages (:meth:`choose_pages`), read sparsely into a dense copy."""
-        return self.cache.store.read_selected(self.layer_idx, self.cache.rows, chosen)
+        return self.cache.store.read_selected(self.layer_idx, self.cache.rows, chosen, lost="miss")
 
     # -- after attention ------------------------------------------------------------------------
 

@@ -43,6 +43,7 @@ All operations are vectorized over batch and heads: no Python loop runs per toke
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import torch
 
@@ -59,7 +60,10 @@ from kvlib.storage.store.read_caches import ReadCaches
 from kvlib.storage.store.step_plan import DecodeLayout, Ring, StepPlan, build_layout
 from kvlib.storage.store.store_config import StoreConfig
 from kvlib.storage.store.store_sequences import SequenceIds, SequenceRows
-from kvlib.storage.tiers.spill_store import SpillStore
+from kvlib.storage.tiers.spill_store import SpilledPageLost, SpillStore
+
+Read = TypeVar("Read")
+"""What a selection read returns (pages in place, or a dense copy)."""
 
 
 class PagedStore:
@@ -108,6 +112,8 @@ class PagedStore:
         self.peak_workspace = 0
         """The most bytes one dense read not kept as a read cache has taken (a transient workspace a
         multi-token call attends over, freed when the call returns)."""
+        self.lost_pages_missed = 0
+        """Chosen pages a selection read left out because their spilled record was lost (``lost="miss"``)."""
 
     @property
     def pools(self) -> list[PagePool]:
@@ -227,7 +233,7 @@ class PagedStore:
         return paged
 
     @outside_inference_mode
-    def paged_selection(self, layer: int, seqs: SequenceIds, page_index: torch.Tensor) -> PagedLayer | None:
+    def paged_selection(self, layer: int, seqs: SequenceIds, page_index: torch.Tensor, *, lost: str = "raise") -> PagedLayer | None:
         """Only the chosen pages of each (sequence, head) of ``layer``, where they lie, for
         attention straight over them: what :meth:`read_selected` reads, with no dense copy.
 
@@ -235,11 +241,15 @@ class PagedStore:
         order, ``-1`` for none). The returned block table lists each head's chosen pages in
         block-table order, so a chosen partly filled last page is listed last, and its length
         counts the tokens those pages hold. None where the pool cannot give its pages in place
-        (use :meth:`read_selected`). Valid as :meth:`paged_layer`'s result is.
+        (use :meth:`read_selected`). Valid as :meth:`paged_layer`'s result is. ``lost`` as for
+        :meth:`read_selected`.
         """
-        layer = self._layer(layer)
-        pages, lengths = self.layers[layer].selected_pages(self._rows(seqs), page_index)
-        return self._pool_pages(layer, pages, lengths)
+        layer, rows = self._layer(layer), self._rows(seqs)
+
+        def select(index: torch.Tensor) -> PagedLayer | None:
+            return self._pool_pages(layer, *self.layers[layer].selected_pages(rows, index))
+
+        return self._missing_lost(layer, rows, page_index, lost, select)
 
     def _pool_pages(self, layer: int, pages: torch.Tensor, lengths: torch.Tensor) -> PagedLayer | None:
         """The pool's :meth:`~kvlib.storage.pools.page_pool.PagePool.paged_layer`; what a tiered pool
@@ -274,7 +284,7 @@ class PagedStore:
         return self.layers[layer].key_bounds(self._rows(seqs))
 
     @outside_inference_mode
-    def read_selected(self, layer: int, seqs: SequenceIds, page_index: torch.Tensor) -> LayerRead:
+    def read_selected(self, layer: int, seqs: SequenceIds, page_index: torch.Tensor, *, lost: str = "raise") -> LayerRead:
         """Only the chosen pages of each (sequence, head) of ``layer``, in dense form: a sparse read.
 
         ``page_index`` int64 ``[batch, kv_heads, k]`` (CPU) names pages by their index in each
@@ -284,9 +294,32 @@ class PagedStore:
         head's length or of a ``-1`` entry are zero and invalid, and trailing slots invalid in
         every head are left out (a selection of every page reads what :meth:`read` does). Only the chosen pages are read (with a
         tiered pool, only chosen host pages are copied to the device); nothing moves or changes.
+
+        ``lost``: what a chosen page whose spilled record is lost does (:class:`~kvlib.storage.tiers.spill_store.SpilledPageLost`):
+        ``"raise"`` (the default: the record held the only copy), or ``"miss"``: it is left out of
+        the selection, as if not chosen (a selection is approximate by design: page retrieval), and
+        counted in :attr:`lost_pages_missed`. A file lost whole (no page named) raises either way.
         """
-        layer = self._layer(layer)
-        return self.layers[layer].read_selected(self._rows(seqs), page_index)
+        layer, rows = self._layer(layer), self._rows(seqs)
+        return self._missing_lost(layer, rows, page_index, lost, lambda index: self.layers[layer].read_selected(rows, index))
+
+    def _missing_lost(
+        self, layer: int, rows: torch.Tensor, page_index: torch.Tensor, lost: str, read: Callable[[torch.Tensor], Read]
+    ) -> Read:
+        """``read(page_index)``; with ``lost="miss"``, again without the chosen pages each
+        :class:`~kvlib.storage.tiers.spill_store.SpilledPageLost` names, until it reads."""
+        if lost not in ("raise", "miss"):
+            raise ValueError(f"lost must be 'raise' or 'miss', got {lost!r}")
+        while True:
+            try:
+                return read(page_index)
+            except SpilledPageLost as error:
+                chosen = self.layers[layer].table.pages[rows].gather(2, page_index.clamp(min=0))
+                gone = (page_index >= 0) & torch.isin(chosen, torch.tensor(error.pages, dtype=chosen.dtype))
+                if lost == "raise" or not bool(gone.any()):
+                    raise
+                self.lost_pages_missed += int(gone.sum())
+                page_index = torch.where(gone, -1, page_index)
 
     @outside_inference_mode
     def stored_positions(self, layer: int, seqs: SequenceIds) -> torch.Tensor:

@@ -48,7 +48,12 @@ _RECORD_KEY = struct.Struct(">QQ")
 
 
 class SpilledPageLost(RuntimeError):
-    """A spilled page's record is missing or fails its checks: that sequence's KV is gone."""
+    """A spilled page's record is missing or fails its checks: that sequence's KV is gone.
+    ``pages``: the lost page ids where the record says which (empty where the whole file is lost)."""
+
+    def __init__(self, message: str, pages: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.pages = pages
 
 
 class SpillStore:
@@ -179,15 +184,19 @@ class LayerSpill:
                 if record is None or len(record) != size + tagged * TAG_BYTES:
                     raise SpilledPageLost(
                         f"spilled page {page} of layer {self.layer} is lost: "
-                        + ("no record" if record is None else f"{len(record)} bytes, not {size + tagged * TAG_BYTES}")
+                        + ("no record" if record is None else f"{len(record)} bytes, not {size + tagged * TAG_BYTES}"),
+                        (page,),
                     )
                 if tagged and not disk.tag_matches(key, [record[:size]], record[size:]):
-                    raise SpilledPageLost(f"spilled page {page} of layer {self.layer} is lost: its tag is not this tier's key's")
+                    raise SpilledPageLost(f"spilled page {page} of layer {self.layer} is lost: its tag is not this tier's key's", (page,))
                 rows[i] = record[:size]
         chain_keys = np.frombuffer(b"".join(_RECORD_KEY.pack(self.layer, page) for page in page_list), dtype=np.uint8)
         failed = np.flatnonzero(~check_rows(layout, rows, chain_keys.reshape(count, 16)))
         if failed.size:
-            raise SpilledPageLost(f"spilled page {page_list[failed[0]]} of layer {self.layer} is lost: its record fails its checks")
+            raise SpilledPageLost(
+                f"spilled page {page_list[failed[0]]} of layer {self.layer} is lost: its record fails its checks",
+                tuple(page_list[i] for i in failed),
+            )
         key_bytes, value_bytes = row_sections(layout, rows)
         byte_rows(keys)[:] = key_bytes
         byte_rows(values)[:] = value_bytes

@@ -141,3 +141,48 @@ def test_the_engine_refuses_it_in_one_line() -> None:
 def test_eviction_with_leoam_is_refused() -> None:
     with pytest.raises(ValueError, match="does not combine with eviction"):
         kvlib.make_cache(build_model("llama"), "snapkv+leoam", budget=32)
+
+
+def test_a_lost_spilled_page_is_a_miss_for_page_retrieval_not_a_crash(tmp_path) -> None:
+    """Spilled full pages' records damaged on disk mid-run (a byte flipped): the sparse steps leave
+    those pages out of their selection (counted in ``lost_pages_missed``) and decode on; a read
+    that needs every page (``lost="raise"``, the default) still raises, naming the page."""
+    import struct
+
+    from kvlib.storage.tiers.spill_store import SpilledPageLost
+
+    model = build_model("default")
+    ids, mask = left_padded([150], seed=4, vocab=DEFAULT_BYTES)
+    placement = f"lru(device_mb={page_mb(model, 2, 1)}, host_mb={page_mb(model, 3, 1)}, disk={str(tmp_path)!r}, disk_mb=16)"
+    cache = kvlib.make_cache(model, f"leoam(top_k=100, desert=1000, dense_layers=0, placement={placement!r})")
+    with torch.inference_mode():
+        out = model(input_ids=ids, attention_mask=mask, **cache_argument(cache))
+    spill, tables = cache.spill, [pages.table for pages in cache.store.layers]
+    row = cache.rows[0]
+    used = [t.pages_used(t.lengths[row]) for t in tables]  # [kv heads] each
+    last = {(layer, int(t.pages[row, h, used[layer][h] - 1])) for layer, t in enumerate(tables) for h in range(t.pages.shape[1])}
+    keys = [key for key in spill.keys() if struct.unpack(">IQ", key[-12:]) not in last]  # full pages: the open ones are written next
+    assert keys, "full pages were spilled"
+    with spill.disk.env.begin(write=True) as txn:
+        for key in keys:
+            record = bytearray(txn.get(key, db=spill.spill))
+            record[100] ^= 0x01
+            txn.put(key, bytes(record), db=spill.spill)
+    token = out.logits[:, -1:].argmax(-1)
+    with torch.inference_mode():
+        for _ in range(3):
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=-1)
+            out = model(input_ids=token, attention_mask=mask, **cache_argument(cache))
+            token = out.logits[:, -1:].argmax(-1)
+    assert torch.isfinite(out.logits).all()
+    assert cache.store.lost_pages_missed > 0
+    layer = next(index for index, pool in enumerate(cache.store.pools) if pool.pages_on_disk)
+    every = torch.arange(int(used[layer].max())).expand(1, model.config.num_key_value_heads, -1)
+    with pytest.raises(SpilledPageLost, match=r"spilled page \d+ of layer \d+ is lost: its record fails its checks") as error:
+        cache.store.read_selected(layer, cache.rows, every.clone())
+    assert error.value.pages
+    missed = cache.store.lost_pages_missed
+    read = cache.store.read_selected(layer, cache.rows, every.clone(), lost="miss")
+    assert cache.store.lost_pages_missed > missed and bool(read.valid.any())
+    with pytest.raises(ValueError, match="lost must be 'raise' or 'miss'"):
+        cache.store.read_selected(layer, cache.rows, every.clone(), lost="skip")
