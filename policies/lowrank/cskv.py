@@ -84,7 +84,8 @@ class CSKV(LowRank):
 
     The full-precision window is the open page: each head's newest ``1..page_size`` tokens stay in
     the compute dtype until their page is full (``make_cache(..., page_size=32)`` for CSKV's
-    32-token window at its fullest). The Engine refuses low-rank codecs.
+    32-token window at its fullest). The Engine takes it with a calibration (one basis for every
+    request's pages) and refuses it without (a basis per prompt).
 
     Args:
         key_keep: fraction of key channels kept per head, in (0, 1].
@@ -118,6 +119,13 @@ class CSKV(LowRank):
                         f" the model's {list(wanted)} (calibrate on this model)"
                     )
         return tensors
+
+    @property
+    def fits_each_prompt(self) -> bool:
+        """Only without a calibration (then each layer fits its first call); a calibrated basis is
+        fixed before any prompt, so pages of different prompts share it (the Engine's, a prefix
+        store's)."""
+        return not self.calibration
 
     def check_shape(self, shapes: list[tuple[TensorShape, TensorShape]]) -> None:
         if self.calibration:

@@ -1,7 +1,8 @@
 """CSKV: the calibration is the SVD of the model's own keys and values, cached per model and ids;
 on the calibration's own tokens the error is exactly the discarded singular energy; the
 full-precision window (the open page) stays exact; page bytes shrink to the kept channels, as
-``memory_report`` shows through ``generate``; the Engine and bad input refused before model work."""
+``memory_report`` shows through ``generate``; the Engine serves a calibrated basis as ``generate``
+does and refuses a fitted one; bad input refused before model work."""
 
 from __future__ import annotations
 
@@ -131,9 +132,21 @@ def test_cskv_composes_with_eviction(model, calibration) -> None:
     assert sum(int(pool.sealed.sum()) for pool in cache.store.pools) > 0
 
 
-def test_the_engine_refuses_it_before_model_work(model, calibration) -> None:
-    with pytest.raises(ValueError, match="use a quantization codec"):
-        kvlib.Engine(model, f"cskv(calibration={calibration!r})")
+def test_the_engine_serves_a_calibrated_basis_as_generate_does_and_refuses_a_fitted_one(model, calibration) -> None:
+    """A calibration fixes the basis before any prompt, so the Engine's shared pages take it: each
+    request's greedy output equals ``generate`` with the drop-in cache (sealed pages in the basis);
+    without one the basis is fitted to each prompt, which shared pages cannot hold."""
+    spec = f"cskv(calibration={calibration!r})"
+    prompts = [list(b"The basis is fixed before any prompt. ") * 2, list(b"Pages of two requests share it."), list(b"short")]
+    engine = kvlib.Engine(model, spec, page_size=8)
+    outputs = engine.generate(prompts, max_new_tokens=12)
+    for prompt, output in zip(prompts, outputs):
+        cache = kvlib.make_cache(model, spec, page_size=8)
+        expected = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=12, pad_token_id=PAD, **cache_argument(cache))
+        assert output == expected[0, len(prompt) :].tolist()
+    assert engine.stats()["memory_bytes"]["pages"] > 0
+    with pytest.raises(ValueError, match="fits itself to each prompt"):
+        kvlib.Engine(model, "cskv")
 
 
 def test_bad_input_is_refused_before_model_work(tmp_path, calibration) -> None:
