@@ -54,6 +54,7 @@ def test_every_method_maps_to_a_registered_kvlib_spec_and_a_press() -> None:
         "CriticalAdaKV",
         "KVzip",
         "DuoAttention",
+        "KVCompose",
     ]
     for name, method in parity.METHODS.items():
         spec = parse_spec(method.kvlib)
