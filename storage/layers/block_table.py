@@ -93,7 +93,7 @@ class BlockTable:
 
     def pages_used(self, lengths: torch.Tensor) -> torch.Tensor:
         """Pages needed to hold ``lengths`` tokens (elementwise ceil division)."""
-        return (lengths + self.page_size - 1) // self.page_size
+        return (lengths + (self.page_size - 1)) // self.page_size  # one add: the constant folded first
 
     def flat_slots(self, rows: torch.Tensor, token_index: torch.Tensor) -> torch.Tensor:
         """Arena slots (``page * page_size + offset``) of tokens ``token_index [B, H, T]`` of ``rows``.

@@ -48,14 +48,17 @@ def sorted_keep(keep: torch.Tensor, lengths: torch.Tensor, *, in_given_order: bo
     (``in_given_order``: as given, on the CPU, its -1 padding required to come last)."""
     if not isinstance(keep, torch.Tensor) or keep.dtype.is_floating_point or keep.dtype == torch.bool:
         raise ValueError("keep must be an integer tensor [batch, kv_heads, k] of token indices (-1 pads)")
-    keep = keep.to("cpu", torch.int64)
+    if keep.device.type != "cpu" or keep.dtype != torch.int64:
+        keep = keep.to("cpu", torch.int64)
     if keep.dim() != 3 or tuple(keep.shape[:2]) != tuple(lengths.shape):
         raise ValueError(f"keep must have shape [{lengths.shape[0]}, {lengths.shape[1]}, k], got {list(keep.shape)}")
-    if bool(((keep < -1) | (keep >= lengths.unsqueeze(-1))).any()):
-        raise ValueError("keep indices must be -1 (padding) or in [0, physical length) of their head")
     past_end = torch.iinfo(torch.int64).max
     ordered = torch.where(keep >= 0, keep, past_end).sort(dim=-1).values
-    if bool(((ordered[..., 1:] == ordered[..., :-1]) & (ordered[..., 1:] != past_end)).any()):
+    out_of_range = (keep < -1) | (keep >= lengths.unsqueeze(-1))
+    repeated = (ordered.diff(dim=-1) == 0) & (ordered[..., 1:] != past_end)  # sorted: a repeat sits beside its twin
+    if bool(out_of_range.any() | repeated.any()):  # one check on the way through; the message says which
+        if bool(out_of_range.any()):
+            raise ValueError("keep indices must be -1 (padding) or in [0, physical length) of their head")
         raise ValueError("keep indices repeat within a head")
     if in_given_order:
         if bool(((keep[..., 1:] >= 0) & (keep[..., :-1] < 0)).any()):
