@@ -7,6 +7,7 @@ from typing import Any, ClassVar, Literal
 
 import torch
 
+from kvlib.policies.eviction.measured_prefill import empty_cache_policy, prefill_measured
 from kvlib.policy import Budget, BudgetRequest, ContextPrefill, Eviction, LayerView
 from kvlib.registry import register
 
@@ -241,40 +242,19 @@ def compress(
     Afterwards the cache evicts nothing more (its evictor is removed): questions and answers are
     added to the compressed context. Costs three context prefills (the repeat pass with eager
     attention)."""
-    from kvlib.transformers_compat import cache_argument
-
-    policy = _empty_kvcompose_cache_policy(cache)
+    policy = empty_cache_policy(cache, KVCompose, "kvcompose")
     if scores is None:
         scores = repeat_scores(model, context_ids, policy.task)
     if across_layers:
         cache.evictor.allocation = CompositeAllocation.of(policy, scores)
-    policy.measured = scores
-    try:
-        with torch.no_grad():
-            logits = model(input_ids=context_ids, **cache_argument(cache), logits_to_keep=1).logits[:, -1]
-    finally:
-        policy.measured = None
-    cache.evictor = None
-    return logits
-
-
-def _empty_kvcompose_cache_policy(cache: Any) -> KVCompose:
-    """The KVCompose policy of ``cache``; ``ValueError`` unless it is an empty kvlib cache made with
-    ``make_cache(model, 'kvcompose', budget=...)``."""
-    evictor = getattr(cache, "evictor", None)
-    policy = getattr(evictor, "policy", None)
-    if not isinstance(policy, KVCompose) or evictor.budget is None:
-        raise ValueError("compress needs a cache made with make_cache(model, 'kvcompose', budget=...)")
-    if cache.batch_size != -1:
-        raise ValueError("compress needs an empty cache: call cache.reset() first")
-    return policy
+    return prefill_measured(model, cache, context_ids, policy, scores)
 
 
 def prefill_by_repeat(model: torch.nn.Module, cache: Any, context_ids: torch.Tensor, tokenizer: Any, memo: dict) -> None:
     """:func:`compress` ``context_ids`` into ``cache`` (:meth:`KVCompose.context_prefill`; no
     tokenizer is needed). The repeat scores depend on the context and ``task``, not on the budget:
     they are kept in ``memo``, so the same context compressed to another budget costs one prefill."""
-    policy = _empty_kvcompose_cache_policy(cache)
+    policy = empty_cache_policy(cache, KVCompose, "kvcompose")
     key = ("kvcompose.repeat_scores", policy.task)
     scores = memo.get(key)
     if scores is None:

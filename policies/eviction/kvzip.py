@@ -9,6 +9,7 @@ from typing import ClassVar
 import torch
 
 from kvlib.policies.budget.adaptive import Adaptive
+from kvlib.policies.eviction.measured_prefill import empty_cache_policy, prefill_measured
 from kvlib.policy import Budget, ContextPrefill, Eviction, LayerView
 from kvlib.registry import register
 
@@ -220,31 +221,10 @@ def compress(
     one prefill when ``scores`` (:func:`reconstruction_scores` of this context, prompt and the
     policy's ``sinks`` and ``chunk``, computed for another budget) are given.
     """
-    from kvlib.transformers_compat import cache_argument
-
-    policy = _empty_kvzip_cache_policy(cache)
+    policy = empty_cache_policy(cache, KVzip, "kvzip")
     if scores is None:
         scores = reconstruction_scores(model, context_ids, prompt, sinks=policy.sinks, chunk=policy.chunk)
-    policy.measured = scores
-    try:
-        with torch.no_grad():
-            logits = model(input_ids=context_ids, **cache_argument(cache), logits_to_keep=1).logits[:, -1]
-    finally:
-        policy.measured = None
-    cache.evictor = None
-    return logits
-
-
-def _empty_kvzip_cache_policy(cache: object) -> KVzip:
-    """The KVzip policy of ``cache``; ``ValueError`` unless it is an empty kvlib cache made with
-    ``make_cache(model, "kvzip", budget=...)``."""
-    evictor = getattr(cache, "evictor", None)
-    policy = getattr(evictor, "policy", None)
-    if not isinstance(policy, KVzip) or evictor.budget is None:
-        raise ValueError("compress needs a cache made with make_cache(model, 'kvzip', budget=...)")
-    if cache.batch_size != -1:
-        raise ValueError("compress needs an empty cache: call cache.reset() first")
-    return policy
+    return prefill_measured(model, cache, context_ids, policy, scores)
 
 
 def prefill_by_reconstruction(model: torch.nn.Module, cache: object, context_ids: torch.Tensor, tokenizer: object, memo: dict) -> None:
@@ -253,7 +233,7 @@ def prefill_by_reconstruction(model: torch.nn.Module, cache: object, context_ids
     ``sinks`` and ``chunk``, not on the budget: they are kept in ``memo`` under those, so the same
     context compressed to another budget costs one prefill."""
     prompt = RepeatPrompt.for_tokenizer(tokenizer)
-    policy = _empty_kvzip_cache_policy(cache)
+    policy = empty_cache_policy(cache, KVzip, "kvzip")
     key = ("kvzip.reconstruction_scores", prompt, policy.sinks, policy.chunk)
     scores = memo.get(key)
     if scores is None:
