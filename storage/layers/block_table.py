@@ -64,6 +64,16 @@ class BlockTable:
         self.logical = torch.zeros(rows, dtype=torch.int64)
         self.sealed = torch.zeros(rows, num_heads, dtype=torch.int64)
 
+    def __getstate__(self) -> dict:
+        """The tensors without their numpy views (a copy's views are made anew, of its own tensors)."""
+        return {name: value for name, value in self.__dict__.items() if not name.endswith("_np")}
+
+    def __setstate__(self, state: dict) -> None:
+        """A copy (``copy.deepcopy``, pickling): each tensor set through its descriptor, so that its
+        numpy view names the copy's memory, not the original's."""
+        for name, value in state.items():
+            setattr(self, name, value)
+
     def advance(self, rows: np.ndarray, stored: np.ndarray | int, seen: int) -> None:
         """``rows`` (distinct) stored ``stored`` more tokens per head (an int, or int64 ``[len(rows),
         heads]``) and saw ``seen`` more: a planned decode step's bookkeeping."""

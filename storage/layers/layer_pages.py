@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kvlib.devices import check_tensor, to_arena_device
@@ -108,38 +109,39 @@ class LayerPages:
             raise ValueError(f"positions must have shape [{batch}, {steps}] or [{steps}], got {list(positions.shape)}")
         return positions.to(device, torch.int64).unsqueeze(1).expand(batch, heads, steps)
 
-    def make_room(self, rows: torch.Tensor, steps: int | torch.Tensor) -> None:
+    def make_room(self, rows: torch.Tensor, steps: int | np.ndarray) -> None:
         """Give every head of ``rows`` room for ``steps`` more tokens (an int, or int64 ``[batch,
         kv_heads]``) in pages it alone holds, lengths unchanged: a partly filled last page shared with
         another sequence is copied first (copy-on-write), heads that would fill their last page get
-        new ones. ``PoolExhaustedError`` before any change when a fixed pool lacks the pages."""
+        new ones. ``PoolExhaustedError`` before any change when a fixed pool lacks the pages.
+        The block table is read and written through its numpy views."""
         layer, pool, table = self.layer, self.pool, self.table
         page_size = pool.page_size
-        heads = table.num_heads
-        lengths = table.lengths[rows]
+        rows_np = rows.numpy()
+        lengths = table.lengths_np[rows_np]
         have, need = table.pages_used(lengths), table.pages_used(lengths + steps)
         open_index = lengths // page_size
-        is_open = lengths % page_size != 0
-        if isinstance(steps, torch.Tensor):
-            is_open &= steps > 0
-        open_pages = table.pages[rows].gather(2, torch.where(is_open, open_index, 0).unsqueeze(-1)).squeeze(-1)
-        shared = is_open.clone()
-        shared[is_open] = pool.refcount[open_pages[is_open]] > 1
-        b, h = heads_to_copy(pool, open_pages, shared)
-        new_page_counts = (need - have).flatten()
-        copies = b.numel()
+        is_open = (lengths % page_size != 0) & (np.asarray(steps) > 0)
+        open_pages = np.take_along_axis(table.pages_np[rows_np], np.where(is_open, open_index, 0)[..., None], 2)[..., 0]
+        refcount = pool.refcount.numpy()
+        shared = is_open.copy()
+        shared[is_open] = refcount[open_pages[is_open]] > 1
+        b, h = heads_to_copy(refcount, open_pages, shared)
+        new_page_counts = (need - have).reshape(-1)
+        copies = b.size
         fresh = int(new_page_counts.sum())
         if not pool.can_allocate(copies + fresh):
             raise PoolExhaustedError(f"layer {layer}: append needs {copies + fresh} pages, {pool.free_pages} free")
         table.ensure_pages(int(need.max()))
         if copies:
-            copied = pool.allocate(copies, h)
-            pool.copy_pages(open_pages[b, h], copied)
-            pool.decref(open_pages[b, h])
-            table.pages[rows[b], h, open_index[b, h]] = copied
+            source = torch.from_numpy(open_pages[b, h])
+            copied = pool.allocate(copies, torch.from_numpy(h))
+            pool.copy_pages(source, copied)
+            pool.decref(source)
+            table.pages_np[rows_np[b], h, open_index[b, h]] = copied.numpy()
         if fresh:
-            b, h, j = page_coordinates(have, new_page_counts, heads)
-            table.pages[rows[b], h, j] = pool.allocate(fresh, h)
+            b, h, j = page_coordinates(have, new_page_counts, table.num_heads)
+            table.pages_np[rows_np[b], h, j] = pool.allocate(fresh, torch.from_numpy(h)).numpy()
 
     def append(self, rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
         """Append a step (``keys [batch, kv_heads, steps, head_dim]``, ``values``, ``positions``
@@ -365,124 +367,104 @@ class LayerPages:
         ``in_given_order``: the kept tokens take the order ``keep`` gives them (heads whose order
         changes are rewritten in order from their first moved page; see
         :meth:`~kvlib.storage.store.paged_store.PagedStore.arrange`). ``ValueError`` or ``PoolExhaustedError``
-        before any change."""
+        before any change. The bookkeeping runs on the block table's numpy views; the pool
+        (reference counts, arenas) takes torch tensors."""
         layer, pool, table = self.layer, self.pool, self.table
         page_size = pool.page_size
-        lengths = table.lengths[rows]
+        rows_np = rows.numpy()
+        lengths = table.lengths_np[rows_np]
         kept = sorted_keep(keep, lengths, in_given_order=in_given_order)
         new_lengths = (kept >= 0).sum(-1)
         changed = new_lengths != lengths
+        width = kept.shape[-1]
+        slot = np.arange(width)
         if in_given_order:
             reuse_slots = False
-            changed |= ((kept != torch.arange(kept.shape[-1])) & (kept >= 0)).any(-1)
+            changed |= ((kept != slot) & (kept >= 0)).any(-1)
         if values is not None and tuple(values.shape) != (*kept.shape, pool.value_dim):
             raise ValueError(f"values must have shape {[*kept.shape, pool.value_dim]}, got {list(values.shape)}")
-        if not bool(changed.any()):
-            return Compaction(kept, False, torch.zeros_like(changed), None, new_lengths)
-        width = kept.shape[-1]
-        slot = torch.arange(width)
-        in_place = (kept == slot).long().cumprod(-1).sum(-1)
+        if not changed.any():
+            return Compaction(
+                torch.from_numpy(kept), False, torch.zeros(changed.shape, dtype=torch.bool), None, torch.from_numpy(new_lengths)
+            )
+        in_place = np.cumprod(kept == slot, axis=-1).sum(-1)
         if values is not None:  # every kept value of a changed head may differ: rewrite it whole
-            in_place = torch.zeros_like(in_place)
+            in_place = np.zeros_like(in_place)
         first_page = in_place // page_size
         start = first_page * page_size
         plan = hole_fill(kept, lengths) if reuse_slots and values is None else None
-        fill = torch.zeros_like(changed)
+        fill = np.zeros_like(changed)
         if plan is not None:
-            fill = self._fills_holes(rows, plan, changed & (2 * plan.moves <= new_lengths - start), new_lengths)
+            fill = self._fills_holes(rows_np, plan, changed & (2 * plan.moves <= new_lengths - start), new_lengths)
         reorder = changed & ~fill
-        if plan is not None and not bool(reorder.any()):  # a decode step's eviction: holes filled, nothing rewritten
-            return self._fill_holes(rows, plan, fill, lengths, new_lengths, kept)
-        rewrite = reorder.unsqueeze(-1) & (slot >= start.unsqueeze(-1)) & (slot < new_lengths.unsqueeze(-1))
-
-        old_pages_used, new_pages_used = table.pages_used(lengths), table.pages_used(new_lengths)
-        page_slot = torch.arange(table.pages.shape[2])
-        below_old = page_slot < old_pages_used.unsqueeze(-1)
-        drop_page = reorder.unsqueeze(-1) & (page_slot >= first_page.unsqueeze(-1)) & below_old
-        drop_page |= fill.unsqueeze(-1) & (page_slot >= new_pages_used.unsqueeze(-1)) & below_old
-        dropped = table.pages[rows][drop_page]
-        new_page_counts = torch.where(reorder, new_pages_used - first_page, 0).flatten()
-        needed = int(new_page_counts.sum())
-        unique, counts = torch.unique(dropped, return_counts=True)
-        freed = int((pool.refcount[unique] == counts).sum())
-        if not pool.can_allocate(needed - freed):
-            raise PoolExhaustedError(f"layer {layer}: compaction needs {needed} pages, {pool.free_pages + freed} free")
-
-        source = table.flat_slots(rows, kept.clamp(min=0))[rewrite]
-        moved_keys, moved_values, moved_positions = pool.gather(source)
-        if values is not None:
-            moved_values = values.to(pool.device, pool.dtype)[rewrite.to(values.device)]
         moves = plan.only(fill) if plan is not None else None
-        if moves is not None and moves[0].numel():
-            b, h, hole, src = moves
-            holes = table.pages[rows[b], h, hole // page_size] * page_size + hole % page_size
-            filled = pool.gather(table.pages[rows[b], h, src // page_size] * page_size + src % page_size)
-        pool.decref(dropped)
-        b, h, j = drop_page.nonzero(as_tuple=True)
-        table.pages[rows[b], h, j] = -1
+        rewrite = reorder[..., None] & (slot >= start[..., None]) & (slot < new_lengths[..., None])
+        page_slot = np.arange(table.pages_np.shape[2])
+        below_old = page_slot < table.pages_used(lengths)[..., None]
+        drop_page = reorder[..., None] & (page_slot >= first_page[..., None]) & below_old
+        drop_page |= fill[..., None] & (page_slot >= table.pages_used(new_lengths)[..., None]) & below_old
+        dropped = table.pages_np[rows_np][drop_page]
+        new_page_counts = np.where(reorder, table.pages_used(new_lengths) - first_page, 0).reshape(-1)
+        needed = int(new_page_counts.sum())
         if needed:
-            b, h, j = page_coordinates(first_page, new_page_counts, lengths.shape[1])
-            table.pages[rows[b], h, j] = pool.allocate(needed, h)
-        target = table.flat_slots(rows, torch.where(rewrite, slot, 0))[rewrite]
-        pool.write(target, moved_keys, moved_values, moved_positions)
-        if moves is not None and moves[0].numel():
-            pool.write(holes, *filled)
-        table.lengths[rows] = new_lengths
-        sealed = table.sealed[rows]
-        sealed = torch.where(reorder, sealed.clamp(max=first_page), sealed)
-        table.sealed[rows] = torch.where(fill, torch.minimum(sealed, new_lengths // page_size), sealed)
-        if pool.summaries is not None and bool(fill.any()):
-            self._resummarize_filled_pages(rows, fill, moves)
-        layout = kept if plan is None else torch.where(fill.unsqueeze(-1), plan.layout, kept)
-        return Compaction(layout, True, reorder, moves, new_lengths)
+            unique, counts = np.unique(dropped, return_counts=True)
+            freed = int((pool.refcount.numpy()[unique] == counts).sum())
+            if not pool.can_allocate(needed - freed):
+                raise PoolExhaustedError(f"layer {layer}: compaction needs {needed} pages, {pool.free_pages + freed} free")
 
-    def _fill_holes(
-        self, rows: torch.Tensor, plan: HoleFill, fill: torch.Tensor, lengths: torch.Tensor, new_lengths: torch.Tensor, kept: torch.Tensor
-    ) -> Compaction:
-        """:meth:`compact` when every changed head (``fill``) fills its holes: the moved tokens are
-        written into the holes, pages past each head's new length are released, nothing is
-        allocated or rewritten in order (what a decode step's eviction costs: a few small ops)."""
-        pool, table = self.pool, self.table
-        page_size = pool.page_size
-        moves = plan.only(fill)
-        b, h, hole, src = moves
-        if b.numel():
-            holes = table.pages[rows[b], h, hole // page_size] * page_size + hole % page_size
-            sources = table.pages[rows[b], h, src // page_size] * page_size + src % page_size
-            pool.write(holes, *pool.gather(sources))
-        page_slot = torch.arange(table.pages.shape[2])
-        drop_page = (
-            fill.unsqueeze(-1)
-            & (page_slot >= table.pages_used(new_lengths).unsqueeze(-1))
-            & (page_slot < table.pages_used(lengths).unsqueeze(-1))
-        )
-        db, dh, dj = drop_page.nonzero(as_tuple=True)
-        if db.numel():
-            pool.decref(table.pages[rows[db], dh, dj])
-            table.pages[rows[db], dh, dj] = -1
-        table.lengths[rows] = new_lengths
-        sealed = table.sealed[rows]
-        table.sealed[rows] = torch.where(fill, torch.minimum(sealed, new_lengths // page_size), sealed)
-        if pool.summaries is not None:
-            self._resummarize_filled_pages(rows, fill, moves)
-        return Compaction(torch.where(fill.unsqueeze(-1), plan.layout, kept), True, torch.zeros_like(fill), moves, new_lengths)
+        rewritten = rewrite.any()  # False for a decode step's eviction: holes filled, nothing rewritten
+        if rewritten:
+            moved_keys, moved_values, moved_positions = pool.gather(torch.from_numpy(self._slots(rows_np, kept.clip(min=0))[rewrite]))
+            if values is not None:
+                moved_values = values.to(pool.device, pool.dtype)[torch.from_numpy(rewrite).to(values.device)]
+        if moves is not None and moves[0].size:  # before any page is released (a source may lie in one)
+            b, h, hole, src = moves
+            holes = table.pages_np[rows_np[b], h, hole // page_size] * page_size + hole % page_size
+            sources = table.pages_np[rows_np[b], h, src // page_size] * page_size + src % page_size
+            pool.write(torch.from_numpy(holes), *pool.gather(torch.from_numpy(sources)))
+        if dropped.size:
+            pool.decref(torch.from_numpy(dropped))
+            b, h, j = np.nonzero(drop_page)
+            table.pages_np[rows_np[b], h, j] = -1
+        if needed:
+            b, h, j = page_coordinates(first_page, new_page_counts, table.num_heads)
+            table.pages_np[rows_np[b], h, j] = pool.allocate(needed, torch.from_numpy(h)).numpy()
+        if rewritten:
+            target = self._slots(rows_np, np.where(rewrite, slot, 0))[rewrite]
+            pool.write(torch.from_numpy(target), moved_keys, moved_values, moved_positions)
+        table.lengths_np[rows_np] = new_lengths
+        sealed = table.sealed_np[rows_np]
+        sealed = np.where(reorder, np.minimum(sealed, first_page), sealed)
+        table.sealed_np[rows_np] = np.where(fill, np.minimum(sealed, new_lengths // page_size), sealed)
+        moved = None if moves is None else tuple(torch.from_numpy(part) for part in moves)
+        if pool.summaries is not None and fill.any():
+            self._resummarize_filled_pages(rows, torch.from_numpy(fill), moved)
+        layout = kept if plan is None else np.where(fill[..., None], plan.layout, kept)
+        return Compaction(torch.from_numpy(layout), True, torch.from_numpy(reorder), moved, torch.from_numpy(new_lengths))
 
-    def _fills_holes(self, rows: torch.Tensor, plan: HoleFill, cheap: torch.Tensor, new_lengths: torch.Tensor) -> torch.Tensor:
+    def _fills_holes(self, rows: np.ndarray, plan: HoleFill, cheap: np.ndarray, new_lengths: np.ndarray) -> np.ndarray:
         """bool ``[batch, heads]``: the heads among ``cheap`` whose hole fill writes only pages
         writable in place (the holes' pages, and the new last page if it is partly kept: a
         truncated page is rewritten by later appends and its key summary redone)."""
         pool, table = self.pool, self.table
         page_size = pool.page_size
-        fill = cheap.clone()
+        fill = cheap.copy()
         b, h, hole, _ = plan.only(cheap)
-        if b.numel():
-            blocked = ~pool.writable(table.pages[rows[b], h, hole // page_size])
+        if b.size:
+            blocked = ~pool.writable(torch.from_numpy(table.pages_np[rows[b], h, hole // page_size])).numpy()
             fill[b[blocked], h[blocked]] = False
-        b, h = (fill & (new_lengths % page_size != 0)).nonzero(as_tuple=True)
-        if b.numel():
-            blocked = ~pool.writable(table.pages[rows[b], h, new_lengths[b, h] // page_size])
+        b, h = np.nonzero(fill & (new_lengths % page_size != 0))
+        if b.size:
+            blocked = ~pool.writable(torch.from_numpy(table.pages_np[rows[b], h, new_lengths[b, h] // page_size])).numpy()
             fill[b[blocked], h[blocked]] = False
         return fill
+
+    def _slots(self, rows: np.ndarray, token_index: np.ndarray) -> np.ndarray:
+        """Arena slots of tokens ``token_index [batch, heads, tokens]`` of ``rows`` (as
+        :meth:`~kvlib.storage.layers.block_table.BlockTable.flat_slots`, on the numpy views)."""
+        page_size = self.pool.page_size
+        page_ids = np.take_along_axis(self.table.pages_np[rows], token_index // page_size, 2)
+        return page_ids * page_size + token_index % page_size
 
     def _resummarize_filled_pages(self, rows: torch.Tensor, fill: torch.Tensor, moves: Moves) -> None:
         """Recompute the key summaries of the pages a hole fill wrote or cut short (heads ``fill``):

@@ -11,14 +11,14 @@ After a hole fill a head's slots are no longer in position order; every reader l
 position up (attention masks, kernels, ``kept_positions``), and the evictor hands order-dependent
 policies a view in position order (see :attr:`~kvlib.policy.Eviction.order_free`).
 
-Pure index arithmetic on CPU int64 tensors (no state, vectorized over batch and heads).
+Pure index arithmetic on int64 numpy arrays (no state, vectorized over batch and heads).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
+import numpy as np
 
 
 @dataclass
@@ -31,34 +31,34 @@ class HoleFill:
     ``source`` (the slot read).
     """
 
-    layout: torch.Tensor
-    moves: torch.Tensor
-    batch: torch.Tensor
-    head: torch.Tensor
-    hole: torch.Tensor
-    source: torch.Tensor
+    layout: np.ndarray
+    moves: np.ndarray
+    batch: np.ndarray
+    head: np.ndarray
+    hole: np.ndarray
+    source: np.ndarray
 
-    def only(self, heads: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def only(self, heads: np.ndarray) -> tuple[np.ndarray, ...]:
         """``(batch, head, hole, source)`` of the moves of the heads ``heads`` (bool ``[batch, heads]``)."""
         chosen = heads[self.batch, self.head]
         return self.batch[chosen], self.head[chosen], self.hole[chosen], self.source[chosen]
 
 
-def hole_fill(kept: torch.Tensor, lengths: torch.Tensor) -> HoleFill:
+def hole_fill(kept: np.ndarray, lengths: np.ndarray) -> HoleFill:
     """The hole fill of every head that keeps ``kept`` (int64 ``[batch, heads, width]``, each head's
     kept slots ascending, ``-1`` last, as :func:`~kvlib.storage.pools.page_indexing.sorted_keep` gives them) of
     its ``lengths [batch, heads]`` stored tokens."""
     batch, heads, width = kept.shape
-    longest = int(lengths.max()) if lengths.numel() else 0
-    new_lengths = (kept >= 0).sum(-1, keepdim=True)
-    is_kept = torch.zeros(batch, heads, longest + 1, dtype=torch.bool)
-    is_kept.scatter_(-1, torch.where(kept >= 0, kept, longest), True)  # -1 padding lands on the spare last slot
+    longest = int(lengths.max()) if lengths.size else 0
+    new_lengths = (kept >= 0).sum(-1, keepdims=True)
+    is_kept = np.zeros((batch, heads, longest + 1), dtype=bool)
+    np.put_along_axis(is_kept, np.where(kept >= 0, kept, longest), True, axis=-1)  # -1 padding lands on the spare last slot
     is_kept = is_kept[..., :longest]
-    below = torch.arange(longest) < new_lengths
+    below = np.arange(longest) < new_lengths
     holes = below & ~is_kept
-    b, h, hole = holes.nonzero(as_tuple=True)
-    source = (~below & is_kept).nonzero(as_tuple=True)[2]  # as many per head as holes, in the same head order
-    slot = torch.arange(width)
-    layout = torch.where(slot < new_lengths, slot, -1)
+    b, h, hole = np.nonzero(holes)
+    source = np.nonzero(~below & is_kept)[2]  # as many per head as holes, in the same head order
+    slot = np.arange(width)
+    layout = np.where(slot < new_lengths, slot, -1)
     layout[b, h, hole] = source
     return HoleFill(layout, holes.sum(-1), b, h, hole, source)

@@ -1,28 +1,29 @@
 """Index arithmetic of the paged store: which heads copy a shared page, where new pages go in
-the block table, the first occurrence of each id, and validated keep sets (no state; vectorized)."""
+the block table, the first occurrence of each id, and validated keep sets (no state; vectorized).
+
+Block-table arithmetic runs on numpy arrays (the tables' numpy views, :class:`~kvlib.storage.layers.block_table.BlockTable`):
+a handful of small integer ops on the host, none of them a trip through torch's dispatcher."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from kvlib.storage.pools.page_pool import PagePool
 
-
-def heads_to_copy(pool: PagePool, open_pages: torch.Tensor, shared: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(batch, head)`` of the shared open pages that must be copied before an append.
+def heads_to_copy(refcount: np.ndarray, open_pages: np.ndarray, shared: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(batch, head)`` of the shared open pages that must be copied before an append
+    (``refcount``: the pool's reference counts; ``open_pages`` int64 and ``shared`` bool ``[batch, heads]``).
 
     When every reference to a shared page is in this append's batch, its first holder keeps
     the original (it is the last owner once the others have their copies): no copy is wasted.
     """
-    b, h = shared.nonzero(as_tuple=True)
-    if b.numel() == 0:
+    b, h = np.nonzero(shared)
+    if b.size == 0:
         return b, h
     pages = open_pages[b, h]
-    unique, inverse, counts = torch.unique(pages, return_inverse=True, return_counts=True)
-    order = torch.arange(pages.numel())
-    first = torch.full_like(unique, pages.numel()).scatter_reduce(0, inverse, order, "amin")
-    keeps = torch.zeros(pages.numel(), dtype=torch.bool)
-    keeps[first[pool.refcount[unique] == counts]] = True
+    unique, first, counts = np.unique(pages, return_index=True, return_counts=True)
+    keeps = np.zeros(pages.size, dtype=bool)
+    keeps[first[refcount[unique] == counts]] = True
     return b[~keeps], h[~keeps]
 
 
@@ -33,35 +34,33 @@ def first_occurrences(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return unique, first
 
 
-def page_coordinates(first: torch.Tensor, counts: torch.Tensor, heads: int) -> tuple[torch.Tensor, ...]:
+def page_coordinates(first: np.ndarray, counts: np.ndarray, heads: int) -> tuple[np.ndarray, ...]:
     """Table coordinates ``(batch, head, page_index)`` of ``counts[b*heads+h]`` new pages per
     head, numbered from ``first[b, h]`` on, in (batch, head, page) order."""
-    # (nonzero of a [groups, max count] grid rather than repeat_interleave with tensor repeats,
-    # which costs milliseconds per call on multi-threaded CPU torch)
-    group, offset = (torch.arange(int(counts.max()) if counts.numel() else 0) < counts.unsqueeze(-1)).nonzero(as_tuple=True)
-    page_index = first.flatten()[group] + offset
+    group, offset = np.nonzero(np.arange(counts.max() if counts.size else 0) < counts[:, None])
+    page_index = first.reshape(-1)[group] + offset
     return group // heads, group % heads, page_index
 
 
-def sorted_keep(keep: torch.Tensor, lengths: torch.Tensor, *, in_given_order: bool = False) -> torch.Tensor:
-    """Validate ``keep`` against ``lengths [batch, heads]``; return it sorted with -1 padding last
-    (``in_given_order``: as given, on the CPU, its -1 padding required to come last)."""
+def sorted_keep(keep: torch.Tensor, lengths: np.ndarray, *, in_given_order: bool = False) -> np.ndarray:
+    """Validate ``keep`` (int ``[batch, heads, k]``, any device) against ``lengths [batch, heads]``;
+    return it as an int64 array sorted with -1 padding last (``in_given_order``: as given, its -1
+    padding required to come last)."""
     if not isinstance(keep, torch.Tensor) or keep.dtype.is_floating_point or keep.dtype == torch.bool:
         raise ValueError("keep must be an integer tensor [batch, kv_heads, k] of token indices (-1 pads)")
-    if keep.device.type != "cpu" or keep.dtype != torch.int64:
-        keep = keep.to("cpu", torch.int64)
     if keep.dim() != 3 or tuple(keep.shape[:2]) != tuple(lengths.shape):
         raise ValueError(f"keep must have shape [{lengths.shape[0]}, {lengths.shape[1]}, k], got {list(keep.shape)}")
-    past_end = torch.iinfo(torch.int64).max
-    ordered = torch.where(keep >= 0, keep, past_end).sort(dim=-1).values
-    out_of_range = (keep < -1) | (keep >= lengths.unsqueeze(-1))
-    repeated = (ordered.diff(dim=-1) == 0) & (ordered[..., 1:] != past_end)  # sorted: a repeat sits beside its twin
-    if bool(out_of_range.any() | repeated.any()):  # one check on the way through; the message says which
-        if bool(out_of_range.any()):
+    given = (keep if keep.device.type == "cpu" and keep.dtype == torch.int64 else keep.to("cpu", torch.int64)).numpy()
+    past_end = np.iinfo(np.int64).max
+    ordered = np.sort(np.where(given >= 0, given, past_end), axis=-1)
+    out_of_range = (given < -1) | (given >= lengths[..., None])
+    repeated = (ordered[..., 1:] == ordered[..., :-1]) & (ordered[..., 1:] != past_end)  # sorted: a repeat sits beside its twin
+    if out_of_range.any() or repeated.any():  # the message says which
+        if out_of_range.any():
             raise ValueError("keep indices must be -1 (padding) or in [0, physical length) of their head")
         raise ValueError("keep indices repeat within a head")
     if in_given_order:
-        if bool(((keep[..., 1:] >= 0) & (keep[..., :-1] < 0)).any()):
+        if ((given[..., 1:] >= 0) & (given[..., :-1] < 0)).any():
             raise ValueError("keep must list each head's kept slots first, its -1 padding last")
-        return keep
-    return torch.where(ordered == past_end, -1, ordered)
+        return given
+    return np.where(ordered == past_end, -1, ordered)

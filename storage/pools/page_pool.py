@@ -179,12 +179,12 @@ class PagePool:
                 raise PoolExhaustedError(f"page pool is full: {count} pages requested, {self._free.free} free of {self.capacity}")
             self._grow(self.pages_in_use + count)
         ids = self._free.pop(count)
-        self.refcount[ids] = 1
+        self.refcount.numpy()[ids.numpy()] = 1
         try:
             self.format.allocated(ids, heads)
         except PoolExhaustedError:
             self.format.freed(ids)
-            self.refcount[ids] = 0
+            self.refcount.numpy()[ids.numpy()] = 0
             self._free.push(ids)
             raise
         return ids
@@ -224,12 +224,13 @@ class PagePool:
         """Drop one reference per occurrence of each id; pages reaching zero return to the free list."""
         if ids.numel() == 0:
             return
-        unique, counts = torch.unique(ids, return_counts=True)
-        remaining = self.refcount[unique] - counts
-        if bool((remaining < 0).any()):
+        refcount = self.refcount.numpy()  # host bookkeeping: numpy, no trip through torch's dispatcher
+        unique, counts = np.unique(ids.numpy(), return_counts=True)
+        remaining = refcount[unique] - counts
+        if (remaining < 0).any():
             raise RuntimeError("page released more often than referenced: double free")
-        self.refcount[unique] = remaining
-        freed = unique[remaining == 0]
+        refcount[unique] = remaining
+        freed = torch.from_numpy(unique[remaining == 0])
         self._free.push(freed)
         self.format.freed(freed)
         if self.summaries is not None:

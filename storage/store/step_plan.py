@@ -185,7 +185,7 @@ def build_layout(
             return None
     steps = tokens if at_cap is None else np.where(at_cap, 0, tokens)
     for layer, pages in enumerate(layers):
-        pages.make_room(rows, steps if at_cap is None else torch.from_numpy(steps[layer]))
+        pages.make_room(rows, steps if at_cap is None else steps[layer])
     pages = _block_tables(tables, rows_np)
     capacity = np.where(pages >= 0, page_size, 0).sum(-1)  # slots each head holds in its pages
     room = capacity - lengths

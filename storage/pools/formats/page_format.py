@@ -312,7 +312,9 @@ class ArenaPages(PageFormat):
 
 
 def extend_rows(tensor: torch.Tensor, rows: int, fill: int) -> torch.Tensor:
-    """A copy of ``tensor`` with ``rows`` rows along dim 0, new rows set to ``fill``."""
-    out = torch.full((rows, *tensor.shape[1:]), fill, dtype=tensor.dtype, device=tensor.device)
+    """A copy of ``tensor`` with ``rows`` rows along dim 0, new rows set to ``fill`` (each row
+    written once: the old ones copied, only the new ones filled)."""
+    out = torch.empty((rows, *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
     out[: tensor.shape[0]] = tensor
+    out[tensor.shape[0] :] = fill
     return out

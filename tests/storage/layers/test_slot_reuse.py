@@ -4,6 +4,7 @@ untouched; the read mirror patched to what a fresh read gives."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -93,6 +94,6 @@ def test_a_decode_step_eviction_moves_one_token_into_the_hole():
 
 
 def test_hole_fill_pairs_holes_with_later_kept_tokens():
-    plan = hole_fill(torch.tensor([[[0, 2, 4, 5, -1], [1, 2, 3, -1, -1]]]), torch.tensor([[6, 4]]))
+    plan = hole_fill(np.array([[[0, 2, 4, 5, -1], [1, 2, 3, -1, -1]]]), np.array([[6, 4]]))
     assert plan.layout.tolist() == [[[0, 4, 2, 5, -1], [3, 1, 2, -1, -1]]]
     assert plan.moves.tolist() == [[2, 1]]
