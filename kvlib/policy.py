@@ -375,10 +375,16 @@ class PageRetrieval(Tiering, abc.ABC):
         over chosen pages only (:meth:`select_pages`) rather than over all of them."""
 
     @abc.abstractmethod
-    def select_pages(self, query: torch.Tensor, key_min: torch.Tensor, key_max: torch.Tensor, pages_used: torch.Tensor) -> torch.Tensor:
+    def select_pages(
+        self, layer_idx: int, query: torch.Tensor, key_min: torch.Tensor, key_max: torch.Tensor, pages_used: torch.Tensor
+    ) -> torch.Tensor:
         """The pages to attend over: int64 ``[batch, kv_heads, k]`` on the CPU, indices into each
         head's block table (page 0 holds its first stored tokens), ascending, ``-1`` last where a
         head chooses fewer than ``k``.
+
+        ``layer_idx``: the layer called. The call follows :meth:`sparse` returning True for
+        ``sparse(layer_idx, ...)``; a policy keeping state per layer keys it by ``layer_idx``
+        (not by the last :meth:`sparse` call: nothing else tells it the layer).
 
         ``query`` ``[batch, query_heads, 1, head_dim]``: the call's query after RoPE (query heads
         grouped by KV head, as ``repeat_kv`` lays them out). ``key_min`` / ``key_max`` ``[batch,

@@ -402,7 +402,7 @@ class KVCacheLayer(CacheLayerMixin):
         head_dim]``, after RoPE): int64 ``[batch, kv_heads, k]`` indices into each head's block
         table, ``-1`` for none (CPU)."""
         key_min, key_max, pages_used = self.cache.store.key_bounds(self.layer_idx, self.cache.rows)
-        return self.cache.tiering.select_pages(query, key_min, key_max, pages_used)
+        return self.cache.tiering.select_pages(self.layer_idx, query, key_min, key_max, pages_used)
 
     def chosen_pages(self, chosen: torch.Tensor) -> PagedLayer | None:
         """The ``chosen`` pages (:meth:`choose_pages`) where they lie, for attention straight over

@@ -99,8 +99,8 @@ class LeoAM(Quest):
 
     Per layer, :attr:`fetched` counts the pages its sparse steps chose (summed over rows and heads,
     the newest included), :attr:`judged` the chunks their levels judged and :attr:`steps` its sparse
-    steps; the layer of a sparse call comes from the cache's call of :meth:`sparse` just before the
-    same layer's :meth:`select_pages`. One object serves one cache at a time.
+    steps, each keyed by the ``layer_idx`` the cache passes to :meth:`select_pages`. One object
+    serves one cache at a time.
 
     Args:
         top_k: pages each (row, KV head) reads at most at a decode step (>= 1), its newest included.
@@ -120,8 +120,6 @@ class LeoAM(Quest):
     """Per layer, chunks its sparse steps judged over every level (rows and heads summed)."""
     steps: dict[int, int] = field(default_factory=dict, init=False, repr=False, compare=False)
     """Per layer, its sparse steps."""
-    layer: int | None = field(default=None, init=False, repr=False, compare=False)
-    """The layer of the sparse call in progress (set by :meth:`sparse`)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -130,13 +128,9 @@ class LeoAM(Quest):
         if not self.desert > 0:
             raise ValueError(f"desert must be > 0 (a scaled-logit gap to the best chunk), got {self.desert}")
 
-    def sparse(self, layer_idx: int, query_length: int) -> bool:
-        """Whether a call of ``layer_idx`` with ``query_length`` new tokens per row attends over chosen
-        pages only (decode steps past the dense layers); remembers the layer for :meth:`select_pages`."""
-        self.layer = layer_idx
-        return super().sparse(layer_idx, query_length)
-
-    def select_pages(self, query: torch.Tensor, key_min: torch.Tensor, key_max: torch.Tensor, pages_used: torch.Tensor) -> torch.Tensor:
+    def select_pages(
+        self, layer_idx: int, query: torch.Tensor, key_min: torch.Tensor, key_max: torch.Tensor, pages_used: torch.Tensor
+    ) -> torch.Tensor:
         """The pages this step reads, int64 ``[batch, kv_heads, min(top_k, pages)]`` on the CPU,
         ascending, ``-1`` last: each head's newest and the ``top_k - 1`` best pages that survive
         the coarse-to-fine judgement (:meth:`judge`). Counts them in :attr:`fetched`."""
@@ -151,9 +145,9 @@ class LeoAM(Quest):
         page = torch.arange(count, device=chosen.device)
         ordered = torch.where(chosen, page, count).sort(-1).values[..., :width]
         selection = torch.where(ordered == count, -1, ordered).cpu()
-        self.steps[self.layer] = self.steps.get(self.layer, 0) + 1
-        self.fetched[self.layer] = self.fetched.get(self.layer, 0) + int((selection >= 0).sum())
-        self.judged[self.layer] = self.judged.get(self.layer, 0) + sum(levels.scored)
+        self.steps[layer_idx] = self.steps.get(layer_idx, 0) + 1
+        self.fetched[layer_idx] = self.fetched.get(layer_idx, 0) + int((selection >= 0).sum())
+        self.judged[layer_idx] = self.judged.get(layer_idx, 0) + sum(levels.scored)
         return selection
 
     def judge(

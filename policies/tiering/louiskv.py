@@ -67,12 +67,11 @@ class LouisKV(Quest):
     the paper's (query similarity to the last retrieval's query, under a threshold); the default
     ``threshold`` is this implementation's choice.
 
-    Per layer the last retrievals are kept (:class:`Retrieval`), and the layer of a sparse call
-    comes from the cache's call of :meth:`sparse` just before the same layer's
-    :meth:`select_pages`; every multi-token call of a layer (a prompt, a chunk) forgets them
-    (:meth:`arranges_tokens` is asked after each), as do page counts that do not follow the last
-    step's. :attr:`retrievals` counts, per layer, the (row, KV head) retrievals made. One object
-    serves one cache at a time.
+    Per layer the last retrievals are kept (:class:`Retrieval`), keyed by the ``layer_idx`` the
+    cache passes to :meth:`select_pages`; every multi-token call of a layer (a prompt, a chunk)
+    forgets them (:meth:`arranges_tokens` is asked after each), as do page counts that do not
+    follow the last step's. :attr:`retrievals` counts, per layer, the (row, KV head) retrievals
+    made. One object serves one cache at a time.
 
     Args:
         top_k: pages a head retrieves at a boundary (>= 1), its newest included.
@@ -88,19 +87,11 @@ class LouisKV(Quest):
     """Per layer, its heads' last retrievals (state, not a parameter)."""
     retrievals: dict[int, int] = field(default_factory=dict, init=False, repr=False, compare=False)
     """Per layer, the (row, KV head) retrievals made since this object was built."""
-    layer: int | None = field(default=None, init=False, repr=False, compare=False)
-    """The layer of the sparse call in progress (set by :meth:`sparse`)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if not -1 <= self.threshold <= 1:
             raise ValueError(f"threshold must be in [-1, 1] (a cosine similarity), got {self.threshold}")
-
-    def sparse(self, layer_idx: int, query_length: int) -> bool:
-        """Whether a call of ``layer_idx`` with ``query_length`` new tokens per row attends over chosen
-        pages only (decode steps past the dense layers); remembers the layer for :meth:`select_pages`."""
-        self.layer = layer_idx
-        return super().sparse(layer_idx, query_length)
 
     def arranges_tokens(self, layer_idx: int, query_length: int) -> bool:
         """Never (the store keeps the slot order); a multi-token call of ``layer_idx`` forgets the
@@ -109,24 +100,28 @@ class LouisKV(Quest):
             self.last.pop(layer_idx, None)
         return False
 
-    def select_pages(self, query: torch.Tensor, key_min: torch.Tensor, key_max: torch.Tensor, pages_used: torch.Tensor) -> torch.Tensor:
+    def select_pages(
+        self, layer_idx: int, query: torch.Tensor, key_min: torch.Tensor, key_max: torch.Tensor, pages_used: torch.Tensor
+    ) -> torch.Tensor:
         """The pages this step reads, int64 ``[batch, kv_heads, width]`` on the CPU, ascending, ``-1``
         last: for a head at a boundary (:meth:`boundaries`) its fresh ``top_k`` (Quest's choice),
         for the others their last retrieved pages and every page opened since."""
         kv_heads = key_min.shape[1]
         now = query[:, :, -1].float()
-        last = self.last.get(self.layer)
+        last = self.last.get(layer_idx)
         if last is None or not last.fits(now, pages_used):
             boundary = torch.ones(pages_used.shape, dtype=torch.bool)
-            last = Retrieval(now, super().select_pages(query, key_min, key_max, pages_used), pages_used.clone(), pages_used.clone())
+            last = Retrieval(
+                now, super().select_pages(layer_idx, query, key_min, key_max, pages_used), pages_used.clone(), pages_used.clone()
+            )
         else:
             boundary = self.boundaries(now, last.query, kv_heads)
             if bool(boundary.any()):  # pages are scored only where some head retrieves
-                last = self.retrieve(last, boundary, now, super().select_pages(query, key_min, key_max, pages_used), pages_used)
+                last = self.retrieve(last, boundary, now, super().select_pages(layer_idx, query, key_min, key_max, pages_used), pages_used)
             else:
                 last = dataclasses.replace(last, seen=pages_used.clone())
-        self.last[self.layer] = last
-        self.retrievals[self.layer] = self.retrievals.get(self.layer, 0) + int(boundary.sum())
+        self.last[layer_idx] = last
+        self.retrievals[layer_idx] = self.retrievals.get(layer_idx, 0) + int(boundary.sum())
         return self.reading(last, pages_used)
 
     def boundaries(self, query: torch.Tensor, last: torch.Tensor, kv_heads: int) -> torch.Tensor:

@@ -94,7 +94,9 @@ class Quest(PageRetrieval):
         low, high = key_min.float().unsqueeze(2), key_max.float().unsqueeze(2)
         return torch.maximum(q * low, q * high).sum(-1).amax(2)
 
-    def select_pages(self, query: torch.Tensor, key_min: torch.Tensor, key_max: torch.Tensor, pages_used: torch.Tensor) -> torch.Tensor:
+    def select_pages(
+        self, layer_idx: int, query: torch.Tensor, key_min: torch.Tensor, key_max: torch.Tensor, pages_used: torch.Tensor
+    ) -> torch.Tensor:
         """The pages to attend over: int64 ``[batch, kv_heads, min(top_k, pages)]`` on the CPU, indices
         into each head's block table, ascending, ``-1`` last where a head holds fewer pages.
 

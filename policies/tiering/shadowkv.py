@@ -146,7 +146,9 @@ class ShadowKV(PageRetrieval):
         """Whether a layer call of ``query_length`` new tokens per row attends over chosen pages only."""
         return query_length == 1 and layer_idx >= self.dense_layers
 
-    def select_pages(self, query: torch.Tensor, key_min: torch.Tensor, key_max: torch.Tensor, pages_used: torch.Tensor) -> torch.Tensor:
+    def select_pages(
+        self, layer_idx: int, query: torch.Tensor, key_min: torch.Tensor, key_max: torch.Tensor, pages_used: torch.Tensor
+    ) -> torch.Tensor:
         """The window, the outliers and the ``pages`` best-scored others: int64 ``[batch, kv_heads,
         min(window + outliers + pages, held pages)]`` on the CPU, indices into each head's block
         table, ascending, ``-1`` last where a head holds fewer pages."""

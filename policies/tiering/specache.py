@@ -64,11 +64,11 @@ class SpeCache(Quest):
     - Nothing is evicted: every token stays stored (on the host under a ``placement``) and may be
       chosen again. When ``top_k`` covers every page a head holds, the output is the full cache's.
 
-    The choice made at one step is kept per layer for the next (:class:`SpeculatedPages`). The
-    layer comes from the cache's call of :meth:`sparse` just before the same layer's
-    :meth:`select_pages`; every multi-token call of a layer (a prompt, a chunk) forgets its choice
-    (:meth:`arranges_tokens` is asked after each), and a choice that does not fit the step's page
-    counts (other rows, another prompt) is dropped. One object serves one cache at a time.
+    The choice made at one step is kept per layer for the next (:class:`SpeculatedPages`), keyed
+    by the ``layer_idx`` the cache passes to :meth:`select_pages`; every multi-token call of a
+    layer (a prompt, a chunk) forgets its choice (:meth:`arranges_tokens` is asked after each),
+    and a choice that does not fit the step's page counts (other rows, another prompt) is
+    dropped. One object serves one cache at a time.
 
     Args:
         top_k: pages each (row, KV head) chooses for the next decode step (>= 1), its newest
@@ -81,14 +81,6 @@ class SpeCache(Quest):
 
     speculated: dict[int, SpeculatedPages] = field(default_factory=dict, init=False, repr=False, compare=False)
     """Per layer, the choice its last sparse step made for the next (state, not a parameter)."""
-    layer: int | None = field(default=None, init=False, repr=False, compare=False)
-    """The layer of the sparse call in progress (set by :meth:`sparse`)."""
-
-    def sparse(self, layer_idx: int, query_length: int) -> bool:
-        """Whether a call of ``layer_idx`` with ``query_length`` new tokens per row attends over chosen
-        pages only (decode steps past the dense layers); remembers the layer for :meth:`select_pages`."""
-        self.layer = layer_idx
-        return super().sparse(layer_idx, query_length)
 
     def arranges_tokens(self, layer_idx: int, query_length: int) -> bool:
         """Never (the store keeps the slot order); a multi-token call of ``layer_idx`` forgets the
@@ -97,15 +89,17 @@ class SpeCache(Quest):
             self.speculated.pop(layer_idx, None)
         return False
 
-    def select_pages(self, query: torch.Tensor, key_min: torch.Tensor, key_max: torch.Tensor, pages_used: torch.Tensor) -> torch.Tensor:
+    def select_pages(
+        self, layer_idx: int, query: torch.Tensor, key_min: torch.Tensor, key_max: torch.Tensor, pages_used: torch.Tensor
+    ) -> torch.Tensor:
         """The pages this step reads: those the layer chose at its previous step and each head's
         newest, int64 ``[batch, kv_heads, width]`` on the CPU (``width``: the most any head reads,
         ``top_k + 1`` at most), ascending, ``-1`` last; the first
         step after a prompt reads what its own query chooses. Chooses, with ``query``, the
         ``top_k`` pages the next step reads (:meth:`choose`)."""
-        chosen = self.choose(query, key_min, key_max, pages_used)
-        previous = self.speculated.get(self.layer)
-        self.speculated[self.layer] = SpeculatedPages(chosen, pages_used.clone())
+        chosen = self.choose(layer_idx, query, key_min, key_max, pages_used)
+        previous = self.speculated.get(layer_idx)
+        self.speculated[layer_idx] = SpeculatedPages(chosen, pages_used.clone())
         if previous is None or not previous.fits(pages_used):
             return chosen
         newest = (pages_used - 1).unsqueeze(-1)
@@ -116,7 +110,9 @@ class SpeCache(Quest):
         ordered = torch.where(kept, listed, past_end).sort(-1).values[..., : int(kept.sum(-1).max())]
         return torch.where(ordered == past_end, -1, ordered)
 
-    def choose(self, query: torch.Tensor, key_min: torch.Tensor, key_max: torch.Tensor, pages_used: torch.Tensor) -> torch.Tensor:
+    def choose(
+        self, layer_idx: int, query: torch.Tensor, key_min: torch.Tensor, key_max: torch.Tensor, pages_used: torch.Tensor
+    ) -> torch.Tensor:
         """The ``top_k`` pages the 1-bit key grid rates highest for ``query``, newest included:
-        Quest's choice (:meth:`Quest.select_pages`)."""
-        return super().select_pages(query, key_min, key_max, pages_used)
+        Quest's choice (:meth:`Quest.select_pages`) for layer ``layer_idx``."""
+        return super().select_pages(layer_idx, query, key_min, key_max, pages_used)

@@ -61,10 +61,10 @@ class TailorKV(Quest):
     - Nothing is evicted; with ``top_k`` covering every page each layer's output is the full
       cache's whatever its kind.
 
-    Per layer the decision is kept (:attr:`dense`), and the layer of a sparse call comes from the
-    cache's call of :meth:`sparse` just before the same layer's :meth:`select_pages`; every
-    multi-token call of a layer (a prompt, a chunk) forgets its decision (:meth:`arranges_tokens`
-    is asked after each). One object serves one cache at a time.
+    Per layer the decision is kept (:attr:`dense`), keyed by the ``layer_idx`` the cache passes to
+    :meth:`select_pages`; every multi-token call of a layer (a prompt, a chunk) forgets its
+    decision (:meth:`arranges_tokens` is asked after each). One object serves one cache at a
+    time.
 
     Args:
         top_k: pages each (row, KV head) of a sparse layer attends over at a decode step (>= 1),
@@ -82,8 +82,6 @@ class TailorKV(Quest):
     dense_layers: int = 0
     dense: dict[int, bool] = field(default_factory=dict, init=False, repr=False, compare=False)
     """Per layer identified since its last prompt: whether it is dense (state, not a parameter)."""
-    layer: int | None = field(default=None, init=False, repr=False, compare=False)
-    """The layer of the sparse call in progress (set by :meth:`sparse`)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -95,8 +93,7 @@ class TailorKV(Quest):
     def sparse(self, layer_idx: int, query_length: int) -> bool:
         """Whether a call of ``layer_idx`` with ``query_length`` new tokens per row attends over chosen
         pages: decode steps of layers past ``dense_layers`` not identified as dense (a layer's first
-        decode step is, and identifies it); remembers the layer for :meth:`select_pages`."""
-        self.layer = layer_idx
+        decode step is, and identifies it)."""
         return super().sparse(layer_idx, query_length) and not self.dense.get(layer_idx, False)
 
     def arranges_tokens(self, layer_idx: int, query_length: int) -> bool:
@@ -106,16 +103,18 @@ class TailorKV(Quest):
             self.dense.pop(layer_idx, None)
         return False
 
-    def select_pages(self, query: torch.Tensor, key_min: torch.Tensor, key_max: torch.Tensor, pages_used: torch.Tensor) -> torch.Tensor:
+    def select_pages(
+        self, layer_idx: int, query: torch.Tensor, key_min: torch.Tensor, key_max: torch.Tensor, pages_used: torch.Tensor
+    ) -> torch.Tensor:
         """The pages this step attends over, int64 ``[batch, kv_heads, k]`` on the CPU, ascending,
         ``-1`` last: a layer not yet identified is identified first (:meth:`is_dense`); a dense
         layer's every page, a sparse layer's ``top_k`` (Quest's choice)."""
-        if self.layer not in self.dense:
-            self.dense[self.layer] = self.is_dense(query, key_min, key_max, pages_used)
-        if self.dense[self.layer]:
+        if layer_idx not in self.dense:
+            self.dense[layer_idx] = self.is_dense(query, key_min, key_max, pages_used)
+        if self.dense[layer_idx]:
             page = torch.arange(key_min.shape[2])
             return torch.where(page < pages_used.unsqueeze(-1), page, -1)
-        return super().select_pages(query, key_min, key_max, pages_used)
+        return super().select_pages(layer_idx, query, key_min, key_max, pages_used)
 
     def is_dense(self, query: torch.Tensor, key_min: torch.Tensor, key_max: torch.Tensor, pages_used: torch.Tensor) -> bool:
         """Whether the layer's heads need at least ``dense_share`` of their pages, on average, to

@@ -45,9 +45,9 @@ class RecordingLeoAM(LeoAM):
         super().__post_init__()
         self.reads: dict[int, list[torch.Tensor]] = {}
 
-    def select_pages(self, query, key_min, key_max, pages_used):
-        read = super().select_pages(query, key_min, key_max, pages_used)
-        self.reads.setdefault(self.layer, []).append(read)
+    def select_pages(self, layer_idx, query, key_min, key_max, pages_used):
+        read = super().select_pages(layer_idx, query, key_min, key_max, pages_used)
+        self.reads.setdefault(layer_idx, []).append(read)
         return read
 
 

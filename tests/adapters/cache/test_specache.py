@@ -46,10 +46,10 @@ class RecordingSpeCache(SpeCache):
         self.reads: dict[int, list[torch.Tensor]] = {}
         self.choices: dict[int, list[torch.Tensor]] = {}
 
-    def select_pages(self, query, key_min, key_max, pages_used):
-        read = super().select_pages(query, key_min, key_max, pages_used)
-        self.reads.setdefault(self.layer, []).append(read)
-        self.choices.setdefault(self.layer, []).append(self.speculated[self.layer].chosen)
+    def select_pages(self, layer_idx, query, key_min, key_max, pages_used):
+        read = super().select_pages(layer_idx, query, key_min, key_max, pages_used)
+        self.reads.setdefault(layer_idx, []).append(read)
+        self.choices.setdefault(layer_idx, []).append(self.speculated[layer_idx].chosen)
         return read
 
 

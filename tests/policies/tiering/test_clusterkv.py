@@ -108,9 +108,9 @@ def test_a_step_reads_the_newest_page_and_the_best_centres() -> None:
     high[0, 0, 4] = torch.tensor([2.0, 0.0])
     high[0, 0, 1] = torch.tensor([0.0, 9.0])  # far along the other channel
     query = torch.tensor([[[[1.0, -0.1]]]])
-    chosen = ClusterKV(top_k=3).select_pages(query, low, high, torch.tensor([[6]]))
+    chosen = ClusterKV(top_k=3).select_pages(0, query, low, high, torch.tensor([[6]]))
     assert chosen.tolist() == [[[2, 4, 5]]]
-    assert ClusterKV(top_k=8).select_pages(query, low, high, torch.tensor([[4]])).tolist() == [[[0, 1, 2, 3, -1, -1]]]
+    assert ClusterKV(top_k=8).select_pages(0, query, low, high, torch.tensor([[4]])).tolist() == [[[0, 1, 2, 3, -1, -1]]]
 
 
 def test_only_multi_token_calls_of_sparse_layers_are_arranged() -> None:

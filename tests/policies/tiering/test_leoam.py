@@ -26,7 +26,7 @@ def points(values: list[float]) -> tuple[torch.Tensor, torch.Tensor]:
 
 def step(policy: LeoAM, query, key_min, key_max, used, layer: int = 2) -> torch.Tensor:
     assert policy.sparse(layer, 1)
-    return policy.select_pages(query, key_min, key_max, used)
+    return policy.select_pages(layer, query, key_min, key_max, used)
 
 
 def real(row: torch.Tensor) -> list[int]:
@@ -59,7 +59,7 @@ def test_deserts_are_dropped_whole_coarse_to_fine_on_a_hand_computed_case() -> N
     assert levels.scored == [2, 2, 2]
     # three of top_k - 1 = 3 places are used: the step reads 6, 7 and the newest, not page 1
     assert step(policy, query, key_min, key_max, used).tolist() == [[[6, 7, 8, -1]]]
-    assert Quest(top_k=4).select_pages(query, key_min, key_max, used).tolist() == [[[1, 6, 7, 8]]]  # Quest reads page 1 too
+    assert Quest(top_k=4).select_pages(0, query, key_min, key_max, used).tolist() == [[[1, 6, 7, 8]]]  # Quest reads page 1 too
     # a wider desert keeps [0-3]; inside it only page 1's half, then page 1: a run of two pages and one of one
     wider = LeoAM(top_k=9, chunk_pages=4, desert=4.5, dense_layers=0)
     _, _, levels = wider.judge(query, key_min, key_max, used)
@@ -133,7 +133,7 @@ def test_without_deserts_every_page_or_quests_choice_is_read(used, seed) -> None
     for head in range(2):
         assert real(everything[0, head]) == list(range(used[head]))
     single = step(LeoAM(top_k=3, chunk_pages=1, desert=1e6, dense_layers=0), query, key_min, key_max, pages_used)
-    quest = Quest(top_k=3).select_pages(query, key_min, key_max, pages_used)
+    quest = Quest(top_k=3).select_pages(0, query, key_min, key_max, pages_used)
     for head in range(2):
         assert real(single[0, head]) == real(quest[0, head])
 

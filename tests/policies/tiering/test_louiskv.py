@@ -25,7 +25,7 @@ def summaries(heads: int, pages: int, dim: int, seed: int) -> tuple[torch.Tensor
 
 def step(policy: LouisKV, layer: int, query, key_min, key_max, used) -> torch.Tensor:
     assert policy.sparse(layer, 1)
-    return policy.select_pages(query, key_min, key_max, used)
+    return policy.select_pages(layer, query, key_min, key_max, used)
 
 
 def real(row: torch.Tensor) -> set[int]:
@@ -51,7 +51,7 @@ def test_heads_retrieve_only_at_boundaries_and_reuse_their_pages_in_between(top_
     query = base
     key_min, key_max = summaries(heads, pages, dim, seed)
     first = step(policy, 1, query, key_min, key_max, used)
-    own = Quest(top_k=top_k).select_pages(query, key_min, key_max, used)
+    own = Quest(top_k=top_k).select_pages(0, query, key_min, key_max, used)
     assert all(real(first[0, h]) == real(own[0, h]) for h in range(heads))  # the first step retrieves
     retrieved = {h: real(first[0, h]) for h in range(heads)}
     anchor, since = {h: query[0, h * group : (h + 1) * group, 0] for h in range(heads)}, used[0].clone()
@@ -61,7 +61,7 @@ def test_heads_retrieve_only_at_boundaries_and_reuse_their_pages_in_between(top_
         query = base + drift * torch.randn(1, heads * group, 1, dim, generator=generator)
         key_min, key_max = summaries(heads, pages, dim, seed + int(used.sum()))  # the pages' keys change: a retrieval would tell
         read = step(policy, 1, query, key_min, key_max, used)
-        fresh = Quest(top_k=top_k).select_pages(query, key_min, key_max, used)
+        fresh = Quest(top_k=top_k).select_pages(0, query, key_min, key_max, used)
         for h in range(heads):
             similarity = torch.nn.functional.cosine_similarity(query[0, h * group : (h + 1) * group, 0], anchor[h], dim=-1).min()
             if similarity < threshold:  # a boundary: this query's choice

@@ -37,7 +37,7 @@ def test_each_step_reads_the_window_the_outliers_and_the_best_others(pages, wind
     key_min, key_max = summaries(1, heads, max(held), dim, seed)
     query = torch.randn(1, heads * group, 1, dim, generator=torch.Generator().manual_seed(seed + 1))
     used = torch.tensor([held])
-    chosen = policy.select_pages(query, key_min, key_max, used)
+    chosen = policy.select_pages(0, query, key_min, key_max, used)
     assert chosen.shape == (1, heads, min(window + outliers + pages, max(held)))
     spread = landmark_spread(key_min, key_max)
     for head, count in enumerate(held):
@@ -60,7 +60,7 @@ def test_the_best_scored_page_beyond_window_and_outliers_is_the_one_the_query_po
     key_max = torch.full((1, 1, 6, dim), 0.1)
     key_min[0, 0, 2, 0] = key_max[0, 0, 2, 0] = 5.0  # page 2's landmark lies along the query
     query = torch.tensor([1.0, 0, 0, 0]).view(1, 1, 1, dim)
-    chosen = ShadowKV(pages=1, window=1, outliers=0).select_pages(query, key_min, key_max, torch.tensor([[6]]))
+    chosen = ShadowKV(pages=1, window=1, outliers=0).select_pages(0, query, key_min, key_max, torch.tensor([[6]]))
     assert chosen.tolist() == [[[2, 5]]]
 
 
@@ -94,7 +94,7 @@ def test_ranking_puts_outliers_above_the_window_above_the_rest_and_matches_the_s
     padded = torch.nn.functional.pad(keys, (0, 0, 0, 2)).view(1, 1, pages, size, dim)
     key_min, key_max = padded.amin(3), padded.amax(3)
     key_min[0, 0, -1], key_max[0, 0, -1] = keys[0, 0, -2:].amin(0), keys[0, 0, -2:].amax(0)
-    chosen = policy.select_pages(torch.zeros(1, 1, 1, dim), key_min, key_max, torch.tensor([[pages]]))
+    chosen = policy.select_pages(0, torch.zeros(1, 1, 1, dim), key_min, key_max, torch.tensor([[pages]]))
     assert 1 in chosen[0, 0].tolist()  # the placement's outlier is the step's outlier
 
 
@@ -137,7 +137,7 @@ def test_the_placement_keeps_on_the_device_the_outliers_the_step_reads(full_page
     count = full_pages + 1
     padded = torch.cat([keys, keys[:, :, -1:].expand(1, heads, count * size - slots, dim)], 2).view(1, heads, count, size, dim)
     key_min, key_max = padded.amin(3), padded.amax(3)
-    chosen = policy.select_pages(torch.zeros(1, heads, 1, dim), key_min, key_max, torch.full((1, heads), count))
+    chosen = policy.select_pages(0, torch.zeros(1, heads, 1, dim), key_min, key_max, torch.full((1, heads), count))
     for head in range(heads):
         ranked = {p for p in range(count) if scores[0, head, p * size : (p + 1) * size].max() >= OUTLIER_SCORE}
         window_pages = set(range(max(0, count - window), count))

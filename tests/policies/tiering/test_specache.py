@@ -23,9 +23,9 @@ def summaries(heads: int, pages: int, dim: int, seed: int) -> tuple[torch.Tensor
 
 
 def step(policy: SpeCache, layer: int, query, key_min, key_max, used) -> torch.Tensor:
-    """One sparse decode step of ``layer`` as the cache makes it: ``sparse``, then ``select_pages``."""
+    """One sparse decode step of ``layer`` as the cache makes it: ``sparse`` (checked), then ``select_pages``."""
     assert policy.sparse(layer, 1)
-    return policy.select_pages(query, key_min, key_max, used)
+    return policy.select_pages(layer, query, key_min, key_max, used)
 
 
 def real(row: torch.Tensor) -> list[int]:
@@ -47,7 +47,7 @@ def test_each_step_reads_what_the_previous_step_chose_and_its_newest_page(top_k,
     key_min, key_max = summaries(heads, max(start) + len(growth), dim, seed)
     queries = torch.randn(len(growth) + 1, 1, heads * group, 1, dim, generator=torch.Generator().manual_seed(seed + 1))
     first = step(policy, 3, queries[0], key_min, key_max, used)
-    assert torch.equal(first, Quest(top_k=top_k).select_pages(queries[0], key_min, key_max, used))  # nothing speculated yet
+    assert torch.equal(first, Quest(top_k=top_k).select_pages(0, queries[0], key_min, key_max, used))  # nothing speculated yet
     chosen = first
     for query, grown in zip(queries[1:], growth):
         used = used + torch.tensor([grown])
@@ -56,7 +56,7 @@ def test_each_step_reads_what_the_previous_step_chose_and_its_newest_page(top_k,
             expected = sorted(set(real(chosen[0, head])) | {int(used[0, head]) - 1})
             assert real(read[0, head]) == expected
             assert bool((read[0, head, len(expected) :] == -1).all())
-        chosen = Quest(top_k=top_k).select_pages(query, key_min, key_max, used)
+        chosen = Quest(top_k=top_k).select_pages(0, query, key_min, key_max, used)
         assert torch.equal(policy.speculated[3].chosen, chosen)  # what the next step reads
 
 
@@ -78,7 +78,7 @@ def test_a_prompt_other_page_counts_and_other_layers_start_afresh() -> None:
     key_min, key_max = summaries(2, 8, 4, seed=1)
     query = torch.randn(1, 2, 1, 4, generator=torch.Generator().manual_seed(2))
     policy = SpeCache(top_k=2, dense_layers=0)
-    own = Quest(top_k=2).select_pages(query, key_min, key_max, torch.tensor([[6, 6]]))
+    own = Quest(top_k=2).select_pages(0, query, key_min, key_max, torch.tensor([[6, 6]]))
     step(policy, 2, -query, key_min, key_max, torch.tensor([[6, 6]]))
     assert torch.equal(step(policy, 3, query, key_min, key_max, torch.tensor([[6, 6]])), own)  # layer 3 chose nothing yet
     assert not policy.arranges_tokens(2, 40)  # a prompt in layer 2: its speculated pages go
@@ -86,7 +86,7 @@ def test_a_prompt_other_page_counts_and_other_layers_start_afresh() -> None:
     assert torch.equal(step(policy, 2, query, key_min, key_max, torch.tensor([[6, 6]])), own)
     assert torch.equal(
         step(policy, 3, query, key_min, key_max, torch.tensor([[3, 6]])),
-        Quest(top_k=2).select_pages(query, key_min, key_max, torch.tensor([[3, 6]])),
+        Quest(top_k=2).select_pages(0, query, key_min, key_max, torch.tensor([[3, 6]])),
     )
 
 

@@ -55,23 +55,23 @@ def test_a_layer_is_identified_at_its_first_step_and_kept_until_its_next_prompt(
     flat = torch.zeros(1, 1, 10, 4)
     used = torch.tensor([[10]])
     assert policy.sparse(1, 1)
-    assert policy.select_pages(query, key_min, key_max, used).tolist() == [[[2, 9]]]  # sparse: Quest's top 2
+    assert policy.select_pages(1, query, key_min, key_max, used).tolist() == [[[2, 9]]]  # sparse: Quest's top 2
     assert policy.dense == {1: False}
     assert policy.sparse(0, 1)
-    assert policy.select_pages(query, flat, flat, used).tolist() == [[list(range(10))]]  # dense: every page
+    assert policy.select_pages(0, query, flat, flat, used).tolist() == [[list(range(10))]]  # dense: every page
     assert policy.dense == {1: False, 0: True}
     assert not policy.sparse(0, 1) and policy.sparse(1, 1)  # a dense layer's later steps attend densely
-    assert policy.select_pages(query, flat, flat, used).shape == (1, 1, 2)  # layer 1 stays sparse, even over flat pages
+    assert policy.select_pages(1, query, flat, flat, used).shape == (1, 1, 2)  # layer 1 stays sparse, even over flat pages
     assert not policy.arranges_tokens(0, 30)  # a prompt: layer 0 is identified anew
     assert policy.dense == {1: False} and policy.sparse(0, 1)
-    assert policy.select_pages(query, key_min, key_max, used).tolist() == [[[2, 9]]]
+    assert policy.select_pages(0, query, key_min, key_max, used).tolist() == [[[2, 9]]]
 
 
 def test_a_dense_layer_reads_every_held_page_of_each_head() -> None:
     policy = TailorKV(dense_share=0.01)
     flat = torch.zeros(2, 2, 5, 4)
     assert policy.sparse(3, 1)
-    chosen = policy.select_pages(torch.ones(2, 2, 1, 4), flat, flat, torch.tensor([[5, 3], [1, 4]]))
+    chosen = policy.select_pages(3, torch.ones(2, 2, 1, 4), flat, flat, torch.tensor([[5, 3], [1, 4]]))
     assert chosen.tolist() == [[[0, 1, 2, 3, 4], [0, 1, 2, -1, -1]], [[0, -1, -1, -1, -1], [0, 1, 2, 3, -1]]]
 
 
@@ -81,9 +81,8 @@ def test_a_sparse_layer_chooses_as_quest() -> None:
     key_max = key_min + 0.1
     query = torch.randn(1, 2, 1, 4, generator=generator) * 20
     policy = TailorKV(top_k=3, dense_share=1.0)
-    policy.sparse(0, 1)
     used = torch.tensor([[8, 6]])
-    assert torch.equal(policy.select_pages(query, key_min, key_max, used), Quest(top_k=3).select_pages(query, key_min, key_max, used))
+    assert torch.equal(policy.select_pages(0, query, key_min, key_max, used), Quest(top_k=3).select_pages(0, query, key_min, key_max, used))
 
 
 @pytest.mark.parametrize(
