@@ -394,6 +394,15 @@ class PageRetrieval(Tiering, abc.ABC):
         not pages).
         """
 
+    def expected_pages(self, layer_idx: int) -> torch.Tensor | None:
+        """The pages the next sparse call of layer ``layer_idx`` is expected to read, as
+        :meth:`select_pages` lists them for the rows of the call just made; asked right after that
+        call. With a prefetcher (:meth:`prefetches`) the store starts fetching their host and disk
+        copies then, so the copy overlaps the rest of the step (SpeCache's speculative fetch),
+        and the next read takes what it brought where the pages are unchanged: a wrong guess
+        costs a wasted fetch, never a wrong read. None (the default): no guess, nothing fetched."""
+        return None
+
 
 class CheckpointProjection(abc.ABC):
     """One attention layer's keys and values as a function of what it stores per token instead:

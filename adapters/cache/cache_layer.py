@@ -335,8 +335,10 @@ class KVCacheLayer(CacheLayerMixin):
         if call.path(planned=False, over_pages=True) is AttentionPath.OVER_PAGES:
             paged = self.chosen_pages(selection)  # None where the pool cannot give them in place
             if paged is not None:
+                self.prefetch_expected_pages()
                 return self._attention_over_pages(dataclasses.replace(step, paged=paged), query, attention_mask, call.kwargs)
         chosen = dataclasses.replace(step, read=self.read_chosen_pages(selection), identity=False)
+        self.prefetch_expected_pages()
         mask = physical_mask(attention_mask, chosen, query.shape[1], call.float_mask_dtype)
         output, weights = call.run_inner(chosen.read.keys, chosen.read.values, mask)
         inputs = AttentionInputs(query, mask, weights, call.kwargs.get("scaling"), real_new_tokens(attention_mask, step))
@@ -411,6 +413,18 @@ class KVCacheLayer(CacheLayerMixin):
         if not reads_pages_in_place(self.cache.store.device):
             return None
         return self.cache.store.paged_selection(self.layer_idx, self.cache.rows, chosen, lost="miss")
+
+    def prefetch_expected_pages(self) -> None:
+        """Once this sparse step's pages are read: start fetching, from the host and disk, the
+        pages the policy expects this layer's next sparse step to read
+        (:meth:`~kvlib.policy.PageRetrieval.expected_pages`), so the copy overlaps the rest of the
+        step (a store without a prefetcher fetches nothing)."""
+        store = self.cache.store
+        if store.prefetcher is None:
+            return
+        expected = self.cache.tiering.expected_pages(self.layer_idx)
+        if expected is not None:
+            store.prefetch_selection(self.layer_idx, self.cache.rows, expected)
 
     def read_chosen_pages(self, chosen: torch.Tensor) -> LayerRead:
         """The ``chosen`` pages (:meth:`choose_pages`), read sparsely into a dense copy."""

@@ -124,6 +124,14 @@ class LouisKV(Quest):
         self.retrievals[layer_idx] = self.retrievals.get(layer_idx, 0) + int(boundary.sum())
         return self.reading(last, pages_used)
 
+    def expected_pages(self, layer_idx: int) -> torch.Tensor | None:
+        """What layer ``layer_idx`` read at its last sparse step (its heads' retrievals and the
+        pages opened since): the next step reads the same wherever no boundary comes (temporal
+        locality, the paper's premise), so a store that prefetches fetches those; None before
+        the layer's first retrieval."""
+        last = self.last.get(layer_idx)
+        return None if last is None else self.reading(last, last.seen)
+
     def boundaries(self, query: torch.Tensor, last: torch.Tensor, kv_heads: int) -> torch.Tensor:
         """bool ``[batch, kv_heads]`` (CPU): the heads whose query (``[batch, query_heads,
         head_dim]``) drifted from their last retrieval's ``last``: similarity below ``threshold``

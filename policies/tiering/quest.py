@@ -76,6 +76,10 @@ class Quest(PageRetrieval):
     def refreshes_ranking(self, tokens_seen: int, query_length: int) -> bool:
         return self.placement is not None and self.placement.refreshes_ranking(tokens_seen, query_length)
 
+    def prefetches(self) -> bool:
+        """The ``placement``'s choice (``lru(..., prefetch=True)`` by default); none without one."""
+        return self.placement is not None and self.placement.prefetches()
+
     def ranking_scores(self, view: LayerView) -> torch.Tensor:
         return self.placement.ranking_scores(view)
 

@@ -57,10 +57,12 @@ class SpeCache(Quest):
       a prompt (nothing chosen yet) attends over the pages its own query chooses.
     - Reads: the chosen pages are staged from whichever tier holds them
       (:meth:`~kvlib.storage.store.paged_store.PagedStore.paged_selection`: host rows, pinned
-      under CUDA, or lmdb records); the untouched pages are not read. The store's prefetcher takes
-      whole next layers on dense reads, not a selection, so the copy of the speculated pages runs
-      when the next step reads them rather than during this one (the choice is already one step
-      early, which is what lets a store start it sooner).
+      under CUDA, or lmdb records); the untouched pages are not read. The copy overlaps: right
+      after a layer's sparse step, the store starts fetching the host and disk pages it chose for
+      the next step (:meth:`expected_pages`, on the store's prefetcher: a background thread and,
+      on CUDA, a copy stream; with a ``placement`` that prefetches, ``lru``'s default), while the
+      rest of the step computes; the next step's read takes them where they are unchanged
+      (``prefetched_pages_read``).
     - Nothing is evicted: every token stays stored (on the host under a ``placement``) and may be
       chosen again. When ``top_k`` covers every page a head holds, the output is the full cache's.
 
@@ -109,6 +111,13 @@ class SpeCache(Quest):
         kept = (listed >= 0) & ~duplicate
         ordered = torch.where(kept, listed, past_end).sort(-1).values[..., : int(kept.sum(-1).max())]
         return torch.where(ordered == past_end, -1, ordered)
+
+    def expected_pages(self, layer_idx: int) -> torch.Tensor | None:
+        """The pages layer ``layer_idx`` chose at its last sparse step for its next one (the
+        speculated pages: with a ``placement`` that prefetches, fetched from the host and disk
+        while the rest of this step computes); None before its first."""
+        speculated = self.speculated.get(layer_idx)
+        return None if speculated is None else speculated.chosen
 
     def choose(
         self, layer_idx: int, query: torch.Tensor, key_min: torch.Tensor, key_max: torch.Tensor, pages_used: torch.Tensor

@@ -80,8 +80,11 @@ class PagedStore:
         prefetcher: with ``device_pages``, each read of a layer starts fetching the host and disk
             pages of the same sequences in the layer read next (the first after the last, for
             the next decode step) on this :class:`~kvlib.storage.pools.page_prefetch.PagePrefetcher`'s
-            background thread (a copy stream on CUDA); the next read of that layer takes them.
-            Reads return the same with or without it. None: no prefetch.
+            background thread (a copy stream on CUDA); the next read of that layer takes them. A
+            layer whose last read was a selection (:meth:`paged_selection`, :meth:`read_selected`:
+            page retrieval's sparse steps) is not fetched whole; its caller fetches the pages it
+            expects to read next instead (:meth:`prefetch_selection`). Reads return the same with
+            or without it. None: no prefetch.
     """
 
     # -- state: layers, read caches, sequence ids; lengths and bytes ----------------------------
@@ -101,6 +104,9 @@ class PagedStore:
         ]
         """Per layer, its pages: pool, block table and positions (:class:`~kvlib.storage.layers.layer_pages.LayerPages`)."""
         self.prefetcher = prefetcher
+        self._read_by_selection = [False] * self.num_layers
+        """Per layer, whether its last read was a selection (then a read of the layer before does
+        not prefetch it whole: :meth:`_prefetch_following`)."""
         self.read_caches = ReadCaches(self.num_layers, self.page_size, config.read_cache)
         """Per layer, the dense read cache of the last batch read (if ``config.read_cache``)."""
         self._layout: DecodeLayout | None = None
@@ -229,6 +235,7 @@ class PagedStore:
         rows = self._rows(seqs)
         paged = self._pool_pages(layer, table.pages[rows], table.lengths[rows])
         if paged is not None:
+            self._read_by_selection[layer] = False
             self._prefetch_following(layer, rows)
         return paged
 
@@ -249,7 +256,20 @@ class PagedStore:
         def select(index: torch.Tensor) -> PagedLayer | None:
             return self._pool_pages(layer, *self.layers[layer].selected_pages(rows, index))
 
+        self._read_by_selection[layer] = True
         return self._missing_lost(layer, rows, page_index, lost, select)
+
+    def prefetch_selection(self, layer: int, seqs: SequenceIds, page_index: torch.Tensor) -> None:
+        """With a prefetcher, start fetching the host and disk pages among the chosen pages of
+        ``seqs`` in ``layer`` (``page_index`` as for :meth:`read_selected`) for the layer's next
+        read, replacing a prefetch of the layer not read yet: what a sparse step expects its next
+        step to read (:meth:`~kvlib.policy.PageRetrieval.expected_pages`). Without one, nothing.
+        The read returns the same either way."""
+        if self.prefetcher is None:
+            return
+        layer, rows = self._layer(layer), self._rows(seqs)
+        pages, _ = self.layers[layer].selected_pages(rows, page_index)
+        self.layers[layer].pool.prefetch(pages[pages >= 0], self.prefetcher)
 
     def _pool_pages(self, layer: int, pages: torch.Tensor, lengths: torch.Tensor) -> PagedLayer | None:
         """The pool's :meth:`~kvlib.storage.pools.page_pool.PagePool.paged_layer`; what a tiered pool
@@ -264,14 +284,15 @@ class PagedStore:
         head, then the following layer's prefetch."""
         read = self.layers[layer].gather(rows, size)
         if self.layers[layer].pool.pages_in_use:  # pages were read (none from an empty pool)
+            self._read_by_selection[layer] = False
             self._prefetch_following(layer, rows)
         return read
 
     def _prefetch_following(self, layer: int, rows: torch.Tensor) -> None:
         """With a prefetcher, start fetching the off-device pages of ``rows`` in the layer read
-        after ``layer`` (the first after the last)."""
-        if self.prefetcher is not None:
-            following = (layer + 1) % self.num_layers
+        after ``layer`` (the first after the last), unless that layer's last read was a selection."""
+        following = (layer + 1) % self.num_layers
+        if self.prefetcher is not None and not self._read_by_selection[following]:
             pages = self.layers[following].table.pages[rows]
             self.layers[following].pool.prefetch(pages[pages >= 0], self.prefetcher)
 
@@ -301,6 +322,7 @@ class PagedStore:
         counted in :attr:`lost_pages_missed`. A file lost whole (no page named) raises either way.
         """
         layer, rows = self._layer(layer), self._rows(seqs)
+        self._read_by_selection[layer] = True
         return self._missing_lost(layer, rows, page_index, lost, lambda index: self.layers[layer].read_selected(rows, index))
 
     def _missing_lost(

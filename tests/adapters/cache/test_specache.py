@@ -38,6 +38,40 @@ def test_pages_on_host_and_disk_are_read_where_they_lie(tmp_path) -> None:
     assert all(pool.pages_on_disk > 0 for pool in cache.store.pools)
 
 
+def test_the_speculated_pages_are_fetched_while_the_step_that_chose_them_computes(tmp_path) -> None:
+    """SpeCache's overlap: right after a layer's sparse step the store's prefetcher starts
+    fetching the host and disk pages the layer chose for its next step (``expected_pages``), and
+    that step takes them from the prefetch; a layer read by selection is never fetched whole
+    (each request after the first step names at most ``top_k`` pages a head). Nothing else
+    changes: tokens and logits equal the same cache's without prefetch."""
+    model = build_model("default")
+    heads, top_k = model.config.num_key_value_heads, 3
+    ids, mask = left_padded([150], seed=4, vocab=DEFAULT_BYTES)
+
+    def run(prefetch: bool):
+        mb = page_mb(model, 2, 1)
+        placement = f"lru(device_mb={mb}, host_mb={mb}, disk={str(tmp_path / str(prefetch))!r}, disk_mb=16, prefetch={prefetch})"
+        cache = kvlib.make_cache(model, f"specache(top_k={top_k}, dense_layers=1, placement={placement!r})")
+        requested: dict[int, list[int]] = {}
+        for layer, pool in enumerate(cache.store.pools):  # record each prefetch request's size, then make it
+            pool.prefetch = lambda ids, prefetcher, layer=layer, make=pool.prefetch: (
+                requested.setdefault(layer, []).append(ids.numel()),
+                make(ids, prefetcher),
+            )
+        return cache, generate(model, ids, mask, cache, steps=12), requested
+
+    cache, out, requested = run(True)
+    plain_cache, plain, _ = run(False)
+    assert torch.equal(out.sequences, plain.sequences)
+    assert_same_logits(out.logits, plain.logits)
+    assert cache.store.prefetcher is not None and plain_cache.store.prefetcher is None
+    sparse_layers = range(1, model.config.num_hidden_layers)
+    assert all(cache.store.pools[layer].prefetched_pages_read > 0 for layer in sparse_layers)
+    assert all(pool.pages_on_disk > 0 for pool in cache.store.pools)
+    for layer in sparse_layers:
+        assert len(requested[layer]) >= 10 and max(requested[layer][1:]) <= top_k * heads, (layer, requested[layer])
+
+
 class RecordingSpeCache(SpeCache):
     """``specache`` that records, per layer, what each sparse step read and chose."""
 

@@ -137,3 +137,17 @@ def test_registered_as_a_tiering_policy_and_its_spec_round_trips() -> None:
     policy = kvlib.parse_policy("louiskv(top_k=4, placement='lru(device_mb=2.0)', threshold=0.8)")
     assert kvlib.parse_policy(policy.spec()) == policy
     assert policy.spec() == "louiskv(top_k=4, placement='lru(device_mb=2.0)', threshold=0.8)"
+
+
+def test_the_pages_expected_next_are_what_a_step_without_a_boundary_reads() -> None:
+    """``expected_pages``: what the layer read at its last step, which the next step reads again
+    where no head reaches a boundary (the same query); None before the layer's first retrieval."""
+    policy = LouisKV(top_k=2, threshold=0.5, dense_layers=0)
+    key_min, key_max = summaries(2, 9, 4, seed=3)
+    query = torch.randn(1, 4, 1, 4, generator=torch.Generator().manual_seed(5))
+    assert policy.expected_pages(1) is None
+    used = torch.tensor([[6, 8]])
+    step(policy, 1, query, key_min, key_max, used)
+    expected = policy.expected_pages(1)
+    assert policy.expected_pages(0) is None  # per layer
+    assert torch.equal(step(policy, 1, query, key_min, key_max, used), expected)
