@@ -19,7 +19,10 @@ scales folded in where the layout allows (the reader contract: :mod:`kvlib.kerne
   codes (int8, or float8 e4m3 widened from its bits) times a scale per run of elements: keys
   ``q . k_t = s_t (q . code_t)`` (the scale multiplies the score), values scaled as they are widened;
 - ``"gear"`` (:class:`~.gear_codec.GearQuantizer`): a page decoded into scratch by
-  :func:`load_gear` (codes, then ``U V^T``, then outliers), then the float loops.
+  :func:`load_gear` (codes, then ``U V^T``, then outliers), then the float loops;
+- ``"qaq"`` (:class:`~.qaq.TokenAdaptiveQuantizer`): a page decoded into scratch by
+  :func:`load_qaq` (each token's codes at its own bits, from where the earlier tokens' end, then
+  its exact outliers), then the float loops.
 
 Each reads what the codec's float32 decode gives (:meth:`~kvlib.codec.TensorCodec.decode_into`
 into float32), up to float32 rounding of the reordered sums (never rounded to the compute
@@ -331,3 +334,73 @@ def load_gear(fields, page: int, out: np.ndarray, out_bits: np.ndarray, rows: in
 
 GEAR = register_numba_reader("gear", loader_reader(load_gear, gear_fields))
 """The numba reader of :class:`~.gear_codec.GearQuantizer` pages."""
+
+
+# -- QAQ -------------------------------------------------------------------------------------
+
+
+def qaq_fields(tensors: tuple[torch.Tensor, ...], params: tuple[int, ...]) -> tuple:
+    """``(codes uint8 [capacity, bytes], bits uint8 [capacity, page_size], scale, minimum
+    [capacity, page_size] as bits, meta kind, outlier_index [capacity, page_size * 2 * count],
+    outlier_value [capacity, page_size * 2 * count] as bits, 2 * count)`` of a
+    :class:`~.qaq.TokenAdaptiveQuantizer`'s reader: fields ``(codes, bits, scale, minimum,
+    outlier_index, outlier_value)`` (empty stand-ins for the outliers where ``count`` is 0),
+    params ``(count,)``."""
+    codes, bits, scale, minimum, index, value = tensors
+    (count,) = params
+    return (_rows(codes), _rows(bits), _rows(scale), _rows(minimum), FLOAT_KINDS[scale.dtype], _rows(index), _rows(value), 2 * count)
+
+
+@numba.njit(inline="always", fastmath=FASTMATH)
+def dequantize_token(
+    codes, page: int, start: int, bits: int, low: np.float32, step: np.float32, out: np.ndarray
+) -> None:  # pragma: no cover - compiled
+    """``out[c] = low + step * code_c`` for the ``len(out)`` codes of one token that begin at byte
+    ``start`` of ``page``'s row of ``codes``, at ``bits`` bits (:func:`~kvlib.kernels.packing.pack`'s
+    layout of that token's codes alone; ``len(out)`` a multiple of 8). One loop per width, its
+    shifts constant, over whole bytes (whole 3-byte units at 3 bits)."""
+    dim = out.shape[0]
+    if bits == 8:
+        for c in range(dim):
+            out[c] = low + np.float32(codes[page, start + c]) * step
+    elif bits == 4:
+        for b in range(dim // 2):
+            byte = np.int32(codes[page, start + b])
+            out[2 * b] = low + np.float32(byte & 15) * step
+            out[2 * b + 1] = low + np.float32(byte >> 4) * step
+    elif bits == 2:
+        for b in range(dim // 4):
+            byte = np.int32(codes[page, start + b])
+            for k in range(4):
+                out[4 * b + k] = low + np.float32((byte >> (2 * k)) & 3) * step
+    elif bits == 1:
+        for b in range(dim // 8):
+            byte = np.int32(codes[page, start + b])
+            for k in range(8):
+                out[8 * b + k] = low + np.float32((byte >> k) & 1) * step
+    else:  # 3 bits: 8 codes in each 3-byte unit, code k at bits 3k of the unit's 24
+        for u in range(dim // 8):
+            unit = np.int32(codes[page, start + 3 * u]) | (np.int32(codes[page, start + 3 * u + 1]) << 8)
+            unit |= np.int32(codes[page, start + 3 * u + 2]) << 16
+            for k in range(8):
+                out[8 * u + k] = low + np.float32((unit >> (3 * k)) & 7) * step
+
+
+@numba.njit(fastmath=FASTMATH)
+def load_qaq(fields, page: int, out: np.ndarray, out_bits: np.ndarray, rows: int) -> None:  # pragma: no cover - compiled
+    """A :class:`~.qaq.TokenAdaptiveQuantizer`'s sealed page (``fields``: :func:`qaq_fields`): each
+    of the first ``rows`` tokens dequantized at its own bits (``minimum + scale * code``), its
+    codes starting where the earlier tokens' end, then its outliers written over."""
+    codes, bits, scale, minimum, kind, index, value, pairs = fields
+    dim = out.shape[1]
+    start = 0
+    for t in range(rows):
+        width = np.int64(bits[page, t])
+        dequantize_token(codes, page, start, width, float_of(minimum[page, t], kind), float_of(scale[page, t], kind), out[t])
+        start += dim * width // 8
+        for j in range(pairs):
+            out[t, np.int64(index[page, t * pairs + j])] = float_of(value[page, t * pairs + j], kind)
+
+
+QAQ = register_numba_reader("qaq", loader_reader(load_qaq, qaq_fields))
+"""The numba reader of :class:`~.qaq.TokenAdaptiveQuantizer` pages."""

@@ -10,6 +10,7 @@ import torch
 
 from kvlib.codec import Field, PageCodec, TensorCodec, TensorShape
 from kvlib.devices import to_arena_device
+from kvlib.kernel_readers import KernelReader
 from kvlib.kernels.packing import PACKABLE_BITS, pack, unpack
 from kvlib.policies.quantization.uniform import grid, metadata_dtype
 from kvlib.policy import Eviction, LayerView, Quantization
@@ -147,6 +148,16 @@ class TokenAdaptiveQuantizer(TensorCodec):
     def decode(self, encoded: dict[str, torch.Tensor], heads: torch.Tensor) -> torch.Tensor:
         return self.dequantize(encoded).to(self.shape.dtype)
 
+    def kernel_reader(self, arenas: dict[str, torch.Tensor]) -> KernelReader:
+        """``"qaq"``: each token decoded at its own bits, outliers written over, page by page inside
+        the numba kernel (:func:`~.page_readers.load_qaq`); empty stand-ins for the outliers
+        where ``count`` is 0. No Triton loader: on CUDA a QAQ layer is read densely."""
+        device = arenas["codes"].device
+        index = arenas["outlier_index"] if self.count else torch.zeros(0, 0, dtype=torch.uint8, device=device)
+        value = arenas["outlier_value"] if self.count else torch.zeros(0, 0, dtype=self.meta, device=device)
+        fields = (arenas["codes"], arenas["bits"], arenas["scale"], arenas["minimum"], index, value)
+        return KernelReader("qaq", fields, (self.count,))
+
     def decode_into(
         self, arenas: dict[str, torch.Tensor], pages: torch.Tensor, heads: torch.Tensor, out: torch.Tensor, rows: torch.Tensor
     ) -> None:
@@ -225,7 +236,9 @@ class QAQ(Quantization):
     ``outliers_ratio`` split between the two ends): kept exact in the page's fields (channel and
     value), left out of the token's range. QAQ's other attention-window rule, the newest
     ``window - 1`` tokens at the maximum bits, is left to the open page (kept in the compute
-    dtype until full). Sealed pages are read densely (no paged-kernel reader).
+    dtype until full). Sealed pages are read where they lie by the numba kernel (each token
+    decoded at its bits inside it: :func:`~kvlib.policies.quantization.page_readers.load_qaq`);
+    on CUDA, densely (no Triton loader).
 
     Defaults: QAQ's grid (``outliers_ratio=0.01``, ``last_n_attentions=5``, bits 1 to 4) with 3
     average bits for keys and 2 for values (QAQ: keys are the more sensitive).

@@ -31,11 +31,15 @@ READER_CODECS = [
     "rotated(bits=3, key_bits=8)",
     "gear(bits=2, rank=2, outliers=0.05, group=4)",
     "mixed(high_bits=4, low_bits=2, salient=0.5, group=4)",
+    "qaq",
+    "qaq(key_bits=2.5, value_bits=1.5, min_bits=1, max_bits=8, outliers=0.2)",
+    "qaq(outliers=0, min_bits=2, max_bits=3)",
 ]
 """Every reader and layout: per-channel keys folded into the query (kivi, kv_bits, rotated at
 equal bits), per-token keys in one group (rotated's 4-bit keys over 2-bit values) and in several
 (rotated with ``group=8``), one-byte codes (int8 per token, fp8 per page), and the codecs read
-through a page loader (gear, mixed)."""
+through a page loader (gear, mixed, qaq: tokens at their own bits among 1, 2, 3, 4 and 8, with
+and without outliers)."""
 
 TOLERANCE = 2e-5
 """float32 rounding of sums taken in another order (relative to the products' magnitudes)."""
