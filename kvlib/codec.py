@@ -114,14 +114,14 @@ class TensorCodec(abc.ABC):
         self, arenas: dict[str, torch.Tensor], pages: torch.Tensor, heads: torch.Tensor, out: torch.Tensor, rows: torch.Tensor
     ) -> None:
         """Decode arena rows ``pages`` (int64, CPU) into ``out[rows]`` (``out`` ``[m, page_size, dim]``
-        contiguous, compute dtype; ``rows`` int64 on the CPU). ``arenas`` hold each field for
+        contiguous, the compute dtype or float32; ``rows`` int64 on the CPU). ``arenas`` hold each field for
         every page of the pool (``[capacity, *shape]``; one-byte float fields as uint8 bytes, which
         torch's index kernels take on every device). Default: gather, :meth:`decode`, copy;
         codecs with fused kernels override it to skip the copies."""
         index = pages.to(out.device, non_blocking=True)
         fields = self.fields
         encoded = {name: arena.index_select(0, index).view(fields[name].dtype) for name, arena in arenas.items()}
-        out.index_copy_(0, rows.to(out.device, non_blocking=True), self.decode(encoded, heads))
+        out.index_copy_(0, rows.to(out.device, non_blocking=True), self.decode(encoded, heads).to(out.dtype))
 
     def kernel_reader(self, arenas: dict[str, torch.Tensor]) -> KernelReader | None:
         """How the paged kernels read sealed pages of this codec where they lie, from the pool's
@@ -156,6 +156,10 @@ class IdentityCodec(TensorCodec):
 
     def decode(self, encoded: dict[str, torch.Tensor], heads: torch.Tensor) -> torch.Tensor:
         return encoded["data"]
+
+    def kernel_reader(self, arenas: dict[str, torch.Tensor]) -> KernelReader:
+        """``"plain"``: the stored tensor widened to float32 inside the paged kernel."""
+        return KernelReader("plain", (arenas["data"],), ())
 
 
 class PageCodec:

@@ -17,7 +17,8 @@ operator (:mod:`kvlib.kernels.paged_ops`), so it traces. Each kernel looks the n
 
 A codec that only knows how to decode one page into float32 gets a numba reader from
 :func:`loader_reader` (decode the page into scratch, then the float loops of
-:mod:`kvlib.kernels.page_kernel_parts`).
+:mod:`kvlib.kernels.page_kernel_parts`). Pages stored as they are in the compute dtype (the side
+a codec leaves alone, :class:`~kvlib.codec.IdentityCodec`) are read by ``"plain"`` (:data:`PLAIN`).
 
 The numba reader's functions (all numba-compiled; ``fields`` is what :attr:`NumbaReader.fields`
 made of the descriptor's tensors and parameters; ``page`` a sealed page's id; query rows, scores
@@ -40,6 +41,7 @@ and weights as :mod:`kvlib.kernels.page_kernel_parts` lays them out):
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -47,7 +49,8 @@ import numba
 import numpy as np
 import torch
 
-from kvlib.kernels.page_kernel_parts import float_accumulate, float_scores
+from kvlib.kernels.host_arrays import FLOAT_KINDS, host_array
+from kvlib.kernels.page_kernel_parts import float_accumulate, float_of, float_scores
 
 
 class NumbaReader(NamedTuple):
@@ -154,3 +157,25 @@ def loader_reader(load: Callable[..., None], fields: Callable[[Sequence[torch.Te
         float_accumulate(weights, scratch, filled, acc)
 
     return NumbaReader(fields, no_work, key_scores, no_state, accumulate_values, nothing_to_finish)
+
+
+def plain_fields(tensors: Sequence[torch.Tensor], params: Sequence[int]) -> tuple:
+    """``(data [capacity, page_size * dim] as bits, kind)`` of the ``"plain"`` reader: the field
+    ``data`` (``[capacity, page_size, dim]`` in the compute dtype), no params."""
+    (data,) = tensors
+    array = host_array(data)
+    return array.reshape(array.shape[0], math.prod(array.shape[1:])), FLOAT_KINDS[data.dtype]
+
+
+@numba.njit
+def load_plain(fields, page: int, out: np.ndarray, out_bits: np.ndarray, rows: int) -> None:  # pragma: no cover - compiled
+    """A page stored as it is: its first ``rows`` tokens widened to float32 (exactly)."""
+    data, kind = fields
+    dim = out.shape[1]
+    for t in range(rows):
+        for c in range(dim):
+            out[t, c] = float_of(data[page, t * dim + c], kind)
+
+
+PLAIN = register_numba_reader("plain", loader_reader(load_plain, plain_fields))
+"""The numba reader of pages stored in the compute dtype (:class:`~kvlib.codec.IdentityCodec`)."""

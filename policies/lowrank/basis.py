@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from kvlib.codec import Field, TensorCodec, TensorShape
+from kvlib.kernel_readers import KernelReader
 
 
 def fit_basis(rows: torch.Tensor, rank: int, energy: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,7 +86,27 @@ class BasisCodec(TensorCodec):
         return {"coefficients": torch.bmm(block, self.basis[heads])}
 
     def decode(self, encoded: dict[str, torch.Tensor], heads: torch.Tensor) -> torch.Tensor:
-        return torch.bmm(encoded["coefficients"], self.basis[heads].transpose(1, 2))
+        return self._decoded(encoded["coefficients"], heads).to(self.shape.dtype)
+
+    def decode_into(
+        self, arenas: dict[str, torch.Tensor], pages: torch.Tensor, heads: torch.Tensor, out: torch.Tensor, rows: torch.Tensor
+    ) -> None:
+        """Gather the pages' coefficients, take them back to the model's channels in float32 and
+        round once, to ``out``'s dtype (what the ``"basis"`` kernel reader computes)."""
+        coefficients = arenas["coefficients"].index_select(0, pages.to(out.device, non_blocking=True))
+        out.index_copy_(0, rows.to(out.device, non_blocking=True), self._decoded(coefficients, heads).to(out.dtype))
+
+    def _decoded(self, coefficients: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
+        """float32 ``[pages, page_size, dim]``: ``c V_h^T`` of each page's coefficients, in float32."""
+        return torch.bmm(coefficients.float(), self.basis[heads.to(self.basis.device)].float().transpose(1, 2))
+
+    def kernel_reader(self, arenas: dict[str, torch.Tensor]) -> KernelReader | None:
+        """``"basis"``: keys scored against the query projected into the basis, values summed in it
+        and taken back once (:mod:`~kvlib.policies.lowrank.page_readers`); None before the basis
+        is fitted. No Triton loader: on CUDA these layers are read densely."""
+        if self.basis is None:
+            return None
+        return KernelReader("basis", (arenas["coefficients"], self.basis.contiguous()), (self.rank,))
 
     def state_bytes(self) -> int:
         return 0 if self.basis is None else self.basis.numel() * self.basis.element_size()

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from kvlib.codec import Field, IdentityCodec, PageCodec, TensorCodec, TensorShape
+from kvlib.kernel_readers import KernelReader
 from kvlib.policy import LowRank
 from kvlib.registry import register
 
@@ -87,6 +88,12 @@ class StaticChannelMask(TensorCodec):
 
     def state_bytes(self) -> int:
         return self.channels.numel() * self.channels.element_size() + self.slots.numel() * self.slots.element_size()
+
+    def kernel_reader(self, arenas: dict[str, torch.Tensor]) -> KernelReader:
+        """``"channel_mask"``: each page's kept channels scored against the query's same channels,
+        gathered once (:mod:`~kvlib.policies.lowrank.page_readers`). No Triton loader: on CUDA a
+        LeanK layer is read densely."""
+        return KernelReader("channel_mask", (arenas["channels"], torch.where(self.slots, self.channels, -1)), (self.width,))
 
 
 @register("leank")
