@@ -49,6 +49,15 @@ def widen_page(data, kind: int, page: int, rows: int, width: int, scratch: np.nd
     return out
 
 
+@numba.njit(fastmath=FASTMATH)
+def narrow_key_scores(fields, page, head, query, work, filled, scores, scratch) -> None:  # pragma: no cover - compiled
+    """Scores of a page of narrow keys (``fields``: ``(data, head table, kind, width)``, both
+    readers' layout): the query as the reader's work narrowed it (``work [rows, width]``: projected
+    into the basis, or its kept channels) against the page's ``width`` entries a token."""
+    data, _, kind, width = fields
+    float_scores(work, widen_page(data, kind, page, filled, width, scratch), filled, scores)
+
+
 # -- basis coefficients ----------------------------------------------------------------------
 
 
@@ -73,13 +82,6 @@ def basis_work(fields, query, head):  # pragma: no cover - compiled
             for r in range(rows):
                 work[r, k] += query[r, c] * v
     return work
-
-
-@numba.njit(fastmath=FASTMATH)
-def basis_key_scores(fields, page, head, query, work, filled, scores, scratch) -> None:  # pragma: no cover - compiled
-    """Scores of a page of key coefficients: the projected query (``work``) against them."""
-    coefficients, _, kind, rank = fields
-    float_scores(work, widen_page(coefficients, kind, page, filled, rank, scratch), filled, scores)
 
 
 @numba.njit
@@ -107,7 +109,9 @@ def basis_finish(fields, acc, state, head) -> None:  # pragma: no cover - compil
                 acc[r, c] += state[r, k] * v
 
 
-BASIS = register_numba_reader("basis", NumbaReader(basis_fields, basis_work, basis_key_scores, basis_state, basis_accumulate, basis_finish))
+BASIS = register_numba_reader(
+    "basis", NumbaReader(basis_fields, basis_work, narrow_key_scores, basis_state, basis_accumulate, basis_finish)
+)
 """The numba reader of :class:`~.basis.BasisCodec` pages (keys and values)."""
 
 
@@ -138,19 +142,12 @@ def mask_work(fields, query, head):  # pragma: no cover - compiled
     return work
 
 
-@numba.njit(fastmath=FASTMATH)
-def mask_key_scores(fields, page, head, query, work, filled, scores, scratch) -> None:  # pragma: no cover - compiled
-    """Scores of a page of kept key channels: the query's kept channels (``work``) against them."""
-    channels, _, kind, width = fields
-    float_scores(work, widen_page(channels, kind, page, filled, width, scratch), filled, scores)
-
-
 @numba.njit
 def mask_no_values(fields, page, head, weights, filled, acc, state, scratch) -> None:  # pragma: no cover - compiled
     """Never called: the mask codes keys only."""
 
 
 CHANNEL_MASK = register_numba_reader(
-    "channel_mask", NumbaReader(mask_fields, mask_work, mask_key_scores, no_state, mask_no_values, nothing_to_finish)
+    "channel_mask", NumbaReader(mask_fields, mask_work, narrow_key_scores, no_state, mask_no_values, nothing_to_finish)
 )
 """The numba reader of :class:`~.leank.StaticChannelMask` key pages."""

@@ -82,7 +82,13 @@ def decoded(pool, part: str) -> torch.Tensor:
     seed=st.integers(0, 2**16),
 )
 def test_a_sealed_page_reads_as_its_float32_decode(spec, dtype, dim, rows, filled, seed) -> None:
-    pool = sealed_pool(spec, dtype, dim, seed)
+    assert_pages_read_as_decoded(sealed_pool(spec, dtype, dim, seed), dim, rows, filled, seed)
+
+
+def assert_pages_read_as_decoded(pool, dim: int, rows: int, filled: int, seed: int) -> None:
+    """Every sealed page of ``pool``, read by its codec's numba readers for its own KV head, scores
+    ``rows`` random query rows and sums ``filled`` tokens' values as ``query @ decoded keys`` and
+    ``weights @ decoded values`` do (``decoded``: the codec's float32 decode), within :data:`TOLERANCE`."""
     keys, values = pool.format.kernel_readers
     key_reader, value_reader = numba_reader(keys.kernel), numba_reader(values.kernel)
     key_fields, value_fields = key_reader.fields(keys.fields, keys.params), value_reader.fields(values.fields, values.params)
