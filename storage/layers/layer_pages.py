@@ -400,11 +400,12 @@ class LayerPages:
         moves = plan.only(fill) if plan is not None else None
         rewrite = reorder[..., None] & (slot >= start[..., None]) & (slot < new_lengths[..., None])
         page_slot = np.arange(table.pages_np.shape[2])
+        new_pages_used = table.pages_used(new_lengths)
         below_old = page_slot < table.pages_used(lengths)[..., None]
         drop_page = reorder[..., None] & (page_slot >= first_page[..., None]) & below_old
-        drop_page |= fill[..., None] & (page_slot >= table.pages_used(new_lengths)[..., None]) & below_old
+        drop_page |= fill[..., None] & (page_slot >= new_pages_used[..., None]) & below_old
         dropped = table.pages_np[rows_np][drop_page]
-        new_page_counts = np.where(reorder, table.pages_used(new_lengths) - first_page, 0).reshape(-1)
+        new_page_counts = np.where(reorder, new_pages_used - first_page, 0).reshape(-1)
         needed = int(new_page_counts.sum())
         if needed:
             unique, counts = np.unique(dropped, return_counts=True)
